@@ -1,0 +1,37 @@
+# kvscope: `make run` serves the default model; `make test` runs the test suite. Both set up .venv first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvscope-installed
+PYTEST_ARGS ?=
+
+.PHONY: run test lint install pull bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/kvscope serve
+
+pull: $(STAMP)
+	$(VENV)/bin/kvscope pull
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check engine gateway kernels kvscope tests
+	$(VENV)/bin/lint-imports
+
+test: $(STAMP) pull lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP) pull
+	$(VENV)/bin/kvscope bench --offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache test-artifacts

@@ -1,0 +1,82 @@
+"""Engine configuration: frozen dataclasses validated on construction (raise ValueError)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    """Registry name (``smollm2-135m``), a HF folder (config.json + safetensors + tokenizer) or a .gguf file."""
+    dtype: str = "float32"
+    """Weights/activations dtype: float32 (CPU default, exact parity), bfloat16, float16."""
+    max_model_len: int | None = None
+    """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
+    served_model_name: str | None = None
+    """Name reported by /v1/models; defaults to the registry name or folder name."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int = 1 << 30
+    """KV cache budget in bytes (CPU); the number of blocks is derived from it."""
+    num_blocks: int | None = None
+    """Override: exact number of KV blocks (tests)."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of device memory for weights + activations + KV cache."""
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    long_prefill_token_threshold: int = 0
+    """When > 0, cap one request's prefill chunk at this many tokens so decodes are not starved."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    """``cpu`` or ``cuda[:N]``."""
+    attention_backend: str = "auto"
+    """``auto`` (Triton on CUDA, torch reference on CPU), ``torch`` or ``triton``."""
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; None = torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -1,0 +1,55 @@
+"""What the scheduler hands the model runner for one engine step. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions
+    ``num_computed_tokens … num_computed_tokens + len(token_ids) - 1``.
+
+    The runner writes their K/V into the slots given by ``block_ids`` (the request's whole block table,
+    block_size tokens per block) and samples a next token only when ``sample`` is true (the chunk reaches the
+    end of the known tokens). ``prompt_logprobs_start`` is set when the chunk covers prompt positions whose
+    logprobs were requested.
+    """
+
+    request: Request
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    is_new: bool = False
+    """True on the first step after (re)admission: the runner resets any per-request state it keeps."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything one step does. ``scheduled`` lists running (decode or continuing chunks) before new ones."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished/aborted since the previous step: the runner drops their per-request state."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

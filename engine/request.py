@@ -1,0 +1,149 @@
+"""A request inside the engine: token ids, progress and timing. Pure Python (engine.core imports it).
+
+Vocabulary follows vLLM v1: ``num_computed_tokens`` counts tokens whose KV is in the cache,
+``num_cached_tokens`` the prompt tokens served from the prefix cache at first scheduling.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI ``finish_reason`` (``abort``/``error`` are engine-internal and never sent as success)."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Timestamps (``time.monotonic()`` seconds) and counters of one request; see design.md §4.1."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_steps: int = 0
+    """Engine steps that scheduled this request."""
+    batch_size_sum: int = 0
+    """Sum over those steps of the number of requests in the step."""
+    batch_size_max: int = 0
+    kv_blocks_peak: int = 0
+    kv_cache_usage: float = 0.0
+    """Engine-wide KV usage (0–1) when the request finished."""
+
+    def on_scheduled(self, now: float, batch_size: int, num_blocks: int) -> None:
+        """Record one engine step that scheduled the request (batch_size = requests in that step)."""
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
+        self.num_steps += 1
+        self.batch_size_sum += batch_size
+        self.batch_size_max = max(self.batch_size_max, batch_size)
+        self.kv_blocks_peak = max(self.kv_blocks_peak, num_blocks)
+
+    def on_token(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def to_dict(self, num_output_tokens: int) -> dict[str, float | int | None]:
+        """The ``kvscope`` object of design.md §4.1 (seconds, requests, blocks, ratio, count)."""
+        first_sched, first_tok, last_tok = self.first_scheduled_time, self.first_token_time, self.last_token_time
+        decode_s = (last_tok - first_tok) if first_tok is not None and last_tok is not None else None
+        return {
+            "queue_s": _diff(first_sched, self.arrival_time),
+            "ttft_s": _diff(first_tok, self.arrival_time),
+            "prefill_s": _diff(first_tok, first_sched),
+            "decode_s": decode_s,
+            "tpot_s": decode_s / (num_output_tokens - 1) if decode_s is not None and num_output_tokens > 1 else None,
+            "batch_size_mean": self.batch_size_sum / self.num_steps if self.num_steps else None,
+            "batch_size_max": self.batch_size_max,
+            "kv_blocks": self.kv_blocks_peak,
+            "kv_cache_usage": self.kv_cache_usage,
+            "num_preemptions": self.num_preemptions,
+        }
+
+
+def _diff(end: float | None, start: float | None) -> float | None:
+    return None if end is None or start is None else end - start
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated. ``n > 1`` requests are split into siblings before they get here."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_tokens: int = 16
+    """Resolved max new tokens (SamplingParams.max_tokens or what is left of the context)."""
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens found in the prefix cache when first scheduled (-1 before that)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Hash chain over the request's full blocks (filled by the KV cache manager)."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request."""
+    stats: RequestStats | None = None
+    trace_context: object | None = None
+    """Opaque tracing context carried for the server (OTel); the core never reads it."""
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.stats is None:
+            self.stats = RequestStats(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens known so far."""
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
