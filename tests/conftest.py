@@ -33,3 +33,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The default model converted to an HF folder (pulled and converted on first use)."""
+    from engine.models.loader import resolve_model_dir
+
+    return resolve_model_dir("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One shared offline engine on SmolLM2 (fp32, prefix caching on, 256 MiB of KV cache)."""
+    from engine.llm import LLM
+
+    return LLM("smollm2-135m", kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own load of the SmolLM2 GGUF (fp32): the reference for token-level parity."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.loader import resolve_model_dir
+
+    gguf = next(resolve_model_dir("smollm2-135m").parent.glob("*.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()

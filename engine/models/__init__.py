@@ -1,0 +1,20 @@
+"""Llama-family models over the paged KV cache, their loader and the GGUF converter."""
+
+from engine.models.llama import (
+    ArchConfig,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+from engine.models.registry import ARCHITECTURES, get_model_class
+
+__all__ = [
+    "ARCHITECTURES",
+    "ArchConfig",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "get_model_class",
+]

@@ -1,0 +1,69 @@
+"""Engine internals: where a request's time goes (queue → prefill → decode), what each step does, and how
+the KV cache is used. The overview links here when an engine panel looks wrong."""
+
+from __future__ import annotations
+
+from dashboards.grafana import Json, Target, dashboard, dashboard_link, row, timeseries
+from dashboards.overview import EN, latency_targets
+from dashboards.promql import PromQL
+
+UID = "kvscope-engine"
+
+
+def _phases(q: PromQL) -> list[Json]:
+    return [
+        row("Request phases"),
+        timeseries("Prefill time", "First scheduled to first token (includes chunked-prefill steps shared "
+                   "with other requests).", latency_targets(q, f"{EN}prefill_time_seconds"), "s", w=8),
+        timeseries("Decode time", "First token to last token.", latency_targets(q, f"{EN}decode_time_seconds"),
+                   "s", w=8),
+        timeseries("Inter-token latency", "Time between two consecutive output tokens (one observation per "
+                   "token, so long answers weigh more than in TPOT).",
+                   latency_targets(q, f"{EN}inter_token_latency_seconds"), "s", w=8),
+        timeseries("Finished requests / s", "Requests finished per second by finish reason (stop = EOS or "
+                   "stop string, length = max_tokens, abort = client gone, error).",
+                   [Target(q.sum_rate(f"{EN}request_success_total", by=("finish_reason",)),
+                           "{{finish_reason}}")], "reqps", stack=True),
+        timeseries("Mean request length", "Mean prompt and output length of finished requests (tokens).",
+                   [Target(q.mean(f"{EN}request_prompt_tokens"), "prompt"),
+                    Target(q.mean(f"{EN}request_generation_tokens"), "output")], "short"),
+    ]
+
+
+def _steps(q: PromQL) -> list[Json]:
+    return [
+        row("Engine steps"),
+        timeseries("Tokens / s (engine)", "Prompt tokens prefilled and output tokens generated per second.",
+                   [Target(q.sum_rate(f"{EN}prompt_tokens_total"), "prompt"),
+                    Target(q.sum_rate(f"{EN}generation_tokens_total"), "generation")], "short", w=8),
+        timeseries("Tokens per step", "Tokens scheduled in one step (prefill chunks + one per decode); "
+                   "capped by max_num_batched_tokens.", latency_targets(q, f"{EN}step_tokens"), "short", w=8),
+        timeseries("Steps / s", "Engine steps per second (batch-size observations).",
+                   [Target(q.sum_rate(f"{EN}batch_size_count", by=("instance",)), "{{instance}}")], "short",
+                   w=8),
+    ]
+
+
+def _kv_cache(q: PromQL) -> list[Json]:
+    hits, queries = f"{EN}prefix_cache_hits_total", f"{EN}prefix_cache_queries_total"
+    return [
+        row("KV cache"),
+        timeseries("KV blocks by state", "used = held by requests, cached = free but holding a reusable "
+                   "prefix (evicted LRU), free = empty.",
+                   [Target(q.gauge(f"{EN}kv_cache_blocks", by=("state",)), "{{state}}")], "short", stack=True,
+                   w=8),
+        timeseries("Prefix-cache tokens / s", "Prompt tokens looked up in the prefix cache and found there.",
+                   [Target(q.sum_rate(queries), "queried"), Target(q.sum_rate(hits), "hit")], "short", w=8),
+        timeseries("Preemptions per finished request", "Preemptions / finished requests: above ~0.1 the KV "
+                   "cache is too small for the load.",
+                   [Target(q.ratio(q.sum_rate(f"{EN}preemptions_total"),
+                                   q.sum_rate(f"{EN}request_success_total")), "ratio")], "short", w=8),
+    ]
+
+
+def build(q: PromQL) -> Json:
+    """The engine-internals dashboard; raises KeyError/ValueError on a metric the catalog lacks."""
+    panels = [*_phases(q), *_steps(q), *_kv_cache(q)]
+    links = [dashboard_link("Overview", "kvscope-overview")]
+    return dashboard(UID, "kvscope / Engine internals", "Request phases, engine steps and KV cache.", panels,
+                     links)

@@ -1,0 +1,84 @@
+"""Generate the Grafana dashboards and docs/metrics.md from the metric catalog.
+
+    python -m dashboards.generate           # write dashboards/json/*.json and docs/metrics.md
+    python -m dashboards.generate --check   # exit 1 if a committed file differs from what would be written
+
+Exit status 2 when the catalog is incomplete (a metrics module is missing), since the output would differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from dashboards import engine_detail, metrics_doc, overview
+from dashboards.catalog import Catalog, discover
+from dashboards.coverage import REPO, not_shown
+from dashboards.grafana import Json
+from dashboards.promql import PromQL
+
+JSON_DIR = REPO / "dashboards" / "json"
+METRICS_DOC = REPO / "docs" / "metrics.md"
+BUILDERS: dict[str, Callable[[PromQL], Json]] = {
+    "kvscope-overview.json": overview.build,
+    "kvscope-engine.json": engine_detail.build,
+}
+"""Output file name → dashboard builder."""
+
+
+def build_dashboards(catalog: Catalog) -> dict[str, Json]:
+    """File name → dashboard JSON; raises KeyError/ValueError if a panel names an undefined metric/label."""
+    q = PromQL(catalog)
+    return {name: build(q) for name, build in BUILDERS.items()}
+
+
+def to_text(dashboard: Json) -> str:
+    return json.dumps(dashboard, indent=2, ensure_ascii=False) + "\n"
+
+
+def expected_files(catalog: Catalog) -> dict[Path, str]:
+    """Every generated path → its content."""
+    dashboards = build_dashboards(catalog)
+    files = {JSON_DIR / name: to_text(d) for name, d in dashboards.items()}
+    files[METRICS_DOC] = metrics_doc.render(catalog, list(dashboards.values()))
+    return files
+
+
+def stale_files(files: dict[Path, str]) -> list[Path]:
+    """Paths whose content on disk differs from ``files`` (missing files included)."""
+    return [p for p, text in files.items() if not p.exists() or p.read_text() != text]
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if the generated files are stale")
+    args = parser.parse_args(argv)
+    catalog = discover()
+    if catalog.missing:
+        print("incomplete metric catalog: " + "; ".join(catalog.missing), file=sys.stderr)
+        return 2
+    files = expected_files(catalog)
+    unshown = not_shown(build_dashboards(catalog).values(), catalog)
+    if unshown:
+        print("defined but on no dashboard: " + ", ".join(unshown), file=sys.stderr)
+    stale = stale_files(files)
+    if args.check:
+        for path in stale:
+            print(f"stale: {_shown(path)} (run: python -m dashboards.generate)", file=sys.stderr)
+        return 1 if stale else 0
+    JSON_DIR.mkdir(parents=True, exist_ok=True)
+    for path in stale:
+        path.write_text(files[path])
+        print(f"wrote {_shown(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

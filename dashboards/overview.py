@@ -1,0 +1,176 @@
+"""The on-call overview: is the service healthy, and if not, is it traffic, the engine or a dependency?
+
+Reading order top to bottom: SLO tiles → traffic and errors → latency (gateway | engine side by side, so
+the gap is the gateway + network) → engine saturation (queue, batch, KV cache, preemptions, memory) →
+dependencies (upstreams, log shipping, scrape targets) → request shapes.
+"""
+
+from __future__ import annotations
+
+from dashboards.grafana import Json, Target, dashboard, dashboard_link, heatmap, row, stat, timeseries
+from dashboards.promql import PromQL, up
+
+UID = "kvscope-overview"
+TTFT_SLO_S = 1.0
+"""SLO: a request's first token within 1 s (gateway-measured). Alert KvscopeTTFTSLOBreach uses the same."""
+TPOT_SLO_S = 0.1
+"""SLO: at most 100 ms per output token after the first (gateway-measured). Alert KvscopeTPOTSLOBreach."""
+SLO_OBJECTIVE = 0.95
+"""Fraction of requests that must meet each latency SLO."""
+SLO_STEPS = [("red", None), ("orange", 0.9), ("green", SLO_OBJECTIVE)]
+
+GW = "kvscope_gateway_"
+EN = "kvscope_engine_"
+
+
+def latency_targets(q: PromQL, hist: str) -> list[Target]:
+    """p50, p95, p99 and mean of histogram family ``hist``."""
+    quantiles = [Target(q.quantile(p, hist), f"p{round(p * 100)}") for p in (0.5, 0.95, 0.99)]
+    return [*quantiles, Target(q.mean(hist), "mean")]
+
+
+def _slo_tiles(q: PromQL) -> list[Json]:
+    req = f"{GW}requests_total"
+    ok = q.sum_rate(req, 'status!~"5.."', window="$__range")
+    return [
+        stat(f"TTFT ≤ {TTFT_SLO_S:g} s", f"Share of requests whose first token reached the client within "
+             f"{TTFT_SLO_S:g} s over the dashboard range (gateway). Objective {SLO_OBJECTIVE:.0%}.",
+             [Target(q.attainment(f"{GW}time_to_first_token_seconds", TTFT_SLO_S, window="$__range"),
+                     "attainment")], "percentunit", SLO_STEPS),
+        stat(f"TPOT ≤ {TPOT_SLO_S * 1000:g} ms", f"Share of requests decoding at ≤ {TPOT_SLO_S * 1000:g} ms "
+             f"per output token over the dashboard range (gateway). Objective {SLO_OBJECTIVE:.0%}.",
+             [Target(q.attainment(f"{GW}time_per_output_token_seconds", TPOT_SLO_S, window="$__range"),
+                     "attainment")], "percentunit", SLO_STEPS),
+        stat("Availability (non-5xx)", "Share of requests answered without a 5xx over the dashboard range.",
+             [Target(q.ratio(ok, q.sum_rate(req, window="$__range")), "availability")], "percentunit",
+             [("red", None), ("orange", 0.99), ("green", 0.999)], decimals=3),
+        stat("Healthy upstreams", "Upstreams whose last health check passed / upstreams configured.",
+             [Target(q.ratio(q.gauge(f"{GW}upstream_up"), f"count({q.sel(f'{GW}upstream_up')})"),
+                     "healthy")], "percentunit", [("red", None), ("orange", 0.5), ("green", 1)]),
+    ]
+
+
+def _traffic(q: PromQL) -> list[Json]:
+    req = f"{GW}requests_total"
+    return [
+        row("Traffic and errors"),
+        timeseries("Requests / s", "Requests finished per second at the gateway, by model.",
+                   [Target(q.sum_rate(req, by=("model",)), "{{model}}")], "reqps", w=6),
+        timeseries("Error ratio", "Share of requests answered with a 5xx (server) and a 4xx (client) status. "
+                   "Alert KvscopeHighErrorRate fires above 1 %.",
+                   [Target(q.ratio(q.sum_rate(req, 'status=~"5.."'), q.sum_rate(req)), "5xx"),
+                    Target(q.ratio(q.sum_rate(req, 'status=~"4.."'), q.sum_rate(req)), "4xx")],
+                   "percentunit", w=6),
+        timeseries("Status breakdown", "Requests per second by HTTP status and route.",
+                   [Target(q.sum_rate(req, by=("status", "route")), "{{status}} {{route}}")], "reqps",
+                   stack=True, w=6),
+        timeseries("Tokens / s", "Tokens per second through the gateway: input (prompt), output (completion) "
+                   "and cached (prompt tokens served from the engine's prefix cache).",
+                   [Target(q.sum_rate(f"{GW}tokens_total", by=("type",)), "{{type}}")], "short", w=6),
+        timeseries("In-flight requests", "Requests the gateway is serving right now (admitted, not finished).",
+                   [Target(q.gauge(f"{GW}in_flight_requests", by=("instance",)), "{{instance}}")], "short",
+                   w=8),
+        timeseries("Rate-limited / s", "Requests refused with 429 by the gateway's limiter, by reason.",
+                   [Target(q.sum_rate(f"{GW}rate_limited_total", by=("reason",)), "{{reason}}")], "reqps",
+                   w=8),
+        timeseries("Stream errors / s", "Streams that failed after the 200 was sent (the error travels "
+                   "in-band, so the status breakdown cannot show it), by reason.",
+                   [Target(q.sum_rate(f"{GW}stream_errors_total", by=("reason",)), "{{reason}}")], "short",
+                   w=8),
+    ]
+
+
+def _latency(q: PromQL) -> list[Json]:
+    pairs = [
+        ("Time to first token", "time_to_first_token_seconds", "time_to_first_token_seconds",
+         "Arrival to first token: at the gateway (what the client sees) and inside the engine."),
+        ("Time per output token", "time_per_output_token_seconds", "time_per_output_token_seconds",
+         "Decode time / (output tokens − 1), per request."),
+        ("End-to-end latency", "request_duration_seconds", "e2e_request_latency_seconds",
+         "Whole request: gateway request duration (last byte sent) and engine arrival → finish."),
+    ]
+    panels: list[Json] = [row("Latency — gateway | engine")]
+    for title, gw, en, description in pairs:
+        panels.append(timeseries(f"{title} (gateway)", description, latency_targets(q, GW + gw), "s"))
+        panels.append(timeseries(f"{title} (engine)", description, latency_targets(q, EN + en), "s"))
+    panels.append(timeseries("Gateway overhead", "Time the gateway adds on top of the upstream "
+                             "(auth, limits, routing, proxying), p50/p95/p99/mean.",
+                             latency_targets(q, f"{GW}overhead_seconds"), "s"))
+    panels.append(timeseries("Queue time (engine)", "Arrival to first scheduled: time requests wait for a "
+                             "slot in the running batch.", latency_targets(q, f"{EN}queue_time_seconds"), "s"))
+    return panels
+
+
+def _engine(q: PromQL) -> list[Json]:
+    hits, queries = f"{EN}prefix_cache_hits_total", f"{EN}prefix_cache_queries_total"
+    return [
+        row("Engine saturation"),
+        timeseries("Running vs waiting", "Requests in the running batch and requests queued (waiting or "
+                   "preempted). A waiting line that never drains means the engine is saturated.",
+                   [Target(q.gauge(f"{EN}requests_running"), "running"),
+                    Target(q.gauge(f"{EN}requests_waiting"), "waiting")], "short", w=8),
+        timeseries("Batch size", "Requests per engine step.", latency_targets(q, f"{EN}batch_size"), "short",
+                   w=8),
+        timeseries("KV-cache usage", "Fraction of KV blocks held by requests, per instance. Near 100 % the "
+                   "scheduler preempts.", [Target(q.gauge(f"{EN}kv_cache_usage_ratio", by=("instance",),
+                                                          agg="max"), "{{instance}}")],
+                   "percentunit", w=8, max_value=1),
+        timeseries("Preemptions / s", "Requests preempted (recomputed later) because KV blocks ran out.",
+                   [Target(q.sum_rate(f"{EN}preemptions_total", by=("instance",)), "{{instance}}")], "short",
+                   w=8),
+        timeseries("Prefix-cache hit rate", "Prompt tokens served from the prefix cache / prompt tokens "
+                   "looked up.", [Target(q.ratio(q.sum_rate(hits), q.sum_rate(queries)), "hit rate")],
+                   "percentunit", w=8, max_value=1),
+        timeseries("Device memory", "Memory used and total per device: VRAM on CUDA, KV cache + weights "
+                   "(used) and host memory (total) on CPU.",
+                   [Target(q.gauge(f"{EN}device_memory_used_bytes", by=("instance", "device")),
+                           "used {{instance}} {{device}}"),
+                    Target(q.gauge(f"{EN}device_memory_total_bytes", by=("instance", "device")),
+                           "total {{instance}} {{device}}")], "bytes", w=8),
+    ]
+
+
+def _dependencies(q: PromQL) -> list[Json]:
+    return [
+        row("Dependencies"),
+        timeseries("Upstream health", "1 when the gateway's last health check of an upstream passed.",
+                   [Target(q.gauge(f"{GW}upstream_up", by=("upstream",), agg="max"), "{{upstream}}")],
+                   "short", w=8, max_value=1),
+        timeseries("Upstream errors / s", "Failed upstream calls (connect errors, timeouts, 5xx), by reason.",
+                   [Target(q.sum_rate(f"{GW}upstream_errors_total", by=("upstream", "reason")),
+                           "{{upstream}} {{reason}}")], "short", w=8),
+        timeseries("Outstanding requests per upstream", "Requests the gateway has in flight to each upstream "
+                   "(the least-outstanding balancer's input).",
+                   [Target(q.gauge(f"{GW}upstream_outstanding_requests", by=("upstream",)), "{{upstream}}")],
+                   "short", w=8),
+        timeseries("Scrape targets up", "Prometheus' scrape health of the selected targets.",
+                   [Target(up(), "{{job}} {{instance}}")], "short", w=8, max_value=1),
+        timeseries("Log records / s", "Request-log records per sink and outcome: shipped, failed, spooled "
+                   "(kept on disk for later) or dropped (lost).",
+                   [Target(q.sum_rate(f"{GW}log_records_total", by=("sink", "outcome")),
+                           "{{sink}} {{outcome}}")], "short", stack=True, w=8),
+        timeseries("Log spool size", "Bytes of request logs waiting on disk for Elasticsearch.",
+                   [Target(q.gauge(f"{GW}log_spool_bytes", by=("instance",)), "{{instance}}")], "bytes",
+                   w=8),
+    ]
+
+
+def _shapes(q: PromQL) -> list[Json]:
+    def length_map(title: str, hist: str) -> Json:
+        target = Target(q.sum_increase(f"{hist}_bucket", by=("le",)), "{{le}}", heatmap=True)
+        return heatmap(title, f"Distribution of {title.lower()} per request (engine histogram).", target,
+                       "short")
+
+    return [
+        row("Request shapes"),
+        length_map("Prompt length (tokens)", f"{EN}request_prompt_tokens"),
+        length_map("Output length (tokens)", f"{EN}request_generation_tokens"),
+    ]
+
+
+def build(q: PromQL) -> Json:
+    """The overview dashboard; raises KeyError/ValueError if a panel names something the catalog lacks."""
+    panels = [*_slo_tiles(q), *_traffic(q), *_latency(q), *_engine(q), *_dependencies(q), *_shapes(q)]
+    links = [dashboard_link("Engine internals", "kvscope-engine")]
+    return dashboard(UID, "kvscope / Overview", "Service health of the kvscope gateway and engine.", panels,
+                     links)

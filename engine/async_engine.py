@@ -1,0 +1,186 @@
+"""AsyncEngine: the EngineCore step loop in its own thread, with per-request asyncio output streams.
+
+The server's event loop never runs model code: requests and aborts go to the engine thread through a queue,
+outputs come back with ``loop.call_soon_threadsafe``. A failing step fails the requests it touched (error
+outputs) and the loop keeps serving: no input may leave the engine dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, StepResult
+from engine.errors import EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[StepResult], None]
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed a request after it started (step error, shutdown, injected fault)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Thread-backed engine. ``generate`` yields delta RequestOutputs; cancelling it aborts the request."""
+
+    def __init__(self, config: EngineConfig, step_listener: StepListener | None = None) -> None:
+        self.core = EngineCore(config)
+        self.info = self.core.info
+        self.tokenizer = self.core.tokenizer
+        self._listener = step_listener
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+        self.last_step: StepResult = StepResult()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail every in-flight request ("shutdown") and stop the step loop."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def set_step_listener(self, listener: StepListener | None) -> None:
+        self._listener = listener
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       arrival_time: float | None = None, trace_context: object | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its delta outputs until the last one (``finished``).
+
+        Raises InvalidParameterError/PromptTooLongError before queueing, EngineDeadError when the loop is not
+        running, RequestFailedError when the engine fails the request later. Closing the generator early
+        (client disconnect) aborts the request and frees its KV blocks.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine step loop is not running")
+        self.core.check_request(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, arrival, trace_context))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort in any phase (queued, prefill, decode); takes effect before the next step. Thread-safe."""
+        self._inbox.put(("abort", request_id, reason))
+        self._wake.set()
+
+    # --- engine thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.core.has_unfinished_requests():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                result = self.core.step()
+            except Exception as exc:  # noqa: BLE001 - a bad step must not kill the loop
+                logger.exception("engine step failed; failing in-flight requests")
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            self.last_step = result
+            for output in result.outputs:
+                self._deliver(output.request_id, output)
+            if self._listener is not None:
+                self._notify(result)
+        self._fail_all("engine shutting down")
+
+    def _notify(self, result: StepResult) -> None:
+        try:
+            self._listener(result)
+        except Exception:  # noqa: BLE001 - metrics must never stop the engine
+            logger.exception("step listener failed")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                self._abort(command[1], command[2])
+
+    def _add(self, request_id, prompt_token_ids, params, arrival, trace_context) -> None:
+        with self._lock:
+            if request_id not in self._streams:  # the client left before the engine saw the request
+                return
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params, arrival, trace_context)
+        except Exception as exc:  # noqa: BLE001 - validation already ran; anything here is a failure
+            self._deliver(request_id, exc)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        outputs = self.core.abort_request(request_id, reason)
+        if reason == "abort":
+            for output in outputs:
+                self._deliver(request_id, output)
+        else:
+            self._deliver(request_id, RequestFailedError(request_id, reason))
+        if self._listener is not None and outputs:
+            stats = self.core.scheduler.get_stats()
+            self._notify(StepResult(outputs=outputs, num_running=stats.num_running, num_waiting=stats.num_waiting,
+                                    kv_cache_usage=stats.kv_cache_usage))
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            request_ids = set(self._streams)
+        for request_id in request_ids | set(self.core.request_ids()):
+            self._abort(request_id, reason)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,298 @@
+"""Continuous-batching scheduler in the vLLM v1 model. Pure Python.
+
+There is no prefill or decode phase (vLLM v1 ``vllm/v1/core/sched/scheduler.py``): every request has
+``num_computed_tokens`` and each step hands out ``max_num_batched_tokens`` tokens, first to running requests
+(in admission order), then to waiting ones (FCFS), at most ``max_num_seqs`` requests. A request gets
+``num_tokens - num_computed_tokens`` tokens, capped by the budget left (chunked prefill) and by
+``long_prefill_token_threshold``. When a running request cannot get blocks, the newest running request is
+preempted by recompute (blocks freed, back to the front of the waiting queue) until it fits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.stats import SchedulerStats
+from engine.errors import PromptTooLongError
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one schedule() call decided, before the output is built."""
+
+    token_budget: int
+    entries: list[tuple[Request, int, bool]] = field(default_factory=list)
+    """(request, num_new_tokens, is_new), running requests first."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    def add(self, request: Request, num_new_tokens: int, is_new: bool) -> None:
+        self.entries.append((request, num_new_tokens, is_new))
+        self.token_budget -= num_new_tokens
+
+
+class Scheduler:
+    """Decides which requests run each step and how many tokens each computes.
+
+    ``clock`` (seconds, monotonic) timestamps request stats; tests may inject a fake one.
+    Raises ValueError when the KV cache cannot hold one ``max_model_len`` sequence (a request that can never
+    fit would wait forever), as vLLM checks at start-up.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        capacity = kv_cache_manager.block_pool.num_blocks * kv_cache_manager.block_size
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+        if capacity < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len={max_model_len}; "
+                "raise the KV cache memory or lower max_model_len"
+            )
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests by id."""
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+        self._num_preemptions_total = 0
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+
+    # ---- request lifecycle -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (status WAITING). Raises ValueError for a duplicate id or an empty prompt, and
+        PromptTooLongError when the prompt exceeds ``max_model_len``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the scheduler")
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                max_model_len=self.max_model_len, num_prompt_tokens=request.num_tokens, max_tokens=None
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request from outside (stop string matched, client gone) in any state: it leaves its
+        queue and its blocks are freed. Returns the request, or None for an unknown or finished id.
+        Raises ValueError when ``status`` is not a finished status."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status, self.clock())
+        return request
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish each known request with FINISHED_ABORTED; returns those that were still unfinished."""
+        aborted = (self.finish_request(rid, RequestStatus.FINISHED_ABORTED) for rid in request_ids)
+        return [request for request in aborted if request is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id, else None."""
+        return self.requests.get(request_id)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then waiting ones (skipped in a step that preempted).
+
+        Advances each scheduled request's ``num_computed_tokens`` by its scheduled tokens (vLLM v1
+        ``_update_after_schedule``): the runner must compute them before the next call.
+        """
+        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_req_ids:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append each sampled token (``sampled``: request_id → token id) and apply the stop checks.
+
+        Only requests scheduled with ``sample=True`` take a token; requests finished meanwhile (aborted
+        during the step) are skipped. Stop checks, in order: ``stop_token_ids`` (FINISHED_STOPPED,
+        ``stop_reason`` = the id) and EOS unless ``ignore_eos`` (FINISHED_STOPPED), both only once
+        ``num_output_tokens >= min_tokens``; then ``max_tokens`` and ``max_model_len`` (FINISHED_LENGTH).
+        Returns the requests finished by this step, in scheduling order; their blocks are freed.
+        """
+        now = self.clock()
+        finished: list[Request] = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            token_id = sampled.get(request.request_id)
+            if token_id is None or not scheduled.sample or request.is_finished:
+                continue
+            request.append_output_token_ids([token_id])
+            request.stats.on_token(now)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status, now)
+                finished.append(request)
+        return finished
+
+    def get_stats(self) -> SchedulerStats:
+        """Snapshot of queue sizes, block states and the preemption / prefix-cache counters."""
+        pool = self.kv_cache_manager.block_pool
+        num_free = pool.get_num_free_blocks()
+        num_cached = pool.get_num_cached_free_blocks()
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_used_blocks=pool.num_blocks - num_free,
+            num_cached_blocks=num_cached,
+            num_free_blocks=num_free - num_cached,
+            num_preemptions_total=self._num_preemptions_total,
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
+        )
+
+    # ---- scheduling internals ----------------------------------------------------------------------------
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            if num_new > 0:
+                if not self._allocate_or_preempt(request, num_new, plan):
+                    break
+                plan.add(request, num_new, is_new=False)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
+        """Allocate, preempting the newest running request until it fits; False if ``request`` itself went."""
+        while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.preempted_req_ids.add(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while self.waiting and plan.token_budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_hit_tokens, plan.token_budget)
+            if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens)
+            plan.add(request, num_new, is_new=True)
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_new = request.num_tokens - num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        return min(num_new, token_budget, self.max_model_len - num_computed_tokens)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        self.running.append(request)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+            if self.kv_cache_manager.enable_caching:
+                self._prefix_cache_queries += request.num_tokens
+                self._prefix_cache_hits += num_hit_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.stats.num_preemptions += 1
+        self._num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        now = self.clock()
+        scheduled = [self._scheduled_request(req, num_new, is_new) for req, num_new, is_new in plan.entries]
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_scheduled_tokens
+            item.request.stats.on_scheduled(now, batch_size=len(scheduled), num_blocks=len(item.block_ids))
+        total = sum(item.num_scheduled_tokens for item in scheduled)
+        num_decode = sum(item.num_scheduled_tokens for item in scheduled if _is_decode(item))
+        finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=total,
+            preempted_req_ids=plan.preempted_req_ids,
+            finished_req_ids=finished_req_ids,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_prefill_tokens=total - num_decode,
+            num_decode_tokens=num_decode,
+        )
+
+    def _scheduled_request(self, request: Request, num_new_tokens: int, is_new: bool) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            token_ids=request.all_token_ids[start:start + num_new_tokens],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            sample=start + num_new_tokens == request.num_tokens,
+            is_new=is_new,
+        )
+
+    # ---- finishing ---------------------------------------------------------------------------------------
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        """Take the request out of its queue, record its finish stats, free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.stats.kv_cache_usage = self.kv_cache_manager.usage
+        request.stats.finished_time = now
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+
+def _is_decode(item: ScheduledRequest) -> bool:
+    """A decode feeds back exactly one generated token; everything else (prompt chunks, recomputation of
+    generated tokens after preemption) counts as prefill."""
+    return item.num_scheduled_tokens == 1 and item.num_computed_tokens >= item.request.num_prompt_tokens

@@ -1,0 +1,204 @@
+"""EngineCore: one engine step = schedule → execute → update → outputs (the nano-vllm three lines).
+
+Single-threaded: the AsyncEngine runs it in its own thread; the offline LLM calls it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.config import EngineConfig
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.errors import InvalidParameterError, PromptTooLongError
+from engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.models.loader import load_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the server reports about the loaded model."""
+
+    name: str
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    weights_bytes: int
+    load_seconds: float
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Outputs of one step plus what the metrics layer needs (design.md §4.3)."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    batch_size: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+    duration_s: float = 0.0
+
+
+class EngineCore:
+    """Loads the model, sizes the KV cache, and runs steps. See docs/architecture.md."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype = _DTYPES[config.model.dtype]
+        self.model, hf_config, model_dir = load_model(config.model, self.device)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        num_layers = hf_config["num_hidden_layers"]
+        num_kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+        head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+        block_size = config.cache.block_size
+        per_block = kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = config.cache.num_blocks or self._budget_blocks(per_block)
+        self.max_model_len = self._max_model_len(hf_config, num_blocks * block_size)
+        kv_caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.vocab_size = hf_config["vocab_size"]
+        self.runner = ModelRunner(self.model, kv_caches, backend, block_size, self.vocab_size, self.device)
+        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, config.cache.enable_prefix_caching),
+                                               block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.info = ModelInfo(
+            name=config.model.served_model_name or _default_name(config.model.model, model_dir),
+            model_dir=str(model_dir), max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_blocks * per_block,
+            weights_bytes=weights, load_seconds=time.perf_counter() - start)
+        logger.info("engine ready: %s", self.info)
+
+    def _budget_blocks(self, per_block: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1.0 - self.config.cache.gpu_memory_utilization))
+        else:
+            budget = self.config.cache.kv_cache_memory
+        if budget < per_block:
+            raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)")
+        return budget // per_block
+
+    def _max_model_len(self, hf_config: dict, capacity_tokens: int) -> int:
+        model_len = hf_config.get("max_position_embeddings") or capacity_tokens
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > model_len:
+            raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {model_len}")
+        limit = asked or model_len
+        if limit > capacity_tokens:
+            if asked is not None:
+                raise ValueError(f"max_model_len {asked} needs more KV cache than the budget holds "
+                                 f"({capacity_tokens} tokens); raise --kv-cache-memory or lower max_model_len")
+            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity_tokens, limit)
+            limit = capacity_tokens
+        return limit
+
+    # --- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, trace_context: object | None = None) -> list[Request]:
+        """Validate and queue a request (``n`` children for ``params.n > 1``).
+
+        Raises InvalidParameterError (empty prompt, token id out of range) and PromptTooLongError (prompt +
+        max_tokens beyond max_model_len) before any work is done.
+        """
+        max_tokens = self.check_request(prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for index in range(params.n):
+            child_params = params if params.n == 1 else _child_params(params, index)
+            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            children.append(Request(child_id, list(prompt_token_ids), child_params, self.tokenizer.eos_token_id,
+                                    arrival_time=arrival, max_tokens=max_tokens, trace_context=trace_context))
+        self.output_processor.add_request(request_id, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return children
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Return the resolved max_tokens, or raise the 400-class errors of add_request."""
+        if not prompt_token_ids:
+            raise InvalidParameterError("prompt", "The prompt is empty: it encodes to zero tokens.")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidParameterError("prompt", f"Token ids must be in [0, {self.vocab_size - 1}].")
+        for name, ids in (("logit_bias", (params.logit_bias or {}).keys()), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= i < self.vocab_size for i in ids):
+                raise InvalidParameterError(name, f"{name} token ids must be in [0, {self.vocab_size - 1}].")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt + (params.max_tokens or 0) > self.max_model_len or num_prompt >= self.max_model_len:
+            raise PromptTooLongError(max_model_len=self.max_model_len, num_prompt_tokens=num_prompt,
+                                     max_tokens=params.max_tokens)
+        return params.max_tokens or self.max_model_len - num_prompt
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
+        """Abort a request (all its children) in any state; frees its blocks. Unknown ids are ignored."""
+        child_ids = self.output_processor.child_ids(request_id)
+        status = RequestStatus.FINISHED_ABORTED if reason == "abort" else RequestStatus.FINISHED_ERROR
+        for child_id in child_ids:
+            self.scheduler.finish_request(child_id, status)
+        return self.output_processor.abort(child_ids, reason)
+
+    def request_ids(self) -> list[str]:
+        """Ids of the (parent) requests the engine still tracks."""
+        return self.output_processor.request_ids()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """schedule → execute → update → detokenize. Returns the outputs that changed in this step."""
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        outputs = self.output_processor.process(runner_output, self.scheduler)
+        stats = self.scheduler.get_stats()
+        return StepResult(
+            outputs=outputs, num_running=stats.num_running, num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage, batch_size=len(scheduler_output.scheduled),
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_prefill_tokens=scheduler_output.num_prefill_tokens,
+            num_decode_tokens=scheduler_output.num_decode_tokens,
+            num_preemptions=len(scheduler_output.preempted_req_ids),
+            duration_s=time.perf_counter() - start)
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sibling ``index`` of an n > 1 request: n = 1 and, when seeded, seed + index (vLLM v1 parallel sampling)."""
+    from dataclasses import replace
+
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def _default_name(model: str, model_dir) -> str:
+    return model if "/" not in model and not model.endswith(".gguf") else model_dir.name

@@ -1,0 +1,179 @@
+"""Prometheus collectors of the engine: every ``kvscope_engine_*`` metric of design.md §4.3.
+
+This module only *defines* the metrics. The server creates one :class:`EngineMetrics` on its own
+``CollectorRegistry`` and calls ``.labels(...).observe/inc/set`` on the attributes; nothing here is global.
+
+Naming follows the Prometheus conventions (app prefix, base units: seconds, bytes, ratios 0–1, ``_total``
+counters). Labels are bounded: ``model`` (served model name), ``finish_reason`` (``stop``/``length``/``abort``/
+``error``), ``state`` (``used``/``cached``/``free``), ``device`` (``cpu``, ``cuda:0`` …). The mapping to vLLM's
+``vllm:*`` names is in docs/metrics.md.
+
+Default buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` with finer low ends (a 135M model on a GPU
+emits a token in a few milliseconds) and durations that reach 600 s. They must keep the SLO thresholds the
+alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (tests check this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""Values of the ``finish_reason`` label (engine.request.RequestStatus.finish_reason)."""
+KV_BLOCK_STATES = ("used", "cached", "free")
+"""Values of the ``state`` label: held by a request, free but holding a reusable prefix, free and empty."""
+
+
+def _check_buckets(name: str, bounds: tuple[float, ...]) -> None:
+    if not bounds:
+        raise ValueError(f"{name} needs at least one bucket bound")
+    if any(b <= 0 for b in bounds):
+        raise ValueError(f"{name} bucket bounds must be positive, got {bounds}")
+    if any(b >= c for b, c in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"{name} bucket bounds must be strictly increasing, got {bounds}")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricBuckets:
+    """Histogram bucket upper bounds (``+Inf`` is added by prometheus_client). Raises ValueError when a tuple
+    is empty, not positive or not strictly increasing."""
+
+    ttft_s: tuple[float, ...] = (
+        0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0,
+    )  # fmt: skip
+    """Time to first token (seconds)."""
+    token_latency_s: tuple[float, ...] = (
+        0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+        0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+    )  # fmt: skip
+    """Time per output token and inter-token latency (seconds)."""
+    duration_s: tuple[float, ...] = (
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+        120.0, 240.0, 480.0, 600.0,
+    )  # fmt: skip
+    """End-to-end, queue, prefill and decode time (seconds)."""
+    batch_size: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    """Running requests per engine step."""
+    step_tokens: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    """Tokens scheduled per engine step (prefill chunks + decodes)."""
+    request_tokens: tuple[float, ...] = (
+        1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+    )  # fmt: skip
+    """Prompt and generation length per request (tokens), 1-2-5 series as vLLM's build_1_2_5_buckets."""
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            _check_buckets(name, getattr(self, name))
+
+
+class EngineMetrics:
+    """All engine collectors, registered on ``registry``.
+
+    Attributes are prometheus_client metric objects named after the metric without prefix and suffix,
+    e.g. ``metrics.time_to_first_token.labels(model="smollm2-135m").observe(0.042)``.
+    Raises ValueError (from prometheus_client) if ``registry`` already holds one of these names.
+    """
+
+    def __init__(self, registry: CollectorRegistry, buckets: MetricBuckets | None = None) -> None:
+        b = buckets if buckets is not None else MetricBuckets()
+        self._init_scheduler_state(registry)
+        self._init_token_counters(registry)
+        self._init_latency_histograms(registry, b)
+        self._init_size_histograms(registry, b)
+        self._init_device_memory(registry)
+
+    def _init_scheduler_state(self, r: CollectorRegistry) -> None:
+        self.requests_running = Gauge(
+            "kvscope_engine_requests_running", "Requests in the running batch (scheduled in the engine step).",
+            ["model"], registry=r)
+        self.requests_waiting = Gauge(
+            "kvscope_engine_requests_waiting", "Requests waiting to be scheduled (queued or preempted).",
+            ["model"], registry=r)
+        self.kv_cache_usage_ratio = Gauge(
+            "kvscope_engine_kv_cache_usage_ratio", "Fraction of KV-cache blocks held by requests (0-1).",
+            ["model"], registry=r)
+        self.kv_cache_blocks = Gauge(
+            "kvscope_engine_kv_cache_blocks",
+            "KV-cache blocks by state: used (held by requests), cached (free, reusable prefix), free (empty).",
+            ["model", "state"], registry=r)
+        self.preemptions = Counter(
+            "kvscope_engine_preemptions", "Requests preempted (by recompute) because KV blocks ran out.",
+            ["model"], registry=r)
+        self.request_success = Counter(
+            "kvscope_engine_request_success", "Requests finished, by finish reason.",
+            ["model", "finish_reason"], registry=r)
+
+    def _init_token_counters(self, r: CollectorRegistry) -> None:
+        self.prompt_tokens = Counter(
+            "kvscope_engine_prompt_tokens", "Prompt tokens processed (prefill, prefix-cache hits included).",
+            ["model"], registry=r)
+        self.generation_tokens = Counter(
+            "kvscope_engine_generation_tokens", "Output tokens generated.", ["model"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "kvscope_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            ["model"], registry=r)
+        self.prefix_cache_hits = Counter(
+            "kvscope_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache (not recomputed).",
+            ["model"], registry=r)
+
+    def _init_latency_histograms(self, r: CollectorRegistry, b: MetricBuckets) -> None:
+        def hist(name: str, doc: str, bounds: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvscope_engine_{name}_seconds", doc, ["model"], buckets=bounds, registry=r)
+
+        self.time_to_first_token = hist(
+            "time_to_first_token", "Arrival to first token sampled, in the engine.", b.ttft_s)
+        self.inter_token_latency = hist(
+            "inter_token_latency", "Time between two consecutive output tokens of a request.",
+            b.token_latency_s)
+        self.time_per_output_token = hist(
+            "time_per_output_token", "Decode time / (output tokens - 1), per request.", b.token_latency_s)
+        self.e2e_request_latency = hist(
+            "e2e_request_latency", "Arrival to finish of a request, in the engine.", b.duration_s)
+        self.queue_time = hist("queue_time", "Arrival to first scheduled (time spent waiting).", b.duration_s)
+        self.prefill_time = hist("prefill_time", "First scheduled to first token (prefill).", b.duration_s)
+        self.decode_time = hist("decode_time", "First token to last token (decode).", b.duration_s)
+
+    def _init_size_histograms(self, r: CollectorRegistry, b: MetricBuckets) -> None:
+        self.batch_size = Histogram(
+            "kvscope_engine_batch_size", "Requests in one engine step.", ["model"],
+            buckets=b.batch_size, registry=r)
+        self.step_tokens = Histogram(
+            "kvscope_engine_step_tokens", "Tokens scheduled in one engine step (prefill chunks + decodes).",
+            ["model"], buckets=b.step_tokens, registry=r)
+        self.request_prompt_tokens = Histogram(
+            "kvscope_engine_request_prompt_tokens", "Prompt length of finished requests (tokens).",
+            ["model"], buckets=b.request_tokens, registry=r)
+        self.request_generation_tokens = Histogram(
+            "kvscope_engine_request_generation_tokens", "Output length of finished requests (tokens).",
+            ["model"], buckets=b.request_tokens, registry=r)
+
+    def _init_device_memory(self, r: CollectorRegistry) -> None:
+        self.device_memory_used = Gauge(
+            "kvscope_engine_device_memory_used_bytes",
+            "Device memory in use: VRAM on CUDA (NVML/torch.cuda); KV cache + weights on CPU.",
+            ["device"], registry=r)
+        self.device_memory_total = Gauge(
+            "kvscope_engine_device_memory_total_bytes",
+            "Device memory capacity: VRAM on CUDA; the host's physical memory on CPU.",
+            ["device"], registry=r)
+
+    def initialize(self, model: str, device: str) -> None:
+        """Create every labelled series at zero for ``model`` and ``device`` so that rates, ratios and
+        dashboards see a series from the first scrape (Prometheus best practice: avoid missing metrics)."""
+        per_model = (
+            self.requests_running, self.requests_waiting, self.kv_cache_usage_ratio, self.preemptions,
+            self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+            self.time_to_first_token, self.inter_token_latency, self.time_per_output_token,
+            self.e2e_request_latency, self.queue_time, self.prefill_time, self.decode_time, self.batch_size,
+            self.step_tokens, self.request_prompt_tokens, self.request_generation_tokens,
+        )  # fmt: skip
+        for metric in per_model:
+            metric.labels(model=model)
+        for state in KV_BLOCK_STATES:
+            self.kv_cache_blocks.labels(model=model, state=state)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model=model, finish_reason=reason)
+        self.device_memory_used.labels(device=device)
+        self.device_memory_total.labels(device=device)

@@ -1,0 +1,136 @@
+"""ModelRunner: owns the model, the paged KV caches and per-request RNGs; runs one step on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.forward_context import set_forward_context
+from engine.input_batch import ModelInputs, build_model_inputs
+from engine.outputs import TokenLogprob
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+
+PROMPT_LOGPROBS_SLICE = 256
+"""Prompt positions whose full-vocabulary logits are materialised at once (bounds memory for echo)."""
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+    """request_id → {prompt position → logprob of the prompt token at that position}."""
+
+
+def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers: 2 (K and V) × layers × block_size × kv_heads × head_dim × bytes."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed tensor per layer, shape [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+class ModelRunner:
+    """Executes SchedulerOutputs: packs inputs, runs the model under a forward context, samples."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend,
+                 block_size: int, vocab_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Returns sampled tokens (+ logprobs) of the requests whose chunk reached the end."""
+        for request_id in scheduler_output.finished_req_ids:
+            self._generators.pop(request_id, None)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        inputs = build_model_inputs(scheduler_output, self.block_size, self.device)
+        with set_forward_context(inputs.attn_metadata, self.kv_caches, self.backend):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        output = ModelRunnerOutput()
+        self._prompt_logprobs(scheduler_output, inputs, hidden, output)
+        if inputs.sampled_rows:
+            self._sample(scheduler_output, inputs, hidden, output)
+        return output
+
+    def _sample(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        items = [scheduler_output.scheduled[row] for row in inputs.sampled_rows]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        requests = [item.request for item in items]
+        metadata = SamplingMetadata.build(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[self._generator(r.request_id, r.sampling_params.seed) for r in requests],
+            eos_token_ids=[r.eos_token_id for r in requests],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        result: SamplerOutput = self.sampler(logits, metadata)
+        token_ids = result.sampled_token_ids.tolist()
+        for i, request in enumerate(requests):
+            output.sampled_token_ids[request.request_id] = token_ids[i]
+            if request.sampling_params.logprobs is not None:
+                output.logprobs[request.request_id] = _logprob_entry(result, i, token_ids[i],
+                                                                     request.sampling_params.logprobs)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator
+
+    def _prompt_logprobs(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
+                         output: ModelRunnerOutput) -> None:
+        query_start = inputs.attn_metadata.query_start_loc.tolist()
+        for row, item in enumerate(scheduler_output.scheduled):
+            k = item.request.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            entries = _chunk_prompt_logprobs(self.model, item, hidden[query_start[row]: query_start[row + 1]], k)
+            if entries:
+                output.prompt_logprobs[item.request_id] = entries
+
+
+def _chunk_prompt_logprobs(model: torch.nn.Module, item: ScheduledRequest, hidden: torch.Tensor,
+                           k: int) -> dict[int, TokenLogprob]:
+    """Logprobs of prompt tokens predicted inside this chunk: hidden at position p scores prompt[p + 1]."""
+    prompt = item.request.prompt_token_ids
+    start = item.num_computed_tokens
+    last = min(start + item.num_scheduled_tokens, len(prompt) - 1)  # positions p < last predict prompt[p+1]
+    entries: dict[int, TokenLogprob] = {}
+    for lo in range(start, last, PROMPT_LOGPROBS_SLICE):
+        hi = min(lo + PROMPT_LOGPROBS_SLICE, last)
+        logits = model.compute_logits(hidden[lo - start: hi - start])
+        targets = torch.tensor(prompt[lo + 1: hi + 1], dtype=torch.int64, device=logits.device)
+        lps, top_ids, top_lps, ranks = compute_prompt_logprobs(logits, targets, k)
+        for j, (lp, rank) in enumerate(zip(lps.tolist(), ranks.tolist(), strict=True)):
+            top = list(zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True))
+            entries[lo + 1 + j] = TokenLogprob(token_id=prompt[lo + 1 + j], logprob=lp, rank=rank, top=top)
+    return entries
+
+
+def _logprob_entry(result: SamplerOutput, row: int, token_id: int, k: int) -> TokenLogprob:
+    top = list(zip(result.top_token_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist(), strict=True))
+    return TokenLogprob(token_id=token_id, logprob=float(result.logprobs[row]), rank=int(result.ranks[row]),
+                        top=top)

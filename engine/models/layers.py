@@ -1,0 +1,120 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding (RoPE), SwiGLU activation.
+
+Numerics follow HF transformers (``models/llama/modeling_llama.py``, ``modeling_rope_utils.py``) operation
+for operation so that float32 logits match to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x², -1) + eps), computed in float32 (Zhang & Sennrich 2019; HF LlamaRMSNorm)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., size] → [..., size] in x's dtype."""
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020): [..., 2·I] laid out [gate | up] → silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters, read from HF ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling`` (v4)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> RopeConfig:
+        """Parse a HF config dict. Raises ValueError for unsupported scalings or partial rotary factors."""
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        original = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        return cls(theta=float(theta), rope_type=rope_type, factor=float(params.get("factor", 1.0)),
+                   low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                   original_max_position_embeddings=int(original))
+
+    def inv_freq(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        """float32 [head_dim / 2]: 1 / theta^(2i/d) (Su et al. 2021), then the configured scaling."""
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            return self._llama3(inv_freq)
+        return inv_freq
+
+    def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Llama 3.1 frequency smoothing, as HF ``_compute_llama3_parameters``."""
+        old_len = self.original_max_position_embeddings
+        low_freq_wavelen = old_len / self.low_freq_factor
+        high_freq_wavelen = old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the given positions (NeoX "rotate half" layout, as HF Llama)."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [T] → (cos, sin), each [T, head_dim] in ``dtype`` (computed in float32)."""
+        inv_freq = self.rope.inv_freq(self.head_dim, positions.device)
+        freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1 | x2] → [-x2 | x1] along the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim], cos/sin [T, head_dim] → x·cos + rotate_half(x)·sin."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]

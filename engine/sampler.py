@@ -1,0 +1,300 @@
+"""Sampling: per-request parameters as batch tensors (:class:`SamplingMetadata`) and the :class:`Sampler`.
+
+Order of operations (vLLM v1 ``Sampler.forward``):
+
+1. raw logprobs = ``log_softmax(logits)`` — what logprobs report (before any penalty or temperature);
+2. ``logit_bias``; ``min_tokens`` (EOS and ``stop_token_ids`` banned while fewer than ``min_tokens`` tokens
+   were generated); repetition penalty; frequency/presence penalties;
+3. greedy rows (temperature < 1e-5): argmax of the processed logits;
+4. random rows: temperature, ``min_p``, ``top_k``, ``top_p``, then the exponential race
+   ``argmax(probs / q)`` with ``q ~ Exp(1)`` — a draw from ``probs`` (it is the Gumbel-max trick:
+   ``argmax(log p - log q)`` with ``-log q`` Gumbel-distributed). A row with a seed draws its ``q`` from its own
+   ``torch.Generator``, so its samples do not depend on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from engine.errors import InvalidParameterError
+from engine.logits_processors import (
+    PenaltyTensors,
+    SparseLogits,
+    apply_bans_,
+    apply_logit_bias_,
+    apply_min_p_,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+from engine.sampling_params import SamplingParams
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
+
+EosIds = int | Sequence[int] | None
+
+
+def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
+    """Validate the token ids inside ``params`` against the model vocabulary (``[0, vocab_size)``).
+
+    Call it when a request arrives so that a bad id fails that request only (400), not a batch step.
+    Raises InvalidParameterError naming ``logit_bias`` or ``stop_token_ids``.
+    """
+    for token_id in params.logit_bias or {}:
+        _check_id(token_id, vocab_size, "logit_bias")
+    for token_id in params.stop_token_ids:
+        _check_id(token_id, vocab_size, "stop_token_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMetadata:
+    """The sampling parameters of one batch as tensors (row i = request i). Build with :meth:`build`."""
+
+    vocab_size: int
+    temperature: torch.Tensor
+    """float32 ``[num_reqs]``; 1.0 on greedy rows (never used there)."""
+    greedy_mask: torch.Tensor
+    """bool ``[num_reqs]``: the row takes the argmax."""
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None
+    """int64 ``[num_reqs]`` in [1, vocab] (vocab = off); None when no random row uses top-k."""
+    top_p: torch.Tensor | None
+    """float32 ``[num_reqs]`` in (0, 1] (1 = off); None when no random row uses top-p."""
+    min_p: torch.Tensor | None
+    """float32 ``[num_reqs]`` in [0, 1] (0 = off); None when no random row uses min-p."""
+    penalties: PenaltyTensors | None
+    """None when no row has a repetition/presence/frequency penalty."""
+    logit_bias: SparseLogits | None
+    banned: SparseLogits | None
+    """(row, token) pairs banned by ``min_tokens``."""
+    generators: tuple[torch.Generator | None, ...]
+    max_num_logprobs: int
+    """Columns of ``SamplerOutput.top_*``: the largest ``logprobs`` requested in the batch (0 if none)."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.generators)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+              output_token_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+              eos_token_ids: Sequence[EosIds], vocab_size: int,
+              device: torch.device | str = "cpu") -> SamplingMetadata:
+        """Batch the per-request parameters; all lists have one entry per request (row).
+
+        ``eos_token_ids[i]`` is the request's EOS id (or ids, or None). Raises InvalidParameterError (a
+        ValueError) naming the argument for mismatched lengths, ``vocab_size < 1``, token ids outside
+        ``[0, vocab_size)`` (``prompt_token_ids``, ``output_token_ids``, ``eos_token_ids``, ``logit_bias``,
+        ``stop_token_ids``).
+        """
+        _check_batch(params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
+                     generators=generators, eos_token_ids=eos_token_ids)
+        if vocab_size < 1:
+            raise InvalidParameterError("vocab_size", f"vocab_size must be at least 1, got {vocab_size}")
+        for p in params:
+            check_sampling_params(p, vocab_size)
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
+        random = [p for p, g in zip(params, greedy, strict=True) if not g]
+        floats = _float_tensor(device)
+        return cls(
+            vocab_size=vocab_size,
+            temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_k=_top_k(params, vocab_size, device) if any(0 < p.top_k < vocab_size for p in random) else None,
+            top_p=floats([p.top_p for p in params]) if any(p.top_p < 1.0 for p in random) else None,
+            min_p=floats([p.min_p for p in params]) if any(p.min_p > 0.0 for p in random) else None,
+            penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            logit_bias=_logit_bias(params, device),
+            banned=_min_tokens_bans(params, output_token_ids, eos_token_ids, vocab_size, device),
+            generators=tuple(generators),
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """One sampled token per request and its raw logprobs (natural log, from ``log_softmax(logits)``)."""
+
+    sampled_token_ids: torch.Tensor
+    """int64 ``[num_reqs]``."""
+    logprobs: torch.Tensor
+    """float32 ``[num_reqs]``: raw logprob of the sampled token."""
+    top_token_ids: torch.Tensor
+    """int64 ``[num_reqs, max_num_logprobs]``: most likely tokens, by raw logprob, descending."""
+    top_logprobs: torch.Tensor
+    """float32 ``[num_reqs, max_num_logprobs]``: their raw logprobs."""
+    ranks: torch.Tensor
+    """int64 ``[num_reqs]``: 1-based rank of the sampled token (tokens with logprob ≥ its logprob)."""
+
+
+class Sampler:
+    """``Sampler()(logits, metadata) -> SamplerOutput``; stateless (randomness lives in the generators)."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (``[num_reqs, vocab]``, any float dtype; not modified).
+
+        Raises ValueError("logits") when the shape does not match the metadata.
+        """
+        if logits.dim() != 2 or tuple(logits.shape) != (metadata.num_reqs, metadata.vocab_size):
+            raise InvalidParameterError(
+                "logits", f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}")
+        logits = logits.to(torch.float32)
+        raw_logprobs = logits.log_softmax(dim=-1)
+        processed = _process(logits.clone(), metadata)
+        sampled = _sample(processed, metadata)
+        lps, top_ids, top_lps, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, lps, top_ids, top_lps, ranks)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From ``logprobs`` ``[n, vocab]`` and chosen ``token_ids`` ``[n]``: (chosen logprobs ``[n]``, top-k ids
+    ``[n, k]`` and logprobs ``[n, k]`` sorted descending, 1-based ranks ``[n]``). Rank counts the tokens whose
+    logprob is ≥ the chosen one's, as vLLM v1 does (so a tie ranks behind)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
+    top_lps, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids.new_empty(len(token_ids), 0))
+    return chosen, top_ids, top_lps, ranks
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt logprobs (completions ``echo``): ``logits[i]`` (``[n, vocab]``) scores ``target_ids[i]``
+    (``[n]`` int64, the next prompt token). Returns (logprobs ``[n]``, top ids ``[n, k]``, top logprobs
+    ``[n, k]``, ranks ``[n]``) of ``log_softmax(logits)``. Raises ValueError naming ``target_ids`` or ``k``."""
+    if target_ids.shape != logits.shape[:1]:
+        raise InvalidParameterError("target_ids", f"need {logits.shape[0]} target ids, got {tuple(target_ids.shape)}")
+    if not 0 <= k <= logits.shape[-1]:
+        raise InvalidParameterError("k", f"k must be in [0, {logits.shape[-1]}], got {k}")
+    return gather_logprobs(logits.to(torch.float32).log_softmax(dim=-1), target_ids, k)
+
+
+def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, min_tokens bans, penalties (``logits`` is a private copy, changed in place)."""
+    if meta.logit_bias is not None:
+        apply_logit_bias_(logits, meta.logit_bias)
+    if meta.banned is not None:
+        apply_bans_(logits, meta.banned)
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    greedy = None if meta.all_random else logits.argmax(dim=-1)
+    if meta.all_greedy:
+        return greedy
+    random = _sample_random(logits, meta)
+    return random if greedy is None else torch.where(meta.greedy_mask, greedy, random)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.min_p is not None:
+        apply_min_p_(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = logits.softmax(dim=-1)
+    return probs.div_(_exponential_noise(probs, meta.generators)).argmax(dim=-1)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """``q ~ Exp(1)`` shaped like ``probs``: seeded rows from their generator (``vocab`` draws per step, so the
+    stream depends only on the request), the rest from torch's default generator. Clamped away from 0 so that
+    a masked token (p = 0) never gives 0/0."""
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            q[row].exponential_(generator=generator)
+    return q.clamp_(min=torch.finfo(q.dtype).tiny)
+
+
+def _check_batch(params: Sequence[SamplingParams], **lists: Sequence) -> None:
+    for name, values in lists.items():
+        if len(values) != len(params):
+            raise InvalidParameterError(name, f"{name} has {len(values)} entries for {len(params)} requests")
+
+
+def _check_id(token_id: int, vocab_size: int, param: str) -> None:
+    if not 0 <= token_id < vocab_size:
+        raise InvalidParameterError(param, f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+def _float_tensor(device: torch.device | str):
+    return lambda values: torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _top_k(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    return torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                        dtype=torch.int64, device=device)
+
+
+def _token_matrix(token_lists: Sequence[Sequence[int]], vocab_size: int, param: str,
+                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, ids) int64 ``[total]`` of every token of every row, ids checked against the vocabulary."""
+    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise InvalidParameterError(param, f"{param} holds token ids outside [0, {vocab_size})")
+    return rows, ids
+
+
+def _penalties(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+               output_token_ids: Sequence[Sequence[int]], vocab_size: int,
+               device: torch.device | str) -> PenaltyTensors | None:
+    use_rep = any(p.repetition_penalty != 1.0 for p in params)
+    if not use_rep and not any(p.presence_penalty or p.frequency_penalty for p in params):
+        return None
+    rows, ids = _token_matrix(output_token_ids, vocab_size, "output_token_ids", device)
+    counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    prompt_mask = None
+    if use_rep:
+        rows, ids = _token_matrix(prompt_token_ids, vocab_size, "prompt_token_ids", device)
+        prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+        prompt_mask[rows, ids] = True
+    floats = _float_tensor(device)
+    return PenaltyTensors(repetition=floats([p.repetition_penalty for p in params]),
+                          presence=floats([p.presence_penalty for p in params]),
+                          frequency=floats([p.frequency_penalty for p in params]),
+                          output_counts=counts, prompt_mask=prompt_mask)
+
+
+def _logit_bias(params: Sequence[SamplingParams], device: torch.device | str) -> SparseLogits | None:
+    entries = [(row, token_id, bias) for row, p in enumerate(params) for token_id, bias in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, cols, values = zip(*entries, strict=True)
+    return SparseLogits(torch.tensor(rows, dtype=torch.int64, device=device),
+                        torch.tensor(cols, dtype=torch.int64, device=device),
+                        torch.tensor(values, dtype=torch.float32, device=device))
+
+
+def _min_tokens_bans(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                     eos_token_ids: Sequence[EosIds], vocab_size: int,
+                     device: torch.device | str) -> SparseLogits | None:
+    """While ``len(output) < min_tokens``: ban ``stop_token_ids`` and EOS (unless ``ignore_eos``, where EOS does
+    not stop generation anyway), like vLLM's MinTokensLogitsProcessor."""
+    pairs = []
+    for row, (p, output, eos) in enumerate(zip(params, output_token_ids, eos_token_ids, strict=True)):
+        if len(output) >= p.min_tokens:
+            continue
+        eos_ids = () if p.ignore_eos or eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        for token_id in eos_ids:
+            _check_id(token_id, vocab_size, "eos_token_ids")
+        pairs.extend((row, token_id) for token_id in dict.fromkeys((*eos_ids, *p.stop_token_ids)))
+    if not pairs:
+        return None
+    rows, cols = zip(*pairs, strict=True)
+    return SparseLogits(torch.tensor(rows, dtype=torch.int64, device=device),
+                        torch.tensor(cols, dtype=torch.int64, device=device))

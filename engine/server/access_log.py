@@ -1,0 +1,125 @@
+"""One JSON log line per API request, and the ``kvscope_engine_http_requests_total{route,status}`` counter.
+
+The middleware puts an :class:`AccessRecord` into the ASGI scope (``scope["kvscope.access"]``); exception
+handlers add the error type, the serving code adds the gen_ai / kvscope fields of design.md §4.2, and the
+line is written when the response is over (after the last SSE event, or when the client left). Field names
+follow ECS (``http.response.status_code``, ``event.outcome`` …); never the body, never prompt or output text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+ACCESS_LOGGER = "kvscope.engine.access"
+QUIET_ROUTES = frozenset({"/health", "/metrics"})
+"""Counted but not logged when they succeed (scrapes and probes would drown the log)."""
+
+
+class AccessRecord:
+    """What the log line of one request says."""
+
+    def __init__(self, method: str, path: str, request_id: str) -> None:
+        self.method = method
+        self.path = path
+        self.request_id = request_id
+        self.start_ns = time.time_ns()
+        self._start = time.monotonic()
+        self.status: int | None = None
+        self.status_override: int | None = None
+        """Status to log instead of the one sent (499 when the client left before a non-streamed answer)."""
+        self.error: dict[str, Any] | None = None
+        self.details: dict[str, Any] = {}
+
+    def set_error(self, type: str, message: str, code: str | int | None = None) -> None:
+        self.error = {"type": type, "message": message, **({"code": code} if code is not None else {})}
+
+    def set_request_details(self, details: dict[str, Any]) -> None:
+        self.details.update(details)
+
+    @property
+    def final_status(self) -> int:
+        return self.status_override or self.status or 500
+
+    def to_json(self, service_name: str) -> str:
+        status = self.final_status
+        end_ns = time.time_ns()
+        kvscope = self.details.get("kvscope", {})
+        outcome = "success" if status < 400 and kvscope.get("outcome", "success") == "success" else "failure"
+        record: dict[str, Any] = {
+            "@timestamp": _iso(end_ns), "ecs": {"version": "8.11.0"},
+            "log": {"level": "info" if outcome == "success" else "warning", "logger": ACCESS_LOGGER},
+            "message": self._message(status, kvscope),
+            "event": {"kind": "event", "category": ["web"], "type": ["access"], "outcome": outcome,
+                      "duration": int((time.monotonic() - self._start) * 1e9), "start": _iso(self.start_ns),
+                      "end": _iso(end_ns)},
+            "http": {"request": {"id": self.request_id, "method": self.method},
+                     "response": {"status_code": status}},
+            "url": {"path": self.path}, "service": {"name": service_name},
+        }
+        if self.error is not None:
+            record["error"] = self.error
+        record.update({k: v for k, v in self.details.items() if k not in record})
+        return json.dumps(record, separators=(",", ":"), default=str)
+
+    def _message(self, status: int, kvscope: dict[str, Any]) -> str:
+        parts = [f"{self.method} {self.path} {status}"]
+        if kvscope:
+            reasons = self.details["gen_ai"]["response"]["finish_reasons"]
+            parts.append(f"{kvscope['outcome']} finish_reasons={','.join(reasons)}")
+            if kvscope.get("phase"):
+                parts.append(f"phase={kvscope['phase']}")
+        if self.error is not None:
+            parts.append(f"{self.error['type']}: {self.error['message']}")
+        return " ".join(parts)
+
+
+def _iso(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+class AccessLogMiddleware:
+    """ASGI middleware for every routed request: count it, and log it unless it is a quiet success."""
+
+    def __init__(self, app: Callable, on_done: Callable[[AccessRecord, str], None]) -> None:
+        self.app = app
+        self.on_done = on_done
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
+        record = AccessRecord(scope["method"], scope["path"], request_id)
+        scope["kvscope.access"] = record
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.on_done(record, scope.get("path_template") or scope["path"])
+
+
+def emit(logger: logging.Logger, record: AccessRecord, route: str, service_name: str) -> None:
+    """Write the record's line (quiet routes only when they failed)."""
+    if route in QUIET_ROUTES and record.final_status < 400:
+        return
+    logger.info(record.to_json(service_name))

@@ -1,0 +1,140 @@
+"""``create_app``: the engine's OpenAI-compatible Litestar app.
+
+Start-up (lifespan): load the model (AsyncEngine) in a worker thread, start the step loop, warm up with one
+short generation, then attach the metrics/tracing step listener and serve. Uvicorn only accepts connections
+after that, so a reachable ``/health`` means warmed up. Shutdown fails in-flight requests ("engine shutting
+down": streams get an in-band error), stops the loop and flushes spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.engine_core import StepResult
+from engine.sampling_params import SamplingParams
+from engine.server.access_log import AccessLogMiddleware, AccessRecord
+from engine.server.errors import exception_handlers
+from engine.server.routes import ROUTES
+from engine.server.settings import ServerSettings
+from engine.server.state import ServerState
+from engine.server_metrics import ServerMetrics, host_memory_bytes
+from engine.tracing import Tracing
+
+logger = logging.getLogger(__name__)
+WARMUP_PROMPT = "Hello"
+
+
+class AppContext:
+    """Builds the ServerState at start-up and hands it to the middleware and hooks created before it."""
+
+    def __init__(self, settings: ServerSettings, engine_config: EngineConfig | None, engine: Any | None,
+                 tracing: Tracing | None, registry: CollectorRegistry | None) -> None:
+        if engine_config is None and engine is None:
+            raise ValueError("create_app needs an engine_config or an engine")
+        self.settings = settings
+        self._engine_config = engine_config
+        self._engine = engine
+        self._tracing = tracing
+        self._registry = registry
+        self.state: ServerState | None = None
+
+    @asynccontextmanager
+    async def lifespan(self, app: Litestar) -> AsyncIterator[None]:
+        state = await self._start()
+        app.state.server = state
+        try:
+            yield
+        finally:
+            await self.drain()
+            state.tracing.shutdown()
+
+    async def _start(self) -> ServerState:
+        engine = self._engine
+        if engine is None:
+            from engine.async_engine import AsyncEngine
+
+            engine = await asyncio.to_thread(AsyncEngine, self._engine_config)
+        engine.start()
+        if self.settings.warmup:
+            await warm_up(engine)
+        tracing = self._tracing or Tracing.otlp(self.settings.service_name, self.settings.otlp_endpoint)
+        metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, _device(engine),
+                                self.settings.buckets)
+        self.state = ServerState(engine, self.settings, metrics, tracing)
+        _set_device_memory(self.state)
+        self.state.on_step(StepResult())
+        engine.set_step_listener(self.state.on_step)
+        logger.info("serving %s (max_model_len %d)", engine.info.name, engine.info.max_model_len)
+        return self.state
+
+    async def drain(self) -> None:
+        """Refuse new work and fail in-flight requests (their clients get an error, not a hang)."""
+        if self.state is None or self.state.draining:
+            return
+        self.state.draining = True
+        await asyncio.to_thread(self.state.engine.stop)
+
+    def on_access_done(self, record: AccessRecord, route: str) -> None:
+        if self.state is not None:
+            self.state.on_access_done(record, route)
+
+    def on_unrouted(self, request: Any, error: Any) -> None:
+        if self.state is not None:
+            self.state.on_unrouted(request, error)
+
+
+async def warm_up(engine: Any) -> None:
+    """One greedy 2-token generation: first-call costs (allocations, kernels) are paid before traffic."""
+    prompt = engine.tokenizer.encode(WARMUP_PROMPT) or [0]
+    async for _ in engine.generate("warmup", prompt, SamplingParams(max_tokens=2, temperature=0.0)):
+        pass
+
+
+def _device(engine: Any) -> str:
+    return str(getattr(getattr(engine, "core", None), "device", "cpu"))
+
+
+def _set_device_memory(state: ServerState) -> None:
+    """CPU: KV cache + weights bytes of host memory (design.md §4.3). CUDA: the device's used/total memory."""
+    device = _device(state.engine)
+    info = state.engine.info
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        state.metrics.set_device_memory(device, total - free, total)
+    else:
+        used = getattr(info, "kv_cache_bytes", 0) + getattr(info, "weights_bytes", 0)
+        state.metrics.set_device_memory(device, used, host_memory_bytes())
+
+
+def create_app(settings: ServerSettings | None = None, engine_config: EngineConfig | None = None, *,
+               engine: Any | None = None, tracing: Tracing | None = None,
+               registry: CollectorRegistry | None = None) -> Litestar:
+    """The engine server app. Give ``engine_config`` (the app builds an AsyncEngine at start-up) or an
+    ``engine`` with the AsyncEngine surface (tests). ``tracing`` overrides the exporter chosen by settings
+    (e.g. an in-memory exporter); ``registry`` the Prometheus registry. Raises ValueError without an engine.
+    """
+    settings = settings or ServerSettings()
+    context = AppContext(settings, engine_config, engine, tracing, registry)
+    return Litestar(
+        route_handlers=ROUTES,
+        lifespan=[context.lifespan],
+        exception_handlers=exception_handlers(),
+        middleware=[DefineMiddleware(AccessLogMiddleware, on_done=context.on_access_done)],
+        openapi_config=OpenAPIConfig(title="kvscope engine", version="0.1.0",
+                                     description="OpenAI-compatible API of the kvscope engine."),
+        state=State({"unrouted_hook": context.on_unrouted, "context": context}),
+        logging_config=None,
+    )

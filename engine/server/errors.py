@@ -1,0 +1,153 @@
+"""Typed errors → OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}`` at the HTTP edge.
+
+Every failure path answers JSON with the proper status: our own :class:`OpenAIError`, engine errors
+(:class:`engine.errors.InvalidParameterError`, ``PromptTooLongError``, ``EngineDeadError``), msgspec decode
+errors, and Litestar's own exceptions (404 route, 405 method, 413 body size, validation). Unknown exceptions
+are a 500 ``server_error`` JSON body, never plain text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
+from engine.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+_STATUS_KIND = {
+    400: ("invalid_request_error", None), 401: ("authentication_error", None),
+    404: ("invalid_request_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"), 429: ("rate_limit_error", "rate_limit_exceeded"),
+    503: ("server_error", "service_unavailable"),
+}  # fmt: skip
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI error JSON with ``status``; raised by the serving code."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
+    """400 for a body that is not JSON (``code: invalid_json``) or does not match the schema; ``param`` is the
+    JSON path of the offending field without ``$.`` (e.g. ``top_logprobs``, ``messages[0].content``)."""
+    if isinstance(exc, msgspec.ValidationError):
+        message = str(exc)
+        found = [m.group(1).replace("[...]", "") for m in (_PATH.search(message), _MISSING.search(message))
+                 if m and m.group(1)]
+        return bad_request(message, param=".".join(found) or None, code="invalid_value")
+    return bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json")
+
+
+def from_engine(exc: Exception, *, prompt_param: str = "messages", max_tokens_param: str = "max_tokens",
+                renames: dict[str, str] | None = None) -> OpenAIError:
+    """Map engine exceptions: PromptTooLongError → 400 ``context_length_exceeded`` with the real numbers,
+    InvalidParameterError → 400 with its ``param`` (renamed to the request's field name), EngineDeadError → 503.
+    The over-long ``param`` is the prompt when it alone fills the context, else the max-tokens field."""
+    if isinstance(exc, PromptTooLongError):
+        prompt_alone = exc.max_tokens is None or exc.num_prompt_tokens >= exc.max_model_len
+        return bad_request(too_long_message(exc, prompt_param),
+                           param=prompt_param if prompt_alone else max_tokens_param, code="context_length_exceeded")
+    if isinstance(exc, InvalidParameterError):
+        param = (renames or {}).get(exc.param, exc.param)
+        return bad_request(str(exc), param=param, code="invalid_value")
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), type="server_error", code="engine_unavailable")
+    raise exc
+
+
+def too_long_message(exc: PromptTooLongError, prompt_param: str) -> str:
+    """OpenAI's wording with the enforced context length, the prompt length and the requested completion."""
+    where = "messages" if prompt_param == "messages" else "prompt"
+    asked = exc.num_prompt_tokens + (exc.max_tokens or 0)
+    return (f"This model's maximum context length is {exc.max_model_len} tokens. However, you requested "
+            f"{asked} tokens ({exc.num_prompt_tokens} in the {where}, {exc.max_tokens or 0} in the completion). "
+            f"Please reduce the length of the {where} or completion.")
+
+
+def error_response(error: OpenAIError) -> Response:
+    return Response(content=msgspec.json.encode(error.body()), status_code=error.status,
+                    media_type="application/json", headers=error.headers)
+
+
+def note_error(request: Request, error: OpenAIError) -> None:
+    """Record the error on the request's access record (see engine.server.access_log)."""
+    record = request.scope.get("kvscope.access")
+    if record is not None:
+        record.set_error(error.type, error.message, error.code)
+
+
+def handle_openai_error(request: Request, exc: OpenAIError) -> Response:
+    note_error(request, exc)
+    return error_response(exc)
+
+
+def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    """Litestar's own exceptions (routing, size limits, its validation) as OpenAI error JSON."""
+    status = exc.status_code
+    kind, code = _STATUS_KIND.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
+    message = exc.detail if isinstance(exc.detail, str) and exc.detail else f"HTTP {status}"
+    if status == 404:
+        message = f"{request.method} {request.url.path} is not a route of this server."
+    error = OpenAIError(status, message, type=kind, code=code, headers=dict(exc.headers or {}))
+    _log_unrouted(request, error)
+    return handle_openai_error(request, error)
+
+
+def handle_engine_error(request: Request, exc: Exception) -> Response:
+    return handle_openai_error(request, from_engine(exc))
+
+
+def handle_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return handle_openai_error(request, OpenAIError(500, f"Internal server error: {type(exc).__name__}",
+                                                    type="server_error", code="internal_error"))
+
+
+def _log_unrouted(request: Request, error: OpenAIError) -> None:
+    """Requests that matched no route never pass the access-log middleware: log and count them here."""
+    if "kvscope.access" in request.scope:
+        return
+    hook = request.app.state.get("unrouted_hook")
+    if hook is not None:
+        hook(request, error)
+
+
+def exception_handlers() -> dict[Any, Any]:
+    """The app's exception handlers (most specific first; Litestar resolves by MRO)."""
+    return {
+        OpenAIError: handle_openai_error,
+        InvalidParameterError: handle_engine_error,
+        EngineDeadError: handle_engine_error,
+        HTTPException: handle_http_exception,
+        Exception: handle_unexpected,
+    }

@@ -1,0 +1,150 @@
+"""Drive the engine requests of one HTTP request (one per prompt) and merge their delta outputs.
+
+Each prompt's ``AsyncEngine.generate`` stream is pumped by its own task into one queue, so the reader can wait
+with a timeout (SSE keep-alive) or race the client's ``http.disconnect`` without cancelling the engine stream.
+:meth:`GenerationRun.close` cancels the pumps; cancelling a pump closes its ``generate`` generator, which
+aborts the engine request (before the next engine step) and frees its KV blocks, in any phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+KEEPALIVE = object()
+"""Returned by :meth:`GenerationRun.next` when nothing arrived within the timeout."""
+DONE = object()
+"""Returned by :meth:`GenerationRun.next` once every prompt's stream ended."""
+FAULT_REASON = "injected fault"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection (ASGI ``http.disconnect``)."""
+
+
+async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return when the ASGI ``receive`` channel reports ``http.disconnect`` (body already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class GenerationRun:
+    """The engine side of one HTTP request: ``len(prompts)`` engine requests sharing ``params``."""
+
+    def __init__(self, engine: Any, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 arrival_time: float, trace_context: object | None = None,
+                 fault_after_tokens: int | None = None) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{k}" for k in range(len(prompts))]
+        self._arrival = arrival_time
+        self._trace_context = trace_context
+        self._fault_after = fault_after_tokens
+        self._fault_sent = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._open = len(prompts)
+        self.num_tokens = 0
+        """Output tokens received so far (all choices)."""
+
+    def start(self) -> None:
+        for k, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts, strict=True)):
+            stream = self.engine.generate(engine_id, prompt, self.params, arrival_time=self._arrival,
+                                          trace_context=self._trace_context)
+            self._tasks.append(asyncio.ensure_future(self._pump(k, stream)))
+        # After the pumps' first step (which queues the engine request), so an immediate fault finds it.
+        asyncio.get_running_loop().call_soon(self._maybe_inject_fault)
+
+    async def _pump(self, k: int, stream: Any) -> None:
+        try:
+            async for output in stream:
+                self._queue.put_nowait((k, output))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which answers the client
+            self._queue.put_nowait((k, exc))
+            return
+        self._queue.put_nowait((k, None))
+
+    async def next(self, timeout: float | None = None,
+                   disconnect: asyncio.Future | None = None) -> tuple[int, RequestOutput] | object:
+        """The next ``(prompt index, delta RequestOutput)``, KEEPALIVE after ``timeout`` seconds without one,
+        or DONE. Raises the engine's exception for a failed request (RequestFailedError, EngineDeadError …) and
+        ClientDisconnected when ``disconnect`` completes first."""
+        while self._open or not self._queue.empty():
+            item = await self._get(timeout, disconnect)
+            if item is KEEPALIVE:
+                return item
+            k, payload = item
+            if payload is None:
+                self._open -= 1
+                continue
+            if isinstance(payload, BaseException):
+                self._open -= 1
+                raise payload
+            self.num_tokens += sum(len(c.token_ids) for c in payload.outputs)
+            self._maybe_inject_fault()
+            return k, payload
+        return DONE
+
+    async def _get(self, timeout: float | None, disconnect: asyncio.Future | None) -> Any:
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        getter = asyncio.ensure_future(self._queue.get())
+        waiters = {getter} if disconnect is None else {getter, disconnect}
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()  # safe: asyncio.Queue.get leaves the item queued when cancelled
+        if disconnect is not None and disconnect in done:
+            raise ClientDisconnected()
+        return KEEPALIVE
+
+    def _maybe_inject_fault(self) -> None:
+        if self._fault_after is not None and not self._fault_sent and self.num_tokens >= self._fault_after:
+            self._fault_sent = True
+            for engine_id in self.engine_ids:
+                self.engine.abort(engine_id, reason=FAULT_REASON)
+
+    def phase(self) -> str:
+        """Where the request is now: ``decode`` (tokens arrived), ``prefill`` (scheduled, computing its prompt)
+        or ``queued`` (waiting, never scheduled or preempted back to the queue)."""
+        if self.num_tokens:
+            return "decode"
+        if any(request.num_computed_tokens > 0 for request in self.engine_requests().values()):
+            return "prefill"
+        return "queued"
+
+    def snapshots(self) -> dict[int, dict]:
+        """Choice index → the engine's live stats (design.md §4.1) of choices still in the engine."""
+        return {index: request.stats.to_dict(request.num_output_tokens)
+                for index, request in self.engine_requests().items() if request.stats is not None}
+
+    def engine_requests(self) -> dict[int, Any]:
+        """Choice index → the engine's live Request (read-only snapshot taken from the event loop)."""
+        scheduler = getattr(getattr(self.engine, "core", None), "scheduler", None)
+        if scheduler is None:
+            return {}
+        n = self.params.n
+        found = {}
+        for k, engine_id in enumerate(self.engine_ids):
+            for i in range(n):
+                request = scheduler.get_request(engine_id if n == 1 else f"{engine_id}-{i}")
+                if request is not None:
+                    found[k * n + i] = request
+        return found
+
+    def close(self) -> None:
+        """Cancel the pumps (aborting unfinished engine requests). Synchronous: safe in ``finally`` blocks of a
+        cancelled task."""
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()

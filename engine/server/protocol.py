@@ -1,0 +1,251 @@
+"""OpenAI request/response bodies as msgspec Structs (the HTTP boundary).
+
+Requests are decoded strictly (:func:`decode_body`): unknown fields are ignored, wrong types and values outside
+the ``Meta`` ranges raise :class:`msgspec.ValidationError`, which the server answers with 400 naming ``param``.
+Field names and ranges follow the OpenAI API reference, plus vLLM's sampling extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from engine.sampling_params import MAX_LOGPROBS
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+N = Annotated[int, Meta(ge=1, le=128)]
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = False
+
+
+class SamplingFields(Struct):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    n: N | None = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Unit | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    logit_bias: dict[str, Bias] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    max_tokens: PosInt | None = None
+    min_tokens: NonNegInt | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class TextPart(Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the deprecated ``max_tokens``;
+    without either the completion may use the rest of the context."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: NumLogprobs | None = None
+    add_generation_prompt: bool | None = True
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids or a list of token-id lists.
+    ``max_tokens`` defaults to 16 as in the OpenAI API."""
+
+    prompt: str | list[str | int | list[int]]
+    logprobs: NumLogprobs | None = None
+    echo: bool | None = False
+
+
+class TokenizeRequest(Struct):
+    """``POST /tokenize`` (vLLM): either ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct):
+    model: str | None = None
+    tokens: list[NonNegInt] = msgspec.field(default_factory=list)
+
+
+# --- responses ----------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    kvscope: dict[str, Any] | UnsetType = UNSET
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None | UnsetType = UNSET
+    kvscope: dict[str, Any] | UnsetType = UNSET
+
+
+class CompletionLogprobs(Struct):
+    """OpenAI's legacy completions logprobs (parallel lists; the first echoed prompt token has None)."""
+
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "text_completion"
+    kvscope: dict[str, Any] | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    """The context length the server enforces (prompt + completion tokens)."""
+    object: str = "model"
+    owned_by: str = "kvscope"
+    root: str | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | UnsetType = UNSET
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+def decode_body(body: bytes, request_type: type[Struct]) -> Any:
+    """Strictly decode a JSON body into ``request_type``.
+
+    Raises msgspec.DecodeError (not JSON) or msgspec.ValidationError (wrong type, out of range, missing field).
+    """
+    return msgspec.json.decode(body, type=request_type, strict=True)

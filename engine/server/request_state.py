@@ -1,0 +1,236 @@
+"""Per-HTTP-request accounting: usage, the ``kvscope`` stats object, and what happens when a request ends
+(histograms, spans, the access-log fields), with one set of numbers for all three.
+
+Choice ``i`` of prompt ``k`` is OpenAI choice ``k * n + i``. Timings come from the engine's per-request stats
+(design.md §4.1) when the engine finished the sequence; when the client left or the engine failed it, from the
+engine's live Request stats snapshot, else from the server's own timestamps of the deltas it received.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.server.logprobs import visible_entries
+from engine.server.protocol import PromptTokensDetails, Usage
+from engine.server_metrics import SequenceTimings, ServerMetrics
+from engine.tracing import RequestSpans, RequestTimeline, Tracing
+
+_MIN_FIELDS = ("queue_s", "ttft_s", "prefill_s")
+_MAX_FIELDS = ("decode_s", "batch_size_max", "kv_cache_usage")
+_SUM_FIELDS = ("kv_blocks", "num_preemptions")
+_MEAN_FIELDS = ("tpot_s", "batch_size_mean")
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    index: int
+    prompt_index: int
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stats: dict[str, Any] | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How the request ended: ``success``, ``error`` or ``client_disconnected`` (+ phase, error text)."""
+
+    kind: str
+    status: int = 200
+    error_type: str | None = None
+    error_message: str | None = None
+    phase: str | None = None
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    operation: str
+    """``chat`` or ``text_completion`` (gen_ai.operation.name)."""
+    model: str
+    params: SamplingParams
+    prompts: list[list[int]]
+    stream: bool
+    metrics: ServerMetrics
+    arrival: float = field(default_factory=time.monotonic)
+    arrival_wall_ns: int = field(default_factory=time.time_ns)
+    timeline: RequestTimeline = field(default_factory=RequestTimeline)
+    choices: list[ChoiceState] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    _prompt_done: list[bool] = field(default_factory=list)
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.params.n
+        self.choices = [ChoiceState(k * n + i, k) for k in range(len(self.prompts)) for i in range(n)]
+        self.cached_tokens = [0] * len(self.prompts)
+        self._prompt_done = [False] * len(self.prompts)
+
+    def on_output(self, k: int, output: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput,
+                                                                     list[TokenLogprob]]]:
+        """Account one delta of prompt ``k``; returns (choice, delta, visible logprob entries) per choice."""
+        now = time.monotonic()
+        updates = []
+        for delta in output.outputs:
+            choice = self.choices[k * self.params.n + delta.index]
+            if delta.token_ids:
+                self._on_tokens(k, choice, len(delta.token_ids), now)
+            if delta.index == 0:
+                self.cached_tokens[k] = max(self.cached_tokens[k], output.num_cached_tokens, delta.num_cached_tokens)
+            choice.num_output_tokens = max(choice.num_output_tokens, delta.num_output_tokens)
+            if delta.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason, choice.stats = (
+                    delta.finish_reason, delta.stop_reason, delta.stats)
+            updates.append((choice, delta, visible_entries(delta, self.params.include_stop_str_in_output)))
+        return updates
+
+    def _on_tokens(self, k: int, choice: ChoiceState, num_tokens: int, now: float) -> None:
+        if not self._prompt_done[k]:
+            self._prompt_done[k] = True
+            self.metrics.on_prompt_done(len(self.prompts[k]))
+        gap = None if choice.last_token is None else now - choice.last_token
+        self.metrics.on_tokens(num_tokens, gap)
+        choice.first_token = now if choice.first_token is None else choice.first_token
+        choice.last_token = now
+
+    def failed_choice(self) -> ChoiceState | None:
+        """A choice the engine ended with ``abort``/``error`` (never sent as a finish_reason)."""
+        return next((c for c in self.choices if c.finish_reason in ("abort", "error")), None)
+
+    def usage(self) -> Usage:
+        """OpenAI usage: prompt tokens once per prompt, completion tokens summed over choices."""
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(c.num_output_tokens for c in self.choices)
+        cached = sum(min(c, len(p)) for c, p in zip(self.cached_tokens, self.prompts, strict=True))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def kvscope(self) -> dict[str, Any]:
+        """design.md §4.1 object: the choice's stats for one choice; over several choices, min of the
+        start-up times, max of decode/batch max/usage, sums of blocks/preemptions, means of tpot/batch mean."""
+        stats = [c.stats for c in self.choices if c.stats]
+        if len(stats) == 1:
+            return dict(stats[0])
+        merged: dict[str, Any] = {}
+        for fields, reduce in ((_MIN_FIELDS, min), (_MAX_FIELDS, max), (_SUM_FIELDS, sum),
+                               (_MEAN_FIELDS, lambda v: sum(v) / len(v))):
+            for name in fields:
+                values = [s[name] for s in stats if s.get(name) is not None]
+                merged[name] = reduce(values) if values else None
+        return merged
+
+    # --- the end -------------------------------------------------------------------------------------------
+
+    def finish(self, outcome: Outcome, tracing: Tracing, access: Any, snapshots: dict[int, dict] | None = None
+               ) -> None:
+        """Observe the histograms, write the spans and fill the access record. ``snapshots`` (choice index →
+        live engine stats) stand in for the final stats of choices the engine did not finish. Idempotent;
+        synchronous (runs in ``finally`` blocks of cancelled tasks)."""
+        if self.finished:
+            return
+        self.finished = True
+        now = time.monotonic()
+        for choice in self.choices:
+            if choice.stats is None and snapshots and choice.index in snapshots:
+                choice.stats = snapshots[choice.index]
+        timings = [self._timings(c, outcome, now) for c in self.choices]
+        for t in timings:
+            self.metrics.on_sequence_finished(t)
+        trace_id, span_id = tracing.record(self._spans(outcome, now, timings))
+        if access is not None:
+            access.set_request_details(self._log_fields(outcome, timings, trace_id, span_id))
+
+    def _timings(self, choice: ChoiceState, outcome: Outcome, now: float) -> SequenceTimings:
+        stats = choice.stats or {}
+        if outcome.kind == "success":
+            reason = choice.finish_reason or "error"
+        else:
+            reason = "abort" if outcome.kind == "client_disconnected" else "error"
+        ttft = stats.get("ttft_s")
+        if ttft is None and choice.first_token is not None:
+            ttft = choice.first_token - self.arrival
+        decode, tpot = stats.get("decode_s"), stats.get("tpot_s")
+        if decode is None and choice.first_token is not None:
+            decode = choice.last_token - choice.first_token
+        if tpot is None and decode is not None and choice.num_output_tokens > 1:
+            tpot = decode / (choice.num_output_tokens - 1)
+        prefill = stats.get("prefill_s") if ttft is not None else None
+        return SequenceTimings(finish_reason=reason, num_output_tokens=choice.num_output_tokens,
+                               e2e_s=now - self.arrival, ttft_s=ttft, queue_s=stats.get("queue_s"),
+                               prefill_s=prefill, decode_s=decode if ttft is not None else None, tpot_s=tpot)
+
+    def _spans(self, outcome: Outcome, now: float, timings: list[SequenceTimings]) -> RequestSpans:
+        def earliest(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return self.arrival + min(present) if present else None
+
+        first_token = earliest([t.ttft_s for t in timings])
+        ends = [t.ttft_s + t.decode_s for t in timings if t.ttft_s is not None and t.decode_s is not None]
+        for k, prompt in enumerate(self.prompts):
+            for i in range(self.params.n):
+                engine_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-p{k}"
+                child = engine_id if self.params.n == 1 else f"{engine_id}-{i}"
+                choice = self.choices[k * self.params.n + i]
+                token_time = None if choice.stats is None or choice.stats.get("ttft_s") is None else (
+                    self.arrival + choice.stats["ttft_s"])
+                self.timeline.finish_prefill(child, len(prompt), token_time)
+        error = None if outcome.kind == "success" else (outcome.error_message or outcome.kind)
+        return RequestSpans(
+            timeline=self.timeline, arrival=self.arrival, arrival_wall_ns=self.arrival_wall_ns, end=now,
+            first_scheduled=earliest([t.queue_s for t in timings]), first_token=first_token,
+            last_token=self.arrival + max(ends) if ends else None,
+            attributes=self._span_attributes(outcome), error=error)
+
+    def _span_attributes(self, outcome: Outcome) -> dict[str, Any]:
+        usage = self.usage()
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": self.operation, "gen_ai.provider.name": "kvscope",
+            "gen_ai.request.model": self.model, "gen_ai.response.model": self.model,
+            "gen_ai.response.id": self.request_id, "gen_ai.request.temperature": self.params.temperature,
+            "gen_ai.request.top_p": self.params.top_p, "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": usage.completion_tokens,
+            "gen_ai.usage.cache_read.input_tokens": usage.prompt_tokens_details.cached_tokens,
+            "gen_ai.response.finish_reasons": [c.finish_reason or outcome.kind for c in self.choices],
+            "kvscope.outcome": outcome.kind,
+        }
+        if self.params.max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = self.params.max_tokens
+        if self.params.n > 1:
+            attrs["gen_ai.request.choice.count"] = self.params.n
+        if outcome.phase is not None:
+            attrs["kvscope.phase"] = outcome.phase
+        for name, value in self.kvscope().items():
+            if value is not None:
+                attrs[f"kvscope.{name}"] = value
+        return attrs
+
+    def _log_fields(self, outcome: Outcome, timings: list[SequenceTimings], trace_id: str, span_id: str
+                    ) -> dict[str, Any]:
+        usage = self.usage()
+        ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
+        tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
+        return {
+            "trace": {"id": trace_id}, "span": {"id": span_id},
+            "gen_ai": {
+                "operation": {"name": self.operation},
+                "request": {"model": self.model, "max_tokens": self.params.max_tokens,
+                            "temperature": self.params.temperature, "stream": self.stream},
+                "response": {"id": self.request_id, "model": self.model,
+                             "finish_reasons": [t.finish_reason for t in timings]},
+                "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                          "cache_read": {"input_tokens": usage.prompt_tokens_details.cached_tokens}},
+            },
+            "kvscope": {
+                "outcome": outcome.kind, "ttft_s": min(ttfts) if ttfts else None,
+                "tpot_s": sum(tpots) / len(tpots) if tpots else None, "e2e_s": timings[0].e2e_s,
+                "client_disconnected": outcome.kind == "client_disconnected", "phase": outcome.phase,
+                "num_preemptions": sum((c.stats or {}).get("num_preemptions") or 0 for c in self.choices),
+                "engine": self.kvscope(),
+            },
+        }

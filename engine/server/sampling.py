@@ -1,0 +1,72 @@
+"""OpenAI request fields → :class:`engine.sampling_params.SamplingParams`.
+
+Defaults follow the OpenAI API: temperature 1, top_p 1, completions ``max_tokens`` 16, chat without a limit
+(the rest of the context). Range errors raised by SamplingParams come back as 400 naming the request's field.
+"""
+
+from __future__ import annotations
+
+from engine.errors import InvalidParameterError
+from engine.sampling_params import SamplingParams
+from engine.server.errors import OpenAIError, bad_request, from_engine
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    """SamplingParams of a chat request. ``top_logprobs`` needs ``logprobs: true`` (400 ``top_logprobs``)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    renames = {"logprobs": "top_logprobs",
+               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+    return _build(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, renames=renames)
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    """SamplingParams of a completions request; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
+    max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    return _build(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, renames={})
+
+
+def _build(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+           renames: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n or 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias),
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0,
+            stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens is not False,
+            extra={"user": req.user} if req.user else {},
+        )
+    except InvalidParameterError as exc:
+        raise from_engine(exc, renames=renames) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError as exc:
+        raise OpenAIError(400, f"logit_bias keys must be token ids, got {list(bias)!r}.", param="logit_bias",
+                          code="invalid_value") from exc

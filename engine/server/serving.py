@@ -1,0 +1,189 @@
+"""Shared request flow of chat and completions: admit → validate → run → answer (JSON or SSE).
+
+Everything that can be rejected is rejected before the engine sees the request and before any stream starts
+(400 / 404 / 429 / 503 JSON). A non-streaming answer races the generation against the client's
+``http.disconnect``; a streaming answer aborts when its generator is cancelled or closed. Either way the
+engine request is aborted before its next step, and exactly one outcome is recorded (metrics, spans, log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+from litestar import Request, Response
+
+from engine.async_engine import RequestFailedError
+from engine.errors import EngineDeadError, InvalidParameterError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.errors import OpenAIError, from_engine, model_not_found
+from engine.server.generation import DONE, KEEPALIVE, ClientDisconnected, GenerationRun, wait_for_disconnect
+from engine.server.request_state import Outcome, RequestState
+from engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
+from engine.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+FAULT_HEADER = "x-kvscope-fault"
+CLIENT_CLOSED_STATUS = 499
+"""Logged (nginx's convention) when the client left before a non-streamed answer; never sent."""
+
+
+class Formatter(Protocol):
+    def add(self, k: int, output: RequestOutput) -> list[Any]: ...
+    def response(self) -> Any: ...
+    def usage_chunk(self) -> Any: ...
+
+
+@dataclass(slots=True)
+class Job:
+    state: ServerState
+    request: Request
+    rs: RequestState
+    run: GenerationRun
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    """404 ``model_not_found`` unless ``name`` is the served model (None: the served model)."""
+    if name is not None and name != state.model_name:
+        raise model_not_found(name)
+
+
+def admit(state: ServerState) -> None:
+    """503 while starting/stopping or after the engine died; 429 above ``max_concurrent_requests``."""
+    if state.draining or not state.engine.is_running:
+        raise OpenAIError(503, "The engine is not running (starting up, shutting down or failed).",
+                          type="server_error", code="engine_unavailable", headers={"Retry-After": "1"})
+    limit = state.settings.max_concurrent_requests
+    if limit and state.in_flight >= limit:
+        raise OpenAIError(429, f"Too many requests in flight (limit {limit}); retry later.",
+                          type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
+def check_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                  max_tokens_param: str = "max_tokens") -> None:
+    """Run the engine's admission checks (empty prompt, token ids, context length) for every prompt."""
+    for prompt in prompts:
+        try:
+            state.engine.core.check_request(prompt, params)
+        except InvalidParameterError as exc:
+            raise from_engine(exc, prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+                              renames={"prompt": prompt_param}) from exc
+
+
+def start_job(state: ServerState, request: Request, operation: str, prompts: list[list[int]],
+              params: SamplingParams, stream: bool) -> Job:
+    """Queue the engine requests of one HTTP request (after every check passed)."""
+    prefix = "chatcmpl" if operation == "chat" else "cmpl"
+    rs = RequestState(f"{prefix}-{uuid.uuid4().hex}", operation, state.model_name, params, prompts, stream,
+                      state.metrics)
+    rs.timeline.parent = state.tracing.extract(request.headers)
+    run = GenerationRun(state.engine, rs.request_id, prompts, params, rs.arrival, rs.timeline,
+                        fault_after_tokens=_fault_after(state, request))
+    run.start()
+    state.in_flight += 1
+    return Job(state, request, rs, run)
+
+
+def _fault_after(state: ServerState, request: Request) -> int | None:
+    """``x-kvscope-fault: after_tokens=N`` (only with --enable-fault-injection): fail the request after N
+    output tokens as if the engine had failed it (AsyncEngine.abort(reason="injected fault"))."""
+    value = request.headers.get(FAULT_HEADER)
+    if not state.settings.enable_fault_injection or not value:
+        return None
+    key, _, number = value.partition("=")
+    if key.strip() != "after_tokens" or not number.strip().isdigit():
+        raise OpenAIError(400, f"{FAULT_HEADER} must be 'after_tokens=N', got {value!r}.", param=FAULT_HEADER)
+    return int(number)
+
+
+def finish_job(job: Job, outcome: Outcome) -> None:
+    """Record the outcome once (metrics, spans, log fields); take live engine stats for unfinished choices."""
+    if job.rs.finished:
+        return
+    snapshots = job.run.snapshots() if outcome.kind != "success" else None
+    access = job.request.scope.get("kvscope.access")
+    if outcome.error_type is not None and access is not None:
+        access.set_error(outcome.error_type, outcome.error_message or "")
+    job.rs.finish(outcome, job.state.tracing, access, snapshots)
+    job.state.in_flight -= 1
+
+
+def failure_error(exc: BaseException) -> OpenAIError:
+    """What a request the engine failed answers: 503 for shutdown / dead engine, else 500."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, RequestFailedError):
+        status = 503 if "shutting down" in exc.reason else 500
+        return OpenAIError(status, f"The engine failed the request: {exc.reason}", type="server_error",
+                           code="engine_shutdown" if status == 503 else "request_failed")
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), type="server_error", code="engine_unavailable")
+    logger.exception("request failed", exc_info=exc)
+    return OpenAIError(500, f"Internal server error: {type(exc).__name__}", type="server_error",
+                       code="internal_error")
+
+
+async def respond_json(job: Job, formatter: Formatter) -> Response:
+    """Collect the whole generation; abort it if the client disconnects first."""
+    watcher = asyncio.ensure_future(wait_for_disconnect(job.request.receive))
+    try:
+        while (item := await job.run.next(None, watcher)) is not DONE:
+            formatter.add(*item)
+    except ClientDisconnected:
+        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_STATUS, phase=job.run.phase()))
+        access = job.request.scope.get("kvscope.access")
+        if access is not None:
+            access.status_override = CLIENT_CLOSED_STATUS
+        return Response(content=b"", status_code=CLIENT_CLOSED_STATUS)
+    except Exception as exc:  # noqa: BLE001 - answered as OpenAI error JSON
+        error = failure_error(exc)
+        finish_job(job, Outcome("error", error.status, error.type, error.message, phase=job.run.phase()))
+        raise error from exc
+    except asyncio.CancelledError:
+        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_STATUS, phase=job.run.phase()))
+        raise
+    finally:
+        watcher.cancel()
+        job.run.close()
+    body = formatter.response()
+    finish_job(job, Outcome("success"))
+    return Response(content=msgspec.json.encode(body), status_code=200, media_type="application/json")
+
+
+def respond_stream(job: Job, formatter: Formatter, include_usage: bool) -> SSEResponse:
+    return SSEResponse(_events(job, formatter, include_usage))
+
+
+async def _events(job: Job, formatter: Formatter, include_usage: bool):
+    keepalive_s = job.state.settings.sse_keepalive_s
+    outcome: Outcome | None = None
+    try:
+        while (item := await job.run.next(keepalive_s)) is not DONE:
+            if item is KEEPALIVE:
+                yield KEEPALIVE_EVENT
+                continue
+            for chunk in formatter.add(*item):
+                yield data_event(chunk)
+        if include_usage:
+            yield data_event(formatter.usage_chunk())
+        outcome = Outcome("success")
+        yield DONE_EVENT
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = outcome or Outcome("client_disconnected", phase=job.run.phase())
+        raise
+    except Exception as exc:  # noqa: BLE001 - after the 200 errors go in-band
+        error = failure_error(exc)
+        outcome = Outcome("error", 200, error.type, error.message, phase=job.run.phase())
+        yield error_event(error.message, error.type, str(error.code) if error.code else None)
+    finally:
+        finish_job(job, outcome or Outcome("client_disconnected", phase=job.run.phase()))
+        job.run.close()

@@ -1,0 +1,120 @@
+"""``POST /v1/chat/completions``: messages → chat template → engine → ``chat.completion`` / chunks."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Request, Response
+from msgspec import UNSET
+
+from engine.async_engine import RequestFailedError
+from engine.errors import InvalidParameterError
+from engine.outputs import RequestOutput
+from engine.server.errors import from_engine
+from engine.server.logprobs import chat_logprobs
+from engine.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    DeltaMessage,
+)
+from engine.server.request_state import RequestState
+from engine.server.sampling import chat_sampling_params
+from engine.server.serving import admit, check_model, check_prompts, respond_json, respond_stream, start_job
+from engine.server.sse import SSEResponse
+from engine.server.state import ServerState
+from engine.tokenizer import Tokenizer
+
+_ROLE_ALIASES = {"developer": "system"}
+
+
+def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of the rendered chat template. Text parts of a message are joined with newlines."""
+    messages = []
+    for message in req.messages:
+        item = {"role": _ROLE_ALIASES.get(message.role, message.role),
+                "content": msgspec.to_builtins(message.content) if message.content is not None else ""}
+        if message.name:
+            item["name"] = message.name
+        messages.append(item)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
+    except InvalidParameterError as exc:
+        raise from_engine(exc) from exc
+
+
+async def create_chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest
+                                 ) -> Response | SSEResponse:
+    admit(state)
+    check_model(state, req.model)
+    params = chat_sampling_params(req)
+    prompt = chat_prompt(state.tokenizer, req)
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_prompts(state, [prompt], params, "messages", max_tokens_param)
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    job = start_job(state, request, "chat", [prompt], params, bool(req.stream))
+    formatter = ChatFormatter(job.rs, state.tokenizer, state.created, bool(req.logprobs), include_usage)
+    if req.stream:
+        return respond_stream(job, formatter, include_usage)
+    return await respond_json(job, formatter)
+
+
+class ChatFormatter:
+    """Turns delta outputs into chunks and accumulates the same deltas for the non-streaming body, so the
+    concatenated stream equals the JSON answer byte for byte."""
+
+    def __init__(self, rs: RequestState, tokenizer: Tokenizer, created: int, logprobs: bool,
+                 include_usage: bool) -> None:
+        self.rs = rs
+        self.tokenizer = tokenizer
+        self.created = created
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self._content: list[list[str]] = [[] for _ in rs.choices]
+        self._entries: list[list[ChatTokenLogprob]] = [[] for _ in rs.choices]
+        self._started = [False] * len(rs.choices)
+
+    def add(self, k: int, output: RequestOutput) -> list[ChatCompletionChunk]:
+        """Chunks for one delta: the role chunk when a choice gets its first token, then its text/logprobs/
+        finish_reason. Raises RequestFailedError when the engine ended a choice with abort/error."""
+        chunks = []
+        for choice, delta, entries in self.rs.on_output(k, output):
+            if delta.finish_reason in ("abort", "error"):
+                raise RequestFailedError(self.rs.request_id, f"choice {choice.index} ended: {delta.finish_reason}")
+            i = choice.index
+            if not self._started[i]:
+                self._started[i] = True
+                chunks.append(self._chunk(i, DeltaMessage(role="assistant", content="")))
+            logprobs = chat_logprobs(self.tokenizer, entries) if self.logprobs and entries else None
+            self._content[i].append(delta.text)
+            if logprobs is not None:
+                self._entries[i] += logprobs.content
+            if delta.text or entries or delta.finish_reason:
+                message = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+                chunks.append(self._chunk(i, message, logprobs, delta.finish_reason))
+        return chunks
+
+    def _chunk(self, index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
+               finish_reason: str | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.rs.request_id, created=self.created, model=self.rs.model,
+            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
+            usage=None if self.include_usage else UNSET)
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.rs.request_id, created=self.created, model=self.rs.model, choices=[],
+                                   usage=self.rs.usage(), kvscope=self.rs.kvscope())
+
+    def response(self) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(index=c.index, message=AssistantMessage(content="".join(self._content[c.index])),
+                       logprobs=ChatLogprobs(self._entries[c.index]) if self.logprobs else None,
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in self.rs.choices
+        ]
+        return ChatCompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model,
+                                      choices=choices, usage=self.rs.usage(), kvscope=self.rs.kvscope())

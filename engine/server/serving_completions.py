@@ -1,0 +1,126 @@
+"""``POST /v1/completions``: prompt(s) → engine → ``text_completion`` bodies / chunks (legacy logprobs)."""
+
+from __future__ import annotations
+
+from litestar import Request, Response
+from msgspec import UNSET
+
+from engine.async_engine import RequestFailedError
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.server.errors import bad_request
+from engine.server.logprobs import LegacyLogprobs, merge_legacy
+from engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from engine.server.request_state import RequestState
+from engine.server.sampling import completion_sampling_params
+from engine.server.serving import admit, check_model, check_prompts, respond_json, respond_stream, start_job
+from engine.server.sse import SSEResponse
+from engine.server.state import ServerState
+from engine.tokenizer import Tokenizer
+
+
+def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[int]]:
+    """Token ids per prompt: a string, a list of strings, token ids, or a list of token-id lists.
+    Raises 400 (``param: prompt``) for an empty list or a mix of kinds."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list.", param="prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [list(prompt)]
+    if all(isinstance(x, str) for x in prompt):
+        return [tokenizer.encode(x) for x in prompt]
+    if all(isinstance(x, list) for x in prompt):
+        return [list(x) for x in prompt]
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                      "lists (not a mix).", param="prompt")
+
+
+async def create_completion(state: ServerState, request: Request, req: CompletionRequest
+                            ) -> Response | SSEResponse:
+    admit(state)
+    check_model(state, req.model)
+    params = completion_sampling_params(req)
+    prompts = completion_prompts(state.tokenizer, req.prompt)
+    check_prompts(state, prompts, params, "prompt")
+    echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    job = start_job(state, request, "text_completion", prompts, params, bool(req.stream))
+    formatter = CompletionFormatter(job.rs, state.tokenizer, state.created, echo_texts, req.logprobs is not None,
+                                    include_usage)
+    if req.stream:
+        return respond_stream(job, formatter, include_usage)
+    return await respond_json(job, formatter)
+
+
+def _echo_texts(tokenizer: Tokenizer, prompt: str | list, prompts: list[list[int]]) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
+class CompletionFormatter:
+    """Delta outputs → ``text_completion`` chunks, accumulated for the non-streaming body. With ``echo`` the
+    prompt text (and, with logprobs, the prompt's logprobs) leads each choice's first chunk."""
+
+    def __init__(self, rs: RequestState, tokenizer: Tokenizer, created: int, echo_texts: list[str] | None,
+                 logprobs: bool, include_usage: bool) -> None:
+        self.rs = rs
+        self.created = created
+        self.echo_texts = echo_texts
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self._builders = [LegacyLogprobs(tokenizer) for _ in rs.choices]
+        self._text: list[list[str]] = [[] for _ in rs.choices]
+        self._lp_parts: list[list[CompletionLogprobs]] = [[] for _ in rs.choices]
+        self._started = [False] * len(rs.choices)
+
+    def add(self, k: int, output: RequestOutput) -> list[CompletionResponse]:
+        """Raises RequestFailedError when the engine ended a choice with abort/error."""
+        chunks = []
+        for choice, delta, entries in self.rs.on_output(k, output):
+            if delta.finish_reason in ("abort", "error"):
+                raise RequestFailedError(self.rs.request_id, f"choice {choice.index} ended: {delta.finish_reason}")
+            i = choice.index
+            text, ids, lp_entries = delta.text, list(delta.token_ids[:len(entries)]), list(entries)
+            if not self._started[i]:
+                self._started[i] = True
+                if self.echo_texts is not None:
+                    text = self.echo_texts[k] + text
+                    prompt_ids = self.rs.prompts[k]
+                    ids = prompt_ids + ids
+                    lp_entries = _prompt_entries(output, len(prompt_ids)) + lp_entries
+            logprobs = self._builders[i].build(ids, lp_entries) if self.logprobs and ids else None
+            self._text[i].append(text)
+            if logprobs is not None:
+                self._lp_parts[i].append(logprobs)
+            if text or logprobs is not None or delta.finish_reason:
+                chunks.append(self._chunk(CompletionChoice(
+                    index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason if delta.finish_reason else None)))
+        return chunks
+
+    def _chunk(self, choice: CompletionChoice) -> CompletionResponse:
+        return CompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model,
+                                  choices=[choice], usage=None if self.include_usage else UNSET)
+
+    def usage_chunk(self) -> CompletionResponse:
+        return CompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model, choices=[],
+                                  usage=self.rs.usage(), kvscope=self.rs.kvscope())
+
+    def response(self) -> CompletionResponse:
+        choices = [
+            CompletionChoice(index=c.index, text="".join(self._text[c.index]),
+                             logprobs=merge_legacy(self._lp_parts[c.index]) if self.logprobs else None,
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in self.rs.choices
+        ]
+        return CompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model,
+                                  choices=choices, usage=self.rs.usage(), kvscope=self.rs.kvscope())
+
+
+def _prompt_entries(output: RequestOutput, num_prompt_tokens: int) -> list[TokenLogprob | None]:
+    """The prompt's logprob entries (None for the first token, or all None when the engine sent none)."""
+    entries = list(output.prompt_logprobs or [])
+    return entries + [None] * (num_prompt_tokens - len(entries))

@@ -1,0 +1,61 @@
+"""The server's shared state: engine, metrics, tracing, settings (one instance per app, in ``app.state``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.engine_core import StepResult
+from engine.server.access_log import ACCESS_LOGGER, AccessRecord, emit
+from engine.server.errors import OpenAIError
+from engine.server.settings import ServerSettings
+from engine.server_metrics import ServerMetrics
+from engine.tracing import Tracing, observe_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: Any
+    """An AsyncEngine (or a test double with the same surface)."""
+    settings: ServerSettings
+    metrics: ServerMetrics
+    tracing: Tracing
+    created: int = field(default_factory=lambda: int(time.time()))
+    in_flight: int = 0
+    """Generation requests being served now."""
+    draining: bool = False
+    """Shutdown began: new generation requests get 503."""
+    access_logger: logging.Logger = field(default_factory=lambda: logging.getLogger(ACCESS_LOGGER))
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.info.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def on_step(self, result: StepResult) -> None:
+        """The engine's step listener (engine thread): metrics gauges/histograms and request timelines."""
+        scheduler = self.engine.core.scheduler
+        self.metrics.on_step(result, scheduler.get_stats())
+        observe_step(list(scheduler.requests.values()))
+
+    def on_access_done(self, record: AccessRecord, route: str) -> None:
+        self.metrics.on_http_request(route, record.final_status)
+        emit(self.access_logger, record, route, self.settings.service_name)
+
+    def on_unrouted(self, request: Any, error: OpenAIError) -> None:
+        """404/405 for paths that matched no route: count under ``unmatched`` and log."""
+        record = AccessRecord(request.method, request.url.path, request.headers.get("x-request-id") or "-")
+        record.status = error.status
+        record.set_error(error.type, error.message, error.code)
+        self.on_access_done(record, "unmatched")

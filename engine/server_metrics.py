@@ -1,0 +1,127 @@
+"""Feeds the ``kvscope_engine_*`` collectors (engine/metrics.py) from the server.
+
+Two sources, as in vLLM v1's ``StatLoggers``:
+
+* the engine's step listener (engine thread): scheduler gauges (running, waiting, KV usage, blocks by state),
+  per-step histograms (batch size, scheduled tokens), preemptions and prefix-cache counters. AsyncEngine also
+  calls it after aborts, so the gauges return to baseline when a client leaves.
+* the serving code (event loop), per request: prompt tokens (once per prompt, when its prefill completed, so an
+  abandoned prefill counts nothing), generated tokens and inter-token latency as they stream, and at the end
+  the latency / length histograms and ``request_success{finish_reason}``, with the same numbers that go into
+  the request's log line.
+
+Labels stay bounded: ``model`` is the served model name only, ``route`` a route template of this app
+(``unmatched`` otherwise), ``status`` the HTTP code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+
+from engine.core.stats import SchedulerStats
+from engine.engine_core import StepResult
+from engine.metrics import EngineMetrics, MetricBuckets
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceTimings:
+    """One finished sequence (choice) as observed into the histograms; seconds, None = phase not reached."""
+
+    finish_reason: str
+    """``stop``, ``length``, ``abort`` (client left) or ``error``."""
+    num_output_tokens: int
+    e2e_s: float
+    ttft_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    tpot_s: float | None = None
+
+
+class ServerMetrics:
+    """All engine-server metrics on one registry. Thread-safe: prometheus_client collectors lock internally;
+    the prefix-cache counter bookkeeping is touched by the engine thread only."""
+
+    def __init__(self, registry: CollectorRegistry, model: str, device: str = "cpu",
+                 buckets: MetricBuckets | None = None) -> None:
+        self.registry = registry
+        self.model = model
+        self.engine = EngineMetrics(registry, buckets)
+        self.engine.initialize(model, device)
+        self.http_requests = Counter(
+            "kvscope_engine_http_requests", "HTTP requests answered by the engine server, by route and status.",
+            ["route", "status"], registry=registry)
+        self._prefix_queries_seen = 0
+        self._prefix_hits_seen = 0
+
+    # --- engine thread ----------------------------------------------------------------------------------------
+
+    def on_step(self, result: StepResult, stats: SchedulerStats | None = None) -> None:
+        """Scheduler gauges and per-step histograms. ``batch_size`` 0 marks a notification without a step
+        (an abort): gauges only."""
+        m, model = self.engine, self.model
+        m.requests_running.labels(model=model).set(result.num_running)
+        m.requests_waiting.labels(model=model).set(result.num_waiting)
+        m.kv_cache_usage_ratio.labels(model=model).set(result.kv_cache_usage)
+        if result.batch_size > 0:
+            m.batch_size.labels(model=model).observe(result.batch_size)
+            m.step_tokens.labels(model=model).observe(result.num_scheduled_tokens)
+        if result.num_preemptions:
+            m.preemptions.labels(model=model).inc(result.num_preemptions)
+        if stats is not None:
+            self._on_scheduler_stats(stats)
+
+    def _on_scheduler_stats(self, stats: SchedulerStats) -> None:
+        m, model = self.engine, self.model
+        for state, value in (("used", stats.num_used_blocks), ("cached", stats.num_cached_blocks),
+                             ("free", stats.num_free_blocks)):
+            m.kv_cache_blocks.labels(model=model, state=state).set(value)
+        if stats.prefix_cache_queries > self._prefix_queries_seen:
+            m.prefix_cache_queries.labels(model=model).inc(stats.prefix_cache_queries - self._prefix_queries_seen)
+            self._prefix_queries_seen = stats.prefix_cache_queries
+        if stats.prefix_cache_hits > self._prefix_hits_seen:
+            m.prefix_cache_hits.labels(model=model).inc(stats.prefix_cache_hits - self._prefix_hits_seen)
+            self._prefix_hits_seen = stats.prefix_cache_hits
+
+    # --- event loop: per request ---------------------------------------------------------------------------
+
+    def on_prompt_done(self, num_prompt_tokens: int) -> None:
+        """A prompt's prefill completed (its first token arrived): count its tokens once."""
+        self.engine.prompt_tokens.labels(model=self.model).inc(num_prompt_tokens)
+        self.engine.request_prompt_tokens.labels(model=self.model).observe(num_prompt_tokens)
+
+    def on_tokens(self, num_tokens: int, inter_token_s: float | None) -> None:
+        """Tokens of one delta; ``inter_token_s`` since the choice's previous delta (None for the first)."""
+        self.engine.generation_tokens.labels(model=self.model).inc(num_tokens)
+        if inter_token_s is not None:
+            self.engine.inter_token_latency.labels(model=self.model).observe(inter_token_s)
+
+    def on_sequence_finished(self, t: SequenceTimings) -> None:
+        """Latency and length histograms of one finished sequence plus ``request_success{finish_reason}``."""
+        m, model = self.engine, self.model
+        m.request_success.labels(model=model, finish_reason=t.finish_reason).inc()
+        m.e2e_request_latency.labels(model=model).observe(t.e2e_s)
+        m.request_generation_tokens.labels(model=model).observe(t.num_output_tokens)
+        for histogram, value in ((m.time_to_first_token, t.ttft_s), (m.queue_time, t.queue_s),
+                                 (m.prefill_time, t.prefill_s), (m.decode_time, t.decode_s),
+                                 (m.time_per_output_token, t.tpot_s)):
+            if value is not None:
+                histogram.labels(model=model).observe(value)
+
+    def on_http_request(self, route: str, status: int) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def set_device_memory(self, device: str, used_bytes: int, total_bytes: int) -> None:
+        self.engine.device_memory_used.labels(device=device).set(used_bytes)
+        self.engine.device_memory_total.labels(device=device).set(total_bytes)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of the host (``SC_PHYS_PAGES`` × page size); 0 when unknown."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

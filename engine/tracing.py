@@ -1,0 +1,173 @@
+"""OpenTelemetry traces of engine requests: ``llm_request`` → ``queue``, ``prefill``, ``decode``.
+
+Spans are built retrospectively when a request ends, with explicit start/end times taken from the request's
+monotonic timestamps (arrival, first scheduled, first token, last token) mapped onto the wall clock at arrival.
+This records the engine's real phases without touching the step loop. Prefill chunks and preemptions are
+events collected by :class:`RequestTimeline` from the step listener (engine thread).
+
+The trace continues an incoming W3C ``traceparent`` (the gateway's span becomes the parent of
+``llm_request``). Export: OTLP/HTTP protobuf when an endpoint is configured, an injected exporter in tests
+(e.g. ``InMemorySpanExporter``), nothing otherwise. Each :class:`Tracing` owns its TracerProvider; the global
+OTel provider is never set. Attribute names follow the OTel GenAI semantic conventions (``gen_ai.*``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class TimelineEvent:
+    name: str
+    """``prefill_chunk`` or ``preemption``."""
+    time: float
+    """time.monotonic() at the end of the engine step that produced it."""
+    attributes: dict[str, Any]
+    initial_prefill: bool = False
+    """A chunk of the first prefill (before any output token); recomputation after preemption is not."""
+
+
+@dataclass(slots=True)
+class RequestTimeline:
+    """Per-request engine events, passed to the engine as the opaque ``trace_context`` of the request (and of
+    its n > 1 siblings). Written by the step-listener thread, read by the server once the request ended."""
+
+    parent: Context | None = None
+    """OTel context extracted from the incoming ``traceparent`` (None: a new trace)."""
+    events: list[TimelineEvent] = field(default_factory=list)
+    _seen: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def observe(self, request: Request, now: float) -> None:
+        """Compare the request with the previous step: a preemption (``num_preemptions`` grew) or a prefill
+        chunk (``num_computed_tokens`` advanced by more than one decode token) becomes an event."""
+        computed_before, preemptions_before = self._seen.get(request.request_id, (0, 0))
+        preemptions = request.stats.num_preemptions if request.stats else 0
+        if preemptions > preemptions_before:
+            self.events.append(TimelineEvent("preemption", now, {
+                "kvscope.request_id": request.request_id, "kvscope.num_preemptions": preemptions,
+                "kvscope.num_output_tokens": request.num_output_tokens}))
+            computed_before = 0
+        computed = request.num_computed_tokens
+        if computed > computed_before and (computed - computed_before > 1
+                                           or computed_before < request.num_prompt_tokens):
+            self._chunk(request.request_id, computed_before, computed, now, preemptions == 0
+                        and computed_before < request.num_prompt_tokens)
+        self._seen[request.request_id] = (computed, preemptions)
+
+    def finish_prefill(self, request_id: str, num_prompt_tokens: int, first_token_time: float | None) -> None:
+        """Add the last prefill chunk when the request finished in the step that completed its prefill (the
+        listener no longer sees a finished request)."""
+        computed, preemptions = self._seen.get(request_id, (0, 0))
+        if first_token_time is not None and preemptions == 0 and computed < num_prompt_tokens:
+            self._chunk(request_id, computed, num_prompt_tokens, first_token_time, True)
+            self._seen[request_id] = (num_prompt_tokens, 0)
+
+    def _chunk(self, request_id: str, start: int, end: int, now: float, initial: bool) -> None:
+        self.events.append(TimelineEvent("prefill_chunk", now, {
+            "kvscope.request_id": request_id, "kvscope.chunk.start": start, "kvscope.chunk.end": end,
+            "kvscope.chunk.num_tokens": end - start}, initial_prefill=initial))
+
+
+def observe_step(requests: Iterable[Request], now: float | None = None) -> None:
+    """Step-listener hook: update the timeline of every unfinished request that carries one."""
+    now = time.monotonic() if now is None else now
+    for request in requests:
+        if isinstance(request.trace_context, RequestTimeline):
+            request.trace_context.observe(request, now)
+
+
+@dataclass(slots=True)
+class RequestSpans:
+    """What one ended request contributes to its trace (monotonic seconds; None = the phase never began)."""
+
+    timeline: RequestTimeline
+    arrival: float
+    arrival_wall_ns: int
+    end: float
+    first_scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    attributes: dict[str, Any]
+    error: str | None = None
+    """Status description when the request did not succeed (client disconnected, engine failure)."""
+
+
+class Tracing:
+    """Owns a TracerProvider; :meth:`record` writes the spans of one request."""
+
+    def __init__(self, service_name: str = "kvscope-engine", exporter: SpanExporter | None = None, *,
+                 batch: bool = True) -> None:
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        if exporter is not None:
+            processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+            self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("kvscope.engine")
+        self._propagator = TraceContextTextMapPropagator()
+
+    @classmethod
+    def otlp(cls, service_name: str, endpoint: str | None) -> Tracing:
+        """OTLP/HTTP protobuf export to ``endpoint`` (full ``…/v1/traces`` URL); no export when None."""
+        if endpoint is None:
+            return cls(service_name)
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return cls(service_name, OTLPSpanExporter(endpoint=endpoint))
+
+    def extract(self, headers: Mapping[str, str]) -> Context | None:
+        """The context of an incoming ``traceparent`` header, None when absent or malformed."""
+        if "traceparent" not in headers:
+            return None
+        context = self._propagator.extract({"traceparent": headers["traceparent"],
+                                            "tracestate": headers.get("tracestate", "")})
+        return context or None
+
+    def record(self, spans: RequestSpans) -> tuple[str, str]:
+        """Emit ``llm_request`` (SERVER) with children ``queue``, ``prefill`` (chunk/preemption events) and
+        ``decode``. Returns the (trace id, span id) of ``llm_request`` as lowercase hex."""
+        def wall(mono: float) -> int:
+            return spans.arrival_wall_ns + int((mono - spans.arrival) * 1e9)
+
+        root = self.tracer.start_span("llm_request", context=spans.timeline.parent, kind=SpanKind.SERVER,
+                                      start_time=wall(spans.arrival), attributes=spans.attributes)
+        parent = set_span_in_context(root)
+        queue_end = spans.first_scheduled if spans.first_scheduled is not None else spans.end
+        prefill_end = spans.first_token if spans.first_token is not None else spans.end
+        self._child("queue", parent, wall(spans.arrival), wall(queue_end), [], wall)
+        if spans.first_scheduled is not None:
+            events = [e for e in spans.timeline.events if e.initial_prefill or e.time <= prefill_end]
+            self._child("prefill", parent, wall(spans.first_scheduled), wall(prefill_end), events, wall)
+        if spans.first_token is not None:
+            ok_end = spans.last_token if spans.last_token is not None else spans.first_token
+            decode_end = ok_end if spans.error is None else spans.end
+            late = [e for e in spans.timeline.events if not e.initial_prefill and e.time > prefill_end]
+            self._child("decode", parent, wall(spans.first_token), wall(decode_end), late, wall)
+        if spans.error is not None:
+            root.set_status(Status(StatusCode.ERROR, spans.error))
+        root.end(end_time=wall(spans.end))
+        ctx = root.get_span_context()
+        return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+
+    def _child(self, name: str, parent: Context, start_ns: int, end_ns: int, events: list[TimelineEvent],
+               wall: Callable[[float], int]) -> None:
+        end_ns = max(end_ns, start_ns)
+        span = self.tracer.start_span(name, context=parent, start_time=start_ns)
+        for event in events:
+            span.add_event(event.name, event.attributes, timestamp=min(max(wall(event.time), start_ns), end_ns))
+        span.end(end_time=end_ns)
+
+    def shutdown(self) -> None:
+        """Flush pending spans and stop the exporter."""
+        self.provider.shutdown()
+

@@ -1,0 +1,186 @@
+"""Edge checks of a generation request, in order, before any upstream sees it:
+
+auth (401) → body size (413) → JSON + schema (400) → unknown model (404 ``model_not_found``) → key's
+models (403) → key's ``max_tokens`` ceiling (400) → context length with the model's tokenizer (400
+``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429). What passes becomes a
+:class:`~gateway.proxy.ProxyPlan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from litestar import Request
+
+from gateway.auth import Principal
+from gateway.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    RateLimited,
+    UpstreamUnavailable,
+)
+from gateway.observe import CTX_KEY, RequestContext
+from gateway.proxy import ProxyPlan
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.tokenize import estimate_tokens
+
+if TYPE_CHECKING:
+    from gateway.lifespan import GatewayState
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's (and vLLM's) default ``max_tokens`` for /v1/completions."""
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    name: str
+    """``gen_ai.operation.name``."""
+    path: str
+    schema: type[ChatCompletionRequest] | type[CompletionRequest]
+
+
+CHAT = Operation("chat", "/v1/chat/completions", ChatCompletionRequest)
+COMPLETION = Operation("text_completion", "/v1/completions", CompletionRequest)
+
+
+def context_of(request: Request) -> RequestContext:
+    return request.scope["state"][CTX_KEY]
+
+
+def authenticate(gw: GatewayState, request: Request) -> Principal:
+    """The caller (401 on a bad key); records ``user.id``."""
+    principal = gw.auth.authenticate(request.headers.get("authorization"))
+    context_of(request).key_id = principal.key_id if principal.authenticated else None
+    return principal
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 when ``Content-Length`` (or the bytes read) exceed ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Request body is {int(declared)} bytes; the limit is {limit} bytes.")
+    body = await request.body()
+    context_of(request).request_bytes = len(body)
+    return body
+
+
+async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
+    """Run every edge check; returns the plan for the proxy or raises a GatewayError."""
+    ctx = context_of(request)
+    ctx.operation = op.name
+    principal = authenticate(gw, request)
+    body = await read_body(request, gw.settings.max_body_bytes)
+    raw, req = parse_body(body, op.schema)
+    ctx.request_model, ctx.stream = req.model, req.streaming
+    ctx.max_tokens, ctx.temperature = req.requested_max_tokens, req.temperature
+    if gw.settings.logs.log_content:
+        ctx.input_content = raw.get("messages", raw.get("prompt"))
+    if not gw.pool.is_served(req.model):
+        raise ModelNotFound(f"The model '{req.model}' does not exist or is not served here.", param="model")
+    ctx.model_served = True
+    gw.auth.check_model(principal, req.model)
+    injected = _apply_ceiling(req, principal.limits.max_tokens)
+    max_tokens = req.requested_max_tokens or injected
+    ctx.max_tokens = max_tokens
+    prompt_counts = _count_prompt(gw, raw, req)
+    ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
+    _check_context(gw.pool.max_model_len(req.model), prompt_counts, max_tokens, op)
+    if not gw.pool.candidates(req.model):
+        retry = max(1, math.ceil(gw.settings.routing.health_interval_s))
+        raise UpstreamUnavailable(f"No healthy upstream serves model '{req.model}' right now.",
+                                  headers={"retry-after": str(retry)})
+    prompt_estimate, estimate = _token_estimate(raw, req, prompt_counts, max_tokens)
+    await _rate_limit(gw, ctx, principal, prompt_estimate, estimate)
+    return ProxyPlan(path=op.path, body=_upstream_body(raw, body, req, injected), model=req.model,
+                     stream=req.streaming, include_usage=req.wants_usage, expected_choices=req.num_choices(),
+                     operation=op.name)
+
+
+def _apply_ceiling(req: ChatCompletionRequest | CompletionRequest, ceiling: int | None) -> int | None:
+    """400 when max_tokens exceeds the key's ceiling; the ceiling to inject when the request has none."""
+    if ceiling is None:
+        return None
+    requested = req.requested_max_tokens
+    if requested is None:
+        return ceiling
+    if requested > ceiling:
+        raise InvalidRequest(f"{req.max_tokens_param} is {requested}, above this API key's limit of {ceiling}.",
+                             param=req.max_tokens_param)
+    return None
+
+
+def _count_prompt(gw: GatewayState, raw: dict[str, Any],
+                  req: ChatCompletionRequest | CompletionRequest) -> list[int] | None:
+    if isinstance(req, ChatCompletionRequest):
+        count = gw.counter.chat(req.model, raw["messages"])
+        return None if count is None else [count]
+    return gw.counter.completion(req.model, raw["prompt"])
+
+
+def _check_context(max_len: int | None, counts: list[int] | None, max_tokens: int | None, op: Operation) -> None:
+    """400 ``context_length_exceeded`` stating the context length, the prompt and the requested tokens."""
+    if max_len is None or counts is None:
+        return
+    what, param = ("messages", "messages") if op is CHAT else ("prompt", "prompt")
+    for prompt in counts:
+        if max_tokens is None and prompt >= max_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_len} tokens. However, your {what} resulted in "
+                f"{prompt} tokens. Please reduce the length of the {what}.", param=param)
+        if max_tokens is not None and prompt + max_tokens > max_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt + max_tokens} tokens ({prompt} in the {what}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or completion.", param=param)
+
+
+def _token_estimate(raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest,
+                    counts: list[int] | None, max_tokens: int | None) -> tuple[int, int]:
+    """(prompt tokens, tokens charged up front): the prompt counted (else chars / 4) + max_tokens per
+    choice; the charge is settled with the real usage at the end."""
+    if counts is not None:
+        prompt = sum(counts)
+    else:
+        prompt = estimate_tokens(len(msgspec.json.encode(raw.get("messages", raw.get("prompt")))))
+    if max_tokens is None and isinstance(req, CompletionRequest):
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    return prompt, prompt + (max_tokens or 0) * req.num_choices()
+
+
+async def _rate_limit(gw: GatewayState, ctx: RequestContext, principal: Principal, prompt_estimate: int,
+                      estimate: int) -> None:
+    limits = principal.limits
+    if not (limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent):
+        return
+    decision = await gw.limiter.acquire(principal.key_id, limits, estimate, ctx.request_id)
+    if not decision.allowed:
+        retry = max(1, math.ceil(decision.retry_after_s))
+        raise RateLimited(f"Rate limit reached for this API key ({decision.reason}). Retry after {retry}s.",
+                          reason=decision.reason or "requests", headers={**decision.headers, "retry-after": str(retry)})
+    ctx.response_headers.extend((k.encode(), v.encode()) for k, v in decision.headers.items())
+
+    async def settle(done: RequestContext) -> None:
+        usage = done.usage or {}
+        actual = usage.get("total_tokens")
+        if not isinstance(actual, int):
+            actual = estimate if done.output_tokens is None else prompt_estimate + done.output_tokens
+        await gw.limiter.release(principal.key_id, limits, done.request_id, estimate - actual)
+
+    ctx.cleanups.append(settle)
+
+
+def _upstream_body(raw: dict[str, Any], body: bytes, req: ChatCompletionRequest | CompletionRequest,
+                   injected_max_tokens: int | None) -> bytes:
+    """The client's body, plus ``stream_options.include_usage`` on streams and the key's max_tokens ceiling
+    when the request had none; the original bytes when nothing changes."""
+    changes: dict[str, Any] = {}
+    if req.streaming and not req.wants_usage:
+        changes["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+    if injected_max_tokens is not None:
+        changes["max_tokens"] = injected_max_tokens
+    return msgspec.json.encode({**raw, **changes}) if changes else body

@@ -1,0 +1,126 @@
+"""``kvscope gateway …`` (run the gateway) and ``kvscope keys create …`` (make an API key).
+
+Flags override the config file and ``KVSCOPE_GATEWAY_*`` env vars (see gateway/settings.py). List flags
+(``--upstream``, ``--api-key-hash``, ``--tokenizer``) replace the file's list when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from gateway.auth import generate_key, hash_key
+from gateway.settings import GatewaySettings, load_settings, parse_key_hash
+
+
+def _gateway_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvscope gateway", description="OpenAI-compatible gateway in front of "
+                                "one or more upstreams (the kvscope engine, vLLM, llama.cpp …).")
+    p.add_argument("--config", help="YAML or TOML config file (also $KVSCOPE_GATEWAY_CONFIG)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--upstream", action="append", metavar="URL", help="upstream base URL (repeatable)")
+    p.add_argument("--tokenizer", action="append", metavar="MODEL=PATH",
+                   help="tokenizer.json or model folder for MODEL, for prompt limits at the edge (repeatable)")
+    p.add_argument("--api-key-hash", action="append", metavar="NAME:SHA256", help="an API key (repeatable)")
+    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                   help="serve without API keys on a non-loopback address")
+    p.add_argument("--redis-url", help="share rate limits between gateway replicas (redis://host:6379/0)")
+    p.add_argument("--log-file", help="request log, JSON lines, rotated by size")
+    p.add_argument("--log-stdout", action="store_true", default=None, help="request log on stdout too")
+    p.add_argument("--log-content", action="store_true", default=None, help="log prompts and completions")
+    p.add_argument("--otlp-endpoint", help="OTLP/HTTP endpoint for traces (http://127.0.0.1:4318)")
+    p.add_argument("--keepalive", type=float, metavar="S", help="SSE keep-alive interval (default 15)")
+    p.add_argument("--first-token-timeout", type=float, metavar="S")
+    p.add_argument("--total-timeout", type=float, metavar="S")
+    p.add_argument("--health-interval", type=float, metavar="S", help="upstream health-check period (default 5)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """CLI flags in config-file shape (only the flags that were given)."""
+    out: dict[str, Any] = {}
+    for flag, key in (("host", "host"), ("port", "port"), ("redis_url", "redis_url"),
+                      ("allow_unauthenticated", "allow_unauthenticated")):
+        if getattr(args, flag) is not None:
+            out[key] = getattr(args, flag)
+    if args.upstream:
+        out["upstreams"] = [{"url": url} for url in args.upstream]
+    if args.api_key_hash:
+        out["api_keys"] = [parse_key_hash(item) for item in args.api_key_hash]
+    if args.tokenizer:
+        out["models"] = [_tokenizer_model(item) for item in args.tokenizer]
+    nested = {"logs": {"file": args.log_file, "stdout": args.log_stdout, "log_content": args.log_content},
+              "tracing": {"otlp_endpoint": args.otlp_endpoint},
+              "timeouts": {"keepalive_s": args.keepalive, "first_token_s": args.first_token_timeout,
+                           "total_s": args.total_timeout},
+              "routing": {"health_interval_s": args.health_interval}}
+    for section, values in nested.items():
+        given = {k: v for k, v in values.items() if v is not None}
+        if given:
+            out[section] = given
+    return out
+
+
+def _tokenizer_model(item: str) -> dict[str, str]:
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--tokenizer expects MODEL=PATH, got {item!r}")
+    return {"name": name, "tokenizer": path}
+
+
+def run(settings: GatewaySettings, log_level: str = "info") -> None:
+    """Serve ``settings`` with uvicorn until interrupted (no access log: the gateway writes its own)."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
+                server_header=False, lifespan="on")
+
+
+def gateway_main(argv: list[str]) -> int:
+    """Entry point of ``kvscope gateway``; returns the exit code (2 for a bad configuration)."""
+    args = _gateway_parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config, _overrides(args))
+    except (ValueError, OSError) as exc:
+        print(f"kvscope gateway: {exc}", file=sys.stderr)
+        return 2
+    run(settings, args.log_level)
+    return 0
+
+
+def _keys_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvscope keys", description="Manage gateway API keys.")
+    sub = p.add_subparsers(dest="action", required=True)
+    create = sub.add_parser("create", help="make a new key; prints it once with its config line")
+    create.add_argument("--name", required=True, help="key id (logged as user.id, rate limits per name)")
+    create.add_argument("--models", help="comma-separated models the key may use (default: all)")
+    return p
+
+
+def keys_main(argv: list[str]) -> int:
+    """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b]`` prints the key (first line,
+    shown only now) and the config entry holding its sha256."""
+    args = _keys_parser().parse_args(argv)
+    key = generate_key()
+    digest = hash_key(key)
+    models = f", models: [{args.models}]" if args.models else ""
+    print(key)
+    print(f"# API key '{args.name}' is shown above only once; store it now. The gateway keeps only its hash.",
+          file=sys.stderr)
+    print("# add under `api_keys:` in the gateway config:", file=sys.stderr)
+    print(f"- {{name: {args.name}, sha256: {digest}{models}}}")
+    print(f"# or pass: --api-key-hash {args.name}:{digest}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(gateway_main(sys.argv[1:]))

@@ -1,0 +1,161 @@
+"""Typed gateway errors and their OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}``.
+
+Errors are raised as exceptions inside the gateway and turned into responses only at the edge: by the
+Litestar exception handlers below (before a response started) or in-band as an SSE ``data: {"error": …}``
+event (after a stream started). Litestar's own errors (404, 405, 413, parse/validation) are mapped to the same
+shape, so a client never sees plain text or a 500 for a bad request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+_log = logging.getLogger("kvscope.gateway")
+
+_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                   413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status and an OpenAI error body. ``headers`` go on the response."""
+
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.code
+        self.headers = headers or {}
+
+    @property
+    def error_type(self) -> str:
+        """Value for the log's ``error.type``: the code when there is one, else the type."""
+        return self.code or self.type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(GatewayError):
+    status, type = 400, "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationFailed(GatewayError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    status, type, code = 403, "permission_error", "model_not_allowed"
+
+
+class NotFound(GatewayError):
+    status, type, code = 404, "not_found_error", "not_found"
+
+
+class ModelNotFound(NotFound):
+    type, code = "invalid_request_error", "model_not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, reason: str, headers: dict[str, str]) -> None:
+        super().__init__(message, headers=headers)
+        self.reason = reason
+        """``requests``, ``tokens`` or ``concurrency`` (label of ``kvscope_gateway_rate_limited_total``)."""
+
+
+class UpstreamUnavailable(GatewayError):
+    status, type, code = 503, "service_unavailable", "upstream_unavailable"
+
+
+class UpstreamFailed(GatewayError):
+    status, type, code = 502, "upstream_error", "upstream_error"
+
+
+class UpstreamTimeout(GatewayError):
+    status, type, code = 504, "timeout_error", "upstream_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamAnswer:
+    """A complete non-200 upstream response, relayed as is (its JSON error) when it is final."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+class RetryableFailure(Exception):
+    """The attempt failed before any byte reached the client; another replica may take the request."""
+
+    def __init__(self, error: GatewayError, answer: UpstreamAnswer | None = None, same_replica_ok: bool = False):
+        super().__init__(error.message)
+        self.error, self.answer, self.same_replica_ok = error, answer, same_replica_ok
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_json(err: GatewayError) -> bytes:
+    return msgspec.json.encode(err.body())
+
+
+def from_http_exception(exc: HTTPException) -> GatewayError:
+    """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status."""
+    status = exc.status_code
+    err = GatewayError(str(exc.detail), code=None)
+    err.status = status
+    err.type = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    err.code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    return err
+
+
+def _record(request: Request, err: GatewayError) -> None:
+    ctx = request.scope.get("state", {}).get("kvscope_ctx")
+    if ctx is not None:
+        ctx.set_error(err)
+
+
+def gateway_error_handler(request: Request, exc: GatewayError) -> Response:
+    _record(request, exc)
+    return Response(content=exc.body(), status_code=exc.status, headers=exc.headers, media_type="application/json")
+
+
+def http_exception_handler(request: Request, exc: HTTPException) -> Response:
+    return gateway_error_handler(request, from_http_exception(exc))
+
+
+def internal_error_handler(request: Request, exc: Exception) -> Response:
+    _log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    err = GatewayError(f"internal gateway error ({type(exc).__name__})")
+    return gateway_error_handler(request, err)
+
+
+EXCEPTION_HANDLERS = {GatewayError: gateway_error_handler, HTTPException: http_exception_handler,
+                      Exception: internal_error_handler}

@@ -1,0 +1,129 @@
+"""The gateway's long-lived parts (:class:`GatewayState`) and their startup/shutdown.
+
+:func:`build_state` wires objects without I/O (tokenizers are loaded here so a bad path fails at startup);
+:func:`gateway_lifespan` opens the upstream HTTP client, starts the log sinks, probes every upstream once,
+then keeps health-checking in the background; at shutdown it stops all of it and flushes the sinks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+from litestar import Litestar
+from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import CollectorRegistry
+
+from gateway.auth import Authenticator
+from gateway.logs.record import RecordBuilder, ServiceInfo
+from gateway.logs.sink import LogSink
+from gateway.logs.sinks import JsonlFileSink, StdoutSink
+from gateway.metrics import GatewayMetrics, LogSinkMetrics
+from gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
+from gateway.settings import GatewaySettings
+from gateway.tokenize import PromptCounter
+from gateway.tracing import GatewayTracer, build_tracer_provider
+from gateway.upstreams import UpstreamPool
+
+_log = logging.getLogger("kvscope.gateway")
+
+
+def service_version() -> str:
+    try:
+        return importlib.metadata.version("kvscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """Everything a request needs; one per app (``app.state.gateway``)."""
+
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    tracer: GatewayTracer
+    pool: UpstreamPool
+    auth: Authenticator
+    limiter: RateLimiter
+    counter: PromptCounter
+    record_builder: RecordBuilder
+    sinks: list[LogSink] = field(default_factory=list)
+    client: httpx.AsyncClient | None = None
+    health_task: asyncio.Task | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError("the gateway lifespan has not started")
+        return self.client
+
+
+def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = None,
+                span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = ()) -> GatewayState:
+    """Wire the gateway's parts from ``settings``. ``registry`` defaults to a new one (not the global);
+    ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones."""
+    metrics = GatewayMetrics(registry or CollectorRegistry(), settings.metrics)
+    version = service_version()
+    provider = build_tracer_provider(settings.tracing, settings.service_name, version, settings.node,
+                                     span_exporter)
+    limiter: RateLimiter = (RedisRateLimiter(settings.redis_url, settings.timeouts.total_s + 60)
+                            if settings.redis_url else InMemoryRateLimiter())
+    return GatewayState(
+        settings=settings, metrics=metrics, tracer=GatewayTracer(provider, version),
+        pool=UpstreamPool(settings.upstreams, settings.models, settings.routing, metrics),
+        auth=Authenticator(settings.api_keys, settings.default_limits), limiter=limiter,
+        counter=PromptCounter.from_config(settings.models),
+        record_builder=RecordBuilder(ServiceInfo(settings.service_name, version, settings.node),
+                                     settings.logs.log_content),
+        sinks=[*configured_sinks(settings, metrics), *sinks])
+
+
+def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list[LogSink]:
+    logs = settings.logs
+    sinks: list[LogSink] = []
+    if logs.file:
+        sinks.append(JsonlFileSink(metrics, logs.file, logs.max_bytes, logs.backup_count, logs.queue_size))
+    if logs.stdout:
+        sinks.append(StdoutSink(metrics, logs.queue_size))
+    if logs.elasticsearch is not None:
+        from gateway.logs.elasticsearch import ElasticsearchSink
+
+        sink_config = logs.elasticsearch_settings().sink_config()
+        sinks.append(ElasticsearchSink(sink_config, LogSinkMetrics(metrics, ElasticsearchSink.name)))
+    return sinks
+
+
+def new_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    """The upstream client: connect/pool timeouts from settings; read deadlines are enforced per request."""
+    t = settings.timeouts
+    return httpx.AsyncClient(timeout=httpx.Timeout(connect=t.connect_s, read=None, write=t.connect_s,
+                                                   pool=t.connect_s),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                             headers={"accept-encoding": "identity"}, trust_env=False)
+
+
+@contextlib.asynccontextmanager
+async def gateway_lifespan(app: Litestar) -> AsyncIterator[None]:
+    """Litestar lifespan: start client, sinks, first health round and the health loop; stop them after."""
+    gw: GatewayState = app.state.gateway
+    gw.client = new_http_client(gw.settings)
+    for sink in gw.sinks:
+        await sink.start()
+    await gw.pool.check_all(gw.client)
+    gw.health_task = asyncio.create_task(gw.pool.run_health_checks(gw.client), name="kvscope-health")
+    try:
+        yield
+    finally:
+        gw.health_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gw.health_task
+        await gw.client.aclose()
+        await gw.limiter.aclose()
+        for sink in gw.sinks:
+            await sink.aclose()
+        gw.tracer.shutdown()

@@ -1,0 +1,76 @@
+"""Log analytics over either back end: JSONL files (DuckDB, exact) or Elasticsearch (aggregations).
+
+``source`` is a file/directory path or an ``http(s)://`` Elasticsearch URL. Every function here is async
+(Elasticsearch needs it); DuckDB calls run inline, they are local and fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from gateway.logs.es_client import EsConnectionConfig, is_es_url, make_client
+from gateway.logs.report_duckdb import DuckDBLogs
+from gateway.logs.report_es import EsLogs
+from gateway.logs.report_model import Report, parse_since
+from gateway.logs.report_plot import auto_bucket_s, plot_histogram, plot_latency
+
+
+@dataclass(frozen=True, slots=True)
+class LogSource:
+    location: str
+    """JSONL file or directory, or an Elasticsearch URL."""
+    index: str = "kvscope-requests"
+    """Data stream (or index pattern) when ``location`` is Elasticsearch."""
+    connection: EsConnectionConfig = field(default_factory=EsConnectionConfig)
+    """Auth/TLS for Elasticsearch (its ``hosts`` are replaced by ``location``)."""
+
+
+@contextlib.asynccontextmanager
+async def open_logs(source: LogSource, since: datetime | None) -> AsyncIterator[DuckDBLogs | EsLogs]:
+    """A back end for ``source``. Raises FileNotFoundError when no log file matches a path."""
+    if not is_es_url(source.location):
+        yield DuckDBLogs(source.location, since)
+        return
+    client = make_client(replace(source.connection, hosts=(source.location,)), max_retries=3)
+    try:
+        yield EsLogs(client, source.index, source.location, since)
+    finally:
+        await client.close()
+
+
+async def _call(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
+async def report(source: LogSource, *, since: str | None = None, by: str | None = None, top: int = 10,
+                 now: datetime | None = None) -> Report:
+    """The report (totals, ``by`` groups, ``top`` slowest requests) since ``since`` (``1h``, ISO time)."""
+    async with open_logs(source, parse_since(since, now)) as logs:
+        return await _call(logs.report(by=by, top=top, since=since))
+
+
+async def search(source: LogSource, query: str, *, since: str | None = None, limit: int = 20,
+                 now: datetime | None = None) -> list[dict[str, Any]]:
+    """Matching records, newest first: a DuckDB SQL condition for files, a query string for Elasticsearch."""
+    async with open_logs(source, parse_since(since, now)) as logs:
+        return await _call(logs.search(query, limit))
+
+
+async def plot(source: LogSource, out_dir: Path, *, since: str | None = None, bucket_s: int | None = None,
+               now: datetime | None = None) -> list[Path]:
+    """Write ``latency_percentiles.png`` and ``ttft_histogram.png`` into ``out_dir``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    async with open_logs(source, parse_since(since, now)) as logs:
+        start, end = await _call(logs.time_range())
+        bucket = bucket_s or auto_bucket_s(start, end)
+        series = await _call(logs.timeseries(bucket))
+        edges, counts = await _call(logs.ttft_histogram())
+    where = f"{source.location}" + (f", since {since}" if since else "")
+    return [plot_latency(series, out_dir / "latency_percentiles.png", f"latency percentiles per {bucket}s — {where}"),
+            plot_histogram(edges, counts, out_dir / "ttft_histogram.png", f"TTFT distribution — {where}")]

@@ -1,0 +1,149 @@
+"""``kvscope logs setup-es|report|search|plot``: request-log analytics from the command line.
+
+Sources: a JSONL file or directory (DuckDB) or an Elasticsearch URL (``--source http://localhost:9200``).
+Defaults come from ``KVSCOPE_LOGS_SOURCE``/``KVSCOPE_GATEWAY_LOG_FILE`` and ``ELASTICSEARCH_*``
+(gateway.logs.es_settings). Exit status: 0 ok, 1 runtime error (message on stderr), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gateway.logs.es_settings import CliEnv, cli_env
+
+if TYPE_CHECKING:
+    from gateway.logs.analytics import LogSource
+
+COMMANDS = ("setup-es", "report", "search", "plot")
+
+
+def _connection_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
+    g = p.add_argument_group("Elasticsearch connection")
+    g.add_argument("--api-key", default=env.api_key, help="encoded API key (default $ELASTICSEARCH_API_KEY)")
+    g.add_argument("--user", default=env.username, help="basic-auth user (default $ELASTICSEARCH_USERNAME)")
+    g.add_argument("--password", default=env.password, help="basic-auth password ($ELASTICSEARCH_PASSWORD)")
+    g.add_argument("--ca-certs", default=env.ca_certs, help="PEM CA bundle for TLS ($ELASTICSEARCH_CA_CERTS)")
+    g.add_argument("--insecure", action="store_true", help="do not verify TLS certificates")
+    g.add_argument("--compat", type=int, choices=(8, 9), default=8,
+                   help="REST compatibility header: 8 works with ES 8.x and 9.x (default), 9 only with 9.x")
+    g.add_argument("--index", default="kvscope-requests", help="data stream / index (default kvscope-requests)")
+
+
+def _source_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
+    p.add_argument("--source", default=env.source or env.es_url,
+                   help="JSONL file/dir or Elasticsearch URL (default $KVSCOPE_LOGS_SOURCE, "
+                        "$KVSCOPE_GATEWAY_LOG_FILE, $ELASTICSEARCH_URL)")
+    p.add_argument("--since", help="only records newer than this: 15m, 1h, 2d or an ISO-8601 time")
+    _connection_args(p, env)
+
+
+def build_parser(env: CliEnv) -> argparse.ArgumentParser:
+    from gateway.logs.report_model import GROUP_FIELDS
+    from gateway.logs.report_render import FORMATS
+
+    parser = argparse.ArgumentParser(prog="kvscope logs", description="Request-log analytics.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    setup = sub.add_parser("setup-es", help="create/update the ILM policy, templates and data stream template")
+    setup.add_argument("--url", "--es", dest="url", default=env.es_url or "http://localhost:9200",
+                       help="Elasticsearch URL (default $ELASTICSEARCH_URL or http://localhost:9200)")
+    setup.add_argument("--delete-after", default="30d", help="ILM: delete backing indices this long after rollover")
+    setup.add_argument("--rollover-max-age", default="1d")
+    setup.add_argument("--rollover-max-size", default="50gb", help="max primary shard size before rollover")
+    setup.add_argument("--dynamic", choices=("false", "strict"), default="false", help="mapping for unknown fields")
+    setup.add_argument("--rollover", action="store_true", help="roll the data stream over now (apply new mappings)")
+    setup.add_argument("--print", action="store_true", help="print the request bodies, contact nothing")
+    _connection_args(setup, env)
+    rep = sub.add_parser("report", help="requests, errors, TTFT/TPOT/e2e percentiles, slowest requests")
+    rep.add_argument("--by", choices=tuple(GROUP_FIELDS), help="one row per value of this field")
+    rep.add_argument("--top", type=int, default=10, help="slowest requests to list (default 10)")
+    rep.add_argument("--format", choices=FORMATS, default="table")
+    _source_args(rep, env)
+    srch = sub.add_parser("search", help="print matching records (DuckDB SQL condition | ES query string)")
+    srch.add_argument("query", help="files: SQL condition, e.g. \"kvscope.e2e_s > 5\"; ES: query string, "
+                                    "e.g. \"kvscope.e2e_s:>5 AND http.response.status_code:500\"")
+    srch.add_argument("--limit", type=int, default=20)
+    srch.add_argument("--format", choices=FORMATS, default="table")
+    _source_args(srch, env)
+    plot = sub.add_parser("plot", help="write PNG charts: latency percentiles over time, TTFT histogram")
+    plot.add_argument("--out", type=Path, default=Path("."), help="output directory (default .)")
+    plot.add_argument("--bucket", help="time bucket, e.g. 30s, 5m (default: about 60 points)")
+    _source_args(plot, env)
+    return parser
+
+
+def _log_source(args: argparse.Namespace, location: str) -> LogSource:
+    from gateway.logs.analytics import LogSource
+    from gateway.logs.es_client import EsConnectionConfig
+
+    basic = (args.user, args.password or "") if args.user else None
+    conn = EsConnectionConfig(hosts=(location,) if location.startswith("http") else ("http://localhost:9200",),
+                              api_key=args.api_key, basic_auth=basic, ca_certs=args.ca_certs,
+                              verify_certs=not args.insecure, compat_major=args.compat)
+    return LogSource(location=location, index=args.index, connection=conn)
+
+
+async def _setup_es(args: argparse.Namespace) -> int:
+    from gateway.logs import es_setup
+    from gateway.logs.es_client import make_client
+
+    config = es_setup.EsIndexConfig(data_stream=args.index, delete_after=args.delete_after,
+                                    rollover_max_age=args.rollover_max_age,
+                                    rollover_max_primary_shard_size=args.rollover_max_size, dynamic=args.dynamic)
+    if args.print:
+        bodies = {f"PUT _ilm/policy/{config.ilm_policy}": es_setup.ilm_policy_body(config),
+                  f"PUT _component_template/{config.settings_template}": es_setup.settings_template_body(config),
+                  f"PUT _component_template/{config.mappings_template}": es_setup.mappings_template_body(config),
+                  f"PUT _index_template/{config.data_stream}": es_setup.index_template_body(config)}
+        print(json.dumps(bodies, indent=2))
+        return 0
+    client = make_client(_log_source(args, args.url).connection, max_retries=3)
+    try:
+        for line in await es_setup.ensure_setup(client, config, rollover=args.rollover):
+            print(f"ok  {line}")
+    finally:
+        await client.close()
+    return 0
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from gateway.logs import analytics
+    from gateway.logs.report_plot import parse_bucket
+    from gateway.logs.report_render import render_records, render_report
+
+    if args.command == "setup-es":
+        return await _setup_es(args)
+    if not args.source:
+        raise ValueError("no --source: pass a JSONL file/dir or an Elasticsearch URL "
+                         "(or set KVSCOPE_LOGS_SOURCE)")
+    source = _log_source(args, args.source)
+    if args.command == "report":
+        render_report(await analytics.report(source, since=args.since, by=args.by, top=args.top),
+                      args.format, sys.stdout)
+    elif args.command == "search":
+        records = await analytics.search(source, args.query, since=args.since, limit=args.limit)
+        render_records(records, args.format, sys.stdout)
+    else:
+        bucket = parse_bucket(args.bucket) if args.bucket else None
+        for path in await analytics.plot(source, args.out, since=args.since, bucket_s=bucket):
+            print(f"wrote {path}")
+    return 0
+
+
+def logs_main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
+    """Entry point of ``kvscope logs``; returns the exit status."""
+    try:
+        args = build_parser(cli_env(os.environ if env is None else env)).parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    try:
+        return asyncio.run(_run(args))
+    except Exception as exc:  # noqa: BLE001 - a CLI reports every failure as one line, no traceback
+        print(f"kvscope logs {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1

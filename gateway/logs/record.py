@@ -1,0 +1,110 @@
+"""The request log record (design.md §4.2): one nested JSON object per request, every outcome.
+
+ECS field names where ECS has one, OpenTelemetry ``gen_ai.*`` for model fields, ``kvscope.*`` for the rest.
+Every field below is always present (``null`` when it does not apply), so that sinks and index templates see
+one stable shape. Never the API key; prompts and completions only with ``log_content`` (then under
+``gen_ai.input.messages`` / ``gen_ai.output.messages``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from gateway.logs.sink import LogRecord
+
+if TYPE_CHECKING:
+    from gateway.observe import RequestContext
+
+ECS_VERSION = "8.11.0"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    name: str
+    version: str
+    node: str
+
+
+def iso(epoch_s: float, timespec: str = "microseconds") -> str:
+    """ISO-8601 UTC with a ``Z`` suffix."""
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
+def outcome(ctx: RequestContext) -> str:
+    """ECS ``event.outcome``: ``unknown`` for a client disconnect, else failure/success."""
+    if ctx.client_disconnected:
+        return "unknown"
+    return "failure" if ctx.failed else "success"
+
+
+def level(ctx: RequestContext) -> str:
+    status = ctx.status or 500
+    if status >= 500 or ctx.stream_error:
+        return "error"
+    return "warn" if status >= 400 or ctx.client_disconnected else "info"
+
+
+class RecordBuilder:
+    """Builds the record from a finished :class:`~gateway.observe.RequestContext`."""
+
+    def __init__(self, service: ServiceInfo, log_content: bool = False) -> None:
+        self.service = service
+        self.log_content = log_content
+
+    def build(self, ctx: RequestContext) -> LogRecord:
+        from gateway.observe import gateway_overhead, tpot_s, ttft_s
+
+        end = ctx.end_at if ctx.end_at is not None else ctx.start
+        duration_s = end - ctx.start
+        end_wall = ctx.start_wall + duration_s
+        status = ctx.status or 500
+        return {
+            "@timestamp": iso(end_wall, "milliseconds"),
+            "ecs": {"version": ECS_VERSION},
+            "log": {"level": level(ctx), "logger": "kvscope.gateway.access"},
+            "message": f"{ctx.method} {ctx.path} {status} {ctx.request_model or '-'} {duration_s:.3f}s",
+            "event": {"kind": "event", "category": ["web"],
+                      "type": ["access", "error"] if ctx.failed else ["access"], "outcome": outcome(ctx),
+                      "dataset": "kvscope.gateway", "duration": int(duration_s * 1e9),
+                      "start": iso(ctx.start_wall), "end": iso(end_wall)},
+            "http": {"version": ctx.http_version,
+                     "request": {"id": ctx.request_id, "method": ctx.method, "body": {"bytes": ctx.request_bytes}},
+                     "response": {"status_code": status, "body": {"bytes": ctx.response_bytes}}},
+            "url": {"path": ctx.path},
+            "client": {"ip": ctx.client_ip},
+            "user_agent": {"original": ctx.user_agent},
+            "user": {"id": ctx.key_id},
+            "server": {"address": ctx.upstream},
+            "service": {"name": self.service.name, "version": self.service.version,
+                        "node": {"name": self.service.node}},
+            "trace": {"id": ctx.trace_id},
+            "span": {"id": ctx.span_id},
+            "error": {"type": ctx.error_type if ctx.failed or ctx.client_disconnected else None,
+                      "message": ctx.error_message if ctx.failed or ctx.client_disconnected else None},
+            "gen_ai": self._gen_ai(ctx),
+            "kvscope": {"route": ctx.route, "ttft_s": ttft_s(ctx), "tpot_s": tpot_s(ctx, len(ctx.finish_reasons) or 1),
+                        "e2e_s": duration_s, "gateway_overhead_s": gateway_overhead(ctx),
+                        "upstream_s": ctx.upstream_s, "engine": ctx.engine, "attempts": ctx.attempts,
+                        "client_disconnected": ctx.client_disconnected, "disconnect_phase": ctx.disconnect_phase,
+                        "rate_limited": ctx.rate_limited is not None, "rate_limit_reason": ctx.rate_limited,
+                        "stream_error": ctx.stream_error, "prompt_tokens_counted": ctx.prompt_tokens},
+        }
+
+    def _gen_ai(self, ctx: RequestContext) -> dict[str, Any]:
+        usage = ctx.usage or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        input_tokens = usage.get("prompt_tokens", ctx.prompt_tokens if ctx.client_disconnected else None)
+        out: dict[str, Any] = {
+            "operation": {"name": ctx.operation},
+            "request": {"model": ctx.request_model, "max_tokens": ctx.max_tokens,
+                        "temperature": ctx.temperature, "stream": ctx.stream},
+            "response": {"model": ctx.response_model, "finish_reasons": ctx.finish_reasons or None},
+            "usage": {"input_tokens": input_tokens, "output_tokens": ctx.output_tokens,
+                      "cache_read": {"input_tokens": cached}},
+        }
+        if self.log_content:
+            out["input"] = {"messages": ctx.input_content}
+            out["output"] = {"messages": ctx.output_content}
+        return out

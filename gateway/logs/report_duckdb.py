@@ -1,0 +1,209 @@
+"""The report, search and plot data over JSONL request logs, computed by DuckDB (no server needed).
+
+Files: ``--source`` names the current log file (``requests.jsonl``: its rotated siblings ``requests.jsonl.1``,
+``.2`` … and ``.gz`` variants are read too) or a directory (every ``*.jsonl`` family in it).
+Columns are read with explicit types derived from the Elasticsearch mapping
+(:func:`gateway.logs.es_setup.record_properties`), so both back ends agree on every field's type. A line
+that is not valid JSON or does not fit the types (a line cut short while being written) is skipped and
+counted in ``Report.extra["unparsed_lines"]``.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from gateway.logs.es_setup import record_properties
+from gateway.logs.report_model import (
+    ERROR_STATUS,
+    GROUP_FIELDS,
+    LATENCY_FIELDS,
+    MISSING,
+    PERCENTS,
+    Report,
+    ReportRow,
+    es_time,
+    slow_request,
+)
+
+PERCENTILE_METHOD = "exact, linear interpolation (DuckDB quantile_cont, Hyndman-Fan type 7)"
+ARRAY_FIELDS = {"event.category", "event.type", "gen_ai.response.finish_reasons"}
+"""Fields the record holds as JSON arrays (Elasticsearch mappings do not say which are arrays)."""
+_DUCK_TYPES = {"long": "BIGINT", "double": "DOUBLE", "boolean": "BOOLEAN", "date": "TIMESTAMPTZ",
+               "keyword": "VARCHAR", "match_only_text": "VARCHAR", "ip": "VARCHAR"}
+_ROTATED = r"(\.\d+)?(\.gz)?"
+
+
+def duckdb_type(props: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """DuckDB column types for an Elasticsearch ``properties`` mapping (nested objects → STRUCT)."""
+    out: dict[str, str] = {}
+    for name, spec in props.items():
+        path = prefix + name
+        if spec.get("enabled") is False:
+            continue
+        if "properties" in spec:
+            inner = duckdb_type(spec["properties"], path + ".")
+            out[name] = "STRUCT(" + ", ".join(f'"{k}" {v}' for k, v in inner.items()) + ")"
+        else:
+            out[name] = _DUCK_TYPES[spec["type"]] + ("[]" if path in ARRAY_FIELDS else "")
+    return out
+
+
+def col(path: str) -> str:
+    """SQL for a dotted record field: ``"http"."response"."status_code"``."""
+    return ".".join(f'"{part}"' for part in path.split("."))
+
+
+def log_files(source: str | Path) -> list[str]:
+    """The log file and its rotated siblings (or every JSONL family in a directory). Raises FileNotFoundError."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        pattern, folder = re.compile(r".+\.jsonl" + _ROTATED), path
+    else:
+        pattern, folder = re.compile(re.escape(path.name) + _ROTATED), path.parent
+    files = sorted(str(p) for p in folder.glob("*") if p.is_file() and pattern.fullmatch(p.name))
+    if not files:
+        raise FileNotFoundError(f"no request log files at {source}")
+    return files
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+class DuckDBLogs:
+    """A DuckDB view ``requests`` over the log files, filtered to ``@timestamp >= since``."""
+
+    def __init__(self, source: str | Path, since: datetime | None = None) -> None:
+        self.source = str(source)
+        self.con = duckdb.connect()
+        self.con.execute("SET TimeZone = 'UTC'")
+        files = "[" + ", ".join(_sql_str(f) for f in log_files(source)) + "]"
+        columns = "{" + ", ".join(f"{_sql_str(k)}: {_sql_str(v)}"
+                                  for k, v in duckdb_type(record_properties()).items()) + "}"
+        self.con.execute(f"CREATE VIEW raw AS SELECT * FROM read_json({files}, format = 'newline_delimited', "
+                         f"columns = {columns}, ignore_errors = true)")
+        where = '"@timestamp" IS NOT NULL'
+        if since is not None:
+            where += f' AND "@timestamp" >= TIMESTAMPTZ {_sql_str(es_time(since))}'
+        self.con.execute(f"CREATE VIEW requests AS SELECT * FROM raw WHERE {where}")
+
+    def unparsed_lines(self) -> int:
+        return self.con.execute('SELECT count(*) FROM raw WHERE "@timestamp" IS NULL').fetchone()[0]
+
+    # ---- report ------------------------------------------------------------------------------------
+    def report(self, by: str | None = None, top: int = 10, max_groups: int = 50, since: str | None = None) -> Report:
+        """The report over all (filtered) records; ``by`` is a key of ``GROUP_FIELDS``. Raises ValueError."""
+        if by is not None and by not in GROUP_FIELDS:
+            raise ValueError(f"--by must be one of {', '.join(GROUP_FIELDS)}")
+        total = self._rows(f"SELECT NULL AS grp, {_metrics_sql()} FROM requests")[0]
+        groups = self._rows(self._group_sql(by, max_groups)) if by else []
+        return Report(source=self.source, by=by, since=since, total=total, groups=tuple(groups),
+                      slowest=tuple(self.slowest(top)), percentile_method=PERCENTILE_METHOD,
+                      extra={"unparsed_lines": self.unparsed_lines()})
+
+    def _group_sql(self, by: str, limit: int) -> str:
+        field = col(GROUP_FIELDS[by])
+        if by == "finish_reason":
+            source = (f"requests, unnest(CASE WHEN len(coalesce({field}, []::VARCHAR[])) > 0 THEN {field} "
+                      f"ELSE [{_sql_str(MISSING)}] END) AS u(g)")
+            expr = "u.g"
+        else:
+            source, expr = "requests", f"coalesce(CAST({field} AS VARCHAR), {_sql_str(MISSING)})"
+        return (f"SELECT {expr} AS grp, {_metrics_sql()} FROM {source} GROUP BY grp "
+                f"ORDER BY requests DESC, grp ASC LIMIT {int(limit)}")
+
+    def _rows(self, sql: str) -> list[ReportRow]:
+        cursor = self.con.execute(sql)
+        names = [d[0] for d in cursor.description]
+        return [_row(dict(zip(names, values, strict=True))) for values in cursor.fetchall()]
+
+    def slowest(self, top: int) -> list[Any]:
+        """The ``top`` records with the largest ``kvscope.e2e_s`` (ties: request id ascending)."""
+        sql = (f"SELECT * FROM requests WHERE {col('kvscope.e2e_s')} IS NOT NULL "
+               f"ORDER BY {col('kvscope.e2e_s')} DESC, {col('http.request.id')} ASC LIMIT {int(top)}")
+        return [slow_request(doc) for doc in self._docs(sql)]
+
+    # ---- search ------------------------------------------------------------------------------------
+    def search(self, condition: str, limit: int = 20) -> list[dict[str, Any]]:
+        """Records matching a DuckDB SQL ``condition`` (e.g. ``kvscope.e2e_s > 5``), newest first.
+
+        Raises ``duckdb.Error`` for an invalid condition.
+        """
+        cond = condition.strip() or "true"
+        return self._docs(f'SELECT * FROM requests WHERE ({cond}) ORDER BY "@timestamp" DESC LIMIT {int(limit)}')
+
+    def _docs(self, sql: str) -> list[dict[str, Any]]:
+        cursor = self.con.execute(sql)
+        names = [d[0] for d in cursor.description]
+        return [prune(dict(zip(names, values, strict=True))) for values in cursor.fetchall()]
+
+    # ---- plot data ---------------------------------------------------------------------------------
+    def timeseries(self, bucket_s: int) -> list[dict[str, Any]]:
+        """Per time bucket: ``{"t": datetime, "requests": n, "ttft": [p50, p95, p99], "e2e": [...]}``."""
+        q = _percent_list()
+        sql = (f"SELECT time_bucket(INTERVAL '{int(bucket_s)} seconds', \"@timestamp\") AS t, count(*) AS requests, "
+               f"quantile_cont({col(LATENCY_FIELDS['ttft'])}, {q}) AS ttft, "
+               f"quantile_cont({col(LATENCY_FIELDS['e2e'])}, {q}) AS e2e FROM requests GROUP BY t ORDER BY t")
+        cursor = self.con.execute(sql)
+        return [dict(zip(("t", "requests", "ttft", "e2e"), row, strict=True)) for row in cursor.fetchall()]
+
+    def time_range(self) -> tuple[datetime | None, datetime | None]:
+        return self.con.execute('SELECT min("@timestamp"), max("@timestamp") FROM requests').fetchone()
+
+    def ttft_histogram(self, bins: int = 40) -> tuple[list[float], list[int]]:
+        """Bin edges (``bins + 1``) over [min, p99.5] of TTFT and counts; the last bin also holds the rest."""
+        ttft = col(LATENCY_FIELDS["ttft"])
+        lo, hi = self.con.execute(f"SELECT min({ttft}), quantile_cont({ttft}, 0.995) FROM requests").fetchone()
+        if lo is None:
+            return [], []
+        width = (hi - lo) / bins if hi > lo else 1.0
+        sql = (f"SELECT least(CAST(floor(({ttft} - {lo!r}) / {width!r}) AS BIGINT), {bins - 1}) AS b, count(*) "
+               f"FROM requests WHERE {ttft} IS NOT NULL GROUP BY b")
+        counts = [0] * bins
+        for b, n in self.con.execute(sql).fetchall():
+            counts[b] += n
+        return [lo + i * width for i in range(bins + 1)], counts
+
+
+def _percent_list() -> str:
+    return "[" + ", ".join(str(p / 100) for p in PERCENTS) + "]"
+
+
+def _metrics_sql() -> str:
+    q = _percent_list()
+    parts = ["count(*) AS requests",
+             f"count(*) FILTER (WHERE {col('http.response.status_code')} >= {ERROR_STATUS} "
+             f"OR {col('event.outcome')} = 'failure') AS errors"]
+    parts += [f"quantile_cont({col(path)}, {q}) AS {name}" for name, path in LATENCY_FIELDS.items()]
+    parts += [f"coalesce(sum({col('gen_ai.usage.input_tokens')}), 0) AS tokens_in",
+              f"coalesce(sum({col('gen_ai.usage.output_tokens')}), 0) AS tokens_out",
+              f"avg({col('kvscope.engine.batch_size_mean')}) AS batch_size_mean",
+              f"quantile_cont({col('kvscope.engine.kv_cache_usage')}, 0.95) AS kv_usage_p95",
+              f"coalesce(sum({col('kvscope.engine.num_preemptions')}), 0) AS preemptions"]
+    return ", ".join(parts)
+
+
+def _row(values: dict[str, Any]) -> ReportRow:
+    latency = {name: dict(zip(PERCENTS, values[name] or [None] * len(PERCENTS), strict=True))
+               for name in LATENCY_FIELDS}
+    return ReportRow(group=values["grp"], requests=int(values["requests"]), errors=int(values["errors"]),
+                     latency=latency, tokens_in=int(values["tokens_in"]), tokens_out=int(values["tokens_out"]),
+                     batch_size_mean=values["batch_size_mean"], kv_usage_p95=values["kv_usage_p95"],
+                     preemptions=int(values["preemptions"]))
+
+
+def prune(value: Any) -> Any:
+    """Drop ``None`` members recursively and turn datetimes into ISO strings (for printing records)."""
+    if isinstance(value, dict):
+        pruned = {k: prune(v) for k, v in value.items() if v is not None}
+        return {k: v for k, v in pruned.items() if v != {}}
+    if isinstance(value, list):
+        return [prune(v) for v in value]
+    if isinstance(value, datetime):
+        return es_time(value)
+    return value

@@ -1,0 +1,196 @@
+"""The report, search and plot data from Elasticsearch: request bodies and response parsing.
+
+One ``_search`` per report (request shape in :func:`report_query`): ``size`` = the number of slowest
+requests, sorted by ``kvscope.e2e_s`` desc; top-level metric aggregations for the totals; the same metrics
+under a ``terms`` aggregation for ``--by``. ``percentiles`` answers ``{"values": {"50.0": x, ...}}``
+(keyed, the default); ``filter`` answers ``{"doc_count": n}``; ``sum``/``avg`` ``{"value": x}``
+(``avg`` is null over no values); totals use ``hits.total.value`` with ``track_total_hits: true``
+(Search API and aggregation reference, Elasticsearch 8.x/9.x).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from elasticsearch import AsyncElasticsearch
+
+from gateway.logs.report_model import (
+    ERROR_STATUS,
+    GROUP_FIELDS,
+    LATENCY_FIELDS,
+    MISSING,
+    PERCENTS,
+    SLOW_FIELDS,
+    Report,
+    ReportRow,
+    dotted,
+    es_time,
+    slow_request,
+)
+
+PERCENTILE_METHOD = "approximate, TDigest (Elasticsearch percentiles aggregation)"
+_NUMERIC_GROUPS = {"status"}
+
+
+def time_filter(since: datetime | None) -> dict[str, Any]:
+    """``{"bool": {"filter": [range @timestamp >= since]}}`` or ``match_all``."""
+    if since is None:
+        return {"match_all": {}}
+    return {"bool": {"filter": [{"range": {"@timestamp": {"gte": es_time(since)}}}]}}
+
+
+def metric_aggs() -> dict[str, Any]:
+    """The per-row metric aggregations (see gateway.logs.report_model for the definitions)."""
+    errors = {"bool": {"should": [{"range": {"http.response.status_code": {"gte": ERROR_STATUS}}},
+                                  {"term": {"event.outcome": "failure"}}], "minimum_should_match": 1}}
+    aggs: dict[str, Any] = {"errors": {"filter": errors}}
+    for name, field in LATENCY_FIELDS.items():
+        aggs[name] = {"percentiles": {"field": field, "percents": list(PERCENTS)}}
+    aggs |= {
+        "tokens_in": {"sum": {"field": "gen_ai.usage.input_tokens"}},
+        "tokens_out": {"sum": {"field": "gen_ai.usage.output_tokens"}},
+        "batch_size_mean": {"avg": {"field": "kvscope.engine.batch_size_mean"}},
+        "kv_usage_p95": {"percentiles": {"field": "kvscope.engine.kv_cache_usage", "percents": [95]}},
+        "preemptions": {"sum": {"field": "kvscope.engine.num_preemptions"}},
+    }
+    return aggs
+
+
+def report_query(by: str | None, since: datetime | None, top: int = 10, max_groups: int = 50) -> dict[str, Any]:
+    """The ``_search`` body of a report. Raises ValueError for an unknown ``by``."""
+    aggs = metric_aggs()
+    if by is not None:
+        if by not in GROUP_FIELDS:
+            raise ValueError(f"--by must be one of {', '.join(GROUP_FIELDS)}")
+        terms: dict[str, Any] = {"field": GROUP_FIELDS[by], "size": max_groups}
+        if by not in _NUMERIC_GROUPS:
+            terms["missing"] = MISSING
+        aggs["groups"] = {"terms": terms, "aggs": metric_aggs()}
+    return {
+        "size": top,
+        "track_total_hits": True,
+        "query": time_filter(since),
+        "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}],
+        "_source": sorted(set(SLOW_FIELDS.values())),
+        "aggs": aggs,
+    }
+
+
+def percentile_values(agg: dict[str, Any]) -> dict[float, float | None]:
+    """``{50.0: x, ...}`` from a percentiles aggregation, keyed (dict) or ``keyed: false`` (list)."""
+    values = agg.get("values", {})
+    if isinstance(values, list):
+        return {float(v["key"]): v.get("value") for v in values}
+    return {float(k): v for k, v in values.items()}
+
+
+def _row(group: str | None, requests: int, aggs: dict[str, Any]) -> ReportRow:
+    latency = {}
+    for name in LATENCY_FIELDS:
+        values = percentile_values(aggs[name])
+        latency[name] = {p: values.get(float(p)) for p in PERCENTS}
+    return ReportRow(
+        group=group, requests=requests, errors=int(aggs["errors"]["doc_count"]), latency=latency,
+        tokens_in=int(aggs["tokens_in"]["value"] or 0), tokens_out=int(aggs["tokens_out"]["value"] or 0),
+        batch_size_mean=aggs["batch_size_mean"]["value"],
+        kv_usage_p95=percentile_values(aggs["kv_usage_p95"]).get(95.0),
+        preemptions=int(aggs["preemptions"]["value"] or 0),
+    )
+
+
+def total_hits(body: dict[str, Any]) -> int:
+    total = body["hits"]["total"]
+    return int(total["value"] if isinstance(total, dict) else total)
+
+
+def parse_report(body: dict[str, Any], by: str | None, source: str, since: str | None = None) -> Report:
+    """A :class:`Report` from the response to :func:`report_query`."""
+    aggs = body.get("aggregations", {})
+    groups = tuple(_row(str(b.get("key_as_string", b["key"])), int(b["doc_count"]), b)
+                   for b in aggs.get("groups", {}).get("buckets", []))
+    slowest = tuple(slow_request(h["_source"]) for h in body["hits"]["hits"]
+                    if dotted(h.get("_source"), "kvscope.e2e_s") is not None)
+    return Report(source=source, by=by, since=since, total=_row(None, total_hits(body), aggs), groups=groups,
+                  slowest=slowest, percentile_method=PERCENTILE_METHOD)
+
+
+def search_query(query: str, since: datetime | None, limit: int = 20) -> dict[str, Any]:
+    """``query_string`` search (Lucene syntax, e.g. ``kvscope.e2e_s:>5 AND gen_ai.request.model:smollm2*``)."""
+    must = [{"query_string": {"query": query}}] if query.strip() else [{"match_all": {}}]
+    filters = time_filter(since).get("bool", {}).get("filter", [])
+    return {"size": limit, "query": {"bool": {"must": must, "filter": filters}},
+            "sort": [{"@timestamp": {"order": "desc"}}]}
+
+
+def prelude_query(since: datetime | None) -> dict[str, Any]:
+    """Time range and TTFT range, to size the plot's buckets and bins."""
+    return {"size": 0, "query": time_filter(since), "aggs": {
+        "t_min": {"min": {"field": "@timestamp"}}, "t_max": {"max": {"field": "@timestamp"}},
+        "ttft_min": {"min": {"field": LATENCY_FIELDS["ttft"]}},
+        "ttft_hi": {"percentiles": {"field": LATENCY_FIELDS["ttft"], "percents": [99.5]}}}}
+
+
+def timeseries_query(since: datetime | None, bucket_s: int) -> dict[str, Any]:
+    pct = {name: {"percentiles": {"field": LATENCY_FIELDS[name], "percents": list(PERCENTS)}}
+           for name in ("ttft", "e2e")}
+    return {"size": 0, "query": time_filter(since), "aggs": {"t": {
+        "date_histogram": {"field": "@timestamp", "fixed_interval": f"{int(bucket_s)}s", "min_doc_count": 1},
+        "aggs": pct}}}
+
+
+def parse_timeseries(body: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for b in body["aggregations"]["t"]["buckets"]:
+        row: dict[str, Any] = {"t": datetime.fromtimestamp(b["key"] / 1000, UTC), "requests": b["doc_count"]}
+        for name in ("ttft", "e2e"):
+            values = percentile_values(b[name])
+            row[name] = [values.get(float(p)) for p in PERCENTS]
+        out.append(row)
+    return out
+
+
+def histogram_query(since: datetime | None, lo: float, width: float) -> dict[str, Any]:
+    return {"size": 0, "query": time_filter(since), "aggs": {"ttft": {"histogram": {
+        "field": LATENCY_FIELDS["ttft"], "interval": width, "offset": lo % width, "min_doc_count": 1}}}}
+
+
+class EsLogs:
+    """Report/search/plot data from an Elasticsearch data stream through ``client``."""
+
+    def __init__(self, client: AsyncElasticsearch, index: str, source: str, since: datetime | None) -> None:
+        self.client, self.index, self.source, self.since = client, index, source, since
+
+    async def _search(self, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self.client.search(index=self.index, body=body)
+        return dict(response.body)
+
+    async def report(self, by: str | None = None, top: int = 10, max_groups: int = 50,
+                     since: str | None = None) -> Report:
+        body = await self._search(report_query(by, self.since, top, max_groups))
+        return parse_report(body, by, self.source, since)
+
+    async def search(self, query: str, limit: int = 20) -> list[dict[str, Any]]:
+        body = await self._search(search_query(query, self.since, limit))
+        return [h["_source"] for h in body["hits"]["hits"]]
+
+    async def time_range(self) -> tuple[datetime | None, datetime | None]:
+        aggs = (await self._search(prelude_query(self.since)))["aggregations"]
+        stamps = [aggs[k]["value"] for k in ("t_min", "t_max")]
+        return tuple(None if v is None else datetime.fromtimestamp(v / 1000, UTC) for v in stamps)  # type: ignore[return-value]
+
+    async def timeseries(self, bucket_s: int) -> list[dict[str, Any]]:
+        return parse_timeseries(await self._search(timeseries_query(self.since, bucket_s)))
+
+    async def ttft_histogram(self, bins: int = 40) -> tuple[list[float], list[int]]:
+        aggs = (await self._search(prelude_query(self.since)))["aggregations"]
+        lo, hi = aggs["ttft_min"]["value"], percentile_values(aggs["ttft_hi"]).get(99.5)
+        if lo is None or hi is None:
+            return [], []
+        width = (hi - lo) / bins if hi > lo else 1.0
+        counts = [0] * bins
+        body = await self._search(histogram_query(self.since, lo, width))
+        for b in body["aggregations"]["ttft"]["buckets"]:
+            index = min(max(round((b["key"] - lo) / width), 0), bins - 1)
+            counts[index] += int(b["doc_count"])
+        return [lo + i * width for i in range(bins + 1)], counts

@@ -1,0 +1,237 @@
+"""Per-request observation: the RequestContext every layer fills in, and the middleware that turns it into
+exactly one log record, the request metrics and the server span, whatever the outcome.
+
+The middleware wraps every route except the probes (``/healthz``, ``/readyz``, ``/metrics``); unknown paths
+and methods reach catch-all routes, so they are observed too. It also adds ``x-request-id`` (and the admitted
+request's ``x-ratelimit-*`` headers) to every response.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from litestar.middleware import ASGIMiddleware
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from opentelemetry.trace import Span, Status, StatusCode
+
+from gateway.errors import GatewayError
+from gateway.metrics import route_label
+from gateway.tracing import span_ids
+
+if TYPE_CHECKING:
+    from gateway.lifespan import GatewayState
+
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+CTX_KEY = "kvscope_ctx"
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Everything known about one request; times are ``time.perf_counter()`` seconds unless noted."""
+
+    request_id: str
+    method: str
+    path: str
+    route: str
+    start: float
+    start_wall: float
+    """``time.time()`` at arrival (epoch seconds)."""
+    client_ip: str | None = None
+    user_agent: str | None = None
+    http_version: str = "1.1"
+    server_span: Span | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+    key_id: str | None = None
+    operation: str | None = None
+    request_model: str | None = None
+    model_served: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    stream: bool | None = None
+    prompt_tokens: int | None = None
+    """Counted at the gateway (None without a tokenizer)."""
+    request_bytes: int = 0
+    status: int | None = None
+    response_bytes: int = 0
+    end_at: float | None = None
+    first_token_at: float | None = None
+    upstream: str | None = None
+    upstream_s: float = 0.0
+    attempts: int = 0
+    usage: dict[str, Any] | None = None
+    engine: dict[str, Any] | None = None
+    response_model: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    output_events: int = 0
+    error_type: str | None = None
+    error_message: str | None = None
+    stream_error: str | None = None
+    """Why a stream failed after its 200 (incomplete, upstream_error, timeout …)."""
+    client_disconnected: bool = False
+    disconnect_phase: str | None = None
+    rate_limited: str | None = None
+    input_content: Any = None
+    output_content: list[str] | None = None
+    response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    cleanups: list[Callable[[RequestContext], Awaitable[None]]] = field(default_factory=list)
+
+    async def run_cleanups(self) -> None:
+        """Run (once) what must happen when the request is done, e.g. settling the rate limiter."""
+        cleanups, self.cleanups = self.cleanups, []
+        for cleanup in cleanups:
+            await cleanup(self)
+
+    def set_error(self, err: GatewayError) -> None:
+        self.error_type, self.error_message = err.error_type, err.message
+        if err.status == 429:
+            self.rate_limited = getattr(err, "reason", "requests")
+
+    def mark_disconnected(self, phase: str) -> None:
+        self.client_disconnected, self.disconnect_phase = True, phase
+        self.error_type = self.error_type or "client_disconnected"
+        self.error_message = self.error_message or f"client disconnected ({phase})"
+
+    @property
+    def output_tokens(self) -> int | None:
+        if self.usage and isinstance(self.usage.get("completion_tokens"), int):
+            return self.usage["completion_tokens"]
+        return self.output_events if self.stream else None
+
+    @property
+    def failed(self) -> bool:
+        return (self.status or 500) >= 400 or self.stream_error is not None
+
+    def epoch_ns(self, perf: float) -> int:
+        """A perf_counter time as epoch nanoseconds."""
+        return int((self.start_wall + (perf - self.start)) * 1e9)
+
+
+def new_request_id(header: str | None) -> str:
+    """The client's ``x-request-id`` when it is 1–128 of ``[A-Za-z0-9._:-]``, else a fresh uuid4 hex."""
+    if header and _REQUEST_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+def begin(gw: GatewayState, scope: Scope) -> RequestContext:
+    """Start observing a request: context, server span, in-flight gauge."""
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    path, method = scope["path"], scope["method"]
+    route = route_label(path)
+    ctx = RequestContext(request_id=new_request_id(headers.get("x-request-id")), method=method, path=path,
+                         route=route, start=time.perf_counter(), start_wall=time.time(),
+                         client_ip=(scope.get("client") or (None,))[0], user_agent=headers.get("user-agent"),
+                         http_version=scope.get("http_version", "1.1"))
+    name = f"{method} {route}" if route != "other" else method
+    attrs = {"http.request.method": method, "url.path": path, "http.route": route,
+             "http.request.id": ctx.request_id}
+    ctx.server_span = gw.tracer.start_server_span(name, headers, ctx.epoch_ns(ctx.start), attrs)
+    ctx.trace_id, ctx.span_id = span_ids(ctx.server_span)
+    gw.metrics.in_flight.inc()
+    return ctx
+
+
+async def finish(gw: GatewayState, ctx: RequestContext) -> None:
+    """Metrics, span end, the log record, then cleanups not yet run (rate-limit settlement)."""
+    ctx.end_at = ctx.end_at or time.perf_counter()
+    e2e = ctx.end_at - ctx.start
+    m = gw.metrics
+    model = m.model_label(ctx.request_model, ctx.model_served)
+    m.in_flight.dec()
+    m.requests.labels(model, ctx.route, str(ctx.status or 500)).inc()
+    m.request_duration.labels(model, ctx.route).observe(e2e)
+    m.overhead.labels(ctx.route).observe(gateway_overhead(ctx))
+    if ctx.rate_limited:
+        m.rate_limited.labels(ctx.rate_limited).inc()
+    if ctx.stream_error:
+        m.stream_errors.labels(model, ctx.stream_error).inc()
+    _observe_tokens(ctx, model, gw)
+    _end_server_span(ctx)
+    record = gw.record_builder.build(ctx)
+    for sink in gw.sinks:
+        sink.emit(record)
+    await ctx.run_cleanups()
+
+
+def gateway_overhead(ctx: RequestContext) -> float:
+    """Seconds spent in the gateway: e2e minus the time spent waiting on upstream attempts."""
+    end = ctx.end_at or time.perf_counter()
+    return max(0.0, end - ctx.start - ctx.upstream_s)
+
+
+def ttft_s(ctx: RequestContext) -> float | None:
+    return None if ctx.first_token_at is None else ctx.first_token_at - ctx.start
+
+
+def tpot_s(ctx: RequestContext, choices: int = 1) -> float | None:
+    """(e2e − TTFT) / (output tokens per choice − 1); None for fewer than 2 tokens or no TTFT."""
+    tokens = ctx.output_tokens
+    if ctx.first_token_at is None or ctx.end_at is None or tokens is None:
+        return None
+    per_choice = tokens // max(1, choices)
+    return (ctx.end_at - ctx.first_token_at) / (per_choice - 1) if per_choice >= 2 else None
+
+
+def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
+    m = gw.metrics
+    ttft, tpot = ttft_s(ctx), tpot_s(ctx, len(ctx.finish_reasons) or 1)
+    if ttft is not None:
+        m.ttft.labels(model).observe(ttft)
+    if tpot is not None:
+        m.tpot.labels(model).observe(tpot)
+    usage = ctx.usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens), ("cached", cached)):
+        if isinstance(value, int) and value > 0:
+            m.tokens.labels(model, kind).inc(value)
+
+
+def _end_server_span(ctx: RequestContext) -> None:
+    span = ctx.server_span
+    if span is None:
+        return
+    span.set_attribute("http.response.status_code", ctx.status or 500)
+    if ctx.failed and not ctx.client_disconnected:
+        span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
+        span.set_attribute("error.type", ctx.error_type or str(ctx.status))
+    span.end(end_time=ctx.epoch_ns(ctx.end_at or time.perf_counter()))
+
+
+class ObserveMiddleware(ASGIMiddleware):
+    """Observes every non-probe request; see the module docstring."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            await next_app(scope, receive, send)
+            return
+        gw: GatewayState = scope["litestar_app"].state.gateway
+        ctx = begin(gw, scope)
+        scope.setdefault("state", {})[CTX_KEY] = ctx
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ctx.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", ctx.request_id.encode()),
+                                                  *ctx.response_headers]}
+                await send(message)
+                return
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                await ctx.run_cleanups()  # limits are free again when the client sees the end
+            await send(message)
+            if message["type"] == "http.response.body":
+                ctx.response_bytes += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    ctx.end_at = time.perf_counter()
+
+        try:
+            await next_app(scope, receive, observed_send)
+        finally:
+            await finish(gw, ctx)

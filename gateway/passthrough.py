@@ -1,0 +1,92 @@
+"""Pass-through of ``/v1/*`` paths the gateway does not interpret (embeddings, tokenize, files …).
+
+Auth and the body-size limit apply; a JSON body naming a ``model`` is routed to a replica serving it (404
+for an unknown model, 403 if the key may not use it), other requests go to any healthy replica. Connection
+failures are retried on another replica; the answer is streamed back unchanged (hop-by-hop headers removed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import httpx
+import msgspec
+from litestar import Request
+from litestar.response import Stream
+
+from gateway.admission import authenticate, context_of, read_body
+from gateway.errors import ModelNotFound, UpstreamUnavailable
+from gateway.upstreams import Replica
+
+if TYPE_CHECKING:
+    from gateway.lifespan import GatewayState
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                        "proxy-authenticate", "proxy-authorization", "host", "authorization", "content-length",
+                        "accept-encoding", "content-encoding"})
+
+
+def _model_of(body: bytes) -> str | None:
+    try:
+        obj = msgspec.json.decode(body) if body else None
+    except msgspec.DecodeError:
+        return None
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return model if isinstance(model, str) else None
+
+
+async def passthrough(gw: GatewayState, request: Request) -> Stream:
+    """Forward the request; raises ModelNotFound/PermissionDenied/UpstreamUnavailable before any upstream
+    call."""
+    ctx = context_of(request)
+    principal = authenticate(gw, request)
+    body = await read_body(request, gw.settings.max_body_bytes)
+    model = _model_of(body)
+    if model is not None:
+        ctx.request_model = model
+        if not gw.pool.is_served(model):
+            raise ModelNotFound(f"The model '{model}' does not exist or is not served here.", param="model")
+        ctx.model_served = True
+        gw.auth.check_model(principal, model)
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers["x-request-id"] = ctx.request_id
+    if ctx.server_span is not None:
+        gw.tracer.inject(ctx.server_span, headers)
+    tried: list[Replica] = []
+    for _ in range(gw.settings.routing.max_attempts):
+        replica = gw.pool.pick(model, exclude=tried)
+        if replica is None:
+            break
+        tried.append(replica)
+        url = replica.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        upstream = gw.http.build_request(request.method, url, content=body,
+                                         headers={**headers, **replica.auth_headers()})
+        ctx.attempts += 1
+        ctx.upstream = replica.url
+        start = time.perf_counter()
+        try:
+            response = await gw.http.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            connect = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+            gw.pool.report_failure(replica, "connect" if connect else "disconnect", eject=connect)
+            ctx.upstream_s += time.perf_counter() - start
+            continue
+        gw.pool.acquire(replica)
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        return Stream(_relay(gw, replica, response, ctx, start), status_code=response.status_code,
+                      headers=out_headers)
+    raise UpstreamUnavailable("No healthy upstream is available right now.",
+                              headers={"retry-after": str(max(1, round(gw.settings.routing.health_interval_s)))})
+
+
+async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, ctx, start: float
+                 ) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        ctx.upstream_s += time.perf_counter() - start
+        gw.pool.release(replica)
+        await response.aclose()

@@ -1,0 +1,298 @@
+"""The upstream exchange of one admitted generation request, as an ASGI app the route handler returns.
+
+:class:`ProxyCall` owns the client connection from here on: it watches for the client's disconnect (and then
+cancels everything, closing the upstream connection at once, so the engine aborts), picks replicas
+(least outstanding), retries on another replica while nothing has reached the client yet, enforces the
+timeouts, and relays the answer: JSON as the upstream's exact bytes, streams through
+:class:`gateway.streaming.StreamRelay`. Errors before the response started are JSON with their status;
+after it started they go in-band (``data: {"error": …}``, no ``[DONE]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+from litestar.types import Receive, Scope, Send
+from opentelemetry.trace import Span, Status, StatusCode
+
+from gateway.errors import (
+    GatewayError,
+    RetryableFailure,
+    UpstreamAnswer,
+    UpstreamFailed,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    error_body,
+    error_json,
+)
+from gateway.sse import data_event
+from gateway.streaming import StreamRelay
+from gateway.upstreams import Replica
+
+if TYPE_CHECKING:
+    from gateway.lifespan import GatewayState
+    from gateway.observe import RequestContext
+
+_STREAM_REASONS = {"upstream_timeout": "timeout", "stream_incomplete": "incomplete", "stream_aborted": "aborted",
+                   "upstream_disconnected": "upstream_disconnected"}
+CLIENT_CLOSED_REQUEST = 499
+"""Status logged when the client left before the response started (nginx's convention)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyPlan:
+    """What admission decided: where and what to send, and how to read the answer."""
+
+    path: str
+    body: bytes
+    model: str
+    stream: bool
+    include_usage: bool
+    """The client asked for the usage chunk (the upstream is always asked)."""
+    expected_choices: int
+    operation: str
+
+
+class ProxyCall:
+    """ASGI app running one request against the upstream pool; see the module docstring."""
+
+    def __init__(self, gw: GatewayState, ctx: RequestContext, plan: ProxyPlan) -> None:
+        self.gw, self.ctx, self.plan = gw, ctx, plan
+        self.committed = False
+        """The response has started: no retry, errors go in-band."""
+        self.finished = False
+        self.disconnected = False
+        self.attempt_start = 0.0
+        self.upstream_end: float | None = None
+        self.last_token_at: float | None = None
+        self.client_span: Span | None = None
+        self._send: Send | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._send = send
+        task = asyncio.current_task()
+        watcher = asyncio.create_task(self._watch_disconnect(receive, task))
+        self.client_span = self.gw.tracer.start_client_span(self.ctx.server_span, self.plan.operation,
+                                                            self.plan.model, {"gen_ai.request.stream": self.plan.stream})
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if not self.disconnected:
+                raise
+            task.uncancel()
+            self.ctx.mark_disconnected(self.phase())
+            if not self.committed:
+                self.ctx.status = CLIENT_CLOSED_REQUEST
+        finally:
+            self.finished = True
+            watcher.cancel()
+            self._end_client_span()
+
+    def phase(self) -> str:
+        """Where the request was when the client left: ``response`` (waiting for a JSON answer),
+        ``first_token`` (stream, no token yet: queued or in prefill) or ``decode``."""
+        if not self.plan.stream:
+            return "response"
+        return "first_token" if self.ctx.first_token_at is None else "decode"
+
+    async def _watch_disconnect(self, receive: Receive, task: asyncio.Task | None) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.finished and task is not None:
+                    self.disconnected = True
+                    task.cancel()
+                return
+
+    # --- attempts -----------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        deadline = self.ctx.start + self.gw.settings.timeouts.total_s
+        tried: list[Replica] = []
+        failure: RetryableFailure | None = None
+        for _ in range(self.gw.settings.routing.max_attempts):
+            replica = self.gw.pool.pick(self.plan.model, exclude=tried)
+            if replica is None:
+                break
+            try:
+                await self._attempt(replica, deadline)
+                return
+            except RetryableFailure as exc:
+                failure = exc
+                if not exc.same_replica_ok:
+                    tried.append(replica)
+            except GatewayError as err:
+                await self.fail(err)
+                return
+        if failure is not None and failure.answer is not None:
+            await self._relay_answer(failure.answer)
+            return
+        error = failure.error if failure else UpstreamUnavailable(
+            f"No healthy upstream serves model '{self.plan.model}' right now.")
+        if error.status == 503:
+            error.headers.setdefault("retry-after", str(max(1, round(self.gw.settings.routing.health_interval_s))))
+        await self.fail(error)
+
+    async def _attempt(self, replica: Replica, deadline: float) -> None:
+        self.ctx.attempts += 1
+        self.ctx.upstream = replica.url
+        self.gw.pool.acquire(replica)
+        self.attempt_start, self.upstream_end = time.perf_counter(), None
+        response: httpx.Response | None = None
+        try:
+            response = await self._open(replica, deadline)
+            if response.status_code != 200:
+                await self._relay_status(replica, response, deadline)
+            elif self.plan.stream:
+                await StreamRelay(self, response, replica, deadline).run()
+            else:
+                await self._relay_json(replica, response, deadline)
+        finally:
+            self.gw.pool.release(replica)
+            self.ctx.upstream_s += (self.upstream_end or time.perf_counter()) - self.attempt_start
+            if response is not None:
+                await response.aclose()
+
+    def _headers(self, replica: Replica) -> dict[str, str]:
+        headers = {"content-type": "application/json", "x-request-id": self.ctx.request_id,
+                   **replica.auth_headers()}
+        if self.plan.stream:
+            headers["accept"] = "text/event-stream"
+        if self.client_span is not None:
+            self.gw.tracer.inject(self.client_span, headers)
+        return headers
+
+    async def _open(self, replica: Replica, deadline: float) -> httpx.Response:
+        """Send the request and wait for the upstream's status line (first-token/total deadline)."""
+        t = self.gw.settings.timeouts
+        limit = min(deadline, self.attempt_start + t.first_token_s) if self.plan.stream else deadline
+        request = self.gw.http.build_request("POST", replica.url + self.plan.path, content=self.plan.body,
+                                             headers=self._headers(replica))
+        pool = self.gw.pool
+        try:
+            async with asyncio.timeout(max(0.0, limit - time.perf_counter())):
+                return await self.gw.http.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            pool.report_failure(replica, "connect", eject=True)
+            raise RetryableFailure(UpstreamUnavailable(f"upstream {replica.label} is unreachable: {exc}")) from None
+        except TimeoutError:
+            pool.report_failure(replica, "timeout", passive=False)
+            raise UpstreamTimeout(f"upstream {replica.label} did not answer in time") from None
+        except httpx.HTTPError as exc:  # e.g. a pooled keep-alive connection the server had closed
+            pool.report_failure(replica, "disconnect")
+            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} closed the connection: {exc!r}"),
+                                   same_replica_ok=True) from None
+
+    async def read_body(self, replica: Replica, response: httpx.Response, deadline: float) -> bytes:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.perf_counter())):
+                body = await response.aread()
+        except TimeoutError:
+            self.gw.pool.report_failure(replica, "timeout", passive=False)
+            raise UpstreamTimeout(f"upstream {replica.label} did not finish in time") from None
+        except httpx.HTTPError as exc:
+            self.gw.pool.report_failure(replica, "disconnect", eject=True)
+            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} failed mid-response: {exc!r}")) from None
+        self.upstream_end = time.perf_counter()
+        return body
+
+    async def _relay_status(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
+        body = await self.read_body(replica, response, deadline)
+        answer = UpstreamAnswer(response.status_code, response.headers.get("content-type", ""), body)
+        if response.status_code >= 500:
+            self.gw.pool.report_failure(replica, "status_5xx")
+            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} answered {response.status_code}"),
+                                   answer)
+        self.gw.pool.report_success(replica)
+        await self._relay_answer(answer)
+
+    async def _relay_json(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
+        body = await self.read_body(replica, response, deadline)
+        self.gw.pool.report_success(replica)
+        self._read_completion(body)
+        content_type = response.headers.get("content-type", "application/json")
+        await self.start_response(200, [(b"content-type", content_type.encode()),
+                                        (b"content-length", str(len(body)).encode())])
+        await self.send_body(body, final=True)
+
+    def _read_completion(self, body: bytes) -> None:
+        try:
+            obj = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        ctx = self.ctx
+        ctx.usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+        ctx.engine = obj.get("kvscope") if isinstance(obj.get("kvscope"), dict) else None
+        ctx.response_model = obj.get("model")
+        choices = [c for c in obj.get("choices") or [] if isinstance(c, dict)]
+        ctx.finish_reasons = [c.get("finish_reason") for c in choices if c.get("finish_reason")]
+        if self.gw.settings.logs.log_content:
+            ctx.output_content = [(c.get("message") or {}).get("content") or c.get("text") for c in choices]
+
+    async def _relay_answer(self, answer: UpstreamAnswer) -> None:
+        """An upstream's non-200 answer with its status; non-JSON bodies are wrapped in an OpenAI error."""
+        body = answer.body
+        try:
+            error = msgspec.json.decode(body).get("error")
+        except (msgspec.DecodeError, AttributeError):
+            error = None
+        if not isinstance(error, dict):
+            text = body.decode("utf-8", "replace")[:1000] or f"upstream answered {answer.status}"
+            error = error_body(text, "upstream_error" if answer.status >= 500 else "invalid_request_error")["error"]
+            body = msgspec.json.encode({"error": error})
+        err = GatewayError(str(error.get("message")), code=error.get("code") or error.get("type"))
+        self.ctx.set_error(err)
+        await self.start_response(answer.status, [(b"content-type", b"application/json"),
+                                                  (b"content-length", str(len(body)).encode())])
+        await self.send_body(body, final=True)
+
+    # --- writing to the client ----------------------------------------------------------------------------
+    async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.committed = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def send_body(self, data: bytes, final: bool = False) -> None:
+        if final:
+            self.finished = True  # from here a disconnect message is the normal end, not the client leaving
+        await self._send({"type": "http.response.body", "body": data, "more_body": not final})
+
+    async def fail(self, err: GatewayError) -> None:
+        """End with ``err``: a JSON error response, or in-band (SSE error event) once the stream started."""
+        self.ctx.set_error(err)
+        if not self.committed:
+            body = error_json(err)
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       *((k.encode(), v.encode()) for k, v in err.headers.items())]
+            await self.start_response(err.status, headers)
+            await self.send_body(body, final=True)
+            return
+        self.ctx.stream_error = _STREAM_REASONS.get(err.code or "", "upstream_error")
+        await self.send_body(data_event(err.body()))
+        await self.send_body(b"", final=True)
+
+    def _end_client_span(self) -> None:
+        span, ctx = self.client_span, self.ctx
+        if span is None:
+            return
+        usage = ctx.usage or {}
+        attrs: dict[str, Any] = {"server.address": ctx.upstream or "", "kvscope.attempts": ctx.attempts,
+                                 "gen_ai.response.model": ctx.response_model or "",
+                                 "gen_ai.response.finish_reasons": ctx.finish_reasons}
+        for key, value in (("gen_ai.usage.input_tokens", usage.get("prompt_tokens")),
+                           ("gen_ai.usage.output_tokens", ctx.output_tokens)):
+            if isinstance(value, int):
+                attrs[key] = value
+        span.set_attributes(attrs)
+        if ctx.stream_error or (ctx.status or 0) >= 500:
+            span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
+        if ctx.engine is None and ctx.first_token_at is not None:
+            last = self.last_token_at or ctx.first_token_at
+            self.gw.tracer.record_phases(span, ctx.epoch_ns(self.attempt_start), ctx.epoch_ns(ctx.first_token_at),
+                                         ctx.epoch_ns(last))
+        span.end()

@@ -1,0 +1,104 @@
+"""HTTP routes. Generation routes return a :class:`~gateway.proxy.ProxyCall` (an ASGI app that owns the
+exchange); the others are small. Every path and method lands on some route (catch-alls raise OpenAI-shaped
+404/405), so every request is observed and logged."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request, Response, get, route
+from litestar.types import ASGIApp
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.admission import CHAT, COMPLETION, Operation, admit, authenticate, context_of
+from gateway.errors import MethodNotAllowed, ModelNotFound, NotFound
+from gateway.passthrough import passthrough
+from gateway.proxy import ProxyCall
+
+if TYPE_CHECKING:
+    from gateway.lifespan import GatewayState
+
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
+
+
+def state_of(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def _only(request: Request, method: str) -> None:
+    if request.method != method:
+        raise MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}; use {method}.")
+
+
+async def _generation(request: Request, op: Operation) -> ASGIApp:
+    _only(request, "POST")
+    gw = state_of(request)
+    plan = await admit(gw, request, op)
+    return ProxyCall(gw, context_of(request), plan)
+
+
+@route("/v1/chat/completions", http_method=ALL_METHODS)
+async def chat_completions(request: Request) -> ASGIApp:
+    return await _generation(request, CHAT)
+
+
+@route("/v1/completions", http_method=ALL_METHODS)
+async def completions(request: Request) -> ASGIApp:
+    return await _generation(request, COMPLETION)
+
+
+def _visible_models(request: Request) -> list[str]:
+    principal = authenticate(state_of(request), request)
+    served = state_of(request).pool.served_models()
+    return served if principal.models is None else [m for m in served if m in principal.models]
+
+
+@route("/v1/models", http_method=ALL_METHODS)
+async def list_models(request: Request) -> dict[str, Any]:
+    """Models of all upstreams merged (the upstream's cards, with ``max_model_len``), as the key may see."""
+    _only(request, "GET")
+    pool = state_of(request).pool
+    return {"object": "list", "data": [pool.model_card(m) for m in _visible_models(request)]}
+
+
+@get("/v1/models/{model:path}")
+async def retrieve_model(request: Request) -> dict[str, Any]:
+    name = str(request.path_params["model"]).lstrip("/")
+    if name not in _visible_models(request):
+        raise ModelNotFound(f"The model '{name}' does not exist or is not served here.", param="model")
+    return state_of(request).pool.model_card(name)
+
+
+@route("/v1/{path:path}", http_method=ALL_METHODS)
+async def other_v1(request: Request) -> Response:
+    """Any other ``/v1/*`` path, passed through to an upstream (by ``model`` when the body names one)."""
+    return await passthrough(state_of(request), request)
+
+
+@get("/healthz", sync_to_thread=False)
+def healthz() -> dict[str, str]:
+    """Liveness: the process serves HTTP."""
+    return {"status": "ok"}
+
+
+@get("/readyz")
+async def readyz(request: Request) -> Response:
+    """Readiness: 200 when a healthy upstream serves each configured model (each known model if none)."""
+    models = state_of(request).pool.ready()
+    ok = bool(models) and all(models.values())
+    return Response({"status": "ready" if ok else "not_ready", "models": models}, status_code=200 if ok else 503)
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    body = generate_latest(state_of(request).metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@route("/{path:path}", http_method=ALL_METHODS)
+async def not_found(request: Request) -> None:
+    raise NotFound(f"Unknown path {request.url.path}.")
+
+
+ROUTES = [chat_completions, completions, list_models, retrieve_model, other_v1, healthz, readyz, metrics,
+          not_found]

@@ -1,0 +1,292 @@
+"""Gateway configuration: frozen msgspec Structs, loaded from a YAML/TOML file, then env, then CLI overrides.
+
+This is the only module of the gateway that reads the environment. Precedence (later wins): built-in
+defaults < config file < ``KVSCOPE_GATEWAY_*`` env vars (and ``OTEL_EXPORTER_OTLP_ENDPOINT``) < CLI flags.
+Every struct forbids unknown keys, so a typo in the config file is an error, not a silent default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+_STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0)
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+                    300.0, 600.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class UpstreamConfig(msgspec.Struct, **_STRUCT):
+    """One OpenAI-compatible upstream replica (our engine, vLLM, llama.cpp, TGI …)."""
+
+    url: str
+    """Base URL without ``/v1``, e.g. ``http://127.0.0.1:8001``."""
+    models: tuple[str, ...] = ()
+    """Served model names; empty: whatever the upstream's ``/v1/models`` lists."""
+    api_key: str | None = None
+    """Bearer token the gateway sends to this upstream (e.g. vLLM ``--api-key``); never the client's key."""
+    name: str | None = None
+    """Label value in ``kvscope_gateway_upstream_*`` metrics; defaults to ``host:port``."""
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"upstream url must start with http:// or https://, got {self.url!r}")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url.split("://", 1)[1].rstrip("/")
+
+
+class ModelConfig(msgspec.Struct, **_STRUCT):
+    """Per-model settings the gateway cannot learn from the upstream."""
+
+    name: str
+    tokenizer: str | None = None
+    """``tokenizer.json`` or a model folder holding it (+ ``tokenizer_config.json``/``chat_template.jinja``)."""
+    max_model_len: int | None = None
+    """Context length in tokens; overrides ``max_model_len`` from the upstream's ``/v1/models``."""
+
+
+class KeyLimits(msgspec.Struct, **_STRUCT):
+    """Per-key limits; ``None`` means unlimited."""
+
+    max_tokens: int | None = None
+    """Ceiling on ``max_tokens``: larger requests get 400, requests without one get this value."""
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    """Prompt + completion tokens per minute (token bucket; settled with the real usage at the end)."""
+    max_concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in self.__struct_fields__:
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(f"{field} must be >= 1 or null, got {value}")
+
+    def merged(self, defaults: KeyLimits) -> KeyLimits:
+        """These limits with unset fields taken from ``defaults``."""
+        return KeyLimits(**{f: getattr(self, f) if getattr(self, f) is not None else getattr(defaults, f)
+                            for f in self.__struct_fields__})
+
+
+class ApiKeyConfig(msgspec.Struct, **_STRUCT):
+    """An API key, stored only as the sha256 hex digest of the key text (``kvscope keys create``)."""
+
+    name: str
+    """Key id: logged as ``user.id``; rate limits are kept per name."""
+    sha256: str
+    models: tuple[str, ...] | None = None
+    """Models this key may use; ``None``: all served models."""
+    limits: KeyLimits = KeyLimits()
+
+    def __post_init__(self) -> None:
+        digest = self.sha256.lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"api key {self.name!r}: sha256 must be 64 hex digits")
+
+
+class TimeoutConfig(msgspec.Struct, **_STRUCT):
+    """Upstream timeouts in seconds."""
+
+    connect_s: float = 5.0
+    first_token_s: float = 600.0
+    """Upstream request sent → first token event (streams); covers queueing and prefill."""
+    idle_s: float = 120.0
+    """Longest silence between two upstream chunks after the first token."""
+    total_s: float = 1800.0
+    """Whole request, all attempts."""
+    keepalive_s: float = 15.0
+    """Send ``: keep-alive`` to a stream's client after this much silence (keep below proxies' idle timeouts)."""
+
+
+class RoutingConfig(msgspec.Struct, **_STRUCT):
+    """Replica selection, retries and health checking."""
+
+    max_attempts: int = 3
+    """Upstream attempts per request (retries happen only before the first byte reached the client)."""
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    failure_threshold: int = 3
+    """Consecutive 5xx answers that eject a replica until its next good health check (connect errors: 1)."""
+
+
+class LogConfig(msgspec.Struct, **_STRUCT):
+    """Request-log sinks (one JSON line per request)."""
+
+    file: str | None = None
+    """Rotating JSONL file; ``None``: no file sink."""
+    stdout: bool = False
+    max_bytes: int = 100 * 1024 * 1024
+    backup_count: int = 5
+    queue_size: int = 10_000
+    """Records waiting for a sink's writer thread; beyond it records are dropped (and counted)."""
+    log_content: bool = False
+    """Also log prompts and completions (off by default: they may hold personal data)."""
+    elasticsearch: dict[str, Any] | None = None
+    """Ship records to Elasticsearch too: the fields of ``gateway.logs.es_settings.EsLogSettings``
+    (hosts, api_key, data_stream, spool_dir …); checked by :func:`load_settings`."""
+
+    def elasticsearch_settings(self) -> Any:
+        """The ``elasticsearch`` section as ``EsLogSettings`` (imports the client only when configured).
+        Raises ValueError when it is invalid."""
+        from gateway.logs.es_settings import EsLogSettings
+
+        try:
+            return msgspec.convert(self.elasticsearch, EsLogSettings)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid logs.elasticsearch: {exc}") from exc
+
+
+class TracingConfig(msgspec.Struct, **_STRUCT):
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP base URL, e.g. ``http://127.0.0.1:4318`` (spans go to ``/v1/traces``)."""
+
+
+class MetricsConfig(msgspec.Struct, **_STRUCT):
+    """Histogram buckets in seconds."""
+
+    ttft_buckets: tuple[float, ...] = TTFT_BUCKETS
+    tpot_buckets: tuple[float, ...] = TPOT_BUCKETS
+    duration_buckets: tuple[float, ...] = DURATION_BUCKETS
+    overhead_buckets: tuple[float, ...] = OVERHEAD_BUCKETS
+
+
+class GatewaySettings(msgspec.Struct, **_STRUCT):
+    """Everything the gateway needs; build with :func:`load_settings`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    upstreams: tuple[UpstreamConfig, ...] = ()
+    models: tuple[ModelConfig, ...] = ()
+    api_keys: tuple[ApiKeyConfig, ...] = ()
+    allow_unauthenticated: bool = False
+    """Serve without API keys on a non-loopback address (loopback never needs it)."""
+    default_limits: KeyLimits = KeyLimits()
+    """Limits for keys that do not set their own, and for anonymous clients when auth is off."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    redis_url: str | None = None
+    """Share rate limits between gateway replicas through Redis; ``None``: in-memory."""
+    timeouts: TimeoutConfig = TimeoutConfig()
+    routing: RoutingConfig = RoutingConfig()
+    logs: LogConfig = LogConfig()
+    tracing: TracingConfig = TracingConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    service_name: str = "kvscope-gateway"
+    node_name: str | None = None
+    """``service.node.name`` in logs and traces; defaults to the host name."""
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError("at least one upstream is required (--upstream URL or `upstreams:` in the config)")
+        if not self.api_keys and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(f"refusing to serve {self.host} without API keys: add keys (kvscope keys create) "
+                             "or pass --allow-unauthenticated")
+        names = [key.name for key in self.api_keys]
+        if len(names) != len(set(names)):
+            raise ValueError("api key names must be unique")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    @property
+    def node(self) -> str:
+        return self.node_name or socket.gethostname()
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a ``.yaml``/``.yml``/``.toml``/``.json`` config file. Raises ValueError."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".toml":
+        raw = tomllib.loads(text)
+    else:
+        raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping")
+    return raw
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """Overrides from ``KVSCOPE_GATEWAY_{HOST,PORT,UPSTREAMS,REDIS_URL,LOG_FILE,ALLOW_UNAUTHENTICATED,
+    API_KEY_HASHES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT``, in config-file shape."""
+    prefix = "KVSCOPE_GATEWAY_"
+    out: dict[str, Any] = {}
+    if value := env.get(prefix + "HOST"):
+        out["host"] = value
+    if value := env.get(prefix + "PORT"):
+        out["port"] = int(value)
+    if value := env.get(prefix + "UPSTREAMS"):
+        out["upstreams"] = [{"url": url.strip()} for url in value.split(",") if url.strip()]
+    if value := env.get(prefix + "REDIS_URL"):
+        out["redis_url"] = value
+    if value := env.get(prefix + "LOG_FILE"):
+        out["logs"] = {"file": value}
+    if value := env.get(prefix + "ALLOW_UNAUTHENTICATED"):
+        out["allow_unauthenticated"] = value.lower() in ("1", "true", "yes")
+    if value := env.get(prefix + "API_KEY_HASHES"):
+        out["api_keys"] = [parse_key_hash(item) for item in value.split(",") if item.strip()]
+    if value := env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        out["tracing"] = {"otlp_endpoint": value}
+    return out
+
+
+def parse_key_hash(item: str) -> dict[str, str]:
+    """``NAME:SHA256`` → ``{"name": NAME, "sha256": SHA256}``. Raises ValueError."""
+    name, sep, digest = item.strip().partition(":")
+    if not sep or not name:
+        raise ValueError(f"expected NAME:SHA256, got {item!r}")
+    return {"name": name, "sha256": digest}
+
+
+def merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: mappings merge key by key, anything else (lists too) is replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_settings(config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+                  env: Mapping[str, str] | None = None) -> GatewaySettings:
+    """Settings from defaults < file (``config_path`` or ``$KVSCOPE_GATEWAY_CONFIG``) < env < ``overrides``.
+
+    ``env`` defaults to ``os.environ``. Raises ValueError with the offending path on any invalid value.
+    """
+    env = os.environ if env is None else env
+    config_path = config_path or env.get("KVSCOPE_GATEWAY_CONFIG")
+    raw = read_config_file(config_path) if config_path else {}
+    raw = merge(merge(raw, env_overrides(env)), overrides or {})
+    try:
+        settings = msgspec.convert(raw, GatewaySettings)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid gateway config: {exc}") from exc
+    if settings.logs.elasticsearch is not None:
+        settings.logs.elasticsearch_settings().sink_config()
+    return settings

@@ -1,0 +1,171 @@
+"""Upstream replicas: served models, health, least-outstanding-requests selection, passive ejection.
+
+Active health check: ``GET {url}/v1/models`` every ``health_interval_s`` (universal across OpenAI-compatible
+servers, and it refreshes each replica's model cards, including ``max_model_len``). Passive ejection: a
+connection error or timeout ejects a replica at once, ``failure_threshold`` consecutive 5xx answers eject it;
+an ejected replica returns at its next good health check. Selection: among healthy replicas serving the
+model, the one with the fewest requests in flight; ties go round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.metrics import GatewayMetrics
+from gateway.settings import ModelConfig, RoutingConfig, UpstreamConfig
+
+_log = logging.getLogger("kvscope.gateway")
+
+
+@dataclass(slots=True)
+class Replica:
+    """One upstream server and what the gateway knows about it."""
+
+    config: UpstreamConfig
+    healthy: bool = False
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    cards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Model id → the upstream's ``/v1/models`` entry."""
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    @property
+    def url(self) -> str:
+        return self.config.url.rstrip("/")
+
+    def serves(self, model: str) -> bool:
+        return model in self.config.models if self.config.models else model in self.cards
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+
+class UpstreamPool:
+    """All replicas; chooses one per attempt and keeps health and metrics up to date."""
+
+    def __init__(self, upstreams: Iterable[UpstreamConfig], models: Iterable[ModelConfig],
+                 routing: RoutingConfig, metrics: GatewayMetrics) -> None:
+        self.replicas = [Replica(u) for u in upstreams]
+        self._model_configs = {m.name: m for m in models}
+        self._routing = routing
+        self._metrics = metrics
+        self._turn = itertools.count()
+        for replica in self.replicas:
+            metrics.upstream_up.labels(replica.label).set(0)
+            metrics.upstream_outstanding.labels(replica.label).set(0)
+
+    # --- models -------------------------------------------------------------------------------------------
+    def served_models(self) -> list[str]:
+        """Every model name some replica is configured for or has listed, plus configured models."""
+        names: dict[str, None] = dict.fromkeys(self._model_configs)
+        for replica in self.replicas:
+            names.update(dict.fromkeys(replica.config.models or replica.cards))
+        return list(names)
+
+    def is_served(self, model: str) -> bool:
+        return model in self._model_configs or any(r.serves(model) for r in self.replicas)
+
+    def model_card(self, model: str) -> dict[str, Any]:
+        """The ``/v1/models`` entry: the upstream's (from a healthy replica first) with configured overrides."""
+        card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvscope"}
+        for replica in sorted(self.replicas, key=lambda r: not r.healthy):
+            if model in replica.cards:
+                card = dict(replica.cards[model])
+                break
+        config = self._model_configs.get(model)
+        if config is not None and config.max_model_len is not None:
+            card["max_model_len"] = config.max_model_len
+        return card
+
+    def max_model_len(self, model: str) -> int | None:
+        value = self.model_card(model).get("max_model_len")
+        return value if isinstance(value, int) and value > 0 else None
+
+    def ready(self) -> dict[str, bool]:
+        """Model → whether a healthy replica serves it, for every configured or ever-discovered model (a
+        replica keeps its last model list while it is down)."""
+        return {m: any(r.healthy and r.serves(m) for r in self.replicas) for m in self.served_models()}
+
+    # --- selection ----------------------------------------------------------------------------------------
+    def candidates(self, model: str | None, exclude: Iterable[Replica] = ()) -> list[Replica]:
+        """Healthy replicas serving ``model`` (any healthy replica for ``None``), minus ``exclude``."""
+        skip = set(map(id, exclude))
+        return [r for r in self.replicas
+                if r.healthy and (model is None or r.serves(model)) and id(r) not in skip]
+
+    def pick(self, model: str | None, exclude: Iterable[Replica] = ()) -> Replica | None:
+        """The healthy replica serving ``model`` with the fewest outstanding requests (ties round-robin)."""
+        replicas = self.candidates(model, exclude)
+        if not replicas:
+            return None
+        fewest = min(r.outstanding for r in replicas)
+        tied = [r for r in replicas if r.outstanding == fewest]
+        return tied[next(self._turn) % len(tied)]
+
+    def acquire(self, replica: Replica) -> None:
+        replica.outstanding += 1
+        self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+
+    def release(self, replica: Replica) -> None:
+        replica.outstanding -= 1
+        self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+
+    # --- passive health -----------------------------------------------------------------------------------
+    def report_success(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+
+    def report_failure(self, replica: Replica, reason: str, eject: bool = False, passive: bool = True) -> None:
+        """Count a failed attempt (``reason``: connect, timeout, status_5xx, stream_broken …) in
+        ``kvscope_gateway_upstream_errors_total``; eject when ``eject`` or after ``failure_threshold``
+        consecutive ``passive`` failures. Timeouts are not passive failures: a slow replica is busy, not dead."""
+        self._metrics.upstream_errors.labels(replica.label, reason).inc()
+        if not passive:
+            return
+        replica.consecutive_failures += 1
+        if eject or replica.consecutive_failures >= self._routing.failure_threshold:
+            if replica.healthy:
+                _log.warning("upstream %s ejected (%s)", replica.label, reason)
+            self._set_health(replica, False)
+
+    def _set_health(self, replica: Replica, healthy: bool) -> None:
+        replica.healthy = healthy
+        self._metrics.upstream_up.labels(replica.label).set(1 if healthy else 0)
+
+    # --- active health ------------------------------------------------------------------------------------
+    async def check(self, replica: Replica, client: httpx.AsyncClient) -> bool:
+        """One health probe: ``GET /v1/models``; updates the replica's cards and health."""
+        try:
+            resp = await client.get(replica.url + "/v1/models", headers=replica.auth_headers(),
+                                    timeout=self._routing.health_timeout_s)
+            data = resp.json()["data"] if resp.status_code == 200 else None
+            cards = {c["id"]: c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            if replica.healthy:
+                _log.warning("upstream %s failed its health check: %r", replica.label, exc)
+            self._set_health(replica, False)
+            return False
+        if not replica.healthy:
+            _log.info("upstream %s is healthy (%s)", replica.label, ", ".join(cards) or "no models")
+        replica.cards = cards
+        replica.consecutive_failures = 0
+        self._set_health(replica, True)
+        return True
+
+    async def check_all(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.check(r, client) for r in self.replicas))
+
+    async def run_health_checks(self, client: httpx.AsyncClient) -> None:
+        """Probe every replica every ``health_interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self._routing.health_interval_s)
+            await self.check_all(client)

@@ -1,0 +1,50 @@
+"""The ``kvscope`` command: one entry point that dispatches to each component's own CLI.
+
+Sub-CLIs are imported lazily so that ``kvscope pull`` or ``kvscope gateway`` never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvscope.supervisor:serve_main", "pull the model if needed, start engine + gateway, print the URL"),
+    "engine": ("engine.server.cli:engine_main", "run the engine's OpenAI-compatible server"),
+    "gateway": ("gateway.cli:gateway_main", "run the gateway in front of one or more upstreams"),
+    "keys": ("gateway.cli:keys_main", "create gateway API keys (stored as sha256 hashes)"),
+    "pull": ("kvscope.pull_cli:pull_main", "download a registered model into the cache"),
+    "logs": ("gateway.logs.cli:logs_main", "request-log analytics: setup-es, report, search, plot"),
+    "bench": ("kvscope.bench_cli:bench_main", "serving benchmark (or --offline engine benchmark)"),
+    "plan": ("kvscope.plan:plan_main", "KV-cache capacity planner"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvscope", description="Observability-first LLM inference stack.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvscope`` console script; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = _parser()
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(f"kvscope: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        parser.print_help()
+        return 0
+    target, _ = COMMANDS[argv[0]]
+    module_name, func_name = target.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

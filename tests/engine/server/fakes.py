@@ -1,0 +1,195 @@
+"""A scripted stand-in for AsyncEngine (same surface, no model) so server tests run in milliseconds.
+
+Byte-level tokenizer: token id = one UTF-8 byte (0 is EOS), so a multi-byte character spans several tokens and
+the incremental text must hold partial characters back, as the real detokenizer does. The reply of every
+request is ``FakeEngine.reply`` (bytes), followed by EOS unless ``ignore_eos``; timing is scripted by
+``queue_s`` (before scheduling), ``prefill_s`` (before the first token) and ``token_s`` (between tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+from dataclasses import dataclass, field
+
+from engine.async_engine import RequestFailedError
+from engine.core.stats import SchedulerStats
+from engine.engine_core import EngineCore, StepResult
+from engine.errors import EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+EOS = 0
+
+
+class FakeTokenizer:
+    vocab_size = 256
+    eos_token_id = EOS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if not (skip_special_tokens and i == EOS)).decode("utf-8", "replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = ""
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, list):
+                content = "\n".join(part["text"] for part in content)
+            text += f"<{m['role']}>{content}\n"
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+@dataclass(frozen=True, slots=True)
+class FakeInfo:
+    name: str = "fake-model"
+    model_dir: str = "/models/fake"
+    max_model_len: int = 128
+    kv_cache_bytes: int = 1000
+    weights_bytes: int = 2000
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def get_stats(self) -> SchedulerStats:
+        running = sum(r.status == RequestStatus.RUNNING for r in self.requests.values())
+        used = len(self.requests)
+        return SchedulerStats(num_running=running, num_waiting=used - running, kv_cache_usage=used / 10,
+                              num_used_blocks=used, num_cached_blocks=0, num_free_blocks=10 - used,
+                              num_preemptions_total=0, prefix_cache_queries=0, prefix_cache_hits=0)
+
+
+class FakeCore:
+    def __init__(self, info: FakeInfo) -> None:
+        self.max_model_len = info.max_model_len
+        self.vocab_size = FakeTokenizer.vocab_size
+        self.scheduler = FakeScheduler()
+        self.device = "cpu"
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        return EngineCore.check_request(self, prompt_token_ids, params)  # type: ignore[arg-type]
+
+
+@dataclass
+class FakeEngine:
+    reply: bytes = b"Hello world"
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    token_s: float = 0.0
+    info: FakeInfo = field(default_factory=FakeInfo)
+    aborted: list[tuple[str, str]] = field(default_factory=list)
+    """(request id, reason) of every abort, in order."""
+    started: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.core = FakeCore(self.info)
+        self.is_running = False
+        self.listener = None
+        self._failures: dict[str, str] = {}
+
+    def start(self) -> None:
+        self.is_running = True
+
+    def stop(self) -> None:
+        self.is_running = False
+
+    def set_step_listener(self, listener) -> None:
+        self.listener = listener
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self.aborted.append((request_id, reason))
+        self._failures[request_id] = reason
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       arrival_time: float | None = None, trace_context: object | None = None):
+        if not self.is_running:
+            raise EngineDeadError("fake engine stopped")
+        self.core.check_request(prompt_token_ids, params)
+        self.started.append(request_id)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        children = [Request(cid, list(prompt_token_ids), params, EOS, arrival_time=arrival,
+                            max_tokens=params.max_tokens or 64, trace_context=trace_context) for cid in ids]
+        finished = False
+        try:
+            async for output in self._run(request_id, children):
+                finished = output.finished
+                yield output
+        finally:
+            for child in children:
+                self.core.scheduler.requests.pop(child.request_id, None)
+            if not finished:
+                self.aborted.append((request_id, "abort"))
+            self._notify()
+
+    async def _run(self, request_id: str, children: list[Request]):
+        for child in children:
+            self.core.scheduler.requests[child.request_id] = child
+        await self._sleep(self.queue_s, request_id)
+        now = time.monotonic()
+        for child in children:
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = len(child.prompt_token_ids)
+            child.stats.on_scheduled(now, batch_size=len(children), num_blocks=1)
+        await self._sleep(self.prefill_s, request_id)
+        script = list(self.reply)
+        decoders = [codecs.getincrementaldecoder("utf-8")("ignore") for _ in children]
+        step = 0
+        while True:
+            if step:
+                await self._sleep(self.token_s, request_id)
+            else:
+                await self._sleep(0, request_id)
+            outputs = [self._advance(c, i, script, decoders[i]) for i, c in enumerate(children) if not c.is_finished]
+            step += 1
+            done = all(c.is_finished for c in children)
+            yield RequestOutput(request_id, children[0].prompt_token_ids, outputs, finished=done)
+            self._notify()
+            if done:
+                return
+
+    def _advance(self, child: Request, index: int, script: list[int], decoder) -> CompletionOutput:
+        params = child.sampling_params
+        position = child.num_output_tokens
+        token = script[position] if position < len(script) else (EOS if not params.ignore_eos else ord("."))
+        now = time.monotonic()
+        child.append_output_token_ids([token])
+        child.stats.on_token(now)
+        text = "" if token == EOS else decoder.decode(bytes([token]))
+        out = CompletionOutput(index=index, text=text, token_ids=[token], num_output_tokens=child.num_output_tokens)
+        if params.logprobs is not None:
+            top = [(token, -0.5)] + [((token + j) % 256, -1.0 - j) for j in range(1, params.logprobs)]
+            out.logprobs = [TokenLogprob(token, -0.5, 1, top[:params.logprobs])]
+        reason = "stop" if token == EOS else ("length" if child.num_output_tokens >= child.max_tokens else None)
+        if reason is not None:
+            child.status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+            out.text += decoder.decode(b"", final=True)
+            out.finish_reason = reason
+            out.stats = child.stats.to_dict(child.num_output_tokens)
+        return out
+
+    async def _sleep(self, seconds: float, request_id: str) -> None:
+        await asyncio.sleep(seconds)  # always yield to the loop, as waiting on the engine thread does
+        reason = self._failures.pop(request_id, None)
+        if reason is not None and reason != "abort":
+            raise RequestFailedError(request_id, reason)
+
+    def _notify(self) -> None:
+        if self.listener is not None:
+            stats = self.core.scheduler.get_stats()
+            self.listener(StepResult(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                                     kv_cache_usage=stats.kv_cache_usage, batch_size=stats.num_running,
+                                     num_scheduled_tokens=stats.num_running))

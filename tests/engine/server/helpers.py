@@ -1,0 +1,147 @@
+"""Test helpers shared by the server unit tests and the e2e engine tests: SSE parsing, metric reading,
+an in-thread uvicorn server, and the engine server as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class SSEStream:
+    """A parsed stream: ``data`` payloads in order (dicts, or the string ``[DONE]``) and comment lines."""
+
+    data: list[Any] = field(default_factory=list)
+    comments: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+    """Lines that are neither ``data:`` nor comments (``event:``, ``id:`` …): must stay empty."""
+
+    @property
+    def chunks(self) -> list[dict]:
+        return [d for d in self.data if isinstance(d, dict)]
+
+
+def parse_sse(text: str) -> SSEStream:
+    """Split on blank lines; each event must be exactly one ``data:`` line or comment lines."""
+    stream = SSEStream()
+    for event in text.split("\n\n"):
+        for line in event.split("\n"):
+            if not line:
+                continue
+            if line.startswith(":"):
+                stream.comments.append(line)
+            elif line.startswith("data: "):
+                payload = line[len("data: "):]
+                stream.data.append(payload if payload == "[DONE]" else json.loads(payload))
+            else:
+                stream.other.append(line)
+    return stream
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text → {(sample name, sorted labels): value}."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    """One sample's value (0.0 when absent)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run an ASGI app under a real uvicorn server in a thread; yields its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@dataclass
+class EngineProcess:
+    """``python -m engine.server`` as a subprocess; stdout (the JSON request log) goes to ``log_path``."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    err_path: Path
+
+    def log_records(self) -> list[dict]:
+        lines = self.log_path.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def records_for(self, response_id: str) -> list[dict]:
+        return [r for r in self.log_records() if r.get("gen_ai", {}).get("response", {}).get("id") == response_id]
+
+    def metrics(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            return metric_samples(response.read().decode())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_engine(tmp_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 timeout_s: float = 240) -> EngineProcess:
+    """Start the engine server on a free port with ``args`` and wait until /health answers 200."""
+    port = free_port()
+    log_path, err_path = tmp_dir / "engine.jsonl", tmp_dir / "engine.err"
+    command = [sys.executable, "-m", "engine.server", "--port", str(port), *args]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=log_path.open("w"), stderr=err_path.open("w"),
+                            env={**os.environ, **(env or {})})
+    engine = EngineProcess(f"http://127.0.0.1:{port}", proc, log_path, err_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}:\n{err_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{engine.url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return engine
+        except OSError:
+            time.sleep(0.5)
+    engine.stop()
+    raise RuntimeError(f"engine not healthy after {timeout_s} s:\n{err_path.read_text()[-3000:]}")

@@ -1,0 +1,115 @@
+"""Spans of a request (case M3) with the in-memory exporter, and the engine timeline → span events."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.server.access_log import ACCESS_LOGGER
+from engine.tracing import RequestSpans, RequestTimeline, Tracing, observe_step
+from tests.engine.server.conftest import chat_body
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _by_name(exporter: InMemorySpanExporter) -> dict:
+    return {span.name: span for span in exporter.get_finished_spans()}
+
+
+def test_traceparent_is_continued_with_phase_children(client, spans, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    spans.clear()  # drop nothing-related spans (warm-up makes none, but be explicit)
+    body = client.post("/v1/chat/completions", json=chat_body(max_tokens=4),
+                       headers={"traceparent": TRACEPARENT}).json()
+    named = _by_name(spans)
+    assert sorted(named) == ["decode", "llm_request", "prefill", "queue"]
+    root = named["llm_request"]
+    assert {f"{s.context.trace_id:032x}" for s in named.values()} == {"4bf92f3577b34da6a3ce929d0e0e4736"}
+    assert f"{root.parent.span_id:016x}" == "00f067aa0ba902b7" and root.parent.is_remote
+    assert root.kind == SpanKind.SERVER
+    for child in ("queue", "prefill", "decode"):
+        assert named[child].parent.span_id == root.context.span_id
+    assert named["queue"].end_time <= named["prefill"].start_time + 1
+    assert named["prefill"].end_time <= named["decode"].start_time + 1
+    assert root.start_time <= named["queue"].start_time and named["decode"].end_time <= root.end_time
+    attrs = root.attributes
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == "fake-model"
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (20, 4)
+    assert tuple(attrs["gen_ai.response.finish_reasons"]) == ("length",)
+    assert attrs["gen_ai.request.max_tokens"] == 4 and attrs["gen_ai.response.id"] == body["id"]
+    chunks = [e for e in named["prefill"].events if e.name == "prefill_chunk"]
+    assert [(e.attributes["kvscope.chunk.start"], e.attributes["kvscope.chunk.end"]) for e in chunks] == [(0, 20)]
+    line = next(json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER)
+    assert line["trace"]["id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert line["span"]["id"] == f"{root.context.span_id:016x}"
+
+
+def test_without_traceparent_llm_request_is_a_root(client, spans):
+    spans.clear()
+    client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+    named = _by_name(spans)
+    assert named["llm_request"].parent is None
+    assert len({s.context.trace_id for s in named.values()}) == 1
+
+
+def test_failed_request_span_has_error_status(client, spans):
+    spans.clear()
+    client.post("/v1/chat/completions", json=chat_body(max_tokens=20), headers={"x-kvscope-fault": "after_tokens=2"})
+    root = _by_name(spans)["llm_request"]
+    assert root.status.status_code == StatusCode.ERROR
+    assert "injected fault" in root.status.description
+
+
+def _request(prompt_len: int) -> Request:
+    return Request("r1", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=8), 0, arrival_time=100.0)
+
+
+def test_timeline_records_chunks_and_preemption_with_exact_times():
+    timeline = RequestTimeline()
+    request = _request(40)
+    request.trace_context = timeline
+    for computed, now in ((16, 101.0), (32, 102.0), (40, 103.0)):  # three prefill chunks
+        request.num_computed_tokens = computed
+        observe_step([request], now)
+    request.append_output_token_ids([7])
+    request.num_computed_tokens = 41  # one decode step: not a chunk
+    observe_step([request], 104.0)
+    request.stats.num_preemptions, request.num_computed_tokens = 1, 0
+    observe_step([request], 105.0)
+    request.num_computed_tokens = 41  # recompute prompt + output after the preemption
+    observe_step([request], 106.0)
+    names = [(e.name, e.time, e.initial_prefill) for e in timeline.events]
+    assert names == [("prefill_chunk", 101.0, True), ("prefill_chunk", 102.0, True),
+                     ("prefill_chunk", 103.0, True), ("preemption", 105.0, False),
+                     ("prefill_chunk", 106.0, False)]
+    assert timeline.events[-1].attributes["kvscope.chunk.num_tokens"] == 41
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("t", exporter, batch=False)
+    tracing.record(RequestSpans(timeline=timeline, arrival=100.0, arrival_wall_ns=1_000_000_000_000,
+                                end=107.0, first_scheduled=100.5, first_token=103.0, last_token=107.0,
+                                attributes={"gen_ai.operation.name": "chat"}))
+    named = _by_name(exporter)
+    ns = 1_000_000_000
+    assert (named["queue"].start_time, named["queue"].end_time) == (1000 * ns, 1000 * ns + ns // 2)
+    assert (named["prefill"].start_time, named["prefill"].end_time) == (1000 * ns + ns // 2, 1003 * ns)
+    assert (named["decode"].start_time, named["decode"].end_time) == (1003 * ns, 1007 * ns)
+    assert [e.timestamp for e in named["prefill"].events] == [1001 * ns, 1002 * ns, 1003 * ns]
+    assert [(e.name, e.timestamp) for e in named["decode"].events] == [("preemption", 1005 * ns),
+                                                                        ("prefill_chunk", 1006 * ns)]
+
+
+def test_final_chunk_added_when_request_finished_in_its_prefill_step():
+    timeline = RequestTimeline()
+    request = _request(20)
+    request.num_computed_tokens = 16
+    timeline.observe(request, 1.0)
+    timeline.finish_prefill("r1", 20, first_token_time=2.0)
+    assert [(e.attributes["kvscope.chunk.start"], e.attributes["kvscope.chunk.end"], e.time)
+            for e in timeline.events] == [(0, 16, 1.0), (16, 20, 2.0)]

@@ -1,0 +1,67 @@
+"""Greedy generation is token-identical to transformers generate(do_sample=False) on the same SmolLM2 weights,
+one request at a time and all prompts batched together (continuous batching must not change a single token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+LONG_TEXT = " ".join(
+    f"Paragraph {i}: The history of computing spans mechanical calculators, vacuum tubes, transistors and "
+    f"integrated circuits, each step making machines smaller, faster and cheaper than the one before."
+    for i in range(14)
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "请用一句话介绍一下长城。"}],
+    [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three fruits."}],
+    [{"role": "user", "content": "Translate to German: The weather is nice today."}],
+    [{"role": "user", "content": f"Summarize in one sentence: {LONG_TEXT}"}],
+]
+RAW_PROMPTS = ["def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def prompts(llm) -> list[list[int]]:
+    chat = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in CONVERSATIONS]
+    return chat + [llm.tokenizer.encode(p) for p in RAW_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts, llm) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt alone (stops at EOS like the engine)."""
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.0,
+                                    eos_token_id=llm.tokenizer.eos_token_id, pad_token_id=0)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def test_prompt_set_is_varied(prompts):
+    assert len(prompts) >= 8
+    assert max(len(p) for p in prompts) > 400  # the long one
+
+
+def test_greedy_one_at_a_time_matches_transformers(llm, prompts, reference):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    for ids, expected in zip(prompts, reference, strict=True):
+        [out] = llm.generate([ids], params)
+        assert out.outputs[0].token_ids == expected
+
+
+def test_greedy_batched_matches_transformers(llm, prompts, reference):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    for out, expected in zip(outputs, reference, strict=True):
+        assert out.outputs[0].finish_reason == ("stop" if len(expected) < NEW_TOKENS else "length")

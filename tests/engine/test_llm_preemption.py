@@ -1,0 +1,34 @@
+"""Preemption by recompute is invisible: with KV room for about two requests, eight concurrent greedy requests
+produce exactly their solo outputs, the engine preempts, and every block is free afterwards (case K2 at the
+engine level)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 256
+BLOCK_SIZE = 16
+
+
+def test_preemption_is_invisible(llm):
+    prompts = [llm.tokenizer.encode(f"Request {i}: list the numbers from 1 upward:") for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    solo = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+    blocks_per_request = -(-(max(len(p) for p in prompts) + NEW_TOKENS) // BLOCK_SIZE)
+    small = LLM("smollm2-135m", num_blocks=2 * blocks_per_request + 2, block_size=BLOCK_SIZE)
+    outputs = small.generate(prompts, params)
+
+    assert [o.outputs[0].token_ids for o in outputs] == solo
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    preemptions = [o.outputs[0].stats["num_preemptions"] for o in outputs]
+    assert sum(preemptions) > 0
+    stats = small.engine.scheduler.get_stats()
+    assert stats.num_preemptions_total == sum(preemptions)
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.kv_cache_usage == 0.0
+    assert small.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 2 * blocks_per_request + 2

@@ -1,0 +1,105 @@
+"""engine.metrics: the exact kvscope_engine_* names, types and labels of design.md §4.3, bucket defaults and
+validation, and exposition after initialize()."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from engine.metrics import FINISH_REASONS, KV_BLOCK_STATES, EngineMetrics, MetricBuckets
+
+EXPECTED = {
+    "kvscope_engine_requests_running": ("gauge", ("model",)),
+    "kvscope_engine_requests_waiting": ("gauge", ("model",)),
+    "kvscope_engine_kv_cache_usage_ratio": ("gauge", ("model",)),
+    "kvscope_engine_kv_cache_blocks": ("gauge", ("model", "state")),
+    "kvscope_engine_prompt_tokens": ("counter", ("model",)),
+    "kvscope_engine_generation_tokens": ("counter", ("model",)),
+    "kvscope_engine_request_success": ("counter", ("finish_reason", "model")),
+    "kvscope_engine_preemptions": ("counter", ("model",)),
+    "kvscope_engine_prefix_cache_queries": ("counter", ("model",)),
+    "kvscope_engine_prefix_cache_hits": ("counter", ("model",)),
+    "kvscope_engine_time_to_first_token_seconds": ("histogram", ("model",)),
+    "kvscope_engine_inter_token_latency_seconds": ("histogram", ("model",)),
+    "kvscope_engine_time_per_output_token_seconds": ("histogram", ("model",)),
+    "kvscope_engine_e2e_request_latency_seconds": ("histogram", ("model",)),
+    "kvscope_engine_queue_time_seconds": ("histogram", ("model",)),
+    "kvscope_engine_prefill_time_seconds": ("histogram", ("model",)),
+    "kvscope_engine_decode_time_seconds": ("histogram", ("model",)),
+    "kvscope_engine_batch_size": ("histogram", ("model",)),
+    "kvscope_engine_step_tokens": ("histogram", ("model",)),
+    "kvscope_engine_request_prompt_tokens": ("histogram", ("model",)),
+    "kvscope_engine_request_generation_tokens": ("histogram", ("model",)),
+    "kvscope_engine_device_memory_used_bytes": ("gauge", ("device",)),
+    "kvscope_engine_device_memory_total_bytes": ("gauge", ("device",)),
+}
+
+
+def families(registry: CollectorRegistry) -> dict[str, tuple[str, tuple[str, ...]]]:
+    return {f.name: (f.type, tuple(sorted({k for s in f.samples for k in s.labels if k != "le"})))
+            for f in registry.collect()}
+
+
+def test_initialize_exposes_every_design_metric_with_its_labels() -> None:
+    registry = CollectorRegistry()
+    EngineMetrics(registry).initialize("smollm2-135m", "cpu")
+    assert families(registry) == EXPECTED
+
+
+def test_initialize_creates_each_label_value_at_zero() -> None:
+    registry = CollectorRegistry()
+    EngineMetrics(registry).initialize("m", "cuda:0")
+    text = generate_latest(registry).decode()
+    for reason in FINISH_REASONS:
+        assert f'kvscope_engine_request_success_total{{finish_reason="{reason}",model="m"}} 0.0' in text
+    for state in KV_BLOCK_STATES:
+        assert f'kvscope_engine_kv_cache_blocks{{model="m",state="{state}"}} 0.0' in text
+    assert 'kvscope_engine_device_memory_total_bytes{device="cuda:0"} 0.0' in text
+    assert 'kvscope_engine_time_to_first_token_seconds_bucket{le="0.001",model="m"} 0.0' in text
+
+
+def test_observations_land_in_the_right_buckets() -> None:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry)
+    for ttft in (0.004, 0.9, 1.0, 700.0):
+        metrics.time_to_first_token.labels(model="m").observe(ttft)
+    metrics.prompt_tokens.labels(model="m").inc(17)
+    value = registry.get_sample_value
+    bucket = "kvscope_engine_time_to_first_token_seconds_bucket"
+    assert value(bucket, {"model": "m", "le": "0.005"}) == 1.0
+    assert value(bucket, {"model": "m", "le": "1.0"}) == 3.0
+    assert value(bucket, {"model": "m", "le": "600.0"}) == 3.0
+    assert value(bucket, {"model": "m", "le": "+Inf"}) == 4.0
+    assert value("kvscope_engine_time_to_first_token_seconds_sum", {"model": "m"}) == pytest.approx(701.904)
+    assert value("kvscope_engine_prompt_tokens_total", {"model": "m"}) == 17.0
+
+
+def test_default_buckets_meet_the_design() -> None:
+    b = MetricBuckets()
+    assert b.ttft_s[0] < 0.01 and b.token_latency_s[0] < 0.01
+    assert b.ttft_s[-1] == 600.0 and b.duration_s[-1] == 600.0
+    assert 1.0 in b.ttft_s and 0.1 in b.token_latency_s  # SLO thresholds of alerts/ and dashboards/
+
+
+def test_custom_buckets_are_used() -> None:
+    registry = CollectorRegistry()
+    EngineMetrics(registry, MetricBuckets(batch_size=(1, 3, 9))).batch_size.labels(model="m").observe(2)
+    bounds = [s.labels["le"] for f in registry.collect() if f.name == "kvscope_engine_batch_size"
+              for s in f.samples if s.name.endswith("_bucket")]
+    assert bounds == ["1.0", "3.0", "9.0", "+Inf"]
+
+
+@pytest.mark.parametrize("bounds", [(), (0.0, 1.0), (0.5, 0.5), (2.0, 1.0)])
+def test_invalid_buckets_raise(bounds: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="ttft_s"):
+        MetricBuckets(ttft_s=bounds)
+
+
+def test_instances_are_independent_per_registry() -> None:
+    first, second = CollectorRegistry(), CollectorRegistry()
+    EngineMetrics(first).preemptions.labels(model="m").inc()
+    EngineMetrics(second)
+    assert first.get_sample_value("kvscope_engine_preemptions_total", {"model": "m"}) == 1.0
+    assert second.get_sample_value("kvscope_engine_preemptions_total", {"model": "m"}) is None
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        EngineMetrics(first)

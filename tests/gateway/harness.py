@@ -1,0 +1,247 @@
+"""Test helpers: real processes (gateway, fake upstream, redis-server), an in-thread gateway for tests that
+inspect its registry and spans, and parsers for SSE, Prometheus text and the JSONL request log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.fake_upstream import FakeUpstream, Knobs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0, status: int = 200, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers ``status``; raises if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up")
+        try:
+            last = httpx.get(url, timeout=1.0).status_code
+            if last == status:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not answering {status} after {timeout}s (last: {last!r})")
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(5)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def spawn(args: list[str], port: int, log: Path) -> Proc:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    out = open(log, "wb")  # noqa: SIM115 - closed with the process
+    popen = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Proc(popen, port, log)
+
+
+def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -> Proc:
+    port = free_port()
+    args = [sys.executable, "-m", "tests.gateway.fake_upstream", "--port", str(port), "--models", models]
+    for key, value in knobs.items():
+        args += ["--" + key.replace("_", "-"), str(int(value) if isinstance(value, bool) else value)]
+    return spawn(args, port, tmp / f"{name}.log")
+
+
+def spawn_gateway(tmp: Path, name: str, config: dict[str, Any]) -> Proc:
+    port = free_port()
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**config, "port": port}))
+    return spawn([sys.executable, "-m", "gateway", "--config", str(path), "--log-level", "warning"], port,
+                 tmp / f"{name}.out")
+
+
+def spawn_redis(tmp: Path) -> Proc:
+    port = free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(tmp)]
+    return spawn(args, port, tmp / "redis.log")
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not open")
+
+
+# --- in-thread servers ------------------------------------------------------------------------------------
+class LoopThread:
+    """An asyncio loop in a daemon thread (for in-process fake upstreams)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_all())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def start_fake_thread(loop: LoopThread, models: tuple[str, ...] = ("fake-model",), max_model_len: int = 2048,
+                      **knobs: Any) -> FakeUpstream:
+    return loop.run(FakeUpstream(models, max_model_len, Knobs(**knobs)).start())
+
+
+class GatewayThread:
+    """The gateway app under uvicorn in a thread: tests can read its registry, spans and state."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.app = app
+        config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", access_log=False,
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.port = config.port
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.gateway
+
+    def __enter__(self) -> GatewayThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway thread did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+# --- parsers ----------------------------------------------------------------------------------------------
+def sse_events(raw: bytes) -> list[str]:
+    """Data payloads of an SSE body (comments skipped), in order."""
+    events = []
+    for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        data = [ln[5:].lstrip(b" ") for ln in block.split(b"\n") if ln.startswith(b"data:")]
+        if data:
+            events.append(b"\n".join(data).decode())
+    return events
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``{(sample name, sorted labels): value}`` of a Prometheus exposition."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The first ``count`` records of a JSONL log, waiting for the writer thread."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count or time.monotonic() > deadline:
+            return [json.loads(line) for line in lines]
+        time.sleep(0.02)
+
+
+def records_by_id(path: Path, ids: Iterable[str], timeout: float = 5.0) -> dict[str, list[dict[str, Any]]]:
+    """Log records grouped by ``http.request.id``, waiting until every id in ``ids`` has appeared."""
+    wanted = set(ids)
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_log(path, 0, 0)
+        grouped: dict[str, list[dict[str, Any]]] = {}
+        for r in records:
+            grouped.setdefault(r["http"]["request"]["id"], []).append(r)
+        if wanted <= grouped.keys() or time.monotonic() > deadline:
+            return grouped
+        time.sleep(0.02)
+
+
+# --- a tiny real tokenizer --------------------------------------------------------------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer_dir(tmp: Path) -> Path:
+    """A word-level ``tokenizers`` model (one token per word or punctuation run, ``<s>`` prepended to plain
+    prompts) with a ChatML template: exact, predictable token counts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["[UNK]", "<s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "hello", "world", "hi"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "<|im_start|>", "<|im_end|>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder = tmp / "tok"
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>"}))
+    return folder

@@ -1,0 +1,208 @@
+"""The Elasticsearch sink through the real client against the double: outages, 429/5xx, timeouts, caps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from gateway.logs.elasticsearch import ElasticsearchSink
+from gateway.logs.sink import LogSink
+from gateway.logs.spool import REJECTED_FILE
+from tests.gateway.logs.helpers import RecordingMetrics, fast_config, segment_files
+from tests.gateway.logs.records import make_record
+
+
+def ids(n: int, start: int = 0) -> set[str]:
+    return {f"req-{i:06d}" for i in range(start, start + n)}
+
+
+async def until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
+
+
+async def emit_paced(sink: ElasticsearchSink, start: int, stop: int, chunk: int = 100) -> None:
+    """Emit records ``start..stop-1`` in chunks, yielding to the loop between chunks like a busy gateway."""
+    for first in range(start, stop, chunk):
+        for i in range(first, min(first + chunk, stop)):
+            sink.emit(make_record(i))
+        await asyncio.sleep(0.001)
+
+
+async def test_sink_implements_the_logsink_protocol(tmp_path, es):
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url))
+    assert isinstance(sink, LogSink) and sink.name == "elasticsearch"
+
+
+async def test_10k_records_outage_in_the_middle_third_then_5pct_429s(tmp_path, es):
+    metrics = RecordingMetrics()
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url), metrics)
+    await sink.start()
+    await emit_paced(sink, 0, 3334)
+    await es.go_down()
+    await emit_paced(sink, 3334, 6667)
+    assert await until(lambda: sink.queued == 0, 10)  # while down, memory drains into the spool
+    outage_spooled = sink.stats.spooled
+    await es.come_up()
+    es.faults.item_429_rate = 0.05
+    await emit_paced(sink, 6667, 10_000)
+    assert await sink.wait_idle(40)
+    await sink.aclose()
+
+    assert set(es.docs()) == ids(10_000)
+    assert set(es.created.values()) == {1}  # every id created exactly once
+    assert es.item_statuses[429] > 100  # ~5% of ≥ 6,666 items after recovery were refused at least once
+    assert outage_spooled >= 3333  # everything emitted while the cluster was down went to disk
+    s = sink.stats
+    assert (s.emitted, s.shipped, s.failed, s.dropped) == (10_000, 10_000, 0, 0)
+    assert s.replayed == s.spooled  # every spooled record came back out of the spool into Elasticsearch
+    assert metrics.outcomes == Counter({"shipped": 10_000, "spooled": s.spooled})
+    assert metrics.spool_bytes[-1] == 0 and max(metrics.spool_bytes) > 0
+    assert segment_files(tmp_path) == [] and sink.spool.pending_records == 0
+
+
+async def test_whole_request_429_503_and_per_item_503_are_retried(tmp_path, es):
+    es.faults.bulk_statuses = [429, 503, 503]
+    es.faults.item_503_rate = 0.1
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url, batch_size=100))
+    await sink.start()
+    await emit_paced(sink, 0, 1000)
+    assert await sink.wait_idle(20)
+    await sink.aclose()
+    assert set(es.docs()) == ids(1000) and set(es.created.values()) == {1}
+    assert es.faults.bulk_statuses == [] and es.item_statuses[503] > 20
+    assert (sink.stats.shipped, sink.stats.failed, sink.stats.dropped) == (1000, 0, 0)
+
+
+async def test_timed_out_bulk_that_landed_is_not_indexed_twice(tmp_path, es):
+    es.faults.delay_s = 0.4  # the double applies the bulk, then answers too late for the 0.15 s timeout
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url, timeout_s=0.15))
+    es.faults.delay_s = 0.0
+    await sink.start()
+    sink.emit(make_record(0))
+    assert await sink.wait_idle(5)  # setup + first record with a fast cluster
+    es.faults.delay_s = 0.4
+    await emit_paced(sink, 1, 201)
+    await asyncio.sleep(0.8)
+    es.faults.delay_s = 0.0
+    assert await sink.wait_idle(20)
+    await sink.aclose()
+    assert set(es.docs()) == ids(201) and set(es.created.values()) == {1}
+    assert sink.stats.duplicates >= 1  # the retry met 409 version_conflict_engine_exception
+    assert (sink.stats.shipped, sink.stats.failed) == (201, 0)
+
+
+async def test_a_record_refused_for_good_is_counted_failed_and_kept(tmp_path, es, caplog):
+    metrics = RecordingMetrics()
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url), metrics)
+    await sink.start()
+    bad = make_record(5)
+    bad["surprise"] = {"field": 1}  # not in the strict mapping → 400 strict_dynamic_mapping_exception
+    for i in range(10):
+        sink.emit(bad if i == 5 else make_record(i))
+    assert await sink.wait_idle(5)
+    await sink.aclose()
+    assert set(es.docs()) == ids(10) - {"req-000005"}
+    assert metrics.outcomes == Counter({"shipped": 9, "failed": 1})
+    kept = json.loads((tmp_path / REJECTED_FILE).read_text())
+    assert kept["record"]["http"]["request"]["id"] == "req-000005"
+    assert kept["reason"].startswith("400 strict_dynamic_mapping_exception")
+    assert "refused 1 log records for good" in caplog.text
+
+
+async def test_past_the_spool_cap_records_are_dropped_counted_and_logged(tmp_path, es, caplog):
+    line = len(json.dumps(make_record(0), separators=(",", ":")).encode())
+    await es.go_down()
+    metrics = RecordingMetrics()
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url, spool_max_bytes=20 * (line + 10)), metrics)
+    await sink.start()
+    with caplog.at_level(logging.ERROR, logger="gateway.logs.elasticsearch"):
+        await emit_paced(sink, 0, 50, chunk=10)
+        assert await until(lambda: sink.queued == 0, 10)
+    s = sink.stats
+    assert 15 <= s.spooled <= 20 and s.spooled + s.dropped == 50
+    assert metrics.outcomes["dropped"] == s.dropped
+    assert any(r.levelno == logging.ERROR and "log spool full" in r.getMessage() for r in caplog.records)
+    await es.come_up()
+    assert await sink.wait_idle(10)
+    await sink.aclose()
+    assert len(es.docs()) == s.spooled and s.shipped == s.spooled
+
+
+async def test_a_full_memory_queue_overflows_into_the_spool(tmp_path, es):
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url, queue_size=10))
+    await sink.start()
+    for i in range(100):  # no await: the shipper cannot drain, emit itself must spool
+        sink.emit(make_record(i))
+    assert sink.stats.spooled == 90 and sink.spool.pending_records == 90
+    assert await sink.wait_idle(10)
+    await sink.aclose()
+    assert set(es.docs()) == ids(100) and sink.stats.shipped == 100
+
+
+async def test_close_during_an_outage_spools_the_queue_and_the_next_start_replays(tmp_path, es):
+    await es.go_down()
+    first = ElasticsearchSink(fast_config(tmp_path, es.url))
+    await first.start()
+    for i in range(300):
+        first.emit(make_record(i))
+    await first.aclose()
+    assert first.stats.spooled == 300 and first.spool.pending_records == 300
+    first.emit(make_record(999))  # after close: counted, never raises
+    assert first.stats.dropped == 1
+    await es.come_up()
+    second = ElasticsearchSink(fast_config(tmp_path, es.url))
+    await second.start()
+    assert await second.wait_idle(10)
+    await second.aclose()
+    assert set(es.docs()) == ids(300) and second.stats.replayed == 300
+
+
+async def test_cluster_down_at_start_gets_its_templates_when_it_comes_back(tmp_path, es):
+    await es.go_down()
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url))
+    await sink.start()
+    await emit_paced(sink, 0, 100)
+    assert await until(lambda: sink.stats.spooled == 100, 10)
+    await es.come_up()
+    assert await sink.wait_idle(10)
+    await sink.aclose()
+    assert list(es.index_templates) == ["kvscope-requests"]
+    assert set(es.docs()) == ids(100)
+    assert es.data_streams["kvscope-requests"].mappings["dynamic"] == "strict"
+
+
+async def test_an_unencodable_record_costs_only_itself(tmp_path, es):
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url))
+    await sink.start()
+    for i in range(10):
+        record = make_record(i)
+        if i == 3:
+            record["kvscope"]["engine"] = {"queue_s": object()}
+        sink.emit(record)  # never raises
+    assert await sink.wait_idle(10)
+    await sink.aclose()
+    assert set(es.docs()) == ids(10) - {"req-000003"}
+    assert (sink.stats.shipped, sink.stats.failed) == (9, 1)
+
+
+async def test_records_without_a_request_id_get_a_stable_content_id(tmp_path, es):
+    sink = ElasticsearchSink(fast_config(tmp_path, es.url))
+    await sink.start()
+    record = make_record(1)
+    record["http"]["request"]["id"] = None
+    sink.emit(record)
+    sink.emit(json.loads(json.dumps(record)))  # the same record again: one document
+    assert await sink.wait_idle(5)
+    await sink.aclose()
+    (doc_id,) = es.docs()
+    assert doc_id.startswith("sha1-") and len(doc_id) == 45
+    assert (sink.stats.shipped, sink.stats.duplicates) == (2, 1)

@@ -1,0 +1,178 @@
+"""Streaming through the in-process gateway: headers and pacing (S1), keep-alive (S4), failures after the
+200 (S2/S3), timeouts, engine stats in the log, and one trace per request (M3)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from opentelemetry.trace import SpanKind
+
+from tests.gateway.conftest import KEYS, Stack, build_stack
+from tests.gateway.harness import LoopThread, metric_samples, records_by_id, sample, sse_events
+
+HI = [{"role": "user", "content": "hi"}]
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def stream(c: httpx.Client, body: dict, rid: str) -> tuple[httpx.Response, list[tuple[float, bytes]]]:
+    """POST a stream; returns the response and (arrival time, bytes) of every received piece."""
+    pieces = []
+    with c.stream("POST", "/v1/chat/completions", json={"model": "fake-model", "messages": HI, "stream": True,
+                                                       **body}, headers={"x-request-id": rid}) as resp:
+        for piece in resp.iter_raw():
+            pieces.append((time.monotonic(), piece))
+    return resp, pieces
+
+
+def test_stream_headers_and_events_spread_over_time(stack: Stack) -> None:
+    """S1: SSE headers, no Content-Length, events arrive as they are produced."""
+    with stack.client() as c:
+        resp, pieces = stream(c, {"max_tokens": 10, "fake": {"token_delay_s": 0.05}}, "s1")
+    assert resp.headers["content-type"] == "text/event-stream"
+    assert resp.headers["cache-control"] == "no-cache" and resp.headers["x-accel-buffering"] == "no"
+    assert "content-length" not in resp.headers and "content-encoding" not in resp.headers
+    token_times = [t for t, p in pieces if b'"content":"t' in p]
+    assert len(token_times) == 10
+    gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+    assert min(gaps) > 0.02 and token_times[-1] - token_times[0] > 0.3
+
+
+def test_keepalive_comments_while_waiting_for_the_first_token(stack: Stack) -> None:
+    """S4: ``: keep-alive`` comments (interval 0.3 s) before a 1.2 s first token; never data-less events;
+    the OpenAI SDK reads the stream; TTFT is the first real token."""
+    with stack.client() as c:
+        resp, pieces = stream(c, {"max_tokens": 2, "fake": {"first_token_delay_s": 1.2}}, "s4")
+    body = b"".join(p for _, p in pieces)
+    before_token = body[:body.index(b'"content":"t0')]
+    assert before_token.count(b": keep-alive\n\n") in (3, 4) and b"event:" not in body
+    record = records_by_id(stack.log, ["s4"])["s4"][0]
+    assert 1.2 <= record["kvscope"]["ttft_s"] < 1.5
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    chunks = list(client.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, stream=True,
+                                                 extra_body={"fake": {"first_token_delay_s": 0.7}}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "t0 t1 "
+
+
+@pytest.mark.parametrize(("knobs", "code", "reason", "tokens"), [
+    ({"error_after_tokens": 2}, "engine_error", "upstream_error", 2),
+    ({"omit_finish": True}, "stream_incomplete", "incomplete", 4),
+    ({"finish_reason": "abort"}, "stream_aborted", "aborted", 4),
+])
+def test_failures_after_the_200_are_in_band_errors(stack: Stack, knobs: dict, code: str, reason: str,
+                                                   tokens: int) -> None:
+    """S2/S3: ``data: {"error": …}``, no [DONE], no invalid finish_reason; logged and counted as errors."""
+    before = sample(metric_samples(stack.metrics()), "kvscope_gateway_stream_errors_total", model="fake-model",
+                    reason=reason)
+    rid = f"inband-{reason}"
+    with stack.client() as c:
+        resp, pieces = stream(c, {"max_tokens": 4, "fake": knobs}, rid)
+    events = sse_events(b"".join(p for _, p in pieces))
+    assert resp.status_code == 200 and "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == code
+    reasons = {ch["finish_reason"] for e in events[:-1] for ch in json.loads(e).get("choices", [])}
+    assert reasons <= {None, "stop", "length", "tool_calls", "content_filter"}
+    record = records_by_id(stack.log, [rid])[rid][0]
+    assert record["event"]["outcome"] == "failure" and record["log"]["level"] == "error"
+    assert record["kvscope"]["stream_error"] == reason and record["error"]["type"] == code
+    assert record["gen_ai"]["usage"]["output_tokens"] == tokens
+    after = sample(metric_samples(stack.metrics()), "kvscope_gateway_stream_errors_total", model="fake-model",
+                   reason=reason)
+    assert after == before + 1
+
+
+def test_engine_stats_reach_the_log(stack: Stack) -> None:
+    with stack.client() as c:
+        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "fake": {"kvscope_stats": True}},
+               headers={"x-request-id": "engine-json"})
+        stream(c, {"fake": {"kvscope_stats": True}}, "engine-sse")
+    records = records_by_id(stack.log, ["engine-json", "engine-sse"])
+    for rid in ("engine-json", "engine-sse"):
+        engine = records[rid][0]["kvscope"]["engine"]
+        assert engine["kv_blocks"] == 2 and engine["num_preemptions"] == 0 and engine["ttft_s"] == 0.002
+
+
+def _spans(stack: Stack, trace_id: int) -> dict[str, object]:
+    deadline = time.monotonic() + 3
+    while True:
+        spans = [s for s in stack.exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        if len(spans) >= 4 or time.monotonic() > deadline:
+            return {s.name: s for s in spans}
+        time.sleep(0.02)
+
+
+def test_one_trace_per_request_with_and_without_traceparent(stack: Stack) -> None:
+    """M3: the client's trace continues through the gateway to the upstream; without a header the gateway
+    roots a new trace. The log line carries the server span's ids."""
+    with stack.client() as c:
+        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 3},
+               headers={"traceparent": TRACEPARENT, "x-request-id": "m3-a"})
+        sent = stack.fakes["main"].records[-1].headers["traceparent"]
+        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "max_tokens": 3},
+               headers={"x-request-id": "m3-b"})
+        sent_b = stack.fakes["main"].records[-1].headers["traceparent"]
+    spans = _spans(stack, 0x4bf92f3577b34da6a3ce929d0e0e4736)
+    assert set(spans) == {"POST /v1/chat/completions", "chat fake-model", "prefill", "decode"}
+    server, client = spans["POST /v1/chat/completions"], spans["chat fake-model"]
+    assert server.kind is SpanKind.SERVER and server.parent.span_id == 0x00f067aa0ba902b7
+    assert client.kind is SpanKind.CLIENT and client.parent.span_id == server.context.span_id
+    assert spans["prefill"].parent.span_id == client.context.span_id == spans["decode"].parent.span_id
+    assert sent == f"00-4bf92f3577b34da6a3ce929d0e0e4736-{client.context.span_id:016x}-01"
+    assert client.attributes["gen_ai.request.model"] == "fake-model"
+    assert client.attributes["gen_ai.usage.output_tokens"] == 3
+    assert spans["prefill"].end_time == spans["decode"].start_time
+    records = records_by_id(stack.log, ["m3-a", "m3-b"])
+    assert records["m3-a"][0]["trace"]["id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert records["m3-a"][0]["span"]["id"] == f"{server.context.span_id:016x}"
+    trace_b = int(records["m3-b"][0]["trace"]["id"], 16)
+    spans_b = _spans(stack, trace_b)
+    assert set(spans_b) == {"POST /v1/chat/completions", "chat fake-model"}  # no token timing without a stream
+    assert spans_b["POST /v1/chat/completions"].parent is None
+    assert sent_b.split("-")[1] == records["m3-b"][0]["trace"]["id"]
+
+
+@pytest.fixture(scope="module")
+def strict(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A gateway with short timeouts: first token 0.6 s, idle 0.5 s, total 2 s, keep-alive 10 s."""
+    tmp: Path = tmp_path_factory.mktemp("strict")
+    gateway, fakes, exporter = build_stack(loop, tmp, timeouts={"first_token_s": 0.6, "idle_s": 0.5,
+                                                                "total_s": 2.0, "keepalive_s": 10})
+    with gateway:
+        yield Stack(gateway, fakes, exporter, tmp / "requests.jsonl")
+    for fake in fakes.values():
+        loop.run(fake.close())
+
+
+def test_timeouts_before_the_response_are_504_json(strict: Stack) -> None:
+    with strict.client() as c:
+        first = c.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "stream": True,
+                                                "fake": {"first_token_delay_s": 1.5}}, headers={"x-request-id": "t1"})
+        assert first.status_code == 504 and first.json()["error"]["code"] == "upstream_timeout"
+        assert "no first token from the upstream within 0.6s" in first.json()["error"]["message"]
+        # a chat stream starts with the role chunk, so the same timeout arrives in-band
+        _, pieces = stream(c, {"fake": {"first_token_delay_s": 1.5}}, "t1-chat")
+        events = sse_events(b"".join(p for _, p in pieces))
+        assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert json.loads(events[-1])["error"]["code"] == "upstream_timeout" and len(events) == 2
+        total = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI,
+                                                     "fake": {"first_token_delay_s": 3}}, headers={"x-request-id": "t2"})
+        assert total.status_code == 504
+    records = records_by_id(strict.log, ["t1", "t2"])
+    assert [records[r][0]["http"]["response"]["status_code"] for r in ("t1", "t2")] == [504, 504]
+    assert 1.9 < records["t2"][0]["kvscope"]["e2e_s"] < 2.4
+
+
+def test_idle_timeout_after_the_first_token_is_in_band(strict: Stack) -> None:
+    with strict.client() as c:
+        resp, pieces = stream(c, {"max_tokens": 3, "fake": {"token_delay_s": 1.0}}, "t3")
+    events = sse_events(b"".join(p for _, p in pieces))
+    assert json.loads(events[-1])["error"]["message"] == "upstream sent nothing for 0.5s"
+    assert "[DONE]" not in events and resp.status_code == 200
+    record = records_by_id(strict.log, ["t3"])["t3"][0]
+    assert record["kvscope"]["stream_error"] == "timeout" and record["gen_ai"]["usage"]["output_tokens"] == 1

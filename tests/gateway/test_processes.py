@@ -1,0 +1,291 @@
+"""The gateway as a real process in front of real fake-upstream processes: byte-exact SSE relay, client
+disconnects reaching the upstream, 401/403/413/429, an upstream killed mid-stream, replica failover and
+all-down 503, and the request log checked against the client's own measurements and the metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.auth import hash_key
+from tests.gateway.harness import (
+    Proc,
+    metric_samples,
+    records_by_id,
+    sample,
+    spawn_fake,
+    spawn_gateway,
+    wait_http,
+)
+
+pytestmark = pytest.mark.e2e
+KEYS = {"alice": "sk-alice", "limited": "sk-limited", "capped": "sk-capped"}
+HI = [{"role": "user", "content": "hi"}]
+
+
+@dataclass
+class Cluster:
+    gateway: Proc
+    a: Proc
+    b: Proc
+    victim: Proc
+    log: Path
+
+    def client(self, key: str = "alice", **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.gateway.url, headers={"authorization": f"Bearer {KEYS[key]}"},
+                            timeout=10, **kw)
+
+    def upstream_record(self, request_id: str) -> dict:
+        for fake in (self.a, self.b, self.victim):
+            if fake.popen.poll() is None:
+                for rec in httpx.get(fake.url + "/_fake/requests").json():
+                    if rec["headers"].get("x-request-id") == request_id:
+                        return rec
+        raise KeyError(request_id)
+
+    def metrics(self) -> dict:
+        return metric_samples(httpx.get(self.gateway.url + "/metrics").text)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("cluster")
+    a, b = spawn_fake(tmp, "a"), spawn_fake(tmp, "b")
+    victim = spawn_fake(tmp, "victim", models="victim-model", token_delay_s=0.1)
+    procs = [a, b, victim]
+    try:
+        for fake in procs:
+            wait_http(fake.url + "/health", proc=fake.popen)
+        config = {"upstreams": [{"url": p.url, "name": name} for p, name in ((a, "a"), (b, "b"), (victim, "victim"))],
+                  "api_keys": [{"name": "alice", "sha256": hash_key(KEYS["alice"])},
+                               {"name": "limited", "sha256": hash_key(KEYS["limited"]), "models": ["fake-model"]},
+                               {"name": "capped", "sha256": hash_key(KEYS["capped"]),
+                                "limits": {"requests_per_minute": 2}}],
+                  "max_body_bytes": 4096, "timeouts": {"first_token_s": 1.0},
+                  "routing": {"health_interval_s": 60}, "logs": {"file": str(tmp / "requests.jsonl")}}
+        gateway = spawn_gateway(tmp, "gateway", config)
+        procs.append(gateway)
+        wait_http(gateway.url + "/readyz", proc=gateway.popen)
+        yield Cluster(gateway, a, b, victim, tmp / "requests.jsonl")
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _without_usage_event(sse: bytes) -> bytes:
+    events = sse.replace(b"\r\n", b"\n").split(b"\n\n")
+    sep = b"\r\n\r\n" if b"\r\n" in sse else b"\n\n"
+    raw_events = [e + sep for e in sse.split(sep) if e]
+    keep = [raw for raw, e in zip(raw_events, [e for e in events if e], strict=True)
+            if not (e.startswith(b"data: {") and json.loads(e[6:]).get("choices") == [])]
+    return b"".join(keep)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_sse_bytes_equal_the_upstream_under_random_rechunking(cluster: Cluster, seed: int, include_usage: bool) -> None:
+    rid = f"bytes-{seed}-{include_usage}"
+    body = {"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 12, "n": 2,
+            "fake": {"rechunk_seed": seed, "crlf": seed == 3}}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    with cluster.client() as c, c.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": rid}) as r:
+        received = b"".join(r.iter_raw())
+    upstream = cluster.upstream_record(rid)["sse"].encode("latin-1")
+    assert len(upstream) > 1000
+    expected = upstream if include_usage else _without_usage_event(upstream)
+    assert received == expected
+    if not include_usage:
+        assert len(expected) < len(upstream)
+
+
+def _token_events(data: bytes) -> int:
+    return data.count(b'"content":"t')
+
+
+def test_client_disconnect_reaches_the_upstream_within_a_second(cluster: Cluster) -> None:
+    """L1/L2 at the gateway: a stream closed after 5 tokens, and a non-streaming request abandoned after
+    0.5 s; the upstream sees each disconnect within 1 s; one log line each names the phase."""
+    with cluster.client() as c:
+        with c.stream("POST", "/v1/chat/completions", headers={"x-request-id": "dc-stream"},
+                      json={"model": "victim-model", "messages": HI, "stream": True, "max_tokens": 4000}) as resp:
+            seen = b""
+            for piece in resp.iter_raw():
+                seen += piece
+                if _token_events(seen) >= 5:
+                    break
+            closed_at = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", headers={"x-request-id": "dc-json"}, timeout=0.5,
+                   json={"model": "fake-model", "messages": HI, "fake": {"first_token_delay_s": 5}})
+        gave_up_at = time.monotonic()
+    for rid, left_at in (("dc-stream", closed_at), ("dc-json", gave_up_at)):
+        deadline = time.monotonic() + 2
+        while (rec := cluster.upstream_record(rid))["disconnected_at"] is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rec["disconnected_at"] is not None and not rec["completed"]
+        assert -0.05 < rec["disconnected_at"] - left_at < 1.0
+    records = records_by_id(cluster.log, ["dc-stream", "dc-json"])
+    stream_rec, json_rec = records["dc-stream"], records["dc-json"]
+    assert len(stream_rec) == 1 and len(json_rec) == 1
+    assert stream_rec[0]["kvscope"]["client_disconnected"] and stream_rec[0]["kvscope"]["disconnect_phase"] == "decode"
+    assert stream_rec[0]["gen_ai"]["usage"]["output_tokens"] == 5
+    assert stream_rec[0]["http"]["response"]["status_code"] == 200 and stream_rec[0]["event"]["outcome"] == "unknown"
+    assert json_rec[0]["kvscope"]["disconnect_phase"] == "response"
+    assert json_rec[0]["http"]["response"]["status_code"] == 499
+    assert json_rec[0]["error"]["type"] == "client_disconnected"
+
+
+def test_auth_and_limit_errors(cluster: Cluster) -> None:
+    base = cluster.gateway.url + "/v1"
+    with pytest.raises(openai.AuthenticationError) as unauth:
+        openai.OpenAI(base_url=base, api_key="sk-nope", max_retries=0).chat.completions.create(
+            model="fake-model", messages=HI)
+    assert unauth.value.status_code == 401 and unauth.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        openai.OpenAI(base_url=base, api_key=KEYS["limited"], max_retries=0).chat.completions.create(
+            model="victim-model", messages=HI)
+    assert denied.value.body["param"] == "model"
+    with cluster.client() as c:
+        big = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": [{"role": "user",
+                                                                                       "content": "x" * 5000}]})
+        assert big.status_code == 413 and big.json()["error"]["message"].endswith("the limit is 4096 bytes.")
+    capped = openai.OpenAI(base_url=base, api_key=KEYS["capped"], max_retries=0)
+    ok = [capped.chat.completions.with_raw_response.create(model="fake-model", messages=HI) for _ in range(2)]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in ok] == ["1", "0"]
+    with pytest.raises(openai.RateLimitError) as limited:
+        capped.chat.completions.create(model="fake-model", messages=HI)
+    headers = limited.value.response.headers
+    assert 1 <= int(headers["retry-after"]) <= 30 and headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert limited.value.body["type"] == "rate_limit_error"
+    assert sample(cluster.metrics(), "kvscope_gateway_rate_limited_total", reason="requests") == 1
+
+
+def test_log_lines_match_client_measurements_and_metrics(cluster: Cluster) -> None:
+    """One line per request for each outcome; every field present; TTFT/e2e equal to the client's own
+    (within 10 ms) and to what went into the histograms."""
+    before = cluster.metrics()
+    measured: dict[str, dict[str, float]] = {}
+    with cluster.client() as c, cluster.client("capped") as capped:
+        c.get("/healthz")  # the connection is open before timing starts
+        for i in range(4):
+            rid = f"log-stream-{i}"
+            start = time.monotonic()
+            first = None
+            with c.stream("POST", "/v1/chat/completions", headers={"x-request-id": rid},
+                          json={"model": "victim-model", "messages": HI, "stream": True, "max_tokens": 3 + i}) as r:
+                for piece in r.iter_raw():
+                    if first is None and _token_events(piece):
+                        first = time.monotonic() - start
+            measured[rid] = {"ttft": first, "e2e": time.monotonic() - start, "tokens": 3 + i}
+        start = time.monotonic()
+        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI}, headers={"x-request-id": "log-json"})
+        measured["log-json"] = {"e2e": time.monotonic() - start}
+        outcomes = {
+            "log-400": (c, {"model": "fake-model", "messages": "hi"}, 400),
+            "log-404": (c, {"model": "nope", "messages": HI}, 404),
+            "log-429": (capped, {"model": "fake-model", "messages": HI}, 429),
+            "log-504": (c, {"model": "fake-model", "prompt": "x", "stream": True, "fake": {"first_token_delay_s": 2}}, 504),
+        }
+        for rid, (client, body, status) in outcomes.items():
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            assert client.post(path, json=body, headers={"x-request-id": rid}).status_code == status
+        assert httpx.post(cluster.gateway.url + "/v1/chat/completions", json={},
+                          headers={"x-request-id": "log-401"}).status_code == 401
+    ids = [*measured, *outcomes, "log-401"]
+    records = records_by_id(cluster.log, ids)
+    assert {rid: len(records[rid]) for rid in ids} == dict.fromkeys(ids, 1)
+    shape = _key_paths(records["log-json"][0])
+    for rid in ids:
+        assert _key_paths(records[rid][0]) == shape, rid
+    assert {rid: records[rid][0]["http"]["response"]["status_code"] for rid in [*outcomes, "log-401"]} == {
+        "log-400": 400, "log-404": 404, "log-429": 429, "log-504": 504, "log-401": 401}
+    assert records["log-429"][0]["kvscope"]["rate_limited"] is True
+    assert records["log-401"][0]["user"]["id"] is None and records["log-json"][0]["user"]["id"] == "alice"
+    for rid, m in measured.items():
+        k = records[rid][0]["kvscope"]
+        assert abs(k["e2e_s"] - m["e2e"]) < 0.010, (rid, k["e2e_s"], m["e2e"])
+        assert k["gateway_overhead_s"] == pytest.approx(k["e2e_s"] - k["upstream_s"], abs=1e-9)
+        assert 0 < k["upstream_s"] < k["e2e_s"]
+        if "ttft" in m:
+            assert abs(k["ttft_s"] - m["ttft"]) < 0.010, (rid, k["ttft_s"], m["ttft"])
+            assert records[rid][0]["gen_ai"]["usage"]["output_tokens"] == m["tokens"]
+            assert k["gateway_overhead_s"] < 0.1 * k["e2e_s"]
+            assert k["tpot_s"] == pytest.approx((k["e2e_s"] - k["ttft_s"]) / (m["tokens"] - 1), abs=0.002)
+    after = cluster.metrics()
+    streams = [records[f"log-stream-{i}"][0]["kvscope"] for i in range(4)]
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert delta("kvscope_gateway_time_to_first_token_seconds_count", model="victim-model") == 4
+    assert delta("kvscope_gateway_time_to_first_token_seconds_sum", model="victim-model") == pytest.approx(
+        sum(s["ttft_s"] for s in streams), abs=1e-9)
+    assert delta("kvscope_gateway_time_per_output_token_seconds_sum", model="victim-model") == pytest.approx(
+        sum(s["tpot_s"] for s in streams), abs=1e-9)
+    assert delta("kvscope_gateway_request_duration_seconds_sum", model="victim-model",
+                 route="/v1/chat/completions") == pytest.approx(sum(s["e2e_s"] for s in streams), abs=1e-9)
+    assert delta("kvscope_gateway_requests_total", model="victim-model", route="/v1/chat/completions",
+                 status="200") == 4
+    assert delta("kvscope_gateway_tokens_total", model="victim-model", type="output") == 3 + 4 + 5 + 6
+    for status, model, route in (("400", "unknown", "/v1/chat/completions"), ("404", "unknown", "/v1/chat/completions"),
+                                 ("429", "fake-model", "/v1/chat/completions"), ("504", "fake-model", "/v1/completions"),
+                                 ("401", "unknown", "/v1/chat/completions")):
+        assert delta("kvscope_gateway_requests_total", model=model, route=route, status=status) == 1, status
+
+
+def _key_paths(obj: dict, prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in obj.items():
+        path = prefix + key
+        paths |= _key_paths(value, path + ".") if isinstance(value, dict) else {path}
+    return paths
+
+
+def test_upstream_killed_mid_stream(cluster: Cluster) -> None:
+    """S3 at the gateway: the client gets an in-band error and no [DONE]; the log says why."""
+    with cluster.client() as c, c.stream("POST", "/v1/chat/completions", headers={"x-request-id": "killed"},
+                                         json={"model": "victim-model", "messages": HI, "stream": True,
+                                               "max_tokens": 1000}) as resp:
+        seen = b""
+        for piece in resp.iter_raw():
+            seen += piece
+            if _token_events(seen) == 3 and cluster.victim.popen.poll() is None:
+                cluster.victim.kill()
+    events = [e for e in seen.split(b"\n\n") if e.startswith(b"data: ")]
+    assert b"[DONE]" not in seen and _token_events(seen) == 3
+    assert json.loads(events[-1][6:])["error"]["code"] == "upstream_disconnected"
+    record = records_by_id(cluster.log, ["killed"])["killed"][0]
+    assert record["event"]["outcome"] == "failure" and record["kvscope"]["stream_error"] == "upstream_disconnected"
+    assert record["gen_ai"]["usage"]["output_tokens"] == 3 and record["log"]["level"] == "error"
+    assert sample(cluster.metrics(), "kvscope_gateway_stream_errors_total", model="victim-model",
+                  reason="upstream_disconnected") == 1
+
+
+def test_one_replica_down_then_both(cluster: Cluster) -> None:
+    cluster.b.kill()
+    with cluster.client() as c:
+        ids = [f"failover-{i}" for i in range(8)]
+        for rid in ids:
+            r = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI}, headers={"x-request-id": rid})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "t0 t1 t2 t3 t4 t5 t6 t7 "
+        records = records_by_id(cluster.log, ids)
+        assert {records[rid][0]["server"]["address"] for rid in ids} == {cluster.a.url}
+        # the health check is slow (60 s): the one request that tried b first was retried on a
+        assert sorted(records[rid][0]["kvscope"]["attempts"] for rid in ids) == [1] * 7 + [2]
+        assert sample(cluster.metrics(), "kvscope_gateway_upstream_up", upstream="b") == 0
+        assert sample(cluster.metrics(), "kvscope_gateway_upstream_up", upstream="a") == 1
+        cluster.a.kill()
+        down = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI})
+        assert down.status_code == 503 and down.json()["error"]["code"] == "upstream_unavailable"
+        assert down.headers["retry-after"] == "60"
+        ready = httpx.get(cluster.gateway.url + "/readyz")
+        assert ready.status_code == 503 and ready.json()["models"]["fake-model"] is False

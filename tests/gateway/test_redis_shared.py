@@ -1,0 +1,67 @@
+"""Two gateway processes sharing one real redis-server enforce one limit together."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from gateway.auth import hash_key
+from tests.conftest import require_tool
+from tests.gateway.harness import Proc, spawn_fake, spawn_gateway, spawn_redis, wait_http, wait_port
+
+pytestmark = pytest.mark.e2e
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
+    require_tool("redis-server")
+    tmp = tmp_path_factory.mktemp("redis-shared")
+    redis, fake = spawn_redis(tmp), spawn_fake(tmp, "fake")
+    procs = [redis, fake]
+    try:
+        wait_port(redis.port)
+        wait_http(fake.url + "/health", proc=fake.popen)
+        config = {"upstreams": [{"url": fake.url}], "redis_url": f"redis://127.0.0.1:{redis.port}/0",
+                  "api_keys": [{"name": "rpm", "sha256": hash_key("sk-rpm"), "limits": {"requests_per_minute": 5}},
+                               {"name": "conc", "sha256": hash_key("sk-conc"), "limits": {"max_concurrent": 2}}]}
+        gws = [spawn_gateway(tmp, f"gw{i}", config) for i in range(2)]
+        procs += gws
+        for gw in gws:
+            wait_http(gw.url + "/readyz", proc=gw.popen)
+        yield gws
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_requests_per_minute_is_shared(gateways: list[Proc]) -> None:
+    statuses, remaining = [], []
+    for i in range(8):
+        resp = httpx.post(gateways[i % 2].url + "/v1/chat/completions", json={"model": "fake-model", "messages": HI},
+                          headers={"authorization": "Bearer sk-rpm"})
+        statuses.append(resp.status_code)
+        remaining.append(resp.headers.get("x-ratelimit-remaining-requests"))
+    assert statuses == [200] * 5 + [429] * 3
+    assert remaining == ["4", "3", "2", "1", "0", "0", "0", "0"]
+
+
+def test_concurrency_cap_is_shared(gateways: list[Proc]) -> None:
+    async def one(i: int) -> int:
+        async with httpx.AsyncClient(timeout=10) as c:
+            resp = await c.post(gateways[i % 2].url + "/v1/chat/completions", headers={"authorization": "Bearer sk-conc"},
+                                json={"model": "fake-model", "messages": HI, "fake": {"first_token_delay_s": 1.0}})
+            if resp.status_code == 429:
+                assert resp.json()["error"]["message"].startswith("Rate limit reached for this API key (concurrency)")
+            return resp.status_code
+
+    async def run() -> list[int]:
+        return list(await asyncio.gather(*(one(i) for i in range(4))))
+
+    assert sorted(asyncio.run(run())) == [200, 200, 429, 429]
+    after = httpx.post(gateways[0].url + "/v1/chat/completions", json={"model": "fake-model", "messages": HI},
+                       headers={"authorization": "Bearer sk-conc"})
+    assert after.status_code == 200

@@ -1,0 +1,104 @@
+"""Settings precedence and validation, API keys (hashing, auth, ``kvscope keys create``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.auth import Authenticator, generate_key, hash_key
+from gateway.cli import _gateway_parser, _overrides, keys_main
+from gateway.errors import AuthenticationFailed, PermissionDenied
+from gateway.settings import ApiKeyConfig, KeyLimits, load_settings
+
+DIGEST = hash_key("sk-test")
+
+
+def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump({
+        "port": 9000, "upstreams": [{"url": "http://a:1", "models": ["m"]}],
+        "timeouts": {"keepalive_s": 5, "idle_s": 30},
+        "api_keys": [{"name": "alice", "sha256": DIGEST, "models": ["m"], "limits": {"requests_per_minute": 7}}],
+        "default_limits": {"max_tokens": 512}}))
+    env = {"KVSCOPE_GATEWAY_PORT": "9100", "KVSCOPE_GATEWAY_REDIS_URL": "redis://r:6379/0",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4318"}
+    args = _gateway_parser().parse_args(["--port", "9200", "--keepalive", "2", "--tokenizer", "m=/tok"])
+    s = load_settings(path, _overrides(args), env=env)
+    assert (s.host, s.port, s.redis_url, s.tracing.otlp_endpoint) == ("127.0.0.1", 9200, "redis://r:6379/0",
+                                                                       "http://otel:4318")
+    assert (s.timeouts.keepalive_s, s.timeouts.idle_s, s.timeouts.total_s) == (2.0, 30.0, 1800.0)
+    assert s.upstreams[0].url == "http://a:1" and s.upstreams[0].models == ("m",) and s.upstreams[0].label == "a:1"
+    assert s.models[0].name == "m" and s.models[0].tokenizer == "/tok"
+    assert s.api_keys[0].limits.merged(s.default_limits) == KeyLimits(max_tokens=512, requests_per_minute=7)
+
+
+def test_toml_file_and_env_upstreams(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text('host = "127.0.0.1"\n[logs]\nfile = "/tmp/x.jsonl"\n')
+    s = load_settings(path, env={"KVSCOPE_GATEWAY_UPSTREAMS": "http://a:1, http://b:2",
+                                 "KVSCOPE_GATEWAY_API_KEY_HASHES": f"bob:{DIGEST}"})
+    assert [u.url for u in s.upstreams] == ["http://a:1", "http://b:2"]
+    assert s.logs.file == "/tmp/x.jsonl" and s.api_keys[0].name == "bob"
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"upstreams": []}, "at least one upstream"),
+    ({"upstreams": [{"url": "a:1"}]}, "must start with http"),
+    ({"upstreams": [{"url": "http://a"}], "tiemouts": {}}, "unknown field `tiemouts`"),
+    ({"upstreams": [{"url": "http://a"}], "port": "x"}, "Expected `int`, got `str` - at `$.port`"),
+    ({"upstreams": [{"url": "http://a"}], "api_keys": [{"name": "a", "sha256": "zz"}]}, "64 hex digits"),
+    ({"upstreams": [{"url": "http://a"}], "default_limits": {"max_concurrent": 0}}, "max_concurrent must be >= 1"),
+    ({"upstreams": [{"url": "http://a"}], "host": "0.0.0.0"}, "refusing to serve 0.0.0.0 without API keys"),
+])
+def test_invalid_settings_name_the_problem(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("$", r"\$").replace("`", "`")):
+        load_settings(None, raw, env={})
+
+
+def test_non_loopback_needs_keys_or_explicit_opt_out() -> None:
+    up = [{"url": "http://a"}]
+    assert load_settings(None, {"upstreams": up, "host": "::1"}, env={}).auth_enabled is False
+    assert load_settings(None, {"upstreams": up, "host": "0.0.0.0", "allow_unauthenticated": True}, env={})
+    keyed = load_settings(None, {"upstreams": up, "host": "0.0.0.0", "api_keys": [{"name": "a", "sha256": DIGEST}]},
+                          env={})
+    assert keyed.auth_enabled
+
+
+def test_authenticator_constant_time_lookup_and_errors() -> None:
+    keys = (ApiKeyConfig(name="alice", sha256=hash_key("sk-a"), models=("m1",)),
+            ApiKeyConfig(name="bob", sha256=hash_key("sk-b"), limits=KeyLimits(max_concurrent=1)))
+    auth = Authenticator(keys, KeyLimits(requests_per_minute=10))
+    alice = auth.authenticate("Bearer sk-a")
+    assert (alice.key_id, alice.models, alice.limits.requests_per_minute) == ("alice", frozenset({"m1"}), 10)
+    bob = auth.authenticate("bearer  sk-b")
+    assert bob.key_id == "bob" and bob.limits == KeyLimits(requests_per_minute=10, max_concurrent=1)
+    for header, text in ((None, "Missing API key"), ("Basic xyz", "Malformed"), ("Bearer sk-c", "Incorrect")):
+        with pytest.raises(AuthenticationFailed, match=text) as err:
+            auth.authenticate(header)
+        assert err.value.status == 401 and err.value.body()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(PermissionDenied) as denied:
+        auth.check_model(alice, "m2")
+    assert denied.value.status == 403 and denied.value.param == "model"
+    auth.check_model(bob, "m2")
+    anonymous = Authenticator((), KeyLimits()).authenticate(None)
+    assert anonymous.key_id == "anonymous" and not anonymous.authenticated
+
+
+def test_generated_keys_are_unique_and_hash_is_sha256() -> None:
+    keys = {generate_key() for _ in range(50)}
+    assert len(keys) == 50 and all(k.startswith("sk-kvs-") and len(k) == 50 for k in keys)
+    assert hash_key("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_keys_create_prints_key_once_and_a_loadable_config_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert keys_main(["create", "--name", "carol", "--models", "m1"]) == 0
+    out = capsys.readouterr()
+    key, line = out.out.splitlines()
+    assert key.startswith("sk-kvs-") and key not in out.err
+    entry = yaml.safe_load(line)[0]
+    assert entry == {"name": "carol", "sha256": hash_key(key), "models": ["m1"]}
+    assert f"--api-key-hash carol:{hash_key(key)}" in out.err
+    settings = load_settings(None, {"upstreams": [{"url": "http://a"}], "api_keys": [entry]}, env={})
+    assert Authenticator(settings.api_keys, KeyLimits()).authenticate(f"Bearer {key}").key_id == "carol"
