@@ -24,7 +24,8 @@ pull: $(STAMP)
 	$(VENV)/bin/kvscope pull
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check engine gateway kernels kvscope tests
+	$(VENV)/bin/ruff check engine gateway kernels kvscope dashboards bench tests
+	$(PY) -m dashboards.generate --check
 	$(VENV)/bin/lint-imports
 
 test: $(STAMP) pull lint

@@ -70,35 +70,50 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
-    """Run every edge check; returns the plan for the proxy or raises a GatewayError."""
+    """Run every edge check (module docstring order); returns the plan for the proxy or raises a
+    GatewayError (400/401/403/404/413/429/503)."""
     ctx = context_of(request)
     ctx.operation = op.name
     principal = authenticate(gw, request)
     body = await read_body(request, gw.settings.max_body_bytes)
-    raw, req = parse_body(body, op.schema)
-    ctx.request_model, ctx.stream = req.model, req.streaming
-    ctx.max_tokens, ctx.temperature = req.requested_max_tokens, req.temperature
-    if gw.settings.logs.log_content:
-        ctx.input_content = raw.get("messages", raw.get("prompt"))
-    if not gw.pool.is_served(req.model):
-        raise ModelNotFound(f"The model '{req.model}' does not exist or is not served here.", param="model")
-    ctx.model_served = True
-    gw.auth.check_model(principal, req.model)
+    raw, req = _parse(gw, ctx, body, op)
+    _check_model(gw, ctx, principal, req.model)
     injected = _apply_ceiling(req, principal.limits.max_tokens)
-    max_tokens = req.requested_max_tokens or injected
-    ctx.max_tokens = max_tokens
+    ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
     prompt_counts = _count_prompt(gw, raw, req)
     ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
     _check_context(gw.pool.max_model_len(req.model), prompt_counts, max_tokens, op)
-    if not gw.pool.candidates(req.model):
-        retry = max(1, math.ceil(gw.settings.routing.health_interval_s))
-        raise UpstreamUnavailable(f"No healthy upstream serves model '{req.model}' right now.",
-                                  headers={"retry-after": str(retry)})
+    _check_replica(gw, req.model)
     prompt_estimate, estimate = _token_estimate(raw, req, prompt_counts, max_tokens)
     await _rate_limit(gw, ctx, principal, prompt_estimate, estimate)
     return ProxyPlan(path=op.path, body=_upstream_body(raw, body, req, injected), model=req.model,
                      stream=req.streaming, include_usage=req.wants_usage, expected_choices=req.num_choices(),
                      operation=op.name)
+
+
+def _parse(gw: GatewayState, ctx: RequestContext, body: bytes,
+           op: Operation) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
+    raw, req = parse_body(body, op.schema)
+    ctx.request_model, ctx.stream = req.model, req.streaming
+    ctx.max_tokens, ctx.temperature = req.requested_max_tokens, req.temperature
+    if gw.settings.logs.log_content:
+        ctx.input_content = raw.get("messages", raw.get("prompt"))
+    return raw, req
+
+
+def _check_model(gw: GatewayState, ctx: RequestContext, principal: Principal, model: str) -> None:
+    """404 ``model_not_found`` for a model no upstream serves; 403 when the key may not use it."""
+    if not gw.pool.is_served(model):
+        raise ModelNotFound(f"The model '{model}' does not exist or is not served here.", param="model")
+    ctx.model_served = True
+    gw.auth.check_model(principal, model)
+
+
+def _check_replica(gw: GatewayState, model: str) -> None:
+    """503 with Retry-After (the health-check period) when no healthy replica serves ``model``."""
+    if not gw.pool.candidates(model):
+        raise UpstreamUnavailable(f"No healthy upstream serves model '{model}' right now.",
+                                  headers={"retry-after": gw.pool.retry_after()})
 
 
 def _apply_ceiling(req: ChatCompletionRequest | CompletionRequest, ceiling: int | None) -> int | None:

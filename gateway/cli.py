@@ -20,7 +20,7 @@ def _gateway_parser() -> argparse.ArgumentParser:
                                 "one or more upstreams (the kvscope engine, vLLM, llama.cpp …).")
     p.add_argument("--config", help="YAML or TOML config file (also $KVSCOPE_GATEWAY_CONFIG)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--port", type=int, help="port (default 4000)")
     p.add_argument("--upstream", action="append", metavar="URL", help="upstream base URL (repeatable)")
     p.add_argument("--tokenizer", action="append", metavar="MODEL=PATH",
                    help="tokenizer.json or model folder for MODEL, for prompt limits at the edge (repeatable)")
@@ -72,28 +72,29 @@ def _tokenizer_model(item: str) -> dict[str, str]:
     return {"name": name, "tokenizer": path}
 
 
-def run(settings: GatewaySettings, log_level: str = "info") -> None:
-    """Serve ``settings`` with uvicorn until interrupted (no access log: the gateway writes its own)."""
+def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn until interrupted (no access log: the gateway writes its own)."""
     import uvicorn
 
-    from gateway.app import create_app
-
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
                 server_header=False, lifespan="on")
 
 
 def gateway_main(argv: list[str]) -> int:
-    """Entry point of ``kvscope gateway``; returns the exit code (2 for a bad configuration)."""
+    """Entry point of ``kvscope gateway``; returns the exit code (2 for a bad configuration, e.g. an
+    invalid value or a tokenizer file that does not exist)."""
     args = _gateway_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
+        from gateway.app import create_app
+
         settings = load_settings(args.config, _overrides(args))
+        app = create_app(settings)
     except (ValueError, OSError) as exc:
         print(f"kvscope gateway: {exc}", file=sys.stderr)
         return 2
-    run(settings, args.log_level)
+    serve(app, settings, args.log_level)
     return 0
 
 

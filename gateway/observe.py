@@ -105,6 +105,26 @@ class RequestContext:
         return self.output_events if self.stream else None
 
     @property
+    def ttft_s(self) -> float | None:
+        """Arrival → first token event sent (streams only)."""
+        return None if self.first_token_at is None else self.first_token_at - self.start
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(e2e − TTFT) / (output tokens per choice − 1); None below 2 tokens or without a TTFT."""
+        tokens = self.output_tokens
+        if self.first_token_at is None or self.end_at is None or tokens is None:
+            return None
+        per_choice = tokens // (len(self.finish_reasons) or 1)
+        return (self.end_at - self.first_token_at) / (per_choice - 1) if per_choice >= 2 else None
+
+    @property
+    def overhead_s(self) -> float:
+        """Seconds spent in the gateway: e2e minus the time spent waiting on upstream attempts."""
+        end = self.end_at if self.end_at is not None else time.perf_counter()
+        return max(0.0, end - self.start - self.upstream_s)
+
+    @property
     def failed(self) -> bool:
         return (self.status or 500) >= 400 or self.stream_error is not None
 
@@ -147,7 +167,7 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     m.in_flight.dec()
     m.requests.labels(model, ctx.route, str(ctx.status or 500)).inc()
     m.request_duration.labels(model, ctx.route).observe(e2e)
-    m.overhead.labels(ctx.route).observe(gateway_overhead(ctx))
+    m.overhead.labels(ctx.route).observe(ctx.overhead_s)
     if ctx.rate_limited:
         m.rate_limited.labels(ctx.rate_limited).inc()
     if ctx.stream_error:
@@ -160,32 +180,12 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     await ctx.run_cleanups()
 
 
-def gateway_overhead(ctx: RequestContext) -> float:
-    """Seconds spent in the gateway: e2e minus the time spent waiting on upstream attempts."""
-    end = ctx.end_at or time.perf_counter()
-    return max(0.0, end - ctx.start - ctx.upstream_s)
-
-
-def ttft_s(ctx: RequestContext) -> float | None:
-    return None if ctx.first_token_at is None else ctx.first_token_at - ctx.start
-
-
-def tpot_s(ctx: RequestContext, choices: int = 1) -> float | None:
-    """(e2e − TTFT) / (output tokens per choice − 1); None for fewer than 2 tokens or no TTFT."""
-    tokens = ctx.output_tokens
-    if ctx.first_token_at is None or ctx.end_at is None or tokens is None:
-        return None
-    per_choice = tokens // max(1, choices)
-    return (ctx.end_at - ctx.first_token_at) / (per_choice - 1) if per_choice >= 2 else None
-
-
 def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
     m = gw.metrics
-    ttft, tpot = ttft_s(ctx), tpot_s(ctx, len(ctx.finish_reasons) or 1)
-    if ttft is not None:
-        m.ttft.labels(model).observe(ttft)
-    if tpot is not None:
-        m.tpot.labels(model).observe(tpot)
+    if ctx.ttft_s is not None:
+        m.ttft.labels(model).observe(ctx.ttft_s)
+    if ctx.tpot_s is not None:
+        m.tpot.labels(model).observe(ctx.tpot_s)
     usage = ctx.usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens), ("cached", cached)):

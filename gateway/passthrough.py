@@ -78,7 +78,7 @@ async def passthrough(gw: GatewayState, request: Request) -> Stream:
         return Stream(_relay(gw, replica, response, ctx, start), status_code=response.status_code,
                       headers=out_headers)
     raise UpstreamUnavailable("No healthy upstream is available right now.",
-                              headers={"retry-after": str(max(1, round(gw.settings.routing.health_interval_s)))})
+                              headers={"retry-after": gw.pool.retry_after()})
 
 
 async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, ctx, start: float

@@ -11,6 +11,7 @@ after it started they go in-band (``data: {"error": …}``, no ``[DONE]``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from gateway.lifespan import GatewayState
     from gateway.observe import RequestContext
 
+_log = logging.getLogger("kvscope.gateway")
 _STREAM_REASONS = {"upstream_timeout": "timeout", "stream_incomplete": "incomplete", "stream_aborted": "aborted",
                    "upstream_disconnected": "upstream_disconnected"}
 CLIENT_CLOSED_REQUEST = 499
@@ -88,6 +90,10 @@ class ProxyCall:
             self.ctx.mark_disconnected(self.phase())
             if not self.committed:
                 self.ctx.status = CLIENT_CLOSED_REQUEST
+        except Exception as exc:  # a bug must still end the response properly (and be logged)
+            _log.exception("proxy error on request %s", self.ctx.request_id)
+            if not self.finished:
+                await self.fail(GatewayError(f"internal gateway error ({type(exc).__name__})"))
         finally:
             self.finished = True
             watcher.cancel()
@@ -134,7 +140,7 @@ class ProxyCall:
         error = failure.error if failure else UpstreamUnavailable(
             f"No healthy upstream serves model '{self.plan.model}' right now.")
         if error.status == 503:
-            error.headers.setdefault("retry-after", str(max(1, round(self.gw.settings.routing.health_interval_s))))
+            error.headers.setdefault("retry-after", self.gw.pool.retry_after())
         await self.fail(error)
 
     async def _attempt(self, replica: Replica, deadline: float) -> None:

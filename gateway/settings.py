@@ -29,6 +29,12 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
+def _positive(config: msgspec.Struct) -> None:
+    for name in config.__struct_fields__:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+
+
 class UpstreamConfig(msgspec.Struct, **_STRUCT):
     """One OpenAI-compatible upstream replica (our engine, vLLM, llama.cpp, TGI …)."""
 
@@ -111,6 +117,9 @@ class TimeoutConfig(msgspec.Struct, **_STRUCT):
     keepalive_s: float = 15.0
     """Send ``: keep-alive`` to a stream's client after this much silence (keep below proxies' idle timeouts)."""
 
+    def __post_init__(self) -> None:
+        _positive(self)
+
 
 class RoutingConfig(msgspec.Struct, **_STRUCT):
     """Replica selection, retries and health checking."""
@@ -121,6 +130,9 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
     health_timeout_s: float = 2.0
     failure_threshold: int = 3
     """Consecutive 5xx answers that eject a replica until its next good health check (connect errors: 1)."""
+
+    def __post_init__(self) -> None:
+        _positive(self)
 
 
 class LogConfig(msgspec.Struct, **_STRUCT):
@@ -168,7 +180,8 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     """Everything the gateway needs; build with :func:`load_settings`."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = 4000
+    """4000 (LiteLLM's default); the engine listens on 8000."""
     upstreams: tuple[UpstreamConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
     api_keys: tuple[ApiKeyConfig, ...] = ()

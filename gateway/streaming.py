@@ -12,6 +12,7 @@ otherwise the client gets ``data: {"error": …}`` and no ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 DRAIN_AFTER_DONE_S = 1.0
-"""After ``[DONE]``, wait this long for the upstream's end of body (so its connection can be reused)."""
+"""After ``[DONE]``, wait at most this long for the upstream's end of body (so its connection can be reused);
+the client's response has already ended."""
 _EOF = object()
 
 
@@ -76,15 +78,17 @@ class StreamRelay:
 
     async def _relay(self) -> None:
         while True:
-            item = await (self._drain_next() if self.done else self._next())
+            item = await self._next()
             if item is _EOF or isinstance(item, Exception):
                 self.call.upstream_end = time.perf_counter()
                 await self._end(item)
                 return
             self.last_chunk_at = time.perf_counter()
             for raw in self.splitter.feed(item):
-                if not self.done and await self._on_event(raw):
+                if await self._on_event(raw):
                     await self._finish()
+                    if self.done:
+                        await self._drain()
                     return
 
     async def _next(self) -> bytes | object:
@@ -103,12 +107,13 @@ class StreamRelay:
                     raise self._timeout(waiting_first, phase_end <= self.deadline) from None
                 await self._send(KEEPALIVE)
 
-    async def _drain_next(self) -> bytes | object:
-        try:
+    async def _drain(self) -> None:
+        """After ``[DONE]`` (the client already has its end): read the upstream's end of body, briefly, so
+        its connection goes back to the pool instead of being closed."""
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(DRAIN_AFTER_DONE_S):
-                return await self.queue.get()
-        except TimeoutError:
-            return _EOF
+                while (item := await self.queue.get()) is not _EOF and not isinstance(item, Exception):
+                    pass
 
     def _timeout(self, waiting_first: bool, phase: bool) -> UpstreamTimeout:
         self.call.gw.pool.report_failure(self.replica, "timeout", passive=False)
@@ -120,16 +125,17 @@ class StreamRelay:
         return UpstreamTimeout(f"upstream sent nothing for {t.idle_s:g}s")
 
     async def _on_event(self, raw: bytes) -> bool:
-        """Handle one complete event; True when the stream is over (error forwarded)."""
+        """Handle one complete event; True when the stream is over (``[DONE]`` or an error forwarded)."""
         data = event_data(raw)
         if data is None:
             await self._send(raw)
             return False
         if data == DONE_DATA:
+            self.call.upstream_end = time.perf_counter()
             self._check_complete()
             await self._send(raw)
             self.done = True
-            return False
+            return True
         try:
             obj = msgspec.json.decode(data)
         except msgspec.DecodeError:
@@ -175,10 +181,7 @@ class StreamRelay:
         self.call.gw.pool.report_failure(self.replica, "stream_error", passive=False)
 
     async def _end(self, item: object) -> None:
-        """End of the upstream body (``_EOF``) or a transport error."""
-        if self.done:
-            await self._finish()
-            return
+        """End of the upstream body (``_EOF``) or a transport error, before any ``[DONE]``."""
         broken = isinstance(item, Exception)
         if not self.call.committed and self.forwarded == 0:
             self.call.gw.pool.report_failure(self.replica, "stream_broken", eject=broken)

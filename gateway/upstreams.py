@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,11 @@ class UpstreamPool:
         """Model → whether a healthy replica serves it, for every configured or ever-discovered model (a
         replica keeps its last model list while it is down)."""
         return {m: any(r.healthy and r.serves(m) for r in self.replicas) for m in self.served_models()}
+
+    def retry_after(self) -> str:
+        """``Retry-After`` seconds for "no healthy replica": the health-check period (a replica can return
+        only at a health check), at least 1."""
+        return str(max(1, math.ceil(self._routing.health_interval_s)))
 
     # --- selection ----------------------------------------------------------------------------------------
     def candidates(self, model: str | None, exclude: Iterable[Replica] = ()) -> list[Replica]:

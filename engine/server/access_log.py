@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 ACCESS_LOGGER = "kvscope.engine.access"
-QUIET_ROUTES = frozenset({"/health", "/metrics"})
-"""Counted but not logged when they succeed (scrapes and probes would drown the log)."""
+QUIET_ROUTES = ("/health", "/metrics", "/schema")
+"""Route prefixes counted but not logged when they succeed (probes, scrapes and docs would drown the log)."""
 
 
 class AccessRecord:
@@ -120,6 +120,6 @@ class AccessLogMiddleware:
 
 def emit(logger: logging.Logger, record: AccessRecord, route: str, service_name: str) -> None:
     """Write the record's line (quiet routes only when they failed)."""
-    if route in QUIET_ROUTES and record.final_status < 400:
+    if route.startswith(QUIET_ROUTES) and record.final_status < 400:
         return
     logger.info(record.to_json(service_name))

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -19,9 +20,12 @@ from engine.server.errors import OpenAIError, from_engine, from_msgspec
 from engine.server.logprobs import token_text
 from engine.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -50,14 +54,24 @@ def _json(body: msgspec.Struct, status: int = 200) -> Response:
     return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
+def _documented(body: type[msgspec.Struct], chunk: str) -> dict[int, ResponseSpec]:
+    """OpenAPI responses of a generation route (the handlers return raw Responses)."""
+    error = "OpenAI error JSON: {error: {message, type, param, code}}"
+    return {200: ResponseSpec(body, description=f"JSON body; with stream=true an SSE stream of {chunk} chunks "
+                              "ending with data: [DONE]"),
+            400: ResponseSpec(ErrorResponse, description=error), 404: ResponseSpec(ErrorResponse, description=error),
+            429: ResponseSpec(ErrorResponse, description=error), 503: ResponseSpec(ErrorResponse, description=error)}
+
+
 @post("/v1/chat/completions", status_code=200, before_request=strict_body(ChatCompletionRequest),
-      summary="Chat completion (JSON or SSE)")
+      summary="Chat completion (JSON or SSE)",
+      responses=_documented(ChatCompletionResponse, "chat.completion.chunk"))
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
     return await create_chat_completion(server_state(request), request, request.scope[BODY_KEY])  # type: ignore[literal-required]
 
 
 @post("/v1/completions", status_code=200, before_request=strict_body(CompletionRequest),
-      summary="Text completion (JSON or SSE)")
+      summary="Text completion (JSON or SSE)", responses=_documented(CompletionResponse, "text_completion"))
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
     return await create_completion(server_state(request), request, request.scope[BODY_KEY])  # type: ignore[literal-required]
 

@@ -138,6 +138,7 @@ async def respond_json(job: Job, formatter: Formatter) -> Response:
     try:
         while (item := await job.run.next(None, watcher)) is not DONE:
             formatter.add(*item)
+        check_complete(job)
     except ClientDisconnected:
         finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_STATUS, phase=job.run.phase()))
         access = job.request.scope.get("kvscope.access")
@@ -160,7 +161,21 @@ async def respond_json(job: Job, formatter: Formatter) -> Response:
 
 
 def respond_stream(job: Job, formatter: Formatter, include_usage: bool) -> SSEResponse:
-    return SSEResponse(_events(job, formatter, include_usage))
+    return SSEResponse(_events(job, formatter, include_usage), on_close=lambda: _abandon(job))
+
+
+def _abandon(job: Job) -> None:
+    """After the response: a job still open was never streamed (the client left first)."""
+    finish_job(job, Outcome("client_disconnected", phase=job.run.phase()))
+    job.run.close()
+
+
+def check_complete(job: Job) -> None:
+    """Every choice must have ended with stop/length; anything else is a failure, never a success."""
+    for choice in job.rs.choices:
+        if choice.finish_reason not in ("stop", "length"):
+            raise RequestFailedError(job.rs.request_id, f"choice {choice.index} ended without a terminal "
+                                     f"chunk ({choice.finish_reason})")
 
 
 async def _events(job: Job, formatter: Formatter, include_usage: bool):
@@ -173,6 +188,7 @@ async def _events(job: Job, formatter: Formatter, include_usage: bool):
                 continue
             for chunk in formatter.add(*item):
                 yield data_event(chunk)
+        check_complete(job)
         if include_usage:
             yield data_event(formatter.usage_chunk())
         outcome = Outcome("success")

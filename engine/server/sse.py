@@ -9,7 +9,7 @@ Headers: ``Cache-Control: no-cache`` and ``X-Accel-Buffering: no`` (nginx: do no
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -37,23 +37,30 @@ class SSEResponse(Stream):
 
     When the response ends for any reason (done, client gone, send error), the generator is closed with
     ``aclose()`` so its ``finally`` block runs even if the client left while it was suspended at a ``yield``
-    (Litestar's stream cancels only the send loop).
+    (Litestar's stream cancels only the send loop), and then ``on_close`` runs (idempotent cleanup that also
+    covers a generator that never started).
     """
 
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+        self._on_close = on_close
 
     def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
-        return _Closing(super().to_asgi_response(*args, **kwargs), self.iterator)
+        return _Closing(super().to_asgi_response(*args, **kwargs), self.iterator, self._on_close)
 
 
 class _Closing:
-    def __init__(self, inner: Any, events: AsyncGenerator[bytes, None]) -> None:
+    def __init__(self, inner: Any, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
         self._inner = inner
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await self._inner(scope, receive, send)
         finally:
-            await self._events.aclose()
+            try:
+                await self._events.aclose()
+            finally:
+                self._on_close()

@@ -122,6 +122,7 @@ class ElasticsearchSink:
         self._backoff = config.shipper.initial_backoff_s
         self._next_try = 0.0
         self._outage: str | None = None
+        self._outage_logged = 0.0
         self._drop_log = _Throttled()
 
     # ---- LogSink -----------------------------------------------------------------------------------
@@ -165,7 +166,11 @@ class ElasticsearchSink:
         self._closed = True
         leftover, self._inflight = self._inflight + list(self._buf), []
         self._buf.clear()
-        if self._spool is not None:
+        if self._spool is None:
+            self._count("dropped", len(leftover))
+            if leftover:
+                logger.error("elasticsearch log sink closed before it started; %d records dropped", len(leftover))
+        else:
             if leftover:
                 self._account_append(leftover, self._spool.append(leftover))
             await asyncio.to_thread(self._spool.close)
@@ -181,6 +186,11 @@ class ElasticsearchSink:
     @property
     def spool(self) -> Spool | None:
         return self._spool
+
+    @property
+    def _es(self) -> AsyncElasticsearch:
+        assert self._client is not None, "start() creates the client"
+        return self._client
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until memory and spool are empty; False on timeout. For tests and tools, not the gateway."""
@@ -242,7 +252,7 @@ class ElasticsearchSink:
         if self._setup_ok:
             return True
         try:
-            await ensure_setup(self._client, self.config.index)  # type: ignore[arg-type]
+            await ensure_setup(self._es, self.config.index)
         except ApiError as exc:
             if exc.status_code in RETRY_STATUSES:
                 return self._failed_attempt(f"setup: {exc.status_code} {exc.message}")
@@ -256,7 +266,7 @@ class ElasticsearchSink:
     async def _ship_direct(self, batch: list[LogRecord]) -> None:
         self._inflight = batch
         try:
-            result = await ship_batch(self._client, self.config.index.data_stream, batch, self.config.shipper)  # type: ignore[arg-type]
+            result = await ship_batch(self._es, self.config.index.data_stream, batch, self.config.shipper)
         finally:
             self._inflight = []
         await self._settle(result, replayed=False)
@@ -272,7 +282,7 @@ class ElasticsearchSink:
                 self._count("failed", batch.corrupt)
             self._replay = (batch, batch.records)
         batch, records = self._replay
-        result = await ship_batch(self._client, self.config.index.data_stream, records, self.config.shipper)  # type: ignore[arg-type]
+        result = await ship_batch(self._es, self.config.index.data_stream, records, self.config.shipper)
         await self._settle(result, replayed=True)
         if result.retry:
             self._replay = (batch, result.retry)
@@ -333,9 +343,12 @@ class ElasticsearchSink:
 
     # ---- outage bookkeeping ------------------------------------------------------------------------
     def _failed_attempt(self, reason: str) -> bool:
-        if self._outage is None:
-            logger.warning("elasticsearch unavailable (%s); spooling log records to %s",
-                           reason, self.config.spool.directory)
+        now = time.monotonic()
+        if self._outage is None or now - self._outage_logged >= 60.0:
+            pending = self._spool.pending_records if self._spool else 0
+            logger.warning("elasticsearch unavailable (%s); %d log records spooled to %s",
+                           reason, pending, self.config.spool.directory)
+            self._outage_logged = now
         self._outage = reason
         self._next_try = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self.config.shipper.max_backoff_s)

@@ -16,10 +16,11 @@ back every record that has no per-item answer yet: the cluster is the problem, n
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ from elasticsearch.helpers import async_streaming_bulk
 
 logger = logging.getLogger(__name__)
 
+YIELD_EVERY = 50
+"""Records encoded or accounted between two yields to the event loop."""
 RETRY_STATUSES = frozenset({429, *range(500, 600)})
 """Per-item statuses retried with backoff inside one bulk round."""
 _CLUSTER_STATUSES = frozenset({401, 403, 404, 408})
@@ -110,19 +113,18 @@ async def ship_batch(
     Never raises for Elasticsearch or network failures: they end up in ``ShipResult.retry`` and ``error``.
     """
     by_id: dict[str, deque[dict[str, Any]]] = {}
-    actions = []
     for record in records:
-        rid = record_id(record)
-        by_id.setdefault(rid, deque()).append(record)
-        actions.append({"_op_type": "create", "_index": index, "_id": rid, "_source": record})
+        by_id.setdefault(record_id(record), deque()).append(record)
     result, answered = ShipResult(), set()
     try:
-        async for _ok, item in async_streaming_bulk(
-            client, actions, chunk_size=config.batch_size, max_chunk_bytes=config.max_chunk_bytes,
-            raise_on_error=False, raise_on_exception=False, max_retries=config.max_retries,
-            initial_backoff=config.initial_backoff_s, max_backoff=config.max_backoff_s,
-            retry_on_status=RETRY_STATUSES, yield_ok=True,
-        ):
+        async for n, (_ok, item) in _aenumerate(async_streaming_bulk(
+            client, _actions(records, index), chunk_size=config.batch_size,
+            max_chunk_bytes=config.max_chunk_bytes, raise_on_error=False, raise_on_exception=False,
+            max_retries=config.max_retries, initial_backoff=config.initial_backoff_s,
+            max_backoff=config.max_backoff_s, retry_on_status=RETRY_STATUSES, yield_ok=True,
+        )):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
             info = next(iter(item.values()))
             queue = by_id.get(str(info.get("_id")))
             if not queue:
@@ -136,6 +138,22 @@ async def ship_batch(
     kept = {id(r) for r in result.retry}
     result.retry = [r for r in records if id(r) not in answered or id(r) in kept]
     return result
+
+
+async def _actions(records: Sequence[dict[str, Any]], index: str) -> AsyncIterator[dict[str, Any]]:
+    """Bulk ``create`` actions; lets the event loop run every ``YIELD_EVERY`` records while the client
+    serializes the body, so one batch never stalls the gateway's requests for more than a millisecond or so."""
+    for n, record in enumerate(records):
+        if n % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
+        yield {"_op_type": "create", "_index": index, "_id": record_id(record), "_source": record}
+
+
+async def _aenumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+    n = 0
+    async for item in items:
+        yield n, item
+        n += 1
 
 
 def _account(result: ShipResult, record: dict[str, Any], info: dict[str, Any]) -> None:

@@ -54,8 +54,6 @@ class RecordBuilder:
         self.log_content = log_content
 
     def build(self, ctx: RequestContext) -> LogRecord:
-        from gateway.observe import gateway_overhead, tpot_s, ttft_s
-
         end = ctx.end_at if ctx.end_at is not None else ctx.start
         duration_s = end - ctx.start
         end_wall = ctx.start_wall + duration_s
@@ -84,8 +82,8 @@ class RecordBuilder:
             "error": {"type": ctx.error_type if ctx.failed or ctx.client_disconnected else None,
                       "message": ctx.error_message if ctx.failed or ctx.client_disconnected else None},
             "gen_ai": self._gen_ai(ctx),
-            "kvscope": {"route": ctx.route, "ttft_s": ttft_s(ctx), "tpot_s": tpot_s(ctx, len(ctx.finish_reasons) or 1),
-                        "e2e_s": duration_s, "gateway_overhead_s": gateway_overhead(ctx),
+            "kvscope": {"route": ctx.route, "ttft_s": ctx.ttft_s, "tpot_s": ctx.tpot_s,
+                        "e2e_s": duration_s, "gateway_overhead_s": ctx.overhead_s,
                         "upstream_s": ctx.upstream_s, "engine": ctx.engine, "attempts": ctx.attempts,
                         "client_disconnected": ctx.client_disconnected, "disconnect_phase": ctx.disconnect_phase,
                         "rate_limited": ctx.rate_limited is not None, "rate_limit_reason": ctx.rate_limited,

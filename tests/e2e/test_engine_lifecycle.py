@@ -1,6 +1,6 @@
 """Lifecycle and observability cases L1, L2, M1, M2, M3 against a real engine server (SmolLM2 on CPU).
 
-The server runs with a 1024-token context, 2 sequences per step and 256-token prefill chunks, so "a full
+The server runs with a 1024-token context, 2 sequences per step and 128-token prefill chunks, so "a full
 engine" and "the prefill of a near-context prompt" happen within seconds; spans go over OTLP/HTTP to a local
 receiver. Scaled from the cases: M1 uses 6 requests of 8 tokens (one with a ~600-token prompt, one of 40
 tokens), M2 4 concurrent streams; the properties checked are the cases' own.
@@ -43,7 +43,7 @@ def receiver():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, receiver):
     process = start_engine(tmp_path_factory.mktemp("engine"), "--max-model-len", "1024", "--kv-cache-memory", "96M",
-                           "--max-num-seqs", "2", "--max-num-batched-tokens", "256", "--sse-keepalive-s", "0.25",
+                           "--max-num-seqs", "2", "--max-num-batched-tokens", "128", "--sse-keepalive-s", "0.25",
                            "--otlp-endpoint", receiver.url, env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
     yield process
     process.stop()
@@ -104,15 +104,18 @@ def test_l2_non_streaming_client_killed_after_1s(engine):
 
 
 def test_l2_stream_aborted_during_prefill_of_near_context_prompt(engine, client):
-    prompt = "The ocean is deep and wide. " * 140  # ~980 tokens: four 256-token prefill chunks
+    prompt = "The ocean is deep and wide. " * 140  # ~980 tokens: eight 128-token prefill chunks
     n_prompt = client.post("/tokenize", json={"prompt": prompt}).json()["count"]
     assert 900 < n_prompt <= 1016
     before = engine.metrics()
     idle = gauges(before)
-    run = BackgroundStream(engine.url, COMPLETIONS, completion(prompt, max_tokens=8), "l2-prefill")
-    wait_for(lambda: run.lines >= 2, 20)  # keep-alive comments: the request is in its prefill
-    run.close()
-    after = back_to(engine, idle, timeout_s=10)  # the abort lands before the next step
+    def prefilling(event: str) -> bool:  # a keep-alive arrived and the engine reports the request running
+        return event.startswith(":") and gauges(engine.metrics())[0] == 1
+
+    result = stream(client, COMPLETIONS, completion(prompt, max_tokens=8), {"x-request-id": "l2-prefill"},
+                    until=prefilling)
+    assert result.parsed.data == []
+    after = back_to(engine, idle, timeout_s=5)  # the abort lands before the next step
     step_tokens = sample(after, "kvscope_engine_step_tokens_sum", **M)
     time.sleep(1.0)
     assert sample(engine.metrics(), "kvscope_engine_step_tokens_sum", **M) == step_tokens, "engine must stop"

@@ -73,10 +73,11 @@ class Proc:
                 self.kill()
 
 
-def spawn(args: list[str], port: int, log: Path) -> Proc:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    out = open(log, "wb")  # noqa: SIM115 - closed with the process
-    popen = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+def spawn(args: list[str], port: int, log: Path, pythonpath: str = "") -> Proc:
+    path = os.pathsep.join(p for p in (str(REPO), pythonpath) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        popen = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     return Proc(popen, port, log)
 
 
@@ -88,12 +89,13 @@ def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -
     return spawn(args, port, tmp / f"{name}.log")
 
 
-def spawn_gateway(tmp: Path, name: str, config: dict[str, Any]) -> Proc:
+def spawn_gateway(tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "") -> Proc:
+    """``python -m gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the repo."""
     port = free_port()
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))
     return spawn([sys.executable, "-m", "gateway", "--config", str(path), "--log-level", "warning"], port,
-                 tmp / f"{name}.out")
+                 tmp / f"{name}.out", pythonpath)
 
 
 def spawn_redis(tmp: Path) -> Proc:
@@ -135,6 +137,7 @@ class LoopThread:
         self.run(cancel_all())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 def start_fake_thread(loop: LoopThread, models: tuple[str, ...] = ("fake-model",), max_model_len: int = 2048,

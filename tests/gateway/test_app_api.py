@@ -21,16 +21,16 @@ def sdk(stack: Stack, key: str = "alice") -> openai.OpenAI:
 
 
 def test_openai_sdk_chat_completion_and_models(stack: Stack) -> None:
-    client = sdk(stack)
-    reply = client.chat.completions.create(model="fake-model", messages=HI, max_tokens=4)
-    assert reply.choices[0].message.content == "t0 t1 t2 t3 " and reply.choices[0].finish_reason == "length"
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (1, 4, 5)
-    models = {m.id: m.model_extra.get("max_model_len") for m in client.models.list().data}
-    assert models == {"fake-model": 2048, "tok-model": CONTEXT_LEN, "broken-model": 2048}
-    assert [m.id for m in sdk(stack, "limited").models.list().data] == ["fake-model"]
-    with pytest.raises(openai.NotFoundError) as err:
-        client.models.retrieve("nope")
-    assert err.value.body["code"] == "model_not_found"
+    with sdk(stack) as client, sdk(stack, "limited") as limited:
+        reply = client.chat.completions.create(model="fake-model", messages=HI, max_tokens=4)
+        assert reply.choices[0].message.content == "t0 t1 t2 t3 " and reply.choices[0].finish_reason == "length"
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (1, 4, 5)
+        models = {m.id: m.model_extra.get("max_model_len") for m in client.models.list().data}
+        assert models == {"fake-model": 2048, "tok-model": CONTEXT_LEN, "broken-model": 2048}
+        assert [m.id for m in limited.models.list().data] == ["fake-model"]
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve("nope")
+        assert err.value.body["code"] == "model_not_found"
 
 
 def _no_id(event: str) -> dict:
@@ -115,6 +115,10 @@ def test_wrong_method_unknown_path_and_big_body_are_openai_shaped(stack: Stack) 
         big = c.post("/v1/chat/completions", content=b"x" * (8 * 1024 * 1024 + 1))
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
         assert "8388609 bytes" in big.json()["error"]["message"]
+        chunked = c.post("/v1/chat/completions", content=iter([b"x" * 1024 * 1024] * 9))  # no Content-Length
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+        root = c.post("/")
+        assert root.status_code == 404 and root.json()["error"]["code"] == "not_found"
     assert httpx.post(stack.url + "/v1/chat/completions", json={}).status_code == 401
 
 
@@ -170,10 +174,11 @@ def test_per_key_models_and_max_tokens_ceiling(stack: Stack) -> None:
         assert stack.fakes["main"].records[-1].body["max_tokens"] == 10
         denied = c.post("/v1/chat/completions", json={"model": "tok-model", "messages": HI})
         assert denied.status_code == 403 and denied.json()["error"]["code"] == "model_not_allowed"
-    with pytest.raises(openai.PermissionDeniedError):
-        sdk(stack, "limited").chat.completions.create(model="tok-model", messages=HI)
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    with sdk(stack, "limited") as limited, pytest.raises(openai.PermissionDeniedError):
+        limited.chat.completions.create(model="tok-model", messages=HI)
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0) as wrong, \
+            pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
 
 
 def test_request_id_is_kept_or_generated_and_sent_upstream(stack: Stack) -> None:
@@ -198,18 +203,29 @@ def test_other_v1_paths_pass_through(stack: Stack) -> None:
     assert httpx.get(stack.url + "/v1/files").status_code == 401
 
 
-def test_upstream_5xx_is_relayed_after_the_attempts(stack: Stack) -> None:
-    with stack.client() as c:
-        resp = c.post("/v1/chat/completions", json={"model": "broken-model", "messages": HI},
-                      headers={"x-request-id": "five-hundred"})
-    assert resp.status_code == 500 and resp.json()["error"]["message"] == "fake 500"
-    record = records_by_id(stack.log, ["five-hundred"])["five-hundred"][0]
-    assert record["kvscope"]["attempts"] == 1 and record["event"]["outcome"] == "failure"
-    assert record["log"]["level"] == "error"
-
-
 def test_probes(stack: Stack) -> None:
     assert httpx.get(stack.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(stack.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["models"] == {"tok-model": True, "fake-model": True, "broken-model": True}
+
+
+def test_upstream_5xx_is_relayed_then_the_replica_is_ejected(stack: Stack) -> None:
+    """Runs last: three consecutive 5xx (failure_threshold) eject the only replica of broken-model."""
+    with stack.client() as c:
+        statuses = []
+        for i in range(4):
+            resp = c.post("/v1/chat/completions", json={"model": "broken-model", "messages": HI},
+                          headers={"x-request-id": f"five-hundred-{i}"})
+            statuses.append(resp.status_code)
+            if i == 0:
+                assert resp.json()["error"]["message"] == "fake 500"
+    assert statuses == [500, 500, 500, 503]
+    record = records_by_id(stack.log, ["five-hundred-0"])["five-hundred-0"][0]
+    assert record["kvscope"]["attempts"] == 1 and record["event"]["outcome"] == "failure"
+    assert record["log"]["level"] == "error"
+    samples = metric_samples(stack.metrics())
+    label = stack.fakes["broken"].url.split("://")[1]
+    assert sample(samples, "kvscope_gateway_upstream_up", upstream=label) == 0
+    assert sample(samples, "kvscope_gateway_upstream_errors_total", upstream=label, reason="status_5xx") == 3
+    assert httpx.get(stack.url + "/readyz").json()["models"]["broken-model"] is False

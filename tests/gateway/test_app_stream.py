@@ -53,9 +53,9 @@ def test_keepalive_comments_while_waiting_for_the_first_token(stack: Stack) -> N
     assert before_token.count(b": keep-alive\n\n") in (3, 4) and b"event:" not in body
     record = records_by_id(stack.log, ["s4"])["s4"][0]
     assert 1.2 <= record["kvscope"]["ttft_s"] < 1.5
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=KEYS["alice"], max_retries=0)
-    chunks = list(client.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, stream=True,
-                                                 extra_body={"fake": {"first_token_delay_s": 0.7}}))
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEYS["alice"], max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, stream=True,
+                                                     extra_body={"fake": {"first_token_delay_s": 0.7}}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "t0 t1 "
 
 
@@ -139,10 +139,12 @@ def test_one_trace_per_request_with_and_without_traceparent(stack: Stack) -> Non
 
 @pytest.fixture(scope="module")
 def strict(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A gateway with short timeouts: first token 0.6 s, idle 0.5 s, total 2 s, keep-alive 10 s."""
+    """A gateway with short timeouts (first token 0.6 s, idle 0.5 s, total 2 s, keep-alive 10 s) that also
+    logs prompts and completions."""
     tmp: Path = tmp_path_factory.mktemp("strict")
     gateway, fakes, exporter = build_stack(loop, tmp, timeouts={"first_token_s": 0.6, "idle_s": 0.5,
-                                                                "total_s": 2.0, "keepalive_s": 10})
+                                                                "total_s": 2.0, "keepalive_s": 10},
+                                           logs={"file": str(tmp / "requests.jsonl"), "log_content": True})
     with gateway:
         yield Stack(gateway, fakes, exporter, tmp / "requests.jsonl")
     for fake in fakes.values():
@@ -176,3 +178,16 @@ def test_idle_timeout_after_the_first_token_is_in_band(strict: Stack) -> None:
     assert "[DONE]" not in events and resp.status_code == 200
     record = records_by_id(strict.log, ["t3"])["t3"][0]
     assert record["kvscope"]["stream_error"] == "timeout" and record["gen_ai"]["usage"]["output_tokens"] == 1
+
+
+def test_log_content_only_when_switched_on(stack: Stack, strict: Stack) -> None:
+    for target in (stack, strict):
+        with target.client() as c:
+            stream(c, {"max_tokens": 2}, "content-sse")
+            c.post("/v1/completions", json={"model": "fake-model", "prompt": "hello", "max_tokens": 3},
+                   headers={"x-request-id": "content-json"})
+    for rid, text, prompt in (("content-sse", "t0 t1 ", HI), ("content-json", "t0 t1 t2 ", "hello")):
+        on = records_by_id(strict.log, [rid])[rid][0]["gen_ai"]
+        assert on["input"] == {"messages": prompt} and on["output"] == {"messages": [text]}
+        off = records_by_id(stack.log, [rid])[rid][0]["gen_ai"]
+        assert "input" not in off and "output" not in off

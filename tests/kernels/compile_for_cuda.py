@@ -46,6 +46,8 @@ def _signature(kernel, args: dict[str, object]) -> tuple[dict[str, str], dict[st
             signature[param.name] = "*" + TYPE_NAMES[value.dtype]
         elif isinstance(value, float):
             signature[param.name] = "fp32"
+        elif value == 1:  # the launcher specialises integer arguments equal to 1 the same way
+            signature[param.name], constexprs[param.name] = "constexpr", 1
         else:
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
     return signature, constexprs
@@ -60,28 +62,28 @@ def _compile(kernel, args: dict[str, object], target: GPUTarget, num_warps: int)
 
 
 ATTENTION_VARIANTS = (
-    # dtype, head_dim, heads, kv_heads, block_size, max_query_len, num_segments
-    (torch.float16, 64, 9, 3, 16, 1, 1),  # SmolLM2 decode
-    (torch.bfloat16, 64, 9, 3, 16, 512, 1),  # SmolLM2 prefill chunk
-    (torch.bfloat16, 128, 32, 8, 32, 1, 8),  # Llama-8B-like split-KV decode
-    (torch.float32, 128, 8, 8, 1, 256, 1),  # fp32, block size 1, no GQA
-    (torch.float32, 64, 9, 3, 16, 1, 4),  # fp32 split decode
+    # dtype, head_dim, heads, kv_heads, block_size, max_query_len, num_segments, num_reqs
+    (torch.float16, 64, 9, 3, 16, 1, 1, 1),  # SmolLM2 decode, one request (num_reqs specialised to 1)
+    (torch.bfloat16, 64, 9, 3, 16, 512, 1, 2),  # SmolLM2 prefill chunk
+    (torch.bfloat16, 128, 32, 8, 32, 1, 8, 2),  # Llama-8B-like split-KV decode
+    (torch.float32, 128, 8, 8, 1, 256, 1, 2),  # fp32, block size 1, no GQA
+    (torch.float32, 64, 9, 3, 16, 1, 4, 2),  # fp32 split decode
 )
 
 
 def _attention_variants():
     """(label, args, num_warps) over dtypes, head dims, GQA groups, block sizes and split/no-split."""
-    for dtype, head_dim, heads, kv_heads, block_size, max_q, segments in ATTENTION_VARIANTS:
+    for dtype, head_dim, heads, kv_heads, block_size, max_q, segments, num_reqs in ATTENTION_VARIANTS:
         query = torch.empty(4, heads, head_dim, dtype=dtype)
         cache = torch.empty(2, 8, block_size, kv_heads, head_dim, dtype=dtype)
-        qsl, seq_lens = torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-        tables = torch.zeros(2, 4, dtype=torch.int32)
+        qsl, seq_lens = torch.zeros(num_reqs + 1, dtype=torch.int32), torch.zeros(num_reqs, dtype=torch.int32)
+        tables = torch.zeros(num_reqs, 4, dtype=torch.int32)
         part = torch.empty(1, dtype=torch.float32)
         block_m = choose_block_m(heads // kv_heads, max_q)
         args = paged_attention_args(
             query, query, cache, qsl, seq_lens, tables, 0.125, (part, part, part), block_m, segments
         )
-        label = f"{dtype} d={head_dim} h={heads}/{kv_heads} bs={block_size} M={block_m} seg={segments}"
+        label = f"{dtype} d={head_dim} h={heads}/{kv_heads} bs={block_size} M={block_m} seg={segments} reqs={num_reqs}"
         yield label, args, choose_num_warps(block_m, head_dim, dtype)
 
 

@@ -36,9 +36,9 @@ class TimedStream:
 
 
 def stream(client: httpx.Client, path: str, body: dict, headers: dict | None = None,
-           stop_after_data: int | None = None) -> TimedStream:
-    """POST with ``stream: true`` and read events with arrival times; close after ``stop_after_data`` data
-    events (a client disconnect) when given."""
+           stop_after_data: int | None = None, until: Callable[[str], bool] | None = None) -> TimedStream:
+    """POST with ``stream: true`` and read events with arrival times; close (a client disconnect) after
+    ``stop_after_data`` data events, or as soon as ``until(event)`` is true, when given."""
     start = time.monotonic()
     with client.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as response:
         result = TimedStream(response.status_code, response.headers, "")
@@ -54,6 +54,8 @@ def stream(client: httpx.Client, path: str, body: dict, headers: dict | None = N
                 result.text += event + "\n\n"
                 count += event.startswith("data: ")
                 if stop_after_data is not None and count >= stop_after_data:
+                    return result
+                if until is not None and until(event):
                     return result
     return result
 
@@ -154,6 +156,7 @@ class BackgroundStream:
         """Sent as ``x-request-id``: the log line's ``http.request.id`` (the response id is unknown while
         the request is queued)."""
         self.data_events = 0
+        self.last_data: str | None = None
         self.first_chunk: dict | None = None
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(base_url, path, body), daemon=True)
@@ -167,10 +170,15 @@ class BackgroundStream:
                 self.lines += 1
                 if line.startswith("data: {") and self.first_chunk is None:
                     self.first_chunk = json.loads(line[len("data: "):])
-                self.data_events += line.startswith("data: ")
+                if line.startswith("data: "):
+                    self.data_events += 1
+                    self.last_data = line
                 if self._closing.is_set():
                     return
         self._closing.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
 
     @property
     def request_id(self) -> str | None:

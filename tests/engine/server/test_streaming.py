@@ -63,7 +63,7 @@ def test_keepalive_comments_while_waiting_for_first_token(client, fake_engine):
     response, stream = _stream(client, "/v1/chat/completions", chat_body(max_tokens=2))
     head = response.text.split("data: ")[0]
     assert set(stream.comments) == {": keep-alive"}
-    assert 4 <= head.count(": keep-alive\n\n") <= 7
+    assert 2 <= head.count(": keep-alive\n\n") <= 7  # ~0.32 s / 0.05 s, fewer when the loop is slowed
     assert "event:" not in response.text
     assert response.text.count(": keep-alive") == head.count(": keep-alive")
 

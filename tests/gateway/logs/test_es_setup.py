@@ -159,3 +159,22 @@ def test_cli_setup_es_against_the_double_and_print(capsys):
     assert list(bodies) == ["PUT _ilm/policy/kvscope-requests-ilm", "PUT _component_template/kvscope-requests@settings",
                             "PUT _component_template/kvscope-requests@mappings", "PUT _index_template/kvscope-requests"]
     assert bodies["PUT _component_template/kvscope-requests@mappings"]["template"]["mappings"]["dynamic"] == "strict"
+
+
+def test_gateway_config_struct_builds_the_sink_config(tmp_path):
+    import msgspec
+
+    from gateway.logs.es_settings import EsLogSettings, cli_env
+
+    raw = {"hosts": ["https://es:9200"], "username": "u", "password": "p", "spool_dir": str(tmp_path),
+           "compat_major": 9, "data_stream": "kvscope-x", "spool_fsync": "always"}
+    cfg = msgspec.convert(raw, EsLogSettings).sink_config()
+    assert (cfg.connection.hosts, cfg.connection.basic_auth, cfg.connection.compat_major) == (
+        ("https://es:9200",), ("u", "p"), 9)
+    assert (cfg.index.data_stream, cfg.spool.directory, cfg.spool.fsync) == ("kvscope-x", tmp_path, "always")
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"hostz": ["x"]}, EsLogSettings)
+    with pytest.raises(ValueError):
+        msgspec.convert({"spool_fsync": "sometimes"}, EsLogSettings).sink_config()
+    env = cli_env({"KVSCOPE_GATEWAY_LOG_FILE": "/var/log/kvscope/requests.jsonl", "ELASTICSEARCH_API_KEY": "k"})
+    assert (env.source, env.api_key, env.es_url) == ("/var/log/kvscope/requests.jsonl", "k", None)

@@ -1,0 +1,213 @@
+"""``kvscope serve``: the one-command stack on a laptop — engine + gateway as child processes.
+
+Pulls the default model if missing, starts the engine on a private loopback port, waits until it is healthy,
+starts the gateway in front of it, waits until it is ready, prints the URL and a copy-paste request, then
+forwards Ctrl-C/SIGTERM to both. Children get PR_SET_PDEATHSIG so that even a SIGKILLed supervisor leaves no
+orphan process behind (Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvscope.models.cache import hf_dir
+from kvscope.models.registry import is_registered
+from kvscope.models.settings import ModelSettings
+
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    model: str
+    host: str
+    port: int
+    engine_port: int
+    log_file: Path
+    engine_args: tuple[str, ...]
+    gateway_args: tuple[str, ...]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvscope serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="registry name, HF folder or .gguf file")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address (auth is off only on loopback)")
+    p.add_argument("--port", type=int, default=4000, help="gateway port")
+    p.add_argument("--engine-port", type=int, default=0, help="engine port on 127.0.0.1 (0 = a free port)")
+    p.add_argument("--log-file", type=Path, help="request log (default: <cache>/logs/requests.jsonl)")
+    p.add_argument("--engine-args", default="", help="extra `kvscope engine` options, e.g. '--max-model-len 4096'")
+    p.add_argument("--gateway-args", default="", help="extra `kvscope gateway` options")
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    """Run engine + gateway until Ctrl-C/SIGTERM. Returns 0 on a requested stop, 1 if a child failed."""
+    args = _parser().parse_args(argv)
+    settings = ModelSettings.from_env()
+    options = ServeOptions(
+        model=args.model, host=args.host, port=args.port, engine_port=args.engine_port or _free_port(),
+        log_file=args.log_file or settings.cache_root / "logs" / "requests.jsonl",
+        engine_args=tuple(shlex.split(args.engine_args)), gateway_args=tuple(shlex.split(args.gateway_args)))
+    if is_registered(options.model):
+        from kvscope.models.pull import pull
+
+        pull(options.model)
+    return Supervisor(options).run()
+
+
+class Supervisor:
+    """Owns the two child processes and their shutdown."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.children: list[subprocess.Popen] = []
+        self._stop_requested = False
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self._start_engine()
+            self._start_gateway()
+            self._print_banner()
+            return self._wait()
+        except _ChildFailed as exc:
+            print(f"kvscope serve: {exc}", file=sys.stderr)
+            return 1
+        except _StopRequested:
+            return 0
+        finally:
+            self._stop_children()
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._stop_requested = True
+
+    def _start_engine(self) -> None:
+        o = self.options
+        cmd = [sys.executable, "-m", "kvscope.cli", "engine", "--model", o.model, "--host", "127.0.0.1",
+               "--port", str(o.engine_port), *o.engine_args]
+        print(f"starting engine: {shlex.join(cmd[2:])}", flush=True)
+        child = self._spawn(cmd)
+        self._wait_ready(child, f"http://127.0.0.1:{o.engine_port}/health", "engine")
+
+    def _start_gateway(self) -> None:
+        o = self.options
+        o.log_file.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "kvscope.cli", "gateway", "--host", o.host, "--port", str(o.port),
+               "--upstream", f"http://127.0.0.1:{o.engine_port}", "--log-file", str(o.log_file)]
+        tokenizer = _tokenizer_path(o.model)
+        if tokenizer is not None:
+            served = _served_name(o)
+            cmd += ["--tokenizer", f"{served}={tokenizer}"]
+        cmd += list(o.gateway_args)
+        print(f"starting gateway: {shlex.join(cmd[2:])}", flush=True)
+        child = self._spawn(cmd)
+        self._wait_ready(child, f"http://{_client_host(o.host)}:{o.port}/readyz", "gateway")
+
+    def _spawn(self, cmd: list[str]) -> subprocess.Popen:
+        child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509 - Linux pdeathsig
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, child: subprocess.Popen, url: str, name: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_stop()
+            if child.poll() is not None:
+                raise _ChildFailed(f"{name} exited with code {child.returncode} before it was ready")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise _ChildFailed(f"{name} not ready after {READY_TIMEOUT_S:.0f} s ({url})")
+
+    def _print_banner(self) -> None:
+        o = self.options
+        base = f"http://{_client_host(o.host)}:{o.port}"
+        print(f"""
+kvscope is serving {_served_name(o)} at {base}/v1  (metrics: {base}/metrics, request log: {o.log_file})
+
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{_served_name(o)}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+Press Ctrl-C to stop.
+""", flush=True)
+
+    def _wait(self) -> int:
+        while True:
+            self._check_stop()
+            for child in self.children:
+                if child.poll() is not None:
+                    raise _ChildFailed(f"child {shlex.join(child.args[2:4])} exited with code {child.returncode}")
+            time.sleep(0.2)
+
+    def _check_stop(self) -> None:
+        if self._stop_requested:
+            raise _StopRequested
+
+    def _stop_children(self) -> None:
+        for child in reversed(self.children):  # gateway first, then the engine
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in reversed(self.children):
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+class _ChildFailed(RuntimeError):
+    pass
+
+
+class _StopRequested(Exception):
+    pass
+
+
+def _die_with_parent() -> None:
+    """Child-side: receive SIGTERM when the supervisor dies (prctl PR_SET_PDEATHSIG = 1)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+    os.setpgrp()  # Ctrl-C in the terminal reaches only the supervisor, which stops children in order
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _served_name(options: ServeOptions) -> str:
+    args = list(options.engine_args)
+    if "--served-model-name" in args:
+        return args[args.index("--served-model-name") + 1]
+    return options.model
+
+
+def _tokenizer_path(model: str) -> Path | None:
+    """tokenizer.json of the served model, for exact prompt-length checks at the edge (None if unknown)."""
+    candidates = [hf_dir(model) / "tokenizer.json"] if is_registered(model) else [Path(model) / "tokenizer.json"]
+    return next((c for c in candidates if c.is_file()), None)
