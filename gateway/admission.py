@@ -82,7 +82,7 @@ async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
     ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
     prompt_counts = _count_prompt(gw, raw, req)
     ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
-    _check_context(gw.pool.max_model_len(req.model), prompt_counts, max_tokens, op)
+    _check_context(gw.pool.max_model_len(req.model), prompt_counts, _completion_budget(max_tokens, op), op)
     _check_replica(gw, req.model)
     prompt_estimate, estimate = _token_estimate(raw, req, prompt_counts, max_tokens)
     await _rate_limit(gw, ctx, principal, prompt_estimate, estimate)
@@ -135,6 +135,14 @@ def _count_prompt(gw: GatewayState, raw: dict[str, Any],
         count = gw.counter.chat(req.model, raw["messages"])
         return None if count is None else [count]
     return gw.counter.completion(req.model, raw["prompt"])
+
+
+def _completion_budget(max_tokens: int | None, op: Operation) -> int | None:
+    """Tokens the upstream will generate at most: ``max_tokens``, else 16 for completions (the OpenAI/vLLM
+    default the upstream applies), else None (chat: the rest of the context)."""
+    if max_tokens is None and op is COMPLETION:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    return max_tokens
 
 
 def _check_context(max_len: int | None, counts: list[int] | None, max_tokens: int | None, op: Operation) -> None:

@@ -44,6 +44,10 @@ _STREAM_REASONS = {"upstream_timeout": "timeout", "stream_incomplete": "incomple
                    "upstream_disconnected": "upstream_disconnected"}
 CLIENT_CLOSED_REQUEST = 499
 """Status logged when the client left before the response started (nginx's convention)."""
+FORWARDED_HEADERS = frozenset({b"x-kvscope-fault"})
+"""Client headers passed on to the upstream as they are: our engine's fault-injection hook (honoured only by
+an engine started with ``--enable-fault-injection``; docs/engine-server.md), so tests can fail a request
+mid-stream through the gateway."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +78,14 @@ class ProxyCall:
         self.last_token_at: float | None = None
         self.client_span: Span | None = None
         self._send: Send | None = None
+        self._forwarded: dict[str, str] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._forwarded = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                           if k.lower() in FORWARDED_HEADERS}
+        await self._serve(receive, send)
+
+    async def _serve(self, receive: Receive, send: Send) -> None:
         self._send = send
         task = asyncio.current_task()
         watcher = asyncio.create_task(self._watch_disconnect(receive, task))
@@ -164,7 +174,7 @@ class ProxyCall:
                 await response.aclose()
 
     def _headers(self, replica: Replica) -> dict[str, str]:
-        headers = {"content-type": "application/json", "x-request-id": self.ctx.request_id,
+        headers = {**self._forwarded, "content-type": "application/json", "x-request-id": self.ctx.request_id,
                    **replica.auth_headers()}
         if self.plan.stream:
             headers["accept"] = "text/event-stream"

@@ -73,9 +73,10 @@ class Proc:
                 self.kill()
 
 
-def spawn(args: list[str], port: int, log: Path, pythonpath: str = "") -> Proc:
+def spawn(args: list[str], port: int, log: Path, pythonpath: str = "", env: dict[str, str] | None = None) -> Proc:
+    """Start ``args`` in the repo with stdout+stderr to ``log``; ``env`` adds to the inherited environment."""
     path = os.pathsep.join(p for p in (str(REPO), pythonpath) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:  # the child keeps its own descriptor
         popen = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     return Proc(popen, port, log)
@@ -89,13 +90,15 @@ def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -
     return spawn(args, port, tmp / f"{name}.log")
 
 
-def spawn_gateway(tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "") -> Proc:
-    """``python -m gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the repo."""
+def spawn_gateway(tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "",
+                  env: dict[str, str] | None = None) -> Proc:
+    """``python -m gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the repo,
+    ``env`` added to the inherited environment."""
     port = free_port()
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))
     return spawn([sys.executable, "-m", "gateway", "--config", str(path), "--log-level", "warning"], port,
-                 tmp / f"{name}.out", pythonpath)
+                 tmp / f"{name}.out", pythonpath, env)
 
 
 def spawn_redis(tmp: Path) -> Proc:
@@ -208,7 +211,8 @@ def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any
     """The first ``count`` records of a JSONL log, waiting for the writer thread."""
     deadline = time.monotonic() + timeout
     while True:
-        lines = path.read_text().splitlines() if path.exists() else []
+        # a line being written has no newline yet: leave it for the next read
+        lines = path.read_bytes().split(b"\n")[:-1] if path.exists() else []
         if len(lines) >= count or time.monotonic() > deadline:
             return [json.loads(line) for line in lines]
         time.sleep(0.02)

@@ -1,0 +1,129 @@
+"""``kvscope serve`` end to end: the supervisor starts a real engine and a real gateway, one chat request goes
+through it with the official ``openai`` SDK, and stopping the supervisor leaves no child process behind —
+after a SIGTERM (orderly stop, exit status 0) and after a SIGKILL (the children's PR_SET_PDEATHSIG).
+
+Children are found through /proc (parent pid of each process) while the stack runs; a pid counts as gone when
+/proc has no such process, a zombie, or a process with another start time (pid reuse).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.engine.server.e2e_support import CHAT, wait_for
+from tests.gateway.harness import REPO, free_port, read_log
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
+ENGINE_ARGS = "--max-model-len 512 --kv-cache-memory 32M --num-threads 1"
+BANNER = "kvscope is serving"
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time in clock ticks) of ``pid``, None when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def children_of(pid: int) -> dict[int, int]:
+    """Child pid → start time of every live child of ``pid``."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) and stat[1] == pid and stat[0] != "Z":
+            out[int(entry.name)] = stat[2]
+    return out
+
+
+def gone(pid: int, start_time: int) -> bool:
+    stat = _stat(pid)
+    return stat is None or stat[0] == "Z" or stat[2] != start_time
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+@dataclass
+class Serve:
+    proc: subprocess.Popen
+    port: int
+    output: Path
+    log_file: Path
+    children: dict[int, int]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _command(port: int, log_file: Path) -> list[str]:
+    script = Path(sys.executable).with_name("kvscope")  # the console script of this venv
+    head = [str(script)] if script.is_file() else [sys.executable, "-m", "kvscope.cli"]
+    return [*head, "serve", "--port", str(port), "--log-file", str(log_file), "--engine-args", ENGINE_ARGS]
+
+
+@pytest.fixture
+def serve(tmp_path) -> Iterator[Serve]:
+    """``kvscope serve`` in its own process group, returned once its banner is printed."""
+    port, output, log_file = free_port(), tmp_path / "serve.out", tmp_path / "requests.jsonl"
+    with output.open("wb") as out:
+        proc = subprocess.Popen(_command(port, log_file), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    running = Serve(proc, port, output, log_file, {})
+    try:
+        deadline = time.monotonic() + 240
+        while BANNER not in output.read_text(errors="replace"):
+            assert proc.poll() is None, f"kvscope serve exited with {proc.returncode}:\n{output.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no banner after 240 s:\n{output.read_text()[-3000:]}"
+            time.sleep(0.2)
+        running.children = children_of(proc.pid)
+        yield running
+    finally:
+        for pid, start in {**running.children, **children_of(proc.pid)}.items():  # never leave one behind
+            if not gone(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _check_children(running: Serve) -> None:
+    commands = sorted(" ".join(cmdline(pid)[1:4]) for pid in running.children)
+    assert len(commands) == 2 and "engine" in commands[0] and "gateway" in commands[1], commands
+
+
+def test_serve_answers_through_the_openai_sdk_and_stops_cleanly_on_sigterm(serve):
+    import openai
+
+    _check_children(serve)
+    sdk = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
+    answer = sdk.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=4, temperature=0)
+    assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 4)
+    assert [m.id for m in sdk.models.list()] == ["smollm2-135m"]
+    chats = wait_for(lambda: [r for r in read_log(serve.log_file, 0, 0) if r["url"]["path"] == CHAT], 5)
+    assert [(r["http"]["response"]["status_code"], r["gen_ai"]["usage"]["output_tokens"]) for r in chats] == [(200, 4)]
+    started = time.monotonic()
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.proc.wait(20) == 0
+    assert time.monotonic() - started < 20
+    assert all(gone(pid, start) for pid, start in serve.children.items()), serve.output.read_text()[-3000:]
+
+
+def test_children_die_with_a_sigkilled_supervisor(serve):
+    _check_children(serve)
+    serve.proc.send_signal(signal.SIGKILL)
+    assert serve.proc.wait(5) == -signal.SIGKILL
+    wait_for(lambda: all(gone(pid, start) for pid, start in serve.children.items()), 20, 0.2)
