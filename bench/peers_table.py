@@ -1,0 +1,65 @@
+"""Print the markdown results table of docs/benchmarks.md from a bench/peers.sh results folder.
+
+Reads ``serve-c*.json`` (``kvscope bench --compare`` results: per-endpoint medians over rounds) and
+``transformers.json`` (bench/transformers_row.py). One row per system and concurrency: output tok/s,
+TTFT p50/p99, TPOT p50/p99 (ms), and the requests that failed or had another output length than requested.
+
+    python bench/peers_table.py /work/peers-build/results/<timestamp>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HEADER = ("| system | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
+          "| failed / length mismatches |")
+
+
+def serve_rows(path: Path) -> list[tuple[str, int, list[str]]]:
+    """Rows of one ``serve-c<C>.json``: (label, concurrency, cells)."""
+    data = json.loads(path.read_text())
+    concurrency = data["runs"][0][0]["load"]["max_concurrency"]
+    figures = data["figures"]
+    rows = []
+    for e, label in enumerate(data["labels"]):
+        runs = [row[e] for row in data["runs"]]
+        failed = sum(run["failed"] for run in runs)
+        mismatched = sum(run["output_len_mismatches"] for run in runs)
+        cells = [f"{figures['output_throughput'][e]:.1f}", f"{figures['median_ttft_ms'][e]:.0f}",
+                 f"{figures['p99_ttft_ms'][e]:.0f}", f"{figures['median_tpot_ms'][e]:.1f}",
+                 f"{figures['p99_tpot_ms'][e]:.1f}", f"{failed} / {mismatched}"]
+        rows.append((label, concurrency, cells))
+    return rows
+
+
+def transformers_rows(path: Path) -> list[tuple[str, int, list[str]]]:
+    """Rows of ``transformers.json``; a static batch has one TTFT and one TPOT, so p50 = p99."""
+    rows = []
+    for row in json.loads(path.read_text()):
+        cells = [f"{row['output_throughput']:.1f}", f"{row['ttft_ms']:.0f}", f"{row['ttft_ms']:.0f}",
+                 f"{row['tpot_ms']:.1f}", f"{row['tpot_ms']:.1f}", "n/a"]
+        rows.append((row["system"], row["concurrency"], cells))
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    folder = Path(argv[0])
+    rows = [r for path in sorted(folder.glob("serve-c*.json")) for r in serve_rows(path)]
+    if (folder / "transformers.json").is_file():
+        rows += transformers_rows(folder / "transformers.json")
+    order = list(dict.fromkeys(label for label, _, _ in rows))
+    rows.sort(key=lambda r: (order.index(r[0]), r[1]))
+    print(HEADER)
+    print("|" + "---|" * 2 + "---:|" * 6)
+    for label, concurrency, cells in rows:
+        print(f"| {label} | {concurrency} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
