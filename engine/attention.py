@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 BACKEND_NAMES = ("auto", "torch", "triton")
+MAX_RETAINED_GATHER_BYTES = 64 << 20
+"""TorchAttentionBackend keeps its K (and V) gather buffer across steps up to this size each."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +93,9 @@ class _Prefill:
 
     start: int
     query_len: int
-    slots: torch.Tensor
-    """int64 [seq_len]: cache slots of positions 0 … seq_len - 1."""
+    seq_len: int
+    blocks: torch.Tensor
+    """int64 [ceil(seq_len / block_size)]: the request's blocks, in order."""
     mask: torch.Tensor | None
     """bool [query_len, seq_len] (True = attend) or None when query_len == seq_len (plain causal)."""
 
@@ -101,28 +104,29 @@ class _Prefill:
 class _DecodeBatch:
     """All requests with query_len == 1, attended together with keys padded to the longest sequence."""
 
-    token_index: torch.Tensor
-    """int64 [n]: position of each decode token in the packed query."""
-    slots: torch.Tensor
-    """int64 [n, max_seq_len]: cache slots (padding points at valid memory and is masked out)."""
-    mask: torch.Tensor
-    """bool [n, 1, 1, max_seq_len]: True where the key position is < seq_len."""
+    token_index: torch.Tensor | None
+    """int64 [n]: position of each decode token in the packed query; None when the step is decodes only
+    (token i is request i)."""
+    blocks: torch.Tensor
+    """int64 [n * max_blocks]: each request's block table padded to the longest (padding reads block 0)."""
+    num_blocks: int
+    """max_blocks: blocks gathered per request."""
+    seq_len: int
+    """Longest context; keys past it are not gathered."""
+    mask: torch.Tensor | None
+    """bool [n, 1, 1, seq_len]: True where the key position is < the request's seq_len; None for one request."""
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
     prefills: tuple[_Prefill, ...]
     decodes: _DecodeBatch | None
-
-
-def _request_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of ``positions`` (int64, any shape […, P]) given block tables ([…, max_blocks])."""
-    blocks = torch.gather(block_table.long(), -1, torch.div(positions, block_size, rounding_mode="floor"))
-    return blocks * block_size + positions % block_size
+    max_gathered_blocks: int
+    """Largest number of blocks one gather of this step copies (sizes the reusable K/V buffers)."""
 
 
 def _build_plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
-    """Split requests into solo prefills and one padded decode batch; precompute slots and masks."""
+    """Split requests into solo prefills and one padded decode batch; precompute block lists and masks."""
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     prefills: list[_Prefill] = []
@@ -134,42 +138,58 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
         elif q_len > 1:
             prefills.append(_prefill(metadata, row, starts[row], q_len, seq_len, block_size))
     decodes = _decode_batch(metadata, decode_rows, starts, seq_lens, block_size) if decode_rows else None
-    return _Plan(prefills=tuple(prefills), decodes=decodes)
+    largest = max([p.blocks.shape[0] for p in prefills] + [0 if decodes is None else decodes.blocks.shape[0]])
+    return _Plan(prefills=tuple(prefills), decodes=decodes, max_gathered_blocks=largest)
 
 
 def _prefill(metadata: AttentionMetadata, row: int, start: int, q_len: int, seq_len: int,
              block_size: int) -> _Prefill:
     device = metadata.block_tables.device
-    key_pos = torch.arange(seq_len, device=device)
-    slots = _request_slots(metadata.block_tables[row], key_pos, block_size)
+    blocks = metadata.block_tables[row, : -(-seq_len // block_size)].long()
     mask = None
     if q_len != seq_len:  # query j sits at position seq_len - q_len + j and sees keys 0 … that position
+        key_pos = torch.arange(seq_len, device=device)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         mask = key_pos[None, :] <= query_pos[:, None]
-    return _Prefill(start=start, query_len=q_len, slots=slots, mask=mask)
+    return _Prefill(start=start, query_len=q_len, seq_len=seq_len, blocks=blocks, mask=mask)
 
 
 def _decode_batch(metadata: AttentionMetadata, rows: list[int], starts: list[int], seq_lens: list[int],
                   block_size: int) -> _DecodeBatch:
     device = metadata.block_tables.device
-    longest = max(seq_lens[r] for r in rows)
-    key_pos = torch.arange(longest, device=device)
-    row_index = torch.tensor(rows, dtype=torch.int64, device=device)
-    tables = metadata.block_tables.index_select(0, row_index)
-    slots = _request_slots(tables, key_pos.expand(len(rows), longest), block_size)
-    lens = torch.tensor([seq_lens[r] for r in rows], device=device)
-    mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
-    token_index = torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
-    return _DecodeBatch(token_index=token_index, slots=slots, mask=mask)
+    lens = [seq_lens[r] for r in rows]
+    longest = max(lens)
+    num_blocks = -(-longest // block_size)
+    only_decodes = len(rows) == len(seq_lens)
+    tables = metadata.block_tables if only_decodes else metadata.block_tables[rows]
+    blocks = tables[:, :num_blocks].long().reshape(-1)
+    mask = None
+    if len(rows) > 1:
+        key_pos = torch.arange(longest, device=device)
+        mask = (key_pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+    token_index = None if only_decodes else torch.tensor([starts[r] for r in rows], dtype=torch.int64,
+                                                          device=device)
+    return _DecodeBatch(token_index=token_index, blocks=blocks, num_blocks=num_blocks, seq_len=longest, mask=mask)
+
+
+def attention_compute_dtype(kv_cache: torch.Tensor) -> torch.dtype:
+    """dtype the torch backend attends in: float32 for a bfloat16/float16 cache on CPU (torch's CPU
+    flash-attention kernel is ~3x slower in bfloat16 than in float32 on a CPU without AMX: 200 vs 73 ms per
+    SmolLM2 decode step at batch 32, context 192), else the cache's dtype."""
+    if kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return kv_cache.dtype
 
 
 class TorchAttentionBackend:
     """Reference paged attention in plain PyTorch (any device; the CPU default).
 
     Prefill chunks (query_len > 1) run one request at a time; decode tokens of all requests run as one
-    batch padded to the longest sequence. Both call ``F.scaled_dot_product_attention`` with
-    ``enable_gqa`` (query head h uses KV head ``h // (num_heads // num_kv_heads)``, as HF ``repeat_kv``).
-    The per-step plan (slots, masks) is built on the first layer and reused by the others.
+    batch padded to the longest sequence. K/V are gathered a whole block at a time (``index_select`` over the
+    block dimension, into buffers reused by every layer and step), then ``F.scaled_dot_product_attention``
+    runs with ``enable_gqa`` (query head h uses KV head ``h // (num_heads // num_kv_heads)``, as HF
+    ``repeat_kv``). The per-step plan (block lists, masks) is built on the first layer and reused by the others.
+    On CPU, bfloat16/float16 caches are attended in float32 (see :func:`attention_compute_dtype`).
     """
 
     name = "torch"
@@ -177,6 +197,7 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._plan_for: tuple[AttentionMetadata, int] | None = None
         self._plan: _Plan | None = None
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -192,25 +213,63 @@ class TorchAttentionBackend:
         Returns [num_tokens, num_heads, head_dim] in the query's dtype.
         """
         plan = self._get_plan(metadata, kv_cache.shape[2])
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        values = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        decodes = plan.decodes
+        dtype = query.dtype
+        query = query.to(attention_compute_dtype(kv_cache))
+        if decodes is not None and decodes.token_index is None:  # decode-only step: no scatter needed
+            return self._decode(query, kv_cache, decodes, plan, scale).to(dtype)
         out = torch.empty_like(query)
         for item in plan.prefills:
+            keys, values = self._gather(kv_cache, item.blocks, plan)
             q = query[item.start: item.start + item.query_len].transpose(0, 1)[None]  # [1, H, q, d]
-            k = keys[item.slots].transpose(0, 1)[None]  # [1, KVH, S, d]
-            v = values[item.slots].transpose(0, 1)[None]
+            k = keys[: item.seq_len].transpose(0, 1)[None]  # [1, KVH, S, d]
+            v = values[: item.seq_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=item.mask, is_causal=item.mask is None,
                                                scale=scale, enable_gqa=True)
             out[item.start: item.start + item.query_len] = o[0].transpose(0, 1)
-        if plan.decodes is not None:
-            batch = plan.decodes
-            q = query[batch.token_index][:, :, None, :]  # [n, H, 1, d]
-            k = keys[batch.slots].transpose(1, 2)  # [n, KVH, S, d]
-            v = values[batch.slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale, enable_gqa=True)
-            out[batch.token_index] = o[:, :, 0, :]
-        return out
+        if decodes is not None:
+            out[decodes.token_index] = self._decode(query[decodes.token_index], kv_cache, decodes, plan, scale)
+        return out.to(dtype)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: _DecodeBatch, plan: _Plan,
+                scale: float) -> torch.Tensor:
+        """query [n, H, d] (one token per request) → [n, H, d]."""
+        n = query.shape[0]
+        keys, values = self._gather(kv_cache, batch.blocks, plan)
+        width = batch.num_blocks * kv_cache.shape[2]
+        k = keys.view(n, width, *keys.shape[1:])[:, : batch.seq_len].transpose(1, 2)  # [n, KVH, S, d]
+        v = values.view(n, width, *values.shape[1:])[:, : batch.seq_len].transpose(1, 2)
+        o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=batch.mask, scale=scale,
+                                           enable_gqa=True)  # [n, H, 1, d]
+        return o[:, :, 0, :]
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: _Plan
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy ``blocks`` (int64 [m]) of K and V into the reusable buffers → two [m * block_size, KVH, d] in
+        the attention compute dtype."""
+        m = blocks.shape[0]
+        key_buf, value_buf = self._get_buffers(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)
+        keys = torch.index_select(kv_cache[0], 0, blocks, out=key_buf[:m])
+        values = torch.index_select(kv_cache[1], 0, blocks, out=value_buf[:m])
+        compute_dtype = attention_compute_dtype(kv_cache)
+        if compute_dtype != kv_cache.dtype:
+            key_up, value_up = self._get_buffers(kv_cache, compute_dtype, plan.max_gathered_blocks)
+            keys, values = key_up[:m].copy_(keys), value_up[:m].copy_(values)
+        return keys.flatten(0, 1), values.flatten(0, 1)
+
+    def _get_buffers(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_blocks: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [>= num_blocks, block_size, KVH, d] ``dtype`` buffers on the cache's device, reused across layers
+        and steps (no allocation and page faults per layer); grown (x1.5) on demand."""
+        buffers = self._buffers.get(dtype)
+        block_shape = kv_cache.shape[2:]
+        if (buffers is None or buffers[0].shape[0] < num_blocks or buffers[0].shape[1:] != block_shape
+                or buffers[0].device != kv_cache.device):
+            size = max(num_blocks, 0 if buffers is None else buffers[0].shape[0] * 3 // 2)
+            buffers = tuple(torch.empty((size, *block_shape), dtype=dtype, device=kv_cache.device)
+                            for _ in range(2))
+            self._buffers[dtype] = buffers
+        return buffers
 
     def _get_plan(self, metadata: AttentionMetadata, block_size: int) -> _Plan:
         """Memoized per (metadata object, block_size): every layer of one forward shares the plan."""
@@ -218,7 +277,16 @@ class TorchAttentionBackend:
         if self._plan is None or cached is None or cached[0] is not metadata or cached[1] != block_size:
             self._plan = _build_plan(metadata, block_size)
             self._plan_for = (metadata, block_size)
+            self._release_large_buffers(self._plan.max_gathered_blocks)
         return self._plan
+
+    def _release_large_buffers(self, num_blocks: int) -> None:
+        """Drop gather buffers over MAX_RETAINED_GATHER_BYTES that this step does not need in full (one long
+        batch must not pin its gather memory for the engine's lifetime)."""
+        for dtype, (key_buf, _) in list(self._buffers.items()):
+            too_big = key_buf.numel() * key_buf.element_size() > MAX_RETAINED_GATHER_BYTES
+            if too_big and key_buf.shape[0] > num_blocks:
+                del self._buffers[dtype]
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:

@@ -1,7 +1,9 @@
 """Offline throughput benchmark: kvscope's engine vs transformers ``generate`` (static batching), same weights.
 
 Run: ``kvscope bench --offline`` or ``python -m engine.bench``. Prints output tokens/s for each concurrency
-(128 prompt / 128 output tokens by default, greedy, ignore_eos). A benchmark, not a test: it asserts nothing.
+(128 prompt / 128 output tokens by default, greedy, ignore_eos) and the median TTFT. ``--step-bench`` instead
+times single engine steps: decode ms/step at each concurrency (all prompts prefilled first) and the TTFT of
+one prompt on an idle engine. A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import gc
 import json
 import platform
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -26,6 +29,8 @@ class BenchResult:
     concurrency: int
     output_tokens: int
     seconds: float
+    ttft_s: float | None = None
+    """Median time to first token over the requests (kvscope only: from the engine's request stats)."""
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -46,7 +51,40 @@ def bench_kvscope(llm: LLM, prompts: list[list[int]], output_len: int) -> BenchR
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return BenchResult("kvscope", len(prompts), tokens, seconds)
+    ttfts = [o.outputs[0].stats["ttft_s"] for o in outputs if (o.outputs[0].stats or {}).get("ttft_s") is not None]
+    return BenchResult("kvscope", len(prompts), tokens, seconds, statistics.median(ttfts) if ttfts else None)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBenchResult:
+    concurrency: int
+    decode_ms_per_step: float
+    """Median wall time of one ``EngineCore.step()`` while all ``concurrency`` requests decode."""
+    prefill_ms: float
+    """The first step: prefill of every prompt that fits the token budget (the TTFT of one idle request)."""
+
+
+def bench_steps(llm: LLM, prompts: list[list[int]], steps: int) -> StepBenchResult:
+    """Queue ``prompts``, time the first step (prefill), run until every prompt is prefilled, then time
+    ``steps`` decode steps one by one. Returns medians in milliseconds."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"step-bench-{len(prompts)}-{i}", ids, params)
+    start = time.perf_counter()
+    engine.step()
+    prefill = time.perf_counter() - start
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return StepBenchResult(len(prompts), 1000 * statistics.median(times), 1000 * prefill)
 
 
 def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> BenchResult:
@@ -77,9 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: the engine's choice)")
+    parser.add_argument("--step-bench", action="store_true",
+                        help="time single steps instead: decode ms/step per concurrency and one prompt's prefill")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed by --step-bench")
     parser.add_argument("--save-result", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads)
+    if args.step_bench:
+        return _run_step_bench(llm, args)
     results = []
     for concurrency in args.concurrency:
         prompts = random_prompts(concurrency, args.input_len, llm.engine.vocab_size, args.seed)
@@ -98,9 +142,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
+    llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    results = []
+    for concurrency in args.concurrency:
+        prompts = random_prompts(concurrency, args.input_len, llm.engine.vocab_size, args.seed)
+        results.append(bench_steps(llm, prompts, args.steps))
+        print(f"kvscope {args.dtype}, {torch.get_num_threads()} threads, concurrency {concurrency:3d}: decode "
+              f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x {args.input_len} "
+              f"tokens) {results[-1].prefill_ms:8.1f} ms", flush=True)
+    if args.save_result:
+        with open(args.save_result, "w") as fh:
+            json.dump([asdict(r) for r in results], fh, indent=2)
+    return 0
+
+
 def _print(result: BenchResult) -> None:
+    ttft = "" if result.ttft_s is None else f", median TTFT {result.ttft_s * 1000:.0f} ms"
     print(f"{result.system:40s} concurrency {result.concurrency:3d}: {result.output_tokens_per_s:8.1f} output tok/s "
-          f"({result.output_tokens} tokens in {result.seconds:.2f} s)", flush=True)
+          f"({result.output_tokens} tokens in {result.seconds:.2f} s{ttft})", flush=True)
 
 
 def _print_table(results: list[BenchResult], args: argparse.Namespace) -> None:

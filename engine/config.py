@@ -75,8 +75,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``auto`` (Triton on CUDA, torch reference on CPU), ``torch`` or ``triton``."""
     num_threads: int | None = None
-    """torch intra-op threads on CPU; None = torch's default."""
+    """torch intra-op threads on CPU; None = auto: one fewer than the CPUs this process may run on, at least 1
+    (``engine.engine_core.default_num_threads``, which documents the measurements). On a 2-core machine that
+    is 1: a second OpenMP thread gains 1.4-1.8x on batched steps when the machine is idle, but makes steps
+    2.5-5x slower as soon as another process wants a core. Override with ``--num-threads``."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")

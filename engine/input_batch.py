@@ -55,13 +55,11 @@ def build_model_inputs(scheduler_output: SchedulerOutput, block_size: int, devic
             logits_indices.append(query_start_loc[-1] - 1)
             sampled_rows.append(row)
     max_blocks = max(len(item.block_ids) for item in scheduled)
-    block_tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-    for row, item in enumerate(scheduled):
-        block_tables[row, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
+    table_rows = [list(item.block_ids) + [0] * (max_blocks - len(item.block_ids)) for item in scheduled]
     metadata = AttentionMetadata(
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
+        block_tables=torch.tensor(table_rows, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(item.num_scheduled_tokens for item in scheduled),
         max_seq_len=max(seq_lens),

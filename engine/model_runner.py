@@ -44,6 +44,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend,
                  block_size: int, vocab_size: int, device: torch.device) -> None:
         self.model = model
+        if device.type == "cpu" and hasattr(model, "prepare_for_cpu"):
+            model.prepare_for_cpu()  # packed/column-major weights: see engine.models.layers.CpuLinearKernel
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
@@ -102,6 +104,8 @@ class ModelRunner:
 
     def _prompt_logprobs(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
                          output: ModelRunnerOutput) -> None:
+        if all(item.request.sampling_params.prompt_logprobs is None for item in scheduler_output.scheduled):
+            return
         query_start = inputs.attn_metadata.query_start_loc.tolist()
         for row, item in enumerate(scheduler_output.scheduled):
             k = item.request.sampling_params.prompt_logprobs

@@ -10,6 +10,9 @@ Order of operations (vLLM v1 ``Sampler.forward``):
    ``argmax(probs / q)`` with ``q ~ Exp(1)`` — a draw from ``probs`` (it is the Gumbel-max trick:
    ``argmax(log p - log q)`` with ``-log q`` Gumbel-distributed). A row with a seed draws its ``q`` from its own
    ``torch.Generator``, so its samples do not depend on the other rows of the batch.
+
+Fast path: when every row is greedy with no bias, bans or penalties and no row asked for logprobs
+(``SamplingMetadata.is_plain_greedy``), only the argmax is taken (``SamplerOutput.logprobs``/``ranks`` are None).
 """
 
 from __future__ import annotations
@@ -75,6 +78,14 @@ class SamplingMetadata:
     generators: tuple[torch.Generator | None, ...]
     max_num_logprobs: int
     """Columns of ``SamplerOutput.top_*``: the largest ``logprobs`` requested in the batch (0 if none)."""
+    needs_logprobs: bool = True
+    """Some row asked for logprobs (``logprobs`` not None, even 0)."""
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row takes the argmax of the unmodified logits and nobody wants logprobs (the fast path)."""
+        return (self.all_greedy and not self.needs_logprobs and self.logit_bias is None and self.banned is None
+                and self.penalties is None)
 
     @property
     def num_reqs(self) -> int:
@@ -115,6 +126,7 @@ class SamplingMetadata:
             banned=_min_tokens_bans(params, output_token_ids, eos_token_ids, vocab_size, device),
             generators=tuple(generators),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=0),
+            needs_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -124,14 +136,16 @@ class SamplerOutput:
 
     sampled_token_ids: torch.Tensor
     """int64 ``[num_reqs]``."""
-    logprobs: torch.Tensor
-    """float32 ``[num_reqs]``: raw logprob of the sampled token."""
+    logprobs: torch.Tensor | None
+    """float32 ``[num_reqs]``: raw logprob of the sampled token; None on the plain-greedy fast path
+    (``SamplingMetadata.is_plain_greedy``: no row asked for logprobs)."""
     top_token_ids: torch.Tensor
     """int64 ``[num_reqs, max_num_logprobs]``: most likely tokens, by raw logprob, descending."""
     top_logprobs: torch.Tensor
     """float32 ``[num_reqs, max_num_logprobs]``: their raw logprobs."""
-    ranks: torch.Tensor
-    """int64 ``[num_reqs]``: 1-based rank of the sampled token (tokens with logprob ≥ its logprob)."""
+    ranks: torch.Tensor | None
+    """int64 ``[num_reqs]``: 1-based rank of the sampled token (tokens with logprob ≥ its logprob); None on the
+    plain-greedy fast path."""
 
 
 class Sampler:
@@ -146,8 +160,13 @@ class Sampler:
             raise InvalidParameterError(
                 "logits", f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}")
         logits = logits.to(torch.float32)
+        if metadata.is_plain_greedy:  # argmax only: no log_softmax, copy, ranks
+            sampled = logits.argmax(dim=-1)
+            empty = logits[:, :0]
+            return SamplerOutput(sampled, None, sampled.new_empty(len(sampled), 0), empty, None)
         raw_logprobs = logits.log_softmax(dim=-1)
-        processed = _process(logits.clone(), metadata)
+        edits_in_place = metadata.logit_bias is not None or metadata.banned is not None
+        processed = _process(logits.clone() if edits_in_place else logits, metadata)
         sampled = _sample(processed, metadata)
         lps, top_ids, top_lps, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, lps, top_ids, top_lps, ranks)
@@ -177,7 +196,8 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: i
 
 
 def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, min_tokens bans, penalties (``logits`` is a private copy, changed in place)."""
+    """logit_bias, min_tokens bans (in place: the caller passes a private copy when either applies), then
+    penalties (out of place)."""
     if meta.logit_bias is not None:
         apply_logit_bias_(logits, meta.logit_bias)
     if meta.banned is not None:

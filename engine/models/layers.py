@@ -1,4 +1,5 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding (RoPE), SwiGLU activation.
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding (RoPE), SwiGLU activation, and
+:class:`Linear` (``nn.Linear`` with a CPU fast path).
 
 Numerics follow HF transformers (``models/llama/modeling_llama.py``, ``modeling_rope_utils.py``) operation
 for operation so that float32 logits match to ~1e-6.
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+PACK_BATCH_HINT = 32
+"""Rows oneDNN tunes its packed weight layout for (decode batches of 2…64 all gain, see CpuLinearKernel)."""
 
 
 class RMSNorm(nn.Module):
@@ -28,11 +31,89 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., size] → [..., size] in x's dtype."""
+        if x.dtype == self.weight.dtype == torch.float32:  # the same float32 operations, in one call
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuLinearKernel:
+    """``y = x @ weight.T + bias`` on CPU with the fastest kernel per input size (measured on AVX-512 cores).
+
+    - float32, one row (single-stream decode): MKL GEMV on the weight stored column-major
+      (``weight.t().contiguous().t()``): MKL's GEMV over the row-major ``[out, in]`` layout runs at about
+      half the memory bandwidth (SmolLM2-135M: ~36 ms vs ~57 ms per token for its 121 matmuls).
+    - everything else: oneDNN's matmul on a weight pre-packed once into its blocked layout
+      (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU freezing pass uses): ~2x MKL's
+      SGEMM at 8–32 rows and ~1.2x at prefill sizes; for bfloat16 it wins at every size.
+    Results equal ``F.linear`` up to float rounding (a different summation order).
+    """
+
+    column_major: torch.Tensor | None
+    """float32 ``[out, in]`` with strides ``(1, out)``, used for one-row inputs; None = always packed."""
+    packed: torch.Tensor
+    """oneDNN-packed ``[out, in]`` weight (an opaque ``torch._mkldnn`` tensor)."""
+    bias: torch.Tensor | None
+    """``[out]`` or None."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[N, in]`` → ``[N, out]`` in x's dtype."""
+        if self.column_major is not None and x.shape[0] == 1:
+            return F.linear(x, self.column_major, self.bias)
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.packed.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLinearKernel | None:
+    """Build the CPU fast path for ``weight`` ``[out, in]`` (float32 or bfloat16, on CPU), or None when this
+    torch build has no oneDNN or the dtype has no fast path (float16). The float32 column-major copy is a new
+    tensor: callers may re-point their parameter at it (see :meth:`Linear.prepare_for_cpu`)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    weight = weight.detach()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
+    except (AttributeError, RuntimeError):  # op missing from this build, or oneDNN refused the shape
+        return None
+    column_major = weight.t().contiguous().t() if weight.dtype == torch.float32 else None
+    return CpuLinearKernel(column_major=column_major, packed=packed,
+                           bias=None if bias is None else bias.detach())
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same HF weight names) that can switch to :class:`CpuLinearKernel`.
+
+    Until :meth:`prepare_for_cpu` is called it is exactly ``nn.Linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.cpu_kernel: CpuLinearKernel | None = None
+
+    def prepare_for_cpu(self) -> bool:
+        """Pack the (loaded) weight for CPU inference. The float32 weight parameter is re-pointed at the
+        column-major copy (same values, same shape), so the extra memory is one packed copy. Returns False
+        (and changes nothing) when there is no fast path. Call again after changing the weights."""
+        kernel = cpu_linear_kernel(self.weight, self.bias)
+        if kernel is None:
+            return False
+        if kernel.column_major is not None:
+            self.weight.data = kernel.column_major
+        self.cpu_kernel = kernel
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[N, in]`` → ``[N, out]``."""
+        if self.cpu_kernel is None or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return self.cpu_kernel(x)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
-from engine.models.layers import RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary, silu_and_mul
+from engine.models.layers import (
+    CpuLinearKernel,
+    Linear,
+    RMSNorm,
+    RopeConfig,
+    RotaryEmbedding,
+    apply_rotary,
+    cpu_linear_kernel,
+    silu_and_mul,
+)
 
 SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -80,8 +89,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -90,13 +99,17 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size], cos/sin [T, head_dim] → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # RoPE of q and k in one pass (elementwise: the same numbers as two calls)
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                          self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         context = get_forward_context()
         kv_cache = context.kv_caches[self.layer_idx]
         context.backend.write_kv(k, v, kv_cache, context.attn_metadata.slot_mapping)
@@ -109,8 +122,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -167,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = self.arch_config(hf_config)
         self.model = LlamaModel(self.config)
         if not self.config.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.logits_kernel: CpuLinearKernel | None = None
 
     @classmethod
     def arch_config(cls, cfg: Mapping[str, Any]) -> ArchConfig:
@@ -181,8 +195,27 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] → logits float32 [N, vocab_size] (tied: the embedding matrix)."""
+        if self.logits_kernel is not None and not torch.is_grad_enabled():
+            return self.logits_kernel(hidden).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def prepare_for_cpu(self) -> int:
+        """Switch every projection and the LM head to :class:`CpuLinearKernel` (call once, after
+        ``load_weights``, on a CPU model). A tied float32 embedding is re-pointed at its column-major copy
+        (embedding lookups then gather strided rows: ~20 ms per 2048 prompt tokens). Costs one packed copy
+        of the weights in memory. Returns the number of matrices switched (0 when oneDNN is unavailable)."""
+        switched = sum(m.prepare_for_cpu() for m in self.modules() if isinstance(m, Linear))
+        if not self.config.tie_word_embeddings:
+            self.logits_kernel = self.lm_head.cpu_kernel
+            return switched
+        embed = self.model.embed_tokens
+        self.logits_kernel = cpu_linear_kernel(embed.weight, None)
+        if self.logits_kernel is None:
+            return switched
+        if self.logits_kernel.column_major is not None:
+            embed.weight.data = self.logits_kernel.column_major
+        return switched + 1
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the HF names used.
