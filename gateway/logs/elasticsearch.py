@@ -8,8 +8,9 @@ Two modes:
 - **direct**: the spool is empty; batches go from memory to Elasticsearch. Records the cluster does not
   take (unreachable, timeouts, 429/5xx after per-item retries) are appended to the spool, which switches
   to…
-- **spooled**: new records are moved from memory to the spool (so replay order is arrival order) and
-  the spool is replayed batch by batch, oldest first. While the cluster keeps failing, replay is probed
+- **spooled**: new records are moved from memory to the spool every ``SPOOLED_HANDOFF_S`` (so replay
+  order is arrival order, and a killed process loses only the last few dozen milliseconds of records, not
+  a flush interval's worth) and the spool is replayed batch by batch, oldest first. While the cluster keeps failing, replay is probed
   with exponential backoff (``initial_backoff_s`` doubling to ``max_backoff_s``). When the spool is empty
   again the sink returns to direct mode. A spool left by a previous process is replayed at start.
 
@@ -45,6 +46,10 @@ from gateway.logs.spool import AppendResult, Spool, SpoolBatch, SpoolConfig
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("shipped", "failed", "spooled", "dropped")
+SPOOLED_HANDOFF_S = 0.05
+"""In spooled mode (cluster down, or a spool being replayed), queued records are moved to the spool at
+least this often: spooling has no batching benefit to wait for, and only the memory queue is lost on
+SIGKILL. (At most 20 worker-thread hand-offs a second; the flush interval still paces bulks.)"""
 
 
 class SinkMetrics(Protocol):
@@ -232,7 +237,7 @@ class ElasticsearchSink:
         if probe_due and self._setup_ok:
             await self._replay_batch()
         else:
-            await self._sleep(self._next_try - time.monotonic())
+            await self._sleep(min(self._next_try - time.monotonic(), SPOOLED_HANDOFF_S))
 
     async def _take_batch(self) -> list[LogRecord]:
         size = self.config.shipper.batch_size

@@ -1,6 +1,6 @@
 """A process running the sink is SIGKILLed mid-outage; a second process replays the spool: nothing is lost.
 
-The full-gateway version of this test belongs with the gateway e2e tests once the gateway wires the sink.
+The full-gateway version is tests/gateway/logs/test_gateway_kill_replay.py.
 """
 
 from __future__ import annotations
