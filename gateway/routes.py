@@ -53,7 +53,7 @@ def _visible_models(request: Request) -> list[str]:
     return served if principal.models is None else [m for m in served if m in principal.models]
 
 
-@route("/v1/models", http_method=ALL_METHODS)
+@route("/v1/models", http_method=ALL_METHODS, status_code=200)
 async def list_models(request: Request) -> dict[str, Any]:
     """Models of all upstreams merged (the upstream's cards, with ``max_model_len``), as the key may see."""
     _only(request, "GET")

@@ -17,8 +17,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 ACCESS_LOGGER = "kvscope.engine.access"
-QUIET_ROUTES = ("/health", "/metrics", "/schema")
-"""Route prefixes counted but not logged when they succeed (probes, scrapes and docs would drown the log)."""
+QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")
+"""Route prefixes counted but not logged when they succeed (probes, scrapes, the gateway's model-list health
+check and docs would drown the log)."""
 
 
 class AccessRecord:

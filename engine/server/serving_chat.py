@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 from litestar import Request, Response
 from msgspec import UNSET
@@ -57,7 +59,7 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     check_prompts(state, [prompt], params, "messages", max_tokens_param)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = start_job(state, request, "chat", [prompt], params, bool(req.stream))
-    formatter = ChatFormatter(job.rs, state.tokenizer, state.created, bool(req.logprobs), include_usage)
+    formatter = ChatFormatter(job.rs, state.tokenizer, int(time.time()), bool(req.logprobs), include_usage)
     if req.stream:
         return respond_stream(job, formatter, include_usage)
     return await respond_json(job, formatter)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from litestar import Request, Response
 from msgspec import UNSET
 
@@ -45,7 +47,7 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = start_job(state, request, "text_completion", prompts, params, bool(req.stream))
-    formatter = CompletionFormatter(job.rs, state.tokenizer, state.created, echo_texts, req.logprobs is not None,
+    formatter = CompletionFormatter(job.rs, state.tokenizer, int(time.time()), echo_texts, req.logprobs is not None,
                                     include_usage)
     if req.stream:
         return respond_stream(job, formatter, include_usage)

@@ -82,8 +82,17 @@ class CliEnv:
 
 def cli_env(env: Mapping[str, str]) -> CliEnv:
     return CliEnv(
-        source=env.get("KVSCOPE_LOGS_SOURCE") or env.get("KVSCOPE_GATEWAY_LOG_FILE"),
+        source=env.get("KVSCOPE_LOGS_SOURCE") or env.get("KVSCOPE_GATEWAY_LOG_FILE") or _serve_log(env),
         es_url=env.get("ELASTICSEARCH_URL"), api_key=env.get("ELASTICSEARCH_API_KEY"),
         username=env.get("ELASTICSEARCH_USERNAME"), password=env.get("ELASTICSEARCH_PASSWORD"),
         ca_certs=env.get("ELASTICSEARCH_CA_CERTS"),
     )
+
+
+def _serve_log(env: Mapping[str, str]) -> str | None:
+    """The request log ``kvscope serve`` writes (``$KVSCOPE_CACHE/logs/requests.jsonl``), if it exists."""
+    from pathlib import Path
+
+    root = Path(env.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser()
+    path = root / "logs" / "requests.jsonl"
+    return str(path) if path.exists() else None

@@ -28,6 +28,8 @@ def test_openai_sdk_chat_completion_and_models(stack: Stack) -> None:
         models = {m.id: m.model_extra.get("max_model_len") for m in client.models.list().data}
         assert models == {"fake-model": 2048, "tok-model": CONTEXT_LEN, "broken-model": 2048}
         assert [m.id for m in limited.models.list().data] == ["fake-model"]
+        raw = client.models.with_raw_response.list()
+        assert raw.http_response.status_code == 200
         with pytest.raises(openai.NotFoundError) as err:
             client.models.retrieve("nope")
         assert err.value.body["code"] == "model_not_found"

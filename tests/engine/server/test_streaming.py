@@ -132,3 +132,11 @@ def test_injected_fault_non_streaming_is_500_json(client):
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "request_failed"
     assert client.post("/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
+
+
+def test_created_is_the_request_time_not_the_server_start(client, monkeypatch):
+    import engine.server.serving_chat as serving_chat
+
+    monkeypatch.setattr(serving_chat.time, "time", lambda: 2_000_000_000.5)
+    body = client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).json()
+    assert body["created"] == 2_000_000_000

@@ -218,10 +218,23 @@ def test_search_bad_condition_is_a_one_line_error(log_dir, capsys):
 def test_missing_source_and_bad_arguments(tmp_path, capsys):
     assert logs_main(["report", "--source", str(tmp_path / "nope.jsonl")], env={}) == 1
     assert "no request log files" in capsys.readouterr().err
-    assert logs_main(["report"], env={}) == 1
+    assert logs_main(["report"], env={"KVSCOPE_CACHE": str(tmp_path)}) == 1
     assert "no --source" in capsys.readouterr().err
     assert logs_main(["report", "--by", "colour"], env={}) == 2
     assert logs_main(["report", "--since", "yesterday", "--source", str(tmp_path)], env={}) == 1
+
+
+def test_report_defaults_to_the_serve_log(tmp_path, capsys):
+    """Without --source, `kvscope logs report` reads the log `kvscope serve` writes under $KVSCOPE_CACHE."""
+    serve_log = tmp_path / "logs" / "requests.jsonl"
+    serve_log.parent.mkdir()
+    serve_log.write_text("".join(json.dumps(r) + "\n" for r in known_records()))
+    capsys.readouterr()
+    assert logs_main(["report", "--format", "json"], env={"KVSCOPE_CACHE": str(tmp_path)}) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert logs_main(["report", "--format", "json", "--source", str(serve_log)], env={}) == 0
+    assert default == json.loads(capsys.readouterr().out)
+    assert default["total"]["requests"] == len(known_records())
 
 
 def png_size(path) -> tuple[int, int]:
