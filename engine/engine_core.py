@@ -158,6 +158,10 @@ class EngineCore:
         if num_prompt + (params.max_tokens or 0) > self.max_model_len or num_prompt >= self.max_model_len:
             raise PromptTooLongError(max_model_len=self.max_model_len, num_prompt_tokens=num_prompt,
                                      max_tokens=params.max_tokens)
+        if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
+            raise InvalidParameterError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the "
+                                        f"{self.max_model_len - num_prompt} tokens left in the context "
+                                        f"({self.max_model_len} - {num_prompt} prompt tokens).")
         return params.max_tokens or self.max_model_len - num_prompt
 
     def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:

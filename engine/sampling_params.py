@@ -92,6 +92,8 @@ class SamplingParams:
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings.")
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings are allowed.")
+        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",
+               f"seed must be in [-2^63, 2^64 - 1], got {self.seed}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= MAX_LOGPROBS, name,

@@ -7,6 +7,7 @@ failures are retried on another replica; the answer is streamed back unchanged (
 
 from __future__ import annotations
 
+import posixpath
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from litestar import Request
 from litestar.response import Stream
 
 from gateway.admission import authenticate, context_of, read_body
-from gateway.errors import ModelNotFound, UpstreamUnavailable
+from gateway.errors import ModelNotFound, NotFound, UpstreamUnavailable
 from gateway.upstreams import Replica
 
 if TYPE_CHECKING:
@@ -26,6 +27,21 @@ if TYPE_CHECKING:
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-authenticate", "proxy-authorization", "host", "authorization", "content-length",
                         "accept-encoding", "content-encoding"})
+RESPONSE_DROPPED = HOP_BY_HOP | {"date", "server", "content-type", "x-request-id"}
+"""Upstream response headers the gateway sets itself (no duplicated Date/Server/Content-Type/id)."""
+
+
+def upstream_path(raw_path: str) -> str:
+    """The path to forward: ``raw_path`` when it stays inside ``/v1/`` after resolving ``.``/``..`` segments
+    (percent-encoded ones included). Raises NotFound otherwise, so ``/v1/../metrics`` never reaches the
+    upstream's private routes."""
+    from urllib.parse import unquote
+
+    decoded = unquote(raw_path)
+    normal = posixpath.normpath(decoded)
+    if normal != decoded.rstrip("/") or not normal.startswith("/v1/") or "//" in decoded:
+        raise NotFound(f"Unknown path {raw_path!r}.")
+    return raw_path
 
 
 def _model_of(body: bytes) -> str | None:
@@ -41,6 +57,7 @@ async def passthrough(gw: GatewayState, request: Request) -> Stream:
     """Forward the request; raises ModelNotFound/PermissionDenied/UpstreamUnavailable before any upstream
     call."""
     ctx = context_of(request)
+    path = upstream_path(request.scope.get("raw_path", b"").decode("latin-1") or request.url.path)
     principal = authenticate(gw, request)
     body = await read_body(request, gw.settings.max_body_bytes)
     model = _model_of(body)
@@ -60,7 +77,7 @@ async def passthrough(gw: GatewayState, request: Request) -> Stream:
         if replica is None:
             break
         tried.append(replica)
-        url = replica.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        url = replica.url + path + (f"?{request.url.query}" if request.url.query else "")
         upstream = gw.http.build_request(request.method, url, content=body,
                                          headers={**headers, **replica.auth_headers()})
         ctx.attempts += 1
@@ -74,9 +91,9 @@ async def passthrough(gw: GatewayState, request: Request) -> Stream:
             ctx.upstream_s += time.perf_counter() - start
             continue
         gw.pool.acquire(replica)
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in RESPONSE_DROPPED}
         return Stream(_relay(gw, replica, response, ctx, start), status_code=response.status_code,
-                      headers=out_headers)
+                      headers=out_headers, media_type=response.headers.get("content-type"))
     raise UpstreamUnavailable("No healthy upstream is available right now.",
                               headers={"retry-after": gw.pool.retry_after()})
 

@@ -107,8 +107,9 @@ def parse_body(body: bytes, schema: type[T]) -> tuple[dict[str, Any], T]:
     """The JSON object and its validated Struct. Raises InvalidRequest (400)."""
     try:
         raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"Invalid JSON body: {exc}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        # invalid UTF-8 and absurd nesting are malformed bodies too (400, never 500)
+        raise InvalidRequest(f"Invalid JSON body: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     try:

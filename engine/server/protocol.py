@@ -246,6 +246,10 @@ class ErrorResponse(Struct):
 def decode_body(body: bytes, request_type: type[Struct]) -> Any:
     """Strictly decode a JSON body into ``request_type``.
 
-    Raises msgspec.DecodeError (not JSON) or msgspec.ValidationError (wrong type, out of range, missing field).
+    Raises msgspec.DecodeError (not JSON, invalid UTF-8, nesting too deep) or msgspec.ValidationError (wrong
+    type, out of range, missing field).
     """
-    return msgspec.json.decode(body, type=request_type, strict=True)
+    try:
+        return msgspec.json.decode(body, type=request_type, strict=True)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise msgspec.DecodeError(f"{type(exc).__name__}: {exc}") from None

@@ -165,3 +165,14 @@ def test_t2_stop_never_occurs_flushes_tail(llm):
     deltas = stream(llm, "t2-never", prompt, params)
     assert "".join(c.text for d in deltas for c in d.outputs) == out.text
     assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_min_tokens_beyond_the_context_is_rejected_before_any_work(llm):
+    from engine.errors import InvalidParameterError
+
+    prompt = llm.tokenizer.encode("Hello")
+    left = llm.engine.max_model_len - len(prompt)
+    with pytest.raises(InvalidParameterError) as err:
+        llm.engine.check_request(prompt, SamplingParams(min_tokens=left + 1, max_tokens=None))
+    assert err.value.param == "min_tokens" and str(left) in str(err.value)
+    assert llm.engine.check_request(prompt, SamplingParams(min_tokens=left, max_tokens=None)) == left

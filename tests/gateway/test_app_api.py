@@ -84,6 +84,8 @@ def test_terminal_events_and_log_line(stack: Stack) -> None:
     (b'{"model": "fake-model", "messages": [], "max_tokens": 0}', "max_tokens"),
     (b'{"model": "fake-model", "messages": [], "temperature": 7}', "temperature"),
     (b'{"model": "fake-model", "messages": [], "stream": "yes"}', "stream"),
+    (b'{"model": "fake-model", "messages": [{"role": "user", "content": "a\xff\xfeb"}]}', None),  # bad UTF-8
+    (b'{"model": "fake-model", "messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),  # nesting
 ])
 def test_malformed_bodies_are_openai_400s_logged_and_counted(stack: Stack, body: bytes, param: str | None) -> None:
     """A3: 400 JSON with the OpenAI error body, never 500/plain text; log and counter under 400."""
@@ -101,7 +103,8 @@ def test_malformed_bodies_are_openai_400s_logged_and_counted(stack: Stack, body:
     assert error["type"] == "invalid_request_error" and error["param"] == param
     record = records_by_id(stack.log, [rid])[rid]
     assert len(record) == 1 and record[0]["http"]["response"]["status_code"] == 400
-    assert record[0]["error"]["type"] == "invalid_request_error" and body.decode() not in json.dumps(record[0])
+    assert record[0]["error"]["type"] == "invalid_request_error"
+    assert body.decode(errors="replace") not in json.dumps(record[0])
     samples = metric_samples(stack.metrics())
     after = sum(sample(samples, "kvscope_gateway_requests_total", model=m, route="/v1/chat/completions",
                        status="400") for m in ("unknown", "fake-model"))
@@ -203,6 +206,23 @@ def test_other_v1_paths_pass_through(stack: Stack) -> None:
         assert c.get("/v1/files").json()["echo"] == "/v1/files"
         assert c.post("/v1/embeddings", json={"model": "zzz", "input": "x"}).status_code == 404
     assert httpx.get(stack.url + "/v1/files").status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/v1/../metrics", "/v1/%2e%2e/health", "/v1/./files", "/v1//files",
+                                  "/v1/files/../../tokenize"])
+def test_passthrough_never_leaves_v1(stack: Stack, path: str) -> None:
+    """Dot segments (plain or percent-encoded) must not reach the upstream's private routes."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(stack.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    conn.request("GET", path, headers={"authorization": f"Bearer {KEYS['alice']}"})
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 404 and body["error"]["code"] in ("not_found", "route_not_found")
+    assert "kvscope_" not in json.dumps(body)
 
 
 def test_probes(stack: Stack) -> None:

@@ -66,6 +66,16 @@ def test_invalid_json_is_400_json_and_counted(client):
     assert sample(samples, "kvscope_engine_http_requests_total", route="/v1/chat/completions", status="400") == 1
 
 
+@pytest.mark.parametrize("body", [
+    b'{"model": "fake-model", "messages": [{"role": "user", "content": "a\xff\xfeb"}]}',
+    b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "x": '
+    + b"[" * 100_000 + b"]" * 100_000 + b"}",
+])
+def test_invalid_utf8_and_deep_nesting_are_400_invalid_json(client, body):
+    error = _error(client.post("/v1/chat/completions", content=body), 400)
+    assert (error["param"], error["code"]) == (None, "invalid_json")
+
+
 def test_unknown_fields_are_ignored(client):
     response = client.post("/v1/chat/completions", json=chat_body(max_tokens=3, frobnicate={"x": 1},
                                                                   response_format={"type": "text"}))
