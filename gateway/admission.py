@@ -8,6 +8,7 @@ models (403) → key's ``max_tokens`` ceiling (400) → context length with the 
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,7 @@ async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
     _check_model(gw, ctx, principal, req.model)
     injected = _apply_ceiling(req, principal.limits.max_tokens)
     ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
-    prompt_counts = _count_prompt(gw, raw, req)
+    prompt_counts = await asyncio.to_thread(_count_prompt, gw, raw, req)  # a huge prompt must not stall the loop
     ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
     _check_context(gw.pool.max_model_len(req.model), prompt_counts, _completion_budget(max_tokens, op), op)
     _check_replica(gw, req.model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -54,7 +55,7 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     admit(state)
     check_model(state, req.model)
     params = chat_sampling_params(req)
-    prompt = chat_prompt(state.tokenizer, req)
+    prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req)  # a huge prompt must not stall the loop
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_prompts(state, [prompt], params, "messages", max_tokens_param)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from litestar import Request, Response
@@ -42,7 +43,7 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     admit(state)
     check_model(state, req.model)
     params = completion_sampling_params(req)
-    prompts = completion_prompts(state.tokenizer, req.prompt)
+    prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, req.prompt)  # off the event loop
     check_prompts(state, prompts, params, "prompt")
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
