@@ -19,7 +19,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidParameterError, PromptTooLongError
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes_per_block
-from engine.models.loader import load_model
+from engine.models.loader import DTYPES, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -27,9 +27,6 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -73,7 +70,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads or default_num_threads())
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = _DTYPES[config.model.dtype]
+        dtype = DTYPES[config.model.dtype]
         self.model, hf_config, model_dir = load_model(config.model, self.device)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         num_layers = hf_config["num_hidden_layers"]
