@@ -118,8 +118,33 @@ class ManagedProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+class _ServerProcess:
+    """Start/stop/context-manager plumbing shared by the Prometheus and Alertmanager wrappers."""
+
+    _process: ManagedProcess
+
+    def _await_ready(self, ready_url: str, timeout_s: float):
+        self._process.start()
+        try:
+            wait_http_ok(ready_url, timeout_s, self._process.proc)
+        except RuntimeError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}\n{self._process.log()}") from exc
+        return self
+
+    def stop(self) -> None:
+        if hasattr(self, "_process"):
+            self._process.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @dataclass
-class PrometheusServer:
+class PrometheusServer(_ServerProcess):
     """``prometheus`` on a random port; ``targets`` maps job name → ["host:port", ...]."""
 
     workdir: Path
@@ -160,27 +185,11 @@ class PrometheusServer:
             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
             "--rules.alert.resend-delay=1s", "--log.level=warn",
         ], self.workdir / "prometheus.log")
-        self._process.start()
-        try:
-            wait_http_ok(f"{self.url}/-/ready", timeout_s, self._process.proc)
-        except RuntimeError as exc:
-            self.stop()
-            raise RuntimeError(f"{exc}\n{self._process.log()}") from exc
-        return self
-
-    def stop(self) -> None:
-        if hasattr(self, "_process"):
-            self._process.stop()
-
-    def __enter__(self) -> PrometheusServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return self._await_ready(f"{self.url}/-/ready", timeout_s)
 
 
 @dataclass
-class AlertmanagerServer:
+class AlertmanagerServer(_ServerProcess):
     """``prometheus-alertmanager`` on a random port, clustering off, with ``config_text``."""
 
     workdir: Path
@@ -200,23 +209,7 @@ class AlertmanagerServer:
             self.binary, f"--config.file={config}", f"--storage.path={self.workdir / 'data'}",
             f"--web.listen-address={self.address}", "--cluster.listen-address=", "--log.level=warn",
         ], self.workdir / "alertmanager.log")
-        self._process.start()
-        try:
-            wait_http_ok(f"http://{self.address}/-/ready", timeout_s, self._process.proc)
-        except RuntimeError as exc:
-            self.stop()
-            raise RuntimeError(f"{exc}\n{self._process.log()}") from exc
-        return self
-
-    def stop(self) -> None:
-        if hasattr(self, "_process"):
-            self._process.stop()
-
-    def __enter__(self) -> AlertmanagerServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return self._await_ready(f"http://{self.address}/-/ready", timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
