@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO
 
 ACCESS_LOGGER = "kvscope.engine.access"
 QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")
@@ -117,6 +117,28 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             self.on_done(record, scope.get("path_template") or scope["path"])
+
+
+class JsonLineHandler(logging.Handler):
+    """Writes each record's message plus ``\n`` to a binary stream as ONE write of the whole line, then
+    flushes: a tailing reader (gateway/logs/jsonl.py, Filebeat, ``tail -f``) never sees half a record, and
+    lines from several threads never interleave (``logging.Handler.handle`` holds the handler lock around
+    :meth:`emit`). ``logging.StreamHandler`` on a text stream gives neither guarantee: the text layer may
+    hand a long line to the file in several writes, and only flushes when asked."""
+
+    terminator = b"\n"
+
+    def __init__(self, stream: BinaryIO) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record).encode("utf-8", "backslashreplace") + self.terminator
+            self.stream.write(line)
+            self.stream.flush()
+        except Exception:  # noqa: BLE001 - logging must never raise into the request path
+            self.handleError(record)
 
 
 def emit(logger: logging.Logger, record: AccessRecord, route: str, service_name: str) -> None:

@@ -21,6 +21,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.logs.jsonl import read_records
 from tests.gateway.fake_upstream import FakeUpstream, Knobs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,10 +212,9 @@ def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any
     """The first ``count`` records of a JSONL log, waiting for the writer thread."""
     deadline = time.monotonic() + timeout
     while True:
-        # a line being written has no newline yet: leave it for the next read
-        lines = path.read_bytes().split(b"\n")[:-1] if path.exists() else []
-        if len(lines) >= count or time.monotonic() > deadline:
-            return [json.loads(line) for line in lines]
+        records = read_records(path)  # a line being written has no newline yet: left for the next read
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
         time.sleep(0.02)
 
 

@@ -144,8 +144,6 @@ def completion(prompt: Any, **extra: Any) -> dict:
     return {"model": "smollm2-135m", "prompt": prompt, **extra}
 
 
-def json_lines(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 class BackgroundStream:
