@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
+from gateway.metrics import GatewayMetrics
 from tests.conftest import require_tool
 from tests.e2e.prom import (
     AlertmanagerServer,
@@ -25,7 +26,6 @@ from tests.e2e.prom import (
     wait_for_series,
 )
 
-gateway_metrics = pytest.importorskip("gateway.metrics", reason="gateway.metrics not written yet")
 pytestmark = pytest.mark.e2e
 
 
@@ -37,7 +37,7 @@ def firing(receiver: WebhookReceiver, path: str) -> set[tuple[str, str, str]]:
 def exporter():
     """Gateway collectors on a random port; yields (metrics, "host:port")."""
     registry = CollectorRegistry()
-    metrics = gateway_metrics.GatewayMetrics(registry)
+    metrics = GatewayMetrics(registry)
     for status in ("200", "502"):
         metrics.requests.labels(model="m", route="/v1/chat/completions", status=status)
     for upstream in ("engine-a", "engine-b"):
