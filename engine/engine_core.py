@@ -12,19 +12,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidParameterError, PromptTooLongError
-from engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes_per_block
 from engine.models.loader import DTYPES, load_model
-from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.text.output_processor import OutputProcessor
+from engine.text.tokenizer import Tokenizer
+from engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
+from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class EngineCore:
         head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
         block_size = config.cache.block_size
         per_block = kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        num_blocks = config.cache.num_blocks or self._budget_blocks(per_block)
+        num_blocks = config.cache.num_blocks or budget_num_blocks(config.cache, self.device, per_block)
         self.max_model_len = self._max_model_len(hf_config, num_blocks * block_size)
         kv_caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
         backend = get_attention_backend(config.attention_backend, self.device)
@@ -95,16 +96,6 @@ class EngineCore:
             num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_blocks * per_block,
             weights_bytes=weights, load_seconds=time.perf_counter() - start)
         logger.info("engine ready: %s", self.info)
-
-    def _budget_blocks(self, per_block: int) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1.0 - self.config.cache.gpu_memory_utilization))
-        else:
-            budget = self.config.cache.kv_cache_memory
-        if budget < per_block:
-            raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)")
-        return budget // per_block
 
     def _max_model_len(self, hf_config: dict, capacity_tokens: int) -> int:
         model_len = hf_config.get("max_position_embeddings") or capacity_tokens

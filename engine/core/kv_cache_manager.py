@@ -12,7 +12,7 @@ import struct
 from collections.abc import Sequence
 
 from engine.core.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request
+from engine.core.request import Request
 
 
 def hash_block_tokens(parent_block_hash: int | None, token_ids: Sequence[int]) -> int:

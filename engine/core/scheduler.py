@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stats import SchedulerStats
 from engine.errors import PromptTooLongError
-from engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -1,10 +1,12 @@
-"""What the scheduler hands the model runner for one engine step. Pure Python."""
+"""The core ↔ worker contract of one engine step, pure Python: what the scheduler hands the model runner
+(:class:`SchedulerOutput`) and what the runner hands back (:class:`ModelRunnerOutput`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.core.request import Request
+from engine.outputs import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -53,3 +55,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one ``ModelRunner.execute`` produced, keyed by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    """request_id → the token sampled this step (only requests whose chunk reached the end of their tokens)."""
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    """request_id → logprob entry of the sampled token, when logprobs were requested."""
+    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+    """request_id → {prompt position → logprob of the prompt token at that position}."""

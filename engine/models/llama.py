@@ -1,7 +1,7 @@
 """Llama-family decoders over a paged KV cache: Llama (SmolLM2), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 One implementation, per-architecture flags (``ArchConfig``). Input is packed tokens ``[T]`` with positions
-``[T]`` (no batch dim, no padding); attention reads the forward context (engine/forward_context.py).
+``[T]`` (no batch dim, no padding); attention reads the forward context (engine/attention/forward_context.py).
 Weights use HF names; q/k/v and gate/up are stored fused (``qkv_proj``, ``gate_up_proj``) and filled
 shard by shard in ``load_weights``.
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import get_forward_context
+from engine.attention.forward_context import get_forward_context
 from engine.models.layers import (
     CpuLinearKernel,
     Linear,

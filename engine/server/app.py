@@ -27,9 +27,9 @@ from engine.server.access_log import AccessLogMiddleware, AccessRecord
 from engine.server.errors import exception_handlers
 from engine.server.routes import ROUTES
 from engine.server.settings import ServerSettings
+from engine.server.stat_logger import ServerMetrics, host_memory_bytes
 from engine.server.state import ServerState
-from engine.server_metrics import ServerMetrics, host_memory_bytes
-from engine.tracing import Tracing
+from engine.server.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = "Hello"

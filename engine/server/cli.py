@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
-from engine.metrics import MetricBuckets
 from engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
+from engine.server.metrics import MetricBuckets
 from engine.server.settings import ServerSettings, parse_buckets, parse_size, service_name, traces_endpoint
 
 _ENGINE_FLAGS = {  # flag dest → build_engine_config keyword

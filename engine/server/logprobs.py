@@ -4,17 +4,27 @@ Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` wh
 bytes (``Tokenizer.token_bytes``) and ``token`` their UTF-8 text, or ``bytes:\\xNN…`` when the token is only part
 of a character (OpenAI's convention). Completions (legacy): parallel lists ``tokens``, ``token_logprobs``,
 ``top_logprobs`` (dicts holding the top-k and the sampled token, so up to k+1 entries, as the OpenAI reference
-documents) and ``text_offset`` (character offset of each token in the choice's text).
+documents) and ``text_offset`` (character offset of each token in the choice's text). ``-inf`` (a masked
+token among the alternatives) is reported as ``-9999.0``: JSON has no infinity, and OpenAI and vLLM use the same
+floor.
 """
 
 from __future__ import annotations
 
 import codecs
+import math
 from collections.abc import Sequence
 
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0
+
+
+def clamp_logprob(logprob: float) -> float:
+    """``logprob`` with ``-inf``/NaN replaced by :data:`LOGPROB_FLOOR`."""
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
@@ -44,8 +54,9 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> Chat
         top = []
         for token_id, logprob in entry.top:
             alt_text, alt_raw = token_text(tokenizer, token_id)
-            top.append(TopLogprob(token=alt_text, logprob=logprob, bytes=list(alt_raw)))
-        content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(raw), top_logprobs=top))
+            top.append(TopLogprob(token=alt_text, logprob=clamp_logprob(logprob), bytes=list(alt_raw)))
+        content.append(ChatTokenLogprob(token=text, logprob=clamp_logprob(entry.logprob), bytes=list(raw),
+                                        top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -69,9 +80,9 @@ class LegacyLogprobs:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            top = {token_text(self._tokenizer, tid)[0]: lp for tid, lp in entry.top}
-            top.setdefault(text, entry.logprob)
-            out.token_logprobs.append(entry.logprob)
+            top = {token_text(self._tokenizer, tid)[0]: clamp_logprob(lp) for tid, lp in entry.top}
+            top.setdefault(text, clamp_logprob(entry.logprob))
+            out.token_logprobs.append(clamp_logprob(entry.logprob))
             out.top_logprobs.append(top)
         return out
 

@@ -16,8 +16,8 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.logprobs import visible_entries
 from engine.server.protocol import PromptTokensDetails, Usage
-from engine.server_metrics import SequenceTimings, ServerMetrics
-from engine.tracing import RequestSpans, RequestTimeline, Tracing
+from engine.server.stat_logger import SequenceTimings, ServerMetrics
+from engine.server.tracing import RequestSpans, RequestTimeline, Tracing
 
 _MIN_FIELDS = ("queue_s", "ttft_s", "prefill_s")
 _MAX_FIELDS = ("decode_s", "batch_size_max", "kv_cache_usage")

@@ -30,7 +30,7 @@ from engine.server.sampling import chat_sampling_params
 from engine.server.serving import admit, check_model, check_prompts, respond_json, respond_stream, start_job
 from engine.server.sse import SSEResponse
 from engine.server.state import ServerState
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 _ROLE_ALIASES = {"developer": "system"}
 

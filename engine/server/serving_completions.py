@@ -18,7 +18,7 @@ from engine.server.sampling import completion_sampling_params
 from engine.server.serving import admit, check_model, check_prompts, respond_json, respond_stream, start_job
 from engine.server.sse import SSEResponse
 from engine.server.state import ServerState
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[int]]:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.metrics import MetricBuckets
+from engine.server.metrics import MetricBuckets
 
 DEFAULT_SERVICE_NAME = "kvscope-engine"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

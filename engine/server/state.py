@@ -11,8 +11,8 @@ from engine.engine_core import StepResult
 from engine.server.access_log import ACCESS_LOGGER, AccessRecord, emit
 from engine.server.errors import OpenAIError
 from engine.server.settings import ServerSettings
-from engine.server_metrics import ServerMetrics
-from engine.tracing import Tracing, observe_step
+from engine.server.stat_logger import ServerMetrics
+from engine.server.tracing import Tracing, observe_step
 
 logger = logging.getLogger(__name__)
 

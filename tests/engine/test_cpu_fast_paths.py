@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.attention as engine_attention
+import engine.attention.torch_backend as engine_attention
 import engine.engine_core as engine_core
-from engine.attention import AttentionMetadata, TorchAttentionBackend, attention_compute_dtype
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
 from engine.models.layers import Linear, cpu_linear_kernel
-from engine.sampler import Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
+from engine.worker.sampler import Sampler, SamplingMetadata
 from tests.engine.test_attention_ref import HEAD_DIM, allocate_blocks, naive_attention
 from tests.engine.test_models_tiny import ATOL, COMMON, hf_logits, make_pair, new_caches, paged_step, prompt
 

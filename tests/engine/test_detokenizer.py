@@ -1,12 +1,17 @@
-"""engine.detokenizer with the real SmolLM2 tokenizer: UTF-8 safe streaming, stop strings, hold-back."""
+"""engine.text.detokenizer with the real SmolLM2 tokenizer: UTF-8 safe streaming, stop strings, hold-back."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, _prime_ids, find_stop_string, longest_prefix_suffix
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import (
+    IncrementalDetokenizer,
+    _prime_ids,
+    find_stop_string,
+    longest_prefix_suffix,
+)
+from engine.text.tokenizer import Tokenizer
 
 STREAM_TEXTS = [
     " The quick brown fox jumps over the lazy dog.\n\nNew paragraph!",

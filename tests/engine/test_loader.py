@@ -9,9 +9,10 @@ import pytest
 import torch
 import transformers
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend
+from engine.attention.backend import AttentionMetadata
+from engine.attention.forward_context import set_forward_context
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ModelConfig
-from engine.forward_context import set_forward_context
 from engine.models import loader
 from engine.models.loader import load_model, resolve_model_dir
 from kvscope.models import UnknownModelError

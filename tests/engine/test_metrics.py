@@ -1,4 +1,4 @@
-"""engine.metrics: the exact kvscope_engine_* names, types and labels of design.md §4.3, bucket defaults and
+"""engine.server.metrics: the exact kvscope_engine_* names, types and labels of design.md §4.3, bucket defaults and
 validation, and exposition after initialize()."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.metrics import FINISH_REASONS, KV_BLOCK_STATES, EngineMetrics, MetricBuckets
+from engine.server.metrics import FINISH_REASONS, KV_BLOCK_STATES, EngineMetrics, MetricBuckets
 
 EXPECTED = {
     "kvscope_engine_requests_running": ("gauge", ("model",)),

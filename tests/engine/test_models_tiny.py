@@ -8,8 +8,9 @@ import pytest
 import torch
 import transformers
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend
-from engine.forward_context import set_forward_context
+from engine.attention.backend import AttentionMetadata
+from engine.attention.forward_context import set_forward_context
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models import get_model_class
 from engine.models.llama import LlamaForCausalLM
 

@@ -1,18 +1,19 @@
-"""engine.sampler / engine.logits_processors / engine.logprobs: exact values on hand-made logits."""
+"""engine.worker.sampler / engine.worker.logits_processors / engine.server.logprobs: exact values on hand-made logits."""
 
 from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
 from engine.errors import InvalidParameterError
-from engine.logits_processors import apply_logit_bias_, apply_penalties, apply_top_k_top_p
-from engine.logprobs import LOGPROB_FLOOR, chat_logprobs_content, completion_logprobs, token_text
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from engine.sampling_params import SamplingParams
+from engine.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, chat_logprobs, token_text
+from engine.worker.logits_processors import apply_logit_bias_, apply_penalties, apply_top_k_top_p
+from engine.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 
 NEG_INF = float("-inf")
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -244,12 +245,13 @@ def test_openai_logprob_entries(tokenizer) -> None:
     ni = tokenizer.encode("你")  # two tokens, b"\xe4\xbd" + b"\xa0"
     hi = tokenizer.encode(" hi")[0]
     entries = [TokenLogprob(ni[0], -0.5, 1, [(ni[0], -0.5), (hi, -1.25)]), TokenLogprob(ni[1], NEG_INF, 7, [])]
-    assert token_text(tokenizer, ni[0]) == "bytes:\\xe4\\xbd" and token_text(tokenizer, hi) == " hi"
-    assert chat_logprobs_content(tokenizer, entries, 1) == [
+    assert token_text(tokenizer, ni[0]) == ("bytes:\\xe4\\xbd", b"\xe4\xbd") and token_text(tokenizer, hi)[0] == " hi"
+    chat = msgspec.to_builtins(chat_logprobs(tokenizer, [TokenLogprob(ni[0], -0.5, 1, [(ni[0], -0.5)]), entries[1]]))
+    assert chat["content"] == [
         {"token": "bytes:\\xe4\\xbd", "logprob": -0.5, "bytes": [0xE4, 0xBD],
          "top_logprobs": [{"token": "bytes:\\xe4\\xbd", "logprob": -0.5, "bytes": [0xE4, 0xBD]}]},
         {"token": "bytes:\\xa0", "logprob": LOGPROB_FLOOR, "bytes": [0xA0], "top_logprobs": []}]
-    legacy = completion_logprobs(tokenizer, [hi, *ni], [None, *entries], 2, text_offset=10)
+    legacy = msgspec.to_builtins(LegacyLogprobs(tokenizer, start_offset=10).build([hi, *ni], [None, *entries]))
     assert legacy == {"tokens": [" hi", "bytes:\\xe4\\xbd", "bytes:\\xa0"],
                       "token_logprobs": [None, -0.5, LOGPROB_FLOOR],
                       "top_logprobs": [None, {"bytes:\\xe4\\xbd": -0.5, " hi": -1.25}, {"bytes:\\xa0": LOGPROB_FLOOR}],

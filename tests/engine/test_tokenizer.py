@@ -1,4 +1,4 @@
-"""engine.tokenizer against the real SmolLM2 tokenizer and transformers' apply_chat_template."""
+"""engine.text.tokenizer against the real SmolLM2 tokenizer and transformers' apply_chat_template."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import tokenizers
 from tokenizers import decoders, models
 
 from engine.errors import InvalidParameterError
-from engine.tokenizer import Tokenizer, bytes_to_unicode
+from engine.text.tokenizer import Tokenizer, bytes_to_unicode
 
 MIXED = "你好，世界！🌶️🎉 ďábelské"
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", MIXED, "👨‍👩‍👧 family", "<|im_start|>user"]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend
-from engine.attention_triton import TritonAttentionBackend
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 from tests.kernels.devices import DEVICE
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M attention

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 

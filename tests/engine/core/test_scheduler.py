@@ -6,9 +6,9 @@ import pytest
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import RequestStatus
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import PromptTooLongError
-from engine.request import RequestStatus
 from tests.engine.core.factories import make_request, make_scheduler, prompt, step
 
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.server.app import create_app
 from engine.server.settings import ServerSettings
-from engine.tracing import Tracing
+from engine.server.tracing import Tracing
 from tests.engine.server.fakes import FakeEngine
 
 

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 
 from engine.async_engine import RequestFailedError
+from engine.core.request import Request, RequestStatus
 from engine.core.stats import SchedulerStats
 from engine.engine_core import EngineCore, StepResult
 from engine.errors import EngineDeadError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 EOS = 0

@@ -130,7 +130,7 @@ def test_concurrency_limit_is_429(fake_engine, spans):
 
     from engine.server.app import create_app
     from engine.server.settings import ServerSettings
-    from engine.tracing import Tracing
+    from engine.server.tracing import Tracing
 
     app = create_app(ServerSettings(max_concurrent_requests=1), engine=fake_engine,
                      tracing=Tracing("t", spans, batch=False), registry=CollectorRegistry())

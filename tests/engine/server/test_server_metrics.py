@@ -7,10 +7,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.core.stats import SchedulerStats
 from engine.engine_core import StepResult
-from engine.metrics import MetricBuckets
 from engine.server.app import create_app
+from engine.server.metrics import MetricBuckets
 from engine.server.settings import ServerSettings
-from engine.server_metrics import ServerMetrics
+from engine.server.stat_logger import ServerMetrics
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 from tests.engine.server.helpers import metric_samples, sample

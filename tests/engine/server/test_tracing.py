@@ -8,10 +8,10 @@ import logging
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from engine.request import Request
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.server.access_log import ACCESS_LOGGER
-from engine.tracing import RequestSpans, RequestTimeline, Tracing, observe_step
+from engine.server.tracing import RequestSpans, RequestTimeline, Tracing, observe_step
 from tests.engine.server.conftest import chat_body
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

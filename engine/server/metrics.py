@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-"""Values of the ``finish_reason`` label (engine.request.RequestStatus.finish_reason)."""
+"""Values of the ``finish_reason`` label (engine.core.request.RequestStatus.finish_reason)."""
 KV_BLOCK_STATES = ("used", "cached", "free")
 """Values of the ``state`` label: held by a request, free but holding a reusable prefix, free and empty."""
 

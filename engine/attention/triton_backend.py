@@ -1,4 +1,4 @@
-"""TritonAttentionBackend: the AttentionBackend protocol (engine/attention.py) on the Triton kernels of kernels/.
+"""TritonAttentionBackend: the AttentionBackend protocol (engine/attention/backend.py) on the Triton kernels of kernels/.
 
 ``write_kv`` is :func:`kernels.reshape_and_cache.reshape_and_cache`; ``forward`` is one launch of
 :func:`kernels.paged_attention.paged_attention` for the whole step (prefill chunks and decodes mixed), plus the
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionMetadata
+    from engine.attention.backend import AttentionMetadata
 
 
 def _load_kernels() -> tuple[Any, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from tokenizers.decoders import DecodeStream
 
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 PRIME_TOKENS = 6
 """Prompt tokens the stream is primed with (vLLM primes with 4 to 24)."""

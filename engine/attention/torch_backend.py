@@ -1,90 +1,20 @@
-"""Paged attention: per-step metadata, the backend protocol and the PyTorch reference backend.
+"""The PyTorch reference paged-attention backend (any device; the CPU default): a per-step plan that gathers
+each request's K/V blocks into reused buffers and runs torch's scaled_dot_product_attention.
 
-KV cache layout (docs/architecture.md "KV cache layout"): one tensor per layer
-``[2, num_blocks, block_size, num_kv_heads, head_dim]``; slot ``s = block_id * block_size + offset``.
-Token ``i`` of a request lives at ``block_table[i // block_size] * block_size + i % block_size``.
+KV cache layout: engine/attention/backend.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+from engine.attention.backend import AttentionMetadata
+
 MAX_RETAINED_GATHER_BYTES = 64 << 20
 """TorchAttentionBackend keeps its K (and V) gather buffer across steps up to this size each."""
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionMetadata:
-    """One step's attention inputs. Tokens are packed request after request, no padding."""
-
-    query_start_loc: torch.Tensor
-    """int32 [num_reqs + 1]: cumulative query lengths, ``query_start_loc[0] == 0``."""
-    seq_lens: torch.Tensor
-    """int32 [num_reqs]: context length after this step (cached + new tokens)."""
-    block_tables: torch.Tensor
-    """int32 [num_reqs, max_num_blocks_per_req]: block ids; padding entries are 0 and never read."""
-    slot_mapping: torch.Tensor
-    """int64 [num_tokens]: cache slot where each new token's K/V is written."""
-    max_query_len: int
-    max_seq_len: int
-
-    @property
-    def num_reqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
-
-    @classmethod
-    def build(cls, query_lens: Sequence[int], seq_lens: Sequence[int], block_ids: Sequence[Sequence[int]],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Metadata for requests whose new tokens sit at positions ``seq_len - query_len … seq_len - 1``.
-
-        ``block_ids[r]`` is request r's block table (must cover ``seq_lens[r]`` tokens). Raises ValueError
-        on inconsistent lengths or a block table too short for its sequence.
-        """
-        if not len(query_lens) == len(seq_lens) == len(block_ids):
-            raise ValueError("query_lens, seq_lens and block_ids must have one entry per request")
-        slots: list[int] = []
-        for q_len, seq_len, blocks in zip(query_lens, seq_lens, block_ids, strict=True):
-            if not 0 < q_len <= seq_len or len(blocks) * block_size < seq_len:
-                raise ValueError(f"bad request: query_len={q_len} seq_len={seq_len} num_blocks={len(blocks)}")
-            slots.extend(blocks[p // block_size] * block_size + p % block_size
-                         for p in range(seq_len - q_len, seq_len))
-        width = max(len(b) for b in block_ids)
-        table = [list(b) + [0] * (width - len(b)) for b in block_ids]
-        starts = [0]
-        for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
-        return cls(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key/value [num_tokens, num_kv_heads, head_dim] → kv_cache[0|1] at ``slot_mapping``."""
-        ...
-
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """query [num_tokens, num_heads, head_dim] → [num_tokens, num_heads, head_dim]; GQA by head groups."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,18 +217,3 @@ class TorchAttentionBackend:
             too_big = key_buf.numel() * key_buf.element_size() > MAX_RETAINED_GATHER_BYTES
             if too_big and key_buf.shape[0] > num_blocks:
                 del self._buffers[dtype]
-
-
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """``torch`` → TorchAttentionBackend; ``triton`` → TritonAttentionBackend (CUDA only, imported lazily);
-    ``auto`` → Triton on CUDA, torch elsewhere. Raises ValueError for an unknown name or Triton off CUDA."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
-    on_cuda = torch.device(device).type == "cuda"
-    if name == "torch" or (name == "auto" and not on_cuda):
-        return TorchAttentionBackend()
-    if not on_cuda:
-        raise ValueError(f"the triton attention backend needs a CUDA device, got {device}")
-    from engine.attention_triton import TritonAttentionBackend
-
-    return TritonAttentionBackend()

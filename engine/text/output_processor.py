@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunnerOutput
+from engine.core.scheduler_output import ModelRunnerOutput
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.request import Request, RequestStatus
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

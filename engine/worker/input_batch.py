@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.backend import AttentionMetadata
 from engine.core.scheduler_output import SchedulerOutput
 
 

@@ -2,40 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from engine.attention import AttentionBackend
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.forward_context import set_forward_context
-from engine.input_batch import ModelInputs, build_model_inputs
+from engine.attention.backend import AttentionBackend
+from engine.attention.forward_context import set_forward_context
+from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+from engine.worker.input_batch import ModelInputs, build_model_inputs
+from engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 
 PROMPT_LOGPROBS_SLICE = 256
 """Prompt positions whose full-vocabulary logits are materialised at once (bounds memory for echo)."""
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
-    """request_id → {prompt position → logprob of the prompt token at that position}."""
-
-
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers: 2 (K and V) × layers × block_size × kv_heads × head_dim × bytes."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed tensor per layer, shape [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
 class ModelRunner:

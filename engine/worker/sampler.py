@@ -24,7 +24,8 @@ from itertools import chain
 import torch
 
 from engine.errors import InvalidParameterError
-from engine.logits_processors import (
+from engine.sampling_params import SamplingParams
+from engine.worker.logits_processors import (
     PenaltyTensors,
     SparseLogits,
     apply_bans_,
@@ -33,7 +34,6 @@ from engine.logits_processors import (
     apply_penalties,
     apply_top_k_top_p,
 )
-from engine.sampling_params import SamplingParams
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""

@@ -1,4 +1,4 @@
-"""Feeds the ``kvscope_engine_*`` collectors (engine/metrics.py) from the server.
+"""Feeds the ``kvscope_engine_*`` collectors (engine/server/metrics.py) from the server.
 
 Two sources, as in vLLM v1's ``StatLoggers``:
 
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from engine.core.stats import SchedulerStats
 from engine.engine_core import StepResult
-from engine.metrics import EngineMetrics, MetricBuckets
+from engine.server.metrics import EngineMetrics, MetricBuckets
 
 
 @dataclass(frozen=True, slots=True)

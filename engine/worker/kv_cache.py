@@ -1,0 +1,35 @@
+"""KV-cache sizing and allocation (design.md §3 "Paged KV cache"; the formula is vLLM's
+``get_kv_cache_spec``: 2 (K and V) × layers × block_size × kv_heads × head_dim × bytes per element)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+
+
+def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers: 2 (K and V) × layers × block_size × kv_heads × head_dim × bytes."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed tensor per layer, shape [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def budget_num_blocks(cache: CacheConfig, device: torch.device, per_block: int) -> int:
+    """KV blocks that fit the budget: on CUDA, free memory after the model load minus
+    ``total × (1 − gpu_memory_utilization)``; elsewhere ``cache.kv_cache_memory`` bytes.
+    Raises ValueError when the budget is smaller than one block of ``per_block`` bytes."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1.0 - cache.gpu_memory_utilization))
+    else:
+        budget = cache.kv_cache_memory
+    if budget < per_block:
+        raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)")
+    return budget // per_block
