@@ -98,9 +98,9 @@ def plan_main(argv: list[str]) -> int:
     device — the message names the known ones —, a missing log, an impossible setting)."""
     args = build_parser().parse_args(argv)
     if args.list_devices:
-        from kvscope.plan.render import print_devices
+        from kvscope.plan.render import devices_json, print_devices
 
-        print_devices()
+        print(json.dumps(devices_json(), indent=2)) if args.format == "json" else print_devices()
         return 0
     try:
         result = make_plan(args)

@@ -16,6 +16,18 @@ from kvscope.plan.shape import ModelShape
 _MISSING = object()
 
 
+@dataclass(frozen=True, slots=True)
+class GgufWeights:
+    tensor_bytes: int
+    """Σ over tensors of ``elements / block_elements × block_bytes`` (GGML_QUANT_SIZES)."""
+    data_section_bytes: int
+    """File size minus the offset of the first tensor: what the tensors take on disk (with alignment)."""
+    file_bytes: int
+    """The whole file: header (metadata, tokenizer vocabulary) + tensor data."""
+    params_by_type: dict[str, int]
+    """GGML type name (Q4_1, Q8_0, F32 …) → parameters stored in it."""
+
+
 def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:
     field = reader.fields.get(key)
     if field is None:
@@ -36,9 +48,14 @@ def _reader(path: Path) -> Any:
     return GGUFReader(str(path))
 
 
-def shape_from_gguf(path: Path, name: str = "") -> ModelShape:
-    """The ModelShape of a ``.gguf`` file. Raises ValueError for missing metadata."""
+def read_gguf(path: Path, name: str = "") -> tuple[ModelShape, GgufWeights]:
+    """Shape and weight bytes of a ``.gguf`` file, from one parse of its header (GGUFReader takes seconds on
+    a file with a large tokenizer vocabulary). Raises ValueError for missing metadata."""
     reader = _reader(path)
+    return _shape(reader, path, name), _weights(reader, path)
+
+
+def _shape(reader: Any, path: Path, name: str) -> ModelShape:
     arch = _field(reader, "general.architecture")
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
@@ -55,23 +72,10 @@ def shape_from_gguf(path: Path, name: str = "") -> ModelShape:
         source=str(path))
 
 
-@dataclass(frozen=True, slots=True)
-class GgufWeights:
-    tensor_bytes: int
-    """Σ over tensors of ``elements / block_elements × block_bytes`` (GGML_QUANT_SIZES)."""
-    data_section_bytes: int
-    """File size minus the offset of the first tensor: what the tensors take on disk (with alignment)."""
-    file_bytes: int
-    """The whole file: header (metadata, tokenizer vocabulary) + tensor data."""
-    params_by_type: dict[str, int]
-    """GGML type name (Q4_1, Q8_0, F32 …) → parameters stored in it."""
-
-
-def gguf_weight_bytes(path: Path) -> GgufWeights:
-    """Weight bytes of a ``.gguf`` file, computed from each tensor's element count and type."""
+def _weights(reader: Any, path: Path) -> GgufWeights:
+    """Weight bytes computed from each tensor's element count and type."""
     from gguf.constants import GGML_QUANT_SIZES
 
-    reader = _reader(path)
     total, by_type = 0, {}
     for tensor in reader.tensors:
         block_elements, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]

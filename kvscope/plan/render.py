@@ -134,3 +134,10 @@ def print_devices(console: Console | None = None) -> None:
         peaks = [f"{d.peak_flops[k] / 1e12:g}" if k in d.peak_flops else "-" for k in ("bf16", "fp8", "int8")]
         table.add_row(d.name, ", ".join(d.aliases), size(d.memory_bytes), f"{d.bandwidth / 1e9:g}", *peaks, d.source)
     (console or Console()).print(table)
+
+
+def devices_json() -> dict[str, Any]:
+    """The device table as JSON-ready dicts (bytes, bytes/s, operations/s)."""
+    return {d.name: {"aliases": list(d.aliases), "vendor": d.vendor, "memory_bytes": d.memory_bytes,
+                     "bandwidth_bytes_per_s": d.bandwidth, "peak_flops": dict(d.peak_flops), "source": d.source}
+            for d in load_devices().values()}

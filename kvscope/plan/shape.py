@@ -84,6 +84,8 @@ class ModelFiles:
     shape: ModelShape
     safetensors: tuple[Path, ...] = ()
     gguf: Path | None = None
+    gguf_weights: Any = None
+    """kvscope.plan.gguf_header.GgufWeights when the model was read from its GGUF header."""
 
 
 def read_model(name_or_path: str, root: Path | None = None) -> ModelFiles:
@@ -127,6 +129,7 @@ def _from_hf_dir(folder: Path, config_path: Path, name: str) -> ModelFiles:
 
 
 def _from_gguf(path: Path, name: str) -> ModelFiles:
-    from kvscope.plan.gguf_header import shape_from_gguf
+    from kvscope.plan.gguf_header import read_gguf
 
-    return ModelFiles(shape_from_gguf(path, name), gguf=path)
+    shape, weights = read_gguf(path, name)
+    return ModelFiles(shape, gguf=path, gguf_weights=weights)

@@ -38,8 +38,7 @@ def safetensors_summary(files: tuple[Path, ...]) -> dict[str, Any] | None:
 def on_disk(files: ModelFiles) -> dict[str, Any]:
     """What the model's weight files hold: ``safetensors`` and/or ``gguf`` summaries (None when absent)."""
     gguf = None
-    if files.gguf is not None:
-        from kvscope.plan.gguf_header import gguf_weight_bytes
-
-        gguf = {"file": str(files.gguf)} | asdict(gguf_weight_bytes(files.gguf))
+    if files.gguf is not None:  # tensor detail only when the model was read from the GGUF (parsing takes seconds)
+        gguf = {"file": str(files.gguf), "file_bytes": files.gguf.stat().st_size}
+        gguf |= asdict(files.gguf_weights) if files.gguf_weights is not None else {}
     return {"safetensors": safetensors_summary(files.safetensors), "gguf": gguf}
