@@ -48,9 +48,11 @@ def _weights(p: Plan) -> Table:
     rows += [(f"  as {fmt}", size(b)) for fmt, b in w["by_format"].items()]
     if disk["safetensors"]:
         rows.append(("on disk: safetensors", size(disk["safetensors"]["file_bytes"])))
-    if disk["gguf"]:
-        rows.append(("on disk: gguf tensors / file", f"{size(disk['gguf']['tensor_bytes'])} / "
-                                                     f"{size(disk['gguf']['file_bytes'])}"))
+    gguf = disk["gguf"]
+    if gguf and "tensor_bytes" in gguf:
+        rows.append(("on disk: gguf tensors / file", f"{size(gguf['tensor_bytes'])} / {size(gguf['file_bytes'])}"))
+    elif gguf:
+        rows.append(("on disk: gguf file", size(gguf["file_bytes"])))
     return _kv_table("Weights", rows)
 
 

@@ -76,11 +76,14 @@ def test_too_small_a_budget_lowers_max_model_len_and_warns(capsys, model_dir):
     assert out["memory"]["fits"] is False
 
 
-def test_table_output_shows_the_formula_and_the_command(capsys, model_dir):
-    assert plan_main(["--model", str(model_dir), "--device", "h100", "--max-model-len", "2048"]) == 0
+@pytest.mark.parametrize("how", ["folder", "registered"])
+def test_table_output_shows_the_kv_bytes_and_the_command(capsys, model_dir, how):
+    model = str(model_dir) if how == "folder" else "smollm2-135m"
+    assert plan_main(["--model", model, "--device", "h100", "--max-model-len", "2048"]) == 0
     text = capsys.readouterr().out
     assert "46,080 B" in text
-    assert "recommended: kvscope engine --model " + str(model_dir) + " --max-model-len 2048" in text
+    assert "recommended: kvscope engine --model " + model + " --max-model-len 2048 --max-num-seqs 256" in text
+    assert ("on disk: gguf file" in text) is (how == "registered")
 
 
 def test_unknown_device_names_the_known_ones(capsys, model_dir):
