@@ -43,7 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="workload output tokens (speed rows)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT SLO in seconds")
-    p.add_argument("--from-log", metavar="PATH", help="replay a gateway request log (JSONL file or folder)")
+    p.add_argument("--from-log", metavar="PATH_OR_URL",
+                   help="replay a gateway request log: JSONL file or folder, or an Elasticsearch URL")
+    es = p.add_argument_group("Elasticsearch (--from-log http(s)://…; defaults from ELASTICSEARCH_*)")
+    es.add_argument("--index", default="kvscope-requests", help="data stream / index (default kvscope-requests)")
+    es.add_argument("--api-key")
+    es.add_argument("--user")
+    es.add_argument("--password")
+    es.add_argument("--ca-certs")
+    es.add_argument("--insecure", action="store_true", help="do not verify TLS certificates")
     p.add_argument("--probe-threads", type=int, help="cpu: torch threads of the probe (default: the engine's)")
     p.add_argument("--probe-bytes", type=parse_size, default=1 << 30, help="cpu: bandwidth buffer (default 1GiB)")
     p.add_argument("--format", default="table", choices=("table", "json"))
@@ -74,10 +82,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     files = read_model(req.model)
     if req.device.lower() != CPU:
         get_device(req.device)
-    if args.from_log and args.from_log.startswith(("http://", "https://")):
-        raise ValueError("--from-log takes a JSONL file or folder; Elasticsearch sources are not supported yet "
-                         "(export with `kvscope logs search` first)")
-    spans_meta = _read_log(args.from_log) if args.from_log else None
+    spans_meta = _read_log(args) if args.from_log else None
     device = resolve_device(req.device, args)
     result = plan(req, files, device)
     if spans_meta is None:
@@ -87,15 +92,43 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return with_log(result, req, files.shape, spans_meta[0], args.from_log, spans_meta[1], device)
 
 
-def _read_log(source: str):
-    from kvscope.plan.replay import read_spans
+def _read_log(args: argparse.Namespace):
+    if not args.from_log.startswith(("http://", "https://")):
+        from kvscope.plan.replay import read_spans
 
-    return read_spans(source)
+        return read_spans(args.from_log)
+    import asyncio
+
+    return asyncio.run(_read_es(args))
+
+
+async def _read_es(args: argparse.Namespace):
+    """Spans from Elasticsearch. Raises RuntimeError (exit 1) when the cluster cannot be read."""
+    from elastic_transport import TransportError
+    from elasticsearch import ApiError
+
+    from gateway.logs.es_client import EsConnectionConfig, make_client
+    from kvscope.plan.replay_es import read_spans_es
+    from kvscope.plan.settings import es_env
+
+    env = es_env()
+    user = args.user or env.username
+    basic = (user, args.password or env.password or "") if user else None
+    client = make_client(EsConnectionConfig(hosts=(args.from_log,), api_key=args.api_key or env.api_key,
+                                            basic_auth=basic, ca_certs=args.ca_certs or env.ca_certs,
+                                            verify_certs=not args.insecure), max_retries=3)
+    try:
+        return await read_spans_es(client, args.index)
+    except (TransportError, ApiError) as exc:
+        raise RuntimeError(f"cannot read {args.index} at {args.from_log}: {exc}") from exc
+    finally:
+        await client.close()
 
 
 def plan_main(argv: list[str]) -> int:
     """``kvscope plan`` entry point. Exit 0; 2 with a message on stderr for bad input (unknown model or
-    device — the message names the known ones —, a missing log, an impossible setting)."""
+    device — the message names the known ones —, a missing log, an impossible setting); 1 when an
+    Elasticsearch log source cannot be read."""
     args = build_parser().parse_args(argv)
     if args.list_devices:
         from kvscope.plan.render import devices_json, print_devices
@@ -107,6 +140,9 @@ def plan_main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvscope plan: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        print(f"kvscope plan: error: {exc}", file=sys.stderr)
+        return 1
     if args.format == "json":
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
