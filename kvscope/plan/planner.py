@@ -108,7 +108,11 @@ def plan(req: PlanRequest, files: ModelFiles, device: Device) -> Plan:
         warnings.append(f"{req.concurrency} sequences of {max_len} tokens need "
                         f"{req.concurrency * f.blocks_for(max_len, req.block_size)} KV blocks; the budget holds "
                         f"{memory['num_blocks']} ({capacity} sequences)")
+    workload = min(req.prompt_len + req.output_len, max_len)
     memory |= {"max_concurrent_sequences": capacity, "fits": req.concurrency is None or req.concurrency <= capacity,
+               "workload_tokens": workload,
+               "max_concurrent_sequences_at_workload": f.max_concurrent_sequences(memory["num_blocks"], workload,
+                                                                                  req.block_size),
                "activation_fits_headroom": _activation_fits(memory, device)}
     speed = _speed(req, shape, device, max_len, max_num_seqs)
     return Plan(request=asdict(req), model=_model_section(files), device=_device_section(device),
@@ -119,11 +123,9 @@ def plan(req: PlanRequest, files: ModelFiles, device: Device) -> Plan:
 
 def _memory(req: PlanRequest, shape, device: Device, weights: int, max_len: int) -> dict[str, Any]:
     per_block = req.block_size * f.kv_bytes_per_token(shape, req.kv_dtype)
-    if device.name == CPU:
-        wanted = req.concurrency or 1
-        default = wanted * f.blocks_for(max_len, req.block_size) * per_block if req.concurrency else None
-        usable = int(device.memory_bytes * req.gpu_memory_utilization) - weights
-        budget = req.kv_cache_memory or default or usable
+    if device.name == CPU:  # --kv-cache-memory, else what --concurrency needs, else the RAM left
+        needed = req.concurrency * f.blocks_for(max_len, req.block_size) * per_block if req.concurrency else None
+        budget = req.kv_cache_memory or needed or int(device.memory_bytes * req.gpu_memory_utilization) - weights
         overhead = 0
     else:
         usable = int(device.memory_bytes * req.gpu_memory_utilization)

@@ -64,6 +64,7 @@ def _kv(p: Plan) -> Table:
         (f"per sequence at {kv['max_model_len']} tokens", size(kv["bytes_per_sequence"])),
         ("KV budget", f"{size(mem['kv_budget_bytes'])} = {mem['num_blocks']:,} blocks"),
         (f"max concurrent sequences at {kv['max_model_len']}", mem["max_concurrent_sequences"]),
+        (f"… at the workload's {mem['workload_tokens']} tokens", mem["max_concurrent_sequences_at_workload"]),
         ("fits --concurrency", mem["fits"]),
     ])
 

@@ -58,6 +58,7 @@ def test_cpu_plan_recommends_the_kv_cache_memory_it_needs(capsys, model_dir, mon
     assert out["flags"]["engine"]["--kv-cache-memory"] == f"{4 * 64 * 737_280 // (1 << 20)}MiB" == "180MiB"
     assert out["memory"]["num_blocks"] == 4 * 64
     assert out["memory"]["max_concurrent_sequences"] == 4
+    assert out["memory"]["max_concurrent_sequences_at_workload"] == 4 * 64 // 16  # 256 tokens = 16 blocks
     assert out["flags"]["command"] == ("kvscope engine --model " + str(model_dir) + " --max-model-len 1024 "
                                        "--max-num-seqs 4 --block-size 16 --dtype float32 --kv-cache-memory 180MiB")
     batch1 = out["speed"]["decode"][0]
