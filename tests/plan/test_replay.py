@@ -6,6 +6,8 @@ import json
 from datetime import timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvscope.plan.cli import plan_main
 from kvscope.plan.replay import Capacity, Span, quantile, read_spans, sweep
@@ -103,3 +105,22 @@ def test_cli_missing_log_is_exit_2(tmp_path, model_dir, capsys):
     code = plan_main(["--model", str(model_dir), "--device", "h100", "--from-log", str(tmp_path / "none.jsonl")])
     assert code == 2
     assert capsys.readouterr().err == f"kvscope plan: error: no request log files at {tmp_path / 'none.jsonl'}\n"
+
+
+def brute_force_peak(spans: list[Span], block_size: int) -> tuple[int, int]:
+    """Most requests (and KV blocks) in flight at any arrival instant, by checking every span at every start."""
+    def alive(t: float) -> list[Span]:
+        return [s for s in spans if s.start_s <= t < max(s.end_s, s.start_s + 1e-6)]
+
+    counts = [(len(alive(s.start_s)), sum(-(-(a.input_tokens + a.output_tokens) // block_size)
+                                          for a in alive(s.start_s))) for s in spans]
+    return max(c for c, _ in counts), max(b for _, b in counts)
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20), st.integers(1, 40), st.integers(0, 40)),
+                min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_sweep_peak_equals_brute_force(raw):
+    spans = [Span(float(start), float(start + length), prompt, output) for start, length, prompt, output in raw]
+    timeline = sweep(spans, block_size=8)
+    assert (timeline.peak_concurrency, timeline.peak_blocks) == brute_force_peak(spans, 8)
