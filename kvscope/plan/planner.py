@@ -102,6 +102,9 @@ def plan(req: PlanRequest, files: ModelFiles, device: Device) -> Plan:
     weights = f.weight_bytes(shape, req.dtype, req.quantization)
     memory = _memory(req, shape, device, weights, max_len)
     max_len = _fit_max_len(memory, max_len, req.block_size, warnings)
+    if device.name == CPU and weights + memory["kv_budget_bytes"] > device.memory_bytes:
+        warnings.append(f"weights ({weights} B) + KV cache ({memory['kv_budget_bytes']} B) exceed this machine's "
+                        f"{device.memory_bytes} B of RAM")
     capacity = f.max_concurrent_sequences(memory["num_blocks"], max_len, req.block_size)
     max_num_seqs = max(1, min(req.concurrency or MAX_SEQS_CAP, capacity or 1))
     if req.concurrency and req.concurrency > capacity:

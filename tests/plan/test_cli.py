@@ -64,6 +64,20 @@ def test_cpu_plan_recommends_the_kv_cache_memory_it_needs(capsys, model_dir, mon
     batch1 = out["speed"]["decode"][0]
     assert batch1["memory_ms"] == pytest.approx(1e3 * (538_060_032 + 192 * 46_080) / 10e9)
     assert batch1["bound"] == "memory"
+    assert out["warnings"] == []
+
+
+def test_cpu_plan_warns_when_the_cache_does_not_fit_the_ram(capsys, model_dir, monkeypatch):
+    from types import MappingProxyType
+
+    from kvscope.plan import cli
+    from kvscope.plan.devices import Device
+
+    small = Device("cpu", 1 << 30, 10e9, MappingProxyType({"fp32": 100e9}), "test")
+    monkeypatch.setattr(cli, "resolve_device", lambda name, args: small)
+    out = run_json(capsys, "--model", str(model_dir), "--max-model-len", "1024", "--concurrency", "8")
+    assert out["warnings"] == [f"weights (538060032 B) + KV cache ({8 * 64 * 737_280} B) exceed this machine's "
+                               f"{1 << 30} B of RAM"]
 
 
 def test_too_small_a_budget_lowers_max_model_len_and_warns(capsys, model_dir):
