@@ -75,8 +75,8 @@ def test_cpu_plan_warns_when_the_cache_does_not_fit_the_ram(capsys, model_dir, m
 
     small = Device("cpu", 1 << 30, 10e9, MappingProxyType({"fp32": 100e9}), "test")
     monkeypatch.setattr(cli, "resolve_device", lambda name, args: small)
-    out = run_json(capsys, "--model", str(model_dir), "--max-model-len", "1024", "--concurrency", "8")
-    assert out["warnings"] == [f"weights (538060032 B) + KV cache ({8 * 64 * 737_280} B) exceed this machine's "
+    out = run_json(capsys, "--model", str(model_dir), "--max-model-len", "1024", "--concurrency", "16")
+    assert out["warnings"] == [f"weights (538060032 B) + KV cache ({16 * 64 * 737_280} B) exceed this machine's "
                                f"{1 << 30} B of RAM"]
 
 
