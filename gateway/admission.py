@@ -181,7 +181,7 @@ async def _rate_limit(gw: GatewayState, ctx: RequestContext, principal: Principa
     limits = principal.limits
     if not (limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent):
         return
-    decision = await gw.limiter.acquire(principal.key_id, limits, estimate, ctx.request_id)
+    decision = await gw.limiter.acquire(principal.key_id, limits, estimate, ctx.event_id)
     if not decision.allowed:
         retry = max(1, math.ceil(decision.retry_after_s))
         raise RateLimited(f"Rate limit reached for this API key ({decision.reason}). Retry after {retry}s.",
@@ -193,7 +193,7 @@ async def _rate_limit(gw: GatewayState, ctx: RequestContext, principal: Principa
         actual = usage.get("total_tokens")
         if not isinstance(actual, int):
             actual = estimate if done.output_tokens is None else prompt_estimate + done.output_tokens
-        await gw.limiter.release(principal.key_id, limits, done.request_id, estimate - actual)
+        await gw.limiter.release(principal.key_id, limits, done.event_id, estimate - actual)
 
     ctx.cleanups.append(settle)
 

@@ -36,12 +36,17 @@ class RequestContext:
     """Everything known about one request; times are ``time.perf_counter()`` seconds unless noted."""
 
     request_id: str
+    """The client's ``x-request-id`` (or a fresh id without one): echoed and sent upstream, logged as
+    ``http.request.id``. Not unique: a client may reuse it."""
     method: str
     path: str
     route: str
     start: float
     start_wall: float
     """``time.time()`` at arrival (epoch seconds)."""
+    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """The gateway's own id of this request, unique whatever the client sends: ECS ``event.id`` of the log
+    record and its Elasticsearch ``_id`` (so a spool replayed after a crash de-duplicates)."""
     client_ip: str | None = None
     user_agent: str | None = None
     http_version: str = "1.1"

@@ -63,7 +63,7 @@ class RecordBuilder:
             "ecs": {"version": ECS_VERSION},
             "log": {"level": level(ctx), "logger": "kvscope.gateway.access"},
             "message": f"{ctx.method} {ctx.path} {status} {ctx.request_model or '-'} {duration_s:.3f}s",
-            "event": {"kind": "event", "category": ["web"],
+            "event": {"id": ctx.event_id, "kind": "event", "category": ["web"],
                       "type": ["access", "error"] if ctx.failed else ["access"], "outcome": outcome(ctx),
                       "dataset": "kvscope.gateway", "duration": int(duration_s * 1e9),
                       "start": iso(ctx.start_wall), "end": iso(end_wall)},

@@ -131,9 +131,11 @@ def read_spool(spool: Path) -> tuple[list[str], int, int]:
 
 
 def es_state(loop: LoopThread, es: EsDouble) -> tuple[set[str], Counter[str], Counter[int]]:
-    """(indexed ids, successful creates per id, bulk item statuses), read on the double's loop."""
+    """(``http.request.id`` of the indexed documents, successful creates per ``_id``, bulk item statuses),
+    read on the double's loop."""
     async def snapshot() -> tuple[set[str], Counter[str], Counter[int]]:
-        return set(es.docs()), Counter(es.created), Counter(es.item_statuses)
+        indexed = {doc["http"]["request"]["id"] for doc in es.docs().values()}
+        return indexed, Counter(es.created), Counter(es.item_statuses)
 
     return loop.run(snapshot())
 
