@@ -155,9 +155,8 @@ def begin(gw: GatewayState, scope: Scope) -> RequestContext:
                          client_ip=(scope.get("client") or (None,))[0], user_agent=headers.get("user-agent"),
                          http_version=scope.get("http_version", "1.1"))
     name = f"{method} {route}" if route != "other" else method
-    attrs = {"http.request.method": method, "url.path": path, "http.route": route,
-             "http.request.id": ctx.request_id}
-    ctx.server_span = gw.tracer.start_server_span(name, headers, ctx.epoch_ns(ctx.start), attrs)
+    ctx.server_span = gw.tracer.start_server_span(name, headers, ctx.epoch_ns(ctx.start),
+                                                  server_span_attributes(ctx, scope))
     ctx.trace_id, ctx.span_id = span_ids(ctx.server_span)
     gw.metrics.in_flight.inc()
     return ctx
@@ -198,14 +197,44 @@ def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
             m.tokens.labels(model, kind).inc(value)
 
 
+def server_span_attributes(ctx: RequestContext, scope: Scope) -> dict[str, str | int]:
+    """Start attributes of the HTTP SERVER span (OTel semconv 1.41 HTTP server span: required
+    ``http.request.method``, ``url.path``, ``url.scheme``, ``http.route``; recommended
+    ``network.protocol.version``, ``client.address``, ``user_agent.original``). The client's request id is
+    ``kvscope.request.id``: OTel defines no ``http.request.id``."""
+    attrs: dict[str, str | int] = {"http.request.method": ctx.method, "url.path": ctx.path,
+                                   "url.scheme": scope.get("scheme") or "http", "http.route": ctx.route,
+                                   "network.protocol.version": ctx.http_version,
+                                   "kvscope.request.id": ctx.request_id}
+    if ctx.client_ip:
+        attrs["client.address"] = ctx.client_ip
+    if ctx.user_agent:
+        attrs["user_agent.original"] = ctx.user_agent
+    return attrs
+
+
+def server_span_error(ctx: RequestContext) -> str | None:
+    """``error.type`` of the SERVER span, ``None`` when its status stays unset. OTel semconv 1.41 HTTP spans,
+    "Status": a server span MUST leave the status unset for 4xx (the client's fault) and set Error for
+    5xx, with ``error.type`` the status code as a string. A stream that failed after its 200 is an error
+    too (``error.type`` = the stream error reason); a client that left (499) is not the server's error."""
+    status = ctx.status or 500
+    if status >= 500:
+        return str(status)
+    if ctx.stream_error and not ctx.client_disconnected:
+        return ctx.stream_error
+    return None
+
+
 def _end_server_span(ctx: RequestContext) -> None:
     span = ctx.server_span
     if span is None:
         return
     span.set_attribute("http.response.status_code", ctx.status or 500)
-    if ctx.failed and not ctx.client_disconnected:
+    error_type = server_span_error(ctx)
+    if error_type is not None:
         span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
-        span.set_attribute("error.type", ctx.error_type or str(ctx.status))
+        span.set_attribute("error.type", error_type)
     span.end(end_time=ctx.epoch_ns(ctx.end_at or time.perf_counter()))
 
 
