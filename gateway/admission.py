@@ -97,6 +97,8 @@ def _parse(gw: GatewayState, ctx: RequestContext, body: bytes,
     raw, req = parse_body(body, op.schema)
     ctx.request_model, ctx.stream = req.model, req.streaming
     ctx.max_tokens, ctx.temperature = req.requested_max_tokens, req.temperature
+    top_p = raw.get("top_p")
+    ctx.top_p = float(top_p) if isinstance(top_p, int | float) and not isinstance(top_p, bool) else None
     if gw.settings.logs.log_content:
         ctx.input_content = raw.get("messages", raw.get("prompt"))
     return raw, req

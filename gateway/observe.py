@@ -59,6 +59,7 @@ class RequestContext:
     model_served: bool = False
     max_tokens: int | None = None
     temperature: float | None = None
+    top_p: float | None = None
     stream: bool | None = None
     prompt_tokens: int | None = None
     """Counted at the gateway (None without a tokenizer)."""
@@ -73,6 +74,8 @@ class RequestContext:
     usage: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     response_model: str | None = None
+    response_id: str | None = None
+    """The upstream's completion id (``chatcmpl-…``): ``gen_ai.response.id``."""
     finish_reasons: list[str] = field(default_factory=list)
     output_events: int = 0
     error_type: str | None = None

@@ -165,6 +165,9 @@ class LogConfig(msgspec.Struct, **_STRUCT):
 class TracingConfig(msgspec.Struct, **_STRUCT):
     otlp_endpoint: str | None = None
     """OTLP/HTTP base URL, e.g. ``http://127.0.0.1:4318`` (spans go to ``/v1/traces``)."""
+    gen_ai_provider: str = "kvscope"
+    """``gen_ai.provider.name`` of the gen_ai CLIENT span and metrics (OTel GenAI semconv: required; a
+    custom value where no well-known one applies). Set e.g. ``openai`` when the upstreams are OpenAI's."""
 
 
 class MetricsConfig(msgspec.Struct, **_STRUCT):

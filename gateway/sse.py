@@ -89,6 +89,7 @@ class StreamState:
     usage: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     model: str | None = None
+    response_id: str | None = None
     error: dict[str, Any] | None = None
     bad_finish_reason: str | None = None
     text: dict[int, list[str]] = field(default_factory=dict)
@@ -106,6 +107,8 @@ class StreamState:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return Action.ERROR, False
         self.model = obj.get("model") or self.model
+        if self.response_id is None and isinstance(obj.get("id"), str):
+            self.response_id = obj["id"]
         if obj.get("usage"):
             self.usage = obj["usage"]
         if isinstance(obj.get("kvscope"), dict):

@@ -202,6 +202,7 @@ class StreamRelay:
         state, ctx = self.state, self.ctx
         ctx.usage, ctx.engine = state.usage, state.engine
         ctx.response_model = state.model
+        ctx.response_id = state.response_id
         ctx.finish_reasons = [state.finish_reasons[i] for i in sorted(state.finish_reasons)]
         ctx.output_events = state.token_events
         if state.keep_text:

@@ -43,6 +43,8 @@ class Knobs:
     kvscope_stats: bool = False
     finish_reason: str = ""
     """Override the finish_reason (e.g. ``abort``)."""
+    cached_tokens: int = 0
+    """``usage.prompt_tokens_details.cached_tokens`` to report (a prefix-cache hit)."""
 
     def merged(self, overrides: dict[str, Any] | None) -> Knobs:
         names = {f.name for f in fields(self)}
@@ -188,7 +190,7 @@ class Generation:
         prompt = prompt_words(self.body)
         completion = self.num_tokens * self.n
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.knobs.cached_tokens}}
 
     def _alive(self) -> bool:
         return self.rec.disconnected_at is None

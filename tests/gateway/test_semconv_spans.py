@@ -7,11 +7,13 @@ HTTP server span (semconv "HTTP spans", Status): 4xx leaves the status UNSET, 5x
 
 from __future__ import annotations
 
+import json
 import time
 
 from opentelemetry.trace import SpanKind, StatusCode
 
 from tests.gateway.conftest import Stack
+from tests.gateway.harness import sse_events
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -67,3 +69,49 @@ def test_server_span_required_attributes(stack: Stack) -> None:
         "http.route": "/v1/chat/completions", "network.protocol.version": "1.1", "client.address": "127.0.0.1",
         "user_agent.original": "kvscope-test/1", "kvscope.request.id": "span-attrs"}
     assert "http.request.id" not in span.attributes
+
+
+def client_span(stack: Stack, server):
+    deadline = time.monotonic() + 5
+    while True:
+        found = [s for s in stack.exporter.get_finished_spans()
+                 if s.kind is SpanKind.CLIENT and s.parent and s.parent.span_id == server.context.span_id]
+        if found or time.monotonic() > deadline:
+            assert len(found) == 1
+            return found[0]
+        time.sleep(0.02)
+
+
+def test_gen_ai_client_span_has_every_semconv_attribute(stack: Stack) -> None:
+    """Point 3: provider, server host + port (not a URL), response id, request parameters, cache reads,
+    time to first chunk."""
+    body = {"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 3, "temperature": 0.5,
+            "top_p": 0.9, "stream_options": {"include_usage": True}, "fake": {"cached_tokens": 2}}
+    with stack.client() as c:
+        c.post("/v1/chat/completions", json=body, headers={"x-request-id": "genai-attrs"})
+    fake = stack.fakes["main"]
+    response_id = json.loads(sse_events(fake.records[-1].sse.encode("latin-1"))[0])["id"]
+    assert response_id.startswith("chatcmpl-")
+    span = client_span(stack, server_span(stack, "genai-attrs"))
+    attrs = dict(span.attributes)
+    ttfc = attrs.pop("gen_ai.response.time_to_first_chunk")
+    assert 0 < ttfc < (span.end_time - span.start_time) / 1e9
+    assert attrs == {
+        "gen_ai.operation.name": "chat", "gen_ai.provider.name": "kvscope", "gen_ai.request.model": "fake-model",
+        "gen_ai.request.stream": True, "gen_ai.request.max_tokens": 3, "gen_ai.request.temperature": 0.5,
+        "gen_ai.request.top_p": 0.9, "server.address": "127.0.0.1", "server.port": fake.port,
+        "gen_ai.response.id": response_id, "gen_ai.response.model": "fake-model",
+        "gen_ai.response.finish_reasons": ("length",), "gen_ai.usage.input_tokens": 1,
+        "gen_ai.usage.output_tokens": 3, "gen_ai.usage.cache_read.input_tokens": 2, "kvscope.attempts": 1}
+    assert span.name == "chat fake-model" and span.status.status_code is StatusCode.UNSET
+
+
+def test_gen_ai_client_span_error_type(stack: Stack) -> None:
+    with stack.client() as c:
+        c.post("/v1/chat/completions", json={"model": "broken-model", "messages": HI},
+               headers={"x-request-id": "genai-error"})
+    span = client_span(stack, server_span(stack, "genai-error"))
+    assert span.status.status_code is StatusCode.ERROR
+    # GenAI semconv: error.type SHOULD be the provider's error code (the fake answers type server_error)
+    assert span.attributes["error.type"] == "server_error"
+    assert span.attributes["gen_ai.provider.name"] == "kvscope"
