@@ -15,6 +15,9 @@ TTFT_SLO_S = 1.0
 """SLO: a request's first token within 1 s (gateway-measured). Alert KvscopeTTFTSLOBreach uses the same."""
 TPOT_SLO_S = 0.1
 """SLO: at most 100 ms per output token after the first (gateway-measured). Alert KvscopeTPOTSLOBreach."""
+P99_TPOT_S = 0.2
+"""Alert KvscopeHighP99TimePerOutputToken: p99 time per output token above this (twice the TPOT SLO).
+KvscopeHighP99Latency alerts on p99 TTFT above TTFT_SLO_S; no alert thresholds the end-to-end duration."""
 SLO_OBJECTIVE = 0.95
 """Fraction of requests that must meet each latency SLO."""
 SLO_STEPS = [("red", None), ("orange", 0.9), ("green", SLO_OBJECTIVE)]

@@ -9,7 +9,7 @@ counters). Labels are bounded: ``model`` (served model name), ``finish_reason`` 
 ``vllm:*`` names is in docs/metrics.md.
 
 Default buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` with finer low ends (a 135M model on a GPU
-emits a token in a few milliseconds) and durations that reach 600 s. They must keep the SLO thresholds the
+emits a token in a few milliseconds) and durations that reach 3600 s (TTFT 1800 s). They must keep the SLO thresholds the
 alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (tests check this).
 """
 
@@ -41,7 +41,7 @@ class MetricBuckets:
 
     ttft_s: tuple[float, ...] = (
         0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0,
+        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 1200.0, 1800.0,
     )  # fmt: skip
     """Time to first token (seconds)."""
     token_latency_s: tuple[float, ...] = (
@@ -51,9 +51,10 @@ class MetricBuckets:
     """Time per output token and inter-token latency (seconds)."""
     duration_s: tuple[float, ...] = (
         0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
-        120.0, 240.0, 480.0, 600.0,
+        120.0, 240.0, 480.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0,
     )  # fmt: skip
-    """End-to-end, queue, prefill and decode time (seconds)."""
+    """End-to-end, queue, prefill and decode time (seconds); up to an hour, past the gateway's default total
+    timeout (1800 s), so a long request is counted in a finite bucket instead of only in ``+Inf``."""
     batch_size: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     """Running requests per engine step."""
     step_tokens: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
