@@ -50,6 +50,13 @@ is a served model name (unknown names become `"unknown"`), `status` an HTTP code
 `stop`/`length`/`abort`/`error`, `state` one of `used`/`cached`/`free`, `device` `cpu` or `cuda:N`.
 Dashboards compute means as `sum(rate(x_sum)) / (sum(rate(x_count)) > 0)` and quantiles with
 `histogram_quantile` over `sum by (le)`.
+
+Labels add up: the values of one label are disjoint, so `sum by (label)` is the total. Hence cached prompt
+tokens (a subset of `type="input"`) are `kvscope_gateway_cached_tokens_total`, not a third token type, and
+spooled log records (a transit state) are `kvscope_gateway_log_records_spooled_total`, not an outcome.
+Label sets known at start (rate-limit reasons, upstream error reasons, log sinks and outcomes, the served
+models' token types and stream-error reasons) are exported at 0, so panels read 0 rather than "No data".
+Latency histograms reach past the gateway's total timeout (1800 s): no request lands only in `+Inf`.
 """
 
 _PORTING = """\

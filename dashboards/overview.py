@@ -67,9 +67,11 @@ def _traffic(q: PromQL) -> list[Json]:
         timeseries("Status breakdown", "Requests per second by HTTP status and route.",
                    [Target(q.sum_rate(req, by=("status", "route")), "{{status}} {{route}}")], "reqps",
                    stack=True, w=6),
-        timeseries("Tokens / s", "Tokens per second through the gateway: input (prompt), output (completion) "
-                   "and cached (prompt tokens served from the engine's prefix cache).",
-                   [Target(q.sum_rate(f"{GW}tokens_total", by=("type",)), "{{type}}")], "short", w=6),
+        timeseries("Tokens / s", "Tokens per second through the gateway: input (prompt) and output "
+                   "(completion), which add up to every token; cached is the part of input served from the "
+                   "engine's prefix cache (its own counter, not a third type).",
+                   [Target(q.sum_rate(f"{GW}tokens_total", by=("type",)), "{{type}}"),
+                    Target(q.sum_rate(f"{GW}cached_tokens_total"), "cached (part of input)")], "short", w=6),
         timeseries("In-flight requests", "Requests the gateway is serving right now (admitted, not finished).",
                    [Target(q.gauge(f"{GW}in_flight_requests", by=("instance",)), "{{instance}}")], "short",
                    w=8),
@@ -148,13 +150,18 @@ def _dependencies(q: PromQL) -> list[Json]:
                    "short", w=8),
         timeseries("Scrape targets up", "Prometheus' scrape health of the selected targets.",
                    [Target(up(), "{{job}} {{instance}}")], "short", w=8, max_value=1),
-        timeseries("Log records / s", "Request-log records per sink and outcome: shipped, failed, spooled "
-                   "(kept on disk for later) or dropped (lost).",
+        timeseries("Log records / s", "Request-log records per sink and final outcome: shipped, failed "
+                   "(refused for good) or dropped (lost). Every record ends in exactly one, so the stack is "
+                   "the records emitted.",
                    [Target(q.sum_rate(f"{GW}log_records_total", by=("sink", "outcome")),
                            "{{sink}} {{outcome}}")], "short", stack=True, w=8),
+        timeseries("Log records spooled / s", "Records written to the on-disk spool on their way to the sink "
+                   "(Elasticsearch slow or down); each also ends in a final outcome later.",
+                   [Target(q.sum_rate(f"{GW}log_records_spooled_total", by=("sink",)), "{{sink}}")], "short",
+                   w=4),
         timeseries("Log spool size", "Bytes of request logs waiting on disk for Elasticsearch.",
                    [Target(q.gauge(f"{GW}log_spool_bytes", by=("instance",)), "{{instance}}")], "bytes",
-                   w=8),
+                   w=4),
     ]
 
 

@@ -68,6 +68,8 @@ def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = 
     """Wire the gateway's parts from ``settings``. ``registry`` defaults to a new one (not the global);
     ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones."""
     metrics = GatewayMetrics(registry or CollectorRegistry(), settings.metrics)
+    configured = configured_sinks(settings, metrics)
+    metrics.initialize(tuple(u.label for u in settings.upstreams), tuple(s.name for s in configured))
     version = service_version()
     provider = build_tracer_provider(settings.tracing, settings.service_name, version, settings.node,
                                      span_exporter)
@@ -80,7 +82,7 @@ def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = 
         counter=PromptCounter.from_config(settings.models),
         record_builder=RecordBuilder(ServiceInfo(settings.service_name, version, settings.node),
                                      settings.logs.log_content),
-        sinks=[*configured_sinks(settings, metrics), *sinks])
+        sinks=[*configured, *sinks])
 
 
 def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list[LogSink]:
@@ -115,6 +117,8 @@ async def gateway_lifespan(app: Litestar) -> AsyncIterator[None]:
     for sink in gw.sinks:
         await sink.start()
     await gw.pool.check_all(gw.client)
+    for model in gw.pool.served_models():  # zero series for the models found by the first health round
+        gw.metrics.initialize_model(model)
     gw.health_task = asyncio.create_task(gw.pool.run_health_checks(gw.client), name="kvscope-health")
     try:
         yield

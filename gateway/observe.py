@@ -195,9 +195,11 @@ def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
         m.tpot.labels(model).observe(ctx.tpot_s)
     usage = ctx.usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens), ("cached", cached)):
+    for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens)):
         if isinstance(value, int) and value > 0:
             m.tokens.labels(model, kind).inc(value)
+    if isinstance(cached, int) and cached > 0:
+        m.cached_tokens.labels(model).inc(cached)
 
 
 def server_span_attributes(ctx: RequestContext, scope: Scope) -> dict[str, str | int]:

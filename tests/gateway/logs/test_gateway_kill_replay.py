@@ -105,8 +105,8 @@ async def send_all(base: str, ids: list[str], over_s: float = 0.0) -> dict[str, 
 def sink_metrics(gateway: Proc) -> dict[str, float]:
     """The Elasticsearch sink's outcome counters and the spool-bytes gauge of ``gateway``."""
     samples = metric_samples(httpx.get(gateway.url + "/metrics", timeout=5).text)
-    out = {o: sample(samples, RECORDS, sink="elasticsearch", outcome=o)
-           for o in ("shipped", "failed", "spooled", "dropped")}
+    out = {o: sample(samples, RECORDS, sink="elasticsearch", outcome=o) for o in ("shipped", "failed", "dropped")}
+    out["spooled"] = sample(samples, "kvscope_gateway_log_records_spooled_total", sink="elasticsearch")
     out["spool_bytes"] = sample(samples, "kvscope_gateway_log_spool_bytes")
     return out
 
