@@ -27,7 +27,7 @@ def make_record(i: int, *, ts: datetime | None = None, model: str = MODELS[0], s
     error = status >= 400
     record: dict[str, Any] = {
         "@timestamp": iso(ts),
-        "ecs": {"version": "8.11.0"},
+        "ecs": {"version": "9.1.0"},
         "log": {"level": "error" if status >= 500 else "info", "logger": "kvscope.gateway.access"},
         "message": f"POST /v1/chat/completions {status}",
         "event": {"id": f"evt-{i:06d}", "kind": "event", "category": ["web"], "type": ["access"],
