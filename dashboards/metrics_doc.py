@@ -11,22 +11,30 @@ from dashboards.grafana import Json
 VLLM_NAMES = {
     "kvscope_engine_requests_running": "`vllm:num_requests_running`",
     "kvscope_engine_requests_waiting": "`vllm:num_requests_waiting`",
-    "kvscope_engine_kv_cache_usage_ratio": "`vllm:kv_cache_usage_perc` (v0: `vllm:gpu_cache_usage_perc`), 0–1",
+    "kvscope_engine_kv_cache_usage_ratio": "`vllm:kv_cache_usage_perc` (older V1 releases: `vllm:gpu_cache_usage_perc`), "
+                                           "0–1",
     "kvscope_engine_kv_cache_blocks": "— (vLLM: `num_gpu_blocks` label of `vllm:cache_config_info`)",
     "kvscope_engine_prompt_tokens": "`vllm:prompt_tokens_total`",
     "kvscope_engine_generation_tokens": "`vllm:generation_tokens_total`",
     "kvscope_engine_request_success": "`vllm:request_success_total` (label `finished_reason`)",
     "kvscope_engine_preemptions": "`vllm:num_preemptions_total`",
-    "kvscope_engine_prefix_cache_queries": "`vllm:prefix_cache_queries_total` (v0: `vllm:gpu_prefix_cache_queries`)",
-    "kvscope_engine_prefix_cache_hits": "`vllm:prefix_cache_hits_total` (v0: `vllm:gpu_prefix_cache_hits`)",
+    "kvscope_engine_prefix_cache_queries": "`vllm:prefix_cache_queries_total` (older V1 releases: "
+                                           "`vllm:gpu_prefix_cache_queries_total`)",
+    "kvscope_engine_prefix_cache_hits": "`vllm:prefix_cache_hits_total` (older V1 releases: "
+                                        "`vllm:gpu_prefix_cache_hits_total`)",
     "kvscope_engine_time_to_first_token_seconds": "`vllm:time_to_first_token_seconds`",
-    "kvscope_engine_inter_token_latency_seconds": "`vllm:inter_token_latency_seconds` "
-                                                  "(v0: `vllm:time_per_output_token_seconds`)",
+    "kvscope_engine_inter_token_latency_seconds": "`vllm:inter_token_latency_seconds` (older V1 releases: "
+                                                  "`vllm:time_per_output_token_seconds`)",
     "kvscope_engine_time_per_output_token_seconds": "`vllm:request_time_per_output_token_seconds`",
     "kvscope_engine_e2e_request_latency_seconds": "`vllm:e2e_request_latency_seconds`",
     "kvscope_engine_queue_time_seconds": "`vllm:request_queue_time_seconds`",
     "kvscope_engine_prefill_time_seconds": "`vllm:request_prefill_time_seconds`",
     "kvscope_engine_decode_time_seconds": "`vllm:request_decode_time_seconds`",
+    "kvscope_engine_request_inference_time_seconds": "`vllm:request_inference_time_seconds`",
+    "kvscope_engine_request_params_n": "`vllm:request_params_n`",
+    "kvscope_engine_request_params_max_tokens": "`vllm:request_params_max_tokens`",
+    "kvscope_engine_http_requests": "— (vLLM's API server: `http_requests_total` of prometheus-fastapi-instrumentator, "
+                                    "labels `handler`, `status` as `2xx`)",
     "kvscope_engine_batch_size": "— (closest: `vllm:num_requests_running` sampled per step)",
     "kvscope_engine_step_tokens": "`vllm:iteration_tokens_total` (a histogram despite the name)",
     "kvscope_engine_request_prompt_tokens": "`vllm:request_prompt_tokens`",
@@ -63,9 +71,15 @@ _PORTING = """\
 ## Porting a vLLM dashboard
 
 Replace each `vllm:*` name by the kvscope name of the same row and the label `model_name` by `model`.
-vLLM's `vllm:time_per_output_token_seconds` (v0) observes every inter-token gap, i.e. kvscope's
-`kvscope_engine_inter_token_latency_seconds`; kvscope's `time_per_output_token` is one observation per request
-(decode time / (output tokens − 1)), like vLLM v1's `vllm:request_time_per_output_token_seconds`.
+vLLM V1 also labels every engine series with `engine` (the engine-core index, `"0"` with one engine core per
+server); kvscope runs one engine per process, so drop `engine` from `by (…)` clauses and selectors, or read
+it as `instance`. The names are vLLM V1's (`vllm/v1/metrics/loggers.py`); vLLM V0 is gone. Older V1
+releases used `vllm:gpu_cache_usage_perc`, `vllm:gpu_prefix_cache_*` and, for the inter-token gap,
+`vllm:time_per_output_token_seconds`: that one observes every gap between two tokens, i.e. kvscope's
+`kvscope_engine_inter_token_latency_seconds`, while kvscope's `time_per_output_token` is one observation per
+request (decode time / (output tokens − 1)), like vLLM's `vllm:request_time_per_output_token_seconds`.
+`vllm:request_inference_time_seconds` (first scheduled → last token) is
+`kvscope_engine_request_inference_time_seconds`, with the same phase split into prefill and decode.
 The gateway metrics have no vLLM equivalent: they are measured in front of the engine, so the gap between a
 gateway and an engine histogram is the gateway plus the network.
 """

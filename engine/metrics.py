@@ -21,6 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finish_reason`` label (engine.request.RequestStatus.finish_reason)."""
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+"""``route`` values of ``http_requests`` created at zero by :meth:`EngineMetrics.initialize`."""
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+"""Buckets of ``request_params_n``, as vLLM's ``vllm:request_params_n``."""
 KV_BLOCK_STATES = ("used", "cached", "free")
 """Values of the ``state`` label: held by a request, free but holding a reusable prefix, free and empty."""
 
@@ -135,6 +139,9 @@ class EngineMetrics:
         self.queue_time = hist("queue_time", "Arrival to first scheduled (time spent waiting).", b.duration_s)
         self.prefill_time = hist("prefill_time", "First scheduled to first token (prefill).", b.duration_s)
         self.decode_time = hist("decode_time", "First token to last token (decode).", b.duration_s)
+        self.request_inference_time = hist(
+            "request_inference_time", "First scheduled to last token (prefill + decode), per request.",
+            b.duration_s)
 
     def _init_size_histograms(self, r: CollectorRegistry, b: MetricBuckets) -> None:
         self.batch_size = Histogram(
@@ -149,6 +156,15 @@ class EngineMetrics:
         self.request_generation_tokens = Histogram(
             "kvscope_engine_request_generation_tokens", "Output length of finished requests (tokens).",
             ["model"], buckets=b.request_tokens, registry=r)
+        self.request_params_n = Histogram(
+            "kvscope_engine_request_params_n", "The n (choices per prompt) of finished requests.",
+            ["model"], buckets=REQUEST_N_BUCKETS, registry=r)
+        self.request_params_max_tokens = Histogram(
+            "kvscope_engine_request_params_max_tokens", "The max_tokens of finished requests that set one.",
+            ["model"], buckets=b.request_tokens, registry=r)
+        self.http_requests = Counter(
+            "kvscope_engine_http_requests", "HTTP requests answered by the engine server, by route and status.",
+            ["route", "status"], registry=r)
 
     def _init_device_memory(self, r: CollectorRegistry) -> None:
         self.device_memory_used = Gauge(
@@ -169,6 +185,7 @@ class EngineMetrics:
             self.time_to_first_token, self.inter_token_latency, self.time_per_output_token,
             self.e2e_request_latency, self.queue_time, self.prefill_time, self.decode_time, self.batch_size,
             self.step_tokens, self.request_prompt_tokens, self.request_generation_tokens,
+            self.request_inference_time, self.request_params_n, self.request_params_max_tokens,
         )  # fmt: skip
         for metric in per_model:
             metric.labels(model=model)
@@ -176,5 +193,8 @@ class EngineMetrics:
             self.kv_cache_blocks.labels(model=model, state=state)
         for reason in FINISH_REASONS:
             self.request_success.labels(model=model, finish_reason=reason)
+        for route in GENERATION_ROUTES:  # the success and the 5xx series the dashboards divide
+            for status in ("200", "500"):
+                self.http_requests.labels(route=route, status=status)
         self.device_memory_used.labels(device=device)
         self.device_memory_total.labels(device=device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from engine.core.stats import SchedulerStats
 from engine.engine_core import StepResult
@@ -51,9 +51,7 @@ class ServerMetrics:
         self.model = model
         self.engine = EngineMetrics(registry, buckets)
         self.engine.initialize(model, device)
-        self.http_requests = Counter(
-            "kvscope_engine_http_requests", "HTTP requests answered by the engine server, by route and status.",
-            ["route", "status"], registry=registry)
+        self.http_requests = self.engine.http_requests
         self._prefix_queries_seen = 0
         self._prefix_hits_seen = 0
 
@@ -110,6 +108,14 @@ class ServerMetrics:
                                  (m.time_per_output_token, t.tpot_s)):
             if value is not None:
                 histogram.labels(model=model).observe(value)
+        if t.prefill_s is not None:
+            m.request_inference_time.labels(model=model).observe(t.prefill_s + (t.decode_s or 0.0))
+
+    def on_request_params(self, n: int, max_tokens: int | None) -> None:
+        """The request's ``n`` and ``max_tokens`` (once per request, as vLLM's ``request_params_*``)."""
+        self.engine.request_params_n.labels(model=self.model).observe(n)
+        if max_tokens is not None:
+            self.engine.request_params_max_tokens.labels(model=self.model).observe(max_tokens)
 
     def on_http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()

@@ -28,7 +28,7 @@ REQUIRED = {
     "KvscopeHighP99Latency", "KvscopeHighVRAMUsage", "KvscopeHighErrorRate", "KvscopeTTFTSLOBreach",
     "KvscopeTPOTSLOBreach", "KvscopeQueueBuildup", "KvscopeKVCacheNearFull", "KvscopePreemptionStorm",
     "KvscopeTargetDown", "KvscopeNoHealthyUpstream", "KvscopeUpstreamDown", "KvscopeLogShippingFailing",
-    "KvscopeLogSpooling", "KvscopeHighP99TimePerOutputToken", "Watchdog",
+    "KvscopeLogSpooling", "KvscopeHighP99TimePerOutputToken", "KvscopeEngineHighErrorRate", "Watchdog",
 }
 CATALOG = discover()
 GATEWAY_MISSING = next((m for m in CATALOG.missing if m.startswith("gateway")), None)
@@ -45,7 +45,7 @@ def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
 def test_promtool_check_rules() -> None:
     result = run(require_tool("promtool"), "check", "rules", str(RULES))
     assert result.returncode == 0, result.stderr
-    assert "SUCCESS: 17 rules found" in result.stdout
+    assert "SUCCESS: 18 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_pass() -> None:

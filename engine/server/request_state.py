@@ -142,6 +142,7 @@ class RequestState:
         timings = [self._timings(c, outcome, now) for c in self.choices]
         for t in timings:
             self.metrics.on_sequence_finished(t)
+        self.metrics.on_request_params(self.params.n, self.params.max_tokens)
         trace_id, span_id = tracing.record(self._spans(outcome, now, timings))
         if access is not None:
             access.set_request_details(self._log_fields(outcome, timings, trace_id, span_id))

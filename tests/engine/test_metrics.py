@@ -30,6 +30,10 @@ EXPECTED = {
     "kvscope_engine_step_tokens": ("histogram", ("model",)),
     "kvscope_engine_request_prompt_tokens": ("histogram", ("model",)),
     "kvscope_engine_request_generation_tokens": ("histogram", ("model",)),
+    "kvscope_engine_request_inference_time_seconds": ("histogram", ("model",)),
+    "kvscope_engine_request_params_n": ("histogram", ("model",)),
+    "kvscope_engine_request_params_max_tokens": ("histogram", ("model",)),
+    "kvscope_engine_http_requests": ("counter", ("route", "status")),
     "kvscope_engine_device_memory_used_bytes": ("gauge", ("device",)),
     "kvscope_engine_device_memory_total_bytes": ("gauge", ("device",)),
 }
