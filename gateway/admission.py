@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Request
+from litestar.exceptions import InternalServerException
 
 from gateway.auth import Principal
 from gateway.errors import (
+    ClientClosedRequest,
     ContextLengthExceeded,
     InvalidRequest,
     ModelNotFound,
@@ -65,8 +67,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body is {int(declared)} bytes; the limit is {limit} bytes.")
-    body = await request.body()
-    context_of(request).request_bytes = len(body)
+    ctx = context_of(request)
+    try:
+        body = await request.body()
+    except InternalServerException:  # Litestar's "client disconnected prematurely" (http.disconnect)
+        ctx.mark_disconnected("request_body")
+        raise ClientClosedRequest("client closed the connection while sending the request body") from None
+    ctx.request_bytes = len(body)
     return body
 
 

@@ -114,6 +114,11 @@ class ProxyCall:
             watcher.cancel()
             self._end_client_span()
 
+    @property
+    def client_caused_failure(self) -> bool:
+        """The client asked the upstream to fail (``x-kvscope-fault``): its 5xx must not eject the replica."""
+        return "x-kvscope-fault" in self._forwarded
+
     def phase(self) -> str:
         """Where the request was when the client left: ``response`` (waiting for a JSON answer),
         ``first_token`` (stream, no token yet: queued or in prefill) or ``decode``."""
@@ -225,7 +230,9 @@ class ProxyCall:
         body = await self.read_body(replica, response, deadline)
         answer = UpstreamAnswer(response.status_code, response.headers.get("content-type", ""), body)
         if response.status_code >= 500:
-            self.gw.pool.report_failure(replica, "status_5xx")
+            # a 5xx the client asked for (our engine's fault-injection header) says nothing about the
+            # replica: counted, but never towards the consecutive-5xx ejection
+            self.gw.pool.report_failure(replica, "status_5xx", passive=not self.client_caused_failure)
             raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} answered {response.status_code}"),
                                    answer)
         self.gw.pool.report_success(replica)

@@ -118,7 +118,9 @@ class StreamState:
         self.token_events += has_token
         if self.bad_finish_reason is not None:
             return Action.BAD_FINISH, has_token
-        if obj.get("usage") and not client_wants_usage:
+        if "usage" in obj and not client_wants_usage:
+            # the usage chunk, and the "usage": null every other chunk carries once usage was asked for
+            # (OpenAI stream_options.include_usage): neither is shown to a client that did not ask
             return (Action.REWRITE if choices else Action.DROP), has_token
         return Action.FORWARD, has_token
 

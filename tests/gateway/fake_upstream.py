@@ -210,8 +210,11 @@ class Generation:
         await _json(writer, 200, obj)
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": 1, "model": self.model, "choices": choices, **extra}
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": 1, "model": self.model, "choices": choices, **extra}
+        if (self.body.get("stream_options") or {}).get("include_usage"):
+            obj.setdefault("usage", None)  # as OpenAI, vLLM and our engine: null on every chunk but the last
+        return obj
 
     def choice(self, c: int, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
         if self.chat:
