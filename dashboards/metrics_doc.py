@@ -67,6 +67,29 @@ models' token types and stream-error reasons) are exported at 0, so panels read 
 Latency histograms reach past the gateway's total timeout (1800 s): no request lands only in `+Inf`.
 """
 
+_OTEL = """\
+## OpenTelemetry GenAI metrics (OTLP)
+
+Beside the Prometheus series, the gateway and the engine push the OTel semantic-conventions 1.41 GenAI
+metrics to `{otlp_endpoint}/v1/metrics` (OTLP/HTTP protobuf; gateway `tracing.otlp_endpoint`, every
+`tracing.metrics_export_interval_s` = 15 s; engine `--otlp-endpoint`; a last push at shutdown), built in
+`kvscope/otel_genai.py` with the semconv names, units and bucket boundaries:
+
+| metric | unit | where | buckets |
+|---|---|---|---|
+| `gen_ai.client.operation.duration` | s | gateway, per upstream call | 0.01 … 81.92 (×2) |
+| `gen_ai.client.token.usage` (`gen_ai.token.type` = input \\| output) | {token} | gateway | 1 … 67108864 (×4) |
+| `gen_ai.client.operation.time_to_first_chunk` | s | gateway, streams | 0.001 … 10 |
+| `gen_ai.server.request.duration` | s | engine, per request | 0.01 … 81.92 (×2) |
+| `gen_ai.server.time_to_first_token` | s | engine, successful requests | 0.001 … 10 |
+| `gen_ai.server.time_per_output_token` | s | engine, successful requests | 0.01 … 2.5 |
+
+Attributes: `gen_ai.operation.name`, `gen_ai.provider.name` (`kvscope`; gateway: `tracing.gen_ai_provider`),
+`gen_ai.request.model`, `gen_ai.response.model`, `server.address` + `server.port` (gateway: the upstream) and
+`error.type` when the call failed. The semconv buckets stop at 81.92 s; the Prometheus histograms above keep
+their own bounds up to the total timeout.
+"""
+
 _PORTING = """\
 ## Porting a vLLM dashboard
 
@@ -123,5 +146,5 @@ def render(catalog: Catalog, dashboards: Sequence[Json]) -> str:
              _table(catalog, "engine", shown, alerted), "",
              "## Gateway (`kvscope_gateway_*`, scraped at `:4000/metrics`)", "",
              _table(catalog, "gateway", shown, alerted), "",
-             "## Defined but on no dashboard", "", report, "", _buckets(catalog), "", _PORTING]
+             "## Defined but on no dashboard", "", report, "", _buckets(catalog), "", _OTEL, "", _PORTING]
     return "\n".join(parts)

@@ -79,6 +79,7 @@ class ProxyCall:
         self.last_token_at: float | None = None
         self.client_span: Span | None = None
         self.call_start = 0.0
+        self.base_attrs: dict[str, Any] = {}
         self._send: Send | None = None
         self._forwarded: dict[str, str] = {}
 
@@ -92,10 +93,10 @@ class ProxyCall:
         task = asyncio.current_task()
         watcher = asyncio.create_task(self._watch_disconnect(receive, task))
         self.call_start = time.perf_counter()
-        attrs = {**base_attributes(self.ctx, self.gw.settings.tracing.gen_ai_provider, self.plan.model),
-                 "gen_ai.request.stream": self.plan.stream}
-        self.client_span = self.gw.tracer.start_client_span(self.ctx.server_span, self.plan.operation,
-                                                            self.plan.model, attrs)
+        self.base_attrs = base_attributes(self.ctx, self.gw.settings.tracing.gen_ai_provider, self.plan.model)
+        self.client_span = self.gw.tracer.start_client_span(
+            self.ctx.server_span, self.plan.operation, self.plan.model,
+            {**self.base_attrs, "gen_ai.request.stream": self.plan.stream})
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -311,6 +312,10 @@ class ProxyCall:
             return
         attrs: dict[str, Any] = {**end_attributes(ctx, self.call_start), "kvscope.attempts": ctx.attempts}
         span.set_attributes(attrs)
+        usage = ctx.usage or {}
+        self.gw.genai.record({**self.base_attrs, **attrs}, time.perf_counter() - self.call_start,
+                             usage.get("prompt_tokens"), ctx.output_tokens,
+                             attrs.get("gen_ai.response.time_to_first_chunk"))
         if "error.type" in attrs:
             span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
         if ctx.engine is None and ctx.first_token_at is not None:

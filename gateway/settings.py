@@ -168,6 +168,8 @@ class LogConfig(msgspec.Struct, **_STRUCT):
 class TracingConfig(msgspec.Struct, **_STRUCT):
     otlp_endpoint: str | None = None
     """OTLP/HTTP base URL, e.g. ``http://127.0.0.1:4318`` (spans go to ``/v1/traces``)."""
+    metrics_export_interval_s: float = 15.0
+    """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed to ``{otlp_endpoint}/v1/metrics``."""
     gen_ai_provider: str = "kvscope"
     """``gen_ai.provider.name`` of the gen_ai CLIENT span and metrics (OTel GenAI semconv: required; a
     custom value where no well-known one applies). Set e.g. ``openai`` when the upstreams are OpenAI's."""
