@@ -65,6 +65,13 @@ spooled log records (a transit state) are `kvscope_gateway_log_records_spooled_t
 Label sets known at start (rate-limit reasons, upstream error reasons, log sinks and outcomes, the served
 models' token types and stream-error reasons) are exported at 0, so panels read 0 rather than "No data".
 Latency histograms reach past the gateway's total timeout (1800 s): no request lands only in `+Inf`.
+
+Exemplars: `/metrics` (gateway and engine) answers in OpenMetrics 1.0 when the scraper's `Accept` asks for
+`application/openmetrics-text`, else in the Prometheus text format. The gateway's request-duration, TTFT
+and TPOT histograms carry the `trace_id` of a sampled request as an exemplar (the same id as the request log's
+`trace.id`); compose runs Prometheus with `--enable-feature=exemplar-storage`, and the Grafana Prometheus
+datasource links `trace_id` to the Jaeger datasource (`exemplarTraceIdDestinations`), so a p99 point opens the
+trace of a slow request.
 """
 
 _OTEL = """\

@@ -26,9 +26,16 @@ GW = "kvscope_gateway_"
 EN = "kvscope_engine_"
 
 
+EXEMPLAR_HISTOGRAMS = frozenset({f"{GW}time_to_first_token_seconds", f"{GW}time_per_output_token_seconds",
+                                 f"{GW}request_duration_seconds"})
+"""Gateway histograms observed with an exemplar (the trace id of a sampled request, gateway/observe.py)."""
+
+
 def latency_targets(q: PromQL, hist: str) -> list[Target]:
-    """p50, p95, p99 and mean of histogram family ``hist``."""
-    quantiles = [Target(q.quantile(p, hist), f"p{round(p * 100)}") for p in (0.5, 0.95, 0.99)]
+    """p50, p95, p99 and mean of histogram family ``hist``; the p99 query also shows its exemplars (links to
+    the traces of slow requests) where the histogram has them."""
+    quantiles = [Target(q.quantile(p, hist), f"p{round(p * 100)}", exemplar=p == 0.99 and hist in EXEMPLAR_HISTOGRAMS)
+                 for p in (0.5, 0.95, 0.99)]
     return [*quantiles, Target(q.mean(hist), "mean")]
 
 

@@ -173,7 +173,7 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     model = m.model_label(ctx.request_model, ctx.model_served)
     m.in_flight.dec()
     m.requests.labels(model, ctx.route, str(ctx.status or 500)).inc()
-    m.request_duration.labels(model, ctx.route).observe(e2e)
+    m.request_duration.labels(model, ctx.route).observe(e2e, exemplar(ctx))
     m.overhead.labels(ctx.route).observe(ctx.overhead_s)
     if ctx.rate_limited:
         m.rate_limited.labels(ctx.rate_limited).inc()
@@ -187,12 +187,21 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     await ctx.run_cleanups()
 
 
+def exemplar(ctx: RequestContext) -> dict[str, str] | None:
+    """``{"trace_id": …}`` for a histogram observation when the request's trace is sampled (so the trace
+    exists in the backend), else None. OpenMetrics 1.0 exemplars; Grafana links ``trace_id`` to Jaeger."""
+    span = ctx.server_span
+    if span is None or ctx.trace_id is None or not span.get_span_context().trace_flags.sampled:
+        return None
+    return {"trace_id": ctx.trace_id}
+
+
 def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
     m = gw.metrics
     if ctx.ttft_s is not None:
-        m.ttft.labels(model).observe(ctx.ttft_s)
+        m.ttft.labels(model).observe(ctx.ttft_s, exemplar(ctx))
     if ctx.tpot_s is not None:
-        m.tpot.labels(model).observe(ctx.tpot_s)
+        m.tpot.labels(model).observe(ctx.tpot_s, exemplar(ctx))
     usage = ctx.usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens)):

@@ -46,3 +46,13 @@ def test_gen_ai_server_metrics_reach_an_otlp_receiver() -> None:
     tpot = {a["gen_ai.operation.name"]: p for a, p in points["gen_ai.server.time_per_output_token"]}
     assert tpot["chat"].count == 2 and list(tpot["chat"].explicit_bounds) == list(TIME_PER_OUTPUT_TOKEN_BUCKETS)
     assert resources[-1]["service.name"] == "kvscope-engine" and resources[-1]["service.version"] == package_version()
+
+
+def test_engine_metrics_are_openmetrics_when_asked() -> None:
+    app = create_app(ServerSettings(), engine=FakeEngine(), registry=CollectorRegistry())
+    with TestClient(app) as client:
+        om = client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+        text = client.get("/metrics")
+    assert om.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert om.text.endswith("# EOF\n")
+    assert text.headers["content-type"].startswith("text/plain; version=0.0.4") and "# EOF" not in text.text
