@@ -75,6 +75,13 @@ class MethodNotAllowed(GatewayError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
+class ClientClosedRequest(GatewayError):
+    """The client left before the gateway had its request (e.g. during the body upload): logged and counted
+    as 499, nginx's "client closed request"; the response is never seen."""
+
+    status, type, code = 499, "client_closed_request", "client_disconnected"
+
+
 class PayloadTooLarge(GatewayError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 

@@ -22,6 +22,18 @@ QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")
 check and docs would drown the log)."""
 
 
+ECS_VERSION = "9.1.0"
+"""ECS 9.1 is the first with the ``gen_ai.*`` field set these records use (same as the gateway's record)."""
+
+
+def _level(status: int, outcome: str) -> str:
+    """``log.level`` in the vocabulary the gateway uses too (Python level names): ``error`` for 5xx,
+    ``warning`` for any other failure, ``info`` for a success."""
+    if status >= 500:
+        return "error"
+    return "info" if outcome == "success" else "warning"
+
+
 class AccessRecord:
     """What the log line of one request says."""
 
@@ -53,8 +65,8 @@ class AccessRecord:
         kvscope = self.details.get("kvscope", {})
         outcome = "success" if status < 400 and kvscope.get("outcome", "success") == "success" else "failure"
         record: dict[str, Any] = {
-            "@timestamp": _iso(end_ns), "ecs": {"version": "8.11.0"},
-            "log": {"level": "info" if outcome == "success" else "warning", "logger": ACCESS_LOGGER},
+            "@timestamp": _iso(end_ns), "ecs": {"version": ECS_VERSION},
+            "log": {"level": _level(status, outcome), "logger": ACCESS_LOGGER},
             "message": self._message(status, kvscope),
             "event": {"kind": "event", "category": ["web"], "type": ["access"], "outcome": outcome,
                       "duration": int((time.monotonic() - self._start) * 1e9), "start": _iso(self.start_ns),

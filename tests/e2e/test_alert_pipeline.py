@@ -73,7 +73,7 @@ def test_failures_page_through_alertmanager_with_inhibition(tmp_path: Path, expo
         assert {("KvscopeHighErrorRate", "warning"), ("KvscopeUpstreamDown", "warning")} <= prometheus_side
         assert firing(receiver, "/team-chat") == set()  # both warnings inhibited in Alertmanager
         rules = [r for g in prom.api.rules() for r in g["rules"]]
-        assert len(rules) == 16
+        assert len(rules) == 18
         assert [(r["name"], r.get("lastError", "")) for r in rules if r["health"] != "ok"] == []
         page = next(a for a in receiver.firing("/pager") if a["alertname"] == "KvscopeTargetDown")
         assert (page["job"], page["instance"]) == ("kvscope-engine", dead_engine)

@@ -43,6 +43,8 @@ class Knobs:
     kvscope_stats: bool = False
     finish_reason: str = ""
     """Override the finish_reason (e.g. ``abort``)."""
+    cached_tokens: int = 0
+    """``usage.prompt_tokens_details.cached_tokens`` to report (a prefix-cache hit)."""
 
     def merged(self, overrides: dict[str, Any] | None) -> Knobs:
         names = {f.name for f in fields(self)}
@@ -188,7 +190,7 @@ class Generation:
         prompt = prompt_words(self.body)
         completion = self.num_tokens * self.n
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.knobs.cached_tokens}}
 
     def _alive(self) -> bool:
         return self.rec.disconnected_at is None
@@ -208,8 +210,11 @@ class Generation:
         await _json(writer, 200, obj)
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": 1, "model": self.model, "choices": choices, **extra}
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": 1, "model": self.model, "choices": choices, **extra}
+        if (self.body.get("stream_options") or {}).get("include_usage"):
+            obj.setdefault("usage", None)  # as OpenAI, vLLM and our engine: null on every chunk but the last
+        return obj
 
     def choice(self, c: int, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
         if self.chat:

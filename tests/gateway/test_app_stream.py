@@ -186,8 +186,12 @@ def test_log_content_only_when_switched_on(stack: Stack, strict: Stack) -> None:
             stream(c, {"max_tokens": 2}, "content-sse")
             c.post("/v1/completions", json={"model": "fake-model", "prompt": "hello", "max_tokens": 3},
                    headers={"x-request-id": "content-json"})
-    for rid, text, prompt in (("content-sse", "t0 t1 ", HI), ("content-json", "t0 t1 t2 ", "hello")):
+    for rid, text, role in (("content-sse", "t0 t1 ", "user"), ("content-json", "t0 t1 t2 ", "user")):
         on = records_by_id(strict.log, [rid])[rid][0]["gen_ai"]
-        assert on["input"] == {"messages": prompt} and on["output"] == {"messages": [text]}
+        prompt = "hi" if rid == "content-sse" else "hello"
+        # OTel GenAI input/output message schema: role + parts, finish_reason per output message
+        assert on["input"] == {"messages": [{"role": role, "parts": [{"type": "text", "content": prompt}]}]}
+        assert on["output"] == {"messages": [{"role": "assistant", "parts": [{"type": "text", "content": text}],
+                                              "finish_reason": "length"}]}
         off = records_by_id(stack.log, [rid])[rid][0]["gen_ai"]
         assert "input" not in off and "output" not in off

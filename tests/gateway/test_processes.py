@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -85,8 +86,13 @@ def _without_usage_event(sse: bytes) -> bytes:
     events = sse.replace(b"\r\n", b"\n").split(b"\n\n")
     sep = b"\r\n\r\n" if b"\r\n" in sse else b"\n\n"
     raw_events = [e + sep for e in sse.split(sep) if e]
-    keep = [raw for raw, e in zip(raw_events, [e for e in events if e], strict=True)
-            if not (e.startswith(b"data: {") and json.loads(e[6:]).get("choices") == [])]
+    keep = []
+    for raw, e in zip(raw_events, [e for e in events if e], strict=True):
+        obj = json.loads(e[6:]) if e.startswith(b"data: {") else None
+        if obj is None or "usage" not in obj:
+            keep.append(raw)  # exact bytes
+        elif obj.get("choices") != []:  # "usage": null removed, the chunk re-encoded; the usage chunk dropped
+            keep.append(b"data: " + msgspec.json.encode({k: v for k, v in obj.items() if k != "usage"}) + b"\n\n")
     return b"".join(keep)
 
 
