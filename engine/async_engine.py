@@ -171,8 +171,8 @@ class AsyncEngine:
             self._deliver(request_id, RequestFailedError(request_id, reason))
         if self._listener is not None and outputs:
             stats = self.core.scheduler.get_stats()
-            self._notify(StepResult(outputs=outputs, num_running=stats.num_running, num_waiting=stats.num_waiting,
-                                    kv_cache_usage=stats.kv_cache_usage))
+            self._notify(StepResult(outputs=outputs, stats=stats, num_running=stats.num_running,
+                                    num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage))
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

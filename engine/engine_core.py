@@ -19,6 +19,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.core.stats import SchedulerStats
 from engine.errors import InvalidParameterError, PromptTooLongError
 from engine.models.loader import DTYPES, load_model
 from engine.outputs import RequestOutput
@@ -50,6 +51,9 @@ class StepResult:
     """Outputs of one step plus what the metrics layer needs (design.md §4.3)."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+    """The scheduler's snapshot after the step (None only in hand-built notifications); listeners read it
+    instead of taking another one."""
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -174,21 +178,25 @@ class EngineCore:
     # --- the step -------------------------------------------------------------------------------------------
 
     def step(self, on_scheduled: Callable[[StepResult], None] | None = None) -> StepResult:
-        """schedule → execute → update → detokenize. Returns the outputs that changed in this step.
+        """schedule → execute → update → detokenize → finish stop-string matches → outputs. Data flows one
+        way: the scheduler and output processor never call each other. Returns the outputs that changed.
         ``on_scheduled`` gets the scheduler's state (running, waiting, KV usage; ``scheduled_only``) once
         the step is scheduled and before the model runs."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if on_scheduled is not None:
             now = self.scheduler.get_stats()
-            on_scheduled(StepResult(num_running=now.num_running, num_waiting=now.num_waiting,
+            on_scheduled(StepResult(stats=now, num_running=now.num_running, num_waiting=now.num_waiting,
                                     kv_cache_usage=now.kv_cache_usage, scheduled_only=True))
         runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        outputs = self.output_processor.process(runner_output, self.scheduler)
+        detokenized = self.output_processor.detokenize(runner_output)
+        for request_id in detokenized.stopped_request_ids:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        outputs = self.output_processor.make_outputs(detokenized)
         stats = self.scheduler.get_stats()
         return StepResult(
-            outputs=outputs, num_running=stats.num_running, num_waiting=stats.num_waiting,
+            outputs=outputs, stats=stats, num_running=stats.num_running, num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage, batch_size=len(scheduler_output.scheduled),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_prefill_tokens=scheduler_output.num_prefill_tokens,

@@ -46,7 +46,7 @@ class ServerState:
     def on_step(self, result: StepResult) -> None:
         """The engine's step listener (engine thread): metrics gauges/histograms and request timelines."""
         scheduler = self.engine.core.scheduler
-        self.metrics.on_step(result, scheduler.get_stats())
+        self.metrics.on_step(result, result.stats if result.stats is not None else scheduler.get_stats())
         if not result.scheduled_only:  # timelines advance on completed steps only
             observe_step(list(scheduler.requests.values()))
 

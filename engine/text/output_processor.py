@@ -1,5 +1,11 @@
 """Turn each step's sampled tokens into RequestOutputs: detokenize, match stop strings, attach logprobs/stats.
 
+Two calls per step, with the scheduler in between (EngineCore.step orchestrates; this module never calls the
+scheduler): :meth:`OutputProcessor.detokenize` advances the detokenizers and reports which requests matched a
+stop string; the engine finishes those in the scheduler; :meth:`OutputProcessor.make_outputs` then builds the
+RequestOutputs, with final stats for every request the step finished. vLLM v1's OutputProcessor likewise
+returns ``reqs_to_abort`` to the engine core instead of aborting them itself.
+
 Requests with ``n > 1`` run as sibling (child) requests ``{parent}-{i}`` (vLLM v1 parallel sampling); this
 module maps children back to their parent and choice index.
 """
@@ -9,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -24,6 +29,26 @@ class _ChildState:
     detokenizer: IncrementalDetokenizer
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
+
+
+@dataclass(slots=True)
+class _Advanced:
+    """One sampled token after detokenization, waiting for :meth:`OutputProcessor.make_outputs`."""
+
+    state: _ChildState
+    token_id: int
+    logprob: TokenLogprob | None
+    stop_str: str | None
+
+
+@dataclass(slots=True)
+class DetokenizedStep:
+    """What :meth:`OutputProcessor.detokenize` found in one step."""
+
+    advanced: list[_Advanced] = field(default_factory=list)
+    stopped_request_ids: list[str] = field(default_factory=list)
+    """Still-unfinished (child) requests whose output matched a stop string: the engine finishes them with
+    FINISHED_STOPPED before :meth:`OutputProcessor.make_outputs`."""
 
 
 @dataclass(slots=True)
@@ -55,19 +80,30 @@ class OutputProcessor:
         """Request ids of the parent's children that are still tracked."""
         return [cid for cid, st in self._children.items() if st.parent_id == parent_id]
 
-    def process(self, runner_output: ModelRunnerOutput, scheduler: Scheduler) -> list[RequestOutput]:
-        """Build outputs for every request that produced a token this step; finish those that hit a stop string."""
+    def detokenize(self, runner_output: ModelRunnerOutput) -> DetokenizedStep:
+        """Advance the detokenizer of every request that produced a token this step (call it after the
+        scheduler's ``update_from_output``, so a stop-token finish is known) and collect stop-string matches."""
         for request_id, entries in runner_output.prompt_logprobs.items():
             state = self._children.get(request_id)
             if state is not None:
                 state.prompt_logprobs.update(entries)
-        outputs: list[RequestOutput] = []
+        step = DetokenizedStep()
         for request_id, token_id in runner_output.sampled_token_ids.items():
             state = self._children.get(request_id)
             if state is None:
                 continue
-            completion = self._advance(state, token_id, runner_output.logprobs.get(request_id), scheduler)
-            outputs.append(self._request_output(state, completion))
+            stop_str = self._detokenize(state, token_id)
+            step.advanced.append(_Advanced(state, token_id, runner_output.logprobs.get(request_id), stop_str))
+            if stop_str is not None and not state.request.is_finished:
+                step.stopped_request_ids.append(request_id)
+        return step
+
+    def make_outputs(self, step: DetokenizedStep) -> list[RequestOutput]:
+        """The RequestOutputs of a detokenized step, once the engine has finished its stop-string matches."""
+        outputs = []
+        for item in step.advanced:
+            completion = self._completion(item)
+            outputs.append(self._request_output(item.state, completion))
         return outputs
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[RequestOutput]:
@@ -84,30 +120,32 @@ class OutputProcessor:
             outputs.append(self._request_output(state, completion))
         return outputs
 
-    def _advance(self, state: _ChildState, token_id: int, logprob: TokenLogprob | None,
-                 scheduler: Scheduler) -> CompletionOutput:
+    def _detokenize(self, state: _ChildState, token_id: int) -> str | None:
+        """Feed ``token_id`` to the request's detokenizer unless it is the stop token that ended the request
+        (its text is not output, unless include_stop_str_in_output); returns the stop string it completed."""
         request = state.request
-        params = request.sampling_params
         stop_token = request.is_finished and isinstance(request.stop_reason, int) or (
             request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None)
         stop_str = None
-        if not stop_token or params.include_stop_str_in_output:
+        if not stop_token or request.sampling_params.include_stop_str_in_output:
             stop_str = state.detokenizer.update([token_id])
         if stop_str is not None:
             request.stop_reason = stop_str
-            if not request.is_finished:
-                scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        return stop_str
+
+    def _completion(self, item: _Advanced) -> CompletionOutput:
+        state, request = item.state, item.state.request
         finished = request.is_finished
         completion = CompletionOutput(
             index=state.index,
             text=state.detokenizer.get_next_output_text(finished=finished, delta=True),
-            token_ids=[token_id],
-            logprobs=[logprob] if logprob is not None else None,
+            token_ids=[item.token_id],
+            logprobs=[item.logprob] if item.logprob is not None else None,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
         if finished:
-            reason = "stop" if stop_str is not None else request.status.finish_reason
+            reason = "stop" if item.stop_str is not None else request.status.finish_reason
             completion.finish_reason = reason
             completion.stop_reason = request.stop_reason
             self._finish(state, completion)
