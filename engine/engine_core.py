@@ -17,7 +17,7 @@ from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, child_request_id
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.errors import InvalidParameterError, PromptTooLongError
@@ -133,7 +133,7 @@ class EngineCore:
         children = []
         for index in range(params.n):
             child_params = params if params.n == 1 else _child_params(params, index)
-            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            child_id = child_request_id(request_id, index, params.n)
             children.append(Request(child_id, list(prompt_token_ids), child_params, self.tokenizer.eos_token_id,
                                     arrival_time=arrival, max_tokens=max_tokens, trace_context=trace_context))
         self.output_processor.add_request(request_id, children)

@@ -96,6 +96,12 @@ def _diff(end: float | None, start: float | None) -> float | None:
     return None if end is None or start is None else end - start
 
 
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    """The engine request id of choice ``index`` of a request with ``n`` choices: the parent id itself when
+    ``n == 1``, else ``{parent_id}-{index}`` (vLLM v1 parallel sampling runs choices as sibling requests)."""
+    return parent_id if n == 1 else f"{parent_id}-{index}"
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One sequence being generated. ``n > 1`` requests are split into siblings before they get here."""

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from engine.core.request import child_request_id
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -137,7 +138,7 @@ class GenerationRun:
         found = {}
         for k, engine_id in enumerate(self.engine_ids):
             for i in range(n):
-                request = scheduler.get_request(engine_id if n == 1 else f"{engine_id}-{i}")
+                request = scheduler.get_request(child_request_id(engine_id, i, n))
                 if request is not None:
                     found[k * n + i] = request
         return found

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.request import child_request_id
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.logprobs import visible_entries
@@ -178,7 +179,7 @@ class RequestState:
         for k, prompt in enumerate(self.prompts):
             for i in range(self.params.n):
                 engine_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-p{k}"
-                child = engine_id if self.params.n == 1 else f"{engine_id}-{i}"
+                child = child_request_id(engine_id, i, self.params.n)
                 choice = self.choices[k * self.params.n + i]
                 token_time = None if choice.stats is None or choice.stats.get("ttft_s") is None else (
                     self.arrival + choice.stats["ttft_s"])
