@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Request
+from litestar.exceptions import InternalServerException
 
 from gateway.auth import Principal
 from gateway.errors import (
+    ClientClosedRequest,
     ContextLengthExceeded,
     InvalidRequest,
     ModelNotFound,
@@ -61,11 +63,16 @@ def authenticate(gw: GatewayState, request: Request) -> Principal:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 when ``Content-Length`` (or the bytes read) exceed ``limit``."""
+    """The body, refused with 413 when ``Content-Length`` (or the bytes read) exceed ``limit``; raises
+    ClientClosedRequest (logged as 499) when the client leaves before the body ended."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body is {int(declared)} bytes; the limit is {limit} bytes.")
-    body = await request.body()
+    try:
+        body = await request.body()
+    except InternalServerException as exc:  # Litestar's "client disconnected prematurely"
+        context_of(request).mark_disconnected("request")
+        raise ClientClosedRequest("The client closed the connection before the request body ended.") from exc
     context_of(request).request_bytes = len(body)
     return body
 

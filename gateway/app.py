@@ -1,7 +1,7 @@
 """The gateway application factory.
 
 ``create_app(settings)`` returns a Litestar app: OpenAI-compatible routes (gateway/routes.py) behind the
-observation middleware (one log record, metrics and a server span per request), OpenAI-shaped errors for
+observation wrapper (one log record, metrics and a server span per request), OpenAI-shaped errors for
 everything (gateway/errors.py), and a lifespan that runs the upstream client, health checks and log sinks.
 Run it with ``kvscope gateway`` (gateway/cli.py) or any ASGI server.
 """
@@ -12,19 +12,32 @@ from collections.abc import Sequence
 
 from litestar import Litestar
 from litestar.datastructures import State
+from litestar.types import Receive, Scope, Send
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.lifespan import GatewayState, build_state, gateway_lifespan
 from gateway.logs.sink import LogSink
-from gateway.observe import ObserveMiddleware
+from gateway.observe import PROBE_PATHS, observe
 from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
 
 
+class GatewayApp(Litestar):
+    """The Litestar app with :func:`gateway.observe.observe` around it, outside the router: a request no
+    route or method matches is still observed (one log record, metrics, a span), and a non-canonical
+    request target is refused before routing."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            await super().__call__(scope, receive, send)
+            return
+        await observe(self.state.gateway, scope, receive, send, super().__call__)
+
+
 def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None = None,
-               span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = ()) -> Litestar:
+               span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = ()) -> GatewayApp:
     """Build the gateway.
 
     Args:
@@ -34,9 +47,8 @@ def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None 
         sinks: extra request-log sinks (e.g. the Elasticsearch sink) besides the configured file/stdout ones.
     """
     gw = build_state(settings, registry=registry, span_exporter=span_exporter, sinks=sinks)
-    return Litestar(
+    return GatewayApp(
         route_handlers=ROUTES,
-        middleware=[ObserveMiddleware()],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[gateway_lifespan],
         state=State({"gateway": gw}),

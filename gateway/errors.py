@@ -88,6 +88,12 @@ class RateLimited(GatewayError):
         """``requests``, ``tokens`` or ``concurrency`` (label of ``kvscope_gateway_rate_limited_total``)."""
 
 
+class ClientClosedRequest(GatewayError):
+    """The client left before the request was complete; 499 is logged (nginx's convention), nothing is sent."""
+
+    status, type, code = 499, "client_disconnected", "client_disconnected"
+
+
 class UpstreamUnavailable(GatewayError):
     status, type, code = 503, "service_unavailable", "upstream_unavailable"
 

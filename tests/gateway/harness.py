@@ -154,9 +154,10 @@ class GatewayThread:
     def __init__(self, app: Any) -> None:
         import uvicorn
 
+        from gateway.server import uvicorn_config
+
         self.app = app
-        config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", access_log=False,
-                                lifespan="on")
+        config = uvicorn_config(app, "127.0.0.1", free_port(), "warning")
         self.server = uvicorn.Server(config)
         self.port = config.port
         self.thread = threading.Thread(target=self.server.run, daemon=True)
