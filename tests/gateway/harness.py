@@ -118,6 +118,40 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"port {port} not open")
 
 
+@dataclass(frozen=True)
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def raw_http(port: int, data: bytes, timeout: float = 20.0) -> RawResponse:
+    """Send ``data`` as is on a new connection (for targets and heads no client library would send) and
+    parse the one response with h11; waits until the server closes the connection or the response ends."""
+    import h11
+
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))  # lets h11 expect a response
+    conn.send(h11.EndOfMessage())
+    status, headers, body = 0, {}, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(sock.recv(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                headers = {k.decode(): v.decode("latin-1") for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return RawResponse(status, headers, body)
+
+
 # --- in-thread servers ------------------------------------------------------------------------------------
 class LoopThread:
     """An asyncio loop in a daemon thread (for in-process fake upstreams)."""
