@@ -108,6 +108,8 @@ class RequestContext:
         self.end_at = time.perf_counter()
 
     def mark_disconnected(self, phase: str) -> None:
+        if self.answered_by_server:
+            return  # the server closed the connection after its 400, the client did not leave
         self.client_disconnected, self.disconnect_phase = True, phase
         self.error_type = self.error_type or "client_disconnected"
         self.error_message = self.error_message or f"client disconnected ({phase})"

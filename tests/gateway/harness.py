@@ -128,16 +128,18 @@ class RawResponse:
         return json.loads(self.body)
 
 
-def raw_http(port: int, data: bytes, timeout: float = 20.0) -> RawResponse:
-    """Send ``data`` as is on a new connection (for targets and heads no client library would send) and
-    parse the one response with h11; waits until the server closes the connection or the response ends."""
+def raw_http(port: int, data: bytes, timeout: float = 20.0, source: str | None = None) -> RawResponse:
+    """Send ``data`` as is on a new connection to 127.0.0.1 (from ``source``, e.g. ``127.0.0.2``) for targets
+    and heads no client library would send, and parse the one response with h11; waits until the server
+    closes the connection or the response ends."""
     import h11
 
     conn = h11.Connection(h11.CLIENT)
     conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))  # lets h11 expect a response
     conn.send(h11.EndOfMessage())
     status, headers, body = 0, {}, b""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                  source_address=(source, 0) if source else None) as sock:
         sock.sendall(data)
         while True:
             event = conn.next_event()
