@@ -30,10 +30,18 @@ class GatewayApp(Litestar):
     request target is refused before routing."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
-        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+        if scope["type"] != "http" or _plain_probe(scope):
             await super().__call__(scope, receive, send)
             return
         await observe(self.state.gateway, scope, receive, send, super().__call__)
+
+
+def _plain_probe(scope: Scope) -> bool:
+    """A probe (not observed) only when spelled exactly: ``/%6detrics`` or ``/healthz#x`` are observed and
+    refused like any other non-canonical target."""
+    path = scope["path"]
+    return (path in PROBE_PATHS and scope.get("raw_path", path.encode()) == path.encode()
+            and b"#" not in scope.get("query_string", b""))
 
 
 def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None = None,

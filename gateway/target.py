@@ -23,7 +23,8 @@ from gateway.errors import InvalidRequest
 UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 """RFC 3986 §2.3: percent-encoding these is never needed (§6.2.2.2: equivalent to the plain character)."""
 _PCT = re.compile(rb"%(?![0-9A-Fa-f]{2})")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\\]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\\#?]")
+_LEADING_WORD = re.compile(r"[a-z]*")
 GENERATION_SEGMENTS = frozenset({"completions", "completion", "chat", "responses", "messages", "generate",
                                  "generations", "engines", "infill", "realtime", "audio"})
 """Path segments (case-folded) that name a generation API of the OpenAI, vLLM, llama.cpp or TGI servers:
@@ -54,7 +55,7 @@ def target_problem(raw_path: bytes, query: bytes, path: str) -> str | None:
         if int(match.group(1), 16) in UNRESERVED:
             return f"{match.group(0).decode()} encodes an unreserved character; send it unencoded"
     if _CONTROL.search(path):
-        return "control characters and '\\' are not allowed in the path"
+        return "control characters, '\\' and encoded '#' or '?' are not allowed in the path"
     if path != "/" and path.endswith("/"):
         return "the path must not end with '/'"
     segments = path.split("/")[1:]
@@ -74,7 +75,9 @@ def check_target(raw_path: bytes, query: bytes, path: str) -> None:
 
 
 def names_generation_api(path: str) -> bool:
-    """True when a (decoded) path has a segment of :data:`GENERATION_SEGMENTS`, ignoring letter case and any
-    ``;parameters`` a server might strip (``/v1/Chat/Completions``, ``/v1/completions;x``)."""
+    """True when a path (percent-decoded here) has a segment whose leading letters, case-folded, are one of
+    :data:`GENERATION_SEGMENTS`: whatever a server might strip after them (``;params``, ``#…``, ``.json``)
+    and any letter case count (``/v1/Chat/Completions``, ``/v1/completions;x``, ``/v1/completions%23x``)."""
     decoded = unquote(path)
-    return any(segment.split(";", 1)[0].casefold() in GENERATION_SEGMENTS for segment in decoded.split("/"))
+    return any(_LEADING_WORD.match(segment.casefold()).group(0) in GENERATION_SEGMENTS
+               for segment in decoded.split("/"))

@@ -113,6 +113,7 @@ def spellings(draw: st.DrawFn) -> str:
 @example(target="/v1/completions?x=1")
 @example(target="/v1/Chat/Completions")
 @example(target="/v1/chat/completions;x")
+@example(target="/v1/completions%23x")  # found by this test: an encoded '#' once reached the pass-through
 def test_no_spelling_of_a_generation_route_skips_admission(edge: Stack, target: str) -> None:
     """Done-when 2: the ``limited`` key may not ask for max_tokens 300 (its ceiling is 10). Whatever the
     spelling, the answer is a 400 from target check or admission, or a 404/405, never an upstream call;
@@ -134,7 +135,7 @@ def test_admitted_spellings_are_exactly_the_canonical_routes() -> None:
     assert target_problem(b"/v1/models/org%2Fm", b"", "/v1/models/org/m") is None  # the openai SDK's encoding
     for raw in (b"/v1/chat/completions#x", b"/v1/chat/%63ompletions", b"/v1//completions", b"/v1/completions/",
                 b"/v1/./completions", b"/v1/%2e%2e/completions", b"v1/completions", b"/v1/completions%zz",
-                b"/v1/completions%00", b"/v1/completions%5C"):
+                b"/v1/completions%00", b"/v1/completions%5C", b"/v1/completions%23x", b"/v1/completions%3Fa=1"):
         from urllib.parse import unquote
 
         assert target_problem(raw, b"", unquote(raw.decode())) is not None, raw
@@ -142,7 +143,8 @@ def test_admitted_spellings_are_exactly_the_canonical_routes() -> None:
 
 @pytest.mark.parametrize("path", ["/v1/Chat/Completions", "/v1/completions;x", "/v1/chat/completions/render",
                                   "/v1/responses", "/v1/messages", "/v1/engines/x/completions", "/v1/COMPLETIONS",
-                                  "/v1/chat%2Fcompletions"])
+                                  "/v1/chat%2Fcompletions", "/v1/completions%23x", "/v1/completions.json",
+                                  "/v1/x/Completions~"])
 def test_passthrough_never_forwards_a_generation_route(path: str) -> None:
     assert names_generation_api(path)
     with pytest.raises(NotFound):
@@ -197,3 +199,15 @@ def test_edge_app_uses_the_peer_when_no_proxy_is_trusted(edge: Stack, tmp_path: 
             b"Forwarded: for=8.8.8.8\r\nX-Request-Id: xff-untrusted\r\nAuthorization: Bearer sk-alice\r\n\r\n")
     assert raw_http(edge.gateway.port, head).status == 200
     assert records_by_id(edge.log, ["xff-untrusted"])["xff-untrusted"][0]["client"] == {"ip": "127.0.0.1"}
+
+
+@pytest.mark.parametrize(("target", "status"), [(b"/metrics", 200), (b"/%6detrics", 400), (b"/healthz#x", 400)])
+def test_probes_are_unobserved_only_when_spelled_exactly(edge: Stack, target: bytes, status: int) -> None:
+    rid = f"probe-{abs(hash(target))}"
+    resp = raw_http(edge.gateway.port, b"GET " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+                    b"X-Request-Id: " + rid.encode() + b"\r\n\r\n")
+    assert resp.status == status
+    fence = f"fence-{rid}"
+    post(edge, b"/v1/models", "alice", fence)
+    records = records_by_id(edge.log, [fence])
+    assert len(records.get(rid, [])) == (0 if status == 200 else 1)

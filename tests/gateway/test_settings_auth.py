@@ -92,6 +92,17 @@ def test_generated_keys_are_unique_and_hash_is_sha256() -> None:
     assert hash_key("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
 
 
+def test_trusted_proxies_from_file_env_and_cli_are_validated() -> None:
+    base = {"upstreams": [{"url": "http://a"}]}
+    assert load_settings(None, base, env={}).trusted_proxies == ()
+    env = {"KVSCOPE_GATEWAY_TRUSTED_PROXIES": "10.0.0.0/8, ::1"}
+    assert load_settings(None, base, env=env).trusted_proxies == ("10.0.0.0/8", "::1")
+    flags = _overrides(_gateway_parser().parse_args(["--trusted-proxy", "192.168.1.7", "--trusted-proxy", "fd00::/8"]))
+    assert load_settings(None, {**base, **flags}, env=env).trusted_proxies == ("192.168.1.7", "fd00::/8")
+    with pytest.raises(ValueError, match="trusted_proxies: 'proxy.local' is not an IP address or network"):
+        load_settings(None, {**base, "trusted_proxies": ["proxy.local"]}, env={})
+
+
 def _created(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[str, dict, str]:
     assert keys_main(["create", *args]) == 0
     out = capsys.readouterr()
