@@ -208,7 +208,7 @@ def sample(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
+def read_log(path: Path, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
     """The first ``count`` records of a JSONL log, waiting for the writer thread."""
     deadline = time.monotonic() + timeout
     while True:
@@ -218,7 +218,7 @@ def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any
         time.sleep(0.02)
 
 
-def records_by_id(path: Path, ids: Iterable[str], timeout: float = 5.0) -> dict[str, list[dict[str, Any]]]:
+def records_by_id(path: Path, ids: Iterable[str], timeout: float = 30.0) -> dict[str, list[dict[str, Any]]]:
     """Log records grouped by ``http.request.id``, waiting until every id in ``ids`` has appeared."""
     wanted = set(ids)
     deadline = time.monotonic() + timeout
