@@ -111,8 +111,8 @@ def test_s4_keepalive_comments_while_prefilling(engine, client):
     assert head.count(": keep-alive\n\n") >= 1 and "event:" not in result.text
     assert set(result.parsed.comments) == {": keep-alive"}
     line = log_line(engine, result.parsed.chunks[0]["id"])
-    first_data = result.data_times()[0]
-    assert abs(first_data - line["kvscope"]["ttft_s"]) < 0.25  # TTFT is the first token, not a comment
+    # TTFT is the first token: stamped before the engine emits the next event, which the client reads later
+    assert 0 < line["kvscope"]["ttft_s"] < result.data_times()[1]
 
 
 def test_s5_usage_chunk_equals_non_streaming_usage(engine, client):
