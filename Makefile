@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvscope-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint install pull bench clean
+.PHONY: run test test-fresh lint install pull bench clean
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ lint: $(STAMP)
 
 test: $(STAMP) pull lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fresh-machine check: a clone of HEAD with empty HOME, TMPDIR and model cache, then .ci/run (CI=true).
+test-fresh:
+	bash .ci/test-fresh
 
 bench: $(STAMP) pull
 	$(VENV)/bin/kvscope bench --offline

@@ -50,7 +50,8 @@ from tests.gateway.harness import (  # noqa: E402
 
 STATES = ("no sink", "ES up", "ES down")
 MODES = ("non-streaming", "TTFT")
-OUTCOMES = ("shipped", "spooled", "failed", "dropped")
+OUTCOMES = ("shipped", "failed", "dropped")
+"""Final outcomes of kvscope_gateway_log_records_total; ``spooled`` has its own counter."""
 
 
 # ---- the Elasticsearch double, in its own process, controlled through stdin ------------------------------
@@ -113,6 +114,7 @@ def sink_counts(gateway: Proc) -> dict[str, float]:
     samples = metric_samples(httpx.get(gateway.url + "/metrics", timeout=5).text)
     counts = {o: sample(samples, "kvscope_gateway_log_records_total", sink="elasticsearch", outcome=o)
               for o in OUTCOMES}
+    counts["spooled"] = sample(samples, "kvscope_gateway_log_records_spooled_total", sink="elasticsearch")
     counts["spool_bytes"] = sample(samples, "kvscope_gateway_log_spool_bytes")
     return counts
 
@@ -211,7 +213,7 @@ def print_table(result: dict[str, Any]) -> None:
               f"{row['self_mean_ms']:>9.3f}{row['n']:>6}{row['errors']:>8}")
     counts = result["sink_outcomes"]
     print(f"sink gateway served {int(result['sink_gateway_requests'])} chat requests (incl. warm-up); "
-          "Elasticsearch sink records: " + ", ".join(f"{o} {int(counts[o])}" for o in OUTCOMES)
+          "Elasticsearch sink records: " + ", ".join(f"{o} {int(counts[o])}" for o in (*OUTCOMES, "spooled"))
           + f"; spool bytes {int(counts['spool_bytes'])}")
     complete = (counts["shipped"] == result["sink_gateway_requests"] and counts["spool_bytes"] == 0
                 and counts["failed"] == counts["dropped"] == 0)

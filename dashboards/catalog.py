@@ -52,8 +52,6 @@ class MetricInfo:
 @dataclass(frozen=True, slots=True)
 class Catalog:
     metrics: tuple[MetricInfo, ...]
-    missing: tuple[str, ...] = ()
-    """``component: reason`` for each component whose metrics module could not be imported."""
 
     def series_index(self) -> dict[str, MetricInfo]:
         """Exposed series name → its family."""
@@ -75,26 +73,19 @@ class Catalog:
 
 
 def discover(components: Iterable[str] = tuple(COMPONENTS)) -> Catalog:
-    """Build the catalog of ``components``. A component whose module does not exist yet is listed in
-    ``Catalog.missing`` instead of failing; any other import error propagates."""
+    """Build the catalog of ``components`` from their metrics classes. Raises ImportError when a component's
+    metrics module cannot be imported (a catalog that silently lacks a component would hide its metrics)."""
     registry = CollectorRegistry()
-    missing: list[str] = []
     owner: dict[str, str] = {}
     for component in components:
         module_name, class_name = COMPONENTS[component]
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            missing.append(f"{component}: {module_name} does not exist yet")
-            continue
+        module = importlib.import_module(module_name)
         before = set(_collector_names(registry))
         getattr(module, class_name)(registry)
         owner.update({n: component for n in set(_collector_names(registry)) - before})
     _touch_children(registry)
     metrics = tuple(_family_info(f, owner) for f in registry.collect())
-    return Catalog(metrics=metrics, missing=tuple(missing))
+    return Catalog(metrics=metrics)
 
 
 def _collector_names(registry: CollectorRegistry) -> list[str]:

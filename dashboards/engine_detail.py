@@ -27,6 +27,20 @@ def _phases(q: PromQL) -> list[Json]:
         timeseries("Mean request length", "Mean prompt and output length of finished requests (tokens).",
                    [Target(q.mean(f"{EN}request_prompt_tokens"), "prompt"),
                     Target(q.mean(f"{EN}request_generation_tokens"), "output")], "short"),
+        timeseries("Inference time", "First scheduled to last token (prefill + decode) per request: the "
+                   "engine's working time, queueing excluded.",
+                   latency_targets(q, f"{EN}request_inference_time_seconds"), "s", w=8),
+        timeseries("Mean request parameters", "Mean max_tokens (of requests that set one) and n (choices per "
+                   "prompt) of finished requests.",
+                   [Target(q.mean(f"{EN}request_params_max_tokens"), "max_tokens"),
+                    Target(q.mean(f"{EN}request_params_n"), "n")], "short", w=8),
+        timeseries("Engine HTTP 5xx ratio", "Share of the engine server's HTTP answers with a 5xx status "
+                   "(the gateway retries those on another replica, so the gateway's own ratio can stay low).",
+                   [Target(q.ratio(q.sum_rate(f"{EN}http_requests_total", 'status=~"5.."'),
+                                   q.sum_rate(f"{EN}http_requests_total")), "5xx")], "percentunit", w=8),
+        timeseries("Engine HTTP requests / s", "Requests answered by the engine server, by status and route.",
+                   [Target(q.sum_rate(f"{EN}http_requests_total", by=("status", "route")),
+                           "{{status}} {{route}}")], "reqps", stack=True),
     ]
 
 

@@ -25,6 +25,8 @@ class Target:
     legend: str = "__auto"
     heatmap: bool = False
     """Query in Grafana's heatmap format (one series per ``le`` bucket, de-cumulated by Grafana)."""
+    exemplar: bool = False
+    """Also fetch the series' exemplars (trace ids of sampled requests; linked to Jaeger by the datasource)."""
 
 
 def _targets(targets: list[Target]) -> list[Json]:
@@ -34,6 +36,8 @@ def _targets(targets: list[Target]) -> list[Json]:
                   "range": True, "refId": chr(ord("A") + i)}
         if t.heatmap:
             target["format"] = "heatmap"
+        if t.exemplar:
+            target["exemplar"] = True
         out.append(target)
     return out
 

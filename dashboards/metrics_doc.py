@@ -11,22 +11,30 @@ from dashboards.grafana import Json
 VLLM_NAMES = {
     "kvscope_engine_requests_running": "`vllm:num_requests_running`",
     "kvscope_engine_requests_waiting": "`vllm:num_requests_waiting`",
-    "kvscope_engine_kv_cache_usage_ratio": "`vllm:kv_cache_usage_perc` (v0: `vllm:gpu_cache_usage_perc`), 0–1",
+    "kvscope_engine_kv_cache_usage_ratio": "`vllm:kv_cache_usage_perc` (older V1 releases: `vllm:gpu_cache_usage_perc`), "
+                                           "0–1",
     "kvscope_engine_kv_cache_blocks": "— (vLLM: `num_gpu_blocks` label of `vllm:cache_config_info`)",
     "kvscope_engine_prompt_tokens": "`vllm:prompt_tokens_total`",
     "kvscope_engine_generation_tokens": "`vllm:generation_tokens_total`",
     "kvscope_engine_request_success": "`vllm:request_success_total` (label `finished_reason`)",
     "kvscope_engine_preemptions": "`vllm:num_preemptions_total`",
-    "kvscope_engine_prefix_cache_queries": "`vllm:prefix_cache_queries_total` (v0: `vllm:gpu_prefix_cache_queries`)",
-    "kvscope_engine_prefix_cache_hits": "`vllm:prefix_cache_hits_total` (v0: `vllm:gpu_prefix_cache_hits`)",
+    "kvscope_engine_prefix_cache_queries": "`vllm:prefix_cache_queries_total` (older V1 releases: "
+                                           "`vllm:gpu_prefix_cache_queries_total`)",
+    "kvscope_engine_prefix_cache_hits": "`vllm:prefix_cache_hits_total` (older V1 releases: "
+                                        "`vllm:gpu_prefix_cache_hits_total`)",
     "kvscope_engine_time_to_first_token_seconds": "`vllm:time_to_first_token_seconds`",
-    "kvscope_engine_inter_token_latency_seconds": "`vllm:inter_token_latency_seconds` "
-                                                  "(v0: `vllm:time_per_output_token_seconds`)",
+    "kvscope_engine_inter_token_latency_seconds": "`vllm:inter_token_latency_seconds` (older V1 releases: "
+                                                  "`vllm:time_per_output_token_seconds`)",
     "kvscope_engine_time_per_output_token_seconds": "`vllm:request_time_per_output_token_seconds`",
     "kvscope_engine_e2e_request_latency_seconds": "`vllm:e2e_request_latency_seconds`",
     "kvscope_engine_queue_time_seconds": "`vllm:request_queue_time_seconds`",
     "kvscope_engine_prefill_time_seconds": "`vllm:request_prefill_time_seconds`",
     "kvscope_engine_decode_time_seconds": "`vllm:request_decode_time_seconds`",
+    "kvscope_engine_request_inference_time_seconds": "`vllm:request_inference_time_seconds`",
+    "kvscope_engine_request_params_n": "`vllm:request_params_n`",
+    "kvscope_engine_request_params_max_tokens": "`vllm:request_params_max_tokens`",
+    "kvscope_engine_http_requests": "— (vLLM's API server: `http_requests_total` of prometheus-fastapi-instrumentator, "
+                                    "labels `handler`, `status` as `2xx`)",
     "kvscope_engine_batch_size": "— (closest: `vllm:num_requests_running` sampled per step)",
     "kvscope_engine_step_tokens": "`vllm:iteration_tokens_total` (a histogram despite the name)",
     "kvscope_engine_request_prompt_tokens": "`vllm:request_prompt_tokens`",
@@ -50,15 +58,58 @@ is a served model name (unknown names become `"unknown"`), `status` an HTTP code
 `stop`/`length`/`abort`/`error`, `state` one of `used`/`cached`/`free`, `device` `cpu` or `cuda:N`.
 Dashboards compute means as `sum(rate(x_sum)) / (sum(rate(x_count)) > 0)` and quantiles with
 `histogram_quantile` over `sum by (le)`.
+
+Labels add up: the values of one label are disjoint, so `sum by (label)` is the total. Hence cached prompt
+tokens (a subset of `type="input"`) are `kvscope_gateway_cached_tokens_total`, not a third token type, and
+spooled log records (a transit state) are `kvscope_gateway_log_records_spooled_total`, not an outcome.
+Label sets known at start (rate-limit reasons, upstream error reasons, log sinks and outcomes, the served
+models' token types and stream-error reasons) are exported at 0, so panels read 0 rather than "No data".
+Latency histograms reach past the gateway's total timeout (1800 s): no request lands only in `+Inf`.
+
+Exemplars: `/metrics` (gateway and engine) answers in OpenMetrics 1.0 when the scraper's `Accept` asks for
+`application/openmetrics-text`, else in the Prometheus text format. The gateway's request-duration, TTFT
+and TPOT histograms carry the `trace_id` of a sampled request as an exemplar (the same id as the request log's
+`trace.id`); compose runs Prometheus with `--enable-feature=exemplar-storage`, and the Grafana Prometheus
+datasource links `trace_id` to the Jaeger datasource (`exemplarTraceIdDestinations`), so a p99 point opens the
+trace of a slow request.
+"""
+
+_OTEL = """\
+## OpenTelemetry GenAI metrics (OTLP)
+
+Beside the Prometheus series, the gateway and the engine push the OTel semantic-conventions 1.41 GenAI
+metrics to `{otlp_endpoint}/v1/metrics` (OTLP/HTTP protobuf; gateway `tracing.otlp_endpoint`, every
+`tracing.metrics_export_interval_s` = 15 s; engine `--otlp-endpoint`; a last push at shutdown), built in
+`kvscope/otel_genai.py` with the semconv names, units and bucket boundaries:
+
+| metric | unit | where | buckets |
+|---|---|---|---|
+| `gen_ai.client.operation.duration` | s | gateway, per upstream call | 0.01 … 81.92 (×2) |
+| `gen_ai.client.token.usage` (`gen_ai.token.type` = input \\| output) | {token} | gateway | 1 … 67108864 (×4) |
+| `gen_ai.client.operation.time_to_first_chunk` | s | gateway, streams | 0.001 … 10 |
+| `gen_ai.server.request.duration` | s | engine, per request | 0.01 … 81.92 (×2) |
+| `gen_ai.server.time_to_first_token` | s | engine, successful requests | 0.001 … 10 |
+| `gen_ai.server.time_per_output_token` | s | engine, successful requests | 0.01 … 2.5 |
+
+Attributes: `gen_ai.operation.name`, `gen_ai.provider.name` (`kvscope`; gateway: `tracing.gen_ai_provider`),
+`gen_ai.request.model`, `gen_ai.response.model`, `server.address` + `server.port` (gateway: the upstream) and
+`error.type` when the call failed. The semconv buckets stop at 81.92 s; the Prometheus histograms above keep
+their own bounds up to the total timeout.
 """
 
 _PORTING = """\
 ## Porting a vLLM dashboard
 
 Replace each `vllm:*` name by the kvscope name of the same row and the label `model_name` by `model`.
-vLLM's `vllm:time_per_output_token_seconds` (v0) observes every inter-token gap, i.e. kvscope's
-`kvscope_engine_inter_token_latency_seconds`; kvscope's `time_per_output_token` is one observation per request
-(decode time / (output tokens − 1)), like vLLM v1's `vllm:request_time_per_output_token_seconds`.
+vLLM V1 also labels every engine series with `engine` (the engine-core index, `"0"` with one engine core per
+server); kvscope runs one engine per process, so drop `engine` from `by (…)` clauses and selectors, or read
+it as `instance`. The names are vLLM V1's (`vllm/v1/metrics/loggers.py`); vLLM V0 is gone. Older V1
+releases used `vllm:gpu_cache_usage_perc`, `vllm:gpu_prefix_cache_*` and, for the inter-token gap,
+`vllm:time_per_output_token_seconds`: that one observes every gap between two tokens, i.e. kvscope's
+`kvscope_engine_inter_token_latency_seconds`, while kvscope's `time_per_output_token` is one observation per
+request (decode time / (output tokens − 1)), like vLLM's `vllm:request_time_per_output_token_seconds`.
+`vllm:request_inference_time_seconds` (first scheduled → last token) is
+`kvscope_engine_request_inference_time_seconds`, with the same phase split into prefill and decode.
 The gateway metrics have no vLLM equivalent: they are measured in front of the engine, so the gap between a
 gateway and an engine histogram is the gateway plus the network.
 """
@@ -102,5 +153,5 @@ def render(catalog: Catalog, dashboards: Sequence[Json]) -> str:
              _table(catalog, "engine", shown, alerted), "",
              "## Gateway (`kvscope_gateway_*`, scraped at `:4000/metrics`)", "",
              _table(catalog, "gateway", shown, alerted), "",
-             "## Defined but on no dashboard", "", report, "", _buckets(catalog), "", _PORTING]
+             "## Defined but on no dashboard", "", report, "", _buckets(catalog), "", _OTEL, "", _PORTING]
     return "\n".join(parts)

@@ -15,6 +15,9 @@ TTFT_SLO_S = 1.0
 """SLO: a request's first token within 1 s (gateway-measured). Alert KvscopeTTFTSLOBreach uses the same."""
 TPOT_SLO_S = 0.1
 """SLO: at most 100 ms per output token after the first (gateway-measured). Alert KvscopeTPOTSLOBreach."""
+P99_TPOT_S = 0.2
+"""Alert KvscopeHighP99TimePerOutputToken: p99 time per output token above this (twice the TPOT SLO).
+KvscopeHighP99Latency alerts on p99 TTFT above TTFT_SLO_S; no alert thresholds the end-to-end duration."""
 SLO_OBJECTIVE = 0.95
 """Fraction of requests that must meet each latency SLO."""
 SLO_STEPS = [("red", None), ("orange", 0.9), ("green", SLO_OBJECTIVE)]
@@ -23,9 +26,16 @@ GW = "kvscope_gateway_"
 EN = "kvscope_engine_"
 
 
+EXEMPLAR_HISTOGRAMS = frozenset({f"{GW}time_to_first_token_seconds", f"{GW}time_per_output_token_seconds",
+                                 f"{GW}request_duration_seconds"})
+"""Gateway histograms observed with an exemplar (the trace id of a sampled request, gateway/observe.py)."""
+
+
 def latency_targets(q: PromQL, hist: str) -> list[Target]:
-    """p50, p95, p99 and mean of histogram family ``hist``."""
-    quantiles = [Target(q.quantile(p, hist), f"p{round(p * 100)}") for p in (0.5, 0.95, 0.99)]
+    """p50, p95, p99 and mean of histogram family ``hist``; the p99 query also shows its exemplars (links to
+    the traces of slow requests) where the histogram has them."""
+    quantiles = [Target(q.quantile(p, hist), f"p{round(p * 100)}", exemplar=p == 0.99 and hist in EXEMPLAR_HISTOGRAMS)
+                 for p in (0.5, 0.95, 0.99)]
     return [*quantiles, Target(q.mean(hist), "mean")]
 
 
@@ -64,9 +74,11 @@ def _traffic(q: PromQL) -> list[Json]:
         timeseries("Status breakdown", "Requests per second by HTTP status and route.",
                    [Target(q.sum_rate(req, by=("status", "route")), "{{status}} {{route}}")], "reqps",
                    stack=True, w=6),
-        timeseries("Tokens / s", "Tokens per second through the gateway: input (prompt), output (completion) "
-                   "and cached (prompt tokens served from the engine's prefix cache).",
-                   [Target(q.sum_rate(f"{GW}tokens_total", by=("type",)), "{{type}}")], "short", w=6),
+        timeseries("Tokens / s", "Tokens per second through the gateway: input (prompt) and output "
+                   "(completion), which add up to every token; cached is the part of input served from the "
+                   "engine's prefix cache (its own counter, not a third type).",
+                   [Target(q.sum_rate(f"{GW}tokens_total", by=("type",)), "{{type}}"),
+                    Target(q.sum_rate(f"{GW}cached_tokens_total"), "cached (part of input)")], "short", w=6),
         timeseries("In-flight requests", "Requests the gateway is serving right now (admitted, not finished).",
                    [Target(q.gauge(f"{GW}in_flight_requests", by=("instance",)), "{{instance}}")], "short",
                    w=8),
@@ -145,13 +157,18 @@ def _dependencies(q: PromQL) -> list[Json]:
                    "short", w=8),
         timeseries("Scrape targets up", "Prometheus' scrape health of the selected targets.",
                    [Target(up(), "{{job}} {{instance}}")], "short", w=8, max_value=1),
-        timeseries("Log records / s", "Request-log records per sink and outcome: shipped, failed, spooled "
-                   "(kept on disk for later) or dropped (lost).",
+        timeseries("Log records / s", "Request-log records per sink and final outcome: shipped, failed "
+                   "(refused for good) or dropped (lost). Every record ends in exactly one, so the stack is "
+                   "the records emitted.",
                    [Target(q.sum_rate(f"{GW}log_records_total", by=("sink", "outcome")),
                            "{{sink}} {{outcome}}")], "short", stack=True, w=8),
+        timeseries("Log records spooled / s", "Records written to the on-disk spool on their way to the sink "
+                   "(Elasticsearch slow or down); each also ends in a final outcome later.",
+                   [Target(q.sum_rate(f"{GW}log_records_spooled_total", by=("sink",)), "{{sink}}")], "short",
+                   w=4),
         timeseries("Log spool size", "Bytes of request logs waiting on disk for Elasticsearch.",
                    [Target(q.gauge(f"{GW}log_spool_bytes", by=("instance",)), "{{instance}}")], "bytes",
-                   w=8),
+                   w=4),
     ]
 
 

@@ -123,7 +123,8 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                result = self.core.step()
+                # the listener also hears right after scheduling, so gauges show a long prefill as running
+                result = self.core.step(self._notify if self._listener is not None else None)
             except Exception as exc:  # noqa: BLE001 - a bad step must not kill the loop
                 logger.exception("engine step failed; failing in-flight requests")
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")

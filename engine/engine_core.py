@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,9 @@ class StepResult:
     num_decode_tokens: int = 0
     num_preemptions: int = 0
     duration_s: float = 0.0
+    scheduled_only: bool = False
+    """Sent right after scheduling, before the model runs (gauges only): a long prefill step would
+    otherwise leave the running/waiting gauges at the previous step's values for its whole duration."""
 
 
 class EngineCore:
@@ -178,10 +182,16 @@ class EngineCore:
 
     # --- the step -------------------------------------------------------------------------------------------
 
-    def step(self) -> StepResult:
-        """schedule → execute → update → detokenize. Returns the outputs that changed in this step."""
+    def step(self, on_scheduled: Callable[[StepResult], None] | None = None) -> StepResult:
+        """schedule → execute → update → detokenize. Returns the outputs that changed in this step.
+        ``on_scheduled`` gets the scheduler's state (running, waiting, KV usage; ``scheduled_only``) once
+        the step is scheduled and before the model runs."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if on_scheduled is not None:
+            now = self.scheduler.get_stats()
+            on_scheduled(StepResult(num_running=now.num_running, num_waiting=now.num_waiting,
+                                    kv_cache_usage=now.kv_cache_usage, scheduled_only=True))
         runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         outputs = self.output_processor.process(runner_output, self.scheduler)

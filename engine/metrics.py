@@ -9,7 +9,7 @@ counters). Labels are bounded: ``model`` (served model name), ``finish_reason`` 
 ``vllm:*`` names is in docs/metrics.md.
 
 Default buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` with finer low ends (a 135M model on a GPU
-emits a token in a few milliseconds) and durations that reach 600 s. They must keep the SLO thresholds the
+emits a token in a few milliseconds) and durations that reach 3600 s (TTFT 1800 s). They must keep the SLO thresholds the
 alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (tests check this).
 """
 
@@ -21,6 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finish_reason`` label (engine.request.RequestStatus.finish_reason)."""
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+"""``route`` values of ``http_requests`` created at zero by :meth:`EngineMetrics.initialize`."""
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+"""Buckets of ``request_params_n``, as vLLM's ``vllm:request_params_n``."""
 KV_BLOCK_STATES = ("used", "cached", "free")
 """Values of the ``state`` label: held by a request, free but holding a reusable prefix, free and empty."""
 
@@ -41,7 +45,7 @@ class MetricBuckets:
 
     ttft_s: tuple[float, ...] = (
         0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0,
+        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 1200.0, 1800.0,
     )  # fmt: skip
     """Time to first token (seconds)."""
     token_latency_s: tuple[float, ...] = (
@@ -51,9 +55,10 @@ class MetricBuckets:
     """Time per output token and inter-token latency (seconds)."""
     duration_s: tuple[float, ...] = (
         0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
-        120.0, 240.0, 480.0, 600.0,
+        120.0, 240.0, 480.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0,
     )  # fmt: skip
-    """End-to-end, queue, prefill and decode time (seconds)."""
+    """End-to-end, queue, prefill and decode time (seconds); up to an hour, past the gateway's default total
+    timeout (1800 s), so a long request is counted in a finite bucket instead of only in ``+Inf``."""
     batch_size: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     """Running requests per engine step."""
     step_tokens: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -134,6 +139,9 @@ class EngineMetrics:
         self.queue_time = hist("queue_time", "Arrival to first scheduled (time spent waiting).", b.duration_s)
         self.prefill_time = hist("prefill_time", "First scheduled to first token (prefill).", b.duration_s)
         self.decode_time = hist("decode_time", "First token to last token (decode).", b.duration_s)
+        self.request_inference_time = hist(
+            "request_inference_time", "First scheduled to last token (prefill + decode), per request.",
+            b.duration_s)
 
     def _init_size_histograms(self, r: CollectorRegistry, b: MetricBuckets) -> None:
         self.batch_size = Histogram(
@@ -148,6 +156,15 @@ class EngineMetrics:
         self.request_generation_tokens = Histogram(
             "kvscope_engine_request_generation_tokens", "Output length of finished requests (tokens).",
             ["model"], buckets=b.request_tokens, registry=r)
+        self.request_params_n = Histogram(
+            "kvscope_engine_request_params_n", "The n (choices per prompt) of finished requests.",
+            ["model"], buckets=REQUEST_N_BUCKETS, registry=r)
+        self.request_params_max_tokens = Histogram(
+            "kvscope_engine_request_params_max_tokens", "The max_tokens of finished requests that set one.",
+            ["model"], buckets=b.request_tokens, registry=r)
+        self.http_requests = Counter(
+            "kvscope_engine_http_requests", "HTTP requests answered by the engine server, by route and status.",
+            ["route", "status"], registry=r)
 
     def _init_device_memory(self, r: CollectorRegistry) -> None:
         self.device_memory_used = Gauge(
@@ -168,6 +185,7 @@ class EngineMetrics:
             self.time_to_first_token, self.inter_token_latency, self.time_per_output_token,
             self.e2e_request_latency, self.queue_time, self.prefill_time, self.decode_time, self.batch_size,
             self.step_tokens, self.request_prompt_tokens, self.request_generation_tokens,
+            self.request_inference_time, self.request_params_n, self.request_params_max_tokens,
         )  # fmt: skip
         for metric in per_model:
             metric.labels(model=model)
@@ -175,5 +193,8 @@ class EngineMetrics:
             self.kv_cache_blocks.labels(model=model, state=state)
         for reason in FINISH_REASONS:
             self.request_success.labels(model=model, finish_reason=reason)
+        for route in GENERATION_ROUTES:  # the success and the 5xx series the dashboards divide
+            for status in ("200", "500"):
+                self.http_requests.labels(route=route, status=status)
         self.device_memory_used.labels(device=device)
         self.device_memory_total.labels(device=device)

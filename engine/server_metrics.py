@@ -19,11 +19,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from engine.core.stats import SchedulerStats
 from engine.engine_core import StepResult
 from engine.metrics import EngineMetrics, MetricBuckets
+from kvscope.otel_genai import GenAiServerMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +47,14 @@ class ServerMetrics:
     the prefix-cache counter bookkeeping is touched by the engine thread only."""
 
     def __init__(self, registry: CollectorRegistry, model: str, device: str = "cpu",
-                 buckets: MetricBuckets | None = None) -> None:
+                 buckets: MetricBuckets | None = None, genai: GenAiServerMetrics | None = None) -> None:
         self.registry = registry
         self.model = model
+        self.genai = genai
+        """OTel ``gen_ai.server.*`` instruments (kvscope.otel_genai), None when not wired."""
         self.engine = EngineMetrics(registry, buckets)
         self.engine.initialize(model, device)
-        self.http_requests = Counter(
-            "kvscope_engine_http_requests", "HTTP requests answered by the engine server, by route and status.",
-            ["route", "status"], registry=registry)
+        self.http_requests = self.engine.http_requests
         self._prefix_queries_seen = 0
         self._prefix_hits_seen = 0
 
@@ -110,6 +111,28 @@ class ServerMetrics:
                                  (m.time_per_output_token, t.tpot_s)):
             if value is not None:
                 histogram.labels(model=model).observe(value)
+        if t.prefill_s is not None:
+            m.request_inference_time.labels(model=model).observe(t.prefill_s + (t.decode_s or 0.0))
+
+    def on_request_done(self, operation: str, timings: list[SequenceTimings], error_type: str | None) -> None:
+        """The OTel GenAI server metrics of one request (semconv 1.41): duration = the longest choice's
+        e2e, TTFT = the first choice's first token, TPOT = the mean over choices; TTFT/TPOT only on success."""
+        if self.genai is None or not timings:
+            return
+        attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "kvscope",
+                 "gen_ai.request.model": self.model, "gen_ai.response.model": self.model}
+        if error_type is not None:
+            attrs["error.type"] = error_type
+        ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
+        tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
+        self.genai.record(attrs, max(t.e2e_s for t in timings), min(ttfts) if ttfts else None,
+                          sum(tpots) / len(tpots) if tpots else None)
+
+    def on_request_params(self, n: int, max_tokens: int | None) -> None:
+        """The request's ``n`` and ``max_tokens`` (once per request, as vLLM's ``request_params_*``)."""
+        self.engine.request_params_n.labels(model=self.model).observe(n)
+        if max_tokens is not None:
+            self.engine.request_params_max_tokens.labels(model=self.model).observe(max_tokens)
 
     def on_http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()

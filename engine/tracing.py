@@ -13,6 +13,7 @@ OTel provider is never set. Attribute names follow the OTel GenAI semantic conve
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -104,12 +105,24 @@ class RequestSpans:
     """Status description when the request did not succeed (client disconnected, engine failure)."""
 
 
+def package_version() -> str:
+    """The installed ``kvscope`` distribution's version (``0.1.0`` when running from a bare checkout)."""
+    try:
+        return importlib.metadata.version("kvscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
 class Tracing:
     """Owns a TracerProvider; :meth:`record` writes the spans of one request."""
 
     def __init__(self, service_name: str = "kvscope-engine", exporter: SpanExporter | None = None, *,
-                 batch: bool = True) -> None:
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+                 batch: bool = True, service_version: str | None = None) -> None:
+        """Resource: ``service.name`` and ``service.version`` (OTel resource semconv; the installed
+        ``kvscope`` package version unless ``service_version`` is given)."""
+        version = service_version or package_version()
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name,
+                                                                 "service.version": version}))
         if exporter is not None:
             processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
             self.provider.add_span_processor(processor)

@@ -68,12 +68,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body is {int(declared)} bytes; the limit is {limit} bytes.")
+    ctx = context_of(request)
     try:
         body = await request.body()
-    except InternalServerException as exc:  # Litestar's "client disconnected prematurely"
-        context_of(request).mark_disconnected("request")
-        raise ClientClosedRequest("The client closed the connection before the request body ended.") from exc
-    context_of(request).request_bytes = len(body)
+    except InternalServerException:  # Litestar's "client disconnected prematurely" (http.disconnect)
+        ctx.mark_disconnected("request_body")
+        raise ClientClosedRequest("client closed the connection while sending the request body") from None
+    ctx.request_bytes = len(body)
     return body
 
 
@@ -104,6 +105,8 @@ def _parse(gw: GatewayState, ctx: RequestContext, body: bytes,
     raw, req = parse_body(body, op.schema)
     ctx.request_model, ctx.stream = req.model, req.streaming
     ctx.max_tokens, ctx.temperature = req.requested_max_tokens, req.temperature
+    top_p = raw.get("top_p")
+    ctx.top_p = float(top_p) if isinstance(top_p, int | float) and not isinstance(top_p, bool) else None
     if gw.settings.logs.log_content:
         ctx.input_content = raw.get("messages", raw.get("prompt"))
     return raw, req
@@ -188,7 +191,7 @@ async def _rate_limit(gw: GatewayState, ctx: RequestContext, principal: Principa
     limits = principal.limits
     if not (limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent):
         return
-    decision = await gw.limiter.acquire(principal.key_id, limits, estimate, ctx.request_id)
+    decision = await gw.limiter.acquire(principal.key_id, limits, estimate, ctx.event_id)
     if not decision.allowed:
         retry = max(1, math.ceil(decision.retry_after_s))
         raise RateLimited(f"Rate limit reached for this API key ({decision.reason}). Retry after {retry}s.",
@@ -200,7 +203,7 @@ async def _rate_limit(gw: GatewayState, ctx: RequestContext, principal: Principa
         actual = usage.get("total_tokens")
         if not isinstance(actual, int):
             actual = estimate if done.output_tokens is None else prompt_estimate + done.output_tokens
-        await gw.limiter.release(principal.key_id, limits, done.request_id, estimate - actual)
+        await gw.limiter.release(principal.key_id, limits, done.event_id, estimate - actual)
 
     ctx.cleanups.append(settle)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.types import Receive, Scope, Send
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
@@ -45,7 +46,8 @@ def _plain_probe(scope: Scope) -> bool:
 
 
 def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None = None,
-               span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = ()) -> GatewayApp:
+               span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = (),
+               metric_readers: Sequence[MetricReader] = ()) -> GatewayApp:
     """Build the gateway.
 
     Args:
@@ -53,8 +55,11 @@ def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None 
         registry: Prometheus registry for the ``kvscope_gateway_*`` collectors (default: a new one).
         span_exporter: also export spans here, synchronously (tests pass an ``InMemorySpanExporter``).
         sinks: extra request-log sinks (e.g. the Elasticsearch sink) besides the configured file/stdout ones.
+        metric_readers: also read the OTel ``gen_ai.client.*`` metrics here (tests pass an
+            ``InMemoryMetricReader``); OTLP export follows ``tracing.otlp_endpoint``.
     """
-    gw = build_state(settings, registry=registry, span_exporter=span_exporter, sinks=sinks)
+    gw = build_state(settings, registry=registry, span_exporter=span_exporter, sinks=sinks,
+                     metric_readers=metric_readers)
     return GatewayApp(
         route_handlers=ROUTES,
         exception_handlers=EXCEPTION_HANDLERS,

@@ -75,6 +75,13 @@ class MethodNotAllowed(GatewayError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
+class ClientClosedRequest(GatewayError):
+    """The client left before the gateway had its request (e.g. during the body upload): logged and counted
+    as 499, nginx's "client closed request"; the response is never seen."""
+
+    status, type, code = 499, "client_closed_request", "client_disconnected"
+
+
 class PayloadTooLarge(GatewayError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
@@ -86,12 +93,6 @@ class RateLimited(GatewayError):
         super().__init__(message, headers=headers)
         self.reason = reason
         """``requests``, ``tokens`` or ``concurrency`` (label of ``kvscope_gateway_rate_limited_total``)."""
-
-
-class ClientClosedRequest(GatewayError):
-    """The client left before the request was complete; 499 is logged (nginx's convention), nothing is sent."""
-
-    status, type, code = 499, "client_disconnected", "client_disconnected"
 
 
 class UpstreamUnavailable(GatewayError):

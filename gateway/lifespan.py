@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from litestar import Litestar
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
@@ -30,6 +31,7 @@ from gateway.settings import GatewaySettings
 from gateway.tokenize import PromptCounter
 from gateway.tracing import GatewayTracer, build_tracer_provider
 from gateway.upstreams import UpstreamPool
+from kvscope.otel_genai import GenAiClientMetrics, build_meter_provider
 
 _log = logging.getLogger("kvscope.gateway")
 
@@ -48,6 +50,8 @@ class GatewayState:
     settings: GatewaySettings
     metrics: GatewayMetrics
     tracer: GatewayTracer
+    genai: GenAiClientMetrics
+    """OTel ``gen_ai.client.*`` metrics (OTLP), beside the Prometheus collectors."""
     pool: UpstreamPool
     auth: Authenticator
     limiter: RateLimiter
@@ -67,23 +71,31 @@ class GatewayState:
 
 
 def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = None,
-                span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = ()) -> GatewayState:
+                span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = (),
+                metric_readers: Sequence[MetricReader] = ()) -> GatewayState:
     """Wire the gateway's parts from ``settings``. ``registry`` defaults to a new one (not the global);
-    ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones."""
+    ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones;
+    ``metric_readers`` read the OTel GenAI metrics besides the OTLP exporter (tests)."""
     metrics = GatewayMetrics(registry or CollectorRegistry(), settings.metrics)
+    configured = configured_sinks(settings, metrics)
+    metrics.initialize(tuple(u.label for u in settings.upstreams), tuple(s.name for s in configured))
     version = service_version()
     provider = build_tracer_provider(settings.tracing, settings.service_name, version, settings.node,
                                      span_exporter)
     limiter: RateLimiter = (RedisRateLimiter(settings.redis_url, settings.timeouts.total_s + 60)
                             if settings.redis_url else InMemoryRateLimiter())
+    meters = build_meter_provider({"service.name": settings.service_name, "service.version": version,
+                                   "service.instance.id": settings.node}, settings.tracing.otlp_endpoint,
+                                  metric_readers, settings.tracing.metrics_export_interval_s)
     return GatewayState(
         settings=settings, metrics=metrics, tracer=GatewayTracer(provider, version),
+        genai=GenAiClientMetrics(meters, version),
         pool=UpstreamPool(settings.upstreams, settings.models, settings.routing, metrics),
         auth=Authenticator(settings.api_keys, settings.default_limits), limiter=limiter,
         counter=PromptCounter.from_config(settings.models),
         record_builder=RecordBuilder(ServiceInfo(settings.service_name, version, settings.node),
                                      settings.logs.log_content),
-        sinks=[*configured_sinks(settings, metrics), *sinks],
+        sinks=[*configured, *sinks],
         client_address=ClientAddressResolver(parse_networks(settings.trusted_proxies)))
 
 
@@ -119,6 +131,8 @@ async def gateway_lifespan(app: Litestar) -> AsyncIterator[None]:
     for sink in gw.sinks:
         await sink.start()
     await gw.pool.check_all(gw.client)
+    for model in gw.pool.served_models():  # zero series for the models found by the first health round
+        gw.metrics.initialize_model(model)
     gw.health_task = asyncio.create_task(gw.pool.run_health_checks(gw.client), name="kvscope-health")
     try:
         yield
@@ -131,3 +145,4 @@ async def gateway_lifespan(app: Litestar) -> AsyncIterator[None]:
         for sink in gw.sinks:
             await sink.aclose()
         gw.tracer.shutdown()
+        gw.genai.provider.shutdown()  # the last OTLP metrics push

@@ -13,6 +13,17 @@ from gateway.settings import MetricsConfig
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/*", "other")
 UNKNOWN_MODEL = "unknown"
+TOKEN_TYPES = ("input", "output")
+"""``type`` of ``kvscope_gateway_tokens_total``: disjoint, so ``sum`` over them is every token. Cached prompt
+tokens are a subset of ``input`` and have their own counter, ``kvscope_gateway_cached_tokens_total``."""
+LOG_OUTCOMES = ("shipped", "failed", "dropped")
+"""Final ``outcome`` of ``kvscope_gateway_log_records_total``: every record ends in exactly one, so they add
+up to the records emitted (minus those still queued). Being spooled is a transit state, counted apart in
+``kvscope_gateway_log_records_spooled_total``."""
+RATE_LIMIT_REASONS = ("requests", "tokens", "concurrency")
+STREAM_ERROR_REASONS = ("upstream_error", "incomplete", "aborted", "timeout", "upstream_disconnected")
+UPSTREAM_ERROR_REASONS = ("connect", "disconnect", "timeout", "status_5xx", "stream_broken", "stream_incomplete",
+                          "stream_error")
 
 
 def route_label(path: str) -> str:
@@ -46,8 +57,11 @@ class GatewayMetrics:
         self.overhead = Histogram(p + "overhead_seconds",
                                   "Time spent in the gateway: e2e minus the time waiting on upstreams.",
                                   ["route"], buckets=config.overhead_buckets, **kw)
-        self.tokens = Counter(p + "tokens", "Tokens by type (input, output, cached input).",
+        self.tokens = Counter(p + "tokens", "Tokens by type: input (prompt) and output (completion).",
                               ["model", "type"], **kw)
+        self.cached_tokens = Counter(p + "cached_tokens",
+                                     "Prompt tokens served from the upstream's prefix cache (a subset of input).",
+                                     ["model"], **kw)
         self.in_flight = Gauge(p + "in_flight_requests", "Requests being served.", **kw)
         self.rate_limited = Counter(p + "rate_limited", "Requests refused by a limit.", ["reason"], **kw)
         self.stream_errors = Counter(p + "stream_errors",
@@ -59,9 +73,36 @@ class GatewayMetrics:
                                           ["upstream"], **kw)
         self.upstream_errors = Counter(p + "upstream_errors", "Failed upstream attempts.",
                                        ["upstream", "reason"], **kw)
-        self.log_records = Counter(p + "log_records", "Request-log records by sink and outcome.",
+        self.log_records = Counter(p + "log_records",
+                                   "Request-log records by sink and final outcome (shipped, failed, dropped).",
                                    ["sink", "outcome"], **kw)
+        self.log_records_spooled = Counter(p + "log_records_spooled",
+                                           "Request-log records written to the on-disk spool on their way to the "
+                                           "sink (a transit state; each also ends in one final outcome).",
+                                           ["sink"], **kw)
         self.log_spool_bytes = Gauge(p + "log_spool_bytes", "Bytes of request-log records spooled to disk.", **kw)
+
+    def initialize(self, upstreams: tuple[str, ...] = (), sinks: tuple[str, ...] = ()) -> None:
+        """Create the zero series of every bounded label set known at start, so that rates read 0 instead of
+        "No data" before the first event (Prometheus instrumentation practice: export 0 for label sets known
+        in advance)."""
+        for reason in RATE_LIMIT_REASONS:
+            self.rate_limited.labels(reason)
+        for upstream in upstreams:
+            for reason in UPSTREAM_ERROR_REASONS:
+                self.upstream_errors.labels(upstream, reason)
+        for sink in sinks:
+            self.log_records_spooled.labels(sink)
+            for outcome in LOG_OUTCOMES:
+                self.log_records.labels(sink, outcome)
+
+    def initialize_model(self, model: str) -> None:
+        """Zero series of a served model: tokens by type, cached tokens, stream errors by reason."""
+        for kind in TOKEN_TYPES:
+            self.tokens.labels(model, kind)
+        self.cached_tokens.labels(model)
+        for reason in STREAM_ERROR_REASONS:
+            self.stream_errors.labels(model, reason)
 
     def model_label(self, model: str | None, served: bool) -> str:
         """``model`` if it is served, else ``"unknown"`` (keeps the series count bounded)."""
@@ -70,13 +111,19 @@ class GatewayMetrics:
 
 class LogSinkMetrics:
     """Adapter a log sink reports through (``on_outcome``/``on_spool_bytes``, as the Elasticsearch sink
-    expects) onto ``kvscope_gateway_log_records_total{sink,outcome}`` and ``kvscope_gateway_log_spool_bytes``."""
+    expects) onto ``kvscope_gateway_log_records_total{sink,outcome}`` (final outcomes),
+    ``kvscope_gateway_log_records_spooled_total{sink}`` (outcome ``spooled``) and
+    ``kvscope_gateway_log_spool_bytes``."""
 
     def __init__(self, metrics: GatewayMetrics, sink: str) -> None:
         self._records, self._spool, self._sink = metrics.log_records, metrics.log_spool_bytes, sink
+        self._spooled = metrics.log_records_spooled
 
     def on_outcome(self, outcome: str, n: int) -> None:
-        self._records.labels(self._sink, outcome).inc(n)
+        if outcome == "spooled":
+            self._spooled.labels(self._sink).inc(n)
+        else:
+            self._records.labels(self._sink, outcome).inc(n)
 
     def on_spool_bytes(self, n: int) -> None:
         self._spool.set(n)

@@ -40,12 +40,17 @@ class RequestContext:
     """Everything known about one request; times are ``time.perf_counter()`` seconds unless noted."""
 
     request_id: str
+    """The client's ``x-request-id`` (or a fresh id without one): echoed and sent upstream, logged as
+    ``http.request.id``. Not unique: a client may reuse it."""
     method: str
     path: str
     route: str
     start: float
     start_wall: float
     """``time.time()`` at arrival (epoch seconds)."""
+    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """The gateway's own id of this request, unique whatever the client sends: ECS ``event.id`` of the log
+    record and its Elasticsearch ``_id`` (so a spool replayed after a crash de-duplicates)."""
     client_ip: str | None = None
     user_agent: str | None = None
     http_version: str = "1.1"
@@ -58,6 +63,7 @@ class RequestContext:
     model_served: bool = False
     max_tokens: int | None = None
     temperature: float | None = None
+    top_p: float | None = None
     stream: bool | None = None
     prompt_tokens: int | None = None
     """Counted at the gateway (None without a tokenizer)."""
@@ -72,6 +78,8 @@ class RequestContext:
     usage: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     response_model: str | None = None
+    response_id: str | None = None
+    """The upstream's completion id (``chatcmpl-…``): ``gen_ai.response.id``."""
     finish_reasons: list[str] = field(default_factory=list)
     output_events: int = 0
     error_type: str | None = None
@@ -167,9 +175,8 @@ def begin(gw: GatewayState, scope: Scope) -> RequestContext:
                          user_agent=headers.get("user-agent"),
                          http_version=scope.get("http_version", "1.1"))
     name = f"{method} {route}" if route != "other" else method
-    attrs = {"http.request.method": method, "url.path": path, "http.route": route,
-             "http.request.id": ctx.request_id}
-    ctx.server_span = gw.tracer.start_server_span(name, headers, ctx.epoch_ns(ctx.start), attrs)
+    ctx.server_span = gw.tracer.start_server_span(name, headers, ctx.epoch_ns(ctx.start),
+                                                  server_span_attributes(ctx, scope))
     ctx.trace_id, ctx.span_id = span_ids(ctx.server_span)
     gw.metrics.in_flight.inc()
     return ctx
@@ -183,7 +190,7 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     model = m.model_label(ctx.request_model, ctx.model_served)
     m.in_flight.dec()
     m.requests.labels(model, ctx.route, str(ctx.status or 500)).inc()
-    m.request_duration.labels(model, ctx.route).observe(e2e)
+    m.request_duration.labels(model, ctx.route).observe(e2e, exemplar(ctx))
     m.overhead.labels(ctx.route).observe(ctx.overhead_s)
     if ctx.rate_limited:
         m.rate_limited.labels(ctx.rate_limited).inc()
@@ -197,17 +204,57 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     await ctx.run_cleanups()
 
 
+def exemplar(ctx: RequestContext) -> dict[str, str] | None:
+    """``{"trace_id": …}`` for a histogram observation when the request's trace is sampled (so the trace
+    exists in the backend), else None. OpenMetrics 1.0 exemplars; Grafana links ``trace_id`` to Jaeger."""
+    span = ctx.server_span
+    if span is None or ctx.trace_id is None or not span.get_span_context().trace_flags.sampled:
+        return None
+    return {"trace_id": ctx.trace_id}
+
+
 def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
     m = gw.metrics
     if ctx.ttft_s is not None:
-        m.ttft.labels(model).observe(ctx.ttft_s)
+        m.ttft.labels(model).observe(ctx.ttft_s, exemplar(ctx))
     if ctx.tpot_s is not None:
-        m.tpot.labels(model).observe(ctx.tpot_s)
+        m.tpot.labels(model).observe(ctx.tpot_s, exemplar(ctx))
     usage = ctx.usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens), ("cached", cached)):
+    for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens)):
         if isinstance(value, int) and value > 0:
             m.tokens.labels(model, kind).inc(value)
+    if isinstance(cached, int) and cached > 0:
+        m.cached_tokens.labels(model).inc(cached)
+
+
+def server_span_attributes(ctx: RequestContext, scope: Scope) -> dict[str, str | int]:
+    """Start attributes of the HTTP SERVER span (OTel semconv 1.41 HTTP server span: required
+    ``http.request.method``, ``url.path``, ``url.scheme``, ``http.route``; recommended
+    ``network.protocol.version``, ``client.address``, ``user_agent.original``). The client's request id is
+    ``kvscope.request.id``: OTel defines no ``http.request.id``."""
+    attrs: dict[str, str | int] = {"http.request.method": ctx.method, "url.path": ctx.path,
+                                   "url.scheme": scope.get("scheme") or "http", "http.route": ctx.route,
+                                   "network.protocol.version": ctx.http_version,
+                                   "kvscope.request.id": ctx.request_id}
+    if ctx.client_ip:
+        attrs["client.address"] = ctx.client_ip
+    if ctx.user_agent:
+        attrs["user_agent.original"] = ctx.user_agent
+    return attrs
+
+
+def server_span_error(ctx: RequestContext) -> str | None:
+    """``error.type`` of the SERVER span, ``None`` when its status stays unset. OTel semconv 1.41 HTTP spans,
+    "Status": a server span MUST leave the status unset for 4xx (the client's fault) and set Error for
+    5xx, with ``error.type`` the status code as a string. A stream that failed after its 200 is an error
+    too (``error.type`` = the stream error reason); a client that left (499) is not the server's error."""
+    status = ctx.status or 500
+    if status >= 500:
+        return str(status)
+    if ctx.stream_error and not ctx.client_disconnected:
+        return ctx.stream_error
+    return None
 
 
 def _end_server_span(ctx: RequestContext) -> None:
@@ -215,9 +262,10 @@ def _end_server_span(ctx: RequestContext) -> None:
     if span is None:
         return
     span.set_attribute("http.response.status_code", ctx.status or 500)
-    if ctx.failed and not ctx.client_disconnected:
+    error_type = server_span_error(ctx)
+    if error_type is not None:
         span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
-        span.set_attribute("error.type", ctx.error_type or str(ctx.status))
+        span.set_attribute("error.type", error_type)
     span.end(end_time=ctx.epoch_ns(ctx.end_at or time.perf_counter()))
 
 

@@ -31,6 +31,7 @@ from gateway.errors import (
     error_body,
     error_json,
 )
+from gateway.genai_attrs import base_attributes, end_attributes
 from gateway.sse import data_event
 from gateway.streaming import StreamRelay
 from gateway.upstreams import Replica
@@ -77,6 +78,8 @@ class ProxyCall:
         self.upstream_end: float | None = None
         self.last_token_at: float | None = None
         self.client_span: Span | None = None
+        self.call_start = 0.0
+        self.base_attrs: dict[str, Any] = {}
         self._send: Send | None = None
         self._forwarded: dict[str, str] = {}
 
@@ -89,8 +92,11 @@ class ProxyCall:
         self._send = send
         task = asyncio.current_task()
         watcher = asyncio.create_task(self._watch_disconnect(receive, task))
-        self.client_span = self.gw.tracer.start_client_span(self.ctx.server_span, self.plan.operation,
-                                                            self.plan.model, {"gen_ai.request.stream": self.plan.stream})
+        self.call_start = time.perf_counter()
+        self.base_attrs = base_attributes(self.ctx, self.gw.settings.tracing.gen_ai_provider, self.plan.model)
+        self.client_span = self.gw.tracer.start_client_span(
+            self.ctx.server_span, self.plan.operation, self.plan.model,
+            {**self.base_attrs, "gen_ai.request.stream": self.plan.stream})
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -108,6 +114,11 @@ class ProxyCall:
             self.finished = True
             watcher.cancel()
             self._end_client_span()
+
+    @property
+    def client_caused_failure(self) -> bool:
+        """The client asked the upstream to fail (``x-kvscope-fault``): its 5xx must not eject the replica."""
+        return "x-kvscope-fault" in self._forwarded
 
     def phase(self) -> str:
         """Where the request was when the client left: ``response`` (waiting for a JSON answer),
@@ -220,7 +231,9 @@ class ProxyCall:
         body = await self.read_body(replica, response, deadline)
         answer = UpstreamAnswer(response.status_code, response.headers.get("content-type", ""), body)
         if response.status_code >= 500:
-            self.gw.pool.report_failure(replica, "status_5xx")
+            # a 5xx the client asked for (our engine's fault-injection header) says nothing about the
+            # replica: counted, but never towards the consecutive-5xx ejection
+            self.gw.pool.report_failure(replica, "status_5xx", passive=not self.client_caused_failure)
             raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} answered {response.status_code}"),
                                    answer)
         self.gw.pool.report_success(replica)
@@ -246,6 +259,7 @@ class ProxyCall:
         ctx.usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
         ctx.engine = obj.get("kvscope") if isinstance(obj.get("kvscope"), dict) else None
         ctx.response_model = obj.get("model")
+        ctx.response_id = obj.get("id") if isinstance(obj.get("id"), str) else None
         choices = [c for c in obj.get("choices") or [] if isinstance(c, dict)]
         ctx.finish_reasons = [c.get("finish_reason") for c in choices if c.get("finish_reason")]
         if self.gw.settings.logs.log_content:
@@ -296,16 +310,13 @@ class ProxyCall:
         span, ctx = self.client_span, self.ctx
         if span is None:
             return
-        usage = ctx.usage or {}
-        attrs: dict[str, Any] = {"server.address": ctx.upstream or "", "kvscope.attempts": ctx.attempts,
-                                 "gen_ai.response.model": ctx.response_model or "",
-                                 "gen_ai.response.finish_reasons": ctx.finish_reasons}
-        for key, value in (("gen_ai.usage.input_tokens", usage.get("prompt_tokens")),
-                           ("gen_ai.usage.output_tokens", ctx.output_tokens)):
-            if isinstance(value, int):
-                attrs[key] = value
+        attrs: dict[str, Any] = {**end_attributes(ctx, self.call_start), "kvscope.attempts": ctx.attempts}
         span.set_attributes(attrs)
-        if ctx.stream_error or (ctx.status or 0) >= 500:
+        usage = ctx.usage or {}
+        self.gw.genai.record({**self.base_attrs, **attrs}, time.perf_counter() - self.call_start,
+                             usage.get("prompt_tokens"), ctx.output_tokens,
+                             attrs.get("gen_ai.response.time_to_first_chunk"))
+        if "error.type" in attrs:
             span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
         if ctx.engine is None and ctx.first_token_at is not None:
             last = self.last_token_at or ctx.first_token_at

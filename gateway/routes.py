@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, get, route
 from litestar.types import ASGIApp
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from gateway.admission import CHAT, COMPLETION, Operation, admit, authenticate, context_of
 from gateway.errors import MethodNotAllowed, ModelNotFound, NotFound
@@ -93,8 +93,10 @@ async def readyz(request: Request) -> Response:
 
 @get("/metrics")
 async def metrics(request: Request) -> Response:
-    body = generate_latest(state_of(request).metrics.registry)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text format, or OpenMetrics (with exemplars: the trace of a sampled request on the
+    latency histograms) when the scraper's ``Accept`` asks for ``application/openmetrics-text``."""
+    encode, content_type = choose_encoder(request.headers.get("accept"))
+    return Response(encode(state_of(request).metrics.registry), media_type=content_type)
 
 
 @route("/{path:path}", http_method=ALL_METHODS)

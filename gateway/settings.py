@@ -23,11 +23,14 @@ from gateway.forwarded import parse_networks
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1200.0, 1800.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 10.0)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
-                    300.0, 600.0)
+                    300.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0)
+"""Request durations reach the default ``timeouts.total_s`` (1800 s) in a finite bucket: a histogram whose
+top bound is below the longest possible request reports every longer request as that bound (p99 reads 600 s
+for a 1,500 s request). :class:`GatewaySettings` refuses TTFT/duration buckets that end below ``total_s``."""
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -167,6 +170,11 @@ class LogConfig(msgspec.Struct, **_STRUCT):
 class TracingConfig(msgspec.Struct, **_STRUCT):
     otlp_endpoint: str | None = None
     """OTLP/HTTP base URL, e.g. ``http://127.0.0.1:4318`` (spans go to ``/v1/traces``)."""
+    metrics_export_interval_s: float = 15.0
+    """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed to ``{otlp_endpoint}/v1/metrics``."""
+    gen_ai_provider: str = "kvscope"
+    """``gen_ai.provider.name`` of the gen_ai CLIENT span and metrics (OTel GenAI semconv: required; a
+    custom value where no well-known one applies). Set e.g. ``openai`` when the upstreams are OpenAI's."""
 
 
 class MetricsConfig(msgspec.Struct, **_STRUCT):
@@ -216,6 +224,11 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
         names = [key.name for key in self.api_keys]
         if len(names) != len(set(names)):
             raise ValueError("api key names must be unique")
+        for name in ("ttft_buckets", "duration_buckets"):
+            bounds = getattr(self.metrics, name)
+            if not bounds or bounds[-1] < self.timeouts.total_s:
+                raise ValueError(f"metrics.{name} must reach timeouts.total_s ({self.timeouts.total_s:g} s) so "
+                                 f"that no request lands in +Inf only; the last bound is {bounds[-1] if bounds else None}")
 
     @property
     def auth_enabled(self) -> bool:

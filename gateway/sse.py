@@ -89,6 +89,7 @@ class StreamState:
     usage: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     model: str | None = None
+    response_id: str | None = None
     error: dict[str, Any] | None = None
     bad_finish_reason: str | None = None
     text: dict[int, list[str]] = field(default_factory=dict)
@@ -106,6 +107,8 @@ class StreamState:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return Action.ERROR, False
         self.model = obj.get("model") or self.model
+        if self.response_id is None and isinstance(obj.get("id"), str):
+            self.response_id = obj["id"]
         if obj.get("usage"):
             self.usage = obj["usage"]
         if isinstance(obj.get("kvscope"), dict):
@@ -115,7 +118,9 @@ class StreamState:
         self.token_events += has_token
         if self.bad_finish_reason is not None:
             return Action.BAD_FINISH, has_token
-        if obj.get("usage") and not client_wants_usage:
+        if "usage" in obj and not client_wants_usage:
+            # the usage chunk, and the "usage": null every other chunk carries once usage was asked for
+            # (OpenAI stream_options.include_usage): neither is shown to a client that did not ask
             return (Action.REWRITE if choices else Action.DROP), has_token
         return Action.FORWARD, has_token
 

@@ -4,8 +4,9 @@ A pump task reads the upstream body into a small queue, so the relay can wait on
 first-token timeout (until the first token event), the idle timeout (between chunks after that), the total
 deadline, and the keep-alive interval (``: keep-alive`` comments to the client while the upstream is silent).
 The response starts (200 + SSE headers) with the first event or the first keep-alive; until then a broken
-upstream is retried on another replica. Events keep their exact bytes, except that the usage chunk the
-client did not ask for is dropped. A stream is a success only if every choice got a valid finish_reason;
+upstream is retried on another replica. Events keep their exact bytes, except when the client did not ask
+for usage (the upstream always is): the usage chunk is dropped and the ``"usage": null`` of the other chunks
+removed (those chunks are re-encoded). A stream is a success only if every choice got a valid finish_reason;
 otherwise the client gets ``data: {"error": …}`` and no ``[DONE]``.
 """
 
@@ -183,12 +184,15 @@ class StreamRelay:
     async def _end(self, item: object) -> None:
         """End of the upstream body (``_EOF``) or a transport error, before any ``[DONE]``."""
         broken = isinstance(item, Exception)
+        replica_fault = not self.call.client_caused_failure  # a fault the client injected ejects nothing
         if not self.call.committed and self.forwarded == 0:
-            self.call.gw.pool.report_failure(self.replica, "stream_broken", eject=broken)
+            self.call.gw.pool.report_failure(self.replica, "stream_broken", eject=broken and replica_fault,
+                                             passive=replica_fault)
             raise RetryableFailure(UpstreamFailed(f"upstream {self.replica.label} closed the stream before any "
                                                   f"event: {item!r}" if broken else "empty stream"))
         if broken:
-            self.call.gw.pool.report_failure(self.replica, "stream_broken", eject=True)
+            self.call.gw.pool.report_failure(self.replica, "stream_broken", eject=replica_fault,
+                                             passive=replica_fault)
             raise UpstreamFailed(f"the upstream connection broke mid-stream: {item!r}", code="upstream_disconnected")
         self._check_complete()  # a complete stream without [DONE]: finish it properly
         await self._send(DONE_EVENT)
@@ -202,6 +206,7 @@ class StreamRelay:
         state, ctx = self.state, self.ctx
         ctx.usage, ctx.engine = state.usage, state.engine
         ctx.response_model = state.model
+        ctx.response_id = state.response_id
         ctx.finish_reasons = [state.finish_reasons[i] for i in sorted(state.finish_reasons)]
         ctx.output_events = state.token_events
         if state.keep_text:

@@ -58,7 +58,8 @@ class GatewayTracer:
                                        attributes=dict(attributes))
 
     def start_client_span(self, parent: Span, operation: str, model: str, attributes: Mapping) -> Span:
-        """The gen_ai CLIENT span ``{operation} {model}`` under ``parent``."""
+        """The gen_ai CLIENT span ``{operation} {model}`` under ``parent`` (attributes: see
+        :mod:`gateway.genai_attrs`)."""
         context = trace.set_span_in_context(parent)
         attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model, **attributes}
         return self._tracer.start_span(f"{operation} {model}", context=context, kind=SpanKind.CLIENT,

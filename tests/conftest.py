@@ -1,5 +1,6 @@
 """Shared pytest wiring: GPU tests skip without CUDA; tests needing a system tool skip on a laptop but fail
-under CI=true (see require_tool)."""
+under CI=true (see require_tool); under CI=true any skip whose reason is not in ALLOWED_SKIP_REASONS fails
+the run (pytest_sessionfinish below)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import os
 import shutil
 
 import pytest
+
+ALLOWED_SKIP_REASONS = (
+    "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
+    "set ELASTICSEARCH_URL",  # tests/gateway/logs/test_es_live.py without a live Elasticsearch
+)
+"""The only reasons a test may be skipped under CI=true (matched as prefixes). Anything else — a missing tool,
+a "not written yet" guard, an OSError — fails the run: a skipped test protects nothing."""
+_DISALLOWED_SKIPS = pytest.StashKey[list[str]]()
+pytest_plugins = ["pytester"]  # tests/test_ci_policy.py runs inner pytest sessions under these hooks
 
 
 def require_tool(name: str) -> str:
@@ -29,10 +39,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         has_cuda = False
     if has_cuda:
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[0])
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def disallowed_skips(reports: list[pytest.TestReport]) -> list[str]:
+    """``nodeid: reason`` for each skipped (not xfailed) report whose reason is not allow-listed."""
+    found = []
+    for report in reports:
+        if not report.skipped or hasattr(report, "wasxfail"):
+            continue
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if not reason.startswith(ALLOWED_SKIP_REASONS):
+            found.append(f"{report.nodeid}: {reason}")
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under CI=true, turn a green run with a disallowed skip into a failed one (exit code 1)."""
+    if os.environ.get("CI") != "true":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    found = disallowed_skips(reporter.stats.get("skipped", []) if reporter else [])
+    session.config.stash[_DISALLOWED_SKIPS] = found
+    if found and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    found = config.stash.get(_DISALLOWED_SKIPS, [])
+    if found:
+        terminalreporter.section("skips not allowed under CI=true", sep="=", red=True, bold=True)
+        terminalreporter.line(f"allowed: {', '.join(ALLOWED_SKIP_REASONS)} (tests/conftest.py ALLOWED_SKIP_REASONS)")
+        for line in found:
+            terminalreporter.line(f"SKIPPED {line}", red=True)
 
 
 @pytest.fixture(scope="session")

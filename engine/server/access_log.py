@@ -14,12 +14,24 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO
 
 ACCESS_LOGGER = "kvscope.engine.access"
 QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")
 """Route prefixes counted but not logged when they succeed (probes, scrapes, the gateway's model-list health
 check and docs would drown the log)."""
+
+
+ECS_VERSION = "9.1.0"
+"""ECS 9.1 is the first with the ``gen_ai.*`` field set these records use (same as the gateway's record)."""
+
+
+def _level(status: int, outcome: str) -> str:
+    """``log.level`` in the vocabulary the gateway uses too (Python level names): ``error`` for 5xx,
+    ``warning`` for any other failure, ``info`` for a success."""
+    if status >= 500:
+        return "error"
+    return "info" if outcome == "success" else "warning"
 
 
 class AccessRecord:
@@ -53,8 +65,8 @@ class AccessRecord:
         kvscope = self.details.get("kvscope", {})
         outcome = "success" if status < 400 and kvscope.get("outcome", "success") == "success" else "failure"
         record: dict[str, Any] = {
-            "@timestamp": _iso(end_ns), "ecs": {"version": "8.11.0"},
-            "log": {"level": "info" if outcome == "success" else "warning", "logger": ACCESS_LOGGER},
+            "@timestamp": _iso(end_ns), "ecs": {"version": ECS_VERSION},
+            "log": {"level": _level(status, outcome), "logger": ACCESS_LOGGER},
             "message": self._message(status, kvscope),
             "event": {"kind": "event", "category": ["web"], "type": ["access"], "outcome": outcome,
                       "duration": int((time.monotonic() - self._start) * 1e9), "start": _iso(self.start_ns),
@@ -117,6 +129,28 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             self.on_done(record, scope.get("path_template") or scope["path"])
+
+
+class JsonLineHandler(logging.Handler):
+    """Writes each record's message plus ``\n`` to a binary stream as ONE write of the whole line, then
+    flushes: a tailing reader (gateway/logs/jsonl.py, Filebeat, ``tail -f``) never sees half a record, and
+    lines from several threads never interleave (``logging.Handler.handle`` holds the handler lock around
+    :meth:`emit`). ``logging.StreamHandler`` on a text stream gives neither guarantee: the text layer may
+    hand a long line to the file in several writes, and only flushes when asked."""
+
+    terminator = b"\n"
+
+    def __init__(self, stream: BinaryIO) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record).encode("utf-8", "backslashreplace") + self.terminator
+            self.stream.write(line)
+            self.stream.flush()
+        except Exception:  # noqa: BLE001 - logging must never raise into the request path
+            self.handleError(record)
 
 
 def emit(logger: logging.Logger, record: AccessRecord, route: str, service_name: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,6 +18,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
+from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
@@ -30,7 +31,8 @@ from engine.server.routes import ROUTES
 from engine.server.settings import ServerSettings
 from engine.server.state import ServerState
 from engine.server_metrics import ServerMetrics, host_memory_bytes
-from engine.tracing import Tracing
+from engine.tracing import Tracing, package_version
+from kvscope.otel_genai import GenAiServerMetrics, build_meter_provider
 
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = "Hello"
@@ -40,7 +42,8 @@ class AppContext:
     """Builds the ServerState at start-up and hands it to the middleware and hooks created before it."""
 
     def __init__(self, settings: ServerSettings, engine_config: EngineConfig | None, engine: Any | None,
-                 tracing: Tracing | None, registry: CollectorRegistry | None) -> None:
+                 tracing: Tracing | None, registry: CollectorRegistry | None,
+                 metric_readers: Sequence[MetricReader] = ()) -> None:
         if engine_config is None and engine is None:
             raise ValueError("create_app needs an engine_config or an engine")
         self.settings = settings
@@ -48,6 +51,7 @@ class AppContext:
         self._engine = engine
         self._tracing = tracing
         self._registry = registry
+        self._metric_readers = tuple(metric_readers)
         self.state: ServerState | None = None
 
     @asynccontextmanager
@@ -59,6 +63,8 @@ class AppContext:
         finally:
             await self.drain()
             state.tracing.shutdown()
+            if state.metrics.genai is not None:
+                state.metrics.genai.provider.shutdown()  # the last OTLP metrics push
 
     async def _start(self) -> ServerState:
         engine = self._engine
@@ -70,8 +76,11 @@ class AppContext:
         if self.settings.warmup:
             await warm_up(engine)
         tracing = self._tracing or Tracing.otlp(self.settings.service_name, self.settings.otlp_endpoint)
+        meters = build_meter_provider({"service.name": self.settings.service_name,
+                                       "service.version": package_version()},
+                                      self.settings.otlp_endpoint, self._metric_readers)
         metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, _device(engine),
-                                self.settings.buckets)
+                                self.settings.buckets, genai=GenAiServerMetrics(meters, package_version()))
         self.state = ServerState(engine, self.settings, metrics, tracing)
         _set_device_memory(self.state)
         self.state.on_step(StepResult())
@@ -122,13 +131,15 @@ def _set_device_memory(state: ServerState) -> None:
 
 def create_app(settings: ServerSettings | None = None, engine_config: EngineConfig | None = None, *,
                engine: Any | None = None, tracing: Tracing | None = None,
-               registry: CollectorRegistry | None = None) -> Litestar:
+               registry: CollectorRegistry | None = None, metric_readers: Sequence[MetricReader] = ()) -> Litestar:
     """The engine server app. Give ``engine_config`` (the app builds an AsyncEngine at start-up) or an
     ``engine`` with the AsyncEngine surface (tests). ``tracing`` overrides the exporter chosen by settings
-    (e.g. an in-memory exporter); ``registry`` the Prometheus registry. Raises ValueError without an engine.
+    (e.g. an in-memory exporter); ``registry`` the Prometheus registry; ``metric_readers`` also read the OTel
+    ``gen_ai.server.*`` metrics (pushed over OTLP when ``otlp_endpoint`` is set). Raises ValueError without
+    an engine.
     """
     settings = settings or ServerSettings()
-    context = AppContext(settings, engine_config, engine, tracing, registry)
+    context = AppContext(settings, engine_config, engine, tracing, registry, metric_readers)
     return Litestar(
         route_handlers=ROUTES,
         lifespan=[context.lifespan],

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.config import DEFAULT_MODEL
 from engine.metrics import MetricBuckets
-from engine.server.access_log import ACCESS_LOGGER
+from engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
 from engine.server.settings import (
     ServerSettings,
     api_key_from,
@@ -101,7 +101,8 @@ def configure_logging(level: str) -> None:
     access = logging.getLogger(ACCESS_LOGGER)
     access.propagate = False
     access.setLevel(logging.INFO)
-    lines = logging.StreamHandler(sys.stdout)
+    sys.stdout.flush()  # anything printed before goes out ahead of the first record
+    lines = JsonLineHandler(sys.stdout.buffer)
     lines.setFormatter(logging.Formatter("%(message)s"))
     access.addHandler(lines)
 

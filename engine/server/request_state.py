@@ -142,6 +142,9 @@ class RequestState:
         timings = [self._timings(c, outcome, now) for c in self.choices]
         for t in timings:
             self.metrics.on_sequence_finished(t)
+        self.metrics.on_request_params(self.params.n, self.params.max_tokens)
+        error_type = None if outcome.kind == "success" else (outcome.error_type or outcome.kind)
+        self.metrics.on_request_done(self.operation, timings, error_type)
         trace_id, span_id = tracing.record(self._spans(outcome, now, timings))
         if access is not None:
             access.set_request_details(self._log_fields(outcome, timings, trace_id, span_id))

@@ -13,7 +13,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from engine.errors import InvalidParameterError
 from engine.server.errors import OpenAIError, from_engine, from_msgspec
@@ -122,7 +122,8 @@ async def health(request: Request) -> Response:
 @get("/metrics", summary="Prometheus metrics (kvscope_engine_*)")
 async def metrics(request: Request) -> Response:
     registry = server_state(request).metrics.registry
-    return Response(content=generate_latest(registry), media_type=CONTENT_TYPE_LATEST, status_code=200)
+    encode, content_type = choose_encoder(request.headers.get("accept"))  # OpenMetrics when asked for
+    return Response(content=encode(registry), media_type=content_type, status_code=200)
 
 
 ROUTES = [chat_completions, completions, models, tokenize, detokenize, health, metrics]

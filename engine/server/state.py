@@ -47,7 +47,8 @@ class ServerState:
         """The engine's step listener (engine thread): metrics gauges/histograms and request timelines."""
         scheduler = self.engine.core.scheduler
         self.metrics.on_step(result, scheduler.get_stats())
-        observe_step(list(scheduler.requests.values()))
+        if not result.scheduled_only:  # timelines advance on completed steps only
+            observe_step(list(scheduler.requests.values()))
 
     def on_access_done(self, record: AccessRecord, route: str) -> None:
         self.metrics.on_http_request(route, record.final_status)

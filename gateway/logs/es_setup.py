@@ -28,7 +28,7 @@ from elasticsearch import AsyncElasticsearch
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE_VERSION = 1
+TEMPLATE_VERSION = 2
 _META = {"managed_by": "kvscope", "description": "kvscope gateway request log (design.md §4.2)"}
 
 
@@ -100,7 +100,7 @@ def record_properties() -> dict[str, Any]:
         "ecs": _obj(version=_kw()),
         "log": _obj(level=_kw(), logger=_kw()),
         "message": _TEXT,
-        "event": _obj(kind=_kw(), category=_kw(), type=_kw(), outcome=_kw(), dataset=_kw(), duration=_LONG,
+        "event": _obj(id=_kw(), kind=_kw(), category=_kw(), type=_kw(), outcome=_kw(), dataset=_kw(), duration=_LONG,
                       start=_DATE, end=_DATE),
         "http": _obj(
             version=_kw(),

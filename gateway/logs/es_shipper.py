@@ -1,8 +1,11 @@
 """One bulk round: send a batch of log records with ``async_streaming_bulk`` and sort every record into an outcome.
 
-Each record becomes ``{"create": {"_index": <data stream>, "_id": <http.request.id>}}`` + the record, so a
+Each record becomes ``{"create": {"_index": <data stream>, "_id": <event.id>}}`` + the record, so a
 record sent twice (a retry after a timeout, a spool replayed after a crash) is refused by Elasticsearch with
 409 ``version_conflict_engine_exception`` instead of being indexed twice; a 409 therefore counts as shipped.
+``event.id`` is the gateway's own per-request id (ECS: "unique ID to describe the event"), never the
+client's ``x-request-id`` (``http.request.id``): a client reusing a request id would otherwise get its next
+record refused with 409, counted as shipped and lost from the audit log without any alert.
 (``_id`` uniqueness holds per backing index: a retry that lands after an ILM rollover would be indexed again;
 retries happen within seconds to minutes and rollover is daily, so this is documented, not solved.)
 
@@ -81,8 +84,9 @@ class ShipResult:
 
 
 def record_id(record: dict[str, Any]) -> str:
-    """The document ``_id``: ``http.request.id``, else a content hash (stable across retries and replays)."""
-    rid = (record.get("http") or {}).get("request", {}).get("id")
+    """The document ``_id``: ``event.id`` (the gateway's own id), else a content hash; both are stable across
+    retries and replays. Never ``http.request.id``: the client chooses it and may reuse it."""
+    rid = (record.get("event") or {}).get("id")
     if isinstance(rid, str) and rid:
         return rid
     return "sha1-" + hashlib.sha1(msgspec.json.encode(record, order="sorted")).hexdigest()

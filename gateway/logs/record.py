@@ -3,7 +3,12 @@
 ECS field names where ECS has one, OpenTelemetry ``gen_ai.*`` for model fields, ``kvscope.*`` for the rest.
 Every field below is always present (``null`` when it does not apply), so that sinks and index templates see
 one stable shape. Never the API key; prompts and completions only with ``log_content`` (then under
-``gen_ai.input.messages`` / ``gen_ai.output.messages``).
+``gen_ai.input.messages`` / ``gen_ai.output.messages`` in the OTel GenAI message schema, see
+:mod:`gateway.logs.genai_messages`).
+
+``ecs.version`` is 9.1.0: the ``gen_ai.*`` field set the record uses is part of ECS from 9.1 (ECS reference,
+"Gen AI fields"). ``log.level`` takes Python's level names (``info``, ``warning``, ``error``), the vocabulary
+of the engine's log and of ecs-logging-python, so one Kibana filter matches both services.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from gateway.logs.genai_messages import input_messages, output_messages
 from gateway.logs.sink import LogRecord
 
 if TYPE_CHECKING:
     from gateway.observe import RequestContext
 
-ECS_VERSION = "8.11.0"
+ECS_VERSION = "9.1.0"
+LOG_LEVELS = ("info", "warning", "error")
+"""Every ``log.level`` value a kvscope service writes (gateway and engine alike)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +48,11 @@ def outcome(ctx: RequestContext) -> str:
 
 
 def level(ctx: RequestContext) -> str:
+    """``error`` for 5xx and broken streams, ``warning`` for 4xx and clients that left, else ``info``."""
     status = ctx.status or 500
     if status >= 500 or ctx.stream_error:
         return "error"
-    return "warn" if status >= 400 or ctx.client_disconnected else "info"
+    return "warning" if status >= 400 or ctx.client_disconnected else "info"
 
 
 class RecordBuilder:
@@ -63,7 +72,7 @@ class RecordBuilder:
             "ecs": {"version": ECS_VERSION},
             "log": {"level": level(ctx), "logger": "kvscope.gateway.access"},
             "message": f"{ctx.method} {ctx.path} {status} {ctx.request_model or '-'} {duration_s:.3f}s",
-            "event": {"kind": "event", "category": ["web"],
+            "event": {"id": ctx.event_id, "kind": "event", "category": ["web"],
                       "type": ["access", "error"] if ctx.failed else ["access"], "outcome": outcome(ctx),
                       "dataset": "kvscope.gateway", "duration": int(duration_s * 1e9),
                       "start": iso(ctx.start_wall), "end": iso(end_wall)},
@@ -103,6 +112,6 @@ class RecordBuilder:
                       "cache_read": {"input_tokens": cached}},
         }
         if self.log_content:
-            out["input"] = {"messages": ctx.input_content}
-            out["output"] = {"messages": ctx.output_content}
+            out["input"] = {"messages": input_messages(ctx.input_content)}
+            out["output"] = {"messages": output_messages(ctx.output_content, ctx.finish_reasons)}
         return out

@@ -4,13 +4,16 @@ Files: ``--source`` names the current log file (``requests.jsonl``: its rotated 
 ``.2`` … and ``.gz`` variants are read too) or a directory (every ``*.jsonl`` family in it).
 Columns are read with explicit types derived from the Elasticsearch mapping
 (:func:`gateway.logs.es_setup.record_properties`), so both back ends agree on every field's type. A line
-that is not valid JSON or does not fit the types (a line cut short while being written) is skipped and
-counted in ``Report.extra["unparsed_lines"]``.
+that is not valid JSON or does not fit the types (a line torn by a crash) is skipped and counted in
+``Report.extra["unparsed_lines"]``. The files are read once, when :class:`DuckDBLogs` is built (every query
+of one report sees the same snapshot); a last line without its newline is a record still being written and is
+left out (gateway/logs/jsonl.py), never counted as unparsable.
 """
 
 from __future__ import annotations
 
 import re
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import duckdb
 
 from gateway.logs.es_setup import record_properties
+from gateway.logs.jsonl import complete_copy
 from gateway.logs.report_model import (
     ERROR_STATUS,
     GROUP_FIELDS,
@@ -76,17 +80,20 @@ def _sql_str(value: str) -> str:
 
 
 class DuckDBLogs:
-    """A DuckDB view ``requests`` over the log files, filtered to ``@timestamp >= since``."""
+    """A DuckDB view ``requests`` over one snapshot of the log files (read at construction), filtered to
+    ``@timestamp >= since``."""
 
     def __init__(self, source: str | Path, since: datetime | None = None) -> None:
         self.source = str(source)
         self.con = duckdb.connect()
         self.con.execute("SET TimeZone = 'UTC'")
-        files = "[" + ", ".join(_sql_str(f) for f in log_files(source)) + "]"
         columns = "{" + ", ".join(f"{_sql_str(k)}: {_sql_str(v)}"
                                   for k, v in duckdb_type(record_properties()).items()) + "}"
-        self.con.execute(f"CREATE VIEW raw AS SELECT * FROM read_json({files}, format = 'newline_delimited', "
-                         f"columns = {columns}, ignore_errors = true)")
+        with tempfile.TemporaryDirectory(prefix="kvscope-logs-") as tmp:
+            paths = [f if f.endswith(".gz") else str(complete_copy(f, tmp)) for f in log_files(source)]
+            files = "[" + ", ".join(_sql_str(f) for f in paths) + "]"
+            self.con.execute(f"CREATE TABLE raw AS SELECT * FROM read_json({files}, format = 'newline_delimited', "
+                             f"columns = {columns}, ignore_errors = true)")
         where = '"@timestamp" IS NOT NULL'
         if since is not None:
             where += f' AND "@timestamp" >= TIMESTAMPTZ {_sql_str(es_time(since))}'

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
+from gateway.metrics import GatewayMetrics
 from tests.conftest import require_tool
 from tests.e2e.prom import (
     AlertmanagerServer,
@@ -25,7 +26,6 @@ from tests.e2e.prom import (
     wait_for_series,
 )
 
-gateway_metrics = pytest.importorskip("gateway.metrics", reason="gateway.metrics not written yet")
 pytestmark = pytest.mark.e2e
 
 
@@ -37,7 +37,7 @@ def firing(receiver: WebhookReceiver, path: str) -> set[tuple[str, str, str]]:
 def exporter():
     """Gateway collectors on a random port; yields (metrics, "host:port")."""
     registry = CollectorRegistry()
-    metrics = gateway_metrics.GatewayMetrics(registry)
+    metrics = GatewayMetrics(registry)
     for status in ("200", "502"):
         metrics.requests.labels(model="m", route="/v1/chat/completions", status=status)
     for upstream in ("engine-a", "engine-b"):
@@ -73,7 +73,7 @@ def test_failures_page_through_alertmanager_with_inhibition(tmp_path: Path, expo
         assert {("KvscopeHighErrorRate", "warning"), ("KvscopeUpstreamDown", "warning")} <= prometheus_side
         assert firing(receiver, "/team-chat") == set()  # both warnings inhibited in Alertmanager
         rules = [r for g in prom.api.rules() for r in g["rules"]]
-        assert len(rules) == 16
+        assert len(rules) == 18
         assert [(r["name"], r.get("lastError", "")) for r in rules if r["health"] != "ok"] == []
         page = next(a for a in receiver.firing("/pager") if a["alertname"] == "KvscopeTargetDown")
         assert (page["job"], page["instance"]) == ("kvscope-engine", dead_engine)

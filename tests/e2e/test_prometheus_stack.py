@@ -12,15 +12,18 @@ short ``for:``), alerts through a real Alertmanager into a local webhook.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
+from dashboards.query import Variables
+from dashboards.render import Window, render
+from gateway.auth import generate_key, hash_key
 from tests.conftest import require_tool
 from tests.e2e.prom import (
     REPO,
@@ -34,15 +37,6 @@ from tests.e2e.prom import (
     wait_for_series,
     wait_http_ok,
 )
-
-if not all(importlib.util.find_spec(m) for m in ("engine.server.app", "gateway.app")):
-    pytest.skip("engine/gateway not wired yet", allow_module_level=True)
-
-import httpx  # noqa: E402
-
-from dashboards.query import Variables  # noqa: E402
-from dashboards.render import Window, render  # noqa: E402
-from gateway.auth import generate_key, hash_key  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL, FAKE_MODEL = "smollm2-135m", "fake-model"

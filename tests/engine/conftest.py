@@ -1,25 +1,18 @@
-"""Engine test fixtures. The tokenizer folder is named in ONE place: ``KVSCOPE_TEST_TOKENIZER_DIR``."""
+"""Engine test fixtures. The tokenizer folder is the converted default model (tests/conftest.py ``model_dir``):
+the same files the engine serves, pulled into the model cache by the suite itself, never a fixed path."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-_DEFAULT_TOKENIZER_DIR = "/tmp/smollm2-tok"
-
 
 @pytest.fixture(scope="session")
-def tokenizer_dir() -> Path:
+def tokenizer_dir(model_dir: Path) -> Path:
     """A HF tokenizer folder of SmolLM2 (tokenizer.json, tokenizer_config.json, chat template)."""
-    path = Path(os.environ.get("KVSCOPE_TEST_TOKENIZER_DIR", _DEFAULT_TOKENIZER_DIR))
-    if not (path / "tokenizer.json").is_file():
-        message = f"no tokenizer.json in {path} (set KVSCOPE_TEST_TOKENIZER_DIR)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+    assert (model_dir / "tokenizer.json").is_file(), f"the converted model at {model_dir} has no tokenizer.json"
+    return model_dir
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,7 @@ from engine.sampling_params import SamplingParams
 from tests.engine.test_attention_ref import HEAD_DIM, allocate_blocks, naive_attention
 from tests.engine.test_models_tiny import ATOL, COMMON, hf_logits, make_pair, new_caches, paged_step, prompt
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
-
-@needs_onednn
 @pytest.mark.parametrize("rows", [0, 1, 3, 40])
 def test_cpu_linear_kernel_equals_f_linear(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -36,7 +33,6 @@ def test_cpu_linear_kernel_equals_f_linear(rows: int) -> None:
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=0)
 
 
-@needs_onednn
 def test_cpu_linear_kernel_dtypes() -> None:
     bf16 = cpu_linear_kernel(torch.ones(4, 3, dtype=torch.bfloat16), None)
     assert bf16 is not None and bf16.column_major is None  # packed for every size
@@ -45,7 +41,6 @@ def test_cpu_linear_kernel_dtypes() -> None:
     assert cpu_linear_kernel(torch.ones(4, 3, dtype=torch.float16), None) is None
 
 
-@needs_onednn
 def test_linear_keeps_f_linear_when_grad_is_enabled() -> None:
     layer = Linear(3, 2, bias=False)
     with torch.no_grad():
@@ -58,7 +53,6 @@ def test_linear_keeps_f_linear_when_grad_is_enabled() -> None:
         assert layer(x).tolist() == [[9.0, 0.0]]
 
 
-@needs_onednn
 @pytest.mark.parametrize("name", ["llama", "llama3-rope-bias-tied", "qwen2", "qwen3"])
 def test_prepared_model_matches_hf(name: str) -> None:
     """After prepare_for_cpu: a packed prefill (two prompts), a one-row decode (column-major GEMV) and a

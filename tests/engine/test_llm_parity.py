@@ -1,11 +1,19 @@
 """Greedy generation is token-identical to transformers generate(do_sample=False) on the same SmolLM2 weights,
-one request at a time and all prompts batched together (continuous batching must not change a single token)."""
+one request at a time and all prompts batched together (continuous batching must not change a single token).
+
+The batched tests run on cold engines of their own (prefix caching off, so every prompt token is computed in
+the batch), once with the default step budget and once with ``max_num_batched_tokens=64`` so the long prompt
+is prefilled in chunks beside the other requests' decodes."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
+from engine.llm import LLM, merge_output
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -59,9 +67,41 @@ def test_greedy_one_at_a_time_matches_transformers(llm, prompts, reference):
         assert out.outputs[0].token_ids == expected
 
 
-def test_greedy_batched_matches_transformers(llm, prompts, reference):
+def run_batch(engine: LLM, prompts: list[list[int]]) -> tuple[list[RequestOutput], list]:
+    """All prompts added at once, then stepped to the end: (outputs in prompt order, every StepResult)."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    outputs = llm.generate(prompts, params)
+    ids = [f"cold-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.engine.add_request(request_id, prompt, params)
+    merged: dict[str, RequestOutput] = {}
+    steps = []
+    while engine.engine.has_unfinished_requests():
+        steps.append(engine.engine.step())
+        for output in steps[-1].outputs:
+            merge_output(merged, output)
+    return [merged[r] for r in ids], steps
+
+
+@pytest.fixture(scope="module", params=[2048, 64], ids=["one-step-prefill", "chunked-64"])
+def cold_batch(request, prompts) -> tuple[int, list[RequestOutput], list]:
+    """A fresh engine, prefix caching off, step budget ``request.param`` tokens; the batch run on it."""
+    engine = LLM("smollm2-135m", kv_cache_memory=256 << 20, enable_prefix_caching=False,
+                 max_num_batched_tokens=request.param)
+    outputs, steps = run_batch(engine, prompts)
+    del engine
+    gc.collect()
+    return request.param, outputs, steps
+
+
+def test_greedy_batched_on_a_cold_engine_matches_transformers(cold_batch, prompts, reference):
+    budget, outputs, steps = cold_batch
+    assert [o.num_cached_tokens for o in outputs] == [0] * len(prompts)  # every prompt token computed here
     assert [o.outputs[0].token_ids for o in outputs] == reference
     for out, expected in zip(outputs, reference, strict=True):
         assert out.outputs[0].finish_reason == ("stop" if len(expected) < NEW_TOKENS else "length")
+    assert sum(s.num_prefill_tokens for s in steps) == sum(len(p) for p in prompts)
+    assert max(s.num_scheduled_tokens for s in steps) <= budget
+    if budget == 64:  # the long prompt was chunked, and its chunks shared steps with running decodes
+        assert max(len(p) for p in prompts) > 4 * budget
+        mixed = [s for s in steps if s.num_prefill_tokens > 0 and s.num_decode_tokens > 0]
+        assert len(mixed) >= max(len(p) for p in prompts) // budget - 1

@@ -30,6 +30,10 @@ EXPECTED = {
     "kvscope_engine_step_tokens": ("histogram", ("model",)),
     "kvscope_engine_request_prompt_tokens": ("histogram", ("model",)),
     "kvscope_engine_request_generation_tokens": ("histogram", ("model",)),
+    "kvscope_engine_request_inference_time_seconds": ("histogram", ("model",)),
+    "kvscope_engine_request_params_n": ("histogram", ("model",)),
+    "kvscope_engine_request_params_max_tokens": ("histogram", ("model",)),
+    "kvscope_engine_http_requests": ("counter", ("route", "status")),
     "kvscope_engine_device_memory_used_bytes": ("gauge", ("device",)),
     "kvscope_engine_device_memory_total_bytes": ("gauge", ("device",)),
 }
@@ -61,7 +65,7 @@ def test_initialize_creates_each_label_value_at_zero() -> None:
 def test_observations_land_in_the_right_buckets() -> None:
     registry = CollectorRegistry()
     metrics = EngineMetrics(registry)
-    for ttft in (0.004, 0.9, 1.0, 700.0):
+    for ttft in (0.004, 0.9, 1.0, 700.0, 5000.0):
         metrics.time_to_first_token.labels(model="m").observe(ttft)
     metrics.prompt_tokens.labels(model="m").inc(17)
     value = registry.get_sample_value
@@ -69,15 +73,16 @@ def test_observations_land_in_the_right_buckets() -> None:
     assert value(bucket, {"model": "m", "le": "0.005"}) == 1.0
     assert value(bucket, {"model": "m", "le": "1.0"}) == 3.0
     assert value(bucket, {"model": "m", "le": "600.0"}) == 3.0
-    assert value(bucket, {"model": "m", "le": "+Inf"}) == 4.0
-    assert value("kvscope_engine_time_to_first_token_seconds_sum", {"model": "m"}) == pytest.approx(701.904)
+    assert value(bucket, {"model": "m", "le": "1200.0"}) == 4.0  # above 600 s: a finite bucket
+    assert value(bucket, {"model": "m", "le": "+Inf"}) == 5.0
+    assert value("kvscope_engine_time_to_first_token_seconds_sum", {"model": "m"}) == pytest.approx(5701.904)
     assert value("kvscope_engine_prompt_tokens_total", {"model": "m"}) == 17.0
 
 
 def test_default_buckets_meet_the_design() -> None:
     b = MetricBuckets()
     assert b.ttft_s[0] < 0.01 and b.token_latency_s[0] < 0.01
-    assert b.ttft_s[-1] == 600.0 and b.duration_s[-1] == 600.0
+    assert b.ttft_s[-1] == 1800.0 and b.duration_s[-1] == 3600.0  # past the gateway's 1800 s total timeout
     assert 1.0 in b.ttft_s and 0.1 in b.token_latency_s  # SLO thresholds of alerts/ and dashboards/
 
 

@@ -25,7 +25,8 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(tokenizer_dir: Path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     return transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 

@@ -21,6 +21,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.logs.jsonl import read_records
 from tests.gateway.fake_upstream import FakeUpstream, Knobs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -244,18 +245,17 @@ def sample(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
+def read_log(path: Path, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
     """The first ``count`` records of a JSONL log, waiting for the writer thread."""
     deadline = time.monotonic() + timeout
     while True:
-        # a line being written has no newline yet: leave it for the next read
-        lines = path.read_bytes().split(b"\n")[:-1] if path.exists() else []
-        if len(lines) >= count or time.monotonic() > deadline:
-            return [json.loads(line) for line in lines]
+        records = read_records(path)  # a line being written has no newline yet: left for the next read
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
         time.sleep(0.02)
 
 
-def records_by_id(path: Path, ids: Iterable[str], timeout: float = 5.0) -> dict[str, list[dict[str, Any]]]:
+def records_by_id(path: Path, ids: Iterable[str], timeout: float = 30.0) -> dict[str, list[dict[str, Any]]]:
     """Log records grouped by ``http.request.id``, waiting until every id in ``ids`` has appeared."""
     wanted = set(ids)
     deadline = time.monotonic() + timeout

@@ -57,5 +57,9 @@ def test_settings_choose_the_sinks(tmp_path: Path) -> None:
     es = state.sinks[2]
     es._metrics.on_outcome("spooled", 3)
     es._metrics.on_spool_bytes(1234)
-    assert _count(state.metrics, "elasticsearch", "spooled") == 3
+    # spooled is a transit state with its own counter, never an outcome summed with shipped/failed/dropped
+    assert state.metrics.registry.get_sample_value("kvscope_gateway_log_records_spooled_total",
+                                                   {"sink": "elasticsearch"}) == 3
+    assert state.metrics.registry.get_sample_value("kvscope_gateway_log_records_total",
+                                                   {"sink": "elasticsearch", "outcome": "spooled"}) is None
     assert state.metrics.registry.get_sample_value("kvscope_gateway_log_spool_bytes") == 1234

@@ -19,6 +19,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.logs.jsonl import read_records
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -104,8 +106,7 @@ class EngineProcess:
     err_path: Path
 
     def log_records(self) -> list[dict]:
-        lines = self.log_path.read_text(encoding="utf-8").splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
+        return read_records(self.log_path)  # the line the engine is still writing is not a record yet
 
     def records_for(self, response_id: str) -> list[dict]:
         return [r for r in self.log_records() if r.get("gen_ai", {}).get("response", {}).get("id") == response_id]

@@ -40,6 +40,13 @@ def test_counters_and_histograms_match_the_workload(client):
     assert sample(s, "kvscope_engine_http_requests_total", route="/v1/chat/completions", status="200") == 3
     assert sample(s, "kvscope_engine_http_requests_total", route="/v1/completions", status="200") == 1
     assert sample(s, "kvscope_engine_http_requests_total", route="/v1/chat/completions", status="400") == 1
+    assert ("kvscope_engine_http_requests_total", (("route", "/v1/completions"), ("status", "500"))) in s
+    assert sample(s, "kvscope_engine_http_requests_total", route="/v1/completions", status="500") == 0
+    # vLLM's request_inference_time / request_params_*: one observation per sequence / per request
+    assert sample(s, "kvscope_engine_request_inference_time_seconds_count", **M) == 5
+    assert sample(s, "kvscope_engine_request_params_n_count", **M) == 4
+    assert sample(s, "kvscope_engine_request_params_n_sum", **M) == 3 * 1 + 2
+    assert sample(s, "kvscope_engine_request_params_max_tokens_sum", **M) == 3 * 4 + 3
     assert sample(s, "kvscope_engine_device_memory_used_bytes", device="cpu") == 3000
 
 

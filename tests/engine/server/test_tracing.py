@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 
@@ -113,3 +114,13 @@ def test_final_chunk_added_when_request_finished_in_its_prefill_step():
     timeline.finish_prefill("r1", 20, first_token_time=2.0)
     assert [(e.attributes["kvscope.chunk.start"], e.attributes["kvscope.chunk.end"], e.time)
             for e in timeline.events] == [(0, 16, 1.0), (16, 20, 2.0)]
+
+
+def test_tracer_resource_names_service_version():
+    exporter = InMemorySpanExporter()
+    Tracing("kvscope-engine", exporter, batch=False, service_version="9.8.7").tracer.start_span("x").end()
+    (span,) = exporter.get_finished_spans()
+    assert span.resource.attributes["service.name"] == "kvscope-engine"
+    assert span.resource.attributes["service.version"] == "9.8.7"
+    default = Tracing("kvscope-engine").provider.resource.attributes["service.version"]
+    assert default == importlib.metadata.version("kvscope")

@@ -21,15 +21,16 @@ def make_record(i: int, *, ts: datetime | None = None, model: str = MODELS[0], s
                 user: str = KEYS[0], upstream: str = UPSTREAMS[0], finish: str | None = "stop",
                 input_tokens: int = 20, output_tokens: int = 40, engine: dict[str, Any] | None = None,
                 ) -> dict[str, Any]:
-    """One nested ECS-style request log record; request id ``req-{i:06d}``, trace id derived from ``i``."""
+    """One nested ECS-style request log record; request id ``req-{i:06d}``, the gateway's own ``event.id``
+    (the Elasticsearch ``_id``) ``evt-{i:06d}``, trace id derived from ``i``."""
     ts = ts or T0 + timedelta(milliseconds=i)
     error = status >= 400
     record: dict[str, Any] = {
         "@timestamp": iso(ts),
-        "ecs": {"version": "8.11.0"},
+        "ecs": {"version": "9.1.0"},
         "log": {"level": "error" if status >= 500 else "info", "logger": "kvscope.gateway.access"},
         "message": f"POST /v1/chat/completions {status}",
-        "event": {"kind": "event", "category": ["web"], "type": ["access"],
+        "event": {"id": f"evt-{i:06d}", "kind": "event", "category": ["web"], "type": ["access"],
                   "outcome": "failure" if error else "success", "dataset": "kvscope.gateway",
                   "duration": int(e2e_s * 1e9),
                   "start": iso(ts - timedelta(seconds=e2e_s)), "end": iso(ts)},

@@ -17,7 +17,8 @@ from tests.gateway.logs.records import make_record
 
 
 def ids(n: int, start: int = 0) -> set[str]:
-    return {f"req-{i:06d}" for i in range(start, start + n)}
+    """Document ``_id``s (``event.id``) of records ``start … start+n-1``."""
+    return {f"evt-{i:06d}" for i in range(start, start + n)}
 
 
 async def until(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -89,9 +90,11 @@ async def test_timed_out_bulk_that_landed_is_not_indexed_twice(tmp_path, es):
     await sink.start()
     sink.emit(make_record(0))
     assert await sink.wait_idle(5)  # setup + first record with a fast cluster
+    bulks = len([r for r in es.requests if "_bulk" in r.path])
     es.faults.delay_s = 0.4
     await emit_paced(sink, 1, 201)
-    await asyncio.sleep(0.8)
+    # a bulk that arrives now is applied, then answered after 0.4 s: past the sink's 0.15 s timeout
+    assert await until(lambda: len([r for r in es.requests if "_bulk" in r.path]) > bulks, 30)
     es.faults.delay_s = 0.0
     assert await sink.wait_idle(20)
     await sink.aclose()
@@ -110,7 +113,7 @@ async def test_a_record_refused_for_good_is_counted_failed_and_kept(tmp_path, es
         sink.emit(bad if i == 5 else make_record(i))
     assert await sink.wait_idle(5)
     await sink.aclose()
-    assert set(es.docs()) == ids(10) - {"req-000005"}
+    assert set(es.docs()) == ids(10) - {"evt-000005"}
     assert metrics.outcomes == Counter({"shipped": 9, "failed": 1})
     kept = json.loads((tmp_path / REJECTED_FILE).read_text())
     assert kept["record"]["http"]["request"]["id"] == "req-000005"
@@ -190,15 +193,15 @@ async def test_an_unencodable_record_costs_only_itself(tmp_path, es):
         sink.emit(record)  # never raises
     assert await sink.wait_idle(10)
     await sink.aclose()
-    assert set(es.docs()) == ids(10) - {"req-000003"}
+    assert set(es.docs()) == ids(10) - {"evt-000003"}
     assert (sink.stats.shipped, sink.stats.failed) == (9, 1)
 
 
-async def test_records_without_a_request_id_get_a_stable_content_id(tmp_path, es):
+async def test_records_without_an_event_id_get_a_stable_content_id(tmp_path, es):
     sink = ElasticsearchSink(fast_config(tmp_path, es.url))
     await sink.start()
     record = make_record(1)
-    record["http"]["request"]["id"] = None
+    record["event"]["id"] = None
     sink.emit(record)
     sink.emit(json.loads(json.dumps(record)))  # the same record again: one document
     assert await sink.wait_idle(5)

@@ -105,8 +105,8 @@ async def send_all(base: str, ids: list[str], over_s: float = 0.0) -> dict[str, 
 def sink_metrics(gateway: Proc) -> dict[str, float]:
     """The Elasticsearch sink's outcome counters and the spool-bytes gauge of ``gateway``."""
     samples = metric_samples(httpx.get(gateway.url + "/metrics", timeout=5).text)
-    out = {o: sample(samples, RECORDS, sink="elasticsearch", outcome=o)
-           for o in ("shipped", "failed", "spooled", "dropped")}
+    out = {o: sample(samples, RECORDS, sink="elasticsearch", outcome=o) for o in ("shipped", "failed", "dropped")}
+    out["spooled"] = sample(samples, "kvscope_gateway_log_records_spooled_total", sink="elasticsearch")
     out["spool_bytes"] = sample(samples, "kvscope_gateway_log_spool_bytes")
     return out
 
@@ -131,9 +131,11 @@ def read_spool(spool: Path) -> tuple[list[str], int, int]:
 
 
 def es_state(loop: LoopThread, es: EsDouble) -> tuple[set[str], Counter[str], Counter[int]]:
-    """(indexed ids, successful creates per id, bulk item statuses), read on the double's loop."""
+    """(``http.request.id`` of the indexed documents, successful creates per ``_id``, bulk item statuses),
+    read on the double's loop."""
     async def snapshot() -> tuple[set[str], Counter[str], Counter[int]]:
-        return set(es.docs()), Counter(es.created), Counter(es.item_statuses)
+        indexed = {doc["http"]["request"]["id"] for doc in es.docs().values()}
+        return indexed, Counter(es.created), Counter(es.item_statuses)
 
     return loop.run(snapshot())
 

@@ -53,9 +53,9 @@ async def test_sigkill_mid_outage_then_restart_replays_everything(tmp_path):
         stats = json.loads(out.decode().splitlines()[-1])
 
     indexed = set(es.docs())
-    emitted_prefix = {f"req-{i:06d}" for i in range(durable)}
+    emitted_prefix = {f"evt-{i:06d}" for i in range(durable)}
     assert emitted_prefix <= indexed  # every record that was durable when the process died is indexed
-    assert all(doc_id.startswith("req-") for doc_id in indexed)
+    assert all(doc_id.startswith("evt-") for doc_id in indexed)
     assert set(es.created.values()) == {1}  # and none twice
     assert stats["replayed"] == stats["shipped"] >= 1500  # the second process shipped only from the spool
     assert stats["failed"] == stats["dropped"] == 0

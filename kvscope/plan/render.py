@@ -1,0 +1,146 @@
+"""Rich tables for a Plan (``kvscope plan`` without ``--format json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvscope.plan.devices import load_devices
+from kvscope.plan.planner import Plan
+
+
+def size(n: float | None) -> str:
+    """``1.50 GiB`` style, binary units."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+def _model(p: Plan) -> Table:
+    m = p.model
+    return _kv_table(f"Model {m['name']} ({m['source']})", [
+        ("layers × hidden", f"{m['num_layers']} × {m['hidden_size']}"),
+        ("attention", f"{m['attention']}: {m['num_heads']} heads, {m['num_kv_heads']} KV heads, "
+                      f"head_dim {m['head_dim']}"),
+        ("vocab / tied embeddings", f"{m['vocab_size']} / {m['tie_word_embeddings']}"),
+        ("parameters", f"{m['parameters']:,}"),
+    ])
+
+
+def _weights(p: Plan) -> Table:
+    w, disk = p.weights, p.weights["on_disk"]
+    rows = [(f"weights ({w['dtype']}, quantization {w['quantization']})", size(w["bytes"]))]
+    rows += [(f"  as {fmt}", size(b)) for fmt, b in w["by_format"].items()]
+    if disk["safetensors"]:
+        rows.append(("on disk: safetensors", size(disk["safetensors"]["file_bytes"])))
+    gguf = disk["gguf"]
+    if gguf and "tensor_bytes" in gguf:
+        rows.append(("on disk: gguf tensors / file", f"{size(gguf['tensor_bytes'])} / {size(gguf['file_bytes'])}"))
+    elif gguf:
+        rows.append(("on disk: gguf file", size(gguf["file_bytes"])))
+    return _kv_table("Weights", rows)
+
+
+def _kv(p: Plan) -> Table:
+    kv, mem = p.kv_cache, p.memory
+    return _kv_table("KV cache", [
+        ("per token", f"{kv['bytes_per_token']:,} B  ({kv['formula']})"),
+        (f"per block ({kv['block_size']} tokens)", f"{kv['bytes_per_block']:,} B"),
+        (f"per sequence at {kv['max_model_len']} tokens", size(kv["bytes_per_sequence"])),
+        ("KV budget", f"{size(mem['kv_budget_bytes'])} = {mem['num_blocks']:,} blocks"),
+        (f"max concurrent sequences at {kv['max_model_len']}", mem["max_concurrent_sequences"]),
+        (f"… at the workload's {mem['workload_tokens']} tokens", mem["max_concurrent_sequences_at_workload"]),
+        ("fits --concurrency", mem["fits"]),
+    ])
+
+
+def _decode(p: Plan) -> Table:
+    s = p.speed
+    table = Table(title=f"Decode envelope (context {s['decode_context_tokens']} tokens, {s['compute_format']}, "
+                        f"{s['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s, {s['peak_flops'] / 1e12:,.2f} TFLOP/s)",
+                  title_justify="left")
+    for col in ("concurrency", "step ≥ ms", "memory ms", "compute ms", "bound", "output tok/s ≤"):
+        table.add_column(col, justify="right")
+    for r in s["decode"]:
+        table.add_row(str(r["concurrency"]), f"{r['step_ms']:.2f}", f"{r['memory_ms']:.2f}",
+                      f"{r['compute_ms']:.2f}", r["bound"], f"{r['output_tokens_per_s']:,.0f}")
+    return table
+
+
+def _ttft(p: Plan) -> Table:
+    table = Table(title="TTFT envelope (one prompt, idle device)", title_justify="left")
+    for col in ("prompt tokens", "TTFT ≥ ms", "memory ms", "compute ms", "bound"):
+        table.add_column(col, justify="right")
+    for r in p.speed["ttft"]:
+        table.add_row(str(r["prompt_tokens"]), f"{r['ttft_ms']:.2f}", f"{r['memory_ms']:.2f}",
+                      f"{r['compute_ms']:.2f}", r["bound"])
+    return table
+
+
+def _log(p: Plan) -> Table:
+    g = p.log or {}
+    slo = g["ttft_slo"]
+    return _kv_table(f"Log replay ({g['source']}: {g['requests']} requests, {g['minutes']} minutes)", [
+        ("prompt tokens p50 / p99 / max", _triple(g["prompt_tokens"], "p50", "p99", "max")),
+        ("output tokens p50 / p99 / max", _triple(g["output_tokens"], "p50", "p99", "max")),
+        ("peak concurrency", f"{g['peak_concurrency']} at {g['peak_concurrency_at']}"),
+        ("peak KV", f"{size(g['peak_kv_bytes'])} ({g['peak_kv_blocks']} blocks)"),
+        ("KV of the p50 / p99 / max minute", " / ".join(size(g["minute_kv_bytes"][k]) for k in ("p50", "p99", "max"))),
+        ("would have queued", f"{g['would_queue']} ({g['queued_arrivals']} arrivals, "
+                              f"{g['seconds_over_capacity']:.1f} s over capacity)"),
+        (f"TTFT SLO {slo['ttft_slo_s']} s breaks at", f"observed: {slo['observed_breaks_at_concurrency']}; bound "
+                                                     f"(p99 prompt {slo['bound_prompt_tokens']}): "
+                                                     f"{slo['bound_breaks_at_concurrency']}"),
+    ])
+
+
+def _triple(d: dict[str, Any], *keys: str) -> str:
+    return " / ".join("-" if d[k] is None else f"{d[k]:g}" for k in keys)
+
+
+def print_plan(p: Plan, console: Console | None = None) -> None:
+    """Print every section of ``p`` as tables, then the recommended engine command."""
+    console = console or Console()
+    for table in (_model(p), _weights(p), _kv(p), _decode(p), _ttft(p)):
+        console.print(table)
+    slo = p.speed["ttft_slo"]
+    console.print(f"TTFT SLO {slo['ttft_slo_s']} s at {slo['prompt_tokens']}-token prompts: breaks at concurrency "
+                  f"{slo['breaks_at_concurrency']} ({slo['note']})")
+    if p.log is not None:
+        console.print(_log(p))
+    for warning in p.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+    console.print(f"[bold]recommended:[/bold] {p.flags['command']}", soft_wrap=True)
+
+
+def print_devices(console: Console | None = None) -> None:
+    """The shipped device table with its sources."""
+    table = Table(title="kvscope plan devices (dense peaks; cpu is measured)")
+    for col in ("name", "aliases", "memory", "GB/s", "bf16 TFLOP/s", "fp8", "int8", "source"):
+        table.add_column(col)
+    for d in load_devices().values():
+        peaks = [f"{d.peak_flops[k] / 1e12:g}" if k in d.peak_flops else "-" for k in ("bf16", "fp8", "int8")]
+        table.add_row(d.name, ", ".join(d.aliases), size(d.memory_bytes), f"{d.bandwidth / 1e9:g}", *peaks, d.source)
+    (console or Console()).print(table)
+
+
+def devices_json() -> dict[str, Any]:
+    """The device table as JSON-ready dicts (bytes, bytes/s, operations/s)."""
+    return {d.name: {"aliases": list(d.aliases), "vendor": d.vendor, "memory_bytes": d.memory_bytes,
+                     "bandwidth_bytes_per_s": d.bandwidth, "peak_flops": dict(d.peak_flops), "source": d.source}
+            for d in load_devices().values()}

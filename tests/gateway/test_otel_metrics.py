@@ -1,0 +1,51 @@
+"""OTel GenAI client metrics exported over OTLP/HTTP by the gateway, decoded from a local receiver (issue 15,
+Build: semconv names, units, attributes and bucket boundaries)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from kvscope.otel_genai import OPERATION_DURATION_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS, TOKEN_USAGE_BUCKETS
+from tests.gateway.conftest import KEYS, build_stack
+from tests.gateway.harness import LoopThread
+from tests.otlp_receiver import OtlpReceiver
+
+HI = [{"role": "user", "content": "hello world"}]
+
+
+def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
+    loop = LoopThread()
+    with OtlpReceiver() as rx:
+        gateway, fakes, _ = build_stack(loop, tmp_path, tracing={"otlp_endpoint": rx.url,
+                                                                 "metrics_export_interval_s": 3600})
+        headers = {"authorization": f"Bearer {KEYS['alice']}"}
+        with gateway:
+            for stream in (False, True):
+                resp = httpx.post(gateway.url + "/v1/chat/completions", headers=headers, timeout=10,
+                                  json={"model": "fake-model", "messages": HI, "max_tokens": 3, "stream": stream})
+                assert resp.status_code == 200
+        # leaving the gateway shut its MeterProvider down: the final push has arrived
+        points = rx.metric_points()
+        resources = rx.resources()
+    for fake in fakes.values():
+        loop.run(fake.close())
+    loop.stop()
+
+    assert {"gen_ai.client.operation.duration", "gen_ai.client.token.usage",
+            "gen_ai.client.operation.time_to_first_chunk"} <= set(points)
+    base = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "kvscope",
+            "gen_ai.request.model": "fake-model", "gen_ai.response.model": "fake-model",
+            "server.address": "127.0.0.1", "server.port": fakes["main"].port}
+    (attrs, duration), = points["gen_ai.client.operation.duration"]
+    assert attrs == base and duration.count == 2
+    assert list(duration.explicit_bounds) == list(OPERATION_DURATION_BUCKETS)
+    usage = {a["gen_ai.token.type"]: p for a, p in points["gen_ai.client.token.usage"]}
+    assert (usage["input"].count, usage["input"].sum) == (2, 4)  # "hello world" twice (fake: words)
+    assert (usage["output"].count, usage["output"].sum) == (2, 6)
+    assert list(usage["input"].explicit_bounds) == [float(b) for b in TOKEN_USAGE_BUCKETS]
+    (attrs, ttfc), = points["gen_ai.client.operation.time_to_first_chunk"]
+    assert attrs == base and ttfc.count == 1  # the stream only
+    assert list(ttfc.explicit_bounds) == list(TIME_TO_FIRST_TOKEN_BUCKETS)
+    assert {"service.name": "kvscope-gateway"}.items() <= resources[-1].items()
