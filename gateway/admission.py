@@ -63,7 +63,8 @@ def authenticate(gw: GatewayState, request: Request) -> Principal:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 when ``Content-Length`` (or the bytes read) exceed ``limit``."""
+    """The body, refused with 413 when ``Content-Length`` (or the bytes read) exceed ``limit``; raises
+    ClientClosedRequest (logged as 499) when the client leaves before the body ended."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body is {int(declared)} bytes; the limit is {limit} bytes.")

@@ -1,7 +1,7 @@
 """The gateway application factory.
 
 ``create_app(settings)`` returns a Litestar app: OpenAI-compatible routes (gateway/routes.py) behind the
-observation middleware (one log record, metrics and a server span per request), OpenAI-shaped errors for
+observation wrapper (one log record, metrics and a server span per request), OpenAI-shaped errors for
 everything (gateway/errors.py), and a lifespan that runs the upstream client, health checks and log sinks.
 Run it with ``kvscope gateway`` (gateway/cli.py) or any ASGI server.
 """
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from litestar import Litestar
 from litestar.datastructures import State
+from litestar.types import Receive, Scope, Send
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
@@ -19,14 +20,34 @@ from prometheus_client import CollectorRegistry
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.lifespan import GatewayState, build_state, gateway_lifespan
 from gateway.logs.sink import LogSink
-from gateway.observe import ObserveMiddleware
+from gateway.observe import PROBE_PATHS, observe
 from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
 
 
+class GatewayApp(Litestar):
+    """The Litestar app with :func:`gateway.observe.observe` around it, outside the router: a request no
+    route or method matches is still observed (one log record, metrics, a span), and a non-canonical
+    request target is refused before routing."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        if scope["type"] != "http" or _plain_probe(scope):
+            await super().__call__(scope, receive, send)
+            return
+        await observe(self.state.gateway, scope, receive, send, super().__call__)
+
+
+def _plain_probe(scope: Scope) -> bool:
+    """A probe (not observed) only when spelled exactly: ``/%6detrics`` or ``/healthz#x`` are observed and
+    refused like any other non-canonical target."""
+    path = scope["path"]
+    return (path in PROBE_PATHS and scope.get("raw_path", path.encode()) == path.encode()
+            and b"#" not in scope.get("query_string", b""))
+
+
 def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None = None,
                span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = (),
-               metric_readers: Sequence[MetricReader] = ()) -> Litestar:
+               metric_readers: Sequence[MetricReader] = ()) -> GatewayApp:
     """Build the gateway.
 
     Args:
@@ -39,9 +60,8 @@ def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None 
     """
     gw = build_state(settings, registry=registry, span_exporter=span_exporter, sinks=sinks,
                      metric_readers=metric_readers)
-    return Litestar(
+    return GatewayApp(
         route_handlers=ROUTES,
-        middleware=[ObserveMiddleware()],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[gateway_lifespan],
         state=State({"gateway": gw}),

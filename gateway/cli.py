@@ -1,12 +1,13 @@
 """``kvscope gateway …`` (run the gateway) and ``kvscope keys create …`` (make an API key).
 
 Flags override the config file and ``KVSCOPE_GATEWAY_*`` env vars (see gateway/settings.py). List flags
-(``--upstream``, ``--api-key-hash``, ``--tokenizer``) replace the file's list when given.
+(``--upstream``, ``--api-key-hash``, ``--tokenizer``, ``--trusted-proxy``) replace the file's list when given.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -25,6 +26,8 @@ def _gateway_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", action="append", metavar="MODEL=PATH",
                    help="tokenizer.json or model folder for MODEL, for prompt limits at the edge (repeatable)")
     p.add_argument("--api-key-hash", action="append", metavar="NAME:SHA256", help="an API key (repeatable)")
+    p.add_argument("--trusted-proxy", action="append", metavar="IP_OR_CIDR",
+                   help="trust Forwarded/X-Forwarded-For from this proxy address or network (repeatable)")
     p.add_argument("--allow-unauthenticated", action="store_true", default=None,
                    help="serve without API keys on a non-loopback address")
     p.add_argument("--redis-url", help="share rate limits between gateway replicas (redis://host:6379/0)")
@@ -51,6 +54,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["upstreams"] = [{"url": url} for url in args.upstream]
     if args.api_key_hash:
         out["api_keys"] = [parse_key_hash(item) for item in args.api_key_hash]
+    if args.trusted_proxy:
+        out["trusted_proxies"] = list(args.trusted_proxy)
     if args.tokenizer:
         out["models"] = [_tokenizer_model(item) for item in args.tokenizer]
     nested = {"logs": {"file": args.log_file, "stdout": args.log_stdout, "log_content": args.log_content},
@@ -73,11 +78,13 @@ def _tokenizer_model(item: str) -> dict[str, str]:
 
 
 def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted (no access log: the gateway writes its own)."""
+    """Serve ``app`` with uvicorn until interrupted, under :func:`gateway.server.uvicorn_config` (JSON 400s
+    for parser errors, no uvicorn proxy-header rewriting, no access log: the gateway writes its own)."""
     import uvicorn
 
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
-                server_header=False, lifespan="on")
+    from gateway.server import uvicorn_config
+
+    uvicorn.Server(uvicorn_config(app, settings.host, settings.port, log_level)).run()
 
 
 def gateway_main(argv: list[str]) -> int:
@@ -109,17 +116,27 @@ def _keys_parser() -> argparse.ArgumentParser:
 
 def keys_main(argv: list[str]) -> int:
     """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b]`` prints the key (first line,
-    shown only now) and the config entry holding its sha256."""
+    shown only now) and the config entry holding its sha256 (one JSON flow mapping, valid YAML, that carries
+    every restriction). The ``--api-key-hash NAME:SHA256`` alternative is offered only for a key without a
+    model restriction, since that flag cannot carry one. Returns 2 for an empty ``--models`` list."""
     args = _keys_parser().parse_args(argv)
+    models = None if args.models is None else [m.strip() for m in args.models.split(",") if m.strip()]
+    if models is not None and not models:
+        print("kvscope keys: --models needs at least one model name", file=sys.stderr)
+        return 2
     key = generate_key()
-    digest = hash_key(key)
-    models = f", models: [{args.models}]" if args.models else ""
+    entry: dict[str, Any] = {"name": args.name, "sha256": hash_key(key)}
+    if models is not None:
+        entry["models"] = models
     print(key)
     print(f"# API key '{args.name}' is shown above only once; store it now. The gateway keeps only its hash.",
           file=sys.stderr)
     print("# add under `api_keys:` in the gateway config:", file=sys.stderr)
-    print(f"- {{name: {args.name}, sha256: {digest}{models}}}")
-    print(f"# or pass: --api-key-hash {args.name}:{digest}", file=sys.stderr)
+    print("- " + json.dumps(entry))
+    if models is None:
+        print(f"# or pass: --api-key-hash {args.name}:{entry['sha256']}", file=sys.stderr)
+    else:
+        print("# (no --api-key-hash form: that flag cannot carry the model restriction)", file=sys.stderr)
     return 0
 
 

@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
 from gateway.auth import Authenticator
+from gateway.forwarded import ClientAddressResolver, parse_networks
 from gateway.logs.record import RecordBuilder, ServiceInfo
 from gateway.logs.sink import LogSink
 from gateway.logs.sinks import JsonlFileSink, StdoutSink
@@ -57,6 +58,8 @@ class GatewayState:
     counter: PromptCounter
     record_builder: RecordBuilder
     sinks: list[LogSink] = field(default_factory=list)
+    client_address: ClientAddressResolver = field(default_factory=ClientAddressResolver)
+    """``client.ip`` from the peer and trusted forwarding headers (gateway/forwarded.py)."""
     client: httpx.AsyncClient | None = None
     health_task: asyncio.Task | None = None
 
@@ -92,7 +95,8 @@ def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = 
         counter=PromptCounter.from_config(settings.models),
         record_builder=RecordBuilder(ServiceInfo(settings.service_name, version, settings.node),
                                      settings.logs.log_content),
-        sinks=[*configured, *sinks])
+        sinks=[*configured, *sinks],
+        client_address=ClientAddressResolver(parse_networks(settings.trusted_proxies)))
 
 
 def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list[LogSink]:

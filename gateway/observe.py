@@ -1,9 +1,11 @@
 """Per-request observation: the RequestContext every layer fills in, and the middleware that turns it into
 exactly one log record, the request metrics and the server span, whatever the outcome.
 
-The middleware wraps every route except the probes (``/healthz``, ``/readyz``, ``/metrics``); unknown paths
-and methods reach catch-all routes, so they are observed too. It also adds ``x-request-id`` (and the admitted
-request's ``x-ratelimit-*`` headers) to every response.
+:func:`observe` wraps the whole app (gateway/app.py calls it before Litestar routes the request), so every
+request except the probes (``/healthz``, ``/readyz``, ``/metrics``) is observed: unknown paths, methods no
+route declares (TRACE, PROPFIND …) and non-canonical targets (400, gateway/target.py) too. Requests the HTTP
+parser refuses before any app runs are recorded by gateway/server.py. It also adds ``x-request-id`` (and the
+admitted request's ``x-ratelimit-*`` headers) to every response.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import Span, Status, StatusCode
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, error_json
 from gateway.metrics import route_label
+from gateway.target import check_target
 from gateway.tracing import span_ids
 
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 CTX_KEY = "kvscope_ctx"
+REFUSED_KEY = "kvscope_refused"
+"""``scope["state"]`` key: (error, response bytes) when the HTTP server answered the request itself."""
 
 
 @dataclass(slots=True)
@@ -85,6 +89,8 @@ class RequestContext:
     client_disconnected: bool = False
     disconnect_phase: str | None = None
     rate_limited: str | None = None
+    answered_by_server: bool = False
+    """The HTTP server answered this request itself (a broken body framing): its status is final."""
     input_content: Any = None
     output_content: list[str] | None = None
     response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
@@ -97,11 +103,21 @@ class RequestContext:
             await cleanup(self)
 
     def set_error(self, err: GatewayError) -> None:
+        if self.answered_by_server:
+            return  # the HTTP server's 400 is what the client got
         self.error_type, self.error_message = err.error_type, err.message
         if err.status == 429:
             self.rate_limited = getattr(err, "reason", "requests")
 
+    def refused_by_parser(self, err: GatewayError, response_bytes: int) -> None:
+        """The HTTP parser answered ``err`` while the app still held this request (gateway/server.py)."""
+        self.set_error(err)
+        self.status, self.response_bytes, self.answered_by_server = err.status, response_bytes, True
+        self.end_at = time.perf_counter()
+
     def mark_disconnected(self, phase: str) -> None:
+        if self.answered_by_server:
+            return  # the server closed the connection after its 400, the client did not leave
         self.client_disconnected, self.disconnect_phase = True, phase
         self.error_type = self.error_type or "client_disconnected"
         self.error_message = self.error_message or f"client disconnected ({phase})"
@@ -155,7 +171,8 @@ def begin(gw: GatewayState, scope: Scope) -> RequestContext:
     route = route_label(path)
     ctx = RequestContext(request_id=new_request_id(headers.get("x-request-id")), method=method, path=path,
                          route=route, start=time.perf_counter(), start_wall=time.time(),
-                         client_ip=(scope.get("client") or (None,))[0], user_agent=headers.get("user-agent"),
+                         client_ip=gw.client_address.resolve((scope.get("client") or (None,))[0], scope["headers"]),
+                         user_agent=headers.get("user-agent"),
                          http_version=scope.get("http_version", "1.1"))
     name = f"{method} {route}" if route != "other" else method
     ctx.server_span = gw.tracer.start_server_span(name, headers, ctx.epoch_ns(ctx.start),
@@ -252,34 +269,60 @@ def _end_server_span(ctx: RequestContext) -> None:
     span.end(end_time=ctx.epoch_ns(ctx.end_at or time.perf_counter()))
 
 
-class ObserveMiddleware(ASGIMiddleware):
-    """Observes every non-probe request; see the module docstring."""
+async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, app: ASGIApp) -> None:
+    """Observe one HTTP request around ``app`` (the whole Litestar app, router included, so router-level
+    404/405s are observed too): begin, refuse a non-canonical target with a 400 (gateway/target.py), run the
+    app, then :func:`finish` exactly once."""
+    ctx = begin(gw, scope)
+    scope.setdefault("state", {})[CTX_KEY] = ctx
+    if (refused := scope["state"].get(REFUSED_KEY)) is not None:  # the parser answered before the app started
+        ctx.refused_by_parser(*refused)
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
-            await next_app(scope, receive, send)
-            return
-        gw: GatewayState = scope["litestar_app"].state.gateway
-        ctx = begin(gw, scope)
-        scope.setdefault("state", {})[CTX_KEY] = ctx
-
-        async def observed_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
+    async def observed_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            if not ctx.answered_by_server:
                 ctx.status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", ctx.request_id.encode()),
-                                                  *ctx.response_headers]}
-                await send(message)
-                return
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                await ctx.run_cleanups()  # limits are free again when the client sees the end
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"x-request-id", ctx.request_id.encode()),
+                                              *ctx.response_headers]}
             await send(message)
-            if message["type"] == "http.response.body":
-                ctx.response_bytes += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    ctx.end_at = time.perf_counter()
+            return
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            await ctx.run_cleanups()  # limits are free again when the client sees the end
+        await send(message)
+        if message["type"] == "http.response.body":
+            ctx.response_bytes += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                ctx.end_at = time.perf_counter()
 
+    try:
         try:
-            await next_app(scope, receive, observed_send)
-        finally:
-            await finish(gw, ctx)
+            check_target(scope.get("raw_path") or scope["path"].encode("latin-1"), scope.get("query_string", b""),
+                         scope["path"])
+        except GatewayError as err:
+            ctx.set_error(err)
+            await send_error(observed_send, err)
+            return
+        await app(scope, receive, observed_send)
+    finally:
+        await finish(gw, ctx)
+
+
+async def record_refused(gw: GatewayState, method: str, path: str, client: str | None, err: GatewayError,
+                         response_bytes: int) -> None:
+    """The one log record (and metrics, span) of a request the HTTP server refused before any app saw it."""
+    scope = {"type": "http", "method": method, "path": path, "headers": [], "client": (client, 0),
+             "http_version": "1.1"}
+    ctx = begin(gw, scope)  # type: ignore[arg-type]
+    ctx.set_error(err)
+    ctx.status, ctx.response_bytes, ctx.end_at = err.status, response_bytes, time.perf_counter()
+    await finish(gw, ctx)
+
+
+async def send_error(send: Send, err: GatewayError) -> None:
+    """Answer with ``err``'s OpenAI error JSON (status, JSON content type, ``err.headers``)."""
+    body = error_json(err)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((k.encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items())]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

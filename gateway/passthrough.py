@@ -1,6 +1,6 @@
 """Pass-through of ``/v1/*`` paths the gateway does not interpret (embeddings, tokenize, files …).
 
-Auth and the body-size limit apply; a JSON body naming a ``model`` is routed to a replica serving it (404
+Paths naming a generation API are never forwarded (404; gateway/target.py). Auth and the body-size limit apply; a JSON body naming a ``model`` is routed to a replica serving it (404
 for an unknown model, 403 if the key may not use it), other requests go to any healthy replica. Connection
 failures are retried on another replica; the answer is streamed back unchanged (hop-by-hop headers removed).
 """
@@ -11,6 +11,7 @@ import posixpath
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
 import httpx
 import msgspec
@@ -19,6 +20,7 @@ from litestar.response import Stream
 
 from gateway.admission import authenticate, context_of, read_body
 from gateway.errors import ModelNotFound, NotFound, UpstreamUnavailable
+from gateway.target import names_generation_api
 from gateway.upstreams import Replica
 
 if TYPE_CHECKING:
@@ -33,14 +35,16 @@ RESPONSE_DROPPED = HOP_BY_HOP | {"date", "server", "content-type", "x-request-id
 
 def upstream_path(raw_path: str) -> str:
     """The path to forward: ``raw_path`` when it stays inside ``/v1/`` after resolving ``.``/``..`` segments
-    (percent-encoded ones included). Raises NotFound otherwise, so ``/v1/../metrics`` never reaches the
-    upstream's private routes."""
-    from urllib.parse import unquote
-
+    (percent-encoded ones included) and names no generation API (gateway/target.py: those are served only by
+    the admitted routes, in any spelling). Raises NotFound otherwise, so ``/v1/../metrics`` never reaches the
+    upstream's private routes and ``/v1/Chat/Completions`` never skips admission."""
     decoded = unquote(raw_path)
     normal = posixpath.normpath(decoded)
     if normal != decoded.rstrip("/") or not normal.startswith("/v1/") or "//" in decoded:
         raise NotFound(f"Unknown path {raw_path!r}.")
+    if names_generation_api(decoded):
+        raise NotFound(f"Unknown path {raw_path!r}: generation is served only at POST /v1/chat/completions and "
+                       "POST /v1/completions.")
     return raw_path
 
 

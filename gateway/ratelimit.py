@@ -142,9 +142,18 @@ class InMemoryRateLimiter:
         self._keys.clear()
 
 
-_ACQUIRE_LUA = """
-local tm = redis.call('TIME')
-local now = tonumber(tm[1]) + tonumber(tm[2]) / 1000000
+_NOW_LUA = """
+local function clock(given)
+  local now = tonumber(given)
+  if now then return now end
+  local tm = redis.call('TIME')
+  return tonumber(tm[1]) + tonumber(tm[2]) / 1000000
+end
+"""
+"""``clock(ARGV[i])``: the caller's time when it passed one (tests), else the Redis server's clock."""
+
+_ACQUIRE_LUA = _NOW_LUA + """
+local now = clock(ARGV[8])
 local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cap, lease, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local function level(key, limit)
@@ -185,12 +194,11 @@ end
 return {reason, tostring(wait), tostring(req), tostring(tok)}
 """
 
-_RELEASE_LUA = """
+_RELEASE_LUA = _NOW_LUA + """
 redis.call('ZREM', KEYS[3], ARGV[3])
 local tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[2])
 if tpm > 0 and delta ~= 0 then
-  local tm = redis.call('TIME')
-  local now = tonumber(tm[1]) + tonumber(tm[2]) / 1000000
+  local now = clock(ARGV[4])
   local v = redis.call('HMGET', KEYS[2], 'level', 'ts')
   local lvl = tpm
   if v[1] then lvl = math.min(tpm, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * tpm / 60) end
@@ -208,9 +216,13 @@ class RedisRateLimiter:
     Concurrency slots are members of a sorted set scored by their start time; slots older than
     ``lease_ttl_s`` (a crashed gateway's) are dropped. If Redis is unreachable the limiter fails open
     (admits, logs a warning): an outage of the limiter must not take the API down.
+
+    ``clock`` (seconds) replaces the Redis server's clock in the scripts; for tests only: replicas must
+    share one clock, so the gateway never sets it.
     """
 
-    def __init__(self, url: str, lease_ttl_s: float, prefix: str = "kvscope:ratelimit") -> None:
+    def __init__(self, url: str, lease_ttl_s: float, prefix: str = "kvscope:ratelimit",
+                 clock: Callable[[], float] | None = None) -> None:
         import redis.asyncio as aioredis  # optional dependency: imported only when --redis-url is set
 
         self._redis = aioredis.Redis.from_url(url)
@@ -219,6 +231,11 @@ class RedisRateLimiter:
         self._release = self._redis.register_script(_RELEASE_LUA)
         self._ttl = max(1, math.ceil(lease_ttl_s))
         self._prefix = prefix
+        self._clock = clock
+
+    def _now(self) -> str:
+        """The ``clock`` argument of the scripts: empty means the Redis server's clock."""
+        return "" if self._clock is None else repr(self._clock())
 
     def _keys(self, key_id: str) -> list[str]:
         base = f"{self._prefix}:{{{key_id}}}"
@@ -226,7 +243,7 @@ class RedisRateLimiter:
 
     async def acquire(self, key_id: str, limits: KeyLimits, tokens: int, lease_id: str) -> LimitDecision:
         args = [limits.requests_per_minute or 0, limits.tokens_per_minute or 0, tokens,
-                limits.max_concurrent or 0, lease_id, self._ttl, CONCURRENCY_RETRY_S]
+                limits.max_concurrent or 0, lease_id, self._ttl, CONCURRENCY_RETRY_S, self._now()]
         try:
             reason, wait, req, tok = await self._acquire(keys=self._keys(key_id), args=args)
         except self._errors as exc:
@@ -243,7 +260,7 @@ class RedisRateLimiter:
     async def release(self, key_id: str, limits: KeyLimits, lease_id: str, token_delta: int) -> None:
         try:
             await self._release(keys=self._keys(key_id),
-                                args=[limits.tokens_per_minute or 0, token_delta, lease_id])
+                                args=[limits.tokens_per_minute or 0, token_delta, lease_id, self._now()])
         except self._errors as exc:
             _log.warning("rate limiter: redis unavailable on release (%s)", exc)
 

@@ -1,6 +1,7 @@
 """HTTP routes. Generation routes return a :class:`~gateway.proxy.ProxyCall` (an ASGI app that owns the
-exchange); the others are small. Every path and method lands on some route (catch-alls raise OpenAI-shaped
-404/405), so every request is observed and logged."""
+exchange); the others are small. Every path lands on some route (catch-alls raise OpenAI-shaped 404/405);
+methods no route declares get Litestar's 405, mapped to the same JSON. The observation wrapper
+(gateway/observe.py) sits outside the router, so every request is logged either way."""
 
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [pool.model_card(m) for m in _visible_models(request)]}
 
 
-@get("/v1/models/{model:path}")
+@route("/v1/models/{model:path}", http_method=ALL_METHODS, status_code=200)
 async def retrieve_model(request: Request) -> dict[str, Any]:
+    _only(request, "GET")
     name = str(request.path_params["model"]).lstrip("/")
     if name not in _visible_models(request):
         raise ModelNotFound(f"The model '{name}' does not exist or is not served here.", param="model")

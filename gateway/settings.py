@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 import yaml
 
+from gateway.forwarded import parse_networks
+
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -198,6 +200,9 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     default_limits: KeyLimits = KeyLimits()
     """Limits for keys that do not set their own, and for anonymous clients when auth is off."""
     max_body_bytes: int = 8 * 1024 * 1024
+    trusted_proxies: tuple[str, ...] = ()
+    """Proxy addresses or CIDR networks whose ``Forwarded`` / ``X-Forwarded-For`` name the client
+    (gateway/forwarded.py); empty: the TCP peer is the client, whatever the headers say."""
     redis_url: str | None = None
     """Share rate limits between gateway replicas through Redis; ``None``: in-memory."""
     timeouts: TimeoutConfig = TimeoutConfig()
@@ -215,6 +220,7 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
         if not self.api_keys and not self.allow_unauthenticated and not is_loopback(self.host):
             raise ValueError(f"refusing to serve {self.host} without API keys: add keys (kvscope keys create) "
                              "or pass --allow-unauthenticated")
+        parse_networks(self.trusted_proxies)
         names = [key.name for key in self.api_keys]
         if len(names) != len(set(names)):
             raise ValueError("api key names must be unique")
@@ -258,7 +264,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """Overrides from ``KVSCOPE_GATEWAY_{HOST,PORT,UPSTREAMS,REDIS_URL,LOG_FILE,ALLOW_UNAUTHENTICATED,
-    API_KEY_HASHES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT``, in config-file shape."""
+    API_KEY_HASHES,TRUSTED_PROXIES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT``, in config-file shape."""
     prefix = "KVSCOPE_GATEWAY_"
     out: dict[str, Any] = {}
     if value := env.get(prefix + "HOST"):
@@ -273,6 +279,8 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         out["logs"] = {"file": value}
     if value := env.get(prefix + "ALLOW_UNAUTHENTICATED"):
         out["allow_unauthenticated"] = value.lower() in ("1", "true", "yes")
+    if value := env.get(prefix + "TRUSTED_PROXIES"):
+        out["trusted_proxies"] = [item.strip() for item in value.split(",") if item.strip()]
     if value := env.get(prefix + "API_KEY_HASHES"):
         out["api_keys"] = [parse_key_hash(item) for item in value.split(",") if item.strip()]
     if value := env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.engine_core import StepResult
 from engine.sampling_params import SamplingParams
 from engine.server.access_log import AccessLogMiddleware, AccessRecord
+from engine.server.auth import api_key_guard
 from engine.server.errors import exception_handlers
 from engine.server.routes import ROUTES
 from engine.server.settings import ServerSettings
@@ -147,5 +148,6 @@ def create_app(settings: ServerSettings | None = None, engine_config: EngineConf
         openapi_config=OpenAPIConfig(title="kvscope engine", version="0.1.0",
                                      description="OpenAI-compatible API of the kvscope engine."),
         state=State({"unrouted_hook": context.on_unrouted, "context": context}),
+        guards=[api_key_guard(settings.api_key)] if settings.api_key else [],
         logging_config=None,
     )

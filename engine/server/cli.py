@@ -1,7 +1,7 @@
 """``kvscope engine …`` / ``python -m engine.server …``: serve one model over the OpenAI API with uvicorn.
 
 ``engine_main(argv) -> int`` parses the flags into an EngineConfig (engine.llm.build_engine_config) and
-ServerSettings, configures logging (request lines as JSON on stdout, everything else on stderr) and runs
+ServerSettings, warns loudly when it binds a non-loopback address without ``--api-key``, configures logging (request lines as JSON on stdout, everything else on stderr) and runs
 uvicorn until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine shutting down"
 (streams receive an in-band error event) instead of hanging until the graceful-shutdown timeout.
 """
@@ -17,7 +17,14 @@ from typing import Any
 from engine.config import DEFAULT_MODEL
 from engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
 from engine.server.metrics import MetricBuckets
-from engine.server.settings import ServerSettings, parse_buckets, parse_size, service_name, traces_endpoint
+from engine.server.settings import (
+    ServerSettings,
+    api_key_from,
+    parse_buckets,
+    parse_size,
+    service_name,
+    traces_endpoint,
+)
 
 _ENGINE_FLAGS = {  # flag dest → build_engine_config keyword
     "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
@@ -50,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, help="torch intra-op threads on CPU")
     p.add_argument("--sse-keepalive-s", type=float, default=15.0, help="seconds between SSE keep-alive comments")
     p.add_argument("--max-concurrent-requests", type=int, default=0, help="429 above this many; 0 = unlimited")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $KVSCOPE_ENGINE_API_KEY; none = no auth, warned about on a non-loopback --host)")
     p.add_argument("--enable-fault-injection", action="store_true",
                    help="honour the x-kvscope-fault: after_tokens=N header (tests only)")
     p.add_argument("--otlp-endpoint", help="OTLP/HTTP collector (base URL or …/v1/traces); "
@@ -78,7 +87,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         host=args.host, port=args.port, sse_keepalive_s=args.sse_keepalive_s,
         enable_fault_injection=args.enable_fault_injection, max_concurrent_requests=args.max_concurrent_requests,
         otlp_endpoint=traces_endpoint(args.otlp_endpoint), service_name=service_name(args.service_name),
-        buckets=MetricBuckets(**buckets), warmup=not args.no_warmup, log_level=args.log_level)
+        buckets=MetricBuckets(**buckets), warmup=not args.no_warmup, log_level=args.log_level,
+        api_key=api_key_from(args.api_key))
 
 
 def configure_logging(level: str) -> None:
@@ -109,6 +119,8 @@ def engine_main(argv: Sequence[str] | None = None) -> int:
         print(f"kvscope engine: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    if (warning := settings.exposure_warning()) is not None:
+        logging.getLogger("kvscope.engine").warning("%s\n%s\n%s", "!" * 100, warning, "!" * 100)
     return _serve(settings, config)
 
 

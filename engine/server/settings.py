@@ -3,11 +3,13 @@
 Environment variables (standard OpenTelemetry names):
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (used as is) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (base URL,
 ``/v1/traces`` appended) switch on the OTLP/HTTP span exporter when ``--otlp-endpoint`` is not given;
-``OTEL_SERVICE_NAME`` names the service (default ``kvscope-engine``).
+``OTEL_SERVICE_NAME`` names the service (default ``kvscope-engine``); ``KVSCOPE_ENGINE_API_KEY`` is the API key
+when ``--api-key`` is not given (a flag is visible in ``ps``, the environment is not).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -40,6 +42,8 @@ class ServerSettings:
     warmup: bool = True
     """Run one short generation before reporting healthy (first-call costs are paid before traffic)."""
     log_level: str = "info"
+    api_key: str | None = None
+    """Bearer key required on every route but ``/health`` (engine/server/auth.py); None: no auth."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -48,6 +52,36 @@ class ServerSettings:
             raise ValueError(f"sse_keepalive_s must be positive, got {self.sse_keepalive_s}")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+
+    def exposure_warning(self) -> str | None:
+        """The warning for a non-loopback bind without an API key (None otherwise): the port serves
+        generation, /tokenize, /detokenize, /metrics and /schema to anyone who reaches it, bypassing the
+        gateway's keys and limits."""
+        if self.api_key is not None or is_loopback(self.host):
+            return None
+        return (f"the engine listens on {self.host}:{self.port} WITHOUT an API key: anyone who can reach this "
+                "port can generate (/v1/chat/completions, /v1/completions), tokenize and read /metrics and "
+                "/schema, bypassing the gateway's API keys, rate limits and max_tokens ceilings. Bind to "
+                "127.0.0.1, or pass --api-key (or set KVSCOPE_ENGINE_API_KEY) and give the gateway the same "
+                "key as the upstream's api_key.")
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key_from(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``explicit`` (``--api-key``), else ``$KVSCOPE_ENGINE_API_KEY``, else None."""
+    env = os.environ if environ is None else environ
+    return explicit or env.get("KVSCOPE_ENGINE_API_KEY") or None
 
 
 def traces_endpoint(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:

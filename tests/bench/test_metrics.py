@@ -4,6 +4,7 @@ with known timings (benchmark clock = the scripted stream's clock)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 import httpx
@@ -101,13 +102,19 @@ async def test_run_over_fake_streams_matches_hand_computed_figures():
 
 
 async def test_max_concurrency_caps_requests_in_flight():
-    in_flight, peak = 0, 0
+    """Each answer is held until ``expected_peak`` requests are in flight at once (30 s deadline, so a cap
+    that is too tight ends with a lower peak instead of hanging); no clock decides the overlap."""
+    in_flight, peak, target = 0, 0, 0
+    crowded = asyncio.Event()
 
     async def body():
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
-        await asyncio.sleep(0.02)
+        if in_flight >= target:
+            crowded.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(crowded.wait(), 30)
         in_flight -= 1  # before the last bytes: the client closes the stream at [DONE]
         yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n'
 
@@ -116,7 +123,8 @@ async def test_max_concurrency_caps_requests_in_flight():
 
     samples = [SampleRequest(f"p{i}", 1, 1) for i in range(9)]
     for cap, expected_peak in ((3, 3), (None, 9)):
-        peak = 0
+        peak, target = 0, expected_peak
+        crowded.clear()
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             result = await run_benchmark(EndpointConfig("http://fake", "m"), samples,
                                          LoadConfig(max_concurrency=cap, num_warmups=0), client=client,

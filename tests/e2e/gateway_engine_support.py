@@ -64,7 +64,7 @@ class Stack:
     def engine_metrics(self) -> dict:
         return self.engine.metrics()
 
-    def gateway_line(self, request_id: str, timeout_s: float = 5.0) -> dict:
+    def gateway_line(self, request_id: str, timeout_s: float = 30.0) -> dict:
         """The single gateway log record of ``request_id`` (fails when there is none or several)."""
         records_by_id(self.log, [request_id], timeout_s)
         time.sleep(0.1)  # a duplicate would be written right after the first
@@ -72,7 +72,7 @@ class Stack:
         assert len(lines) == 1, lines
         return lines[0]
 
-    def engine_line(self, request_id: str, timeout_s: float = 5.0) -> dict:
+    def engine_line(self, request_id: str, timeout_s: float = 30.0) -> dict:
         """The single engine log record of the request the gateway sent with ``x-request-id: request_id``."""
         return line_by_http_id(self.engine, request_id, timeout_s)
 
@@ -129,7 +129,7 @@ def engine_gauges(samples: dict) -> tuple[float, float, float]:
     return running, waiting, usage
 
 
-def engine_back_to(stack: Stack, idle: tuple, timeout_s: float = 3.0) -> dict:
+def engine_back_to(stack: Stack, idle: tuple, timeout_s: float = 30.0) -> dict:
     """Poll the engine until its gauges equal ``idle``; returns those metrics."""
     return wait_for(lambda: (m := stack.engine_metrics()) and engine_gauges(m) == idle and m, timeout_s)
 

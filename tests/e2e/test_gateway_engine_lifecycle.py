@@ -10,8 +10,6 @@ one of 24 tokens) instead of ten of 50; the properties checked are the cases' ow
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -73,12 +71,8 @@ def test_l1_stream_disconnect_frees_everything(stack, client):
     before = stack.engine_metrics()
     idle = engine_gauges(before)
     result = stream(client, CHAT, LONG_STORY, {"x-request-id": "gw-l1"}, stop_after_data=6)  # role + 5 tokens
-    closed_at = time.monotonic()
-    after = engine_back_to(stack, idle)
-    assert time.monotonic() - closed_at < 1.5
-    time.sleep(0.5)
-    generated = delta(before, stack.engine_metrics(), "kvscope_engine_generation_tokens_total", **M)
-    assert generated == delta(before, after, "kvscope_engine_generation_tokens_total", **M), "generation must stop"
+    after = engine_back_to(stack, idle)  # idle again: the 900-token request was aborted, not finished
+    generated = delta(before, after, "kvscope_engine_generation_tokens_total", **M)
     line = stack.gateway_line("gw-l1")
     assert (line["kvscope"]["client_disconnected"], line["kvscope"]["disconnect_phase"]) == (True, "decode")
     assert (line["http"]["response"]["status_code"], line["event"]["outcome"]) == (200, "unknown")
@@ -87,18 +81,23 @@ def test_l1_stream_disconnect_frees_everything(stack, client):
     assert 5 <= client_tokens <= line["gen_ai"]["usage"]["output_tokens"] <= generated
     engine_line = stack.engine_line("gw-l1")
     assert (engine_line["kvscope"]["phase"], engine_line["gen_ai"]["usage"]["output_tokens"]) == ("decode", generated)
-    assert wait_for(lambda: gateway_idle(stack), 2)
-    admitted = client.post(CHAT, json=chat("hi", max_tokens=2)).json()
-    assert admitted["kvscope"]["queue_s"] < 0.5
+    assert wait_for(lambda: gateway_idle(stack), 30)
+    # a later request runs engine steps after the abort: a request still generating would add to the count
+    admitted = client.post(CHAT, json=chat("hi", max_tokens=2, ignore_eos=True)).json()
+    later = engine_back_to(stack, idle)  # its last step is counted once the gauges are idle again
+    assert delta(before, later, "kvscope_engine_generation_tokens_total", **M) == generated + 2, (
+        "generation must stop")
+    # behind the 900-token request (one sequence at a time) it would wait its remaining tokens at this pace
+    k = engine_line["kvscope"]
+    per_token_s = (k["e2e_s"] - k["ttft_s"]) / (generated - 1)
+    assert admitted["kvscope"]["queue_s"] < (900 - generated) * per_token_s / 2
 
 
 def test_l2_non_streaming_client_killed_after_1s(stack):
     idle = engine_gauges(stack.engine_metrics())
     with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=stack.url, timeout=1.0) as short:
         short.post(CHAT, json=LONG_STORY, headers={"x-request-id": "gw-l2-json"})
-    killed_at = time.monotonic()
-    engine_back_to(stack, idle)
-    assert time.monotonic() - killed_at < 1.5
+    engine_back_to(stack, idle)  # idle again: the 900-token request was aborted, not finished
     line = stack.gateway_line("gw-l2-json")
     assert (line["http"]["response"]["status_code"], line["kvscope"]["disconnect_phase"]) == (499, "response")
     assert line["kvscope"]["client_disconnected"] is True and line["event"]["outcome"] == "unknown"
@@ -120,10 +119,13 @@ def test_l2_stream_aborted_during_prefill_of_near_context_prompt(stack, client):
     result = stream(client, COMPLETIONS, completion(prompt, max_tokens=8), {"x-request-id": "gw-l2-prefill"},
                     until=prefilling)
     assert result.status == 200 and result.parsed.data == []
-    after = engine_back_to(stack, idle, timeout_s=5)  # the abort lands before the next step
+    after = engine_back_to(stack, idle)  # the abort lands before the next step
     step_tokens = total(after, "kvscope_engine_step_tokens_sum", **M)
-    time.sleep(1.0)
-    assert total(stack.engine_metrics(), "kvscope_engine_step_tokens_sum", **M) == step_tokens, "engine must stop"
+    # a later request's steps are the only ones after the abort: its uncached prompt, then one decode
+    probe = client.post(COMPLETIONS, json=completion("Count:", max_tokens=2, ignore_eos=True)).json()["usage"]
+    fresh = probe["prompt_tokens"] - ((probe.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    assert total(engine_back_to(stack, idle), "kvscope_engine_step_tokens_sum", **M) == step_tokens + fresh + 1, (
+        "engine must stop")
     assert delta(before, after, "kvscope_engine_prompt_tokens_total", **M) == 0
     assert step_tokens - total(before, "kvscope_engine_step_tokens_sum", **M) < n_prompt
     line = stack.gateway_line("gw-l2-prefill")
@@ -162,13 +164,13 @@ def test_m1_latency_histograms_are_true(stack, client):
     bodies.append(completion("A long one:", max_tokens=24, ignore_eos=True))
     first = before = stack.gateway_metrics()
     engine_before = stack.engine_metrics()
-    client_ttfts, lines = [], []
+    client_seconds, lines = [], []  # client: send → the event of the second token arrived
     hist = {"ttft_s": "kvscope_gateway_time_to_first_token_seconds_sum",
             "tpot_s": "kvscope_gateway_time_per_output_token_seconds_sum",
             "e2e_s": "kvscope_gateway_request_duration_seconds_sum"}
     for i, body in enumerate(bodies):
         result = stream(client, COMPLETIONS, body, {"x-request-id": f"gw-m1-{i}"})
-        client_ttfts.append(token_times(result)[0])
+        client_seconds.append(token_times(result)[1])
         line = stack.gateway_line(f"gw-m1-{i}")  # written after the histograms are observed
         after = stack.gateway_metrics()
         for field, name in hist.items():  # exactly the logged value went into each histogram
@@ -184,10 +186,12 @@ def test_m1_latency_histograms_are_true(stack, client):
     assert delta(first, after, "kvscope_gateway_time_per_output_token_seconds_count", **M) == 5
     assert delta(engine_before, stack.engine_metrics(), "kvscope_engine_time_to_first_token_seconds_count", **M) == 5
     ttft_sum = delta(first, after, "kvscope_gateway_time_to_first_token_seconds_sum", **M)
-    assert abs(ttft_sum - sum(client_ttfts)) < 0.1 * len(bodies)
-    assert all(abs(c - line["kvscope"]["ttft_s"]) < 0.25 for c, line in zip(client_ttfts, lines, strict=True))
+    # the gateway stamps a first token before it forwards the next (bounds that load only widens)
+    assert all(line["kvscope"]["ttft_s"] < second for line, second in zip(lines, client_seconds, strict=True))
+    assert ttft_sum < sum(client_seconds)
     assert lines[3]["kvscope"]["ttft_s"] > 1.0
-    assert delta(first, after, "kvscope_gateway_time_to_first_token_seconds_bucket", le="1.0", **M) == 4
+    assert delta(first, after, "kvscope_gateway_time_to_first_token_seconds_bucket", le="1.0", **M) == sum(
+        line["kvscope"]["ttft_s"] <= 1.0 for line in lines)
     duration_bounds = {float(dict(labels)["le"]) for (name, labels), _ in after.items()
                        if name == "kvscope_gateway_request_duration_seconds_bucket"}
     assert {120.0, 300.0, 600.0} <= duration_bounds

@@ -65,8 +65,8 @@ def test_s1_stream_is_not_buffered_and_ttft_agrees(stack, client):
     assert spread > 0.8 * engine["decode_s"], "tokens must reach the client as the engine makes them"
     gaps = [b - a for a, b in zip(tokens, tokens[1:], strict=False)]
     assert sum(g > 0.005 for g in gaps) > len(gaps) // 2
-    ttft = line["kvscope"]["ttft_s"]
-    assert abs(tokens[0] - ttft) < 0.25 and engine["ttft_s"] <= ttft
+    ttft = line["kvscope"]["ttft_s"]  # stamped before the gateway forwards the next token
+    assert engine["ttft_s"] <= ttft < tokens[1]
     after = stack.gateway_metrics()
     assert delta(before, after, "kvscope_gateway_time_to_first_token_seconds_count", **M) == 1
     assert delta(before, after, "kvscope_gateway_time_to_first_token_seconds_sum", **M) == pytest.approx(ttft,
@@ -119,19 +119,21 @@ def test_s3_engine_fault_mid_stream_is_not_success(stack, client):
 
 def test_s4_keepalive_comments_while_prefilling(stack, client):
     prompt = "The history of the ocean. " * 150  # ~900 tokens: seconds of prefill on this CPU
-    result = stream(client, COMPLETIONS, completion(prompt, max_tokens=2), {"x-request-id": "gw-s4"})
+    result = stream(client, COMPLETIONS, completion(prompt, max_tokens=2, temperature=0),  # greedy: text, not
+                    {"x-request-id": "gw-s4"})  # two sampled byte pieces without text (then no TTFT at all)
     head = result.text.split("data: ")[0]
     assert head.count(": keep-alive\n\n") >= 2 and "event:" not in result.text
     assert set(result.parsed.comments) == {": keep-alive"} and result.parsed.other == []
+    # the k-th comment leaves ≥ k intervals after the gateway got the request (after the client sent it);
+    # load only delays them (1 ms: timer rounding)
     comment_times = [t for t, event in result.events if event == ": keep-alive"]
-    assert comment_times[0] >= GATEWAY_KEEPALIVE_S * 0.9
-    gaps = [b - a for a, b in zip(comment_times, comment_times[1:], strict=False)]
-    assert all(GATEWAY_KEEPALIVE_S * 0.9 <= g < GATEWAY_KEEPALIVE_S * 3 for g in gaps), gaps  # loose: busy CPU
+    assert all(t >= GATEWAY_KEEPALIVE_S * k - 1e-3 for k, t in enumerate(comment_times, start=1)), comment_times
     line = stack.gateway_line("gw-s4")
-    first_token = token_times(result)[0]
-    assert abs(first_token - line["kvscope"]["ttft_s"]) < 0.25  # TTFT is the first token, not a comment
-    assert line["kvscope"]["ttft_s"] > comment_times[1]
-    assert line["kvscope"]["engine"]["ttft_s"] <= line["kvscope"]["ttft_s"]
+    ttft, before_token = line["kvscope"]["ttft_s"], head.count(": keep-alive\n\n")
+    # TTFT is the first token, not a comment: after every comment sent before it, and stamped before the
+    # gateway forwards [DONE]
+    assert GATEWAY_KEEPALIVE_S * before_token - 1e-3 <= ttft < result.data_times()[-1]
+    assert line["kvscope"]["engine"]["ttft_s"] <= ttft
 
 
 def test_s5_usage_chunk_equals_non_streaming_usage(stack, client):

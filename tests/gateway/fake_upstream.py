@@ -10,7 +10,12 @@ gateway forwards untouched): ``token_delay_s``, ``first_token_delay_s``, ``statu
 this status and an OpenAI error), ``die_after_tokens`` (abort the TCP connection mid-stream),
 ``error_after_tokens`` (in-band error event), ``omit_finish`` (end without finish_reason/[DONE]),
 ``rechunk_seed`` (split the SSE bytes into random HTTP chunks), ``crlf`` (CRLF line endings),
-``kvscope_stats`` (add the engine's ``kvscope`` stats object), ``headers_delay_s``, ``finish_reason``.
+``kvscope_stats`` (add the engine's ``kvscope`` stats object), ``headers_delay_s``, ``finish_reason``,
+``hold`` (a gate name: token ``i`` is written only once the test released ``"{hold}/{i}"``, and a
+non-streaming answer waits for ``"{hold}/0"``; a test proves ordering with it instead of with a clock).
+
+Gates: :meth:`FakeUpstream.release` (thread-safe, for in-process fakes) or ``POST /_fake/release`` with
+``{"name": ...}``; a gate may be released before anyone waits on it. A wait ends early if the client left.
 
 Records every request (headers incl. traceparent/x-request-id, body, arrival, the SSE bytes sent, and the
 monotonic time the client disconnected, if it did): ``GET /_fake/requests``; ``POST /_fake/reset``.
@@ -23,6 +28,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -45,6 +51,8 @@ class Knobs:
     """Override the finish_reason (e.g. ``abort``)."""
     cached_tokens: int = 0
     """``usage.prompt_tokens_details.cached_tokens`` to report (a prefix-cache hit)."""
+    hold: str = ""
+    """Gate prefix: token ``i`` waits for ``"{hold}/{i}"`` to be released (empty: no gates)."""
 
     def merged(self, overrides: dict[str, Any] | None) -> Knobs:
         names = {f.name for f in fields(self)}
@@ -76,9 +84,12 @@ class FakeUpstream:
     knobs: Knobs = Knobs()
     records: list[Record] = field(default_factory=list)
     port: int = 0
+    gates: dict[str, asyncio.Event] = field(default_factory=dict)
     _server: asyncio.Server | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> FakeUpstream:
+        self._loop = asyncio.get_running_loop()
         self._server = await asyncio.start_server(self._connection, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -92,6 +103,16 @@ class FakeUpstream:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def gate(self, name: str) -> asyncio.Event:
+        """The gate ``name`` (created closed); call on the fake's loop."""
+        return self.gates.setdefault(name, asyncio.Event())
+
+    def release(self, *names: str) -> None:
+        """Open the gates ``names``; safe to call from any thread."""
+        assert self._loop is not None, "not started"
+        for name in names:
+            self._loop.call_soon_threadsafe(lambda n=name: self.gate(n).set())
 
     # --- HTTP ---------------------------------------------------------------------------------------------
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -122,6 +143,9 @@ class FakeUpstream:
         if rec.path == "/_fake/reset":
             self.records.clear()
             return await _json(writer, 200, {"ok": True})
+        if rec.path == "/_fake/release" and isinstance(rec.body, dict):
+            self.gate(str(rec.body["name"])).set()
+            return await _json(writer, 200, {"ok": True})
         if rec.path in ("/health", "/v1/models"):
             data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake", "max_model_len": self.max_model_len}
                     for m in self.models]
@@ -134,8 +158,9 @@ class FakeUpstream:
                 return await _json(writer, knobs.status, {"error": {"message": f"fake {knobs.status}",
                                                                     "type": "server_error", "param": None,
                                                                     "code": None}})
-            gen = Generation(rec, knobs, chat=rec.path.endswith("chat/completions"))
-            watcher = asyncio.create_task(_watch_eof(reader, rec))
+            gone = asyncio.Event()  # set when the client disconnects: ends a gate wait
+            gen = Generation(rec, knobs, chat=rec.path.endswith("chat/completions"), gate=self.gate, gone=gone)
+            watcher = asyncio.create_task(_watch_eof(reader, rec, gone))
             try:
                 if rec.body.get("stream"):
                     await gen.stream(writer)
@@ -149,12 +174,13 @@ class FakeUpstream:
         return await _json(writer, 200, {"echo": rec.path, "method": rec.method, "body": rec.body})
 
 
-async def _watch_eof(reader: asyncio.StreamReader, rec: Record) -> None:
+async def _watch_eof(reader: asyncio.StreamReader, rec: Record, gone: asyncio.Event) -> None:
     """The client never sends more while a response is pending: EOF here means it disconnected."""
     with contextlib.suppress(Exception):
         data = await reader.read(1)
         if not data:
             rec.disconnected_at = time.monotonic()
+            gone.set()
 
 
 async def _json(writer: asyncio.StreamWriter, status: int, obj: Any) -> None:
@@ -174,8 +200,10 @@ def prompt_words(body: dict[str, Any]) -> int:
 class Generation:
     """One completion request's deterministic output."""
 
-    def __init__(self, rec: Record, knobs: Knobs, chat: bool) -> None:
+    def __init__(self, rec: Record, knobs: Knobs, chat: bool,
+                 gate: Callable[[str], asyncio.Event] | None = None, gone: asyncio.Event | None = None) -> None:
         self.rec, self.knobs, self.chat, self.body = rec, knobs, chat, rec.body
+        self._gate, self._gone = gate, gone or asyncio.Event()
         self.n = self.body.get("n") or 1
         self.max_tokens = self.body.get("max_tokens") or self.body.get("max_completion_tokens")
         self.num_tokens = self.max_tokens or 8
@@ -195,8 +223,19 @@ class Generation:
     def _alive(self) -> bool:
         return self.rec.disconnected_at is None
 
+    async def _held(self, i: int) -> None:
+        """With the ``hold`` knob: wait until gate ``"{hold}/{i}"`` is released or the client left."""
+        if not self.knobs.hold or self._gate is None:
+            return
+        opened = asyncio.ensure_future(self._gate(f"{self.knobs.hold}/{i}").wait())
+        gone = asyncio.ensure_future(self._gone.wait())
+        await asyncio.wait({opened, gone}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (opened, gone):
+            task.cancel()
+
     async def respond(self, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(self.knobs.first_token_delay_s + self.knobs.token_delay_s * self.num_tokens)
+        await self._held(0)
         if not self._alive():
             return
         texts = ["".join(self.token(c, i) for i in range(self.num_tokens)) for c in range(self.n)]
@@ -242,6 +281,9 @@ class Generation:
                 return await out.end()
             if i:
                 await asyncio.sleep(self.knobs.token_delay_s)
+            await self._held(i)
+            if not self._alive():
+                return
             await out.event(self.chunk([self.choice(c, self.token(c, i), None) for c in range(self.n)]))
         if self.knobs.omit_finish:
             return await out.end()

@@ -119,6 +119,42 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"port {port} not open")
 
 
+@dataclass(frozen=True)
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def raw_http(port: int, data: bytes, timeout: float = 20.0, source: str | None = None) -> RawResponse:
+    """Send ``data`` as is on a new connection to 127.0.0.1 (from ``source``, e.g. ``127.0.0.2``) for targets
+    and heads no client library would send, and parse the one response with h11; waits until the server
+    closes the connection or the response ends."""
+    import h11
+
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))  # lets h11 expect a response
+    conn.send(h11.EndOfMessage())
+    status, headers, body = 0, {}, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                  source_address=(source, 0) if source else None) as sock:
+        sock.sendall(data)
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(sock.recv(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                headers = {k.decode(): v.decode("latin-1") for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return RawResponse(status, headers, body)
+
+
 # --- in-thread servers ------------------------------------------------------------------------------------
 class LoopThread:
     """An asyncio loop in a daemon thread (for in-process fake upstreams)."""
@@ -155,9 +191,10 @@ class GatewayThread:
     def __init__(self, app: Any) -> None:
         import uvicorn
 
+        from gateway.server import uvicorn_config
+
         self.app = app
-        config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", access_log=False,
-                                lifespan="on")
+        config = uvicorn_config(app, "127.0.0.1", free_port(), "warning")
         self.server = uvicorn.Server(config)
         self.port = config.port
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -208,7 +245,7 @@ def sample(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
+def read_log(path: Path, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
     """The first ``count`` records of a JSONL log, waiting for the writer thread."""
     deadline = time.monotonic() + timeout
     while True:
@@ -218,7 +255,7 @@ def read_log(path: Path, count: int, timeout: float = 5.0) -> list[dict[str, Any
         time.sleep(0.02)
 
 
-def records_by_id(path: Path, ids: Iterable[str], timeout: float = 5.0) -> dict[str, list[dict[str, Any]]]:
+def records_by_id(path: Path, ids: Iterable[str], timeout: float = 30.0) -> dict[str, list[dict[str, Any]]]:
     """Log records grouped by ``http.request.id``, waiting until every id in ``ids`` has appeared."""
     wanted = set(ids)
     deadline = time.monotonic() + timeout

@@ -17,7 +17,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, list[Proc]]]:
+    """(the fake upstream, two gateways in front of it sharing one redis-server)."""
     require_tool("redis-server")
     tmp = tmp_path_factory.mktemp("redis-shared")
     redis, fake = spawn_redis(tmp), spawn_fake(tmp, "fake")
@@ -32,10 +33,15 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
         procs += gws
         for gw in gws:
             wait_http(gw.url + "/readyz", proc=gw.popen)
-        yield gws
+        yield fake, gws
     finally:
         for proc in procs:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gateways(cluster: tuple[Proc, list[Proc]]) -> list[Proc]:
+    return cluster[1]
 
 
 def test_requests_per_minute_is_shared(gateways: list[Proc]) -> None:
@@ -49,17 +55,27 @@ def test_requests_per_minute_is_shared(gateways: list[Proc]) -> None:
     assert remaining == ["4", "3", "2", "1", "0", "0", "0", "0"]
 
 
-def test_concurrency_cap_is_shared(gateways: list[Proc]) -> None:
+def test_concurrency_cap_is_shared(cluster: tuple[Proc, list[Proc]]) -> None:
+    """Four requests through both gateways, cap 2: the upstream holds every answer (gate ``conc/0``), so the
+    two admitted ones keep their slots until the test has both refusals; then it opens the gate."""
+    fake, gateways = cluster
+
     async def one(i: int) -> int:
-        async with httpx.AsyncClient(timeout=10) as c:
+        async with httpx.AsyncClient(timeout=60) as c:
             resp = await c.post(gateways[i % 2].url + "/v1/chat/completions", headers={"authorization": "Bearer sk-conc"},
-                                json={"model": "fake-model", "messages": HI, "fake": {"first_token_delay_s": 1.0}})
+                                json={"model": "fake-model", "messages": HI, "fake": {"hold": "conc"}})
             if resp.status_code == 429:
                 assert resp.json()["error"]["message"].startswith("Rate limit reached for this API key (concurrency)")
             return resp.status_code
 
     async def run() -> list[int]:
-        return list(await asyncio.gather(*(one(i) for i in range(4))))
+        tasks = [asyncio.create_task(one(i)) for i in range(4)]
+        pending, deadline = set(tasks), asyncio.get_running_loop().time() + 30
+        while len(pending) > 2 and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            _, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        async with httpx.AsyncClient(timeout=10) as c:  # the refusals are in (or 30 s passed): let the rest go
+            assert (await c.post(fake.url + "/_fake/release", json={"name": "conc/0"})).status_code == 200
+        return [await t for t in tasks]
 
     assert sorted(asyncio.run(run())) == [200, 200, 429, 429]
     after = httpx.post(gateways[0].url + "/v1/chat/completions", json={"model": "fake-model", "messages": HI},

@@ -10,7 +10,7 @@ import yaml
 from gateway.auth import Authenticator, generate_key, hash_key
 from gateway.cli import _gateway_parser, _overrides, keys_main
 from gateway.errors import AuthenticationFailed, PermissionDenied
-from gateway.settings import ApiKeyConfig, KeyLimits, load_settings
+from gateway.settings import ApiKeyConfig, KeyLimits, load_settings, parse_key_hash
 
 DIGEST = hash_key("sk-test")
 
@@ -92,13 +92,52 @@ def test_generated_keys_are_unique_and_hash_is_sha256() -> None:
     assert hash_key("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
 
 
-def test_keys_create_prints_key_once_and_a_loadable_config_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert keys_main(["create", "--name", "carol", "--models", "m1"]) == 0
+def test_trusted_proxies_from_file_env_and_cli_are_validated() -> None:
+    base = {"upstreams": [{"url": "http://a"}]}
+    assert load_settings(None, base, env={}).trusted_proxies == ()
+    env = {"KVSCOPE_GATEWAY_TRUSTED_PROXIES": "10.0.0.0/8, ::1"}
+    assert load_settings(None, base, env=env).trusted_proxies == ("10.0.0.0/8", "::1")
+    flags = _overrides(_gateway_parser().parse_args(["--trusted-proxy", "192.168.1.7", "--trusted-proxy", "fd00::/8"]))
+    assert load_settings(None, {**base, **flags}, env=env).trusted_proxies == ("192.168.1.7", "fd00::/8")
+    with pytest.raises(ValueError, match="trusted_proxies: 'proxy.local' is not an IP address or network"):
+        load_settings(None, {**base, "trusted_proxies": ["proxy.local"]}, env={})
+
+
+def _created(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[str, dict, str]:
+    assert keys_main(["create", *args]) == 0
     out = capsys.readouterr()
     key, line = out.out.splitlines()
     assert key.startswith("sk-kvs-") and key not in out.err
-    entry = yaml.safe_load(line)[0]
+    return key, yaml.safe_load(line)[0], out.err
+
+
+def test_keys_create_prints_key_once_and_a_loadable_config_line(capsys: pytest.CaptureFixture[str]) -> None:
+    key, entry, err = _created(capsys, "--name", "carol", "--models", "m1")
     assert entry == {"name": "carol", "sha256": hash_key(key), "models": ["m1"]}
-    assert f"--api-key-hash carol:{hash_key(key)}" in out.err
     settings = load_settings(None, {"upstreams": [{"url": "http://a"}], "api_keys": [entry]}, env={})
     assert Authenticator(settings.api_keys, KeyLimits()).authenticate(f"Bearer {key}").key_id == "carol"
+
+
+def test_keys_create_output_cannot_lose_the_model_restriction(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 19 point 3: every way of configuring the key that the output offers keeps ``--models``."""
+    key, entry, err = _created(capsys, "--name", "carol", "--models", "gpt-x, org/m:1 #a")
+    assert entry["models"] == ["gpt-x", "org/m:1 #a"]  # names YAML would mangle survive (JSON flow mapping)
+    assert "--api-key-hash" not in err.replace("(no --api-key-hash form", "")
+    settings = load_settings(None, {"upstreams": [{"url": "http://a"}], "api_keys": [entry]}, env={})
+    auth = Authenticator(settings.api_keys, KeyLimits())
+    carol = auth.authenticate(f"Bearer {key}")
+    auth.check_model(carol, "org/m:1 #a")
+    with pytest.raises(PermissionDenied):
+        auth.check_model(carol, "other-model")
+    assert keys_main(["create", "--name", "dave", "--models", " , "]) == 2  # an empty list is not "all models"
+
+
+def test_keys_create_offers_the_hash_flag_only_for_unrestricted_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    key, entry, err = _created(capsys, "--name", "erin")
+    assert entry == {"name": "erin", "sha256": hash_key(key)}
+    flag = f"--api-key-hash erin:{hash_key(key)}"
+    assert flag in err
+    via_flag = load_settings(None, {"upstreams": [{"url": "http://a"}], "api_keys": [parse_key_hash(flag.split()[1])]},
+                             env={})
+    via_config = load_settings(None, {"upstreams": [{"url": "http://a"}], "api_keys": [entry]}, env={})
+    assert via_flag.api_keys == via_config.api_keys

@@ -60,7 +60,7 @@ def stream(client: httpx.Client, path: str, body: dict, headers: dict | None = N
     return result
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 5.0, interval_s: float = 0.05) -> Any:
+def wait_for(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.05) -> Any:
     """Poll until ``predicate()`` is truthy; returns its value or raises AssertionError after the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -72,7 +72,7 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 5.0, interval_s: f
         time.sleep(interval_s)
 
 
-def line_by_http_id(engine: EngineProcess, http_id: str, timeout_s: float = 5.0) -> dict:
+def line_by_http_id(engine: EngineProcess, http_id: str, timeout_s: float = 30.0) -> dict:
     """The single log line whose ``http.request.id`` is ``http_id``."""
     def find() -> list[dict]:
         return [r for r in engine.log_records() if r["http"]["request"]["id"] == http_id]
@@ -84,7 +84,7 @@ def line_by_http_id(engine: EngineProcess, http_id: str, timeout_s: float = 5.0)
     return records[0]
 
 
-def log_line(engine: EngineProcess, response_id: str, timeout_s: float = 5.0) -> dict:
+def log_line(engine: EngineProcess, response_id: str, timeout_s: float = 30.0) -> dict:
     """The single log line of ``response_id`` (waits until it is written; fails if there are several)."""
     records = wait_for(lambda: engine.records_for(response_id), timeout_s)
     time.sleep(0.05)

@@ -3,13 +3,16 @@ uvicorn server in a thread (the FakeEngine runs on its loop)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from engine.core.request import RequestStatus
 from engine.server.access_log import ACCESS_LOGGER
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.helpers import metric_samples, sample, serve_in_thread
@@ -21,12 +24,35 @@ def live(app):
         yield url
 
 
-def _wait_aborted(fake_engine, request_id: str, timeout_s: float = 1.0) -> float:
-    start = time.monotonic()
-    while (request_id, "abort") not in fake_engine.aborted:
-        assert time.monotonic() - start < timeout_s, f"{request_id} not aborted: {fake_engine.aborted}"
+def _wait(predicate, what: str, timeout_s: float = 30.0):
+    """Poll ``predicate`` until truthy; the deadline only bounds a broken run."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         time.sleep(0.005)
-    return time.monotonic() - start
+    return value
+
+
+def _wait_aborted(fake_engine, request_id: str) -> None:
+    _wait(lambda: (request_id, "abort") in fake_engine.aborted, f"{request_id} aborted: {fake_engine.aborted}")
+
+
+def _wait_phase(fake_engine, started_before: int, phase: str) -> str:
+    """The id of the next request once it is in ``phase`` (queued: waiting; prefill: running, no token yet;
+    decode: a token out)."""
+    def reached():
+        if len(fake_engine.started) <= started_before:
+            return None
+        rid = fake_engine.started[started_before]
+        req = fake_engine.core.scheduler.requests.get(rid)
+        if req is None:
+            return None
+        now = {RequestStatus.WAITING: "queued", RequestStatus.RUNNING: "prefill"}.get(req.status)
+        if now == "prefill" and req.num_output_tokens:
+            now = "decode"
+        return rid if now == phase else None
+
+    return _wait(lambda: reached(), f"a request in {phase}")
 
 
 def _access_lines(caplog) -> list[dict]:
@@ -34,13 +60,16 @@ def _access_lines(caplog) -> list[dict]:
 
 
 @pytest.mark.parametrize(("phase", "queue_s", "prefill_s", "chunks_before_close"), [
-    ("queued", 5.0, 0.0, 0), ("prefill", 0.0, 5.0, 0), ("decode", 0.0, 0.0, 5)])  # fmt: skip
+    ("queued", 60.0, 0.0, 0), ("prefill", 0.0, 60.0, 0), ("decode", 0.0, 0.0, 5)])  # fmt: skip
 def test_stream_disconnect_aborts_in_every_phase(live, fake_engine, caplog, phase, queue_s, prefill_s,
                                                   chunks_before_close):
+    """The client closes once the request is in ``phase`` (a 60 s queue or prefill, or 100 tokens 0.2 s apart
+    that would take 20 s), so only the disconnect can end it: an abort, not a finish."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    fake_engine.queue_s, fake_engine.prefill_s, fake_engine.token_s = queue_s, prefill_s, 0.05
+    fake_engine.queue_s, fake_engine.prefill_s, fake_engine.token_s = queue_s, prefill_s, 0.2
     fake_engine.reply = b"x" * 100
-    with httpx.Client(base_url=live, timeout=10) as client:
+    started_before = len(fake_engine.started)
+    with httpx.Client(base_url=live, timeout=30) as client:
         with client.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=100, stream=True)) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
@@ -48,9 +77,8 @@ def test_stream_disconnect_aborts_in_every_phase(live, fake_engine, caplog, phas
             while received < chunks_before_close:
                 if next(lines).startswith("data: "):
                     received += 1
-            time.sleep(0.1)
-        request_id = fake_engine.started[-1]
-        assert _wait_aborted(fake_engine, request_id) < 1.0
+            request_id = _wait_phase(fake_engine, started_before, phase)
+        _wait_aborted(fake_engine, request_id)
         assert fake_engine.core.scheduler.requests == {}
         samples = metric_samples(client.get("/metrics").text)
         assert sample(samples, "kvscope_engine_requests_running", model="fake-model") == 0
@@ -67,22 +95,31 @@ def test_stream_disconnect_aborts_in_every_phase(live, fake_engine, caplog, phas
 
 
 @pytest.mark.parametrize(("phase", "queue_s", "prefill_s"), [
-    ("queued", 5.0, 0.0), ("prefill", 0.0, 5.0), ("decode", 0.0, 0.0)])  # fmt: skip
+    ("queued", 60.0, 0.0), ("prefill", 0.0, 60.0), ("decode", 0.0, 0.0)])  # fmt: skip
 def test_non_streaming_disconnect_aborts(live, fake_engine, caplog, phase, queue_s, prefill_s):
+    """The client sends the request and closes its socket once the request is in ``phase``; the access line
+    is read after a later request's line (so a duplicate would already be there)."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    fake_engine.queue_s, fake_engine.prefill_s, fake_engine.token_s = queue_s, prefill_s, 0.05
+    fake_engine.queue_s, fake_engine.prefill_s, fake_engine.token_s = queue_s, prefill_s, 0.2
     fake_engine.reply = b"x" * 100
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=live, timeout=0.4) as client:
-        client.post("/v1/chat/completions", json=chat_body(max_tokens=100))
-    request_id = fake_engine.started[-1]
-    assert _wait_aborted(fake_engine, request_id) < 1.0
+    started_before = len(fake_engine.started)
+    url = urlsplit(live)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(chat_body(max_tokens=100)),
+                 headers={"content-type": "application/json"})
+    request_id = _wait_phase(fake_engine, started_before, phase)
+    conn.close()
+    _wait_aborted(fake_engine, request_id)
     assert fake_engine.core.scheduler.requests == {}
-    time.sleep(0.05)
+    fake_engine.queue_s = fake_engine.prefill_s = 0.0
+    with httpx.Client(base_url=live, timeout=30) as client:
+        samples = metric_samples(client.get("/metrics").text)
+        later = client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).json()["id"]
+        _wait(lambda: any(line["gen_ai"]["response"]["id"] == later for line in _access_lines(caplog)),
+              "the later request's access line")
     lines = [line for line in _access_lines(caplog) if line["gen_ai"]["response"]["id"] == request_id]
     assert len(lines) == 1
     assert lines[0]["http"]["response"]["status_code"] == 499
     assert (lines[0]["kvscope"]["phase"], lines[0]["kvscope"]["outcome"]) == (phase, "client_disconnected")
-    with httpx.Client(base_url=live, timeout=10) as client:
-        samples = metric_samples(client.get("/metrics").text)
     prompt_tokens = sample(samples, "kvscope_engine_prompt_tokens_total", model="fake-model")
     assert prompt_tokens == (20 if phase == "decode" else 0)  # an abandoned prefill counts no prompt tokens

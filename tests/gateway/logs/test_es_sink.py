@@ -90,9 +90,11 @@ async def test_timed_out_bulk_that_landed_is_not_indexed_twice(tmp_path, es):
     await sink.start()
     sink.emit(make_record(0))
     assert await sink.wait_idle(5)  # setup + first record with a fast cluster
+    bulks = len([r for r in es.requests if "_bulk" in r.path])
     es.faults.delay_s = 0.4
     await emit_paced(sink, 1, 201)
-    await asyncio.sleep(0.8)
+    # a bulk that arrives now is applied, then answered after 0.4 s: past the sink's 0.15 s timeout
+    assert await until(lambda: len([r for r in es.requests if "_bulk" in r.path]) > bulks, 30)
     es.faults.delay_s = 0.0
     assert await sink.wait_idle(20)
     await sink.aclose()

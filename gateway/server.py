@@ -1,0 +1,100 @@
+"""How the gateway runs under uvicorn: one :func:`uvicorn_config` for the CLI and the tests.
+
+- ``http``: :class:`GatewayH11Protocol`, uvicorn's h11 protocol with one change: a request the HTTP parser
+  refuses (bad request line or header, missing Host, conflicting framing, a head over 16 KiB …) is answered
+  with an OpenAI-shaped JSON 400 and gets its one log record, metrics and span
+  (:func:`gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees.
+- ``proxy_headers=False``: uvicorn would otherwise rewrite the client address from ``X-Forwarded-For`` for
+  any loopback peer; the gateway trusts only ``trusted_proxies`` (gateway/forwarded.py).
+- ``ws="none"``: no WebSocket routes, so an ``Upgrade`` request is a plain HTTP request for the app.
+- no access log, no ``Server`` header (the gateway writes its own request log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+from typing import TYPE_CHECKING, Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gateway.errors import InvalidRequest, error_json
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayApp
+    from gateway.lifespan import GatewayState
+
+_METHOD = re.compile(rb"[A-Z]{1,20}")
+MAX_LOGGED_TARGET = 2048
+
+
+class InvalidHttpRequest(InvalidRequest):
+    """The HTTP parser's 400 (h11 ``RemoteProtocolError``)."""
+
+    code = "invalid_http_request"
+
+
+def request_line(head: bytes) -> tuple[str, str]:
+    """(method, path) from the start of a refused request, for its log record: the method when it is 1-20
+    capital letters, else ``_OTHER`` (OpenTelemetry's value for an unknown method); the target's path when
+    it is origin-form ASCII (at most 2048 characters), else ``""``."""
+    parts = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0].split(b" ")
+    method = parts[0].decode("ascii") if _METHOD.fullmatch(parts[0]) else "_OTHER"
+    target = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b""
+    printable = target.startswith(b"/") and all(0x21 <= c <= 0x7E for c in target)
+    return method, target[:MAX_LOGGED_TARGET].decode("ascii") if printable else ""
+
+
+class GatewayH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol; parser errors become JSON 400s with a log record (module docstring)."""
+
+    def __init__(self, *args: Any, gateway: GatewayState, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gateway = gateway
+        self._head = b""
+        """The start of the request head being received (h11 consumes the lines of a head it refuses)."""
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._head = (self._head + data)[:MAX_LOGGED_TARGET + 64]
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.ERROR:
+            self._head = b""
+
+    def send_400_response(self, msg: str) -> None:
+        from gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
+
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # the framing broke after the app answered: nothing more can be sent
+            return
+        err = InvalidHttpRequest(f"{msg} The request is not valid HTTP/1.1 (RFC 9112).")
+        body = error_json(err)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
+        if self.cycle is not None and not self.cycle.response_complete:  # the app holds (or will) this request
+            state = self.cycle.scope["state"]
+            state[REFUSED_KEY] = (err, len(body))  # picked up by observe() if the app has not started yet
+            if (owner := state.get(CTX_KEY)) is not None:
+                owner.refused_by_parser(err, len(body))  # the app's own record reports this 400
+            return
+        method, path = request_line(self._head or self.conn.trailing_data[0])
+        self._head = b""
+        client = self.client[0] if self.client else None
+        task = asyncio.get_running_loop().create_task(record_refused(self._gateway, method, path, client, err,
+                                                                     len(body)))
+        self.tasks.add(task)  # uvicorn waits for these at shutdown
+        task.add_done_callback(self.tasks.discard)
+
+
+def uvicorn_config(app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any) -> uvicorn.Config:
+    """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options."""
+    protocol = functools.partial(GatewayH11Protocol, gateway=app.state.gateway)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
+                          lifespan="on", http=protocol, ws="none", proxy_headers=False, **extra)  # type: ignore[arg-type]

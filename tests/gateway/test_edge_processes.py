@@ -1,0 +1,141 @@
+"""Issue 19 against a real ``python -m gateway`` process, over raw sockets: every request the gateway answers
+(405s for unusual methods, non-GET on /v1/models/{id}, the HTTP parser's own 400s) has exactly one log line
+and an OpenAI-shaped JSON error, and client.ip trusts forwarding headers only from ``trusted_proxies``
+(uvicorn's own proxy_headers handling, which trusts any loopback peer, is off)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gateway.auth import hash_key
+from tests.gateway.harness import (
+    Proc,
+    raw_http,
+    read_log,
+    records_by_id,
+    spawn_fake,
+    spawn_gateway,
+    wait_http,
+)
+
+pytestmark = pytest.mark.e2e
+KEY = "sk-edge"
+AUTH = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+TRUSTED_PROXY = "127.0.0.2"
+
+
+@dataclass
+class Edge:
+    gateway: Proc
+    fake: Proc
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    tmp = tmp_path_factory.mktemp("edge-procs")
+    fake = spawn_fake(tmp, "fake")
+    procs = [fake]
+    try:
+        wait_http(fake.url + "/health", proc=fake.popen)
+        config = {"upstreams": [{"url": fake.url}], "api_keys": [{"name": "edge", "sha256": hash_key(KEY)}],
+                  "trusted_proxies": [TRUSTED_PROXY], "routing": {"health_interval_s": 60},
+                  "logs": {"file": str(tmp / "requests.jsonl")}}
+        gateway = spawn_gateway(tmp, "gateway", config)
+        procs.append(gateway)
+        wait_http(gateway.url + "/readyz", proc=gateway.popen)
+        yield Edge(gateway, fake, tmp / "requests.jsonl")
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _request(method: bytes, target: bytes, extra: bytes = b"") -> bytes:
+    return method + b" " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n" + AUTH + extra + b"\r\n"
+
+
+ODD_METHODS = [(m, r) for m in (b"TRACE", b"CONNECT", b"PROPFIND", b"MKCOL", b"LOCK", b"COPY")
+               for r in (b"/v1/chat/completions", b"/v1/completions", b"/v1/models", b"/v1/embeddings")]
+MODEL_METHODS = [(m, b"/v1/models/fake-model") for m in (b"POST", b"PUT", b"PATCH", b"DELETE")]
+PARSER_ERRORS = {  # name: (raw request, method and path the log can still name)
+    "header-without-colon": (b"GET /v1/models HTTP/1.1\r\nHost gw\r\n\r\n", ("GET", "/v1/models")),
+    "missing-host": (b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n", ("GET", "/v1/models")),
+    "space-before-colon": (b"GET /v1/models HTTP/1.1\r\nHost : gw\r\n\r\n", ("GET", "/v1/models")),
+    "two-lengths": (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n"
+                    b"Content-Length: 3\r\n\r\n{}", ("POST", "/v1/completions")),
+    "bad-content-length": (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: abc\r\n\r\n",
+                           ("POST", "/v1/completions")),
+    "non-ascii-target": (b"GET /v1/mod\xc3\xa9ls HTTP/1.1\r\nHost: gw\r\n\r\n", ("GET", "")),
+    "bad-header-name": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX(A): b\r\n\r\n", ("GET", "/v1/models")),
+    "no-version": (b"GET /v1/models\r\nHost: gw\r\n\r\n", ("GET", "/v1/models")),
+    "nul-in-header": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: a\x00b\r\n\r\n", ("GET", "/v1/models")),
+    "unfinished-head-over-16k": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: " + b"a" * 20_000,
+                                 ("GET", "/v1/models")),  # h11's max_incomplete_event_size
+    "garbage-line": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", ("_OTHER", "")),  # a TLS hello
+    "bad-chunk-size": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH +
+                       b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
+                       ("POST", "/v1/chat/completions")),
+}
+
+
+def _one_new_record(edge: Edge, data: bytes, fence: str, source: str | None = None) -> tuple[object, dict]:
+    """Send ``data``, then a fence request; returns (response, the one record logged in between)."""
+    before = len(read_log(edge.log, 0, 0))
+    resp = raw_http(edge.gateway.port, data, source=source)
+    assert raw_http(edge.gateway.port, _request(b"GET", b"/v1/models", b"X-Request-Id: " + fence.encode() +
+                                                b"\r\n")).status == 200
+    records_by_id(edge.log, [fence], timeout=20)
+    new = read_log(edge.log, 0, 0)[before:]
+    fences = [r for r in new if r["http"]["request"]["id"] == fence]
+    others = [r for r in new if r["http"]["request"]["id"] != fence]
+    assert len(fences) == 1 and len(others) == 1, [r["message"] for r in new]
+    return resp, others[0]
+
+
+def _assert_openai_error(resp, status: int, code: str) -> None:
+    assert (resp.status, resp.headers["content-type"]) == (status, "application/json")
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"]) == ("invalid_request_error", code)
+
+
+@pytest.mark.parametrize(("method", "route"), ODD_METHODS + MODEL_METHODS)
+def test_unusual_methods_get_one_record_and_a_json_405(edge: Edge, method: bytes, route: bytes) -> None:
+    rid = f"m-{method.decode()}-{route.decode().replace('/', '_')}"
+    resp, record = _one_new_record(edge, _request(method, route, b"Content-Length: 0\r\nX-Request-Id: " +
+                                                  rid.encode() + b"\r\n"), rid + "-fence")
+    _assert_openai_error(resp, 405, "method_not_allowed")
+    assert record["http"]["request"]["id"] == rid
+    assert (record["http"]["request"]["method"], record["url"]["path"]) == (method.decode(), route.decode())
+    assert (record["http"]["response"]["status_code"], record["error"]["type"]) == (405, "method_not_allowed")
+
+
+@pytest.mark.parametrize("name", list(PARSER_ERRORS))
+def test_parser_errors_get_one_record_and_a_json_400(edge: Edge, name: str) -> None:
+    data, (method, path) = PARSER_ERRORS[name]
+    resp, record = _one_new_record(edge, data, f"p-{name}-fence")
+    _assert_openai_error(resp, 400, "invalid_http_request")
+    assert (record["http"]["response"]["status_code"], record["error"]["type"]) == (400, "invalid_http_request")
+    assert (record["http"]["request"]["method"], record["url"]["path"]) == (method, path)
+    assert record["client"]["ip"] == "127.0.0.1" and record["event"]["outcome"] == "failure"
+
+
+@pytest.mark.parametrize(("source", "headers", "client"), [
+    ("127.0.0.1", b"X-Forwarded-For: 9.9.9.9\r\n", "127.0.0.1"),  # loopback but not a trusted proxy
+    ("127.0.0.1", b"Forwarded: for=9.9.9.9\r\n", "127.0.0.1"),
+    (TRUSTED_PROXY, b"X-Forwarded-For: 9.9.9.9\r\n", "9.9.9.9"),
+    (TRUSTED_PROXY, b"Forwarded: for=\"[2001:db8::17]:4711\";proto=https\r\n", "2001:db8::17"),
+    (TRUSTED_PROXY, b"X-Forwarded-For: not-an-ip\r\n", TRUSTED_PROXY),
+    (TRUSTED_PROXY, b"X-Forwarded-For: " + b"7" * 10_000 + b"\r\n", TRUSTED_PROXY),
+    (TRUSTED_PROXY, b"X-Forwarded-For: 1.1.1.1\\n{\"a\":1}\r\n", TRUSTED_PROXY),
+])
+def test_client_ip_trusts_only_configured_proxies(edge: Edge, source: str, headers: bytes, client: str) -> None:
+    rid = f"ip-{abs(hash((source, headers)))}"
+    resp, record = _one_new_record(edge, _request(b"GET", b"/v1/models", headers + b"X-Request-Id: " +
+                                                  rid.encode() + b"\r\n"), rid + "-fence", source=source)
+    assert resp.status == 200
+    assert record["client"]["ip"] == client
