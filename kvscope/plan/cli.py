@@ -8,8 +8,8 @@ import re
 import sys
 
 from kvscope.plan.devices import CPU, Device, get_device
+from kvscope.plan.model_files import read_model
 from kvscope.plan.planner import Plan, PlanRequest, plan
-from kvscope.plan.shape import read_model
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -1,7 +1,7 @@
 """The planner's arithmetic: pure functions of a ModelShape, in bytes, FLOPs and seconds (no I/O, no torch).
 
 - KV cache: ``2 (K and V) × layers × kv_heads × head_dim × bytes`` per token, the layout of
-  ``engine/model_runner.py`` (one ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer);
+  ``engine/worker/kv_cache.py`` (one ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer);
   paged, so a sequence holds ``ceil(tokens / block_size)`` whole blocks (vLLM's PagedAttention, Kwon et al.
   2023).
 - Parameters: Llama-family decoder (q, k, v, o projections, SwiGLU gate/up/down, two RMSNorms per layer, a

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvscope.plan import formulas as f
 from kvscope.plan.devices import CPU, FORMAT_OF_DTYPE, Device
-from kvscope.plan.shape import ModelFiles
+from kvscope.plan.model_files import ModelFiles
 from kvscope.plan.weights_on_disk import on_disk
 
 CUDA_CONTEXT_BYTES = 512 << 20

@@ -1,20 +1,12 @@
-"""The model's shape, as the planner needs it: layers, heads, KV heads, head_dim, vocab, tied embeddings.
-
-Read from a HF ``config.json`` (a file, a folder holding one, or a registered model's cached conversion), or
-from a GGUF header (``gguf`` package, metadata keys of llama.cpp's ``gguf-py/gguf/constants.py``
-``Keys.LLM``/``Keys.Attention``). Nothing is downloaded: a registered model that is not in the cache yet is
-read from its ``.gguf`` after ``kvscope pull NAME``.
+"""The model's shape, as the planner needs it: layers, heads, KV heads, head_dim, vocab, tied embeddings, from
+a HF ``config.json`` dict. Finding the files (registered name, folder, config, GGUF header) is
+kvscope/plan/model_files.py.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from kvscope.models.cache import hf_dir, model_dir
-from kvscope.models.registry import get_model_spec, is_registered, list_models
 
 
 class ModelNotFoundError(ValueError):
@@ -75,61 +67,3 @@ def shape_from_hf_config(config: dict[str, Any], name: str = "", source: str = "
             qk_norm=config.get("model_type") == "qwen3", source=source)
     except KeyError as exc:
         raise ValueError(f"config {source or name} has no {exc.args[0]!r}") from None
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFiles:
-    """The shape plus the weight files found beside it (for exact on-disk weight bytes)."""
-
-    shape: ModelShape
-    safetensors: tuple[Path, ...] = ()
-    gguf: Path | None = None
-    gguf_weights: Any = None
-    """kvscope.plan.gguf_header.GgufWeights when the model was read from its GGUF header."""
-
-
-def read_model(name_or_path: str, root: Path | None = None) -> ModelFiles:
-    """Shape and weight files of a registered name, a HF folder, a ``config.json`` file or a ``.gguf`` file.
-
-    ``root`` overrides the cache root. Raises ModelNotFoundError naming the registered models.
-    """
-    if is_registered(name_or_path):
-        return _registered(name_or_path, root)
-    path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path, path.stem)
-    if path.is_file() and path.suffix == ".json":
-        return _from_hf_dir(path.parent, path, path.parent.name)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _from_hf_dir(path, path / "config.json", path.name)
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(ggufs) == 1:
-        return _from_gguf(ggufs[0], ggufs[0].stem)
-    raise ModelNotFoundError(f"unknown model {name_or_path!r}: not a registered name (known: "
-                             f"{', '.join(list_models())}), a HF folder or config.json, or a .gguf file")
-
-
-def _registered(name: str, root: Path | None) -> ModelFiles:
-    converted = hf_dir(name, root)
-    if (converted / "config.json").is_file():
-        files = _from_hf_dir(converted, converted / "config.json", name)
-        gguf = model_dir(name, root) / get_model_spec(name).gguf_filename
-        return ModelFiles(files.shape, files.safetensors, gguf if gguf.is_file() else None)
-    gguf = model_dir(name, root) / get_model_spec(name).gguf_filename
-    if gguf.is_file():
-        return _from_gguf(gguf, name)
-    raise ModelNotFoundError(f"model {name!r} is registered but not in the cache ({model_dir(name, root)}); "
-                             f"run `kvscope pull {name}` first")
-
-
-def _from_hf_dir(folder: Path, config_path: Path, name: str) -> ModelFiles:
-    config = json.loads(config_path.read_text())
-    shape = shape_from_hf_config(config, name=name, source=str(config_path))
-    return ModelFiles(shape, tuple(sorted(folder.glob("*.safetensors"))))
-
-
-def _from_gguf(path: Path, name: str) -> ModelFiles:
-    from kvscope.plan.gguf_header import read_gguf
-
-    shape, weights = read_gguf(path, name)
-    return ModelFiles(shape, gguf=path, gguf_weights=weights)

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvscope.plan.shape import ModelFiles
+from kvscope.plan.model_files import ModelFiles
 
 
 def safetensors_summary(files: tuple[Path, ...]) -> dict[str, Any] | None:

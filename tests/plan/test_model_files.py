@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from kvscope.plan import formulas as f
-from kvscope.plan.shape import ModelNotFoundError, read_model
+from kvscope.plan.model_files import read_model
+from kvscope.plan.shape import ModelNotFoundError
 from kvscope.plan.weights_on_disk import safetensors_summary
 
 
