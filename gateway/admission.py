@@ -18,6 +18,7 @@ from litestar import Request
 from litestar.exceptions import InternalServerException
 
 from gateway.auth import Principal
+from gateway.context import CTX_KEY, RequestContext
 from gateway.errors import (
     ClientClosedRequest,
     ContextLengthExceeded,
@@ -27,13 +28,12 @@ from gateway.errors import (
     RateLimited,
     UpstreamUnavailable,
 )
-from gateway.observe import CTX_KEY, RequestContext
 from gateway.proxy import ProxyPlan
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.tokenize import estimate_tokens
 
 if TYPE_CHECKING:
-    from gateway.lifespan import GatewayState
+    from gateway.state import GatewayState
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default ``max_tokens`` for /v1/completions."""

@@ -18,11 +18,12 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
 from gateway.errors import EXCEPTION_HANDLERS
-from gateway.lifespan import GatewayState, build_state, gateway_lifespan
+from gateway.lifespan import build_state, gateway_lifespan
 from gateway.logs.sink import LogSink
 from gateway.observe import PROBE_PATHS, observe
 from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
 
 
 class GatewayApp(Litestar):

@@ -1,4 +1,4 @@
-"""The gateway's long-lived parts (:class:`GatewayState`) and their startup/shutdown.
+"""Building and running the gateway's long-lived parts (:class:`gateway.state.GatewayState`): startup/shutdown.
 
 :func:`build_state` wires objects without I/O (tokenizers are loaded here so a bad path fails at startup);
 :func:`gateway_lifespan` opens the upstream HTTP client, starts the log sinks, probes every upstream once,
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
 import httpx
 from litestar import Litestar
@@ -28,46 +26,13 @@ from gateway.logs.sinks import JsonlFileSink, StdoutSink
 from gateway.metrics import GatewayMetrics, LogSinkMetrics
 from gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.settings import GatewaySettings
+from gateway.state import GatewayState, service_version
 from gateway.tokenize import PromptCounter
 from gateway.tracing import GatewayTracer, build_tracer_provider
 from gateway.upstreams import UpstreamPool
 from kvscope.otel_genai import GenAiClientMetrics, build_meter_provider
 
 _log = logging.getLogger("kvscope.gateway")
-
-
-def service_version() -> str:
-    try:
-        return importlib.metadata.version("kvscope")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0"
-
-
-@dataclass(slots=True)
-class GatewayState:
-    """Everything a request needs; one per app (``app.state.gateway``)."""
-
-    settings: GatewaySettings
-    metrics: GatewayMetrics
-    tracer: GatewayTracer
-    genai: GenAiClientMetrics
-    """OTel ``gen_ai.client.*`` metrics (OTLP), beside the Prometheus collectors."""
-    pool: UpstreamPool
-    auth: Authenticator
-    limiter: RateLimiter
-    counter: PromptCounter
-    record_builder: RecordBuilder
-    sinks: list[LogSink] = field(default_factory=list)
-    client_address: ClientAddressResolver = field(default_factory=ClientAddressResolver)
-    """``client.ip`` from the peer and trusted forwarding headers (gateway/forwarded.py)."""
-    client: httpx.AsyncClient | None = None
-    health_task: asyncio.Task | None = None
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        if self.client is None:
-            raise RuntimeError("the gateway lifespan has not started")
-        return self.client
 
 
 def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = None,

@@ -24,7 +24,7 @@ from gateway.target import names_generation_api
 from gateway.upstreams import Replica
 
 if TYPE_CHECKING:
-    from gateway.lifespan import GatewayState
+    from gateway.state import GatewayState
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-authenticate", "proxy-authorization", "host", "authorization", "content-length",

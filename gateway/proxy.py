@@ -37,8 +37,8 @@ from gateway.streaming import StreamRelay
 from gateway.upstreams import Replica
 
 if TYPE_CHECKING:
-    from gateway.lifespan import GatewayState
-    from gateway.observe import RequestContext
+    from gateway.context import RequestContext
+    from gateway.state import GatewayState
 
 _log = logging.getLogger("kvscope.gateway")
 _STREAM_REASONS = {"upstream_timeout": "timeout", "stream_incomplete": "incomplete", "stream_aborted": "aborted",

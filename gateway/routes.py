@@ -17,7 +17,7 @@ from gateway.passthrough import passthrough
 from gateway.proxy import ProxyCall
 
 if TYPE_CHECKING:
-    from gateway.lifespan import GatewayState
+    from gateway.state import GatewayState
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
 

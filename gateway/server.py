@@ -25,7 +25,7 @@ from gateway.errors import InvalidRequest, error_json
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
-    from gateway.lifespan import GatewayState
+    from gateway.state import GatewayState
 
 _METHOD = re.compile(rb"[A-Z]{1,20}")
 MAX_LOGGED_TARGET = 2048

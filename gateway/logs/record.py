@@ -21,7 +21,7 @@ from gateway.logs.genai_messages import input_messages, output_messages
 from gateway.logs.sink import LogRecord
 
 if TYPE_CHECKING:
-    from gateway.observe import RequestContext
+    from gateway.context import RequestContext
 
 ECS_VERSION = "9.1.0"
 LOG_LEVELS = ("info", "warning", "error")

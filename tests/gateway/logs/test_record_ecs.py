@@ -6,9 +6,9 @@ import json
 import time
 
 from engine.server.access_log import AccessRecord
+from gateway.context import RequestContext
 from gateway.logs.genai_messages import input_messages, output_messages
 from gateway.logs.record import ECS_VERSION, LOG_LEVELS, RecordBuilder, ServiceInfo
-from gateway.observe import RequestContext
 
 
 def ctx(status: int, **kw) -> RequestContext:

@@ -1,0 +1,57 @@
+"""GatewayState: the gateway's long-lived parts, one per app (``app.state.gateway``); built and started by
+gateway/lifespan.py, read by every route. It imports only the parts it holds, never the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.auth import Authenticator
+from gateway.forwarded import ClientAddressResolver
+from gateway.logs.record import RecordBuilder
+from gateway.logs.sink import LogSink
+from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import RateLimiter
+from gateway.settings import GatewaySettings
+from gateway.tokenize import PromptCounter
+from gateway.tracing import GatewayTracer
+from gateway.upstreams import UpstreamPool
+from kvscope.otel_genai import GenAiClientMetrics
+
+
+def service_version() -> str:
+    try:
+        return importlib.metadata.version("kvscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """Everything a request needs; one per app (``app.state.gateway``)."""
+
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    tracer: GatewayTracer
+    genai: GenAiClientMetrics
+    """OTel ``gen_ai.client.*`` metrics (OTLP), beside the Prometheus collectors."""
+    pool: UpstreamPool
+    auth: Authenticator
+    limiter: RateLimiter
+    counter: PromptCounter
+    record_builder: RecordBuilder
+    sinks: list[LogSink] = field(default_factory=list)
+    client_address: ClientAddressResolver = field(default_factory=ClientAddressResolver)
+    """``client.ip`` from the peer and trusted forwarding headers (gateway/forwarded.py)."""
+    client: httpx.AsyncClient | None = None
+    health_task: asyncio.Task | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError("the gateway lifespan has not started")
+        return self.client
