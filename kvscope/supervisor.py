@@ -80,6 +80,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
+            self._check_ports_free()
             self._start_engine()
             self._start_gateway()
             self._print_banner()
@@ -94,6 +95,16 @@ class Supervisor:
 
     def _on_signal(self, signum: int, _frame) -> None:
         self._stop_requested = True
+
+    def _check_ports_free(self) -> None:
+        """Fail before loading anything when a port is taken: otherwise another server on the gateway's port
+        would answer the readiness probe and the banner would point at it (uvicorn's bind error comes later)."""
+        o = self.options
+        for host, port, flag in ((o.host, o.port, "--port"), ("127.0.0.1", o.engine_port, "--engine-port")):
+            problem = _bind_problem(host, port)
+            if problem is not None:
+                raise _ChildFailed(f"cannot listen on {host}:{port} ({problem}); is another kvscope serve "
+                                   f"running? Stop it or pass {flag} with a free port")
 
     def _start_engine(self) -> None:
         o = self.options
@@ -143,7 +154,7 @@ class Supervisor:
 kvscope is serving {_served_name(o)} at {base}/v1  (metrics: {base}/metrics, request log: {o.log_file})
 
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{_served_name(o)}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": "{_served_name(o)}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
 Press Ctrl-C to stop.
 """, flush=True)
@@ -188,6 +199,18 @@ def _die_with_parent() -> None:
     except OSError:
         pass
     os.setpgrp()  # Ctrl-C in the terminal reaches only the supervisor, which stops children in order
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """None when ``host:port`` can be bound now, else the OS's reason (e.g. "Address already in use")."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is not "taken"
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _free_port() -> int:
