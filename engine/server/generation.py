@@ -101,10 +101,13 @@ class GenerationRun:
             return self._queue.get_nowait()
         getter = asyncio.ensure_future(self._queue.get())
         waiters = {getter} if disconnect is None else {getter, disconnect}
-        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this coroutine is cancelled (client gone): never leave the getter pending
+            if not getter.done():
+                getter.cancel()  # safe: asyncio.Queue.get leaves the item queued when cancelled
         if getter in done:
             return getter.result()
-        getter.cancel()  # safe: asyncio.Queue.get leaves the item queued when cancelled
         if disconnect is not None and disconnect in done:
             raise ClientDisconnected()
         return KEEPALIVE
