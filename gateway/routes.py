@@ -96,7 +96,9 @@ async def metrics(request: Request) -> Response:
     """Prometheus text format, or OpenMetrics (with exemplars: the trace of a sampled request on the
     latency histograms) when the scraper's ``Accept`` asks for ``application/openmetrics-text``."""
     encode, content_type = choose_encoder(request.headers.get("accept"))
-    return Response(encode(state_of(request).metrics.registry), media_type=content_type)
+    # Litestar appends "; charset=utf-8" to text/* media types itself: do not send it twice
+    media_type = content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type
+    return Response(encode(state_of(request).metrics.registry), media_type=media_type)
 
 
 @route("/{path:path}", http_method=ALL_METHODS)

@@ -123,7 +123,9 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     registry = server_state(request).metrics.registry
     encode, content_type = choose_encoder(request.headers.get("accept"))  # OpenMetrics when asked for
-    return Response(content=encode(registry), media_type=content_type, status_code=200)
+    # Litestar appends "; charset=utf-8" to text/* media types itself: do not send it twice
+    media_type = content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type
+    return Response(content=encode(registry), media_type=media_type, status_code=200)
 
 
 ROUTES = [chat_completions, completions, models, tokenize, detokenize, health, metrics]

@@ -55,7 +55,7 @@ def test_openmetrics_scrape_carries_the_trace_id_of_the_logged_request(fresh: St
         assert [ex for _, ex, _ in found] == [{"trace_id": trace_id}], family
     (bucket, _, value), = exemplars(scraped.text, "kvscope_gateway_time_to_first_token_seconds")
     assert value == pytest.approx(record["kvscope"]["ttft_s"]) and value <= float(bucket["le"])
-    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert plain.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"  # one charset
     assert "trace_id" not in plain.text
 
 

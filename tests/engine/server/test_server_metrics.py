@@ -89,3 +89,12 @@ def test_step_listener_sets_gauges_and_counts_deltas():
     assert sample(s, "kvscope_engine_preemptions_total", model="m") == 1
     assert sample(s, "kvscope_engine_batch_size_count", model="m") == 1
     assert sample(s, "kvscope_engine_step_tokens_sum", model="m") == 40
+
+
+def test_metrics_content_types_name_the_charset_once(client) -> None:
+    plain = client.get("/metrics")
+    assert plain.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    scraped = client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    assert scraped.headers["content-type"] == (
+        "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores")
+    assert scraped.text.rstrip().endswith("# EOF")
