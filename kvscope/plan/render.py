@@ -103,10 +103,15 @@ def _log(p: Plan) -> Table:
         ("KV of the p50 / p99 / max minute", " / ".join(size(g["minute_kv_bytes"][k]) for k in ("p50", "p99", "max"))),
         ("would have queued", f"{g['would_queue']} ({g['queued_arrivals']} arrivals, "
                               f"{g['seconds_over_capacity']:.1f} s over capacity)"),
-        (f"TTFT SLO {slo['ttft_slo_s']} s breaks at", f"observed: {slo['observed_breaks_at_concurrency']}; bound "
-                                                     f"(p99 prompt {slo['bound_prompt_tokens']}): "
-                                                     f"{slo['bound_breaks_at_concurrency']}"),
+        (f"TTFT SLO {slo['ttft_slo_s']} s",
+         f"observed: {_breaks(slo['observed_breaks_at_concurrency'])}; bound (p99 prompt "
+         f"{slo['bound_prompt_tokens']}): {_breaks(slo['bound_breaks_at_concurrency'])}"),
     ])
+
+
+def _breaks(concurrency: int | None) -> str:
+    """A concurrency at which the SLO breaks, or the words for "never in the range looked at"."""
+    return "never breaks" if concurrency is None else f"breaks at concurrency {concurrency}"
 
 
 def _triple(d: dict[str, Any], *keys: str) -> str:
@@ -119,8 +124,8 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     for table in (_model(p), _weights(p), _kv(p), _decode(p), _ttft(p)):
         console.print(table)
     slo = p.speed["ttft_slo"]
-    console.print(f"TTFT SLO {slo['ttft_slo_s']} s at {slo['prompt_tokens']}-token prompts: breaks at concurrency "
-                  f"{slo['breaks_at_concurrency']} ({slo['note']})")
+    console.print(f"TTFT SLO {slo['ttft_slo_s']} s at {slo['prompt_tokens']}-token prompts: "
+                  f"{_breaks(slo['breaks_at_concurrency'])} ({slo['note']})")
     if p.log is not None:
         console.print(_log(p))
     for warning in p.warnings:

@@ -7,6 +7,9 @@ an upper bound of what it held; no prefix sharing). A sweep over start/end event
 concurrency and KV, the peak of every wall-clock minute (the "p99 minute" is the 99th percentile of those
 peaks), and for a device capacity (KV blocks, max_num_seqs) the arrivals that would have had to wait.
 The replay does not re-time requests: a queued arrival is counted, the later timeline is the observed one.
+Only generations count: a record without ``gen_ai.usage.input_tokens`` (a 4xx refused at the edge, a
+``/v1/models`` call, an upstream that never answered) held no KV and is left out, counted as
+``not_generations``.
 """
 
 from __future__ import annotations
@@ -141,21 +144,26 @@ def length_stats(values: list[int]) -> dict[str, float | None]:
 
 _SPAN_SQL = """
 SELECT epoch("event"."start") AS start_s, epoch("event"."end") AS end_s,
-       coalesce("gen_ai"."usage"."input_tokens", 0) AS input_tokens,
+       "gen_ai"."usage"."input_tokens" AS input_tokens,
        coalesce("gen_ai"."usage"."output_tokens", 0) AS output_tokens,
        "kvscope"."ttft_s" AS ttft_s
 FROM requests WHERE "event"."start" IS NOT NULL AND "event"."end" IS NOT NULL
+  AND "gen_ai"."usage"."input_tokens" IS NOT NULL
 ORDER BY start_s
 """
+_NOT_GENERATIONS_SQL = 'SELECT count(*) FROM requests WHERE "gen_ai"."usage"."input_tokens" IS NULL'
+
 
 
 def read_spans(source: str | Path) -> tuple[list[Span], dict[str, Any]]:
     """Spans of every record of a JSONL request log (the file with its rotated siblings, or a directory),
-    read by DuckDB with the typed columns ``kvscope logs`` uses. Returns (spans, {"unparsed_lines": n}).
+    read by DuckDB with the typed columns ``kvscope logs`` uses. Returns (spans, {"unparsed_lines": n,
+    "not_generations": m}).
     Raises FileNotFoundError when no log file matches."""
     from gateway.logs.report_duckdb import DuckDBLogs
 
     logs = DuckDBLogs(source)
     rows = logs.con.execute(_SPAN_SQL).fetchall()
     spans = [Span(float(a), float(b), int(i), int(o), None if t is None else float(t)) for a, b, i, o, t in rows]
-    return spans, {"unparsed_lines": logs.unparsed_lines()}
+    not_generations = logs.con.execute(_NOT_GENERATIONS_SQL).fetchone()[0]
+    return spans, {"unparsed_lines": logs.unparsed_lines(), "not_generations": int(not_generations)}

@@ -99,6 +99,7 @@ def test_table_output_shows_the_kv_bytes_and_the_command(capsys, model_dir, how)
     assert "46,080 B" in text
     assert "recommended: kvscope engine --model " + model + " --max-model-len 2048 --max-num-seqs 256" in text
     assert ("on disk: gguf file" in text) is (how == "registered")
+    assert "None" not in text  # a missing value reads as words ("never breaks"), not Python's None
 
 
 def test_unknown_device_names_the_known_ones(capsys, model_dir):

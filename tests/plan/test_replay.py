@@ -26,6 +26,13 @@ def staircase_and_burst() -> list[dict]:
     for i in range(10, 17):
         records.append(make_record(i, ts=T0 + timedelta(seconds=102), e2e_s=2.0))
     records.append(make_record(17, ts=T0 + timedelta(seconds=103), e2e_s=1.0, ttft_s=3.0))
+    # not generations (no usage: held no KV), in flight during the burst: the replay must leave them out
+    records.append(make_record(18, ts=T0 + timedelta(seconds=102), e2e_s=1.5, status=401, input_tokens=None,
+                               output_tokens=None, ttft_s=None, tpot_s=None, finish=None))
+    models = make_record(19, ts=T0 + timedelta(seconds=101), e2e_s=0.5, input_tokens=None, output_tokens=None,
+                         ttft_s=None, tpot_s=None, finish=None)
+    models["url"]["path"], models["http"]["request"]["method"] = "/v1/models", "GET"
+    records.append(models)
     return records
 
 
@@ -38,7 +45,7 @@ def log_file(tmp_path):
 
 def test_read_spans_takes_start_end_and_tokens_from_the_record(log_file):
     spans, meta = read_spans(log_file)
-    assert meta == {"unparsed_lines": 1}
+    assert meta == {"unparsed_lines": 1, "not_generations": 2}
     assert len(spans) == 18
     assert spans[0] == Span(T0_S, T0_S + 4.5, 20, 40, 0.05)
     assert spans[-1] == Span(T0_S + 102, T0_S + 103, 20, 40, 3.0)

@@ -15,18 +15,21 @@ from tests.plan.test_replay import staircase_and_burst
 
 
 def paging_handler(records: list[dict], queries: list[dict]):
-    """A _search answer with ES's sort/search_after semantics over ``records`` (sort: start ms, request id)."""
-    def key(record: dict) -> list:
+    """A _search answer with ES's sort/search_after semantics over ``records`` (sort: start ms, then the sort
+    field the query names last)."""
+    def key(record: dict, tiebreak: str) -> list:
         start = datetime.fromisoformat(record["event"]["start"]).timestamp()
-        return [int(round(start * 1000)), record["http"]["request"]["id"]]
-
-    ordered = sorted(records, key=key)
+        section, name = tiebreak.split(".")
+        return [int(round(start * 1000)), record[section][name]]
 
     def handler(index: str, body: dict):
         queries.append(body)
+        tiebreak = next(iter(body["sort"][-1]))
+        ordered = sorted(records, key=lambda r: key(r, tiebreak))
         after = body.get("search_after")
-        page = [r for r in ordered if after is None or key(r) > after][: body["size"]]
-        hits = [{"_index": index, "_id": key(r)[1], "_score": None, "_source": r, "sort": key(r)} for r in page]
+        page = [r for r in ordered if after is None or key(r, tiebreak) > after][: body["size"]]
+        hits = [{"_index": index, "_id": r["event"]["id"], "_score": None, "_source": r, "sort": key(r, tiebreak)}
+                for r in page]
         return 200, {"took": 1, "timed_out": False, "hits": {"hits": hits}}
 
     return handler
@@ -34,6 +37,8 @@ def paging_handler(records: list[dict], queries: list[dict]):
 
 async def test_es_pages_give_the_same_spans_as_the_jsonl_file(tmp_path):
     records = staircase_and_burst()
+    for r in records[10:17]:  # the burst reuses one x-request-id: paging must not skip any of them
+        r["http"]["request"]["id"] = "reused-id"
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     queries: list[dict] = []
@@ -44,13 +49,13 @@ async def test_es_pages_give_the_same_spans_as_the_jsonl_file(tmp_path):
             spans, meta = await read_spans_es(client, "kvscope-requests", page_size=5)
         finally:
             await client.close()
-    assert meta == {"unparsed_lines": 0}
+    assert meta == {"unparsed_lines": 0, "not_generations": 2}
     assert spans == read_spans(path)[0]
-    assert len(queries) == 4  # 18 records in pages of 5: 5, 5, 5, 3
+    assert len(queries) == 5  # 20 records in pages of 5: 5, 5, 5, 5, then an empty page
     assert "search_after" not in queries[0]
     assert queries[1]["search_after"] == [int(round(datetime.fromisoformat(records[4]["event"]["start"])
-                                                    .timestamp() * 1000)), "req-000004"]
-    assert queries[0]["sort"] == [{"event.start": {"order": "asc"}}, {"http.request.id": {"order": "asc"}}]
+                                                    .timestamp() * 1000)), "evt-000004"]
+    assert queries[0]["sort"] == [{"event.start": {"order": "asc"}}, {"event.id": {"order": "asc"}}]
 
 
 async def test_cli_from_es_reports_the_known_peak(model_dir, capsys):
