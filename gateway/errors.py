@@ -129,6 +129,25 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def upstream_error_object(status: int, body: bytes) -> tuple[dict[str, Any], bool]:
+    """(the OpenAI error object, whether the body already was one) of an upstream's non-2xx answer: its own
+    ``error`` object when the body is JSON holding one, else the body's text (first 1,000 characters) wrapped
+    as ``upstream_error`` (5xx) or ``invalid_request_error``."""
+    try:
+        error = msgspec.json.decode(body).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        return error, True
+    text = body.decode("utf-8", "replace")[:1000] or f"upstream answered {status}"
+    return error_body(text, "upstream_error" if status >= 500 else "invalid_request_error")["error"], False
+
+
+def upstream_gateway_error(error: dict[str, Any]) -> GatewayError:
+    """The GatewayError an upstream's error object stands for in the log (``error.type`` = its code or type)."""
+    return GatewayError(str(error.get("message")), code=error.get("code") or error.get("type"))
+
+
 def error_json(err: GatewayError) -> bytes:
     return msgspec.json.encode(err.body())
 

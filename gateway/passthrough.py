@@ -19,7 +19,13 @@ from litestar import Request
 from litestar.response import Stream
 
 from gateway.admission import authenticate, context_of, read_body
-from gateway.errors import ModelNotFound, NotFound, UpstreamUnavailable
+from gateway.errors import (
+    ModelNotFound,
+    NotFound,
+    UpstreamUnavailable,
+    upstream_error_object,
+    upstream_gateway_error,
+)
 from gateway.target import names_generation_api
 from gateway.upstreams import Replica
 
@@ -31,6 +37,8 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "
                         "accept-encoding", "content-encoding"})
 RESPONSE_DROPPED = HOP_BY_HOP | {"date", "server", "content-type", "x-request-id"}
 """Upstream response headers the gateway sets itself (no duplicated Date/Server/Content-Type/id)."""
+MAX_ERROR_BYTES = 64 << 10
+"""Bytes of an upstream error answer read for the log record's error fields (the whole answer is relayed)."""
 
 
 def upstream_path(raw_path: str) -> str:
@@ -104,10 +112,17 @@ async def passthrough(gw: GatewayState, request: Request) -> Stream:
 
 async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, ctx, start: float
                  ) -> AsyncIterator[bytes]:
+    """Relay the upstream's bytes as they come; an error answer's first bytes also fill the log record's
+    ``error.type``/``error.message`` (as for the admitted routes)."""
+    error_head = bytearray() if response.status_code >= 400 else None
     try:
         async for chunk in response.aiter_raw():
+            if error_head is not None and len(error_head) < MAX_ERROR_BYTES:
+                error_head += chunk[:MAX_ERROR_BYTES - len(error_head)]
             yield chunk
     finally:
         ctx.upstream_s += time.perf_counter() - start
         gw.pool.release(replica)
         await response.aclose()
+        if error_head is not None:
+            ctx.set_error(upstream_gateway_error(upstream_error_object(response.status_code, bytes(error_head))[0]))

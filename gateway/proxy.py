@@ -28,8 +28,9 @@ from gateway.errors import (
     UpstreamFailed,
     UpstreamTimeout,
     UpstreamUnavailable,
-    error_body,
     error_json,
+    upstream_error_object,
+    upstream_gateway_error,
 )
 from gateway.genai_attrs import base_attributes, end_attributes
 from gateway.sse import data_event
@@ -267,17 +268,9 @@ class ProxyCall:
 
     async def _relay_answer(self, answer: UpstreamAnswer) -> None:
         """An upstream's non-200 answer with its status; non-JSON bodies are wrapped in an OpenAI error."""
-        body = answer.body
-        try:
-            error = msgspec.json.decode(body).get("error")
-        except (msgspec.DecodeError, AttributeError):
-            error = None
-        if not isinstance(error, dict):
-            text = body.decode("utf-8", "replace")[:1000] or f"upstream answered {answer.status}"
-            error = error_body(text, "upstream_error" if answer.status >= 500 else "invalid_request_error")["error"]
-            body = msgspec.json.encode({"error": error})
-        err = GatewayError(str(error.get("message")), code=error.get("code") or error.get("type"))
-        self.ctx.set_error(err)
+        error, native = upstream_error_object(answer.status, answer.body)
+        body = answer.body if native else msgspec.json.encode({"error": error})
+        self.ctx.set_error(upstream_gateway_error(error))
         await self.start_response(answer.status, [(b"content-type", b"application/json"),
                                                   (b"content-length", str(len(body)).encode())])
         await self.send_body(body, final=True)

@@ -171,6 +171,9 @@ class FakeUpstream:
                 watcher.cancel()
                 await asyncio.wait({watcher})
             return None
+        if rec.path == "/v1/missing":  # an upstream's own OpenAI-shaped 404 for a passed-through path
+            return await _json(writer, 404, {"error": {"message": "Unknown path /v1/missing.",
+                                                       "type": "not_found_error", "param": None, "code": "not_found"}})
         return await _json(writer, 200, {"echo": rec.path, "method": rec.method, "body": rec.body})
 
 

@@ -213,6 +213,15 @@ def test_other_v1_paths_pass_through(stack: Stack) -> None:
     assert httpx.get(stack.url + "/v1/files").status_code == 401
 
 
+def test_a_passed_through_upstream_error_fills_the_log_error_fields(stack: Stack) -> None:
+    with stack.client() as c:
+        missing = c.get("/v1/missing", headers={"x-request-id": "pt-404"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"  # relayed as sent
+    [record] = records_by_id(stack.log, ["pt-404"])["pt-404"]
+    assert record["http"]["response"]["status_code"] == 404
+    assert record["error"] == {"type": "not_found", "message": "Unknown path /v1/missing."}
+
+
 @pytest.mark.parametrize("path", ["/v1/../metrics", "/v1/%2e%2e/health", "/v1/./files", "/v1//files",
                                   "/v1/files/../../tokenize"])
 def test_passthrough_never_leaves_v1(stack: Stack, path: str) -> None:
