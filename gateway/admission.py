@@ -29,7 +29,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.proxy import ProxyPlan
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
 from gateway.tokenize import estimate_tokens
 
 if TYPE_CHECKING:
@@ -102,7 +102,10 @@ async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
 
 def _parse(gw: GatewayState, ctx: RequestContext, body: bytes,
            op: Operation) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
-    raw, req = parse_body(body, op.schema)
+    raw = decode_object(body)
+    model = raw.get("model")
+    ctx.request_model = model if isinstance(model, str) else None  # logged even when validation fails
+    req = validate_body(raw, op.schema)
     ctx.request_model, ctx.stream = req.model, req.streaming
     ctx.max_tokens, ctx.temperature = req.requested_max_tokens, req.temperature
     top_p = raw.get("top_p")

@@ -103,8 +103,8 @@ def error_param(message: str) -> str | None:
     return ".".join(parts) or None
 
 
-def parse_body(body: bytes, schema: type[T]) -> tuple[dict[str, Any], T]:
-    """The JSON object and its validated Struct. Raises InvalidRequest (400)."""
+def decode_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object. Raises InvalidRequest (400) for anything else."""
     try:
         raw = msgspec.json.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -112,10 +112,15 @@ def parse_body(body: bytes, schema: type[T]) -> tuple[dict[str, Any], T]:
         raise InvalidRequest(f"Invalid JSON body: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    return raw
+
+
+def validate_body(raw: dict[str, Any], schema: type[T]) -> T:
+    """The validated Struct of a decoded body. Raises InvalidRequest (400) naming the bad field."""
     try:
         parsed = msgspec.convert(raw, schema)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request: {exc}", param=error_param(str(exc))) from None
     if isinstance(parsed, CompletionRequest):
         check_prompt(parsed.prompt)
-    return raw, parsed
+    return parsed
