@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -43,7 +45,21 @@ def main(argv: list[str] | None = None) -> int:
     target, _ = COMMANDS[argv[0]]
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(argv[1:]) or 0)
+    try:
+        code = int(func(argv[1:]) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_left()
+    return code
+
+
+def _reader_left() -> int:
+    """stdout's reader closed it (``kvscope logs search | head``): no traceback, exit 141 as a process killed
+    by SIGPIPE would; stdout is pointed at /dev/null so the interpreter's final flush does not fail again
+    (the recipe of Python's ``signal`` documentation, "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -144,6 +144,8 @@ def logs_main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return asyncio.run(_run(args))
+    except BrokenPipeError:
+        raise  # the reader left (`| head`): kvscope.cli exits quietly, as for SIGPIPE
     except Exception as exc:  # noqa: BLE001 - a CLI reports every failure as one line, no traceback
         print(f"kvscope logs {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
