@@ -87,11 +87,13 @@ async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
     body = await read_body(request, gw.settings.max_body_bytes)
     raw, req = _parse(gw, ctx, body, op)
     _check_model(gw, ctx, principal, req.model)
-    injected = _apply_ceiling(req, principal.limits.max_tokens)
-    ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
+    ceiling = _check_ceiling(req, principal.limits.max_tokens)
     prompt_counts = await asyncio.to_thread(_count_prompt, gw, raw, req)  # a huge prompt must not stall the loop
     ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
-    _check_context(gw.pool.max_model_len(req.model), prompt_counts, _completion_budget(max_tokens, op), op)
+    max_len = gw.pool.max_model_len(req.model)
+    _check_context(max_len, prompt_counts, _completion_budget(req.requested_max_tokens, op), op)
+    injected = _injected_max_tokens(ceiling, req, op, max_len, prompt_counts)
+    ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
     _check_replica(gw, req.model)
     prompt_estimate, estimate = _token_estimate(raw, req, prompt_counts, max_tokens)
     await _rate_limit(gw, ctx, principal, prompt_estimate, estimate)
@@ -130,17 +132,27 @@ def _check_replica(gw: GatewayState, model: str) -> None:
                                   headers={"retry-after": gw.pool.retry_after()})
 
 
-def _apply_ceiling(req: ChatCompletionRequest | CompletionRequest, ceiling: int | None) -> int | None:
-    """400 when max_tokens exceeds the key's ceiling; the ceiling to inject when the request has none."""
-    if ceiling is None:
-        return None
+def _check_ceiling(req: ChatCompletionRequest | CompletionRequest, ceiling: int | None) -> int | None:
+    """400 when max_tokens exceeds the key's ceiling; returns the ceiling (None: the key has none)."""
     requested = req.requested_max_tokens
-    if requested is None:
-        return ceiling
-    if requested > ceiling:
+    if ceiling is not None and requested is not None and requested > ceiling:
         raise InvalidRequest(f"{req.max_tokens_param} is {requested}, above this API key's limit of {ceiling}.",
                              param=req.max_tokens_param)
-    return None
+    return ceiling
+
+
+def _injected_max_tokens(ceiling: int | None, req: ChatCompletionRequest | CompletionRequest, op: Operation,
+                         max_len: int | None, counts: list[int] | None) -> int | None:
+    """max_tokens to add to a request that has none, so the key's ceiling holds without changing what the
+    client asked for: the upstream's own default capped at the ceiling — 16 for completions (OpenAI/vLLM),
+    the rest of the context for chat (``max_len`` − the longest prompt; the ceiling when either is unknown).
+    None when nothing is injected (no ceiling, or the client set max_tokens)."""
+    if ceiling is None or req.requested_max_tokens is not None:
+        return None
+    default = _completion_budget(None, op)
+    if default is None and max_len is not None and counts is not None:
+        default = max_len - max(counts)
+    return ceiling if default is None else max(1, min(ceiling, default))
 
 
 def _count_prompt(gw: GatewayState, raw: dict[str, Any],
