@@ -67,9 +67,11 @@ class GatewayH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         from gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
 
-        if self.cycle is not None and self.cycle.response_started:
+        in_progress = self.cycle is not None and not self.cycle.response_complete
+        if in_progress and self.cycle.response_started:
             self.transport.close()  # the framing broke after the app answered: nothing more can be sent
             return
+        # (a finished cycle is the previous request of a keep-alive connection: this one gets its 400)
         err = InvalidHttpRequest(f"{msg} The request is not valid HTTP/1.1 (RFC 9112).")
         body = error_json(err)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -78,7 +80,8 @@ class GatewayH11Protocol(H11Protocol):
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event) or b"")
         self.transport.close()
-        if self.cycle is not None and not self.cycle.response_complete:  # the app holds (or will) this request
+        if in_progress:  # the app holds (or will) this request
+            self.cycle.disconnected = True  # its answer has been sent here: uvicorn drops the app's own
             state = self.cycle.scope["state"]
             state[REFUSED_KEY] = (err, len(body))  # picked up by observe() if the app has not started yet
             if (owner := state.get(CTX_KEY)) is not None:

@@ -5,6 +5,9 @@ and an OpenAI-shaped JSON error, and client.ip trusts forwarding headers only fr
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,3 +142,39 @@ def test_client_ip_trusts_only_configured_proxies(edge: Edge, source: str, heade
                                                   rid.encode() + b"\r\n"), rid + "-fence", source=source)
     assert resp.status == 200
     assert record["client"]["ip"] == client
+
+
+def test_a_malformed_request_after_a_good_one_on_a_keep_alive_connection_gets_its_400(edge: Edge) -> None:
+    import h11
+
+    before = len(read_log(edge.log, 0, 0))
+    good = b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"X-Request-Id: ka-good\r\n\r\n"
+    conn = h11.Connection(h11.CLIENT)
+    responses: list[tuple[int, bytes]] = []
+    with socket.create_connection(("127.0.0.1", edge.gateway.port), timeout=20) as sock:
+        sock.sendall(good + b"BROKEN\r\n\r\n")  # pipelined: the second request is not HTTP at all
+        for _ in range(2):
+            conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+            conn.send(h11.EndOfMessage())
+            status, body = 0, b""
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(sock.recv(65536))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    break
+            responses.append((status, body))
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+    assert [s for s, _ in responses] == [200, 400]
+    assert json.loads(responses[1][1])["error"]["code"] == "invalid_http_request"
+    records_by_id(edge.log, ["ka-good"], timeout=20)
+    deadline = time.monotonic() + 20
+    while len(new := read_log(edge.log, 0, 0)[before:]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted((r["http"]["response"]["status_code"], r["error"]["type"]) for r in new) == [
+        (200, None), (400, "invalid_http_request")]
