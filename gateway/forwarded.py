@@ -37,7 +37,9 @@ def parse_networks(items: Iterable[str]) -> tuple[IPNetwork, ...]:
 
 def parse_node(value: str) -> IPAddress | None:
     """An IP from one hop: ``1.2.3.4``, ``1.2.3.4:80``, ``[::1]``, ``[::1]:80``, ``::1`` (quotes stripped);
-    None for anything else (``unknown``, ``_hidden``, garbage)."""
+    None for anything else (``unknown``, ``_hidden``, garbage). An IPv4-mapped IPv6 address
+    (``::ffff:1.2.3.4``, RFC 4291 §2.5.5.2: what a dual-stack socket reports for an IPv4 peer) is the IPv4
+    address it maps, so it matches IPv4 ``trusted_proxies`` and is logged as ``1.2.3.4``."""
     value = value.strip().strip('"').strip()
     if value.startswith("["):
         host, sep, rest = value[1:].partition("]")
@@ -53,7 +55,10 @@ def parse_node(value: str) -> IPAddress | None:
         address = ipaddress.ip_address(value)
     except ValueError:
         return None
-    return address if "%" not in str(address) else None
+    if "%" in str(address):
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
 
 
 def _split_outside_quotes(text: str, sep: str) -> list[str]:
@@ -101,6 +106,8 @@ class ClientAddressResolver:
         """The client IP as text; ``peer`` (the TCP peer host) unless it is trusted and a header names a
         valid client."""
         peer_ip = parse_node(peer) if peer else None
+        if peer_ip is not None and str(peer_ip) != peer:
+            peer = str(peer_ip)  # ::ffff:1.2.3.4 is logged as 1.2.3.4
         if peer_ip is None or not self.trusted or not self.is_trusted(peer_ip):
             return peer
         hops = self._hops(headers)

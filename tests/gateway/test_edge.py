@@ -211,3 +211,13 @@ def test_probes_are_unobserved_only_when_spelled_exactly(edge: Stack, target: by
     post(edge, b"/v1/models", "alice", fence)
     records = records_by_id(edge.log, [fence])
     assert len(records.get(rid, [])) == (0 if status == 200 else 1)
+
+
+def test_ipv4_mapped_addresses_are_their_ipv4_address() -> None:
+    """A dual-stack listener (``--host ::``) sees IPv4 peers as ``::ffff:a.b.c.d`` (RFC 4291 §2.5.5.2)."""
+    resolver = ClientAddressResolver(parse_networks(["127.0.0.1"]))
+    xff = [(b"x-forwarded-for", b"1.2.3.4")]
+    assert resolver.resolve("::ffff:127.0.0.1", xff) == "1.2.3.4"  # the mapped peer is the trusted proxy
+    assert resolver.resolve("::ffff:8.8.8.8", xff) == "8.8.8.8"  # untrusted: the peer, as IPv4
+    assert resolver.resolve("127.0.0.1", [(b"x-forwarded-for", b"::ffff:1.2.3.4")]) == "1.2.3.4"
+    assert resolver.resolve("::1", xff) == "::1"
