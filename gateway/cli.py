@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from gateway.auth import generate_key, hash_key
-from gateway.settings import GatewaySettings, load_settings, parse_key_hash
+from gateway.settings import GatewaySettings, check_key_name, load_settings, parse_key_hash
 
 
 def _gateway_parser() -> argparse.ArgumentParser:
@@ -118,8 +118,14 @@ def keys_main(argv: list[str]) -> int:
     """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b]`` prints the key (first line,
     shown only now) and the config entry holding its sha256 (one JSON flow mapping, valid YAML, that carries
     every restriction). The ``--api-key-hash NAME:SHA256`` alternative is offered only for a key without a
-    model restriction, since that flag cannot carry one. Returns 2 for an empty ``--models`` list."""
+    model restriction, since that flag cannot carry one. Returns 2 for an invalid name or an empty ``--models``
+    list."""
     args = _keys_parser().parse_args(argv)
+    try:
+        check_key_name(args.name)
+    except ValueError as exc:
+        print(f"kvscope keys: {exc}", file=sys.stderr)
+        return 2
     models = None if args.models is None else [m.strip() for m in args.models.split(",") if m.strip()]
     if models is not None and not models:
         print("kvscope keys: --models needs at least one model name", file=sys.stderr)

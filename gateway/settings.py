@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -93,6 +94,18 @@ class KeyLimits(msgspec.Struct, **_STRUCT):
                             for f in self.__struct_fields__})
 
 
+KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+"""An API key's name: 1-64 of letters, digits, ``.``, ``_``, ``@``, ``-`` (a safe ``user.id`` and rate-limit key;
+no ``:``, which ``--api-key-hash NAME:SHA256`` uses as its separator)."""
+
+
+def check_key_name(name: str) -> None:
+    """Raises ValueError when ``name`` is not a valid API key name (:data:`KEY_NAME`)."""
+    if not KEY_NAME.fullmatch(name):
+        raise ValueError(f"api key name {name!r} must be 1-64 of A-Z a-z 0-9 . _ @ - (starting with a letter "
+                         f"or digit)")
+
+
 class ApiKeyConfig(msgspec.Struct, **_STRUCT):
     """An API key, stored only as the sha256 hex digest of the key text (``kvscope keys create``)."""
 
@@ -104,6 +117,7 @@ class ApiKeyConfig(msgspec.Struct, **_STRUCT):
     limits: KeyLimits = KeyLimits()
 
     def __post_init__(self) -> None:
+        check_key_name(self.name)
         digest = self.sha256.lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ValueError(f"api key {self.name!r}: sha256 must be 64 hex digits")

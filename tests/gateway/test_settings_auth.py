@@ -141,3 +141,20 @@ def test_keys_create_offers_the_hash_flag_only_for_unrestricted_keys(capsys: pyt
                              env={})
     via_config = load_settings(None, {"upstreams": [{"url": "http://a"}], "api_keys": [entry]}, env={})
     assert via_flag.api_keys == via_config.api_keys
+
+
+@pytest.mark.parametrize("name", ["", "ok:colon", "two\nlines", "sp ace", "-dash-first", "x" * 65])
+def test_keys_create_refuses_names_the_gateway_could_not_load(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert keys_main(["create", f"--name={name}"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"kvscope keys: api key name {name!r} must be 1-64 of ")
+    with pytest.raises(ValueError, match="must be 1-64 of"):
+        ApiKeyConfig(name=name, sha256="0" * 64)
+
+
+@pytest.mark.parametrize("name", ["alice", "svc.batch-2", "team_a@prod", "x" * 64])
+def test_valid_key_names_round_trip_through_the_hash_flag(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert keys_main(["create", "--name", name]) == 0
+    flag = next(line for line in capsys.readouterr().err.splitlines() if "--api-key-hash" in line)
+    item = flag.split("--api-key-hash ", 1)[1]
+    assert ApiKeyConfig(**parse_key_hash(item)).name == name
