@@ -27,6 +27,7 @@ from gateway.errors import (
     PayloadTooLarge,
     RateLimited,
     UpstreamUnavailable,
+    clip,
 )
 from gateway.proxy import ProxyPlan
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
@@ -120,7 +121,7 @@ def _parse(gw: GatewayState, ctx: RequestContext, body: bytes,
 def _check_model(gw: GatewayState, ctx: RequestContext, principal: Principal, model: str) -> None:
     """404 ``model_not_found`` for a model no upstream serves; 403 when the key may not use it."""
     if not gw.pool.is_served(model):
-        raise ModelNotFound(f"The model '{model}' does not exist or is not served here.", param="model")
+        raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
     ctx.model_served = True
     gw.auth.check_model(principal, model)
 

@@ -124,6 +124,18 @@ class RetryableFailure(Exception):
         self.error, self.answer, self.same_replica_ok = error, answer, same_replica_ok
 
 
+MAX_ECHOED_CHARS = 256
+"""Longest client-supplied string (a model name) echoed in an error message or a log field."""
+
+
+def clip(value: str | None, limit: int = MAX_ECHOED_CHARS) -> str | None:
+    """``value`` cut to ``limit`` characters (marked with ``…[+N chars]``), so a client cannot make one log line
+    or error body megabytes long by sending a huge model name or User-Agent."""
+    if value is None or len(value) <= limit:
+        return value
+    return f"{value[:limit]}…[+{len(value) - limit} chars]"
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The OpenAI error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -23,6 +23,7 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
     UpstreamUnavailable,
+    clip,
     upstream_error_object,
     upstream_gateway_error,
 )
@@ -76,7 +77,7 @@ async def passthrough(gw: GatewayState, request: Request) -> Stream:
     if model is not None:
         ctx.request_model = model
         if not gw.pool.is_served(model):
-            raise ModelNotFound(f"The model '{model}' does not exist or is not served here.", param="model")
+            raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
         ctx.model_served = True
         gw.auth.check_model(principal, model)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}

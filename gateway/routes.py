@@ -12,7 +12,7 @@ from litestar.types import ASGIApp
 from prometheus_client.exposition import choose_encoder
 
 from gateway.admission import CHAT, COMPLETION, Operation, admit, authenticate, context_of
-from gateway.errors import MethodNotAllowed, ModelNotFound, NotFound
+from gateway.errors import MethodNotAllowed, ModelNotFound, NotFound, clip
 from gateway.passthrough import passthrough
 from gateway.proxy import ProxyCall
 
@@ -67,7 +67,7 @@ async def retrieve_model(request: Request) -> dict[str, Any]:
     _only(request, "GET")
     name = str(request.path_params["model"]).lstrip("/")
     if name not in _visible_models(request):
-        raise ModelNotFound(f"The model '{name}' does not exist or is not served here.", param="model")
+        raise ModelNotFound(f"The model '{clip(name)}' does not exist or is not served here.", param="model")
     return state_of(request).pool.model_card(name)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from gateway.errors import clip
 from gateway.logs.genai_messages import input_messages, output_messages
 from gateway.logs.sink import LogRecord
 
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
     from gateway.context import RequestContext
 
 ECS_VERSION = "9.1.0"
+MAX_LOGGED_USER_AGENT = 1024
+"""Characters of ``user_agent.original`` kept (the ES template's keyword ``ignore_above`` is of this order)."""
+MAX_LOGGED_PATH = 2048
+MAX_LOGGED_ERROR = 2048
 LOG_LEVELS = ("info", "warning", "error")
 """Every ``log.level`` value a kvscope service writes (gateway and engine alike)."""
 
@@ -71,7 +76,8 @@ class RecordBuilder:
             "@timestamp": iso(end_wall, "milliseconds"),
             "ecs": {"version": ECS_VERSION},
             "log": {"level": level(ctx), "logger": "kvscope.gateway.access"},
-            "message": f"{ctx.method} {ctx.path} {status} {ctx.request_model or '-'} {duration_s:.3f}s",
+            "message": f"{ctx.method} {clip(ctx.path, MAX_LOGGED_PATH)} {status} {clip(ctx.request_model) or '-'} "
+                       f"{duration_s:.3f}s",
             "event": {"id": ctx.event_id, "kind": "event", "category": ["web"],
                       "type": ["access", "error"] if ctx.failed else ["access"], "outcome": outcome(ctx),
                       "dataset": "kvscope.gateway", "duration": int(duration_s * 1e9),
@@ -79,9 +85,9 @@ class RecordBuilder:
             "http": {"version": ctx.http_version,
                      "request": {"id": ctx.request_id, "method": ctx.method, "body": {"bytes": ctx.request_bytes}},
                      "response": {"status_code": status, "body": {"bytes": ctx.response_bytes}}},
-            "url": {"path": ctx.path},
+            "url": {"path": clip(ctx.path, MAX_LOGGED_PATH)},
             "client": {"ip": ctx.client_ip},
-            "user_agent": {"original": ctx.user_agent},
+            "user_agent": {"original": clip(ctx.user_agent, MAX_LOGGED_USER_AGENT)},
             "user": {"id": ctx.key_id},
             "server": {"address": ctx.upstream},
             "service": {"name": self.service.name, "version": self.service.version,
@@ -89,7 +95,8 @@ class RecordBuilder:
             "trace": {"id": ctx.trace_id},
             "span": {"id": ctx.span_id},
             "error": {"type": ctx.error_type if ctx.failed or ctx.client_disconnected else None,
-                      "message": ctx.error_message if ctx.failed or ctx.client_disconnected else None},
+                      "message": clip(ctx.error_message, MAX_LOGGED_ERROR) if ctx.failed or ctx.client_disconnected
+                      else None},
             "gen_ai": self._gen_ai(ctx),
             "kvscope": {"route": ctx.route, "ttft_s": ctx.ttft_s, "tpot_s": ctx.tpot_s,
                         "e2e_s": duration_s, "gateway_overhead_s": ctx.overhead_s,
@@ -105,7 +112,7 @@ class RecordBuilder:
         input_tokens = usage.get("prompt_tokens", ctx.prompt_tokens if ctx.client_disconnected else None)
         out: dict[str, Any] = {
             "operation": {"name": ctx.operation},
-            "request": {"model": ctx.request_model, "max_tokens": ctx.max_tokens,
+            "request": {"model": clip(ctx.request_model), "max_tokens": ctx.max_tokens,
                         "temperature": ctx.temperature, "stream": ctx.stream},
             "response": {"model": ctx.response_model, "finish_reasons": ctx.finish_reasons or None},
             "usage": {"input_tokens": input_tokens, "output_tokens": ctx.output_tokens,

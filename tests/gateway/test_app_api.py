@@ -280,3 +280,18 @@ def test_upstream_5xx_is_relayed_then_the_replica_is_ejected(own_stack: Stack) -
     assert sample(samples, "kvscope_gateway_upstream_up", upstream=label) == 0
     assert sample(samples, "kvscope_gateway_upstream_errors_total", upstream=label, reason="status_5xx") == 3
     assert httpx.get(stack.url + "/readyz").json()["models"]["broken-model"] is False
+
+
+def test_huge_model_names_and_user_agents_are_clipped_in_errors_and_logs(stack: Stack) -> None:
+    name, agent = "m" * 200_000, "ua/" + "x" * 100_000
+    with stack.client() as c:
+        resp = c.post("/v1/chat/completions", json={"model": name, "messages": HI},
+                      headers={"x-request-id": "huge-name", "user-agent": agent})
+    assert resp.status_code == 404
+    message = resp.json()["error"]["message"]
+    assert message == f"The model '{'m' * 256}…[+199744 chars]' does not exist or is not served here."
+    [record] = records_by_id(stack.log, ["huge-name"])["huge-name"]
+    assert record["gen_ai"]["request"]["model"] == "m" * 256 + "…[+199744 chars]"
+    assert record["user_agent"]["original"] == agent[:1024] + f"…[+{len(agent) - 1024} chars]"
+    assert record["error"]["message"] == message
+    assert len(json.dumps(record)) < 8_000
