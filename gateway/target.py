@@ -25,6 +25,7 @@ UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 _PCT = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\\#?]")
 _LEADING_WORD = re.compile(r"[a-z]*")
+_ENCODED_SLASH = re.compile(rb"%2[Ff]")
 GENERATION_SEGMENTS = frozenset({"completions", "completion", "chat", "responses", "messages", "generate",
                                  "generations", "engines", "infill", "realtime", "audio"})
 """Path segments (case-folded) that name a generation API of the OpenAI, vLLM, llama.cpp or TGI servers:
@@ -63,6 +64,8 @@ def target_problem(raw_path: bytes, query: bytes, path: str) -> str | None:
         return "the path must not contain empty segments ('//')"
     if any(s in (".", "..") for s in segments):
         return "the path must not contain '.' or '..' segments"
+    if _ENCODED_SLASH.search(raw_path) and not path.startswith("/v1/models/") and names_generation_api(path):
+        return "an encoded '/' (%2F) is allowed only in a model id (/v1/models/{id})"
     return None
 
 

@@ -133,9 +133,11 @@ def test_admitted_spellings_are_exactly_the_canonical_routes() -> None:
     """The target check accepts a generation route only in its one form (a query is allowed)."""
     assert target_problem(b"/v1/chat/completions", b"x=1", "/v1/chat/completions") is None
     assert target_problem(b"/v1/models/org%2Fm", b"", "/v1/models/org/m") is None  # the openai SDK's encoding
+    assert target_problem(b"/v1/models/org%2Fchat-v2", b"", "/v1/models/org/chat-v2") is None
     for raw in (b"/v1/chat/completions#x", b"/v1/chat/%63ompletions", b"/v1//completions", b"/v1/completions/",
                 b"/v1/./completions", b"/v1/%2e%2e/completions", b"v1/completions", b"/v1/completions%zz",
-                b"/v1/completions%00", b"/v1/completions%5C", b"/v1/completions%23x", b"/v1/completions%3Fa=1"):
+                b"/v1/completions%00", b"/v1/completions%5C", b"/v1/completions%23x", b"/v1/completions%3Fa=1",
+                b"/v1/chat%2Fcompletions", b"/v1%2Fchat%2Fcompletions", b"/v1%2fcompletions"):
         from urllib.parse import unquote
 
         assert target_problem(raw, b"", unquote(raw.decode())) is not None, raw
