@@ -28,6 +28,7 @@ from kvscope.models.settings import ModelSettings
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 15.0
+ENGINE_KEY_ENV = "KVSCOPE_ENGINE_API_KEY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
+            self._check_engine_key()
             self._check_ports_free()
             self._start_engine()
             self._start_gateway()
@@ -95,6 +97,17 @@ class Supervisor:
 
     def _on_signal(self, signum: int, _frame) -> None:
         self._stop_requested = True
+
+    def _check_engine_key(self) -> None:
+        """The engine's ``--api-key`` (or ``$KVSCOPE_ENGINE_API_KEY``) would lock out the gateway started
+        here, which calls it without a key: every health check would get 401 and serve would wait for a
+        readiness that never comes. The engine listens on a private loopback port here, so say so at once."""
+        if "--api-key" in self.options.engine_args or any(
+                a.startswith("--api-key=") for a in self.options.engine_args) or os.environ.get(ENGINE_KEY_ENV):
+            raise _ChildFailed(f"an engine API key (--api-key or ${ENGINE_KEY_ENV}) is not supported by kvscope "
+                               "serve, whose engine listens only on a private loopback port behind the gateway; "
+                               f"unset it, or run `kvscope engine --api-key …` and `kvscope gateway` with the "
+                               "upstream's api_key in the gateway config (docs/engine-server.md)")
 
     def _check_ports_free(self) -> None:
         """Fail before loading anything when a port is taken: otherwise another server on the gateway's port
