@@ -33,6 +33,8 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         if self.buffer_bytes < 4096 or self.matmul_n < 16 or self.repeats < 1:
             raise ValueError("buffer_bytes >= 4096, matmul_n >= 16 and repeats >= 1 are required")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"probe threads must be at least 1, got {self.threads}")
 
 
 def engine_default_threads() -> int:

@@ -43,9 +43,14 @@ def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:
 
 
 def _reader(path: Path) -> Any:
+    """The gguf package's reader. Raises ValueError for a file it cannot parse (a damaged or truncated header
+    raises IndexError, struct.error, ValueError … inside the library)."""
     from gguf import GGUFReader
 
-    return GGUFReader(str(path))
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - any failure inside the parser means "not a readable GGUF"
+        raise ValueError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 
 def read_gguf(path: Path, name: str = "") -> tuple[ModelShape, GgufWeights]:

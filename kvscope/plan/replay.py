@@ -160,9 +160,14 @@ def read_spans(source: str | Path) -> tuple[list[Span], dict[str, Any]]:
     read by DuckDB with the typed columns ``kvscope logs`` uses. Returns (spans, {"unparsed_lines": n,
     "not_generations": m}).
     Raises FileNotFoundError when no log file matches."""
+    import duckdb
+
     from gateway.logs.report_duckdb import DuckDBLogs
 
-    logs = DuckDBLogs(source)
+    try:
+        logs = DuckDBLogs(source)
+    except duckdb.Error as exc:  # a damaged .gz or an unreadable file: bad input, not a crash
+        raise ValueError(f"cannot read the request log {source}: {exc}") from None
     rows = logs.con.execute(_SPAN_SQL).fetchall()
     spans = [Span(float(a), float(b), int(i), int(o), None if t is None else float(t)) for a, b, i, o, t in rows]
     not_generations = logs.con.execute(_NOT_GENERATIONS_SQL).fetchone()[0]

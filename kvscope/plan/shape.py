@@ -48,22 +48,45 @@ class ModelShape:
         return "MQA" if self.num_kv_heads == 1 else "GQA"
 
 
+MAX_DIMENSION = 1 << 24
+"""Largest layer count, width, head count or vocabulary a config may state (real models are far below)."""
+
+
+def _count(config: dict[str, Any], key: str, where: str, default: Any = None) -> int:
+    """A positive whole number from ``config[key]`` (``default`` when absent or null). Raises ValueError
+    naming the field for a missing, non-integer, boolean, non-positive or absurdly large value."""
+    value = config.get(key, default) if config.get(key) is not None else default
+    if value is None:
+        raise ValueError(f"config {where} has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"config {where}: {key} must be a whole number, got {value!r}")
+    if not 1 <= value <= MAX_DIMENSION:
+        raise ValueError(f"config {where}: {key} must be between 1 and {MAX_DIMENSION}, got {value!r}")
+    return int(value)
+
+
 def shape_from_hf_config(config: dict[str, Any], name: str = "", source: str = "") -> ModelShape:
     """A ModelShape from a HF ``config.json`` dict (transformers' ``LlamaConfig`` field names and defaults:
     ``num_key_value_heads`` defaults to ``num_attention_heads``, ``head_dim`` to hidden/heads).
-    Raises ValueError for a missing required field."""
-    try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return ModelShape(
-            name=name or str(config.get("_name_or_path") or config.get("model_type") or "model"),
-            num_layers=int(config["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-            qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
-            qk_norm=config.get("model_type") == "qwen3", source=source)
-    except KeyError as exc:
-        raise ValueError(f"config {source or name} has no {exc.args[0]!r}") from None
+    Raises ValueError naming the field for a config that is not a JSON object, a missing or invalid
+    dimension (attention-free models such as Mamba have no ``num_attention_heads``), or heads that do not
+    divide."""
+    where = source or name or "config.json"
+    if not isinstance(config, dict):
+        raise ValueError(f"config {where} must be a JSON object, got {type(config).__name__}")
+    heads = _count(config, "num_attention_heads", where)
+    hidden = _count(config, "hidden_size", where)
+    kv_heads = _count(config, "num_key_value_heads", where, default=heads)
+    if heads % kv_heads:
+        raise ValueError(f"config {where}: num_attention_heads ({heads}) is not a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    return ModelShape(
+        name=name or str(config.get("_name_or_path") or config.get("model_type") or "model"),
+        num_layers=_count(config, "num_hidden_layers", where), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=_count(config, "head_dim", where, default=max(1, hidden // heads)),
+        intermediate_size=_count(config, "intermediate_size", where),
+        vocab_size=_count(config, "vocab_size", where),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=_count(config, "max_position_embeddings", where, default=2048),
+        qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
+        qk_norm=config.get("model_type") == "qwen3", source=source)
