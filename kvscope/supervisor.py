@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -123,9 +124,17 @@ class Supervisor:
         o = self.options
         cmd = [sys.executable, "-m", "kvscope.cli", "engine", "--model", o.model, "--host", "127.0.0.1",
                "--port", str(o.engine_port), *o.engine_args]
-        print(f"starting engine: {shlex.join(cmd[2:])}", flush=True)
-        child = self._spawn(cmd)
+        print(f"starting engine: {shlex.join(cmd[2:])}  (its JSON request log: {self.engine_log})", flush=True)
+        self.engine_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.engine_log, "ab") as log:  # the child keeps its own descriptor
+            child = self._spawn(cmd, stdout=log)
         self._wait_ready(child, f"http://127.0.0.1:{o.engine_port}/health", "engine")
+
+    @property
+    def engine_log(self) -> Path:
+        """Where the engine's stdout (one JSON line per request, engine/server/access_log.py) goes: beside the
+        gateway's request log, so the terminal shows the banner and warnings, not a line per request."""
+        return self.options.log_file.with_name("engine.ndjson")  # not *.jsonl: `kvscope logs` on the folder reads gateway records only
 
     def _start_gateway(self) -> None:
         o = self.options
@@ -141,8 +150,8 @@ class Supervisor:
         child = self._spawn(cmd)
         self._wait_ready(child, f"http://{_client_host(o.host)}:{o.port}/readyz", "gateway")
 
-    def _spawn(self, cmd: list[str]) -> subprocess.Popen:
-        child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509 - Linux pdeathsig
+    def _spawn(self, cmd: list[str], stdout: Any = None) -> subprocess.Popen:
+        child = subprocess.Popen(cmd, stdout=stdout, preexec_fn=_die_with_parent)  # noqa: PLW1509 - pdeathsig
         self.children.append(child)
         return child
 

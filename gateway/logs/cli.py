@@ -39,7 +39,8 @@ def _connection_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
 def _source_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
     p.add_argument("--source", default=env.source or env.es_url,
                    help="JSONL file/dir or Elasticsearch URL (default $KVSCOPE_LOGS_SOURCE, "
-                        "$KVSCOPE_GATEWAY_LOG_FILE, $ELASTICSEARCH_URL)")
+                        "$KVSCOPE_GATEWAY_LOG_FILE, $ELASTICSEARCH_URL, else kvscope serve's "
+                        "$KVSCOPE_CACHE/logs/requests.jsonl)")
     p.add_argument("--since", help="only records newer than this: 15m, 1h, 2d or an ISO-8601 time")
     _connection_args(p, env)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.logs.jsonl import read_records
 from tests.engine.server.e2e_support import CHAT, wait_for
 from tests.gateway.harness import REPO, free_port, read_log
 
@@ -115,6 +116,11 @@ def test_serve_answers_through_the_openai_sdk_and_stops_cleanly_on_sigterm(serve
     assert [m.id for m in sdk.models.list()] == ["smollm2-135m"]
     chats = wait_for(lambda: [r for r in read_log(serve.log_file, 0, 0) if r["url"]["path"] == CHAT], 5)
     assert [(r["http"]["response"]["status_code"], r["gen_ai"]["usage"]["output_tokens"]) for r in chats] == [(200, 4)]
+    # the engine's own request log goes beside it, not onto the terminal
+    engine_log = serve.log_file.with_name("engine.ndjson")
+    engine_chats = wait_for(lambda: [r for r in read_records(engine_log) if r["url"]["path"] == CHAT], 30)
+    assert [r["gen_ai"]["usage"]["output_tokens"] for r in engine_chats] == [4]
+    assert '"url":{"path":"/v1/chat/completions"}' not in serve.output.read_text(errors="replace")
     started = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)
     assert serve.proc.wait(20) == 0
