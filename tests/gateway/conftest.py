@@ -66,6 +66,17 @@ def build_stack(loop: LoopThread, tmp: Path, **overrides: Any) -> tuple[GatewayT
     return GatewayThread(create_app(settings, span_exporter=exporter)), fakes, exporter
 
 
+@pytest.fixture
+def own_stack(loop: LoopThread, tmp_path: Path) -> Iterator[Stack]:
+    """A stack of its own, for a test that changes it (ejects a replica, counts from zero): the module's
+    ``stack`` stays as the other tests expect it."""
+    gateway, fakes, exporter = build_stack(loop, tmp_path)
+    with gateway:
+        yield Stack(gateway, fakes, exporter, tmp_path / "requests.jsonl")
+    for fake in fakes.values():
+        loop.run(fake.close())
+
+
 @pytest.fixture(scope="module")
 def stack(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("stack")

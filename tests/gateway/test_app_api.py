@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import CONTEXT_LEN, KEYS, Stack, build_stack
-from tests.gateway.harness import LoopThread, metric_samples, records_by_id, sample, sse_events
+from tests.gateway.conftest import CONTEXT_LEN, KEYS, Stack
+from tests.gateway.harness import metric_samples, records_by_id, sample, sse_events
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -249,15 +247,6 @@ def test_probes(stack: Stack) -> None:
     assert ready.status_code == 200
     assert ready.json()["models"] == {"tok-model": True, "fake-model": True, "broken-model": True}
 
-
-@pytest.fixture
-def own_stack(loop: LoopThread, tmp_path: Path) -> Iterator[Stack]:
-    """A stack of its own, for a test that ejects a replica (the module's ``stack`` stays healthy)."""
-    gateway, fakes, exporter = build_stack(loop, tmp_path)
-    with gateway:
-        yield Stack(gateway, fakes, exporter, tmp_path / "requests.jsonl")
-    for fake in fakes.values():
-        loop.run(fake.close())
 
 
 def test_upstream_5xx_is_relayed_then_the_replica_is_ejected(own_stack: Stack) -> None:

@@ -7,13 +7,9 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-
-from tests.gateway.conftest import KEYS, Stack, build_stack
-from tests.gateway.harness import LoopThread, metric_samples, records_by_id, sample, sse_events
+from tests.gateway.conftest import KEYS, Stack
+from tests.gateway.harness import metric_samples, records_by_id, sample, sse_events
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -48,17 +44,6 @@ def test_no_usage_null_in_chunks_when_the_client_did_not_ask(stack: Stack) -> No
     assert len(chunks) == 5 and all("usage" not in chunk for chunk in chunks)
     with_usage = [json.loads(e) for e in sse_events(asked) if e != "[DONE]"]
     assert [c["usage"] is None for c in with_usage] == [True] * 5 + [False]  # asked: as the upstream sent it
-
-
-@pytest.fixture
-def own_stack(tmp_path: Path) -> Iterator[Stack]:
-    loop = LoopThread()
-    gateway, fakes, exporter = build_stack(loop, tmp_path)
-    with gateway:
-        yield Stack(gateway, fakes, exporter, tmp_path / "requests.jsonl")
-    for fake in fakes.values():
-        loop.run(fake.close())
-    loop.stop()
 
 
 def up(stack: Stack, name: str) -> float:

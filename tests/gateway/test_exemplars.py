@@ -3,29 +3,17 @@ and the latency histograms carry the trace id of a sampled request, the same id 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from tests.gateway.conftest import Stack, build_stack
-from tests.gateway.harness import LoopThread, records_by_id
+from tests.gateway.conftest import Stack
+from tests.gateway.harness import records_by_id
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def fresh(tmp_path: Path) -> Iterator[Stack]:
-    loop = LoopThread()
-    gateway, fakes, exporter = build_stack(loop, tmp_path)
-    with gateway:
-        yield Stack(gateway, fakes, exporter, tmp_path / "requests.jsonl")
-    for fake in fakes.values():
-        loop.run(fake.close())
-    loop.stop()
 
 
 def exemplars(text: str, family: str) -> list[tuple[dict[str, str], dict[str, str], float]]:
@@ -35,16 +23,16 @@ def exemplars(text: str, family: str) -> list[tuple[dict[str, str], dict[str, st
             for s in f.samples if s.name.endswith("_bucket") and s.exemplar is not None]
 
 
-def test_openmetrics_scrape_carries_the_trace_id_of_the_logged_request(fresh: Stack) -> None:
+def test_openmetrics_scrape_carries_the_trace_id_of_the_logged_request(own_stack: Stack) -> None:
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
-    with fresh.client() as c:
+    with own_stack.client() as c:
         assert c.post("/v1/chat/completions", json=body, headers={"x-request-id": "ex-sampled"}).status_code == 200
         unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
         assert c.post("/v1/chat/completions", json=body, headers={"x-request-id": "ex-unsampled",
                                                                   "traceparent": unsampled}).status_code == 200
         scraped = c.get("/metrics", headers={"accept": OPENMETRICS})
         plain = c.get("/metrics")
-    record = records_by_id(fresh.log, ["ex-sampled"])["ex-sampled"][0]
+    record = records_by_id(own_stack.log, ["ex-sampled"])["ex-sampled"][0]
     trace_id = record["trace"]["id"]
     assert scraped.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
     assert scraped.text.rstrip().endswith("# EOF")

@@ -36,11 +36,12 @@ def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
 
 def test_toml_file_and_env_upstreams(tmp_path: Path) -> None:
     path = tmp_path / "gw.toml"
-    path.write_text('host = "127.0.0.1"\n[logs]\nfile = "/tmp/x.jsonl"\n')
+    log = tmp_path / "x.jsonl"
+    path.write_text(f'host = "127.0.0.1"\n[logs]\nfile = "{log}"\n')
     s = load_settings(path, env={"KVSCOPE_GATEWAY_UPSTREAMS": "http://a:1, http://b:2",
                                  "KVSCOPE_GATEWAY_API_KEY_HASHES": f"bob:{DIGEST}"})
     assert [u.url for u in s.upstreams] == ["http://a:1", "http://b:2"]
-    assert s.logs.file == "/tmp/x.jsonl" and s.api_keys[0].name == "bob"
+    assert s.logs.file == str(log) and s.api_keys[0].name == "bob"
 
 
 @pytest.mark.parametrize(("raw", "message"), [
