@@ -7,7 +7,6 @@ Every struct forbids unknown keys, so a typo in the config file is an error, not
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import socket
@@ -20,6 +19,7 @@ import msgspec
 import yaml
 
 from gateway.forwarded import parse_networks
+from kvscope.net import is_loopback
 
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
@@ -251,16 +251,6 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     @property
     def node(self) -> str:
         return self.node_name or socket.gethostname()
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -9,13 +9,13 @@ when ``--api-key`` is not given (a flag is visible in ``ps``, the environment is
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.server.metrics import MetricBuckets
+from kvscope.net import is_loopback
 
 DEFAULT_SERVICE_NAME = "kvscope-engine"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -66,16 +66,6 @@ class ServerSettings:
                 "/schema, bypassing the gateway's API keys, rate limits and max_tokens ceilings. Bind to "
                 "127.0.0.1, or pass --api-key (or set KVSCOPE_ENGINE_API_KEY) and give the gateway the same "
                 "key as the upstream's api_key.")
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def api_key_from(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
