@@ -3,7 +3,7 @@
 auth (401) → body size (413) → JSON + schema (400) → unknown model (404 ``model_not_found``) → key's
 models (403) → key's ``max_tokens`` ceiling (400) → context length with the model's tokenizer (400
 ``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429). What passes becomes a
-:class:`~gateway.proxy.ProxyPlan`.
+:class:`~gateway.proxy.plan.ProxyPlan`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from gateway.errors import (
     UpstreamUnavailable,
     clip,
 )
-from gateway.proxy import ProxyPlan
+from gateway.proxy.plan import ProxyPlan
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
 from gateway.tokenize import estimate_tokens
 

@@ -1,4 +1,4 @@
-"""HTTP routes. Generation routes return a :class:`~gateway.proxy.ProxyCall` (an ASGI app that owns the
+"""HTTP routes. Generation routes return a :class:`~gateway.proxy.call.ProxyCall` (an ASGI app that owns the
 exchange); the others are small. Every path lands on some route (catch-alls raise OpenAI-shaped 404/405);
 methods no route declares get Litestar's 405, mapped to the same JSON. The observation wrapper
 (gateway/observe.py) sits outside the router, so every request is logged either way."""
@@ -13,8 +13,8 @@ from prometheus_client.exposition import choose_encoder
 
 from gateway.admission import CHAT, COMPLETION, Operation, admit, authenticate, context_of
 from gateway.errors import MethodNotAllowed, ModelNotFound, NotFound, clip
-from gateway.passthrough import passthrough
-from gateway.proxy import ProxyCall
+from gateway.proxy.call import ProxyCall
+from gateway.proxy.passthrough import passthrough
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState

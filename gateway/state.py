@@ -15,11 +15,11 @@ from gateway.forwarded import ClientAddressResolver
 from gateway.logs.record import RecordBuilder
 from gateway.logs.sink import LogSink
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.upstreams import UpstreamPool
 from gateway.ratelimit import RateLimiter
 from gateway.settings import GatewaySettings
 from gateway.tokenize import PromptCounter
 from gateway.tracing import GatewayTracer
-from gateway.upstreams import UpstreamPool
 from kvscope.otel_genai import GenAiClientMetrics
 
 

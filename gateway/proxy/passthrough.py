@@ -27,8 +27,8 @@ from gateway.errors import (
     upstream_error_object,
     upstream_gateway_error,
 )
+from gateway.proxy.upstreams import Replica
 from gateway.target import names_generation_api
-from gateway.upstreams import Replica
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
