@@ -9,6 +9,7 @@ import importlib.metadata
 from dataclasses import dataclass, field
 
 import httpx
+from litestar.connection import ASGIConnection
 
 from gateway.auth import Authenticator
 from gateway.forwarded import ClientAddressResolver
@@ -55,3 +56,8 @@ class GatewayState:
         if self.client is None:
             raise RuntimeError("the gateway lifespan has not started")
         return self.client
+
+
+def state_of(connection: ASGIConnection) -> GatewayState:
+    """The app's GatewayState, from a request or any connection."""
+    return connection.app.state.gateway
