@@ -1,4 +1,4 @@
-"""Prometheus collectors of the engine: every ``kvscope_engine_*`` metric of design.md §4.3.
+"""Prometheus collectors of the engine: every ``kvscope_engine_*`` metric of docs/metrics.md.
 
 This module only *defines* the metrics. The server creates one :class:`EngineMetrics` on its own
 ``CollectorRegistry`` and calls ``.labels(...).observe/inc/set`` on the attributes; nothing here is global.
