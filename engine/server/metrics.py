@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvscope.settings_cli import Flag
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-"""Values of the ``finish_reason`` label (engine.request.RequestStatus.finish_reason)."""
+"""Values of the ``finish_reason`` label (engine.core.request.RequestStatus.finish_reason)."""
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 """``route`` values of ``http_requests`` created at zero by :meth:`EngineMetrics.initialize`."""
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
