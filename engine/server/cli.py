@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
-from engine.server.settings import EngineOptions, ServerSettings, add_arguments, from_args
+from engine.server.settings import ServerSettings, add_arguments, engine_options, server_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,20 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                  description="Serve a model with the kvscope engine."))
 
 
-def engine_options(args: argparse.Namespace) -> EngineOptions:
-    """The engine options given on the command line (unset ones keep the EngineConfig defaults). Raises
-    ValueError for an invalid one."""
-    return from_args(args, {})[0]
-
-
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine keyword arguments given on the command line (unset flags keep the config defaults)."""
     return engine_options(args).config_kwargs()
-
-
-def server_settings(args: argparse.Namespace) -> ServerSettings:
-    """The server settings of the flags, the environment filling what they leave unset. Raises ValueError."""
-    return from_args(args)[1]
 
 
 def configure_logging(level: str) -> None:
@@ -63,7 +52,8 @@ def engine_main(argv: Sequence[str] | None = None) -> int:
     """Run the server; returns the process exit code (2 for invalid flags or configuration)."""
     args = build_parser().parse_args(argv)
     try:
-        options, settings = from_args(args)
+        settings = server_settings(args)
+        options = engine_options(args)
         from engine.llm import build_engine_config
 
         config = build_engine_config(options.model, **options.config_kwargs())

@@ -100,10 +100,6 @@ class RequestState:
         choice.first_token = now if choice.first_token is None else choice.first_token
         choice.last_token = now
 
-    def failed_choice(self) -> ChoiceState | None:
-        """A choice the engine ended with ``abort``/``error`` (never sent as a finish_reason)."""
-        return next((c for c in self.choices if c.finish_reason in ("abort", "error")), None)
-
     def usage(self) -> Usage:
         """OpenAI usage: prompt tokens once per prompt, completion tokens summed over choices."""
         prompt = sum(len(p) for p in self.prompts)

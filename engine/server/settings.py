@@ -163,9 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_flags(add_flags(parser, EngineOptions), ServerSettings)
 
 
-def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> tuple[EngineOptions, ServerSettings]:
-    """The engine options and server settings of parsed flags, the environment (``environ``, default
-    ``os.environ``) filling what the flags leave unset. Raises ValueError naming the invalid value."""
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine options of parsed flags (unset ones keep the EngineConfig defaults). Raises ValueError."""
+    return load(EngineOptions, given(args, EngineOptions))
+
+
+def server_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerSettings:
+    """The server settings of parsed flags, the environment (``environ``, default ``os.environ``) filling what
+    the flags leave unset. Raises ValueError naming the invalid value."""
     env = os.environ if environ is None else environ
-    options = load(EngineOptions, given(args, EngineOptions))
-    return options, load(ServerSettings, from_env(ServerSettings, env), given(args, ServerSettings))
+    return load(ServerSettings, from_env(ServerSettings, env), given(args, ServerSettings))

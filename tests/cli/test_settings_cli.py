@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from engine.server.cli import build_parser
-from engine.server.settings import from_args
+from engine.server.settings import engine_options, server_settings
 from gateway.cli import _gateway_parser
 from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
@@ -82,7 +82,8 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
 
 def test_engine_defaults_env_and_flags() -> None:
     env = {"KVSCOPE_ENGINE_API_KEY": "k-env", "OTEL_SERVICE_NAME": "svc", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}
-    options, settings = from_args(build_parser().parse_args([]), env)
+    args = build_parser().parse_args([])
+    options, settings = engine_options(args), server_settings(args, env)
     assert options.config_kwargs() == {} and options.model == "smollm2-135m"
     assert (settings.host, settings.port, settings.sse_keepalive_s, settings.max_concurrent_requests,
             settings.log_level, settings.warmup) == ("127.0.0.1", 8000, 15.0, 0, "info", True)
@@ -90,8 +91,8 @@ def test_engine_defaults_env_and_flags() -> None:
                                                                                   "http://c/v1/traces")
     args = build_parser().parse_args(["--api-key", "k-flag", "--service-name", "mine", "--no-warmup",
                                       "--dtype", "bfloat16", "--kv-cache-memory", "1M", "--tpot-buckets", "0.1,1"])
-    options, settings = from_args(args, env)
+    options, settings = engine_options(args), server_settings(args, env)
     assert options.config_kwargs() == {"dtype": "bfloat16", "kv_cache_memory": 1 << 20}
     assert (settings.api_key, settings.service_name, settings.warmup) == ("k-flag", "mine", False)
     assert settings.buckets.token_latency_s == (0.1, 1.0)
-    assert from_args(build_parser().parse_args([]), {})[1].service_name == "kvscope-engine"
+    assert server_settings(build_parser().parse_args([]), {}).service_name == "kvscope-engine"
