@@ -28,3 +28,13 @@ def test_every_cited_repository_path_exists() -> None:
 def test_no_code_cites_the_design_doc_that_is_not_in_the_repo() -> None:
     citing = sorted(name for name, text in _texts(CODE, (".py",)).items() if "design.md" in text)
     assert citing == []
+
+
+def test_a_name_cited_beside_a_file_is_defined_in_it() -> None:
+    """``engine/worker/kv_cache.py ``budget_num_blocks```: the name is in that file (kvscope plan once cited
+    ``engine/engine_core.py _budget_blocks`` after the function had moved)."""
+    cited = re.compile(r"((?:" + "|".join(TOP) + r")/[\w/]+\.py)[`\s,(]+``?([A-Za-z_]\w*)")
+    texts = _texts((*CODE, "docs"), (".py", ".md"))
+    stale = sorted({(m.group(1), m.group(2), name) for name, text in texts.items() for m in cited.finditer(text)
+                    if (REPO / m.group(1)).is_file() and m.group(2) not in (REPO / m.group(1)).read_text()})
+    assert stale == []
