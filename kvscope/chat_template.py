@@ -24,7 +24,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-"""The ``tokenizer_config.json`` keys that become template variables (transformers' ``SPECIAL_TOKENS_ATTRIBUTES``)."""
+"""The ``tokenizer_config.json`` keys that become template variables (transformers'
+``SPECIAL_TOKENS_ATTRIBUTES``)."""
 
 ChatRenderer = Callable[[list[dict], bool, Mapping[str, Any]], str]
 """``render(messages, add_generation_prompt, variables) -> str``; raises :class:`ChatTemplateError`."""

@@ -6,8 +6,8 @@ fields. A field that may be set from the command line or the environment says so
     port: Annotated[int, Flag("port to listen on", env="KVSCOPE_GATEWAY_PORT")] = 4000
 
 :func:`add_flags` turns every such field into an argparse option (``--port``, ``type=int``, the help with the
-default appended; ``choices`` from a ``Literal``; ``store_const`` for a bool, ``--no-NAME`` for a negated one; ``append``
-for a repeatable flag); fields of nested settings classes are looked at too.
+default appended; ``choices`` from a ``Literal``; ``store_const`` for a bool, ``--no-NAME`` for a negated
+one; ``append`` for a repeatable flag); fields of nested settings classes are looked at too.
 :func:`given` and :func:`from_env` read the flags that were given and the variables that are set back in the
 settings' own nested shape (the shape of a YAML/TOML config file), so that :func:`merge` can layer
 ``file < env < CLI`` and :func:`load` validates the result once, with msgspec. Precedence and error messages
@@ -73,10 +73,12 @@ class _Field:
         leaf = self.path[-1].replace("_", "-")
         return f"--no-{leaf}" if self.flag.negate else f"--{leaf}"
 
-    def parse(self, text: str) -> Any:
+    @property
+    def parse(self) -> Callable[[str], Any]:
+        """The string → value function (argparse names it in its error: ``invalid int value: 'x'``)."""
         if self.flag.parse is not None:
-            return self.flag.parse(text)
-        return self.kind(text) if self.kind in (int, float, str) else text
+            return self.flag.parse
+        return self.kind if self.kind in (int, float, str) else str
 
     def shaped(self, value: Any) -> Any:
         if self.flag.repeat:
@@ -177,7 +179,8 @@ def _defaults(cls: type) -> list[tuple[str, Any]]:
     if dataclasses.is_dataclass(cls):
         return [(f.name, f.default if f.default is not dataclasses.MISSING else None)
                 for f in dataclasses.fields(cls)]
-    return [(f.name, f.default if f.default is not msgspec.NODEFAULT else None) for f in msgspec.structs.fields(cls)]
+    return [(f.name, f.default if f.default is not msgspec.NODEFAULT else None)
+            for f in msgspec.structs.fields(cls)]
 
 
 def _bare(hint: Any) -> Any:

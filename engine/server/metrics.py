@@ -60,8 +60,8 @@ class MetricBuckets:
         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 1200.0, 1800.0,
     )  # fmt: skip
     """Time to first token (seconds)."""
-    token_latency_s: Annotated[tuple[float, ...], Flag("TPOT / inter-token latency bounds (s)", name="--tpot-buckets",
-                                                       parse=parse_buckets)] = (
+    token_latency_s: Annotated[tuple[float, ...], Flag("TPOT / inter-token latency bounds (s)",
+                                                       name="--tpot-buckets", parse=parse_buckets)] = (
         0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
         0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
     )  # fmt: skip

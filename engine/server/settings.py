@@ -84,12 +84,14 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     of :class:`engine.config.EngineConfig` (engine/config.py holds those defaults, once)."""
 
     model: Annotated[str, Flag("registry name, HF folder or .gguf file")] = DEFAULT_MODEL
-    served_model_name: Annotated[str | None, Flag("name in /v1/models and the `model` field (default: --model)")] = None
+    served_model_name: Annotated[str | None, Flag(
+        "name in /v1/models and the `model` field (default: --model)")] = None
     max_model_len: Annotated[int | None, Flag("context length enforced (prompt + completion)")] = None
     max_num_seqs: Annotated[int | None, Flag("most requests in one engine step")] = None
     max_num_batched_tokens: Annotated[int | None, Flag("token budget of one engine step")] = None
     long_prefill_token_threshold: Annotated[int | None, Flag("cap one request's prefill chunk")] = None
-    kv_cache_memory: Annotated[int | None, Flag("KV cache bytes on CPU (e.g. 256M, 1GiB)", parse=parse_size)] = None
+    kv_cache_memory: Annotated[int | None, Flag("KV cache bytes on CPU (e.g. 256M, 1GiB)",
+                                                parse=parse_size)] = None
     num_blocks: Annotated[int | None, Flag("exact number of KV blocks (overrides the memory budget)")] = None
     block_size: Annotated[int | None, Flag("tokens per KV block")] = None
     gpu_memory_utilization: Annotated[float | None, Flag("CUDA: fraction of device memory to use")] = None
@@ -114,12 +116,14 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     port: Annotated[int, Flag("port")] = 8000
     sse_keepalive_s: Annotated[float, Flag("seconds between SSE keep-alive comments")] = 15.0
     """Send ``: keep-alive`` SSE comments when no event was sent for this long (below proxy idle timeouts)."""
-    enable_fault_injection: Annotated[bool, Flag("honour the x-kvscope-fault: after_tokens=N header (tests only)")] = False
+    enable_fault_injection: Annotated[bool, Flag(
+        "honour the x-kvscope-fault: after_tokens=N header (tests only)")] = False
     """Honour the ``x-kvscope-fault`` request header (tests of mid-stream failure, case S3). Off in production."""
     max_concurrent_requests: Annotated[int, Flag("429 above this many; 0 = unlimited")] = 0
     """Generation requests in flight before new ones get 429; 0 = unlimited."""
     otlp_endpoint: Annotated[str | None, Flag(
-        "OTLP/HTTP collector (base URL or …/v1/traces); default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else no export",
+        "OTLP/HTTP collector (base URL or …/v1/traces); default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, "
+        "else no export",
         parse=_with_traces_path, env=_traces_from_env)] = None
     """Full OTLP/HTTP traces URL (``…/v1/traces``); None = no span export."""
     service_name: Annotated[str, Flag("OTel service.name (default $OTEL_SERVICE_NAME or kvscope-engine)",

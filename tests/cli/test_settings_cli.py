@@ -96,3 +96,16 @@ def test_engine_defaults_env_and_flags() -> None:
     assert (settings.api_key, settings.service_name, settings.warmup) == ("k-flag", "mine", False)
     assert settings.buckets.token_latency_s == (0.1, 1.0)
     assert server_settings(build_parser().parse_args([]), {}).service_name == "kvscope-engine"
+
+
+def test_argparse_errors_name_the_type_as_before(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--port", "x"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-cache-memory", "lots"])
+    with pytest.raises(SystemExit):
+        _gateway_parser().parse_args(["--keepalive", "soon"])
+    err = capsys.readouterr().err
+    assert "argument --port: invalid int value: 'x'" in err
+    assert "argument --kv-cache-memory: invalid parse_size value: 'lots'" in err
+    assert "argument --keepalive: invalid float value: 'soon'" in err
