@@ -114,7 +114,8 @@ async def warm_up(engine: EngineClient) -> None:
 
 
 def _set_device_memory(state: ServerState) -> None:
-    """CPU: KV cache + weights bytes of host memory (design.md §4.3). CUDA: the device's used/total memory."""
+    """CPU: KV cache + weights bytes of host memory (``kvscope_engine_device_memory_*``, docs/metrics.md). CUDA:
+    the device's used/total memory."""
     device = state.engine.device
     info = state.engine.info
     if device.startswith("cuda"):

@@ -135,7 +135,8 @@ class GenerationRun:
         return "queued"
 
     def snapshots(self) -> dict[int, KvscopeStats]:
-        """Choice index → the engine's live stats of choices still in the engine."""
+        """Choice index → the engine's live stats (the ``kvscope`` object, docs/engine-server.md) of choices still
+        in the engine."""
         return {index: request.stats.summary(request.num_output_tokens)
                 for index, request in self.engine_requests().items() if request.stats is not None}
 

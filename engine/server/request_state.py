@@ -2,8 +2,9 @@
 (histograms, spans, the access-log fields), with one set of numbers for all three.
 
 Choice ``i`` of prompt ``k`` is OpenAI choice ``k * n + i``. Timings come from the engine's per-request stats
-(:class:`engine.core.stats.KvscopeStats`) when the engine finished the sequence; when the client left or the
-engine failed it, from the engine's live Request stats snapshot, else from the server's own timestamps of the deltas it received.
+(:class:`engine.core.stats.KvscopeStats`, the ``kvscope`` object of docs/engine-server.md) when the engine
+finished the sequence; when the client left or the engine failed it, from the engine's live Request stats
+snapshot, else from the server's own timestamps of the deltas it received.
 """
 
 from __future__ import annotations
@@ -98,10 +99,6 @@ class RequestState:
         self.metrics.on_tokens(num_tokens, gap)
         choice.first_token = now if choice.first_token is None else choice.first_token
         choice.last_token = now
-
-    def failed_choice(self) -> ChoiceState | None:
-        """A choice the engine ended with ``abort``/``error`` (never sent as a finish_reason)."""
-        return next((c for c in self.choices if c.finish_reason in ("abort", "error")), None)
 
     def usage(self) -> Usage:
         """OpenAI usage: prompt tokens once per prompt, completion tokens summed over choices."""
