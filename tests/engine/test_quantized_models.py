@@ -157,3 +157,23 @@ def test_smollm2_int8_is_deterministic() -> None:
     assert int8.engine.model.load_report.quantization.quantized == 121  # 4 x 30 (fused) projections + LM head
     assert isinstance(int8.engine.model.logits_kernel, CompactLinearKernel)
     assert greedy(int8) == greedy(int8)
+
+
+def test_engine_flags_reach_the_model_config() -> None:
+    from engine.llm import build_engine_config
+    from engine.server.cli import build_parser, engine_config_kwargs
+
+    args = build_parser().parse_args(["--dtype", "auto", "--quantization", "int4"])
+    config = build_engine_config(args.model, **engine_config_kwargs(args))
+    assert (config.model.dtype, config.model.quantization) == ("auto", "int4")
+    assert build_engine_config("smollm2-135m").model.quantization == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "awq"])
+
+
+def test_dtype_auto_is_the_probed_dense_dtype_on_cpu_and_bfloat16_elsewhere() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert loader.resolve_dtype("auto", cpu, FIXED) == torch.bfloat16
+    assert loader.resolve_dtype("auto", cpu, KernelChoice(torch.float32, {})) == torch.float32
+    assert loader.resolve_dtype("auto", cuda, None) == torch.bfloat16
+    assert loader.resolve_dtype("float32", cpu, FIXED) == torch.float32
