@@ -272,9 +272,13 @@ def cached_gguf_int4_blocks(gguf_path: Path | str, cache_dir: Path | str) -> dic
         flat |= {f"{name}.codes": b.codes[:, 0::2] | (b.codes[:, 1::2] << 4), f"{name}.scale": b.scale,
                  f"{name}.zero": b.zero}
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp), metadata={"source": str(gguf_path)})
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp), metadata={"source": str(gguf_path)})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only model folder: work without the cache
+        logger.warning("could not write the int4 cache %s (%s); the next start reads the GGUF again", path, exc)
+        tmp.unlink(missing_ok=True)
     return blocks
 
 

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -41,11 +42,29 @@ class KernelChoice:
     max_rows: dict[str, int]
     timings_ms: dict[str, float] = field(default_factory=dict)
     cpu_capability: str = ""
+    """``torch.backends.cpu.get_cpu_capability()`` (``AVX512``, ``AVX2``…)."""
+    cpu_flags: tuple[str, ...] = ()
+    """The :data:`BF16_FLAGS` this CPU has."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
         rows = ", ".join(f"{fmt} up to {'all' if n >= NO_DENSE else n} rows" for fmt, n in self.max_rows.items())
-        return f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows} (cpu {self.cpu_capability})"
+        return (f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows} (cpu {self.cpu_capability}"
+                f"{', ' + ' '.join(self.cpu_flags) if self.cpu_flags else ''})")
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
+"""/proc/cpuinfo flags that matter for bfloat16/int8 matmuls; logged with the probe (the probe decides)."""
+
+
+def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
+    """Which of ``BF16_FLAGS`` the first CPU reports; () where there is no /proc/cpuinfo."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ()
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return tuple(f for f in BF16_FLAGS if f in flags)
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -112,7 +131,7 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
     dense = series[str(dense_dtype).removeprefix("torch.")]
     max_rows = {fmt: crossover(series[fmt], dense, rows) for fmt in ("int4", "int8")}
     choice = KernelChoice(dense_dtype=dense_dtype, max_rows=max_rows, timings_ms=timings,
-                          cpu_capability=torch.backends.cpu.get_cpu_capability())
+                          cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_flags=cpu_bf16_flags())
     logger.info("CPU kernel probe (%d threads, %dx%d): %s; ms %s", torch.get_num_threads(), out_features,
                 in_features, choice.describe(), {k: round(v, 3) for k, v in timings.items()})
     return choice

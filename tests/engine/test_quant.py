@@ -152,3 +152,25 @@ def test_source_names_follow_the_fused_shard_order() -> None:
     assert source_names("model.layers.0.mlp.gate_up_proj") == [
         "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     assert source_names("model.layers.0.mlp.down_proj") == ["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path) -> None:
+    from engine.models.kernel_probe import cpu_bf16_flags
+
+    (tmp_path / "amx").write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    (tmp_path / "zen3").write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
+    assert cpu_bf16_flags(tmp_path / "amx") == ("avx512_bf16", "amx_bf16", "amx_tile")
+    assert cpu_bf16_flags(tmp_path / "zen3") == ()
+    assert cpu_bf16_flags(tmp_path / "missing") == ()
+
+
+def test_probe_times_every_candidate_and_picks_consistently() -> None:
+    from engine.models.kernel_probe import probe_cpu_kernels
+
+    choice = probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1)
+    assert sorted(choice.timings_ms) == sorted(f"{k}@{n}" for k in ("float32", "bfloat16", "int4", "int8")
+                                               for n in (1, 4))
+    dense = "bfloat16" if choice.dense_dtype == torch.bfloat16 else "float32"
+    for fmt in ("int4", "int8"):
+        times = [choice.timings_ms[f"{fmt}@{n}"] for n in (1, 4)]
+        assert choice.max_rows[fmt] == crossover(times, [choice.timings_ms[f"{dense}@{n}"] for n in (1, 4)], (1, 4))
