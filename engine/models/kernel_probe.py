@@ -67,13 +67,13 @@ def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
-def _best_ms(fn: Callable[[], object], repeats: int) -> float:
+def _best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best * 1e3
 
 
@@ -138,12 +138,14 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
 
 
 def decode_matmul_ms(shapes: Sequence[tuple[int, int]], rows: int, fmt: str, choice: KernelChoice,
-                     repeats: int = 5) -> float:
+                     repeats: int = 5, clock: Callable[[], float] = time.perf_counter) -> float:
     """Best time (ms) of one decode step's matmuls ``shapes`` (``[N, K]`` each, in order, e.g.
     :func:`model_linear_shapes`) at ``rows`` rows in format ``fmt``: float32/bfloat16 (dense, as
     ``Linear.prepare_for_cpu``) or int4/int8 (compact kernels switching to dense above ``choice.max_rows``;
     the last shape, the LM head, stays dense under int4 as in ``engine.models.compact``), optionally with the
-    model dtype, e.g. ``int4:bfloat16`` (activations and the dense LM head; default float32)."""
+    model dtype, e.g. ``int4:bfloat16`` (activations and the dense LM head; default float32). ``clock``:
+    ``time.process_time`` measures CPU time instead of wall time, which on one thread and a busy shared
+    machine is close to the idle wall time (waiting for a core is not counted)."""
     from engine.models.layers import cpu_linear_kernel
     from engine.models.quant import CompactLinearKernel
 
@@ -170,7 +172,7 @@ def decode_matmul_ms(shapes: Sequence[tuple[int, int]], rows: int, fmt: str, cho
             kernel(x)
 
     with torch.inference_mode():
-        return _best_ms(step, repeats)
+        return _best_ms(step, repeats, clock)
 
 
 def model_linear_shapes(hf_config: dict) -> list[tuple[int, int]]:
@@ -187,7 +189,8 @@ def model_linear_shapes(hf_config: dict) -> list[tuple[int, int]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m engine.models.kernel_probe [--model M] [--threads 1 2] [--rows 1 32]``: run the probe, then
-    print ms per decode step of the model's matmuls per format and thread count."""
+    print ms per decode step of the model's matmuls per format and thread count (wall time, and on one
+    thread also CPU time: see :func:`decode_matmul_ms`)."""
     import argparse
 
     from engine.models.loader import read_hf_config, resolve_model_dir
@@ -205,9 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         choice = probe_cpu_kernels()
         print(f"{threads} thread(s): {choice.describe()}", flush=True)
         for rows in args.rows:
-            times = {fmt: decode_matmul_ms(shapes, rows, fmt, choice) for fmt in args.formats}
-            print(f"  {len(shapes)} matmuls x {rows:3d} rows: " + ", ".join(
-                f"{fmt} {ms:6.1f} ms" for fmt, ms in times.items()), flush=True)
+            for name, clock in (("wall", time.perf_counter), ("cpu", time.process_time))[:2 if threads == 1 else 1]:
+                times = {fmt: decode_matmul_ms(shapes, rows, fmt, choice, clock=clock) for fmt in args.formats}
+                print(f"  {len(shapes)} matmuls x {rows:3d} rows, {name} ms: " + ", ".join(
+                    f"{fmt} {ms:6.1f}" for fmt, ms in times.items()), flush=True)
     return 0
 
 
