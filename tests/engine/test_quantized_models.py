@@ -150,13 +150,18 @@ def test_smollm2_int4_is_the_gguf_q4_1_and_deterministic(int4_llm, llm) -> None:
     assert info.weights_bytes < llm.engine.info.weights_bytes
 
 
-def test_smollm2_int8_is_deterministic() -> None:
+def test_smollm2_bfloat16_int8_is_deterministic() -> None:
     from engine.llm import LLM
 
-    int8 = LLM("smollm2-135m", quantization="int8", kv_cache_memory=64 << 20)
-    assert int8.engine.model.load_report.quantization.quantized == 121  # 4 x 30 (fused) projections + LM head
-    assert isinstance(int8.engine.model.logits_kernel, CompactLinearKernel)
-    assert greedy(int8) == greedy(int8)
+    int8 = LLM("smollm2-135m", dtype="bfloat16", quantization="int8", kv_cache_memory=64 << 20)
+    model = int8.engine.model
+    assert model.load_report.quantization.quantized == 121  # 4 x 30 (fused) projections + the LM head
+    assert isinstance(model.logits_kernel, CompactLinearKernel) and model.logits_kernel.fmt == "int8"
+    assert (model.load_report.dtype, model.model.embed_tokens.weight.dtype) == (torch.bfloat16, torch.bfloat16)
+    info = int8.engine.info  # bfloat16 KV cache: 30 layers x (K, V) x 16 tokens x 3 heads x 64 dims x 2 bytes
+    assert info.kv_cache_bytes == info.num_blocks * 30 * 2 * 16 * 3 * 64 * 2
+    first = greedy(int8)
+    assert first == greedy(int8) and [len(t) for t in first] == [16] * len(PROMPTS)
 
 
 def test_engine_flags_reach_the_model_config() -> None:
