@@ -55,7 +55,6 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
-        self.last_step: StepResult = StepResult()
 
     def start(self) -> None:
         self._thread.start()
@@ -129,7 +128,6 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing in-flight requests")
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
-            self.last_step = result
             for output in result.outputs:
                 self._deliver(output.request_id, output)
             if self._listener is not None:

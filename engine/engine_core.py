@@ -49,7 +49,7 @@ class ModelInfo:
 
 @dataclass(slots=True)
 class StepResult:
-    """Outputs of one step plus what the metrics layer needs (design.md §4.3)."""
+    """Outputs of one step plus what the metrics layer needs (the gauges of docs/metrics.md)."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
     stats: SchedulerStats | None = None

@@ -33,7 +33,7 @@ class CompletionOutput:
     num_output_tokens: int = 0
     """Total tokens generated for this choice so far (not just the delta)."""
     stats: dict | None = None
-    """design.md §4.1 ``kvscope`` object, set when the choice finished."""
+    """The ``kvscope`` object (docs/engine-server.md), set when the choice finished."""
     num_cached_tokens: int = 0
 
     @property

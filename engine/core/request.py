@@ -43,7 +43,7 @@ _FINISH_REASONS = {
 
 @dataclass(slots=True)
 class RequestStats:
-    """Timestamps (``time.monotonic()`` seconds) and counters of one request; see design.md §4.1."""
+    """Timestamps (``time.monotonic()`` seconds) and counters of one request; see the ``kvscope`` object in docs/engine-server.md."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -75,7 +75,7 @@ class RequestStats:
         self.last_token_time = now
 
     def to_dict(self, num_output_tokens: int) -> dict[str, float | int | None]:
-        """The ``kvscope`` object of design.md §4.1 (seconds, requests, blocks, ratio, count)."""
+        """The ``kvscope`` object of docs/engine-server.md (seconds, requests, blocks, ratio, count)."""
         first_sched, first_tok, last_tok = self.first_scheduled_time, self.first_token_time, self.last_token_time
         decode_s = (last_tok - first_tok) if first_tok is not None and last_tok is not None else None
         return {

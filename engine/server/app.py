@@ -116,7 +116,7 @@ def _device(engine: Any) -> str:
 
 
 def _set_device_memory(state: ServerState) -> None:
-    """CPU: KV cache + weights bytes of host memory (design.md §4.3). CUDA: the device's used/total memory."""
+    """CPU: KV cache + weights bytes of host memory (``kvscope_engine_device_memory_*``, docs/metrics.md). CUDA: the device's used/total memory."""
     device = _device(state.engine)
     info = state.engine.info
     if device.startswith("cuda"):

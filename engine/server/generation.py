@@ -128,7 +128,7 @@ class GenerationRun:
         return "queued"
 
     def snapshots(self) -> dict[int, dict]:
-        """Choice index → the engine's live stats (design.md §4.1) of choices still in the engine."""
+        """Choice index → the engine's live stats (the ``kvscope`` object, docs/engine-server.md) of choices still in the engine."""
         return {index: request.stats.to_dict(request.num_output_tokens)
                 for index, request in self.engine_requests().items() if request.stats is not None}
 

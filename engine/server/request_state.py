@@ -2,7 +2,7 @@
 (histograms, spans, the access-log fields), with one set of numbers for all three.
 
 Choice ``i`` of prompt ``k`` is OpenAI choice ``k * n + i``. Timings come from the engine's per-request stats
-(design.md §4.1) when the engine finished the sequence; when the client left or the engine failed it, from the
+(the ``kvscope`` object, docs/engine-server.md) when the engine finished the sequence; when the client left or the engine failed it, from the
 engine's live Request stats snapshot, else from the server's own timestamps of the deltas it received.
 """
 
@@ -100,10 +100,6 @@ class RequestState:
         choice.first_token = now if choice.first_token is None else choice.first_token
         choice.last_token = now
 
-    def failed_choice(self) -> ChoiceState | None:
-        """A choice the engine ended with ``abort``/``error`` (never sent as a finish_reason)."""
-        return next((c for c in self.choices if c.finish_reason in ("abort", "error")), None)
-
     def usage(self) -> Usage:
         """OpenAI usage: prompt tokens once per prompt, completion tokens summed over choices."""
         prompt = sum(len(p) for p in self.prompts)
@@ -113,7 +109,7 @@ class RequestState:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def kvscope(self) -> dict[str, Any]:
-        """design.md §4.1 object: the choice's stats for one choice; over several choices, min of the
+        """The ``kvscope`` object (docs/engine-server.md): the choice's stats for one choice; over several choices, min of the
         start-up times, max of decode/batch max/usage, sums of blocks/preemptions, means of tpot/batch mean."""
         stats = [c.stats for c in self.choices if c.stats]
         if len(stats) == 1:

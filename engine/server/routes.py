@@ -50,10 +50,6 @@ def strict_body(request_type: type[msgspec.Struct]) -> Callable[[Request], Await
     return hook
 
 
-def _json(body: msgspec.Struct, status: int = 200) -> Response:
-    return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
-
-
 def _documented(body: type[msgspec.Struct], chunk: str) -> dict[int, ResponseSpec]:
     """OpenAPI responses of a generation route (the handlers return raw Responses)."""
     error = "OpenAI error JSON: {error: {message, type, param, code}}"
