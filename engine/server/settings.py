@@ -97,7 +97,10 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     gpu_memory_utilization: Annotated[float | None, Flag("CUDA: fraction of device memory to use")] = None
     enable_prefix_caching: Annotated[bool | None, Flag("disable the prefix cache", name="--no-prefix-caching",
                                                        negate=True)] = None
-    dtype: Annotated[Literal["float32", "bfloat16", "float16"] | None, Flag()] = None
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"] | None, Flag(
+        "weights/activations (default float32; auto: bfloat16 where the CPU probe measures it faster)")] = None
+    quantization: Annotated[Literal["none", "int8", "int4", "gguf"] | None, Flag(
+        "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf")] = None
     seed: Annotated[int | None, Flag()] = None
     device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
     attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None

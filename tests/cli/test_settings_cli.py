@@ -70,7 +70,8 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
     assert sorted(_options(build_parser())) == sorted([
         "--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
         "--max-num-batched-tokens", "--long-prefill-token-threshold", "--kv-cache-memory", "--num-blocks",
-        "--block-size", "--gpu-memory-utilization", "--no-prefix-caching", "--dtype", "--seed", "--device",
+        "--block-size", "--gpu-memory-utilization", "--no-prefix-caching", "--dtype", "--quantization", "--seed",
+        "--device",
         "--attention-backend", "--num-threads", "--sse-keepalive-s", "--max-concurrent-requests", "--api-key",
         "--enable-fault-injection", "--otlp-endpoint", "--service-name", "--ttft-buckets", "--tpot-buckets",
         "--duration-buckets", "--no-warmup", "--log-level"])
