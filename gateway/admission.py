@@ -23,6 +23,7 @@ from gateway.proxy.plan import ProxyPlan
 from gateway.ratelimit_middleware import lease_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
 from gateway.tokenize import estimate_tokens
+from kvscope.openai_errors import context_length_message
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
@@ -140,15 +141,8 @@ def _check_context(max_len: int | None, counts: list[int] | None, max_tokens: in
         return
     what, param = ("messages", "messages") if op is CHAT else ("prompt", "prompt")
     for prompt in counts:
-        if max_tokens is None and prompt >= max_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_len} tokens. However, your {what} resulted in "
-                f"{prompt} tokens. Please reduce the length of the {what}.", param=param)
-        if max_tokens is not None and prompt + max_tokens > max_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{prompt + max_tokens} tokens ({prompt} in the {what}, {max_tokens} in the completion). "
-                f"Please reduce the length of the {what} or completion.", param=param)
+        if prompt >= max_len if max_tokens is None else prompt + max_tokens > max_len:
+            raise ContextLengthExceeded(context_length_message(max_len, prompt, max_tokens, what), param=param)
 
 
 def _token_estimate(raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest,

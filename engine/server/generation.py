@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine.core.request import child_request_id
+from engine.core.stats import KvscopeStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -127,9 +128,9 @@ class GenerationRun:
             return "prefill"
         return "queued"
 
-    def snapshots(self) -> dict[int, dict]:
-        """Choice index → the engine's live stats (the ``kvscope`` object, docs/engine-server.md) of choices still in the engine."""
-        return {index: request.stats.to_dict(request.num_output_tokens)
+    def snapshots(self) -> dict[int, KvscopeStats]:
+        """Choice index → the engine's live stats of choices still in the engine."""
+        return {index: request.stats.summary(request.num_output_tokens)
                 for index, request in self.engine_requests().items() if request.stats is not None}
 
     def engine_requests(self) -> dict[int, Any]:

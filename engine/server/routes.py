@@ -111,7 +111,7 @@ async def detokenize(request: Request, data: JSONBody[DetokenizeRequest]) -> Det
 async def health(request: Request) -> Response:
     state = server_state(request)
     if state.draining or not state.engine.is_running:
-        raise OpenAIError(503, "The engine is not running.", type="server_error", code="engine_unavailable")
+        raise OpenAIError(503, "The engine is not running.", code="engine_unavailable")
     return Response(content={"status": "ok", "model": state.model_name}, status_code=200)
 
 

@@ -61,11 +61,11 @@ def admit(state: ServerState) -> None:
     """503 while starting/stopping or after the engine died; 429 above ``max_concurrent_requests``."""
     if state.draining or not state.engine.is_running:
         raise OpenAIError(503, "The engine is not running (starting up, shutting down or failed).",
-                          type="server_error", code="engine_unavailable", headers={"Retry-After": "1"})
+                          code="engine_unavailable", headers={"Retry-After": "1"})
     limit = state.settings.max_concurrent_requests
     if limit and state.in_flight >= limit:
         raise OpenAIError(429, f"Too many requests in flight (limit {limit}); retry later.",
-                          type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+                          code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
 def check_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
@@ -123,13 +123,12 @@ def failure_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, RequestFailedError):
         status = 503 if "shutting down" in exc.reason else 500
-        return OpenAIError(status, f"The engine failed the request: {exc.reason}", type="server_error",
+        return OpenAIError(status, f"The engine failed the request: {exc.reason}",
                            code="engine_shutdown" if status == 503 else "request_failed")
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, str(exc), type="server_error", code="engine_unavailable")
+        return OpenAIError(503, str(exc), code="engine_unavailable")
     logger.exception("request failed", exc_info=exc)
-    return OpenAIError(500, f"Internal server error: {type(exc).__name__}", type="server_error",
-                       code="internal_error")
+    return OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
 
 
 async def respond_json(job: Job, formatter: Formatter) -> Response:

@@ -178,7 +178,7 @@ class FakeEngine:
             child.status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
             out.text += decoder.decode(b"", final=True)
             out.finish_reason = reason
-            out.stats = child.stats.to_dict(child.num_output_tokens)
+            out.stats = child.stats.summary(child.num_output_tokens)
         return out
 
     async def _sleep(self, seconds: float, request_id: str) -> None:
