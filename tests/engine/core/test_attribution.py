@@ -94,7 +94,15 @@ def test_long_prompt_arriving_while_8_streams_decode() -> None:
     for i in range(8):
         short = run.check_adds_up(f"short{i}")
         assert (short["decode_steps"], short["decode_tokens"], short["decode_other_prefill_tokens"]) == (39, 39, 1000)
-        assert rank_causes(short)[0][0] == "decode interference"
+        # the long prompt's share of the decode steps it shared with this stream: 4 chunks of 248 of 256
+        # tokens (10 ms + 25.6 ms each), then 8 of 16 tokens (10 ms + 1.6 ms) ...
+        joined = 4 * (STEP_BASE_S + 256 * TOKEN_S) * 248 / 256 + (STEP_BASE_S + 16 * TOKEN_S) * 8 / 16
+        assert short["decode_interference_prefill_s"] == pytest.approx(joined, abs=1e-9)
+        # ... plus the 7 other short prompts in its own prefill step (112 of 128 tokens, 10 ms + 12.8 ms)
+        causes = dict(rank_causes(short))
+        assert causes["other prefills"] == pytest.approx(joined + (STEP_BASE_S + 128 * TOKEN_S) * 112 / 128,
+                                                         abs=1e-9)
+        assert [c for c, _ in rank_causes(short)][:2] == ["batched decodes", "other prefills"]
 
 
 def test_32_arrivals_at_once_wait_on_max_num_seqs() -> None:
