@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.analytics.report import dotted
-
 CAUSE_FIELDS: dict[str, tuple[str, ...]] = {
     "queue": ("queue_s",),
     "own prefill": ("prefill_own_s",),
@@ -68,6 +66,13 @@ class Why:
                 "text": self.text,
                 "causes": [{"cause": c, "seconds": s, "share": s / total} for c, s in self.causes],
                 "engine": self.engine}
+
+
+def _dotted(record: dict[str, Any], *path: str) -> Any:
+    node: Any = record
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _n(value: float | int | None) -> str:
@@ -121,8 +126,8 @@ def explain(record: dict[str, Any]) -> Why:
     total = sum(s for _, s in causes) or 1.0
     verdict = ", ".join(f"{c} {s:.3f} s ({s / total:.0%})" for c, s in causes[:4])
     lines.append(f"verdict: {verdict}")
-    return Why(request_id=dotted(record, "http.request.id") or dotted(record, "gen_ai.response.id"),
-               trace_id=dotted(record, "trace.id"), text="\n".join(lines), causes=causes,
+    return Why(request_id=_dotted(record, "http", "request", "id") or _dotted(record, "gen_ai", "response", "id"),
+               trace_id=_dotted(record, "trace", "id"), text="\n".join(lines), causes=causes,
                verdict=causes[0][0] if causes else "?", engine=engine)
 
 

@@ -86,3 +86,36 @@ def test_why_query_refuses_quotes() -> None:
     with pytest.raises(ValueError, match="no quote characters"):
         why_query("a' OR 1=1 --", es=False)
     assert why_query("abc", es=True) == 'http.request.id:"abc" OR trace.id:"abc"'
+
+
+def test_report_breaks_the_slowest_and_p99_down_by_cause(tmp_path) -> None:
+    import asyncio
+
+    from gateway.analytics import commands
+    from gateway.analytics.commands import LogSource
+
+    clock = FakeClock()
+    run = Run(make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096, clock=clock), clock)
+    for i in range(32):
+        run.add(f"r{i}", 64, max_tokens=8, start=100 * i)
+    run.until_done()
+    records = []
+    for i in range(32):
+        record = _record(run.stats(f"r{i}"))
+        record["http"]["request"]["id"] = f"r{i}"
+        records.append(record)
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = asyncio.run(commands.report(LogSource(str(tmp_path / "requests.jsonl")), top=8))
+    # the last wave of 8 (admitted together, finished together) is the slowest, and all of it is at the p99
+    slowest_ids = {s.request_id for s in report.slowest}
+    assert slowest_ids == {f"r{i}" for i in range(24, 32)}
+    breakdown = report.cause_breakdown()
+    assert breakdown["slowest"]["requests"] == 8
+    assert next(iter(breakdown["slowest"]["causes"])) == "queue"
+    assert breakdown["slowest"]["causes"]["queue"] == pytest.approx(
+        sum(run.stats(f"r{i}")["queue_s"] for i in range(24, 32)))
+    p99 = report.total.latency["e2e"][99]
+    at_p99 = [r for r in records if r["kvscope"]["e2e_s"] >= p99]
+    assert breakdown["p99"]["requests"] == len(at_p99) == 8
+    assert report.to_dict()["causes"] == breakdown
+    assert {s.cause.split()[0] for s in report.slowest} == {"queue"}
