@@ -19,12 +19,41 @@ preempted time (host work between steps, steps that did not schedule it) is ``*_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.core.stats import KvscopeStats
 
 QUEUE_LIMITS: tuple[str, ...] = ("max_num_seqs", "kv_cache", "token_budget", "preemption")
 """Why a step admitted no further waiting request (``queue_limit``), indexed as in ``Scheduler._blocked_steps``:
 the running list held ``max_num_seqs``; the head of the queue got no KV blocks; the step's
 ``max_num_batched_tokens`` were spent; the step preempted (vLLM v1 admits nobody in such a step)."""
+
+
+LATENCY_CAUSES: dict[str, tuple[str, ...]] = {
+    "ttft": ("queue", "own", "other_prefills", "batched_decodes", "preemption", "host"),
+    "decode": ("own", "other_prefills", "batched_decodes", "preemption", "host"),
+}
+"""Phase → causes of ``kvscope_engine_latency_cause_seconds_total`` (docs/metrics.md; :func:`cause_seconds`)."""
+
+
+def cause_seconds(stats: KvscopeStats) -> dict[tuple[str, str], float]:
+    """(phase, cause) → seconds of one request, from its attribution fields: ``ttft`` = queue + the prefill
+    phase, ``decode`` = first → last token. ``own``: its own tokens' share of its steps; ``other_prefills`` /
+    ``batched_decodes``: the share of other requests' prefill / decode tokens; ``preemption``: time preempted;
+    ``host``: the phase's wall time not covered by its steps. Empty without attribution (no step yet)."""
+    if stats.prefill_steps is None:
+        return {}
+    out: dict[tuple[str, str], float] = {("ttft", "queue"): stats.queue_s or 0.0}
+    for phase, prefix in (("ttft", "prefill"), ("decode", "decode")):
+        interference = getattr(stats, f"{prefix}_interference_s") or 0.0
+        by_prefill = getattr(stats, f"{prefix}_interference_prefill_s") or 0.0
+        out[(phase, "own")] = getattr(stats, f"{prefix}_own_s") or 0.0
+        out[(phase, "other_prefills")] = by_prefill
+        out[(phase, "batched_decodes")] = max(interference - by_prefill, 0.0)
+        out[(phase, "preemption")] = getattr(stats, f"{prefix}_preempted_s") or 0.0
+        out[(phase, "host")] = getattr(stats, f"{prefix}_other_s") or 0.0
+    return out
 
 
 @dataclass(slots=True)
