@@ -90,7 +90,7 @@ _UNINDEXED = {"type": "object", "enabled": False}
 
 def attribution_properties() -> dict[str, Any]:
     """Mapping of the latency-attribution fields of ``kvscope.engine`` (docs/logs.md, "Why was this request
-    slow?"; the engine's KvscopeStats, which tests/gateway/test_why.py keeps in step with this)."""
+    slow?"; the engine's KvscopeStats, which tests/gateway/logs/test_why.py keeps in step with this)."""
     longs = ["prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival", "queue_blocked_steps",
              "recomputed_tokens"]
     doubles: list[str] = []
