@@ -109,10 +109,10 @@ def explain(record: dict[str, Any]) -> Why:
     engine = kv.get("engine") or {}
     if engine.get("prefill_steps") is None:
         raise ValueError("the record has no kvscope.engine attribution (refused request or older engine)")
-    ttft = kv.get("ttft_s", engine.get("ttft_s"))
+    ttft = kv.get("ttft_s") if kv.get("ttft_s") is not None else engine.get("ttft_s")  # non-streamed: engine's
     lines = [_ttft_line(engine, ttft)]
     if engine.get("decode_steps"):
-        lines.append(_decode_line(engine, kv.get("tpot_s", engine.get("tpot_s"))))
+        lines.append(_decode_line(engine, kv.get("tpot_s") if kv.get("tpot_s") is not None else engine.get("tpot_s")))
     preempt = engine.get("num_preemptions") or 0
     if preempt:
         lines.append(f"preempted {preempt}x for {(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
