@@ -35,7 +35,7 @@ class CompletionOutput:
     num_output_tokens: int = 0
     """Total tokens generated for this choice so far (not just the delta)."""
     stats: KvscopeStats | None = None
-    """The choice's ``kvscope`` object, set when the choice finished."""
+    """The choice's ``kvscope`` object (docs/engine-server.md), set when the choice finished."""
     num_cached_tokens: int = 0
 
     @property

@@ -2,8 +2,9 @@
 (histograms, spans, the access-log fields), with one set of numbers for all three.
 
 Choice ``i`` of prompt ``k`` is OpenAI choice ``k * n + i``. Timings come from the engine's per-request stats
-(:class:`engine.core.stats.KvscopeStats`) when the engine finished the sequence; when the client left or the engine failed it, from the
-engine's live Request stats snapshot, else from the server's own timestamps of the deltas it received.
+(:class:`engine.core.stats.KvscopeStats`, the ``kvscope`` object of docs/engine-server.md) when the engine
+finished the sequence; when the client left or the engine failed it, from the engine's live Request stats
+snapshot, else from the server's own timestamps of the deltas it received.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engine.core.request import child_request_id
 from engine.core.stats import KvscopeStats
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.server.generation import prompt_request_id
 from engine.server.logprobs import visible_entries
 from engine.server.protocol import PromptTokensDetails, Usage
 from engine.server.stat_logger import SequenceTimings, ServerMetrics
@@ -99,10 +101,6 @@ class RequestState:
         choice.first_token = now if choice.first_token is None else choice.first_token
         choice.last_token = now
 
-    def failed_choice(self) -> ChoiceState | None:
-        """A choice the engine ended with ``abort``/``error`` (never sent as a finish_reason)."""
-        return next((c for c in self.choices if c.finish_reason in ("abort", "error")), None)
-
     def usage(self) -> Usage:
         """OpenAI usage: prompt tokens once per prompt, completion tokens summed over choices."""
         prompt = sum(len(p) for p in self.prompts)
@@ -168,7 +166,7 @@ class RequestState:
         ends = [t.ttft_s + t.decode_s for t in timings if t.ttft_s is not None and t.decode_s is not None]
         for k, prompt in enumerate(self.prompts):
             for i in range(self.params.n):
-                engine_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-p{k}"
+                engine_id = prompt_request_id(self.request_id, k, len(self.prompts))
                 child = child_request_id(engine_id, i, self.params.n)
                 choice = self.choices[k * self.params.n + i]
                 ttft = None if choice.stats is None else choice.stats.ttft_s
