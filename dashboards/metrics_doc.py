@@ -41,6 +41,7 @@ VLLM_NAMES = {
     "kvscope_engine_request_generation_tokens": "`vllm:request_generation_tokens`",
     "kvscope_engine_device_memory_used_bytes": "— (DCGM exporter: `DCGM_FI_DEV_FB_USED`, MiB)",
     "kvscope_engine_device_memory_total_bytes": "— (DCGM exporter: `DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE`)",
+    "kvscope_engine_latency_cause_seconds": "— (vLLM has no per-request attribution)",
     "kvscope_gateway_requests": "— (vLLM's API server: `http_requests_total` of prometheus-fastapi-instrumentator)",
     "kvscope_gateway_request_duration_seconds": "— (vLLM's API server: `http_request_duration_seconds`)",
 }

@@ -110,7 +110,20 @@ def _latency(q: PromQL) -> list[Json]:
                              latency_targets(q, f"{GW}overhead_seconds"), "s"))
     panels.append(timeseries("Queue time (engine)", "Arrival to first scheduled: time requests wait for a "
                              "slot in the running batch.", latency_targets(q, f"{EN}queue_time_seconds"), "s"))
+    panels.append(timeseries("TTFT by cause (engine)", "Mean seconds of a finished request's TTFT by cause, "
+                             "from the scheduler's step records (stacked, they add up to the mean engine "
+                             "TTFT): queue, its own prefill tokens' share of its steps, other requests' "
+                             "prefill and decode tokens in those steps, time preempted, host time between "
+                             "steps. `kvscope logs why ID` explains one request the same way.",
+                             cause_targets(q, "ttft"), "s", stack=True, w=24))
     return panels
+
+
+def cause_targets(q: PromQL, phase: str) -> list[Target]:
+    """Mean seconds per finished request of ``phase`` (``ttft`` or ``decode``) by cause."""
+    num = q.sum_rate(f"{EN}latency_cause_seconds_total", f'phase="{phase}"', by=("cause",))
+    den = q.sum_rate(f"{EN}e2e_request_latency_seconds_count")
+    return [Target(f"{num} / on() group_left() ({den} > 0)", "{{cause}}")]
 
 
 def _engine(q: PromQL) -> list[Json]:

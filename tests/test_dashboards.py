@@ -168,7 +168,7 @@ def test_overview_has_the_panels_the_issue_lists() -> None:
                 "End-to-end latency (gateway)", "End-to-end latency (engine)", "Tokens / s",
                 "Running vs waiting", "Queue time (engine)", "Batch size", "KV-cache usage", "Preemptions / s",
                 "Prefix-cache hit rate", "Device memory", "Upstream health", "Log records / s",
-                "Log spool size", "Prompt length (tokens)", "Output length (tokens)"}
+                "Log spool size", "Prompt length (tokens)", "Output length (tokens)", "TTFT by cause (engine)"}
     assert expected - titles == set()
     heatmaps = [p for p in DASHBOARDS["kvscope-overview.json"]["panels"] if p["type"] == "heatmap"]
     assert [p["targets"][0]["format"] for p in heatmaps] == ["heatmap", "heatmap"]
@@ -216,7 +216,7 @@ def test_every_panel_query_evaluates_in_prometheus(prometheus: PrometheusServer)
         except PromQLError as exc:
             errors[expr] = exc.message
     assert errors == {}
-    assert len(all_exprs()) == 99
+    assert len(all_exprs()) == 100
 
 
 def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) -> None:

@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.attribution import StepAttribution
 from engine.core.stats import KvscopeStats
 from engine.sampling_params import SamplingParams
 
@@ -61,6 +62,10 @@ class RequestStats:
     kv_blocks_peak: int = 0
     kv_cache_usage: float = 0.0
     """Engine-wide KV usage (0–1) when the request finished."""
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    attribution: StepAttribution = field(default_factory=StepAttribution)
+    """Step records for the latency attribution (engine/core/attribution.py)."""
 
     def on_scheduled(self, now: float, batch_size: int, num_blocks: int) -> None:
         """Record one engine step that scheduled the request (batch_size = requests in that step)."""
@@ -92,6 +97,9 @@ class RequestStats:
             kv_blocks=self.kv_blocks_peak,
             kv_cache_usage=self.kv_cache_usage,
             num_preemptions=self.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens,
+            cached_tokens=self.num_cached_tokens,
+            **self.attribution.fields(prefill_wall_s=_diff(first_tok, first_sched), decode_wall_s=decode_s),
         )
 
     def to_dict(self, num_output_tokens: int) -> dict[str, float | int | None]:

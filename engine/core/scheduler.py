@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.attribution import QUEUE_LIMITS
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -75,6 +76,8 @@ class Scheduler:
         self._num_preemptions_total = 0
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        self._blocked_steps = [0] * len(QUEUE_LIMITS)
+        """Steps that left requests waiting, per limit (attribution; engine/core/attribution.py)."""
 
     # ---- request lifecycle -------------------------------------------------------------------------------
 
@@ -91,6 +94,8 @@ class Scheduler:
                 max_model_len=self.max_model_len, num_prompt_tokens=request.num_tokens, max_tokens=None
             )
         request.status = RequestStatus.WAITING
+        request.stats.num_prompt_tokens = request.num_prompt_tokens
+        request.stats.attribution.on_arrival(len(self.waiting), len(self.running), self._blocked_steps)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -130,6 +135,8 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
+        elif self.waiting:
+            self._blocked_steps[3] += 1  # QUEUE_LIMITS: "preemption"
         return self._build_output(plan)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -142,6 +149,7 @@ class Scheduler:
         Returns the requests finished by this step, in scheduling order; their blocks are freed.
         """
         now = self.clock()
+        self._attribute_step(scheduler_output, now - scheduler_output.scheduled_time)
         finished: list[Request] = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -155,6 +163,21 @@ class Scheduler:
                 self._finish(request, status, now)
                 finished.append(request)
         return finished
+
+    def _attribute_step(self, out: SchedulerOutput, dt: float) -> None:
+        """Add the step to each scheduled request's step records (engine/core/attribution.py): a few adds per
+        scheduled request, its phase by whether its first token was sampled."""
+        prefill, decode, others = out.num_prefill_tokens, out.num_decode_tokens, len(out.scheduled) - 1
+        share = dt / max(prefill + decode, 1)
+        for item in out.scheduled:
+            stats = item.request.stats
+            own = len(item.token_ids)
+            attribution = stats.attribution
+            phase = attribution.prefill if stats.first_token_time is None else attribution.decode
+            if own == 1 and item.num_computed_tokens >= item.request.num_prompt_tokens:  # _is_decode
+                phase.add(1, prefill, decode - 1, others, dt, share)
+            else:
+                phase.add(own, prefill - own, decode, others, dt, share)
 
     def get_stats(self) -> SchedulerStats:
         """Snapshot of queue sizes, block states and the preemption / prefix-cache counters."""
@@ -198,11 +221,15 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         max_num_seqs = self.scheduler_config.max_num_seqs
-        while self.waiting and plan.token_budget > 0 and len(self.running) < max_num_seqs:
+        while self.waiting:
+            if plan.token_budget <= 0 or len(self.running) >= max_num_seqs:
+                self._blocked_steps[0 if plan.token_budget > 0 else 2] += 1  # QUEUE_LIMITS order
+                break
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_hit_tokens, plan.token_budget)
             if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+                self._blocked_steps[2 if num_new <= 0 else 1] += 1
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self._admit(request, num_hit_tokens)
@@ -221,6 +248,8 @@ class Scheduler:
         self.running.append(request)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
+            request.stats.num_cached_tokens = num_hit_tokens
+            request.stats.attribution.on_first_admission(self._blocked_steps)
             if self.kv_cache_manager.enable_caching:
                 self._prefix_cache_queries += request.num_tokens
                 self._prefix_cache_hits += num_hit_tokens
@@ -228,6 +257,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.stats.attribution.recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.stats.num_preemptions += 1
         self._num_preemptions_total += 1
@@ -239,6 +269,10 @@ class Scheduler:
         for item in scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
             item.request.stats.on_scheduled(now, batch_size=len(scheduled), num_blocks=len(item.block_ids))
+            if item.is_new:
+                item.request.stats.attribution.on_readmitted(now, item.request.stats.first_token_time is None)
+        for request_id in plan.preempted_req_ids:
+            self.requests[request_id].stats.attribution.preempted_at = now
         total = sum(item.num_scheduled_tokens for item in scheduled)
         num_decode = sum(item.num_scheduled_tokens for item in scheduled if _is_decode(item))
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
@@ -252,6 +286,7 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_prefill_tokens=total - num_decode,
             num_decode_tokens=num_decode,
+            scheduled_time=now,
         )
 
     def _scheduled_request(self, request: Request, num_new_tokens: int, is_new: bool) -> ScheduledRequest:

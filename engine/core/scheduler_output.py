@@ -51,6 +51,8 @@ class SchedulerOutput:
     kv_cache_usage: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    scheduled_time: float = 0.0
+    """The scheduler's clock when the step was scheduled (its duration ends when its output is applied)."""
 
     @property
     def is_empty(self) -> bool:

@@ -62,6 +62,55 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     kv_cache_usage: float | None = None
     """Engine-wide KV usage (0–1) when the request finished."""
     num_preemptions: int | None = None
+    # --- attribution (engine/core/attribution.py; docs/logs.md "Why was this request slow?") ---------------
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache at first scheduling."""
+    queue_ahead: int | None = None
+    """Requests waiting ahead of this one when it arrived."""
+    running_on_arrival: int | None = None
+    """Requests running when it arrived."""
+    queue_limit: str | None = None
+    """What held the queue most often while it first waited: max_num_seqs, kv_cache, token_budget or
+    preemption (None: it only waited for the step in flight)."""
+    queue_blocked_steps: int | None = None
+    """Steps that admitted nobody further while it first waited."""
+    prefill_steps: int | None = None
+    """Steps that scheduled it before its first token."""
+    prefill_tokens: int | None = None
+    """Its own tokens in those steps (prompt minus cache hits, plus any recomputation)."""
+    prefill_other_prefill_tokens: int | None = None
+    """Other requests' prefill tokens in those steps (summed over the steps)."""
+    prefill_other_decode_tokens: int | None = None
+    prefill_other_requests_max: int | None = None
+    """Most other requests in one of those steps."""
+    prefill_step_s_mean: float | None = None
+    prefill_step_s_max: float | None = None
+    prefill_own_s: float | None = None
+    """Token-proportional share of those steps' seconds for its own tokens."""
+    prefill_interference_s: float | None = None
+    """The share for the other requests' tokens in those steps."""
+    prefill_interference_prefill_s: float | None = None
+    """Of that, the share for other requests' prefill tokens."""
+    prefill_preempted_s: float | None = None
+    """Seconds preempted before the first token."""
+    prefill_other_s: float | None = None
+    """prefill_s not covered by the three above (host time between steps, steps without it)."""
+    decode_steps: int | None = None
+    """Steps that scheduled it after its first token."""
+    decode_tokens: int | None = None
+    decode_other_prefill_tokens: int | None = None
+    decode_other_decode_tokens: int | None = None
+    decode_other_requests_max: int | None = None
+    decode_step_s_mean: float | None = None
+    decode_step_s_max: float | None = None
+    decode_own_s: float | None = None
+    decode_interference_s: float | None = None
+    decode_interference_prefill_s: float | None = None
+    decode_preempted_s: float | None = None
+    decode_other_s: float | None = None
+    recomputed_tokens: int | None = None
+    """Tokens whose KV a preemption threw away (computed again on re-admission)."""
 
     def __getitem__(self, name: str) -> Any:
         """The field called ``name`` (a JSON key above); KeyError for any other name."""
@@ -95,7 +144,26 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _first(values: list[Any]) -> Any:
+    return values[0]
+
+
+def _attribution_reduce(name: str) -> Callable[[list[Any]], Any]:
+    """Over several choices: first queue limit, mean of means, max of maxima, min of queue position, sum of
+    the rest (steps, tokens, seconds of each sibling)."""
+    if name == "queue_limit":
+        return _first
+    if name.endswith("_mean"):
+        return _mean
+    if name.endswith("_max"):
+        return max
+    if name in ("queue_ahead", "running_on_arrival", "prompt_tokens", "cached_tokens", "queue_blocked_steps"):
+        return min
+    return sum
+
+
 _REDUCE: dict[str, Callable[[list[Any]], Any]] = {
     "queue_s": min, "ttft_s": min, "prefill_s": min, "decode_s": max, "batch_size_max": max,
     "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean, "batch_size_mean": _mean,
 }  # fmt: skip
+_REDUCE.update({name: _attribution_reduce(name) for name in KvscopeStats.__struct_fields__ if name not in _REDUCE})

@@ -20,6 +20,7 @@ from typing import Annotated
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.core.attribution import LATENCY_CAUSES
 from kvscope.settings_cli import Flag
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -153,6 +154,10 @@ class EngineMetrics:
         self.queue_time = hist("queue_time", "Arrival to first scheduled (time spent waiting).", b.duration_s)
         self.prefill_time = hist("prefill_time", "First scheduled to first token (prefill).", b.duration_s)
         self.decode_time = hist("decode_time", "First token to last token (decode).", b.duration_s)
+        self.latency_cause = Counter(
+            "kvscope_engine_latency_cause_seconds", "Seconds of finished requests' TTFT (queue + prefill) and "
+            "decode by cause, from the scheduler's step records (docs/logs.md, \"Why was this request slow?\").",
+            ["model", "phase", "cause"], registry=r)
         self.request_inference_time = hist(
             "request_inference_time", "First scheduled to last token (prefill + decode), per request.",
             b.duration_s)
@@ -207,6 +212,9 @@ class EngineMetrics:
             self.kv_cache_blocks.labels(model=model, state=state)
         for reason in FINISH_REASONS:
             self.request_success.labels(model=model, finish_reason=reason)
+        for phase, causes in LATENCY_CAUSES.items():
+            for cause in causes:
+                self.latency_cause.labels(model=model, phase=phase, cause=cause)
         for route in GENERATION_ROUTES:  # the success and the 5xx series the dashboards divide
             for status in ("200", "500"):
                 self.http_requests.labels(route=route, status=status)

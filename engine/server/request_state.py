@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.attribution import cause_seconds
 from engine.core.request import child_request_id
 from engine.core.stats import KvscopeStats
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -153,7 +154,8 @@ class RequestState:
         prefill = stats.prefill_s if ttft is not None else None
         return SequenceTimings(finish_reason=reason, num_output_tokens=choice.num_output_tokens,
                                e2e_s=now - self.arrival, ttft_s=ttft, queue_s=stats.queue_s,
-                               prefill_s=prefill, decode_s=decode if ttft is not None else None, tpot_s=tpot)
+                               prefill_s=prefill, decode_s=decode if ttft is not None else None, tpot_s=tpot,
+                               causes=cause_seconds(stats) if choice.stats is not None else None)
 
     def _spans(self, outcome: Outcome, now: float, timings: list[SequenceTimings]) -> RequestSpans:
         def earliest(values: list[float | None]) -> float | None:

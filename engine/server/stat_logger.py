@@ -40,6 +40,8 @@ class SequenceTimings:
     prefill_s: float | None = None
     decode_s: float | None = None
     tpot_s: float | None = None
+    causes: dict[tuple[str, str], float] | None = None
+    """(phase, cause) → seconds (engine.core.attribution.cause_seconds); None without engine stats."""
 
 
 class ServerMetrics:
@@ -111,6 +113,9 @@ class ServerMetrics:
                                  (m.time_per_output_token, t.tpot_s)):
             if value is not None:
                 histogram.labels(model=model).observe(value)
+        for (phase, cause), seconds in (t.causes or {}).items():
+            if seconds > 0:
+                m.latency_cause.labels(model=model, phase=phase, cause=cause).inc(seconds)
         if t.prefill_s is not None:
             m.request_inference_time.labels(model=model).observe(t.prefill_s + (t.decode_s or 0.0))
 

@@ -1,4 +1,4 @@
-"""``kvscope logs setup-es|report|search|plot``: request-log analytics from the command line.
+"""``kvscope logs setup-es|report|search|plot|why``: request-log analytics from the command line.
 
 Sources: a JSONL file or directory (DuckDB) or an Elasticsearch URL (``--source http://localhost:9200``).
 Defaults come from ``KVSCOPE_LOGS_SOURCE``/``KVSCOPE_GATEWAY_LOG_FILE`` and ``ELASTICSEARCH_*``
@@ -21,7 +21,7 @@ from gateway.logs.es_settings import CliEnv, cli_env
 if TYPE_CHECKING:
     from gateway.analytics.commands import LogSource
 
-COMMANDS = ("setup-es", "report", "search", "plot")
+COMMANDS = ("setup-es", "report", "search", "plot", "why")
 
 
 def _connection_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
@@ -72,6 +72,11 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
     srch.add_argument("--limit", type=int, default=20)
     srch.add_argument("--format", choices=FORMATS, default="table")
     _source_args(srch, env)
+    why = sub.add_parser("why", help="why was this request slow: its latency by cause, from the engine's step "
+                                     "records and the gateway's timings")
+    why.add_argument("id", help="the request id (http.request.id, x-request-id) or trace id")
+    why.add_argument("--format", choices=("text", "json"), default="text")
+    _source_args(why, env)
     plot = sub.add_parser("plot", help="write PNG charts: latency percentiles over time, TTFT histogram")
     plot.add_argument("--out", type=Path, default=Path("."), help="output directory (default .)")
     plot.add_argument("--bucket", help="time bucket, e.g. 30s, 5m (default: about 60 points)")
@@ -127,6 +132,9 @@ async def _run(args: argparse.Namespace) -> int:
     if args.command == "report":
         render_report(await commands.report(source, since=args.since, by=args.by, top=args.top),
                       args.format, sys.stdout)
+    elif args.command == "why":
+        answer = await commands.why(source, args.id, since=args.since)
+        print(json.dumps(answer.to_dict(), indent=2) if args.format == "json" else answer.text)
     elif args.command == "search":
         records = await commands.search(source, args.query, since=args.since, limit=args.limit)
         render_records(records, args.format, sys.stdout)

@@ -18,6 +18,7 @@ from gateway.analytics.duckdb_logs import DuckDBLogs
 from gateway.analytics.es_logs import EsLogs
 from gateway.analytics.plot import auto_bucket_s, plot_histogram, plot_latency
 from gateway.analytics.report import Report, parse_since
+from gateway.analytics.why import Why, explain, why_query
 from gateway.logs.es_client import EsConnectionConfig, is_es_url, make_client
 
 
@@ -74,3 +75,16 @@ async def plot(source: LogSource, out_dir: Path, *, since: str | None = None, bu
     where = f"{source.location}" + (f", since {since}" if since else "")
     return [plot_latency(series, out_dir / "latency_percentiles.png", f"latency percentiles per {bucket}s — {where}"),
             plot_histogram(edges, counts, out_dir / "ttft_histogram.png", f"TTFT distribution — {where}")]
+
+
+async def why(source: LogSource, request_or_trace_id: str, *, since: str | None = None,
+              now: datetime | None = None) -> Why:
+    """The latency explanation of the newest record whose ``http.request.id`` or ``trace.id`` is the given id
+    (the gateway's record when both services logged it). Raises LookupError when no record matches and
+    ValueError when the record has no attribution."""
+    async with open_logs(source, parse_since(since, now)) as logs:
+        records = await _call(logs.search(why_query(request_or_trace_id, es=is_es_url(source.location)), 20))
+    if not records:
+        raise LookupError(f"no request-log record with http.request.id or trace.id {request_or_trace_id!r}")
+    gateway_first = sorted(records, key=lambda r: "gateway_overhead_s" not in (r.get("kvscope") or {}))
+    return explain(gateway_first[0])

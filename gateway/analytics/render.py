@@ -64,7 +64,13 @@ def render_report(report: Report, fmt: str, out: IO[str]) -> None:
         "time (UTC)": "time", "request id": "request_id", "trace id": "trace_id", "model": "model",
         "status": "status", "e2e s": "e2e_s", "ttft s": "ttft_s", "queue s": "queue_s",
         "prefill s": "prefill_s", "decode s": "decode_s", "kv use": "kv_cache_usage",
-        "preempt": "num_preemptions", "slowest phase": "slowest_phase"}))
+        "preempt": "num_preemptions", "slowest phase": "slowest_phase", "cause": "cause"}))
+    for name, part in report.cause_breakdown().items():
+        if part["requests"]:
+            total = sum(part["causes"].values()) or 1.0
+            shares = ", ".join(f"{c} {v:.3f} s ({v / total:.0%})" for c, v in part["causes"].items())
+            what = "the slowest" if name == "slowest" else "those at or above the e2e p99"
+            console.print(f"causes of {what} ({part['requests']} requests): {shares}")
     unparsed = report.extra.get("unparsed_lines")
     if unparsed:
         console.print(f"[yellow]{unparsed} unparsable log lines skipped[/yellow]")

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from gateway.analytics.why import rank_causes
+
 PERCENTS = (50, 95, 99)
 LATENCY_FIELDS = {"ttft": "kvscope.ttft_s", "tpot": "kvscope.tpot_s", "e2e": "kvscope.e2e_s"}
 GROUP_FIELDS = {
@@ -110,6 +112,15 @@ class SlowRequest:
     kv_cache_usage: float | None
     num_preemptions: int | None
     upstream: str | None
+    causes: tuple[tuple[str, float], ...] = ()
+    """Seconds by cause, largest first (gateway/analytics/why.py); empty without the engine's attribution."""
+
+    @property
+    def cause(self) -> str:
+        """The largest cause and its share of the explained seconds, e.g. ``queue 62%``; ``?`` without one."""
+        if not self.causes:
+            return "?"
+        return f"{self.causes[0][0]} {self.causes[0][1] / sum(s for _, s in self.causes):.0%}"
 
     @property
     def slowest_phase(self) -> str:
@@ -123,8 +134,9 @@ class SlowRequest:
         return max(known, key=known.__getitem__) if len(known) > 1 else "?"
 
     def flat(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "causes"}  # type: ignore[attr-defined]
         out["slowest_phase"] = self.slowest_phase
+        out["cause"] = self.cause
         return out
 
 
@@ -139,10 +151,28 @@ class Report:
     percentile_method: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def cause_breakdown(self) -> dict[str, dict[str, Any]]:
+        """Seconds by cause summed over the slowest requests listed (``slowest``) and over those of them at
+        or above the e2e p99 (``p99``; complete when the list holds at least 1 % of the requests), each with
+        the number of requests it covers (``requests``) and ``causes`` (name → seconds, largest first)."""
+        p99 = self.total.latency["e2e"][99]
+        at_p99 = [s for s in self.slowest if p99 is not None and s.e2e_s is not None and s.e2e_s >= p99]
+        return {"slowest": _sum_causes(self.slowest), "p99": _sum_causes(at_p99)}
+
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "by": self.by, "since": self.since,
                 "percentile_method": self.percentile_method, "total": self.total.flat(),
-                "groups": [g.flat() for g in self.groups], "slowest": [s.flat() for s in self.slowest]}
+                "groups": [g.flat() for g in self.groups], "slowest": [s.flat() for s in self.slowest],
+                "causes": self.cause_breakdown()}
+
+
+def _sum_causes(requests: list[SlowRequest] | tuple[SlowRequest, ...]) -> dict[str, Any]:
+    totals: dict[str, float] = {}
+    for request in requests:
+        for cause, seconds in request.causes:
+            totals[cause] = totals.get(cause, 0.0) + seconds
+    ranked = dict(sorted(totals.items(), key=lambda item: -item[1]))
+    return {"requests": sum(1 for r in requests if r.causes), "causes": ranked}
 
 
 def dotted(doc: dict[str, Any] | None, path: str) -> Any:
@@ -172,4 +202,6 @@ def slow_request(doc: dict[str, Any]) -> SlowRequest:
     values = {name: dotted(doc, path) for name, path in SLOW_FIELDS.items()}
     ts = values["timestamp"]
     values["timestamp"] = es_time(ts) if isinstance(ts, datetime) else str(ts or "")
-    return SlowRequest(**values)
+    kv, engine = dotted(doc, "kvscope") or {}, dotted(doc, "kvscope.engine") or {}
+    causes = tuple(rank_causes(engine, kv)) if engine.get("prefill_steps") is not None else ()
+    return SlowRequest(**values, causes=causes)

@@ -88,11 +88,26 @@ _TEXT = {"type": "match_only_text"}
 _UNINDEXED = {"type": "object", "enabled": False}
 
 
+def attribution_properties() -> dict[str, Any]:
+    """Mapping of the latency-attribution fields of ``kvscope.engine`` (docs/logs.md, "Why was this request
+    slow?"; the engine's KvscopeStats, which tests/gateway/logs/test_why.py keeps in step with this)."""
+    longs = ["prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival", "queue_blocked_steps",
+             "recomputed_tokens"]
+    doubles: list[str] = []
+    for phase in ("prefill", "decode"):
+        longs += [f"{phase}_{f}" for f in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens",
+                                           "other_requests_max")]
+        doubles += [f"{phase}_{f}" for f in ("step_s_mean", "step_s_max", "own_s", "interference_s",
+                                             "interference_prefill_s", "preempted_s", "other_s")]
+    return {"queue_limit": _kw()} | dict.fromkeys(longs, _LONG) | dict.fromkeys(doubles, _DOUBLE)
+
+
 def record_properties() -> dict[str, Any]:
     """Explicit mapping of every field of the request log record (docs/gateway.md, "Request log"), nested ECS objects."""
     engine = {f: _DOUBLE for f in ("queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s",
                                    "batch_size_mean", "kv_cache_usage")}
     engine |= {f: _LONG for f in ("batch_size_max", "kv_blocks", "num_preemptions")}
+    engine |= attribution_properties()
     return {
         # explicit false: ES < 8.11 refuses a data stream whose @timestamp inherits the index-level
         # ignore_malformed (elastic/elasticsearch#71755, #99346)

@@ -105,17 +105,42 @@ def _check_children(running: Serve) -> None:
     assert len(commands) == 2 and "engine" in commands[0] and "gateway" in commands[1], commands
 
 
+def _check_why(log_file: Path, prompt_tokens: int, record: dict) -> None:
+    """``kvscope logs why`` on the gateway's log line of the one request (issue 18): one step of prefill, 3 of
+    decode, nothing ahead, and the causes add up to the gateway's e2e."""
+    import contextlib
+    import io
+    import json
+
+    from gateway.analytics.cli import logs_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert logs_main(["why", "why-me", "--source", str(log_file), "--format", "json"], env={}) == 0
+    answer = json.loads(out.getvalue())
+    engine = answer["engine"]
+    assert (answer["request_id"], engine["queue_ahead"], engine["running_on_arrival"]) == ("why-me", 0, 0)
+    assert (engine["prefill_steps"], engine["prefill_tokens"], engine["prompt_tokens"]) == (1, prompt_tokens,
+                                                                                         prompt_tokens)
+    assert (engine["decode_steps"], engine["decode_tokens"], engine["num_preemptions"]) == (3, 3, 0)
+    assert sum(c["seconds"] for c in answer["causes"]) == pytest.approx(record["kvscope"]["e2e_s"], rel=0.05)
+    assert record["kvscope"]["ttft_s"] is None  # not streamed: the gateway saw no first token, the engine did
+    assert answer["text"].startswith(f"TTFT {engine['ttft_s']:.3f} s: {engine['queue_s']:.3f} s queued "
+                                     "(0 requests ahead, 0 running); prefill ")
+
+
 def test_serve_answers_through_the_openai_sdk_and_stops_cleanly_on_sigterm(serve):
     import openai
 
     _check_children(serve)
     sdk = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
     answer = sdk.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
-                                         max_tokens=4, temperature=0)
+                                         max_tokens=4, temperature=0, extra_headers={"x-request-id": "why-me"})
     assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 4)
     assert [m.id for m in sdk.models.list()] == ["smollm2-135m"]
     chats = wait_for(lambda: [r for r in read_log(serve.log_file, 0, 0) if r["url"]["path"] == CHAT], 5)
     assert [(r["http"]["response"]["status_code"], r["gen_ai"]["usage"]["output_tokens"]) for r in chats] == [(200, 4)]
+    _check_why(serve.log_file, answer.usage.prompt_tokens, chats[0])
     # the engine's own request log goes beside it, not onto the terminal
     engine_log = serve.log_file.with_name("engine.ndjson")
     engine_chats = wait_for(lambda: [r for r in read_records(engine_log) if r["url"]["path"] == CHAT], 30)

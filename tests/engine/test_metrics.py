@@ -32,6 +32,7 @@ EXPECTED = {
     "kvscope_engine_request_generation_tokens": ("histogram", ("model",)),
     "kvscope_engine_request_inference_time_seconds": ("histogram", ("model",)),
     "kvscope_engine_request_params_n": ("histogram", ("model",)),
+    "kvscope_engine_latency_cause_seconds": ("counter", ("cause", "model", "phase")),
     "kvscope_engine_request_params_max_tokens": ("histogram", ("model",)),
     "kvscope_engine_http_requests": ("counter", ("route", "status")),
     "kvscope_engine_device_memory_used_bytes": ("gauge", ("device",)),
@@ -108,3 +109,30 @@ def test_instances_are_independent_per_registry() -> None:
     assert second.get_sample_value("kvscope_engine_preemptions_total", {"model": "m"}) is None
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         EngineMetrics(first)
+
+
+def test_a_finished_sequence_adds_its_seconds_by_cause() -> None:
+    from engine.core.attribution import cause_seconds
+    from engine.core.stats import KvscopeStats
+    from engine.server.stat_logger import SequenceTimings, ServerMetrics
+
+    stats = KvscopeStats(queue_s=2.0, prefill_steps=3, prefill_own_s=0.5, prefill_interference_s=1.25,
+                         prefill_interference_prefill_s=1.0, prefill_preempted_s=0.0, prefill_other_s=0.125,
+                         decode_steps=10, decode_own_s=0.25, decode_interference_s=0.75,
+                         decode_interference_prefill_s=0.5, decode_preempted_s=0.375, decode_other_s=0.0)
+    causes = cause_seconds(stats)
+    assert causes == {("ttft", "queue"): 2.0, ("ttft", "own"): 0.5, ("ttft", "other_prefills"): 1.0,
+                      ("ttft", "batched_decodes"): 0.25, ("ttft", "preemption"): 0.0, ("ttft", "host"): 0.125,
+                      ("decode", "own"): 0.25, ("decode", "other_prefills"): 0.5,
+                      ("decode", "batched_decodes"): 0.25, ("decode", "preemption"): 0.375,
+                      ("decode", "host"): 0.0}
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry, "m")
+    for _ in range(2):
+        metrics.on_sequence_finished(SequenceTimings("stop", 11, e2e_s=6.0, causes=causes))
+    value = registry.get_sample_value
+    assert value("kvscope_engine_latency_cause_seconds_total", {"model": "m", "phase": "ttft", "cause": "queue"}) == 4.0
+    assert value("kvscope_engine_latency_cause_seconds_total",
+                 {"model": "m", "phase": "decode", "cause": "preemption"}) == 0.75
+    assert value("kvscope_engine_latency_cause_seconds_total",
+                 {"model": "m", "phase": "decode", "cause": "host"}) == 0.0

@@ -23,7 +23,7 @@ def mapped(path: str) -> bool:
 
 def test_kibana_ndjson_data_view_and_slow_failed_search():
     objects = [json.loads(line) for line in (DEPLOY / "kibana" / "saved_objects.ndjson").read_text().splitlines()]
-    by_type = {o["type"]: o for o in objects}
+    by_type = {o["type"]: o for o in objects if o["id"] != "kvscope-latency-attribution"}
     assert sorted(by_type) == ["index-pattern", "search"]
     view = by_type["index-pattern"]
     assert view["id"] == "kvscope-requests"
@@ -41,6 +41,18 @@ def test_kibana_ndjson_data_view_and_slow_failed_search():
     assert attrs["sort"] == [["kvscope.e2e_s", "desc"]]
     assert [c for c in attrs["columns"] if not mapped(c)] == []
     assert "trace.id" in attrs["columns"]
+
+
+def test_kibana_latency_attribution_search_shows_mapped_cause_fields():
+    objects = {json.loads(line)["id"]: json.loads(line)
+               for line in (DEPLOY / "kibana" / "saved_objects.ndjson").read_text().splitlines()}
+    attrs = objects["kvscope-latency-attribution"]["attributes"]
+    source = json.loads(attrs["kibanaSavedObjectMeta"]["searchSourceJSON"])
+    assert source["query"] == {"query": "kvscope.engine.prefill_steps >= 1", "language": "kuery"}
+    assert [c for c in attrs["columns"] if not mapped(c)] == []
+    assert {"kvscope.engine.queue_ahead", "kvscope.engine.prefill_interference_s",
+            "kvscope.engine.decode_preempted_s"} <= set(attrs["columns"])
+    assert attrs["sort"] == [["kvscope.e2e_s", "desc"]]
 
 
 def test_grafana_datasource_points_at_the_data_stream():

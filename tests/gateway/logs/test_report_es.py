@@ -35,10 +35,8 @@ DOCUMENTED_QUERY = {  # docs/logs.md, "Elasticsearch query"
     "query": {"bool": {"filter": [{"range": {"@timestamp": {"gte": "2025-01-01T12:00:00.000Z"}}}]}},
     "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}],
     "_source": ["@timestamp", "gen_ai.request.model", "http.request.id", "http.response.status_code",
-                "kvscope.e2e_s", "kvscope.engine.batch_size_max", "kvscope.engine.decode_s",
-                "kvscope.engine.kv_cache_usage", "kvscope.engine.num_preemptions", "kvscope.engine.prefill_s",
-                "kvscope.engine.queue_s", "kvscope.gateway_overhead_s", "kvscope.tpot_s", "kvscope.ttft_s",
-                "server.address", "trace.id"],
+                "kvscope.e2e_s", "kvscope.engine", "kvscope.gateway_overhead_s", "kvscope.tpot_s", "kvscope.ttft_s",
+                "kvscope.upstream_s", "server.address", "trace.id"],
     "aggs": {**METRICS, "groups": {"terms": {"field": "gen_ai.request.model", "size": 50, "missing": "(none)"},
                                    "aggs": METRICS}},
 }

@@ -1,0 +1,141 @@
+"""``kvscope logs why``: one request's latency explained from its log record's ``kvscope.engine`` attribution
+(the engine scheduler's step records, engine/core/attribution.py; fields in docs/logs.md) and the gateway's
+own timings (``kvscope.gateway_overhead_s``, ``kvscope.upstream_s``).
+
+Causes, in seconds (each a sum of record fields, so the ranking is reproducible from the record):
+``queue`` (arrival → first scheduled), ``own prefill`` / ``own decode`` (the token-proportional share of the
+steps that computed the request's own tokens), ``other prefills`` / ``batched decodes`` (the share of those
+steps spent on other requests' prefill tokens / decode tokens), ``preemption`` (time preempted), ``engine host time`` (what
+the phases' wall time leaves: work between steps, steps that did not schedule it), ``gateway`` (the gateway's
+own time: auth, limits, tokenize, connect, retries) and ``upstream transfer`` (upstream time the engine did
+not account for: HTTP, network, output streaming).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+CAUSE_FIELDS: dict[str, tuple[str, ...]] = {
+    "queue": ("queue_s",),
+    "own prefill": ("prefill_own_s",),
+    "other prefills": ("prefill_interference_prefill_s", "decode_interference_prefill_s"),
+    "batched decodes": ("prefill_interference_s", "decode_interference_s"),
+    "preemption": ("prefill_preempted_s", "decode_preempted_s"),
+    "own decode": ("decode_own_s",),
+    "engine host time": ("prefill_other_s", "decode_other_s"),
+}
+"""Engine causes → the ``kvscope.engine`` fields (seconds) they add up; ``batched decodes`` is the
+interference minus its ``other prefills`` part (the other requests' decode tokens in the same steps)."""
+
+
+def _seconds(engine: dict[str, Any], cause: str) -> float:
+    total = sum(engine.get(f) or 0.0 for f in CAUSE_FIELDS[cause])
+    return total - _seconds(engine, "other prefills") if cause == "batched decodes" else total
+
+
+def rank_causes(engine: dict[str, Any], gateway: dict[str, Any] | None = None) -> list[tuple[str, float]]:
+    """Causes and their seconds, largest first (those under a microsecond left out). ``engine`` is the
+    ``kvscope`` object (the record's ``kvscope.engine``); ``gateway`` the record's ``kvscope`` (adds
+    ``gateway`` and ``upstream transfer``: upstream seconds minus the engine's arrival → last token)."""
+    seconds = {cause: _seconds(engine, cause) for cause in CAUSE_FIELDS}
+    if gateway is not None:
+        seconds["gateway"] = gateway.get("gateway_overhead_s") or 0.0
+        engine_e2e = sum(engine.get(f) or 0.0 for f in ("queue_s", "prefill_s", "decode_s"))
+        if gateway.get("upstream_s") is not None:
+            seconds["upstream transfer"] = max(gateway["upstream_s"] - engine_e2e, 0.0)
+    return sorted(((c, s) for c, s in seconds.items() if s > 1e-6), key=lambda item: -item[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Why:
+    """The answer for one record."""
+
+    request_id: str | None
+    trace_id: str | None
+    text: str
+    """The human sentences, one per line."""
+    causes: tuple[tuple[str, float], ...]
+    verdict: str
+    engine: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--format json`` object."""
+        total = sum(s for _, s in self.causes) or 1.0
+        return {"request_id": self.request_id, "trace_id": self.trace_id, "verdict": self.verdict,
+                "text": self.text,
+                "causes": [{"cause": c, "seconds": s, "share": s / total} for c, s in self.causes],
+                "engine": self.engine}
+
+
+def _dotted(record: dict[str, Any], *path: str) -> Any:
+    node: Any = record
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _n(value: float | int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+def _ttft_line(e: dict[str, Any], ttft: float | None) -> str:
+    limit = e.get("queue_limit")
+    held = f", {limit} reached" if limit else ""
+    prefill = (f"prefill {e.get('prefill_s') or 0:.3f} s over {_n(e.get('prefill_steps'))} steps shared with "
+               f"{_n(e.get('prefill_other_prefill_tokens'))} prompt and {_n(e.get('prefill_other_decode_tokens'))} "
+               f"decode tokens of up to {_n(e.get('prefill_other_requests_max'))} other requests (own "
+               f"{_n(e.get('prefill_tokens'))} tokens of a {_n(e.get('prompt_tokens'))}-token prompt, "
+               f"{_n(e.get('cached_tokens'))} from the prefix cache)")
+    return (f"TTFT {ttft if ttft is not None else 0:.3f} s: {e.get('queue_s') or 0:.3f} s queued "
+            f"({_n(e.get('queue_ahead'))} requests ahead, {_n(e.get('running_on_arrival'))} running{held}); "
+            f"{prefill}")
+
+
+def _decode_line(e: dict[str, Any], tpot: float | None) -> str:
+    steps = e.get("decode_steps") or 0
+    per_token = f"{tpot * 1000:.1f} ms/token" if tpot else "-"
+    batch = e.get("batch_size_mean")
+    return (f"decode {e.get('decode_s') or 0:.3f} s at {per_token} over {steps} steps in batches of "
+            f"{batch:.1f} (max {_n(e.get('batch_size_max'))}); other requests' prefill tokens in those steps: "
+            f"{_n(e.get('decode_other_prefill_tokens'))} ({e.get('decode_interference_prefill_s') or 0:.3f} s)"
+            if batch is not None else f"decode {e.get('decode_s') or 0:.3f} s")
+
+
+def explain(record: dict[str, Any]) -> Why:
+    """The answer for one request-log record (the gateway's or the engine's line). Raises ValueError when the
+    record carries no ``kvscope.engine`` attribution (an engine older than issue 18, or a refused request)."""
+    kv = record.get("kvscope") or {}
+    engine = kv.get("engine") or {}
+    if engine.get("prefill_steps") is None:
+        raise ValueError("the record has no kvscope.engine attribution (refused request or older engine)")
+    ttft = kv.get("ttft_s") if kv.get("ttft_s") is not None else engine.get("ttft_s")  # non-streamed: engine's
+    lines = [_ttft_line(engine, ttft)]
+    if engine.get("decode_steps"):
+        lines.append(_decode_line(engine, kv.get("tpot_s") if kv.get("tpot_s") is not None else engine.get("tpot_s")))
+    preempt = engine.get("num_preemptions") or 0
+    if preempt:
+        lines.append(f"preempted {preempt}x for {(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
+                     f"{_n(engine.get('recomputed_tokens'))} tokens recomputed")
+    is_gateway = "gateway_overhead_s" in kv
+    if is_gateway:
+        lines.append(f"e2e {kv.get('e2e_s') or 0:.3f} s at the gateway: {kv.get('gateway_overhead_s') or 0:.3f} s "
+                     f"in the gateway (auth, limits, tokenize, connect, {_n(kv.get('attempts'))} attempt(s)), "
+                     f"{kv.get('upstream_s') or 0:.3f} s upstream")
+    causes = tuple(rank_causes(engine, kv if is_gateway else None))
+    total = sum(s for _, s in causes) or 1.0
+    verdict = ", ".join(f"{c} {s:.3f} s ({s / total:.0%})" for c, s in causes[:4])
+    lines.append(f"verdict: {verdict}")
+    return Why(request_id=_dotted(record, "http", "request", "id") or _dotted(record, "gen_ai", "response", "id"),
+               trace_id=_dotted(record, "trace", "id"), text="\n".join(lines), causes=causes,
+               verdict=causes[0][0] if causes else "?", engine=engine)
+
+
+def why_query(request_or_trace_id: str, *, es: bool) -> str:
+    """The search condition matching a request id or trace id: DuckDB SQL for files, a query string for
+    Elasticsearch. Raises ValueError for an id with quote characters."""
+    if any(ch in request_or_trace_id for ch in "'\"\\"):
+        raise ValueError("a request or trace id has no quote characters")
+    if es:
+        return f'http.request.id:"{request_or_trace_id}" OR trace.id:"{request_or_trace_id}"'
+    return f"\"http\".\"request\".\"id\" = '{request_or_trace_id}' OR \"trace\".\"id\" = '{request_or_trace_id}'"
