@@ -24,6 +24,8 @@ from engine.errors import InvalidParameterError, PromptTooLongError
 from engine.models.loader import DTYPES, load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.backend import StructuredOutputManager
+from engine.structured.batch import MatcherTable
 from engine.text.output_processor import OutputProcessor
 from engine.text.tokenizer import Tokenizer
 from engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
@@ -93,6 +95,10 @@ class EngineCore:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.vocab_size = hf_config["vocab_size"]
         self.runner = ModelRunner(self.model, kv_caches, backend, block_size, self.vocab_size, self.device)
+        self.structured = StructuredOutputManager(self.tokenizer.hf.to_str, self.vocab_size,
+                                                  self.tokenizer.eos_token_id)
+        """Grammar compile cache for structured outputs (engine/structured); the runner's matchers use it."""
+        self.runner.matchers = MatcherTable(self.structured)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, config.cache.enable_prefix_caching),
                                                block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len)
@@ -158,6 +164,8 @@ class EngineCore:
             raise InvalidParameterError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the "
                                         f"{self.max_model_len - num_prompt} tokens left in the context "
                                         f"({self.max_model_len} - {num_prompt} prompt tokens).")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # 400 for an unsupported schema / bad grammar
         return params.max_tokens or self.max_model_len - num_prompt
 
     def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.forward_context import set_forward_context
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.outputs import TokenLogprob
+from engine.structured.batch import MatcherTable
 from engine.worker.input_batch import ModelInputs, build_model_inputs
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 
@@ -30,12 +33,16 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.matchers: MatcherTable | None = None
+        """Grammar matchers of constrained requests (set by EngineCore; None: structured output unavailable)."""
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Returns sampled tokens (+ logprobs) of the requests whose chunk reached the end."""
         for request_id in scheduler_output.finished_req_ids:
             self._generators.pop(request_id, None)
+            if self.matchers is not None:
+                self.matchers.drop(request_id)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = build_model_inputs(scheduler_output, self.block_size, self.device)
@@ -61,8 +68,13 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        masked = self.matchers.bitmask(requests) if self.matchers is not None else None
+        if masked is not None:
+            metadata = replace(metadata, bitmask_rows=masked[0].to(self.device), token_bitmask=masked[1])
         result: SamplerOutput = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
+        if masked is not None:
+            self.matchers.advance(requests, token_ids)
         for i, request in enumerate(requests):
             output.sampled_token_ids[request.request_id] = token_ids[i]
             if request.sampling_params.logprobs is not None:
