@@ -82,6 +82,7 @@ class AppContext:
         metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, _device(engine),
                                 self.settings.buckets, genai=GenAiServerMetrics(meters, package_version()))
         self.state = ServerState(engine, self.settings, metrics, tracing)
+        _observe_mask_time(self.state)
         _set_device_memory(self.state)
         self.state.on_step(StepResult())
         engine.set_step_listener(self.state.on_step)
@@ -113,6 +114,14 @@ async def warm_up(engine: Any) -> None:
 
 def _device(engine: Any) -> str:
     return str(getattr(getattr(engine, "core", None), "device", "cpu"))
+
+
+def _observe_mask_time(state: ServerState) -> None:
+    """Feed the structured-output mask time of each step (engine thread) into its histogram."""
+    structured = getattr(getattr(state.engine, "core", None), "structured", None)
+    if structured is not None:
+        structured.mask_observer = state.metrics.engine.structured_output_mask_time.labels(
+            model=state.metrics.model).observe
 
 
 def _set_device_memory(state: ServerState) -> None:

@@ -115,6 +115,13 @@ class RequestState:
     def kvscope(self) -> dict[str, Any]:
         """design.md §4.1 object: the choice's stats for one choice; over several choices, min of the
         start-up times, max of decode/batch max/usage, sums of blocks/preemptions, means of tpot/batch mean."""
+        merged = self._merged_stats()
+        constraint = self.params.structured_outputs
+        if constraint is not None:  # only on constrained requests: the design.md §4.1 field set stays as is
+            merged["structured_output"] = constraint.kind
+        return merged
+
+    def _merged_stats(self) -> dict[str, Any]:
         stats = [c.stats for c in self.choices if c.stats]
         if len(stats) == 1:
             return dict(stats[0])
