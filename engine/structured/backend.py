@@ -59,6 +59,8 @@ class StructuredOutputManager:
         self.eos_token_id = eos_token_id
         self.cache_size = cache_size
         self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()
+        """Serialises compiles, so concurrent requests with one new schema compile it once."""
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.mask_observer: Callable[[float], None] | None = None
@@ -79,10 +81,19 @@ class StructuredOutputManager:
         Raises InvalidParameterError naming ``params.param`` with llguidance's message, which names an
         unsupported JSON-schema keyword (``Unimplemented keys: ["if"]``) or the grammar/regex error position.
         """
-        with self._lock:
-            if params.key in self._cache:
-                self._cache.move_to_end(params.key)
+        with self._compile_lock:
+            if self._cached(params.key):
                 return 0.0
+            return self._compile(params)
+
+    def _cached(self, key: str) -> bool:
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return True
+            return False
+
+    def _compile(self, params: StructuredOutputsParams) -> float:
         tokenizer = self.tokenizer
         start = time.perf_counter()
         grammar = grammar_text(params)
