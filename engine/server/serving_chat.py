@@ -38,7 +38,7 @@ from engine.text.tokenizer import Tokenizer
 def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, mode: ToolMode | None = None) -> list[int]:
     """Token ids of the rendered chat template (text parts of a message joined with newlines); tools, tool
     calls and tool results rendered as engine/server/tools.py documents."""
-    messages, variables = conversation(req, mode or ToolMode("none"), tokenizer.chat_template)
+    messages, variables = conversation(req, mode or ToolMode("none"), getattr(tokenizer, "chat_template", None))
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
                                              **variables)
