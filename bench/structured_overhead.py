@@ -5,7 +5,8 @@ Offline (engine.llm.LLM, no HTTP). Unconstrained rows use ``ignore_eos``; constr
 cannot complete within ``--max-tokens`` (so both runs decode exactly the same number of tokens). Runs are
 interleaved ``--repeats`` times and the best tok/s of each kind is reported (the least disturbed by other load).
 
-    python bench/structured_overhead.py [--batch 32] [--max-tokens 64] [--repeats 3] [--json out.json]
+    python bench/structured_overhead.py [--constraint json|regex] [--batch 32] [--max-tokens 64] [--repeats 3]
+                                        [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.structured.params import StructuredOutputsParams  # noqa: E402
 
-LONG_REGEX = StructuredOutputsParams("regex", "[a-z ,.]{1000}")
+CONSTRAINTS = {
+    # a JSON string field: llguidance's token-trie slices make its mask cheap (the common case)
+    "json": StructuredOutputsParams.json_schema({"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string", "minLength": 2000}}}),
+    # a character class no slice covers: the whole token trie is walked every step (the worst case)
+    "regex": StructuredOutputsParams("regex", "[a-z ,.]{1000}"),
+}
 TYPICAL_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "address", "tags"],
                   "properties": {"name": {"type": "string", "maxLength": 20},
                                  "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -33,10 +40,10 @@ TYPICAL_SCHEMA = {"type": "object", "additionalProperties": False, "required": [
                                  "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
 
 
-def run(llm: LLM, batch: int, max_tokens: int, constrained: int) -> float:
+def run(llm: LLM, batch: int, max_tokens: int, constrained: int, constraint: StructuredOutputsParams) -> float:
     """tok/s of one batch with ``constrained`` grammar rows."""
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens,
-                             ignore_eos=i >= constrained, structured_outputs=LONG_REGEX if i < constrained else None)
+                             ignore_eos=i >= constrained, structured_outputs=constraint if i < constrained else None)
               for i in range(batch)]
     start = time.perf_counter()
     outputs = llm.generate([f"Write about topic {i}:" for i in range(batch)], params)
@@ -51,20 +58,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--constraint", choices=sorted(CONSTRAINTS), default="json")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     llm = LLM(max_num_seqs=args.batch)
     mask_times: list[float] = []
     llm.engine.structured.mask_observer = mask_times.append
-    llm.engine.structured.compile(LONG_REGEX)  # builds the grammar tokenizer once, outside the timing
-    run(llm, 4, 4, 2)  # warm-up
+    constraint = CONSTRAINTS[args.constraint]
+    llm.engine.structured.compile(constraint)  # builds the grammar tokenizer once, outside the timing
+    run(llm, 4, 4, 2, constraint)  # warm-up
     plain, mixed = [], []
     for _ in range(args.repeats):
-        plain.append(run(llm, args.batch, args.max_tokens, 0))
-        mixed.append(run(llm, args.batch, args.max_tokens, args.batch // 2))
+        plain.append(run(llm, args.batch, args.max_tokens, 0, constraint))
+        mixed.append(run(llm, args.batch, args.max_tokens, args.batch // 2, constraint))
     compile_s = [llm.engine.structured.compile(StructuredOutputsParams.json_schema({**TYPICAL_SCHEMA, "title": str(i)}))
                  for i in range(5)]
-    result = {"batch": args.batch, "max_tokens": args.max_tokens, "unconstrained_tok_s": max(plain),
+    result = {"constraint": args.constraint, "batch": args.batch, "max_tokens": args.max_tokens, "unconstrained_tok_s": max(plain),
               "half_constrained_tok_s": max(mixed), "ratio": max(mixed) / max(plain),
               "mask_ms_per_step_median": statistics.median(mask_times) * 1e3,
               "schema_compile_ms_median": statistics.median(compile_s) * 1e3,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -21,6 +22,17 @@ class MatcherTable:
     def __init__(self, manager: StructuredOutputManager) -> None:
         self.manager = manager
         self._matchers: dict[str, RequestMatcher] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    def bitmask_async(self, requests: Sequence[Any]) -> Future | None:
+        """:meth:`bitmask` on a helper thread, so the masks are computed while the model runs its forward pass
+        (llguidance releases the GIL while it computes); None when no request is constrained. The caller
+        must wait for the result before the next call, :meth:`advance` or :meth:`drop`."""
+        if not any(r.sampling_params.structured_outputs is not None for r in requests):
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return self._executor.submit(self.bitmask, list(requests))
 
     def bitmask(self, requests: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows int64 ``[k]``, bitmask int32 ``[k, words]``) of the constrained requests among ``requests``

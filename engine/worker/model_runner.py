@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
@@ -46,16 +47,22 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = build_model_inputs(scheduler_output, self.block_size, self.device)
+        masks = self._start_grammar_masks(scheduler_output, inputs)  # computed during the forward pass
         with set_forward_context(inputs.attn_metadata, self.kv_caches, self.backend):
             hidden = self.model(inputs.input_ids, inputs.positions)
         output = ModelRunnerOutput()
         self._prompt_logprobs(scheduler_output, inputs, hidden, output)
         if inputs.sampled_rows:
-            self._sample(scheduler_output, inputs, hidden, output)
+            self._sample(scheduler_output, inputs, hidden, output, masks)
         return output
 
+    def _start_grammar_masks(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> Future | None:
+        if self.matchers is None or not inputs.sampled_rows:
+            return None
+        return self.matchers.bitmask_async([scheduler_output.scheduled[row].request for row in inputs.sampled_rows])
+
     def _sample(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
-                output: ModelRunnerOutput) -> None:
+                output: ModelRunnerOutput, masks: Future | None = None) -> None:
         items = [scheduler_output.scheduled[row] for row in inputs.sampled_rows]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [item.request for item in items]
@@ -68,7 +75,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        masked = self.matchers.bitmask(requests) if self.matchers is not None else None
+        masked = masks.result() if masks is not None else None
         if masked is not None:
             metadata = replace(metadata, bitmask_rows=masked[0].to(self.device), token_bitmask=masked[1])
         result: SamplerOutput = self.sampler(logits, metadata)

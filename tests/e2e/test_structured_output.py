@@ -1,4 +1,5 @@
-"""Structured output and tool calling against a real engine server, through the official OpenAI SDK.
+"""Structured output and tool calling through the gateway in front of a real engine server, with the official
+OpenAI SDK (issue 14's "done when"). The gateway relays the new fields and answers unchanged.
 
 Every sampled answer (temperature 0.8, several seeds) must validate with ``jsonschema``; requests run
 concurrently so the engine batches them (constrained and unconstrained rows in the same steps).
@@ -16,9 +17,9 @@ import pytest
 from openai import BadRequestError, OpenAI
 from openai.lib._pydantic import to_strict_json_schema  # what parse() sends for a Pydantic model
 
+from tests.e2e.gateway_engine_support import start_stack
 from tests.e2e.structured_schemas import SCHEMAS
 from tests.engine.server.e2e_support import delta
-from tests.engine.server.helpers import start_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 MODEL = "smollm2-135m"
@@ -36,16 +37,21 @@ ASK = [{"role": "user", "content": "What is the weather in Paris and the time in
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    process = start_engine(tmp_path_factory.mktemp("engine"), "--max-model-len", "2048", "--kv-cache-memory",
-                           "256M", "--max-num-seqs", "64")
-    yield process
-    process.stop()
+def stack(tmp_path_factory):
+    running = start_stack(tmp_path_factory.mktemp("structured"), "--max-model-len", "2048", "--kv-cache-memory",
+                          "256M", "--max-num-seqs", "64", "--num-threads", "2")
+    yield running
+    running.stop()
 
 
 @pytest.fixture(scope="module")
-def client(engine):
-    with OpenAI(base_url=f"{engine.url}/v1", api_key="unused", timeout=240, max_retries=0) as sdk:
+def engine(stack):
+    return stack.engine
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=240, max_retries=0) as sdk:
         yield sdk
 
 
@@ -95,7 +101,7 @@ def test_streamed_json_concatenates_to_the_same_valid_answer(client):
 def test_json_object_and_kvscope_kind(engine):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON object about a cat."}],
             "response_format": {"type": "json_object"}, "temperature": 0.8, "seed": 3, "max_tokens": 6}
-    answer = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=240).json()
+    answer = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=240).json()  # engine direct
     assert answer["choices"][0]["message"]["content"][0] == "{"  # a 135M model's free JSON object runs long
     assert answer["kvscope"]["structured_output"] == "json_object"
 
@@ -146,10 +152,12 @@ def test_required_and_named_tool_calls_validate(client, tool_choice):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_tool_call_reassembles_to_the_non_streamed_one(client, tool_choice):
+def test_streamed_tool_call_reassembles_to_the_non_streamed_one(stack, client, tool_choice):
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0.8,
                   seed=7, max_tokens=80)
-    whole = client.chat.completions.create(**kwargs).choices[0]
+    rid = f"tools-{'required' if tool_choice == 'required' else 'named'}"
+    whole = client.chat.completions.create(**kwargs, extra_headers={"x-request-id": rid}).choices[0]
+    assert stack.gateway_line(rid)["gen_ai"]["response"]["finish_reasons"] == ["tool_calls"]
     calls: dict[int, dict] = {}
     finish = []
     for chunk in client.chat.completions.create(**kwargs, stream=True):
