@@ -16,8 +16,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.core.stats import SchedulerStats
 from engine.engine_core import EngineCore, StepResult
 from engine.errors import EngineDeadError
+from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -42,12 +45,16 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Thread-backed engine. ``generate`` yields delta RequestOutputs; cancelling it aborts the request."""
+    """Thread-backed engine (the server's ``EngineClient``, engine/server/engine_client.py). ``process_inputs``
+    validates a request, ``generate`` yields its delta RequestOutputs; cancelling it aborts the request."""
 
     def __init__(self, config: EngineConfig, step_listener: StepListener | None = None) -> None:
         self.core = EngineCore(config)
         self.info = self.core.info
         self.tokenizer = self.core.tokenizer
+        self.device = str(self.core.device)
+        self.structured = self.core.structured
+        """Grammar compile cache (engine/structured): the server compiles constraints with it off its loop."""
         self._listener = step_listener
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -55,7 +62,6 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
-        self.last_step: StepResult = StepResult()
 
     def start(self) -> None:
         self._thread.start()
@@ -73,25 +79,29 @@ class AsyncEngine:
     def set_step_listener(self, listener: StepListener | None) -> None:
         self._listener = listener
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None, trace_context: object | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its delta outputs until the last one (``finished``).
+    def process_inputs(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """The request's one validation (engine/input_processor.py), on the caller's thread: raises
+        InvalidParameterError / PromptTooLongError before anything is queued."""
+        return self.core.input_processor.process(prompt_token_ids, params)
 
-        Raises InvalidParameterError/PromptTooLongError before queueing, EngineDeadError when the loop is not
-        running, RequestFailedError when the engine fails the request later. Closing the generator early
-        (client disconnect) aborts the request and frees its KV blocks.
+    async def generate(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
+                       trace_context: object | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request (from :meth:`process_inputs`) and yield its delta outputs until the last one
+        (``finished``).
+
+        Raises EngineDeadError when the loop is not running, RequestFailedError when the engine fails the
+        request later. Closing the generator early (client disconnect) aborts the request and frees its KV
+        blocks.
         """
         if not self.is_running:
             raise EngineDeadError("the engine step loop is not running")
-        self.core.check_request(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, arrival, trace_context))
+        self._inbox.put(("add", request_id, request, arrival, trace_context))
         self._wake.set()
         finished = False
         try:
@@ -113,6 +123,19 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id, reason))
         self._wake.set()
 
+    def get_request(self, request_id: str) -> Request | None:
+        """The engine's live Request of an unfinished (child) request id, else None. Read it, never change it:
+        the engine thread owns it (a snapshot for the server's phase and stats of unfinished requests)."""
+        return self.core.scheduler.get_request(request_id)
+
+    def unfinished_requests(self) -> list[Request]:
+        """The scheduler's unfinished requests (read-only, as :meth:`get_request`)."""
+        return list(self.core.scheduler.requests.values())
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """A scheduler snapshot (running, waiting, KV blocks, counters)."""
+        return self.core.scheduler.get_stats()
+
     # --- engine thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -129,7 +152,6 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing in-flight requests")
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
-            self.last_step = result
             for output in result.outputs:
                 self._deliver(output.request_id, output)
             if self._listener is not None:
@@ -153,12 +175,12 @@ class AsyncEngine:
             else:
                 self._abort(command[1], command[2])
 
-    def _add(self, request_id, prompt_token_ids, params, arrival, trace_context) -> None:
+    def _add(self, request_id: str, request: EngineRequest, arrival: float, trace_context: object | None) -> None:
         with self._lock:
             if request_id not in self._streams:  # the client left before the engine saw the request
                 return
         try:
-            self.core.add_request(request_id, prompt_token_ids, params, arrival, trace_context)
+            self.core.add_engine_request(request_id, request, arrival, trace_context)
         except Exception as exc:  # noqa: BLE001 - validation already ran; anything here is a failure
             self._deliver(request_id, exc)
 
@@ -170,7 +192,7 @@ class AsyncEngine:
         else:
             self._deliver(request_id, RequestFailedError(request_id, reason))
         if self._listener is not None and outputs:
-            stats = self.core.scheduler.get_stats()
+            stats = self.scheduler_stats()
             self._notify(StepResult(outputs=outputs, stats=stats, num_running=stats.num_running,
                                     num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage))
 

@@ -51,7 +51,7 @@ def bench_kvscope(llm: LLM, prompts: list[list[int]], output_len: int) -> BenchR
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ttfts = [o.outputs[0].stats["ttft_s"] for o in outputs if (o.outputs[0].stats or {}).get("ttft_s") is not None]
+    ttfts = [stats.ttft_s for o in outputs if (stats := o.outputs[0].stats) is not None and stats.ttft_s is not None]
     return BenchResult("kvscope", len(prompts), tokens, seconds, statistics.median(ttfts) if ttfts else None)
 
 

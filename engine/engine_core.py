@@ -20,7 +20,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus, child_request_id
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
-from engine.errors import InvalidParameterError, PromptTooLongError
+from engine.input_processor import EngineRequest, InputProcessor
 from engine.models.loader import DTYPES, load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class ModelInfo:
 
 @dataclass(slots=True)
 class StepResult:
-    """Outputs of one step plus what the metrics layer needs (design.md §4.3)."""
+    """Outputs of one step plus what the metrics layer needs (the gauges of docs/metrics.md)."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
     stats: SchedulerStats | None = None
@@ -102,6 +102,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, config.cache.enable_prefix_caching),
                                                block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len)
+        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.info = ModelInfo(
@@ -129,44 +130,33 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, trace_context: object | None = None) -> list[Request]:
-        """Validate and queue a request (``n`` children for ``params.n > 1``).
+        """Validate (:class:`~engine.input_processor.InputProcessor`) and queue a request (``n`` children for
+        ``params.n > 1``). Raises InvalidParameterError / PromptTooLongError before any work is done."""
+        return self.add_engine_request(request_id, self.input_processor.process(prompt_token_ids, params),
+                                       arrival_time, trace_context)
 
-        Raises InvalidParameterError (empty prompt, token id out of range) and PromptTooLongError (prompt +
-        max_tokens beyond max_model_len) before any work is done.
-        """
-        max_tokens = self.check_request(prompt_token_ids, params)
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The resolved max_tokens of a request, or the errors of :meth:`add_request`; queues nothing (the same
+        :class:`~engine.input_processor.InputProcessor` check)."""
+        return self.input_processor.process(prompt_token_ids, params).max_tokens
+
+    def add_engine_request(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
+                           trace_context: object | None = None) -> list[Request]:
+        """Queue a validated request: ``n`` sibling Requests for ``n > 1`` (vLLM v1 parallel sampling).
+        Raises ValueError for an id already in flight."""
+        params = request.params
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for index in range(params.n):
             child_params = params if params.n == 1 else _child_params(params, index)
             child_id = child_request_id(request_id, index, params.n)
-            children.append(Request(child_id, list(prompt_token_ids), child_params, self.tokenizer.eos_token_id,
-                                    arrival_time=arrival, max_tokens=max_tokens, trace_context=trace_context))
+            children.append(Request(child_id, list(request.prompt_token_ids), child_params,
+                                    self.tokenizer.eos_token_id, arrival_time=arrival, max_tokens=request.max_tokens,
+                                    trace_context=trace_context))
         self.output_processor.add_request(request_id, children)
         for child in children:
             self.scheduler.add_request(child)
         return children
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Return the resolved max_tokens, or raise the 400-class errors of add_request."""
-        if not prompt_token_ids:
-            raise InvalidParameterError("prompt", "The prompt is empty: it encodes to zero tokens.")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise InvalidParameterError("prompt", f"Token ids must be in [0, {self.vocab_size - 1}].")
-        for name, ids in (("logit_bias", (params.logit_bias or {}).keys()), ("stop_token_ids", params.stop_token_ids)):
-            if any(not 0 <= i < self.vocab_size for i in ids):
-                raise InvalidParameterError(name, f"{name} token ids must be in [0, {self.vocab_size - 1}].")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt + (params.max_tokens or 0) > self.max_model_len or num_prompt >= self.max_model_len:
-            raise PromptTooLongError(max_model_len=self.max_model_len, num_prompt_tokens=num_prompt,
-                                     max_tokens=params.max_tokens)
-        if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
-            raise InvalidParameterError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the "
-                                        f"{self.max_model_len - num_prompt} tokens left in the context "
-                                        f"({self.max_model_len} - {num_prompt} prompt tokens).")
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)  # 400 for an unsupported schema / bad grammar
-        return params.max_tokens or self.max_model_len - num_prompt
 
     def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
         """Abort a request (all its children) in any state; frees its blocks. Unknown ids are ignored."""

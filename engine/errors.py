@@ -1,5 +1,9 @@
 """Typed engine errors. The server maps them to OpenAI error JSON at the edge (never here)."""
 
+from __future__ import annotations
+
+from kvscope.openai_errors import context_length_message
+
 
 class InvalidParameterError(ValueError):
     """A request parameter is invalid. ``param`` names it in OpenAI style (e.g. ``"top_logprobs"``)."""
@@ -10,15 +14,12 @@ class InvalidParameterError(ValueError):
 
 
 class PromptTooLongError(InvalidParameterError):
-    """Prompt tokens (+ requested completion tokens) exceed the context length actually enforced."""
+    """Prompt tokens (+ requested completion tokens) exceed the context length actually enforced. The message is
+    OpenAI's (:func:`kvscope.openai_errors.context_length_message`); the server words it again with the
+    request's field name (``messages`` or ``prompt``)."""
 
     def __init__(self, *, max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        asked = num_prompt_tokens + (max_tokens or 0)
-        msg = (
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{asked} tokens ({num_prompt_tokens} in the messages, {max_tokens or 0} in the completion). "
-            "Please reduce the length of the messages or completion."
-        )
+        msg = context_length_message(max_model_len, num_prompt_tokens, max_tokens)
         super().__init__("messages" if max_tokens is None else "max_tokens", msg)
         self.max_model_len = max_model_len
         self.num_prompt_tokens = num_prompt_tokens

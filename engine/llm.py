@@ -48,14 +48,13 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompt_list)
         if len(params_list) != len(prompt_list):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        token_lists = [self._tokenize(p) for p in prompt_list]
-        for ids, p in zip(token_lists, params_list, strict=True):
-            self.engine.check_request(ids, p)
+        requests = [self.engine.input_processor.process(self._tokenize(prompt), p)
+                    for prompt, p in zip(prompt_list, params_list, strict=True)]
         ids_in_order = []
-        for ids, p in zip(token_lists, params_list, strict=True):
+        for request in requests:
             request_id = f"offline-{self._counter}"
             self._counter += 1
-            self.engine.add_request(request_id, ids, p)
+            self.engine.add_engine_request(request_id, request)
             ids_in_order.append(request_id)
         return self._run(ids_in_order)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.stats import KvscopeStats
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -32,8 +34,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
     """Total tokens generated for this choice so far (not just the delta)."""
-    stats: dict | None = None
-    """design.md §4.1 ``kvscope`` object, set when the choice finished."""
+    stats: KvscopeStats | None = None
+    """The choice's ``kvscope`` object (docs/engine-server.md), set when the choice finished."""
     num_cached_tokens: int = 0
 
     @property

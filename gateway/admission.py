@@ -1,37 +1,29 @@
 """Edge checks of a generation request, in order, before any upstream sees it:
 
-auth (401) → body size (413) → JSON + schema (400) → unknown model (404 ``model_not_found``) → key's
+auth (401, the route's guard: gateway/guards.py) → body size (413) → JSON + schema (400) → unknown model (404 ``model_not_found``) → key's
 models (403) → key's ``max_tokens`` ceiling (400) → context length with the model's tokenizer (400
-``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429). What passes becomes a
-:class:`~gateway.proxy.ProxyPlan`.
+``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429, the lease of gateway/ratelimit_middleware.py). What
+passes becomes a :class:`~gateway.proxy.plan.ProxyPlan`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Request
-from litestar.exceptions import InternalServerException
 
 from gateway.auth import Principal
-from gateway.context import CTX_KEY, RequestContext
-from gateway.errors import (
-    ClientClosedRequest,
-    ContextLengthExceeded,
-    InvalidRequest,
-    ModelNotFound,
-    PayloadTooLarge,
-    RateLimited,
-    UpstreamUnavailable,
-    clip,
-)
-from gateway.proxy import ProxyPlan
+from gateway.body import read_body
+from gateway.context import RequestContext, context_of
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UpstreamUnavailable, clip
+from gateway.proxy.plan import ProxyPlan
+from gateway.ratelimit_middleware import lease_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
 from gateway.tokenize import estimate_tokens
+from kvscope.openai_errors import context_length_message
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
@@ -52,39 +44,10 @@ CHAT = Operation("chat", "/v1/chat/completions", ChatCompletionRequest)
 COMPLETION = Operation("text_completion", "/v1/completions", CompletionRequest)
 
 
-def context_of(request: Request) -> RequestContext:
-    return request.scope["state"][CTX_KEY]
-
-
-def authenticate(gw: GatewayState, request: Request) -> Principal:
-    """The caller (401 on a bad key); records ``user.id``."""
-    principal = gw.auth.authenticate(request.headers.get("authorization"))
-    context_of(request).key_id = principal.key_id if principal.authenticated else None
-    return principal
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 when ``Content-Length`` (or the bytes read) exceed ``limit``; raises
-    ClientClosedRequest (logged as 499) when the client leaves before the body ended."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"Request body is {int(declared)} bytes; the limit is {limit} bytes.")
+async def admit(gw: GatewayState, request: Request, op: Operation, principal: Principal) -> ProxyPlan:
+    """Run the edge checks after authentication (module docstring order) for the caller ``principal``;
+    returns the plan for the proxy or raises a GatewayError (400/403/404/413/429/503)."""
     ctx = context_of(request)
-    try:
-        body = await request.body()
-    except InternalServerException:  # Litestar's "client disconnected prematurely" (http.disconnect)
-        ctx.mark_disconnected("request_body")
-        raise ClientClosedRequest("client closed the connection while sending the request body") from None
-    ctx.request_bytes = len(body)
-    return body
-
-
-async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
-    """Run every edge check (module docstring order); returns the plan for the proxy or raises a
-    GatewayError (400/401/403/404/413/429/503)."""
-    ctx = context_of(request)
-    ctx.operation = op.name
-    principal = authenticate(gw, request)
     body = await read_body(request, gw.settings.max_body_bytes)
     raw, req = _parse(gw, ctx, body, op)
     _check_model(gw, ctx, principal, req.model)
@@ -97,7 +60,7 @@ async def admit(gw: GatewayState, request: Request, op: Operation) -> ProxyPlan:
     ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
     _check_replica(gw, req.model)
     prompt_estimate, estimate = _token_estimate(raw, req, prompt_counts, max_tokens)
-    await _rate_limit(gw, ctx, principal, prompt_estimate, estimate)
+    await lease_of(request).acquire(gw.limiter, principal, ctx, prompt_estimate, estimate)
     return ProxyPlan(path=op.path, body=_upstream_body(raw, body, req, injected), model=req.model,
                      stream=req.streaming, include_usage=req.wants_usage, expected_choices=req.num_choices(),
                      operation=op.name)
@@ -178,15 +141,8 @@ def _check_context(max_len: int | None, counts: list[int] | None, max_tokens: in
         return
     what, param = ("messages", "messages") if op is CHAT else ("prompt", "prompt")
     for prompt in counts:
-        if max_tokens is None and prompt >= max_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_len} tokens. However, your {what} resulted in "
-                f"{prompt} tokens. Please reduce the length of the {what}.", param=param)
-        if max_tokens is not None and prompt + max_tokens > max_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{prompt + max_tokens} tokens ({prompt} in the {what}, {max_tokens} in the completion). "
-                f"Please reduce the length of the {what} or completion.", param=param)
+        if prompt >= max_len if max_tokens is None else prompt + max_tokens > max_len:
+            raise ContextLengthExceeded(context_length_message(max_len, prompt, max_tokens, what), param=param)
 
 
 def _token_estimate(raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest,
@@ -200,28 +156,6 @@ def _token_estimate(raw: dict[str, Any], req: ChatCompletionRequest | Completion
     if max_tokens is None and isinstance(req, CompletionRequest):
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     return prompt, prompt + (max_tokens or 0) * req.num_choices()
-
-
-async def _rate_limit(gw: GatewayState, ctx: RequestContext, principal: Principal, prompt_estimate: int,
-                      estimate: int) -> None:
-    limits = principal.limits
-    if not (limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent):
-        return
-    decision = await gw.limiter.acquire(principal.key_id, limits, estimate, ctx.event_id)
-    if not decision.allowed:
-        retry = max(1, math.ceil(decision.retry_after_s))
-        raise RateLimited(f"Rate limit reached for this API key ({decision.reason}). Retry after {retry}s.",
-                          reason=decision.reason or "requests", headers={**decision.headers, "retry-after": str(retry)})
-    ctx.response_headers.extend((k.encode(), v.encode()) for k, v in decision.headers.items())
-
-    async def settle(done: RequestContext) -> None:
-        usage = done.usage or {}
-        actual = usage.get("total_tokens")
-        if not isinstance(actual, int):
-            actual = estimate if done.output_tokens is None else prompt_estimate + done.output_tokens
-        await gw.limiter.release(principal.key_id, limits, done.event_id, estimate - actual)
-
-    ctx.cleanups.append(settle)
 
 
 def _upstream_body(raw: dict[str, Any], body: bytes, req: ChatCompletionRequest | CompletionRequest,

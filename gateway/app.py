@@ -23,7 +23,6 @@ from gateway.logs.sink import LogSink
 from gateway.observe import PROBE_PATHS, observe
 from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
-from gateway.state import GatewayState
 
 
 class GatewayApp(Litestar):
@@ -71,8 +70,3 @@ def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None 
         logging_config=None,
         debug=False,
     )
-
-
-def gateway_state(app: Litestar) -> GatewayState:
-    """The app's :class:`~gateway.lifespan.GatewayState` (metrics, pool, sinks …)."""
-    return app.state.gateway

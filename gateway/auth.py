@@ -51,10 +51,6 @@ class Authenticator:
                                               k.limits.merged(default_limits), authenticated=True)
                             for k in keys}
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._keys)
-
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal for an ``Authorization`` header value.
 

@@ -13,68 +13,24 @@ import sys
 from typing import Any
 
 from gateway.auth import generate_key, hash_key
-from gateway.settings import GatewaySettings, check_key_name, load_settings, parse_key_hash
+from gateway.settings import GatewaySettings, check_key_name, load_settings
+from kvscope.settings_cli import add_flags, given
 
 
 def _gateway_parser() -> argparse.ArgumentParser:
+    """``--config`` and ``--log-level``, then one flag per :class:`Flag` field of GatewaySettings (derived by
+    kvscope.settings_cli: ``--port``, ``--upstream``, ``--keepalive`` …)."""
     p = argparse.ArgumentParser(prog="kvscope gateway", description="OpenAI-compatible gateway in front of "
                                 "one or more upstreams (the kvscope engine, vLLM, llama.cpp …).")
     p.add_argument("--config", help="YAML or TOML config file (also $KVSCOPE_GATEWAY_CONFIG)")
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 4000)")
-    p.add_argument("--upstream", action="append", metavar="URL", help="upstream base URL (repeatable)")
-    p.add_argument("--tokenizer", action="append", metavar="MODEL=PATH",
-                   help="tokenizer.json or model folder for MODEL, for prompt limits at the edge (repeatable)")
-    p.add_argument("--api-key-hash", action="append", metavar="NAME:SHA256", help="an API key (repeatable)")
-    p.add_argument("--trusted-proxy", action="append", metavar="IP_OR_CIDR",
-                   help="trust Forwarded/X-Forwarded-For from this proxy address or network (repeatable)")
-    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
-                   help="serve without API keys on a non-loopback address")
-    p.add_argument("--redis-url", help="share rate limits between gateway replicas (redis://host:6379/0)")
-    p.add_argument("--log-file", help="request log, JSON lines, rotated by size")
-    p.add_argument("--log-stdout", action="store_true", default=None, help="request log on stdout too")
-    p.add_argument("--log-content", action="store_true", default=None, help="log prompts and completions")
-    p.add_argument("--otlp-endpoint", help="OTLP/HTTP endpoint for traces (http://127.0.0.1:4318)")
-    p.add_argument("--keepalive", type=float, metavar="S", help="SSE keep-alive interval (default 15)")
-    p.add_argument("--first-token-timeout", type=float, metavar="S")
-    p.add_argument("--total-timeout", type=float, metavar="S")
-    p.add_argument("--health-interval", type=float, metavar="S", help="upstream health-check period (default 5)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
+    return add_flags(p, GatewaySettings)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """CLI flags in config-file shape (only the flags that were given)."""
-    out: dict[str, Any] = {}
-    for flag, key in (("host", "host"), ("port", "port"), ("redis_url", "redis_url"),
-                      ("allow_unauthenticated", "allow_unauthenticated")):
-        if getattr(args, flag) is not None:
-            out[key] = getattr(args, flag)
-    if args.upstream:
-        out["upstreams"] = [{"url": url} for url in args.upstream]
-    if args.api_key_hash:
-        out["api_keys"] = [parse_key_hash(item) for item in args.api_key_hash]
-    if args.trusted_proxy:
-        out["trusted_proxies"] = list(args.trusted_proxy)
-    if args.tokenizer:
-        out["models"] = [_tokenizer_model(item) for item in args.tokenizer]
-    nested = {"logs": {"file": args.log_file, "stdout": args.log_stdout, "log_content": args.log_content},
-              "tracing": {"otlp_endpoint": args.otlp_endpoint},
-              "timeouts": {"keepalive_s": args.keepalive, "first_token_s": args.first_token_timeout,
-                           "total_s": args.total_timeout},
-              "routing": {"health_interval_s": args.health_interval}}
-    for section, values in nested.items():
-        given = {k: v for k, v in values.items() if v is not None}
-        if given:
-            out[section] = given
-    return out
-
-
-def _tokenizer_model(item: str) -> dict[str, str]:
-    name, sep, path = item.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--tokenizer expects MODEL=PATH, got {item!r}")
-    return {"name": name, "tokenizer": path}
+    """CLI flags in config-file shape (only the flags that were given). Raises ValueError for a malformed
+    ``--tokenizer``/``--api-key-hash`` value."""
+    return given(args, GatewaySettings)
 
 
 def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from litestar.connection import ASGIConnection
 from opentelemetry.trace import Span
 
 from gateway.errors import GatewayError
@@ -81,14 +81,6 @@ class RequestContext:
     """The HTTP server answered this request itself (a broken body framing): its status is final."""
     input_content: Any = None
     output_content: list[str] | None = None
-    response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    cleanups: list[Callable[[RequestContext], Awaitable[None]]] = field(default_factory=list)
-
-    async def run_cleanups(self) -> None:
-        """Run (once) what must happen when the request is done, e.g. settling the rate limiter."""
-        cleanups, self.cleanups = self.cleanups, []
-        for cleanup in cleanups:
-            await cleanup(self)
 
     def set_error(self, err: GatewayError) -> None:
         if self.answered_by_server:
@@ -143,6 +135,11 @@ class RequestContext:
     def epoch_ns(self, perf: float) -> int:
         """A perf_counter time as epoch nanoseconds."""
         return int((self.start_wall + (perf - self.start)) * 1e9)
+
+
+def context_of(connection: ASGIConnection) -> RequestContext:
+    """The request's context (gateway/observe.py puts it in ``scope["state"]`` before any route runs)."""
+    return connection.scope["state"][CTX_KEY]
 
 
 def new_request_id(header: str | None) -> str:

@@ -16,19 +16,17 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-_log = logging.getLogger("kvscope.gateway")
+from kvscope.openai_errors import default_code, error_body, error_type
 
-_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-                   413: "invalid_request_error", 429: "rate_limit_error"}
+_log = logging.getLogger("kvscope.gateway")
 
 
 class GatewayError(Exception):
-    """An error with an HTTP status and an OpenAI error body. ``headers`` go on the response."""
+    """An error with an HTTP status and an OpenAI error body. ``headers`` go on the response. Its ``type``
+    follows from the status (:func:`kvscope.openai_errors.error_type`, the vocabulary the engine speaks too)."""
 
     status = 500
-    type = "internal_error"
-    code: str | None = None
+    code: str | None = "internal_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -37,6 +35,11 @@ class GatewayError(Exception):
         self.param = param
         self.code = code or self.code
         self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        """The OpenAI error ``type`` of :attr:`status`."""
+        return error_type(self.status)
 
     @property
     def error_type(self) -> str:
@@ -48,7 +51,7 @@ class GatewayError(Exception):
 
 
 class InvalidRequest(GatewayError):
-    status, type = 400, "invalid_request_error"
+    status, code = 400, None
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -56,38 +59,38 @@ class ContextLengthExceeded(InvalidRequest):
 
 
 class AuthenticationFailed(GatewayError):
-    status, type, code = 401, "authentication_error", "invalid_api_key"
+    status, code = 401, "invalid_api_key"
 
 
 class PermissionDenied(GatewayError):
-    status, type, code = 403, "permission_error", "model_not_allowed"
+    status, code = 403, "model_not_allowed"
 
 
 class NotFound(GatewayError):
-    status, type, code = 404, "not_found_error", "not_found"
+    status, code = 404, "not_found"
 
 
 class ModelNotFound(NotFound):
-    type, code = "invalid_request_error", "model_not_found"
+    code = "model_not_found"
 
 
 class MethodNotAllowed(GatewayError):
-    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+    status, code = 405, "method_not_allowed"
 
 
 class ClientClosedRequest(GatewayError):
     """The client left before the gateway had its request (e.g. during the body upload): logged and counted
     as 499, nginx's "client closed request"; the response is never seen."""
 
-    status, type, code = 499, "client_closed_request", "client_disconnected"
+    status, code = 499, "client_disconnected"
 
 
 class PayloadTooLarge(GatewayError):
-    status, type, code = 413, "invalid_request_error", "request_too_large"
+    status, code = 413, "request_too_large"
 
 
 class RateLimited(GatewayError):
-    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+    status, code = 429, "rate_limit_exceeded"
 
     def __init__(self, message: str, *, reason: str, headers: dict[str, str]) -> None:
         super().__init__(message, headers=headers)
@@ -96,15 +99,15 @@ class RateLimited(GatewayError):
 
 
 class UpstreamUnavailable(GatewayError):
-    status, type, code = 503, "service_unavailable", "upstream_unavailable"
+    status, code = 503, "upstream_unavailable"
 
 
 class UpstreamFailed(GatewayError):
-    status, type, code = 502, "upstream_error", "upstream_error"
+    status, code = 502, "upstream_error"
 
 
 class UpstreamTimeout(GatewayError):
-    status, type, code = 504, "timeout_error", "upstream_timeout"
+    status, code = 504, "upstream_timeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +139,10 @@ def clip(value: str | None, limit: int = MAX_ECHOED_CHARS) -> str | None:
     return f"{value[:limit]}…[+{len(value) - limit} chars]"
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def upstream_error_object(status: int, body: bytes) -> tuple[dict[str, Any], bool]:
     """(the OpenAI error object, whether the body already was one) of an upstream's non-2xx answer: its own
     ``error`` object when the body is JSON holding one, else the body's text (first 1,000 characters) wrapped
-    as ``upstream_error`` (5xx) or ``invalid_request_error``."""
+    with the type of its status (``server_error`` for a 5xx)."""
     try:
         error = msgspec.json.decode(body).get("error")
     except (msgspec.DecodeError, AttributeError):
@@ -152,7 +150,7 @@ def upstream_error_object(status: int, body: bytes) -> tuple[dict[str, Any], boo
     if isinstance(error, dict):
         return error, True
     text = body.decode("utf-8", "replace")[:1000] or f"upstream answered {status}"
-    return error_body(text, "upstream_error" if status >= 500 else "invalid_request_error")["error"], False
+    return error_body(text, error_type(status))["error"], False
 
 
 def upstream_gateway_error(error: dict[str, Any]) -> GatewayError:
@@ -166,11 +164,9 @@ def error_json(err: GatewayError) -> bytes:
 
 def from_http_exception(exc: HTTPException) -> GatewayError:
     """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status."""
-    status = exc.status_code
-    err = GatewayError(str(exc.detail), code=None)
-    err.status = status
-    err.type = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    err.code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    err = GatewayError(str(exc.detail))
+    err.status = exc.status_code
+    err.code = default_code(exc.status_code)
     return err
 
 

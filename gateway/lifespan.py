@@ -24,12 +24,12 @@ from gateway.logs.record import RecordBuilder, ServiceInfo
 from gateway.logs.sink import LogSink
 from gateway.logs.sinks import JsonlFileSink, StdoutSink
 from gateway.metrics import GatewayMetrics, LogSinkMetrics
+from gateway.proxy.upstreams import UpstreamPool
 from gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, service_version
 from gateway.tokenize import PromptCounter
 from gateway.tracing import GatewayTracer, build_tracer_provider
-from gateway.upstreams import UpstreamPool
 from kvscope.otel_genai import GenAiClientMetrics, build_meter_provider
 
 _log = logging.getLogger("kvscope.gateway")

@@ -1,4 +1,4 @@
-"""Prometheus collectors of the gateway (``kvscope_gateway_*``, design.md §4.3), held by one object.
+"""Prometheus collectors of the gateway (``kvscope_gateway_*``, docs/metrics.md), held by one object.
 
 Labels are bounded: ``model`` is a served model name or ``"unknown"``, ``route`` one of :data:`ROUTES`,
 ``status`` the HTTP status code, ``upstream`` a configured upstream label, ``reason``/``type``/``outcome``

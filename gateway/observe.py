@@ -4,8 +4,8 @@ exactly one log record, the request metrics and the server span, whatever the ou
 :func:`observe` wraps the whole app (gateway/app.py calls it before Litestar routes the request), so every
 request except the probes (``/healthz``, ``/readyz``, ``/metrics``) is observed: unknown paths, methods no
 route declares (TRACE, PROPFIND …) and non-canonical targets (400, gateway/target.py) too. Requests the HTTP
-parser refuses before any app runs are recorded by gateway/server.py. It also adds ``x-request-id`` (and the
-admitted request's ``x-ratelimit-*`` headers) to every response.
+parser refuses before any app runs are recorded by gateway/server.py. It also adds ``x-request-id`` to every
+response.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def begin(gw: GatewayState, scope: Scope) -> RequestContext:
 
 
 async def finish(gw: GatewayState, ctx: RequestContext) -> None:
-    """Metrics, span end, the log record, then cleanups not yet run (rate-limit settlement)."""
+    """Metrics, span end, the log record."""
     ctx.end_at = ctx.end_at or time.perf_counter()
     e2e = ctx.end_at - ctx.start
     m = gw.metrics
@@ -65,7 +65,6 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     record = gw.record_builder.build(ctx)
     for sink in gw.sinks:
         sink.emit(record)
-    await ctx.run_cleanups()
 
 
 def exemplar(ctx: RequestContext) -> dict[str, str] | None:
@@ -147,12 +146,9 @@ async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, 
             if not ctx.answered_by_server:
                 ctx.status = message["status"]
             message = {**message, "headers": [*message.get("headers", ()),
-                                              (b"x-request-id", ctx.request_id.encode()),
-                                              *ctx.response_headers]}
+                                              (b"x-request-id", ctx.request_id.encode())]}
             await send(message)
             return
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            await ctx.run_cleanups()  # limits are free again when the client sees the end
         await send(message)
         if message["type"] == "http.response.body":
             ctx.response_bytes += len(message.get("body", b""))

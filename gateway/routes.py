@@ -1,80 +1,76 @@
-"""HTTP routes. Generation routes return a :class:`~gateway.proxy.ProxyCall` (an ASGI app that owns the
+"""HTTP routes. Generation routes return a :class:`~gateway.proxy.call.ProxyCall` (an ASGI app that owns the
 exchange); the others are small. Every path lands on some route (catch-alls raise OpenAI-shaped 404/405);
 methods no route declares get Litestar's 405, mapped to the same JSON. The observation wrapper
-(gateway/observe.py) sits outside the router, so every request is logged either way."""
+(gateway/observe.py) sits outside the router, so every request is logged either way.
+
+What each route requires is declared on it: guards (gateway/guards.py: the method, the operation, the API
+key; the pass-through's path check) run in order before the handler, and the generation routes carry the
+rate-limit middleware (gateway/ratelimit_middleware.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from litestar import Request, Response, get, route
 from litestar.types import ASGIApp
 from prometheus_client.exposition import choose_encoder
 
-from gateway.admission import CHAT, COMPLETION, Operation, admit, authenticate, context_of
-from gateway.errors import MethodNotAllowed, ModelNotFound, NotFound, clip
-from gateway.passthrough import passthrough
-from gateway.proxy import ProxyCall
-
-if TYPE_CHECKING:
-    from gateway.state import GatewayState
+from gateway.admission import CHAT, COMPLETION, Operation, admit
+from gateway.context import context_of
+from gateway.errors import ModelNotFound, NotFound, clip
+from gateway.guards import authenticated, names_operation, only, principal_of
+from gateway.proxy.call import ProxyCall
+from gateway.proxy.passthrough import forwardable, passthrough
+from gateway.ratelimit_middleware import RateLimitMiddleware
+from gateway.state import state_of
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
-
-
-def state_of(request: Request) -> GatewayState:
-    return request.app.state.gateway
-
-
-def _only(request: Request, method: str) -> None:
-    if request.method != method:
-        raise MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}; use {method}.")
+RATE_LIMITS = RateLimitMiddleware()
 
 
 async def _generation(request: Request, op: Operation) -> ASGIApp:
-    _only(request, "POST")
     gw = state_of(request)
-    plan = await admit(gw, request, op)
+    plan = await admit(gw, request, op, principal_of(request))
     return ProxyCall(gw, context_of(request), plan)
 
 
-@route("/v1/chat/completions", http_method=ALL_METHODS)
+@route("/v1/chat/completions", http_method=ALL_METHODS, middleware=[RATE_LIMITS],
+       guards=[only("POST"), names_operation(CHAT.name), authenticated])
 async def chat_completions(request: Request) -> ASGIApp:
     return await _generation(request, CHAT)
 
 
-@route("/v1/completions", http_method=ALL_METHODS)
+@route("/v1/completions", http_method=ALL_METHODS, middleware=[RATE_LIMITS],
+       guards=[only("POST"), names_operation(COMPLETION.name), authenticated])
 async def completions(request: Request) -> ASGIApp:
     return await _generation(request, COMPLETION)
 
 
 def _visible_models(request: Request) -> list[str]:
-    principal = authenticate(state_of(request), request)
+    principal = principal_of(request)
     served = state_of(request).pool.served_models()
     return served if principal.models is None else [m for m in served if m in principal.models]
 
 
-@route("/v1/models", http_method=ALL_METHODS, status_code=200)
+@route("/v1/models", http_method=ALL_METHODS, status_code=200, guards=[only("GET"), authenticated])
 async def list_models(request: Request) -> dict[str, Any]:
     """Models of all upstreams merged (the upstream's cards, with ``max_model_len``), as the key may see."""
-    _only(request, "GET")
     pool = state_of(request).pool
     return {"object": "list", "data": [pool.model_card(m) for m in _visible_models(request)]}
 
 
-@route("/v1/models/{model:path}", http_method=ALL_METHODS, status_code=200)
+@route("/v1/models/{model:path}", http_method=ALL_METHODS, status_code=200, guards=[only("GET"), authenticated])
 async def retrieve_model(request: Request) -> dict[str, Any]:
-    _only(request, "GET")
     name = str(request.path_params["model"]).lstrip("/")
     if name not in _visible_models(request):
         raise ModelNotFound(f"The model '{clip(name)}' does not exist or is not served here.", param="model")
     return state_of(request).pool.model_card(name)
 
 
-@route("/v1/{path:path}", http_method=ALL_METHODS)
+@route("/v1/{path:path}", http_method=ALL_METHODS, guards=[forwardable, authenticated])
 async def other_v1(request: Request) -> Response:
     """Any other ``/v1/*`` path, passed through to an upstream (by ``model`` when the body names one)."""
-    return await passthrough(state_of(request), request)
+    return await passthrough(state_of(request), request, principal_of(request))
 
 
 @get("/healthz", sync_to_thread=False)

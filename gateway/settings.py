@@ -3,6 +3,10 @@
 This is the only module of the gateway that reads the environment. Precedence (later wins): built-in
 defaults < config file < ``KVSCOPE_GATEWAY_*`` env vars (and ``OTEL_EXPORTER_OTLP_ENDPOINT``) < CLI flags.
 Every struct forbids unknown keys, so a typo in the config file is an error, not a silent default.
+
+Defaults are written once, on the fields. A field that a flag or an environment variable sets says so with
+``Annotated[..., Flag(...)]``; :mod:`kvscope.settings_cli` (shared with the engine server) derives the
+``kvscope gateway`` flags and reads the variables from those annotations.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import yaml
 
 from gateway.forwarded import parse_networks
 from kvscope.net import is_loopback
+from kvscope.settings_cli import Flag, from_env, merge
 
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
@@ -33,6 +38,26 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 top bound is below the longest possible request reports every longer request as that bound (p99 reads 600 s
 for a 1,500 s request). :class:`GatewaySettings` refuses TTFT/duration buckets that end below ``total_s``."""
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+def parse_key_hash(item: str) -> dict[str, str]:
+    """``NAME:SHA256`` → ``{"name": NAME, "sha256": SHA256}``. Raises ValueError."""
+    name, sep, digest = item.strip().partition(":")
+    if not sep or not name:
+        raise ValueError(f"expected NAME:SHA256, got {item!r}")
+    return {"name": name, "sha256": digest}
+
+
+def tokenizer_model(item: str) -> dict[str, str]:
+    """``--tokenizer MODEL=PATH`` → ``{"name": MODEL, "tokenizer": PATH}``. Raises ValueError."""
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--tokenizer expects MODEL=PATH, got {item!r}")
+    return {"name": name, "tokenizer": path}
+
+
+def _upstream(url: str) -> dict[str, str]:
+    return {"url": url}
 
 
 def _positive(config: msgspec.Struct) -> None:
@@ -127,13 +152,14 @@ class TimeoutConfig(msgspec.Struct, **_STRUCT):
     """Upstream timeouts in seconds."""
 
     connect_s: float = 5.0
-    first_token_s: float = 600.0
+    first_token_s: Annotated[float, Flag("upstream request sent → first token (streams)",
+                                         name="--first-token-timeout", metavar="S")] = 600.0
     """Upstream request sent → first token event (streams); covers queueing and prefill."""
     idle_s: float = 120.0
     """Longest silence between two upstream chunks after the first token."""
-    total_s: float = 1800.0
+    total_s: Annotated[float, Flag("whole request, all attempts", name="--total-timeout", metavar="S")] = 1800.0
     """Whole request, all attempts."""
-    keepalive_s: float = 15.0
+    keepalive_s: Annotated[float, Flag("SSE keep-alive interval", name="--keepalive", metavar="S")] = 15.0
     """Send ``: keep-alive`` to a stream's client after this much silence (keep below proxies' idle timeouts)."""
 
     def __post_init__(self) -> None:
@@ -145,7 +171,8 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
 
     max_attempts: int = 3
     """Upstream attempts per request (retries happen only before the first byte reached the client)."""
-    health_interval_s: float = 5.0
+    health_interval_s: Annotated[float, Flag("upstream health-check period", name="--health-interval",
+                                             metavar="S")] = 5.0
     health_timeout_s: float = 2.0
     failure_threshold: int = 3
     """Consecutive 5xx answers that eject a replica until its next good health check (connect errors: 1)."""
@@ -157,14 +184,15 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
 class LogConfig(msgspec.Struct, **_STRUCT):
     """Request-log sinks (one JSON line per request)."""
 
-    file: str | None = None
+    file: Annotated[str | None, Flag("request log, JSON lines, rotated by size", name="--log-file",
+                                     env="KVSCOPE_GATEWAY_LOG_FILE")] = None
     """Rotating JSONL file; ``None``: no file sink."""
-    stdout: bool = False
+    stdout: Annotated[bool, Flag("request log on stdout too", name="--log-stdout")] = False
     max_bytes: int = 100 * 1024 * 1024
     backup_count: int = 5
     queue_size: int = 10_000
     """Records waiting for a sink's writer thread; beyond it records are dropped (and counted)."""
-    log_content: bool = False
+    log_content: Annotated[bool, Flag("log prompts and completions")] = False
     """Also log prompts and completions (off by default: they may hold personal data)."""
     elasticsearch: dict[str, Any] | None = None
     """Ship records to Elasticsearch too: the fields of ``gateway.logs.es_settings.EsLogSettings``
@@ -182,7 +210,8 @@ class LogConfig(msgspec.Struct, **_STRUCT):
 
 
 class TracingConfig(msgspec.Struct, **_STRUCT):
-    otlp_endpoint: str | None = None
+    otlp_endpoint: Annotated[str | None, Flag("OTLP/HTTP endpoint for traces (http://127.0.0.1:4318)",
+                                              env="OTEL_EXPORTER_OTLP_ENDPOINT")] = None
     """OTLP/HTTP base URL, e.g. ``http://127.0.0.1:4318`` (spans go to ``/v1/traces``)."""
     metrics_export_interval_s: float = 15.0
     """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed to ``{otlp_endpoint}/v1/metrics``."""
@@ -203,21 +232,31 @@ class MetricsConfig(msgspec.Struct, **_STRUCT):
 class GatewaySettings(msgspec.Struct, **_STRUCT):
     """Everything the gateway needs; build with :func:`load_settings`."""
 
-    host: str = "127.0.0.1"
-    port: int = 4000
+    host: Annotated[str, Flag("bind address", env="KVSCOPE_GATEWAY_HOST")] = "127.0.0.1"
+    port: Annotated[int, Flag("port", env="KVSCOPE_GATEWAY_PORT")] = 4000
     """4000 (LiteLLM's default); the engine listens on 8000."""
-    upstreams: tuple[UpstreamConfig, ...] = ()
-    models: tuple[ModelConfig, ...] = ()
-    api_keys: tuple[ApiKeyConfig, ...] = ()
-    allow_unauthenticated: bool = False
+    upstreams: Annotated[tuple[UpstreamConfig, ...], Flag(
+        "upstream base URL (repeatable)", name="--upstream", metavar="URL", repeat=True, item=_upstream,
+        env="KVSCOPE_GATEWAY_UPSTREAMS")] = ()
+    models: Annotated[tuple[ModelConfig, ...], Flag(
+        "tokenizer.json or model folder for MODEL, for prompt limits at the edge (repeatable)", name="--tokenizer",
+        metavar="MODEL=PATH", repeat=True, item=tokenizer_model)] = ()
+    api_keys: Annotated[tuple[ApiKeyConfig, ...], Flag(
+        "an API key (repeatable)", name="--api-key-hash", metavar="NAME:SHA256", repeat=True, item=parse_key_hash,
+        env="KVSCOPE_GATEWAY_API_KEY_HASHES")] = ()
+    allow_unauthenticated: Annotated[bool, Flag("serve without API keys on a non-loopback address",
+                                                env="KVSCOPE_GATEWAY_ALLOW_UNAUTHENTICATED")] = False
     """Serve without API keys on a non-loopback address (loopback never needs it)."""
     default_limits: KeyLimits = KeyLimits()
     """Limits for keys that do not set their own, and for anonymous clients when auth is off."""
     max_body_bytes: int = 8 * 1024 * 1024
-    trusted_proxies: tuple[str, ...] = ()
+    trusted_proxies: Annotated[tuple[str, ...], Flag(
+        "trust Forwarded/X-Forwarded-For from this proxy address or network (repeatable)", name="--trusted-proxy",
+        metavar="IP_OR_CIDR", repeat=True, env="KVSCOPE_GATEWAY_TRUSTED_PROXIES")] = ()
     """Proxy addresses or CIDR networks whose ``Forwarded`` / ``X-Forwarded-For`` name the client
     (gateway/forwarded.py); empty: the TCP peer is the client, whatever the headers say."""
-    redis_url: str | None = None
+    redis_url: Annotated[str | None, Flag("share rate limits between gateway replicas (redis://host:6379/0)",
+                                          env="KVSCOPE_GATEWAY_REDIS_URL")] = None
     """Share rate limits between gateway replicas through Redis; ``None``: in-memory."""
     timeouts: TimeoutConfig = TimeoutConfig()
     routing: RoutingConfig = RoutingConfig()
@@ -268,47 +307,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """Overrides from ``KVSCOPE_GATEWAY_{HOST,PORT,UPSTREAMS,REDIS_URL,LOG_FILE,ALLOW_UNAUTHENTICATED,
-    API_KEY_HASHES,TRUSTED_PROXIES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT``, in config-file shape."""
-    prefix = "KVSCOPE_GATEWAY_"
-    out: dict[str, Any] = {}
-    if value := env.get(prefix + "HOST"):
-        out["host"] = value
-    if value := env.get(prefix + "PORT"):
-        out["port"] = int(value)
-    if value := env.get(prefix + "UPSTREAMS"):
-        out["upstreams"] = [{"url": url.strip()} for url in value.split(",") if url.strip()]
-    if value := env.get(prefix + "REDIS_URL"):
-        out["redis_url"] = value
-    if value := env.get(prefix + "LOG_FILE"):
-        out["logs"] = {"file": value}
-    if value := env.get(prefix + "ALLOW_UNAUTHENTICATED"):
-        out["allow_unauthenticated"] = value.lower() in ("1", "true", "yes")
-    if value := env.get(prefix + "TRUSTED_PROXIES"):
-        out["trusted_proxies"] = [item.strip() for item in value.split(",") if item.strip()]
-    if value := env.get(prefix + "API_KEY_HASHES"):
-        out["api_keys"] = [parse_key_hash(item) for item in value.split(",") if item.strip()]
-    if value := env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        out["tracing"] = {"otlp_endpoint": value}
-    return out
-
-
-def parse_key_hash(item: str) -> dict[str, str]:
-    """``NAME:SHA256`` → ``{"name": NAME, "sha256": SHA256}``. Raises ValueError."""
-    name, sep, digest = item.strip().partition(":")
-    if not sep or not name:
-        raise ValueError(f"expected NAME:SHA256, got {item!r}")
-    return {"name": name, "sha256": digest}
-
-
-def merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge: mappings merge key by key, anything else (lists too) is replaced."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(dict(out[key]), value)
-        else:
-            out[key] = value
-    return out
+    API_KEY_HASHES,TRUSTED_PROXIES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the ``env`` of the fields' Flags), in
+    config-file shape; lists are comma-separated."""
+    return from_env(GatewaySettings, env)
 
 
 def load_settings(config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,

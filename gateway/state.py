@@ -9,17 +9,18 @@ import importlib.metadata
 from dataclasses import dataclass, field
 
 import httpx
+from litestar.connection import ASGIConnection
 
 from gateway.auth import Authenticator
 from gateway.forwarded import ClientAddressResolver
 from gateway.logs.record import RecordBuilder
 from gateway.logs.sink import LogSink
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.upstreams import UpstreamPool
 from gateway.ratelimit import RateLimiter
 from gateway.settings import GatewaySettings
 from gateway.tokenize import PromptCounter
 from gateway.tracing import GatewayTracer
-from gateway.upstreams import UpstreamPool
 from kvscope.otel_genai import GenAiClientMetrics
 
 
@@ -55,3 +56,8 @@ class GatewayState:
         if self.client is None:
             raise RuntimeError("the gateway lifespan has not started")
         return self.client
+
+
+def state_of(connection: ASGIConnection) -> GatewayState:
+    """The app's GatewayState, from a request or any connection."""
+    return connection.app.state.gateway

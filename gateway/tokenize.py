@@ -1,30 +1,35 @@
 """Prompt token counting at the edge with the model's own tokenizer (HF ``tokenizers``).
 
 Per model, configure ``tokenizer:`` (a ``tokenizer.json`` or a model folder). Chat prompts are rendered with
-the model's chat template the way transformers (and our engine) do it: jinja2 sandbox, ``trim_blocks``,
-``lstrip_blocks``, ``tojson``, ``raise_exception``, ``strftime_now``, special tokens as variables, the text
-tokenized without adding special tokens. Completions prompts are tokenized with special tokens (BOS).
+the model's chat template by :mod:`kvscope.chat_template`, the module our engine uses too (the environment of
+transformers' ``chat_template_utils``), the text tokenized without adding special tokens. Completions prompts
+are tokenized with special tokens (BOS).
 
-When a model has no tokenizer, when jinja2 is missing, or when its template cannot render a request, the
-count is ``None``: the gateway then does not check the context length and leaves it to the upstream (which
-answers 400 itself), and estimates tokens for ``tokens_per_minute`` as characters / 4.
+When a model has no tokenizer or when its template cannot render a request, the count is ``None``: the
+gateway then does not check the context length and leaves it to the upstream (which answers 400 itself), and
+estimates tokens for ``tokens_per_minute`` as characters / 4.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 from gateway.settings import ModelConfig
+from kvscope.chat_template import (
+    ChatRenderer,
+    compile_chat_template,
+    load_chat_template,
+    normalize_messages,
+    special_tokens,
+)
 
 _log = logging.getLogger("kvscope.gateway")
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 CHARS_PER_TOKEN = 4
 
 
@@ -36,7 +41,7 @@ def estimate_tokens(text_chars: int) -> int:
 class ModelTokenizer:
     """One model's tokenizer + chat template renderer."""
 
-    def __init__(self, hf: tokenizers.Tokenizer, template: Callable[..., str] | None,
+    def __init__(self, hf: tokenizers.Tokenizer, template: ChatRenderer | None,
                  variables: Mapping[str, str]) -> None:
         self.hf = hf
         self._template = template
@@ -54,9 +59,8 @@ class ModelTokenizer:
             raise FileNotFoundError(f"{file} not found")
         hf = tokenizers.Tokenizer.from_file(str(file))
         config = _read_json(folder / "tokenizer_config.json")
-        variables = {k: _content(config[k]) for k in _SPECIAL_KEYS if config.get(k)}
-        source = _template_source(folder, config)
-        return cls(hf, _compile(source) if source else None, variables)
+        source = load_chat_template(folder, config)
+        return cls(hf, compile_chat_template(source) if source else None, special_tokens(config))
 
     def count_text(self, text: str, add_special_tokens: bool = True) -> int:
         return len(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -66,8 +70,8 @@ class ModelTokenizer:
         if self._template is None:
             return None
         try:
-            text = self._template(messages=_normalize(messages), add_generation_prompt=True, **self._variables)
-        except Exception as exc:  # template errors, non-text parts: the upstream decides
+            text = self._template(normalize_messages(messages), True, self._variables)
+        except Exception as exc:  # ChatTemplateError, or whatever else a template raises: the upstream decides
             _log.debug("chat template did not render: %s", exc)
             return None
         return self.count_text(text, add_special_tokens=False)
@@ -114,62 +118,5 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _normalize(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """Drop None values; join list content's text parts with newlines (as vLLM and our engine do)."""
-    out = []
-    for message in messages:
-        item = {k: v for k, v in message.items() if v is not None}
-        if isinstance(item.get("content"), list):
-            item["content"] = "\n".join(part["text"] for part in item["content"])
-        out.append(item)
-    return out
-
-
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def _content(value: str | Mapping) -> str:
-    return value["content"] if isinstance(value, Mapping) else value
-
-
-def _template_source(folder: Path, config: Mapping) -> str | None:
-    path = folder / "chat_template.jinja"
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        template = {t["name"]: t["template"] for t in template}.get("default")
-    return template
-
-
-def _compile(source: str) -> Callable[..., str] | None:
-    """A HF chat template compiled like transformers; None (with a warning) when jinja2 is not installed."""
-    try:
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        _log.warning("jinja2 is not installed: chat prompts are not counted at the gateway")
-        return None
-
-    class GenerationBlock(jinja2.ext.Extension):
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller: Callable[[], str]) -> str:
-            return caller()
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda v, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
-        json.dumps(v, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys))
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source).render

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of the gateway (design.md §4.4): W3C ``traceparent`` in, OTLP/HTTP out.
+"""OpenTelemetry traces of the gateway (docs/gateway.md, "Metrics and traces"): W3C ``traceparent`` in, OTLP/HTTP out.
 
 Per request: a SERVER span ``POST /v1/chat/completions`` (parent: the client's ``traceparent``, if any) →
 a CLIENT span ``chat {model}`` / ``text_completion {model}`` with gen_ai attributes, whose context goes to the

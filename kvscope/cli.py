@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.cli:gateway_main", "run the gateway in front of one or more upstreams"),
     "keys": ("gateway.cli:keys_main", "create gateway API keys (stored as sha256 hashes)"),
     "pull": ("kvscope.pull_cli:pull_main", "download a registered model into the cache"),
-    "logs": ("gateway.logs.cli:logs_main", "request-log analytics: setup-es, report, search, plot"),
+    "logs": ("gateway.analytics.cli:logs_main", "request-log analytics: setup-es, report, search, plot"),
     "bench": ("kvscope.bench_cli:bench_main", "serving benchmark (or --offline engine benchmark)"),
     "plan": ("kvscope.plan:plan_main", "KV-cache capacity planner"),
 }

@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.stats import KvscopeStats
 from engine.sampling_params import SamplingParams
 
 
@@ -43,7 +44,8 @@ _FINISH_REASONS = {
 
 @dataclass(slots=True)
 class RequestStats:
-    """Timestamps (``time.monotonic()`` seconds) and counters of one request; see design.md §4.1."""
+    """Timestamps (``time.monotonic()`` seconds) and counters of one request; :meth:`summary` makes its
+    :class:`~engine.core.stats.KvscopeStats`."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -74,22 +76,27 @@ class RequestStats:
             self.first_token_time = now
         self.last_token_time = now
 
-    def to_dict(self, num_output_tokens: int) -> dict[str, float | int | None]:
-        """The ``kvscope`` object of design.md §4.1 (seconds, requests, blocks, ratio, count)."""
+    def summary(self, num_output_tokens: int) -> KvscopeStats:
+        """The request's ``kvscope`` object (seconds, requests, blocks, ratio, count) after
+        ``num_output_tokens`` generated tokens."""
         first_sched, first_tok, last_tok = self.first_scheduled_time, self.first_token_time, self.last_token_time
         decode_s = (last_tok - first_tok) if first_tok is not None and last_tok is not None else None
-        return {
-            "queue_s": _diff(first_sched, self.arrival_time),
-            "ttft_s": _diff(first_tok, self.arrival_time),
-            "prefill_s": _diff(first_tok, first_sched),
-            "decode_s": decode_s,
-            "tpot_s": decode_s / (num_output_tokens - 1) if decode_s is not None and num_output_tokens > 1 else None,
-            "batch_size_mean": self.batch_size_sum / self.num_steps if self.num_steps else None,
-            "batch_size_max": self.batch_size_max,
-            "kv_blocks": self.kv_blocks_peak,
-            "kv_cache_usage": self.kv_cache_usage,
-            "num_preemptions": self.num_preemptions,
-        }
+        return KvscopeStats(
+            queue_s=_diff(first_sched, self.arrival_time),
+            ttft_s=_diff(first_tok, self.arrival_time),
+            prefill_s=_diff(first_tok, first_sched),
+            decode_s=decode_s,
+            tpot_s=decode_s / (num_output_tokens - 1) if decode_s is not None and num_output_tokens > 1 else None,
+            batch_size_mean=self.batch_size_sum / self.num_steps if self.num_steps else None,
+            batch_size_max=self.batch_size_max,
+            kv_blocks=self.kv_blocks_peak,
+            kv_cache_usage=self.kv_cache_usage,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def to_dict(self, num_output_tokens: int) -> dict[str, float | int | None]:
+        """:meth:`summary` as its JSON object."""
+        return self.summary(num_output_tokens).to_dict()
 
 
 def _diff(end: float | None, start: float | None) -> float | None:

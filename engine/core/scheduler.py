@@ -80,7 +80,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request (status WAITING). Raises ValueError for a duplicate id or an empty prompt, and
-        PromptTooLongError when the prompt exceeds ``max_model_len``."""
+        PromptTooLongError when the prompt exceeds ``max_model_len``: invariants, not user-facing checks (the
+        engine's InputProcessor rejected such requests before they became Requests)."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the scheduler")
         if request.num_tokens == 0:

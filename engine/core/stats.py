@@ -1,8 +1,13 @@
-"""Point-in-time scheduler and KV cache statistics (the source of the ``kvscope_engine_*`` gauges)."""
+"""Statistics: the scheduler's point-in-time snapshot (the source of the ``kvscope_engine_*`` gauges) and one
+request's ``kvscope`` object (:class:`KvscopeStats`, in responses, spans and the request log)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +36,66 @@ class SchedulerStats:
     """Prompt tokens looked up in the prefix cache, counted once per request at first scheduling (counter)."""
     prefix_cache_hits: int
     """Of those, tokens served from the prefix cache (counter)."""
+
+
+class KvscopeStats(msgspec.Struct, frozen=True):
+    """One request's ``kvscope`` object (docs/engine-server.md, "The kvscope object"): where its time went and
+    what it held, in seconds, requests, blocks and a 0–1 ratio. The field names are the JSON keys of the
+    response's ``kvscope`` object and of the request log's ``kvscope.engine``; ``stats["ttft_s"]`` reads a field
+    by that name and iterating it gives the keys. None: not reached (e.g. no first token yet)."""
+
+    queue_s: float | None = None
+    """Arrival → first scheduled."""
+    ttft_s: float | None = None
+    """Arrival → first token."""
+    prefill_s: float | None = None
+    """First scheduled → first token."""
+    decode_s: float | None = None
+    """First token → last token."""
+    tpot_s: float | None = None
+    """decode_s / (output tokens - 1)."""
+    batch_size_mean: float | None = None
+    """Mean number of requests in the engine steps that scheduled this one."""
+    batch_size_max: int | None = None
+    kv_blocks: int | None = None
+    """Most KV blocks the request held at once."""
+    kv_cache_usage: float | None = None
+    """Engine-wide KV usage (0–1) when the request finished."""
+    num_preemptions: int | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        """The field called ``name`` (a JSON key above); KeyError for any other name."""
+        if name not in self.__struct_fields__:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        """The JSON keys, in order (as iterating the JSON object would give them)."""
+        return iter(self.__struct_fields__)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object (field order), for encoders that do not know msgspec Structs (the request log)."""
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def merge(cls, stats: Sequence[KvscopeStats]) -> KvscopeStats:
+        """One object for several choices (n > 1, several prompts): the one itself when there is one; else the
+        min of the start-up times, the max of decode time, batch max and KV usage, the sum of blocks and
+        preemptions, the mean of tpot and batch mean (each over the choices that have the field)."""
+        if len(stats) == 1:
+            return stats[0]
+        merged: dict[str, Any] = {}
+        for name in cls.__struct_fields__:
+            values = [v for s in stats if (v := getattr(s, name)) is not None]
+            merged[name] = _REDUCE[name](values) if values else None
+        return cls(**merged)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+_REDUCE: dict[str, Callable[[list[Any]], Any]] = {
+    "queue_s": min, "ttft_s": min, "prefill_s": min, "decode_s": max, "batch_size_max": max,
+    "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean, "batch_size_mean": _mean,
+}  # fmt: skip

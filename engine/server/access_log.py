@@ -1,7 +1,7 @@
 """One JSON log line per API request, and the ``kvscope_engine_http_requests_total{route,status}`` counter.
 
 The middleware puts an :class:`AccessRecord` into the ASGI scope (``scope["kvscope.access"]``); exception
-handlers add the error type, the serving code adds the gen_ai / kvscope fields of design.md §4.2, and the
+handlers add the error type, the serving code adds the gen_ai / kvscope fields (docs/engine-server.md, "Request log"), and the
 line is written when the response is over (after the last SSE event, or when the client left). Field names
 follow ECS (``http.response.status_code``, ``event.outcome`` …); never the body, never prompt or output text.
 """

@@ -26,6 +26,7 @@ from engine.engine_core import StepResult
 from engine.sampling_params import SamplingParams
 from engine.server.access_log import AccessLogMiddleware, AccessRecord
 from engine.server.auth import api_key_guard
+from engine.server.engine_client import EngineClient
 from engine.server.errors import exception_handlers
 from engine.server.routes import ROUTES
 from engine.server.settings import ServerSettings
@@ -41,7 +42,7 @@ WARMUP_PROMPT = "Hello"
 class AppContext:
     """Builds the ServerState at start-up and hands it to the middleware and hooks created before it."""
 
-    def __init__(self, settings: ServerSettings, engine_config: EngineConfig | None, engine: Any | None,
+    def __init__(self, settings: ServerSettings, engine_config: EngineConfig | None, engine: EngineClient | None,
                  tracing: Tracing | None, registry: CollectorRegistry | None,
                  metric_readers: Sequence[MetricReader] = ()) -> None:
         if engine_config is None and engine is None:
@@ -79,7 +80,7 @@ class AppContext:
         meters = build_meter_provider({"service.name": self.settings.service_name,
                                        "service.version": package_version()},
                                       self.settings.otlp_endpoint, self._metric_readers)
-        metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, _device(engine),
+        metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, engine.device,
                                 self.settings.buckets, genai=GenAiServerMetrics(meters, package_version()))
         self.state = ServerState(engine, self.settings, metrics, tracing)
         _observe_mask_time(self.state)
@@ -105,28 +106,26 @@ class AppContext:
             self.state.on_unrouted(request, error)
 
 
-async def warm_up(engine: Any) -> None:
+async def warm_up(engine: EngineClient) -> None:
     """One greedy 2-token generation: first-call costs (allocations, kernels) are paid before traffic."""
     prompt = engine.tokenizer.encode(WARMUP_PROMPT) or [0]
-    async for _ in engine.generate("warmup", prompt, SamplingParams(max_tokens=2, temperature=0.0)):
+    request = engine.process_inputs(prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    async for _ in engine.generate("warmup", request):
         pass
-
-
-def _device(engine: Any) -> str:
-    return str(getattr(getattr(engine, "core", None), "device", "cpu"))
 
 
 def _observe_mask_time(state: ServerState) -> None:
     """Feed the structured-output mask time of each step (engine thread) into its histogram."""
-    structured = getattr(getattr(state.engine, "core", None), "structured", None)
+    structured = getattr(state.engine, "structured", None)  # the server tests' fake engines have none
     if structured is not None:
         structured.mask_observer = state.metrics.engine.structured_output_mask_time.labels(
             model=state.metrics.model).observe
 
 
 def _set_device_memory(state: ServerState) -> None:
-    """CPU: KV cache + weights bytes of host memory (design.md §4.3). CUDA: the device's used/total memory."""
-    device = _device(state.engine)
+    """CPU: KV cache + weights bytes of host memory (``kvscope_engine_device_memory_*``, docs/metrics.md). CUDA:
+    the device's used/total memory."""
+    device = state.engine.device
     info = state.engine.info
     if device.startswith("cuda"):
         import torch
@@ -134,15 +133,15 @@ def _set_device_memory(state: ServerState) -> None:
         free, total = torch.cuda.mem_get_info(torch.device(device))
         state.metrics.set_device_memory(device, total - free, total)
     else:
-        used = getattr(info, "kv_cache_bytes", 0) + getattr(info, "weights_bytes", 0)
+        used = info.kv_cache_bytes + info.weights_bytes
         state.metrics.set_device_memory(device, used, host_memory_bytes())
 
 
 def create_app(settings: ServerSettings | None = None, engine_config: EngineConfig | None = None, *,
-               engine: Any | None = None, tracing: Tracing | None = None,
+               engine: EngineClient | None = None, tracing: Tracing | None = None,
                registry: CollectorRegistry | None = None, metric_readers: Sequence[MetricReader] = ()) -> Litestar:
     """The engine server app. Give ``engine_config`` (the app builds an AsyncEngine at start-up) or an
-    ``engine`` with the AsyncEngine surface (tests). ``tracing`` overrides the exporter chosen by settings
+    ``engine`` (an :class:`~engine.server.engine_client.EngineClient`, e.g. the tests' FakeEngine). ``tracing`` overrides the exporter chosen by settings
     (e.g. an in-memory exporter); ``registry`` the Prometheus registry; ``metric_readers`` also read the OTel
     ``gen_ai.server.*`` metrics (pushed over OTLP when ``otlp_endpoint`` is set). Raises ValueError without
     an engine.

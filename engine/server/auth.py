@@ -44,6 +44,6 @@ def api_key_guard(api_key: str) -> Callable[[ASGIConnection, BaseRouteHandler], 
             return
         if not key_matches(connection.headers.get("authorization"), expected):
             raise OpenAIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                              type="authentication_error", code="invalid_api_key")
+                              code="invalid_api_key")
 
     return guard

@@ -18,29 +18,24 @@ from litestar.exceptions import HTTPException
 
 from engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
 from engine.server.protocol import ErrorInfo, ErrorResponse
+from kvscope.openai_errors import context_length_message, default_code, error_type
 
 logger = logging.getLogger(__name__)
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
-_STATUS_KIND = {
-    400: ("invalid_request_error", None), 401: ("authentication_error", None),
-    404: ("invalid_request_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "request_too_large"), 429: ("rate_limit_error", "rate_limit_exceeded"),
-    503: ("server_error", "service_unavailable"),
-}  # fmt: skip
 
 
 class OpenAIError(Exception):
-    """An error answered as OpenAI error JSON with ``status``; raised by the serving code."""
+    """An error answered as OpenAI error JSON with ``status``; raised by the serving code. Its ``type`` follows
+    from the status (:func:`kvscope.openai_errors.error_type`, the vocabulary the gateway speaks too)."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None,
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type
+        self.type = error_type(status)
         self.param = param
         self.code = code
         self.headers = headers or {}
@@ -75,23 +70,16 @@ def from_engine(exc: Exception, *, prompt_param: str = "messages", max_tokens_pa
     The over-long ``param`` is the prompt when it alone fills the context, else the max-tokens field."""
     if isinstance(exc, PromptTooLongError):
         prompt_alone = exc.max_tokens is None or exc.num_prompt_tokens >= exc.max_model_len
-        return bad_request(too_long_message(exc, prompt_param),
-                           param=prompt_param if prompt_alone else max_tokens_param, code="context_length_exceeded")
+        message = context_length_message(exc.max_model_len, exc.num_prompt_tokens, exc.max_tokens,
+                                         "messages" if prompt_param == "messages" else "prompt")
+        return bad_request(message, param=prompt_param if prompt_alone else max_tokens_param,
+                           code="context_length_exceeded")
     if isinstance(exc, InvalidParameterError):
         param = (renames or {}).get(exc.param, exc.param)
         return bad_request(str(exc), param=param, code="invalid_value")
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, str(exc), type="server_error", code="engine_unavailable")
+        return OpenAIError(503, str(exc), code="engine_unavailable")
     raise exc
-
-
-def too_long_message(exc: PromptTooLongError, prompt_param: str) -> str:
-    """OpenAI's wording with the enforced context length, the prompt length and the requested completion."""
-    where = "messages" if prompt_param == "messages" else "prompt"
-    asked = exc.num_prompt_tokens + (exc.max_tokens or 0)
-    return (f"This model's maximum context length is {exc.max_model_len} tokens. However, you requested "
-            f"{asked} tokens ({exc.num_prompt_tokens} in the {where}, {exc.max_tokens or 0} in the completion). "
-            f"Please reduce the length of the {where} or completion.")
 
 
 def error_response(error: OpenAIError) -> Response:
@@ -114,11 +102,10 @@ def handle_openai_error(request: Request, exc: OpenAIError) -> Response:
 def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     """Litestar's own exceptions (routing, size limits, its validation) as OpenAI error JSON."""
     status = exc.status_code
-    kind, code = _STATUS_KIND.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
     message = exc.detail if isinstance(exc.detail, str) and exc.detail else f"HTTP {status}"
     if status == 404:
         message = f"{request.method} {request.url.path} is not a route of this server."
-    error = OpenAIError(status, message, type=kind, code=code, headers=dict(exc.headers or {}))
+    error = OpenAIError(status, message, code=default_code(status), headers=dict(exc.headers or {}))
     _log_unrouted(request, error)
     return handle_openai_error(request, error)
 
@@ -130,7 +117,7 @@ def handle_engine_error(request: Request, exc: Exception) -> Response:
 def handle_unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
     return handle_openai_error(request, OpenAIError(500, f"Internal server error: {type(exc).__name__}",
-                                                    type="server_error", code="internal_error"))
+                                                    code="internal_error"))
 
 
 def _log_unrouted(request: Request, error: OpenAIError) -> None:

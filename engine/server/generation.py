@@ -12,15 +12,23 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.core.request import child_request_id
+from engine.core.request import Request, child_request_id
+from engine.core.stats import KvscopeStats
+from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.server.engine_client import EngineClient
 
 KEEPALIVE = object()
 """Returned by :meth:`GenerationRun.next` when nothing arrived within the timeout."""
 DONE = object()
 """Returned by :meth:`GenerationRun.next` once every prompt's stream ended."""
 FAULT_REASON = "injected fault"
+
+
+def prompt_request_id(request_id: str, k: int, num_prompts: int) -> str:
+    """The engine request id of prompt ``k`` of an HTTP request with ``num_prompts`` prompts: the response id
+    itself for one prompt, else ``{request_id}-p{k}`` (each prompt's choices are its children)."""
+    return request_id if num_prompts == 1 else f"{request_id}-p{k}"
 
 
 class ClientDisconnected(Exception):
@@ -36,29 +44,28 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) 
 
 
 class GenerationRun:
-    """The engine side of one HTTP request: ``len(prompts)`` engine requests sharing ``params``."""
+    """The engine side of one HTTP request: one validated engine request per prompt, sharing SamplingParams."""
 
-    def __init__(self, engine: Any, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 arrival_time: float, trace_context: object | None = None,
-                 fault_after_tokens: int | None = None) -> None:
+    def __init__(self, engine: EngineClient, request_id: str, requests: list[EngineRequest], arrival_time: float,
+                 trace_context: object | None = None, fault_after_tokens: int | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
-        self.prompts = prompts
-        self.params = params
-        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{k}" for k in range(len(prompts))]
+        self.requests = requests
+        self.params = requests[0].params
+        self.engine_ids = [prompt_request_id(request_id, k, len(requests)) for k in range(len(requests))]
         self._arrival = arrival_time
         self._trace_context = trace_context
         self._fault_after = fault_after_tokens
         self._fault_sent = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
-        self._open = len(prompts)
+        self._open = len(requests)
         self.num_tokens = 0
         """Output tokens received so far (all choices)."""
 
     def start(self) -> None:
-        for k, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts, strict=True)):
-            stream = self.engine.generate(engine_id, prompt, self.params, arrival_time=self._arrival,
+        for k, (engine_id, request) in enumerate(zip(self.engine_ids, self.requests, strict=True)):
+            stream = self.engine.generate(engine_id, request, arrival_time=self._arrival,
                                           trace_context=self._trace_context)
             self._tasks.append(asyncio.ensure_future(self._pump(k, stream)))
         # After the pumps' first step (which queues the engine request), so an immediate fault finds it.
@@ -127,21 +134,19 @@ class GenerationRun:
             return "prefill"
         return "queued"
 
-    def snapshots(self) -> dict[int, dict]:
-        """Choice index → the engine's live stats (design.md §4.1) of choices still in the engine."""
-        return {index: request.stats.to_dict(request.num_output_tokens)
+    def snapshots(self) -> dict[int, KvscopeStats]:
+        """Choice index → the engine's live stats (the ``kvscope`` object, docs/engine-server.md) of choices still
+        in the engine."""
+        return {index: request.stats.summary(request.num_output_tokens)
                 for index, request in self.engine_requests().items() if request.stats is not None}
 
-    def engine_requests(self) -> dict[int, Any]:
+    def engine_requests(self) -> dict[int, Request]:
         """Choice index → the engine's live Request (read-only snapshot taken from the event loop)."""
-        scheduler = getattr(getattr(self.engine, "core", None), "scheduler", None)
-        if scheduler is None:
-            return {}
         n = self.params.n
         found = {}
         for k, engine_id in enumerate(self.engine_ids):
             for i in range(n):
-                request = scheduler.get_request(child_request_id(engine_id, i, n))
+                request = self.engine.get_request(child_request_id(engine_id, i, n))
                 if request is not None:
                     found[k * n + i] = request
         return found

@@ -1,4 +1,4 @@
-"""Prometheus collectors of the engine: every ``kvscope_engine_*`` metric of design.md §4.3.
+"""Prometheus collectors of the engine: every ``kvscope_engine_*`` metric of docs/metrics.md.
 
 This module only *defines* the metrics. The server creates one :class:`EngineMetrics` on its own
 ``CollectorRegistry`` and calls ``.labels(...).observe/inc/set`` on the attributes; nothing here is global.
@@ -16,13 +16,15 @@ alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.structured.params import KINDS as STRUCTURED_KINDS
+from kvscope.settings_cli import Flag
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-"""Values of the ``finish_reason`` label (engine.request.RequestStatus.finish_reason)."""
+"""Values of the ``finish_reason`` label (engine.core.request.RequestStatus.finish_reason)."""
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 """``route`` values of ``http_requests`` created at zero by :meth:`EngineMetrics.initialize`."""
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
@@ -44,22 +46,33 @@ def _check_buckets(name: str, bounds: tuple[float, ...]) -> None:
         raise ValueError(f"{name} bucket bounds must be strictly increasing, got {bounds}")
 
 
+def parse_buckets(text: str) -> tuple[float, ...]:
+    """Bucket bounds from ``"0.01,0.1,1"`` (seconds or counts). Validation happens in MetricBuckets."""
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise ValueError(f"bucket bounds must be comma-separated numbers, got {text!r}") from exc
+
+
 @dataclass(frozen=True, slots=True)
 class MetricBuckets:
     """Histogram bucket upper bounds (``+Inf`` is added by prometheus_client). Raises ValueError when a tuple
     is empty, not positive or not strictly increasing."""
 
-    ttft_s: tuple[float, ...] = (
+    ttft_s: Annotated[tuple[float, ...], Flag("comma-separated TTFT histogram bounds (s)", name="--ttft-buckets",
+                                              parse=parse_buckets)] = (
         0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 1200.0, 1800.0,
     )  # fmt: skip
     """Time to first token (seconds)."""
-    token_latency_s: tuple[float, ...] = (
+    token_latency_s: Annotated[tuple[float, ...], Flag("TPOT / inter-token latency bounds (s)",
+                                                       name="--tpot-buckets", parse=parse_buckets)] = (
         0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
         0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
     )  # fmt: skip
     """Time per output token and inter-token latency (seconds)."""
-    duration_s: tuple[float, ...] = (
+    duration_s: Annotated[tuple[float, ...], Flag("e2e/queue/prefill/decode bounds (s)", name="--duration-buckets",
+                                                  parse=parse_buckets)] = (
         0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
         120.0, 240.0, 480.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0,
     )  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from engine.core.stats import KvscopeStats
 from engine.sampling_params import MAX_LOGPROBS
 
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -233,7 +234,7 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
-    kvscope: dict[str, Any] | UnsetType = UNSET
+    kvscope: KvscopeStats | UnsetType = UNSET
 
 
 class DeltaFunctionCall(Struct, omit_defaults=True):
@@ -271,7 +272,7 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | None | UnsetType = UNSET
-    kvscope: dict[str, Any] | UnsetType = UNSET
+    kvscope: KvscopeStats | UnsetType = UNSET
 
 
 class CompletionLogprobs(Struct):
@@ -298,7 +299,7 @@ class CompletionResponse(Struct):
     choices: list[CompletionChoice]
     usage: Usage | None | UnsetType = UNSET
     object: str = "text_completion"
-    kvscope: dict[str, Any] | UnsetType = UNSET
+    kvscope: KvscopeStats | UnsetType = UNSET
 
 
 class ModelCard(Struct):

@@ -2,8 +2,9 @@
 (histograms, spans, the access-log fields), with one set of numbers for all three.
 
 Choice ``i`` of prompt ``k`` is OpenAI choice ``k * n + i``. Timings come from the engine's per-request stats
-(design.md §4.1) when the engine finished the sequence; when the client left or the engine failed it, from the
-engine's live Request stats snapshot, else from the server's own timestamps of the deltas it received.
+(:class:`engine.core.stats.KvscopeStats`, the ``kvscope`` object of docs/engine-server.md) when the engine
+finished the sequence; when the client left or the engine failed it, from the engine's live Request stats
+snapshot, else from the server's own timestamps of the deltas it received.
 """
 
 from __future__ import annotations
@@ -13,17 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.request import child_request_id
+from engine.core.stats import KvscopeStats
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.server.generation import prompt_request_id
 from engine.server.logprobs import visible_entries
 from engine.server.protocol import PromptTokensDetails, Usage
 from engine.server.stat_logger import SequenceTimings, ServerMetrics
 from engine.server.tracing import RequestSpans, RequestTimeline, Tracing
 
-_MIN_FIELDS = ("queue_s", "ttft_s", "prefill_s")
-_MAX_FIELDS = ("decode_s", "batch_size_max", "kv_cache_usage")
-_SUM_FIELDS = ("kv_blocks", "num_preemptions")
-_MEAN_FIELDS = ("tpot_s", "batch_size_mean")
+_NO_STATS = KvscopeStats()
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    stats: dict[str, Any] | None = None
+    stats: KvscopeStats | None = None
     first_token: float | None = None
     last_token: float | None = None
 
@@ -50,6 +50,13 @@ class Outcome:
 
 
 @dataclass(slots=True)
+class StructuredKvscopeStats(KvscopeStats, frozen=True, kw_only=True):
+    """The ``kvscope`` object of a structured-output request: the usual fields plus ``structured_output``,
+    the constraint kind (json, json_object, regex, choice, grammar); other requests keep the plain field set."""
+
+    structured_output: str
+
+
 class RequestState:
     request_id: str
     operation: str
@@ -100,10 +107,6 @@ class RequestState:
         choice.first_token = now if choice.first_token is None else choice.first_token
         choice.last_token = now
 
-    def failed_choice(self) -> ChoiceState | None:
-        """A choice the engine ended with ``abort``/``error`` (never sent as a finish_reason)."""
-        return next((c for c in self.choices if c.finish_reason in ("abort", "error")), None)
-
     def usage(self) -> Usage:
         """OpenAI usage: prompt tokens once per prompt, completion tokens summed over choices."""
         prompt = sum(len(p) for p in self.prompts)
@@ -112,31 +115,19 @@ class RequestState:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
-    def kvscope(self) -> dict[str, Any]:
-        """design.md §4.1 object: the choice's stats for one choice; over several choices, min of the
-        start-up times, max of decode/batch max/usage, sums of blocks/preemptions, means of tpot/batch mean."""
-        merged = self._merged_stats()
+    def kvscope(self) -> KvscopeStats:
+        """The response's ``kvscope`` object: the choices' stats merged (:meth:`KvscopeStats.merge`); a
+        constrained request's also names its constraint kind (:class:`StructuredKvscopeStats`)."""
+        merged = KvscopeStats.merge([c.stats for c in self.choices if c.stats is not None])
         constraint = self.params.structured_outputs
-        if constraint is not None:  # only on constrained requests: the design.md §4.1 field set stays as is
-            merged["structured_output"] = constraint.kind
-        return merged
-
-    def _merged_stats(self) -> dict[str, Any]:
-        stats = [c.stats for c in self.choices if c.stats]
-        if len(stats) == 1:
-            return dict(stats[0])
-        merged: dict[str, Any] = {}
-        for fields, reduce in ((_MIN_FIELDS, min), (_MAX_FIELDS, max), (_SUM_FIELDS, sum),
-                               (_MEAN_FIELDS, lambda v: sum(v) / len(v))):
-            for name in fields:
-                values = [s[name] for s in stats if s.get(name) is not None]
-                merged[name] = reduce(values) if values else None
-        return merged
+        if constraint is None:
+            return merged
+        return StructuredKvscopeStats(**merged.to_dict(), structured_output=constraint.kind)
 
     # --- the end -------------------------------------------------------------------------------------------
 
-    def finish(self, outcome: Outcome, tracing: Tracing, access: Any, snapshots: dict[int, dict] | None = None
-               ) -> None:
+    def finish(self, outcome: Outcome, tracing: Tracing, access: Any,
+               snapshots: dict[int, KvscopeStats] | None = None) -> None:
         """Observe the histograms, write the spans and fill the access record. ``snapshots`` (choice index →
         live engine stats) stand in for the final stats of choices the engine did not finish. Idempotent;
         synchronous (runs in ``finally`` blocks of cancelled tasks)."""
@@ -158,22 +149,22 @@ class RequestState:
             access.set_request_details(self._log_fields(outcome, timings, trace_id, span_id))
 
     def _timings(self, choice: ChoiceState, outcome: Outcome, now: float) -> SequenceTimings:
-        stats = choice.stats or {}
+        stats = choice.stats or _NO_STATS
         if outcome.kind == "success":
             reason = choice.finish_reason or "error"
         else:
             reason = "abort" if outcome.kind == "client_disconnected" else "error"
-        ttft = stats.get("ttft_s")
+        ttft = stats.ttft_s
         if ttft is None and choice.first_token is not None:
             ttft = choice.first_token - self.arrival
-        decode, tpot = stats.get("decode_s"), stats.get("tpot_s")
+        decode, tpot = stats.decode_s, stats.tpot_s
         if decode is None and choice.first_token is not None:
             decode = choice.last_token - choice.first_token
         if tpot is None and decode is not None and choice.num_output_tokens > 1:
             tpot = decode / (choice.num_output_tokens - 1)
-        prefill = stats.get("prefill_s") if ttft is not None else None
+        prefill = stats.prefill_s if ttft is not None else None
         return SequenceTimings(finish_reason=reason, num_output_tokens=choice.num_output_tokens,
-                               e2e_s=now - self.arrival, ttft_s=ttft, queue_s=stats.get("queue_s"),
+                               e2e_s=now - self.arrival, ttft_s=ttft, queue_s=stats.queue_s,
                                prefill_s=prefill, decode_s=decode if ttft is not None else None, tpot_s=tpot)
 
     def _spans(self, outcome: Outcome, now: float, timings: list[SequenceTimings]) -> RequestSpans:
@@ -185,11 +176,11 @@ class RequestState:
         ends = [t.ttft_s + t.decode_s for t in timings if t.ttft_s is not None and t.decode_s is not None]
         for k, prompt in enumerate(self.prompts):
             for i in range(self.params.n):
-                engine_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-p{k}"
+                engine_id = prompt_request_id(self.request_id, k, len(self.prompts))
                 child = child_request_id(engine_id, i, self.params.n)
                 choice = self.choices[k * self.params.n + i]
-                token_time = None if choice.stats is None or choice.stats.get("ttft_s") is None else (
-                    self.arrival + choice.stats["ttft_s"])
+                ttft = None if choice.stats is None else choice.stats.ttft_s
+                token_time = None if ttft is None else self.arrival + ttft
                 self.timeline.finish_prefill(child, len(prompt), token_time)
         error = None if outcome.kind == "success" else (outcome.error_message or outcome.kind)
         return RequestSpans(
@@ -216,7 +207,7 @@ class RequestState:
             attrs["gen_ai.request.choice.count"] = self.params.n
         if outcome.phase is not None:
             attrs["kvscope.phase"] = outcome.phase
-        for name, value in self.kvscope().items():
+        for name, value in self.kvscope().to_dict().items():
             if value is not None:
                 attrs[f"kvscope.{name}"] = value
         return attrs
@@ -241,7 +232,7 @@ class RequestState:
                 "outcome": outcome.kind, "ttft_s": min(ttfts) if ttfts else None,
                 "tpot_s": sum(tpots) / len(tpots) if tpots else None, "e2e_s": timings[0].e2e_s,
                 "client_disconnected": outcome.kind == "client_disconnected", "phase": outcome.phase,
-                "num_preemptions": sum((c.stats or {}).get("num_preemptions") or 0 for c in self.choices),
-                "engine": self.kvscope(),
+                "num_preemptions": sum((c.stats or _NO_STATS).num_preemptions or 0 for c in self.choices),
+                "engine": self.kvscope().to_dict(),
             },
         }

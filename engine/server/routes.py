@@ -1,18 +1,22 @@
 """HTTP routes of the engine server.
 
-Request bodies are decoded strictly by a ``before_request`` hook (:func:`strict_body`): wrong types and values
-out of range answer 400 naming ``param`` before the handler runs. The handlers still declare ``data`` with
-the request Struct so the OpenAPI schema documents every body.
+Each request body is decoded once, strictly, straight from the bytes into its Struct (:class:`StrictBody`, the
+handlers' Litestar DTO): wrong types and values out of range answer 400 naming ``param`` before the handler
+runs. The OpenAPI schema documents ``data`` as the Struct itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Generator
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.dto import AbstractDTO
+from litestar.dto.data_structures import DTOFieldDefinition
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
+from litestar.typing import FieldDefinition
 from prometheus_client.exposition import choose_encoder
 
 from engine.errors import InvalidParameterError
@@ -36,22 +40,48 @@ from engine.server.serving import check_model, server_state
 from engine.server.serving_chat import chat_prompt, create_chat_completion
 from engine.server.serving_completions import create_completion
 
-BODY_KEY = "kvscope.body"
+T = TypeVar("T", bound=msgspec.Struct)
 
 
-def strict_body(request_type: type[msgspec.Struct]) -> Callable[[Request], Awaitable[None]]:
-    """A before_request hook that decodes the body into ``request_type`` (strict) or raises a 400."""
-    async def hook(request: Request) -> None:
-        try:
-            request.scope[BODY_KEY] = decode_body(await request.body(), request_type)  # type: ignore[literal-required]
-        except msgspec.MsgspecError as exc:
-            raise from_msgspec(exc) from exc
+class StrictBody(AbstractDTO[T]):
+    """Litestar DTO that decodes the body once with :func:`~engine.server.protocol.decode_body` (strict msgspec,
+    bytes → Struct) and answers a bad body with the 400 of :func:`~engine.server.errors.from_msgspec`. It has
+    no transfer model: the OpenAPI schema is the Struct's own."""
 
-    return hook
+    @classmethod
+    def generate_field_definitions(cls, model_type: type[Any]) -> Generator[DTOFieldDefinition, None, None]:
+        yield from ()
+
+    @classmethod
+    def detect_nested_field(cls, field_definition: FieldDefinition) -> bool:
+        return False
+
+    @classmethod
+    def create_for_field_definition(cls, field_definition: FieldDefinition, handler_id: str,
+                                    backend_cls: Any = None) -> None:
+        """Nothing to build: :meth:`decode_bytes` decodes into the Struct directly."""
+
+    @classmethod
+    def create_openapi_schema(cls, field_definition: FieldDefinition, handler_id: str, schema_creator: Any) -> Any:
+        return schema_creator.for_field_definition(
+            FieldDefinition.from_annotation(cls.model_type, kwarg_definition=field_definition.kwarg_definition))
+
+    def decode_bytes(self, value: bytes) -> T:
+        return _decode(value, self.model_type)
 
 
-def _json(body: msgspec.Struct, status: int = 200) -> Response:
-    return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
+def _decode(body: bytes, request_type: type[Any]) -> Any:
+    try:
+        return decode_body(body, request_type)
+    except msgspec.MsgspecError as exc:
+        raise from_msgspec(exc) from exc
+
+
+async def require_body(request: Request) -> None:
+    """before_request hook: Litestar hands no DTO an empty body, so answer it here as what it is, a body that
+    is not JSON (400 ``invalid_json``, the same answer as any other undecodable body)."""
+    if not await request.body():
+        _decode(b"", dict)
 
 
 def _documented(body: type[msgspec.Struct], chunk: str) -> dict[int, ResponseSpec]:
@@ -63,31 +93,35 @@ def _documented(body: type[msgspec.Struct], chunk: str) -> dict[int, ResponseSpe
             429: ResponseSpec(ErrorResponse, description=error), 503: ResponseSpec(ErrorResponse, description=error)}
 
 
-@post("/v1/chat/completions", status_code=200, before_request=strict_body(ChatCompletionRequest),
-      summary="Chat completion (JSON or SSE)",
-      responses=_documented(ChatCompletionResponse, "chat.completion.chunk"))
+def body_route(path: str, request_type: type[msgspec.Struct], **kwargs: Any) -> Any:
+    """``@post`` for a route whose JSON body is ``request_type``, decoded once by :class:`StrictBody`."""
+    return post(path, status_code=200, before_request=require_body, dto=StrictBody[request_type], return_dto=None,
+                **kwargs)
+
+
+@body_route("/v1/chat/completions", ChatCompletionRequest, summary="Chat completion (JSON or SSE)",
+            responses=_documented(ChatCompletionResponse, "chat.completion.chunk"))
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
-    return await create_chat_completion(server_state(request), request, request.scope[BODY_KEY])  # type: ignore[literal-required]
+    return await create_chat_completion(server_state(request), request, data)
 
 
-@post("/v1/completions", status_code=200, before_request=strict_body(CompletionRequest),
-      summary="Text completion (JSON or SSE)", responses=_documented(CompletionResponse, "text_completion"))
+@body_route("/v1/completions", CompletionRequest, summary="Text completion (JSON or SSE)",
+            responses=_documented(CompletionResponse, "text_completion"))
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
-    return await create_completion(server_state(request), request, request.scope[BODY_KEY])  # type: ignore[literal-required]
+    return await create_completion(server_state(request), request, data)
 
 
 @get("/v1/models", summary="The served model and the context length it enforces")
 async def models(request: Request) -> ModelList:
     state = server_state(request)
     card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len,
-                     root=getattr(state.engine.info, "model_dir", None))
+                     root=state.engine.info.model_dir)
     return ModelList(data=[card])
 
 
-@post("/tokenize", status_code=200, before_request=strict_body(TokenizeRequest), summary="Text or chat → ids")
+@body_route("/tokenize", TokenizeRequest, summary="Text or chat → ids")
 async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
-    state = server_state(request)
-    req: TokenizeRequest = request.scope[BODY_KEY]  # type: ignore[literal-required]
+    state, req = server_state(request), data
     check_model(state, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "Give exactly one of prompt or messages.", param="prompt")
@@ -100,10 +134,9 @@ async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> Tokeniz
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
 
 
-@post("/detokenize", status_code=200, before_request=strict_body(DetokenizeRequest), summary="Ids → text")
+@body_route("/detokenize", DetokenizeRequest, summary="Ids → text")
 async def detokenize(request: Request, data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
-    state = server_state(request)
-    req: DetokenizeRequest = request.scope[BODY_KEY]  # type: ignore[literal-required]
+    state, req = server_state(request), data
     check_model(state, req.model)
     vocab = state.tokenizer.vocab_size
     if any(t >= vocab for t in req.tokens):
@@ -115,7 +148,7 @@ async def detokenize(request: Request, data: JSONBody[DetokenizeRequest]) -> Det
 async def health(request: Request) -> Response:
     state = server_state(request)
     if state.draining or not state.engine.is_running:
-        raise OpenAIError(503, "The engine is not running.", type="server_error", code="engine_unavailable")
+        raise OpenAIError(503, "The engine is not running.", code="engine_unavailable")
     return Response(content={"status": "ok", "model": state.model_name}, status_code=200)
 
 

@@ -1,7 +1,8 @@
 """Shared request flow of chat and completions: admit → validate → run → answer (JSON or SSE).
 
 Everything that can be rejected is rejected before the engine sees the request and before any stream starts
-(400 / 404 / 429 / 503 JSON). A non-streaming answer races the generation against the client's
+(400 / 404 / 429 / 503 JSON): every prompt goes through the engine's one validation
+(``EngineClient.process_inputs``) before any of them is queued. A non-streaming answer races the generation against the client's
 ``http.disconnect``; a streaming answer aborts when its generator is cancelled or closed. Either way the
 engine request is aborted before its next step, and exactly one outcome is recorded (metrics, spans, log).
 """
@@ -19,6 +20,7 @@ from litestar import Request, Response
 
 from engine.async_engine import RequestFailedError
 from engine.errors import EngineDeadError, InvalidParameterError
+from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import OpenAIError, from_engine, model_not_found
@@ -61,32 +63,33 @@ def admit(state: ServerState) -> None:
     """503 while starting/stopping or after the engine died; 429 above ``max_concurrent_requests``."""
     if state.draining or not state.engine.is_running:
         raise OpenAIError(503, "The engine is not running (starting up, shutting down or failed).",
-                          type="server_error", code="engine_unavailable", headers={"Retry-After": "1"})
+                          code="engine_unavailable", headers={"Retry-After": "1"})
     limit = state.settings.max_concurrent_requests
     if limit and state.in_flight >= limit:
         raise OpenAIError(429, f"Too many requests in flight (limit {limit}); retry later.",
-                          type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+                          code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
-def check_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                  max_tokens_param: str = "max_tokens") -> None:
-    """Run the engine's admission checks (empty prompt, token ids, context length) for every prompt."""
-    for prompt in prompts:
-        try:
-            state.engine.core.check_request(prompt, params)
-        except InvalidParameterError as exc:
-            raise from_engine(exc, prompt_param=prompt_param, max_tokens_param=max_tokens_param,
-                              renames={"prompt": prompt_param}) from exc
+def process_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                    max_tokens_param: str = "max_tokens") -> list[EngineRequest]:
+    """Every prompt through the engine's validation (empty prompt, token ids, context length), or the 400 of
+    the first one that fails, naming the request's own fields."""
+    try:
+        return [state.engine.process_inputs(prompt, params) for prompt in prompts]
+    except InvalidParameterError as exc:
+        raise from_engine(exc, prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+                          renames={"prompt": prompt_param}) from exc
 
 
-def start_job(state: ServerState, request: Request, operation: str, prompts: list[list[int]],
-              params: SamplingParams, stream: bool) -> Job:
-    """Queue the engine requests of one HTTP request (after every check passed)."""
+def start_job(state: ServerState, request: Request, operation: str, requests: list[EngineRequest],
+              stream: bool) -> Job:
+    """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`)."""
     prefix = "chatcmpl" if operation == "chat" else "cmpl"
-    rs = RequestState(f"{prefix}-{uuid.uuid4().hex}", operation, state.model_name, params, prompts, stream,
-                      state.metrics)
+    prompts = [r.prompt_token_ids for r in requests]
+    rs = RequestState(f"{prefix}-{uuid.uuid4().hex}", operation, state.model_name, requests[0].params, prompts,
+                      stream, state.metrics)
     rs.timeline.parent = state.tracing.extract(request.headers)
-    run = GenerationRun(state.engine, rs.request_id, prompts, params, rs.arrival, rs.timeline,
+    run = GenerationRun(state.engine, rs.request_id, requests, rs.arrival, rs.timeline,
                         fault_after_tokens=_fault_after(state, request))
     run.start()
     state.in_flight += 1
@@ -123,13 +126,12 @@ def failure_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, RequestFailedError):
         status = 503 if "shutting down" in exc.reason else 500
-        return OpenAIError(status, f"The engine failed the request: {exc.reason}", type="server_error",
+        return OpenAIError(status, f"The engine failed the request: {exc.reason}",
                            code="engine_shutdown" if status == 503 else "request_failed")
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, str(exc), type="server_error", code="engine_unavailable")
+        return OpenAIError(503, str(exc), code="engine_unavailable")
     logger.exception("request failed", exc_info=exc)
-    return OpenAIError(500, f"Internal server error: {type(exc).__name__}", type="server_error",
-                       code="internal_error")
+    return OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
 
 
 async def respond_json(job: Job, formatter: Formatter) -> Response:

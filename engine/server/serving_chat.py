@@ -26,7 +26,7 @@ from engine.server.protocol import (
 )
 from engine.server.request_state import RequestState
 from engine.server.sampling import chat_sampling_params
-from engine.server.serving import admit, check_model, check_prompts, respond_json, respond_stream, start_job
+from engine.server.serving import admit, check_model, process_prompts, respond_json, respond_stream, start_job
 from engine.server.serving_tools import ToolChatFormatter
 from engine.server.sse import SSEResponse
 from engine.server.state import ServerState
@@ -55,9 +55,9 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     await prepare_constraint(state, params)
     prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req, mode)  # a huge prompt must not stall
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    check_prompts(state, [prompt], params, "messages", max_tokens_param)
+    requests = process_prompts(state, [prompt], params, "messages", max_tokens_param)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = start_job(state, request, "chat", [prompt], params, bool(req.stream))
+    job = start_job(state, request, "chat", requests, bool(req.stream))
     args = (job.rs, state.tokenizer, int(time.time()), bool(req.logprobs), include_usage)
     formatter = ChatFormatter(*args)
     formatter = ToolChatFormatter(formatter, mode) if mode.active else formatter

@@ -15,7 +15,7 @@ from engine.server.logprobs import LegacyLogprobs, merge_legacy
 from engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from engine.server.request_state import RequestState
 from engine.server.sampling import completion_sampling_params
-from engine.server.serving import admit, check_model, check_prompts, respond_json, respond_stream, start_job
+from engine.server.serving import admit, check_model, process_prompts, respond_json, respond_stream, start_job
 from engine.server.sse import SSEResponse
 from engine.server.state import ServerState
 from engine.server.structured import prepare_constraint
@@ -46,10 +46,10 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     params = completion_sampling_params(req)
     await prepare_constraint(state, params)
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, req.prompt)  # off the event loop
-    check_prompts(state, prompts, params, "prompt")
+    requests = process_prompts(state, prompts, params, "prompt")
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = start_job(state, request, "text_completion", prompts, params, bool(req.stream))
+    job = start_job(state, request, "text_completion", requests, bool(req.stream))
     formatter = CompletionFormatter(job.rs, state.tokenizer, int(time.time()), echo_texts, req.logprobs is not None,
                                     include_usage)
     if req.stream:

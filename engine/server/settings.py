@@ -1,5 +1,10 @@
 """Settings of the engine HTTP server. The only module of ``engine.server`` that reads the environment.
 
+Two msgspec Structs hold every default once: :class:`EngineOptions` (the engine flags; their defaults are
+:class:`engine.config.EngineConfig`'s) and :class:`ServerSettings`. The command line is derived from their
+fields by :mod:`kvscope.settings_cli` (the gateway's settings use the same helper); precedence: defaults <
+environment < flags.
+
 Environment variables (standard OpenTelemetry names):
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (used as is) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (base URL,
 ``/v1/traces`` appended) switch on the OTLP/HTTP span exporter when ``--otlp-endpoint`` is not given;
@@ -9,40 +14,128 @@ when ``--api-key`` is not given (a flag is visible in ``ps``, the environment is
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
+import msgspec
+
+from engine.config import DEFAULT_MODEL
 from engine.server.metrics import MetricBuckets
 from kvscope.net import is_loopback
+from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
 DEFAULT_SERVICE_NAME = "kvscope-engine"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_STRUCT = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
 
 
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"536870912"``, ``"512M"``, ``"512MiB"``, ``"1.5G"`` (binary units). Raises ValueError."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (examples: 268435456, 256M, 1GiB)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * _UNITS[unit])
+
+
+def _with_traces_path(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1/traces") else f"{url}/v1/traces"
+
+
+def api_key_from(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``explicit`` (``--api-key``), else ``$KVSCOPE_ENGINE_API_KEY``, else None."""
+    env = os.environ if environ is None else environ
+    return explicit or env.get("KVSCOPE_ENGINE_API_KEY") or None
+
+
+def traces_endpoint(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The OTLP/HTTP traces URL: ``explicit`` (a base URL or a full ``…/v1/traces`` URL) wins over
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (as is) and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (base). None when unset.
+
+    Source: OpenTelemetry spec, "OTLP Exporter Configuration" (signal-specific URLs are used as is, the generic
+    one gets ``v1/traces`` appended).
+    """
+    env = os.environ if environ is None else environ
+    if explicit:
+        return _with_traces_path(explicit)
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return _with_traces_path(base) if base else None
+
+
+def _api_key_from_env(environ: Mapping[str, str]) -> str | None:
+    return api_key_from(None, environ)
+
+
+def _traces_from_env(environ: Mapping[str, str]) -> str | None:
+    return traces_endpoint(None, environ)
+
+
+class EngineOptions(msgspec.Struct, **_STRUCT):
+    """The engine options of ``kvscope engine`` (engine.llm.build_engine_config keywords). None: the default
+    of :class:`engine.config.EngineConfig` (engine/config.py holds those defaults, once)."""
+
+    model: Annotated[str, Flag("registry name, HF folder or .gguf file")] = DEFAULT_MODEL
+    served_model_name: Annotated[str | None, Flag(
+        "name in /v1/models and the `model` field (default: --model)")] = None
+    max_model_len: Annotated[int | None, Flag("context length enforced (prompt + completion)")] = None
+    max_num_seqs: Annotated[int | None, Flag("most requests in one engine step")] = None
+    max_num_batched_tokens: Annotated[int | None, Flag("token budget of one engine step")] = None
+    long_prefill_token_threshold: Annotated[int | None, Flag("cap one request's prefill chunk")] = None
+    kv_cache_memory: Annotated[int | None, Flag("KV cache bytes on CPU (e.g. 256M, 1GiB)",
+                                                parse=parse_size)] = None
+    num_blocks: Annotated[int | None, Flag("exact number of KV blocks (overrides the memory budget)")] = None
+    block_size: Annotated[int | None, Flag("tokens per KV block")] = None
+    gpu_memory_utilization: Annotated[float | None, Flag("CUDA: fraction of device memory to use")] = None
+    enable_prefix_caching: Annotated[bool | None, Flag("disable the prefix cache", name="--no-prefix-caching",
+                                                       negate=True)] = None
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"] | None, Flag()] = None
+    seed: Annotated[int | None, Flag()] = None
+    device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
+    attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None
+    num_threads: Annotated[int | None, Flag("torch intra-op threads on CPU")] = None
+
+    def config_kwargs(self) -> dict[str, object]:
+        """The options that were set, as build_engine_config keywords (``model`` is its first argument)."""
+        return {name: getattr(self, name) for name in self.__struct_fields__
+                if name != "model" and getattr(self, name) is not None}
+
+
+class ServerSettings(msgspec.Struct, **_STRUCT):
     """How the HTTP server behaves (the engine itself is configured by :class:`engine.config.EngineConfig`)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    sse_keepalive_s: float = 15.0
+    host: Annotated[str, Flag("bind address")] = "127.0.0.1"
+    port: Annotated[int, Flag("port")] = 8000
+    sse_keepalive_s: Annotated[float, Flag("seconds between SSE keep-alive comments")] = 15.0
     """Send ``: keep-alive`` SSE comments when no event was sent for this long (below proxy idle timeouts)."""
-    enable_fault_injection: bool = False
+    enable_fault_injection: Annotated[bool, Flag(
+        "honour the x-kvscope-fault: after_tokens=N header (tests only)")] = False
     """Honour the ``x-kvscope-fault`` request header (tests of mid-stream failure, case S3). Off in production."""
-    max_concurrent_requests: int = 0
+    max_concurrent_requests: Annotated[int, Flag("429 above this many; 0 = unlimited")] = 0
     """Generation requests in flight before new ones get 429; 0 = unlimited."""
-    otlp_endpoint: str | None = None
+    otlp_endpoint: Annotated[str | None, Flag(
+        "OTLP/HTTP collector (base URL or …/v1/traces); default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, "
+        "else no export",
+        parse=_with_traces_path, env=_traces_from_env)] = None
     """Full OTLP/HTTP traces URL (``…/v1/traces``); None = no span export."""
-    service_name: str = DEFAULT_SERVICE_NAME
-    buckets: MetricBuckets = field(default_factory=MetricBuckets)
-    """Histogram buckets of the ``kvscope_engine_*`` metrics."""
-    warmup: bool = True
+    service_name: Annotated[str, Flag("OTel service.name (default $OTEL_SERVICE_NAME or kvscope-engine)",
+                                      env="OTEL_SERVICE_NAME")] = DEFAULT_SERVICE_NAME
+    buckets: MetricBuckets = msgspec.field(default_factory=MetricBuckets)
+    """Histogram buckets of the ``kvscope_engine_*`` metrics (``--ttft-buckets`` …, engine/server/metrics.py)."""
+    warmup: Annotated[bool, Flag("skip the warm-up generation", negate=True)] = True
     """Run one short generation before reporting healthy (first-call costs are paid before traffic)."""
-    log_level: str = "info"
-    api_key: str | None = None
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Flag()] = "info"
+    api_key: Annotated[str | None, Flag("require 'Authorization: Bearer KEY' on every route but /health (default: "
+                                        "$KVSCOPE_ENGINE_API_KEY; none = no auth, warned about on a non-loopback "
+                                        "--host)", env=_api_key_from_env)] = None
     """Bearer key required on every route but ``/health`` (engine/server/auth.py); None: no auth."""
 
     def __post_init__(self) -> None:
@@ -68,53 +161,19 @@ class ServerSettings:
                 "key as the upstream's api_key.")
 
 
-def api_key_from(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """``explicit`` (``--api-key``), else ``$KVSCOPE_ENGINE_API_KEY``, else None."""
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of :class:`EngineOptions` and :class:`ServerSettings` (kvscope.settings_cli derives them from
+    the fields: ``--max-model-len``, ``--no-warmup`` …). Returns ``parser``."""
+    return add_flags(add_flags(parser, EngineOptions), ServerSettings)
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine options of parsed flags (unset ones keep the EngineConfig defaults). Raises ValueError."""
+    return load(EngineOptions, given(args, EngineOptions))
+
+
+def server_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerSettings:
+    """The server settings of parsed flags, the environment (``environ``, default ``os.environ``) filling what
+    the flags leave unset. Raises ValueError naming the invalid value."""
     env = os.environ if environ is None else environ
-    return explicit or env.get("KVSCOPE_ENGINE_API_KEY") or None
-
-
-def traces_endpoint(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The OTLP/HTTP traces URL: ``explicit`` (a base URL or a full ``…/v1/traces`` URL) wins over
-    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (as is) and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (base). None when unset.
-
-    Source: OpenTelemetry spec, "OTLP Exporter Configuration" (signal-specific URLs are used as is, the generic
-    one gets ``v1/traces`` appended).
-    """
-    env = os.environ if environ is None else environ
-    if explicit:
-        return _with_traces_path(explicit)
-    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    return _with_traces_path(base) if base else None
-
-
-def service_name(explicit: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """``explicit``, else ``OTEL_SERVICE_NAME``, else ``kvscope-engine``."""
-    env = os.environ if environ is None else environ
-    return explicit or env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
-
-
-def _with_traces_path(url: str) -> str:
-    url = url.rstrip("/")
-    return url if url.endswith("/v1/traces") else f"{url}/v1/traces"
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"536870912"``, ``"512M"``, ``"512MiB"``, ``"1.5G"`` (binary units). Raises ValueError."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"not a size: {text!r} (examples: 268435456, 256M, 1GiB)")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * _UNITS[unit])
-
-
-def parse_buckets(text: str) -> tuple[float, ...]:
-    """Bucket bounds from ``"0.01,0.1,1"`` (seconds or counts). Validation happens in MetricBuckets."""
-    try:
-        return tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise ValueError(f"bucket bounds must be comma-separated numbers, got {text!r}") from exc
+    return load(ServerSettings, from_env(ServerSettings, env), given(args, ServerSettings))

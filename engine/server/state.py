@@ -9,18 +9,20 @@ from typing import Any
 
 from engine.engine_core import StepResult
 from engine.server.access_log import ACCESS_LOGGER, AccessRecord, emit
+from engine.server.engine_client import EngineClient
 from engine.server.errors import OpenAIError
 from engine.server.settings import ServerSettings
 from engine.server.stat_logger import ServerMetrics
 from engine.server.tracing import Tracing, observe_step
+from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class ServerState:
-    engine: Any
-    """An AsyncEngine (or a test double with the same surface)."""
+    engine: EngineClient
+    """An AsyncEngine (or the server tests' FakeEngine)."""
     settings: ServerSettings
     metrics: ServerMetrics
     tracing: Tracing
@@ -40,15 +42,14 @@ class ServerState:
         return self.engine.info.max_model_len
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def on_step(self, result: StepResult) -> None:
         """The engine's step listener (engine thread): metrics gauges/histograms and request timelines."""
-        scheduler = self.engine.core.scheduler
-        self.metrics.on_step(result, result.stats if result.stats is not None else scheduler.get_stats())
+        self.metrics.on_step(result, result.stats if result.stats is not None else self.engine.scheduler_stats())
         if not result.scheduled_only:  # timelines advance on completed steps only
-            observe_step(list(scheduler.requests.values()))
+            observe_step(self.engine.unfinished_requests())
 
     def on_access_done(self, record: AccessRecord, route: str) -> None:
         self.metrics.on_http_request(route, record.final_status)

@@ -28,7 +28,7 @@ async def prepare_constraint(state: ServerState, params: SamplingParams) -> None
     if constraint is None:
         return
     try:
-        seconds = await asyncio.to_thread(state.engine.core.structured.compile, constraint)
+        seconds = await asyncio.to_thread(state.engine.structured.compile, constraint)
     except InvalidParameterError as exc:
         raise from_engine(exc) from exc
     metrics, model = state.metrics.engine, state.metrics.model

@@ -153,7 +153,7 @@ class OutputProcessor:
 
     def _finish(self, state: _ChildState, completion: CompletionOutput) -> None:
         request = state.request
-        completion.stats = request.stats.to_dict(request.num_output_tokens) if request.stats else None
+        completion.stats = request.stats.summary(request.num_output_tokens) if request.stats else None
         completion.num_cached_tokens = max(request.num_cached_tokens, 0)
         self._children.pop(request.request_id, None)
         parent = self._parents.get(state.parent_id)

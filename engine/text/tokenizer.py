@@ -1,28 +1,27 @@
 """Tokenizer wrapper: HF ``tokenizers`` (tokenizer.json) + the model's jinja2 chat template.
 
 The runtime path never imports transformers: encoding/decoding is the Rust ``tokenizers`` library, the chat
-template is rendered with jinja2 the way ``transformers.utils.chat_template_utils`` does (sandboxed
-environment, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``, ``strftime_now``, the special
-tokens as variables, rendered text tokenized without special tokens).
+template is rendered by :mod:`kvscope.chat_template` (shared with the gateway) the way
+``transformers.utils.chat_template_utils`` does, and the rendered text is tokenized without special tokens.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import InvalidParameterError
-
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+from kvscope.chat_template import (
+    ChatTemplateError,
+    compile_chat_template,
+    load_chat_template,
+    normalize_messages,
+    special_tokens,
+)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -80,7 +79,7 @@ class Tokenizer:
             raise FileNotFoundError(f"{path} not found: the model folder needs a HF fast tokenizer")
         hf = tokenizers.Tokenizer.from_file(str(path))
         tok_config = _read_json(model_dir / "tokenizer_config.json")
-        special = {k: _token_content(tok_config[k]) for k in _SPECIAL_TOKEN_KEYS if tok_config.get(k)}
+        special = special_tokens(tok_config)
         gen_config = _read_json(model_dir / "generation_config.json")
         config = _read_json(model_dir / "config.json")
         eos_ids = [*_as_ids(gen_config.get("eos_token_id")), *_as_ids(_token_id(hf, special.get("eos_token"))),
@@ -88,7 +87,7 @@ class Tokenizer:
         bos_id = _token_id(hf, special.get("bos_token"))
         if bos_id is None:
             bos_id = next(iter(_as_ids(gen_config.get("bos_token_id") or config.get("bos_token_id"))), None)
-        return cls(hf, _load_chat_template(model_dir, tok_config), special, eos_ids, bos_id)
+        return cls(hf, load_chat_template(model_dir, tok_config), special, eos_ids, bos_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (e.g. a BOS)."""
@@ -134,7 +133,10 @@ class Tokenizer:
         if self._template is None:
             raise InvalidParameterError("messages", "this model has no chat template; use /v1/completions")
         variables = {**self.special_tokens, **template_kwargs}
-        return self._template(normalize_messages(messages), add_generation_prompt, variables)
+        try:
+            return self._template(normalize_messages(messages), add_generation_prompt, variables)
+        except ChatTemplateError as exc:
+            raise InvalidParameterError("messages", str(exc)) from exc
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = True, **template_kwargs: Any) -> list[int] | str:
@@ -150,11 +152,6 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def _token_content(value: str | Mapping) -> str:
-    """tokenizer_config writes special tokens as a string or a serialized AddedToken ``{"content": ...}``."""
-    return value["content"] if isinstance(value, Mapping) else value
-
-
 def _token_id(hf: tokenizers.Tokenizer, token: str | None) -> int | None:
     return hf.token_to_id(token) if token else None
 
@@ -165,93 +162,7 @@ def _as_ids(value: int | Sequence[int] | None) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
-def _load_chat_template(model_dir: Path, tok_config: Mapping) -> str | None:
-    """``chat_template.jinja`` if present, else tokenizer_config's ``chat_template`` (a string or a list of
-    ``{"name", "template"}``, of which ``default`` is used)."""
-    path = model_dir / "chat_template.jinja"
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    template = tok_config.get("chat_template")
-    if isinstance(template, list):
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default")
-    return template
-
-
 def _token_kind(decoder: Mapping) -> str:
     """``byte_level`` when the decoder (or one of a Sequence's decoders) is ByteLevel, else ``sentencepiece``."""
     decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     return "byte_level" if any(d.get("type") == "ByteLevel" for d in decoders) else "sentencepiece"
-
-
-# --- chat template (mirrors transformers.utils.chat_template_utils._cached_compile_jinja_template) ----------
-
-ChatRenderer = Callable[[list[dict], bool, Mapping[str, Any]], str]
-
-
-def compile_chat_template(source: str) -> ChatRenderer:
-    """Compile a HF chat template; returns ``render(messages, add_generation_prompt, variables) -> str``.
-
-    Same environment as transformers: ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)``
-    with loop controls, a no-op ``{% generation %}`` block, ``tojson`` (no HTML escaping, ``ensure_ascii``
-    off), ``raise_exception`` and ``strftime_now``. Template errors surface as
-    InvalidParameterError("messages").
-    """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    template = env.from_string(source)
-
-    def render(messages: list[dict], add_generation_prompt: bool, variables: Mapping[str, Any]) -> str:
-        try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as exc:
-            raise InvalidParameterError("messages", f"chat template error: {exc}") from exc
-
-    return render
-
-
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """Copy messages for the template: drop keys whose value is None (as transformers does) and join list
-    content's text parts with newlines. Raises InvalidParameterError("messages") for other part types."""
-    normalized = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise InvalidParameterError("messages", f"each message must be an object, got {message!r}")
-        item = {k: v for k, v in message.items() if v is not None}
-        if isinstance(item.get("content"), list):
-            item["content"] = "\n".join(_text_part(part) for part in item["content"])
-        normalized.append(item)
-    return normalized
-
-
-def _text_part(part: Any) -> str:
-    if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-    raise InvalidParameterError("messages", f"content part of type {kind!r} is not supported (text only)")
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}…{% endgeneration %}`` renders its body (transformers uses it for assistant masks)."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Callable[[], str]) -> str:
-        return caller()

@@ -29,7 +29,7 @@ class ModelInputs:
 def build_model_inputs(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
     """Pack the scheduled chunks into flat tensors.
 
-    slot of token at position p = block_ids[p // block_size] * block_size + p % block_size (design.md §3).
+    slot of token at position p = block_ids[p // block_size] * block_size + p % block_size (docs/architecture.md, "KV cache layout").
     Raises ValueError when the output schedules nothing.
     """
     scheduled = scheduler_output.scheduled

@@ -1,5 +1,6 @@
-"""KV-cache sizing and allocation (design.md §3 "Paged KV cache"; the formula is vLLM's
-``get_kv_cache_spec``: 2 (K and V) × layers × block_size × kv_heads × head_dim × bytes per element)."""
+"""KV-cache sizing and allocation (layout: docs/architecture.md, "KV cache layout"). The formula is vLLM's
+``AttentionSpec.page_size_bytes`` (vllm/v1/kv_cache_interface.py, https://github.com/vllm-project/vllm):
+2 (K and V) × layers × block_size × kv_heads × head_dim × bytes per element."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The request log record (design.md §4.2): one nested JSON object per request, every outcome.
+"""The request log record (docs/gateway.md, "Request log"): one nested JSON object per request, every outcome.
 
 ECS field names where ECS has one, OpenTelemetry ``gen_ai.*`` for model fields, ``kvscope.*`` for the rest.
 Every field below is always present (``null`` when it does not apply), so that sinks and index templates see

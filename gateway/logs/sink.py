@@ -1,6 +1,6 @@
 """The request-log sink interface: every sink (JSONL file, stdout, Elasticsearch) implements it.
 
-A record is one request's log line as a nested JSON-able dict (ECS style; design.md §4.2). The request path
+A record is one request's log line as a nested JSON-able dict (ECS style; fields in docs/gateway.md, "Request log"). The request path
 only calls :meth:`LogSink.emit`, which must never block and never raise; sinks do their I/O off the request path
 and account for every record in ``kvscope_gateway_log_records_total{sink,outcome}``.
 """

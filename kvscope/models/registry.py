@@ -25,7 +25,6 @@ class ModelSpec:
     """sha256 (hex) of the extracted .gguf."""
     served_model_name: str
     """Name reported by ``/v1/models``."""
-    architecture: str = "LlamaForCausalLM"
 
     @property
     def gguf_filename(self) -> str:

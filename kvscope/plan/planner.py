@@ -1,6 +1,6 @@
 """``plan()``: model shape + device + workload → memory, capacity, speed envelope and engine flags.
 
-The memory model is the engine's own (engine/engine_core.py ``_budget_blocks``): on CUDA the KV cache gets
+The memory model is the engine's own (engine/worker/kv_cache.py ``budget_num_blocks``): on CUDA the KV cache gets
 ``memory × gpu_memory_utilization − weights − CUDA context`` (the engine measures free memory after loading
 the weights; activations come out of the ``1 − utilization`` headroom); on CPU it gets ``--kv-cache-memory``.
 Every figure is in bytes, seconds or tokens; see formulas.py for the formulas and their sources.

@@ -1,4 +1,4 @@
-"""engine.server.metrics: the exact kvscope_engine_* names, types and labels of design.md §4.3, bucket defaults and
+"""engine.server.metrics: the exact kvscope_engine_* names, types and labels of docs/metrics.md, bucket defaults and
 validation, and exposition after initialize()."""
 
 from __future__ import annotations

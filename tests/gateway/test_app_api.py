@@ -122,7 +122,7 @@ def test_wrong_method_unknown_path_and_big_body_are_openai_shaped(stack: Stack) 
         wrong = c.get("/v1/chat/completions")
         assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
         missing = c.get("/nope")
-        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
         big = c.post("/v1/chat/completions", content=b"x" * (8 * 1024 * 1024 + 1))
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
         assert "8388609 bytes" in big.json()["error"]["message"]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gateway.auth import hash_key
 from gateway.errors import NotFound
 from gateway.forwarded import ClientAddressResolver, forwarded_for, parse_networks, parse_node
-from gateway.passthrough import upstream_path
+from gateway.proxy.passthrough import upstream_path
 from gateway.target import names_generation_api, target_problem
 from tests.gateway.conftest import KEYS, Stack, build_stack
 from tests.gateway.harness import LoopThread, RawResponse, raw_http, records_by_id

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from engine.async_engine import RequestFailedError
 from engine.core.request import Request, RequestStatus
 from engine.core.stats import SchedulerStats
-from engine.engine_core import EngineCore, StepResult
+from engine.engine_core import StepResult
 from engine.errors import EngineDeadError
+from engine.input_processor import EngineRequest, InputProcessor
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -73,13 +74,8 @@ class FakeScheduler:
 
 class FakeCore:
     def __init__(self, info: FakeInfo) -> None:
-        self.max_model_len = info.max_model_len
-        self.vocab_size = FakeTokenizer.vocab_size
         self.scheduler = FakeScheduler()
-        self.device = "cpu"
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        return EngineCore.check_request(self, prompt_token_ids, params)  # type: ignore[arg-type]
+        self.input_processor = InputProcessor(info.max_model_len, FakeTokenizer.vocab_size)
 
 
 @dataclass
@@ -96,6 +92,7 @@ class FakeEngine:
     def __post_init__(self) -> None:
         self.tokenizer = FakeTokenizer()
         self.core = FakeCore(self.info)
+        self.device = "cpu"
         self.is_running = False
         self.listener = None
         self._failures: dict[str, str] = {}
@@ -103,7 +100,7 @@ class FakeEngine:
     def start(self) -> None:
         self.is_running = True
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         self.is_running = False
 
     def set_step_listener(self, listener) -> None:
@@ -113,11 +110,23 @@ class FakeEngine:
         self.aborted.append((request_id, reason))
         self._failures[request_id] = reason
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None, trace_context: object | None = None):
+    def get_request(self, request_id: str) -> Request | None:
+        return self.core.scheduler.get_request(request_id)
+
+    def unfinished_requests(self) -> list[Request]:
+        return list(self.core.scheduler.requests.values())
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self.core.scheduler.get_stats()
+
+    def process_inputs(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        return self.core.input_processor.process(prompt_token_ids, params)
+
+    async def generate(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
+                       trace_context: object | None = None):
         if not self.is_running:
             raise EngineDeadError("fake engine stopped")
-        self.core.check_request(prompt_token_ids, params)
+        prompt_token_ids, params = request.prompt_token_ids, request.params
         self.started.append(request_id)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
@@ -178,7 +187,7 @@ class FakeEngine:
             child.status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
             out.text += decoder.decode(b"", final=True)
             out.finish_reason = reason
-            out.stats = child.stats.to_dict(child.num_output_tokens)
+            out.stats = child.stats.summary(child.num_output_tokens)
         return out
 
     async def _sleep(self, seconds: float, request_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Request log records for tests, built independently of the gateway's record builder, per design.md §4.2."""
+"""Request log records for tests, built independently of the gateway's record builder, per docs/gateway.md "Request log"."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def make_record(i: int, *, ts: datetime | None = None, model: str = MODELS[0], s
 
 def engine_stats(queue_s: float, prefill_s: float, decode_s: float, *, batch_mean: float = 4.0,
                  batch_max: int = 8, kv_usage: float = 0.3, preemptions: int = 0) -> dict[str, Any]:
-    """The ``kvscope.engine`` object (design.md §4.1)."""
+    """The ``kvscope.engine`` object (docs/engine-server.md, "The kvscope object")."""
     return {"queue_s": queue_s, "ttft_s": queue_s + prefill_s, "prefill_s": prefill_s, "decode_s": decode_s,
             "tpot_s": decode_s / 39, "batch_size_mean": batch_mean, "batch_size_max": batch_max,
             "kv_blocks": 4, "kv_cache_usage": kv_usage, "num_preemptions": preemptions}

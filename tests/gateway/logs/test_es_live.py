@@ -8,11 +8,11 @@ import uuid
 
 import pytest
 
+from gateway.analytics.es_logs import EsLogs
 from gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchSinkConfig
 from gateway.logs.es_client import EsConnectionConfig, make_client
 from gateway.logs.es_setup import EsIndexConfig
 from gateway.logs.es_shipper import ShipperConfig
-from gateway.logs.report_es import EsLogs
 from gateway.logs.spool import SpoolConfig
 from tests.gateway.logs.records import engine_stats, make_record
 

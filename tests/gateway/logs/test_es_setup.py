@@ -8,7 +8,7 @@ import json
 import pytest
 from elasticsearch import ApiError, UnsupportedProductError
 
-from gateway.logs.cli import logs_main
+from gateway.analytics.cli import logs_main
 from gateway.logs.es_client import EsConnectionConfig, make_client
 from gateway.logs.es_setup import EsIndexConfig, ensure_setup, record_properties
 from tests.gateway.logs.es_double import EsDouble

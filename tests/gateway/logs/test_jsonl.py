@@ -13,8 +13,8 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gateway.analytics.duckdb_logs import DuckDBLogs
 from gateway.logs.jsonl import complete_copy, complete_lines, parse_records, read_records
-from gateway.logs.report_duckdb import DuckDBLogs
 from gateway.logs.sinks import JsonlFileSink, StdoutSink
 from gateway.metrics import GatewayMetrics
 from tests.gateway.logs.records import make_record

@@ -4,8 +4,9 @@
 cancels everything, closing the upstream connection at once, so the engine aborts), picks replicas
 (least outstanding), retries on another replica while nothing has reached the client yet, enforces the
 timeouts, and relays the answer: JSON as the upstream's exact bytes, streams through
-:class:`gateway.streaming.StreamRelay`. Errors before the response started are JSON with their status;
-after it started they go in-band (``data: {"error": …}``, no ``[DONE]``).
+:class:`gateway.proxy.relay.StreamRelay`. What the relay returns (a :class:`~gateway.proxy.relay.RelayOutcome`)
+is applied to the request context here, before the client's response ends. Errors before the response started
+are JSON with their status; after it started they go in-band (``data: {"error": …}``, no ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -33,9 +33,11 @@ from gateway.errors import (
     upstream_gateway_error,
 )
 from gateway.genai_attrs import base_attributes, end_attributes
+from gateway.proxy.client import ClientResponse
+from gateway.proxy.plan import ProxyPlan
+from gateway.proxy.relay import RelayOutcome, StreamRelay, StreamTerms, completion_outcome
+from gateway.proxy.upstreams import Replica
 from gateway.sse import data_event
-from gateway.streaming import StreamRelay
-from gateway.upstreams import Replica
 
 if TYPE_CHECKING:
     from gateway.context import RequestContext
@@ -52,28 +54,12 @@ an engine started with ``--enable-fault-injection``; docs/engine-server.md), so 
 mid-stream through the gateway."""
 
 
-@dataclass(frozen=True, slots=True)
-class ProxyPlan:
-    """What admission decided: where and what to send, and how to read the answer."""
-
-    path: str
-    body: bytes
-    model: str
-    stream: bool
-    include_usage: bool
-    """The client asked for the usage chunk (the upstream is always asked)."""
-    expected_choices: int
-    operation: str
-
-
 class ProxyCall:
     """ASGI app running one request against the upstream pool; see the module docstring."""
 
     def __init__(self, gw: GatewayState, ctx: RequestContext, plan: ProxyPlan) -> None:
         self.gw, self.ctx, self.plan = gw, ctx, plan
-        self.committed = False
-        """The response has started: no retry, errors go in-band."""
-        self.finished = False
+        self.client = ClientResponse(_never_sent)
         self.disconnected = False
         self.attempt_start = 0.0
         self.upstream_end: float | None = None
@@ -81,7 +67,6 @@ class ProxyCall:
         self.client_span: Span | None = None
         self.call_start = 0.0
         self.base_attrs: dict[str, Any] = {}
-        self._send: Send | None = None
         self._forwarded: dict[str, str] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,7 +75,7 @@ class ProxyCall:
         await self._serve(receive, send)
 
     async def _serve(self, receive: Receive, send: Send) -> None:
-        self._send = send
+        self.client = ClientResponse(send)
         task = asyncio.current_task()
         watcher = asyncio.create_task(self._watch_disconnect(receive, task))
         self.call_start = time.perf_counter()
@@ -105,14 +90,14 @@ class ProxyCall:
                 raise
             task.uncancel()
             self.ctx.mark_disconnected(self.phase())
-            if not self.committed:
+            if not self.client.committed:
                 self.ctx.status = CLIENT_CLOSED_REQUEST
         except Exception as exc:  # a bug must still end the response properly (and be logged)
             _log.exception("proxy error on request %s", self.ctx.request_id)
-            if not self.finished:
+            if not self.client.finished:
                 await self.fail(GatewayError(f"internal gateway error ({type(exc).__name__})"))
         finally:
-            self.finished = True
+            self.client.finished = True
             watcher.cancel()
             self._end_client_span()
 
@@ -132,7 +117,7 @@ class ProxyCall:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if not self.finished and task is not None:
+                if not self.client.finished and task is not None:
                     self.disconnected = True
                     task.cancel()
                 return
@@ -176,7 +161,7 @@ class ProxyCall:
             if response.status_code != 200:
                 await self._relay_status(replica, response, deadline)
             elif self.plan.stream:
-                await StreamRelay(self, response, replica, deadline).run()
+                await self._relay_stream(replica, response, deadline)
             else:
                 await self._relay_json(replica, response, deadline)
         finally:
@@ -243,61 +228,76 @@ class ProxyCall:
     async def _relay_json(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
         body = await self.read_body(replica, response, deadline)
         self.gw.pool.report_success(replica)
-        self._read_completion(body)
+        if (outcome := completion_outcome(body, self.gw.settings.logs.log_content)) is not None:
+            self._take(outcome)
         content_type = response.headers.get("content-type", "application/json")
-        await self.start_response(200, [(b"content-type", content_type.encode()),
-                                        (b"content-length", str(len(body)).encode())])
-        await self.send_body(body, final=True)
+        await self.client.start(200, [(b"content-type", content_type.encode()),
+                                      (b"content-length", str(len(body)).encode())])
+        await self.client.body(body, final=True)
 
-    def _read_completion(self, body: bytes) -> None:
+    async def _relay_stream(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
+        """Relay the SSE stream, apply its outcome, then end the client's response (or raise the failure)."""
+        t = self.gw.settings
+        relay = StreamRelay(self.client, response, replica, self.gw.pool, StreamTerms(
+            timeouts=t.timeouts, deadline=deadline, attempt_start=self.attempt_start, request_start=self.ctx.start,
+            first_token_at=self.ctx.first_token_at, expected_choices=self.plan.expected_choices,
+            include_usage=self.plan.include_usage, keep_text=t.logs.log_content,
+            client_fault=self.client_caused_failure))
         try:
-            obj = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return
-        if not isinstance(obj, dict):
-            return
+            outcome = await relay.run()
+        except BaseException:  # cancelled (the client left) or a bug: log what was relayed so far
+            self._take(relay.outcome())
+            await relay.aclose()
+            raise
+        try:
+            self._take(outcome)  # the request's numbers are final before the client sees the end
+            if outcome.failure is not None:
+                raise outcome.failure
+            await self.client.body(b"", final=True)
+            if outcome.drain:
+                await relay.drain()
+        finally:
+            await relay.aclose()
+
+    def _take(self, outcome: RelayOutcome) -> None:
+        """Apply a relay's outcome to the request context (the log record, spans and metrics read it)."""
         ctx = self.ctx
-        ctx.usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
-        ctx.engine = obj.get("kvscope") if isinstance(obj.get("kvscope"), dict) else None
-        ctx.response_model = obj.get("model")
-        ctx.response_id = obj.get("id") if isinstance(obj.get("id"), str) else None
-        choices = [c for c in obj.get("choices") or [] if isinstance(c, dict)]
-        ctx.finish_reasons = [c.get("finish_reason") for c in choices if c.get("finish_reason")]
-        if self.gw.settings.logs.log_content:
-            ctx.output_content = [(c.get("message") or {}).get("content") or c.get("text") for c in choices]
+        ctx.usage, ctx.engine = outcome.usage, outcome.engine
+        ctx.response_model, ctx.response_id = outcome.response_model, outcome.response_id
+        ctx.finish_reasons = list(outcome.finish_reasons)
+        ctx.output_events = outcome.token_events
+        ctx.output_content = outcome.output_content
+        ctx.first_token_at = outcome.first_token_at if outcome.first_token_at is not None else ctx.first_token_at
+        self.last_token_at = outcome.last_token_at or self.last_token_at
+        self.upstream_end = outcome.upstream_end
+        if (error := outcome.upstream_error) is not None:
+            ctx.stream_error = "upstream_error"
+            ctx.error_type = str(error.get("code") or error.get("type") or "upstream_error")
+            ctx.error_message = str(error.get("message", ""))
 
     async def _relay_answer(self, answer: UpstreamAnswer) -> None:
         """An upstream's non-200 answer with its status; non-JSON bodies are wrapped in an OpenAI error."""
         error, native = upstream_error_object(answer.status, answer.body)
         body = answer.body if native else msgspec.json.encode({"error": error})
         self.ctx.set_error(upstream_gateway_error(error))
-        await self.start_response(answer.status, [(b"content-type", b"application/json"),
-                                                  (b"content-length", str(len(body)).encode())])
-        await self.send_body(body, final=True)
+        await self.client.start(answer.status, [(b"content-type", b"application/json"),
+                                                (b"content-length", str(len(body)).encode())])
+        await self.client.body(body, final=True)
 
-    # --- writing to the client ----------------------------------------------------------------------------
-    async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.committed = True
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def send_body(self, data: bytes, final: bool = False) -> None:
-        if final:
-            self.finished = True  # from here a disconnect message is the normal end, not the client leaving
-        await self._send({"type": "http.response.body", "body": data, "more_body": not final})
-
+    # --- ending ------------------------------------------------------------------------------------------
     async def fail(self, err: GatewayError) -> None:
         """End with ``err``: a JSON error response, or in-band (SSE error event) once the stream started."""
         self.ctx.set_error(err)
-        if not self.committed:
+        if not self.client.committed:
             body = error_json(err)
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        *((k.encode(), v.encode()) for k, v in err.headers.items())]
-            await self.start_response(err.status, headers)
-            await self.send_body(body, final=True)
+            await self.client.start(err.status, headers)
+            await self.client.body(body, final=True)
             return
         self.ctx.stream_error = _STREAM_REASONS.get(err.code or "", "upstream_error")
-        await self.send_body(data_event(err.body()))
-        await self.send_body(b"", final=True)
+        await self.client.body(data_event(err.body()))
+        await self.client.body(b"", final=True)
 
     def _end_client_span(self) -> None:
         span, ctx = self.client_span, self.ctx
@@ -316,3 +316,7 @@ class ProxyCall:
             self.gw.tracer.record_phases(span, ctx.epoch_ns(self.attempt_start), ctx.epoch_ns(ctx.first_token_at),
                                          ctx.epoch_ns(last))
         span.end()
+
+
+async def _never_sent(message: object) -> None:
+    raise RuntimeError("ProxyCall: the response was written before the call was started")

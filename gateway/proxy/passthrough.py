@@ -1,7 +1,9 @@
 """Pass-through of ``/v1/*`` paths the gateway does not interpret (embeddings, tokenize, files …).
 
-Paths naming a generation API are never forwarded (404; gateway/target.py). Auth and the body-size limit apply; a JSON body naming a ``model`` is routed to a replica serving it (404
-for an unknown model, 403 if the key may not use it), other requests go to any healthy replica. Connection
+Paths naming a generation API are never forwarded (404, :func:`forwardable`, the route's first guard;
+gateway/target.py). Auth (the route's next guard) and the body-size limit apply; a JSON body naming a
+``model`` is routed to a replica serving it (404 for an unknown model, 403 if the key may not use it), other
+requests go to any healthy replica. Connection
 failures are retried on another replica; the answer is streamed back unchanged (hop-by-hop headers removed).
 """
 
@@ -16,9 +18,13 @@ from urllib.parse import unquote
 import httpx
 import msgspec
 from litestar import Request
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 
-from gateway.admission import authenticate, context_of, read_body
+from gateway.auth import Principal
+from gateway.body import read_body
+from gateway.context import context_of
 from gateway.errors import (
     ModelNotFound,
     NotFound,
@@ -27,8 +33,8 @@ from gateway.errors import (
     upstream_error_object,
     upstream_gateway_error,
 )
+from gateway.proxy.upstreams import Replica
 from gateway.target import names_generation_api
-from gateway.upstreams import Replica
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
@@ -57,6 +63,15 @@ def upstream_path(raw_path: str) -> str:
     return raw_path
 
 
+def _raw_path(connection: ASGIConnection) -> str:
+    return connection.scope.get("raw_path", b"").decode("latin-1") or connection.url.path
+
+
+async def forwardable(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Route guard: NotFound (404) unless the path may be forwarded (:func:`upstream_path`)."""
+    upstream_path(_raw_path(connection))
+
+
 def _model_of(body: bytes) -> str | None:
     try:
         obj = msgspec.json.decode(body) if body else None
@@ -66,12 +81,11 @@ def _model_of(body: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
-async def passthrough(gw: GatewayState, request: Request) -> Stream:
-    """Forward the request; raises ModelNotFound/PermissionDenied/UpstreamUnavailable before any upstream
-    call."""
+async def passthrough(gw: GatewayState, request: Request, principal: Principal) -> Stream:
+    """Forward the request of ``principal`` (its path checked by :func:`forwardable`); raises
+    ModelNotFound/PermissionDenied/UpstreamUnavailable before any upstream call."""
     ctx = context_of(request)
-    path = upstream_path(request.scope.get("raw_path", b"").decode("latin-1") or request.url.path)
-    principal = authenticate(gw, request)
+    path = _raw_path(request)
     body = await read_body(request, gw.settings.max_body_bytes)
     model = _model_of(body)
     if model is not None:

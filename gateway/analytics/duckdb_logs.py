@@ -20,9 +20,7 @@ from typing import Any
 
 import duckdb
 
-from gateway.logs.es_setup import record_properties
-from gateway.logs.jsonl import complete_copy
-from gateway.logs.report_model import (
+from gateway.analytics.report import (
     ERROR_STATUS,
     GROUP_FIELDS,
     LATENCY_FIELDS,
@@ -33,6 +31,8 @@ from gateway.logs.report_model import (
     es_time,
     slow_request,
 )
+from gateway.logs.es_setup import record_properties
+from gateway.logs.jsonl import complete_copy
 
 PERCENTILE_METHOD = "exact, linear interpolation (DuckDB quantile_cont, Hyndman-Fan type 7)"
 ARRAY_FIELDS = {"event.category", "event.type", "gen_ai.response.finish_reasons"}

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gateway.logs.es_settings import CliEnv, cli_env
 
 if TYPE_CHECKING:
-    from gateway.logs.analytics import LogSource
+    from gateway.analytics.commands import LogSource
 
 COMMANDS = ("setup-es", "report", "search", "plot")
 
@@ -46,8 +46,8 @@ def _source_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
 
 
 def build_parser(env: CliEnv) -> argparse.ArgumentParser:
-    from gateway.logs.report_model import GROUP_FIELDS
-    from gateway.logs.report_render import FORMATS
+    from gateway.analytics.render import FORMATS
+    from gateway.analytics.report import GROUP_FIELDS
 
     parser = argparse.ArgumentParser(prog="kvscope logs", description="Request-log analytics.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -80,7 +80,7 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
 
 
 def _log_source(args: argparse.Namespace, location: str) -> LogSource:
-    from gateway.logs.analytics import LogSource
+    from gateway.analytics.commands import LogSource
     from gateway.logs.es_client import EsConnectionConfig
 
     basic = (args.user, args.password or "") if args.user else None
@@ -114,9 +114,9 @@ async def _setup_es(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from gateway.logs import analytics
-    from gateway.logs.report_plot import parse_bucket
-    from gateway.logs.report_render import render_records, render_report
+    from gateway.analytics import commands
+    from gateway.analytics.plot import parse_bucket
+    from gateway.analytics.render import render_records, render_report
 
     if args.command == "setup-es":
         return await _setup_es(args)
@@ -125,14 +125,14 @@ async def _run(args: argparse.Namespace) -> int:
                          "(or set KVSCOPE_LOGS_SOURCE)")
     source = _log_source(args, args.source)
     if args.command == "report":
-        render_report(await analytics.report(source, since=args.since, by=args.by, top=args.top),
+        render_report(await commands.report(source, since=args.since, by=args.by, top=args.top),
                       args.format, sys.stdout)
     elif args.command == "search":
-        records = await analytics.search(source, args.query, since=args.since, limit=args.limit)
+        records = await commands.search(source, args.query, since=args.since, limit=args.limit)
         render_records(records, args.format, sys.stdout)
     else:
         bucket = parse_bucket(args.bucket) if args.bucket else None
-        for path in await analytics.plot(source, args.out, since=args.since, bucket_s=bucket):
+        for path in await commands.plot(source, args.out, since=args.since, bucket_s=bucket):
             print(f"wrote {path}")
     return 0
 

@@ -14,11 +14,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from gateway.analytics.duckdb_logs import DuckDBLogs
+from gateway.analytics.es_logs import EsLogs
+from gateway.analytics.plot import auto_bucket_s, plot_histogram, plot_latency
+from gateway.analytics.report import Report, parse_since
 from gateway.logs.es_client import EsConnectionConfig, is_es_url, make_client
-from gateway.logs.report_duckdb import DuckDBLogs
-from gateway.logs.report_es import EsLogs
-from gateway.logs.report_model import Report, parse_since
-from gateway.logs.report_plot import auto_bucket_s, plot_histogram, plot_latency
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.table import Table
 
-from gateway.logs.report_model import Report, dotted, es_time
+from gateway.analytics.report import Report, dotted, es_time
 
 FORMATS = ("table", "json", "csv")
 RECORD_COLUMNS = {

@@ -1,0 +1,62 @@
+"""The one validation point of an engine request, where it enters the engine (vLLM v1's ``InputProcessor``,
+vllm/v1/engine/input_processor.py).
+
+A prompt and its :class:`~engine.sampling_params.SamplingParams` (which checked their own ranges when built) are
+checked here against the loaded model: token ids in the vocabulary, prompt + ``max_tokens`` within the context.
+What passes is an :class:`EngineRequest`; the engine queues nothing else, so no layer below checks again (the
+scheduler only asserts its own invariants). Callers: ``AsyncEngine.process_inputs`` (the server, for every
+prompt before any of them starts) and ``EngineCore.add_request`` (the offline LLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.errors import InvalidParameterError, PromptTooLongError
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A prompt that passed :meth:`InputProcessor.process`, with the limits resolved."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """New tokens at most: ``params.max_tokens``, else what is left of the context after the prompt."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputProcessor:
+    """Checks requests against the model's context length (tokens) and vocabulary size."""
+
+    max_model_len: int
+    vocab_size: int
+    compile_constraint: Callable[..., float] | None = None
+    """Compiles (and caches) a structured-output constraint, raising InvalidParameterError naming the field for
+    an unsupported schema keyword or a bad regex/grammar (engine.structured.backend.StructuredOutputManager)."""
+
+    def process(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """The checked request. Raises InvalidParameterError (``param`` = ``prompt``, ``logit_bias``,
+        ``stop_token_ids`` or ``min_tokens``) and PromptTooLongError (prompt + max_tokens beyond
+        ``max_model_len``, or a prompt that leaves no room for one token)."""
+        last_id = self.vocab_size - 1
+        if not prompt_token_ids:
+            raise InvalidParameterError("prompt", "The prompt is empty: it encodes to zero tokens.")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) > last_id:
+            raise InvalidParameterError("prompt", f"Token ids must be in [0, {last_id}].")
+        for name, ids in (("logit_bias", (params.logit_bias or {}).keys()), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= i <= last_id for i in ids):
+                raise InvalidParameterError(name, f"{name} token ids must be in [0, {last_id}].")
+        num_prompt = len(prompt_token_ids)
+        left = self.max_model_len - num_prompt
+        if (params.max_tokens or 0) > left or left <= 0:
+            raise PromptTooLongError(max_model_len=self.max_model_len, num_prompt_tokens=num_prompt,
+                                     max_tokens=params.max_tokens)
+        if params.max_tokens is None and params.min_tokens > left:
+            raise InvalidParameterError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {left} tokens "
+                                        f"left in the context ({self.max_model_len} - {num_prompt} prompt tokens).")
+        if params.structured_outputs is not None and self.compile_constraint is not None:
+            self.compile_constraint(params.structured_outputs)
+        return EngineRequest(list(prompt_token_ids), params, params.max_tokens or left)

@@ -1,0 +1,69 @@
+"""``EngineClient``: everything the server asks of the engine (vLLM's ``EngineClient``, vllm/engine/protocol.py).
+
+:class:`engine.async_engine.AsyncEngine` satisfies it; the server tests' scripted FakeEngine does too. The
+server holds the engine only through this protocol, never through ``AsyncEngine``'s internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from engine.core.request import Request
+from engine.core.stats import SchedulerStats
+from engine.engine_core import ModelInfo, StepResult
+from engine.input_processor import EngineRequest
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.structured.backend import StructuredOutputManager
+from engine.text.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    """The engine surface of the server: lifecycle, requests, and read-only views of its state."""
+
+    info: ModelInfo
+    """The loaded model (name, context length, KV cache and weight bytes)."""
+    tokenizer: Tokenizer
+    device: str
+    """Where the model runs (``cpu``, ``cuda:0`` …)."""
+    structured: StructuredOutputManager
+    """Structured-output grammar compiler and cache (the server compiles a request's constraint with it)."""
+
+    @property
+    def is_running(self) -> bool:
+        """True while the step loop runs and no shutdown began."""
+        ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail every in-flight request ("engine shutting down") and stop the step loop."""
+        ...
+
+    def set_step_listener(self, listener: Callable[[StepResult], None] | None) -> None:
+        """``listener`` hears every step (on the engine thread)."""
+        ...
+
+    def process_inputs(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """The request's one validation; raises InvalidParameterError / PromptTooLongError."""
+        ...
+
+    def generate(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
+                 trace_context: object | None = None) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of a validated request until the finished one; closing it early aborts the request."""
+        ...
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort in any phase; ``reason`` other than ``abort`` fails the request (RequestFailedError)."""
+        ...
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live Request of an unfinished (child) request id (read-only), else None."""
+        ...
+
+    def unfinished_requests(self) -> list[Request]:
+        """Every unfinished Request (read-only)."""
+        ...
+
+    def scheduler_stats(self) -> SchedulerStats: ...

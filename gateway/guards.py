@@ -1,0 +1,59 @@
+"""Litestar guards of the routes (gateway/routes.py), run in the order a route lists them, before its handler:
+the method it accepts (405), the generation operation it serves, and the caller's API key (401).
+
+Authentication happens here and nowhere else: :func:`authenticated` checks ``Authorization: Bearer <key>``
+(gateway/auth.py), records ``user.id`` in the request context and leaves the
+:class:`~gateway.auth.Principal` in ``scope["user"]`` (Litestar's place for it: ``request.user``), which the
+handlers read through :func:`principal_of`. Guard errors are GatewayErrors, answered as OpenAI JSON by the
+app's exception handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+
+from gateway.auth import Principal
+from gateway.context import context_of
+from gateway.errors import MethodNotAllowed
+from gateway.state import state_of
+
+Guard = Callable[[ASGIConnection, BaseRouteHandler], Awaitable[None]]
+"""Guards are coroutines: Litestar runs a plain function guard in a worker thread."""
+
+
+def only(method: str) -> Guard:
+    """A guard refusing every other method with the OpenAI-shaped 405 ``method_not_allowed`` (the routes
+    declare all methods, so that a wrong one gets this message rather than Litestar's)."""
+
+    async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if connection.scope["method"] != method:
+            raise MethodNotAllowed(f"{connection.scope['method']} is not allowed on {connection.url.path}; "
+                                   f"use {method}.")
+
+    return guard
+
+
+def names_operation(operation: str) -> Guard:
+    """A guard that refuses nothing: it records ``gen_ai.operation.name`` (``chat``, ``text_completion``)
+    before authentication, so a generation request refused with 401 is logged with its operation."""
+
+    async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        context_of(connection).operation = operation
+
+    return guard
+
+
+async def authenticated(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Authenticate the caller (AuthenticationFailed, 401, on a missing, malformed or unknown key; everyone
+    is ``anonymous`` when no key is configured); records ``user.id`` and stores the principal."""
+    principal = state_of(connection).auth.authenticate(connection.headers.get("authorization"))
+    context_of(connection).key_id = principal.key_id if principal.authenticated else None
+    connection.scope["user"] = principal
+
+
+def principal_of(connection: ASGIConnection) -> Principal:
+    """The caller :func:`authenticated` found (the route must list that guard)."""
+    return connection.scope["user"]

@@ -1,0 +1,19 @@
+"""What admission (gateway/admission.py) hands the proxy: a leaf module, so admission never imports the call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyPlan:
+    """What admission decided: where and what to send, and how to read the answer."""
+
+    path: str
+    body: bytes
+    model: str
+    stream: bool
+    include_usage: bool
+    """The client asked for the usage chunk (the upstream is always asked)."""
+    expected_choices: int
+    operation: str

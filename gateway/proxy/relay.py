@@ -1,0 +1,277 @@
+"""Reading one upstream answer into the client's response, and what it amounted to.
+
+:class:`StreamRelay` forwards an upstream SSE stream event by event, as each event completes. A pump task
+reads the upstream body into a small queue, so the relay can wait on it with deadlines: the first-token
+timeout (until the first token event), the idle timeout (between chunks after that), the total deadline, and
+the keep-alive interval (``: keep-alive`` comments to the client while the upstream is silent). The response
+starts (200 + SSE headers) with the first event or the first keep-alive; until then a broken upstream is
+retried on another replica. Events keep their exact bytes, except when the client did not ask for usage (the
+upstream always is): the usage chunk is dropped and the ``"usage": null`` of the other chunks removed (those
+chunks are re-encoded). A stream is a success only if every choice got a valid finish_reason; otherwise the
+client gets ``data: {"error": …}`` and no ``[DONE]``.
+
+The relay never ends the client's response and never writes the request context: :meth:`StreamRelay.run`
+returns a :class:`RelayOutcome` (usage, finish reasons, token times, the failure if any) that the call
+(gateway/proxy/call.py) applies first, so the request's numbers are final before the client sees the end.
+:func:`completion_outcome` is the same for a JSON answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+
+from gateway.errors import GatewayError, RetryableFailure, UpstreamFailed, UpstreamTimeout
+from gateway.proxy.client import ClientResponse
+from gateway.proxy.upstreams import Replica, UpstreamPool
+from gateway.settings import TimeoutConfig
+from gateway.sse import (
+    DONE_DATA,
+    DONE_EVENT,
+    KEEPALIVE,
+    Action,
+    SSESplitter,
+    StreamState,
+    event_data,
+    without_usage,
+)
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+DRAIN_AFTER_DONE_S = 1.0
+"""After ``[DONE]``, wait at most this long for the upstream's end of body (so its connection can be reused);
+the client's response has already ended."""
+_EOF = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RelayOutcome:
+    """What one upstream answer amounted to; times are ``time.perf_counter()`` seconds."""
+
+    usage: dict[str, Any] | None = None
+    engine: dict[str, Any] | None = None
+    """The upstream's ``kvscope`` stats object, when it sent one."""
+    response_model: Any = None
+    response_id: str | None = None
+    finish_reasons: tuple[Any, ...] = ()
+    """One per finished choice, in choice order."""
+    token_events: int = 0
+    """Stream events that carried a token (the output token count when the upstream sent no usage)."""
+    output_content: list[Any] | None = None
+    """Each choice's text, only when the content is logged."""
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    upstream_end: float | None = None
+    """When the upstream's answer ended (``[DONE]``, end of body or a broken connection); None: it did not."""
+    upstream_error: dict[str, Any] | None = None
+    """An in-band error event the upstream sent (forwarded to the client as is): the request failed."""
+    failure: GatewayError | RetryableFailure | None = None
+    """Why the relay stopped short (a timeout, a broken or incomplete stream); raised by the call."""
+    drain: bool = False
+    """``[DONE]`` was relayed: read the upstream's end of body (:meth:`StreamRelay.drain`) after the client's."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTerms:
+    """What one stream relay must hold to: the plan's expectations and the attempt's clock."""
+
+    timeouts: TimeoutConfig
+    deadline: float
+    """The request's total deadline (perf_counter seconds)."""
+    attempt_start: float
+    request_start: float
+    first_token_at: float | None
+    """A token already sent by an earlier attempt (None: waiting for the first)."""
+    expected_choices: int
+    include_usage: bool
+    keep_text: bool
+    client_fault: bool
+    """The client asked the upstream to fail (``x-kvscope-fault``): its failures eject no replica."""
+
+
+def completion_outcome(body: bytes, keep_text: bool) -> RelayOutcome | None:
+    """The outcome of a JSON completion ``body``; None when it is not a JSON object."""
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    choices = [c for c in obj.get("choices") or [] if isinstance(c, dict)]
+    return RelayOutcome(
+        usage=obj.get("usage") if isinstance(obj.get("usage"), dict) else None,
+        engine=obj.get("kvscope") if isinstance(obj.get("kvscope"), dict) else None,
+        response_model=obj.get("model"), response_id=obj.get("id") if isinstance(obj.get("id"), str) else None,
+        finish_reasons=tuple(c.get("finish_reason") for c in choices if c.get("finish_reason")),
+        output_content=[(c.get("message") or {}).get("content") or c.get("text") for c in choices]
+        if keep_text else None)
+
+
+class StreamRelay:
+    """Relays one upstream SSE response to ``client``; reports replica failures to ``pool``."""
+
+    def __init__(self, client: ClientResponse, response: httpx.Response, replica: Replica, pool: UpstreamPool,
+                 terms: StreamTerms) -> None:
+        self.client, self.response, self.replica, self.pool, self.terms = client, response, replica, pool, terms
+        self.state = StreamState(expected_choices=terms.expected_choices, keep_text=terms.keep_text)
+        self.splitter = SSESplitter()
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self.last_chunk_at = terms.attempt_start
+        self.last_sent_at = terms.request_start
+        self.first_token_at = terms.first_token_at
+        self.last_token_at: float | None = None
+        self.upstream_end: float | None = None
+        self.upstream_error: dict[str, Any] | None = None
+        self.done = False
+        self.forwarded = 0
+        self._pump: asyncio.Task | None = None
+
+    async def run(self) -> RelayOutcome:
+        """Relay events until the stream is over; returns the outcome (its ``failure`` set when it failed).
+        The client's response is left open: the caller ends it."""
+        self._pump = asyncio.create_task(self._read_upstream())
+        try:
+            await self._relay()
+        except (GatewayError, RetryableFailure) as exc:
+            return self.outcome(exc)
+        return self.outcome()
+
+    def outcome(self, failure: GatewayError | RetryableFailure | None = None) -> RelayOutcome:
+        """What was relayed so far (also after a cancellation: the client left mid-stream)."""
+        state = self.state
+        return RelayOutcome(
+            usage=state.usage, engine=state.engine, response_model=state.model, response_id=state.response_id,
+            finish_reasons=tuple(state.finish_reasons[i] for i in sorted(state.finish_reasons)),
+            token_events=state.token_events, output_content=state.output_text() if state.keep_text else None,
+            first_token_at=self.first_token_at, last_token_at=self.last_token_at, upstream_end=self.upstream_end,
+            upstream_error=self.upstream_error, failure=failure, drain=self.done and failure is None)
+
+    async def drain(self) -> None:
+        """After ``[DONE]`` (the client already has its end): read the upstream's end of body, briefly, so
+        its connection goes back to the pool instead of being closed."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DRAIN_AFTER_DONE_S):
+                while (item := await self.queue.get()) is not _EOF and not isinstance(item, Exception):
+                    pass
+
+    async def aclose(self) -> None:
+        """Stop reading the upstream."""
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.wait({self._pump})
+
+    async def _read_upstream(self) -> None:
+        try:
+            async for chunk in self.response.aiter_raw():
+                await self.queue.put(chunk)
+            await self.queue.put(_EOF)
+        except httpx.HTTPError as exc:
+            await self.queue.put(exc)
+
+    async def _relay(self) -> None:
+        while True:
+            item = await self._next()
+            if item is _EOF or isinstance(item, Exception):
+                self.upstream_end = time.perf_counter()
+                await self._end(item)
+                return
+            self.last_chunk_at = time.perf_counter()
+            for raw in self.splitter.feed(item):
+                if await self._on_event(raw):
+                    return
+
+    async def _next(self) -> bytes | object:
+        """The next upstream chunk; sends keep-alives meanwhile; raises UpstreamTimeout at a deadline."""
+        t = self.terms.timeouts
+        while True:
+            waiting_first = self.first_token_at is None
+            phase_end = (self.terms.attempt_start + t.first_token_s) if waiting_first else (self.last_chunk_at + t.idle_s)
+            hard = min(phase_end, self.terms.deadline)
+            wake = min(hard, self.last_sent_at + t.keepalive_s)
+            try:
+                async with asyncio.timeout(max(0.0, wake - time.perf_counter())):
+                    return await self.queue.get()
+            except TimeoutError:
+                if time.perf_counter() >= hard:
+                    raise self._timeout(waiting_first, phase_end <= self.terms.deadline) from None
+                await self._send(KEEPALIVE)
+
+    def _timeout(self, waiting_first: bool, phase: bool) -> UpstreamTimeout:
+        self.pool.report_failure(self.replica, "timeout", passive=False)
+        t = self.terms.timeouts
+        if not phase:
+            return UpstreamTimeout(f"request exceeded the total timeout of {t.total_s:g}s")
+        if waiting_first:
+            return UpstreamTimeout(f"no first token from the upstream within {t.first_token_s:g}s")
+        return UpstreamTimeout(f"upstream sent nothing for {t.idle_s:g}s")
+
+    async def _on_event(self, raw: bytes) -> bool:
+        """Handle one complete event; True when the stream is over (``[DONE]`` or an error forwarded)."""
+        data = event_data(raw)
+        if data is None:
+            await self._send(raw)
+            return False
+        if data == DONE_DATA:
+            self.upstream_end = time.perf_counter()
+            self._check_complete()
+            await self._send(raw)
+            self.done = True
+            return True
+        try:
+            obj = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            await self._send(raw)
+            return False
+        action, has_token = self.state.observe(obj, self.terms.include_usage)
+        if action is Action.ERROR:
+            await self._send(raw)
+            self.upstream_error = self.state.error or {}
+            self.pool.report_failure(self.replica, "stream_error", passive=False)
+            return True
+        if action is Action.BAD_FINISH:
+            raise UpstreamFailed(f"the upstream ended the stream with finish_reason "
+                                 f"'{self.state.bad_finish_reason}'", code="stream_aborted")
+        if action is Action.FORWARD:
+            await self._send(raw)
+        elif action is Action.REWRITE:
+            await self._send(without_usage(obj))
+        if has_token:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        return False
+
+    async def _send(self, data: bytes) -> None:
+        if not self.client.committed:
+            await self.client.start(200, list(SSE_HEADERS))
+        await self.client.body(data)
+        self.forwarded += 1
+        self.last_sent_at = time.perf_counter()
+
+    def _check_complete(self) -> None:
+        if not self.state.complete:
+            self.pool.report_failure(self.replica, "stream_incomplete", passive=False)
+            raise UpstreamFailed("the upstream stream ended without a finish_reason for every choice",
+                                 code="stream_incomplete")
+
+    async def _end(self, item: object) -> None:
+        """End of the upstream body (``_EOF``) or a transport error, before any ``[DONE]``."""
+        broken = isinstance(item, Exception)
+        replica_fault = not self.terms.client_fault  # a fault the client injected ejects nothing
+        if not self.client.committed and self.forwarded == 0:
+            self.pool.report_failure(self.replica, "stream_broken", eject=broken and replica_fault,
+                                     passive=replica_fault)
+            raise RetryableFailure(UpstreamFailed(f"upstream {self.replica.label} closed the stream before any "
+                                                  f"event: {item!r}" if broken else "empty stream"))
+        if broken:
+            self.pool.report_failure(self.replica, "stream_broken", eject=replica_fault, passive=replica_fault)
+            raise UpstreamFailed(f"the upstream connection broke mid-stream: {item!r}", code="upstream_disconnected")
+        self._check_complete()  # a complete stream without [DONE]: finish it properly
+        await self._send(DONE_EVENT)

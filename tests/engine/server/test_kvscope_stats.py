@@ -1,0 +1,53 @@
+"""The ``kvscope`` object is one typed Struct (engine.core.stats.KvscopeStats): the response's ``kvscope``, the
+request log's ``kvscope.engine`` and the span attributes carry the same keys and values."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import msgspec
+import pytest
+
+from engine.core.request import RequestStats
+from engine.core.stats import KvscopeStats
+from engine.server.access_log import ACCESS_LOGGER
+
+KEYS = ["queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean", "batch_size_max", "kv_blocks",
+        "kv_cache_usage", "num_preemptions"]
+
+
+def test_the_json_keys_are_the_fields_in_order() -> None:
+    stats = RequestStats(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, last_token_time=4.0,
+                         num_steps=4, batch_size_sum=6, batch_size_max=2, kv_blocks_peak=3, kv_cache_usage=0.25,
+                         num_preemptions=1).summary(num_output_tokens=5)
+    assert list(msgspec.json.decode(msgspec.json.encode(stats))) == KEYS == list(stats) == list(stats.to_dict())
+    assert stats.to_dict() == {"queue_s": 0.5, "ttft_s": 1.0, "prefill_s": 0.5, "decode_s": 2.0, "tpot_s": 0.5,
+                               "batch_size_mean": 1.5, "batch_size_max": 2, "kv_blocks": 3, "kv_cache_usage": 0.25,
+                               "num_preemptions": 1}
+    assert stats["tpot_s"] == 0.5
+    with pytest.raises(KeyError):
+        stats["merge"]
+
+
+def test_merge_takes_min_max_sum_and_mean_per_field() -> None:
+    a = KvscopeStats(queue_s=0.1, ttft_s=0.5, prefill_s=0.4, decode_s=1.0, tpot_s=0.1, batch_size_mean=2.0,
+                     batch_size_max=3, kv_blocks=2, kv_cache_usage=0.5, num_preemptions=1)
+    b = KvscopeStats(queue_s=0.2, ttft_s=0.3, prefill_s=None, decode_s=2.0, tpot_s=0.3, batch_size_mean=4.0,
+                     batch_size_max=5, kv_blocks=4, kv_cache_usage=0.25, num_preemptions=0)
+    assert KvscopeStats.merge([a, b]) == KvscopeStats(
+        queue_s=0.1, ttft_s=0.3, prefill_s=0.4, decode_s=2.0, tpot_s=pytest.approx(0.2), batch_size_mean=3.0,
+        batch_size_max=5, kv_blocks=6, kv_cache_usage=0.5, num_preemptions=1)
+    assert KvscopeStats.merge([b]) is b
+    assert KvscopeStats.merge([]) == KvscopeStats()
+
+
+def test_response_and_log_carry_the_same_object(client, caplog) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    body = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 3,
+                                                 "n": 2}).json()
+    assert list(body["kvscope"]) == KEYS
+    assert (body["kvscope"]["batch_size_max"], body["kvscope"]["kv_blocks"]) == (2, 2)  # max of 2, sum of 1 + 1
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+    [line] = [line for line in lines if line["gen_ai"]["response"]["id"] == body["id"]]
+    assert line["kvscope"]["engine"] == body["kvscope"]
