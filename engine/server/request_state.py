@@ -49,7 +49,6 @@ class Outcome:
     phase: str | None = None
 
 
-@dataclass(slots=True)
 class StructuredKvscopeStats(KvscopeStats, frozen=True, kw_only=True):
     """The ``kvscope`` object of a structured-output request: the usual fields plus ``structured_output``,
     the constraint kind (json, json_object, regex, choice, grammar); other requests keep the plain field set."""
@@ -57,6 +56,7 @@ class StructuredKvscopeStats(KvscopeStats, frozen=True, kw_only=True):
     structured_output: str
 
 
+@dataclass(slots=True)
 class RequestState:
     request_id: str
     operation: str
