@@ -75,9 +75,23 @@ def _kv_cache(q: PromQL) -> list[Json]:
     ]
 
 
+def _structured(q: PromQL) -> list[Json]:
+    return [
+        row("Structured output"),
+        timeseries("Constrained requests / s", "Requests decoded under a grammar (response_format, "
+                   "structured_outputs/guided_*, tool_choice required or named), by constraint kind.",
+                   [Target(q.sum_rate(f"{EN}structured_output_requests_total", by=("kind",)), "{{kind}}")],
+                   "reqps", stack=True, w=8),
+        timeseries("Grammar compile time", "llguidance compile time of a constraint not yet in the cache.",
+                   latency_targets(q, f"{EN}structured_output_compile_seconds"), "s", w=8),
+        timeseries("Mask time per step", "Time a step spent filling the token bitmasks of its constrained "
+                   "requests.", latency_targets(q, f"{EN}structured_output_mask_seconds"), "s", w=8),
+    ]
+
+
 def build(q: PromQL) -> Json:
     """The engine-internals dashboard; raises KeyError/ValueError on a metric the catalog lacks."""
-    panels = [*_phases(q), *_steps(q), *_kv_cache(q)]
+    panels = [*_phases(q), *_steps(q), *_kv_cache(q), *_structured(q)]
     links = [dashboard_link("Overview", "kvscope-overview")]
     return dashboard(UID, "kvscope / Engine internals", "Request phases, engine steps and KV cache.", panels,
                      links)

@@ -35,6 +35,9 @@ VLLM_NAMES = {
     "kvscope_engine_request_params_max_tokens": "`vllm:request_params_max_tokens`",
     "kvscope_engine_http_requests": "— (vLLM's API server: `http_requests_total` of prometheus-fastapi-instrumentator, "
                                     "labels `handler`, `status` as `2xx`)",
+    "kvscope_engine_structured_output_requests": "— (vLLM has no structured-output counter)",
+    "kvscope_engine_structured_output_compile_seconds": "—",
+    "kvscope_engine_structured_output_mask_seconds": "—",
     "kvscope_engine_batch_size": "— (closest: `vllm:num_requests_running` sampled per step)",
     "kvscope_engine_step_tokens": "`vllm:iteration_tokens_total` (a histogram despite the name)",
     "kvscope_engine_request_prompt_tokens": "`vllm:request_prompt_tokens`",

@@ -53,6 +53,8 @@ class AsyncEngine:
         self.info = self.core.info
         self.tokenizer = self.core.tokenizer
         self.device = str(self.core.device)
+        self.structured = self.core.structured
+        """Grammar compile cache (engine/structured): the server compiles constraints with it off its loop."""
         self._listener = step_listener
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -25,6 +25,8 @@ from engine.models.compact import model_weight_bytes
 from engine.models.loader import load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.backend import StructuredOutputManager
+from engine.structured.batch import MatcherTable
 from engine.text.output_processor import OutputProcessor
 from engine.text.tokenizer import Tokenizer
 from engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
@@ -94,10 +96,14 @@ class EngineCore:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.vocab_size = hf_config["vocab_size"]
         self.runner = ModelRunner(self.model, kv_caches, backend, block_size, self.vocab_size, self.device)
+        self.structured = StructuredOutputManager(self.tokenizer.hf.to_str, self.vocab_size,
+                                                  self.tokenizer.eos_token_id)
+        """Grammar compile cache for structured outputs (engine/structured); the runner's matchers use it."""
+        self.runner.matchers = MatcherTable(self.structured)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, config.cache.enable_prefix_caching),
                                                block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len)
-        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size)
+        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
         weights = model_weight_bytes(self.model)  # compact and packed copies included
         self.info = ModelInfo(

@@ -10,6 +10,7 @@ prompt before any of them starts) and ``EngineCore.add_request`` (the offline LL
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import InvalidParameterError, PromptTooLongError
@@ -32,6 +33,9 @@ class InputProcessor:
 
     max_model_len: int
     vocab_size: int
+    compile_constraint: Callable[..., float] | None = None
+    """Compiles (and caches) a structured-output constraint, raising InvalidParameterError naming the field for
+    an unsupported schema keyword or a bad regex/grammar (engine.structured.backend.StructuredOutputManager)."""
 
     def process(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
         """The checked request. Raises InvalidParameterError (``param`` = ``prompt``, ``logit_bias``,
@@ -53,4 +57,6 @@ class InputProcessor:
         if params.max_tokens is None and params.min_tokens > left:
             raise InvalidParameterError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {left} tokens "
                                         f"left in the context ({self.max_model_len} - {num_prompt} prompt tokens).")
+        if params.structured_outputs is not None and self.compile_constraint is not None:
+            self.compile_constraint(params.structured_outputs)
         return EngineRequest(list(prompt_token_ids), params, params.max_tokens or left)

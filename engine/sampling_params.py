@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidParameterError
+from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Largest ``logprobs``/``top_logprobs`` accepted (OpenAI documents 20)."""
@@ -52,6 +53,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Same for the prompt tokens (used by completions ``echo`` with ``logprobs``)."""
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Grammar constraint (JSON schema, regex, choice, grammar) enforced by a token mask (engine/structured)."""
     extra: dict = field(default_factory=dict)
     """Free-form per-request annotations (e.g. the OpenAI ``user``); never used by sampling."""
 
@@ -94,6 +97,8 @@ class SamplingParams:
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings are allowed.")
         _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",
                f"seed must be in [-2^63, 2^64 - 1], got {self.seed}.")
+        _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
+               "ignore_eos cannot be combined with structured outputs (the grammar ends with EOS).")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= MAX_LOGPROBS, name,

@@ -83,6 +83,7 @@ class AppContext:
         metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, engine.device,
                                 self.settings.buckets, genai=GenAiServerMetrics(meters, package_version()))
         self.state = ServerState(engine, self.settings, metrics, tracing)
+        _observe_mask_time(self.state)
         _set_device_memory(self.state)
         self.state.on_step(StepResult())
         engine.set_step_listener(self.state.on_step)
@@ -111,6 +112,14 @@ async def warm_up(engine: EngineClient) -> None:
     request = engine.process_inputs(prompt, SamplingParams(max_tokens=2, temperature=0.0))
     async for _ in engine.generate("warmup", request):
         pass
+
+
+def _observe_mask_time(state: ServerState) -> None:
+    """Feed the structured-output mask time of each step (engine thread) into its histogram."""
+    structured = getattr(state.engine, "structured", None)  # the server tests' fake engines have none
+    if structured is not None:
+        structured.mask_observer = state.metrics.engine.structured_output_mask_time.labels(
+            model=state.metrics.model).observe
 
 
 def _set_device_memory(state: ServerState) -> None:

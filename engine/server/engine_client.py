@@ -15,6 +15,7 @@ from engine.engine_core import ModelInfo, StepResult
 from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.backend import StructuredOutputManager
 from engine.text.tokenizer import Tokenizer
 
 
@@ -26,6 +27,8 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
     device: str
     """Where the model runs (``cpu``, ``cuda:0`` …)."""
+    structured: StructuredOutputManager
+    """Structured-output grammar compiler and cache (the server compiles a request's constraint with it)."""
 
     @property
     def is_running(self) -> bool:

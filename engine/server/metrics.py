@@ -21,6 +21,7 @@ from typing import Annotated
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core.attribution import LATENCY_CAUSES
+from engine.structured.params import KINDS as STRUCTURED_KINDS
 from kvscope.settings_cli import Flag
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -31,6 +32,10 @@ REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
 """Buckets of ``request_params_n``, as vLLM's ``vllm:request_params_n``."""
 KV_BLOCK_STATES = ("used", "cached", "free")
 """Values of the ``state`` label: held by a request, free but holding a reusable prefix, free and empty."""
+
+
+STRUCTURED_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+STRUCTURED_MASK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
 def _check_buckets(name: str, bounds: tuple[float, ...]) -> None:
@@ -103,6 +108,7 @@ class EngineMetrics:
         self._init_latency_histograms(registry, b)
         self._init_size_histograms(registry, b)
         self._init_device_memory(registry)
+        self._init_structured(registry)
 
     def _init_scheduler_state(self, r: CollectorRegistry) -> None:
         self.requests_running = Gauge(
@@ -195,6 +201,18 @@ class EngineMetrics:
             "Device memory capacity: VRAM on CUDA; the host's physical memory on CPU.",
             ["device"], registry=r)
 
+    def _init_structured(self, r: CollectorRegistry) -> None:
+        self.structured_output_requests = Counter(
+            "kvscope_engine_structured_output_requests", "Requests decoded under a grammar constraint, by kind "
+            "(json, json_object, regex, choice, grammar; tool_choice required/named count as json).",
+            ["model", "kind"], registry=r)
+        self.structured_output_compile_time = Histogram(
+            "kvscope_engine_structured_output_compile_seconds", "Grammar compile time of a constraint not in "
+            "the cache (llguidance).", ["model"], buckets=STRUCTURED_COMPILE_BUCKETS, registry=r)
+        self.structured_output_mask_time = Histogram(
+            "kvscope_engine_structured_output_mask_seconds", "Time one engine step spent computing the token "
+            "bitmasks of its constrained requests.", ["model"], buckets=STRUCTURED_MASK_BUCKETS, registry=r)
+
     def initialize(self, model: str, device: str) -> None:
         """Create every labelled series at zero for ``model`` and ``device`` so that rates, ratios and
         dashboards see a series from the first scrape (Prometheus best practice: avoid missing metrics)."""
@@ -220,3 +238,7 @@ class EngineMetrics:
                 self.http_requests.labels(route=route, status=status)
         self.device_memory_used.labels(device=device)
         self.device_memory_total.labels(device=device)
+        for kind in STRUCTURED_KINDS:
+            self.structured_output_requests.labels(model=model, kind=kind)
+        self.structured_output_compile_time.labels(model=model)
+        self.structured_output_mask_time.labels(model=model)

@@ -32,7 +32,45 @@ class StreamOptions(Struct):
     include_usage: bool | None = False
 
 
-class SamplingFields(Struct):
+class JsonSchemaFormat(Struct):
+    """OpenAI ``response_format.json_schema``."""
+
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct):
+    """OpenAI ``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Struct):
+    """vLLM's ``structured_outputs`` (one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class StructuredFields(Struct):
+    """Constrained decoding (engine/server/structured.py turns these into one StructuredOutputsParams):
+    OpenAI ``response_format``, vLLM ``structured_outputs`` and vLLM's legacy ``guided_*`` fields."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class SamplingFields(StructuredFields):
     """Fields shared by chat and completions requests."""
 
     model: str | None = None
@@ -62,10 +100,47 @@ class TextPart(Struct, tag_field="type", tag="text"):
     text: str
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+    """JSON text of the arguments object (OpenAI sends a string)."""
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's calls (conversation input)."""
+    tool_call_id: str | None = None
+    """A ``role: tool`` message answers this call."""
+
+
+class FunctionDefinition(Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(Struct):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    function: NamedFunction
+    type: Literal["function"] = "function"
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -77,6 +152,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool | None = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -136,8 +214,9 @@ class ChatLogprobs(Struct):
 
 
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -158,9 +237,25 @@ class ChatCompletionResponse(Struct):
     kvscope: KvscopeStats | UnsetType = UNSET
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A streamed tool call: the first delta has ``index``, ``id``, ``type`` and ``function.name``; later ones
+    ``index`` and ``function.arguments`` fragments (OpenAI's streaming shape)."""
+
+    index: int
+    function: DeltaFunctionCall
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | UnsetType = UNSET
-    content: str | UnsetType = UNSET
+    content: str | None | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

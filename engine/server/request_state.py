@@ -50,6 +50,13 @@ class Outcome:
     phase: str | None = None
 
 
+class StructuredKvscopeStats(KvscopeStats, frozen=True, kw_only=True):
+    """The ``kvscope`` object of a structured-output request: the usual fields plus ``structured_output``,
+    the constraint kind (json, json_object, regex, choice, grammar); other requests keep the plain field set."""
+
+    structured_output: str
+
+
 @dataclass(slots=True)
 class RequestState:
     request_id: str
@@ -110,8 +117,13 @@ class RequestState:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def kvscope(self) -> KvscopeStats:
-        """The response's ``kvscope`` object: the choices' stats merged (:meth:`KvscopeStats.merge`)."""
-        return KvscopeStats.merge([c.stats for c in self.choices if c.stats is not None])
+        """The response's ``kvscope`` object: the choices' stats merged (:meth:`KvscopeStats.merge`); a
+        constrained request's also names its constraint kind (:class:`StructuredKvscopeStats`)."""
+        merged = KvscopeStats.merge([c.stats for c in self.choices if c.stats is not None])
+        constraint = self.params.structured_outputs
+        if constraint is None:
+            return merged
+        return StructuredKvscopeStats(**merged.to_dict(), structured_output=constraint.kind)
 
     # --- the end -------------------------------------------------------------------------------------------
 

@@ -10,30 +10,36 @@ from engine.errors import InvalidParameterError
 from engine.sampling_params import SamplingParams
 from engine.server.errors import OpenAIError, bad_request, from_engine
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from engine.server.structured import structured_params
+from engine.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    """SamplingParams of a chat request. ``top_logprobs`` needs ``logprobs: true`` (400 ``top_logprobs``)."""
+def chat_sampling_params(req: ChatCompletionRequest,
+                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams of a chat request. ``top_logprobs`` needs ``logprobs: true`` (400 ``top_logprobs``).
+    ``constraint`` (a tool_choice's) replaces the request's own structured-output fields."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     renames = {"logprobs": "top_logprobs",
                "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
-    return _build(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, renames=renames)
+    return _build(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, renames=renames,
+                  constraint=constraint or structured_params(req))
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
     """SamplingParams of a completions request; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    return _build(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, renames={})
+    return _build(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, renames={},
+                  constraint=structured_params(req))
 
 
 def _build(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-           renames: dict[str, str]) -> SamplingParams:
+           renames: dict[str, str], constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             n=req.n or 1,
@@ -55,6 +61,7 @@ def _build(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens is not False,
+            structured_outputs=constraint,
             extra={"user": req.user} if req.user else {},
         )
     except InvalidParameterError as exc:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 from litestar import Request, Response
 from msgspec import UNSET
 
@@ -28,24 +27,21 @@ from engine.server.protocol import (
 from engine.server.request_state import RequestState
 from engine.server.sampling import chat_sampling_params
 from engine.server.serving import admit, check_model, process_prompts, respond_json, respond_stream, start_job
+from engine.server.serving_tools import ToolChatFormatter
 from engine.server.sse import SSEResponse
 from engine.server.state import ServerState
+from engine.server.structured import prepare_constraint
+from engine.server.tools import ToolMode, conversation, tool_constraint, tool_mode
 from engine.text.tokenizer import Tokenizer
 
-_ROLE_ALIASES = {"developer": "system"}
 
-
-def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the rendered chat template. Text parts of a message are joined with newlines."""
-    messages = []
-    for message in req.messages:
-        item = {"role": _ROLE_ALIASES.get(message.role, message.role),
-                "content": msgspec.to_builtins(message.content) if message.content is not None else ""}
-        if message.name:
-            item["name"] = message.name
-        messages.append(item)
+def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, mode: ToolMode | None = None) -> list[int]:
+    """Token ids of the rendered chat template (text parts of a message joined with newlines); tools, tool
+    calls and tool results rendered as engine/server/tools.py documents."""
+    messages, variables = conversation(req, mode or ToolMode("none"), getattr(tokenizer, "chat_template", None))
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                             **variables)
     except InvalidParameterError as exc:
         raise from_engine(exc) from exc
 
@@ -54,13 +50,17 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
                                  ) -> Response | SSEResponse:
     admit(state)
     check_model(state, req.model)
-    params = chat_sampling_params(req)
-    prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req)  # a huge prompt must not stall the loop
+    mode = tool_mode(req)
+    params = chat_sampling_params(req, tool_constraint(req, mode))
+    await prepare_constraint(state, params)
+    prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req, mode)  # a huge prompt must not stall
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requests = process_prompts(state, [prompt], params, "messages", max_tokens_param)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = start_job(state, request, "chat", requests, bool(req.stream))
-    formatter = ChatFormatter(job.rs, state.tokenizer, int(time.time()), bool(req.logprobs), include_usage)
+    args = (job.rs, state.tokenizer, int(time.time()), bool(req.logprobs), include_usage)
+    formatter = ChatFormatter(*args)
+    formatter = ToolChatFormatter(formatter, mode) if mode.active else formatter
     if req.stream:
         return respond_stream(job, formatter, include_usage)
     return await respond_json(job, formatter)

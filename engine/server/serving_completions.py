@@ -18,6 +18,7 @@ from engine.server.sampling import completion_sampling_params
 from engine.server.serving import admit, check_model, process_prompts, respond_json, respond_stream, start_job
 from engine.server.sse import SSEResponse
 from engine.server.state import ServerState
+from engine.server.structured import prepare_constraint
 from engine.text.tokenizer import Tokenizer
 
 
@@ -43,6 +44,7 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     admit(state)
     check_model(state, req.model)
     params = completion_sampling_params(req)
+    await prepare_constraint(state, params)
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, req.prompt)  # off the event loop
     requests = process_prompts(state, prompts, params, "prompt")
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None

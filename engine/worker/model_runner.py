@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import replace
+
 import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.forward_context import set_forward_context
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.outputs import TokenLogprob
+from engine.structured.batch import MatcherTable
 from engine.worker.input_batch import ModelInputs, build_model_inputs
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 
@@ -30,25 +34,35 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.matchers: MatcherTable | None = None
+        """Grammar matchers of constrained requests (set by EngineCore; None: structured output unavailable)."""
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Returns sampled tokens (+ logprobs) of the requests whose chunk reached the end."""
         for request_id in scheduler_output.finished_req_ids:
             self._generators.pop(request_id, None)
+            if self.matchers is not None:
+                self.matchers.drop(request_id)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = build_model_inputs(scheduler_output, self.block_size, self.device)
+        masks = self._start_grammar_masks(scheduler_output, inputs)  # computed during the forward pass
         with set_forward_context(inputs.attn_metadata, self.kv_caches, self.backend):
             hidden = self.model(inputs.input_ids, inputs.positions)
         output = ModelRunnerOutput()
         self._prompt_logprobs(scheduler_output, inputs, hidden, output)
         if inputs.sampled_rows:
-            self._sample(scheduler_output, inputs, hidden, output)
+            self._sample(scheduler_output, inputs, hidden, output, masks)
         return output
 
+    def _start_grammar_masks(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> Future | None:
+        if self.matchers is None or not inputs.sampled_rows:
+            return None
+        return self.matchers.bitmask_async([scheduler_output.scheduled[row].request for row in inputs.sampled_rows])
+
     def _sample(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
-                output: ModelRunnerOutput) -> None:
+                output: ModelRunnerOutput, masks: Future | None = None) -> None:
         items = [scheduler_output.scheduled[row] for row in inputs.sampled_rows]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [item.request for item in items]
@@ -61,8 +75,13 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        masked = masks.result() if masks is not None else None
+        if masked is not None:
+            metadata = replace(metadata, bitmask_rows=masked[0].to(self.device), token_bitmask=masked[1])
         result: SamplerOutput = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
+        if masked is not None:
+            self.matchers.advance(requests, token_ids)
         for i, request in enumerate(requests):
             output.sampled_token_ids[request.request_id] = token_ids[i]
             if request.sampling_params.logprobs is not None:

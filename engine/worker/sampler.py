@@ -25,6 +25,7 @@ import torch
 
 from engine.errors import InvalidParameterError
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import apply_token_bitmask
 from engine.worker.logits_processors import (
     PenaltyTensors,
     SparseLogits,
@@ -80,6 +81,10 @@ class SamplingMetadata:
     """Columns of ``SamplerOutput.top_*``: the largest ``logprobs`` requested in the batch (0 if none)."""
     needs_logprobs: bool = True
     """Some row asked for logprobs (``logprobs`` not None, even 0)."""
+    bitmask_rows: torch.Tensor | None = None
+    """int64 ``[k]``: rows under a grammar constraint (engine/structured); None when no row is."""
+    token_bitmask: torch.Tensor | None = None
+    """int32 ``[k, ceil(vocab / 32)]``: allowed tokens of those rows (bit t % 32 of word t // 32)."""
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -160,6 +165,8 @@ class Sampler:
             raise InvalidParameterError(
                 "logits", f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}")
         logits = logits.to(torch.float32)
+        if metadata.token_bitmask is not None:  # structured output: forbidden tokens -> -inf, as vLLM does
+            logits = apply_token_bitmask(logits, metadata.bitmask_rows, metadata.token_bitmask)
         if metadata.is_plain_greedy:  # argmax only: no log_softmax, copy, ranks
             sampled = logits.argmax(dim=-1)
             empty = logits[:, :0]

@@ -127,14 +127,18 @@ def burst_request(client: httpx.Client, key: str) -> int:
 
 
 def workload_round(client: httpx.Client, pool: concurrent.futures.Executor, keys: dict[str, str]) -> dict:
-    """Plain and streamed chats (4 at a time, shared prefixes), 3 calls of a key limited to 1 request/min,
+    """Plain and streamed chats (4 at a time, shared prefixes), 2 choice-constrained chats, 3 calls of a key
+    limited to 1 request/min,
     2 streams that fail in-band, then a 5 s burst of 20 requests to the always-500 fake upstream."""
     prefix = "You are a terse assistant. Answer in one short sentence. " * 8
     prompts = [f"{prefix} Question {i}: name a colour." for i in range(8)]
     plain = pool.map(lambda p: chat(client, keys["main"], MODEL, p).status_code, prompts)
+    colours = ["red", "green", "blue"]  # structured output: feeds the engine dashboard's grammar panels
+    structured = pool.map(lambda p: chat(client, keys["main"], MODEL, p, guided_choice=colours).status_code,
+                          prompts[:2])
     streamed = pool.map(lambda p: stream(client, keys["main"], MODEL, p), prompts[:4])
     return {
-        "plain": list(plain), "stream_events": list(streamed),
+        "plain": list(plain), "stream_events": list(streamed), "structured": list(structured),
         "limited": [chat(client, keys["limited"], MODEL, "hi").status_code for _ in range(3)],
         "stream_errors": [stream(client, keys["main"], FAKE_MODEL, "x",
                                  fake={"status": 200, "error_after_tokens": 2}) for _ in range(2)],
@@ -185,6 +189,7 @@ def test_stack_metrics_dashboards_and_alerts(stack) -> None:
     rounds = drive_workload(stack["gateway"], stack["keys"])
     for statuses in rounds:
         assert statuses["plain"] == [200] * 8 and all(n > 2 for n in statuses["stream_events"]), statuses
+        assert statuses["structured"] == [200, 200], statuses
         assert all(code >= 500 for code in statuses["burst"]), statuses
     assert (rounds[0]["limited"], rounds[1]["limited"]) == ([200, 429, 429], [429, 429, 429])
 

@@ -35,6 +35,9 @@ EXPECTED = {
     "kvscope_engine_latency_cause_seconds": ("counter", ("cause", "model", "phase")),
     "kvscope_engine_request_params_max_tokens": ("histogram", ("model",)),
     "kvscope_engine_http_requests": ("counter", ("route", "status")),
+    "kvscope_engine_structured_output_requests": ("counter", ("kind", "model")),
+    "kvscope_engine_structured_output_compile_seconds": ("histogram", ("model",)),
+    "kvscope_engine_structured_output_mask_seconds": ("histogram", ("model",)),
     "kvscope_engine_device_memory_used_bytes": ("gauge", ("device",)),
     "kvscope_engine_device_memory_total_bytes": ("gauge", ("device",)),
 }

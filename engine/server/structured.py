@@ -1,0 +1,100 @@
+"""Request fields → one :class:`StructuredOutputsParams` (or None): OpenAI ``response_format``, vLLM's
+``structured_outputs`` and legacy ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``.
+
+At most one constraint per request (400 naming the second field otherwise). Whether the schema/grammar is
+supported is decided by the engine's grammar compiler (EngineCore.check_request): an unsupported JSON-schema
+keyword is a 400 naming the keyword, never a silently unconstrained answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from engine.errors import InvalidParameterError
+from engine.sampling_params import SamplingParams
+from engine.server.errors import bad_request, from_engine
+from engine.server.protocol import StructuredFields
+from engine.server.state import ServerState
+from engine.structured.params import StructuredOutputsParams
+
+
+async def prepare_constraint(state: ServerState, params: SamplingParams) -> None:
+    """Compile the request's constraint off the event loop (the first one also builds the grammar
+    tokenizer, ~1.5 s), count it by kind and observe its compile time. Raises OpenAIError 400 naming the
+    field for an unsupported schema keyword or an invalid regex/grammar."""
+    constraint = params.structured_outputs
+    if constraint is None:
+        return
+    try:
+        seconds = await asyncio.to_thread(state.engine.structured.compile, constraint)
+    except InvalidParameterError as exc:
+        raise from_engine(exc) from exc
+    metrics, model = state.metrics.engine, state.metrics.model
+    metrics.structured_output_requests.labels(model=model, kind=constraint.kind).inc()
+    if seconds > 0:
+        metrics.structured_output_compile_time.labels(model=model).observe(seconds)
+
+
+def structured_params(req: StructuredFields) -> StructuredOutputsParams | None:
+    """The single constraint a request asks for. Raises OpenAIError 400 for two constraints at once, a
+    ``json_schema`` response_format without a schema, or a non-object/ill-formed JSON schema string."""
+    found = [c for c in (_response_format(req), *_vllm_fields(req)) if c is not None]
+    if len(found) > 1:
+        raise bad_request(f"Only one structured-output constraint per request; got {found[0].param} and "
+                          f"{found[1].param}.", param=found[1].param)
+    return found[0] if found else None
+
+
+def _response_format(req: StructuredFields) -> StructuredOutputsParams | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams("json_object", "", "response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise bad_request("response_format of type json_schema needs json_schema.schema.",
+                          param="response_format")
+    return StructuredOutputsParams.json_schema(fmt.json_schema.schema, "response_format")
+
+
+def _vllm_fields(req: StructuredFields) -> list[StructuredOutputsParams | None]:
+    so = req.structured_outputs
+    found = []
+    if so is not None:
+        found += [_json(so.json, "structured_outputs"), _text("regex", so.regex, "structured_outputs"),
+                  _choice(so.choice, "structured_outputs"), _text("grammar", so.grammar, "structured_outputs"),
+                  StructuredOutputsParams("json_object", "", "structured_outputs") if so.json_object else None]
+    found += [_json(req.guided_json, "guided_json"), _text("regex", req.guided_regex, "guided_regex"),
+              _choice(req.guided_choice, "guided_choice"), _text("grammar", req.guided_grammar, "guided_grammar")]
+    return found
+
+
+def _json(schema: dict[str, Any] | str | None, param: str) -> StructuredOutputsParams | None:
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from exc
+        if not isinstance(schema, dict | bool):
+            raise bad_request(f"{param} must be a JSON schema object.", param=param)
+    return StructuredOutputsParams.json_schema(schema, param)
+
+
+def _text(kind: str, value: str | None, param: str) -> StructuredOutputsParams | None:
+    if value is None:
+        return None
+    if not value:
+        raise bad_request(f"{param}: the {kind} is empty.", param=param)
+    return StructuredOutputsParams(kind, value, param)  # type: ignore[arg-type]
+
+
+def _choice(options: list[str] | None, param: str) -> StructuredOutputsParams | None:
+    if options is None:
+        return None
+    if not options or not all(options):
+        raise bad_request(f"{param} needs at least one non-empty choice.", param=param)
+    return StructuredOutputsParams.choice(options, param)

@@ -1,0 +1,189 @@
+"""OpenAI tool calling: tools rendered into the prompt, tool_choice → a constraint, output → tool_calls.
+
+Rendering: a model whose chat template mentions ``tools`` gets them as the ``tools`` template variable (the
+transformers convention). Otherwise (SmolLM2's template has no tool support) kvscope writes the Hermes format
+(NousResearch Hermes-2-Pro function calling, also what Qwen2.5 templates use) into the system message:
+the signatures as JSON lines inside ``<tools></tools>``, calls as ``<tool_call>{"name", "arguments"}</tool_call>``,
+results as ``<tool_response>`` in ``role: tool`` turns.
+
+tool_choice: ``none`` (tools not rendered, plain answer), ``auto`` (rendered; ``<tool_call>`` blocks in the
+answer are parsed), ``required`` (output constrained to a JSON array of ``{"name", "arguments"}`` whose
+arguments follow each function's parameters schema; one item unless ``parallel_tool_calls``), a named function
+(output constrained to that function's arguments object). The constraint shapes follow vLLM's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.server.errors import bad_request
+from engine.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from engine.structured.params import StructuredOutputsParams
+
+HERMES_SYSTEM = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
+    "what values to plug into functions. Here are the available tools:\n<tools>\n{tools}\n</tools>\n"
+    "For each function call return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolMode:
+    """How a chat request uses tools: ``kind`` none | auto | required | named."""
+
+    kind: str
+    function: str | None = None
+    """The named function (kind ``named``)."""
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    name: str
+    arguments: str
+    """JSON text of the arguments object."""
+
+
+def tool_mode(req: ChatCompletionRequest) -> ToolMode:
+    """The request's tool mode. Raises OpenAIError 400 (``tool_choice``) for a choice without tools, an unknown
+    function name, or tools combined with a constraining response_format."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools.", param="tool_choice")
+        return ToolMode("none")
+    parallel = req.parallel_tool_calls is not False
+    if choice is None or choice == "auto":
+        return ToolMode("auto", parallel=parallel)
+    if choice == "none":
+        return ToolMode("none")
+    if choice == "required":
+        mode = ToolMode("required", parallel=parallel)
+    else:
+        names = [t.function.name for t in req.tools]
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools "
+                              f"({names}).", param="tool_choice")
+        mode = ToolMode("named", choice.function.name, parallel)
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("tool_choice required or a named function cannot be combined with response_format.",
+                          param="response_format")
+    return mode
+
+
+def tool_constraint(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOutputsParams | None:
+    """The grammar constraint of ``required``/named tool choices (None otherwise)."""
+    if mode.kind == "named":
+        tool = next(t for t in req.tools or () if t.function.name == mode.function)
+        return StructuredOutputsParams.json_schema(_parameters(tool), "tools")
+    if mode.kind != "required":
+        return None
+    items = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)}}
+             for t in req.tools or ()]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not mode.parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams.json_schema(schema, "tools")
+
+
+def conversation(req: ChatCompletionRequest, mode: ToolMode, template: str | None) -> tuple[list[dict], dict]:
+    """(messages, template variables) for the chat template: tool calls and tool results of the history in
+    the Hermes format, plus the tool signatures (system message, or the template's ``tools`` variable)."""
+    native = bool(template) and "tools" in template
+    messages = [_message(m, native) for m in req.messages]
+    if not mode.active or not req.tools:
+        return messages, {}
+    tools = [msgspec.to_builtins(t) for t in req.tools]
+    if native:
+        return messages, {"tools": tools}
+    block = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}
+    else:
+        messages.insert(0, {"role": "system", "content": block})
+    return messages, {}
+
+
+def _message(message: ChatMessage, native: bool) -> dict:
+    content = msgspec.to_builtins(message.content) if message.content is not None else ""
+    role = "system" if message.role == "developer" else message.role
+    item: dict[str, Any] = {"role": role, "content": content}
+    if message.name:
+        item["name"] = message.name
+    if native:
+        if message.tool_calls:
+            item["tool_calls"] = msgspec.to_builtins(message.tool_calls)
+        if message.tool_call_id:
+            item["tool_call_id"] = message.tool_call_id
+        return item
+    if message.tool_calls:
+        calls = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c.function.name)}, "arguments": '
+                          f"{c.function.arguments}}}\n</tool_call>" for c in message.tool_calls)
+        item["content"] = f"{_text(content)}\n{calls}" if _text(content) else calls
+    if message.role == "tool":
+        item["content"] = f"<tool_response>\n{_text(content)}\n</tool_response>"
+    return item
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content)
+    return content or ""
+
+
+def parse_tool_calls(mode: ToolMode, text: str) -> tuple[list[ParsedCall], str | None] | None:
+    """(calls, remaining content) from a finished answer, or None when it holds no (valid) call."""
+    try:
+        if mode.kind == "named":
+            return ([ParsedCall(mode.function, text)], None) if isinstance(json.loads(text), dict) else None
+        if mode.kind == "required":
+            items = json.loads(text)
+            return [ParsedCall(i["name"], _dump(i["arguments"])) for i in items], None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+    if mode.kind != "auto":
+        return None
+    calls = [c for c in map(_hermes_call, _TOOL_CALL.findall(text)) if c is not None]
+    if not calls:
+        return None
+    rest = _TOOL_CALL.sub("", text).strip()
+    return calls, rest or None
+
+
+def _hermes_call(body: str) -> ParsedCall | None:
+    try:
+        item = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    args = item.get("arguments", item.get("parameters", {}))
+    return ParsedCall(item["name"], args if isinstance(args, str) else _dump(args))
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _parameters(tool: ToolDefinition) -> dict:
+    return tool.function.parameters or _EMPTY_PARAMETERS
+
+
+def new_call_id() -> str:
+    """OpenAI-style tool call id ``call_`` + 24 hex digits."""
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -1,0 +1,63 @@
+"""One request's grammar state: the llguidance matcher, kept in step with the request's output tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import torch
+
+
+class RequestMatcher:
+    """Wraps an ``llguidance.LLMatcher``; :meth:`sync` realigns it with the output tokens the scheduler kept
+    (after a preemption by recompute the tokens stay, so it is a no-op; anything else rolls back or replays)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int | None) -> None:
+        self._matcher = matcher
+        self._eos = eos_token_id
+        self.num_consumed = 0
+        """Output tokens the matcher has consumed."""
+
+    def sync(self, output_token_ids: Sequence[int]) -> None:
+        """Make the matcher's state that after exactly ``output_token_ids``."""
+        num = len(output_token_ids)
+        if num == self.num_consumed:
+            return
+        if num < self.num_consumed and self._matcher.rollback(self.num_consumed - num):
+            self.num_consumed = num
+            return
+        if num < self.num_consumed:
+            self._matcher.reset()
+            self.num_consumed = 0
+        self._matcher.consume_tokens(list(output_token_ids[self.num_consumed:]))
+        self.num_consumed = num
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        """Write the allowed next tokens into ``row`` (int32 ``[words]``, contiguous, CPU). A matcher in an error
+        state (cannot happen while the mask is applied) allows only EOS, so the request ends."""
+        if self._matcher.is_error():
+            row.zero_()
+            if self._eos is not None:
+                row[self._eos // 32] = _bit(self._eos % 32)
+            return
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False when the grammar rejects it (the matcher enters its error state)."""
+        self.num_consumed += 1
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def is_error(self) -> bool:
+        return self._matcher.is_error()
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and accepts nothing but EOS."""
+        return self._matcher.is_stopped()
+
+
+def _bit(index: int) -> int:
+    """int32 value with only bit ``index`` set (bit 31 is the sign bit)."""
+    value = 1 << index
+    return value - (1 << 32) if value >= 1 << 31 else value

@@ -1,0 +1,45 @@
+"""Structured output through the engine: matchers survive preemption by recompute (outputs equal the solo
+ones and match the grammar), n > 1 children and stop strings keep their constraint."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+DIGITS = 40
+BLOCK_SIZE = 16
+
+
+@pytest.mark.timeout(600)
+def test_constrained_requests_survive_preemption(llm):
+    regex = StructuredOutputsParams("regex", f"[0-9]{{{DIGITS}}}")
+    prompts = [llm.tokenizer.encode(f"Request {i}: a long number:") for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=DIGITS + 8, structured_outputs=regex)
+    solo = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+
+    blocks_per_request = -(-(max(len(p) for p in prompts) + DIGITS + 1) // BLOCK_SIZE)  # digits + EOS
+    small = LLM("smollm2-135m", num_blocks=2 * blocks_per_request, block_size=BLOCK_SIZE)  # room for two
+    outputs = [o.outputs[0] for o in small.generate(prompts, params)]
+
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in solo]
+    assert all(re.fullmatch(f"[0-9]{{{DIGITS}}}", o.text) and o.finish_reason == "stop" for o in outputs)
+    assert sum(o.stats["num_preemptions"] for o in outputs) > 0
+    assert all(rid not in small.engine.runner.matchers for rid in ("offline-0", "offline-1"))
+
+
+def test_n_children_and_stop_strings_keep_the_constraint(llm):
+    params = SamplingParams(n=6, temperature=1.0, seed=4, max_tokens=20, stop=["7"],
+                            structured_outputs=StructuredOutputsParams("regex", "[1-9]{2}-[a-c]{3}"))
+    choices = llm.generate("Code:", params)[0].outputs
+    assert len(choices) == 6
+    for choice in choices:
+        if choice.finish_reason == "stop" and choice.stop_reason == "7":
+            assert re.fullmatch("[1-9]{0,2}(-[a-c]{0,3})?", choice.text) and "7" not in choice.text
+        else:
+            assert re.fullmatch("[1-9]{2}-[a-c]{3}", choice.text) and choice.finish_reason == "stop"

@@ -1,0 +1,79 @@
+"""engine/structured: the bitmask hook in the sampler, the compile cache, matcher sync, tool-call parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.errors import InvalidParameterError
+from engine.sampling_params import SamplingParams
+from engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
+from engine.structured.backend import StructuredOutputManager
+from engine.structured.bitmask import allocate_bitmask, allowed_tokens
+from engine.structured.params import StructuredOutputsParams
+from engine.text.tokenizer import Tokenizer
+from engine.worker.sampler import Sampler, SamplingMetadata
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer) -> StructuredOutputManager:
+    return StructuredOutputManager(tokenizer.hf.to_str, 49152, tokenizer.eos_token_id)
+
+
+def test_sampler_masks_only_the_constrained_row() -> None:
+    vocab = 40
+    logits = torch.zeros(2, vocab)
+    logits[:, 7] = 5.0  # the unconstrained favourite
+    mask = allocate_bitmask(1, vocab)
+    mask.zero_()
+    mask[0, 1] = 1 << (33 - 32)  # only token 33 allowed
+    meta = SamplingMetadata.build([SamplingParams(temperature=0)] * 2, [[1], [1]], [[], []], [None, None],
+                                  [None, None], vocab)
+    meta = type(meta)(**{**{f: getattr(meta, f) for f in meta.__slots__},
+                         "bitmask_rows": torch.tensor([1]), "token_bitmask": mask})
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [7, 33]
+    assert allowed_tokens(mask, vocab)[0].nonzero().flatten().tolist() == [33]
+    assert logits[1, 7] == 5.0  # the caller's logits are not modified
+
+
+def test_compile_cache_and_unsupported_keyword(manager) -> None:
+    schema = StructuredOutputsParams.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert manager.compile(schema) > 0
+    assert manager.compile(schema) == 0.0
+    with pytest.raises(InvalidParameterError) as caught:
+        manager.compile(StructuredOutputsParams.json_schema({"type": "object", "if": {}}, "response_format"))
+    assert caught.value.param == "response_format" and 'Unimplemented keys: ["if"]' in str(caught.value)
+
+
+def test_matcher_follows_the_output_tokens_and_ends_with_eos(manager, tokenizer) -> None:
+    choice = StructuredOutputsParams.choice(["yes", "no"])
+    matcher = manager.new_matcher(choice)
+    ids = tokenizer.encode("yes", add_special_tokens=False)
+    row = allocate_bitmask(1, 49152)[0]
+    matcher.fill_bitmask(row)
+    allowed = allowed_tokens(row.unsqueeze(0), 49152)[0]
+    assert allowed[ids[0]] and not allowed[tokenizer.encode("maybe", add_special_tokens=False)[0]]
+    matcher.sync(ids)  # e.g. after a preemption by recompute the kept tokens are replayed
+    assert (matcher.num_consumed, matcher.is_terminated) == (len(ids), True)
+    matcher.fill_bitmask(row)
+    assert allowed_tokens(row.unsqueeze(0), 49152)[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    matcher.sync([])  # rollback to the start
+    assert (matcher.num_consumed, matcher.is_terminated) == (0, False)
+
+
+def test_parse_tool_calls_per_mode() -> None:
+    hermes = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    assert parse_tool_calls(ToolMode("auto"), hermes) == ([ParsedCall("f", '{"x":1}')], "Sure.")
+    assert parse_tool_calls(ToolMode("auto"), "no call here") is None
+    assert parse_tool_calls(ToolMode("named", "g"), '{"y":2}') == ([ParsedCall("g", '{"y":2}')], None)
+    items = json.dumps([{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}])
+    assert parse_tool_calls(ToolMode("required"), items) == (
+        [ParsedCall("f", '{"x":1}'), ParsedCall("g", "{}")], None)
+    assert parse_tool_calls(ToolMode("required"), '[{"name": "f"') is None
