@@ -9,6 +9,7 @@ passes becomes a :class:`~gateway.proxy.plan.ProxyPlan`.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,11 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
     raw, req = _parse(gw, ctx, body, op)
     _check_model(gw, ctx, principal, req.model)
     ceiling = _check_ceiling(req, principal.limits.max_tokens)
-    prompt_counts = await asyncio.to_thread(_count_prompt, gw, raw, req)  # a huge prompt must not stall the loop
+    started = time.perf_counter()
+    try:
+        prompt_counts = await asyncio.to_thread(_count_prompt, gw, raw, req)  # a huge prompt must not stall the loop
+    finally:
+        ctx.tokenize_s += time.perf_counter() - started  # kvscope.gateway.tokenize_s
     ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
     max_len = gw.pool.max_model_len(req.model)
     _check_context(max_len, prompt_counts, _completion_budget(req.requested_max_tokens, op), op)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -21,6 +21,35 @@ CTX_KEY = "kvscope_ctx"
 REFUSED_KEY = "kvscope_refused"
 """``scope["state"]`` key: (error, response bytes) when the HTTP server answered the request itself."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayPhases:
+    """One request's end-to-end seconds at the gateway, by phase (all ``time.perf_counter()`` differences).
+    They add up to ``kvscope.e2e_s``; the upstream's answer (and so everything the engine did:
+    queue, prefill, decode) lies in ``upstream_connect_s + upstream_response_s``, never in the others."""
+
+    auth_s: float
+    rate_limit_s: float
+    tokenize_s: float
+    retry_s: float
+    upstream_connect_s: float
+    upstream_response_s: float
+    other_s: float
+    """The remainder: body read, parsing and checks, routing, relaying and logging in the gateway."""
+
+    @property
+    def total_s(self) -> float:
+        return (self.auth_s + self.rate_limit_s + self.tokenize_s + self.retry_s + self.upstream_connect_s
+                + self.upstream_response_s + self.other_s)
+
+    def to_dict(self) -> dict[str, float]:
+        """The log record's ``kvscope.gateway`` object."""
+        return {name: getattr(self, name) for name in GATEWAY_PHASES}
+
+
+GATEWAY_PHASES = tuple(f.name for f in fields(GatewayPhases))
+"""The fields of ``kvscope.gateway`` in the request log record, in order."""
 
 
 @dataclass(slots=True)
@@ -62,7 +91,22 @@ class RequestContext:
     first_token_at: float | None = None
     upstream: str | None = None
     upstream_s: float = 0.0
+    """Seconds spent in upstream attempts, all of them (each: its start → the upstream's last byte)."""
     attempts: int = 0
+    auth_s: float = 0.0
+    """Seconds in the auth guard (gateway/guards.py)."""
+    rate_limit_s: float = 0.0
+    """Seconds acquiring the rate-limit lease (gateway/ratelimit_middleware.py; Redis round trips included)."""
+    tokenize_s: float = 0.0
+    """Seconds counting the prompt's tokens for the context-length check (gateway/admission.py)."""
+    first_attempt_at: float | None = None
+    retry_s: float = 0.0
+    """First attempt's start → the last attempt's start: the failed attempts and the time between them."""
+    upstream_connect_s: float = 0.0
+    """Last attempt: its start → the upstream's response headers (connect, send, the upstream's own work
+    before it sends headers; the whole attempt when no headers came)."""
+    upstream_response_s: float = 0.0
+    """Last attempt: the response headers → the upstream's last byte."""
     usage: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     response_model: str | None = None
@@ -127,6 +171,26 @@ class RequestContext:
         """Seconds spent in the gateway: e2e minus the time spent waiting on upstream attempts."""
         end = self.end_at if self.end_at is not None else time.perf_counter()
         return max(0.0, end - self.start - self.upstream_s)
+
+    def attempt_ended(self, start: float, headers_at: float | None, end: float) -> None:
+        """Account one upstream attempt (perf_counter times: its start, its response headers or None, the
+        upstream's last byte) in the retry/upstream phases; the latest attempt is the one that answered."""
+        if self.end_at is not None:
+            end = min(end, self.end_at)
+        if self.first_attempt_at is None:
+            self.first_attempt_at = start
+        connected = end if headers_at is None else min(headers_at, end)
+        self.retry_s = start - self.first_attempt_at
+        self.upstream_connect_s, self.upstream_response_s = connected - start, end - connected
+
+    def gateway_phases(self, e2e_s: float) -> GatewayPhases:
+        """The request's ``e2e_s`` split into the phases of :class:`GatewayPhases`; ``other_s`` is the
+        remainder, so the phases add up to ``e2e_s`` (asserted to 1e-9 s)."""
+        measured = (self.auth_s, self.rate_limit_s, self.tokenize_s, self.retry_s, self.upstream_connect_s,
+                    self.upstream_response_s)
+        phases = GatewayPhases(*measured, other_s=e2e_s - sum(measured))
+        assert abs(phases.total_s - e2e_s) <= 1e-9, (phases, e2e_s)
+        return phases
 
     @property
     def failed(self) -> bool:

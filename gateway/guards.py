@@ -10,6 +10,7 @@ app's exception handlers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from litestar.connection import ASGIConnection
@@ -49,8 +50,12 @@ def names_operation(operation: str) -> Guard:
 async def authenticated(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """Authenticate the caller (AuthenticationFailed, 401, on a missing, malformed or unknown key; everyone
     is ``anonymous`` when no key is configured); records ``user.id`` and stores the principal."""
-    principal = state_of(connection).auth.authenticate(connection.headers.get("authorization"))
-    context_of(connection).key_id = principal.key_id if principal.authenticated else None
+    ctx, started = context_of(connection), time.perf_counter()
+    try:
+        principal = state_of(connection).auth.authenticate(connection.headers.get("authorization"))
+    finally:
+        ctx.auth_s += time.perf_counter() - started  # kvscope.gateway.auth_s
+    ctx.key_id = principal.key_id if principal.authenticated else None
     connection.scope["user"] = principal
 
 

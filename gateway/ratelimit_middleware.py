@@ -13,6 +13,7 @@ estimate minus the actual usage (gateway/ratelimit.py has the algorithm).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from litestar.connection import ASGIConnection
@@ -55,7 +56,11 @@ class RateLimitLease:
         limits = principal.limits
         if not (limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent):
             return
-        decision = await limiter.acquire(principal.key_id, limits, estimate, ctx.event_id)
+        started = time.perf_counter()
+        try:
+            decision = await limiter.acquire(principal.key_id, limits, estimate, ctx.event_id)
+        finally:
+            ctx.rate_limit_s += time.perf_counter() - started  # kvscope.gateway.rate_limit_s
         if not decision.allowed:
             retry = max(1, math.ceil(decision.retry_after_s))
             raise RateLimited(f"Rate limit reached for this API key ({decision.reason}). Retry after {retry}s.",

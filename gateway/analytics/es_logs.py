@@ -72,9 +72,10 @@ def report_query(by: str | None, since: datetime | None, top: int = 10, max_grou
         "track_total_hits": True,
         "query": time_filter(since),
         "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}],
-        # the slow-request fields, with the whole kvscope.engine object and upstream_s for the causes
+        # the slow-request fields, with the whole kvscope.engine and kvscope.gateway objects and upstream_s
+        # for the causes
         "_source": sorted({f for f in SLOW_FIELDS.values() if not f.startswith("kvscope.engine.")}
-                          | {"kvscope.engine", "kvscope.upstream_s"}),
+                          | {"kvscope.engine", "kvscope.gateway", "kvscope.upstream_s"}),
         "aggs": aggs,
     }
 

@@ -1,14 +1,20 @@
 """``kvscope logs why``: one request's latency explained from its log record's ``kvscope.engine`` attribution
 (the engine scheduler's step records, engine/core/attribution.py; fields in docs/logs.md) and the gateway's
-own timings (``kvscope.gateway_overhead_s``, ``kvscope.upstream_s``).
+own timings (``kvscope.gateway``, the phases of gateway/context.py's GatewayPhases; older records:
+``kvscope.gateway_overhead_s``, ``kvscope.upstream_s``).
 
 Causes, in seconds (each a sum of record fields, so the ranking is reproducible from the record):
 ``queue`` (arrival → first scheduled), ``own prefill`` / ``own decode`` (the token-proportional share of the
 steps that computed the request's own tokens), ``other prefills`` / ``batched decodes`` (the share of those
 steps spent on other requests' prefill tokens / decode tokens), ``preemption`` (time preempted), ``engine host time`` (what
-the phases' wall time leaves: work between steps, steps that did not schedule it), ``gateway`` (the gateway's
-own time: auth, limits, tokenize, connect, retries) and ``upstream transfer`` (upstream time the engine did
-not account for: HTTP, network, output streaming).
+the phases' wall time leaves: work between steps, steps that did not schedule it), the gateway's own phases
+``auth``, ``rate limit``, ``tokenize``, ``retry`` (failed attempts before the one that answered) and
+``gateway other`` (the rest of the gateway's time) — one ``gateway`` cause (``gateway_overhead_s``) for
+records older than ``kvscope.gateway`` — and ``upstream transfer``: the answering attempt's time
+(``upstream_connect_s + upstream_response_s``; older records: ``upstream_s``) the engine did not account for
+(connect, HTTP, network, output streaming). The answering attempt's time to response headers is not a cause
+of its own: the engine's queue, prefill and decode lie inside that attempt (a non-streamed answer's headers
+come after the whole generation), so it is printed, and ranked only as part of ``upstream transfer``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ CAUSE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Engine causes → the ``kvscope.engine`` fields (seconds) they add up; ``batched decodes`` is the
 interference minus its ``other prefills`` part (the other requests' decode tokens in the same steps)."""
+GATEWAY_CAUSES = {"auth": "auth_s", "rate limit": "rate_limit_s", "tokenize": "tokenize_s", "retry": "retry_s",
+                  "gateway other": "other_s"}
+"""Gateway causes → their ``kvscope.gateway`` field (seconds)."""
 
 
 def _seconds(engine: dict[str, Any], cause: str) -> float:
@@ -36,14 +45,21 @@ def _seconds(engine: dict[str, Any], cause: str) -> float:
 
 def rank_causes(engine: dict[str, Any], gateway: dict[str, Any] | None = None) -> list[tuple[str, float]]:
     """Causes and their seconds, largest first (those under a microsecond left out). ``engine`` is the
-    ``kvscope`` object (the record's ``kvscope.engine``); ``gateway`` the record's ``kvscope`` (adds
-    ``gateway`` and ``upstream transfer``: upstream seconds minus the engine's arrival → last token)."""
+    ``kvscope`` object (the record's ``kvscope.engine``); ``gateway`` the record's ``kvscope`` (adds the
+    gateway's phases of :data:`GATEWAY_CAUSES`, or ``gateway`` for an older record, and ``upstream
+    transfer``: the answering attempt's seconds minus the engine's arrival → last token)."""
     seconds = {cause: _seconds(engine, cause) for cause in CAUSE_FIELDS}
     if gateway is not None:
-        seconds["gateway"] = gateway.get("gateway_overhead_s") or 0.0
         engine_e2e = sum(engine.get(f) or 0.0 for f in ("queue_s", "prefill_s", "decode_s"))
-        if gateway.get("upstream_s") is not None:
-            seconds["upstream transfer"] = max(gateway["upstream_s"] - engine_e2e, 0.0)
+        phases = gateway.get("gateway")
+        if isinstance(phases, dict):
+            seconds.update({cause: phases.get(field) or 0.0 for cause, field in GATEWAY_CAUSES.items()})
+            answered = (phases.get("upstream_connect_s") or 0.0) + (phases.get("upstream_response_s") or 0.0)
+            seconds["upstream transfer"] = max(answered - engine_e2e, 0.0)
+        else:  # a record from before kvscope.gateway
+            seconds["gateway"] = gateway.get("gateway_overhead_s") or 0.0
+            if gateway.get("upstream_s") is not None:
+                seconds["upstream transfer"] = max(gateway["upstream_s"] - engine_e2e, 0.0)
     return sorted(((c, s) for c, s in seconds.items() if s > 1e-6), key=lambda item: -item[1])
 
 
@@ -102,6 +118,20 @@ def _decode_line(e: dict[str, Any], tpot: float | None) -> str:
             if batch is not None else f"decode {e.get('decode_s') or 0:.3f} s")
 
 
+def _gateway_line(kv: dict[str, Any]) -> str:
+    head = f"e2e {kv.get('e2e_s') or 0:.3f} s at the gateway: "
+    p = kv.get("gateway")
+    if not isinstance(p, dict):  # a record from before kvscope.gateway
+        return (head + f"{kv.get('gateway_overhead_s') or 0:.3f} s in the gateway (auth, limits, tokenize, connect, "
+                f"{_n(kv.get('attempts'))} attempt(s)), {kv.get('upstream_s') or 0:.3f} s upstream")
+    s = {k: p.get(k) or 0.0 for k in ("auth_s", "rate_limit_s", "tokenize_s", "retry_s", "upstream_connect_s",
+                                      "upstream_response_s", "other_s")}
+    return (head + f"auth {s['auth_s']:.3f} s, rate limit {s['rate_limit_s']:.3f} s, tokenize {s['tokenize_s']:.3f} s, "
+            f"retry {s['retry_s']:.3f} s ({_n(kv.get('attempts'))} attempt(s)), other {s['other_s']:.3f} s; "
+            f"the answering upstream {s['upstream_connect_s'] + s['upstream_response_s']:.3f} s "
+            f"({s['upstream_connect_s']:.3f} s to its response headers)")
+
+
 def explain(record: dict[str, Any]) -> Why:
     """The answer for one request-log record (the gateway's or the engine's line). Raises ValueError when the
     record carries no ``kvscope.engine`` attribution (an engine older than issue 18, or a refused request)."""
@@ -119,9 +149,7 @@ def explain(record: dict[str, Any]) -> Why:
                      f"{_n(engine.get('recomputed_tokens'))} tokens recomputed")
     is_gateway = "gateway_overhead_s" in kv
     if is_gateway:
-        lines.append(f"e2e {kv.get('e2e_s') or 0:.3f} s at the gateway: {kv.get('gateway_overhead_s') or 0:.3f} s "
-                     f"in the gateway (auth, limits, tokenize, connect, {_n(kv.get('attempts'))} attempt(s)), "
-                     f"{kv.get('upstream_s') or 0:.3f} s upstream")
+        lines.append(_gateway_line(kv))
     causes = tuple(rank_causes(engine, kv if is_gateway else None))
     total = sum(s for _, s in causes) or 1.0
     verdict = ", ".join(f"{c} {s:.3f} s ({s / total:.0%})" for c, s in causes[:4])

@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 from elasticsearch import AsyncElasticsearch
 
+from gateway.context import GATEWAY_PHASES
+
 logger = logging.getLogger(__name__)
 
 TEMPLATE_VERSION = 2
@@ -140,7 +142,8 @@ def record_properties() -> dict[str, Any]:
         ),
         "kvscope": _obj(
             route=_kw(), ttft_s=_DOUBLE, tpot_s=_DOUBLE, e2e_s=_DOUBLE, gateway_overhead_s=_DOUBLE,
-            upstream_s=_DOUBLE, attempts=_LONG, client_disconnected=_BOOL, disconnect_phase=_kw(),
+            upstream_s=_DOUBLE, gateway=_obj(**dict.fromkeys(GATEWAY_PHASES, _DOUBLE)), attempts=_LONG,
+            client_disconnected=_BOOL, disconnect_phase=_kw(),
             rate_limited=_BOOL, rate_limit_reason=_kw(), stream_error=_kw(), prompt_tokens_counted=_LONG,
             engine=_obj(**engine),
         ),

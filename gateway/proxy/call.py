@@ -156,8 +156,10 @@ class ProxyCall:
         self.gw.pool.acquire(replica)
         self.attempt_start, self.upstream_end = time.perf_counter(), None
         response: httpx.Response | None = None
+        headers_at: float | None = None
         try:
             response = await self._open(replica, deadline)
+            headers_at = time.perf_counter()
             if response.status_code != 200:
                 await self._relay_status(replica, response, deadline)
             elif self.plan.stream:
@@ -166,7 +168,9 @@ class ProxyCall:
                 await self._relay_json(replica, response, deadline)
         finally:
             self.gw.pool.release(replica)
-            self.ctx.upstream_s += (self.upstream_end or time.perf_counter()) - self.attempt_start
+            end = self.upstream_end or time.perf_counter()
+            self.ctx.upstream_s += end - self.attempt_start
+            self.ctx.attempt_ended(self.attempt_start, headers_at, end)
             if response is not None:
                 await response.aclose()
 

@@ -115,18 +115,21 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
         except httpx.HTTPError as exc:
             connect = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
             gw.pool.report_failure(replica, "connect" if connect else "disconnect", eject=connect)
-            ctx.upstream_s += time.perf_counter() - start
+            failed_at = time.perf_counter()
+            ctx.upstream_s += failed_at - start
+            ctx.attempt_ended(start, None, failed_at)
             continue
+        headers_at = time.perf_counter()
         gw.pool.acquire(replica)
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in RESPONSE_DROPPED}
-        return Stream(_relay(gw, replica, response, ctx, start), status_code=response.status_code,
+        return Stream(_relay(gw, replica, response, ctx, start, headers_at), status_code=response.status_code,
                       headers=out_headers, media_type=response.headers.get("content-type"))
     raise UpstreamUnavailable("No healthy upstream is available right now.",
                               headers={"retry-after": gw.pool.retry_after()})
 
 
-async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, ctx, start: float
-                 ) -> AsyncIterator[bytes]:
+async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, ctx, start: float,
+                 headers_at: float) -> AsyncIterator[bytes]:
     """Relay the upstream's bytes as they come; an error answer's first bytes also fill the log record's
     ``error.type``/``error.message`` (as for the admitted routes)."""
     error_head = bytearray() if response.status_code >= 400 else None
@@ -136,7 +139,9 @@ async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, c
                 error_head += chunk[:MAX_ERROR_BYTES - len(error_head)]
             yield chunk
     finally:
-        ctx.upstream_s += time.perf_counter() - start
+        end = time.perf_counter()
+        ctx.upstream_s += end - start
+        ctx.attempt_ended(start, headers_at, end)
         gw.pool.release(replica)
         await response.aclose()
         if error_head is not None:

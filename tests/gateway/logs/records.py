@@ -53,7 +53,11 @@ def make_record(i: int, *, ts: datetime | None = None, model: str = MODELS[0], s
         },
         "error": {"type": None, "message": None},
         "kvscope": {"route": "chat", "ttft_s": ttft_s, "tpot_s": tpot_s, "e2e_s": e2e_s,
-                    "gateway_overhead_s": 0.002, "upstream_s": e2e_s - 0.002, "engine": None, "attempts": 1,
+                    "gateway_overhead_s": 0.002, "upstream_s": e2e_s - 0.002,
+                    "gateway": {"auth_s": 0.0002, "rate_limit_s": 0.0003, "tokenize_s": 0.0005, "retry_s": 0.0,
+                                "upstream_connect_s": 0.001, "upstream_response_s": e2e_s - 0.003,
+                                "other_s": 0.001},
+                    "engine": None, "attempts": 1,
                     "client_disconnected": False, "disconnect_phase": None, "rate_limited": False,
                     "rate_limit_reason": None, "stream_error": None, "prompt_tokens_counted": input_tokens},
     }

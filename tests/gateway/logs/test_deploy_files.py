@@ -52,6 +52,9 @@ def test_kibana_latency_attribution_search_shows_mapped_cause_fields():
     assert [c for c in attrs["columns"] if not mapped(c)] == []
     assert {"kvscope.engine.queue_ahead", "kvscope.engine.prefill_interference_s",
             "kvscope.engine.decode_preempted_s"} <= set(attrs["columns"])
+    assert [c for c in attrs["columns"] if c.startswith("kvscope.gateway.")] == [
+        "kvscope.gateway.retry_s", "kvscope.gateway.rate_limit_s", "kvscope.gateway.tokenize_s",
+        "kvscope.gateway.auth_s", "kvscope.gateway.other_s"]
     assert attrs["sort"] == [["kvscope.e2e_s", "desc"]]
 
 

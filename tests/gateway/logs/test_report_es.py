@@ -35,8 +35,8 @@ DOCUMENTED_QUERY = {  # docs/logs.md, "Elasticsearch query"
     "query": {"bool": {"filter": [{"range": {"@timestamp": {"gte": "2025-01-01T12:00:00.000Z"}}}]}},
     "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}],
     "_source": ["@timestamp", "gen_ai.request.model", "http.request.id", "http.response.status_code",
-                "kvscope.e2e_s", "kvscope.engine", "kvscope.gateway_overhead_s", "kvscope.tpot_s", "kvscope.ttft_s",
-                "kvscope.upstream_s", "server.address", "trace.id"],
+                "kvscope.e2e_s", "kvscope.engine", "kvscope.gateway", "kvscope.gateway_overhead_s", "kvscope.tpot_s",
+                "kvscope.ttft_s", "kvscope.upstream_s", "server.address", "trace.id"],
     "aggs": {**METRICS, "groups": {"terms": {"field": "gen_ai.request.model", "size": 50, "missing": "(none)"},
                                    "aggs": METRICS}},
 }

@@ -35,15 +35,33 @@ def queued() -> dict:
     return run.stats("r31")
 
 
-def _record(engine: dict, overhead: float = 0.004) -> dict:
-    e2e = engine["queue_s"] + engine["prefill_s"] + engine["decode_s"] + overhead + 0.001
-    record = make_record(31, ttft_s=engine["ttft_s"] + overhead, tpot_s=engine["tpot_s"], e2e_s=e2e, engine=engine)
-    record["kvscope"]["gateway_overhead_s"], record["kvscope"]["upstream_s"] = overhead, e2e - overhead
+PHASES = {"auth_s": 0.0006, "rate_limit_s": 0.0012, "tokenize_s": 0.0008, "retry_s": 0.25, "other_s": 0.0016}
+"""Gateway phases of the records below (seconds): a retried request, 0.004 s of the gateway's own time."""
+TRANSFER = 0.001
+"""Answering-attempt seconds the engine did not account for."""
+
+
+def _record(engine: dict, phases: dict | None = None) -> dict:
+    """The gateway's record of a request the engine attributed as ``engine``: ``phases`` as its gateway part
+    (None: a record from before ``kvscope.gateway``, 0.004 s of gateway overhead)."""
+    engine_e2e = engine["queue_s"] + engine["prefill_s"] + engine["decode_s"]
+    answered = engine_e2e + TRANSFER
+    own = sum((phases or {"overhead": 0.004}).values())
+    e2e = answered + own
+    record = make_record(31, ttft_s=engine["ttft_s"] + own, tpot_s=engine["tpot_s"], e2e_s=e2e, engine=engine)
+    kv = record["kvscope"]
+    if phases is None:
+        del kv["gateway"]
+        kv["gateway_overhead_s"], kv["upstream_s"] = own, answered
+    else:
+        kv["gateway"] = {**phases, "upstream_connect_s": 0.002, "upstream_response_s": answered - 0.002}
+        kv["upstream_s"], kv["gateway_overhead_s"], kv["attempts"] = answered + 0.2, e2e - answered - 0.2, 2
+        assert sum(kv["gateway"].values()) == pytest.approx(e2e, abs=1e-12)
     return record
 
 
 def test_explain_names_the_queue_and_its_limit(queued) -> None:
-    why = explain(_record(queued))
+    why = explain(_record(queued, None))
     first = why.text.splitlines()[0]
     assert first.startswith(f"TTFT {queued['ttft_s'] + 0.004:.3f} s: {queued['queue_s']:.3f} s queued "
                             "(31 requests ahead, 0 running, max_num_seqs reached); prefill")
@@ -52,10 +70,34 @@ def test_explain_names_the_queue_and_its_limit(queued) -> None:
     assert why.verdict == "queue"
     causes = dict(why.causes)
     assert causes["queue"] == pytest.approx(queued["queue_s"])
-    assert causes["gateway"] == pytest.approx(0.004)
-    assert causes["upstream transfer"] == pytest.approx(0.001)
+    assert causes["gateway"] == pytest.approx(0.004)  # an older record: one gateway cause
+    assert causes["upstream transfer"] == pytest.approx(TRANSFER)
+    assert why.text.splitlines()[-2] == (f"e2e {_record(queued, None)['kvscope']['e2e_s']:.3f} s at the gateway: "
+                                         "0.004 s in the gateway (auth, limits, tokenize, connect, 1 attempt(s)), "
+                                         f"{queued['queue_s'] + queued['prefill_s'] + queued['decode_s'] + TRANSFER:.3f}"
+                                         " s upstream")
     e2e = queued["queue_s"] + queued["prefill_s"] + queued["decode_s"] + 0.005
     assert sum(causes.values()) == pytest.approx(e2e, rel=0.05)
+
+
+def test_explain_ranks_the_gateway_phases_among_the_causes(queued) -> None:
+    record = _record(queued, PHASES)
+    why = explain(record)
+    causes = dict(why.causes)
+    assert "gateway" not in causes
+    assert {c: causes[c] for c in ("auth", "rate limit", "tokenize", "retry", "gateway other")} == {
+        "auth": 0.0006, "rate limit": 0.0012, "tokenize": 0.0008, "retry": 0.25, "gateway other": 0.0016}
+    assert causes["upstream transfer"] == pytest.approx(TRANSFER)
+    # every second of the client's e2e is in exactly one cause: engine + gateway phases + transfer
+    assert sum(causes.values()) == pytest.approx(record["kvscope"]["e2e_s"], abs=1e-9)
+    names = [c for c, _ in why.causes]
+    assert names.index("retry") < names.index("gateway other") < names.index("rate limit") < names.index("tokenize") \
+        < names.index("auth")
+    assert why.text.splitlines()[-2] == (
+        f"e2e {record['kvscope']['e2e_s']:.3f} s at the gateway: auth 0.001 s, rate limit 0.001 s, tokenize 0.001 s, "
+        f"retry 0.250 s (2 attempt(s)), other 0.002 s; the answering upstream "
+        f"{queued['queue_s'] + queued['prefill_s'] + queued['decode_s'] + TRANSFER:.3f} s (0.002 s to its response "
+        "headers)")
 
 
 def test_rank_causes_is_largest_first(queued) -> None:
@@ -67,7 +109,7 @@ def test_rank_causes_is_largest_first(queued) -> None:
 def test_why_reads_the_jsonl_log_by_request_or_trace_id(queued, tmp_path) -> None:
     log = tmp_path / "requests.jsonl"
     other = make_record(1)
-    log.write_text(json.dumps(other) + "\n" + json.dumps(_record(queued)) + "\n")
+    log.write_text(json.dumps(other) + "\n" + json.dumps(_record(queued, PHASES)) + "\n")
     for key in ("req-000031", f"{31:032x}"):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -101,7 +143,7 @@ def test_report_breaks_the_slowest_and_p99_down_by_cause(tmp_path) -> None:
     run.until_done()
     records = []
     for i in range(32):
-        record = _record(run.stats(f"r{i}"))
+        record = _record(run.stats(f"r{i}"), PHASES)
         record["http"]["request"]["id"] = f"r{i}"
         records.append(record)
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
