@@ -127,14 +127,15 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._plan_for: tuple[AttentionMetadata, int] | None = None
         self._plan: _Plan | None = None
-        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the flattened slot view of the cache."""
+        """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the flattened slot view of the cache
+        (one ``index_copy_`` for K and V together)."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        both = torch.stack((key, value)).to(kv_cache.dtype)  # [2, T, KVH, d]
+        kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, both)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -142,7 +143,7 @@ class TorchAttentionBackend:
 
         Returns [num_tokens, num_heads, head_dim] in the query's dtype.
         """
-        plan = self._get_plan(metadata, kv_cache.shape[2])
+        plan = self._get_plan(metadata, kv_cache)
         decodes = plan.decodes
         dtype = query.dtype
         query = query.to(attention_compute_dtype(kv_cache))
@@ -175,45 +176,44 @@ class TorchAttentionBackend:
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: _Plan
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy ``blocks`` (int64 [m]) of K and V into the reusable buffers → two [m * block_size, KVH, d] in
-        the attention compute dtype."""
+        """Copy ``blocks`` (int64 [m]) of K and V (one ``index_select`` for both) into the reusable buffer →
+        two [m * block_size, KVH, d] in the attention compute dtype."""
         m = blocks.shape[0]
-        key_buf, value_buf = self._get_buffers(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)
-        keys = torch.index_select(kv_cache[0], 0, blocks, out=key_buf[:m])
-        values = torch.index_select(kv_cache[1], 0, blocks, out=value_buf[:m])
+        block_shape = kv_cache.shape[2:]
+        gathered = self._get_buffer(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)[: 2 * m * block_shape.numel()]
+        both = torch.index_select(kv_cache, 1, blocks, out=gathered.view(2, m, *block_shape))
         compute_dtype = attention_compute_dtype(kv_cache)
         if compute_dtype != kv_cache.dtype:
-            key_up, value_up = self._get_buffers(kv_cache, compute_dtype, plan.max_gathered_blocks)
-            keys, values = key_up[:m].copy_(keys), value_up[:m].copy_(values)
-        return keys.flatten(0, 1), values.flatten(0, 1)
+            upcast = self._get_buffer(kv_cache, compute_dtype, plan.max_gathered_blocks)[: gathered.numel()]
+            both = upcast.view(both.shape).copy_(both)
+        both = both.flatten(1, 2)
+        return both[0], both[1]
 
-    def _get_buffers(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_blocks: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [>= num_blocks, block_size, KVH, d] ``dtype`` buffers on the cache's device, reused across layers
-        and steps (no allocation and page faults per layer); grown (x1.5) on demand."""
-        buffers = self._buffers.get(dtype)
-        block_shape = kv_cache.shape[2:]
-        if (buffers is None or buffers[0].shape[0] < num_blocks or buffers[0].shape[1:] != block_shape
-                or buffers[0].device != kv_cache.device):
-            size = max(num_blocks, 0 if buffers is None else buffers[0].shape[0] * 3 // 2)
-            buffers = tuple(torch.empty((size, *block_shape), dtype=dtype, device=kv_cache.device)
-                            for _ in range(2))
-            self._buffers[dtype] = buffers
-        return buffers
+    def _get_buffer(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_blocks: int) -> torch.Tensor:
+        """A flat ``dtype`` buffer on the cache's device for K and V of >= ``num_blocks`` blocks, reused across
+        layers and steps (no allocation and page faults per layer); grown (x1.5) on demand."""
+        buffer = self._buffers.get(dtype)
+        needed = 2 * num_blocks * kv_cache.shape[2:].numel()
+        if buffer is None or buffer.numel() < needed or buffer.device != kv_cache.device:
+            size = max(needed, 0 if buffer is None else buffer.numel() * 3 // 2)
+            buffer = torch.empty(size, dtype=dtype, device=kv_cache.device)
+            self._buffers[dtype] = buffer
+        return buffer
 
-    def _get_plan(self, metadata: AttentionMetadata, block_size: int) -> _Plan:
+    def _get_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
         """Memoized per (metadata object, block_size): every layer of one forward shares the plan."""
+        block_size = kv_cache.shape[2]
         cached = self._plan_for
         if self._plan is None or cached is None or cached[0] is not metadata or cached[1] != block_size:
             self._plan = _build_plan(metadata, block_size)
             self._plan_for = (metadata, block_size)
-            self._release_large_buffers(self._plan.max_gathered_blocks)
+            self._release_large_buffers(2 * self._plan.max_gathered_blocks * kv_cache.shape[2:].numel())
         return self._plan
 
-    def _release_large_buffers(self, num_blocks: int) -> None:
-        """Drop gather buffers over MAX_RETAINED_GATHER_BYTES that this step does not need in full (one long
-        batch must not pin its gather memory for the engine's lifetime)."""
-        for dtype, (key_buf, _) in list(self._buffers.items()):
-            too_big = key_buf.numel() * key_buf.element_size() > MAX_RETAINED_GATHER_BYTES
-            if too_big and key_buf.shape[0] > num_blocks:
+    def _release_large_buffers(self, numel: int) -> None:
+        """Drop gather buffers over MAX_RETAINED_GATHER_BYTES (K and V each) that this step does not need in
+        full (``numel`` elements: one long batch must not pin its gather memory for the engine's lifetime)."""
+        for dtype, buffer in list(self._buffers.items()):
+            too_big = buffer.numel() * buffer.element_size() > 2 * MAX_RETAINED_GATHER_BYTES
+            if too_big and buffer.numel() > numel:
                 del self._buffers[dtype]

@@ -135,13 +135,13 @@ def test_gather_buffers_are_reused_and_large_ones_released(monkeypatch: pytest.M
     backend = TorchAttentionBackend()
     query = torch.randn(2, 2, HEAD_DIM)
     backend.forward(query, cache, AttentionMetadata.build([1, 1], [9, 5], [[3, 1, 7], [2, 0]], 4), 1.0)
-    kept = backend._buffers[torch.float32][0]
-    assert kept.shape[0] == 6  # 2 requests x 3 blocks (the longest)
+    kept = backend._buffers[torch.float32]
+    assert kept.shape == (2 * 6 * 4 * HEAD_DIM,)  # K and V of 2 requests x 3 blocks (the longest) x 4 slots
     backend.forward(query[:1], cache, AttentionMetadata.build([1], [2], [[5]], 4), 1.0)
-    assert backend._buffers[torch.float32][0] is kept  # a smaller step reuses it
+    assert backend._buffers[torch.float32] is kept  # a smaller step reuses it
     monkeypatch.setattr(engine_attention, "MAX_RETAINED_GATHER_BYTES", 0)
     backend.forward(query[:1], cache, AttentionMetadata.build([1], [2], [[5]], 4), 1.0)
-    assert backend._buffers[torch.float32][0].shape[0] == 1  # the large one was dropped, a fitting one made
+    assert backend._buffers[torch.float32].shape == (2 * 1 * 4 * HEAD_DIM,)  # the large one dropped, a fitting one made
 
 
 @pytest.mark.slow
@@ -157,3 +157,17 @@ def test_bfloat16_engine_answers_like_float32(llm) -> None:
     [reference] = llm.chat(messages, params)
     assert out.outputs[0].text == "The capital of France is Paris."
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope_is_bit_identical_to_rotate_half(dtype: torch.dtype) -> None:
+    """The 4-op RoPE (roll + signed sin, tables built once per step) gives exactly HF's x·cos + rotate_half(x)·sin."""
+    from engine.models.layers import RopeConfig, RotaryEmbedding, apply_rotary
+    from engine.models.llama import apply_rope, rope_tables
+
+    positions = torch.tensor([0, 1, 5, 37, 200])
+    cos, sin = RotaryEmbedding(HEAD_DIM, RopeConfig(theta=100000.0))(positions, dtype)
+    x = torch.randn(5, 3, HEAD_DIM, generator=torch.Generator().manual_seed(9)).to(dtype)
+    got = apply_rope(x, *rope_tables(cos, sin))
+    assert got.dtype == dtype
+    assert torch.equal(got, apply_rotary(x, cos, sin))
