@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
+                        help="linear-layer weights of the kvscope engine (docs/engine-server.md)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: the engine's choice)")
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed by --step-bench")
     parser.add_argument("--save-result", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads)
+    args.dtype = str(llm.engine.model.load_report.dtype).removeprefix("torch.")  # auto resolved
     if args.step_bench:
         return _run_step_bench(llm, args)
     results = []
@@ -148,7 +151,7 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
     for concurrency in args.concurrency:
         prompts = random_prompts(concurrency, args.input_len, llm.engine.vocab_size, args.seed)
         results.append(bench_steps(llm, prompts, args.steps))
-        print(f"kvscope {args.dtype}, {torch.get_num_threads()} threads, concurrency {concurrency:3d}: decode "
+        print(f"kvscope {args.dtype}/{args.quantization}, {torch.get_num_threads()} threads, concurrency {concurrency:3d}: decode "
               f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x {args.input_len} "
               f"tokens) {results[-1].prefill_ms:8.1f} ms", flush=True)
     if args.save_result:

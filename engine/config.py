@@ -12,7 +12,13 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     """Registry name (``smollm2-135m``), a HF folder (config.json + safetensors + tokenizer) or a .gguf file."""
     dtype: str = "float32"
-    """Weights/activations dtype: float32 (CPU default, exact parity), bfloat16, float16."""
+    """Weights/activations dtype: float32 (CPU default, exact parity), bfloat16, float16, or auto: on CPU the
+    faster of float32/bfloat16 by a start-up probe (``engine.models.kernel_probe``: bfloat16 where oneDNN runs it
+    on AMX/AVX512_BF16), bfloat16 on CUDA."""
+    quantization: str = "none"
+    """Linear-layer weights (vLLM's ``--quantization``): none, int8 (weight-only, per output channel), int4
+    (groups of 32; a Q4_0/Q4_1 GGUF's own blocks), gguf (the GGUF's Q4 tensors as int4, the rest dense). CPU
+    only; see ``engine.models.compact``."""
     max_model_len: int | None = None
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None
@@ -20,8 +26,10 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8", "int4", "gguf"):
+            raise ValueError(f"quantization must be none, int8, int4 or gguf, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
 

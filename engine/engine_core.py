@@ -21,7 +21,8 @@ from engine.core.request import Request, RequestStatus, child_request_id
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.errors import InvalidParameterError, PromptTooLongError
-from engine.models.loader import DTYPES, load_model
+from engine.models.compact import model_weight_bytes
+from engine.models.loader import load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.text.output_processor import OutputProcessor
@@ -79,8 +80,8 @@ class EngineCore:
             torch.set_num_threads(config.num_threads or default_num_threads())
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = DTYPES[config.model.dtype]
         self.model, hf_config, model_dir = load_model(config.model, self.device)
+        dtype = self.model.load_report.dtype  # --dtype auto resolved by the loader
         self.tokenizer = Tokenizer.from_dir(model_dir)
         num_layers = hf_config["num_hidden_layers"]
         num_kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
@@ -97,7 +98,7 @@ class EngineCore:
                                                block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = model_weight_bytes(self.model)  # compact and packed copies included
         self.info = ModelInfo(
             name=config.model.served_model_name or _default_name(config.model.model, model_dir),
             model_dir=str(model_dir), max_model_len=self.max_model_len, vocab_size=self.vocab_size,

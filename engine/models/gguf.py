@@ -22,6 +22,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from engine.models.quant import GGUF_INT4_TYPES, Int4Blocks, int4_blocks_from_gguf
+
 logger = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = {
@@ -217,3 +219,65 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.replace(dst, old)
     os.replace(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def gguf_int4_blocks(gguf_path: Path | str) -> dict[str, Int4Blocks]:
+    """The Q4_0/Q4_1 tensors of a GGUF as unpacked int4 blocks under their HF names, rows un-permuted for
+    ``llama`` q/k exactly as :func:`gguf_state_dict` does (no dequantization, no re-quantization). Tensors of
+    other types are not included."""
+    reader = GGUFReader(gguf_path)
+    config = gguf_hf_config(reader)
+    arch = _field(reader, "general.architecture")
+    heads = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
+    out: dict[str, Int4Blocks] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in GGUF_INT4_TYPES:
+            continue
+        name = hf_tensor_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        blocks = int4_blocks_from_gguf(np.asarray(tensor.data), tensor.tensor_type, shape)
+        permuted = next((n for fragment, n in heads.items() if fragment in name), None) if arch == "llama" else None
+        if permuted is not None:
+            blocks = blocks.map_rows(lambda a, n=permuted: reverse_permute(a, n))
+        out[name] = blocks
+    return out
+
+
+def gguf_tensor_types(gguf_path: Path | str) -> dict[str, str]:
+    """HF tensor name → GGML type name (``Q4_1``, ``Q8_0``, ``F32``…) of every tensor of a GGUF."""
+    return {hf_tensor_name(t.name): t.tensor_type.name for t in GGUFReader(gguf_path).tensors}
+
+
+INT4_CACHE_FILE = "int4_blocks.st"
+"""Cache of :func:`gguf_int4_blocks` beside the converted folder's weights: GGUFReader parses every metadata
+field (the 49k-token vocabulary too) in Python, 10-25 s on a loaded 2-core machine; the cache loads in ~1 s.
+A safetensors file, named so that the weights loader (``*.safetensors``) does not pick it up."""
+
+
+def cached_gguf_int4_blocks(gguf_path: Path | str, cache_dir: Path | str) -> dict[str, Int4Blocks]:
+    """:func:`gguf_int4_blocks`, read from ``cache_dir / INT4_CACHE_FILE`` when present, else computed and
+    written there (atomically). Codes are stored two per byte (low nibble = even column), scale and zero as
+    float32: the cache holds exactly what the GGUF does."""
+    from safetensors.torch import load_file
+
+    path = Path(cache_dir) / INT4_CACHE_FILE
+    if path.is_file():
+        flat = load_file(str(path))
+        names = sorted({key.rpartition(".")[0] for key in flat})
+        return {name: Int4Blocks(codes=_unpack_nibbles(flat[f"{name}.codes"]), scale=flat[f"{name}.scale"],
+                                 zero=flat[f"{name}.zero"]) for name in names}
+    blocks = gguf_int4_blocks(gguf_path)
+    flat = {}
+    for name, b in blocks.items():
+        flat |= {f"{name}.codes": b.codes[:, 0::2] | (b.codes[:, 1::2] << 4), f"{name}.scale": b.scale,
+                 f"{name}.zero": b.zero}
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp), metadata={"source": str(gguf_path)})
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return blocks
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K/2]`` (low nibble = column 2j, high = 2j+1) → uint8 ``[N, K]``."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)

@@ -8,7 +8,7 @@ for operation so that float32 logits match to ~1e-6.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,16 @@ class CpuLinearKernel:
             return x.new_empty(0, self.packed.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the packed copy, the column-major copy (it replaces the parameter) and the bias."""
+        return sum(_nbytes(t) for t in (self.column_major, self.packed, self.bias) if t is not None)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (also for opaque oneDNN tensors, which have no storage to ask)."""
+    return math.prod(t.shape) * t.element_size()
+
 
 def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLinearKernel | None:
     """Build the CPU fast path for ``weight`` ``[out, in]`` (float32 or bfloat16, on CPU), or None when this
@@ -87,20 +97,47 @@ def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLin
                            bias=None if bias is None else bias.detach())
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same HF weight names) that can switch to :class:`CpuLinearKernel`.
+def packed_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLinearKernel | None:
+    """Only the oneDNN-packed copy of ``weight`` (no column-major one): the dense path of a compact layer, used
+    for batched rows. None when oneDNN is unavailable or refuses the weight."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+    except (AttributeError, RuntimeError):
+        return None
+    return CpuLinearKernel(column_major=None, packed=packed, bias=None if bias is None else bias.detach())
 
-    Until :meth:`prepare_for_cpu` is called it is exactly ``nn.Linear``.
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same HF weight names) that can switch to :class:`CpuLinearKernel`, or to
+    compact weights (:meth:`use_compact`, ``engine.models.quant``).
+
+    Until :meth:`prepare_for_cpu` or :meth:`use_compact` is called it is exactly ``nn.Linear``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.cpu_kernel: CpuLinearKernel | None = None
+        self.cpu_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.compact = False
+
+    def use_compact(self, kernel: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the dense weight by ``kernel`` (a ``quant.CompactLinearKernel``): ``weight`` and ``bias``
+        become None (the kernel holds what it needs), :meth:`prepare_for_cpu` keeps the kernel."""
+        self.cpu_kernel = kernel
+        self.compact = True
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
 
     def prepare_for_cpu(self) -> bool:
         """Pack the (loaded) weight for CPU inference. The float32 weight parameter is re-pointed at the
         column-major copy (same values, same shape), so the extra memory is one packed copy. Returns False
-        (and changes nothing) when there is no fast path. Call again after changing the weights."""
+        (and changes nothing) when there is no fast path. Call again after changing the weights. A compact
+        layer keeps its kernel (returns True)."""
+        if self.compact:
+            return True
         kernel = cpu_linear_kernel(self.weight, self.bias)
         if kernel is None:
             return False
@@ -111,6 +148,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[N, in]`` → ``[N, out]``."""
+        if self.compact:
+            return self.cpu_kernel(x)
         if self.cpu_kernel is None or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         return self.cpu_kernel(x)

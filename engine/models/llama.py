@@ -11,7 +11,7 @@ refuses a context longer than the window (``check_sliding_window``), where full 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,7 +21,6 @@ from torch import nn
 
 from engine.attention.forward_context import get_forward_context
 from engine.models.layers import (
-    CpuLinearKernel,
     Linear,
     RMSNorm,
     RopeConfig,
@@ -194,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(self.config)
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        self.logits_kernel: CpuLinearKernel | None = None
+        self.logits_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """CPU kernel of the LM head: a CpuLinearKernel, or a compact one (engine.models.compact)."""
 
     @classmethod
     def arch_config(cls, cfg: Mapping[str, Any]) -> ArchConfig:
@@ -222,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             self.logits_kernel = self.lm_head.cpu_kernel
             return switched
+        if getattr(self.logits_kernel, "compact", None) is not None:  # int8 logits (engine.models.compact)
+            return switched + 1
         embed = self.model.embed_tokens
         self.logits_kernel = cpu_linear_kernel(embed.weight, None)
         if self.logits_kernel is None:

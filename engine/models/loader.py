@@ -21,7 +21,9 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.models.compact import QuantReport, quantize_model
 from engine.models.gguf import convert_gguf_to_hf
+from engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
 from engine.models.llama import LlamaForCausalLM, check_sliding_window
 from engine.models.registry import get_model_class
 from kvscope.models.cache import cache_root, hf_dir
@@ -43,7 +45,14 @@ class LoadReport:
     resolve_s: float
     """pull check + GGUF conversion (when ``converted``)."""
     weights_s: float
-    """Build the module and copy the safetensors weights in."""
+    """Build the module and copy the safetensors weights in (and quantize)."""
+    dtype: torch.dtype = torch.float32
+    """The dtype the model runs in (``--dtype auto`` resolved)."""
+    quantization: QuantReport | None = None
+    kernels: KernelChoice | None = None
+    """The CPU kernel probe's result, when one ran (``--dtype auto`` or a quantization)."""
+    gguf_path: Path | None = None
+    """The GGUF the weights came from, if any."""
 
     @property
     def total_s(self) -> float:
@@ -59,17 +68,19 @@ def resolve_model_dir(name_or_path: str, *, root: Path | None = None) -> Path:
     return _resolve(name_or_path, root)[0]
 
 
-def _resolve(name_or_path: str, root: Path | None) -> tuple[Path, bool]:
+def _resolve(name_or_path: str, root: Path | None) -> tuple[Path, bool, Path | None]:
+    """(HF folder, converted now, the source GGUF or None)."""
     if is_registered(name_or_path):
-        return _ensure_converted(pull(name_or_path, root=root), hf_dir(name_or_path, root))
+        gguf_path = pull(name_or_path, root=root)
+        return *_ensure_converted(gguf_path, hf_dir(name_or_path, root)), gguf_path
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _ensure_converted(path, gguf_conversion_dir(path, root))
+        return *_ensure_converted(path, gguf_conversion_dir(path, root)), path
     if path.is_dir() and (path / "config.json").is_file():
-        return path, False
+        return path, False, None
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
-        return _ensure_converted(ggufs[0], gguf_conversion_dir(ggufs[0], root))
+        return *_ensure_converted(ggufs[0], gguf_conversion_dir(ggufs[0], root)), ggufs[0]
     raise UnknownModelError(f"model {name_or_path!r} is not a registered name ({', '.join(list_models())}), "
                             "a HF folder with config.json, or a .gguf file")
 
@@ -126,14 +137,36 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     ValueError for unsupported architectures or a context longer than a sliding window.
     """
     start = time.perf_counter()
-    model_dir, converted = _resolve(model_config.model, root)
+    model_dir, converted, gguf_path = _resolve(model_config.model, root)
     resolved = time.perf_counter()
     hf_config = read_hf_config(model_dir)
-    model = build_model(hf_config, DTYPES[model_config.dtype], device, model_dir)
+    device = torch.device(device)
+    if model_config.quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
+                         f"kernels); use --quantization none on {device}")
+    kernels = probe_cpu_kernels() if device.type == "cpu" and (
+        model_config.dtype == "auto" or model_config.quantization != "none") else None
+    dtype = resolve_dtype(model_config.dtype, device, kernels)
+    model = build_model(hf_config, dtype, device, model_dir)
     check_sliding_window(model.config, model_config.max_model_len or hf_config["max_position_embeddings"])
+    quant = None
+    if model_config.quantization != "none":
+        quant = quantize_model(model, model_config.quantization, kernels, gguf_path, model_dir)
     report = LoadReport(model_dir=model_dir, converted=converted, resolve_s=resolved - start,
-                        weights_s=time.perf_counter() - resolved)
+                        weights_s=time.perf_counter() - resolved, dtype=dtype, quantization=quant, kernels=kernels,
+                        gguf_path=gguf_path)
     model.load_report = report
-    logger.info("loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs)", model_config.model, model_dir,
-                report.total_s, " + convert" if converted else "", report.resolve_s, report.weights_s)
+    logger.info("loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs), dtype %s, quantization %s",
+                model_config.model, model_dir, report.total_s, " + convert" if converted else "", report.resolve_s,
+                report.weights_s, str(dtype).removeprefix("torch."), model_config.quantization)
     return model, hf_config, model_dir
+
+
+def resolve_dtype(name: str, device: torch.device, kernels: KernelChoice | None) -> torch.dtype:
+    """The torch dtype for ``--dtype name``: ``auto`` is the probe's faster dense dtype on CPU (float32 when no
+    probe ran) and bfloat16 elsewhere. Raises KeyError for an unknown name."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cpu":
+        return torch.bfloat16
+    return kernels.dense_dtype if kernels is not None else torch.float32

@@ -31,6 +31,7 @@ _ENGINE_FLAGS = {  # flag dest → build_engine_config keyword
     "max_num_batched_tokens": "max_num_batched_tokens", "long_prefill_token_threshold": "long_prefill_token_threshold",
     "kv_cache_memory": "kv_cache_memory", "num_blocks": "num_blocks", "block_size": "block_size",
     "gpu_memory_utilization": "gpu_memory_utilization", "served_model_name": "served_model_name", "dtype": "dtype",
+    "quantization": "quantization",
     "seed": "seed", "device": "device", "attention_backend": "attention_backend", "num_threads": "num_threads",
 }  # fmt: skip
 
@@ -50,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block")
     p.add_argument("--gpu-memory-utilization", type=float, help="CUDA: fraction of device memory to use")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights/activations (default float32; auto: bfloat16 where the CPU probe measures it faster)")
+    p.add_argument("--quantization", choices=("none", "int8", "int4", "gguf"),
+                   help="linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu or cuda[:N]")
     p.add_argument("--attention-backend", choices=("auto", "torch", "triton"))

@@ -1,0 +1,167 @@
+"""Switch a loaded model's linear layers to compact weights (``--quantization``) and count the bytes it holds.
+
+- ``int8``: every projection and the LM head (for a tied embedding: an int8 copy for the logits, the
+  embedding itself stays dense for lookups) quantized per output row from the loaded float weights.
+- ``int4``: every decoder projection as int4 groups of 32. From the GGUF's own Q4_0/Q4_1 blocks when the model
+  is such a GGUF (no re-quantization: the int4 weights dequantize to exactly the GGUF's values), else
+  quantized from the float weights with llama.cpp's Q4_1 quantizer (``gguf.quants``).
+- ``gguf``: the GGUF's Q4_0/Q4_1 tensors as int4, all other tensors dense (refuses a model that is not a
+  GGUF). For a Q4 GGUF this is the same model as ``int4``.
+The LM head under int4/gguf and every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stay dense
+in ``--dtype``, as without quantization. Each compact layer keeps a dense oneDNN-packed copy for batches above
+the crossover :func:`engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.models.gguf import cached_gguf_int4_blocks
+from engine.models.kernel_probe import NO_DENSE, KernelChoice
+from engine.models.layers import CpuLinearKernel, Linear, packed_linear_kernel
+from engine.models.llama import _STACKED, LlamaForCausalLM
+from engine.models.quant import (
+    CompactLinearKernel,
+    Int4Blocks,
+    Int4Weight,
+    Int8Weight,
+    int4_blocks_from_float,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantReport:
+    """What :func:`quantize_model` did."""
+
+    quantization: str
+    from_gguf: int
+    """Layers whose int4 weights are the GGUF's own Q4_0/Q4_1 blocks."""
+    quantized: int
+    """Layers quantized here from float weights (int8, or int4 of a model without Q4 blocks)."""
+    dense: int
+    """Linear layers left dense (the LM head under int4/gguf; gguf: tensors of other types)."""
+
+
+def source_names(module_name: str) -> list[str]:
+    """HF checkpoint weight names filling a (fused) layer, in shard order:
+    ``model.layers.0.self_attn.qkv_proj`` → its q/k/v_proj weights; an unfused layer → its own weight."""
+    name = f"{module_name}.weight"
+    shards = sorted((shard, fragment, fused) for fragment, (fused, shard) in _STACKED.items() if fused in name)
+    return [name.replace(fused, fragment) for _, fragment, fused in shards] or [name]
+
+
+def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelChoice,
+                   gguf_path: Path | None = None, cache_dir: Path | None = None) -> QuantReport:
+    """Replace the dense weights of ``model`` (loaded, on CPU) by compact kernels, in place (module doc).
+
+    ``gguf_path``: the GGUF the model came from (None: a HF folder); ``cache_dir`` holds the int4 block
+    cache (``engine.models.gguf.INT4_CACHE_FILE``). Raises ValueError for an unknown quantization, or ``gguf``
+    without a GGUF.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "none":
+        return QuantReport(quantization, 0, 0, 0)
+    if quantization == "gguf" and gguf_path is None:
+        raise ValueError("quantization 'gguf' needs a GGUF model (a registry name or a .gguf file)")
+    blocks = (cached_gguf_int4_blocks(gguf_path, cache_dir or gguf_path.parent)
+              if quantization in ("int4", "gguf") and gguf_path is not None else {})
+    counts = {"from_gguf": 0, "quantized": 0, "dense": 0}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        compact = _compact_weight(name, module, quantization, blocks, counts)
+        if compact is not None:
+            module.use_compact(_kernel(compact, module.weight, module.bias, choice))
+    if quantization == "int8" and model.config.tie_word_embeddings:
+        embed = model.model.embed_tokens.weight
+        model.logits_kernel = _kernel(Int8Weight.from_float(embed), embed, None, choice)
+        counts["quantized"] += 1
+    report = QuantReport(quantization, **counts)
+    logger.info("quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense; %s", quantization,
+                report.from_gguf, report.quantized, report.dense, choice.describe())
+    return report
+
+
+def _compact_weight(name: str, module: Linear, quantization: str, blocks: dict[str, Int4Blocks],
+                    counts: dict[str, int]) -> Int4Weight | Int8Weight | None:
+    if quantization == "int8":
+        counts["quantized"] += 1
+        return Int8Weight.from_float(module.weight)
+    sources = source_names(name)
+    if name == "lm_head":
+        counts["dense"] += 1
+        return None
+    if all(s in blocks for s in sources):
+        counts["from_gguf"] += 1
+        return Int4Weight.from_blocks(Int4Blocks.cat([blocks[s] for s in sources]))
+    if quantization == "gguf":
+        counts["dense"] += 1
+        return None
+    counts["quantized"] += 1
+    return Int4Weight.from_blocks(int4_blocks_from_float(module.weight))
+
+
+def _kernel(compact: Int4Weight | Int8Weight, weight: torch.Tensor, bias: torch.Tensor | None,
+            choice: KernelChoice) -> CompactLinearKernel:
+    fmt = "int4" if isinstance(compact, Int4Weight) else "int8"
+    max_rows = choice.max_rows[fmt]
+    dense = None
+    if max_rows < NO_DENSE:
+        dense = packed_linear_kernel(weight.to(choice.dense_dtype),
+                                     None if bias is None else bias.to(choice.dense_dtype))
+    return CompactLinearKernel(compact=compact, bias=None if bias is None else bias.detach().clone(), dense=dense,
+                               dense_dtype=choice.dense_dtype, max_compact_rows=max_rows if dense else NO_DENSE)
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights the model holds: parameters, buffers, and every kernel's packed/compact copies (each
+    storage counted once; a column-major copy that replaced its parameter is not counted twice)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in _weight_tensors(model):
+        key = tensor.untyped_storage().data_ptr() if tensor.layout == torch.strided else id(tensor)
+        if key in seen and tensor.layout == torch.strided and tensor.numel():
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size() if tensor.layout == torch.strided else \
+            _opaque_nbytes(tensor)
+    return total
+
+
+def _opaque_nbytes(tensor: torch.Tensor) -> int:
+    n = 1
+    for d in tensor.shape:
+        n *= d
+    return n * tensor.element_size()
+
+
+def _weight_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+    kernels = [m.cpu_kernel for m in model.modules() if isinstance(m, Linear)]
+    kernels.append(getattr(model, "logits_kernel", None))
+    for kernel in {id(k): k for k in kernels if k is not None}.values():
+        yield from _kernel_tensors(kernel)
+
+
+def _kernel_tensors(kernel: object) -> Iterator[torch.Tensor]:
+    if isinstance(kernel, CpuLinearKernel):
+        yield from (t for t in (kernel.column_major, kernel.packed, kernel.bias) if t is not None)
+    elif isinstance(kernel, CompactLinearKernel):
+        c = kernel.compact
+        yield from (c.packed, c.scales_and_zeros) if isinstance(c, Int4Weight) else (c.weight, c.scales)
+        if kernel.bias is not None:
+            yield kernel.bias
+        if kernel.dense is not None:
+            yield from _kernel_tensors(kernel.dense)

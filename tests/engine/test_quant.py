@@ -1,0 +1,154 @@
+"""Compact weights (engine/models/quant.py, compact.py, kernel_probe.py): GGUF Q4_0/Q4_1 blocks map onto torch's
+int4 CPU kernel without re-quantizing, int8 per-row weights, the compact/dense switch and the byte count.
+
+Exactness: the kernels take bfloat16 activations and bfloat16 scales, accumulate in float32 and round the
+result to bfloat16. So each output must be within one bfloat16 ulp of the float64 product of the same
+bfloat16 inputs, and the distance to the GGUF's exact dequantization is bounded by the bfloat16 rounding of
+the scales (relative 2⁻⁹ of d and of m + 8d) — asserted as such, not as a loose tolerance."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.models.compact import model_weight_bytes, source_names
+from engine.models.kernel_probe import NO_DENSE, crossover
+from engine.models.layers import Linear, packed_linear_kernel
+from engine.models.quant import (
+    CompactLinearKernel,
+    Int4Blocks,
+    Int4Weight,
+    Int8Weight,
+    int4_blocks_from_float,
+    int4_blocks_from_gguf,
+)
+
+N, K = 64, 256
+
+
+def gguf_blocks(qtype: Q, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw GGUF rows, gguf.quants' own dequantization float32 [N, K]) of a random weight."""
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, qtype)
+    return raw, gguf.quants.dequantize(raw, qtype).reshape(N, K)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -120)))
+    return torch.exp2(exponent - 7)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_gguf_blocks_unpack_to_exactly_the_gguf_dequantization(qtype: Q) -> None:
+    raw, reference = gguf_blocks(qtype)
+    blocks = int4_blocks_from_gguf(raw, qtype, (N, K))
+    assert blocks.codes.dtype == torch.uint8 and int(blocks.codes.max()) <= 15
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(reference))
+    if qtype == Q.Q4_0:
+        assert torch.count_nonzero(blocks.zero) == 0
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_int4_packed_matmul_is_x_times_the_gguf_blocks(qtype: Q, rows: int) -> None:
+    raw, reference = gguf_blocks(qtype, seed=rows)
+    blocks = int4_blocks_from_gguf(raw, qtype, (N, K))
+    weight = Int4Weight.from_blocks(blocks)
+    sz = weight.scales_and_zeros
+    assert sz.shape == (K // 32, N, 2) and sz.dtype == torch.bfloat16
+    assert torch.equal(sz[..., 0].t(), blocks.scale.to(torch.bfloat16))  # layout: [group, row, (scale, zero)]
+    assert torch.equal(sz[..., 1].t(), blocks.zero.to(torch.bfloat16))
+    x = (torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))).to(torch.bfloat16)
+    out = weight.matmul(x).double()
+    # the same bfloat16 scales/zeros, in float64: the kernel is this product up to its rounding
+    scale, zero = (t.to(torch.bfloat16).double().repeat_interleave(32, dim=1) for t in (blocks.scale, blocks.zero))
+    w_bf16_scales = (blocks.codes.double() - 8) * scale + zero
+    exact = x.double() @ w_bf16_scales.t()
+    assert ((out - exact).abs() <= bf16_ulp(exact) + 1e-6).all()
+    # against gguf's dequantization with the float16 scales: within the bf16 rounding of scale and zero
+    gguf_exact = x.double() @ torch.from_numpy(reference).double().t()
+    codes = (blocks.codes.double() - 8).abs()
+    d = blocks.scale.double().abs().repeat_interleave(32, dim=1)  # Q4_0 scales may be negative
+    z = blocks.zero.double().abs().repeat_interleave(32, dim=1)
+    bound = x.double().abs() @ (2.0 ** -9 * (codes * d + z)).t()
+    assert ((out - gguf_exact).abs() <= bound + bf16_ulp(gguf_exact) + 1e-6).all()
+
+
+def test_float_weights_quantize_as_llama_cpp_q4_1() -> None:
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(3))
+    blocks = int4_blocks_from_float(w)
+    q4_1 = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), Q.Q4_1), Q.Q4_1)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(q4_1))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int4_blocks_from_float(torch.ones(16, 40))
+    with pytest.raises(ValueError, match="not a Q4_0/Q4_1"):
+        int4_blocks_from_gguf(np.zeros((16, 34), np.uint8), Q.Q8_0, (16, 32))
+
+
+def test_int4_blocks_concatenate_and_permute_rows() -> None:
+    a = int4_blocks_from_float(torch.randn(16, 64, generator=torch.Generator().manual_seed(1)))
+    b = int4_blocks_from_float(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)))
+    fused = Int4Blocks.cat([a, b])
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    flipped = a.map_rows(lambda m: m[::-1])
+    assert torch.equal(flipped.dequantize(), a.dequantize().flip(0))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_rows_and_matmul(rows: int) -> None:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(rows))
+    q = Int8Weight.from_float(w)
+    assert q.weight.dtype == torch.int8 and q.scales.dtype == torch.bfloat16
+    assert q.weight.abs().amax(dim=1).tolist() == [127] * N  # every row uses the full range
+    assert (q.dequantize() - w).abs().max() <= (q.scales.float() / 2).max() * (1 + 2 ** -7)  # round to nearest
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    exact = x.double() @ q.dequantize().double().t()
+    assert ((q.matmul(x).double() - exact).abs() <= bf16_ulp(exact) + 1e-6).all()
+
+
+def test_compact_kernel_switches_to_the_dense_copy_above_its_crossover() -> None:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    compact = Int8Weight.from_float(w)
+    dense = packed_linear_kernel(w.to(torch.bfloat16), bias.to(torch.bfloat16))
+    kernel = CompactLinearKernel(compact=compact, bias=bias, dense=dense, dense_dtype=torch.bfloat16,
+                                 max_compact_rows=2)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        small, big = kernel(x[:2]), kernel(x)
+        assert small.dtype == torch.float32 and kernel(x[:0]).shape == (0, N)
+        assert torch.equal(small, (compact.matmul(x[:2].to(torch.bfloat16)) + bias.to(torch.bfloat16)).float())
+        assert torch.equal(big, dense(x.to(torch.bfloat16)).float())
+    assert kernel.fmt == "int8"
+    assert kernel.nbytes == N * K + 2 * N + 4 * N + (N * K * 2 + 2 * N)  # int8 + scales, bias, dense bf16 + bias
+
+
+def test_crossover_is_the_last_size_where_compact_is_not_slower() -> None:
+    rows = [1, 2, 4, 8]
+    assert crossover([1.0, 1.0, 3.0, 9.0], [2.0, 1.0, 2.0, 2.0], rows) == 2
+    assert crossover([3.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0], rows) == 0
+    assert crossover([1.0] * 4, [2.0] * 4, rows) == NO_DENSE
+
+
+def test_linear_use_compact_drops_the_dense_weight_and_counts_bytes() -> None:
+    layer = Linear(K, N, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(N, K, generator=torch.Generator().manual_seed(7)))
+    compact = Int4Weight.from_blocks(int4_blocks_from_float(layer.weight))
+    layer.use_compact(CompactLinearKernel(compact=compact, bias=None))
+    assert layer.weight is None and layer.prepare_for_cpu() is True  # keeps the compact kernel
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(layer(x), compact.matmul(x.to(torch.bfloat16)).float())  # grad mode too
+    assert model_weight_bytes(layer) == N * K // 2 + (K // 32) * N * 2 * 2
+
+
+def test_source_names_follow_the_fused_shard_order() -> None:
+    assert source_names("model.layers.3.self_attn.qkv_proj") == [
+        f"model.layers.3.self_attn.{p}_proj.weight" for p in ("q", "k", "v")]
+    assert source_names("model.layers.0.mlp.gate_up_proj") == [
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+    assert source_names("model.layers.0.mlp.down_proj") == ["model.layers.0.mlp.down_proj.weight"]

@@ -1,0 +1,179 @@
+"""``--quantization`` end to end: a tiny Q4_0/Q4_1 GGUF written here (q/k permuted as llama.cpp does) and the
+real SmolLM2 Q4_1 GGUF, loaded as int4/int8/gguf. The CPU kernel probe is replaced by a fixed choice so the
+compact/dense switch (and so every number) is the same on every machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import engine.models.loader as loader
+from engine.config import ModelConfig
+from engine.models.compact import model_weight_bytes
+from engine.models.gguf import INT4_CACHE_FILE, cached_gguf_int4_blocks, convert_gguf_to_hf
+from engine.models.kernel_probe import KernelChoice
+from engine.models.loader import gguf_conversion_dir, load_model
+from engine.models.quant import CompactLinearKernel
+from engine.sampling_params import SamplingParams
+from tests.engine.test_models_gguf import gguf_name, llama_cpp_permute
+from tests.engine.test_models_tiny import Pair, make_pair, new_caches, paged_step, prompt
+
+FIXED = KernelChoice(dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2})
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Water boils at a temperature of"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+@pytest.fixture(autouse=True)
+def fixed_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: FIXED)
+
+
+def write_q4_gguf(pair: Pair, path: Path) -> None:
+    """The tiny Llama as a llama.cpp GGUF: projections Q4_1 (down_proj Q4_0), the rest float32."""
+    cfg = pair.hf.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny q4")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_key_length(pair.head_dim)
+    for name, tensor in pair.hf.state_dict().items():
+        w = tensor.numpy().astype(np.float32)
+        if ".q_proj." in name:
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif ".k_proj." in name:
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        if ".layers." in name and w.ndim == 2:
+            qtype = gguf.GGMLQuantizationType.Q4_0 if "down_proj" in name else gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pair, Path, Path]:
+    pair = make_pair("llama")
+    root = tmp_path_factory.mktemp("q4")
+    write_q4_gguf(pair, root / "tiny.gguf")
+    convert_gguf_to_hf(root / "tiny.gguf", gguf_conversion_dir(root / "tiny.gguf", root / "cache"), tokenizer=False)
+    return pair, root / "tiny.gguf", root / "cache"
+
+
+def test_int4_layers_hold_exactly_the_gguf_blocks(tiny_q4: tuple[Pair, Path, Path]) -> None:
+    pair, path, root = tiny_q4
+    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
+    report = model.load_report.quantization
+    assert (report.from_gguf, report.quantized, report.dense) == (8, 0, 1)  # 2 layers x 4; lm_head stays dense
+    assert model.load_report.gguf_path == path
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.cpu_kernel, CompactLinearKernel)
+    assert model.model.layers[0].self_attn.qkv_proj.weight is None and model.lm_head.weight is not None
+    converted = load_file(str(model_dir / "model.safetensors"))  # gguf.quants.dequantize of every tensor
+    blocks = cached_gguf_int4_blocks(path, model_dir)  # now read back from the cache the load wrote
+    assert (model_dir / INT4_CACHE_FILE).is_file() and len(blocks) == 14  # 7 projections x 2 layers
+    for name, b in blocks.items():  # un-permuted q/k rows included: the same numbers, no re-quantization
+        assert torch.equal(b.dequantize(), converted[name]), name
+
+
+def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(tiny_q4: tuple[Pair, Path, Path]) -> None:
+    pair, path, root = tiny_q4
+    dense, _, _ = load_model(ModelConfig(model=str(path)), "cpu", root=root)
+    compact, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
+    tokens = prompt(3, 10)
+    with torch.inference_mode():
+        pairs = [Pair(pair.hf, m, pair.num_kv_heads, pair.head_dim) for m in (dense, compact)]
+        (ref,), (out,) = (paged_step(p, new_caches(p), [(tokens[:3], 0, [0])]) for p in pairs)
+    assert ref.argmax().item() == out.argmax().item()
+    assert (out - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+def test_gguf_needs_a_gguf_and_quantization_needs_a_cpu(tiny_q4: tuple[Pair, Path, Path]) -> None:
+    _, path, root = tiny_q4
+    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="gguf"), "cpu", root=root)
+    assert (model.load_report.quantization.from_gguf, model.load_report.quantization.dense) == (8, 1)
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
+        load_model(ModelConfig(model=str(model_dir), quantization="gguf"), "cpu")
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        load_model(ModelConfig(model=str(path), quantization="int4"), "cuda", root=root)
+    with pytest.raises(ValueError, match="quantization must be none, int8, int4 or gguf"):
+        ModelConfig(quantization="awq")
+
+
+def test_int4_from_a_float_folder_and_int8_quantize_every_projection(tiny_q4: tuple[Pair, Path, Path]) -> None:
+    _, path, root = tiny_q4
+    _, _, model_dir = load_model(ModelConfig(model=str(path)), "cpu", root=root)
+    int4, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int4"), "cpu")
+    assert (int4.load_report.quantization.from_gguf, int4.load_report.quantization.quantized) == (0, 8)
+    int8, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int8"), "cpu")
+    assert (int8.load_report.quantization.quantized, int8.load_report.quantization.dense) == (9, 0)  # + lm_head
+    assert int8.lm_head.cpu_kernel.fmt == "int8"
+
+
+def greedy(llm) -> list[list[int]]:
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def int4_llm():
+    from engine.llm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "probe_cpu_kernels", lambda: FIXED)
+        return LLM("smollm2-135m", quantization="int4", kv_cache_memory=64 << 20)
+
+
+def test_smollm2_int4_is_the_gguf_q4_1_and_deterministic(int4_llm, llm) -> None:
+    report = int4_llm.engine.model.load_report
+    assert (report.quantization.from_gguf, report.quantization.dense, report.dtype) == (120, 0, torch.float32)
+    first, second = greedy(int4_llm), greedy(int4_llm)
+    assert first == second and [len(t) for t in first] == [16] * len(PROMPTS)
+    # the reference: the fp32 engine on gguf.quants-dequantized weights (the converted model) — what llama.cpp
+    # computes, up to its own rounding. Measured on a Xeon (AMX): 7 of 8 prompts identical over 16 tokens.
+    reference = greedy(llm)
+    assert sum(a == b for a, b in zip(first, reference, strict=True)) >= len(PROMPTS) - 1
+    info = int4_llm.engine.info
+    assert info.weights_bytes == model_weight_bytes(int4_llm.engine.model)
+    assert info.weights_bytes < llm.engine.info.weights_bytes
+
+
+def test_smollm2_int8_is_deterministic() -> None:
+    from engine.llm import LLM
+
+    int8 = LLM("smollm2-135m", quantization="int8", kv_cache_memory=64 << 20)
+    assert int8.engine.model.load_report.quantization.quantized == 121  # 4 x 30 (fused) projections + LM head
+    assert isinstance(int8.engine.model.logits_kernel, CompactLinearKernel)
+    assert greedy(int8) == greedy(int8)
+
+
+def test_engine_flags_reach_the_model_config() -> None:
+    from engine.llm import build_engine_config
+    from engine.server.cli import build_parser, engine_config_kwargs
+
+    args = build_parser().parse_args(["--dtype", "auto", "--quantization", "int4"])
+    config = build_engine_config(args.model, **engine_config_kwargs(args))
+    assert (config.model.dtype, config.model.quantization) == ("auto", "int4")
+    assert build_engine_config("smollm2-135m").model.quantization == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "awq"])
+
+
+def test_dtype_auto_is_the_probed_dense_dtype_on_cpu_and_bfloat16_elsewhere() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert loader.resolve_dtype("auto", cpu, FIXED) == torch.bfloat16
+    assert loader.resolve_dtype("auto", cpu, KernelChoice(torch.float32, {})) == torch.float32
+    assert loader.resolve_dtype("auto", cuda, None) == torch.bfloat16
+    assert loader.resolve_dtype("float32", cpu, FIXED) == torch.float32
