@@ -30,7 +30,8 @@ OUTPUT_LEN="${OUTPUT_LEN:-128}"
 ROUNDS="${ROUNDS:-2}"
 THREADS="${THREADS:-$(nproc)}"
 LLAMA_THREADS="${LLAMA_THREADS:-$THREADS}"   # llama-server -t/-tb
-DTYPE="${DTYPE:-float32}"
+DTYPE="${DTYPE:-float32}"                    # kvscope engine --dtype (auto|float32|bfloat16)
+QUANTIZATION="${QUANTIZATION:-none}"         # kvscope engine --quantization (none|int8|int4|gguf)
 ENGINE_PORT="${ENGINE_PORT:-18400}"
 GATEWAY_PORT="${GATEWAY_PORT:-18401}"
 LLAMA_PORT="${LLAMA_PORT:-18402}"
@@ -92,9 +93,11 @@ fi
 
 # --- kvscope engine and gateway (up for the whole run) ---------------------------------------------------------
 kvscope engine --model "$MODEL" --port "$ENGINE_PORT" --max-model-len 1024 --no-prefix-caching \
-    --num-threads "$THREADS" --dtype "$DTYPE" >"$OUT_DIR/engine.log" 2>&1 &
+    --num-threads "$THREADS" --dtype "$DTYPE" --quantization "$QUANTIZATION" >"$OUT_DIR/engine.log" 2>&1 &
 PIDS+=($!)
 wait_http "http://127.0.0.1:$ENGINE_PORT/health" 300
+echo "kvscope engine: --dtype $DTYPE --quantization $QUANTIZATION; $(grep -m1 'engine ready' "$OUT_DIR/engine.log" \
+    | sed 's/.*engine ready: //' | cut -c1-400)" >>"$OUT_DIR/machine.txt"
 kvscope gateway --upstream "http://127.0.0.1:$ENGINE_PORT" --port "$GATEWAY_PORT" \
     --tokenizer "$MODEL=$HF_DIR" --log-file "$OUT_DIR/gateway-requests.jsonl" >"$OUT_DIR/gateway.log" 2>&1 &
 PIDS+=($!)
@@ -144,7 +147,7 @@ PIDS=()
 # --- transformers generate (static batch = concurrency), servers stopped -----------------------------------------
 if [[ "$SKIP_TRANSFORMERS" != 1 ]]; then
     python bench/transformers_row.py --model-dir "$HF_DIR" --concurrency "${CONC[@]}" --input-len "$INPUT_LEN" \
-        --output-len "$OUTPUT_LEN" --dtype "$DTYPE" --rounds "$ROUNDS" --save-result "$OUT_DIR/transformers.json" \
+        --output-len "$OUTPUT_LEN" --dtype "${DTYPE/auto/float32}" --rounds "$ROUNDS" --save-result "$OUT_DIR/transformers.json" \
         | tee "$OUT_DIR/transformers.txt"
 fi
 

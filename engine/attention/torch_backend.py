@@ -102,12 +102,26 @@ def _decode_batch(metadata: AttentionMetadata, rows: list[int], starts: list[int
     return _DecodeBatch(token_index=token_index, blocks=blocks, num_blocks=num_blocks, seq_len=longest, mask=mask)
 
 
-def attention_compute_dtype(kv_cache: torch.Tensor) -> torch.dtype:
-    """dtype the torch backend attends in: float32 for a bfloat16/float16 cache on CPU (torch's CPU
-    flash-attention kernel is ~3x slower in bfloat16 than in float32 on a CPU without AMX: 200 vs 73 ms per
-    SmolLM2 decode step at batch 32, context 192), else the cache's dtype."""
+def cpu_has_amx() -> bool:
+    """Whether this CPU runs AMX tiles (and the kernel granted them to the process): torch's own check,
+    ``torch._C._cpu._init_amx`` (False where this torch build lacks it)."""
+    try:
+        return bool(torch._C._cpu._init_amx())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def attention_compute_dtype(kv_cache: torch.Tensor, native_bf16: bool = False) -> torch.dtype:
+    """dtype the torch backend attends in: the cache's dtype, except on CPU for float16 always and for bfloat16
+    unless ``native_bf16``, which attend in float32.
+
+    Measured (SmolLM2 shapes, 9 query / 3 KV heads, head_dim 64, one thread, CPU time of one decode
+    attention at batch 32, context 192): on a Xeon with AMX, bfloat16 0.84 ms, float32 1.45 ms, bfloat16
+    upcast to float32 first 2.99 ms, so :class:`TorchAttentionBackend` sets ``native_bf16`` where
+    :func:`cpu_has_amx`; on an AMD EPYC with AVX512_BF16 but no AMX, torch's bfloat16 CPU flash-attention
+    was ~3x slower than float32 (200 vs 73 ms per decode step at batch 32), so it upcasts there."""
     if kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
+        return torch.bfloat16 if kv_cache.dtype == torch.bfloat16 and native_bf16 else torch.float32
     return kv_cache.dtype
 
 
@@ -119,22 +133,25 @@ class TorchAttentionBackend:
     block dimension, into buffers reused by every layer and step), then ``F.scaled_dot_product_attention``
     runs with ``enable_gqa`` (query head h uses KV head ``h // (num_heads // num_kv_heads)``, as HF
     ``repeat_kv``). The per-step plan (block lists, masks) is built on the first layer and reused by the others.
-    On CPU, bfloat16/float16 caches are attended in float32 (see :func:`attention_compute_dtype`).
+    On CPU, float16 caches are attended in float32, bfloat16 ones too unless ``native_bf16`` (default: where the
+    CPU has AMX; see :func:`attention_compute_dtype`).
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native_bf16: bool | None = None) -> None:
+        self.native_bf16 = cpu_has_amx() if native_bf16 is None else native_bf16
         self._plan_for: tuple[AttentionMetadata, int] | None = None
         self._plan: _Plan | None = None
-        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the flattened slot view of the cache."""
+        """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the flattened slot view of the cache
+        (one ``index_copy_`` for K and V together)."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        both = torch.stack((key, value)).to(kv_cache.dtype)  # [2, T, KVH, d]
+        kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, both)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -142,10 +159,10 @@ class TorchAttentionBackend:
 
         Returns [num_tokens, num_heads, head_dim] in the query's dtype.
         """
-        plan = self._get_plan(metadata, kv_cache.shape[2])
+        plan = self._get_plan(metadata, kv_cache)
         decodes = plan.decodes
         dtype = query.dtype
-        query = query.to(attention_compute_dtype(kv_cache))
+        query = query.to(attention_compute_dtype(kv_cache, self.native_bf16))
         if decodes is not None and decodes.token_index is None:  # decode-only step: no scatter needed
             return self._decode(query, kv_cache, decodes, plan, scale).to(dtype)
         out = torch.empty_like(query)
@@ -175,45 +192,44 @@ class TorchAttentionBackend:
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: _Plan
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy ``blocks`` (int64 [m]) of K and V into the reusable buffers → two [m * block_size, KVH, d] in
-        the attention compute dtype."""
+        """Copy ``blocks`` (int64 [m]) of K and V (one ``index_select`` for both) into the reusable buffer →
+        two [m * block_size, KVH, d] in the attention compute dtype."""
         m = blocks.shape[0]
-        key_buf, value_buf = self._get_buffers(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)
-        keys = torch.index_select(kv_cache[0], 0, blocks, out=key_buf[:m])
-        values = torch.index_select(kv_cache[1], 0, blocks, out=value_buf[:m])
-        compute_dtype = attention_compute_dtype(kv_cache)
-        if compute_dtype != kv_cache.dtype:
-            key_up, value_up = self._get_buffers(kv_cache, compute_dtype, plan.max_gathered_blocks)
-            keys, values = key_up[:m].copy_(keys), value_up[:m].copy_(values)
-        return keys.flatten(0, 1), values.flatten(0, 1)
-
-    def _get_buffers(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_blocks: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [>= num_blocks, block_size, KVH, d] ``dtype`` buffers on the cache's device, reused across layers
-        and steps (no allocation and page faults per layer); grown (x1.5) on demand."""
-        buffers = self._buffers.get(dtype)
         block_shape = kv_cache.shape[2:]
-        if (buffers is None or buffers[0].shape[0] < num_blocks or buffers[0].shape[1:] != block_shape
-                or buffers[0].device != kv_cache.device):
-            size = max(num_blocks, 0 if buffers is None else buffers[0].shape[0] * 3 // 2)
-            buffers = tuple(torch.empty((size, *block_shape), dtype=dtype, device=kv_cache.device)
-                            for _ in range(2))
-            self._buffers[dtype] = buffers
-        return buffers
+        gathered = self._get_buffer(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)[: 2 * m * block_shape.numel()]
+        both = torch.index_select(kv_cache, 1, blocks, out=gathered.view(2, m, *block_shape))
+        compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
+        if compute_dtype != kv_cache.dtype:
+            upcast = self._get_buffer(kv_cache, compute_dtype, plan.max_gathered_blocks)[: gathered.numel()]
+            both = upcast.view(both.shape).copy_(both)
+        both = both.flatten(1, 2)
+        return both[0], both[1]
 
-    def _get_plan(self, metadata: AttentionMetadata, block_size: int) -> _Plan:
+    def _get_buffer(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_blocks: int) -> torch.Tensor:
+        """A flat ``dtype`` buffer on the cache's device for K and V of >= ``num_blocks`` blocks, reused across
+        layers and steps (no allocation and page faults per layer); grown (x1.5) on demand."""
+        buffer = self._buffers.get(dtype)
+        needed = 2 * num_blocks * kv_cache.shape[2:].numel()
+        if buffer is None or buffer.numel() < needed or buffer.device != kv_cache.device:
+            size = max(needed, 0 if buffer is None else buffer.numel() * 3 // 2)
+            buffer = torch.empty(size, dtype=dtype, device=kv_cache.device)
+            self._buffers[dtype] = buffer
+        return buffer
+
+    def _get_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
         """Memoized per (metadata object, block_size): every layer of one forward shares the plan."""
+        block_size = kv_cache.shape[2]
         cached = self._plan_for
         if self._plan is None or cached is None or cached[0] is not metadata or cached[1] != block_size:
             self._plan = _build_plan(metadata, block_size)
             self._plan_for = (metadata, block_size)
-            self._release_large_buffers(self._plan.max_gathered_blocks)
+            self._release_large_buffers(2 * self._plan.max_gathered_blocks * kv_cache.shape[2:].numel())
         return self._plan
 
-    def _release_large_buffers(self, num_blocks: int) -> None:
-        """Drop gather buffers over MAX_RETAINED_GATHER_BYTES that this step does not need in full (one long
-        batch must not pin its gather memory for the engine's lifetime)."""
-        for dtype, (key_buf, _) in list(self._buffers.items()):
-            too_big = key_buf.numel() * key_buf.element_size() > MAX_RETAINED_GATHER_BYTES
-            if too_big and key_buf.shape[0] > num_blocks:
+    def _release_large_buffers(self, numel: int) -> None:
+        """Drop gather buffers over MAX_RETAINED_GATHER_BYTES (K and V each) that this step does not need in
+        full (``numel`` elements: one long batch must not pin its gather memory for the engine's lifetime)."""
+        for dtype, buffer in list(self._buffers.items()):
+            too_big = buffer.numel() * buffer.element_size() > 2 * MAX_RETAINED_GATHER_BYTES
+            if too_big and buffer.numel() > numel:
                 del self._buffers[dtype]

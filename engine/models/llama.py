@@ -25,7 +25,6 @@ from engine.models.layers import (
     RMSNorm,
     RopeConfig,
     RotaryEmbedding,
-    apply_rotary,
     cpu_linear_kernel,
     silu_and_mul,
 )
@@ -76,6 +75,20 @@ def _base_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] → (cos, signed sin), each [T, 1, head_dim], for :func:`apply_rope`: built once per
+    step and shared by every layer. The signed sin is ``[-sin₁ | sin₂]`` (halves of the last dim)."""
+    half = sin.shape[-1] // 2
+    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, NeoX "rotate half" layout (HF ``apply_rotary_pos_emb``): x [T, heads, head_dim] with the tables of
+    :func:`rope_tables` → ``x·cos + rotate_half(x)·sin`` in 4 ops, bit for bit: ``rotate_half(x)·sin`` =
+    ``[-x₂·sin₁ | x₁·sin₂]`` = ``roll(x, half)·[-sin₁ | sin₂]`` (a negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
 class Attention(nn.Module):
     """GQA self-attention: fused qkv → (q/k norm) → RoPE → write K/V to the paged cache → backend → o_proj."""
 
@@ -96,7 +109,7 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden_size], cos/sin [T, head_dim] → [T, hidden_size]."""
+        """hidden [T, hidden_size], cos/sin [T, 1, head_dim] from :func:`rope_tables` → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -104,11 +117,11 @@ class Attention(nn.Module):
             q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:  # RoPE of q and k in one pass (elementwise: the same numbers as two calls)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         context = get_forward_context()
         kv_cache = context.kv_caches[self.layer_idx]
         context.backend.write_kv(k, v, kv_cache, context.attn_metadata.slot_mapping)
@@ -153,7 +166,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        cos, sin = rope_tables(*self.rotary_emb(positions, hidden.dtype))
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)

@@ -17,6 +17,7 @@ Fast path: when every row is greedy with no bias, bans or penalties and no row a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -168,7 +169,7 @@ class Sampler:
         if metadata.token_bitmask is not None:  # structured output: forbidden tokens -> -inf, as vLLM does
             logits = apply_token_bitmask(logits, metadata.bitmask_rows, metadata.token_bitmask)
         if metadata.is_plain_greedy:  # argmax only: no log_softmax, copy, ranks
-            sampled = logits.argmax(dim=-1)
+            sampled = first_argmax(logits)
             empty = logits[:, :0]
             return SamplerOutput(sampled, None, sampled.new_empty(len(sampled), 0), empty, None)
         raw_logprobs = logits.log_softmax(dim=-1)
@@ -177,6 +178,39 @@ class Sampler:
         sampled = _sample(processed, metadata)
         lps, top_ids, top_lps, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, lps, top_ids, top_lps, ranks)
+
+
+ARGMAX_BLOCK_MAX = 2048
+"""Largest vocabulary block :func:`first_argmax` reduces at once."""
+ARGMAX_BLOCK_MIN = 64
+"""Below this block size (a vocabulary with no fitting divisor) :func:`first_argmax` uses ``torch.argmax``."""
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a 2-D ``[n, vocab]`` tensor (int64 ``[n]``), the same index on every input
+    (the first maximum; the first NaN when a row holds one), computed in two passes: the vectorized ``amax``
+    over vocabulary blocks, then ``argmax`` over the block maxima and inside the winning block only.
+
+    torch's CPU ``argmax`` over the last dimension is not vectorized: for SmolLM2's 49,152-token vocabulary it
+    measured ~12.6 ms at 32 rows against ~2.1 ms for this (1 thread, Xeon with AVX-512).
+    """
+    rows, vocab = logits.shape[0], logits.shape[-1]
+    block = _argmax_block(vocab)
+    if block is None or logits.dim() != 2:
+        return logits.argmax(dim=-1)
+    blocks = logits.unflatten(-1, (vocab // block, block))  # a view of a row-contiguous tensor
+    best = blocks.amax(dim=-1).argmax(dim=-1)  # the first block holding the maximum (or a NaN)
+    inside = blocks[torch.arange(rows, device=logits.device), best].argmax(dim=-1)
+    return best * block + inside
+
+
+@functools.cache
+def _argmax_block(vocab: int) -> int | None:
+    """Largest divisor of ``vocab`` in [ARGMAX_BLOCK_MIN, ARGMAX_BLOCK_MAX], or None."""
+    for block in range(min(ARGMAX_BLOCK_MAX, vocab), ARGMAX_BLOCK_MIN - 1, -1):
+        if vocab % block == 0:
+            return block
+    return None
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
@@ -215,7 +249,7 @@ def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    greedy = None if meta.all_random else logits.argmax(dim=-1)
+    greedy = None if meta.all_random else first_argmax(logits)
     if meta.all_greedy:
         return greedy
     random = _sample_random(logits, meta)
@@ -229,7 +263,7 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if meta.top_k is not None or meta.top_p is not None:
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
-    return probs.div_(_exponential_noise(probs, meta.generators)).argmax(dim=-1)
+    return first_argmax(probs.div_(_exponential_noise(probs, meta.generators)))
 
 
 def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, chat_logprobs, token_text
 from engine.worker.logits_processors import apply_logit_bias_, apply_penalties, apply_top_k_top_p
-from engine.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from engine.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, first_argmax
 
 NEG_INF = float("-inf")
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -257,3 +257,21 @@ def test_openai_logprob_entries(tokenizer) -> None:
                       "top_logprobs": [None, {"bytes:\\xe4\\xbd": -0.5, " hi": -1.25}, {"bytes:\\xa0": LOGPROB_FLOOR}],
                       "text_offset": [10, 13, 13]}
     assert math.isfinite(legacy["token_logprobs"][2])
+
+
+@pytest.mark.parametrize("vocab", [49152, 4099, 100])
+@pytest.mark.parametrize("rows", [1, 32])
+def test_first_argmax_equals_torch_argmax_with_ties_and_nans(rows, vocab):
+    """first_argmax (blocked amax, then argmax in the winning block) returns torch.argmax's index: the first
+    maximum on ties across blocks, the first NaN in a row holding NaNs; 4099 (prime) takes the plain path."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[0, vocab - 7] = logits[0, 3] = 50.0  # a tie in different blocks: the first wins
+    if rows > 1:
+        logits[-1, vocab // 2] = float("nan")
+        logits[-1, vocab - 1] = float("nan")
+    got = first_argmax(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[0].item() == 3
+    assert got[-1].item() == (vocab // 2 if rows > 1 else 3)

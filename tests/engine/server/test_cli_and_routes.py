@@ -17,7 +17,7 @@ def test_flags_map_to_engine_config_and_settings(monkeypatch):
         "--enable-fault-injection", "--ttft-buckets", "0.1,1,10"])
     config = build_engine_config(args.model, **engine_config_kwargs(args))
     assert (config.model.max_model_len, config.model.served_model_name) == (2048, "tiny")
-    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (4, 2048)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (4, 1024)
     assert (config.cache.kv_cache_memory, config.cache.block_size, config.cache.enable_prefix_caching) == (
         160 << 20, 8, False)
     settings = server_settings(args)
