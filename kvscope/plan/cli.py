@@ -9,7 +9,7 @@ import sys
 
 from kvscope.plan.devices import CPU, Device, get_device
 from kvscope.plan.model_files import read_model
-from kvscope.plan.planner import Plan, PlanRequest, plan
+from kvscope.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, Plan, PlanRequest, plan
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128, help="workload prompt tokens (speed rows)")
     p.add_argument("--output-len", type=int, default=128, help="workload output tokens (speed rows)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="the engine's prefill token budget per step (default: the engine's, %(default)s)")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT SLO in seconds")
     p.add_argument("--from-log", metavar="PATH_OR_URL",
                    help="replay a gateway request log: JSONL file or folder, or an Elasticsearch URL")

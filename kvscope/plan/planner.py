@@ -22,6 +22,8 @@ CUDA_CONTEXT_BYTES = 512 << 20
 MAX_SEQS_CAP = 256
 """Largest --max-num-seqs recommended when no --concurrency is asked for."""
 CONCURRENCY_ROWS = (1, 8, 32, 64, 128, 256)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+"""The engine's prefill token budget per step (engine/config.py SchedulerConfig; a test keeps them equal)."""
 PROMPT_ROWS = (128, 512, 2048, 8192, 32768)
 
 
@@ -44,7 +46,7 @@ class PlanRequest:
     block_size: int = 16
     prompt_len: int = 128
     output_len: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     ttft_slo_s: float = 1.0
 
     def __post_init__(self) -> None:

@@ -145,3 +145,10 @@ def test_the_planner_imports_no_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "[]\n"
+
+
+def test_the_planner_assumes_the_engines_default_token_budget() -> None:
+    from engine.config import SchedulerConfig
+    from kvscope.plan.planner import PlanRequest
+
+    assert PlanRequest(model="smollm2-135m").max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens == 1024
