@@ -19,6 +19,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus, child_request_id
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.stats import SchedulerStats
 from engine.input_processor import EngineRequest, InputProcessor
 from engine.models.compact import model_weight_bytes
@@ -188,6 +189,7 @@ class EngineCore:
             on_scheduled(StepResult(stats=now, num_running=now.num_running, num_waiting=now.num_waiting,
                                     kv_cache_usage=now.kv_cache_usage, scheduled_only=True))
         runner_output = self.runner.execute(scheduler_output)
+        _record_structured_time(scheduler_output, runner_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         detokenized = self.output_processor.detokenize(runner_output)
         for request_id in detokenized.stopped_request_ids:
@@ -202,6 +204,17 @@ class EngineCore:
             num_decode_tokens=scheduler_output.num_decode_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
             duration_s=time.perf_counter() - start)
+
+
+def _record_structured_time(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+    """Add the step's grammar-mask seconds to each constrained request's stats, before the scheduler may
+    finish it (its ``kvscope`` object is taken at its finish)."""
+    if not runner_output.structured_mask_s:
+        return
+    for item in scheduler_output.scheduled:
+        mask_s = runner_output.structured_mask_s.get(item.request.request_id)
+        if mask_s is not None:
+            item.request.stats.add_structured_time(mask_s, runner_output.structured_wait_s)
 
 
 def default_num_threads() -> int:

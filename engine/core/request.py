@@ -65,6 +65,10 @@ class RequestStats:
     num_prompt_tokens: int | None = None
     num_cached_tokens: int | None = None
     attribution: StepAttribution = field(default_factory=StepAttribution)
+    structured_mask_s: float | None = None
+    """Seconds computing its grammar masks (structured output only; ModelRunnerOutput.structured_mask_s)."""
+    structured_wait_s: float | None = None
+    """Seconds its sampling waited for those masks after the forward pass (ModelRunnerOutput.structured_wait_s)."""
     """Step records for the latency attribution (engine/core/attribution.py)."""
 
     def on_scheduled(self, now: float, batch_size: int, num_blocks: int) -> None:
@@ -100,7 +104,14 @@ class RequestStats:
             prompt_tokens=self.num_prompt_tokens,
             cached_tokens=self.num_cached_tokens,
             **self.attribution.fields(prefill_wall_s=_diff(first_tok, first_sched), decode_wall_s=decode_s),
+            structured_mask_s=self.structured_mask_s,
+            structured_wait_s=self.structured_wait_s,
         )
+
+    def add_structured_time(self, mask_s: float, wait_s: float) -> None:
+        """Add one step's grammar-mask seconds (compute, and the wait after the forward pass)."""
+        self.structured_mask_s = (self.structured_mask_s or 0.0) + mask_s
+        self.structured_wait_s = (self.structured_wait_s or 0.0) + wait_s
 
     def to_dict(self, num_output_tokens: int) -> dict[str, float | int | None]:
         """:meth:`summary` as its JSON object."""

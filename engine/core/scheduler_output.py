@@ -69,3 +69,7 @@ class ModelRunnerOutput:
     """request_id → logprob entry of the sampled token, when logprobs were requested."""
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     """request_id → {prompt position → logprob of the prompt token at that position}."""
+    structured_mask_s: dict[str, float] = field(default_factory=dict)
+    """request_id → seconds computing its grammar mask this step (constrained requests only)."""
+    structured_wait_s: float = 0.0
+    """Seconds this step's sampling waited for the grammar masks after the forward pass."""

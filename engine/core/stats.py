@@ -111,6 +111,12 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     decode_other_s: float | None = None
     recomputed_tokens: int | None = None
     """Tokens whose KV a preemption threw away (computed again on re-admission)."""
+    structured_mask_s: float | None = None
+    """Structured output only: seconds computing this request's grammar token masks (engine/structured/batch.py;
+    on a helper thread, overlapped with the forward pass). None for unconstrained requests."""
+    structured_wait_s: float | None = None
+    """Structured output only: seconds its steps' sampling waited for the masks after the forward pass had
+    finished (the latency the grammar added). None for unconstrained requests."""
 
     def __getitem__(self, name: str) -> Any:
         """The field called ``name`` (a JSON key above); KeyError for any other name."""

@@ -6,13 +6,24 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from engine.structured.backend import StructuredOutputManager
 from engine.structured.bitmask import allocate_bitmask
 from engine.structured.matcher import RequestMatcher
+
+
+class StepMasks(NamedTuple):
+    """One step's grammar masks: logits rows, their bitmask and the seconds each request's mask took."""
+
+    rows: torch.Tensor
+    """int64 ``[k]``: the constrained rows of the step's logits."""
+    bitmask: torch.Tensor
+    """int32 ``[k, ceil(vocab / 32)]`` (engine/structured/bitmask.py layout)."""
+    seconds: dict[str, float]
+    """request_id → seconds syncing its matcher and filling its row."""
 
 
 class MatcherTable:
@@ -34,22 +45,26 @@ class MatcherTable:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         return self._executor.submit(self.bitmask, list(requests))
 
-    def bitmask(self, requests: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows int64 ``[k]``, bitmask int32 ``[k, words]``) of the constrained requests among ``requests``
-        (engine Requests, one per logits row), or None when none is constrained. Each matcher is first
-        synced to the request's kept output tokens (preemption, recompute)."""
+    def bitmask(self, requests: Sequence[Any]) -> StepMasks | None:
+        """The step's masks (:class:`StepMasks`: rows int64 ``[k]``, bitmask int32 ``[k, words]``, seconds per
+        request id) of the constrained requests among ``requests`` (engine Requests, one per logits row), or
+        None when none is constrained. Each matcher is first synced to the request's kept output tokens
+        (preemption, recompute)."""
         rows = [i for i, r in enumerate(requests) if r.sampling_params.structured_outputs is not None]
         if not rows:
             return None
         start = time.perf_counter()
         mask = allocate_bitmask(len(rows), self.manager.vocab_size)
+        seconds: dict[str, float] = {}
         for k, row in enumerate(rows):
+            began = time.perf_counter()
             matcher = self._matcher(requests[row])
             matcher.sync(requests[row].output_token_ids)
             matcher.fill_bitmask(mask[k])
+            seconds[requests[row].request_id] = time.perf_counter() - began
         if self.manager.mask_observer is not None:
             self.manager.mask_observer(time.perf_counter() - start)
-        return torch.tensor(rows, dtype=torch.int64), mask
+        return StepMasks(torch.tensor(rows, dtype=torch.int64), mask, seconds)
 
     def advance(self, requests: Sequence[Any], token_ids: Sequence[int]) -> None:
         """Consume each constrained request's sampled token."""

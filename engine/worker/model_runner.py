@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -75,9 +76,15 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        masked = masks.result() if masks is not None else None
+        masked = None
+        if masks is not None:
+            waited = time.perf_counter()
+            masked = masks.result()
+            if masked is not None:
+                output.structured_wait_s = time.perf_counter() - waited
+                output.structured_mask_s.update(masked.seconds)
         if masked is not None:
-            metadata = replace(metadata, bitmask_rows=masked[0].to(self.device), token_bitmask=masked[1])
+            metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
         result: SamplerOutput = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         if masked is not None:

@@ -147,6 +147,9 @@ def explain(record: dict[str, Any]) -> Why:
     if preempt:
         lines.append(f"preempted {preempt}x for {(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
                      f"{_n(engine.get('recomputed_tokens'))} tokens recomputed")
+    if engine.get("structured_mask_s") is not None:
+        lines.append(f"grammar masks {engine['structured_mask_s']:.3f} s (overlapped with the forward pass), "
+                     f"sampling waited {engine.get('structured_wait_s') or 0:.3f} s for them")
     is_gateway = "gateway_overhead_s" in kv
     if is_gateway:
         lines.append(_gateway_line(kv))

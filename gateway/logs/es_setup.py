@@ -95,7 +95,7 @@ def attribution_properties() -> dict[str, Any]:
     slow?"; the engine's KvscopeStats, which tests/gateway/logs/test_why.py keeps in step with this)."""
     longs = ["prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival", "queue_blocked_steps",
              "recomputed_tokens"]
-    doubles: list[str] = []
+    doubles: list[str] = ["structured_mask_s", "structured_wait_s"]
     for phase in ("prefill", "decode"):
         longs += [f"{phase}_{f}" for f in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens",
                                            "other_requests_max")]

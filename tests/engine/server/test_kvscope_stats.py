@@ -20,7 +20,7 @@ KEYS = ["queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean
           for name in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens", "other_requests_max",
                        "step_s_mean", "step_s_max", "own_s", "interference_s", "interference_prefill_s",
                        "preempted_s", "other_s")),
-        "recomputed_tokens"]
+        "recomputed_tokens", "structured_mask_s", "structured_wait_s"]
 """The response's keys: the timings, then the latency attribution (engine/core/attribution.py)."""
 
 

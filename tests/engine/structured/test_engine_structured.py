@@ -43,3 +43,24 @@ def test_n_children_and_stop_strings_keep_the_constraint(llm):
             assert re.fullmatch("[1-9]{0,2}(-[a-c]{0,3})?", choice.text) and "7" not in choice.text
         else:
             assert re.fullmatch("[1-9]{2}-[a-c]{3}", choice.text) and choice.finish_reason == "stop"
+
+
+def test_constrained_requests_carry_their_grammar_mask_seconds(llm):
+    """Latency attribution (issue 18) for structured output: the mask seconds a constrained request is charged
+    are the per-request shares of the step totals the mask histogram observed; unconstrained ones carry None."""
+    steps: list[float] = []
+    manager = llm.engine.runner.matchers.manager
+    previous, manager.mask_observer = manager.mask_observer, steps.append
+    try:
+        constrained = SamplingParams(temperature=0.0, max_tokens=8,
+                                     structured_outputs=StructuredOutputsParams("regex", "[0-9]{6}"))
+        free = SamplingParams(temperature=0.0, max_tokens=8)
+        prompt = llm.tokenizer.encode("A number:")
+        with_grammar, without = (r.outputs[0] for r in llm.generate([prompt, prompt], [constrained, free]))
+    finally:
+        manager.mask_observer = previous
+    assert re.fullmatch("[0-9]{6}", with_grammar.text)
+    assert len(steps) == len(with_grammar.token_ids)  # one mask per sampled token, the EOS included
+    assert 0 < with_grammar.stats["structured_mask_s"] <= sum(steps)
+    assert 0 <= with_grammar.stats["structured_wait_s"]
+    assert (without.stats["structured_mask_s"], without.stats["structured_wait_s"]) == (None, None)
