@@ -164,7 +164,7 @@ def test_report_breaks_the_slowest_and_p99_down_by_cause(tmp_path) -> None:
 
 
 def test_explain_names_the_grammar_mask_time_of_a_constrained_request(queued) -> None:
-    why = explain(_record({**queued, "structured_mask_s": 0.0123, "structured_wait_s": 0.0045}, None))
+    why = explain(_record({**queued, "structured_mask_s": 0.0123, "structured_wait_s": 0.0046}, None))
     assert "grammar masks 0.012 s (overlapped with the forward pass), sampling waited 0.005 s for them" \
         in why.text.splitlines()
     assert not any(line.startswith("grammar masks") for line in explain(_record(queued, None)).text.splitlines())
