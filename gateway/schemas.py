@@ -14,7 +14,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidJson, InvalidRequest
+from kvscope.openai_errors import INVALID_VALUE, invalid_json_message
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -109,7 +110,7 @@ def decode_object(body: bytes) -> dict[str, Any]:
         raw = msgspec.json.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         # invalid UTF-8 and absurd nesting are malformed bodies too (400, never 500)
-        raise InvalidRequest(f"Invalid JSON body: {type(exc).__name__}: {exc}") from None
+        raise InvalidJson(invalid_json_message(str(exc) or type(exc).__name__)) from None
     if not isinstance(raw, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     return raw
@@ -120,7 +121,7 @@ def validate_body(raw: dict[str, Any], schema: type[T]) -> T:
     try:
         parsed = msgspec.convert(raw, schema)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"Invalid request: {exc}", param=error_param(str(exc))) from None
+        raise InvalidRequest(str(exc), param=error_param(str(exc)), code=INVALID_VALUE) from None
     if isinstance(parsed, CompletionRequest):
         check_prompt(parsed.prompt)
     return parsed

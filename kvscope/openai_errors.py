@@ -44,6 +44,17 @@ def default_code(status: int) -> str | None:
     return _CODES.get(status)
 
 
+INVALID_VALUE = "invalid_value"
+"""The ``code`` of a 400 whose body is JSON but a field is wrong (both servers)."""
+INVALID_JSON = "invalid_json"
+"""The ``code`` of a 400 whose body is not JSON (both servers)."""
+
+
+def invalid_json_message(detail: str) -> str:
+    """The message of a 400 ``invalid_json`` (``detail``: the decoder's own words)."""
+    return f"The request body is not valid JSON: {detail}"
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None
                ) -> dict[str, Any]:
     """The OpenAI error object ``{"error": {"message", "type", "param", "code"}}``."""

@@ -78,5 +78,33 @@ def test_one_context_length_message_in_openai_wording() -> None:
     engine = from_engine(PromptTooLongError(max_model_len=128, num_prompt_tokens=100, max_tokens=50),
                          prompt_param="prompt")
     assert (engine.status, engine.type, engine.code, engine.param, engine.message) == (
-        400, "invalid_request_error", "context_length_exceeded", "max_tokens",
+        400, "invalid_request_error", "context_length_exceeded", "prompt",
         context_length_message(128, 100, 50, "prompt"))
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "messages": [',
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
+    b'\xff\xfe',
+])
+def test_both_servers_answer_a_bad_body_with_the_same_type_code_and_param(body: bytes) -> None:
+    """The same mistake gets the same OpenAI error from whichever layer refuses it (gateway at the edge, or
+    the engine when called directly): type, code and param; the message starts the same way."""
+    import msgspec
+
+    from engine.server.errors import from_msgspec
+    from engine.server.protocol import ChatCompletionRequest as EngineChat
+    from engine.server.protocol import decode_body
+    from gateway.errors import InvalidRequest
+    from gateway.schemas import ChatCompletionRequest as GatewayChat
+    from gateway.schemas import decode_object, validate_body
+
+    with pytest.raises(InvalidRequest) as gw:
+        validate_body(decode_object(body), GatewayChat)
+    with pytest.raises(msgspec.MsgspecError) as eng:
+        decode_body(body, EngineChat)
+    engine, gateway = from_msgspec(eng.value), gw.value.body()["error"]
+    assert (gateway["type"], gateway["code"], gateway["param"]) == (engine.type, engine.code, engine.param)
+    assert gateway["code"] in ("invalid_json", "invalid_value")
+    assert gateway["message"].split(":")[0] == engine.message.split(":")[0]

@@ -18,7 +18,14 @@ from litestar.exceptions import HTTPException
 
 from engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
 from engine.server.protocol import ErrorInfo, ErrorResponse
-from kvscope.openai_errors import context_length_message, default_code, error_type
+from kvscope.openai_errors import (
+    INVALID_JSON,
+    INVALID_VALUE,
+    context_length_message,
+    default_code,
+    error_type,
+    invalid_json_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +51,8 @@ class OpenAIError(Exception):
         return ErrorResponse(ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+def bad_request(message: str, param: str | None = None, code: str = INVALID_VALUE) -> OpenAIError:
+    """A 400 ``invalid_request_error``; ``code`` ``invalid_value`` unless it names another."""
     return OpenAIError(400, message, param=param, code=code)
 
 
@@ -60,20 +68,19 @@ def from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
         found = [m.group(1).replace("[...]", "") for m in (_PATH.search(message), _MISSING.search(message))
                  if m and m.group(1)]
         return bad_request(message, param=".".join(found) or None, code="invalid_value")
-    return bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json")
+    return bad_request(invalid_json_message(str(exc)), code=INVALID_JSON)
 
 
-def from_engine(exc: Exception, *, prompt_param: str = "messages", max_tokens_param: str = "max_tokens",
+def from_engine(exc: Exception, *, prompt_param: str = "messages",
                 renames: dict[str, str] | None = None) -> OpenAIError:
     """Map engine exceptions: PromptTooLongError → 400 ``context_length_exceeded`` with the real numbers,
     InvalidParameterError → 400 with its ``param`` (renamed to the request's field name), EngineDeadError → 503.
-    The over-long ``param`` is the prompt when it alone fills the context, else the max-tokens field."""
+    The over-long ``param`` is always the prompt field (``messages``/``prompt``), as OpenAI and the gateway
+    name it (kvscope.openai_errors.context_length_message words the numbers)."""
     if isinstance(exc, PromptTooLongError):
-        prompt_alone = exc.max_tokens is None or exc.num_prompt_tokens >= exc.max_model_len
         message = context_length_message(exc.max_model_len, exc.num_prompt_tokens, exc.max_tokens,
                                          "messages" if prompt_param == "messages" else "prompt")
-        return bad_request(message, param=prompt_param if prompt_alone else max_tokens_param,
-                           code="context_length_exceeded")
+        return bad_request(message, param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, InvalidParameterError):
         param = (renames or {}).get(exc.param, exc.param)
         return bad_request(str(exc), param=param, code="invalid_value")

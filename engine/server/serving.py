@@ -70,15 +70,14 @@ def admit(state: ServerState) -> None:
                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
-def process_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                    max_tokens_param: str = "max_tokens") -> list[EngineRequest]:
+def process_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str
+                    ) -> list[EngineRequest]:
     """Every prompt through the engine's validation (empty prompt, token ids, context length), or the 400 of
     the first one that fails, naming the request's own fields."""
     try:
         return [state.engine.process_inputs(prompt, params) for prompt in prompts]
     except InvalidParameterError as exc:
-        raise from_engine(exc, prompt_param=prompt_param, max_tokens_param=max_tokens_param,
-                          renames={"prompt": prompt_param}) from exc
+        raise from_engine(exc, prompt_param=prompt_param, renames={"prompt": prompt_param}) from exc
 
 
 def start_job(state: ServerState, request: Request, operation: str, requests: list[EngineRequest],

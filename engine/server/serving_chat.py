@@ -54,8 +54,7 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     params = chat_sampling_params(req, tool_constraint(req, mode))
     await prepare_constraint(state, params)
     prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req, mode)  # a huge prompt must not stall
-    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requests = process_prompts(state, [prompt], params, "messages", max_tokens_param)
+    requests = process_prompts(state, [prompt], params, "messages")
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = start_job(state, request, "chat", requests, bool(req.stream))
     args = (job.rs, state.tokenizer, int(time.time()), bool(req.logprobs), include_usage)
