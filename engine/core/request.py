@@ -152,6 +152,9 @@ class Request:
     stats: RequestStats | None = None
     trace_context: object | None = None
     """Opaque tracing context carried for the server (OTel); the core never reads it."""
+    parent_id: str | None = None
+    """The request id of an ``n > 1`` request whose choice this is (None for n == 1): the latency attribution
+    counts its siblings' tokens as its own work, not as interference."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -166,18 +166,27 @@ class Scheduler:
 
     def _attribute_step(self, out: SchedulerOutput, dt: float) -> None:
         """Add the step to each scheduled request's step records (engine/core/attribution.py): a few adds per
-        scheduled request, its phase by whether its first token was sampled."""
-        prefill, decode, others = out.num_prefill_tokens, out.num_decode_tokens, len(out.scheduled) - 1
+        scheduled request, its phase by whether its first token was sampled.
+        The choices of one ``n > 1`` request (``Request.parent_id``) count each other's tokens as their own."""
+        prefill, decode, count = out.num_prefill_tokens, out.num_decode_tokens, len(out.scheduled)
         share = dt / max(prefill + decode, 1)
+        groups: dict[str, list[int]] = {}  # parent id -> [prefill tokens, decode tokens, requests] in this step
+        for item in out.scheduled:
+            if item.request.parent_id is not None:
+                group = groups.setdefault(item.request.parent_id, [0, 0, 0])
+                group[1 if _is_decode(item) else 0] += len(item.token_ids)
+                group[2] += 1
         for item in out.scheduled:
             stats = item.request.stats
-            own = len(item.token_ids)
             attribution = stats.attribution
             phase = attribution.prefill if stats.first_token_time is None else attribution.decode
-            if own == 1 and item.num_computed_tokens >= item.request.num_prompt_tokens:  # _is_decode
-                phase.add(1, prefill, decode - 1, others, dt, share)
-            else:
-                phase.add(own, prefill - own, decode, others, dt, share)
+            group = groups.get(item.request.parent_id) if item.request.parent_id is not None else None
+            if group is None:
+                own = len(item.token_ids)
+                group = [0, own, 1] if _is_decode(item) else [own, 0, 1]
+            own_prefill, own_decode, members = group
+            phase.add(own_prefill + own_decode, prefill - own_prefill, decode - own_decode, count - members, dt,
+                      share)
 
     def get_stats(self) -> SchedulerStats:
         """Snapshot of queue sizes, block states and the preemption / prefix-cache counters."""
@@ -332,3 +341,4 @@ def _is_decode(item: ScheduledRequest) -> bool:
     """A decode feeds back exactly one generated token; everything else (prompt chunks, recomputation of
     generated tokens after preemption) counts as prefill."""
     return item.num_scheduled_tokens == 1 and item.num_computed_tokens >= item.request.num_prompt_tokens
+

@@ -136,11 +136,20 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     def merge(cls, stats: Sequence[KvscopeStats]) -> KvscopeStats:
         """One object for several choices (n > 1, several prompts): the one itself when there is one; else the
         min of the start-up times, the max of decode time, batch max and KV usage, the sum of blocks and
-        preemptions, the mean of tpot and batch mean (each over the choices that have the field)."""
+        preemptions, the mean of tpot and batch mean (each over the choices that have the field). The latency
+        attribution (prompt_tokens … structured_wait_s) is the one of the choice that finished last, so that
+        its parts add up to the request's end to end time and are not counted once per choice (``n > 1``
+        choices count each other's tokens as their own: engine/core/scheduler.py ``_attribute_step``)."""
         if len(stats) == 1:
             return stats[0]
+        if not stats:
+            return cls()
+        last = max(stats, key=lambda s: (s.queue_s or 0.0) + (s.prefill_s or 0.0) + (s.decode_s or 0.0))
         merged: dict[str, Any] = {}
         for name in cls.__struct_fields__:
+            if name not in _REDUCE:
+                merged[name] = getattr(last, name)
+                continue
             values = [v for s in stats if (v := getattr(s, name)) is not None]
             merged[name] = _REDUCE[name](values) if values else None
         return cls(**merged)
@@ -150,26 +159,8 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _first(values: list[Any]) -> Any:
-    return values[0]
-
-
-def _attribution_reduce(name: str) -> Callable[[list[Any]], Any]:
-    """Over several choices: first queue limit, mean of means, max of maxima, min of queue position, sum of
-    the rest (steps, tokens, seconds of each sibling)."""
-    if name == "queue_limit":
-        return _first
-    if name.endswith("_mean"):
-        return _mean
-    if name.endswith("_max"):
-        return max
-    if name in ("queue_ahead", "running_on_arrival", "prompt_tokens", "cached_tokens", "queue_blocked_steps"):
-        return min
-    return sum
-
-
 _REDUCE: dict[str, Callable[[list[Any]], Any]] = {
     "queue_s": min, "ttft_s": min, "prefill_s": min, "decode_s": max, "batch_size_max": max,
     "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean, "batch_size_mean": _mean,
 }  # fmt: skip
-_REDUCE.update({name: _attribution_reduce(name) for name in KvscopeStats.__struct_fields__ if name not in _REDUCE})
+"""How the timing fields merge over choices; every other field (the attribution) comes from one choice."""

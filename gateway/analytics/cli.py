@@ -155,6 +155,9 @@ def logs_main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
         return asyncio.run(_run(args))
     except BrokenPipeError:
         raise  # the reader left (`| head`): kvscope.cli exits quietly, as for SIGPIPE
+    except (ValueError, LookupError) as exc:  # the user's input: its message says what to change
+        print(f"kvscope logs {args.command}: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - a CLI reports every failure as one line, no traceback
         print(f"kvscope logs {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

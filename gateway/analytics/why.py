@@ -138,7 +138,8 @@ def explain(record: dict[str, Any]) -> Why:
     kv = record.get("kvscope") or {}
     engine = kv.get("engine") or {}
     if engine.get("prefill_steps") is None:
-        raise ValueError("the record has no kvscope.engine attribution (refused request or older engine)")
+        raise ValueError("the record has no kvscope.engine attribution: the request was refused before the "
+                         "engine, the client left before the engine answered, or an older engine served it")
     ttft = kv.get("ttft_s") if kv.get("ttft_s") is not None else engine.get("ttft_s")  # non-streamed: engine's
     lines = [_ttft_line(engine, ttft)]
     if engine.get("decode_steps"):

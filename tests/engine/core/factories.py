@@ -24,10 +24,11 @@ class FakeClock:
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: int = 16, eos_token_id: int | None = 2,
-                 arrival_time: float = 0.0, **params: object) -> Request:
-    """A Request with SamplingParams(**params); ``max_tokens`` is the resolved budget."""
+                 arrival_time: float = 0.0, parent_id: str | None = None, **params: object) -> Request:
+    """A Request with SamplingParams(**params); ``max_tokens`` is the resolved budget; ``parent_id`` makes it
+    a choice of an n > 1 request."""
     return Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=max_tokens, **params),
-                   eos_token_id=eos_token_id, arrival_time=arrival_time, max_tokens=max_tokens)
+                   eos_token_id=eos_token_id, arrival_time=arrival_time, max_tokens=max_tokens, parent_id=parent_id)
 
 
 def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, max_num_batched_tokens: int = 2048,

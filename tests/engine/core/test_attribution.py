@@ -135,3 +135,30 @@ def test_kv_budget_forces_preemption() -> None:
     assert b["decode_preempted_s"] == pytest.approx(run.finished["a"] - run.preempted["b"], abs=1e-9)
     assert b["decode_tokens"] == 16 + 49 + 2  # 16 decodes, one chunk of 48 recomputed + 1 pending, 2 decodes
     assert rank_causes(b)[0][0] == "preemption"
+
+
+
+def test_the_choices_of_one_request_are_not_each_others_interference() -> None:
+    """n > 1: siblings (Request.parent_id) share every step; each counts the group's tokens as its own, and the
+    merged kvscope object takes one choice's attribution (the last to finish) instead of adding them up."""
+    from engine.core.stats import KvscopeStats
+
+    clock = FakeClock()
+    run = Run(make_scheduler(num_blocks=64, enable_caching=False, clock=clock), clock)
+    for i in range(2):
+        request = make_request(f"req-{i}", prompt(1000, 40), max_tokens=3, eos_token_id=None, parent_id="req",
+                               arrival_time=clock.now)
+        run.arrivals[request.request_id], run.requests[request.request_id] = clock.now, request
+        run.scheduler.add_request(request)
+    run.add("stranger", 24, max_tokens=3, start=500)
+    run.until_done()
+    first = run.check_adds_up("req-0")
+    assert (first["prefill_tokens"], first["prefill_other_prefill_tokens"], first["prefill_other_requests_max"],
+            first["decode_tokens"], first["decode_other_decode_tokens"]) == (80, 24, 1, 4, 2)
+    stranger = run.stats("stranger")
+    assert (stranger["prefill_tokens"], stranger["prefill_other_prefill_tokens"],
+            stranger["prefill_other_requests_max"]) == (24, 80, 2)
+    summaries = [run.requests[f"req-{i}"].stats.summary(3) for i in range(2)]
+    merged = KvscopeStats.merge(summaries)
+    assert (merged.prefill_tokens, merged.decode_tokens, merged.prefill_own_s) == (
+        80, 4, summaries[1].prefill_own_s)

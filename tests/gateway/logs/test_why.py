@@ -121,7 +121,7 @@ def test_why_reads_the_jsonl_log_by_request_or_trace_id(queued, tmp_path) -> Non
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert logs_main(["why", "nope", "--source", str(log)], env={}) == 1
-    assert "no request-log record with http.request.id or trace.id 'nope'" in err.getvalue()
+    assert err.getvalue() == "kvscope logs why: no request-log record with http.request.id or trace.id 'nope'\n"
 
 
 def test_why_query_refuses_quotes() -> None:
