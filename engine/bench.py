@@ -141,8 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(results, args)
     if args.save_result:
         with open(args.save_result, "w") as fh:
-            json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results], fh, indent=2)
+            json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} | _setup(args) for r in results],
+                      fh, indent=2)
     return 0
+
+
+def _setup(args: argparse.Namespace) -> dict[str, object]:
+    """What a saved result was measured with (weights, lengths, threads), so results can be compared."""
+    return {"dtype": args.dtype, "quantization": args.quantization, "input_len": args.input_len,
+            "output_len": args.output_len, "num_threads": torch.get_num_threads()}
 
 
 def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
@@ -156,7 +163,7 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
               f"tokens) {results[-1].prefill_ms:8.1f} ms", flush=True)
     if args.save_result:
         with open(args.save_result, "w") as fh:
-            json.dump([asdict(r) for r in results], fh, indent=2)
+            json.dump([asdict(r) | _setup(args) for r in results], fh, indent=2)
     return 0
 
 
@@ -171,7 +178,7 @@ def _print_table(results: list[BenchResult], args: argparse.Namespace) -> None:
     from rich.table import Table
 
     table = Table(title=f"Offline output tokens/s — {args.input_len} prompt / {args.output_len} output tokens, "
-                        f"greedy, {args.dtype}, {platform.processor() or platform.machine()}, "
+                        f"greedy, {args.dtype}, quantization {args.quantization}, {platform.processor() or platform.machine()}, "
                         f"{torch.get_num_threads()} threads")
     table.add_column("system")
     for concurrency in args.concurrency:

@@ -1,0 +1,22 @@
+"""``kvscope bench --offline --step-bench`` (engine/bench.py): a saved result names what it was measured with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.bench import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_saved_step_bench_names_its_weights_lengths_and_threads(tmp_path, model_dir) -> None:
+    out = tmp_path / "steps.json"
+    assert main(["--model", str(model_dir), "--step-bench", "--concurrency", "2", "--steps", "2",
+                 "--input-len", "8", "--num-threads", "1", "--dtype", "float32", "--save-result", str(out)]) == 0
+    [result] = json.loads(out.read_text())
+    assert {k: result[k] for k in ("concurrency", "dtype", "quantization", "input_len", "output_len",
+                                   "num_threads")} == {
+        "concurrency": 2, "dtype": "float32", "quantization": "none", "input_len": 8, "output_len": 128,
+        "num_threads": 1}
