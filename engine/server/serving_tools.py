@@ -1,10 +1,15 @@
 """Chat answers when tools are in play: ``message.tool_calls`` and ``finish_reason: "tool_calls"``.
 
 Streaming follows OpenAI: for each call a first delta with ``index``, ``id``, ``type`` and ``function.name``
-(``arguments: ""``), then ``function.arguments`` fragments. A named tool_choice streams the arguments as the
-model writes them (its output is the arguments object); ``required`` and ``auto`` hold the text back until the
-choice finishes (the call boundaries are known only then) and send each call's arguments in one fragment, or
-the held text as content when it holds no call. Either way the streamed calls concatenate to the JSON body's.
+(``arguments: ""``), then ``function.arguments`` fragments as the model writes them. A named tool_choice's
+output is the arguments object, so every content delta is a fragment. ``required`` and ``auto`` go through
+engine.server.tool_stream's incremental scanner: a call's header goes out once its ``name`` string is
+complete, then the raw text of its ``arguments`` object as it grows; in ``auto`` the text outside
+``<tool_call>`` blocks streams as content (only a possible prefix of the tag is held back), and an answer
+with no call is all content. The non-streamed answer is parsed by the same scanner, so a stream's fragments
+concatenate to exactly the JSON body's ``arguments``. ``finish_reason`` is ``tool_calls`` on the last chunk
+when the finished answer holds a valid call; a ``required`` answer cut by ``max_tokens`` ends ``length``
+after the partial call it streamed (the JSON body then answers the text as content).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from engine.server.protocol import (
     FunctionCall,
     ToolCall,
 )
+from engine.server.tool_stream import Arguments, CallStart, Content, ToolCallScanner
 from engine.server.tools import ParsedCall, ToolMode, new_call_id, parse_tool_calls
 
 TOOL_CALLS = "tool_calls"
@@ -42,7 +48,7 @@ class ToolChatFormatter:
         self._chunk = inner._chunk
         self.usage_chunk = inner.usage_chunk
         self._ids: dict[tuple[int, int], str] = {}
-        self._named_header_sent: set[int] = set()
+        self._scanners: dict[int, ToolCallScanner] = {}
 
     def add(self, k: int, output: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
@@ -61,22 +67,26 @@ class ToolChatFormatter:
                 if choice.finish_reason:
                     chunks.append(self._chunk(choice.index, DeltaMessage(), None, self._finish(choice.index)))
                 continue
-            if choice.finish_reason:  # required / auto: everything was held back until now
-                chunks += self._final_chunks(choice.index)
+            chunks += self._scanned(choice.index, delta.content if isinstance(delta.content, str) else "",
+                                    bool(choice.finish_reason))
         return chunks
 
-    def _final_chunks(self, index: int) -> list[ChatCompletionChunk]:
-        parsed = self._parsed(index)
-        if parsed is None:
-            text = "".join(self._content[index])
-            chunks = [self._chunk(index, DeltaMessage(content=text))] if text else []
-            return chunks + [self._chunk(index, DeltaMessage(), None, self._finish(index))]
-        calls, rest = parsed
-        chunks = [self._chunk(index, DeltaMessage(content=rest))] if rest else []
-        for j, call in enumerate(calls):
-            chunks.append(self._tool_chunk(index, self._header(index, j, call.name)))
-            chunks.append(self._tool_chunk(index, DeltaToolCall(j, DeltaFunctionCall(arguments=call.arguments))))
-        return chunks + [self._chunk(index, DeltaMessage(), None, self._finish(index))]
+    def _scanned(self, index: int, text: str, last: bool) -> list[ChatCompletionChunk]:
+        """required / auto: the scanner's events for one more delta (and the end of the answer) as chunks."""
+        scanner = self._scanners.setdefault(index, ToolCallScanner(self.mode.kind))
+        events = scanner.feed(text) + (scanner.finish() if last else [])
+        chunks = []
+        for event in events:
+            if isinstance(event, Content):
+                chunks.append(self._chunk(index, DeltaMessage(content=event.text)))
+            elif isinstance(event, CallStart):
+                chunks.append(self._tool_chunk(index, self._header(index, event.index, event.name)))
+            elif isinstance(event, Arguments):
+                chunks.append(self._tool_chunk(index, DeltaToolCall(
+                    event.index, DeltaFunctionCall(arguments=event.text))))
+        if last:
+            chunks.append(self._chunk(index, DeltaMessage(), None, self._finish(index)))
+        return chunks
 
     def _header(self, index: int, j: int, name: str | None) -> DeltaToolCall:
         return DeltaToolCall(j, DeltaFunctionCall(name=name, arguments=""), id=self._call_id(index, j),

@@ -15,7 +15,6 @@ arguments follow each function's parameters schema; one item unless ``parallel_t
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ import msgspec
 
 from engine.server.errors import bad_request
 from engine.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from engine.server.tool_stream import scan
 from engine.structured.params import StructuredOutputsParams
 
 HERMES_SYSTEM = (
@@ -33,7 +33,6 @@ HERMES_SYSTEM = (
     "For each function call return a json object with function name and arguments within <tool_call></tool_call> "
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -147,37 +146,28 @@ def _text(content: Any) -> str:
 
 
 def parse_tool_calls(mode: ToolMode, text: str) -> tuple[list[ParsedCall], str | None] | None:
-    """(calls, remaining content) from a finished answer, or None when it holds no (valid) call."""
+    """(calls, remaining content) from a finished answer, or None when it holds no (valid) call.
+
+    ``required``/``auto`` take the calls from engine.server.tool_stream's scanner (the streaming path's
+    parser), so ``arguments`` is the model's own text of the arguments object, byte for byte what a stream
+    of the same answer sends; ``required`` must also be a JSON array of objects with ``name``/``arguments``.
+    """
     try:
         if mode.kind == "named":
             return ([ParsedCall(mode.function, text)], None) if isinstance(json.loads(text), dict) else None
         if mode.kind == "required":
             items = json.loads(text)
-            return [ParsedCall(i["name"], _dump(i["arguments"])) for i in items], None
+            if not isinstance(items, list) or not all(isinstance(i["name"], str) and "arguments" in i
+                                                      for i in items):
+                return None
     except (json.JSONDecodeError, KeyError, TypeError):
         return None
-    if mode.kind != "auto":
+    if mode.kind not in ("required", "auto"):
         return None
-    calls = [c for c in map(_hermes_call, _TOOL_CALL.findall(text)) if c is not None]
+    calls, content = scan(mode.kind, text)
     if not calls:
         return None
-    rest = _TOOL_CALL.sub("", text).strip()
-    return calls, rest or None
-
-
-def _hermes_call(body: str) -> ParsedCall | None:
-    try:
-        item = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    args = item.get("arguments", item.get("parameters", {}))
-    return ParsedCall(item["name"], args if isinstance(args, str) else _dump(args))
-
-
-def _dump(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return [ParsedCall(name, arguments) for name, arguments in calls], content or None
 
 
 def _parameters(tool: ToolDefinition) -> dict:

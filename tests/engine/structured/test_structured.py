@@ -70,10 +70,10 @@ def test_matcher_follows_the_output_tokens_and_ends_with_eos(manager, tokenizer)
 
 def test_parse_tool_calls_per_mode() -> None:
     hermes = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
-    assert parse_tool_calls(ToolMode("auto"), hermes) == ([ParsedCall("f", '{"x":1}')], "Sure.")
+    assert parse_tool_calls(ToolMode("auto"), hermes) == ([ParsedCall("f", '{"x": 1}')], "Sure.")
     assert parse_tool_calls(ToolMode("auto"), "no call here") is None
     assert parse_tool_calls(ToolMode("named", "g"), '{"y":2}') == ([ParsedCall("g", '{"y":2}')], None)
     items = json.dumps([{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}])
     assert parse_tool_calls(ToolMode("required"), items) == (
-        [ParsedCall("f", '{"x":1}'), ParsedCall("g", "{}")], None)
+        [ParsedCall("f", '{"x": 1}'), ParsedCall("g", "{}")], None)  # the model's own text
     assert parse_tool_calls(ToolMode("required"), '[{"name": "f"') is None

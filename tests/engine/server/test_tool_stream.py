@@ -1,0 +1,102 @@
+"""engine/server/tool_stream.py: the incremental tool-call scanner behind streamed ``required``/``auto``."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from engine.server.tool_stream import Arguments, CallEnd, CallStart, Content, ToolCallScanner, scan
+from engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
+
+TRICKY = {"q": 'a "quoted" {brace} [bracket] \\ back', "city": "Zürich ☃", "n": [1, {"deep": "}"}], "e": {}}
+REQUIRED_TWO = ('[{"name": "get_weather", "arguments": ' + json.dumps(TRICKY, ensure_ascii=False)
+                + '}, {"name": "get_time", "arguments": {"tz": "UTC"}}]')
+AUTO = ('Let me check {that}.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"<tool_call>\\""}}'
+        '\n</tool_call>\nDone < soon.')
+
+
+def _chunked(text: str, seed: int) -> list[str]:
+    rng, pieces, at = random.Random(seed), [], 0
+    while at < len(text):
+        step = rng.randint(1, 5)
+        pieces.append(text[at:at + step])
+        at += step
+    return pieces
+
+
+def _run(mode: str, pieces: list[str]) -> list:
+    scanner, events = ToolCallScanner(mode), []
+    for piece in pieces:
+        events += scanner.feed(piece)
+    return events + scanner.finish()
+
+
+def _reassembled(events: list) -> tuple[list[tuple[str, str]], str, list[int]]:
+    """(calls, content, call ends) from events, checking the order an OpenAI client relies on."""
+    names, args, content, ends = [], [], "", []
+    for event in events:
+        if isinstance(event, CallStart):
+            assert event.index == len(names)
+            names.append(event.name)
+            args.append("")
+        elif isinstance(event, Arguments):
+            assert event.index == len(names) - 1 and event.index not in ends
+            args[event.index] += event.text
+        elif isinstance(event, CallEnd):
+            ends.append(event.index)
+        else:
+            content += event.text
+    return list(zip(names, args, strict=True)), content, ends
+
+
+@pytest.mark.parametrize(("mode", "text", "calls", "content"), [
+    ("required", REQUIRED_TWO, [("get_weather", json.dumps(TRICKY, ensure_ascii=False)),
+                                ("get_time", '{"tz": "UTC"}')], ""),
+    ("auto", AUTO, [("get_weather", '{"city": "Paris \\"<tool_call>\\""}')], "Let me check {that}.Done < soon."),
+    ("auto", "a <tool_c b <tool_call>x</tool_call> <tool_call", [], "a <tool_c b <tool_call>x</tool_call> <tool_call"),
+    ("auto", '<tool_call>{"arguments": {"a": 1}, "name": "late"}</tool_call>', [("late", '{"a": 1}')], ""),
+    ("auto", '<tool_call>{"name": "f"}</tool_call>ok', [("f", "{}")], "ok"),
+    ("auto", '<tool_call>{"name": "f", "arguments": "{\\"s\\": 1}"}</tool_call>', [("f", '{"s": 1}')], ""),
+    ("auto", '<tool_call>{"arguments": {}}</tool_call> plain', [], '<tool_call>{"arguments": {}}</tool_call> plain'),
+])
+def test_every_chunking_gives_the_same_events_and_calls(mode, text, calls, content) -> None:
+    whole = _run(mode, [text])
+    assert _reassembled(whole) == (calls, content, list(range(len(calls))))
+    for seed in range(200):
+        events = _run(mode, _chunked(text, seed))
+        assert _reassembled(events) == (calls, content, list(range(len(calls))))
+    assert scan(mode, text) == (calls, content)
+
+
+def test_arguments_stream_piece_by_piece_and_end_at_the_closing_brace() -> None:
+    scanner = ToolCallScanner("required")
+    assert scanner.feed('[{"name": "get_we') == []
+    assert scanner.feed('ather", "argu') == [CallStart(0, "get_weather")]
+    assert scanner.feed('ments": {"city": "Pa') == [Arguments(0, '{"city": "Pa')]
+    assert scanner.feed('ris"}}, {"name": "g", "arguments": {}}]') == [
+        Arguments(0, 'ris"}'), CallEnd(0), CallStart(1, "g"), Arguments(1, "{}"), CallEnd(1)]
+    assert scanner.finish() == []
+
+
+def test_auto_streams_text_and_holds_only_a_tag_prefix() -> None:
+    scanner = ToolCallScanner("auto")
+    assert scanner.feed("Hi there <tool") == [Content("Hi there")]
+    assert scanner.feed("box> ok  ") == [Content(" <toolbox> ok")]
+    assert scanner.feed("\n<tool_call>\n") == []
+    assert scanner.feed('{"name": "f", "arguments": {"a": "<"}}\n</tool_call>  \nbye') == [
+        CallStart(0, "f"), Arguments(0, '{"a": "<"}'), CallEnd(0), Content("bye")]
+    assert scanner.finish() == []
+    unfinished = ToolCallScanner("auto")
+    assert unfinished.feed("x <tool_call> {\"na") == [Content("x")]
+    assert unfinished.finish() == [Content(' <tool_call> {"na')]
+
+
+def test_parse_tool_calls_keeps_the_models_own_arguments_text() -> None:
+    assert parse_tool_calls(ToolMode("required"), REQUIRED_TWO) == ([
+        ParsedCall("get_weather", json.dumps(TRICKY, ensure_ascii=False)), ParsedCall("get_time", '{"tz": "UTC"}')],
+        None)
+    assert parse_tool_calls(ToolMode("auto"), AUTO) == (
+        [ParsedCall("get_weather", '{"city": "Paris \\"<tool_call>\\""}')], "Let me check {that}.Done < soon.")
+    assert parse_tool_calls(ToolMode("required"), '[{"name": "f", "arguments": {"a": ') is None
