@@ -159,6 +159,7 @@ def test_streamed_tool_call_reassembles_to_the_non_streamed_one(stack, client, t
     whole = client.chat.completions.create(**kwargs, extra_headers={"x-request-id": rid}).choices[0]
     assert stack.gateway_line(rid)["gen_ai"]["response"]["finish_reasons"] == ["tool_calls"]
     calls: dict[int, dict] = {}
+    fragments: dict[int, int] = {}
     finish = []
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
@@ -167,7 +168,9 @@ def test_streamed_tool_call_reassembles_to_the_non_streamed_one(stack, client, t
                 entry = calls.setdefault(part.index, {"id": part.id, "type": part.type,
                                                       "name": part.function.name, "arguments": ""})
                 entry["arguments"] += part.function.arguments or ""
+                fragments[part.index] = fragments.get(part.index, 0) + bool(part.function.arguments)
     assert [f for f in finish if f] == ["tool_calls"]
+    assert all(n > 1 for n in fragments.values()), fragments  # arguments stream as written, not in one piece
     expected = [{"type": "function", "name": c.function.name, "arguments": c.function.arguments}
                 for c in whole.message.tool_calls]
     assert [{k: v for k, v in c.items() if k != "id"} for c in calls.values()] == expected

@@ -9,6 +9,9 @@ import pytest
 
 from engine.server.tool_stream import Arguments, CallEnd, CallStart, Content, ToolCallScanner, scan
 from engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
+from tests.engine.server.conftest import chat_body
+from tests.engine.server.fakes import FakeEngine, FakeInfo
+from tests.engine.server.helpers import parse_sse
 
 TRICKY = {"q": 'a "quoted" {brace} [bracket] \\ back', "city": "Zürich ☃", "n": [1, {"deep": "}"}], "e": {}}
 REQUIRED_TWO = ('[{"name": "get_weather", "arguments": ' + json.dumps(TRICKY, ensure_ascii=False)
@@ -100,3 +103,47 @@ def test_parse_tool_calls_keeps_the_models_own_arguments_text() -> None:
     assert parse_tool_calls(ToolMode("auto"), AUTO) == (
         [ParsedCall("get_weather", '{"city": "Paris \\"<tool_call>\\""}')], "Let me check {that}.Done < soon.")
     assert parse_tool_calls(ToolMode("required"), '[{"name": "f", "arguments": {"a": ') is None
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    """The Hermes tool prompt is ~1000 byte-tokens: a context that holds it."""
+    return FakeEngine(info=FakeInfo(max_model_len=4096))
+
+
+HERMES_REPLY = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich {x}"}}\n</tool_call>'
+
+
+def test_auto_streams_through_the_server_and_reassembles_to_the_json_answer(client, fake_engine) -> None:
+    """The FakeEngine writes the Hermes answer one byte per token: content first, then the call incrementally."""
+    fake_engine.reply = HERMES_REPLY.encode()
+    body = chat_body(max_tokens=120, tools=[WEATHER])
+    whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] == "Sure."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == [
+        ("get_weather", '{"city": "Zürich {x}"}')]
+    stream = parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    deltas = [c["choices"][0]["delta"] for c in stream.chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    parts = [p for d in deltas for p in d.get("tool_calls") or ()]
+    assert content == "Sure."
+    assert parts[0]["index"] == 0 and parts[0]["type"] == "function" and parts[0]["id"].startswith("call_")
+    assert parts[0]["function"] == {"name": "get_weather", "arguments": ""}
+    fragments = [p["function"]["arguments"] for p in parts[1:]]
+    assert "".join(fragments) == whole["message"]["tool_calls"][0]["function"]["arguments"]
+    assert len(fragments) > 10  # one per token (UTF-8 bytes of "ü" held together by the detokenizer)
+    assert [c["choices"][0]["finish_reason"] for c in stream.chunks if c["choices"][0]["finish_reason"]] == [
+        "tool_calls"]
+
+
+def test_auto_without_a_call_streams_the_whole_text_as_content(client, fake_engine) -> None:
+    fake_engine.reply = b"a <tool_call b"
+    body = chat_body(max_tokens=40, tools=[WEATHER])
+    stream = parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    deltas = [c["choices"][0]["delta"] for c in stream.chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "a <tool_call b"
+    assert all("tool_calls" not in d for d in deltas)
+    assert stream.chunks[-1]["choices"][0]["finish_reason"] == "stop"
