@@ -31,23 +31,31 @@ _WS = " \t\r\n"
 
 @dataclass(frozen=True, slots=True)
 class Content:
+    """Answer text outside tool-call blocks (``auto``)."""
+
     text: str
 
 
 @dataclass(frozen=True, slots=True)
 class CallStart:
+    """Call ``index`` (0-based, in order) begins; its name is complete."""
+
     index: int
     name: str
 
 
 @dataclass(frozen=True, slots=True)
 class Arguments:
+    """The next piece of call ``index``'s arguments text."""
+
     index: int
     text: str
 
 
 @dataclass(frozen=True, slots=True)
 class CallEnd:
+    """Call ``index`` is complete (its arguments ended)."""
+
     index: int
 
 
