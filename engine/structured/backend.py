@@ -19,6 +19,7 @@ from collections.abc import Callable
 import llguidance
 
 from engine.errors import InvalidParameterError
+from engine.structured.bitmask import allocate_bitmask
 from engine.structured.matcher import RequestMatcher
 from engine.structured.params import StructuredOutputsParams
 
@@ -43,6 +44,18 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.spec)
     except (ValueError, TypeError, json.JSONDecodeError) as exc:
         raise InvalidParameterError(params.param, f"Invalid {params.kind} constraint: {exc}") from exc
+
+
+def _check_satisfiable(template: llguidance.LLMatcher, params: StructuredOutputsParams, vocab_size: int) -> None:
+    """Raise InvalidParameterError when the grammar can produce no output at all (a schema that only refers to
+    itself, a regex that matches nothing, a rule that never terminates): llguidance compiles these, and its
+    matcher only falls into its error state at the first mask, which would answer an empty 200."""
+    probe = template.deep_copy()
+    row = allocate_bitmask(1, vocab_size)[0]
+    probe.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    if probe.is_error():
+        raise InvalidParameterError(params.param, f"The {params.kind} constraint can never be satisfied: no output "
+                                    f"matches it ({probe.get_error()})")
 
 
 class StructuredOutputManager:
@@ -104,6 +117,7 @@ class StructuredOutputManager:
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
             raise InvalidParameterError(params.param, f"Invalid {params.kind} constraint: {template.get_error()}")
+        _check_satisfiable(template, params, self.vocab_size)
         elapsed = time.perf_counter() - start
         with self._lock:
             self._cache[params.key] = template

@@ -52,6 +52,22 @@ def test_compile_cache_and_unsupported_keyword(manager) -> None:
     assert caught.value.param == "response_format" and 'Unimplemented keys: ["if"]' in str(caught.value)
 
 
+@pytest.mark.parametrize(("kind", "spec"), [
+    ("json", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
+    ("json", json.dumps({"$ref": "#"})),
+    ("json", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}})),
+    ("regex", "[^\\s\\S]"),
+    ("grammar", "start: a\na: a"),
+])
+def test_a_constraint_no_output_can_satisfy_is_a_400(manager, kind, spec) -> None:
+    """llguidance compiles these and only fails at the first mask: answering would be an empty 200."""
+    with pytest.raises(InvalidParameterError) as caught:
+        manager.compile(StructuredOutputsParams(kind, spec, "structured_outputs"))
+    assert caught.value.param == "structured_outputs"
+    assert str(caught.value).startswith(f"The {kind} constraint can never be satisfied: no output matches it")
+    assert manager.compile(StructuredOutputsParams("regex", "a*", "structured_outputs")) >= 0.0  # may match ""
+
+
 def test_matcher_follows_the_output_tokens_and_ends_with_eos(manager, tokenizer) -> None:
     choice = StructuredOutputsParams.choice(["yes", "no"])
     matcher = manager.new_matcher(choice)
