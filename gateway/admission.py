@@ -127,9 +127,22 @@ def _injected_max_tokens(ceiling: int | None, req: ChatCompletionRequest | Compl
 def _count_prompt(gw: GatewayState, raw: dict[str, Any],
                   req: ChatCompletionRequest | CompletionRequest) -> list[int] | None:
     if isinstance(req, ChatCompletionRequest):
+        if _renders_tools(raw):
+            return None  # the engine writes tool signatures/calls into the prompt its own way: it counts them
         count = gw.counter.chat(req.model, raw["messages"])
         return None if count is None else [count]
     return gw.counter.completion(req.model, raw["prompt"])
+
+
+def _renders_tools(raw: dict[str, Any]) -> bool:
+    """Whether the engine renders tools into this chat prompt (tools offered and tool_choice not ``none``, or
+    tool calls / tool results in the history): the plain chat template would undercount it, so the gateway
+    does not trust its own count (as for a model without a tokenizer) and the engine's check decides."""
+    if raw.get("tools") and raw.get("tool_choice") != "none":
+        return True
+    messages = raw.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
 
 
 def _completion_budget(max_tokens: int | None, op: Operation) -> int | None:

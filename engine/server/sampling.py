@@ -19,15 +19,20 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def chat_sampling_params(req: ChatCompletionRequest,
                          constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams of a chat request. ``top_logprobs`` needs ``logprobs: true`` (400 ``top_logprobs``).
-    ``constraint`` (a tool_choice's) replaces the request's own structured-output fields."""
+    ``constraint`` (a tool_choice's) is the request's grammar; asking for another one as well (vLLM's
+    ``structured_outputs``/``guided_*``) is a 400 naming that field, never a silently dropped constraint."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     renames = {"logprobs": "top_logprobs",
                "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+    own = structured_params(req)
+    if constraint is not None and own is not None:
+        raise bad_request(f"tool_choice required or a named function cannot be combined with {own.param}.",
+                          param=own.param)
     return _build(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, renames=renames,
-                  constraint=constraint or structured_params(req))
+                  constraint=constraint or own)
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:

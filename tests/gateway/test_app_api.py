@@ -175,6 +175,27 @@ def test_context_length_is_checked_with_the_model_tokenizer(stack: Stack) -> Non
     assert [r.body["max_tokens"] for r in stack.fakes["tok"].records if r.method == "POST"] == [CONTEXT_LEN - 6]
 
 
+def test_tool_prompts_are_left_to_the_engine_to_count(stack: Stack) -> None:
+    """The engine writes tool signatures and tool turns into the prompt (Hermes format): the gateway's plain
+    template would undercount them, so it counts nothing (as without a tokenizer) and relays; without tools,
+    or with tool_choice none, it counts as usual."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = {"gw-tools": {"tools": [tool]}, "gw-tools-none": {"tools": [tool], "tool_choice": "none"},
+             "gw-tool-turn": {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "42"}]},
+             "gw-plain": {}}
+    with stack.client() as c:
+        for rid, extra in cases.items():
+            body = {"model": "tok-model", "messages": HI, "max_tokens": 4, **extra}
+            assert c.post("/v1/chat/completions", json=body, headers={"x-request-id": rid}).status_code == 200
+    records = records_by_id(stack.log, cases)
+    counted = {rid: records[rid][0]["kvscope"]["prompt_tokens_counted"] for rid in cases}
+    assert counted == {"gw-tools": None, "gw-tools-none": counted["gw-plain"], "gw-tool-turn": None,
+                       "gw-plain": counted["gw-plain"]}
+    assert counted["gw-plain"] == 6
+
+
 def test_per_key_models_and_max_tokens_ceiling(stack: Stack) -> None:
     with stack.client("limited") as c:
         over = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "max_tokens": 11})

@@ -93,3 +93,21 @@ def test_parse_tool_calls_per_mode() -> None:
     assert parse_tool_calls(ToolMode("required"), items) == (
         [ParsedCall("f", '{"x": 1}'), ParsedCall("g", "{}")], None)  # the model's own text
     assert parse_tool_calls(ToolMode("required"), '[{"name": "f"') is None
+
+
+def test_a_tool_choice_constraint_and_a_guided_field_together_are_a_400() -> None:
+    from engine.server.errors import OpenAIError
+    from engine.server.protocol import ChatCompletionRequest, decode_body
+    from engine.server.sampling import chat_sampling_params
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "guided_regex": "a+"}
+    req = decode_body(json.dumps(body).encode(), ChatCompletionRequest)
+    tool = StructuredOutputsParams.json_schema({"type": "object"}, "tools")
+    with pytest.raises(OpenAIError) as caught:
+        chat_sampling_params(req, tool)
+    assert (caught.value.status, caught.value.param, caught.value.message) == (
+        400, "guided_regex", "tool_choice required or a named function cannot be combined with guided_regex.")
+    assert chat_sampling_params(req).structured_outputs == StructuredOutputsParams("regex", "a+", "guided_regex")
+    del body["guided_regex"]
+    assert chat_sampling_params(decode_body(json.dumps(body).encode(), ChatCompletionRequest), tool
+                                ).structured_outputs is tool
