@@ -170,7 +170,10 @@ def _token_estimate(raw: dict[str, Any], req: ChatCompletionRequest | Completion
     if counts is not None:
         prompt = sum(counts)
     else:
-        prompt = estimate_tokens(len(msgspec.json.encode(raw.get("messages", raw.get("prompt")))))
+        chars = len(msgspec.json.encode(raw.get("messages", raw.get("prompt"))))
+        if raw.get("tools"):  # the engine renders the tool signatures into the prompt
+            chars += len(msgspec.json.encode(raw["tools"]))
+        prompt = estimate_tokens(chars)
     if max_tokens is None and isinstance(req, CompletionRequest):
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     return prompt, prompt + (max_tokens or 0) * req.num_choices()

@@ -9,6 +9,14 @@ from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
+ATTRIBUTION_KEYS = ("prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival", "queue_limit",
+                    "queue_blocked_steps", "recomputed_tokens", "structured_mask_s", "structured_wait_s",
+                    *(f"{phase}_{name}" for phase in ("prefill", "decode")
+                      for name in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens",
+                                   "other_requests_max", "step_s_mean", "step_s_max", "own_s", "interference_s",
+                                   "interference_prefill_s", "preempted_s", "other_s")))
+"""The latency-attribution keys of the kvscope object (issue 18; docs/logs.md)."""
+
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -83,7 +91,8 @@ def test_finished_request_carries_stats(llm):
                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     stats = out.stats
     assert set(stats) == {"queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean",
-                          "batch_size_max", "kv_blocks", "kv_cache_usage", "num_preemptions"}
+                          "batch_size_max", "kv_blocks", "kv_cache_usage", "num_preemptions",
+                          *ATTRIBUTION_KEYS}
     assert stats["ttft_s"] == pytest.approx(stats["queue_s"] + stats["prefill_s"], abs=1e-9)
     assert stats["tpot_s"] == pytest.approx(stats["decode_s"] / 7)
     assert stats["batch_size_max"] == 1 and stats["batch_size_mean"] == 1.0
