@@ -87,8 +87,13 @@ def _parse(gw: GatewayState, ctx: RequestContext, body: bytes,
 
 
 def _check_model(gw: GatewayState, ctx: RequestContext, principal: Principal, model: str) -> None:
-    """404 ``model_not_found`` for a model no upstream serves; 403 when the key may not use it."""
+    """404 ``model_not_found`` for a model no upstream serves; 503 with Retry-After instead while an upstream
+    has never been reached to say what it serves (clients retry a 503, never a 404); 403 when the key may
+    not use it."""
     if not gw.pool.is_served(model):
+        if gw.pool.has_unknown_models():
+            raise UpstreamUnavailable(f"No upstream has answered yet to say whether it serves model "
+                                      f"'{clip(model)}'; retry shortly.", headers={"retry-after": gw.pool.retry_after()})
         raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
     ctx.model_served = True
     gw.auth.check_model(principal, model)

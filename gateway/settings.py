@@ -233,7 +233,7 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     """Everything the gateway needs; build with :func:`load_settings`."""
 
     host: Annotated[str, Flag("bind address", env="KVSCOPE_GATEWAY_HOST")] = "127.0.0.1"
-    port: Annotated[int, Flag("port", env="KVSCOPE_GATEWAY_PORT")] = 4000
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535), Flag("port", env="KVSCOPE_GATEWAY_PORT")] = 4000
     """4000 (LiteLLM's default); the engine listens on 8000."""
     upstreams: Annotated[tuple[UpstreamConfig, ...], Flag(
         "upstream base URL (repeatable)", name="--upstream", metavar="URL", repeat=True, item=_upstream,

@@ -76,6 +76,11 @@ class UpstreamPool:
     def is_served(self, model: str) -> bool:
         return model in self._model_configs or any(r.serves(model) for r in self.replicas)
 
+    def has_unknown_models(self) -> bool:
+        """Whether some replica has never told us its models (no ``models`` configured, never reached): a
+        model it may serve cannot be refused as unknown yet."""
+        return any(not r.config.models and not r.cards and not r.healthy for r in self.replicas)
+
     def model_card(self, model: str) -> dict[str, Any]:
         """The ``/v1/models`` entry: the upstream's (from a healthy replica first) with configured overrides."""
         card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvscope"}

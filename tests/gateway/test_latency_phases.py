@@ -59,6 +59,9 @@ def phased(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "logs": {"file": str(tmp / "requests.jsonl")},
     }
     with GatewayThread(create_app(load_settings(None, config, env={}))) as gateway:
+        deadline = time.monotonic() + 30  # both replicas health-checked, so round robin reaches the failing one
+        while not all(r.healthy for r in gateway.state.pool.replicas) and time.monotonic() < deadline:
+            time.sleep(0.02)
         yield Phased(gateway.url, tmp / "requests.jsonl")
     for fake in (failing, healthy):
         loop.run(fake.close())

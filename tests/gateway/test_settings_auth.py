@@ -159,3 +159,13 @@ def test_valid_key_names_round_trip_through_the_hash_flag(name: str, capsys: pyt
     flag = next(line for line in capsys.readouterr().err.splitlines() if "--api-key-hash" in line)
     item = flag.split("--api-key-hash ", 1)[1]
     assert ApiKeyConfig(**parse_key_hash(item)).name == name
+
+
+@pytest.mark.parametrize(("overrides", "env", "message"), [
+    ({"port": -1}, {}, "invalid gateway config: Expected `int` >= 0 - at `$.port`"),
+    ({}, {"KVSCOPE_GATEWAY_PORT": "70000"}, "invalid gateway config: Expected `int` <= 65535 - at `$.port`"),
+])
+def test_a_port_outside_0_65535_is_a_config_error_not_a_bind_traceback(overrides, env, message) -> None:
+    with pytest.raises(ValueError) as caught:
+        load_settings(None, overrides, env=env)
+    assert str(caught.value) == message
