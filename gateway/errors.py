@@ -16,7 +16,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from kvscope.openai_errors import INVALID_JSON, INVALID_VALUE, default_code, error_body, error_type
+from kvscope.openai_errors import INVALID_JSON, default_code, error_body, error_type
 
 _log = logging.getLogger("kvscope.gateway")
 
@@ -53,14 +53,10 @@ class GatewayError(Exception):
 class InvalidRequest(GatewayError):
     """A 400 ``invalid_request_error``. A body the schema refuses says ``code`` ``invalid_value`` and one that
     is not JSON ``invalid_json`` (:class:`InvalidJson`), as the engine answers the same mistakes; the
-    gateway's own checks (a key's max_tokens ceiling) name no code. The log's ``error.type`` stays
-    ``invalid_request_error`` for all of these."""
+    gateway's own checks (a key's max_tokens ceiling) name no code. The log's ``error.type`` is the code when
+    there is one (as for every gateway error), else ``invalid_request_error``."""
 
     status, code = 400, None
-
-    @property
-    def error_type(self) -> str:
-        return self.type if self.code in (INVALID_VALUE, INVALID_JSON) else super().error_type
 
 
 class InvalidJson(InvalidRequest):

@@ -112,7 +112,7 @@ def decode_object(body: bytes) -> dict[str, Any]:
         # invalid UTF-8 and absurd nesting are malformed bodies too (400, never 500)
         raise InvalidJson(invalid_json_message(str(exc) or type(exc).__name__)) from None
     if not isinstance(raw, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
+        raise InvalidRequest("The request body must be a JSON object.", code=INVALID_VALUE)
     return raw
 
 

@@ -106,7 +106,7 @@ def test_malformed_bodies_are_openai_400s_logged_and_counted(stack: Stack, body:
     assert error["type"] == "invalid_request_error" and error["param"] == param
     record = records_by_id(stack.log, [rid])[rid]
     assert len(record) == 1 and record[0]["http"]["response"]["status_code"] == 400
-    assert record[0]["error"]["type"] == "invalid_request_error"
+    assert record[0]["error"]["type"] == error["code"] in ("invalid_json", "invalid_value")  # one vocabulary
     # the model the body named is logged even when another field is invalid (decodable bodies only)
     named = "fake-model" if b'"model": "fake-model"' in body and param is not None else None
     assert record[0]["gen_ai"]["request"]["model"] == named
