@@ -4,6 +4,7 @@ permutation), loaded through our loader and compared with the HF model they were
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -39,7 +40,10 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF[part]}.{suffix}"
 
 
-def write_gguf(pair: Pair, arch: str, path: Path) -> None:
+def write_gguf(pair: Pair, arch: str, path: Path,
+               qtype: Callable[[str, np.ndarray], gguf.GGMLQuantizationType | None] = lambda name, w: None) -> None:
+    """The tiny model as a llama.cpp GGUF (llama's q/k rows permuted as llama.cpp does); ``qtype(name, w)``
+    picks a quantization per tensor (None: float32)."""
     cfg = pair.hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
@@ -63,7 +67,11 @@ def write_gguf(pair: Pair, arch: str, path: Path) -> None:
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name(name), w)
+        quant = qtype(name, w)
+        if quant is None:
+            writer.add_tensor(gguf_name(name), w)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, quant), raw_dtype=quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -20,7 +20,7 @@ from engine.models.kernel_probe import KernelChoice
 from engine.models.loader import gguf_conversion_dir, load_model
 from engine.models.quant import CompactLinearKernel
 from engine.sampling_params import SamplingParams
-from tests.engine.test_models_gguf import gguf_name, llama_cpp_permute
+from tests.engine.test_models_gguf import write_gguf
 from tests.engine.test_models_tiny import Pair, make_pair, new_caches, paged_step, prompt
 
 FIXED = KernelChoice(dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2})
@@ -34,42 +34,18 @@ def fixed_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: FIXED)
 
 
-def write_q4_gguf(pair: Pair, path: Path) -> None:
-    """The tiny Llama as a llama.cpp GGUF: projections Q4_1 (down_proj Q4_0), the rest float32."""
-    cfg = pair.hf.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny q4")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_key_length(pair.head_dim)
-    for name, tensor in pair.hf.state_dict().items():
-        w = tensor.numpy().astype(np.float32)
-        if ".q_proj." in name:
-            w = llama_cpp_permute(w, cfg.num_attention_heads)
-        elif ".k_proj." in name:
-            w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        if ".layers." in name and w.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.Q4_0 if "down_proj" in name else gguf.GGMLQuantizationType.Q4_1
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name(name), w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def q4_type(name: str, w: np.ndarray) -> gguf.GGMLQuantizationType | None:
+    """The layers' projections Q4_1 (down_proj Q4_0), the rest float32, as in a llama.cpp Q4 file."""
+    if ".layers." in name and w.ndim == 2:
+        return gguf.GGMLQuantizationType.Q4_0 if "down_proj" in name else gguf.GGMLQuantizationType.Q4_1
+    return None
 
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pair, Path, Path]:
     pair = make_pair("llama")
     root = tmp_path_factory.mktemp("q4")
-    write_q4_gguf(pair, root / "tiny.gguf")
+    write_gguf(pair, "llama", root / "tiny.gguf", q4_type)
     convert_gguf_to_hf(root / "tiny.gguf", gguf_conversion_dir(root / "tiny.gguf", root / "cache"), tokenizer=False)
     return pair, root / "tiny.gguf", root / "cache"
 
