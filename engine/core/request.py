@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.attribution import StepAttribution
-from engine.core.stats import KvscopeStats
+from engine.core.stats import KvscopeStats, spec_summary
 from engine.sampling_params import SamplingParams
 
 
@@ -69,7 +69,12 @@ class RequestStats:
     """Seconds computing its grammar masks (structured output only; ModelRunnerOutput.structured_mask_s)."""
     structured_wait_s: float | None = None
     """Seconds its sampling waited for those masks after the forward pass (ModelRunnerOutput.structured_wait_s)."""
-    """Step records for the latency attribution (engine/core/attribution.py)."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: drafts of this request verified (one per verification step that had a draft)."""
+    spec_num_draft_tokens: int = 0
+    """Proposed tokens in those drafts."""
+    spec_num_accepted_tokens: int = 0
+    """Of those, tokens the rejection sampler accepted."""
 
     def on_scheduled(self, now: float, batch_size: int, num_blocks: int) -> None:
         """Record one engine step that scheduled the request (batch_size = requests in that step)."""
@@ -106,7 +111,24 @@ class RequestStats:
             **self.attribution.fields(prefill_wall_s=_diff(first_tok, first_sched), decode_wall_s=decode_s),
             structured_mask_s=self.structured_mask_s,
             structured_wait_s=self.structured_wait_s,
+            **self._spec_fields(),
         )
+
+    def on_spec_verify(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Record one verified draft of this request: ``num_draft_tokens`` (k >= 1) proposed tokens, of which
+        ``num_accepted_tokens`` (0 <= a <= k) were accepted. Raises ValueError outside those bounds."""
+        if num_draft_tokens < 1 or not 0 <= num_accepted_tokens <= num_draft_tokens:
+            raise ValueError(f"a verified draft has k >= 1 proposed and 0 <= a <= k accepted tokens, "
+                             f"got k={num_draft_tokens}, a={num_accepted_tokens}")
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft_tokens
+        self.spec_num_accepted_tokens += num_accepted_tokens
+
+    def _spec_fields(self) -> dict[str, int | float | None]:
+        """The speculative-decoding fields of the kvscope object (all None when it never speculated)."""
+        if not self.spec_num_drafts:
+            return {}
+        return spec_summary(self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens)
 
     def add_structured_time(self, mask_s: float, wait_s: float) -> None:
         """Add one step's grammar-mask seconds (compute, and the wait after the forward pass)."""

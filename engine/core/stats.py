@@ -117,6 +117,16 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     structured_wait_s: float | None = None
     """Structured output only: seconds its steps' sampling waited for the masks after the forward pass had
     finished (the latency the grammar added). None for unconstrained requests."""
+    # --- speculative decoding (issue 16; vLLM's SpecDecodingStats per request). None: it never speculated --
+    spec_drafts: int | None = None
+    """Drafts verified (one per verification step in which it had proposed tokens)."""
+    spec_draft_tokens: int | None = None
+    """Tokens proposed in those drafts."""
+    spec_accepted_tokens: int | None = None
+    """Of those, tokens accepted by the rejection sampler."""
+    spec_mean_accepted_length: float | None = None
+    """vLLM's "mean acceptance length": 1 + spec_accepted_tokens / spec_drafts, the tokens emitted per
+    verification step (1: nothing accepted; k + 1: every draft fully accepted)."""
 
     def __getitem__(self, name: str) -> Any:
         """The field called ``name`` (a JSON key above); KeyError for any other name."""
@@ -136,7 +146,8 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     def merge(cls, stats: Sequence[KvscopeStats]) -> KvscopeStats:
         """One object for several choices (n > 1, several prompts): the one itself when there is one; else the
         min of the start-up times, the max of decode time, batch max and KV usage, the sum of blocks and
-        preemptions, the mean of tpot and batch mean (each over the choices that have the field). The latency
+        preemptions, the mean of tpot and batch mean (each over the choices that have the field); the speculation
+        counts are summed and the mean acceptance length recomputed from the sums. The latency
         attribution (prompt_tokens … structured_wait_s) is the one of the choice that finished last, so that
         its parts add up to the request's end to end time and are not counted once per choice (``n > 1``
         choices count each other's tokens as their own: engine/core/scheduler.py ``_attribute_step``)."""
@@ -152,7 +163,18 @@ class KvscopeStats(msgspec.Struct, frozen=True):
                 continue
             values = [v for s in stats if (v := getattr(s, name)) is not None]
             merged[name] = _REDUCE[name](values) if values else None
+        drafts = merged["spec_drafts"]
+        if drafts:
+            merged |= spec_summary(drafts, merged["spec_draft_tokens"], merged["spec_accepted_tokens"])
         return cls(**merged)
+
+
+def spec_summary(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, int | float]:
+    """The speculative-decoding fields of a kvscope object from the sums over its verified drafts; the mean
+    acceptance length is vLLM's ``1 + accepted / drafts`` (vllm/v1/spec_decode/metrics.py). ``num_drafts`` > 0."""
+    return {"spec_drafts": num_drafts, "spec_draft_tokens": num_draft_tokens,
+            "spec_accepted_tokens": num_accepted_tokens,
+            "spec_mean_accepted_length": 1 + num_accepted_tokens / num_drafts}
 
 
 def _mean(values: list[float]) -> float:
@@ -162,5 +184,7 @@ def _mean(values: list[float]) -> float:
 _REDUCE: dict[str, Callable[[list[Any]], Any]] = {
     "queue_s": min, "ttft_s": min, "prefill_s": min, "decode_s": max, "batch_size_max": max,
     "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean, "batch_size_mean": _mean,
+    "spec_drafts": sum, "spec_draft_tokens": sum, "spec_accepted_tokens": sum, "spec_mean_accepted_length": max,
 }  # fmt: skip
-"""How the timing fields merge over choices; every other field (the attribution) comes from one choice."""
+"""How the timing and speculation fields merge over choices (the mean acceptance length is then recomputed from
+the sums); every other field (the attribution) comes from one choice."""

@@ -110,6 +110,9 @@ def record_properties() -> dict[str, Any]:
                                    "batch_size_mean", "kv_cache_usage")}
     engine |= {f: _LONG for f in ("batch_size_max", "kv_blocks", "num_preemptions")}
     engine |= attribution_properties()
+    # speculative decoding (issue 16; docs/logs.md): counts, and the mean acceptance length
+    engine |= dict.fromkeys(("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"), _LONG)
+    engine |= {"spec_mean_accepted_length": _DOUBLE}
     return {
         # explicit false: ES < 8.11 refuses a data stream whose @timestamp inherits the index-level
         # ignore_malformed (elastic/elasticsearch#71755, #99346)

@@ -16,6 +16,8 @@ ATTRIBUTION_KEYS = ("prompt_tokens", "cached_tokens", "queue_ahead", "running_on
                                    "other_requests_max", "step_s_mean", "step_s_max", "own_s", "interference_s",
                                    "interference_prefill_s", "preempted_s", "other_s")))
 """The latency-attribution keys of the kvscope object (issue 18; docs/logs.md)."""
+SPEC_KEYS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_mean_accepted_length")
+"""The speculative-decoding keys (issue 16; null without speculation)."""
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -92,7 +94,7 @@ def test_finished_request_carries_stats(llm):
     stats = out.stats
     assert set(stats) == {"queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean",
                           "batch_size_max", "kv_blocks", "kv_cache_usage", "num_preemptions",
-                          *ATTRIBUTION_KEYS}
+                          *ATTRIBUTION_KEYS, *SPEC_KEYS}
     assert stats["ttft_s"] == pytest.approx(stats["queue_s"] + stats["prefill_s"], abs=1e-9)
     assert stats["tpot_s"] == pytest.approx(stats["decode_s"] / 7)
     assert stats["batch_size_max"] == 1 and stats["batch_size_mean"] == 1.0

@@ -20,8 +20,10 @@ KEYS = ["queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean
           for name in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens", "other_requests_max",
                        "step_s_mean", "step_s_max", "own_s", "interference_s", "interference_prefill_s",
                        "preempted_s", "other_s")),
-        "recomputed_tokens", "structured_mask_s", "structured_wait_s"]
-"""The response's keys: the timings, then the latency attribution (engine/core/attribution.py)."""
+        "recomputed_tokens", "structured_mask_s", "structured_wait_s",
+        "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_mean_accepted_length"]
+"""The response's keys: the timings, the latency attribution (engine/core/attribution.py), then speculative
+decoding (issue 16)."""
 
 
 def test_the_json_keys_are_the_fields_in_order() -> None:
@@ -50,6 +52,29 @@ def test_merge_takes_min_max_sum_and_mean_per_field() -> None:
         batch_size_max=5, kv_blocks=6, kv_cache_usage=0.5, num_preemptions=1)
     assert KvscopeStats.merge([b]) is b
     assert KvscopeStats.merge([]) == KvscopeStats()
+
+
+def test_spec_verify_sums_drafts_and_gives_the_mean_acceptance_length() -> None:
+    stats = RequestStats(arrival_time=0.0)
+    assert [stats.summary(1)[k] for k in KEYS[-4:]] == [None, None, None, None]  # never speculated
+    for k, a in ((3, 3), (3, 0), (2, 1)):
+        stats.on_spec_verify(k, a)
+    summary = stats.summary(num_output_tokens=10)
+    assert {k: summary[k] for k in KEYS[-4:]} == {
+        "spec_drafts": 3, "spec_draft_tokens": 8, "spec_accepted_tokens": 4, "spec_mean_accepted_length": 1 + 4 / 3}
+    for k, a in ((0, 0), (2, 3), (2, -1)):
+        with pytest.raises(ValueError, match="k >= 1"):
+            stats.on_spec_verify(k, a)
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (3, 8, 4)
+
+
+def test_merge_sums_spec_counts_and_recomputes_the_length() -> None:
+    a = KvscopeStats(spec_drafts=2, spec_draft_tokens=6, spec_accepted_tokens=6, spec_mean_accepted_length=4.0)
+    b = KvscopeStats(spec_drafts=4, spec_draft_tokens=12, spec_accepted_tokens=0, spec_mean_accepted_length=1.0)
+    merged = KvscopeStats.merge([a, b, KvscopeStats()])  # the third choice never speculated
+    assert (merged.spec_drafts, merged.spec_draft_tokens, merged.spec_accepted_tokens,
+            merged.spec_mean_accepted_length) == (6, 18, 6, 2.0)  # 1 + 6/6, not the mean 2.5 nor the max 4
+    assert KvscopeStats.merge([KvscopeStats(), KvscopeStats()]).spec_mean_accepted_length is None
 
 
 def test_response_and_log_carry_the_same_object(client, caplog) -> None:

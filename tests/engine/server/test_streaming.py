@@ -52,6 +52,7 @@ def test_usage_chunk_equals_non_streaming_usage_with_n2(client):
         "queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean", "batch_size_max", "kv_blocks",
         "kv_cache_usage", "num_preemptions", "prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival",
         "queue_limit", "queue_blocked_steps", "recomputed_tokens", "structured_mask_s", "structured_wait_s",
+        "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_mean_accepted_length",
         *(f"{phase}_{name}" for phase in ("prefill", "decode")
           for name in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens", "other_requests_max",
                        "step_s_mean", "step_s_max", "own_s", "interference_s", "interference_prefill_s",
