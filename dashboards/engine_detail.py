@@ -89,9 +89,34 @@ def _structured(q: PromQL) -> list[Json]:
     ]
 
 
+def _spec_decode(q: PromQL) -> list[Json]:
+    sd = f"{EN}spec_decode_"
+    drafts, proposed, accepted = (q.sum_rate(f"{sd}{n}_total") for n in ("num_drafts", "num_draft_tokens",
+                                                                          "num_accepted_tokens"))
+    per_position = q.sum_rate(f"{sd}num_accepted_tokens_per_pos_total", by=("position",))
+    return [
+        row("Speculative decoding"),
+        timeseries("Draft acceptance rate", "Accepted / proposed draft tokens (n-gram speculation, "
+                   "--speculative ngram); no point while nothing is proposed. Per position: share of drafts "
+                   "whose token at that position was accepted (falls with the position).",
+                   [Target(q.ratio(accepted, proposed), "all positions"),
+                    Target(f"{per_position} / on() group_left() ({drafts} > 0)", "position {{position}}")],
+                   "percentunit", w=8, max_value=1),
+        timeseries("Mean acceptance length", "Tokens emitted per verification of a draft (1 + accepted draft "
+                   "tokens; vLLM's mean acceptance length): 1 = nothing accepted, k+1 = whole drafts accepted. "
+                   "Decode tokens per forward pass for the requests that speculated.",
+                   [Target(q.mean(f"{sd}acceptance_length"), "mean"),
+                    Target(q.quantile(0.5, f"{sd}acceptance_length"), "p50")], "short", w=8),
+        timeseries("Draft tokens / s", "Drafts verified, tokens proposed and tokens accepted per second.",
+                   [Target(drafts, "drafts"), Target(proposed, "proposed"), Target(accepted, "accepted")],
+                   "short", w=8),
+    ]
+
+
 def build(q: PromQL) -> Json:
     """The engine-internals dashboard; raises KeyError/ValueError on a metric the catalog lacks."""
-    panels = [*_phases(q), *_steps(q), *_kv_cache(q), *_structured(q)]
+    panels = [*_phases(q), *_steps(q), *_kv_cache(q), *_structured(q), *_spec_decode(q)]
     links = [dashboard_link("Overview", "kvscope-overview")]
-    return dashboard(UID, "kvscope / Engine internals", "Request phases, engine steps and KV cache.", panels,
+    return dashboard(UID, "kvscope / Engine internals", "Request phases, engine steps, KV cache, structured "
+                     "output and speculative decoding.", panels,
                      links)

@@ -45,10 +45,24 @@ VLLM_NAMES = {
     "kvscope_engine_device_memory_used_bytes": "— (DCGM exporter: `DCGM_FI_DEV_FB_USED`, MiB)",
     "kvscope_engine_device_memory_total_bytes": "— (DCGM exporter: `DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE`)",
     "kvscope_engine_latency_cause_seconds": "— (vLLM has no per-request attribution)",
+    "kvscope_engine_spec_decode_num_drafts": "`vllm:spec_decode_num_drafts_total`",
+    "kvscope_engine_spec_decode_num_draft_tokens": "`vllm:spec_decode_num_draft_tokens_total`",
+    "kvscope_engine_spec_decode_num_accepted_tokens": "`vllm:spec_decode_num_accepted_tokens_total`",
+    "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": "`vllm:spec_decode_num_accepted_tokens_per_pos_total`"
+                                                              " (same `position` label)",
+    "kvscope_engine_spec_decode_acceptance_length": "— (vLLM logs the mean acceptance length, 1 + accepted / "
+                                                    "drafts, from the counters)",
     "kvscope_gateway_requests": "— (vLLM's API server: `http_requests_total` of prometheus-fastapi-instrumentator)",
     "kvscope_gateway_request_duration_seconds": "— (vLLM's API server: `http_request_duration_seconds`)",
 }
 """Family name → the vLLM metric that measures the same thing (vLLM labels every series ``model_name``)."""
+
+BUCKET_NOTES = {
+    "kvscope_engine_spec_decode_acceptance_length": "1, 2, …, k+1 with k the engine's num_speculative_tokens "
+                                                    "(`engine.server.metrics.acceptance_length_buckets`; 1 with "
+                                                    "speculation off)",
+}
+"""Histograms whose bounds follow the engine's configuration rather than MetricBuckets."""
 
 _INTRO = """\
 # Metrics
@@ -68,6 +82,11 @@ tokens (a subset of `type="input"`) are `kvscope_gateway_cached_tokens_total`, n
 spooled log records (a transit state) are `kvscope_gateway_log_records_spooled_total`, not an outcome.
 Label sets known at start (rate-limit reasons, upstream error reasons, log sinks and outcomes, the served
 models' token types and stream-error reasons) are exported at 0, so panels read 0 rather than "No data".
+The speculative-decoding series (`kvscope_engine_spec_decode_*`, vLLM's `vllm:spec_decode_*` family) are
+exported at 0 with speculation off too, like every other counter; `…_per_pos_total` has one `position` per
+draft slot of the configured `num_speculative_tokens` k (`"0"` … `"k-1"`, none with speculation off), and a
+draft with `a` accepted tokens counts once at positions 0 … a-1, so position i over `…_num_drafts_total` is
+the acceptance rate of the i-th proposed token.
 Latency histograms reach past the gateway's total timeout (1800 s): no request lands only in `+Inf`.
 
 Exemplars: `/metrics` (gateway and engine) answers in OpenMetrics 1.0 when the scraper's `Accept` asks for
@@ -143,7 +162,7 @@ def _buckets(catalog: Catalog) -> str:
              "`gateway.settings.MetricsConfig`.", ""]
     for metric in catalog.metrics:
         if metric.type == "histogram":
-            bounds = ", ".join(f"{b:g}" for b in metric.buckets)
+            bounds = BUCKET_NOTES.get(metric.name) or ", ".join(f"{b:g}" for b in metric.buckets)
             lines.append(f"- `{metric.name}`: {bounds}")
     return "\n".join(lines)
 

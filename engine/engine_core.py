@@ -26,6 +26,7 @@ from engine.models.compact import model_weight_bytes
 from engine.models.loader import load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.stats import SpecDecodingStats
 from engine.structured.backend import StructuredOutputManager
 from engine.structured.batch import MatcherTable
 from engine.text.output_processor import OutputProcessor
@@ -70,6 +71,8 @@ class StepResult:
     scheduled_only: bool = False
     """Sent right after scheduling, before the model runs (gauges only): a long prefill step would
     otherwise leave the running/waiting gauges at the previous step's values for its whole duration."""
+    spec_decoding: SpecDecodingStats | None = None
+    """The step's verified speculative drafts (engine/spec_decode/stats.py); None on steps without drafts."""
 
 
 class EngineCore:

@@ -101,14 +101,21 @@ class EngineMetrics:
     Raises ValueError (from prometheus_client) if ``registry`` already holds one of these names.
     """
 
-    def __init__(self, registry: CollectorRegistry, buckets: MetricBuckets | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, buckets: MetricBuckets | None = None,
+                 num_speculative_tokens: int = 0) -> None:
+        """``num_speculative_tokens`` (k, 0 = speculation off) sets the ``position`` values of the per-position
+        acceptance counter (0 … k-1) and the acceptance-length buckets (1 … k+1)."""
         b = buckets if buckets is not None else MetricBuckets()
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        self.num_speculative_tokens = num_speculative_tokens
         self._init_scheduler_state(registry)
         self._init_token_counters(registry)
         self._init_latency_histograms(registry, b)
         self._init_size_histograms(registry, b)
         self._init_device_memory(registry)
         self._init_structured(registry)
+        self._init_spec_decode(registry, num_speculative_tokens)
 
     def _init_scheduler_state(self, r: CollectorRegistry) -> None:
         self.requests_running = Gauge(
@@ -213,6 +220,25 @@ class EngineMetrics:
             "kvscope_engine_structured_output_mask_seconds", "Time one engine step spent computing the token "
             "bitmasks of its constrained requests.", ["model"], buckets=STRUCTURED_MASK_BUCKETS, registry=r)
 
+    def _init_spec_decode(self, r: CollectorRegistry, k: int) -> None:
+        # vLLM v1's family (vllm/v1/spec_decode/metrics.py SpecDecodingProm) under our prefix
+        self.spec_decode_num_drafts = Counter(
+            "kvscope_engine_spec_decode_num_drafts", "Speculative drafts verified (one per request and step "
+            "that proposed at least one token).", ["model"], registry=r)
+        self.spec_decode_num_draft_tokens = Counter(
+            "kvscope_engine_spec_decode_num_draft_tokens", "Draft tokens proposed (n-gram lookup) and verified.",
+            ["model"], registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "kvscope_engine_spec_decode_num_accepted_tokens", "Draft tokens accepted by the verification.",
+            ["model"], registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "kvscope_engine_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position "
+            "of the draft (0 = the first proposed token).", ["model", "position"], registry=r)
+        self.spec_decode_acceptance_length = Histogram(
+            "kvscope_engine_spec_decode_acceptance_length", "Tokens emitted per verification of a draft: 1 + "
+            "accepted draft tokens (the bonus or correction token included).", ["model"],
+            buckets=acceptance_length_buckets(k), registry=r)
+
     def initialize(self, model: str, device: str) -> None:
         """Create every labelled series at zero for ``model`` and ``device`` so that rates, ratios and
         dashboards see a series from the first scrape (Prometheus best practice: avoid missing metrics)."""
@@ -242,3 +268,14 @@ class EngineMetrics:
             self.structured_output_requests.labels(model=model, kind=kind)
         self.structured_output_compile_time.labels(model=model)
         self.structured_output_mask_time.labels(model=model)
+        for metric in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                       self.spec_decode_num_accepted_tokens, self.spec_decode_acceptance_length):
+            metric.labels(model=model)  # at zero with speculation off too, as every other counter
+        for position in range(self.num_speculative_tokens):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(model=model, position=str(position))
+
+
+def acceptance_length_buckets(num_speculative_tokens: int) -> tuple[float, ...]:
+    """Bounds 1, 2, …, k+1 of the acceptance-length histogram (a verification emits 1 to k+1 tokens); (1,)
+    with speculation off (k = 0)."""
+    return tuple(float(n) for n in range(1, num_speculative_tokens + 2))

@@ -3,7 +3,8 @@
 Two sources, as in vLLM v1's ``StatLoggers``:
 
 * the engine's step listener (engine thread): scheduler gauges (running, waiting, KV usage, blocks by state),
-  per-step histograms (batch size, scheduled tokens), preemptions and prefix-cache counters. AsyncEngine also
+  per-step histograms (batch size, scheduled tokens), preemptions, prefix-cache and speculative-decoding
+  counters (``StepResult.spec_decoding``). AsyncEngine also
   calls it after aborts, so the gauges return to baseline when a client leaves.
 * the serving code (event loop), per request: prompt tokens (once per prompt, when its prefill completed, so an
   abandoned prefill counts nothing), generated tokens and inter-token latency as they stream, and at the end
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from engine.core.stats import SchedulerStats
 from engine.engine_core import StepResult
 from engine.server.metrics import EngineMetrics, MetricBuckets
+from engine.spec_decode.stats import SpecDecodingStats
 from kvscope.otel_genai import GenAiServerMetrics
 
 
@@ -49,12 +51,13 @@ class ServerMetrics:
     the prefix-cache counter bookkeeping is touched by the engine thread only."""
 
     def __init__(self, registry: CollectorRegistry, model: str, device: str = "cpu",
-                 buckets: MetricBuckets | None = None, genai: GenAiServerMetrics | None = None) -> None:
+                 buckets: MetricBuckets | None = None, genai: GenAiServerMetrics | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         self.registry = registry
         self.model = model
         self.genai = genai
         """OTel ``gen_ai.server.*`` instruments (kvscope.otel_genai), None when not wired."""
-        self.engine = EngineMetrics(registry, buckets)
+        self.engine = EngineMetrics(registry, buckets, num_speculative_tokens)
         self.engine.initialize(model, device)
         self.http_requests = self.engine.http_requests
         self._prefix_queries_seen = 0
@@ -74,8 +77,26 @@ class ServerMetrics:
             m.step_tokens.labels(model=model).observe(result.num_scheduled_tokens)
         if result.num_preemptions:
             m.preemptions.labels(model=model).inc(result.num_preemptions)
+        if result.spec_decoding is not None:
+            self._on_spec_decoding(result.spec_decoding)
         if stats is not None:
             self._on_scheduler_stats(stats)
+
+    def _on_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        """One step's verified drafts: the vLLM counters, accepted tokens per draft position (a draft with
+        ``a`` accepted tokens counts once at positions 0 … a-1) and 1 + a per draft into the length histogram."""
+        m, model = self.engine, self.model
+        m.spec_decode_num_drafts.labels(model=model).inc(spec.num_drafts)
+        m.spec_decode_num_draft_tokens.labels(model=model).inc(spec.num_draft_tokens)
+        m.spec_decode_num_accepted_tokens.labels(model=model).inc(spec.num_accepted_tokens)
+        per_position = [0] * max(spec.accepted_per_draft, default=0)
+        for accepted in spec.accepted_per_draft:
+            m.spec_decode_acceptance_length.labels(model=model).observe(1 + accepted)
+            for position in range(accepted):
+                per_position[position] += 1
+        for position, count in enumerate(per_position):
+            if count:
+                m.spec_decode_num_accepted_tokens_per_pos.labels(model=model, position=str(position)).inc(count)
 
     def _on_scheduler_stats(self, stats: SchedulerStats) -> None:
         m, model = self.engine, self.model

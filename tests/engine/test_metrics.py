@@ -40,6 +40,11 @@ EXPECTED = {
     "kvscope_engine_structured_output_mask_seconds": ("histogram", ("model",)),
     "kvscope_engine_device_memory_used_bytes": ("gauge", ("device",)),
     "kvscope_engine_device_memory_total_bytes": ("gauge", ("device",)),
+    "kvscope_engine_spec_decode_num_drafts": ("counter", ("model",)),
+    "kvscope_engine_spec_decode_num_draft_tokens": ("counter", ("model",)),
+    "kvscope_engine_spec_decode_num_accepted_tokens": ("counter", ("model",)),
+    "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": ("counter", ("model", "position")),
+    "kvscope_engine_spec_decode_acceptance_length": ("histogram", ("model",)),
 }
 
 
@@ -50,7 +55,7 @@ def families(registry: CollectorRegistry) -> dict[str, tuple[str, tuple[str, ...
 
 def test_initialize_exposes_every_design_metric_with_its_labels() -> None:
     registry = CollectorRegistry()
-    EngineMetrics(registry).initialize("smollm2-135m", "cpu")
+    EngineMetrics(registry, num_speculative_tokens=3).initialize("smollm2-135m", "cpu")
     assert families(registry) == EXPECTED
 
 
