@@ -22,7 +22,7 @@ from engine.server.generation import prompt_request_id
 from engine.server.logprobs import visible_entries
 from engine.server.protocol import PromptTokensDetails, Usage
 from engine.server.stat_logger import SequenceTimings, ServerMetrics
-from engine.server.tracing import RequestSpans, RequestTimeline, Tracing
+from engine.server.tracing import RequestSpans, RequestTimeline, Tracing, spec_decode_attributes
 
 _NO_STATS = KvscopeStats()
 
@@ -189,7 +189,12 @@ class RequestState:
             timeline=self.timeline, arrival=self.arrival, arrival_wall_ns=self.arrival_wall_ns, end=now,
             first_scheduled=earliest([t.queue_s for t in timings]), first_token=first_token,
             last_token=self.arrival + max(ends) if ends else None,
-            attributes=self._span_attributes(outcome), error=error)
+            attributes=self._span_attributes(outcome), error=error, decode_attributes=self._decode_attributes())
+
+    def _decode_attributes(self) -> dict[str, Any]:
+        stats = self.kvscope()
+        return spec_decode_attributes(stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens,
+                                      stats.spec_mean_accepted_length)
 
     def _span_attributes(self, outcome: Outcome) -> dict[str, Any]:
         usage = self.usage()

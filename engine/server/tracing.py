@@ -3,7 +3,8 @@
 Spans are built retrospectively when a request ends, with explicit start/end times taken from the request's
 monotonic timestamps (arrival, first scheduled, first token, last token) mapped onto the wall clock at arrival.
 This records the engine's real phases without touching the step loop. Prefill chunks and preemptions are
-events collected by :class:`RequestTimeline` from the step listener (engine thread).
+events collected by :class:`RequestTimeline` from the step listener (engine thread); speculative decoding's
+accepted runs are totals on the ``decode`` span (:func:`spec_decode_attributes`).
 
 The trace continues an incoming W3C ``traceparent`` (the gateway's span becomes the parent of
 ``llm_request``). Export: OTLP/HTTP protobuf when an endpoint is configured, an injected exporter in tests
@@ -103,6 +104,22 @@ class RequestSpans:
     attributes: dict[str, Any]
     error: str | None = None
     """Status description when the request did not succeed (client disconnected, engine failure)."""
+    decode_attributes: dict[str, Any] = field(default_factory=dict)
+    """Attributes of the ``decode`` span: the speculative-decoding totals (:func:`spec_decode_attributes`)."""
+
+
+def spec_decode_attributes(drafts: int | None, draft_tokens: int | None, accepted_tokens: int | None,
+                           mean_accepted_length: float | None) -> dict[str, int | float]:
+    """The ``decode`` span's speculative-decoding attributes, ``kvscope.spec_decode.{drafts, draft_tokens,
+    accepted_tokens, mean_accepted_length}`` (the request's totals, the kvscope object's ``spec_*`` fields);
+    empty when the request never speculated. Totals rather than one event per verification: a long answer
+    has hundreds of verifications, and the SDK keeps at most 128 events per span (OTEL_SPAN_EVENT_COUNT_LIMIT)
+    and drops the rest silently; the per-verification distribution is the acceptance-length histogram."""
+    if not drafts:
+        return {}
+    return {"kvscope.spec_decode.drafts": drafts, "kvscope.spec_decode.draft_tokens": draft_tokens or 0,
+            "kvscope.spec_decode.accepted_tokens": accepted_tokens or 0,
+            "kvscope.spec_decode.mean_accepted_length": mean_accepted_length or 1.0}
 
 
 def package_version() -> str:
@@ -165,7 +182,8 @@ class Tracing:
             ok_end = spans.last_token if spans.last_token is not None else spans.first_token
             decode_end = ok_end if spans.error is None else spans.end
             late = [e for e in spans.timeline.events if not e.initial_prefill and e.time > prefill_end]
-            self._child("decode", parent, wall(spans.first_token), wall(decode_end), late, wall)
+            self._child("decode", parent, wall(spans.first_token), wall(decode_end), late, wall,
+                        spans.decode_attributes)
         if spans.error is not None:
             root.set_status(Status(StatusCode.ERROR, spans.error))
         root.end(end_time=wall(spans.end))
@@ -173,9 +191,9 @@ class Tracing:
         return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
 
     def _child(self, name: str, parent: Context, start_ns: int, end_ns: int, events: list[TimelineEvent],
-               wall: Callable[[float], int]) -> None:
+               wall: Callable[[float], int], attributes: Mapping[str, Any] | None = None) -> None:
         end_ns = max(end_ns, start_ns)
-        span = self.tracer.start_span(name, context=parent, start_time=start_ns)
+        span = self.tracer.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
         for event in events:
             span.add_event(event.name, event.attributes, timestamp=min(max(wall(event.time), start_ns), end_ns))
         span.end(end_time=end_ns)

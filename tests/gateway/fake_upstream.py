@@ -61,7 +61,8 @@ class Knobs:
 
 ENGINE_STATS = {"queue_s": 0.001, "ttft_s": 0.002, "prefill_s": 0.001, "decode_s": 0.01, "tpot_s": 0.001,
                 "batch_size_mean": 1.0, "batch_size_max": 1, "kv_blocks": 2, "kv_cache_usage": 0.01,
-                "num_preemptions": 0}
+                "num_preemptions": 0, "spec_drafts": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 6,
+                "spec_mean_accepted_length": 2.5}
 
 
 @dataclass

@@ -146,6 +146,9 @@ def test_engine_stats_reach_the_log(stack: Stack) -> None:
     for rid in ("engine-json", "engine-sse"):
         engine = records[rid][0]["kvscope"]["engine"]
         assert engine["kv_blocks"] == 2 and engine["num_preemptions"] == 0 and engine["ttft_s"] == 0.002
+        # speculative decoding (issue 16): the engine's totals land in kvscope.engine unchanged
+        assert {k: engine[k] for k in engine if k.startswith("spec_")} == {
+            "spec_drafts": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 6, "spec_mean_accepted_length": 2.5}
 
 
 def _spans(stack: Stack, trace_id: int) -> dict[str, object]:

@@ -88,6 +88,8 @@ class FakeEngine:
     aborted: list[tuple[str, str]] = field(default_factory=list)
     """(request id, reason) of every abort, in order."""
     started: list[str] = field(default_factory=list)
+    spec_drafts: tuple[tuple[int, int], ...] = ()
+    """(proposed, accepted) of the speculative drafts each choice verifies (RequestStats.on_spec_verify)."""
 
     def __post_init__(self) -> None:
         self.tokenizer = FakeTokenizer()
@@ -153,6 +155,8 @@ class FakeEngine:
             child.status = RequestStatus.RUNNING
             child.num_computed_tokens = len(child.prompt_token_ids)
             child.stats.on_scheduled(now, batch_size=len(children), num_blocks=1)
+            for proposed, accepted in self.spec_drafts:
+                child.stats.on_spec_verify(proposed, accepted)
         await self._sleep(self.prefill_s, request_id)
         script = list(self.reply)
         decoders = [codecs.getincrementaldecoder("utf-8")("ignore") for _ in children]

@@ -22,6 +22,8 @@ def test_the_log_mapping_has_every_kvscope_stats_field() -> None:
     mapped = record_properties()["kvscope"]["properties"]["engine"]["properties"]
     assert sorted(mapped) == sorted(KvscopeStats.__struct_fields__)
     assert attribution_properties()["queue_limit"] == {"type": "keyword", "ignore_above": 1024}
+    assert [mapped[f"spec_{f}"] for f in ("drafts", "draft_tokens", "accepted_tokens", "mean_accepted_length")] \
+        == [{"type": "long"}] * 3 + [{"type": "double"}]
 
 
 @pytest.fixture(scope="module")
