@@ -77,11 +77,47 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` names). ``ngram``: prompt-lookup drafts, proposed by
+    matching the last ``prompt_lookup_max`` … ``prompt_lookup_min`` tokens against the prompt and the output so
+    far (engine/spec_decode/ngram.py), verified by the target model in one forward pass."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    """Most draft tokens proposed per request per step (k); the step computes 1 + k query tokens for it."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix n-gram that may match."""
+    prompt_lookup_max: int = 4
+    """Longest suffix n-gram tried first."""
+    adaptive: bool = True
+    """Per request: pause proposing while its acceptance rate stays low (engine/spec_decode/adaptive.py)."""
+    measure_batch_cost: bool = True
+    """Per step: drop drafts where the measured step times say verification does not pay at this batch size
+    (engine/spec_decode/adaptive.py ``StepCostModel``). Tests that count steps turn it off."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
+                             f"({self.prompt_lookup_min})")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    """None: no speculative decoding (``--speculative none``, the default)."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:N]``."""
     attention_backend: str = "auto"

@@ -26,6 +26,7 @@ from engine.models.compact import model_weight_bytes
 from engine.models.loader import load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.drafter import NgramDrafter
 from engine.spec_decode.stats import SpecDecodingStats
 from engine.structured.backend import StructuredOutputManager
 from engine.structured.batch import MatcherTable
@@ -72,7 +73,7 @@ class StepResult:
     """Sent right after scheduling, before the model runs (gauges only): a long prefill step would
     otherwise leave the running/waiting gauges at the previous step's values for its whole duration."""
     spec_decoding: SpecDecodingStats | None = None
-    """The step's verified speculative drafts (engine/spec_decode/stats.py); None on steps without drafts."""
+    """The step's verified drafts (speculative decoding); None in steps without drafts."""
 
 
 class EngineCore:
@@ -106,7 +107,10 @@ class EngineCore:
         self.runner.matchers = MatcherTable(self.structured)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, config.cache.enable_prefix_caching),
                                                block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len)
+        self.drafter = NgramDrafter(config.speculative) if config.speculative is not None else None
+        """Speculative decoding's draft source (engine/spec_decode); None when it is off."""
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len,
+                                   drafter=self.drafter)
         self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
         weights = model_weight_bytes(self.model)  # compact and packed copies included
@@ -191,15 +195,22 @@ class EngineCore:
             now = self.scheduler.get_stats()
             on_scheduled(StepResult(stats=now, num_running=now.num_running, num_waiting=now.num_waiting,
                                     kv_cache_usage=now.kv_cache_usage, scheduled_only=True))
+        run_start = time.thread_time()
         runner_output = self.runner.execute(scheduler_output)
+        self._record_step_cost(scheduler_output, time.thread_time() - run_start)
         _record_structured_time(scheduler_output, runner_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        _trim_logprobs(runner_output)
         detokenized = self.output_processor.detokenize(runner_output)
         for request_id in detokenized.stopped_request_ids:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
+                                          detokenized.num_output_tokens.get(request_id))
         outputs = self.output_processor.make_outputs(detokenized)
         stats = self.scheduler.get_stats()
         return StepResult(
+            spec_decoding=SpecDecodingStats.from_drafts(
+                [(len(item.spec_token_ids), runner_output.num_accepted_tokens.get(item.request_id, 0))
+                 for item in scheduler_output.scheduled if item.spec_token_ids]),
             outputs=outputs, stats=stats, num_running=stats.num_running, num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage, batch_size=len(scheduler_output.scheduled),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
@@ -207,6 +218,23 @@ class EngineCore:
             num_decode_tokens=scheduler_output.num_decode_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
             duration_s=time.perf_counter() - start)
+
+
+    def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Feed a decode-only step's CPU seconds (this thread's ``time.thread_time``) to the drafter's cost
+        model (engine/spec_decode/adaptive.py)."""
+        if self.drafter is None or not scheduler_output.scheduled or scheduler_output.num_prefill_tokens:
+            return
+        num_draft = sum(len(item.spec_token_ids) for item in scheduler_output.scheduled)
+        self.drafter.record_step(len(scheduler_output.scheduled), num_draft, seconds)
+
+
+def _trim_logprobs(runner_output: ModelRunnerOutput) -> None:
+    """Drop the logprob entries of tokens the scheduler dropped after a stop (one entry per kept token)."""
+    for request_id, entries in runner_output.logprobs.items():
+        kept = len(runner_output.sampled_token_ids.get(request_id, ()))
+        if len(entries) > kept:
+            del entries[kept:]
 
 
 def _record_structured_time(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:

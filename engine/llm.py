@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -17,6 +24,9 @@ def build_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     and ``device``, ``attention_backend``, ``num_threads``). Raises TypeError on an unknown name."""
     groups = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
     top = {}
+    speculative = _speculative_config(kwargs)
+    if speculative is not None:
+        top["speculative"] = speculative
     for key, value in kwargs.items():
         owner = next((cls for cls in groups if key in cls.__dataclass_fields__), None)
         if owner is not None:
@@ -27,6 +37,20 @@ def build_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
             raise TypeError(f"unknown engine option {key!r}")
     return EngineConfig(model=ModelConfig(model=model, **groups[ModelConfig]), cache=CacheConfig(**groups[CacheConfig]),
                         scheduler=SchedulerConfig(**groups[SchedulerConfig]), **top)
+
+
+def _speculative_config(kwargs: dict) -> SpeculativeConfig | None:
+    """Pop the flat speculative options (``speculative`` = none/ngram, ``num_speculative_tokens``,
+    ``prompt_lookup_min``, ``prompt_lookup_max``) from ``kwargs`` (the lookup options are ignored with
+    ``speculative`` none). Raises ValueError for an unknown method or an invalid option (SpeculativeConfig)."""
+    method = kwargs.pop("speculative", None) or "none"
+    names = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    options = {name: kwargs.pop(name) for name in names if kwargs.get(name) is not None}
+    for name in names:
+        kwargs.pop(name, None)
+    if method == "none":
+        return None
+    return SpeculativeConfig(method=method, **options)
 
 
 class LLM:

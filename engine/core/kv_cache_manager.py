@@ -116,6 +116,18 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks that lie wholly past its first ``num_tokens`` positions (rejected draft
+        tokens of speculative decoding; never registered in the prefix cache, which only holds blocks full of
+        known tokens)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (physical block ids, in token order); [] for an unknown request."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -204,3 +204,11 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` output tokens (a stop string ended the output inside a
+        run of accepted draft tokens)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop:]

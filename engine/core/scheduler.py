@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.attribution import QUEUE_LIMITS
@@ -29,13 +30,30 @@ class _StepPlan:
     """What one schedule() call decided, before the output is built."""
 
     token_budget: int
-    entries: list[tuple[Request, int, bool]] = field(default_factory=list)
-    """(request, num_new_tokens, is_new), running requests first."""
+    entries: list[tuple[Request, int, bool, list[int]]] = field(default_factory=list)
+    """(request, num_new_tokens, is_new, draft tokens), running requests first."""
     preempted_req_ids: set[str] = field(default_factory=set)
 
-    def add(self, request: Request, num_new_tokens: int, is_new: bool) -> None:
-        self.entries.append((request, num_new_tokens, is_new))
-        self.token_budget -= num_new_tokens
+    def add(self, request: Request, num_new_tokens: int, is_new: bool, draft: list[int] | None = None) -> None:
+        self.entries.append((request, num_new_tokens, is_new, draft or []))
+        self.token_budget -= num_new_tokens + len(draft or ())
+
+
+class Drafter(Protocol):
+    """Where speculative drafts come from (engine.spec_decode.drafter.NgramDrafter); injected so this module
+    stays pure Python."""
+
+    def propose(self, request: Request, max_draft: int) -> list[int]:
+        """Up to ``max_draft`` draft tokens continuing ``request`` (possibly none)."""
+
+    def allows(self, num_decode_rows: int, drafts: Sequence[tuple[Request, list[int]]]) -> bool:
+        """Whether the step's drafts should run at all."""
+
+    def on_verified(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One verified draft of ``request``."""
+
+    def drop(self, request_id: str) -> None:
+        """Forget a finished request."""
 
 
 class Scheduler:
@@ -54,6 +72,7 @@ class Scheduler:
         max_model_len: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        drafter: Drafter | None = None,
     ) -> None:
         capacity = kv_cache_manager.block_pool.num_blocks * kv_cache_manager.block_size
         if max_model_len < 1:
@@ -68,6 +87,8 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.clock = clock
+        self.drafter = drafter
+        """Speculative decoding's draft source; None = no drafts."""
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id."""
         self.waiting: deque[Request] = deque()
@@ -99,15 +120,19 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+    def finish_request(self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
+                       ) -> Request | None:
         """Finish a request from outside (stop string matched, client gone) in any state: it leaves its
-        queue and its blocks are freed. Returns the request, or None for an unknown or finished id.
-        Raises ValueError when ``status`` is not a finished status."""
+        queue and its blocks are freed. ``num_output_tokens``: keep only that many output tokens (a stop string
+        ended inside a run of accepted draft tokens; the later ones are dropped). Returns the request, or None
+        for an unknown or finished id. Raises ValueError when ``status`` is not a finished status."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if num_output_tokens is not None:
+            request.truncate_output(num_output_tokens)
         self._finish(request, status, self.clock())
         return request
 
@@ -139,13 +164,17 @@ class Scheduler:
             self._blocked_steps[3] += 1  # QUEUE_LIMITS: "preemption"
         return self._build_output(plan)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token (``sampled``: request_id → token id) and apply the stop checks.
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append each request's emitted tokens (``sampled``: request_id → token ids, one or, after a verified
+        draft, the accepted draft tokens then the target's token) one by one, with the stop checks after each.
 
-        Only requests scheduled with ``sample=True`` take a token; requests finished meanwhile (aborted
+        Only requests scheduled with ``sample=True`` take tokens; requests finished meanwhile (aborted
         during the step) are skipped. Stop checks, in order: ``stop_token_ids`` (FINISHED_STOPPED,
         ``stop_reason`` = the id) and EOS unless ``ignore_eos`` (FINISHED_STOPPED), both only once
         ``num_output_tokens >= min_tokens``; then ``max_tokens`` and ``max_model_len`` (FINISHED_LENGTH).
+        The tokens after the one that finished a request are dropped: ``sampled[request_id]`` is shortened in
+        place. A request with drafts gets ``num_computed_tokens`` rolled back past its rejected draft positions
+        (their KV is overwritten next step) and its blocks wholly past its tokens freed.
         Returns the requests finished by this step, in scheduling order; their blocks are freed.
         """
         now = self.clock()
@@ -153,16 +182,36 @@ class Scheduler:
         finished: list[Request] = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
-            token_id = sampled.get(request.request_id)
-            if token_id is None or not scheduled.sample or request.is_finished:
+            token_ids = sampled.get(request.request_id)
+            if not token_ids or not scheduled.sample or request.is_finished:
                 continue
-            request.append_output_token_ids([token_id])
-            request.stats.on_token(now)
-            status = self._check_stop(request, token_id)
+            status = None
+            for kept, token_id in enumerate(token_ids, start=1):
+                request.append_output_token_ids([token_id])
+                request.stats.on_token(now)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    if kept < len(token_ids):
+                        sampled[request.request_id] = token_ids[:kept]
+                    break
+            if scheduled.spec_token_ids:
+                self._on_verified(scheduled, len(token_ids) - 1, keep_blocks=status is None)
             if status is not None:
                 self._finish(request, status, now)
                 finished.append(request)
         return finished
+
+    def _on_verified(self, scheduled: ScheduledRequest, num_accepted: int, keep_blocks: bool) -> None:
+        """A verified draft: tell the drafter and the stats, and roll back past the rejected positions."""
+        request, num_draft = scheduled.request, len(scheduled.spec_token_ids)
+        if self.drafter is not None:
+            self.drafter.on_verified(request, num_draft, num_accepted)
+        on_spec_verify = getattr(request.stats, "on_spec_verify", None)  # RequestStats field of issue-16obs
+        if on_spec_verify is not None:
+            on_spec_verify(num_draft, num_accepted)
+        request.num_computed_tokens -= num_draft - num_accepted
+        if keep_blocks:
+            self.kv_cache_manager.trim(request, request.num_tokens)
 
     def _attribute_step(self, out: SchedulerOutput, dt: float) -> None:
         """Add the step to each scheduled request's step records (engine/core/attribution.py): a few adds per
@@ -208,15 +257,38 @@ class Scheduler:
     # ---- scheduling internals ----------------------------------------------------------------------------
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        drafts = self._propose_drafts()
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new > 0:
-                if not self._allocate_or_preempt(request, num_new, plan):
-                    break
-                plan.add(request, num_new, is_new=False)
+                # every later running request keeps at least one token of the budget
+                room = plan.token_budget - num_new - (len(self.running) - index - 1)
+                draft = drafts.get(request.request_id, [])[:max(room, 0)]
+                if draft and self.kv_cache_manager.allocate_slots(request, num_new + len(draft)) is not None:
+                    plan.add(request, num_new, is_new=False, draft=draft)
+                elif not self._allocate_or_preempt(request, num_new, plan):
+                    break  # drafts never preempt: without its blocks the request runs plain (or is preempted)
+                else:
+                    plan.add(request, num_new, is_new=False)
             index += 1
+
+    def _propose_drafts(self) -> dict[str, list[int]]:
+        """request_id → draft tokens for the running decode-phase requests (one new token to compute), capped
+        so that the step cannot pass ``max_tokens`` or ``max_model_len``; {} when the drafter declines."""
+        if self.drafter is None:
+            return {}
+        decode = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0]
+        drafts = []
+        for request in decode:
+            max_draft = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            draft = self.drafter.propose(request, max_draft) if max_draft > 0 else []
+            if draft:
+                drafts.append((request, draft))
+        if not drafts or not self.drafter.allows(len(decode), drafts):
+            return {}
+        return {request.request_id: draft for request, draft in drafts}
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Allocate, preempting the newest running request until it fits; False if ``request`` itself went."""
@@ -274,7 +346,7 @@ class Scheduler:
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         now = self.clock()
-        scheduled = [self._scheduled_request(req, num_new, is_new) for req, num_new, is_new in plan.entries]
+        scheduled = [self._scheduled_request(req, num_new, is_new, draft) for req, num_new, is_new, draft in plan.entries]
         for item in scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
             item.request.stats.on_scheduled(now, batch_size=len(scheduled), num_blocks=len(item.block_ids))
@@ -298,15 +370,17 @@ class Scheduler:
             scheduled_time=now,
         )
 
-    def _scheduled_request(self, request: Request, num_new_tokens: int, is_new: bool) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_new_tokens: int, is_new: bool,
+                           draft: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request=request,
-            token_ids=request.all_token_ids[start:start + num_new_tokens],
+            token_ids=request.all_token_ids[start:start + num_new_tokens] + draft,
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sample=start + num_new_tokens == request.num_tokens,
             is_new=is_new,
+            spec_token_ids=draft,
         )
 
     # ---- finishing ---------------------------------------------------------------------------------------
@@ -335,10 +409,13 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
+        if self.drafter is not None:
+            self.drafter.drop(request.request_id)
 
 
 def _is_decode(item: ScheduledRequest) -> bool:
-    """A decode feeds back exactly one generated token; everything else (prompt chunks, recomputation of
-    generated tokens after preemption) counts as prefill."""
-    return item.num_scheduled_tokens == 1 and item.num_computed_tokens >= item.request.num_prompt_tokens
+    """A decode feeds back exactly one generated token (plus its draft tokens, if any); everything else (prompt
+    chunks, recomputation of generated tokens after preemption) counts as prefill."""
+    return (item.num_scheduled_tokens - len(item.spec_token_ids) == 1
+            and item.num_computed_tokens >= item.request.num_prompt_tokens)
 

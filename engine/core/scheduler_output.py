@@ -27,6 +27,9 @@ class ScheduledRequest:
     sample: bool
     is_new: bool = False
     """True on the first step after (re)admission: the runner resets any per-request state it keeps."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens (speculative decoding) appended to ``token_ids`` of a decode step: the runner verifies
+    them and returns 1 + the accepted count tokens for the request (engine/spec_decode)."""
 
     @property
     def request_id(self) -> str:
@@ -63,10 +66,15 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What one ``ModelRunner.execute`` produced, keyed by request id."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    """request_id → the token sampled this step (only requests whose chunk reached the end of their tokens)."""
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    """request_id → logprob entry of the sampled token, when logprobs were requested."""
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """request_id → the tokens emitted this step (only requests whose chunk reached the end of their tokens):
+    one, or for a request with drafts its accepted draft tokens then the target's own next token. The
+    scheduler's ``update_from_output`` shortens a list after a stop (EOS, stop token, max_tokens), and the
+    engine after a stop string, so what is left here is what the request keeps."""
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    """request_id → one logprob entry per emitted token, when logprobs were requested."""
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    """request_id → draft tokens accepted this step (requests scheduled with ``spec_token_ids`` only)."""
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     """request_id → {prompt position → logprob of the prompt token at that position}."""
     structured_mask_s: dict[str, float] = field(default_factory=dict)

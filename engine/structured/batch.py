@@ -35,7 +35,7 @@ class MatcherTable:
         self._matchers: dict[str, RequestMatcher] = {}
         self._executor: ThreadPoolExecutor | None = None
 
-    def bitmask_async(self, requests: Sequence[Any]) -> Future | None:
+    def bitmask_async(self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> Future | None:
         """:meth:`bitmask` on a helper thread, so the masks are computed while the model runs its forward pass
         (llguidance releases the GIL while it computes); None when no request is constrained. The caller
         must wait for the result before the next call, :meth:`advance` or :meth:`drop`."""
@@ -43,35 +43,44 @@ class MatcherTable:
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        return self._executor.submit(self.bitmask, list(requests))
+        return self._executor.submit(self.bitmask, list(requests), drafts)
 
-    def bitmask(self, requests: Sequence[Any]) -> StepMasks | None:
+    def bitmask(self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> StepMasks | None:
         """The step's masks (:class:`StepMasks`: rows int64 ``[k]``, bitmask int32 ``[k, words]``, seconds per
-        request id) of the constrained requests among ``requests`` (engine Requests, one per logits row), or
-        None when none is constrained. Each matcher is first synced to the request's kept output tokens
-        (preemption, recompute)."""
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.structured_outputs is not None]
-        if not rows:
+        request id) of the constrained requests among ``requests`` (engine Requests), or None when none is
+        constrained. Without ``drafts`` request i owns logits row i; with them (speculative decoding, one draft
+        per request, possibly empty) it owns ``1 + len(drafts[i])`` consecutive rows, row j masked for the state
+        after the output and ``drafts[i][:j]``. Each matcher is first synced to the request's kept output tokens
+        (preemption, recompute, tokens dropped after a stop)."""
+        counts = [1] * len(requests) if drafts is None else [1 + len(d) for d in drafts]
+        starts = [sum(counts[:i]) for i in range(len(requests))]
+        constrained = [i for i, r in enumerate(requests) if r.sampling_params.structured_outputs is not None]
+        if not constrained:
             return None
         start = time.perf_counter()
+        rows = [starts[i] + j for i in constrained for j in range(counts[i])]
         mask = allocate_bitmask(len(rows), self.manager.vocab_size)
         seconds: dict[str, float] = {}
-        for k, row in enumerate(rows):
+        k = 0
+        for i in constrained:
             began = time.perf_counter()
-            matcher = self._matcher(requests[row])
-            matcher.sync(requests[row].output_token_ids)
-            matcher.fill_bitmask(mask[k])
-            seconds[requests[row].request_id] = time.perf_counter() - began
+            matcher = self._matcher(requests[i])
+            matcher.sync(requests[i].output_token_ids)
+            draft = () if drafts is None else drafts[i]
+            matcher.fill_bitmasks(mask[k:k + counts[i]], draft)
+            k += counts[i]
+            seconds[requests[i].request_id] = time.perf_counter() - began
         if self.manager.mask_observer is not None:
             self.manager.mask_observer(time.perf_counter() - start)
         return StepMasks(torch.tensor(rows, dtype=torch.int64), mask, seconds)
 
-    def advance(self, requests: Sequence[Any], token_ids: Sequence[int]) -> None:
-        """Consume each constrained request's sampled token."""
-        for request, token_id in zip(requests, token_ids, strict=True):
+    def advance(self, requests: Sequence[Any], token_ids: Sequence[Sequence[int]]) -> None:
+        """Consume each constrained request's emitted tokens (one list per request, in order)."""
+        for request, tokens in zip(requests, token_ids, strict=True):
             matcher = self._matchers.get(request.request_id)
             if matcher is not None:
-                matcher.accept(token_id)
+                for token_id in tokens:
+                    matcher.accept(token_id)
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

@@ -42,6 +42,25 @@ class RequestMatcher:
             return
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
+    def fill_bitmasks(self, rows: torch.Tensor, draft: Sequence[int]) -> None:
+        """Row j of ``rows`` (int32 ``[1 + len(draft), words]``) gets the mask after consuming ``draft[:j]``
+        (speculative verification). The draft is cut at its first token the grammar rejects
+        (``LLMatcher.validate_tokens``): that row's mask forbids the token, so verification stops there, and
+        the rows after it repeat it (never reached). The matcher is rolled back, so its state is unchanged."""
+        valid = self._matcher.validate_tokens(list(draft)) if draft and not self._matcher.is_error() else 0
+        consumed = 0
+        for j in range(rows.shape[0]):
+            if j <= valid:
+                self.fill_bitmask(rows[j])
+                if j < valid and self._matcher.consume_token(draft[j]):
+                    consumed += 1
+                elif j < valid:  # validate_tokens said it fits: cannot happen; stop drafting here
+                    valid = j
+            else:
+                rows[j].copy_(rows[valid])
+        if consumed:
+            self._matcher.rollback(consumed)
+
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False when the grammar rejects it (the matcher enters its error state)."""
         self.num_consumed += 1

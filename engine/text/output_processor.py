@@ -33,11 +33,12 @@ class _ChildState:
 
 @dataclass(slots=True)
 class _Advanced:
-    """One sampled token after detokenization, waiting for :meth:`OutputProcessor.make_outputs`."""
+    """One step's emitted tokens of a request after detokenization, waiting for
+    :meth:`OutputProcessor.make_outputs` (cut after the token that completed a stop string)."""
 
     state: _ChildState
-    token_id: int
-    logprob: TokenLogprob | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
     stop_str: str | None
 
 
@@ -49,6 +50,9 @@ class DetokenizedStep:
     stopped_request_ids: list[str] = field(default_factory=list)
     """Still-unfinished (child) requests whose output matched a stop string: the engine finishes them with
     FINISHED_STOPPED before :meth:`OutputProcessor.make_outputs`."""
+    num_output_tokens: dict[str, int] = field(default_factory=dict)
+    """For each of those, the output tokens it keeps (the stop string may end inside a run of accepted draft
+    tokens: the tokens after it are dropped, here and in the scheduler)."""
 
 
 @dataclass(slots=True)
@@ -88,12 +92,22 @@ class OutputProcessor:
             if state is not None:
                 state.prompt_logprobs.update(entries)
         step = DetokenizedStep()
-        for request_id, token_id in runner_output.sampled_token_ids.items():
+        for request_id, token_ids in runner_output.sampled_token_ids.items():
             state = self._children.get(request_id)
-            if state is None:
+            if state is None or not token_ids:
                 continue
-            stop_str = self._detokenize(state, token_id)
-            step.advanced.append(_Advanced(state, token_id, runner_output.logprobs.get(request_id), stop_str))
+            stop_str = None
+            for kept, token_id in enumerate(token_ids, start=1):
+                stop_str = self._detokenize(state, token_id, last=kept == len(token_ids))
+                if stop_str is not None:
+                    break
+            logprobs = runner_output.logprobs.get(request_id)
+            step.advanced.append(_Advanced(state, token_ids[:kept], None if logprobs is None else logprobs[:kept],
+                                           stop_str))
+            if stop_str is not None and kept < len(token_ids):
+                step.num_output_tokens[request_id] = state.request.num_output_tokens - (len(token_ids) - kept)
+                if state.request.is_finished:  # by a later stop in the same run: the scheduler is done with it
+                    state.request.truncate_output(step.num_output_tokens[request_id])
             if stop_str is not None and not state.request.is_finished:
                 step.stopped_request_ids.append(request_id)
         return step
@@ -120,12 +134,13 @@ class OutputProcessor:
             outputs.append(self._request_output(state, completion))
         return outputs
 
-    def _detokenize(self, state: _ChildState, token_id: int) -> str | None:
+    def _detokenize(self, state: _ChildState, token_id: int, last: bool = True) -> str | None:
         """Feed ``token_id`` to the request's detokenizer unless it is the stop token that ended the request
-        (its text is not output, unless include_stop_str_in_output); returns the stop string it completed."""
+        (only the ``last`` token of a step can be; its text is not output, unless include_stop_str_in_output);
+        returns the stop string it completed."""
         request = state.request
-        stop_token = request.is_finished and isinstance(request.stop_reason, int) or (
-            request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None)
+        stop_token = last and (request.is_finished and isinstance(request.stop_reason, int) or (
+            request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None))
         stop_str = None
         if not stop_token or request.sampling_params.include_stop_str_in_output:
             stop_str = state.detokenizer.update([token_id])
@@ -139,8 +154,8 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=state.index,
             text=state.detokenizer.get_next_output_text(finished=finished, delta=True),
-            token_ids=[item.token_id],
-            logprobs=[item.logprob] if item.logprob is not None else None,
+            token_ids=list(item.token_ids),
+            logprobs=item.logprobs,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )

@@ -21,9 +21,16 @@ class ModelInputs:
     """int64 [num_tokens]"""
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    """int64 [num_sampled]: index into the packed tokens of each sampled request's last token."""
+    """int64 [sum(num_logits)]: index into the packed tokens of each sampled request's last token, or for a
+    request with drafts of its last 1 + len(spec_token_ids) tokens (in order)."""
     sampled_rows: list[int]
-    """Index into ``scheduler_output.scheduled`` of each sampled request, aligned with logits_indices."""
+    """Index into ``scheduler_output.scheduled`` of each sampled request."""
+    num_logits: list[int]
+    """Per sampled request (aligned with sampled_rows): its rows in logits_indices, 1 + len(spec_token_ids)."""
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(n > 1 for n in self.num_logits)
 
 
 def build_model_inputs(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -42,6 +49,7 @@ def build_model_inputs(scheduler_output: SchedulerOutput, block_size: int, devic
     seq_lens: list[int] = []
     logits_indices: list[int] = []
     sampled_rows: list[int] = []
+    num_logits: list[int] = []
     for row, item in enumerate(scheduled):
         start = item.num_computed_tokens
         end = start + item.num_scheduled_tokens
@@ -52,8 +60,10 @@ def build_model_inputs(scheduler_output: SchedulerOutput, block_size: int, devic
         query_start_loc.append(query_start_loc[-1] + item.num_scheduled_tokens)
         seq_lens.append(end)
         if item.sample:
-            logits_indices.append(query_start_loc[-1] - 1)
+            count = 1 + len(item.spec_token_ids)
+            logits_indices.extend(range(query_start_loc[-1] - count, query_start_loc[-1]))
             sampled_rows.append(row)
+            num_logits.append(count)
     max_blocks = max(len(item.block_ids) for item in scheduled)
     table_rows = [list(item.block_ids) + [0] * (max_blocks - len(item.block_ids)) for item in scheduled]
     metadata = AttentionMetadata(
@@ -70,4 +80,5 @@ def build_model_inputs(scheduler_output: SchedulerOutput, block_size: int, devic
         attn_metadata=metadata,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sampled_rows=sampled_rows,
+        num_logits=num_logits,
     )

@@ -12,9 +12,17 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.forward_context import set_forward_context
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.outputs import TokenLogprob
-from engine.structured.batch import MatcherTable
+from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from engine.structured.batch import MatcherTable, StepMasks
 from engine.worker.input_batch import ModelInputs, build_model_inputs
-from engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+from engine.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    distributions,
+    gather_logprobs,
+)
 
 PROMPT_LOGPROBS_SLICE = 256
 """Prompt positions whose full-vocabulary logits are materialised at once (bounds memory for echo)."""
@@ -60,12 +68,17 @@ class ModelRunner:
     def _start_grammar_masks(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> Future | None:
         if self.matchers is None or not inputs.sampled_rows:
             return None
-        return self.matchers.bitmask_async([scheduler_output.scheduled[row].request for row in inputs.sampled_rows])
+        items = [scheduler_output.scheduled[row] for row in inputs.sampled_rows]
+        drafts = [item.spec_token_ids for item in items] if inputs.has_drafts else None
+        return self.matchers.bitmask_async([item.request for item in items], drafts)
 
     def _sample(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
                 output: ModelRunnerOutput, masks: Future | None = None) -> None:
         items = [scheduler_output.scheduled[row] for row in inputs.sampled_rows]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.has_drafts:
+            self._verify(items, logits, output, self._wait_masks(masks, output))
+            return
         requests = [item.request for item in items]
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
@@ -76,24 +89,71 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        masked = None
-        if masks is not None:
-            waited = time.perf_counter()
-            masked = masks.result()
-            if masked is not None:
-                output.structured_wait_s = time.perf_counter() - waited
-                output.structured_mask_s.update(masked.seconds)
+        masked = self._wait_masks(masks, output)
         if masked is not None:
             metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
         result: SamplerOutput = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         if masked is not None:
-            self.matchers.advance(requests, token_ids)
+            self.matchers.advance(requests, [[token_id] for token_id in token_ids])
         for i, request in enumerate(requests):
-            output.sampled_token_ids[request.request_id] = token_ids[i]
+            output.sampled_token_ids[request.request_id] = [token_ids[i]]
             if request.sampling_params.logprobs is not None:
-                output.logprobs[request.request_id] = _logprob_entry(result, i, token_ids[i],
-                                                                     request.sampling_params.logprobs)
+                output.logprobs[request.request_id] = [_logprob_entry(result, i, token_ids[i],
+                                                                      request.sampling_params.logprobs)]
+
+    def _verify(self, items: list[ScheduledRequest], logits: torch.Tensor, output: ModelRunnerOutput,
+                masked: StepMasks | None) -> None:
+        """Speculative verification: ``logits`` has 1 + len(spec_token_ids) rows per request (row j: after the
+        output so far and the draft's first j tokens); each request emits its accepted draft prefix and one
+        target token (engine/spec_decode/rejection_sampler.py). Requests without a draft take one row."""
+        requests = [item.request for item in items]
+        drafts = [item.spec_token_ids for item in items]
+        rows = [(r, d[:j]) for r, d in zip(requests, drafts, strict=True) for j in range(len(d) + 1)]
+        metadata = SamplingMetadata.build(
+            params=[r.sampling_params for r, _ in rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            output_token_ids=[r.output_token_ids + prefix for r, prefix in rows],
+            generators=[None] * len(rows),
+            eos_token_ids=[r.eos_token_id for r, _ in rows],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        if masked is not None:
+            metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
+        target = distributions(logits, metadata)
+        greedy_ids = target.greedy_token_ids.tolist()
+        greedy_rows = metadata.greedy_mask.tolist()
+        emitted_lists = []
+        offset = 0
+        for request, draft in zip(requests, drafts, strict=True):
+            count = len(draft) + 1
+            if greedy_rows[offset]:
+                emitted = greedy_verify(greedy_ids[offset:offset + count], draft)
+            else:
+                generator = self._generator(request.request_id, request.sampling_params.seed)
+                emitted = rejection_sample(target.probs[offset:offset + count], draft, generator)
+            emitted_lists.append(emitted)
+            output.sampled_token_ids[request.request_id] = emitted
+            if draft:
+                output.num_accepted_tokens[request.request_id] = len(emitted) - 1
+            k = request.sampling_params.logprobs
+            if k is not None:
+                output.logprobs[request.request_id] = _logprob_entries(target.raw_logprobs[offset:offset + len(emitted)],
+                                                                       emitted, k)
+            offset += count
+        if masked is not None:
+            self.matchers.advance(requests, emitted_lists)
+
+    def _wait_masks(self, masks: Future | None, output: ModelRunnerOutput) -> StepMasks | None:
+        if masks is None:
+            return None
+        waited = time.perf_counter()
+        masked = masks.result()
+        if masked is not None:
+            output.structured_wait_s = time.perf_counter() - waited
+            output.structured_mask_s.update(masked.seconds)
+        return masked
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -135,6 +195,15 @@ def _chunk_prompt_logprobs(model: torch.nn.Module, item: ScheduledRequest, hidde
             top = list(zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True))
             entries[lo + 1 + j] = TokenLogprob(token_id=prompt[lo + 1 + j], logprob=lp, rank=rank, top=top)
     return entries
+
+
+def _logprob_entries(raw_logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """One entry per emitted token: ``raw_logprobs`` ``[len(token_ids), vocab]`` (row j scores token j)."""
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=raw_logprobs.device)
+    lps, top_ids, top_lps, ranks = gather_logprobs(raw_logprobs, ids, k)
+    return [TokenLogprob(token_id=token_id, logprob=float(lps[j]), rank=int(ranks[j]),
+                         top=list(zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True)))
+            for j, token_id in enumerate(token_ids)]
 
 
 def _logprob_entry(result: SamplerOutput, row: int, token_id: int, k: int) -> TokenLogprob:

@@ -180,6 +180,40 @@ class Sampler:
         return SamplerOutput(sampled, lps, top_ids, top_lps, ranks)
 
 
+@dataclass(frozen=True, slots=True)
+class TargetDistributions:
+    """Per-row target of speculative verification (:meth:`Sampler.distributions`)."""
+
+    greedy_token_ids: torch.Tensor
+    """int64 ``[n]``: argmax of the processed logits (what a greedy row samples)."""
+    probs: torch.Tensor | None
+    """float32 ``[n, vocab]``: the final sampling distribution of each row (:func:`final_probs`); None when
+    every row is greedy."""
+    raw_logprobs: torch.Tensor | None
+    """float32 ``[n, vocab]``: ``log_softmax`` of the logits before any processing (what logprobs report);
+    None when no row asked for logprobs."""
+
+
+def distributions(logits: torch.Tensor, metadata: SamplingMetadata) -> TargetDistributions:
+    """What :class:`Sampler` would sample from, row by row, without drawing: the greedy token and the final
+    probabilities (grammar mask, logit_bias, min_tokens bans, penalties, temperature, min_p, top_k, top_p; the
+    order of the module docstring). ``logits`` ``[n, vocab]`` is not modified. Raises InvalidParameterError
+    ("logits") when the shape does not match the metadata."""
+    if logits.dim() != 2 or tuple(logits.shape) != (metadata.num_reqs, metadata.vocab_size):
+        raise InvalidParameterError(
+            "logits", f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}")
+    logits = logits.to(torch.float32)
+    if metadata.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, metadata.bitmask_rows, metadata.token_bitmask)
+    if metadata.is_plain_greedy:
+        return TargetDistributions(first_argmax(logits), None, None)
+    raw_logprobs = logits.log_softmax(dim=-1) if metadata.needs_logprobs else None
+    edits_in_place = metadata.logit_bias is not None or metadata.banned is not None
+    processed = _process(logits.clone() if edits_in_place else logits, metadata)
+    probs = None if metadata.all_greedy else final_probs(processed, metadata)
+    return TargetDistributions(first_argmax(processed), probs, raw_logprobs)
+
+
 ARGMAX_BLOCK_MAX = 2048
 """Largest vocabulary block :func:`first_argmax` reduces at once."""
 ARGMAX_BLOCK_MIN = 64
@@ -257,13 +291,19 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    probs = final_probs(logits, meta)
+    return first_argmax(probs.div_(_exponential_noise(probs, meta.generators)))
+
+
+def final_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The sampling distribution (float32 ``[n, vocab]``, rows sum to 1) of processed logits (after
+    :func:`_process`): temperature, ``min_p``, ``top_k``, ``top_p``, softmax. Greedy rows use temperature 1."""
     logits = logits / meta.temperature.unsqueeze(1)
     if meta.min_p is not None:
         apply_min_p_(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    probs = logits.softmax(dim=-1)
-    return first_argmax(probs.div_(_exponential_noise(probs, meta.generators)))
+    return logits.softmax(dim=-1)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:

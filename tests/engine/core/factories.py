@@ -50,7 +50,7 @@ def step(scheduler: Scheduler, tokens: dict[str, int] | None = None,
     request whose chunk asks for a sample."""
     out = scheduler.schedule()
     tokens = tokens or {}
-    sampled = {s.request_id: tokens.get(s.request_id, default_token) for s in out.scheduled if s.sample}
+    sampled = {s.request_id: [tokens.get(s.request_id, default_token)] for s in out.scheduled if s.sample}
     return out, scheduler.update_from_output(out, sampled)
 
 

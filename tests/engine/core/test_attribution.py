@@ -43,7 +43,7 @@ class Run:
         out = self.scheduler.schedule()
         self.preempted.update(dict.fromkeys(out.preempted_req_ids, self.clock.now))
         self.clock.now += STEP_BASE_S + TOKEN_S * out.total_num_scheduled_tokens
-        sampled = {s.request_id: 7 for s in out.scheduled if s.sample}
+        sampled = {s.request_id: [7] for s in out.scheduled if s.sample}
         finished = self.scheduler.update_from_output(out, sampled)
         for s in out.scheduled:
             if s.sample and s.request_id not in self.first_token:

@@ -117,7 +117,7 @@ def test_abort_preempted_request_and_abort_during_the_step() -> None:
     assert list(sched.waiting) == []
     out = sched.schedule()
     assert sched.abort_requests(["a"]) == [a]  # client went away while the step ran
-    assert sched.update_from_output(out, {"a": 9}) == []
+    assert sched.update_from_output(out, {"a": [9]}) == []
     assert a.output_token_ids == [5, 5, 5, 5]
     assert_pool_empty(sched)
 
