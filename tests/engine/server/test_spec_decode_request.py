@@ -64,3 +64,22 @@ def test_plain_request_has_null_spec_fields(caplog) -> None:
         body = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2}).json()
     assert {k: v for k, v in body["kvscope"].items() if k.startswith("spec_")} == dict.fromkeys(
         ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_mean_accepted_length"))
+
+
+def test_the_server_sizes_the_per_position_series_from_the_engine_config() -> None:
+    from litestar.testing import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from engine.config import EngineConfig, SpeculativeConfig
+    from engine.server.app import create_app
+    from engine.server.settings import ServerSettings
+
+    engine = FakeEngine(config=EngineConfig(speculative=SpeculativeConfig(num_speculative_tokens=3)))
+    with TestClient(create_app(ServerSettings(), engine=engine, registry=CollectorRegistry())) as client:
+        text = client.get("/metrics").text
+    name = "kvscope_engine_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [line for line in text.splitlines() if line.startswith(name)] == [
+        f'{name}{{model="fake-model",position="{p}"}} 0.0' for p in range(3)]
+    assert [line.split("{")[1].split(",")[0] for line in text.splitlines()
+            if line.startswith("kvscope_engine_spec_decode_acceptance_length_bucket")] == [
+        f'le="{b}"' for b in ("1.0", "2.0", "3.0", "4.0", "+Inf")]
