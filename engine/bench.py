@@ -118,12 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: the engine's choice)")
+    parser.add_argument("--speculative", default="none", choices=["none", "ngram"],
+                        help="speculative decoding (engine/spec_decode)")
+    parser.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (default 4)")
     parser.add_argument("--step-bench", action="store_true",
                         help="time single steps instead: decode ms/step per concurrency and one prompt's prefill")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed by --step-bench")
     parser.add_argument("--save-result", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
+              speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     args.dtype = str(llm.engine.model.load_report.dtype).removeprefix("torch.")  # auto resolved
     if args.step_bench:
         return _run_step_bench(llm, args)

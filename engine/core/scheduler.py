@@ -206,9 +206,7 @@ class Scheduler:
         request, num_draft = scheduled.request, len(scheduled.spec_token_ids)
         if self.drafter is not None:
             self.drafter.on_verified(request, num_draft, num_accepted)
-        on_spec_verify = getattr(request.stats, "on_spec_verify", None)  # RequestStats field of issue-16obs
-        if on_spec_verify is not None:
-            on_spec_verify(num_draft, num_accepted)
+        request.stats.on_spec_verify(num_draft, num_accepted)
         request.num_computed_tokens -= num_draft - num_accepted
         if keep_blocks:
             self.kv_cache_manager.trim(request, request.num_tokens)

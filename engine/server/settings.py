@@ -105,6 +105,13 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
     attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None
     num_threads: Annotated[int | None, Flag("torch intra-op threads on CPU")] = None
+    # speculative decoding (issue 16, engine/spec_decode): engine.config.SpeculativeConfig's fields
+    speculative: Annotated[Literal["none", "ngram"] | None, Flag(
+        "speculative decoding: ngram = prompt-lookup drafts verified in one forward pass (default none)")] = None
+    num_speculative_tokens: Annotated[int | None, Flag(
+        "draft tokens per request per step with --speculative ngram (default 4)")] = None
+    prompt_lookup_min: Annotated[int | None, Flag("shortest suffix n-gram looked up (default 2)")] = None
+    prompt_lookup_max: Annotated[int | None, Flag("longest suffix n-gram looked up first (default 4)")] = None
 
     def config_kwargs(self) -> dict[str, object]:
         """The options that were set, as build_engine_config keywords (``model`` is its first argument)."""
