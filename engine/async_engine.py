@@ -55,6 +55,8 @@ class AsyncEngine:
         self.device = str(self.core.device)
         self.structured = self.core.structured
         """Grammar compile cache (engine/structured): the server compiles constraints with it off its loop."""
+        self.speculative = config.speculative
+        """Speculative decoding settings (None: off); the server sizes its spec-decode metrics from them."""
         self._listener = step_listener
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -80,7 +80,7 @@ class AppContext:
         meters = build_meter_provider({"service.name": self.settings.service_name,
                                        "service.version": package_version()},
                                       self.settings.otlp_endpoint, self._metric_readers)
-        speculative = engine.core.config.speculative  # the per-position series and length buckets follow k
+        speculative = engine.speculative  # the per-position series and length buckets follow k
         metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, engine.device,
                                 self.settings.buckets, genai=GenAiServerMetrics(meters, package_version()),
                                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)

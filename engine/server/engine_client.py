@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from engine.config import SpeculativeConfig
 from engine.core.request import Request
 from engine.core.stats import SchedulerStats
 from engine.engine_core import ModelInfo, StepResult
@@ -29,6 +30,8 @@ class EngineClient(Protocol):
     """Where the model runs (``cpu``, ``cuda:0`` …)."""
     structured: StructuredOutputManager
     """Structured-output grammar compiler and cache (the server compiles a request's constraint with it)."""
+    speculative: SpeculativeConfig | None
+    """Speculative decoding settings, None when off (k sizes the ``kvscope_engine_spec_decode_*`` series)."""
 
     @property
     def is_running(self) -> bool:

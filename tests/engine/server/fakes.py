@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.async_engine import RequestFailedError
-from engine.config import EngineConfig
+from engine.config import SpeculativeConfig
 from engine.core.request import Request, RequestStatus
 from engine.core.stats import SchedulerStats
 from engine.engine_core import StepResult
@@ -74,8 +74,7 @@ class FakeScheduler:
 
 
 class FakeCore:
-    def __init__(self, info: FakeInfo, config: EngineConfig) -> None:
-        self.config = config
+    def __init__(self, info: FakeInfo) -> None:
         self.scheduler = FakeScheduler()
         self.input_processor = InputProcessor(info.max_model_len, FakeTokenizer.vocab_size)
 
@@ -92,13 +91,13 @@ class FakeEngine:
     started: list[str] = field(default_factory=list)
     spec_drafts: tuple[tuple[int, int], ...] = ()
     """(proposed, accepted) of the speculative drafts each choice verifies (RequestStats.on_spec_verify)."""
-    config: EngineConfig = field(default_factory=EngineConfig)
-    """What the server reads of the engine's configuration (``speculative``)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding settings the server reads (EngineClient.speculative)."""
     """(proposed, accepted) of the speculative drafts each choice verifies (RequestStats.on_spec_verify)."""
 
     def __post_init__(self) -> None:
         self.tokenizer = FakeTokenizer()
-        self.core = FakeCore(self.info, self.config)
+        self.core = FakeCore(self.info)
         self.device = "cpu"
         self.is_running = False
         self.listener = None

@@ -84,4 +84,4 @@ def test_the_engines_satisfy_engine_client(engine: type) -> None:
         assert list(got[name].parameters) == list(signature.parameters), name  # type: ignore[union-attr]
         assert [p.default for p in got[name].parameters.values()] == [  # type: ignore[union-attr]
             p.default for p in signature.parameters.values()], name
-    assert set(EngineClient.__annotations__) == {"info", "tokenizer", "device", "structured"}
+    assert set(EngineClient.__annotations__) == {"info", "tokenizer", "device", "structured", "speculative"}

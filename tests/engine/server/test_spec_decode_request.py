@@ -70,11 +70,11 @@ def test_the_server_sizes_the_per_position_series_from_the_engine_config() -> No
     from litestar.testing import TestClient
     from prometheus_client import CollectorRegistry
 
-    from engine.config import EngineConfig, SpeculativeConfig
+    from engine.config import SpeculativeConfig
     from engine.server.app import create_app
     from engine.server.settings import ServerSettings
 
-    engine = FakeEngine(config=EngineConfig(speculative=SpeculativeConfig(num_speculative_tokens=3)))
+    engine = FakeEngine(speculative=SpeculativeConfig(num_speculative_tokens=3))
     with TestClient(create_app(ServerSettings(), engine=engine, registry=CollectorRegistry())) as client:
         text = client.get("/metrics").text
     name = "kvscope_engine_spec_decode_num_accepted_tokens_per_pos_total"
