@@ -111,3 +111,35 @@ def test_a_seeded_request_gives_the_same_tokens_twice(tiny: TinyModel, prompt: l
     other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True,
                                                        seed=4321))[0].outputs[0]
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_step_metrics_add_up_to_the_requests_totals(tiny: TinyModel, prompt: list[int]) -> None:
+    """The real engine's StepResult.spec_decoding feeds the counters (engine/server/stat_logger.py): over a run,
+    they equal the sums of the requests' kvscope fields, and the length histogram has one observation per
+    draft with sum = drafts + accepted tokens."""
+    from prometheus_client import CollectorRegistry
+
+    from engine.server.stat_logger import ServerMetrics
+
+    llm = spec_llm(tiny)
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry, "tiny", num_speculative_tokens=4)
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7)
+    for i in range(24):
+        llm.engine.add_engine_request(f"r{i}", llm.engine.input_processor.process(prompt, params))
+    finished = []
+    while llm.engine.has_unfinished_requests():
+        result = llm.engine.step()
+        metrics.on_step(result)
+        finished += [c.stats for o in result.outputs for c in o.outputs if c.stats is not None]
+    assert len(finished) == 24
+    totals = [sum(getattr(s, f) for s in finished)
+              for f in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")]
+    value = registry.get_sample_value
+    m = {"model": "tiny"}
+    sd = "kvscope_engine_spec_decode_"
+    assert [value(f"{sd}{n}_total", m) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] == totals
+    assert (value(f"{sd}acceptance_length_count", m), value(f"{sd}acceptance_length_sum", m)) == (
+        totals[0], totals[0] + totals[2])
+    per_position = [value(f"{sd}num_accepted_tokens_per_pos_total", {**m, "position": str(p)}) for p in range(4)]
+    assert sum(per_position) == totals[2] and per_position == sorted(per_position, reverse=True)
