@@ -1,16 +1,19 @@
 """Speculative decoding benchmark (issue 16): output tok/s with n-gram speculation off vs on, on copy-heavy
 prompts ("rewrite this code with one variable renamed", "repeat the list with one change", built from text
 that ships in this repository) and on random-token prompts, at concurrency 1 and 8, with the acceptance
-figures (accepted / proposed draft tokens, vLLM's mean acceptance length 1 + accepted / drafts).
+figures (accepted / proposed draft tokens, vLLM's mean acceptance length 1 + accepted / drafts); and on
+open-ended stories, where there is little to copy.
 
-Offline (engine.llm.LLM, no HTTP), greedy, chat template for the copy prompts. c=1 runs its prompts one after
-the other (single stream); c=8 submits 8 at once (continuous batching, ``max_num_seqs`` 8). Each cell is the
-best of ``--repeats`` (the least disturbed by other load on a shared machine); "same" says whether the
-speculative run's tokens equal the plain run's (greedy identity). Prints the machine (CPU model, flags,
+Offline (engine.llm.LLM, no HTTP), greedy (``open`` stories: temperature 0.8 with a seed per prompt), chat
+template for the chat prompts. c=1 runs its prompts one after the other (single stream); c=8 submits 8 at
+once (continuous batching, ``max_num_seqs`` 8). Output tok/s = generated tokens / wall time (prefill
+included). Each cell is the best of ``--repeats`` (the least disturbed by other load on a shared machine);
+"same tokens" says whether the speculative run's tokens equal the plain run's (greedy identity). Prints the machine (CPU model, flags,
 threads, load average before and after) and a markdown table. A benchmark, not a test: it asserts nothing.
 
     python bench/spec_decode.py [--max-tokens 128] [--repeats 2] [--num-speculative-tokens 4]
-                                [--dtype auto] [--quantization none] [--workloads code,list,random] [--json out.json]
+                                [--dtype auto] [--quantization none] [--workloads code,list,random,open]
+                                [--json out.json]
 """
 
 from __future__ import annotations
@@ -73,9 +76,16 @@ def metric_names(path: Path) -> list[str]:
     return re.findall(r"^\| `(kvscope_[a-z_]+)`", path.read_text(), flags=re.MULTILINE)
 
 
+TOPICS = ("a lighthouse keeper", "a lost umbrella", "the first day of school", "a city under snow",
+          "a robot learning to paint", "an old map", "a night train", "a garden on the moon")
+"""Open-ended story prompts (``open``): little to copy from the prompt."""
+SAMPLED = {"open"}
+"""Workloads sampled at temperature 0.8 (a fixed seed per prompt, the same with speculation off and on)."""
+
+
 def workloads(llm: LLM, names: list[str], count: int, seed: int) -> dict[str, list[list[int]]]:
-    """Token-id prompts per workload: ``code`` and ``list`` (chat template applied) and ``random`` (128 random
-    ids, engine.bench.random_prompts)."""
+    """Token-id prompts per workload: ``code`` and ``list`` (chat template applied), ``random`` (128 random
+    ids, engine.bench.random_prompts; a small model tends to loop on them) and ``open`` (short stories)."""
     out: dict[str, list[list[int]]] = {}
     template = llm.tokenizer.apply_chat_template
     if "code" in names:
@@ -87,6 +97,9 @@ def workloads(llm: LLM, names: list[str], count: int, seed: int) -> dict[str, li
                        for i in range(count)]
     if "random" in names:
         out["random"] = random_prompts(count, 128, llm.engine.vocab_size, seed)
+    if "open" in names:
+        out["open"] = [template([{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}],
+                                add_generation_prompt=True) for i in range(count)]
     return out
 
 
@@ -110,10 +123,11 @@ class Run:
 def run(llm: LLM, workload: str, prompts: list[list[int]], concurrency: int, max_tokens: int, spec: bool) -> Run:
     """Generate for ``prompts`` (one at a time for c=1, all at once otherwise); wall time and the summed
     speculative-decoding fields of the requests' kvscope stats."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    temperature = 0.8 if workload in SAMPLED else 0.0
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens) for i in range(len(prompts))]
     start = time.perf_counter()
     if concurrency == 1:
-        outputs = [o for p in prompts for o in llm.generate([p], params)]
+        outputs = [o for p, sp in zip(prompts, params, strict=True) for o in llm.generate([p], sp)]
     else:
         outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none")
-    parser.add_argument("--workloads", default="code,list,random")
+    parser.add_argument("--workloads", default="code,list,random,open")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -188,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {before['cpu']} ({before['cpus']} CPUs; {', '.join(before['flags']) or 'no AVX2/512'}), "
           f"torch {before['torch']} with {before['torch_threads']} threads; load average "
           f"{before['load_average']} before, {after['load_average']} after")
-    print(f"model: {info.name} (--dtype {args.dtype} --quantization {args.quantization}), greedy, "
+    dtype = str(engines[False].engine.model.load_report.dtype).removeprefix("torch.")
+    print(f"model: {info.name} (--dtype {args.dtype} → {dtype}, --quantization {args.quantization}), greedy "
+          f"(open: temperature 0.8, seeded), "
           f"max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, best of {args.repeats}\n")
     print(table(best))
     if args.json:
