@@ -79,3 +79,16 @@ def test_speculative_config_validation_and_stats():
         SpeculativeConfig(prompt_lookup_min=0, prompt_lookup_max=0)
     assert SpecDecodingStats.from_drafts([]) is None
     assert SpecDecodingStats.from_drafts([(4, 2), (3, 3)]) == SpecDecodingStats(2, 7, 5, (2, 3))
+
+
+def test_engine_flags_build_the_speculative_config():
+    from engine.llm import build_engine_config
+    from engine.server.cli import build_parser, engine_config_kwargs
+
+    args = build_parser().parse_args(["--speculative", "ngram", "--num-speculative-tokens", "3",
+                                      "--prompt-lookup-max", "5"])
+    config = build_engine_config("smollm2-135m", **engine_config_kwargs(args))
+    assert config.speculative == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=5)
+    assert build_engine_config("smollm2-135m", **engine_config_kwargs(build_parser().parse_args([]))).speculative is None
+    with pytest.raises(ValueError, match=r"prompt_lookup_max \(1\) must be at least prompt_lookup_min \(2\)"):
+        build_engine_config("smollm2-135m", speculative="ngram", prompt_lookup_max=1)
