@@ -195,9 +195,10 @@ class EngineCore:
             now = self.scheduler.get_stats()
             on_scheduled(StepResult(stats=now, num_running=now.num_running, num_waiting=now.num_waiting,
                                     kv_cache_usage=now.kv_cache_usage, scheduled_only=True))
-        run_start = time.thread_time()
+        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+        run_start = clock()
         runner_output = self.runner.execute(scheduler_output)
-        self._record_step_cost(scheduler_output, time.thread_time() - run_start)
+        self._record_step_cost(scheduler_output, clock() - run_start)
         _record_structured_time(scheduler_output, runner_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         _trim_logprobs(runner_output)
@@ -221,8 +222,9 @@ class EngineCore:
 
 
     def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Feed a decode-only step's CPU seconds (this thread's ``time.thread_time``) to the drafter's cost
-        model (engine/spec_decode/adaptive.py)."""
+        """Feed a decode-only step's seconds to the drafter's cost model (engine/spec_decode/adaptive.py): this
+        thread's CPU seconds (``time.thread_time``, blind to other processes taking the core) with one torch
+        thread, wall seconds with more (the OpenMP workers' CPU time is not this thread's)."""
         if self.drafter is None or not scheduler_output.scheduled or scheduler_output.num_prefill_tokens:
             return
         num_draft = sum(len(item.spec_token_ids) for item in scheduler_output.scheduled)

@@ -72,7 +72,8 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
         "--max-num-batched-tokens", "--long-prefill-token-threshold", "--kv-cache-memory", "--num-blocks",
         "--block-size", "--gpu-memory-utilization", "--no-prefix-caching", "--dtype", "--quantization", "--seed",
         "--device",
-        "--attention-backend", "--num-threads", "--sse-keepalive-s", "--max-concurrent-requests", "--api-key",
+        "--attention-backend", "--num-threads", "--speculative", "--num-speculative-tokens", "--prompt-lookup-min",
+        "--prompt-lookup-max", "--sse-keepalive-s", "--max-concurrent-requests", "--api-key",
         "--enable-fault-injection", "--otlp-endpoint", "--service-name", "--ttft-buckets", "--tpot-buckets",
         "--duration-buckets", "--no-warmup", "--log-level"])
     assert sorted(_options(_gateway_parser())) == sorted([
