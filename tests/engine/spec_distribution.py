@@ -1,11 +1,10 @@
 """Harness of the speculative-sampling distribution test (tests/engine/test_spec_decode_distribution.py): a tiny
-random-weight Llama with a 16-token vocabulary saved as a model folder, its exact probabilities of the first
-output tokens (HF transformers, teacher forcing) and a chi-square goodness-of-fit p-value."""
+random-weight Llama with a 16-token vocabulary saved as a model folder, its exact conditional probabilities of
+sampled tokens (HF transformers, teacher forcing) and a chi-square goodness-of-fit p-value."""
 
 from __future__ import annotations
 
 import shutil
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,39 +63,6 @@ def greedy_prompt(hf: transformers.PreTrainedModel, length: int) -> list[int]:
     while len(tokens) < length:
         tokens.append(int(next_token_probs(hf, [tokens])[0].argmax()))
     return tokens
-
-
-def exact_joint(hf: transformers.PreTrainedModel, prompt: Sequence[int], depth: int) -> dict[tuple[int, ...], float]:
-    """P(first ``depth`` output tokens) under ancestral sampling at temperature 1, for every sequence."""
-    joint: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(depth):
-        prefixes = list(joint)
-        probs = next_token_probs(hf, [list(prompt) + list(p) for p in prefixes])
-        joint = {(*p, t): joint[p] * float(probs[i, t]) for i, p in enumerate(prefixes) for t in range(VOCAB)}
-    return joint
-
-
-def chi_square_p(observed: Counter, expected_probs: dict[tuple[int, ...], float], min_expected: float = 5.0
-                 ) -> tuple[float, float, int]:
-    """Pearson's chi-square goodness of fit of ``observed`` counts to ``expected_probs``; cells with an expected
-    count below ``min_expected`` are pooled into one (the usual validity rule; Cochran 1954). Returns
-    (statistic, p-value, degrees of freedom); p from the chi-square survival function
-    Q(df/2, x/2) (torch.special.gammaincc, the regularised upper incomplete gamma)."""
-    n = sum(observed.values())
-    big = {cell for cell, p in expected_probs.items() if p * n >= min_expected}
-    cells = [(observed.get(cell, 0), expected_probs[cell] * n) for cell in sorted(big)]
-    rest_obs = n - sum(o for o, _ in cells)
-    rest_exp = n - sum(e for _, e in cells)
-    if rest_exp >= min_expected:
-        cells.append((rest_obs, rest_exp))
-    elif cells:
-        o, e = cells.pop()
-        cells.append((o + rest_obs, e + rest_exp))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    df = len(cells) - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                      torch.tensor(stat / 2, dtype=torch.float64)))
-    return stat, p, df
 
 
 @torch.inference_mode()

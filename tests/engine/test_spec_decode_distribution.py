@@ -68,6 +68,18 @@ def sample_fit(tiny: TinyModel, prompt: list[int], num_requests: int) -> tuple[f
     return p_value, outputs
 
 
+def test_the_statistic_is_pearsons_with_one_distribution() -> None:
+    """With the same p for every sample, Sᵀ C⁻¹ S is Pearson's Σ (O − E)² / E (VOCAB − 1 df)."""
+    probs = torch.softmax(torch.linspace(-1.0, 1.0, VOCAB, dtype=torch.float64), dim=0)
+    tokens = torch.multinomial(probs, 3000, replacement=True, generator=torch.Generator().manual_seed(3))
+    observed = torch.bincount(tokens, minlength=VOCAB).double()
+    pearson = float(((observed - 3000 * probs) ** 2 / (3000 * probs)).sum())
+    stat, p_value, df = sequential_chi_square(tokens, probs.expand(3000, VOCAB))
+    assert (stat, df) == (pytest.approx(pearson, rel=1e-9), VOCAB - 1)
+    assert p_value == pytest.approx(float(torch.special.gammaincc(torch.tensor(7.5, dtype=torch.float64),
+                                                                   torch.tensor(pearson / 2, dtype=torch.float64))))
+
+
 def test_sampled_tokens_fit_the_exact_distribution(tiny: TinyModel, prompt: list[int]) -> None:
     p_value, outputs = sample_fit(tiny, prompt, NUM_REQUESTS)
     assert len(outputs) * MAX_TOKENS >= 20_000
