@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     after = machine()
     info = engines[False].engine.info
     print(f"machine: {before['cpu']} ({before['cpus']} CPUs; {', '.join(before['flags']) or 'no AVX2/512'}), "
-          f"torch {before['torch']} with {before['torch_threads']} threads; load average "
+          f"torch {after['torch']} with {after['torch_threads']} engine threads; load average "
           f"{before['load_average']} before, {after['load_average']} after")
     dtype = str(engines[False].engine.model.load_report.dtype).removeprefix("torch.")
     print(f"model: {info.name} (--dtype {args.dtype} → {dtype}, --quantization {args.quantization}), greedy "
