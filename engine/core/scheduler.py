@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.attribution import QUEUE_LIMITS
+from engine.core.drafter import Drafter
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -37,23 +37,6 @@ class _StepPlan:
     def add(self, request: Request, num_new_tokens: int, is_new: bool, draft: list[int] | None = None) -> None:
         self.entries.append((request, num_new_tokens, is_new, draft or []))
         self.token_budget -= num_new_tokens + len(draft or ())
-
-
-class Drafter(Protocol):
-    """Where speculative drafts come from (engine.spec_decode.drafter.NgramDrafter); injected so this module
-    stays pure Python."""
-
-    def propose(self, request: Request, max_draft: int) -> list[int]:
-        """Up to ``max_draft`` draft tokens continuing ``request`` (possibly none)."""
-
-    def allows(self, num_decode_rows: int, drafts: Sequence[tuple[Request, list[int]]]) -> bool:
-        """Whether the step's drafts should run at all."""
-
-    def on_verified(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """One verified draft of ``request``."""
-
-    def drop(self, request_id: str) -> None:
-        """Forget a finished request."""
 
 
 class Scheduler:
@@ -202,7 +185,7 @@ class Scheduler:
         return finished
 
     def _on_verified(self, scheduled: ScheduledRequest, num_accepted: int, keep_blocks: bool) -> None:
-        """A verified draft: tell the drafter and the stats, and roll back past the rejected positions."""
+        """Tell the drafter and the stats; roll back past the rejected positions."""
         request, num_draft = scheduled.request, len(scheduled.spec_token_ids)
         if self.drafter is not None:
             self.drafter.on_verified(request, num_draft, num_accepted)
@@ -261,8 +244,7 @@ class Scheduler:
             request = self.running[index]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new > 0:
-                # every later running request keeps at least one token of the budget
-                room = plan.token_budget - num_new - (len(self.running) - index - 1)
+                room = plan.token_budget - num_new - (len(self.running) - index - 1)  # 1 left per later one
                 draft = drafts.get(request.request_id, [])[:max(room, 0)]
                 if draft and self.kv_cache_manager.allocate_slots(request, num_new + len(draft)) is not None:
                     plan.add(request, num_new, is_new=False, draft=draft)
@@ -281,8 +263,7 @@ class Scheduler:
         drafts = []
         for request in decode:
             max_draft = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-            draft = self.drafter.propose(request, max_draft) if max_draft > 0 else []
-            if draft:
+            if max_draft > 0 and (draft := self.drafter.propose(request, max_draft)):
                 drafts.append((request, draft))
         if not drafts or not self.drafter.allows(len(decode), drafts):
             return {}

@@ -296,8 +296,7 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 
 def final_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The sampling distribution (float32 ``[n, vocab]``, rows sum to 1) of processed logits (after
-    :func:`_process`): temperature, ``min_p``, ``top_k``, ``top_p``, softmax. Greedy rows use temperature 1."""
+    """The sampling distribution (float32 ``[n, vocab]``) of processed logits: temperature, min_p, top_k, top_p."""
     logits = logits / meta.temperature.unsqueeze(1)
     if meta.min_p is not None:
         apply_min_p_(logits, meta.min_p)

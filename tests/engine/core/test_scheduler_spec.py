@@ -157,3 +157,15 @@ def test_no_drafts_for_prefill_chunks_or_when_the_drafter_declines():
     out = sched.schedule()
     assert out.scheduled[0].token_ids == [50] and out.scheduled[0].spec_token_ids == []
     assert drafter.max_drafts == [18]  # proposed once the request decoded, then declined for the step
+
+
+def test_an_abort_during_a_step_with_a_draft_frees_everything():
+    drafter = ScriptedDrafter([60, 61, 62])
+    sched = scheduler(drafter)
+    a = make_request("a", list(range(10, 16)), max_tokens=20)
+    prefill(sched, a)
+    out = sched.schedule()
+    assert sched.abort_requests(["a"]) == [a]  # the client went away while the draft was verified
+    assert sched.update_from_output(out, {"a": [60, 61, 70]}) == []
+    assert a.output_token_ids == [50] and drafter.verified == [] and drafter.dropped == ["a"]
+    assert sched.kv_cache_manager.num_free_blocks == 64
