@@ -59,6 +59,8 @@ class FakeInfo:
     quantization: str = "gguf"
     format_reason: str = "fake: fastest verified format"
     rss_bytes: int = 5000
+    peak_rss_bytes: int = 6000
+    num_blocks: int = 7
 
 
 class FakeScheduler:
