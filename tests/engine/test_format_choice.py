@@ -17,6 +17,8 @@ from engine.models.format_choice import choose_format, format_cost_ms, format_sc
 from engine.models.kernel_probe import NO_DENSE, KernelChoice
 from engine.server.cli import build_parser, engine_options
 from kvscope.models.registry import verified_formats
+from kvscope.plan.engine_formats import engine_weight_bytes
+from kvscope.plan.model_files import read_model
 from tests.engine.server.fakes import FakeInfo
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -149,7 +151,8 @@ def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPat
     engine = LLM("smollm2-135m", dtype="auto", quantization="auto", memory_budget=budget).engine
     info = engine.info
     assert (info.dtype, info.quantization) == ("bfloat16", "gguf")
-    assert info.weights_bytes == model_weight_bytes(engine.model)
+    assert info.weights_bytes == model_weight_bytes(engine.model) == engine_weight_bytes(
+        read_model(str(model_dir)).shape, "gguf", "bfloat16")  # kvscope plan --weights-format gguf counts the same
     per_block = 30 * 2 * 16 * 3 * 64 * 2  # bf16 KV: layers x (K, V) x block x kv_heads x head_dim x 2 B
     assert info.num_blocks == (budget - info.weights_bytes) // per_block
     assert info.kv_cache_bytes == info.num_blocks * per_block
