@@ -86,8 +86,8 @@ def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, sou
     if device_type != "cpu":
         return FormatChoice("bfloat16", "bfloat16", "none", f"device {device_type}: compact formats are CPU-only")
     candidates = [f for f in FORMATS if f in verified and (has_gguf or f != "gguf")]
-    if choice is None or not candidates:
-        return FormatChoice("float32", "float32", "none", "no kernel probe or no verified format: float32")
+    if choice is None or not candidates or not probe_rows(choice):
+        return FormatChoice("float32", "float32", "none", "no kernel probe timings or no verified format: float32")
     scores = {f: round(format_score(f, choice), 4) for f in candidates}
     best = min(candidates, key=lambda f: (scores[f], candidates.index(f)))
     dtype, quantization = FORMATS[best]

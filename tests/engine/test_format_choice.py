@@ -85,6 +85,8 @@ def test_off_cpu_and_without_a_probe_and_unknown_names() -> None:
     assert (choose_format(SMOLLM2, None, device_type="cuda").dtype,
             choose_format(SMOLLM2, None, device_type="cuda").quantization) == ("bfloat16", "none")
     assert choose_format(SMOLLM2, None).format == "float32"
+    untimed = choose_format(SMOLLM2, KernelChoice(torch.bfloat16, {"int4": 4}))
+    assert (untimed.format, untimed.reason) == ("float32", "no kernel probe timings or no verified format: float32")
     with pytest.raises(ValueError, match=r"unknown weight formats \['fp4'\]"):
         choose_format(("float32", "fp4"), XEON_AMX)
 
