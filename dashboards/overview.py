@@ -147,11 +147,13 @@ def _engine(q: PromQL) -> list[Json]:
                    "looked up.", [Target(q.ratio(q.sum_rate(hits), q.sum_rate(queries)), "hit rate")],
                    "percentunit", w=8, max_value=1),
         timeseries("Device memory", "Memory used and total per device: VRAM on CUDA, KV cache + weights "
-                   "(used) and host memory (total) on CPU.",
+                   "(used) and host memory (total) on CPU; the weights alone, by served dtype/quantization.",
                    [Target(q.gauge(f"{EN}device_memory_used_bytes", by=("instance", "device")),
                            "used {{instance}} {{device}}"),
                     Target(q.gauge(f"{EN}device_memory_total_bytes", by=("instance", "device")),
-                           "total {{instance}} {{device}}")], "bytes", w=8),
+                           "total {{instance}} {{device}}"),
+                    Target(q.gauge(f"{EN}weights_bytes", by=("instance", "dtype", "quantization")),
+                           "weights {{instance}} {{dtype}}/{{quantization}}")], "bytes", w=8),
     ]
 
 

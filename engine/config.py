@@ -18,7 +18,9 @@ class ModelConfig:
     quantization: str = "none"
     """Linear-layer weights (vLLM's ``--quantization``): none, int8 (weight-only, per output channel), int4
     (groups of 32; a Q4_0/Q4_1 GGUF's own blocks), gguf (the GGUF's Q4 tensors as int4, the rest dense). CPU
-    only; see ``engine.models.compact``."""
+    only; see ``engine.models.compact``. auto: the fastest format the model's registry entry lists as verified,
+    by the start-up probe (``engine.models.format_choice``; with an explicit dtype: none). The library keeps
+    none/float32 as defaults (exact parity); ``kvscope engine``/``serve`` default to auto/auto."""
     max_model_len: int | None = None
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None
@@ -28,8 +30,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8", "int4", "gguf"):
-            raise ValueError(f"quantization must be none, int8, int4 or gguf, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
+            raise ValueError(f"quantization must be auto, none, int8, int4 or gguf, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
 
@@ -42,6 +44,10 @@ class CacheConfig:
     """KV cache budget in bytes (CPU); the number of blocks is derived from it."""
     num_blocks: int | None = None
     """Override: exact number of KV blocks (tests)."""
+    memory_budget: int | None = None
+    """CPU: bytes for weights and KV cache together; when set, the KV cache gets ``memory_budget`` minus the
+    weights bytes of the loaded format (packed, compact and dense copies, ``engine.models.compact.
+    model_weight_bytes``) instead of ``kv_cache_memory``."""
     gpu_memory_utilization: float = 0.9
     """CUDA: fraction of device memory for weights + activations + KV cache."""
     enable_prefix_caching: bool = True
@@ -51,6 +57,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {self.memory_budget}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -22,6 +22,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.stats import SchedulerStats
 from engine.input_processor import EngineRequest, InputProcessor
+from engine.memory import process_memory_bytes, with_kv_budget
 from engine.models.compact import model_weight_bytes
 from engine.models.loader import load_model
 from engine.outputs import RequestOutput
@@ -50,6 +51,16 @@ class ModelInfo:
     kv_cache_bytes: int
     weights_bytes: int
     load_seconds: float
+    dtype: str = "float32"
+    """Weights/activations dtype as loaded (``--dtype auto`` resolved)."""
+    quantization: str = "none"
+    """``--quantization`` as loaded (``auto`` resolved)."""
+    format_reason: str = ""
+    """Why this format (engine.models.format_choice)."""
+    rss_bytes: int = 0
+    """Process resident set size once the engine is built (weights + KV cache + runtime)."""
+    peak_rss_bytes: int = 0
+    """Peak resident set size so far (the load may peak above the steady state)."""
 
 
 @dataclass(slots=True)
@@ -95,12 +106,15 @@ class EngineCore:
         head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
         block_size = config.cache.block_size
         per_block = kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        num_blocks = config.cache.num_blocks or budget_num_blocks(config.cache, self.device, per_block)
-        self.max_model_len = self._max_model_len(hf_config, num_blocks * block_size)
-        kv_caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
         backend = get_attention_backend(config.attention_backend, self.device)
         self.vocab_size = hf_config["vocab_size"]
-        self.runner = ModelRunner(self.model, kv_caches, backend, block_size, self.vocab_size, self.device)
+        self.runner = ModelRunner(self.model, [], backend, block_size, self.vocab_size, self.device)
+        weights = model_weight_bytes(self.model)  # after the runner packed them: compact and packed copies
+        cache = with_kv_budget(config.cache, weights) if self.device.type == "cpu" else config.cache
+        num_blocks = config.cache.num_blocks or budget_num_blocks(cache, self.device, per_block)
+        self.max_model_len = self._max_model_len(hf_config, num_blocks * block_size)
+        self.runner.kv_caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                                   dtype, self.device)
         self.structured = StructuredOutputManager(self.tokenizer.hf.to_str, self.vocab_size,
                                                   self.tokenizer.eos_token_id)
         """Grammar compile cache for structured outputs (engine/structured); the runner's matchers use it."""
@@ -113,12 +127,16 @@ class EngineCore:
                                    drafter=self.drafter)
         self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
-        weights = model_weight_bytes(self.model)  # compact and packed copies included
+        fmt = self.model.load_report.weight_format
+        rss, peak_rss = process_memory_bytes()
         self.info = ModelInfo(
             name=config.model.served_model_name or _default_name(config.model.model, model_dir),
             model_dir=str(model_dir), max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_blocks * per_block,
-            weights_bytes=weights, load_seconds=time.perf_counter() - start)
+            weights_bytes=weights, load_seconds=time.perf_counter() - start,
+            dtype=str(dtype).removeprefix("torch."), quantization=fmt.quantization if fmt else "none",
+            format_reason=fmt.reason if fmt else "", rss_bytes=rss, peak_rss_bytes=peak_rss)
+        logger.info("%s", format_line(self.info))
         logger.info("engine ready: %s", self.info)
 
     def _max_model_len(self, hf_config: dict, capacity_tokens: int) -> int:
@@ -248,6 +266,13 @@ def _record_structured_time(scheduler_output: SchedulerOutput, runner_output: Mo
         mask_s = runner_output.structured_mask_s.get(item.request.request_id)
         if mask_s is not None:
             item.request.stats.add_structured_time(mask_s, runner_output.structured_wait_s)
+
+
+def format_line(info: ModelInfo) -> str:
+    """The start-up line naming the weight format: dtype, quantization, why, weights bytes, KV bytes, RSS."""
+    return (f"weights format: dtype {info.dtype}, quantization {info.quantization} ({info.format_reason}); "
+            f"weights {info.weights_bytes} B, KV cache {info.kv_cache_bytes} B ({info.num_blocks} blocks), "
+            f"process RSS {info.rss_bytes} B (peak {info.peak_rss_bytes} B)")
 
 
 def default_num_threads() -> int:

@@ -129,6 +129,7 @@ class Supervisor:
         with open(self.engine_log, "ab") as log:  # the child keeps its own descriptor
             child = self._spawn(cmd, stdout=log)
         self._wait_ready(child, f"http://127.0.0.1:{o.engine_port}/health", "engine")
+        print(engine_format_line(_model_card(f"http://127.0.0.1:{o.engine_port}/v1/models")), flush=True)
 
     @property
     def engine_log(self) -> Path:
@@ -212,6 +213,25 @@ class _ChildFailed(RuntimeError):
 
 class _StopRequested(Exception):
     pass
+
+
+def _model_card(url: str) -> dict[str, Any] | None:
+    """The first card of the engine's /v1/models, None when it cannot be read."""
+    try:
+        return httpx.get(url, timeout=5.0).json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def engine_format_line(card: dict[str, Any] | None) -> str:
+    """The line ``kvscope serve`` prints once the engine is up: the weight format it serves (the ``kvscope``
+    field of its /v1/models card, engine/server/protocol.py ``ModelFormatInfo``) and how to get float32."""
+    fmt = (card or {}).get("kvscope")
+    if not fmt:
+        return "engine weight format: unknown (its /v1/models card has no kvscope field)"
+    return (f"engine weight format: dtype {fmt['dtype']}, quantization {fmt['quantization']}, weights "
+            f"{fmt['weights_bytes'] / (1 << 20):.0f} MiB, process RSS {fmt['rss_bytes'] / (1 << 20):.0f} MiB "
+            f"({fmt['reason']}); exact float32: --engine-args '--dtype float32'")
 
 
 def _die_with_parent() -> None:

@@ -216,7 +216,7 @@ def test_every_panel_query_evaluates_in_prometheus(prometheus: PrometheusServer)
         except PromQLError as exc:
             errors[expr] = exc.message
     assert errors == {}
-    assert len(all_exprs()) == 116
+    assert len(all_exprs()) == 117
 
 
 def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) -> None:

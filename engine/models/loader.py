@@ -22,13 +22,14 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.models.compact import QuantReport, quantize_model
+from engine.models.format_choice import FormatChoice, choose_format, pinned_format
 from engine.models.gguf import convert_gguf_to_hf
 from engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
 from engine.models.llama import LlamaForCausalLM, check_sliding_window
 from engine.models.registry import get_model_class
 from kvscope.models.cache import cache_root, hf_dir
 from kvscope.models.pull import pull
-from kvscope.models.registry import UnknownModelError, is_registered, list_models
+from kvscope.models.registry import UnknownModelError, is_registered, list_models, verified_formats
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class LoadReport:
     """The CPU kernel probe's result, when one ran (``--dtype auto`` or a quantization)."""
     gguf_path: Path | None = None
     """The GGUF the weights came from, if any."""
+    weight_format: FormatChoice | None = None
+    """The weight format loaded and why (``--quantization auto`` chose it, or the flags pinned it)."""
 
     @property
     def total_s(self) -> float:
@@ -141,25 +144,43 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     resolved = time.perf_counter()
     hf_config = read_hf_config(model_dir)
     device = torch.device(device)
-    if model_config.quantization != "none" and device.type != "cpu":
+    if model_config.quantization not in ("none", "auto") and device.type != "cpu":
         raise ValueError(f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
                          f"kernels); use --quantization none on {device}")
     kernels = probe_cpu_kernels() if device.type == "cpu" and (
-        model_config.dtype == "auto" or model_config.quantization != "none") else None
-    dtype = resolve_dtype(model_config.dtype, device, kernels)
+        model_config.dtype == "auto" or model_config.quantization not in ("none", "auto")) else None
+    fmt = resolve_format(model_config, device, kernels, gguf_path)
+    dtype = DTYPES[fmt.dtype]
     model = build_model(hf_config, dtype, device, model_dir)
     check_sliding_window(model.config, model_config.max_model_len or hf_config["max_position_embeddings"])
     quant = None
-    if model_config.quantization != "none":
-        quant = quantize_model(model, model_config.quantization, kernels, gguf_path, model_dir)
+    if fmt.quantization != "none":
+        quant = quantize_model(model, fmt.quantization, kernels, gguf_path, model_dir)
     report = LoadReport(model_dir=model_dir, converted=converted, resolve_s=resolved - start,
                         weights_s=time.perf_counter() - resolved, dtype=dtype, quantization=quant, kernels=kernels,
-                        gguf_path=gguf_path)
+                        gguf_path=gguf_path, weight_format=fmt)
     model.load_report = report
     logger.info("loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs), dtype %s, quantization %s",
                 model_config.model, model_dir, report.total_s, " + convert" if converted else "", report.resolve_s,
-                report.weights_s, str(dtype).removeprefix("torch."), model_config.quantization)
+                report.weights_s, fmt.dtype, fmt.quantization)
     return model, hf_config, model_dir
+
+
+def resolve_format(model_config: ModelConfig, device: torch.device, kernels: KernelChoice | None,
+                   gguf_path: Path | None) -> FormatChoice:
+    """The weight format to load: ``--quantization auto`` with ``--dtype auto`` asks
+    :func:`engine.models.format_choice.choose_format` (the model's verified formats, the probe); an explicit
+    ``--dtype`` with ``auto`` pins dense weights in it; explicit flags are kept as given (dtype auto resolved).
+    """
+    if model_config.quantization == "auto" and model_config.dtype == "auto":
+        verified, source = verified_formats(model_config.model)
+        return choose_format(verified, kernels, source=source, device_type=device.type,
+                             has_gguf=gguf_path is not None)
+    dtype = str(resolve_dtype(model_config.dtype, device, kernels)).removeprefix("torch.")
+    if model_config.quantization == "auto":
+        return pinned_format(dtype, "none", f"--dtype {model_config.dtype} given: dense weights")
+    return pinned_format(dtype, model_config.quantization,
+                         f"--dtype {model_config.dtype} --quantization {model_config.quantization} given")
 
 
 def resolve_dtype(name: str, device: torch.device, kernels: KernelChoice | None) -> torch.dtype:

@@ -19,7 +19,7 @@ from litestar.datastructures import State
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 from opentelemetry.sdk.metrics.export import MetricReader
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from engine.config import EngineConfig
 from engine.engine_core import StepResult
@@ -80,8 +80,10 @@ class AppContext:
         meters = build_meter_provider({"service.name": self.settings.service_name,
                                        "service.version": package_version()},
                                       self.settings.otlp_endpoint, self._metric_readers)
+        registry = self._registry or CollectorRegistry()
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes & co. (the prometheus_client standard)
         speculative = engine.speculative  # the per-position series and length buckets follow k
-        metrics = ServerMetrics(self._registry or CollectorRegistry(), engine.info.name, engine.device,
+        metrics = ServerMetrics(registry, engine.info.name, engine.device,
                                 self.settings.buckets, genai=GenAiServerMetrics(meters, package_version()),
                                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
         self.state = ServerState(engine, self.settings, metrics, tracing)
@@ -89,7 +91,8 @@ class AppContext:
         _set_device_memory(self.state)
         self.state.on_step(StepResult())
         engine.set_step_listener(self.state.on_step)
-        logger.info("serving %s (max_model_len %d)", engine.info.name, engine.info.max_model_len)
+        logger.info("serving %s (max_model_len %d, dtype %s, quantization %s, weights %d B)", engine.info.name,
+                    engine.info.max_model_len, engine.info.dtype, engine.info.quantization, engine.info.weights_bytes)
         return self.state
 
     async def drain(self) -> None:
@@ -129,6 +132,7 @@ def _set_device_memory(state: ServerState) -> None:
     the device's used/total memory."""
     device = state.engine.device
     info = state.engine.info
+    state.metrics.set_weights(info.dtype, info.quantization, info.weights_bytes)
     if device.startswith("cuda"):
         import torch
 

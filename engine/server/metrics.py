@@ -207,6 +207,11 @@ class EngineMetrics:
             "kvscope_engine_device_memory_total_bytes",
             "Device memory capacity: VRAM on CUDA; the host's physical memory on CPU.",
             ["device"], registry=r)
+        self.weights_bytes = Gauge(
+            "kvscope_engine_weights_bytes",
+            "Bytes of model weights held (compact int4/int8 and dense packed copies), labelled with the weight "
+            "format served: dtype and quantization (--quantization auto resolved).",
+            ["model", "dtype", "quantization"], registry=r)
 
     def _init_structured(self, r: CollectorRegistry) -> None:
         self.structured_output_requests = Counter(

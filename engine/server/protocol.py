@@ -302,6 +302,23 @@ class CompletionResponse(Struct):
     kvscope: KvscopeStats | UnsetType = UNSET
 
 
+class ModelFormatInfo(Struct):
+    """The ``kvscope`` field of a model card: the weight format served and its memory (an extension, as vLLM
+    adds ``max_model_len``/``root`` to OpenAI's card)."""
+
+    dtype: str
+    """Weights/activations dtype as loaded (float32, bfloat16)."""
+    quantization: str
+    """none, int8, int4 or gguf."""
+    weights_bytes: int
+    """Bytes of weights held (compact and dense packed copies)."""
+    kv_cache_bytes: int
+    rss_bytes: int
+    """Process resident set size when the engine was built."""
+    reason: str
+    """Why this format (the start-up probe's scores and the verification source, or the flags)."""
+
+
 class ModelCard(Struct):
     id: str
     created: int
@@ -310,6 +327,7 @@ class ModelCard(Struct):
     object: str = "model"
     owned_by: str = "kvscope"
     root: str | None = None
+    kvscope: ModelFormatInfo | None = None
 
 
 class ModelList(Struct):

@@ -31,6 +31,7 @@ from engine.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
+    ModelFormatInfo,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -114,8 +115,11 @@ async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Re
 @get("/v1/models", summary="The served model and the context length it enforces")
 async def models(request: Request) -> ModelList:
     state = server_state(request)
+    info = state.engine.info
     card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len,
-                     root=state.engine.info.model_dir)
+                     root=info.model_dir, kvscope=ModelFormatInfo(
+                         dtype=info.dtype, quantization=info.quantization, weights_bytes=info.weights_bytes,
+                         kv_cache_bytes=info.kv_cache_bytes, rss_bytes=info.rss_bytes, reason=info.format_reason))
     return ModelList(data=[card])
 
 

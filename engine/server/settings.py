@@ -81,7 +81,9 @@ def _traces_from_env(environ: Mapping[str, str]) -> str | None:
 
 class EngineOptions(msgspec.Struct, **_STRUCT):
     """The engine options of ``kvscope engine`` (engine.llm.build_engine_config keywords). None: the default
-    of :class:`engine.config.EngineConfig` (engine/config.py holds those defaults, once)."""
+    of :class:`engine.config.EngineConfig` (engine/config.py holds those defaults, once). The server's own
+    defaults differ in one place: ``dtype``/``quantization`` are ``auto`` (the fastest verified weight format,
+    engine/models/format_choice.py), where the library keeps float32 for exact parity."""
 
     model: Annotated[str, Flag("registry name, HF folder or .gguf file")] = DEFAULT_MODEL
     served_model_name: Annotated[str | None, Flag(
@@ -92,15 +94,20 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     long_prefill_token_threshold: Annotated[int | None, Flag("cap one request's prefill chunk")] = None
     kv_cache_memory: Annotated[int | None, Flag("KV cache bytes on CPU (e.g. 256M, 1GiB)",
                                                 parse=parse_size)] = None
+    memory_budget: Annotated[int | None, Flag(
+        "CPU: bytes for weights + KV cache (e.g. 2GiB); the KV cache gets it minus the loaded format's weights "
+        "(overrides --kv-cache-memory)", parse=parse_size)] = None
     num_blocks: Annotated[int | None, Flag("exact number of KV blocks (overrides the memory budget)")] = None
     block_size: Annotated[int | None, Flag("tokens per KV block")] = None
     gpu_memory_utilization: Annotated[float | None, Flag("CUDA: fraction of device memory to use")] = None
     enable_prefix_caching: Annotated[bool | None, Flag("disable the prefix cache", name="--no-prefix-caching",
                                                        negate=True)] = None
-    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"] | None, Flag(
-        "weights/activations (default float32; auto: bfloat16 where the CPU probe measures it faster)")] = None
-    quantization: Annotated[Literal["none", "int8", "int4", "gguf"] | None, Flag(
-        "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf")] = None
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Flag(
+        "weights/activations (default auto: with --quantization auto the chosen format's, else bfloat16 where "
+        "the CPU probe measures it faster; float32 for exact parity with transformers)")] = "auto"
+    quantization: Annotated[Literal["auto", "none", "int8", "int4", "gguf"], Flag(
+        "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf; default auto: the "
+        "fastest format verified for the model, by the start-up probe (--dtype float32 alone: none)")] = "auto"
     seed: Annotated[int | None, Flag()] = None
     device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
     attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None

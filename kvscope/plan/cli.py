@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--quantization", default="none",
                    choices=("none", "fp8", "int8", "int4", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"))
+    p.add_argument("--weights-format", choices=("float32", "bfloat16", "int8", "int4", "gguf"),
+                   help="the kvscope engine's CPU weight format: weights counted as the engine holds them "
+                        "(compact formats: --dtype is their dense dtype), flags name --dtype/--quantization")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "fp8"))
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--concurrency", type=int, help="sequences that must fit at max_model_len")
@@ -65,7 +68,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
                        concurrency=args.concurrency, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, prompt_len=args.prompt_len,
                        output_len=args.output_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                       ttft_slo_s=args.ttft_slo)
+                       ttft_slo_s=args.ttft_slo, weights_format=args.weights_format)
 
 
 def resolve_device(name: str, args: argparse.Namespace) -> Device:

@@ -9,9 +9,10 @@ Every figure is in bytes, seconds or tokens; see formulas.py for the formulas an
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from kvscope.plan import engine_formats as ef
 from kvscope.plan import formulas as f
 from kvscope.plan.devices import CPU, FORMAT_OF_DTYPE, Device
 from kvscope.plan.model_files import ModelFiles
@@ -48,9 +49,16 @@ class PlanRequest:
     output_len: int = 128
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     ttft_slo_s: float = 1.0
+    weights_format: str | None = None
+    """The kvscope engine's CPU weight format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``): weights are
+    counted as the engine holds them (kvscope/plan/engine_formats.py, compact formats with ``dtype`` as their
+    dense dtype) and the recommended flags name ``--dtype``/``--quantization``. None: ``dtype``/``quantization``
+    as a generic format (formulas.weight_bytes)."""
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.weights_format is not None:
+            _choice("weights_format", self.weights_format, tuple(ef.ENGINE_FORMATS))
         _choice("quantization", self.quantization, tuple(f.QUANT_BYTES))
         _choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *f.DTYPE_BYTES))
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -96,12 +104,19 @@ def plan(req: PlanRequest, files: ModelFiles, device: Device) -> Plan:
     """Plan ``req`` for the model ``files`` on ``device``. Raises ValueError (max_model_len beyond the model,
     a number format the device has no peak for)."""
     shape = files.shape
+    if ef.ENGINE_FORMATS.get(req.weights_format or "", ("", "none"))[1] != "none" and device.name != CPU:
+        raise ValueError(f"--weights-format {req.weights_format} is a CPU format of the kvscope engine (its compact "
+                         "kernels are torch's CPU ops); use --device cpu, or float32/bfloat16")
+    if req.weights_format is not None:  # the engine's format: its dense dtype, and its bytes for the speed rows
+        req = replace(req, dtype=ef.format_dtype(req.weights_format, req.dtype),
+                      quantization=ef.SPEED_QUANTIZATION[ef.ENGINE_FORMATS[req.weights_format][1]])
     max_len = req.max_model_len or shape.max_position_embeddings
     if max_len > shape.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                          f"{shape.max_position_embeddings}")
     warnings: list[str] = []
-    weights = f.weight_bytes(shape, req.dtype, req.quantization)
+    weights = (f.weight_bytes(shape, req.dtype, req.quantization) if req.weights_format is None else
+               ef.engine_weight_bytes(shape, req.weights_format, req.dtype))
     memory = _memory(req, shape, device, weights, max_len)
     max_len = _fit_max_len(memory, max_len, req.block_size, warnings)
     if device.name == CPU and weights + memory["kv_budget_bytes"] > device.memory_bytes:
@@ -254,7 +269,9 @@ def _weights_section(req: PlanRequest, files: ModelFiles, weights: int) -> dict[
     shape = files.shape
     formats = {"float32": f.weight_bytes(shape, "float32"), "bfloat16": f.weight_bytes(shape, "bfloat16")}
     formats |= {q: f.weight_bytes(shape, req.dtype, q) for q in f.QUANT_BYTES if q != "none"}
+    engine = {fmt: ef.engine_weight_bytes(shape, fmt, req.dtype) for fmt in ef.ENGINE_FORMATS}
     return {"bytes": weights, "dtype": req.dtype, "quantization": req.quantization, "by_format": formats,
+            "weights_format": req.weights_format, "engine_by_format": engine,
             "formula": "linear params × bytes(quantization) + (embedding + norms) × bytes(dtype)",
             "on_disk": on_disk(files)}
 
@@ -271,6 +288,8 @@ def _kv_section(req: PlanRequest, shape, max_len: int) -> dict[str, Any]:
 def _flags(req: PlanRequest, device: Device, shape, max_len: int, max_num_seqs: int) -> dict[str, Any]:
     flags: dict[str, Any] = {"--max-model-len": max_len, "--max-num-seqs": max_num_seqs,
                              "--block-size": req.block_size, "--dtype": req.dtype}
+    if req.weights_format is not None:
+        flags["--quantization"] = ef.ENGINE_FORMATS[req.weights_format][1]
     if device.name == CPU:
         need = max_num_seqs * f.kv_bytes_per_sequence(shape, req.kv_dtype, max_len, req.block_size)
         flags["--kv-cache-memory"] = f"{math.ceil((req.kv_cache_memory or need) / (1 << 20))}MiB"

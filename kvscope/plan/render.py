@@ -44,8 +44,10 @@ def _model(p: Plan) -> Table:
 
 def _weights(p: Plan) -> Table:
     w, disk = p.weights, p.weights["on_disk"]
-    rows = [(f"weights ({w['dtype']}, quantization {w['quantization']})", size(w["bytes"]))]
+    named = f"engine format {w['weights_format']}, " if w["weights_format"] else ""
+    rows = [(f"weights ({named}{w['dtype']}, quantization {w['quantization']})", size(w["bytes"]))]
     rows += [(f"  as {fmt}", size(b)) for fmt, b in w["by_format"].items()]
+    rows += [(f"  kvscope engine --weights-format {fmt}", size(b)) for fmt, b in w["engine_by_format"].items()]
     if disk["safetensors"]:
         rows.append(("on disk: safetensors", size(disk["safetensors"]["file_bytes"])))
     gguf = disk["gguf"]

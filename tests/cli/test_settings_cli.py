@@ -69,7 +69,7 @@ def test_given_flags_env_and_file_layer_in_that_order() -> None:
 def test_engine_and_gateway_keep_every_flag_name() -> None:
     assert sorted(_options(build_parser())) == sorted([
         "--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
-        "--max-num-batched-tokens", "--long-prefill-token-threshold", "--kv-cache-memory", "--num-blocks",
+        "--max-num-batched-tokens", "--long-prefill-token-threshold", "--kv-cache-memory", "--memory-budget", "--num-blocks",
         "--block-size", "--gpu-memory-utilization", "--no-prefix-caching", "--dtype", "--quantization", "--seed",
         "--device",
         "--attention-backend", "--num-threads", "--speculative", "--num-speculative-tokens", "--prompt-lookup-min",
@@ -86,7 +86,8 @@ def test_engine_defaults_env_and_flags() -> None:
     env = {"KVSCOPE_ENGINE_API_KEY": "k-env", "OTEL_SERVICE_NAME": "svc", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}
     args = build_parser().parse_args([])
     options, settings = engine_options(args), server_settings(args, env)
-    assert options.config_kwargs() == {} and options.model == "smollm2-135m"
+    # the servers' one default of their own: the fastest verified weight format (engine/models/format_choice.py)
+    assert options.config_kwargs() == {"dtype": "auto", "quantization": "auto"} and options.model == "smollm2-135m"
     assert (settings.host, settings.port, settings.sse_keepalive_s, settings.max_concurrent_requests,
             settings.log_level, settings.warmup) == ("127.0.0.1", 8000, 15.0, 0, "info", True)
     assert (settings.api_key, settings.service_name, settings.otlp_endpoint) == ("k-env", "svc",
@@ -94,7 +95,7 @@ def test_engine_defaults_env_and_flags() -> None:
     args = build_parser().parse_args(["--api-key", "k-flag", "--service-name", "mine", "--no-warmup",
                                       "--dtype", "bfloat16", "--kv-cache-memory", "1M", "--tpot-buckets", "0.1,1"])
     options, settings = engine_options(args), server_settings(args, env)
-    assert options.config_kwargs() == {"dtype": "bfloat16", "kv_cache_memory": 1 << 20}
+    assert options.config_kwargs() == {"dtype": "bfloat16", "quantization": "auto", "kv_cache_memory": 1 << 20}
     assert (settings.api_key, settings.service_name, settings.warmup) == ("k-flag", "mine", False)
     assert settings.buckets.token_latency_s == (0.1, 1.0)
     assert server_settings(build_parser().parse_args([]), {}).service_name == "kvscope-engine"

@@ -76,8 +76,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     engine_url, fake_url = f"http://127.0.0.1:{ports['engine']}", f"http://127.0.0.1:{ports['fake']}"
     fake = ManagedProcess(python("-m", "tests.gateway.fake_upstream", "--port", str(ports["fake"]), "--models",
                                  FAKE_MODEL, "--status", "500"), tmp / "fake.log").start()
-    engine = ManagedProcess(python("-m", "kvscope.cli", "engine", "--model", MODEL, "--host", "127.0.0.1",
-                                   "--port", str(ports["engine"])), tmp / "engine.log").start()
+    engine = ManagedProcess(python("-m", "kvscope.cli", "engine", "--model", MODEL, "--dtype", "float32",
+                                   "--host", "127.0.0.1", "--port", str(ports["engine"])), tmp / "engine.log").start()
     config = gateway_config(tmp / "gateway.yaml", ports["gateway"], engine_url, fake_url, keys)
     processes = [fake, engine]
     try:

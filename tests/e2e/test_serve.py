@@ -105,6 +105,21 @@ def _check_children(running: Serve) -> None:
     assert len(commands) == 2 and "engine" in commands[0] and "gateway" in commands[1], commands
 
 
+def _check_default_format(running: Serve) -> None:
+    """No --dtype/--quantization: the engine picks the fastest verified format (smollm2-135m: float32, bfloat16
+    or gguf by its start-up probe), logs why, and serve prints the same format from the engine's card."""
+    import re
+
+    text = running.output.read_text(errors="replace")
+    engine_line = re.search(r"weights format: dtype (\w+), quantization (\w+) \(fastest verified format by the "
+                            r"start-up probe .*verified: float32, bfloat16, gguf \(provisional", text)
+    serve_line = re.search(r"engine weight format: dtype (\w+), quantization (\w+), weights \d+ MiB", text)
+    assert engine_line is not None and serve_line is not None, text[-3000:]
+    assert engine_line.groups() == serve_line.groups()
+    assert engine_line.groups() in {("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf"),
+                                    ("float32", "gguf")}
+
+
 def _check_why(log_file: Path, prompt_tokens: int, record: dict) -> None:
     """``kvscope logs why`` on the gateway's log line of the one request (issue 18): one step of prefill, 3 of
     decode, nothing ahead, and the causes add up to the gateway's e2e."""
@@ -133,6 +148,7 @@ def test_serve_answers_through_the_openai_sdk_and_stops_cleanly_on_sigterm(serve
     import openai
 
     _check_children(serve)
+    _check_default_format(serve)
     sdk = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
     answer = sdk.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
                                          max_tokens=4, temperature=0, extra_headers={"x-request-id": "why-me"})

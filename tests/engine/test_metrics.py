@@ -45,6 +45,7 @@ EXPECTED = {
     "kvscope_engine_spec_decode_num_accepted_tokens": ("counter", ("model",)),
     "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": ("counter", ("model", "position")),
     "kvscope_engine_spec_decode_acceptance_length": ("histogram", ("model",)),
+    "kvscope_engine_weights_bytes": ("gauge", ()),  # labelled model/dtype/quantization, set by the server at start
 }
 
 

@@ -85,7 +85,7 @@ def test_gguf_needs_a_gguf_and_quantization_needs_a_cpu(tiny_q4: tuple[Pair, Pat
         load_model(ModelConfig(model=str(model_dir), quantization="gguf"), "cpu")
     with pytest.raises(ValueError, match="runs on CPU only"):
         load_model(ModelConfig(model=str(path), quantization="int4"), "cuda", root=root)
-    with pytest.raises(ValueError, match="quantization must be none, int8, int4 or gguf"):
+    with pytest.raises(ValueError, match="quantization must be auto, none, int8, int4 or gguf"):
         ModelConfig(quantization="awq")
 
 

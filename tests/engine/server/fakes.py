@@ -56,6 +56,12 @@ class FakeInfo:
     max_model_len: int = 128
     kv_cache_bytes: int = 1000
     weights_bytes: int = 2000
+    dtype: str = "bfloat16"
+    quantization: str = "gguf"
+    format_reason: str = "fake: fastest verified format"
+    rss_bytes: int = 5000
+    peak_rss_bytes: int = 6000
+    num_blocks: int = 7
 
 
 class FakeScheduler:

@@ -126,11 +126,15 @@ class EngineProcess:
 
 
 def start_engine(tmp_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 timeout_s: float = 240) -> EngineProcess:
-    """Start the engine server on a free port with ``args`` and wait until /health answers 200."""
+                 timeout_s: float = 240, pin_float32: bool = True) -> EngineProcess:
+    """Start the engine server on a free port with ``args`` and wait until /health answers 200.
+    ``pin_float32``: pass ``--dtype float32`` (exact, batch-independent greedy text as the tests expect) unless
+    ``args`` name a ``--dtype``/``--quantization``; False serves the server's default format (auto)."""
     port = free_port()
     log_path, err_path = tmp_dir / "engine.jsonl", tmp_dir / "engine.err"
-    command = [sys.executable, "-m", "engine.server", "--port", str(port), *args]
+    pinned = pin_float32 and not any(a.split("=")[0] in ("--dtype", "--quantization") for a in args)
+    command = [sys.executable, "-m", "engine.server", "--port", str(port), *(("--dtype", "float32") if pinned else ()),
+               *args]
     proc = subprocess.Popen(command, cwd=REPO, stdout=log_path.open("w"), stderr=err_path.open("w"),
                             env={**os.environ, **(env or {})})
     engine = EngineProcess(f"http://127.0.0.1:{port}", proc, log_path, err_path)

@@ -1,0 +1,107 @@
+"""``--quantization auto``: the fastest weight format this CPU runs among those verified for the model.
+
+Candidates: the model's verified formats (``kvscope.models.registry.ModelSpec.verified_formats``, names of
+:data:`FORMATS`; a model that is not registered: float32 and bfloat16,
+``kvscope.models.registry.verified_formats``). Speed: the
+start-up kernel probe (:func:`engine.models.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD
+EPYC without AMX gets what *its* probe measured. A format's cost at ``n`` rows is the time of the kernel it
+runs there: its dense dtype's for float32/bfloat16; for int8/gguf (int4) the compact kernel up to the
+crossover ``choice.max_rows`` and the dense copy above it, as :class:`engine.models.quant.CompactLinearKernel`
+switches. The score is the geometric mean over the probed row counts of cost / float32 cost (every batch
+size weighs the same: batch 1 is the latency a lone user sees, batch 32+ the throughput under load); the
+lowest score wins, ties go to the earlier (higher-precision) entry of :data:`FORMATS`.
+
+Explicit flags win: ``--dtype X`` with ``--quantization auto`` means dense weights in X (no chooser), and an
+explicit ``--quantization`` never reaches this module. Off CPU, auto is ``none`` (the compact kernels are
+CPU-only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from engine.models.kernel_probe import KernelChoice
+
+FORMATS = MappingProxyType({
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("auto", "int8"),
+    "gguf": ("auto", "gguf"),
+})
+"""Weight-format name → (``--dtype``, ``--quantization``) it runs as. Compact formats run with ``--dtype auto``
+(the probe's dense dtype for activations, the LM head and the dense copy used for batched rows)."""
+_KERNEL = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "gguf": "int4"}
+
+
+@dataclass(frozen=True, slots=True)
+class FormatChoice:
+    """The outcome of :func:`choose_format`, for the start-up log, /v1/models and the metrics."""
+
+    format: str
+    """A :data:`FORMATS` name."""
+    dtype: str
+    """``--dtype`` as resolved (``float32``/``bfloat16``)."""
+    quantization: str
+    """``--quantization`` as resolved (``none``/``int8``/``gguf``)."""
+    reason: str
+    """Why: the probe's scores, or the flag that decided."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """Candidate → geometric-mean cost relative to float32 (1.0 = as fast as float32; lower is faster)."""
+
+
+def format_cost_ms(fmt: str, choice: KernelChoice, rows: int) -> float:
+    """Probe time (ms) of the kernel format ``fmt`` runs at ``rows`` rows (module doc). Raises KeyError when
+    the probe has no timing for it."""
+    kernel = _KERNEL[fmt]
+    dense = str(choice.dense_dtype).removeprefix("torch.")
+    if kernel in ("int4", "int8") and rows > choice.max_rows.get(kernel, 0):
+        kernel = dense
+    return choice.timings_ms[f"{kernel}@{rows}"]
+
+
+def probe_rows(choice: KernelChoice) -> list[int]:
+    """The row counts the probe timed (from its ``float32@N`` keys), ascending."""
+    return sorted(int(key.split("@")[1]) for key in choice.timings_ms if key.startswith("float32@"))
+
+
+def format_score(fmt: str, choice: KernelChoice) -> float:
+    """Geometric mean over :func:`probe_rows` of ``format_cost_ms(fmt) / format_cost_ms("float32")``."""
+    rows = probe_rows(choice)
+    if not rows:
+        raise ValueError("the kernel probe recorded no float32 timings")
+    logs = [math.log(format_cost_ms(fmt, choice, n) / format_cost_ms("float32", choice, n)) for n in rows]
+    return math.exp(sum(logs) / len(logs))
+
+
+def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, source: str = "",
+                  device_type: str = "cpu", has_gguf: bool = True) -> FormatChoice:
+    """The fastest of ``verified`` on this CPU by ``choice`` (module doc). ``source`` names where the
+    verification comes from (logged); ``has_gguf``: False drops ``gguf`` (the model is not a GGUF). Off CPU,
+    or without a probe: bfloat16 on CUDA, float32 on CPU. Raises ValueError for an unknown format name."""
+    unknown = [f for f in verified if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown weight formats {unknown}; known: {', '.join(FORMATS)}")
+    if device_type != "cpu":
+        return FormatChoice("bfloat16", "bfloat16", "none", f"device {device_type}: compact formats are CPU-only")
+    candidates = [f for f in FORMATS if f in verified and (has_gguf or f != "gguf")]
+    if choice is None or not candidates or not probe_rows(choice):
+        return FormatChoice("float32", "float32", "none", "no kernel probe timings or no verified format: float32")
+    scores = {f: round(format_score(f, choice), 4) for f in candidates}
+    best = min(candidates, key=lambda f: (scores[f], candidates.index(f)))
+    dtype, quantization = FORMATS[best]
+    if dtype == "auto":
+        dtype = str(choice.dense_dtype).removeprefix("torch.")
+    listed = ", ".join(f"{f} {scores[f]:.2f}" for f in candidates)
+    reason = (f"fastest verified format by the start-up probe (cost vs float32, geometric mean over "
+              f"{len(probe_rows(choice))} batch sizes: {listed}); verified: {', '.join(verified)}"
+              f"{f' ({source})' if source else ''}")
+    return FormatChoice(best, dtype, quantization, reason, scores)
+
+
+def pinned_format(dtype: str, quantization: str, reason: str) -> FormatChoice:
+    """The FormatChoice of explicit flags (``dtype`` resolved), named after :data:`FORMATS` where one matches
+    (``int4`` and float16 keep their own names)."""
+    name = quantization if quantization != "none" else dtype
+    return FormatChoice(name, dtype, quantization, reason)

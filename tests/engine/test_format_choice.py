@@ -1,0 +1,161 @@
+"""``--quantization auto``: the fastest verified weight format by a given probe result, flags overriding it,
+and the KV budget of ``--memory-budget`` being the total minus the chosen format's weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import engine.models.loader as loader
+from engine.config import CacheConfig, ModelConfig
+from engine.engine_core import format_line
+from engine.memory import cpu_kv_budget, process_memory_bytes
+from engine.models.compact import model_weight_bytes
+from engine.models.format_choice import choose_format, format_cost_ms, format_score
+from engine.models.kernel_probe import NO_DENSE, KernelChoice
+from engine.server.cli import build_parser, engine_options
+from kvscope.models.registry import verified_formats
+from kvscope.plan.engine_formats import engine_weight_bytes
+from kvscope.plan.model_files import read_model
+from tests.engine.server.fakes import FakeInfo
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def probe(dense: torch.dtype, max_rows: dict[str, int], **series: tuple[float, ...]) -> KernelChoice:
+    """A KernelChoice with ``series[kernel]`` ms at each of ROWS."""
+    timings = {f"{k}@{n}": t for k, ts in series.items() for n, t in zip(ROWS, ts, strict=True)}
+    return KernelChoice(dense_dtype=dense, max_rows=max_rows, timings_ms=timings)
+
+
+# An AMX Xeon (this project's machine, probe of 2026-12-01 rounded): bf16 2x fp32 when batched, int4 2-4x
+# faster than bf16 at 1-4 rows and 2-6x slower above.
+XEON_AMX = probe(torch.bfloat16, {"int4": 4, "int8": 2},
+                 float32=(0.72, 0.66, 0.41, 0.55, 0.69, 1.11, 1.98),
+                 bfloat16=(0.53, 0.43, 0.31, 0.28, 0.30, 0.52, 0.64),
+                 int4=(0.19, 0.19, 0.25, 0.51, 0.97, 2.06, 3.81),
+                 int8=(0.32, 0.29, 0.33, 0.60, 1.17, 1.91, 4.66))
+# An AMD EPYC with AVX-512 but no AMX/AVX512_BF16: bf16 is emulated (slower than fp32 everywhere), the
+# compact kernels win at small batches, fp32 above the crossover.
+EPYC_NO_AMX = probe(torch.float32, {"int4": 8, "int8": 4},
+                    float32=(0.70, 0.70, 0.72, 0.80, 1.00, 1.60, 3.00),
+                    bfloat16=(1.40, 1.45, 1.50, 1.70, 2.20, 3.50, 6.50),
+                    int4=(0.25, 0.26, 0.30, 0.45, 1.50, 3.00, 6.00),
+                    int8=(0.40, 0.42, 0.45, 0.90, 1.80, 3.40, 7.00))
+# A CPU where the compact kernels never win: gguf costs exactly what its dense copy costs, so it ties with
+# bfloat16 and the tie goes to the earlier (higher-precision) format.
+COMPACT_NEVER_WINS = probe(torch.bfloat16, {"int4": 0, "int8": 0},
+                           float32=(1.0,) * 7, bfloat16=(0.5,) * 7, int4=(2.0,) * 7, int8=(2.0,) * 7)
+SMOLLM2 = ("float32", "bfloat16", "gguf")
+
+
+@pytest.mark.parametrize(("verified", "choice", "has_gguf", "expected"), [
+    (SMOLLM2, XEON_AMX, True, ("gguf", "bfloat16", "gguf")),
+    (SMOLLM2, EPYC_NO_AMX, True, ("gguf", "float32", "gguf")),
+    (("float32", "bfloat16"), EPYC_NO_AMX, True, ("float32", "float32", "none")),   # unregistered model
+    (("float32", "bfloat16"), XEON_AMX, True, ("bfloat16", "bfloat16", "none")),
+    (SMOLLM2, XEON_AMX, False, ("bfloat16", "bfloat16", "none")),                   # a model with no GGUF
+    (("float32", "bfloat16", "int8"), EPYC_NO_AMX, False, ("int8", "float32", "int8")),
+    (SMOLLM2, COMPACT_NEVER_WINS, True, ("bfloat16", "bfloat16", "none")),
+    (("float32",), XEON_AMX, True, ("float32", "float32", "none")),
+])
+def test_the_chooser_picks_the_fastest_verified_format(verified, choice, has_gguf, expected) -> None:
+    picked = choose_format(verified, choice, source="test table", has_gguf=has_gguf)
+    assert (picked.format, picked.dtype, picked.quantization) == expected
+
+
+def test_scores_are_the_geometric_mean_of_the_kernel_each_format_runs() -> None:
+    # gguf on the Xeon: int4 at 1, 2, 4 rows, then the bf16 dense copy at 8..64 rows
+    ratios = [0.19 / 0.72, 0.19 / 0.66, 0.25 / 0.41, 0.28 / 0.55, 0.30 / 0.69, 0.52 / 1.11, 0.64 / 1.98]
+    assert format_score("gguf", XEON_AMX) == pytest.approx(math.prod(ratios) ** (1 / 7))
+    assert [format_cost_ms("gguf", XEON_AMX, n) for n in (4, 8)] == [0.25, 0.28]
+    assert format_cost_ms("int8", probe(torch.float32, {"int8": NO_DENSE}, int8=(9.0,) * 7), 64) == 9.0
+    picked = choose_format(SMOLLM2, XEON_AMX, source="test table")
+    assert picked.scores == {"float32": 1.0, "bfloat16": round(format_score("bfloat16", XEON_AMX), 4),
+                             "gguf": round(format_score("gguf", XEON_AMX), 4)}
+    assert picked.reason == (
+        f"fastest verified format by the start-up probe (cost vs float32, geometric mean over 7 batch sizes: "
+        f"float32 1.00, bfloat16 {picked.scores['bfloat16']:.2f}, gguf {picked.scores['gguf']:.2f}); "
+        "verified: float32, bfloat16, gguf (test table)")
+
+
+def test_off_cpu_and_without_a_probe_and_unknown_names() -> None:
+    assert (choose_format(SMOLLM2, None, device_type="cuda").dtype,
+            choose_format(SMOLLM2, None, device_type="cuda").quantization) == ("bfloat16", "none")
+    assert choose_format(SMOLLM2, None).format == "float32"
+    untimed = choose_format(SMOLLM2, KernelChoice(torch.bfloat16, {"int4": 4}))
+    assert (untimed.format, untimed.reason) == ("float32", "no kernel probe timings or no verified format: float32")
+    with pytest.raises(ValueError, match=r"unknown weight formats \['fp4'\]"):
+        choose_format(("float32", "fp4"), XEON_AMX)
+
+
+def test_verified_formats_come_from_the_registry() -> None:
+    formats, source = verified_formats("smollm2-135m")
+    assert formats == SMOLLM2 and source.startswith("provisional")
+    assert verified_formats("/models/some-hf-folder") == (("float32", "bfloat16"),
+                                                          "not a registered model: dense formats only")
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "expected"), [
+    ("auto", "auto", ("gguf", "bfloat16", "gguf")),
+    ("float32", "auto", ("float32", "float32", "none")),        # --dtype alone pins dense weights
+    ("bfloat16", "auto", ("bfloat16", "bfloat16", "none")),
+    ("auto", "int8", ("int8", "bfloat16", "int8")),             # explicit --quantization: as given
+    ("float32", "none", ("float32", "float32", "none")),
+    ("float32", "int4", ("int4", "float32", "int4")),
+])
+def test_flags_override_the_chooser(dtype, quantization, expected) -> None:
+    fmt = loader.resolve_format(ModelConfig(model="smollm2-135m", dtype=dtype, quantization=quantization),
+                                torch.device("cpu"), XEON_AMX, gguf_path=None if dtype != "auto" else "x.gguf")
+    assert (fmt.format, fmt.dtype, fmt.quantization) == expected
+
+
+def test_servers_default_to_auto_and_the_library_to_float32() -> None:
+    options = engine_options(build_parser().parse_args([]))
+    assert (options.dtype, options.quantization) == ("auto", "auto")
+    assert (options.config_kwargs()["dtype"], options.config_kwargs()["quantization"]) == ("auto", "auto")
+    pinned = engine_options(build_parser().parse_args(["--dtype", "float32"]))
+    assert (pinned.dtype, pinned.quantization) == ("float32", "auto")
+    assert (ModelConfig().dtype, ModelConfig().quantization) == ("float32", "none")
+    assert engine_options(build_parser().parse_args(["--memory-budget", "1GiB"])).memory_budget == 1 << 30
+
+
+def test_kv_budget_is_the_total_minus_the_weights() -> None:
+    assert cpu_kv_budget(CacheConfig(kv_cache_memory=5000), 3000) == 5000      # no total: the KV budget as given
+    assert cpu_kv_budget(CacheConfig(memory_budget=8000), 3000) == 5000
+    with pytest.raises(ValueError, match="not above the weights' 8000 B"):
+        cpu_kv_budget(CacheConfig(memory_budget=8000), 8000)
+    with pytest.raises(ValueError, match="memory_budget must be positive"):
+        CacheConfig(memory_budget=0)
+
+
+def test_process_memory_reads_vmrss_and_vmhwm(tmp_path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
+    assert process_memory_bytes(status) == (1 << 20, 2 << 20)
+    assert process_memory_bytes(tmp_path / "missing") == (0, 0)
+
+
+def test_start_up_line_names_format_reason_and_bytes() -> None:
+    info = FakeInfo()
+    assert format_line(info) == ("weights format: dtype bfloat16, quantization gguf (fake: fastest verified "
+                                 "format); weights 2000 B, KV cache 1000 B (7 blocks), process RSS 5000 B "
+                                 "(peak 6000 B)")
+
+
+def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPatch, model_dir) -> None:
+    from engine.llm import LLM
+
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: XEON_AMX)
+    budget = 600 << 20
+    engine = LLM("smollm2-135m", dtype="auto", quantization="auto", memory_budget=budget).engine
+    info = engine.info
+    assert (info.dtype, info.quantization) == ("bfloat16", "gguf")
+    assert info.weights_bytes == model_weight_bytes(engine.model) == engine_weight_bytes(
+        read_model(str(model_dir)).shape, "gguf", "bfloat16")  # kvscope plan --weights-format gguf counts the same
+    per_block = 30 * 2 * 16 * 3 * 64 * 2  # bf16 KV: layers x (K, V) x block x kv_heads x head_dim x 2 B
+    assert info.num_blocks == (budget - info.weights_bytes) // per_block
+    assert info.kv_cache_bytes == info.num_blocks * per_block
+    assert info.format_reason == choose_format(SMOLLM2, XEON_AMX, source=verified_formats("smollm2-135m")[1]).reason
