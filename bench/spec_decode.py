@@ -12,7 +12,7 @@ included). Each cell is the best of ``--repeats`` (the least disturbed by other 
 threads, load average before and after) and a markdown table. A benchmark, not a test: it asserts nothing.
 
     python bench/spec_decode.py [--max-tokens 128] [--repeats 2] [--num-speculative-tokens 4]
-                                [--dtype auto] [--quantization none] [--workloads code,list,random,open]
+                                [--dtype auto] [--quantization auto] [--workloads code,list,random,open]
                                 [--json out.json]
 """
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-c1", type=int, default=2, help="prompts run one after the other at c=1")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--quantization", default="auto", help="the servers' default: the fastest verified format")
     parser.add_argument("--workloads", default="code,list,random,open")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
@@ -202,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {before['cpu']} ({before['cpus']} CPUs; {', '.join(before['flags']) or 'no AVX2/512'}), "
           f"torch {after['torch']} with {after['torch_threads']} engine threads; load average "
           f"{before['load_average']} before, {after['load_average']} after")
-    dtype = str(engines[False].engine.model.load_report.dtype).removeprefix("torch.")
-    print(f"model: {info.name} (--dtype {args.dtype} → {dtype}, --quantization {args.quantization}), greedy "
+    report = engines[False].engine.model.load_report
+    fmt = report.weight_format
+    served = f"{fmt.dtype} {fmt.quantization}" if fmt is not None else str(report.dtype).removeprefix("torch.")
+    print(f"model: {info.name} (--dtype {args.dtype} --quantization {args.quantization} → {served}), greedy "
           f"(open: temperature 0.8, seeded), "
           f"max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, best of {args.repeats}\n")
     print(table(best))
