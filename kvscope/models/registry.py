@@ -25,6 +25,11 @@ class ModelSpec:
     """sha256 (hex) of the extracted .gguf."""
     served_model_name: str
     """Name reported by ``/v1/models``."""
+    verified_formats: tuple[str, ...] = ()
+    """Weight formats that met their issue-13 quality bound on this model in the full ``kvscope eval ppl`` run
+    (docs/benchmarks.md "Quality of the weight formats"): names among ``float32``, ``bfloat16``, ``int8``,
+    ``gguf`` (engine/eval/formats.py: bfloat16 = ``--dtype bfloat16``; int8/gguf = ``--quantization int8/gguf``
+    with ``--dtype float32``), perplexity within +1 % (bfloat16, int8) / +0.5 % (gguf) of float32's."""
 
     @property
     def gguf_filename(self) -> str:
