@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
     parser.add_argument("--stride", type=int, default=DEFAULT_STRIDE, help="tokens between window starts")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the engine's)")
+    parser.add_argument("--kernels", choices=("compact", "served"), default="compact",
+                        help="compact: int4/int8 layers run their compact kernel at every row count, as a batch-1 "
+                             "decode does (default); served: the engine's switch to the dense copy above the "
+                             "probe's crossover (prefill, batches)")
     parser.add_argument("--no-agreement", action="store_true", help="skip the greedy agreement generation")
     parser.add_argument("--save-result", type=Path, default=None, help="write the report as JSON here")
     parser.add_argument("--text", type=Path, default=None, help="a UTF-8 text to score instead of the shipped one")
@@ -103,12 +107,13 @@ def _run(args: argparse.Namespace, specs, text) -> int:
         print(f"{spec.name}: scoring {len(token_ids)} tokens in {len(windows)} windows…", file=sys.stderr)
         try:
             runs.append(run_format(args.model, spec, token_ids, windows, args.num_threads,
-                                   agreement=not args.no_agreement))
+                                   agreement=not args.no_agreement, kernels=args.kernels))
         except ValueError as exc:  # the engine refusing an option (e.g. gguf for a model that is no GGUF)
             return _fail(f"format {spec.name}: {exc}")
     machine = this_machine(load_average)
     report = EvalReport(model=args.model, text=text.name, text_sha256=text.sha256, num_tokens=len(token_ids),
-                        context=args.context, stride=args.stride, num_windows=len(windows), machine=machine,
+                        context=args.context, stride=args.stride, num_windows=len(windows), kernels=args.kernels,
+                        machine=machine,
                         rows=build_rows(runs))
     print(markdown_table(report))
     if args.save_result is not None:

@@ -66,6 +66,7 @@ class FormatRow:
     dtype: str
     quantization: str
     dense_dtype: str | None
+    kernels: str
     weights_bytes: int
     perplexity: float
     mean_nll: float
@@ -91,6 +92,8 @@ class EvalReport:
     context: int
     stride: int
     num_windows: int
+    kernels: str
+    """``compact`` or ``served`` (engine/eval/runner.py)."""
     machine: Machine
     rows: tuple[FormatRow, ...] = field(default_factory=tuple)
 
@@ -113,7 +116,7 @@ def build_rows(runs: Sequence[FormatRun]) -> tuple[FormatRow, ...]:
         bound = run.spec.bound_pct(run.dtype)
         agree: Agreement = agreement(reference.greedy, run.greedy, max((len(g) for g in reference.greedy), default=0))
         rows.append(FormatRow(format=run.spec.name, dtype=run.dtype, quantization=run.spec.quantization,
-                              dense_dtype=run.dense_dtype, weights_bytes=run.weights_bytes,
+                              dense_dtype=run.dense_dtype, kernels=run.kernels, weights_bytes=run.weights_bytes,
                               perplexity=run.perplexity.perplexity, mean_nll=run.perplexity.mean_nll,
                               tokens_scored=run.perplexity.num_scored, delta_pct=delta, bound_pct=bound,
                               passed=delta <= bound, agreement_tokens=agree.matched, agreement_total=agree.total,
@@ -123,7 +126,12 @@ def build_rows(runs: Sequence[FormatRun]) -> tuple[FormatRow, ...]:
 
 
 def _format_cell(row: FormatRow) -> str:
-    dense = f" (dense {row.dense_dtype})" if row.dense_dtype else ""
+    if not row.dense_dtype:
+        dense = ""
+    elif row.kernels == "compact":
+        dense = " (compact kernel at all rows)"
+    else:
+        dense = f" (dense {row.dense_dtype} above the crossover)"
     return f"{row.dtype} / {row.quantization}{dense}"
 
 
@@ -133,12 +141,12 @@ def markdown_table(report: EvalReport) -> str:
     for r in report.rows:
         bound = "reference" if r.format == REFERENCE else f"≤ +{r.bound_pct:g} %"
         agree = (f"{r.identical_prompts}/{len(r.agreement_tokens)} prompts, "
-                 f"{r.agreement_total}/{r.agreement_possible} tokens")
+                 f"{r.agreement_total}/{r.agreement_possible} tokens") if r.agreement_possible else "—"
         lines.append(f"| {r.format} | {_format_cell(r)} | {r.weights_bytes:,} | {r.perplexity:.4f} | "
                      f"{r.delta_pct:+.3f} | {bound} | {'PASS' if r.passed else 'FAIL'} | {agree} | {r.seconds:.1f} |")
     lines.append("")
     lines.append(f"model {report.model}; text {report.text} (sha256 {report.text_sha256[:12]}…), "
                  f"{report.num_tokens} tokens in {report.num_windows} windows of ≤ {report.context} "
-                 f"(stride {report.stride}); greedy agreement: 8 prompts × 64 tokens vs float32")
+                 f"(stride {report.stride}), kernels {report.kernels}; greedy agreement: 8 prompts × 64 tokens vs float32")
     lines.append(f"machine: {report.machine.describe()}")
     return "\n".join(lines)

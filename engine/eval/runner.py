@@ -6,6 +6,13 @@ same ModelRunner step, paged KV cache, attention backend and per-format linear k
 (chunked prefill, packed oneDNN / compact int4/int8 kernels as the CPU probe chose them), then
 ``model.compute_logits`` and a float32 log-softmax. Prefix caching is off so that every window is computed
 from its own tokens.
+
+Kernel mode (``--kernels``): a compact (int4/int8) layer switches to its dense bfloat16 copy above the probe's
+crossover (a few rows), so a served prefill or a batch of 8 decodes never runs the compact kernel at all.
+``compact`` (the default) drops those dense copies after loading, so that every position runs the int4/int8
+weight-only kernel exactly as a batch-1 decode step does: the quality of the compact weights themselves.
+``served`` keeps the engine's switch (a prompt's perplexity as served; for a compact format that is the dense
+copy's quality).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,8 +29,11 @@ from engine.eval.formats import FormatSpec
 from engine.eval.perplexity import PerplexityResult, Window, score_windows
 from engine.llm import LLM
 from engine.models.compact import model_weight_bytes
+from engine.models.kernel_probe import NO_DENSE
+from engine.models.quant import CompactLinearKernel
 from engine.sampling_params import SamplingParams
 
+KERNEL_MODES = ("compact", "served")
 KV_CACHE_BYTES = 512 << 20
 """KV cache of each evaluation engine (float32: ~11k tokens of SmolLM2-135M; one window runs at a time)."""
 
@@ -44,6 +54,8 @@ class FormatRun:
     seconds: float
     """Wall time of load + perplexity + greedy."""
     ppl_seconds: float
+    kernels: str = "served"
+    """``compact`` (compact kernels at every row count) or ``served`` (the engine's dense switch): module doc."""
 
 
 def engine_prompt_logprobs(llm: LLM) -> Callable[[list[int]], list[float]]:
@@ -64,6 +76,22 @@ def greedy_continuations(llm: LLM, prompts: Sequence[str] = AGREEMENT_PROMPTS,
     return tuple(tuple(o.outputs[0].token_ids) for o in llm.generate(list(prompts), params))
 
 
+def force_compact_kernels(model: torch.nn.Module) -> int:
+    """Make every compact layer (and an int8 logits kernel) run its int4/int8 kernel at any row count: drop
+    its dense copy. Returns the number of kernels changed (0 for a dense model)."""
+    changed = 0
+    for module in model.modules():
+        kernel = getattr(module, "cpu_kernel", None)
+        if isinstance(kernel, CompactLinearKernel):
+            module.cpu_kernel = replace(kernel, dense=None, max_compact_rows=NO_DENSE)
+            changed += 1
+    logits = getattr(model, "logits_kernel", None)
+    if isinstance(logits, CompactLinearKernel):
+        model.logits_kernel = replace(logits, dense=None, max_compact_rows=NO_DENSE)
+        changed += 1
+    return changed
+
+
 def build_llm(model: str, spec: FormatSpec, num_threads: int | None) -> LLM:
     """An offline engine for ``model`` in ``spec``'s format (prefix caching off). Raises what the engine's
     loader raises (ValueError, UnknownModelError, PullError)."""
@@ -73,25 +101,31 @@ def build_llm(model: str, spec: FormatSpec, num_threads: int | None) -> LLM:
 
 def run_format(model: str, spec: FormatSpec, token_ids: Sequence[int], windows: Sequence[Window],
                num_threads: int | None, on_window: Callable[[int, int], None] | None = None, *,
-               agreement: bool = True) -> FormatRun:
+               agreement: bool = True, kernels: str = "compact") -> FormatRun:
     """Load ``model`` in ``spec``, score ``token_ids`` in ``windows``, generate the agreement prompts (unless
-    ``agreement`` is False: ``greedy`` is then empty); the engine is released before returning."""
+    ``agreement`` is False: ``greedy`` is then empty) with ``kernels`` (module doc); the engine is released
+    before returning. Raises ValueError for an unknown kernel mode."""
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
     start = time.perf_counter()
     llm = build_llm(model, spec, num_threads)
     try:
         engine_model = llm.engine.model
         report = engine_model.load_report
+        weights_bytes = model_weight_bytes(engine_model)  # as served, dense copies included
+        if kernels == "compact":
+            force_compact_kernels(engine_model)
         ppl_start = time.perf_counter()
         with torch.inference_mode():
             ppl = score_windows(token_ids, windows, engine_prompt_logprobs(llm), on_window)
         ppl_seconds = time.perf_counter() - ppl_start
         greedy = greedy_continuations(llm) if agreement else ()
-        kernels = report.kernels
+        probe = report.kernels
         return FormatRun(spec=spec, dtype=str(report.dtype).removeprefix("torch."),
-                         dense_dtype=(str(kernels.dense_dtype).removeprefix("torch.")
-                                      if kernels is not None and spec.quantization != "none" else None),
-                         weights_bytes=model_weight_bytes(engine_model), perplexity=ppl, greedy=greedy,
-                         seconds=time.perf_counter() - start, ppl_seconds=ppl_seconds)
+                         dense_dtype=(str(probe.dense_dtype).removeprefix("torch.")
+                                      if probe is not None and spec.quantization != "none" else None),
+                         weights_bytes=weights_bytes, perplexity=ppl, greedy=greedy,
+                         seconds=time.perf_counter() - start, ppl_seconds=ppl_seconds, kernels=kernels)
     finally:
         del llm
         gc.collect()

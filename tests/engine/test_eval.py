@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import engine.eval.runner as runner
 import engine.eval.text as eval_text
@@ -18,8 +19,10 @@ from engine.eval.cli import eval_main, ppl_main
 from engine.eval.formats import FormatError, FormatSpec, parse_format, parse_formats
 from engine.eval.perplexity import PerplexityResult, Window, score_windows, sliding_windows
 from engine.eval.report import TABLE_COLUMNS, EvalReport, Machine, build_rows, markdown_table
-from engine.eval.runner import FormatRun
+from engine.eval.runner import FormatRun, force_compact_kernels
 from engine.eval.text import DEFAULT_TEXT_SHA256, DEFAULT_TEXT_TOKENS, EvalTextError, load_text
+from engine.models.kernel_probe import NO_DENSE
+from engine.models.quant import CompactLinearKernel, Int8Weight
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,10 +138,37 @@ def _run(spec: str, ppl: float, greedy: tuple[tuple[int, ...], ...], dtype: str 
     nll = math.log(ppl) * 99
     return FormatRun(spec=parse_format(spec), dtype=dtype, dense_dtype="bfloat16" if "/" in spec or spec == "gguf"
                      else None, weights_bytes=1000, perplexity=PerplexityResult(100, 99, nll, 1), greedy=greedy,
-                     seconds=1.25, ppl_seconds=1.0)
+                     seconds=1.25, ppl_seconds=1.0, kernels="compact")
 
 
 REF = ((1, 2, 3, 4),) * 8
+
+
+def test_compact_mode_drops_the_dense_copies() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 64, generator=gen)
+    compact = Int8Weight.from_float(weight)
+    dense_calls = []
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        dense_calls.append(x.shape[0])
+        return x @ weight.to(x.dtype).T
+
+    layer = torch.nn.Module()
+    layer.cpu_kernel = CompactLinearKernel(compact=compact, bias=None, dense=dense, dense_dtype=torch.bfloat16,
+                                           max_compact_rows=2)
+    model = torch.nn.Module()
+    model.layer = layer
+    model.logits_kernel = layer.cpu_kernel
+    x = torch.randn(8, 64, generator=gen)
+    layer.cpu_kernel(x)
+    assert dense_calls == [8]
+    assert force_compact_kernels(model) == 2
+    assert (layer.cpu_kernel.dense, layer.cpu_kernel.max_compact_rows) == (None, NO_DENSE)
+    assert (model.logits_kernel.dense, model.logits_kernel.max_compact_rows) == (None, NO_DENSE)
+    assert torch.equal(layer.cpu_kernel(x), compact.matmul(x.to(torch.bfloat16)).float())
+    assert dense_calls == [8]
+    assert force_compact_kernels(torch.nn.Linear(2, 2)) == 0
 
 
 def test_rows_and_table_columns() -> None:
@@ -146,7 +176,7 @@ def test_rows_and_table_columns() -> None:
             _run("bfloat16", 10.2, REF, "bfloat16")]
     machine = Machine("Test CPU", ("amx_bf16",), "AVX512", 1, 2, (1.0, 2.0, 3.0), "2.x")
     report = EvalReport(model="m", text="t.txt", text_sha256="ab" * 32, num_tokens=100, context=64, stride=32,
-                        num_windows=3, machine=machine, rows=build_rows(runs))
+                        num_windows=3, kernels="compact", machine=machine, rows=build_rows(runs))
     assert [(r.format, round(r.delta_pct, 6), r.bound_pct, r.passed) for r in report.rows] == [
         ("float32", 0.0, 0.0, True), ("gguf", 0.4, 0.5, True), ("bfloat16", 2.0, 1.0, False)]
     assert report.passed is False
@@ -156,9 +186,11 @@ def test_rows_and_table_columns() -> None:
                              "pass", "greedy agreement", "seconds")
     assert lines[2] == "| float32 | float32 / none | 1,000 | 10.0000 | +0.000 | reference | PASS | " \
                        "8/8 prompts, 32/32 tokens | 1.2 |"
-    assert lines[3] == "| gguf | float32 / gguf (dense bfloat16) | 1,000 | 10.0400 | +0.400 | ≤ +0.5 % | PASS | " \
+    assert lines[3] == "| gguf | float32 / gguf (compact kernel at all rows) | 1,000 | 10.0400 | +0.400 | ≤ +0.5 % | PASS | " \
                        "7/8 prompts, 31/32 tokens | 1.2 |"
     assert lines[4].split(" | ")[4:7] == ["+2.000", "≤ +1 %", "FAIL"]
+    assert lines[6].endswith("100 tokens in 3 windows of ≤ 64 (stride 32), kernels compact; greedy agreement: "
+                             "8 prompts × 64 tokens vs float32")
     assert lines[-1] == ("machine: Test CPU (2 logical CPUs; amx_bf16; torch 2.x capability AVX512), 1 torch "
                          "thread(s), load average 1.00, 2.00, 3.00")
 
@@ -169,16 +201,17 @@ def test_the_exit_status_is_1_when_a_format_misses_its_bound(gguf_ppl: float, co
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     seen = []
 
-    def fake_run(model, spec: FormatSpec, token_ids, windows, num_threads, on_window=None, *, agreement=True):
-        seen.append((spec.name, len(token_ids), len(windows), num_threads, agreement))
+    def fake_run(model, spec: FormatSpec, token_ids, windows, num_threads, on_window=None, *, agreement=True,
+                 kernels="compact"):
+        seen.append((spec.name, len(token_ids), len(windows), num_threads, agreement, kernels))
         return _run(spec.name, 10.0 if spec.name == "float32" else gguf_ppl, REF)
 
     monkeypatch.setattr(runner, "run_format", fake_run)
     out = tmp_path / "r.json"
     assert ppl_main(["--model", str(model_dir), "--formats", "gguf", "--max-tokens", "300", "--context", "128",
-                     "--stride", "64", "--num-threads", "1", "--save-result", str(out)]) == code
-    assert seen == [("float32", 300, 4, 1, True), ("gguf", 300, 4, 1, True)]
-    assert "| gguf | float32 / gguf (dense bfloat16) |" in capsys.readouterr().out
+                     "--stride", "64", "--num-threads", "1", "--kernels", "served", "--save-result", str(out)]) == code
+    assert seen == [("float32", 300, 4, 1, True, "served"), ("gguf", 300, 4, 1, True, "served")]
+    assert "| gguf | float32 / gguf (compact kernel at all rows) |" in capsys.readouterr().out
     assert out.read_text().count('"passed": true') == (2 if code == 0 else 1)
 
 
