@@ -108,6 +108,8 @@ def _run(args: argparse.Namespace, specs, text) -> int:
         try:
             runs.append(run_format(args.model, spec, token_ids, windows, args.num_threads,
                                    agreement=not args.no_agreement, kernels=args.kernels))
+            print(f"{spec.name}: ppl {runs[-1].perplexity.perplexity:.4f} in {runs[-1].seconds:.0f} s",
+                  file=sys.stderr)
         except ValueError as exc:  # the engine refusing an option (e.g. gguf for a model that is no GGUF)
             return _fail(f"format {spec.name}: {exc}")
     machine = this_machine(load_average)
