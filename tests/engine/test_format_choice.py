@@ -48,7 +48,7 @@ EPYC_NO_AMX = probe(torch.float32, {"int4": 8, "int8": 4},
 # bfloat16 and the tie goes to the earlier (higher-precision) format.
 COMPACT_NEVER_WINS = probe(torch.bfloat16, {"int4": 0, "int8": 0},
                            float32=(1.0,) * 7, bfloat16=(0.5,) * 7, int4=(2.0,) * 7, int8=(2.0,) * 7)
-SMOLLM2 = ("float32", "bfloat16", "gguf")
+SMOLLM2 = ("float32", "bfloat16", "int8", "gguf")
 
 
 @pytest.mark.parametrize(("verified", "choice", "has_gguf", "expected"), [
@@ -93,7 +93,7 @@ def test_off_cpu_and_without_a_probe_and_unknown_names() -> None:
 
 def test_verified_formats_come_from_the_registry() -> None:
     formats, source = verified_formats("smollm2-135m")
-    assert formats == SMOLLM2 and source.startswith("provisional")
+    assert formats == SMOLLM2 and source.startswith("kvscope eval ppl, 13,613 tokens vs float32")
     assert verified_formats("/models/some-hf-folder") == (("float32", "bfloat16"),
                                                           "not a registered model: dense formats only")
 
