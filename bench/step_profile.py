@@ -66,6 +66,10 @@ def measure(llm: LLM, concurrency: int, steps: int, input_len: int, profile: boo
         events = [e for e in prof.events() if e.cpu_parent is None]
         table += f"\ntop-level ops per step: {len(events) / 4:.0f}\n"
     model.forward = inner
+    resident = getattr(engine.runner.backend, "resident", None)
+    if resident is not None:
+        table += (f"resident decode K/V: {resident.full_gathers} full gathers, {resident.incremental_updates} "
+                  f"in-place updates, {resident.nbytes / 2**20:.1f} MiB\n")
     while engine.has_unfinished_requests():
         engine.step()
     return (f"c={concurrency}: decode step CPU {1e3 * statistics.median(cpu):.1f} ms (min {1e3 * min(cpu):.1f}; forward "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
+from engine.attention.resident_kv import ResidentDecodeKV
 
 MAX_RETAINED_GATHER_BYTES = 64 << 20
 """TorchAttentionBackend keeps its K (and V) gather buffer across steps up to this size each."""
@@ -165,6 +166,8 @@ class TorchAttentionBackend:
         self._plan: _Plan | None = None
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._views: tuple[tuple[object, ...], _DecodeViews] | None = None
+        self.resident = ResidentDecodeKV()
+        """Decode K/V kept gathered across decode-only steps (engine/attention/resident_kv.py)."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -208,10 +211,19 @@ class TorchAttentionBackend:
                 scale: float) -> torch.Tensor:
         """query [n, H, d] (one token per request) → [n, H, d]."""
         views = self._decode_views_for(kv_cache, batch, plan)
-        torch.index_select(kv_cache, 1, batch.blocks, out=views.gathered)
-        if views.upcast is not None:
-            views.upcast.copy_(views.gathered)
-        o = F.scaled_dot_product_attention(query[:, :, None, :], views.keys, views.values, attn_mask=views.mask,
+        resident = None
+        if batch.token_index is None:
+            resident = self.resident.gathered(kv_cache, attention_compute_dtype(kv_cache, self.native_bf16))
+        if resident is not None:  # this layer's K/V kept gathered across steps (engine.attention.resident_kv)
+            kv = resident.flatten(1, 2).view(2, batch.token_count, batch.num_blocks * kv_cache.shape[2],
+                                             *kv_cache.shape[3:])[:, :, : batch.seq_len].transpose(2, 3)
+            keys, values = kv[0], kv[1]
+        else:
+            torch.index_select(kv_cache, 1, batch.blocks, out=views.gathered)
+            if views.upcast is not None:
+                views.upcast.copy_(views.gathered)
+            keys, values = views.keys, views.values
+        o = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=views.mask,
                                            scale=scale, enable_gqa=True)  # [n, H, 1, d]
         return o[:, :, 0, :]
 
@@ -277,6 +289,12 @@ class TorchAttentionBackend:
             self._plan_for = (metadata, block_size)
             self._views = None
             self._release_large_buffers(2 * self._plan.max_gathered_blocks * kv_cache.shape[2:].numel())
+            decodes = self._plan.decodes
+            if decodes is not None and decodes.token_index is None:
+                self.resident.begin_step(decodes.blocks.view(decodes.token_count, decodes.num_blocks),
+                                         metadata.seq_lens, metadata.slot_mapping, block_size)
+            else:
+                self.resident.begin_step(None, None, None, block_size)
         return self._plan
 
     def _release_large_buffers(self, numel: int) -> None:

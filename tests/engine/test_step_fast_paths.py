@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
+from engine.attention.resident_kv import ResidentDecodeKV
 from engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
 from engine.models.layers import RMSNorm
 from engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
@@ -92,3 +93,93 @@ def test_compact_kernel_output_does_not_depend_on_the_skipped_casts(dtype: torch
     expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), kernel.compact.packed, 32,
                                                           kernel.compact.scales_and_zeros) + bias.to(torch.bfloat16)
     assert torch.equal(out, expected.to(dtype))
+
+
+@pytest.mark.parametrize(("dtype", "native_bf16"), [(torch.float32, False), (torch.bfloat16, True),
+                                                    (torch.bfloat16, False)])
+def test_resident_decode_kv_updates_in_place_and_equals_a_full_gather(dtype: torch.dtype, native_bf16: bool) -> None:
+    """12 decode steps over 2 layers: rows cross block boundaries, a row joins (the batch changes), the longest
+    row outgrows the padded width. Each step writes the new tokens' K/V first, as the model does; every output
+    equals a fresh gather + SDPA bit for bit, and only steady steps update in place."""
+    block_size, heads, kv_heads, scale = 4, 4, 2, HEAD_DIM ** -0.5
+    num_blocks = 40
+    order = list(range(num_blocks))
+    random.Random(2).shuffle(order)
+    free = iter(order)
+    tables = [[next(free) for _ in range(3)], [next(free) for _ in range(2)]]  # room for 12 and 8 tokens
+    lens = [9, 5]
+    gen = torch.Generator().manual_seed(4)
+    caches = [torch.randn(2, num_blocks, block_size, kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(2)]
+    backend = TorchAttentionBackend(native_bf16=native_bf16)
+    backend.resident = ResidentDecodeKV(max_bytes=1 << 30, min_bytes=0)
+    compute_dtype = attention_compute_dtype(caches[0], native_bf16)
+    kinds = []
+    for step in range(12):
+        if step == 5:  # a new request joins
+            tables.append([next(free) for _ in range(2)])
+            lens.append(3)
+        lens = [n + 1 for n in lens]
+        for table, n in zip(tables, lens, strict=True):
+            while len(table) * block_size < n:
+                table.append(next(free))
+        meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
+        before = (backend.resident.full_gathers, backend.resident.incremental_updates)
+        for cache in caches:
+            k, v = (torch.randn(len(lens), kv_heads, HEAD_DIM, generator=gen) for _ in range(2))
+            backend.write_kv(k, v, cache, meta.slot_mapping)
+            query = torch.randn(len(lens), heads, HEAD_DIM, generator=gen).to(dtype)
+            out = backend.forward(query, cache, meta, scale)
+            assert torch.equal(out, reference_decode(query, cache, tables, lens, compute_dtype, scale)), step
+        full = backend.resident.full_gathers - before[0]
+        kinds.append("full" if full else "in place")
+        assert full + backend.resident.incremental_updates - before[1] == 2
+    # step 0: first; 3: the longest row (13 tokens) needs a 4th block; 5: a row joins; 7: 17 tokens, 5th block
+    assert kinds == ["full", "in place", "in place", "full", "in place", "full", "in place", "full",
+                     "in place", "in place", "in place", "full"]
+
+
+def test_resident_decode_kv_respects_its_byte_bounds() -> None:
+    cache = torch.zeros(2, 8, 4, 1, HEAD_DIM)
+    tables = torch.tensor([[1, 2]])
+    resident = ResidentDecodeKV(max_bytes=1 << 20, min_bytes=1 << 20)
+    resident.begin_step(tables, torch.tensor([5]), torch.tensor([8]), 4)
+    assert resident.gathered(cache, torch.float32) is None  # 2 KB gather: below min_bytes
+    resident = ResidentDecodeKV(max_bytes=3 * 2 * 2 * 4 * HEAD_DIM * 4, min_bytes=0)  # room for 3 layers
+    resident.begin_step(tables, torch.tensor([5]), torch.tensor([8]), 4)
+    layers = [torch.zeros(2, 8, 4, 1, HEAD_DIM) for _ in range(4)]
+    assert [resident.gathered(c, torch.float32) is not None for c in layers] == [True, True, True, False]
+    assert resident.nbytes == 3 * 2 * 2 * 4 * HEAD_DIM * 4
+    resident.begin_step(None, None, None, 4)  # a prefill step: nothing resident is used
+    assert resident.gathered(layers[0], torch.float32) is None
+
+
+def test_a_step_continues_the_previous_one_only_one_token_longer_on_the_same_blocks() -> None:
+    from engine.attention.resident_kv import _continues, _StepState
+
+    prev = _StepState(step=1, tables=torch.tensor([[3, 4, 0], [5, 6, 7]]), seq_lens=torch.tensor([8, 10]))
+    assert _continues(prev, torch.tensor([[3, 4, 9], [5, 6, 7]]), torch.tensor([9, 11]), 4)  # row 0: new block
+    assert not _continues(prev, torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([10, 12]), 4)  # +2
+    assert not _continues(prev, torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([8, 10]), 4)  # same lengths
+    assert not _continues(prev, torch.tensor([[3, 2, 0], [5, 6, 7]]), torch.tensor([9, 11]), 4)  # a held block moved
+    assert not _continues(prev, torch.tensor([[3, 4], [5, 6]]), torch.tensor([9, 11]), 4)  # another width
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_are_the_same_with_and_without_resident_decode_kv(llm) -> None:
+    """SmolLM2 float32, 24 prompts decoding together (~5 MB of K/V per layer: resident): the same greedy tokens
+    as with every layer gathering every step."""
+    from engine.bench import random_prompts
+    from engine.sampling_params import SamplingParams
+
+    backend = llm.engine.runner.backend
+    prompts = random_prompts(24, 40, llm.engine.vocab_size, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    try:
+        backend.resident = ResidentDecodeKV(min_bytes=1 << 62)  # never resident: the per-layer gather
+        gathered = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        backend.resident = resident = ResidentDecodeKV()
+        kept = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        backend.resident = ResidentDecodeKV()
+    assert kept == gathered
+    assert resident.incremental_updates >= 30 * 10  # most of the 19 decode steps updated all 30 layers in place
