@@ -3,7 +3,8 @@ below as ``old_*``) patched in and out of one engine every 5 steps, 40 timed dec
 the engine thread. Process-to-process runs on a shared 2-core box disagree by more than the change; this
 does not (docs/benchmarks.md "Per-step cost, issue-13p"). A benchmark, not a test.
 
-Usage: python bench/step_ab.py BATCH GROUPS   (GROUPS: comma-separated of rms, compact, calls, attn)
+Usage: python bench/step_ab.py BATCH GROUPS [THREADS]   (GROUPS: comma-separated of rms, compact, calls, attn;
+       THREADS > 1 times wall seconds)
 """
 import statistics
 import sys
@@ -86,7 +87,8 @@ def apply(names, old):
 
 def main() -> None:
     batch, groups = int(sys.argv[1]), sys.argv[2].split(",")
-    llm = LLM("smollm2-135m", dtype="auto", quantization="gguf", num_threads=1, enable_prefix_caching=False,
+    threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    llm = LLM("smollm2-135m", dtype="auto", quantization="gguf", num_threads=threads, enable_prefix_caching=False,
               max_model_len=1024)
     engine = llm.engine
     for i, ids in enumerate(random_prompts(batch, 128, engine.vocab_size, 1)):
@@ -95,6 +97,7 @@ def main() -> None:
                                           for r in engine.scheduler.running):
         engine.step()
     times: dict[str, list[float]] = {"old": [], "new": []}
+    clock = time.thread_time if threads == 1 else time.perf_counter  # wall time with more threads
     for rnd in range(10):
         for variant in ("old", "new") if rnd % 2 == 0 else ("new", "old"):
             apply(groups, variant == "old")
@@ -102,14 +105,14 @@ def main() -> None:
             engine.runner.backend.resident.min_bytes = (1 << 62) if off else (256 << 10)
             engine.step()  # the first step after a switch is not timed
             for _ in range(4):
-                start = time.thread_time()
+                start = clock()
                 engine.step()
-                times[variant].append(time.thread_time() - start)
+                times[variant].append(clock() - start)
     apply(groups, False)
     old, new = times["old"], times["new"]
     print(f"batch {batch}, switched {groups}: main's code median {1e3 * statistics.median(old):.1f} min "
           f"{1e3 * min(old):.1f} | this branch median {1e3 * statistics.median(new):.1f} min {1e3 * min(new):.1f} "
-          f"ms CPU per step")
+          f"ms {'CPU' if threads == 1 else 'wall'} per step, {threads} thread(s)")
 
 
 if __name__ == "__main__":
