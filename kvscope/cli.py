@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("gateway.analytics.cli:logs_main", "request-log analytics: setup-es, report, search, plot"),
     "bench": ("kvscope.bench_cli:bench_main", "serving benchmark (or --offline engine benchmark)"),
     "plan": ("kvscope.plan:plan_main", "KV-cache capacity planner"),
+    "eval": ("engine.eval.cli:eval_main", "quality of the weight formats: eval ppl (perplexity + greedy agreement)"),
 }
 
 

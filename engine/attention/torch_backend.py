@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
+from engine.attention.resident_kv import ResidentDecodeKV
 
 MAX_RETAINED_GATHER_BYTES = 64 << 20
 """TorchAttentionBackend keeps its K (and V) gather buffer across steps up to this size each."""
@@ -45,6 +46,26 @@ class _DecodeBatch:
     """Longest context; keys past it are not gathered."""
     mask: torch.Tensor | None
     """bool [n, 1, 1, seq_len]: True where the key position is < the request's seq_len; None for one request."""
+
+    @property
+    def token_count(self) -> int:
+        """n: decode requests (one token each)."""
+        return self.blocks.shape[0] // self.num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeViews:
+    """Where one step's decode gather lands and what SDPA reads (see ``TorchAttentionBackend._decode_views_for``)."""
+
+    gathered: torch.Tensor
+    """[2, n * max_blocks, block_size, KVH, d] in the cache dtype: the ``index_select`` target."""
+    upcast: torch.Tensor | None
+    """The same shape in the compute dtype when it differs from the cache's (a copy per layer), else None."""
+    keys: torch.Tensor
+    """[n, KVH, seq_len, d] view of the gathered (or upcast) keys."""
+    values: torch.Tensor
+    mask: torch.Tensor | None
+    """The decode batch's key mask as SDPA's additive form (0 / -inf in the compute dtype), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +165,18 @@ class TorchAttentionBackend:
         self._plan_for: tuple[AttentionMetadata, int] | None = None
         self._plan: _Plan | None = None
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._views: tuple[tuple[object, ...], _DecodeViews] | None = None
+        self.resident = ResidentDecodeKV()
+        """Decode K/V kept gathered across decode-only steps (engine/attention/resident_kv.py)."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the flattened slot view of the cache
         (one ``index_copy_`` for K and V together)."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        both = torch.stack((key, value)).to(kv_cache.dtype)  # [2, T, KVH, d]
+        both = torch.stack((key, value))  # [2, T, KVH, d]
+        if both.dtype != kv_cache.dtype:
+            both = both.to(kv_cache.dtype)
         kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, both)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -162,9 +188,12 @@ class TorchAttentionBackend:
         plan = self._get_plan(metadata, kv_cache)
         decodes = plan.decodes
         dtype = query.dtype
-        query = query.to(attention_compute_dtype(kv_cache, self.native_bf16))
+        compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
+        if compute_dtype != dtype:  # no-op casts skipped: ~1-2 µs of dispatch each, twice per layer
+            query = query.to(compute_dtype)
         if decodes is not None and decodes.token_index is None:  # decode-only step: no scatter needed
-            return self._decode(query, kv_cache, decodes, plan, scale).to(dtype)
+            out = self._decode(query, kv_cache, decodes, plan, scale)
+            return out if compute_dtype == dtype else out.to(dtype)
         out = torch.empty_like(query)
         for item in plan.prefills:
             keys, values = self._gather(kv_cache, item.blocks, plan)
@@ -176,19 +205,54 @@ class TorchAttentionBackend:
             out[item.start: item.start + item.query_len] = o[0].transpose(0, 1)
         if decodes is not None:
             out[decodes.token_index] = self._decode(query[decodes.token_index], kv_cache, decodes, plan, scale)
-        return out.to(dtype)
+        return out if compute_dtype == dtype else out.to(dtype)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: _DecodeBatch, plan: _Plan,
                 scale: float) -> torch.Tensor:
         """query [n, H, d] (one token per request) → [n, H, d]."""
-        n = query.shape[0]
-        keys, values = self._gather(kv_cache, batch.blocks, plan)
-        width = batch.num_blocks * kv_cache.shape[2]
-        k = keys.view(n, width, *keys.shape[1:])[:, : batch.seq_len].transpose(1, 2)  # [n, KVH, S, d]
-        v = values.view(n, width, *values.shape[1:])[:, : batch.seq_len].transpose(1, 2)
-        o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=batch.mask, scale=scale,
-                                           enable_gqa=True)  # [n, H, 1, d]
+        views = self._decode_views_for(kv_cache, batch, plan)
+        resident = None
+        if batch.token_index is None:
+            resident = self.resident.gathered(kv_cache, attention_compute_dtype(kv_cache, self.native_bf16))
+        if resident is not None:  # this layer's K/V kept gathered across steps (engine.attention.resident_kv)
+            kv = resident.flatten(1, 2).view(2, batch.token_count, batch.num_blocks * kv_cache.shape[2],
+                                             *kv_cache.shape[3:])[:, :, : batch.seq_len].transpose(2, 3)
+            keys, values = kv[0], kv[1]
+        else:
+            torch.index_select(kv_cache, 1, batch.blocks, out=views.gathered)
+            if views.upcast is not None:
+                views.upcast.copy_(views.gathered)
+            keys, values = views.keys, views.values
+        o = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=views.mask,
+                                           scale=scale, enable_gqa=True)  # [n, H, 1, d]
         return o[:, :, 0, :]
+
+    def _decode_views_for(self, kv_cache: torch.Tensor, batch: _DecodeBatch, plan: _Plan) -> _DecodeViews:
+        """The gather target and the K/V views SDPA reads for this step's decode batch, built on the first layer
+        and reused by the others: every layer gathers into the same buffer (sized for the step on its first
+        use), so ~12 view/slice/transpose calls per layer become one ``index_select`` (and one upcast copy)."""
+        key = (plan, kv_cache.dtype, kv_cache.shape[1:])
+        cached = self._views
+        if cached is not None and cached[0][0] is plan and cached[0][1:] == key[1:]:
+            return cached[1]
+        n, m = batch.token_count, batch.blocks.shape[0]
+        block_shape = kv_cache.shape[2:]
+        gathered = self._get_buffer(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)[: 2 * m * block_shape.numel()]
+        gathered = gathered.view(2, m, *block_shape)
+        both, upcast = gathered, None
+        compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
+        if compute_dtype != kv_cache.dtype:
+            upcast = self._get_buffer(kv_cache, compute_dtype, plan.max_gathered_blocks)[: gathered.numel()]
+            both = upcast = upcast.view(gathered.shape)
+        width = batch.num_blocks * kv_cache.shape[2]
+        kv = both.flatten(1, 2).view(2, n, width, *kv_cache.shape[3:])[:, :, : batch.seq_len].transpose(2, 3)
+        mask = batch.mask
+        if mask is not None:  # SDPA turns a bool mask into this additive one on every call (where(¬m, -inf, 0))
+            mask = torch.zeros(mask.shape, dtype=compute_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        views = _DecodeViews(gathered=gathered, upcast=upcast, keys=kv[0], values=kv[1],  # [n, KVH, S, d] each
+                             mask=mask)
+        self._views = (key, views)
+        return views
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: _Plan
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +287,14 @@ class TorchAttentionBackend:
         if self._plan is None or cached is None or cached[0] is not metadata or cached[1] != block_size:
             self._plan = _build_plan(metadata, block_size)
             self._plan_for = (metadata, block_size)
+            self._views = None
             self._release_large_buffers(2 * self._plan.max_gathered_blocks * kv_cache.shape[2:].numel())
+            decodes = self._plan.decodes
+            if decodes is not None and decodes.token_index is None:
+                self.resident.begin_step(decodes.blocks.view(decodes.token_count, decodes.num_blocks),
+                                         metadata.seq_lens, metadata.slot_mapping, block_size)
+            else:
+                self.resident.begin_step(None, None, None, block_size)
         return self._plan
 
     def _release_large_buffers(self, numel: int) -> None:

@@ -48,7 +48,7 @@ EPYC_NO_AMX = probe(torch.float32, {"int4": 8, "int8": 4},
 # bfloat16 and the tie goes to the earlier (higher-precision) format.
 COMPACT_NEVER_WINS = probe(torch.bfloat16, {"int4": 0, "int8": 0},
                            float32=(1.0,) * 7, bfloat16=(0.5,) * 7, int4=(2.0,) * 7, int8=(2.0,) * 7)
-SMOLLM2 = ("float32", "bfloat16", "gguf")
+SMOLLM2 = ("float32", "bfloat16", "int8", "gguf")
 
 
 @pytest.mark.parametrize(("verified", "choice", "has_gguf", "expected"), [
@@ -56,7 +56,8 @@ SMOLLM2 = ("float32", "bfloat16", "gguf")
     (SMOLLM2, EPYC_NO_AMX, True, ("gguf", "float32", "gguf")),
     (("float32", "bfloat16"), EPYC_NO_AMX, True, ("float32", "float32", "none")),   # unregistered model
     (("float32", "bfloat16"), XEON_AMX, True, ("bfloat16", "bfloat16", "none")),
-    (SMOLLM2, XEON_AMX, False, ("bfloat16", "bfloat16", "none")),                   # a model with no GGUF
+    (("float32", "bfloat16", "gguf"), XEON_AMX, False, ("bfloat16", "bfloat16", "none")),  # a model with no GGUF
+    (SMOLLM2, XEON_AMX, False, ("int8", "bfloat16", "int8")),                       # no GGUF: int8 is next
     (("float32", "bfloat16", "int8"), EPYC_NO_AMX, False, ("int8", "float32", "int8")),
     (SMOLLM2, COMPACT_NEVER_WINS, True, ("bfloat16", "bfloat16", "none")),
     (("float32",), XEON_AMX, True, ("float32", "float32", "none")),
@@ -74,11 +75,12 @@ def test_scores_are_the_geometric_mean_of_the_kernel_each_format_runs() -> None:
     assert format_cost_ms("int8", probe(torch.float32, {"int8": NO_DENSE}, int8=(9.0,) * 7), 64) == 9.0
     picked = choose_format(SMOLLM2, XEON_AMX, source="test table")
     assert picked.scores == {"float32": 1.0, "bfloat16": round(format_score("bfloat16", XEON_AMX), 4),
+                             "int8": round(format_score("int8", XEON_AMX), 4),
                              "gguf": round(format_score("gguf", XEON_AMX), 4)}
     assert picked.reason == (
         f"fastest verified format by the start-up probe (cost vs float32, geometric mean over 7 batch sizes: "
-        f"float32 1.00, bfloat16 {picked.scores['bfloat16']:.2f}, gguf {picked.scores['gguf']:.2f}); "
-        "verified: float32, bfloat16, gguf (test table)")
+        f"float32 1.00, bfloat16 {picked.scores['bfloat16']:.2f}, int8 {picked.scores['int8']:.2f}, "
+        f"gguf {picked.scores['gguf']:.2f}); verified: float32, bfloat16, int8, gguf (test table)")
 
 
 def test_off_cpu_and_without_a_probe_and_unknown_names() -> None:
@@ -93,7 +95,7 @@ def test_off_cpu_and_without_a_probe_and_unknown_names() -> None:
 
 def test_verified_formats_come_from_the_registry() -> None:
     formats, source = verified_formats("smollm2-135m")
-    assert formats == SMOLLM2 and source.startswith("provisional")
+    assert formats == SMOLLM2 and source.startswith("kvscope eval ppl, 13,613 tokens vs float32")
     assert verified_formats("/models/some-hf-folder") == (("float32", "bfloat16"),
                                                           "not a registered model: dense formats only")
 

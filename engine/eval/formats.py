@@ -1,0 +1,77 @@
+"""The weight formats ``kvscope eval ppl`` compares, and the quality bound of each (issue 13 item 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "auto")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+NAMED_FORMATS: dict[str, tuple[str, str]] = {
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+    "gguf": ("float32", "gguf"),
+    "auto": ("auto", "none"),
+}
+"""Format name → (``--dtype``, ``--quantization``) as the engine takes them. ``DTYPE/QUANTIZATION`` (e.g.
+``bfloat16/gguf``, ``auto/int4``) names any other pair."""
+DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "gguf", "auto")
+REFERENCE = "float32"
+
+BOUND_PCT = {"bfloat16": 1.0, "int8": 1.0, "int4": 0.5, "gguf": 0.5, "float32": 0.0}
+"""Largest perplexity increase over float32 (percent) each part of a format may add: bfloat16 and int8
++1 %, int4 from the GGUF's Q4_1 blocks +0.5 % (issue 13 item 4); float32 is the reference itself (0)."""
+
+
+class FormatError(ValueError):
+    """A ``--formats`` entry that is not a known format."""
+
+
+@dataclass(frozen=True, slots=True)
+class FormatSpec:
+    """One format: its name on the command line and the engine options it runs with."""
+
+    name: str
+    dtype: str
+    quantization: str
+
+    def bound_pct(self, resolved_dtype: str) -> float:
+        """The bound for this format once ``--dtype auto`` is resolved (``resolved_dtype``: float32 or
+        bfloat16): the quantization's bound when there is one (it dominates: int4/gguf +0.5 % also with
+        bfloat16 activations), else the dtype's."""
+        if self.quantization != "none":
+            return BOUND_PCT[self.quantization]
+        return BOUND_PCT[resolved_dtype]
+
+    @property
+    def verified_name(self) -> str | None:
+        """The name ``kvscope.models.registry.ModelSpec.verified_formats`` uses for it (float32, bfloat16,
+        int8, gguf), or None for another pair."""
+        return self.name if self.name in ("float32", "bfloat16", "int8", "gguf") else None
+
+
+def parse_format(text: str) -> FormatSpec:
+    """A format name (:data:`NAMED_FORMATS`) or ``DTYPE/QUANTIZATION``. Raises FormatError listing the choices."""
+    name = text.strip()
+    if name in NAMED_FORMATS:
+        return FormatSpec(name, *NAMED_FORMATS[name])
+    dtype, sep, quant = name.partition("/")
+    if sep and dtype in DTYPES and quant in QUANTIZATIONS:
+        return FormatSpec(name, dtype, quant)
+    raise FormatError(f"unknown format {name!r}: use one of {', '.join(NAMED_FORMATS)} or DTYPE/QUANTIZATION "
+                      f"with DTYPE in {', '.join(DTYPES)} and QUANTIZATION in {', '.join(QUANTIZATIONS)}")
+
+
+def parse_formats(text: str) -> list[FormatSpec]:
+    """Comma-separated formats, duplicates dropped, float32 (the reference) first, added when missing.
+    Raises FormatError for an unknown or empty list."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise FormatError("--formats is empty")
+    specs: list[FormatSpec] = []
+    for name in [REFERENCE, *names]:
+        spec = parse_format(name)
+        if spec not in specs:
+            specs.append(spec)
+    return specs
