@@ -7,7 +7,9 @@ open-ended stories, where there is little to copy.
 Offline (engine.llm.LLM, no HTTP), greedy (``open`` stories: temperature 0.8 with a seed per prompt), chat
 template for the chat prompts. c=1 runs its prompts one after the other (single stream); c=8 submits 8 at
 once (continuous batching, ``max_num_seqs`` 8). Output tok/s = generated tokens / wall time (prefill
-included). Each cell is the best of ``--repeats`` (the least disturbed by other load on a shared machine);
+included); decode tok/s per stream = the mean over requests of (tokens − 1) / (last token − first token), from
+the requests' ``kvscope`` stats (prefill and queueing excluded: the issue's single-stream decode rate at c=1,
+and what each of 8 streams sees at c=8). Each cell is the best of ``--repeats`` (the least disturbed by other load on a shared machine);
 "same tokens" says whether the speculative run's tokens equal the plain run's (greedy identity). Prints the machine (CPU model, flags,
 threads, load average before and after) and a markdown table. A benchmark, not a test: it asserts nothing.
 
@@ -114,6 +116,9 @@ class Run:
     draft_tokens: int
     accepted_tokens: int
     token_ids: tuple[tuple[int, ...], ...]
+    decode_tok_s: float
+    """Mean over the requests of (output tokens − 1) / (last token − first token): the decode rate of one
+    stream, prefill and queueing excluded (the issue's "single-stream decode tok/s" at c=1)."""
 
     @property
     def tok_s(self) -> float:
@@ -133,9 +138,12 @@ def run(llm: LLM, workload: str, prompts: list[list[int]], concurrency: int, max
     seconds = time.perf_counter() - start
     choices = [o.outputs[0] for o in outputs]
     stats = [c.stats for c in choices if c.stats is not None]
+    rates = [(len(c.token_ids) - 1) / c.stats.decode_s for c in choices
+             if c.stats is not None and c.stats.decode_s and len(c.token_ids) > 1]
     return Run(workload, concurrency, spec, sum(len(c.token_ids) for c in choices), seconds,
                sum(s.spec_drafts or 0 for s in stats), sum(s.spec_draft_tokens or 0 for s in stats),
-               sum(s.spec_accepted_tokens or 0 for s in stats), tuple(tuple(c.token_ids) for c in choices))
+               sum(s.spec_accepted_tokens or 0 for s in stats), tuple(tuple(c.token_ids) for c in choices),
+               sum(rates) / len(rates) if rates else 0.0)
 
 
 def machine() -> dict[str, object]:
@@ -155,15 +163,18 @@ def machine() -> dict[str, object]:
 
 def table(best: dict[tuple[str, int, bool], Run]) -> str:
     """Markdown: one row per workload and concurrency, speculation off vs on."""
-    rows = ["| workload | c | off tok/s | on tok/s | speedup | acceptance rate | mean acceptance length | "
-            "drafts | same tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    rows = ["| workload | c | off tok/s | on tok/s | speedup | decode tok/s per stream off → on | decode speedup | "
+            "acceptance rate | mean acceptance length | drafts | same tokens |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for (workload, c, spec), on in best.items():
         if not spec or (workload, c, False) not in best:
             continue
         off = best[(workload, c, False)]
         rate = f"{on.accepted_tokens / on.draft_tokens:.0%}" if on.draft_tokens else "—"
         length = f"{1 + on.accepted_tokens / on.drafts:.2f}" if on.drafts else "—"
-        rows.append(f"| {workload} | {c} | {off.tok_s:.1f} | {on.tok_s:.1f} | {on.tok_s / off.tok_s:.2f}× | {rate} "
+        decode = f"{on.decode_tok_s / off.decode_tok_s:.2f}×" if off.decode_tok_s else "—"
+        rows.append(f"| {workload} | {c} | {off.tok_s:.1f} | {on.tok_s:.1f} | {on.tok_s / off.tok_s:.2f}× "
+                    f"| {off.decode_tok_s:.1f} → {on.decode_tok_s:.1f} | {decode} | {rate} "
                     f"| {length} | {on.drafts} | {'yes' if on.token_ids == off.token_ids else 'no'} |")
     return "\n".join(rows)
 
