@@ -5,17 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "auto")
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
 NAMED_FORMATS: dict[str, tuple[str, str]] = {
     "float32": ("float32", "none"),
     "bfloat16": ("bfloat16", "none"),
     "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
     "gguf": ("float32", "gguf"),
-    "auto": ("auto", "none"),
+    "auto": ("auto", "auto"),
 }
-"""Format name → (``--dtype``, ``--quantization``) as the engine takes them. ``DTYPE/QUANTIZATION`` (e.g.
-``bfloat16/gguf``, ``auto/int4``) names any other pair."""
+"""Format name → (``--dtype``, ``--quantization``) as the engine takes them; ``auto`` is what ``kvscope serve`` and
+``kvscope engine`` load by default (the fastest verified format by the start-up probe,
+engine/models/format_choice.py). ``DTYPE/QUANTIZATION`` (e.g. ``bfloat16/gguf``, ``auto/none``) names any
+other pair."""
 DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "gguf", "auto")
 REFERENCE = "float32"
 
@@ -36,12 +38,14 @@ class FormatSpec:
     dtype: str
     quantization: str
 
-    def bound_pct(self, resolved_dtype: str) -> float:
-        """The bound for this format once ``--dtype auto`` is resolved (``resolved_dtype``: float32 or
-        bfloat16): the quantization's bound when there is one (it dominates: int4/gguf +0.5 % also with
-        bfloat16 activations), else the dtype's."""
-        if self.quantization != "none":
-            return BOUND_PCT[self.quantization]
+    def bound_pct(self, resolved_dtype: str, resolved_quantization: str | None = None) -> float:
+        """The bound for this format once ``auto`` is resolved (``resolved_dtype``: float32 or bfloat16;
+        ``resolved_quantization``: what ``--quantization auto`` loaded, default this format's own): the
+        quantization's bound when there is one (it dominates: int4/gguf +0.5 % also with bfloat16
+        activations), else the dtype's."""
+        quantization = resolved_quantization or self.quantization
+        if quantization not in ("none", "auto"):
+            return BOUND_PCT[quantization]
         return BOUND_PCT[resolved_dtype]
 
     @property

@@ -113,9 +113,10 @@ def build_rows(runs: Sequence[FormatRun]) -> tuple[FormatRow, ...]:
     rows = []
     for run in runs:
         delta = relative_change_pct(run.perplexity.perplexity, reference.perplexity.perplexity)
-        bound = run.spec.bound_pct(run.dtype)
+        quantization = run.quantization or run.spec.quantization
+        bound = run.spec.bound_pct(run.dtype, quantization)
         agree: Agreement = agreement(reference.greedy, run.greedy, max((len(g) for g in reference.greedy), default=0))
-        rows.append(FormatRow(format=run.spec.name, dtype=run.dtype, quantization=run.spec.quantization,
+        rows.append(FormatRow(format=run.spec.name, dtype=run.dtype, quantization=quantization,
                               dense_dtype=run.dense_dtype, kernels=run.kernels, weights_bytes=run.weights_bytes,
                               perplexity=run.perplexity.perplexity, mean_nll=run.perplexity.mean_nll,
                               tokens_scored=run.perplexity.num_scored, delta_pct=delta, bound_pct=bound,

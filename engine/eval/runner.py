@@ -56,6 +56,8 @@ class FormatRun:
     ppl_seconds: float
     kernels: str = "served"
     """``compact`` (compact kernels at every row count) or ``served`` (the engine's dense switch): module doc."""
+    quantization: str | None = None
+    """``--quantization`` as resolved by the engine (``auto`` → what it loaded); None: the spec's own."""
 
 
 def engine_prompt_logprobs(llm: LLM) -> Callable[[list[int]], list[float]]:
@@ -121,11 +123,13 @@ def run_format(model: str, spec: FormatSpec, token_ids: Sequence[int], windows: 
         ppl_seconds = time.perf_counter() - ppl_start
         greedy = greedy_continuations(llm) if agreement else ()
         probe = report.kernels
+        quantization = report.weight_format.quantization if report.weight_format is not None else spec.quantization
         return FormatRun(spec=spec, dtype=str(report.dtype).removeprefix("torch."),
                          dense_dtype=(str(probe.dense_dtype).removeprefix("torch.")
-                                      if probe is not None and spec.quantization != "none" else None),
+                                      if probe is not None and quantization != "none" else None),
                          weights_bytes=weights_bytes, perplexity=ppl, greedy=greedy,
-                         seconds=time.perf_counter() - start, ppl_seconds=ppl_seconds, kernels=kernels)
+                         seconds=time.perf_counter() - start, ppl_seconds=ppl_seconds, kernels=kernels,
+                         quantization=quantization)
     finally:
         del llm
         gc.collect()

@@ -77,6 +77,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     fake = ManagedProcess(python("-m", "tests.gateway.fake_upstream", "--port", str(ports["fake"]), "--models",
                                  FAKE_MODEL, "--status", "500"), tmp / "fake.log").start()
     engine = ManagedProcess(python("-m", "kvscope.cli", "engine", "--model", MODEL, "--dtype", "float32",
+                                   "--speculative", "ngram",  # feeds the engine dashboard's speculative panels
                                    "--host", "127.0.0.1", "--port", str(ports["engine"])), tmp / "engine.log").start()
     config = gateway_config(tmp / "gateway.yaml", ports["gateway"], engine_url, fake_url, keys)
     processes = [fake, engine]
@@ -127,8 +128,8 @@ def burst_request(client: httpx.Client, key: str) -> int:
 
 
 def workload_round(client: httpx.Client, pool: concurrent.futures.Executor, keys: dict[str, str]) -> dict:
-    """Plain and streamed chats (4 at a time, shared prefixes), 2 choice-constrained chats, 3 calls of a key
-    limited to 1 request/min,
+    """Plain and streamed chats (4 at a time, shared prefixes), 2 choice-constrained chats, 2 copying chats (n-gram
+    drafts for the speculative panels), 3 calls of a key limited to 1 request/min,
     2 streams that fail in-band, then a 5 s burst of 20 requests to the always-500 fake upstream."""
     prefix = "You are a terse assistant. Answer in one short sentence. " * 8
     prompts = [f"{prefix} Question {i}: name a colour." for i in range(8)]
@@ -137,8 +138,12 @@ def workload_round(client: httpx.Client, pool: concurrent.futures.Executor, keys
     structured = pool.map(lambda p: chat(client, keys["main"], MODEL, p, guided_choice=colours).status_code,
                           prompts[:2])
     streamed = pool.map(lambda p: stream(client, keys["main"], MODEL, p), prompts[:4])
+    words = " ".join(["alpha beta gamma delta epsilon"] * 6)
+    copying = pool.map(lambda i: chat(client, keys["main"], MODEL, f"Repeat exactly, {i}: {words}",
+                                      max_tokens=48).status_code, range(2))
     return {
         "plain": list(plain), "stream_events": list(streamed), "structured": list(structured),
+        "copying": list(copying),
         "limited": [chat(client, keys["limited"], MODEL, "hi").status_code for _ in range(3)],
         "stream_errors": [stream(client, keys["main"], FAKE_MODEL, "x",
                                  fake={"status": 200, "error_after_tokens": 2}) for _ in range(2)],

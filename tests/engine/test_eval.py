@@ -93,12 +93,14 @@ def test_formats_map_to_engine_options_and_bounds() -> None:
     specs = parse_formats("gguf, bfloat16,gguf,auto,bfloat16/int8")
     assert [(s.name, s.dtype, s.quantization) for s in specs] == [
         ("float32", "float32", "none"), ("gguf", "float32", "gguf"), ("bfloat16", "bfloat16", "none"),
-        ("auto", "auto", "none"), ("bfloat16/int8", "bfloat16", "int8")]
+        ("auto", "auto", "auto"), ("bfloat16/int8", "bfloat16", "int8")]
     resolved = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16"}
     assert [s.bound_pct(resolved[s.dtype]) for s in specs] == [0.0, 0.5, 1.0, 1.0, 1.0]
     assert parse_format("auto").bound_pct("float32") == 0.0
     assert parse_format("int4").bound_pct("float32") == 0.5
     assert parse_format("auto/gguf").bound_pct("bfloat16") == 0.5
+    # the servers' default: the bound of what --quantization auto loaded
+    assert [parse_format("auto").bound_pct("bfloat16", q) for q in ("gguf", "int8", "none")] == [0.5, 1.0, 1.0]
     assert [s.verified_name for s in specs] == ["float32", "gguf", "bfloat16", None, None]
 
 
@@ -223,7 +225,7 @@ def test_the_exit_status_is_1_when_a_format_misses_its_bound(gguf_ppl: float, co
     (["--num-threads", "0"], "--num-threads must be at least 1, got 0"),
     (["--formats", "int9"], "unknown format 'int9': use one of float32, bfloat16, int8, int4, gguf, auto or "
                             "DTYPE/QUANTIZATION with DTYPE in float32, bfloat16, auto and QUANTIZATION in none, int8, "
-                            "int4, gguf"),
+                            "int4, gguf, auto"),
     (["--text", "/nonexistent/t.txt"], "cannot read the evaluation text /nonexistent/t.txt: No such file or directory"),
     (["--save-result", "/nonexistent/r.json"], "--save-result: no such directory /nonexistent"),
     (["--model", "/nonexistent/model"], "model '/nonexistent/model' is not a registered name (smollm2-135m), a HF "
