@@ -30,8 +30,8 @@ OUTPUT_LEN="${OUTPUT_LEN:-128}"
 ROUNDS="${ROUNDS:-2}"
 THREADS="${THREADS:-$(nproc)}"
 LLAMA_THREADS="${LLAMA_THREADS:-$THREADS}"   # llama-server -t/-tb
-DTYPE="${DTYPE:-float32}"                    # kvscope engine --dtype (auto|float32|bfloat16)
-QUANTIZATION="${QUANTIZATION:-none}"         # kvscope engine --quantization (none|int8|int4|gguf)
+DTYPE="${DTYPE:-auto}"                       # kvscope engine --dtype (auto|float32|bfloat16); auto = the servers' default
+QUANTIZATION="${QUANTIZATION:-auto}"         # kvscope engine --quantization (auto|none|int8|int4|gguf); auto = the default format
 ENGINE_PORT="${ENGINE_PORT:-18400}"
 GATEWAY_PORT="${GATEWAY_PORT:-18401}"
 LLAMA_PORT="${LLAMA_PORT:-18402}"
@@ -96,8 +96,8 @@ kvscope engine --model "$MODEL" --port "$ENGINE_PORT" --max-model-len 1024 --no-
     --num-threads "$THREADS" --dtype "$DTYPE" --quantization "$QUANTIZATION" >"$OUT_DIR/engine.log" 2>&1 &
 PIDS+=($!)
 wait_http "http://127.0.0.1:$ENGINE_PORT/health" 300
-echo "kvscope engine: --dtype $DTYPE --quantization $QUANTIZATION; $(grep -m1 'engine ready' "$OUT_DIR/engine.log" \
-    | sed 's/.*engine ready: //' | cut -c1-400)" >>"$OUT_DIR/machine.txt"
+echo "kvscope engine: --dtype $DTYPE --quantization $QUANTIZATION; $(grep -m1 "weights format:" "$OUT_DIR/engine.log" \
+    | sed 's/.*weights format: /weights format: /' | cut -c1-400)" >>"$OUT_DIR/machine.txt"
 kvscope gateway --upstream "http://127.0.0.1:$ENGINE_PORT" --port "$GATEWAY_PORT" \
     --tokenizer "$MODEL=$HF_DIR" --log-file "$OUT_DIR/gateway-requests.jsonl" >"$OUT_DIR/gateway.log" 2>&1 &
 PIDS+=($!)

@@ -3,7 +3,12 @@
 - ``http``: :class:`GatewayH11Protocol`, uvicorn's h11 protocol with one change: a request the HTTP parser
   refuses (bad request line or header, missing Host, conflicting framing, a head over 16 KiB …) is answered
   with an OpenAI-shaped JSON 400 and gets its one log record, metrics and span
-  (:func:`gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees.
+  (:func:`gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees. Two checks
+  h11 leaves to the server are added (:func:`head_problem`): a request with both ``Content-Length`` and
+  ``Transfer-Encoding`` is refused and its connection closed (RFC 9112 §6.1 allows refusing it and requires
+  the close: a proxy in front that reads the other header would see a different request, "request
+  smuggling"), and the 16 KiB head limit holds for a head that arrives in one piece too (h11 bounds only an
+  incomplete head).
 - ``proxy_headers=False``: uvicorn would otherwise rewrite the client address from ``X-Forwarded-For`` for
   any loopback peer; the gateway trusts only ``trusted_proxies`` (gateway/forwarded.py).
 - ``ws="none"``: no WebSocket routes, so an ``Upgrade`` request is a plain HTTP request for the app.
@@ -29,6 +34,8 @@ if TYPE_CHECKING:
 
 _METHOD = re.compile(rb"[A-Z]{1,20}")
 MAX_LOGGED_TARGET = 2048
+MAX_HEAD_BYTES = 16 * 1024
+"""Largest request head (request line + header lines): uvicorn's default ``h11_max_incomplete_event_size``."""
 
 
 class InvalidHttpRequest(InvalidRequest):
@@ -48,6 +55,19 @@ def request_line(head: bytes) -> tuple[str, str]:
     return method, target[:MAX_LOGGED_TARGET].decode("ascii") if printable else ""
 
 
+def head_problem(request: h11.Request, max_head_bytes: int = MAX_HEAD_BYTES) -> str | None:
+    """Why a parsed request head must be refused, or None: both ``Content-Length`` and ``Transfer-Encoding``
+    (RFC 9112 §6.1), or a head longer than ``max_head_bytes`` (request line and header lines with their CRLFs,
+    as sent)."""
+    names = {name for name, _ in request.headers}  # h11 lower-cases header names
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return "Both Content-Length and Transfer-Encoding are present."
+    size = len(request.method) + len(request.target) + 12 + sum(len(n) + len(v) + 4 for n, v in request.headers)
+    if size > max_head_bytes:
+        return f"The request head is over {max_head_bytes} bytes."
+    return None
+
+
 class GatewayH11Protocol(H11Protocol):
     """uvicorn's h11 protocol; parser errors become JSON 400s with a log record (module docstring)."""
 
@@ -56,6 +76,18 @@ class GatewayH11Protocol(H11Protocol):
         self._gateway = gateway
         self._head = b""
         """The start of the request head being received (h11 consumes the lines of a head it refuses)."""
+        self._problem: str | None = None
+        """Why :meth:`_next_event` refused the head being answered (None: h11 itself refused it)."""
+        self._parse_next_event = self.conn.next_event
+        self.conn.next_event = self._next_event  # uvicorn's handle_events turns its RemoteProtocolError into a 400
+
+    def _next_event(self) -> Any:
+        """h11's next event, with :func:`head_problem`'s refusals raised as h11's own parser errors."""
+        event = self._parse_next_event()
+        if isinstance(event, h11.Request) and (problem := head_problem(event)) is not None:
+            self._problem = problem
+            raise h11.RemoteProtocolError(problem, 400)
+        return event
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:
@@ -72,7 +104,9 @@ class GatewayH11Protocol(H11Protocol):
             self.transport.close()  # the framing broke after the app answered: nothing more can be sent
             return
         # (a finished cycle is the previous request of a keep-alive connection: this one gets its 400)
-        err = InvalidHttpRequest(f"{msg} The request is not valid HTTP/1.1 (RFC 9112).")
+        problem, self._problem = self._problem, None
+        err = InvalidHttpRequest(f"{msg} {problem + ' ' if problem else ''}The request is not valid HTTP/1.1 "
+                                 "(RFC 9112).")
         body = error_json(err)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]

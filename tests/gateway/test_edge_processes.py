@@ -79,6 +79,11 @@ PARSER_ERRORS = {  # name: (raw request, method and path the log can still name)
     "unfinished-head-over-16k": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: " + b"a" * 20_000,
                                  ("GET", "/v1/models")),  # h11's max_incomplete_event_size
     "garbage-line": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", ("_OTHER", "")),  # a TLS hello
+    "length-and-chunked": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Length: 4\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\nGET /healthz HTTP/1.1\r\n"
+                           b"Host: gw\r\n\r\n", ("POST", "/v1/chat/completions")),  # smuggling: RFC 9112 §6.1
+    "complete-head-over-16k": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: " + b"a" * 17_000 + b"\r\n\r\n",
+                               ("GET", "/v1/models")),  # one write: h11 bounds only an incomplete head
     "bad-chunk-size": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH +
                        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
                        ("POST", "/v1/chat/completions")),
