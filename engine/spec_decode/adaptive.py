@@ -26,6 +26,12 @@ LOW_ACCEPTANCE = 0.2
 """Accepted fraction below which a request pauses its drafts."""
 MIN_DRAFTS = 2
 """Drafts verified before the EMA may pause a request."""
+INITIAL_EMA = 0.5
+"""A new request's acceptance EMA: three fully rejected drafts (.5 → .35 → .25 → .17) pause it, one accepted
+draft keeps it proposing."""
+RETRY_EMA = 0.25
+"""The EMA a paused request resumes with: its one retry draft pauses it again when fully rejected
+(.25 → .175), and continues when at least a quarter of it is accepted."""
 FIRST_BACKOFF = 8
 MAX_BACKOFF = 256
 """Decode steps a paused request waits before proposing again (doubling from FIRST_BACKOFF)."""
@@ -39,7 +45,7 @@ PROBE_EVERY = 32
 class AcceptanceTracker:
     """One request's drafting state (see the module docstring)."""
 
-    ema: float = 1.0
+    ema: float = INITIAL_EMA
     num_drafts: int = 0
     paused_steps: int = 0
     backoff: int = FIRST_BACKOFF
@@ -59,7 +65,7 @@ class AcceptanceTracker:
         if self.num_drafts >= MIN_DRAFTS and self.ema < LOW_ACCEPTANCE:
             self.paused_steps = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-            self.ema = 0.5  # the retry gets a fair chance: two rejections in a row pause again
+            self.ema = RETRY_EMA  # one retry draft: fully rejected, it pauses again (twice as long)
             self.num_drafts = MIN_DRAFTS - 1
         elif rate >= 0.5:
             self.backoff = FIRST_BACKOFF

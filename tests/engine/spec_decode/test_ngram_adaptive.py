@@ -39,14 +39,15 @@ def test_a_request_with_low_acceptance_pauses_then_retries_with_a_growing_backof
     assert t.should_propose()
     t.on_verified(4, 0)
     t.on_verified(4, 0)
-    t.on_verified(4, 0)
     assert t.paused_steps == 0
-    t.on_verified(4, 0)  # ema 1 -> 1 -> .7 -> .49 -> .34 -> .24 -> .17 < .2: paused
+    t.on_verified(4, 0)  # ema .5 -> .65 -> .455 -> .32 -> .22 -> .16 < .2: paused
     assert t.paused_steps == FIRST_BACKOFF
     assert [t.should_propose() for _ in range(FIRST_BACKOFF + 1)] == [False] * FIRST_BACKOFF + [True]
-    for _ in range(3):
-        t.on_verified(4, 0)  # the retry fails too (ema .5 -> .35 -> .25 -> .17): twice as long
+    t.on_verified(4, 0)  # the one retry draft fails too (ema .25 -> .175): twice as long
     assert t.paused_steps == 2 * FIRST_BACKOFF
+    t.paused_steps = 0
+    t.on_verified(4, 1)  # a quarter accepted: .25 stays .25, the request keeps proposing
+    assert t.paused_steps == 0 and t.should_propose()
     t.paused_steps = 0
     t.on_verified(4, 4)
     assert t.backoff == FIRST_BACKOFF and t.should_propose()
