@@ -31,7 +31,7 @@ def test_list_prompt_and_the_shipped_metric_names() -> None:
 
 
 def test_table_compares_on_with_off() -> None:
-    off = bench.Run("code", 1, False, 100, 10.0, 0, 0, 0, ((1, 2),))
-    on = bench.Run("code", 1, True, 100, 4.0, 20, 80, 60, ((1, 2),))
+    off = bench.Run("code", 1, False, 100, 10.0, 0, 0, 0, ((1, 2),), 10.5)
+    on = bench.Run("code", 1, True, 100, 4.0, 20, 80, 60, ((1, 2),), 28.0)
     assert bench.table({("code", 1, False): off, ("code", 1, True): on}).splitlines()[2] == (
-        "| code | 1 | 10.0 | 25.0 | 2.50× | 75% | 4.00 | 20 | yes |")
+        "| code | 1 | 10.0 | 25.0 | 2.50× | 10.5 → 28.0 | 2.67× | 75% | 4.00 | 20 | yes |")
