@@ -10,6 +10,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.forward_context import set_forward_context
+from engine.core.request import Request
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.outputs import TokenLogprob
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
@@ -80,18 +81,9 @@ class ModelRunner:
             self._verify(items, logits, output, self._wait_masks(masks, output))
             return
         requests = [item.request for item in items]
-        metadata = SamplingMetadata.build(
-            params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            generators=[self._generator(r.request_id, r.sampling_params.seed) for r in requests],
-            eos_token_ids=[r.eos_token_id for r in requests],
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
         masked = self._wait_masks(masks, output)
-        if masked is not None:
-            metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
+        metadata = self._metadata([(r, []) for r in requests],
+                                  [self._generator(r.request_id, r.sampling_params.seed) for r in requests], masked)
         result: SamplerOutput = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         if masked is not None:
@@ -110,17 +102,7 @@ class ModelRunner:
         requests = [item.request for item in items]
         drafts = [item.spec_token_ids for item in items]
         rows = [(r, d[:j]) for r, d in zip(requests, drafts, strict=True) for j in range(len(d) + 1)]
-        metadata = SamplingMetadata.build(
-            params=[r.sampling_params for r, _ in rows],
-            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
-            output_token_ids=[r.output_token_ids + prefix for r, prefix in rows],
-            generators=[None] * len(rows),
-            eos_token_ids=[r.eos_token_id for r, _ in rows],
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
-        if masked is not None:
-            metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
+        metadata = self._metadata(rows, [None] * len(rows), masked)
         target = distributions(logits, metadata)
         greedy_ids = target.greedy_token_ids.tolist()
         greedy_rows = metadata.greedy_mask.tolist()
@@ -144,6 +126,23 @@ class ModelRunner:
             offset += count
         if masked is not None:
             self.matchers.advance(requests, emitted_lists)
+
+    def _metadata(self, rows: list[tuple[Request, list[int]]], generators: list[torch.Generator | None],
+                  masked: StepMasks | None) -> SamplingMetadata:
+        """Sampling metadata of one row per (request, tokens appended after its output so far), with the
+        step's grammar masks when there are any."""
+        metadata = SamplingMetadata.build(
+            params=[r.sampling_params for r, _ in rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            output_token_ids=[r.output_token_ids + prefix if prefix else r.output_token_ids for r, prefix in rows],
+            generators=generators,
+            eos_token_ids=[r.eos_token_id for r, _ in rows],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        if masked is not None:
+            metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
+        return metadata
 
     def _wait_masks(self, masks: Future | None, output: ModelRunnerOutput) -> StepMasks | None:
         if masks is None:
