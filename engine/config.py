@@ -21,6 +21,10 @@ class ModelConfig:
     only; see ``engine.models.compact``. auto: the fastest format the model's registry entry lists as verified,
     by the start-up probe (``engine.models.format_choice``; with an explicit dtype: none). The library keeps
     none/float32 as defaults (exact parity); ``kvscope engine``/``serve`` default to auto/auto."""
+    cpu_kernels: str = "auto"
+    """CPU kernels for compact weights: auto = kvscope's own (kernels/cpu_decode.py: AVX-512 VNNI GEMVs and a
+    whole decode step in one call), built once per machine with the system C++ compiler, falling back to
+    torch's where they cannot build; torch = torch's packed kernels only (the eager decoder)."""
     max_model_len: int | None = None
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None
@@ -32,6 +36,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization must be auto, none, int8, int4 or gguf, got {self.quantization!r}")
+        if self.cpu_kernels not in ("auto", "torch"):
+            raise ValueError(f"cpu_kernels must be auto or torch, got {self.cpu_kernels!r}")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
 

@@ -227,6 +227,14 @@ class TorchAttentionBackend:
                                            scale=scale, enable_gqa=True)  # [n, H, 1, d]
         return o[:, :, 0, :]
 
+    def skip_step(self) -> None:
+        """A step ran without this backend (the fused CPU decode step wrote the cache itself): the next decode
+        step re-gathers its K/V instead of continuing the resident copy."""
+        self._plan = None
+        self._plan_for = None
+        self._views = None
+        self.resident.begin_step(None, None, None, 0)
+
     def _decode_views_for(self, kv_cache: torch.Tensor, batch: _DecodeBatch, plan: _Plan) -> _DecodeViews:
         """The gather target and the K/V views SDPA reads for this step's decode batch, built on the first layer
         and reused by the others: every layer gathers into the same buffer (sized for the step on its first

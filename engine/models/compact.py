@@ -7,8 +7,11 @@
   quantized from the float weights with llama.cpp's Q4_1 quantizer (``gguf.quants``).
 - ``gguf``: the GGUF's Q4_0/Q4_1 tensors as int4, all other tensors dense (refuses a model that is not a
   GGUF). For a Q4 GGUF this is the same model as ``int4``.
-The LM head under int4/gguf and every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stay dense
-in ``--dtype``, as without quantization. Each compact layer keeps a dense oneDNN-packed copy for batches above
+Every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stays dense in ``--dtype``. The LM head
+under int4/gguf stays dense too with torch's kernels; with kvscope's own CPU kernels (``pair_kernels``,
+kernels/cpu_decode.py) it gets an 8-bit Q8_0 copy (blocks of 32, llama.cpp's type for SmolLM2's tied
+``token_embd``) for the rows up to the crossover, the dense copy above, and the int4 layers are stored in those
+kernels' layout (the same codes, d and min). Each compact layer keeps a dense oneDNN-packed copy for batches above
 the crossover :func:`engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
 """
 
@@ -32,7 +35,9 @@ from engine.models.quant import (
     Int4Weight,
     Int8Weight,
     int4_blocks_from_float,
+    pair_blocks_from_int4,
 )
+from kernels.cpu_decode import PAIR, PairBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +66,14 @@ def source_names(module_name: str) -> list[str]:
 
 
 def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelChoice,
-                   gguf_path: Path | None = None, cache_dir: Path | None = None) -> QuantReport:
+                   gguf_path: Path | None = None, cache_dir: Path | None = None, *,
+                   pair_kernels: bool = False) -> QuantReport:
     """Replace the dense weights of ``model`` (loaded, on CPU) by compact kernels, in place (module doc).
 
     ``gguf_path``: the GGUF the model came from (None: a HF folder); ``cache_dir`` holds the int4 block
-    cache (``engine.models.gguf.INT4_CACHE_FILE``). Raises ValueError for an unknown quantization, or ``gguf``
-    without a GGUF.
+    cache (``engine.models.gguf.INT4_CACHE_FILE``); ``pair_kernels``: kvscope's CPU kernels are loaded
+    (``kernels.cpu_decode.load``), so int4 layers use their layout and the LM head gets a Q8_0 copy. Raises
+    ValueError for an unknown quantization, or ``gguf`` without a GGUF.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -80,12 +87,16 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelCho
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
             continue
-        compact = _compact_weight(name, module, quantization, blocks, counts)
+        compact = _compact_weight(name, module, quantization, blocks, counts, pair_kernels)
         if compact is not None:
             module.use_compact(_kernel(compact, module.weight, module.bias, choice))
     if quantization == "int8" and model.config.tie_word_embeddings:
         embed = model.model.embed_tokens.weight
         model.logits_kernel = _kernel(Int8Weight.from_float(embed), embed, None, choice)
+        counts["quantized"] += 1
+    elif pair_kernels and model.config.tie_word_embeddings and model.config.hidden_size % PAIR == 0:
+        embed = model.model.embed_tokens.weight
+        model.logits_kernel = _kernel(PairBlocks.q8_from_float(embed), embed, None, choice)
         counts["quantized"] += 1
     report = QuantReport(quantization, **counts)
     logger.info("quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense; %s", quantization,
@@ -94,27 +105,33 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelCho
 
 
 def _compact_weight(name: str, module: Linear, quantization: str, blocks: dict[str, Int4Blocks],
-                    counts: dict[str, int]) -> Int4Weight | Int8Weight | None:
+                    counts: dict[str, int], pair_kernels: bool) -> Int4Weight | Int8Weight | PairBlocks | None:
     if quantization == "int8":
         counts["quantized"] += 1
         return Int8Weight.from_float(module.weight)
     sources = source_names(name)
+    pairs = pair_kernels and module.in_features % PAIR == 0
     if name == "lm_head":
-        counts["dense"] += 1
-        return None
+        counts["quantized" if pairs else "dense"] += 1
+        return PairBlocks.q8_from_float(module.weight) if pairs else None
     if all(s in blocks for s in sources):
         counts["from_gguf"] += 1
-        return Int4Weight.from_blocks(Int4Blocks.cat([blocks[s] for s in sources]))
+        return _int4(Int4Blocks.cat([blocks[s] for s in sources]), pairs)
     if quantization == "gguf":
         counts["dense"] += 1
         return None
     counts["quantized"] += 1
-    return Int4Weight.from_blocks(int4_blocks_from_float(module.weight))
+    return _int4(int4_blocks_from_float(module.weight), pairs)
+
+
+def _int4(blocks: Int4Blocks, pairs: bool) -> Int4Weight | PairBlocks:
+    return pair_blocks_from_int4(blocks) if pairs else Int4Weight.from_blocks(blocks)
 
 
 def _kernel(compact: Int4Weight | Int8Weight, weight: torch.Tensor, bias: torch.Tensor | None,
             choice: KernelChoice) -> CompactLinearKernel:
-    fmt = "int4" if isinstance(compact, Int4Weight) else "int8"
+    # kvscope's pair-block kernels (4- and 8-bit alike) are what the probe timed as "int4" when they are loaded
+    fmt = "int4" if isinstance(compact, Int4Weight | PairBlocks) else "int8"
     max_rows = choice.max_rows[fmt]
     dense = None
     if max_rows < NO_DENSE:
@@ -160,7 +177,10 @@ def _kernel_tensors(kernel: object) -> Iterator[torch.Tensor]:
         yield from (t for t in (kernel.column_major, kernel.packed, kernel.bias) if t is not None)
     elif isinstance(kernel, CompactLinearKernel):
         c = kernel.compact
-        yield from (c.packed, c.scales_and_zeros) if isinstance(c, Int4Weight) else (c.weight, c.scales)
+        if isinstance(c, PairBlocks):
+            yield from (c.codes, c.scales)
+        else:
+            yield from (c.packed, c.scales_and_zeros) if isinstance(c, Int4Weight) else (c.weight, c.scales)
         if kernel.bias is not None:
             yield kernel.bias
         if kernel.dense is not None:

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from engine.models.layers import packed_linear_kernel
-from engine.models.quant import Int4Blocks, Int4Weight, Int8Weight
+from engine.models.quant import Int4Blocks, Int4Weight, Int8Weight, pair_blocks_from_int4
+from kernels import cpu_decode
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +116,10 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
         if kernel is None:
             raise RuntimeError("oneDNN is not available in this torch build")
         kernels[str(dtype).removeprefix("torch.")] = kernel
-    kernels["int4"] = Int4Weight.from_blocks(Int4Blocks(
+    kernels["int4"] = _int4_kernel(Int4Blocks(
         codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
         scale=torch.full((out_features, in_features // 32), 0.01),
-        zero=torch.zeros(out_features, in_features // 32))).matmul
+        zero=torch.zeros(out_features, in_features // 32)))
     kernels["int8"] = Int8Weight.from_float(weight).matmul
     inputs = {(dtype, n): torch.ones(n, in_features, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
               for n in rows}
@@ -135,6 +136,14 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
     logger.info("CPU kernel probe (%d threads, %dx%d): %s; ms %s", torch.get_num_threads(), out_features,
                 in_features, choice.describe(), {k: round(v, 3) for k, v in timings.items()})
     return choice
+
+
+def _int4_kernel(blocks: Int4Blocks) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The int4 matmul the engine will run: kvscope's pair-block kernel where it is loaded
+    (kernels/cpu_decode.py), else torch's int4pack one."""
+    if cpu_decode.is_loaded() and blocks.codes.shape[1] % cpu_decode.PAIR == 0:
+        return pair_blocks_from_int4(blocks).matmul
+    return Int4Weight.from_blocks(blocks).matmul
 
 
 def decode_matmul_ms(shapes: Sequence[tuple[int, int]], rows: int, fmt: str, choice: KernelChoice,

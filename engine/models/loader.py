@@ -27,11 +27,15 @@ from engine.models.gguf import convert_gguf_to_hf
 from engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
 from engine.models.llama import LlamaForCausalLM, check_sliding_window
 from engine.models.registry import get_model_class
+from kernels.cpu_decode import BuildResult
 from kvscope.models.cache import cache_root, hf_dir
 from kvscope.models.pull import pull
 from kvscope.models.registry import UnknownModelError, is_registered, list_models, verified_formats
 
 logger = logging.getLogger(__name__)
+
+CPU_KERNELS_DIR = "cpu-kernels"
+"""Folder under the model cache root for kvscope's compiled CPU kernels (one library per source/torch/CPU)."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +60,9 @@ class LoadReport:
     """The GGUF the weights came from, if any."""
     weight_format: FormatChoice | None = None
     """The weight format loaded and why (``--quantization auto`` chose it, or the flags pinned it)."""
+    cpu_kernels: BuildResult | None = None
+    """kvscope's CPU kernels (kernels/cpu_decode.py): loaded or why not; None when not tried
+    (``--cpu-kernels torch``, or not on CPU)."""
 
     @property
     def total_s(self) -> float:
@@ -147,6 +154,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     if model_config.quantization not in ("none", "auto") and device.type != "cpu":
         raise ValueError(f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
                          f"kernels); use --quantization none on {device}")
+    cpu_kernels = load_cpu_kernels(cache_root(root)) if device.type == "cpu" and \
+        model_config.cpu_kernels == "auto" else None
     kernels = probe_cpu_kernels() if device.type == "cpu" and (
         model_config.dtype == "auto" or model_config.quantization not in ("none", "auto")) else None
     fmt = resolve_format(model_config, device, kernels, gguf_path)
@@ -155,15 +164,29 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     check_sliding_window(model.config, model_config.max_model_len or hf_config["max_position_embeddings"])
     quant = None
     if fmt.quantization != "none":
-        quant = quantize_model(model, fmt.quantization, kernels, gguf_path, model_dir)
+        quant = quantize_model(model, fmt.quantization, kernels, gguf_path, model_dir,
+                               pair_kernels=cpu_kernels is not None and cpu_kernels.ok)
     report = LoadReport(model_dir=model_dir, converted=converted, resolve_s=resolved - start,
                         weights_s=time.perf_counter() - resolved, dtype=dtype, quantization=quant, kernels=kernels,
-                        gguf_path=gguf_path, weight_format=fmt)
+                        gguf_path=gguf_path, weight_format=fmt, cpu_kernels=cpu_kernels)
     model.load_report = report
     logger.info("loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs), dtype %s, quantization %s",
                 model_config.model, model_dir, report.total_s, " + convert" if converted else "", report.resolve_s,
                 report.weights_s, fmt.dtype, fmt.quantization)
     return model, hf_config, model_dir
+
+
+def load_cpu_kernels(root: Path) -> BuildResult:
+    """Build (first start on a machine: ~15 s of C++ compile) and load kvscope's CPU kernels from
+    ``root``/:data:`CPU_KERNELS_DIR`; logs where they are not usable (torch's kernels are used then)."""
+    from kernels import cpu_decode
+
+    started = time.perf_counter()
+    result = cpu_decode.load(root / CPU_KERNELS_DIR)
+    level = logging.INFO if result.ok else logging.WARNING
+    logger.log(level, "kvscope CPU kernels %s (%s, %.1fs)%s", "loaded" if result.ok else "unavailable",
+               result.detail, time.perf_counter() - started, "" if result.ok else ": using torch's kernels")
+    return result
 
 
 def resolve_format(model_config: ModelConfig, device: torch.device, kernels: KernelChoice | None,

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from kernels.cpu_decode import PairBlocks
+
 INT4_GROUP = 32
 """Weights per scale/zero group: a GGUF Q4_0/Q4_1 block."""
 GGUF_INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
@@ -99,6 +101,12 @@ def int4_blocks_from_float(weight: torch.Tensor,
     return int4_blocks_from_gguf(raw, qtype, tuple(weight.shape))
 
 
+def pair_blocks_from_int4(blocks: Int4Blocks) -> PairBlocks:
+    """The same 4-bit weights in kvscope's CPU kernel layout (``w = d·u + m`` with d = scale, m = zero − 8·scale:
+    a GGUF Q4_1 block's own d and min, exact in float16). Raises ValueError when K is not a multiple of 64."""
+    return PairBlocks.pack(blocks.codes, blocks.scale, blocks.zero - 8.0 * blocks.scale, 4)
+
+
 @dataclass(frozen=True, slots=True)
 class Int4Weight:
     """A ``[N, K]`` weight packed for ``aten._weight_int4pack_mm_for_cpu``."""
@@ -166,7 +174,9 @@ class CompactLinearKernel:
     (a oneDNN-packed copy, see ``engine.models.layers.packed_linear_kernel``) when there is one. The output
     has x's dtype."""
 
-    compact: Int4Weight | Int8Weight
+    compact: Int4Weight | Int8Weight | PairBlocks
+    """torch's packed int4/int8 weights, or kvscope's own pair blocks (kernels/cpu_decode.py: 4-bit from the
+    same GGUF blocks, 8-bit Q8_0 for an LM head) where those kernels are built."""
     bias: torch.Tensor | None
     dense: object | None = None
     """A callable ``x [M, K] → [M, N]`` (a ``CpuLinearKernel``) used above ``max_compact_rows``; None = never."""
@@ -175,6 +185,8 @@ class CompactLinearKernel:
 
     @property
     def fmt(self) -> str:
+        if isinstance(self.compact, PairBlocks):
+            return "int4" if self.compact.bits == 4 else "int8"
         return "int4" if isinstance(self.compact, Int4Weight) else "int8"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +198,11 @@ class CompactLinearKernel:
         if self.dense is not None and rows > self.max_compact_rows:
             out = self.dense(x if dtype == self.dense_dtype else x.to(self.dense_dtype))
             return out if out.dtype == dtype else out.to(dtype)
+        if isinstance(self.compact, PairBlocks):  # float32 or bfloat16 in, float32 out
+            out = self.compact.matmul(x)
+            if self.bias is not None:
+                out += self.bias
+            return out if dtype == torch.float32 else out.to(dtype)
         # casts only where needed: each skipped no-op call is ~1-2 µs of dispatch, 4 per layer
         out = self.compact.matmul((x if dtype == COMPUTE_DTYPE else x.to(COMPUTE_DTYPE)).contiguous())
         if self.bias is not None:

@@ -108,6 +108,9 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     quantization: Annotated[Literal["auto", "none", "int8", "int4", "gguf"], Flag(
         "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf; default auto: the "
         "fastest format verified for the model, by the start-up probe (--dtype float32 alone: none)")] = "auto"
+    cpu_kernels: Annotated[Literal["auto", "torch"] | None, Flag(
+        "CPU kernels of compact weights: auto = kvscope's own AVX-512 VNNI kernels and one-call decode step "
+        "(built once with the system C++ compiler; torch's where they cannot build), torch = torch's only")] = None
     seed: Annotated[int | None, Flag()] = None
     device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
     attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None

@@ -12,6 +12,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.forward_context import set_forward_context
 from engine.core.request import Request
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.models.fused_decode import FusedDecoder
 from engine.outputs import TokenLogprob
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from engine.structured.batch import MatcherTable, StepMasks
@@ -37,6 +38,9 @@ class ModelRunner:
         self.model = model
         if device.type == "cpu" and hasattr(model, "prepare_for_cpu"):
             model.prepare_for_cpu()  # packed/column-major weights: see engine.models.layers.CpuLinearKernel
+        self.fused = FusedDecoder.from_model(model) if device.type == "cpu" else None
+        """The one-call C++ decode step (engine/models/fused_decode.py) for decode-only steps; None where the
+        model's weights or the CPU do not allow it."""
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
@@ -58,13 +62,27 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = build_model_inputs(scheduler_output, self.block_size, self.device)
         masks = self._start_grammar_masks(scheduler_output, inputs)  # computed during the forward pass
+        output = ModelRunnerOutput()
+        if self._fused_applies(scheduler_output, inputs):
+            logits = self.fused(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
+            skip = getattr(self.backend, "skip_step", None)
+            if skip is not None:
+                skip()  # the backend's per-step state (resident decode K/V) did not see this step
+            if inputs.sampled_rows:
+                self._sample(scheduler_output, inputs, logits[inputs.logits_indices], output, masks)
+            return output
         with set_forward_context(inputs.attn_metadata, self.kv_caches, self.backend):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        output = ModelRunnerOutput()
         self._prompt_logprobs(scheduler_output, inputs, hidden, output)
         if inputs.sampled_rows:
-            self._sample(scheduler_output, inputs, hidden, output, masks)
+            self._sample(scheduler_output, inputs, self.model.compute_logits(hidden[inputs.logits_indices]),
+                         output, masks)
         return output
+
+    def _fused_applies(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> bool:
+        return (self.fused is not None and not inputs.has_drafts
+                and self.fused.applies(inputs.attn_metadata, self.kv_caches)
+                and all(item.request.sampling_params.prompt_logprobs is None for item in scheduler_output.scheduled))
 
     def _start_grammar_masks(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> Future | None:
         if self.matchers is None or not inputs.sampled_rows:
@@ -73,10 +91,10 @@ class ModelRunner:
         drafts = [item.spec_token_ids for item in items] if inputs.has_drafts else None
         return self.matchers.bitmask_async([item.request for item in items], drafts)
 
-    def _sample(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
+    def _sample(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
                 output: ModelRunnerOutput, masks: Future | None = None) -> None:
+        """Sample (or verify drafts) from ``logits`` float32 ``[len(logits_indices), vocab]``."""
         items = [scheduler_output.scheduled[row] for row in inputs.sampled_rows]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if inputs.has_drafts:
             self._verify(items, logits, output, self._wait_masks(masks, output))
             return

@@ -1,0 +1,107 @@
+"""One decode step of a compact Llama-family model in one C++ call (issue 13 item 2: per-step cost near the
+matmul floor), on kvscope's CPU kernels (kernels/cpu_decode.py, ``torch.ops.kvscope_cpu.decode_step``).
+
+The eager decoder issues ~1,000 torch ops per step at batch 1 (≈ 8 ms of dispatch and small kernels on the
+2-core Xeon of docs/benchmarks.md); this path runs the whole step — embedding rows, per layer RMSNorm → qkv →
+RoPE → K/V written to the paged cache → attention read from the paged cache in place (no gather) → o_proj →
+residual → RMSNorm → gate_up → SiLU·up → down → residual, then the final norm and the LM head — in C++ with
+the block-quantized AVX-512 VNNI GEMVs, returning float32 logits.
+
+Numerics differ from the eager compact path by design: the residual stream and every activation stay float32
+(eager rounds to bfloat16 after each op); each GEMV quantizes its input per block of 32 to int8 as llama.cpp
+does (Q8_1); the KV cache is written in its own dtype (bfloat16 rounding as eager). The quality guard
+(``kvscope eval ppl``, greedy agreement against float32) covers it.
+
+Used for decode-only steps (every row one token: no prefill chunk, no speculative draft) of at most
+``max_rows`` requests (the compact kernels' crossover from the start-up probe), when every decoder matmul is
+a 4-bit pair-block weight and the LM head an 8-bit one (``engine.models.compact`` with ``pair_kernels``), the
+architecture has no biases and no q/k norm, and head_dim is a multiple of 16 up to 128.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from engine.models.quant import CompactLinearKernel
+from kernels.cpu_decode import PairBlocks, is_loaded
+
+
+@dataclass(frozen=True, slots=True)
+class FusedDecoder:
+    """The model's weights as the C++ decode step reads them (views of the compact kernels' tensors, plus
+    float32 copies of the norm weights)."""
+
+    embed: torch.Tensor
+    """``[vocab, hidden]`` bfloat16 or float32, contiguous (the embedding lookups)."""
+    inv_freq: torch.Tensor
+    """float32 ``[head_dim / 2]`` (RoPE frequencies, scaling applied)."""
+    norms: list[torch.Tensor]
+    """float32 ``[hidden]``, 2 per layer (input, post-attention)."""
+    codes: list[torch.Tensor]
+    """4 per layer: qkv, o, gate_up, down (``PairBlocks.codes``)."""
+    scales: list[torch.Tensor]
+    final_norm: torch.Tensor
+    head: PairBlocks
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    max_rows: int
+    """Most requests one fused step takes (above it the eager decoder's dense path is faster)."""
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> FusedDecoder | None:
+        """The fused decoder of a loaded, quantized CPU model, or None where it does not apply (module doc)."""
+        if not is_loaded() or not isinstance(model, LlamaForCausalLM):
+            return None
+        c = model.config
+        if c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.head_dim % 16 or c.head_dim > 128:
+            return None
+        head = _pair(model.logits_kernel, bits=8)
+        embed = model.model.embed_tokens.weight
+        if head is None or not embed.is_contiguous() or embed.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        codes, scales, limits = [], [], [model.logits_kernel.max_compact_rows]
+        norms = []
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                weight = _pair(linear.cpu_kernel, bits=4)
+                if weight is None:
+                    return None
+                codes.append(weight.codes)
+                scales.append(weight.scales)
+                limits.append(linear.cpu_kernel.max_compact_rows)
+            norms += [layer.input_layernorm.weight.detach().float().contiguous(),
+                      layer.post_attention_layernorm.weight.detach().float().contiguous()]
+        inv_freq = c.rope.inv_freq(c.head_dim, embed.device).contiguous()
+        return cls(embed=embed.detach(), inv_freq=inv_freq, norms=norms, codes=codes, scales=scales,
+                   final_norm=model.model.norm.weight.detach().float().contiguous(), head=head,
+                   num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
+                   max_rows=min(limits))
+
+    def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step can run fused: decode-only, at most ``max_rows`` requests, a float32/bfloat16 cache."""
+        return (metadata.max_query_len == 1 and metadata.num_reqs <= self.max_rows
+                and metadata.num_tokens == metadata.num_reqs and bool(kv_caches)
+                and kv_caches[0].dtype in (torch.bfloat16, torch.float32))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions int64 ``[n]`` (one token per request) → float32 logits ``[n, vocab]``; writes
+        the new tokens' K/V into ``kv_caches`` (``[2, blocks, block_size, KVH, head_dim]`` per layer) at
+        ``metadata.slot_mapping``. Raises RuntimeError (from the kernel) on inconsistent shapes."""
+        return torch.ops.kvscope_cpu.decode_step(
+            input_ids, positions, self.embed, self.inv_freq, self.norms, self.codes, self.scales,
+            self.final_norm, self.head.codes, self.head.scales, kv_caches, metadata.block_tables,
+            metadata.seq_lens, metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.eps)
+
+
+def _pair(kernel: object, bits: int) -> PairBlocks | None:
+    if isinstance(kernel, CompactLinearKernel) and isinstance(kernel.compact, PairBlocks) and \
+            kernel.compact.bits == bits and kernel.bias is None:
+        return kernel.compact
+    return None

@@ -1,0 +1,204 @@
+"""Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV on AVX-512
+VNNI and one whole decode step of a Llama-family decoder in one call (issue 13: per-step cost near the
+matmul floor). Also the weight packing they read ("pair blocks", described in the C++ file).
+
+The shared library is compiled once per machine with the system C++ compiler against the installed torch
+(``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
+caller names, keyed by the source, torch version and compiler flags. Where it cannot build (no compiler, no
+AVX-512 VNNI) :func:`load` returns a :class:`BuildResult` with ``ok=False`` and the reason; callers keep
+torch's own kernels. Imports only torch (contract "kernels import only torch/triton").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("cpu_*.cpp")))
+"""Every C++ file of the library (each registers its ops with ``TORCH_LIBRARY_FRAGMENT(kvscope_cpu, m)``)."""
+PAIR = 64
+"""Weights per pair of 32-weight blocks: the unit of the packed layout (rows must be a multiple)."""
+BLOCK = 32
+CXX_FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
+BUILD_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    """What :func:`load` found: ``ok`` when ``torch.ops.kvscope_cpu`` is usable; ``detail`` says why not, or
+    which library was loaded."""
+
+    ok: bool
+    detail: str
+    library: Path | None = None
+
+
+def _torch_dir() -> Path:
+    return Path(torch.__file__).parent
+
+
+def _command(out: Path) -> list[str]:
+    torch_dir = _torch_dir()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "g++"
+    return [cxx, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{torch_dir / 'include'}",
+            f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", *map(str, SOURCES), "-o", str(out),
+            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def library_path(cache_dir: Path) -> Path:
+    """Where the library for this source, torch, compiler flags and CPU lives under ``cache_dir``."""
+    key = hashlib.sha256()
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), " ".join(CXX_FLAGS).encode(),
+                 _cpu_flags().encode(), sysconfig.get_platform().encode()):
+        key.update(part)
+    return Path(cache_dir) / f"kvscope_cpu_decode-{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path) -> BuildResult:
+    """Compile the library into ``cache_dir`` unless it is there already (atomic rename: concurrent builds are
+    safe). Returns ok=False with the compiler's last lines where it fails."""
+    target = library_path(cache_dir)
+    if target.exists():
+        return BuildResult(True, f"cached {target}", target)
+    if not _has_vnni():
+        return BuildResult(False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        try:
+            proc = subprocess.run(_command(out), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return BuildResult(False, f"C++ compiler unavailable: {exc}")
+        if proc.returncode != 0:
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            return BuildResult(False, f"compile failed: {tail}")
+        os.replace(out, target)
+    return BuildResult(True, f"built {target}", target)
+
+
+def _has_vnni() -> bool:
+    flags = _cpu_flags().split()
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c")) if flags else False
+
+
+def load(cache_dir: Path) -> BuildResult:
+    """Build if needed and load the library into ``torch.ops.kvscope_cpu`` (once per process: loading the
+    same library again is a no-op). Never raises for a missing compiler or CPU feature."""
+    if is_loaded():
+        return BuildResult(True, "already loaded")
+    result = build(cache_dir)
+    if not result.ok or result.library is None:
+        return result
+    try:
+        torch.ops.load_library(str(result.library))
+    except (OSError, RuntimeError) as exc:
+        return BuildResult(False, f"load failed: {exc}")
+    return result
+
+
+def is_loaded() -> bool:
+    """Whether ``torch.ops.kvscope_cpu`` is registered in this process."""
+    try:
+        torch.ops.kvscope_cpu.qgemv  # noqa: B018 - raises when the library is not loaded
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _lane_order() -> torch.Tensor:
+    """int64 [64]: source index (within a pair of blocks) of each stored byte: byte 4l + j, lane l = 2k + b,
+    holds weight 4k + j of block b (see cpu_decode.cpp)."""
+    t = torch.arange(PAIR)
+    lane, j = t // 4, t % 4
+    k, b = lane // 2, lane % 2
+    return b * BLOCK + 4 * k + j
+
+
+@dataclass(frozen=True, slots=True)
+class PairBlocks:
+    """A ``[N, K]`` weight in the kernels' packed layout: ``w = d · u + m`` per block of 32."""
+
+    codes: torch.Tensor
+    """uint8 ``[N, K/2]`` (4-bit) or ``[N, K]`` (8-bit), lane order per pair of blocks."""
+    scales: torch.Tensor
+    """float16 ``[N, K/64, 4]`` = (d_A, d_B, m_A, m_B)."""
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.codes.shape[1] * 2 == self.scales.shape[1] * PAIR else 8
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 2
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> PairBlocks:
+        """codes uint8 ``[N, K]`` (0…2^bits − 1), d and m ``[N, K/32]`` (any float dtype; stored as float16)
+        → packed. Raises ValueError when K is not a multiple of 64 or a code does not fit ``bits``."""
+        rows, cols = codes.shape
+        if cols % PAIR or d.shape != (rows, cols // BLOCK) or m.shape != d.shape:
+            raise ValueError(f"pair blocks need K % {PAIR} == 0 and d, m of shape [N, K/32]; got {tuple(codes.shape)}")
+        if bits not in (4, 8) or int(codes.max()) >= 1 << bits:
+            raise ValueError(f"codes must fit {bits} bits")
+        lanes = codes.view(rows, cols // PAIR, PAIR)[:, :, _lane_order()]
+        if bits == 4:
+            lanes = lanes[:, :, :32] | (lanes[:, :, 32:] << 4)
+        scales = torch.stack([d.view(rows, -1, 2), m.view(rows, -1, 2)], dim=2).reshape(rows, -1, 4)
+        return cls(codes=lanes.reshape(rows, -1).contiguous(), scales=scales.to(torch.float16).contiguous())
+
+    @classmethod
+    def q8_from_float(cls, weight: torch.Tensor) -> PairBlocks:
+        """8-bit blocks of 32 as GGUF Q8_0 (ggml ``quantize_row_q8_0``: d = max|w| / 127 as float16,
+        q = round(w / d) in [-127, 127]), stored as u = q + 128, m = -128 d."""
+        w = weight.detach().to(torch.float32)
+        rows, cols = w.shape
+        blocks = w.view(rows, cols // BLOCK, BLOCK)
+        d = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16).to(torch.float32)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(blocks / safe[..., None]).clamp_(-127, 127)
+        codes = (q + 128).to(torch.uint8).view(rows, cols)
+        return cls.pack(codes, d, -128.0 * d, 8)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]``: the weights the kernels multiply by (for tests and error checks)."""
+        rows = self.codes.shape[0]
+        pairs = self.scales.shape[1]
+        lanes = self.codes.view(rows, pairs, -1)
+        if lanes.shape[-1] == 32:
+            lanes = torch.cat([lanes & 15, lanes >> 4], dim=-1)
+        codes = torch.empty_like(lanes)
+        codes[:, :, _lane_order()] = lanes
+        s = self.scales.to(torch.float32)
+        d = s[:, :, :2].reshape(rows, -1)
+        m = s[:, :, 2:].reshape(rows, -1)
+        blocks = codes.view(rows, -1, BLOCK).to(torch.float32)
+        return (blocks * d[..., None] + m[..., None]).view(rows, -1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32 to
+        int8, as llama.cpp's Q8_1). Needs :func:`load`."""
+        return torch.ops.kvscope_cpu.qgemv(x, self.codes, self.scales)
