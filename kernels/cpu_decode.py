@@ -46,11 +46,16 @@ def _torch_dir() -> Path:
     return Path(torch.__file__).parent
 
 
-def _command(out: Path) -> list[str]:
+def default_compiler() -> str:
+    """The system C++ compiler: ``g++``, else ``c++`` (the name itself when neither is on PATH: the build then
+    fails with a clear reason)."""
+    return shutil.which("g++") or shutil.which("c++") or "g++"
+
+
+def _command(out: Path, compiler: str) -> list[str]:
     torch_dir = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "g++"
-    return [cxx, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{torch_dir / 'include'}",
+    return [compiler, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{torch_dir / 'include'}",
             f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", *map(str, SOURCES), "-o", str(out),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_dir / 'lib'}"]
 
@@ -74,9 +79,10 @@ def library_path(cache_dir: Path) -> Path:
     return Path(cache_dir) / f"kvscope_cpu_decode-{key.hexdigest()[:16]}.so"
 
 
-def build(cache_dir: Path) -> BuildResult:
+def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
     """Compile the library into ``cache_dir`` unless it is there already (atomic rename: concurrent builds are
-    safe). Returns ok=False with the compiler's last lines where it fails."""
+    safe) with ``compiler`` (default :func:`default_compiler`). Returns ok=False with the reason (no AVX-512
+    VNNI, no compiler, the compiler's last lines) where it cannot."""
     target = library_path(cache_dir)
     if target.exists():
         return BuildResult(True, f"cached {target}", target)
@@ -86,7 +92,8 @@ def build(cache_dir: Path) -> BuildResult:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         try:
-            proc = subprocess.run(_command(out), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            proc = subprocess.run(_command(out, compiler or default_compiler()), capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return BuildResult(False, f"C++ compiler unavailable: {exc}")
         if proc.returncode != 0:

@@ -212,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden_size] → logits float32 [N, vocab_size] (tied: the embedding matrix)."""
         if self.logits_kernel is not None and not torch.is_grad_enabled():
             return self.logits_kernel(hidden).float()
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if not self.config.tie_word_embeddings:
+            return self.lm_head.forward(hidden).float()  # a compact lm_head has no dense weight
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def prepare_for_cpu(self) -> int:
         """Switch every projection and the LM head to :class:`CpuLinearKernel` (call once, after

@@ -34,6 +34,8 @@ from kvscope.models.registry import UnknownModelError, is_registered, list_model
 
 logger = logging.getLogger(__name__)
 
+PAIR_KERNEL_QUANTIZATIONS = ("auto", "int4", "gguf")
+"""``--quantization`` values whose weights kvscope's CPU kernels can hold (4-bit blocks, a Q8_0 LM head)."""
 CPU_KERNELS_DIR = "cpu-kernels"
 """Folder under the model cache root for kvscope's compiled CPU kernels (one library per source/torch/CPU)."""
 
@@ -154,8 +156,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     if model_config.quantization not in ("none", "auto") and device.type != "cpu":
         raise ValueError(f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
                          f"kernels); use --quantization none on {device}")
-    cpu_kernels = load_cpu_kernels(cache_root(root)) if device.type == "cpu" and \
-        model_config.cpu_kernels == "auto" else None
+    cpu_kernels = load_cpu_kernels(cache_root(root)) if device.type == "cpu" and model_config.cpu_kernels == "auto" \
+        and model_config.quantization in PAIR_KERNEL_QUANTIZATIONS else None
     kernels = probe_cpu_kernels() if device.type == "cpu" and (
         model_config.dtype == "auto" or model_config.quantization not in ("none", "auto")) else None
     fmt = resolve_format(model_config, device, kernels, gguf_path)

@@ -11,7 +11,9 @@ Per matrix weight of the linear layers and the LM head (``d`` = bytes of the den
   embedding, which stays dense for lookups).
 - ``int4``/``gguf``: ``0.625 + d`` for the decoder projections — 4-bit codes plus a bfloat16 scale and zero per
   group of 32 (the GGUF's Q4_0/Q4_1 block, 20 B / 32 weights) and the dense copy; the LM head stays dense
-  (``2·d``). ``gguf`` is planned as a Q4 GGUF (every projection Q4_0/Q4_1, as SmolLM2's).
+  (``2·d``) and, with kvscope's CPU kernels (kernels/cpu_decode.py, CPUs with AVX-512 VNNI: ``q8_head``), also
+  gets a Q8_0-style copy (32 codes + a float16 scale and min per block: 36 B / 32 weights) for decode rows.
+  ``gguf`` is planned as a Q4 GGUF (every projection Q4_0/Q4_1, as SmolLM2's).
 
 Everything else (the untied embedding table, norms, biases) is ``d`` per parameter. ``dense_copy=False``
 drops the ``+ d`` of compact layers: the engine keeps no dense copy when its probe finds the compact kernel
@@ -34,6 +36,8 @@ INT4_BYTES = 20 / 32
 """int4 groups of 32: 16 B of codes + a bfloat16 scale and zero (the GGUF Q4_1 block size)."""
 SCALE_BYTES = 2
 """int8: one bfloat16 scale per output row."""
+Q8_HEAD_BYTES = 36 / 32
+"""The 8-bit LM-head copy of kvscope's CPU kernels: 32 codes + a float16 scale and min per block of 32."""
 SPEED_QUANTIZATION = MappingProxyType({"none": "none", "int8": "q8_0", "int4": "q4_1", "gguf": "q4_1"})
 """The streamed-bytes model of the speed rows (formulas.QUANT_BYTES) closest to each engine format: GGML
 Q4_1 is the engine's int4 byte for byte; Q8_0 (34 B / 32) stands in for int8 (1 B + 2 B per row)."""
@@ -51,10 +55,11 @@ def linear_rows(shape: ModelShape) -> int:
 
 
 def engine_weight_bytes(shape: ModelShape, weights_format: str, dtype: str = "bfloat16",
-                        dense_copy: bool = True) -> int:
+                        dense_copy: bool = True, q8_head: bool = True) -> int:
     """Bytes of weights the engine holds for ``weights_format`` (module doc); ``dtype``: the dense dtype of the
-    compact formats (the engine's ``--dtype auto``: bfloat16 where its probe finds it faster, else float32).
-    Raises KeyError for an unknown format or dtype."""
+    compact formats (the engine's ``--dtype auto``: bfloat16 where its probe finds it faster, else float32);
+    ``q8_head``: int4/gguf with kvscope's CPU kernels (the engine's default where they build; False for
+    ``--cpu-kernels torch`` or a CPU without AVX-512 VNNI). Raises KeyError for an unknown format or dtype."""
     quantization = ENGINE_FORMATS[weights_format][1]
     d = f.DTYPE_BYTES[format_dtype(weights_format, dtype)]
     counts = f.param_counts(shape)
@@ -68,7 +73,7 @@ def engine_weight_bytes(shape: ModelShape, weights_format: str, dtype: str = "bf
         matrices = (1 + copy) * (counts.linear + head) + SCALE_BYTES * (linear_rows(shape) + shape.vocab_size)
         untied_embedding = counts.embedding  # the embedding stays dense beside the int8 LM head
     else:
-        matrices = (INT4_BYTES + copy) * counts.linear + 2 * d * head
+        matrices = (INT4_BYTES + copy) * counts.linear + (2 * d + (Q8_HEAD_BYTES if q8_head else 0)) * head
     return round(matrices + d * (untied_embedding + small))
 
 

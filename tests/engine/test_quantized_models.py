@@ -14,12 +14,14 @@ from safetensors.torch import load_file
 
 import engine.models.loader as loader
 from engine.config import ModelConfig
-from engine.models.compact import model_weight_bytes
+from engine.models.compact import model_weight_bytes, source_names
 from engine.models.gguf import INT4_CACHE_FILE, cached_gguf_int4_blocks, convert_gguf_to_hf
 from engine.models.kernel_probe import KernelChoice
+from engine.models.layers import Linear
 from engine.models.loader import gguf_conversion_dir, load_model
-from engine.models.quant import CompactLinearKernel
+from engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
 from engine.sampling_params import SamplingParams
+from kernels.cpu_decode import PairBlocks
 from tests.engine.test_models_gguf import write_gguf
 from tests.engine.test_models_tiny import Pair, make_pair, new_caches, paged_step, prompt
 
@@ -52,17 +54,43 @@ def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pair, Path, Path]
 
 def test_int4_layers_hold_exactly_the_gguf_blocks(tiny_q4: tuple[Pair, Path, Path]) -> None:
     pair, path, root = tiny_q4
-    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
+    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu",
+                                     root=root)
     report = model.load_report.quantization
     assert (report.from_gguf, report.quantized, report.dense) == (8, 0, 1)  # 2 layers x 4; lm_head stays dense
-    assert model.load_report.gguf_path == path
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj.cpu_kernel, CompactLinearKernel)
+    assert model.load_report.gguf_path == path and model.load_report.cpu_kernels is None
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.cpu_kernel.compact, Int4Weight)
     assert model.model.layers[0].self_attn.qkv_proj.weight is None and model.lm_head.weight is not None
     converted = load_file(str(model_dir / "model.safetensors"))  # gguf.quants.dequantize of every tensor
     blocks = cached_gguf_int4_blocks(path, model_dir)  # now read back from the cache the load wrote
     assert (model_dir / INT4_CACHE_FILE).is_file() and len(blocks) == 14  # 7 projections x 2 layers
     for name, b in blocks.items():  # un-permuted q/k rows included: the same numbers, no re-quantization
         assert torch.equal(b.dequantize(), converted[name]), name
+
+
+def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(tiny_q4: tuple[Pair, Path, Path]) -> None:
+    _, path, root = tiny_q4
+    torch_model, _, _ = load_model(ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu",
+                                   root=root)
+    model, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
+    assert model.load_report.cpu_kernels.ok, model.load_report.cpu_kernels.detail  # this CPU: AVX-512 VNNI
+    report = model.load_report.quantization
+    assert (report.from_gguf, report.quantized, report.dense) == (8, 1, 0)  # the lm_head is Q8 blocks now
+    blocks = cached_gguf_int4_blocks(path, model.load_report.gguf_path.parent)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name != "lm_head":  # the GGUF's blocks in the kernels' own layout
+            mine = module.cpu_kernel.compact
+            if module.in_features % 64:  # rows the pair layout cannot hold (this tiny MLP's 96): torch's int4
+                assert isinstance(mine, Int4Weight), name
+                continue
+            assert isinstance(mine, PairBlocks) and mine.bits == 4, name
+            gguf_weights = Int4Blocks.cat([blocks[s] for s in source_names(name)]).dequantize()
+            assert torch.allclose(mine.dequantize(), gguf_weights, rtol=0, atol=1e-6 * gguf_weights.abs().max()), name
+            assert isinstance(dict(torch_model.named_modules())[name].cpu_kernel.compact, Int4Weight)
+    head = model.lm_head.cpu_kernel.compact
+    assert isinstance(head, PairBlocks) and head.bits == 8
+    dense = torch_model.lm_head.weight.float()
+    assert (head.dequantize() - dense).abs().max() <= dense.abs().amax(dim=1, keepdim=True).max() / 254 + 1e-6
 
 
 def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(tiny_q4: tuple[Pair, Path, Path]) -> None:
@@ -79,7 +107,8 @@ def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(tiny_q
 
 def test_gguf_needs_a_gguf_and_quantization_needs_a_cpu(tiny_q4: tuple[Pair, Path, Path]) -> None:
     _, path, root = tiny_q4
-    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="gguf"), "cpu", root=root)
+    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="gguf", cpu_kernels="torch"), "cpu",
+                                     root=root)
     assert (model.load_report.quantization.from_gguf, model.load_report.quantization.dense) == (8, 1)
     with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
         load_model(ModelConfig(model=str(model_dir), quantization="gguf"), "cpu")
@@ -92,7 +121,7 @@ def test_gguf_needs_a_gguf_and_quantization_needs_a_cpu(tiny_q4: tuple[Pair, Pat
 def test_int4_from_a_float_folder_and_int8_quantize_every_projection(tiny_q4: tuple[Pair, Path, Path]) -> None:
     _, path, root = tiny_q4
     _, _, model_dir = load_model(ModelConfig(model=str(path)), "cpu", root=root)
-    int4, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int4"), "cpu")
+    int4, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int4", cpu_kernels="torch"), "cpu")
     assert (int4.load_report.quantization.from_gguf, int4.load_report.quantization.quantized) == (0, 8)
     int8, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int8"), "cpu")
     assert (int8.load_report.quantization.quantized, int8.load_report.quantization.dense) == (9, 0)  # + lm_head

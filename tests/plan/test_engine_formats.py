@@ -15,8 +15,9 @@ from kvscope.plan.engine_formats import bytes_per_linear_weight, engine_weight_b
 from kvscope.plan.model_files import read_model
 
 # model_weight_bytes of the loaded engine, SmolLM2-135M (tied embeddings), probe keeping dense bf16 copies
-MEASURED = {"float32": 1_075_979_520, "bfloat16": 537_989_760, "int8": 460_542_336, "gguf": 392_008_320,
-            "int4": 392_008_320}
+MEASURED = {"float32": 1_075_979_520, "bfloat16": 537_989_760, "int8": 460_542_336, "gguf": 423_858_816,
+            "int4": 423_858_816}
+"""int4/gguf with kvscope's CPU kernels: 392,008,320 B + the Q8 LM-head copy (49,152 x 576 x 36/32 B)."""
 
 
 @pytest.mark.parametrize("fmt", list(MEASURED))
@@ -34,6 +35,7 @@ def test_compact_formats_without_a_dense_copy(model_dir) -> None:
     shape = read_model(str(model_dir)).shape
     linear = 106_168_320  # 30 layers x (qkv 576x960 + o 576x576 + gate_up/down 3x576x1536)
     assert engine_weight_bytes(shape, "int4", dense_copy=False) == MEASURED["int4"] - 2 * linear
+    assert engine_weight_bytes(shape, "gguf", q8_head=False) == 392_008_320  # torch's kernels: no Q8 head copy
     assert engine_weight_bytes(shape, "int8", dense_copy=False) == MEASURED["int8"] - 2 * (linear + 49152 * 576)
 
 

@@ -1,0 +1,124 @@
+"""kvscope's CPU decode kernels (kernels/cpu_decode.py, kernels/csrc/cpu_decode.cpp): the pair-block layout, the
+VNNI GEMV against an exact float64 model of what it computes, and the clean fallback where it cannot build.
+
+The GEMV quantizes its input per block of 32 to int8 (llama.cpp's Q8_1): the reference below does the same
+float32 steps (d = max|x| / 127, q = round-half-even(x · (1 / d))) and sums in float64, so the only difference
+left is the kernel's float32 summation order (relative ~1e-6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.loader import CPU_KERNELS_DIR
+from kernels import cpu_decode
+from kernels.cpu_decode import PAIR, PairBlocks, build, load
+from kvscope.models.cache import cache_root
+
+
+@pytest.fixture(scope="module")
+def loaded() -> None:
+    """The library, built into the model cache's cpu-kernels folder as the engine does (this CPU has
+    AVX-512 VNNI: the test machines are Xeons with AMX)."""
+    result = load(cache_root() / CPU_KERNELS_DIR)
+    assert result.ok, result.detail
+
+
+def random_blocks(rows: int, cols: int, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, cols), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(rows, cols // 32, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(rows, cols // 32, generator=gen) * 0.1).half().float()
+    return codes, d, m
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_keeps_every_code_and_scale(bits: int) -> None:
+    codes, d, m = random_blocks(70, 192, bits, seed=bits)
+    packed = PairBlocks.pack(codes, d, m, bits)
+    assert packed.bits == bits and packed.out_features == 70
+    assert packed.codes.shape == (70, 192 // (2 if bits == 4 else 1)) and packed.scales.shape == (70, 3, 4)
+    assert packed.nbytes == 70 * 192 * bits // 8 + 70 * 6 * 2 * 2  # codes + a float16 d and m per block
+    expected = (codes.view(70, -1, 32).float() * d[..., None] + m[..., None]).view(70, 192)
+    assert torch.equal(packed.dequantize(), expected)
+
+
+def test_pack_refuses_what_the_layout_cannot_hold() -> None:
+    codes, d, m = random_blocks(8, 96, 4, seed=0)
+    with pytest.raises(ValueError, match="K % 64 == 0"):
+        PairBlocks.pack(codes, d, m, 4)
+    codes, d, m = random_blocks(8, 64, 8, seed=0)
+    with pytest.raises(ValueError, match="must fit 4 bits"):
+        PairBlocks.pack(codes, d, m, 4)
+
+
+def reference_qgemv(x: torch.Tensor, weights: PairBlocks) -> torch.Tensor:
+    """float64 y = Σ_b d·d_x·Σ u·q + m·d_x·Σ q over blocks of 32, with the kernel's float32 quantization of x."""
+    n, k = x.shape
+    blocks = x.float().view(n, k // 32, 32)
+    dx = blocks.abs().amax(dim=-1) / 127.0  # float32, as the kernel
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    q = torch.round(blocks * inv[..., None])  # round half to even, as std::nearbyint
+    rows = weights.out_features
+    lanes = weights.codes.view(rows, k // PAIR, -1)
+    if lanes.shape[-1] == 32:
+        lanes = torch.cat([lanes & 15, lanes >> 4], dim=-1)
+    u = torch.empty_like(lanes)
+    u[:, :, cpu_decode._lane_order()] = lanes
+    u = u.view(rows, k // 32, 32).double()
+    s = weights.scales.double()
+    dw, mw = s[:, :, :2].reshape(rows, -1), s[:, :, 2:].reshape(rows, -1)
+    dots = torch.einsum("rbj,nbj->nrb", u, q.double())  # [n, rows, blocks]
+    return (dots * dw[None] * dx.double()[:, None, :] + mw[None] * (dx.double() * q.double().sum(-1))[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize(("bits", "rows", "cols", "n"), [(4, 70, 64, 1), (4, 960, 576, 3), (4, 576, 1536, 5),
+                                                          (8, 131, 576, 1), (8, 64, 128, 9)])
+def test_qgemv_is_the_q8_1_dot_product(loaded, bits: int, rows: int, cols: int, n: int) -> None:
+    codes, d, m = random_blocks(rows, cols, bits, seed=rows)
+    weights = PairBlocks.pack(codes, d, m, bits)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    x[0, :32] = 0.0  # an all-zero block (d_x = 0) is exact
+    out = weights.matmul(x)
+    ref = reference_qgemv(x, weights)
+    assert out.dtype == torch.float32 and out.shape == (n, rows)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(weights.matmul(x.bfloat16()), weights.matmul(x.bfloat16().float()))  # bf16 in: same
+
+
+def test_qgemv_error_against_float_weights_is_the_activation_rounding(loaded) -> None:
+    """Against the exact float product the only error is the int8 activations (≤ ~1 % of the output norm)."""
+    codes, d, m = random_blocks(256, 576, 4, seed=3)
+    weights = PairBlocks.pack(codes, d, m, 4)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(5))
+    exact = x.double() @ weights.dequantize().double().T
+    error = (weights.matmul(x).double() - exact).norm() / exact.norm()
+    assert 1e-4 < error < 1e-2
+
+
+def test_q8_blocks_from_float_are_gguf_q8_0() -> None:
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05
+    q8 = PairBlocks.q8_from_float(w)
+    d = (w.view(64, 4, 32).abs().amax(-1) / 127).half().float()
+    assert torch.equal(q8.scales[:, :, :2].reshape(64, 4).float(), d)  # the Q8_0 scale, float16
+    assert torch.equal(q8.scales[:, :, 2:].reshape(64, 4).float(), -128 * d)
+    assert (q8.dequantize() - w).abs().max() <= d.max() / 2 + 1e-7  # round to nearest
+
+
+def test_build_reports_a_missing_compiler_and_a_cpu_without_vnni(tmp_path: Path, monkeypatch) -> None:
+    result = build(tmp_path / "a", compiler=str(tmp_path / "no-such-g++"))
+    assert (result.ok, result.library) == (False, None) and result.detail.startswith("C++ compiler unavailable")
+    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: fpu sse2 avx2")
+    result = build(tmp_path / "b")
+    assert (result.ok, result.detail) == (False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> None:
+    bad = tmp_path / "cpu_bad.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_decode, "SOURCES", (bad,))
+    result = build(tmp_path / "c")
+    assert not result.ok and result.detail.startswith("compile failed:") and "error" in result.detail
