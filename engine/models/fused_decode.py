@@ -15,7 +15,7 @@ does (Q8_1); the KV cache is written in its own dtype (bfloat16 rounding as eage
 Used for decode-only steps (every row one token: no prefill chunk, no speculative draft) of at most
 ``max_rows`` requests (the compact kernels' crossover from the start-up probe), when every decoder matmul is
 a 4-bit pair-block weight and the LM head an 8-bit one (``engine.models.compact`` with ``pair_kernels``), the
-architecture has no biases and no q/k norm, and head_dim is a multiple of 16 up to 128.
+architecture has no biases and no q/k norm, and head_dim is 64 or 128.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class FusedDecoder:
         if not is_loaded() or not isinstance(model, LlamaForCausalLM):
             return None
         c = model.config
-        if c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.head_dim % 16 or c.head_dim > 128:
+        if c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.head_dim not in (64, 128):
             return None
         head = _pair(model.logits_kernel, bits=8)
         embed = model.model.embed_tokens.weight

@@ -264,42 +264,116 @@ struct KVView {
   T* value(int64_t slot, int64_t g) const { return base + ((slots + slot) * KVH + g) * D; }
 };
 
-template <typename T>
-inline float dot16(const float* q, const T* k, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < D; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16<T>(k + j), acc);
-  return _mm512_reduce_add_ps(acc);
+// e^x, float32, 16 lanes: 2^n · p(r) with n = round(x·log2 e), r = x − n·ln 2 (|r| ≤ ln2 / 2) and p the
+// degree-6 Taylor polynomial (truncation ≤ r⁷/7! ≈ 1.2e-7 relative); x clamped to [-87.3, 88.7] (float32 range).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // Cody-Waite: ln 2 = hi + lo
+  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
-// Decode attention of one query head over the request's context, read from the paged cache in place.
-template <typename T>
-void attend_head(const float* q, const KVView<T>& kv, int64_t g, const int32_t* table, int64_t block_size,
-                 int64_t seq_len, float scale, float* out, std::vector<float>& scores) {
-  const int64_t D = kv.D;
-  scores.resize(seq_len);
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const float sc = dot16(q, kv.key(slot, g), D) * scale;
-    scores[t] = sc;
-    mx = std::max(mx, sc);
+// The sums of four 16-lane vectors, as one 4-lane vector {Σa, Σb, Σc, Σd}.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+  const __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+  const __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a2, b2), _mm256_hadd_ps(c2, d2));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// Decode attention of the `group` query heads sharing KV head g over one request's context, read from the
+// paged cache in place (slot of token t: table[t / block_size] · block_size + t % block_size): each key and
+// value is loaded once for the whole GQA group, scores are reduced four keys at a time, softmax in float32.
+// q [group, D] (already scaled), out [group, D]; VD = D / 16.
+template <typename T, int VD>
+void attend_group(const float* q, int64_t group, const KVView<T>& kv, int64_t g, const int32_t* table,
+                  int64_t block_size, int64_t seq_len, float* out, std::vector<float>& scores) {
+  static_assert(VD == 4 || VD == 8, "head_dim 64 or 128");
+  const int64_t stride = (seq_len + 15) / 16 * 16;
+  scores.assign(group * stride, 0.f);
+  auto slot = [&](int64_t t) { return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size; };
+  constexpr int kKeys = 4;
+  int64_t t = 0;
+  for (; t + kKeys <= seq_len; t += kKeys) {
+    const T* k[kKeys];
+    for (int j = 0; j < kKeys; ++j) k[j] = kv.key(slot(t + j), g);
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 acc[kKeys];
+      for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
+      for (int v = 0; v < VD; ++v) {
+        const __m512 qv = _mm512_loadu_ps(q + h * VD * 16 + 16 * v);
+        for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_fmadd_ps(qv, load16<T>(k[j] + 16 * v), acc[j]);
+      }
+      _mm_storeu_ps(scores.data() + h * stride + t, reduce4(acc[0], acc[1], acc[2], acc[3]));
+    }
   }
-  float sum = 0.f;
-  for (int64_t t = 0; t < seq_len; ++t) {
-    scores[t] = std::exp(scores[t] - mx);
-    sum += scores[t];
+  for (; t < seq_len; ++t) {
+    const T* k = kv.key(slot(t), g);
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int v = 0; v < VD; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * VD * 16 + 16 * v), load16<T>(k + 16 * v), acc);
+      scores[h * stride + t] = _mm512_reduce_add_ps(acc);
+    }
   }
-  const float inv = 1.f / sum;
-  __m512 acc[8];  // D ≤ 128
-  const int64_t vecs = D / 16;
-  for (int64_t v = 0; v < vecs; ++v) acc[v] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const __m512 p = _mm512_set1_ps(scores[t] * inv);
-    const T* vt = kv.value(slot, g);
-    for (int64_t v = 0; v < vecs; ++v) acc[v] = _mm512_fmadd_ps(p, load16<T>(vt + 16 * v), acc[v]);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (seq_len % 16)) - 1);
+  for (int64_t h = 0; h < group; ++h) {  // softmax over the row: max, e^(s - max), sum
+    float* row = scores.data() + h * stride;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t u = 0;
+    for (; u + 16 <= seq_len; u += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + u));
+    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + u));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (u = 0; u + 16 <= seq_len; u += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + u), m));
+      _mm512_storeu_ps(row + u, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + u), m)));
+      _mm512_mask_storeu_ps(row + u, tail, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (u = 0; u < stride; u += 16) _mm512_storeu_ps(row + u, _mm512_mul_ps(_mm512_loadu_ps(row + u), inv));
   }
-  for (int64_t v = 0; v < vecs; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
+  // out_h = Σ_t p_h[t] · v_t, each value vector loaded once for the group (group ≤ 8 here: accumulators live in
+  // registers for VD = 4; the compiler spills the rest)
+  std::vector<__m512> acc(group * VD, _mm512_setzero_ps());
+  for (t = 0; t < seq_len; ++t) {
+    const T* vt = kv.value(slot(t), g);
+    __m512 v[VD];
+    for (int j = 0; j < VD; ++j) v[j] = load16<T>(vt + 16 * j);
+    for (int64_t h = 0; h < group; ++h) {
+      const __m512 p = _mm512_set1_ps(scores[h * stride + t]);
+      for (int j = 0; j < VD; ++j) acc[h * VD + j] = _mm512_fmadd_ps(p, v[j], acc[h * VD + j]);
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    for (int j = 0; j < VD; ++j) _mm512_storeu_ps(out + h * VD * 16 + 16 * j, acc[h * VD + j]);
+  }
+}
+
+// SiLU(g) · u over n elements (SwiGLU, Shazeer 2020), 16 lanes at a time.
+void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + j);
+    const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + j)));
+  }
+  for (; j < n; ++j) out[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
 }
 
 template <typename T>
@@ -352,12 +426,20 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
         }
       }
     }
-    at::parallel_for(0, n * NH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = 0; i < n; ++i) {  // the softmax scale folded into q
+      for (int64_t j = 0; j < NH * D; ++j) qkv[i * qkv_width + j] *= d.scale;
+    }
+    at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / NH, h = task % NH;
-        attend_head<T>(qkv.data() + i * qkv_width + h * D, kv, h / group, tables + i * table_width, block_size,
-                       seq_lens[i], d.scale, attn.data() + (i * NH + h) * D, scores);
+        const int64_t i = task / KVH, g = task % KVH;
+        const float* q = qkv.data() + i * qkv_width + g * group * D;
+        float* out = attn.data() + (i * NH + g * group) * D;
+        if (D == 64) {
+          attend_group<T, 4>(q, group, kv, g, tables + i * table_width, block_size, seq_lens[i], out, scores);
+        } else {
+          attend_group<T, 8>(q, group, kv, g, tables + i * table_width, block_size, seq_lens[i], out, scores);
+        }
       }
     });
     gemv(mats[4 * l + 1], attn.data(), n, proj.data());
@@ -365,10 +447,7 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
     rms_norm(hidden, norms[2 * l + 1].data_ptr<float>(), n, H, d.eps, normed.data());
     gemv(mats[4 * l + 2], normed.data(), n, gate_up.data());
     for (int64_t i = 0; i < n; ++i) {
-      const float* g = gate_up.data() + i * 2 * I;
-      const float* u = g + I;
-      float* a = act.data() + i * I;
-      for (int64_t j = 0; j < I; ++j) a[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+      silu_mul(gate_up.data() + i * 2 * I, gate_up.data() + i * 2 * I + I, I, act.data() + i * I);
     }
     gemv(mats[4 * l + 3], act.data(), n, proj.data());
     for (int64_t j = 0; j < n * H; ++j) hidden[j] += proj[j];
@@ -394,7 +473,7 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
   const at::Tensor& cache0 = kv_caches[0];
   StepDims d{n, H, num_heads, num_kv_heads, cache0.size(4), codes[2].size(0) / 2, head_codes.size(0),
              static_cast<float>(eps), 1.f / std::sqrt(static_cast<float>(cache0.size(4)))};
-  TORCH_CHECK(d.D % 16 == 0 && d.D <= 128, "head_dim must be a multiple of 16, at most 128");
+  TORCH_CHECK(d.D == 64 || d.D == 128, "head_dim must be 64 or 128");
   std::vector<PairWeight> mats;
   for (size_t m = 0; m < codes.size(); ++m) mats.push_back(pair_weight(codes[m], scales[m]));
   const PairWeight head = pair_weight(head_codes, head_scales);
