@@ -86,7 +86,7 @@ def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
     target = library_path(cache_dir)
     if target.exists():
         return BuildResult(True, f"cached {target}", target)
-    if not _has_vnni():
+    if not cpu_supports():
         return BuildResult(False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -103,7 +103,8 @@ def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
     return BuildResult(True, f"built {target}", target)
 
 
-def _has_vnni() -> bool:
+def cpu_supports() -> bool:
+    """Whether this CPU has the instructions the kernels use (AVX-512 F/BW/DQ/VNNI, F16C), by /proc/cpuinfo."""
     flags = _cpu_flags().split()
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c")) if flags else False
 

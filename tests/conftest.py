@@ -12,6 +12,7 @@ import pytest
 ALLOWED_SKIP_REASONS = (
     "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
     "set ELASTICSEARCH_URL",  # tests/gateway/logs/test_es_live.py without a live Elasticsearch
+    "needs a CPU with AVX-512 VNNI",  # tests marked `vnni` (kvscope's CPU decode kernels) on a CPU without it
 )
 """The only reasons a test may be skipped under CI=true (matched as prefixes). Anything else — a missing tool,
 a "not written yet" guard, an OSError — fails the run: a skipped test protects nothing."""
@@ -37,12 +38,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    if has_cuda:
-        return
+    try:
+        from kernels.cpu_decode import cpu_supports
+
+        has_vnni = cpu_supports()
+    except ImportError:
+        has_vnni = False
     skip_gpu = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[0])
+    skip_vnni = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[2])
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        if "vnni" in item.keywords and not has_vnni:
+            item.add_marker(skip_vnni)
 
 
 def disallowed_skips(reports: list[pytest.TestReport]) -> list[str]:

@@ -156,7 +156,8 @@ def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPat
     info = engine.info
     assert (info.dtype, info.quantization) == ("bfloat16", "gguf")
     assert info.weights_bytes == model_weight_bytes(engine.model) == engine_weight_bytes(
-        read_model(str(model_dir)).shape, "gguf", "bfloat16")  # kvscope plan --weights-format gguf counts the same
+        read_model(str(model_dir)).shape, "gguf", "bfloat16",  # kvscope plan --weights-format gguf counts the same
+        q8_head=engine.model.load_report.cpu_kernels.ok)  # (+ the Q8 LM head of kvscope's CPU kernels where they run)
     per_block = 30 * 2 * 16 * 3 * 64 * 2  # bf16 KV: layers x (K, V) x block x kv_heads x head_dim x 2 B
     assert info.num_blocks == (budget - info.weights_bytes) // per_block
     assert info.kv_cache_bytes == info.num_blocks * per_block

@@ -22,6 +22,8 @@ from engine.sampling_params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from engine.worker.kv_cache import allocate_kv_caches
 
+pytestmark = pytest.mark.vnni
+
 FOUR_ROWS = KernelChoice(dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2})
 """A probe result with the compact crossover at 4 rows (the probe's own varies with the machine's load)."""
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

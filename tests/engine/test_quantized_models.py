@@ -68,6 +68,7 @@ def test_int4_layers_hold_exactly_the_gguf_blocks(tiny_q4: tuple[Pair, Path, Pat
         assert torch.equal(b.dequantize(), converted[name]), name
 
 
+@pytest.mark.vnni
 def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(tiny_q4: tuple[Pair, Path, Path]) -> None:
     _, path, root = tiny_q4
     torch_model, _, _ = load_model(ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu",

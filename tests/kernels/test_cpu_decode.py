@@ -74,6 +74,7 @@ def reference_qgemv(x: torch.Tensor, weights: PairBlocks) -> torch.Tensor:
     return (dots * dw[None] * dx.double()[:, None, :] + mw[None] * (dx.double() * q.double().sum(-1))[:, None, :]).sum(-1)
 
 
+@pytest.mark.vnni
 @pytest.mark.parametrize(("bits", "rows", "cols", "n"), [(4, 70, 64, 1), (4, 960, 576, 3), (4, 576, 1536, 5),
                                                           (8, 131, 576, 1), (8, 64, 128, 9)])
 def test_qgemv_is_the_q8_1_dot_product(loaded, bits: int, rows: int, cols: int, n: int) -> None:
@@ -88,6 +89,7 @@ def test_qgemv_is_the_q8_1_dot_product(loaded, bits: int, rows: int, cols: int, 
     assert torch.equal(weights.matmul(x.bfloat16()), weights.matmul(x.bfloat16().float()))  # bf16 in: same
 
 
+@pytest.mark.vnni
 def test_qgemv_error_against_float_weights_is_the_activation_rounding(loaded) -> None:
     """Against the exact float product the only error is the int8 activations (≤ ~1 % of the output norm)."""
     codes, d, m = random_blocks(256, 576, 4, seed=3)
@@ -108,6 +110,8 @@ def test_q8_blocks_from_float_are_gguf_q8_0() -> None:
 
 
 def test_build_reports_a_missing_compiler_and_a_cpu_without_vnni(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: avx512f avx512bw avx512dq avx512_vnni f16c")
+    assert cpu_decode.cpu_supports()
     result = build(tmp_path / "a", compiler=str(tmp_path / "no-such-g++"))
     assert (result.ok, result.library) == (False, None) and result.detail.startswith("C++ compiler unavailable")
     monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: fpu sse2 avx2")
@@ -116,6 +120,7 @@ def test_build_reports_a_missing_compiler_and_a_cpu_without_vnni(tmp_path: Path,
     assert not list(tmp_path.rglob("*.so"))
 
 
+@pytest.mark.vnni
 def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> None:
     bad = tmp_path / "cpu_bad.cpp"
     bad.write_text("this is not C++\n")
