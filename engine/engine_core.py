@@ -57,6 +57,9 @@ class ModelInfo:
     """``--quantization`` as loaded (``auto`` resolved)."""
     format_reason: str = ""
     """Why this format (engine.models.format_choice)."""
+    cpu_kernels: str = ""
+    """The CPU kernels of the compact weights: ``kvscope (fused decode up to N rows)`` (kernels/cpu_decode.py),
+    ``torch`` (and why not kvscope's), or empty off CPU / for dense formats."""
     rss_bytes: int = 0
     """Process resident set size once the engine is built (weights + KV cache + runtime)."""
     peak_rss_bytes: int = 0
@@ -135,9 +138,19 @@ class EngineCore:
             num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_blocks * per_block,
             weights_bytes=weights, load_seconds=time.perf_counter() - start,
             dtype=str(dtype).removeprefix("torch."), quantization=fmt.quantization if fmt else "none",
-            format_reason=fmt.reason if fmt else "", rss_bytes=rss, peak_rss_bytes=peak_rss)
+            format_reason=fmt.reason if fmt else "", cpu_kernels=self._cpu_kernels_line(),
+            rss_bytes=rss, peak_rss_bytes=peak_rss)
         logger.info("%s", format_line(self.info))
         logger.info("engine ready: %s", self.info)
+
+    def _cpu_kernels_line(self) -> str:
+        fused, built = self.runner.fused, self.model.load_report.cpu_kernels
+        if fused is not None:
+            return f"kvscope (fused decode up to {fused.max_rows} rows)"
+        if built is not None and not built.ok:
+            return f"torch ({built.detail})"
+        quantization = self.model.load_report.quantization
+        return "torch" if quantization is not None and quantization.quantization != "none" else ""
 
     def _max_model_len(self, hf_config: dict, capacity_tokens: int) -> int:
         model_len = hf_config.get("max_position_embeddings") or capacity_tokens
@@ -270,7 +283,8 @@ def _record_structured_time(scheduler_output: SchedulerOutput, runner_output: Mo
 
 def format_line(info: ModelInfo) -> str:
     """The start-up line naming the weight format: dtype, quantization, why, weights bytes, KV bytes, RSS."""
-    return (f"weights format: dtype {info.dtype}, quantization {info.quantization} ({info.format_reason}); "
+    kernels = f", CPU kernels {info.cpu_kernels}" if info.cpu_kernels else ""
+    return (f"weights format: dtype {info.dtype}, quantization {info.quantization} ({info.format_reason}){kernels}; "
             f"weights {info.weights_bytes} B, KV cache {info.kv_cache_bytes} B ({info.num_blocks} blocks), "
             f"process RSS {info.rss_bytes} B (peak {info.peak_rss_bytes} B)")
 

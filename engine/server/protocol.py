@@ -317,6 +317,8 @@ class ModelFormatInfo(Struct):
     """Process resident set size when the engine was built."""
     reason: str
     """Why this format (the start-up probe's scores and the verification source, or the flags)."""
+    cpu_kernels: str = ""
+    """Which CPU kernels run the compact weights (``kvscope (fused decode up to N rows)``, ``torch``…)."""
 
 
 class ModelCard(Struct):

@@ -119,7 +119,8 @@ async def models(request: Request) -> ModelList:
     card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len,
                      root=info.model_dir, kvscope=ModelFormatInfo(
                          dtype=info.dtype, quantization=info.quantization, weights_bytes=info.weights_bytes,
-                         kv_cache_bytes=info.kv_cache_bytes, rss_bytes=info.rss_bytes, reason=info.format_reason))
+                         kv_cache_bytes=info.kv_cache_bytes, rss_bytes=info.rss_bytes, reason=info.format_reason,
+                         cpu_kernels=info.cpu_kernels))
     return ModelList(data=[card])
 
 

@@ -143,8 +143,8 @@ def test_process_memory_reads_vmrss_and_vmhwm(tmp_path) -> None:
 def test_start_up_line_names_format_reason_and_bytes() -> None:
     info = FakeInfo()
     assert format_line(info) == ("weights format: dtype bfloat16, quantization gguf (fake: fastest verified "
-                                 "format); weights 2000 B, KV cache 1000 B (7 blocks), process RSS 5000 B "
-                                 "(peak 6000 B)")
+                                 "format), CPU kernels kvscope (fused decode up to 2 rows); weights 2000 B, KV "
+                                 "cache 1000 B (7 blocks), process RSS 5000 B (peak 6000 B)")
 
 
 def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPatch, model_dir) -> None:

@@ -59,6 +59,7 @@ class FakeInfo:
     dtype: str = "bfloat16"
     quantization: str = "gguf"
     format_reason: str = "fake: fastest verified format"
+    cpu_kernels: str = "kvscope (fused decode up to 2 rows)"
     rss_bytes: int = 5000
     peak_rss_bytes: int = 6000
     num_blocks: int = 7

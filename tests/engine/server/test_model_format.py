@@ -15,7 +15,8 @@ def test_model_card_carries_the_format_and_keeps_the_openai_fields(client) -> No
     assert (card["id"], card["object"], card["owned_by"], card["root"]) == ("fake-model", "model", "kvscope",
                                                                             "/models/fake")
     assert card["kvscope"] == {"dtype": "bfloat16", "quantization": "gguf", "weights_bytes": 2000,
-                               "kv_cache_bytes": 1000, "rss_bytes": 5000, "reason": "fake: fastest verified format"}
+                               "kv_cache_bytes": 1000, "rss_bytes": 5000, "reason": "fake: fastest verified format",
+                               "cpu_kernels": "kvscope (fused decode up to 2 rows)"}
 
 
 def test_weights_metric_is_labelled_with_the_format(client) -> None:
