@@ -106,29 +106,24 @@ struct PagedKV {
   int64_t D;
 };
 
-// One work item: GB query heads (first_head …) of request i sharing KV head g, DV = D / 16 vectors per head.
-template <typename TC, typename TQ, int DV, int GB>
-void attend_group(const TQ* q, TQ* out, const TC* cache, const PagedKV& kv, int64_t g, const int32_t* table,
+// One work item: GB query heads of one request sharing KV head g, DV = D / 16 vectors per head; q and out are
+// float32 [GB, D] (the caller converts the query's dtype: one kernel per cache dtype, D and GB).
+template <typename TC, int DV, int GB>
+void attend_group(const float* q, float* out, const TC* cache, const PagedKV& kv, int64_t g, const int32_t* table,
                   int64_t seq_len, float scale, std::vector<float>& scores) {
   const int64_t D = kv.D;
   const int64_t kv_stride = kv.KVH * D;  // elements between consecutive slots
   const TC* keys = cache + g * D;
   const TC* values = cache + kv.slots * kv_stride + g * D;
   if (seq_len <= 0) {
-    for (int b = 0; b < GB; ++b) {
-      for (int64_t j = 0; j < D; ++j) out[b * D + j] = attn_from_float<TQ>(0.f);
-    }
+    for (int64_t j = 0; j < GB * D; ++j) out[j] = 0.f;
     return;
   }
   const int64_t padded = (seq_len + kTile - 1) / kTile * kTile;
   scores.resize(static_cast<size_t>(GB * padded));
   __m512 qv[GB][DV];
   for (int b = 0; b < GB; ++b) {
-    for (int v = 0; v < DV; ++v) {
-      alignas(64) float tmp[16];
-      for (int j = 0; j < 16; ++j) tmp[j] = attn_to_float(q[b * D + 16 * v + j]) * scale;
-      qv[b][v] = _mm512_load_ps(tmp);
-    }
+    for (int v = 0; v < DV; ++v) qv[b][v] = _mm512_mul_ps(_mm512_loadu_ps(q + b * D + 16 * v), _mm512_set1_ps(scale));
   }
   // pass 1: scores
   __m512 vmax[GB];
@@ -189,26 +184,22 @@ void attend_group(const TQ* q, TQ* out, const TC* cache, const PagedKV& kv, int6
   }
   for (int b = 0; b < GB; ++b) {
     const __m512 inv = _mm512_set1_ps(inv_sum[b]);
-    for (int v = 0; v < DV; ++v) {
-      alignas(64) float tmp[16];
-      _mm512_store_ps(tmp, _mm512_mul_ps(acc[b][v], inv));
-      for (int j = 0; j < 16; ++j) out[b * D + 16 * v + j] = attn_from_float<TQ>(tmp[j]);
-    }
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + b * D + 16 * v, _mm512_mul_ps(acc[b][v], inv));
   }
 }
 
-template <typename TC, typename TQ, int DV>
-using GroupFn = void (*)(const TQ*, TQ*, const TC*, const PagedKV&, int64_t, const int32_t*, int64_t, float,
+template <typename TC>
+using GroupFn = void (*)(const float*, float*, const TC*, const PagedKV&, int64_t, const int32_t*, int64_t, float,
                          std::vector<float>&);
 
 // Heads per work item: GB · DV ≤ 16 accumulators (zmm registers: 32, with the values and the scale).
-template <typename TC, typename TQ, int DV>
-GroupFn<TC, TQ, DV> group_fn(int gb) {
+template <typename TC, int DV>
+GroupFn<TC> group_fn(int gb) {
   switch (gb) {
-    case 1: return &attend_group<TC, TQ, DV, 1>;
-    case 2: return &attend_group<TC, TQ, DV, 2>;
-    case 3: return &attend_group<TC, TQ, DV, 3>;
-    default: return &attend_group<TC, TQ, DV, 4>;
+    case 1: return &attend_group<TC, DV, 1>;
+    case 2: return &attend_group<TC, DV, 2>;
+    case 3: return &attend_group<TC, DV, 3>;
+    default: return &attend_group<TC, DV, 4>;
   }
 }
 
@@ -228,12 +219,16 @@ void run_attention(const at::Tensor& query, const at::Tensor& cache, const at::T
   const int64_t width = tables.size(1);
   at::parallel_for(0, n * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    float qf[4 * 16 * 8], of[4 * 16 * 8];  // GB · D ≤ 4 · 128
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
       const int64_t first = g * group + chunk * max_gb;
       const int gb = static_cast<int>(std::min<int64_t>(max_gb, g * group + group - first));
-      group_fn<TC, TQ, DV>(gb)(q + (i * H + first) * D, o + (i * H + first) * D, c, kv, g, tab + i * width,
-                               lens[i], scale, scores);
+      const TQ* qi = q + (i * H + first) * D;
+      for (int64_t j = 0; j < gb * D; ++j) qf[j] = attn_to_float(qi[j]);
+      group_fn<TC, DV>(gb)(qf, of, c, kv, g, tab + i * width, lens[i], scale, scores);
+      TQ* oi = o + (i * H + first) * D;
+      for (int64_t j = 0; j < gb * D; ++j) oi[j] = attn_from_float<TQ>(of[j]);
     }
   });
 }
