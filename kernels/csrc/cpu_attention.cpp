@@ -37,6 +37,7 @@
 namespace {
 
 constexpr int kTile = 16;  // keys per score tile (one zmm of scores)
+constexpr int64_t kAhead = 8;  // keys prefetched ahead: blocks are scattered, the hardware prefetcher stops at them
 
 template <typename T>
 inline __m512 attn_load16(const T* p);
@@ -99,6 +100,17 @@ inline float attn_from_float<float>(float v) { return v; }
 template <>
 inline c10::BFloat16 attn_from_float<c10::BFloat16>(float v) { return c10::BFloat16(v); }  // nearest even
 
+// The D elements of the key or value of token t (+ kAhead) into L1, if t + kAhead < seq_len.
+template <typename TC>
+inline void prefetch_ahead(const TC* base, int64_t kv_stride, const int32_t* table, int64_t block_size, int64_t t,
+                           int64_t seq_len, int64_t D) {
+  const int64_t ahead = t + kAhead;
+  if (ahead >= seq_len) return;
+  const int64_t slot = static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size;
+  const char* p = reinterpret_cast<const char*>(base + slot * kv_stride);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(TC)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 struct PagedKV {
   int64_t slots;      // num_blocks · block_size
   int64_t block_size;
@@ -135,6 +147,7 @@ void attend_group(const float* q, float* out, const TC* cache, const PagedKV& kv
       const int64_t t = t0 + j;
       const int64_t slot = static_cast<int64_t>(table[t / kv.block_size]) * kv.block_size + t % kv.block_size;
       const TC* k = keys + slot * kv_stride;
+      prefetch_ahead(keys, kv_stride, table, kv.block_size, t, seq_len, D);
       __m512 kvec[DV];
       for (int v = 0; v < DV; ++v) kvec[v] = attn_load16<TC>(k + 16 * v);
       for (int b = 0; b < GB; ++b) {
@@ -175,6 +188,7 @@ void attend_group(const float* q, float* out, const TC* cache, const PagedKV& kv
   for (int64_t t = 0; t < seq_len; ++t) {
     const int64_t slot = static_cast<int64_t>(table[t / kv.block_size]) * kv.block_size + t % kv.block_size;
     const TC* val = values + slot * kv_stride;
+    prefetch_ahead(values, kv_stride, table, kv.block_size, t, seq_len, D);
     __m512 vvec[DV];
     for (int v = 0; v < DV; ++v) vvec[v] = attn_load16<TC>(val + 16 * v);
     for (int b = 0; b < GB; ++b) {
