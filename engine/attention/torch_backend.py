@@ -1,5 +1,7 @@
 """The PyTorch reference paged-attention backend (any device; the CPU default): a per-step plan that gathers
-each request's K/V blocks into reused buffers and runs torch's scaled_dot_product_attention.
+each request's K/V blocks into reused buffers and runs torch's scaled_dot_product_attention. On CPU with a
+bfloat16 cache and kvscope's CPU kernels loaded, decode tokens instead run kvscope's C++ paged decode attention
+(kernels/csrc/cpu_attention.cpp), which reads K/V from the paged cache in place (no gather, no resident copy).
 
 KV cache layout: engine/attention/backend.py.
 """
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.resident_kv import ResidentDecodeKV
+from kernels.cpu_decode import is_loaded as cpu_kernels_loaded
 
 MAX_RETAINED_GATHER_BYTES = 64 << 20
 """TorchAttentionBackend keeps its K (and V) gather buffer across steps up to this size each."""
@@ -46,6 +49,10 @@ class _DecodeBatch:
     """Longest context; keys past it are not gathered."""
     mask: torch.Tensor | None
     """bool [n, 1, 1, seq_len]: True where the key position is < the request's seq_len; None for one request."""
+    tables: torch.Tensor
+    """int32 [n, max_num_blocks_per_req]: the decode rows' block tables (the paged op reads them as they are)."""
+    seq_lens: torch.Tensor
+    """int32 [n]: the decode rows' context lengths."""
 
     @property
     def token_count(self) -> int:
@@ -74,9 +81,22 @@ class _Plan:
     decodes: _DecodeBatch | None
     max_gathered_blocks: int
     """Largest number of blocks one gather of this step copies (sizes the reusable K/V buffers)."""
+    paged_decode: bool = False
+    """Decode rows run kvscope's C++ paged decode attention (no gather; see :func:`paged_decode_applies`)."""
 
 
-def _build_plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
+def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
+    """Whether decode tokens over ``kv_cache`` run ``torch.ops.kvscope_cpu.paged_decode_attention``: a CPU
+    bfloat16 cache, head_dim 16, 32, 64 or 128, and kvscope's CPU kernels loaded (kernels/cpu_decode.py).
+
+    Measured against SDPA in process (bench/decode_attention_ab.py, SmolLM2 shapes, docs/benchmarks.md
+    "Batched decode"): faster at every batch 1…32 and context 128…1024 tried. float32 caches keep SDPA: the
+    op sums in another order than SDPA, and the float32 path stays token-identical to transformers."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] in (16, 32, 64, 128)
+            and cpu_kernels_loaded())
+
+
+def _build_plan(metadata: AttentionMetadata, block_size: int, paged_decode: bool = False) -> _Plan:
     """Split requests into solo prefills and one padded decode batch; precompute block lists and masks."""
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
@@ -90,7 +110,7 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
             prefills.append(_prefill(metadata, row, starts[row], q_len, seq_len, block_size))
     decodes = _decode_batch(metadata, decode_rows, starts, seq_lens, block_size) if decode_rows else None
     largest = max([p.blocks.shape[0] for p in prefills] + [0 if decodes is None else decodes.blocks.shape[0]])
-    return _Plan(prefills=tuple(prefills), decodes=decodes, max_gathered_blocks=largest)
+    return _Plan(prefills=tuple(prefills), decodes=decodes, max_gathered_blocks=largest, paged_decode=paged_decode)
 
 
 def _prefill(metadata: AttentionMetadata, row: int, start: int, q_len: int, seq_len: int,
@@ -120,7 +140,9 @@ def _decode_batch(metadata: AttentionMetadata, rows: list[int], starts: list[int
         mask = (key_pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
     token_index = None if only_decodes else torch.tensor([starts[r] for r in rows], dtype=torch.int64,
                                                           device=device)
-    return _DecodeBatch(token_index=token_index, blocks=blocks, num_blocks=num_blocks, seq_len=longest, mask=mask)
+    row_lens = metadata.seq_lens if only_decodes else metadata.seq_lens[rows]
+    return _DecodeBatch(token_index=token_index, blocks=blocks, num_blocks=num_blocks, seq_len=longest, mask=mask,
+                        tables=tables, seq_lens=row_lens)
 
 
 def cpu_has_amx() -> bool:
@@ -155,13 +177,16 @@ class TorchAttentionBackend:
     runs with ``enable_gqa`` (query head h uses KV head ``h // (num_heads // num_kv_heads)``, as HF
     ``repeat_kv``). The per-step plan (block lists, masks) is built on the first layer and reused by the others.
     On CPU, float16 caches are attended in float32, bfloat16 ones too unless ``native_bf16`` (default: where the
-    CPU has AMX; see :func:`attention_compute_dtype`).
+    CPU has AMX; see :func:`attention_compute_dtype`). Decode tokens over a CPU bfloat16 cache run kvscope's C++
+    paged decode attention instead where :func:`paged_decode_applies` (``paged_decode=False`` keeps SDPA).
     """
 
     name = "torch"
 
-    def __init__(self, native_bf16: bool | None = None) -> None:
+    def __init__(self, native_bf16: bool | None = None, paged_decode: bool = True) -> None:
         self.native_bf16 = cpu_has_amx() if native_bf16 is None else native_bf16
+        self.paged_decode = paged_decode
+        """Use the C++ paged decode attention where it applies (False: always SDPA over gathered K/V)."""
         self._plan_for: tuple[AttentionMetadata, int] | None = None
         self._plan: _Plan | None = None
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
@@ -210,6 +235,8 @@ class TorchAttentionBackend:
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: _DecodeBatch, plan: _Plan,
                 scale: float) -> torch.Tensor:
         """query [n, H, d] (one token per request) → [n, H, d]."""
+        if plan.paged_decode:  # K/V read from the paged cache in place (kernels/csrc/cpu_attention.cpp)
+            return torch.ops.kvscope_cpu.paged_decode_attention(query, kv_cache, batch.tables, batch.seq_lens, scale)
         views = self._decode_views_for(kv_cache, batch, plan)
         resident = None
         if batch.token_index is None:
@@ -293,12 +320,12 @@ class TorchAttentionBackend:
         block_size = kv_cache.shape[2]
         cached = self._plan_for
         if self._plan is None or cached is None or cached[0] is not metadata or cached[1] != block_size:
-            self._plan = _build_plan(metadata, block_size)
+            self._plan = _build_plan(metadata, block_size, self.paged_decode and paged_decode_applies(kv_cache))
             self._plan_for = (metadata, block_size)
             self._views = None
             self._release_large_buffers(2 * self._plan.max_gathered_blocks * kv_cache.shape[2:].numel())
             decodes = self._plan.decodes
-            if decodes is not None and decodes.token_index is None:
+            if decodes is not None and decodes.token_index is None and not self._plan.paged_decode:
                 self.resident.begin_step(decodes.blocks.view(decodes.token_count, decodes.num_blocks),
                                          metadata.seq_lens, metadata.slot_mapping, block_size)
             else:
