@@ -25,6 +25,8 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("cpu_*.cpp")))
 """Every C++ file of the library (each registers its ops with ``TORCH_LIBRARY_FRAGMENT(kvscope_cpu, m)``)."""
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+"""Headers the sources include (part of the library's cache key)."""
 PAIR = 64
 """Weights per pair of 32-weight blocks: the unit of the packed layout (rows must be a multiple)."""
 BLOCK = 32
@@ -73,7 +75,7 @@ def _cpu_flags() -> str:
 def library_path(cache_dir: Path) -> Path:
     """Where the library for this source, torch, compiler flags and CPU lives under ``cache_dir``."""
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), " ".join(CXX_FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__.encode(), " ".join(CXX_FLAGS).encode(),
                  _cpu_flags().encode(), sysconfig.get_platform().encode()):
         key.update(part)
     return Path(cache_dir) / f"kvscope_cpu_decode-{key.hexdigest()[:16]}.so"

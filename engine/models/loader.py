@@ -156,7 +156,9 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     if model_config.quantization not in ("none", "auto") and device.type != "cpu":
         raise ValueError(f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
                          f"kernels); use --quantization none on {device}")
-    cpu_kernels = load_cpu_kernels(cache_root(root)) if device.type == "cpu" and model_config.cpu_kernels == "auto" \
+    # the kernels' build folder is the configured cache root's even when ``root`` moves the models elsewhere (a
+    # test's tmp folder): one compile per machine, not per model folder
+    cpu_kernels = load_cpu_kernels(cache_root()) if device.type == "cpu" and model_config.cpu_kernels == "auto" \
         and model_config.quantization in PAIR_KERNEL_QUANTIZATIONS else None
     kernels = probe_cpu_kernels() if device.type == "cpu" and (
         model_config.dtype == "auto" or model_config.quantization not in ("none", "auto")) else None

@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,15 +41,10 @@ namespace {
 constexpr int kTile = 16;  // keys per score tile (one zmm of scores)
 constexpr int64_t kAhead = 8;  // keys prefetched ahead: blocks are scattered, the hardware prefetcher stops at them
 
+using kvscope_simd::exp16;
+
 template <typename T>
-inline __m512 attn_load16(const T* p);
-template <>
-inline __m512 attn_load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 attn_load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 → f32 is exact
-}
+inline __m512 attn_load16(const T* p) { return kvscope_simd::load16<T>(p); }
 
 // r[k] = Σ_lanes v[k] for 16 vectors (module comment, pass 1). After the four levels lane 4u + j holds key
 // u + 4j; the final permute puts key k in lane k.
@@ -72,23 +69,6 @@ inline __m512 sum16(const __m512* v) {
                                  _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, r);
-}
-
-// e^x per lane for x ≤ 0 (module comment, pass 2); x below −87.3 gives ~0 (e^−87.3 ≈ 1.2e-38).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split hi + lo (Cody-Waite)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 template <typename T>

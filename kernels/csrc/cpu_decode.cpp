@@ -15,10 +15,14 @@
 // The integer dot products run on vpdpbusd (unsigned weight bytes × signed activation bytes).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +36,8 @@
 #endif
 
 namespace {
+
+using kvscope_simd::exp16;
 
 constexpr int64_t kPair = 64;
 constexpr int kMaxRowsPerPass = 4;
@@ -220,16 +226,6 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) 
 
 // ---- the decode step -------------------------------------------------------------------------------------
 
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // y = x / sqrt(mean(x²) + eps) * weight, per row of [n, H] (float32; Zhang & Sennrich 2019).
 void rms_norm(const float* x, const float* weight, int64_t n, int64_t H, float eps, float* y) {
   for (int64_t i = 0; i < n; ++i) {
@@ -264,107 +260,6 @@ struct KVView {
   T* value(int64_t slot, int64_t g) const { return base + ((slots + slot) * KVH + g) * D; }
 };
 
-// e^x, float32, 16 lanes: 2^n · p(r) with n = round(x·log2 e), r = x − n·ln 2 (|r| ≤ ln2 / 2) and p the
-// degree-6 Taylor polynomial (truncation ≤ r⁷/7! ≈ 1.2e-7 relative); x clamped to [-87.3, 88.7] (float32 range).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // Cody-Waite: ln 2 = hi + lo
-  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// The sums of four 16-lane vectors, as one 4-lane vector {Σa, Σb, Σc, Σd}.
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-  const __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-  const __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a2, b2), _mm256_hadd_ps(c2, d2));
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// Decode attention of the `group` query heads sharing KV head g over one request's context, read from the
-// paged cache in place (slot of token t: table[t / block_size] · block_size + t % block_size): each key and
-// value is loaded once for the whole GQA group, scores are reduced four keys at a time, softmax in float32.
-// q [group, D] (already scaled), out [group, D]; VD = D / 16.
-template <typename T, int VD>
-void attend_group(const float* q, int64_t group, const KVView<T>& kv, int64_t g, const int32_t* table,
-                  int64_t block_size, int64_t seq_len, float* out, std::vector<float>& scores) {
-  static_assert(VD == 4 || VD == 8, "head_dim 64 or 128");
-  const int64_t stride = (seq_len + 15) / 16 * 16;
-  scores.assign(group * stride, 0.f);
-  auto slot = [&](int64_t t) { return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size; };
-  constexpr int kKeys = 4;
-  int64_t t = 0;
-  for (; t + kKeys <= seq_len; t += kKeys) {
-    const T* k[kKeys];
-    for (int j = 0; j < kKeys; ++j) k[j] = kv.key(slot(t + j), g);
-    for (int64_t h = 0; h < group; ++h) {
-      __m512 acc[kKeys];
-      for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
-      for (int v = 0; v < VD; ++v) {
-        const __m512 qv = _mm512_loadu_ps(q + h * VD * 16 + 16 * v);
-        for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_fmadd_ps(qv, load16<T>(k[j] + 16 * v), acc[j]);
-      }
-      _mm_storeu_ps(scores.data() + h * stride + t, reduce4(acc[0], acc[1], acc[2], acc[3]));
-    }
-  }
-  for (; t < seq_len; ++t) {
-    const T* k = kv.key(slot(t), g);
-    for (int64_t h = 0; h < group; ++h) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int v = 0; v < VD; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * VD * 16 + 16 * v), load16<T>(k + 16 * v), acc);
-      scores[h * stride + t] = _mm512_reduce_add_ps(acc);
-    }
-  }
-  const __mmask16 tail = static_cast<__mmask16>((1u << (seq_len % 16)) - 1);
-  for (int64_t h = 0; h < group; ++h) {  // softmax over the row: max, e^(s - max), sum
-    float* row = scores.data() + h * stride;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t u = 0;
-    for (; u + 16 <= seq_len; u += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + u));
-    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + u));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (u = 0; u + 16 <= seq_len; u += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + u), m));
-      _mm512_storeu_ps(row + u, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (tail) {
-      const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + u), m)));
-      _mm512_mask_storeu_ps(row + u, tail, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    for (u = 0; u < stride; u += 16) _mm512_storeu_ps(row + u, _mm512_mul_ps(_mm512_loadu_ps(row + u), inv));
-  }
-  // out_h = Σ_t p_h[t] · v_t, each value vector loaded once for the group (group ≤ 8 here: accumulators live in
-  // registers for VD = 4; the compiler spills the rest)
-  std::vector<__m512> acc(group * VD, _mm512_setzero_ps());
-  for (t = 0; t < seq_len; ++t) {
-    const T* vt = kv.value(slot(t), g);
-    __m512 v[VD];
-    for (int j = 0; j < VD; ++j) v[j] = load16<T>(vt + 16 * j);
-    for (int64_t h = 0; h < group; ++h) {
-      const __m512 p = _mm512_set1_ps(scores[h * stride + t]);
-      for (int j = 0; j < VD; ++j) acc[h * VD + j] = _mm512_fmadd_ps(p, v[j], acc[h * VD + j]);
-    }
-  }
-  for (int64_t h = 0; h < group; ++h) {
-    for (int j = 0; j < VD; ++j) _mm512_storeu_ps(out + h * VD * 16 + 16 * j, acc[h * VD + j]);
-  }
-}
-
 // SiLU(g) · u over n elements (SwiGLU, Shazeer 2020), 16 lanes at a time.
 void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   int64_t j = 0;
@@ -391,8 +286,14 @@ struct StepDims {
 template <typename T>
 void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, const float* inv_freq,
                    const std::vector<at::Tensor>& norms, const std::vector<PairWeight>& mats,
-                   const std::vector<at::Tensor>& caches, const int32_t* tables, int64_t table_width,
-                   const int32_t* seq_lens, const int64_t* slots) {
+                   const std::vector<at::Tensor>& caches, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const int64_t* slots) {
+  // kvscope_cpu::paged_decode_attention (cpu_attention.cpp), through the dispatcher: ~1 µs a call, 1 per layer
+  static const auto attention_op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("kvscope_cpu::paged_decode_attention", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  auto attention = [&](const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                       const at::Tensor& lens, double scale) { return attention_op.call(q, cache, tables, lens, scale); };
   const int64_t n = d.n, H = d.H, D = d.D, NH = d.NH, KVH = d.KVH, I = d.I;
   const int64_t qkv_width = (NH + 2 * KVH) * D;
   std::vector<float> normed(n * H), qkv(n * qkv_width), attn(n * NH * D), proj(n * H), gate_up(n * 2 * I),
@@ -405,7 +306,6 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
     }
   }
   const int64_t layers = static_cast<int64_t>(caches.size());
-  const int64_t group = NH / KVH;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& cache = caches[l];
     const int64_t block_size = cache.size(2);
@@ -426,22 +326,11 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
         }
       }
     }
-    for (int64_t i = 0; i < n; ++i) {  // the softmax scale folded into q
-      for (int64_t j = 0; j < NH * D; ++j) qkv[i * qkv_width + j] *= d.scale;
+    {  // decode attention over the paged cache in place: kernels/csrc/cpu_attention.cpp's op
+      const at::Tensor q = at::from_blob(qkv.data(), {n, NH, D}, {qkv_width, D, 1}, at::TensorOptions().dtype(at::kFloat));
+      const at::Tensor out = attention(q, cache, block_tables, seq_lens, static_cast<double>(d.scale));  // [n, NH, D]
+      std::memcpy(attn.data(), out.data_ptr<float>(), sizeof(float) * n * NH * D);
     }
-    at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / KVH, g = task % KVH;
-        const float* q = qkv.data() + i * qkv_width + g * group * D;
-        float* out = attn.data() + (i * NH + g * group) * D;
-        if (D == 64) {
-          attend_group<T, 4>(q, group, kv, g, tables + i * table_width, block_size, seq_lens[i], out, scores);
-        } else {
-          attend_group<T, 8>(q, group, kv, g, tables + i * table_width, block_size, seq_lens[i], out, scores);
-        }
-      }
-    });
     gemv(mats[4 * l + 1], attn.data(), n, proj.data());
     for (int64_t j = 0; j < n * H; ++j) hidden[j] += proj[j];
     rms_norm(hidden, norms[2 * l + 1].data_ptr<float>(), n, H, d.eps, normed.data());
@@ -498,15 +387,13 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
   const at::Tensor tables = block_tables.contiguous();
   if (cache0.scalar_type() == at::kBFloat16) {
     decode_layers<c10::BFloat16>(d, hidden.data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(),
-                                 inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list,
-                                 tables.data_ptr<int32_t>(), tables.size(1), seq_lens.contiguous().data_ptr<int32_t>(),
-                                 slot_mapping.contiguous().data_ptr<int64_t>());
+                                 inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list, tables,
+                                 seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>());
   } else {
     TORCH_CHECK(cache0.scalar_type() == at::kFloat, "KV cache: bfloat16 or float32");
     decode_layers<float>(d, hidden.data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(),
-                         inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list,
-                         tables.data_ptr<int32_t>(), tables.size(1), seq_lens.contiguous().data_ptr<int32_t>(),
-                         slot_mapping.contiguous().data_ptr<int64_t>());
+                         inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list, tables,
+                         seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>());
   }
   at::Tensor normed = at::empty({n, H}, hidden.options());
   rms_norm(hidden.data_ptr<float>(), final_norm.contiguous().data_ptr<float>(), n, H, d.eps, normed.data_ptr<float>());
