@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
-                        help="linear-layer weights of the kvscope engine (docs/engine-server.md)")
+    parser.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "gguf"],
+                        help="linear-layer weights of the kvscope engine (docs/engine-server.md; auto: what "
+                             "kvscope serve picks)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: the engine's choice)")
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     args.dtype = str(llm.engine.model.load_report.dtype).removeprefix("torch.")  # auto resolved
+    args.quantization = llm.engine.info.quantization  # auto resolved
     if args.step_bench:
         return _run_step_bench(llm, args)
     results = []
@@ -192,7 +194,8 @@ def _setup(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
-    llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    llm.engine.warm_up_prefill()  # the served engine's warm-up (engine/server/app.py): prefill shapes, a generation
+    llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))
     results = []
     for concurrency in args.concurrency:
         prompts = random_prompts(concurrency, args.input_len, llm.engine.vocab_size, args.seed)
