@@ -220,11 +220,11 @@ class TorchAttentionBackend:
         compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
         if compute_dtype != dtype:  # no-op casts skipped: ~1-2 µs of dispatch each, twice per layer
             query = query.to(compute_dtype)
+        written, self._written = self._written, None
         if decodes is not None and decodes.token_index is None:  # decode-only step: no scatter needed
             out = self._decode(query, kv_cache, decodes, plan, scale)
             return out if compute_dtype == dtype else out.to(dtype)
         out = torch.empty_like(query)
-        written, self._written = self._written, None
         if written is not None and (written[0] is not kv_cache or written[1] is not metadata.slot_mapping):
             written = None
         for item in plan.prefills:
