@@ -68,6 +68,10 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    def warm_up_prefill(self) -> int:
+        """``EngineCore.warm_up_prefill`` (call before :meth:`start`, from any thread)."""
+        return self.core.warm_up_prefill()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Fail every in-flight request ("shutdown") and stop the step loop."""
         self._stopping = True

@@ -2,8 +2,11 @@
 
 Run: ``kvscope bench --offline`` or ``python -m engine.bench``. Prints output tokens/s for each concurrency
 (128 prompt / 128 output tokens by default, greedy, ignore_eos) and the median TTFT. ``--step-bench`` instead
-times single engine steps: decode ms/step at each concurrency (all prompts prefilled first) and the TTFT of
-one prompt on an idle engine. A benchmark, not a test: it asserts nothing.
+times single engine steps: decode ms/step at each concurrency (all prompts prefilled first), the first step of
+each concurrency (its prefill), and the idle TTFT: ``--ttft-runs`` single prompts of ``--input-len`` tokens,
+each on an idle engine, from ``add_request`` to the step that returns its first token (median and min; the
+first of them is also reported alone: the first prompt of that length pays oneDNN's per-shape set-up unless
+the engine warmed it up). A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +64,19 @@ class StepBenchResult:
     decode_ms_per_step: float
     """Median wall time of one ``EngineCore.step()`` while all ``concurrency`` requests decode."""
     prefill_ms: float
-    """The first step: prefill of every prompt that fits the token budget (the TTFT of one idle request)."""
+    """The first step: prefill of every prompt that fits the token budget (one prompt: its TTFT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IdleTtftResult:
+    """Time to first token of single prompts on an idle engine (:func:`bench_idle_ttft`), milliseconds."""
+
+    input_len: int
+    runs: int
+    first_ms: float
+    """The first run alone (the engine's first prompt of this length)."""
+    median_ms: float
+    min_ms: float
 
 
 def bench_steps(llm: LLM, prompts: list[list[int]], steps: int) -> StepBenchResult:
@@ -85,6 +100,24 @@ def bench_steps(llm: LLM, prompts: list[list[int]], steps: int) -> StepBenchResu
     while engine.has_unfinished_requests():
         engine.step()
     return StepBenchResult(len(prompts), 1000 * statistics.median(times), 1000 * prefill)
+
+
+def bench_idle_ttft(llm: LLM, input_len: int, runs: int, seed: int) -> IdleTtftResult:
+    """``runs`` prompts of ``input_len`` random tokens, one at a time on an idle engine: each is timed (wall)
+    from ``add_request`` to the end of the step that returns its first output token, then finished."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i, ids in enumerate(random_prompts(runs, input_len, engine.vocab_size, seed)):
+        request_id = f"idle-ttft-{input_len}-{i}"
+        start = time.perf_counter()
+        engine.add_request(request_id, ids, params)
+        while not any(o.request_id == request_id and o.outputs[0].token_ids for o in engine.step().outputs):
+            pass
+        times.append(1000 * (time.perf_counter() - start))
+        while engine.has_unfinished_requests():
+            engine.step()
+    return IdleTtftResult(input_len, runs, times[0], statistics.median(times), min(times))
 
 
 def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> BenchResult:
@@ -113,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
-                        help="linear-layer weights of the kvscope engine (docs/engine-server.md)")
+    parser.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "gguf"],
+                        help="linear-layer weights of the kvscope engine (docs/engine-server.md; auto: what "
+                             "kvscope serve picks)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: the engine's choice)")
@@ -124,11 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-bench", action="store_true",
                         help="time single steps instead: decode ms/step per concurrency and one prompt's prefill")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed by --step-bench")
+    parser.add_argument("--ttft-runs", type=int, default=8,
+                        help="single idle prompts timed by --step-bench for the idle TTFT (0: skip)")
     parser.add_argument("--save-result", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     args.dtype = str(llm.engine.model.load_report.dtype).removeprefix("torch.")  # auto resolved
+    args.quantization = llm.engine.info.quantization  # auto resolved
     if args.step_bench:
         return _run_step_bench(llm, args)
     results = []
@@ -157,7 +194,8 @@ def _setup(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
-    llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    llm.engine.warm_up_prefill()  # the served engine's warm-up (engine/server/app.py): prefill shapes, a generation
+    llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))
     results = []
     for concurrency in args.concurrency:
         prompts = random_prompts(concurrency, args.input_len, llm.engine.vocab_size, args.seed)
@@ -165,9 +203,16 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
         print(f"kvscope {args.dtype}/{args.quantization}, {torch.get_num_threads()} threads, concurrency {concurrency:3d}: decode "
               f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x {args.input_len} "
               f"tokens) {results[-1].prefill_ms:8.1f} ms", flush=True)
+    saved = [asdict(r) | _setup(args) for r in results]
+    if args.ttft_runs > 0:
+        ttft = bench_idle_ttft(llm, args.input_len, args.ttft_runs, args.seed + 1)
+        print(f"kvscope {args.dtype}/{args.quantization}, {torch.get_num_threads()} threads: idle TTFT of one "
+              f"{args.input_len}-token prompt over {ttft.runs} runs: median {ttft.median_ms:.1f} ms, min "
+              f"{ttft.min_ms:.1f} ms (first run {ttft.first_ms:.1f} ms)", flush=True)
+        saved.append({"idle_ttft": asdict(ttft)} | _setup(args))
     if args.save_result:
         with open(args.save_result, "w") as fh:
-            json.dump([asdict(r) | _setup(args) for r in results], fh, indent=2)
+            json.dump(saved, fh, indent=2)
     return 0
 
 

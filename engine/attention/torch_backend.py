@@ -193,6 +193,9 @@ class TorchAttentionBackend:
         self._views: tuple[tuple[object, ...], _DecodeViews] | None = None
         self.resident = ResidentDecodeKV()
         """Decode K/V kept gathered across decode-only steps (engine/attention/resident_kv.py)."""
+        self._written: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """(kv_cache, slot_mapping, K and V as written [2, T, KVH, d]) of the last :meth:`write_kv`: a fresh
+        prefill (no cached prefix) attends these instead of gathering its blocks back from the cache."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -203,6 +206,7 @@ class TorchAttentionBackend:
         if both.dtype != kv_cache.dtype:
             both = both.to(kv_cache.dtype)
         kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, both)
+        self._written = (kv_cache, slot_mapping, both)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -216,12 +220,18 @@ class TorchAttentionBackend:
         compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
         if compute_dtype != dtype:  # no-op casts skipped: ~1-2 µs of dispatch each, twice per layer
             query = query.to(compute_dtype)
+        written, self._written = self._written, None
         if decodes is not None and decodes.token_index is None:  # decode-only step: no scatter needed
             out = self._decode(query, kv_cache, decodes, plan, scale)
             return out if compute_dtype == dtype else out.to(dtype)
         out = torch.empty_like(query)
+        if written is not None and (written[0] is not kv_cache or written[1] is not metadata.slot_mapping):
+            written = None
         for item in plan.prefills:
-            keys, values = self._gather(kv_cache, item.blocks, plan)
+            if written is not None and item.mask is None:  # fresh prefill: its K/V are what was just written
+                keys, values = self._fresh(written[2], item, compute_dtype)
+            else:
+                keys, values = self._gather(kv_cache, item.blocks, plan)
             q = query[item.start: item.start + item.query_len].transpose(0, 1)[None]  # [1, H, q, d]
             k = keys[: item.seq_len].transpose(0, 1)[None]  # [1, KVH, S, d]
             v = values[: item.seq_len].transpose(0, 1)[None]
@@ -288,6 +298,17 @@ class TorchAttentionBackend:
                              mask=mask)
         self._views = (key, views)
         return views
+
+    @staticmethod
+    def _fresh(written: torch.Tensor, item: _Prefill, compute_dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [query_len, KVH, d] of a prefill with no cached prefix (query_len == seq_len), sliced from
+        what :meth:`write_kv` stored (in the cache's dtype, so the same values :meth:`_gather` would read back;
+        upcast like it where the compute dtype differs)."""
+        both = written[:, item.start: item.start + item.query_len]
+        if both.dtype != compute_dtype:
+            both = both.to(compute_dtype)
+        return both[0], both[1]
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: _Plan
                 ) -> tuple[torch.Tensor, torch.Tensor]:

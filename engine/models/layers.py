@@ -19,6 +19,11 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed weight layout for (decode batches of 2…64 all gain, see CpuLinearKernel)."""
+ROW_ALIGN = 16
+"""Prefill-sized inputs of the oneDNN-packed matmuls are zero-padded to a multiple of this many rows (see
+:func:`aligned_rows`)."""
+ALIGN_MIN_ROWS = 64
+"""Inputs of up to this many rows (decode batches up to the default ``max_num_seqs``) are never padded."""
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +121,39 @@ def packed_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Cpu
     return CpuLinearKernel(column_major=None, packed=packed, bias=None if bias is None else bias.detach())
 
 
+def aligned_rows(rows: int) -> int:
+    """Rows a packed oneDNN matmul of ``rows`` input rows runs with: ``rows`` up to :data:`ALIGN_MIN_ROWS`, else
+    rounded up to a multiple of :data:`ROW_ALIGN`.
+
+    Why: oneDNN builds (JIT-compiles) a primitive per input shape on its first use and caches it; on the AMX
+    Xeon that costs 4–20 ms per shape at one thread, 15–65 ms for a decoder's 4 matmul shapes, paid by the
+    first prefill of every new prompt length (docs/benchmarks.md "Idle TTFT"). Padding bounds the shapes to
+    ``max_num_batched_tokens / 16`` per matrix (warmed at start-up by ``LlamaForCausalLM.warm_up``) for at most
+    15 wasted rows. Rows are independent: above 64 rows the padded float32 result was bit-identical to the
+    unpadded one for every size tested; in bfloat16 oneDNN may block the padded size differently (another
+    float32 summation order), so an output can be one bfloat16 rounding step away
+    (tests/engine/test_prefill_fast_paths.py)."""
+    return rows if rows <= ALIGN_MIN_ROWS else -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+
+def _padded_call(kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``kernel(x)`` with x's rows zero-padded to :func:`aligned_rows` (the padding rows sliced off again)."""
+    rows = x.shape[0]
+    padded = aligned_rows(rows)
+    if padded == rows:
+        return kernel(x)
+    return kernel(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
+
+
+def uses_packed_dense(kernel: object, rows: int) -> bool:
+    """Whether ``kernel`` (a :class:`CpuLinearKernel` or a compact one) runs ``rows`` rows on a oneDNN-packed
+    dense weight (the calls :func:`aligned_rows` pads)."""
+    if isinstance(kernel, CpuLinearKernel):
+        return rows > 1 or kernel.column_major is None
+    dense = getattr(kernel, "dense", None)
+    return dense is not None and rows > getattr(kernel, "max_compact_rows", rows)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same HF weight names) that can switch to :class:`CpuLinearKernel`, or to
     compact weights (:meth:`use_compact`, ``engine.models.quant``).
@@ -152,12 +190,14 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[N, in]`` → ``[N, out]``."""
-        if self.compact:
-            return self.cpu_kernel(x)
-        if self.cpu_kernel is None or torch.is_grad_enabled():
+        """x ``[N, in]`` → ``[N, out]``. Prefill-sized inputs of a packed dense weight run padded to
+        :func:`aligned_rows` rows (bounded oneDNN shapes; float32: the same results)."""
+        kernel = self.cpu_kernel
+        if kernel is None or (not self.compact and torch.is_grad_enabled()):
             return F.linear(x, self.weight, self.bias)
-        return self.cpu_kernel(x)
+        if x.shape[0] > ALIGN_MIN_ROWS and uses_packed_dense(kernel, x.shape[0]):
+            return _padded_call(kernel, x)
+        return kernel(x)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

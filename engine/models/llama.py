@@ -21,6 +21,8 @@ from torch import nn
 
 from engine.attention.forward_context import get_forward_context
 from engine.models.layers import (
+    ALIGN_MIN_ROWS,
+    ROW_ALIGN,
     Linear,
     RMSNorm,
     RopeConfig,
@@ -234,6 +236,25 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_kernel.column_major is not None:
             embed.weight.data = self.logits_kernel.column_major
         return switched + 1
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_tokens: int) -> int:
+        """Run every distinct projection shape once at each padded prefill size up to ``max_num_tokens`` rows
+        (``layers.aligned_rows``: 80, 96, … rows), so that oneDNN builds its primitives now instead of during the
+        first prefill of each new prompt length (4–20 ms per shape on an AMX Xeon, docs/benchmarks.md "Idle
+        TTFT"). Call after :meth:`prepare_for_cpu`; does nothing for layers without a CPU kernel. Returns the
+        number of matmuls run."""
+        dtype = self.model.embed_tokens.weight.dtype
+        shapes: dict[tuple[int, int, type], Linear] = {}
+        for module in self.model.modules():  # the decoder's projections (the LM head runs on sampled rows only)
+            if isinstance(module, Linear) and module.cpu_kernel is not None:
+                shapes.setdefault((module.in_features, module.out_features, type(module.cpu_kernel)), module)
+        calls = 0
+        for rows in range(ALIGN_MIN_ROWS + ROW_ALIGN, max_num_tokens + ROW_ALIGN, ROW_ALIGN):
+            for (in_features, _, _), module in shapes.items():
+                module.forward(torch.zeros(rows, in_features, dtype=dtype))
+                calls += 1
+        return calls
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the HF names used.

@@ -73,6 +73,9 @@ class AppContext:
             from engine.async_engine import AsyncEngine
 
             engine = await asyncio.to_thread(AsyncEngine, self._engine_config)
+        warm_prefill = getattr(engine, "warm_up_prefill", None)  # the server tests' fake engines have none
+        if self.settings.warmup and warm_prefill is not None:
+            await asyncio.to_thread(warm_prefill)  # oneDNN shapes of every prefill size (before the step loop)
         engine.start()
         if self.settings.warmup:
             await warm_up(engine)
