@@ -10,8 +10,9 @@ What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of
   3072×576 at one row) and loses 6x at 32 rows (4.2 vs 0.7 ms), so a compact layer keeps a dense bf16 copy
   for bigger batches. When compact wins at every probed size, no dense copy is kept (``NO_DENSE``).
 
-Each (kernel, rows) pair takes the minimum of a few timed runs, which is robust to other processes on a
-shared machine (they only ever make a run slower).
+Each (kernel, rows) pair takes the minimum of a few timed runs of one thread's CPU time, which is robust to
+other processes on a shared machine (they only ever make a run slower, and CPU time does not count the waits
+of a preempted thread).
 """
 
 from __future__ import annotations
@@ -89,25 +90,27 @@ def crossover(compact_ms: Sequence[float], dense_ms: Sequence[float], rows: Sequ
     return NO_DENSE
 
 
-def _interleaved_best_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best time (ms) of each function, timing them round-robin so that a burst of load elsewhere slows every
-    candidate alike instead of one of them."""
+def _interleaved_best_ms(fns: dict[str, Callable[[], object]], repeats: int,
+                         clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Best time (ms) of each function by ``clock``, timing them round-robin so that a burst of load elsewhere
+    slows every candidate alike instead of one of them."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
         for key, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            best[key] = min(best[key], time.perf_counter() - start)
+            best[key] = min(best[key], clock() - start)
     return {key: t * 1e3 for key, t in best.items()}
 
 
 def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Sequence[int] = PROBE_ROWS,
                       repeats: int = 5) -> KernelChoice:
     """Time dense float32/bfloat16 (oneDNN packed) and compact int4/int8 matmuls of a random
-    ``[out_features, in_features]`` weight at each row count; returns the KernelChoice. Uses the current
-    torch thread count. Raises RuntimeError when this torch build lacks oneDNN."""
+    ``[out_features, in_features]`` weight at each row count; returns the KernelChoice. Times one thread's CPU
+    time (``time.thread_time``, torch set to 1 thread for the probe, restored after): robust to other processes
+    on the machine. Raises RuntimeError when this torch build lacks oneDNN."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.02
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -125,15 +128,23 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
               for n in rows}
     fns = {f"{name}@{n}": (lambda k=kernel, x=inputs[torch.float32 if name == "float32" else torch.bfloat16, n]: k(x))
            for name, kernel in kernels.items() for n in rows}
-    with torch.inference_mode():
-        timings = _interleaved_best_ms(fns, repeats)
+    # one thread's CPU time, not wall time: on a loaded machine a preempted OpenMP thread stretches wall times at
+    # random (a start-up next to a test run once picked float32, 0.4x the speed, from wall times); the CPU cost
+    # of each kernel on one core ranks them the same way on an idle machine and is robust to the load
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            timings = _interleaved_best_ms(fns, repeats, clock=time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
     series = {name: [timings[f"{name}@{n}"] for n in rows] for name in kernels}
     dense_dtype = torch.bfloat16 if sum(series["bfloat16"]) < sum(series["float32"]) else torch.float32
     dense = series[str(dense_dtype).removeprefix("torch.")]
     max_rows = {fmt: crossover(series[fmt], dense, rows) for fmt in ("int4", "int8")}
     choice = KernelChoice(dense_dtype=dense_dtype, max_rows=max_rows, timings_ms=timings,
                           cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_flags=cpu_bf16_flags())
-    logger.info("CPU kernel probe (%d threads, %dx%d): %s; ms %s", torch.get_num_threads(), out_features,
+    logger.info("CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s; ms %s", threads, out_features,
                 in_features, choice.describe(), {k: round(v, 3) for k, v in timings.items()})
     return choice
 
