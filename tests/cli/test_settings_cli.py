@@ -70,7 +70,8 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
     assert sorted(_options(build_parser())) == sorted([
         "--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
         "--max-num-batched-tokens", "--long-prefill-token-threshold", "--kv-cache-memory", "--memory-budget", "--num-blocks",
-        "--block-size", "--gpu-memory-utilization", "--no-prefix-caching", "--dtype", "--quantization", "--seed",
+        "--block-size", "--gpu-memory-utilization", "--no-prefix-caching", "--dtype", "--quantization", "--cpu-kernels",
+        "--seed",
         "--device",
         "--attention-backend", "--num-threads", "--speculative", "--num-speculative-tokens", "--prompt-lookup-min",
         "--prompt-lookup-max", "--sse-keepalive-s", "--max-concurrent-requests", "--api-key",
