@@ -229,9 +229,10 @@ def engine_format_line(card: dict[str, Any] | None) -> str:
     fmt = (card or {}).get("kvscope")
     if not fmt:
         return "engine weight format: unknown (its /v1/models card has no kvscope field)"
+    kernels = f", CPU kernels {fmt['cpu_kernels']}" if fmt.get("cpu_kernels") else ""
     return (f"engine weight format: dtype {fmt['dtype']}, quantization {fmt['quantization']}, weights "
             f"{fmt['weights_bytes'] / (1 << 20):.0f} MiB, process RSS {fmt['rss_bytes'] / (1 << 20):.0f} MiB "
-            f"({fmt['reason']}); exact float32: --engine-args '--dtype float32'")
+            f"({fmt['reason']}){kernels}; exact float32: --engine-args '--dtype float32'")
 
 
 def _die_with_parent() -> None:
