@@ -86,7 +86,7 @@ def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
     safe) with ``compiler`` (default :func:`default_compiler`). Returns ok=False with the reason (no AVX-512
     VNNI, no compiler, the compiler's last lines) where it cannot."""
     target = library_path(cache_dir)
-    if target.exists():
+    if target.exists() and _intact(target):
         return BuildResult(True, f"cached {target}", target)
     if not cpu_supports():
         return BuildResult(False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
@@ -101,8 +101,29 @@ def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
         if proc.returncode != 0:
             tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
             return BuildResult(False, f"compile failed: {tail}")
+        digest = Path(tmp) / (target.name + ".sha256")
+        digest.write_text(_sha256(out))
+        os.replace(digest, _digest_path(target))  # the digest first: a library without its digest is rebuilt
         os.replace(out, target)
     return BuildResult(True, f"built {target}", target)
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(library: Path) -> bool:
+    """Whether a cached library is byte for byte what its build wrote (its ``.sha256`` beside it): a truncated
+    or overwritten shared library can crash the process inside ``dlopen`` (SIGBUS) before Python sees an error,
+    so it is checked before loading and rebuilt when it differs."""
+    try:
+        return _digest_path(library).read_text().strip() == _sha256(library)
+    except OSError:
+        return False
 
 
 def cpu_supports() -> bool:

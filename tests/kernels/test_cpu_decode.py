@@ -127,3 +127,19 @@ def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(cpu_decode, "SOURCES", (bad,))
     result = build(tmp_path / "c")
     assert not result.ok and result.detail.startswith("compile failed:") and "error" in result.detail
+
+
+@pytest.mark.vnni
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+    """A cut-off .so in the cache crashed the process in dlopen (SIGBUS, break-it finding): the build checks the
+    cached file against the digest it wrote and rebuilds when it differs or is missing."""
+    built = build(tmp_path)
+    assert built.ok and built.detail.startswith("built ") and built.library is not None
+    library = built.library
+    assert (build(tmp_path).detail, build(tmp_path).library) == (f"cached {library}", library)
+    good = library.read_bytes()
+    library.write_bytes(good[: len(good) // 3])  # truncated
+    rebuilt = build(tmp_path)
+    assert rebuilt.detail == f"built {library}" and library.read_bytes() == good
+    library.with_name(library.name + ".sha256").unlink()  # a library without its digest: rebuilt too
+    assert build(tmp_path).detail == f"built {library}"
