@@ -230,6 +230,6 @@ class PairBlocks:
         return (blocks * d[..., None] + m[..., None]).view(rows, -1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32 to
-        int8, as llama.cpp's Q8_1). Needs :func:`load`."""
+        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32 to 16-bit
+        codes, d = max|x| / 32767). Needs :func:`load`."""
         return torch.ops.kvscope_cpu.qgemv(x, self.codes, self.scales)

@@ -8,9 +8,10 @@ residual → RMSNorm → gate_up → SiLU·up → down → residual, then the fi
 the block-quantized AVX-512 VNNI GEMVs, returning float32 logits.
 
 Numerics differ from the eager compact path by design: the residual stream and every activation stay float32
-(eager rounds to bfloat16 after each op); each GEMV quantizes its input per block of 32 to int8 as llama.cpp
-does (Q8_1); the KV cache is written in its own dtype (bfloat16 rounding as eager). The quality guard
-(``kvscope eval ppl``, greedy agreement against float32) covers it.
+(eager rounds to bfloat16 after each op); each GEMV quantizes its input per block of 32 to 16-bit codes (the
+form of llama.cpp's Q8_1 with 16-bit codes); the KV cache is written in its own dtype (bfloat16 rounding as
+eager). The quality guards: ``kvscope eval ppl`` (compact kernels at every row) and the teacher-forced
+decode-path perplexity (engine/eval/decode_path.py).
 
 Used for decode-only steps (every row one token: no prefill chunk, no speculative draft) of at most
 ``max_rows`` requests (the compact kernels' crossover from the start-up probe), when every decoder matmul is

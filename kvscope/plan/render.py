@@ -47,7 +47,8 @@ def _weights(p: Plan) -> Table:
     named = f"engine format {w['weights_format']}, " if w["weights_format"] else ""
     rows = [(f"weights ({named}{w['dtype']}, quantization {w['quantization']})", size(w["bytes"]))]
     rows += [(f"  as {fmt}", size(b)) for fmt, b in w["by_format"].items()]
-    rows += [(f"  kvscope engine --weights-format {fmt}", size(b)) for fmt, b in w["engine_by_format"].items()]
+    rows += [(f"  kvscope engine in format {fmt} (plan --weights-format {fmt})", size(b))
+             for fmt, b in w["engine_by_format"].items()]
     if disk["safetensors"]:
         rows.append(("on disk: safetensors", size(disk["safetensors"]["file_bytes"])))
     gguf = disk["gguf"]
