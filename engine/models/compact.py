@@ -7,11 +7,11 @@
   quantized from the float weights with llama.cpp's Q4_1 quantizer (``gguf.quants``).
 - ``gguf``: the GGUF's Q4_0/Q4_1 tensors as int4, all other tensors dense (refuses a model that is not a
   GGUF). For a Q4 GGUF this is the same model as ``int4``.
-Every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stays dense in ``--dtype``. The LM head
-under int4/gguf stays dense too with torch's kernels; with kvscope's own CPU kernels (``pair_kernels``,
-kernels/cpu_decode.py) it gets an 8-bit Q8_0 copy (blocks of 32, llama.cpp's type for SmolLM2's tied
-``token_embd``) for the rows up to the crossover, the dense copy above, and the int4 layers are stored in those
-kernels' layout (the same codes, d and min). Each compact layer keeps a dense oneDNN-packed copy for batches above
+Every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stays dense in ``--dtype``, and so does the LM
+head under int4/gguf. With kvscope's own CPU kernels (``pair_kernels``, kernels/cpu_decode.py) the int4 layers are
+stored in those kernels' layout (the same codes, d and min) and the model gets ``decode_head``, an 8-bit Q8_0 copy
+of the LM head (blocks of 32, llama.cpp's type for SmolLM2's tied ``token_embd``) that only the fused decode step
+reads; every other logits computation keeps the dense head. Each compact layer keeps a dense oneDNN-packed copy for batches above
 the crossover :func:`engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
 """
 
@@ -94,10 +94,11 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelCho
         embed = model.model.embed_tokens.weight
         model.logits_kernel = _kernel(Int8Weight.from_float(embed), embed, None, choice)
         counts["quantized"] += 1
-    elif pair_kernels and model.config.tie_word_embeddings and model.config.hidden_size % PAIR == 0:
-        embed = model.model.embed_tokens.weight
-        model.logits_kernel = _kernel(PairBlocks.q8_from_float(embed), embed, None, choice)
-        counts["quantized"] += 1
+    elif pair_kernels and quantization in ("int4", "gguf") and model.config.hidden_size % PAIR == 0:
+        # the Q8_0 LM head of the fused decode step only (engine/models/fused_decode.py); prefill, prompt logprobs
+        # and batched decode keep the dense head (compute_logits), as with torch's kernels
+        head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+        model.decode_head = PairBlocks.q8_from_float(head)
     report = QuantReport(quantization, **counts)
     logger.info("quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense; %s", quantization,
                 report.from_gguf, report.quantized, report.dense, choice.describe())
@@ -111,9 +112,9 @@ def _compact_weight(name: str, module: Linear, quantization: str, blocks: dict[s
         return Int8Weight.from_float(module.weight)
     sources = source_names(name)
     pairs = pair_kernels and module.in_features % PAIR == 0
-    if name == "lm_head":
-        counts["quantized" if pairs else "dense"] += 1
-        return PairBlocks.q8_from_float(module.weight) if pairs else None
+    if name == "lm_head":  # dense; kvscope's kernels add a Q8_0 copy for the fused decode step (quantize_model)
+        counts["dense"] += 1
+        return None
     if all(s in blocks for s in sources):
         counts["from_gguf"] += 1
         return _int4(Int4Blocks.cat([blocks[s] for s in sources]), pairs)
@@ -168,6 +169,9 @@ def _weight_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     yield from model.buffers()
     kernels = [m.cpu_kernel for m in model.modules() if isinstance(m, Linear)]
     kernels.append(getattr(model, "logits_kernel", None))
+    head = getattr(model, "decode_head", None)
+    if head is not None:
+        yield from (head.codes, head.scales)
     for kernel in {id(k): k for k in kernels if k is not None}.values():
         yield from _kernel_tensors(kernel)
 

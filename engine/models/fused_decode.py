@@ -15,7 +15,8 @@ decode-path perplexity (engine/eval/decode_path.py).
 
 Used for decode-only steps (every row one token: no prefill chunk, no speculative draft) of at most
 ``max_rows`` requests (the compact kernels' crossover from the start-up probe), when every decoder matmul is
-a 4-bit pair-block weight and the LM head an 8-bit one (``engine.models.compact`` with ``pair_kernels``), the
+a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``engine.models.compact`` with
+``pair_kernels``), the
 architecture has no biases and no q/k norm, and head_dim is 64 or 128.
 """
 
@@ -61,11 +62,12 @@ class FusedDecoder:
         c = model.config
         if c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.head_dim not in (64, 128):
             return None
-        head = _pair(model.logits_kernel, bits=8)
+        head = getattr(model, "decode_head", None)  # the Q8_0 LM head engine.models.compact made for this step
         embed = model.model.embed_tokens.weight
-        if head is None or not embed.is_contiguous() or embed.dtype not in (torch.bfloat16, torch.float32):
+        if not isinstance(head, PairBlocks) or head.bits != 8 or not embed.is_contiguous() or \
+                embed.dtype not in (torch.bfloat16, torch.float32):
             return None
-        codes, scales, limits = [], [], [model.logits_kernel.max_compact_rows]
+        codes, scales, limits = [], [], []
         norms = []
         for layer in model.model.layers:
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,

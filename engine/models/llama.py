@@ -197,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(self.config)
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.decode_head = None
+        """An 8-bit copy of the LM head (kernels.cpu_decode.PairBlocks) for the fused CPU decode step
+        (engine/models/fused_decode.py), set by engine.models.compact with kvscope's CPU kernels; None otherwise."""
         self.logits_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         """CPU kernel of the LM head: a CpuLinearKernel, or a compact one (engine.models.compact)."""
 

@@ -76,7 +76,7 @@ def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(ti
     model, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
     assert model.load_report.cpu_kernels.ok, model.load_report.cpu_kernels.detail  # this CPU: AVX-512 VNNI
     report = model.load_report.quantization
-    assert (report.from_gguf, report.quantized, report.dense) == (8, 1, 0)  # the lm_head is Q8 blocks now
+    assert (report.from_gguf, report.quantized, report.dense) == (8, 0, 1)  # the lm_head stays dense
     blocks = cached_gguf_int4_blocks(path, model.load_report.gguf_path.parent)
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":  # the GGUF's blocks in the kernels' own layout
@@ -88,8 +88,8 @@ def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(ti
             gguf_weights = Int4Blocks.cat([blocks[s] for s in source_names(name)]).dequantize()
             assert torch.allclose(mine.dequantize(), gguf_weights, rtol=0, atol=1e-6 * gguf_weights.abs().max()), name
             assert isinstance(dict(torch_model.named_modules())[name].cpu_kernel.compact, Int4Weight)
-    head = model.lm_head.cpu_kernel.compact
-    assert isinstance(head, PairBlocks) and head.bits == 8
+    head = model.decode_head  # the fused decode step's Q8 copy; compute_logits keeps the dense head
+    assert isinstance(head, PairBlocks) and head.bits == 8 and model.lm_head.weight is not None
     dense = torch_model.lm_head.weight.float()
     assert (head.dequantize() - dense).abs().max() <= dense.abs().amax(dim=1, keepdim=True).max() / 254 + 1e-6
 
