@@ -14,7 +14,7 @@ import torch
 
 from engine.models.loader import CPU_KERNELS_DIR
 from kernels import cpu_decode
-from kernels.cpu_decode import PAIR, PairBlocks, build, load
+from kernels.cpu_decode import PAIR, PairBlocks, build, library_path, load
 from kvscope.models.cache import cache_root
 
 
@@ -131,9 +131,12 @@ def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> 
 
 
 @pytest.mark.vnni
-def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(loaded, tmp_path: Path, monkeypatch) -> None:
     """A cut-off .so in the cache crashed the process in dlopen (SIGBUS, break-it finding): the build checks the
-    cached file against the digest it wrote and rebuilds when it differs or is missing."""
+    cached file against the digest it wrote and rebuilds when it differs or is missing. The "compiler" here copies
+    the library the session already built (a real compile is ~35 s; test_a_compile_error… runs the real one)."""
+    real = library_path(cache_root() / CPU_KERNELS_DIR)
+    monkeypatch.setattr(cpu_decode, "_command", lambda out, compiler: ["cp", str(real), str(out)])
     built = build(tmp_path)
     assert built.ok and built.detail.startswith("built ") and built.library is not None
     library = built.library
