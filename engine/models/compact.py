@@ -35,7 +35,7 @@ from engine.models.quant import (
     Int4Weight,
     Int8Weight,
     int4_blocks_from_float,
-    pair_blocks_from_int4,
+    int4_weight,
 )
 from kernels.cpu_decode import PAIR, PairBlocks
 
@@ -117,16 +117,12 @@ def _compact_weight(name: str, module: Linear, quantization: str, blocks: dict[s
         return None
     if all(s in blocks for s in sources):
         counts["from_gguf"] += 1
-        return _int4(Int4Blocks.cat([blocks[s] for s in sources]), pairs)
+        return int4_weight(Int4Blocks.cat([blocks[s] for s in sources]), pairs)
     if quantization == "gguf":
         counts["dense"] += 1
         return None
     counts["quantized"] += 1
-    return _int4(int4_blocks_from_float(module.weight), pairs)
-
-
-def _int4(blocks: Int4Blocks, pairs: bool) -> Int4Weight | PairBlocks:
-    return pair_blocks_from_int4(blocks) if pairs else Int4Weight.from_blocks(blocks)
+    return int4_weight(int4_blocks_from_float(module.weight), pairs)
 
 
 def _kernel(compact: Int4Weight | Int8Weight, weight: torch.Tensor, bias: torch.Tensor | None,

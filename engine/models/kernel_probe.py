@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.models.layers import packed_linear_kernel
-from engine.models.quant import Int4Blocks, Int4Weight, Int8Weight, pair_blocks_from_int4
+from engine.models.quant import Int4Blocks, Int4Weight, Int8Weight, int4_weight
 from kernels import cpu_decode
 
 logger = logging.getLogger(__name__)
@@ -150,11 +150,8 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
 
 
 def _int4_kernel(blocks: Int4Blocks) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The int4 matmul the engine will run: kvscope's pair-block kernel where it is loaded
-    (kernels/cpu_decode.py), else torch's int4pack one."""
-    if cpu_decode.is_loaded() and blocks.codes.shape[1] % cpu_decode.PAIR == 0:
-        return pair_blocks_from_int4(blocks).matmul
-    return Int4Weight.from_blocks(blocks).matmul
+    """The int4 matmul the engine will run (kvscope's pair-block kernel where it is loaded)."""
+    return int4_weight(blocks, cpu_decode.is_loaded() and blocks.codes.shape[1] % cpu_decode.PAIR == 0).matmul
 
 
 def decode_matmul_ms(shapes: Sequence[tuple[int, int]], rows: int, fmt: str, choice: KernelChoice,

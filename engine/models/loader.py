@@ -27,7 +27,7 @@ from engine.models.gguf import convert_gguf_to_hf
 from engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
 from engine.models.llama import LlamaForCausalLM, check_sliding_window
 from engine.models.registry import get_model_class
-from kernels.cpu_decode import BuildResult
+from kernels.cpu_decode import BuildResult, load
 from kvscope.models.cache import cache_root, hf_dir
 from kvscope.models.pull import pull
 from kvscope.models.registry import UnknownModelError, is_registered, list_models, verified_formats
@@ -183,10 +183,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
 def load_cpu_kernels(root: Path) -> BuildResult:
     """Build (first start on a machine: ~15 s of C++ compile) and load kvscope's CPU kernels from
     ``root``/:data:`CPU_KERNELS_DIR`; logs where they are not usable (torch's kernels are used then)."""
-    from kernels import cpu_decode
-
     started = time.perf_counter()
-    result = cpu_decode.load(root / CPU_KERNELS_DIR)
+    result = load(root / CPU_KERNELS_DIR)
     level = logging.INFO if result.ok else logging.WARNING
     logger.log(level, "kvscope CPU kernels %s (%s, %.1fs)%s", "loaded" if result.ok else "unavailable",
                result.detail, time.perf_counter() - started, "" if result.ok else ": using torch's kernels")

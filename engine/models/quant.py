@@ -107,6 +107,12 @@ def pair_blocks_from_int4(blocks: Int4Blocks) -> PairBlocks:
     return PairBlocks.pack(blocks.codes, blocks.scale, blocks.zero - 8.0 * blocks.scale, 4)
 
 
+def int4_weight(blocks: Int4Blocks, pair_layout: bool) -> Int4Weight | PairBlocks:
+    """The int4 weight the engine runs: kvscope's pair-block layout (``pair_layout``: its CPU kernels are loaded and
+    K is a multiple of 64) or torch's int4pack one."""
+    return pair_blocks_from_int4(blocks) if pair_layout else Int4Weight.from_blocks(blocks)
+
+
 @dataclass(frozen=True, slots=True)
 class Int4Weight:
     """A ``[N, K]`` weight packed for ``aten._weight_int4pack_mm_for_cpu``."""
