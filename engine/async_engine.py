@@ -3,17 +3,27 @@
 The server's event loop never runs model code: requests and aborts go to the engine thread through a queue,
 outputs come back with ``loop.call_soon_threadsafe``. A failing step fails the requests it touched (error
 outputs) and the loop keeps serving: no input may leave the engine dead.
+
+All of the engine's torch work runs on that one thread: building the EngineCore (weights, the kernel probe),
+the prefill warm-up and every step. Why: GNU OpenMP (torch's CPU runtime) keeps a worker pool per thread that
+ever ran a parallel region, and once the process holds more OpenMP threads than CPUs, every worker stops
+spinning between parallel regions (libgomp's throttled spin count, ``GOMP_SPINCOUNT`` docs) and each op then
+pays a futex wake-up. Measured on a 2-core Xeon, 2 torch threads: a bfloat16 ``a + a`` of 32 × 3,072 16 µs on
+the only pool's thread, 77–89 µs once a second thread had run one; a batch-32 decode step 57.6 → 78.4 ms
+(median); the model loaded on an executor thread and stepped on this one cost the served engine that 36 %.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.config import EngineConfig
 from engine.core.request import Request
@@ -27,6 +37,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 StepListener = Callable[[StepResult], None]
+_T = TypeVar("_T")
 
 
 class RequestFailedError(RuntimeError):
@@ -49,7 +60,20 @@ class AsyncEngine:
     validates a request, ``generate`` yields its delta RequestOutputs; cancelling it aborts the request."""
 
     def __init__(self, config: EngineConfig, step_listener: StepListener | None = None) -> None:
-        self.core = EngineCore(config)
+        """Start the engine thread and build the EngineCore on it; returns once the model is loaded. Raises
+        what ``EngineCore(config)`` raises (the thread then exits). Requests are served after :meth:`start`."""
+        self._listener = step_listener
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._serving = False
+        built: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(config, built), name="kvscope-engine",
+                                        daemon=True)
+        self._thread.start()
+        self.core = built.result()
         self.info = self.core.info
         self.tokenizer = self.core.tokenizer
         self.device = str(self.core.device)
@@ -57,20 +81,25 @@ class AsyncEngine:
         """Grammar compile cache (engine/structured): the server compiles constraints with it off its loop."""
         self.speculative = config.speculative
         """Speculative decoding settings (None: off); the server sizes its spec-decode metrics from them."""
-        self._listener = step_listener
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start serving: from now on the engine thread steps whenever requests are unfinished."""
+        self._serving = True
+        self._wake.set()
 
     def warm_up_prefill(self) -> int:
-        """``EngineCore.warm_up_prefill`` (call before :meth:`start`, from any thread)."""
-        return self.core.warm_up_prefill()
+        """``EngineCore.warm_up_prefill``, run on the engine thread (the caller blocks until it is done; call it
+        before :meth:`start`, from any thread but the engine's)."""
+        return self._call(EngineCore.warm_up_prefill)
+
+    def _call(self, fn: Callable[[EngineCore], _T]) -> _T:
+        """Run ``fn(core)`` on the engine thread between steps and return its result (or raise its error)."""
+        if not self._thread.is_alive() or self._stopping:
+            raise EngineDeadError("the engine thread is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, done))
+        self._wake.set()
+        return done.result()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Fail every in-flight request ("shutdown") and stop the step loop."""
@@ -80,7 +109,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and self._serving and not self._stopping
 
     def set_step_listener(self, listener: StepListener | None) -> None:
         self._listener = listener
@@ -144,10 +173,20 @@ class AsyncEngine:
 
     # --- engine thread --------------------------------------------------------------------------------------
 
+    def _main(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
+        try:
+            core = EngineCore(config)
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
+            built.set_exception(exc)
+            return
+        self.core = core
+        built.set_result(core)
+        self._run()
+
     def _run(self) -> None:
         while not self._stopping:
             self._drain_inbox()
-            if not self.core.has_unfinished_requests():
+            if not self._serving or not self.core.has_unfinished_requests():
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -178,6 +217,12 @@ class AsyncEngine:
                 return
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "call":
+                _, fn, done = command
+                try:
+                    done.set_result(fn(self.core))
+                except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                    done.set_exception(exc)
             else:
                 self._abort(command[1], command[2])
 

@@ -1,6 +1,7 @@
 """Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV on AVX-512
-VNNI and one whole decode step of a Llama-family decoder in one call (issue 13: per-step cost near the
-matmul floor). Also the weight packing they read ("pair blocks", described in the C++ file).
+VNNI, one whole decode step of a Llama-family decoder in one call, paged decode attention and the elementwise ops
+of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE; issue 13: per-step cost near the matmul floor).
+Also the weight packing they read ("pair blocks", described in the C++ file).
 
 The shared library is compiled once per machine with the system C++ compiler against the installed torch
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the

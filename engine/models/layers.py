@@ -33,9 +33,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.cpu_op = False
+        """Run bfloat16 rows through kvscope's C++ kernel (``torch.ops.kvscope_cpu.rms_norm``,
+        kernels/csrc/cpu_elementwise.cpp: torch's roundings in one pass); set by
+        ``LlamaForCausalLM.use_cpu_elementwise_ops`` when the library is loaded."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., size] → [..., size] in x's dtype."""
+        if self.cpu_op and cpu_op_applies(x) and self.weight.dtype == torch.bfloat16:
+            return torch.ops.kvscope_cpu.rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype == torch.float32:  # the same float32 operations, in one call
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if x.dtype == self.weight.dtype:
@@ -200,10 +206,22 @@ class Linear(nn.Linear):
         return kernel(x)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU (Shazeer 2020): [..., 2·I] laid out [gate | up] → silu(gate) * up [..., I]."""
+def silu_and_mul(gate_up: torch.Tensor, cpu_op: bool = False) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020): [..., 2·I] laid out [gate | up] → silu(gate) * up [..., I]. ``cpu_op``: bfloat16
+    rows go through ``torch.ops.kvscope_cpu.silu_and_mul`` (kernels/csrc/cpu_elementwise.cpp; torch's roundings
+    in one pass)."""
+    if cpu_op and cpu_op_applies(gate_up):
+        return torch.ops.kvscope_cpu.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def cpu_op_applies(x: torch.Tensor) -> bool:
+    """Whether ``x`` suits kvscope's C++ elementwise kernels (kernels/csrc/cpu_elementwise.cpp): contiguous
+    bfloat16 rows [R, H], H a multiple of 32, outside autograd (the ops have no backward). The device is not
+    checked: only a CPU model turns the ops on (``LlamaForCausalLM.use_cpu_elementwise_ops``)."""
+    return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] % 32 == 0 and x.is_contiguous()
+            and not torch.is_grad_enabled())
 
 
 @dataclass(frozen=True, slots=True)

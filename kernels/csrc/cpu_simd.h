@@ -1,4 +1,4 @@
-// kvscope CPU kernels: AVX-512 helpers shared by cpu_decode.cpp and cpu_attention.cpp (header-only, inline).
+// kvscope CPU kernels: AVX-512 helpers shared by cpu_decode.cpp, cpu_attention.cpp and cpu_elementwise.cpp (header-only, inline).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -14,6 +14,11 @@ inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 template <>
 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 bfloat16 bit patterns (as loaded into a 256-bit register) → 16 float32 lanes (exact).
+inline __m512 load16_bits(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
