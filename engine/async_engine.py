@@ -202,6 +202,13 @@ class AsyncEngine:
             if self._listener is not None:
                 self._notify(result)
         self._fail_all("engine shutting down")
+        while True:  # calls queued behind the stop get an error instead of a wait forever
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "call":
+                command[2].set_exception(EngineDeadError("the engine thread stopped"))
 
     def _notify(self, result: StepResult) -> None:
         try:

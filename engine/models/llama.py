@@ -126,7 +126,8 @@ class Attention(nn.Module):
         else:  # RoPE of q and k in one pass (elementwise: the same numbers as two calls)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            if self.cpu_op and qk.dtype == cos.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            if (self.cpu_op and qk.dtype == cos.dtype == sin.dtype == torch.bfloat16 and self.head_dim % 32 == 0
+                    and cos.is_contiguous() and sin.is_contiguous() and not torch.is_grad_enabled()):
                 roped = torch.ops.kvscope_cpu.rope(qk, cos, sin)  # apply_rope's 4 ops in one pass, bit for bit
             else:
                 roped = apply_rope(qk, cos, sin)
@@ -238,12 +239,13 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def use_cpu_elementwise_ops(self) -> int:
-        """Route the bfloat16 RMSNorms, residual-add + norm pairs, SwiGLUs and RoPEs of every step through kvscope's C++
-        elementwise kernels (kernels/csrc/cpu_elementwise.cpp; call once ``torch.ops.kvscope_cpu`` is loaded, on
-        a bfloat16 CPU model). One pass over memory instead of torch's 2-7 ops, the same roundings (equal up to a
-        rare one-ulp bfloat16 difference from the order of a float32 sum; tests/kernels/test_cpu_elementwise.py).
-        Measured on 2 Xeon cores, 128 rows: RMSNorm 87 → 19 µs, add + RMSNorm 91 → 28 µs, SwiGLU 97 → 63 µs.
-        Returns the number of modules switched."""
+        """Route the bfloat16 RMSNorms, residual-add + norm pairs, SwiGLUs and RoPEs of every step through
+        kvscope's C++ elementwise kernels (kernels/csrc/cpu_elementwise.cpp; call once ``torch.ops.kvscope_cpu`` is
+        loaded, on a bfloat16 CPU model; inputs the kernels do not take keep torch's ops). One pass over memory
+        instead of torch's 2-7 ops, the same roundings (the add and RoPE bit for bit, RMSNorm and SwiGLU up to a
+        rare one-ulp bfloat16 difference; tests/kernels/test_cpu_elementwise.py). Measured on 2 Xeon cores, 128
+        rows: RMSNorm 87 → 19 µs, add + RMSNorm 91 → 28 µs, SwiGLU 97 → 63 µs, RoPE 62 → 25 µs. Returns the
+        number of modules switched."""
         switched = 0
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):

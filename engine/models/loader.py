@@ -171,7 +171,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
         quant = quantize_model(model, fmt.quantization, kernels, gguf_path, model_dir,
                                pair_kernels=cpu_kernels is not None and cpu_kernels.ok)
     if cpu_kernels is not None and cpu_kernels.ok and dtype == torch.bfloat16:
-        model.use_cpu_elementwise_ops()  # norms, residual add + norm, SwiGLU: kernels/csrc/cpu_elementwise.cpp
+        model.use_cpu_elementwise_ops()  # norms, residual add + norm, SwiGLU, RoPE: kernels/csrc/cpu_elementwise.cpp
     report = LoadReport(model_dir=model_dir, converted=converted, resolve_s=resolved - start,
                         weights_s=time.perf_counter() - resolved, dtype=dtype, quantization=quant, kernels=kernels,
                         gguf_path=gguf_path, weight_format=fmt, cpu_kernels=cpu_kernels)
