@@ -193,6 +193,11 @@ def _setup(args: argparse.Namespace) -> dict[str, object]:
             "output_len": args.output_len, "num_threads": torch.get_num_threads()}
 
 
+def _threads() -> str:
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
 def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
     llm.engine.warm_up_prefill()  # the served engine's warm-up (engine/server/app.py): prefill shapes, a generation
     llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))
@@ -200,13 +205,13 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
     for concurrency in args.concurrency:
         prompts = random_prompts(concurrency, args.input_len, llm.engine.vocab_size, args.seed)
         results.append(bench_steps(llm, prompts, args.steps))
-        print(f"kvscope {args.dtype}/{args.quantization}, {torch.get_num_threads()} threads, concurrency {concurrency:3d}: decode "
+        print(f"kvscope {args.dtype}/{args.quantization}, {_threads()}, concurrency {concurrency:3d}: decode "
               f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x {args.input_len} "
               f"tokens) {results[-1].prefill_ms:8.1f} ms", flush=True)
     saved = [asdict(r) | _setup(args) for r in results]
     if args.ttft_runs > 0:
         ttft = bench_idle_ttft(llm, args.input_len, args.ttft_runs, args.seed + 1)
-        print(f"kvscope {args.dtype}/{args.quantization}, {torch.get_num_threads()} threads: idle TTFT of one "
+        print(f"kvscope {args.dtype}/{args.quantization}, {_threads()}: idle TTFT of one "
               f"{args.input_len}-token prompt over {ttft.runs} runs: median {ttft.median_ms:.1f} ms, min "
               f"{ttft.min_ms:.1f} ms (first run {ttft.first_ms:.1f} ms)", flush=True)
         saved.append({"idle_ttft": asdict(ttft)} | _setup(args))

@@ -186,6 +186,8 @@ def load_cpu_kernels(root: Path) -> BuildResult:
     """Build (first start on a machine: ~15 s of C++ compile) and load kvscope's CPU kernels from
     ``root``/:data:`CPU_KERNELS_DIR`; logs where they are not usable (torch's kernels are used then)."""
     started = time.perf_counter()
+    logger.info("kvscope CPU kernels: loading from %s (the first start on a machine compiles them, ~15-45 s)",
+                root / CPU_KERNELS_DIR)
     result = load(root / CPU_KERNELS_DIR)
     level = logging.INFO if result.ok else logging.WARNING
     logger.log(level, "kvscope CPU kernels %s (%s, %.1fs)%s", "loaded" if result.ok else "unavailable",

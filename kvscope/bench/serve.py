@@ -4,6 +4,9 @@ llama.cpp's llama-server …), measured on the client side with ``vllm bench ser
     kvscope bench --base-url http://127.0.0.1:8000 --model smollm2-135m --num-prompts 64 \\
         --max-concurrency 8 --input-len 128 --output-len 128 --ignore-eos --save-result out.json
     kvscope bench … --compare http://127.0.0.1:8080 --label kvscope --label llama.cpp
+
+The engine benchmark without a server (in process: decode ms/step, idle TTFT, vs transformers) is
+``kvscope bench --offline`` (its own flags: ``kvscope bench --offline --help``).
 """
 
 from __future__ import annotations
