@@ -172,16 +172,21 @@ class RequestContext:
         end = self.end_at if self.end_at is not None else time.perf_counter()
         return max(0.0, end - self.start - self.upstream_s)
 
-    def attempt_ended(self, start: float, headers_at: float | None, end: float) -> None:
+    def attempt_ended(self, start: float, headers_at: float | None, end: float) -> float:
         """Account one upstream attempt (perf_counter times: its start, its response headers or None, the
-        upstream's last byte) in the retry/upstream phases; the latest attempt is the one that answered."""
+        upstream's last byte) in the retry/upstream phases and ``upstream_s``; the latest attempt is the one that
+        answered. An end after the request's own end counts up to the request's end (the phases and
+        ``upstream_s`` alike, so a failed attempt's share of ``upstream_s`` stays within ``retry_s``). Returns the
+        end it counted."""
         if self.end_at is not None:
             end = min(end, self.end_at)
+        self.upstream_s += end - start
         if self.first_attempt_at is None:
             self.first_attempt_at = start
         connected = end if headers_at is None else min(headers_at, end)
         self.retry_s = start - self.first_attempt_at
         self.upstream_connect_s, self.upstream_response_s = connected - start, end - connected
+        return end
 
     def gateway_phases(self, e2e_s: float) -> GatewayPhases:
         """The request's ``e2e_s`` split into the phases of :class:`GatewayPhases`; ``other_s`` is the

@@ -169,7 +169,6 @@ class ProxyCall:
         finally:
             self.gw.pool.release(replica)
             end = self.upstream_end or time.perf_counter()
-            self.ctx.upstream_s += end - self.attempt_start
             self.ctx.attempt_ended(self.attempt_start, headers_at, end)
             if response is not None:
                 await response.aclose()

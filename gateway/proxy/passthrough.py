@@ -116,7 +116,6 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
             connect = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
             gw.pool.report_failure(replica, "connect" if connect else "disconnect", eject=connect)
             failed_at = time.perf_counter()
-            ctx.upstream_s += failed_at - start
             ctx.attempt_ended(start, None, failed_at)
             continue
         headers_at = time.perf_counter()
@@ -140,7 +139,6 @@ async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, c
             yield chunk
     finally:
         end = time.perf_counter()
-        ctx.upstream_s += end - start
         ctx.attempt_ended(start, headers_at, end)
         gw.pool.release(replica)
         await response.aclose()

@@ -151,6 +151,18 @@ def test_an_attempt_ending_after_the_response_counts_up_to_the_end() -> None:
                                                  "upstream_response_s": 2.0, "other_s": 1.0}
 
 
+def test_upstream_s_counts_attempts_up_to_the_requests_end_as_the_phases_do() -> None:
+    """A failed attempt, then an answer whose last byte is read after the request ended: upstream_s minus the
+    answer's phases is exactly the failed attempt, within retry_s (an unclamped end inflated it, CI flake)."""
+    ctx = _ctx()
+    ctx.attempt_ended(101.0, None, 101.25)  # a 503: 0.25 s
+    ctx.end_at = 104.0
+    assert ctx.attempt_ended(101.5, 102.0, 104.5) == 104.0
+    phases = ctx.gateway_phases(4.0)
+    assert ctx.upstream_s == 2.75
+    assert ctx.upstream_s - phases.upstream_connect_s - phases.upstream_response_s == 0.25 <= phases.retry_s
+
+
 def test_the_record_and_the_mapping_list_the_same_phases() -> None:
     ctx = _ctx()
     ctx.status, ctx.end_at = 200, 100.5
