@@ -6,6 +6,11 @@
 
 namespace kvscope_simd {
 
+// 16 bfloat16 bit patterns (as loaded into a 256-bit register) → 16 float32 lanes (exact).
+inline __m512 load16_bits(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // 16 floats from float32 or bfloat16 memory (bfloat16 → float32 is exact: the upper half of the float's bits).
 template <typename T>
 inline __m512 load16(const T* p);
@@ -13,13 +18,7 @@ template <>
 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 template <>
 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// 16 bfloat16 bit patterns (as loaded into a 256-bit register) → 16 float32 lanes (exact).
-inline __m512 load16_bits(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return load16_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // e^x per lane, float32: 2^n · p(r) with n = round(x · log2 e) and r = x − n · ln 2 (Cody-Waite: ln 2 split in a
