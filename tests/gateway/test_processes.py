@@ -156,13 +156,16 @@ def test_client_disconnect_reaches_the_upstream(cluster: Cluster) -> None:
             for piece in resp.iter_raw():
                 seen += piece
                 if _token_events(seen) >= 5:
+                    # taken before the break: leaving the loop finalises iter_raw's generator, which already
+                    # closes the connection (httpcore closes on GeneratorExit), before any line after the loop
+                    closing_at = time.monotonic()
                     break
-            closing_at = time.monotonic()
         sent_at = time.monotonic()
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/chat/completions", headers={"x-request-id": "dc-json"}, timeout=0.5,
                    json={"model": "fake-model", "messages": HI, "fake": {"hold": "dc-json"}})
-    # the stream is closed after closing_at; the read timeout cannot give up before sent_at + 0.5 s (1 ms: rounding)
+    # the stream is closed after closing_at (the 5th token's arrival); the read timeout cannot give up before
+    # sent_at + 0.5 s (1 ms: rounding)
     for rid, left_at in (("dc-stream", closing_at), ("dc-json", sent_at + 0.5 - 1e-3)):
         rec = _disconnected(cluster, rid)
         assert rec["disconnected_at"] is not None and not rec["completed"], (rid, rec)
