@@ -24,6 +24,7 @@ from gateway.logs.record import RecordBuilder, ServiceInfo
 from gateway.logs.sink import LogSink
 from gateway.logs.sinks import JsonlFileSink, StdoutSink
 from gateway.metrics import GatewayMetrics, LogSinkMetrics
+from gateway.proxy.network import upstream_transport
 from gateway.proxy.upstreams import UpstreamPool
 from gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.settings import GatewaySettings
@@ -80,11 +81,13 @@ def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list
 
 
 def new_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
-    """The upstream client: connect/pool timeouts from settings; read deadlines are enforced per request."""
+    """The upstream client: connect/pool timeouts from settings; read deadlines are enforced per request; the
+    connections on kvscope's asyncio network backend (gateway/proxy/network.py)."""
     t = settings.timeouts
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     return httpx.AsyncClient(timeout=httpx.Timeout(connect=t.connect_s, read=None, write=t.connect_s,
                                                    pool=t.connect_s),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                             limits=limits, transport=upstream_transport(limits),
                              headers={"accept-encoding": "identity"}, trust_env=False)
 
 

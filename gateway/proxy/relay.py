@@ -19,7 +19,7 @@ returns a :class:`RelayOutcome` (usage, finish reasons, token times, the failure
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +48,55 @@ DRAIN_AFTER_DONE_S = 1.0
 """After ``[DONE]``, wait at most this long for the upstream's end of body (so its connection can be reused);
 the client's response has already ended."""
 _EOF = object()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class ChunkQueue:
+    """The pump's chunks for the relay: a bounded FIFO with one producer and one consumer, bound to the loop
+    it was made on. :meth:`get` waits with a deadline through one future and one timer (``asyncio.timeout``
+    and ``asyncio.Queue`` ask the running loop, a ``getpid()`` each on Python 3.11, several times a chunk)."""
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._items: collections.deque[object] = collections.deque()
+        self._maxsize = maxsize
+        self._getter: asyncio.Future[None] | None = None
+        self._putter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def put(self, item: object) -> None:
+        """Append ``item``, waiting while ``maxsize`` items are queued."""
+        while len(self._items) >= self._maxsize:
+            self._putter = self._loop.create_future()
+            try:
+                await self._putter
+            finally:
+                self._putter = None
+        self._items.append(item)
+        if self._getter is not None and not self._getter.done():
+            self._getter.set_result(None)
+
+    async def get(self, timeout: float | None = None) -> object:
+        """The oldest item, waiting at most ``timeout`` seconds (None: no limit); TimeoutError after it."""
+        if not self._items:
+            self._getter = waiter = self._loop.create_future()
+            timer = self._loop.call_later(max(0.0, timeout), _expire, waiter) if timeout is not None else None
+            try:
+                await waiter
+            finally:
+                self._getter = None
+                if timer is not None:
+                    timer.cancel()
+        item = self._items.popleft()
+        if self._putter is not None and not self._putter.done():
+            self._putter.set_result(None)
+        return item
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +170,7 @@ class StreamRelay:
         self.client, self.response, self.replica, self.pool, self.terms = client, response, replica, pool, terms
         self.state = StreamState(expected_choices=terms.expected_choices, keep_text=terms.keep_text)
         self.splitter = SSESplitter()
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self.queue = ChunkQueue(maxsize=64)
         self.last_chunk_at = terms.attempt_start
         self.last_sent_at = terms.request_start
         self.first_token_at = terms.first_token_at
@@ -155,10 +204,13 @@ class StreamRelay:
     async def drain(self) -> None:
         """After ``[DONE]`` (the client already has its end): read the upstream's end of body, briefly, so
         its connection goes back to the pool instead of being closed."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(DRAIN_AFTER_DONE_S):
-                while (item := await self.queue.get()) is not _EOF and not isinstance(item, Exception):
-                    pass
+        until = time.perf_counter() + DRAIN_AFTER_DONE_S
+        try:
+            while (item := await self.queue.get(until - time.perf_counter())) is not _EOF and \
+                    not isinstance(item, Exception):
+                pass
+        except TimeoutError:
+            pass
 
     async def aclose(self) -> None:
         """Stop reading the upstream."""
@@ -194,9 +246,8 @@ class StreamRelay:
             phase_end = (self.terms.attempt_start + t.first_token_s) if waiting_first else (self.last_chunk_at + t.idle_s)
             hard = min(phase_end, self.terms.deadline)
             wake = min(hard, self.last_sent_at + t.keepalive_s)
-            try:
-                async with asyncio.timeout(max(0.0, wake - time.perf_counter())):
-                    return await self.queue.get()
+            try:  # a chunk already read is taken at once, whatever the deadlines
+                return await self.queue.get(wake - time.perf_counter())
             except TimeoutError:
                 if time.perf_counter() >= hard:
                     raise self._timeout(waiting_first, phase_end <= self.terms.deadline) from None

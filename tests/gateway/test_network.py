@@ -1,0 +1,194 @@
+"""gateway/proxy/network.py: the asyncio network backend under the gateway's upstream client, against real
+loopback servers: exact bytes in order, EOF and a reset after data, read/connect timeouts and errors in
+httpcore's (and so httpx's) exception types, backpressure above the high-water mark, an idle connection the
+server closed is not reused, keep-alive reuse, and a closed stream reaching the server as EOF."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpcore
+import httpx
+import pytest
+
+from gateway.lifespan import new_http_client
+from gateway.proxy.network import HIGH_WATER, LOW_WATER, AsyncioBackend, AsyncioStream, upstream_transport
+from gateway.settings import load_settings
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[int]:
+    srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+    try:
+        yield srv.sockets[0].getsockname()[1]
+    finally:
+        srv.close()
+
+
+async def connect(port: int, timeout: float | None = 5.0) -> AsyncioStream:
+    stream = await AsyncioBackend().connect_tcp("127.0.0.1", port, timeout=timeout)
+    assert isinstance(stream, AsyncioStream)
+    return stream
+
+
+async def read_all(stream: AsyncioStream, max_bytes: int = 65536) -> bytes:
+    out = b""
+    while data := await stream.read(max_bytes, timeout=5):
+        out += data
+    return out
+
+
+async def test_bytes_arrive_exactly_then_eof() -> None:
+    payload = bytes(range(256)) * 1000
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await reader.readexactly(5)
+        for i in range(0, len(payload), 1000):
+            writer.write(payload[i:i + 1000])
+            await writer.drain()
+        writer.write(request)
+        writer.close()
+
+    async with server(handler) as port:
+        stream = await connect(port)
+        await stream.write(b"hello", timeout=5)
+        assert await read_all(stream, max_bytes=777) == payload + b"hello"
+        assert await stream.read(10, timeout=5) == b""  # EOF stays EOF
+        assert stream.get_extra_info("is_readable") is True
+        await stream.aclose()
+
+
+async def test_read_timeout_and_reset_after_data() -> None:
+    done = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(1)  # "r": send data, then reset the connection
+        writer.write(b"partial")
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await done.wait()
+        writer.transport.abort()  # SO_LINGER 0: an RST, not a FIN
+
+    async with server(handler) as port:
+        stream = await connect(port)
+        with pytest.raises(httpcore.ReadTimeout):
+            await stream.read(100, timeout=0.05)
+        assert stream.get_extra_info("is_readable") is False  # idle and open
+        await stream.write(b"r", timeout=5)
+        assert await stream.read(100, timeout=5) == b"partial"
+        done.set()
+        with pytest.raises(httpcore.ReadError):
+            await stream.read(100, timeout=5)
+        await stream.aclose()
+
+
+async def test_backpressure_pauses_reading_above_the_high_water_mark() -> None:
+    total = 4 * HIGH_WATER  # an asyncio read takes at most 256 KiB: paused, at most 2 x HIGH_WATER is buffered
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"x" * total)
+        await writer.drain()
+        writer.close()
+
+    async with server(handler) as port:
+        stream = await connect(port)
+        protocol = stream._protocol
+        for _ in range(200):  # the client does not read: the buffer fills to the mark and stops there
+            await asyncio.sleep(0.01)
+            if protocol.read_paused:
+                break
+        assert protocol.read_paused and HIGH_WATER < protocol.buffered <= 2 * HIGH_WATER
+        received = await read_all(stream)
+        assert received == b"x" * total and protocol.buffered == 0 and not protocol.read_paused
+        assert LOW_WATER < HIGH_WATER
+
+
+async def test_connect_errors_are_httpcore_errors() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(httpcore.ConnectError):
+            await connect(port)
+    with pytest.raises(httpcore.ConnectTimeout):
+        await AsyncioBackend().connect_tcp("127.0.0.1", 9, timeout=0)
+
+
+async def test_a_closed_stream_reaches_the_server_as_eof() -> None:
+    seen_eof = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)  # returns b"" at EOF
+        seen_eof.set()
+
+    async with server(handler) as port:
+        stream = await connect(port)
+        await stream.aclose()
+        await asyncio.wait_for(seen_eof.wait(), 5)
+
+
+def _chunked(pieces: list[bytes]) -> bytes:
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n" + body
+
+
+async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None:
+    """Through httpx: a chunked SSE answer arrives piece by piece; the next request reuses the connection;
+    after the server closes the idle connection, the next request opens a new one instead of failing."""
+    connections: list[int] = []
+    close_after_next = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            pieces = [b"data: %d\n\n" % i for i in range(20)] if b"/stream" in head else [b"ok"]
+            writer.write(_chunked(pieces))
+            await writer.drain()
+            if close_after_next.is_set():
+                writer.close()
+                return
+
+    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+        base = f"http://127.0.0.1:{port}"
+        async with client.stream("GET", base + "/stream") as resp:
+            body = b"".join([chunk async for chunk in resp.aiter_raw()])
+        assert body == b"".join(b"data: %d\n\n" % i for i in range(20))
+        assert (await client.get(base + "/json")).content == b"ok"
+        assert len(connections) == 1  # kept alive, reused
+        close_after_next.set()
+        assert (await client.get(base + "/json")).content == b"ok"
+        await asyncio.sleep(0.05)  # the server's FIN reaches the idle connection
+        assert (await client.get(base + "/json")).content == b"ok"
+        assert len(connections) == 2
+
+
+async def test_httpx_read_timeout_is_httpx_read_timeout() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(5)
+
+    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.get(f"http://127.0.0.1:{port}/", timeout=httpx.Timeout(5, read=0.1))
+
+
+async def test_the_gateway_client_uses_the_backend() -> None:
+    """Guards the wiring into httpx (it has no public switch for httpcore's network backend)."""
+    client = new_http_client(load_settings(None, {"upstreams": [{"url": "http://127.0.0.1:1"}]}, env={}))
+    try:
+        pool = client._transport._pool  # type: ignore[attr-defined]
+        assert isinstance(pool, httpcore.AsyncConnectionPool)
+        assert isinstance(pool._network_backend, AsyncioBackend)
+        assert pool._max_keepalive_connections == 256 and not pool._http2
+    finally:
+        await client.aclose()
