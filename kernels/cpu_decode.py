@@ -1,7 +1,8 @@
 """Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV on AVX-512
-VNNI, one whole decode step of a Llama-family decoder in one call, paged decode attention and the elementwise ops
-of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE; issue 13: per-step cost near the matmul floor).
-Also the weight packing they read ("pair blocks", described in the C++ file).
+VNNI, one whole decode step of a Llama-family decoder in one call, paged decode attention, the elementwise ops
+of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE; issue 13: per-step cost near the matmul floor)
+and, on CPUs with AMX, the int4 matmul of batched decode steps (cpu_amx.cpp). Also the weight packings they read
+("pair blocks" and "tile blocks", described in the C++ files).
 
 The shared library is compiled once per machine with the system C++ compiler against the installed torch
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
@@ -133,6 +134,13 @@ def cpu_supports() -> bool:
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c")) if flags else False
 
 
+def cpu_supports_amx() -> bool:
+    """Whether this CPU has what ``int4_gemm_amx`` needs besides :func:`cpu_supports` (AMX tiles with bfloat16,
+    AVX512-BF16), by /proc/cpuinfo."""
+    flags = _cpu_flags().split()
+    return cpu_supports() and all(f in flags for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
+
+
 def load(cache_dir: Path) -> BuildResult:
     """Build if needed and load the library into ``torch.ops.kvscope_cpu`` (once per process: loading the
     same library again is a no-op). Never raises for a missing compiler or CPU feature."""
@@ -234,3 +242,74 @@ class PairBlocks:
         """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32 to 16-bit
         codes, d = max|x| / 32767). Needs :func:`load`."""
         return torch.ops.kvscope_cpu.qgemv(x, self.codes, self.scales)
+
+
+TILE = 16
+"""Output rows per AMX tile block (:class:`TileBlocks`: N must be a multiple)."""
+
+
+def amx_loaded() -> bool:
+    """Whether the loaded library has the AMX int4 matmul (built on a CPU with AMX-BF16 and AVX512-BF16)."""
+    if not is_loaded():
+        return False
+    try:
+        torch.ops.kvscope_cpu.int4_gemm_amx  # noqa: B018 - raises where the library was built without AMX
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class TileBlocks:
+    """A 4-bit ``[N, K]`` weight (``w = d · u + m`` per block of 32, as :class:`PairBlocks`) in the layout of
+    ``int4_gemm_amx`` (kernels/csrc/cpu_amx.cpp): the batched matmul of decode steps above the GEMV's rows."""
+
+    codes: torch.Tensor
+    """uint8 ``[N/16, K/32, 256]``: byte ``16 r + 2 n + j`` (n < 8) of block (t, b) = u[16t + n, 32b + 2r + j] |
+    u[16t + 8 + n, 32b + 2r + j] << 4 (kernels/csrc/cpu_amx.cpp)."""
+    dm: torch.Tensor
+    """float16 ``[N/16, K/32, 2, 16]``: the 16 rows' d, then their m."""
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0] * TILE
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.dm.numel() * 2
+
+    @classmethod
+    def from_pair_blocks(cls, weight: PairBlocks) -> TileBlocks:
+        """The same 4-bit weights (codes, d and m bit for bit) in the AMX layout. Raises ValueError for 8-bit
+        blocks or N not a multiple of 16."""
+        if weight.bits != 4 or weight.out_features % TILE:
+            raise ValueError(f"AMX tile blocks need 4-bit codes and N % {TILE} == 0")
+        rows, pairs = weight.codes.shape[0], weight.scales.shape[1]
+        lanes = weight.codes.view(rows, pairs, 32)
+        lanes = torch.cat([lanes & 15, lanes >> 4], dim=-1)
+        codes = torch.empty_like(lanes)
+        codes[:, :, _lane_order()] = lanes  # u [N, K/64, 64] in weight order
+        blocks = pairs * 2
+        u = codes.view(rows // TILE, TILE, blocks, TILE, 2).permute(0, 2, 3, 1, 4)  # [t, b, r, n, j]
+        half = TILE // 2  # low nibbles: columns 0-7, high nibbles: columns 8-15 (byte 2n + j)
+        lo = u[:, :, :, :half].reshape(rows // TILE, blocks, TILE, TILE)
+        hi = u[:, :, :, half:].reshape(rows // TILE, blocks, TILE, TILE)
+        packed = (lo | (hi << 4)).contiguous().view(rows // TILE, blocks, TILE * TILE)
+        d = weight.scales[:, :, :2].reshape(rows, blocks)
+        m = weight.scales[:, :, 2:].reshape(rows, blocks)
+        dm = torch.stack([t.view(rows // TILE, TILE, blocks).permute(0, 2, 1) for t in (d, m)], dim=2)
+        return cls(codes=packed, dm=dm.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]`` (for tests)."""
+        tiles, blocks = self.codes.shape[:2]
+        b = self.codes.view(tiles, blocks, TILE, TILE // 2, 2)  # [t, b, r, n % 8, j]
+        u = torch.cat([b & 15, b >> 4], dim=3).permute(0, 3, 1, 2, 4)  # [t, n, b, r, j]
+        u = u.reshape(tiles * TILE, blocks, BLOCK).to(torch.float32)
+        dm = self.dm.to(torch.float32).permute(0, 3, 1, 2).reshape(tiles * TILE, blocks, 2)  # [N, b, (d, m)]
+        return (u * dm[..., :1] + dm[..., 1:]).view(tiles * TILE, blocks * BLOCK)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[M, K]`` (float32 or bfloat16; the tiles multiply it rounded to bfloat16) → ``[M, N]`` in x's dtype
+        (float32 sums). Needs :func:`amx_loaded`; RuntimeError for mismatched shapes."""
+        return torch.ops.kvscope_cpu.int4_gemm_amx(x, self.codes, self.dm)

@@ -13,6 +13,7 @@ ALLOWED_SKIP_REASONS = (
     "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
     "set ELASTICSEARCH_URL",  # tests/gateway/logs/test_es_live.py without a live Elasticsearch
     "needs a CPU with AVX-512 VNNI",  # tests marked `vnni` (kvscope's CPU decode kernels) on a CPU without it
+    "needs a CPU with AMX-BF16",  # tests marked `amx` (kvscope's AMX int4 matmul) on a CPU without it
 )
 """The only reasons a test may be skipped under CI=true (matched as prefixes). Anything else — a missing tool,
 a "not written yet" guard, an OSError — fails the run: a skipped test protects nothing."""
@@ -39,18 +40,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     except ImportError:
         has_cuda = False
     try:
-        from kernels.cpu_decode import cpu_supports
+        from kernels.cpu_decode import cpu_supports, cpu_supports_amx
 
-        has_vnni = cpu_supports()
+        has_vnni, has_amx = cpu_supports(), cpu_supports_amx()
     except ImportError:
-        has_vnni = False
+        has_vnni = has_amx = False
     skip_gpu = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[0])
     skip_vnni = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[2])
+    skip_amx = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[3])
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
         if "vnni" in item.keywords and not has_vnni:
             item.add_marker(skip_vnni)
+        if "amx" in item.keywords and not has_amx:
+            item.add_marker(skip_amx)
 
 
 def disallowed_skips(reports: list[pytest.TestReport]) -> list[str]:

@@ -37,7 +37,7 @@ from engine.models.quant import (
     int4_blocks_from_float,
     int4_weight,
 )
-from kernels.cpu_decode import PAIR, PairBlocks
+from kernels.cpu_decode import PAIR, TILE, PairBlocks, TileBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,13 @@ def _kernel(compact: Int4Weight | Int8Weight, weight: torch.Tensor, bias: torch.
     if max_rows < NO_DENSE:
         dense = packed_linear_kernel(weight.to(choice.dense_dtype),
                                      None if bias is None else bias.to(choice.dense_dtype))
+    batched = None
+    if (dense is not None and choice.batched_rows > max_rows and isinstance(compact, PairBlocks)
+            and compact.bits == 4 and compact.out_features % TILE == 0):
+        batched = TileBlocks.from_pair_blocks(compact)
     return CompactLinearKernel(compact=compact, bias=None if bias is None else bias.detach().clone(), dense=dense,
-                               dense_dtype=choice.dense_dtype, max_compact_rows=max_rows if dense else NO_DENSE)
+                               dense_dtype=choice.dense_dtype, max_compact_rows=max_rows if dense else NO_DENSE,
+                               batched=batched, max_batched_rows=choice.batched_rows if batched else 0)
 
 
 def model_weight_bytes(model: nn.Module) -> int:
@@ -185,3 +190,5 @@ def _kernel_tensors(kernel: object) -> Iterator[torch.Tensor]:
             yield kernel.bias
         if kernel.dense is not None:
             yield from _kernel_tensors(kernel.dense)
+        if kernel.batched is not None:
+            yield from (kernel.batched.codes, kernel.batched.dm)

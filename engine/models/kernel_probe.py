@@ -9,6 +9,10 @@ What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of
   packed one. The compact kernels are GEMVs: on an AMX Xeon int4 wins at 1–2 rows (0.40 vs 0.73 ms for
   3072×576 at one row) and loses 6x at 32 rows (4.2 vs 0.7 ms), so a compact layer keeps a dense bf16 copy
   for bigger batches. When compact wins at every probed size, no dense copy is kept (``NO_DENSE``).
+- ``batched_rows``: up to how many rows kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, where the CPU
+  kernels were built on a CPU with AMX-BF16) beats the dense bfloat16 copy, probed up to
+  :data:`BATCHED_PROBE_ROWS`; the int4 layers use it between ``max_rows["int4"]`` and this (0: not available).
+  On the 2-vCPU AMX Xeon it wins up to 256 rows (a SmolLM2 step's matmuls at 32 rows: 7.4 vs 19.7 ms).
 
 Each (kernel, rows) pair takes the minimum of a few timed runs of one thread's CPU time, which is robust to
 other processes on a shared machine (they only ever make a run slower, and CPU time does not count the waits
@@ -34,6 +38,8 @@ logger = logging.getLogger(__name__)
 NO_DENSE = 1 << 62
 """``max_rows`` meaning: the compact kernel at every size, no dense copy."""
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+BATCHED_PROBE_ROWS = (*PROBE_ROWS, 128, 256)
+"""Rows the AMX int4 matmul is probed at (it pays off up to prefill chunks of a few hundred tokens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +53,15 @@ class KernelChoice:
     """``torch.backends.cpu.get_cpu_capability()`` (``AVX512``, ``AVX2``…)."""
     cpu_flags: tuple[str, ...] = ()
     """The :data:`BF16_FLAGS` this CPU has."""
+    batched_rows: int = 0
+    """Up to how many rows kvscope's AMX int4 matmul replaces the dense copy (module doc); 0: never."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
         rows = ", ".join(f"{fmt} up to {'all' if n >= NO_DENSE else n} rows" for fmt, n in self.max_rows.items())
-        return (f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows} (cpu {self.cpu_capability}"
-                f"{', ' + ' '.join(self.cpu_flags) if self.cpu_flags else ''})")
+        amx = f", int4 on AMX up to {self.batched_rows} rows" if self.batched_rows else ""
+        return (f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows}{amx} (cpu "
+                f"{self.cpu_capability}{', ' + ' '.join(self.cpu_flags) if self.cpu_flags else ''})")
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
@@ -125,9 +134,15 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
         zero=torch.zeros(out_features, in_features // 32)))
     kernels["int8"] = Int8Weight.from_float(weight).matmul
     inputs = {(dtype, n): torch.ones(n, in_features, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
-              for n in rows}
+              for n in (*rows, *BATCHED_PROBE_ROWS)}
     fns = {f"{name}@{n}": (lambda k=kernel, x=inputs[torch.float32 if name == "float32" else torch.bfloat16, n]: k(x))
            for name, kernel in kernels.items() for n in rows}
+    amx = _amx_kernel(out_features, in_features, gen)
+    if amx is not None:  # the AMX matmul against the bfloat16 copy it would replace, also above ``rows``
+        for n in BATCHED_PROBE_ROWS:
+            x = inputs[torch.bfloat16, n]
+            fns[f"int4_amx@{n}"] = lambda x=x: amx(x)
+            fns.setdefault(f"bfloat16@{n}", lambda x=x: kernels["bfloat16"](x))
     # one thread's CPU time, not wall time: on a loaded machine a preempted OpenMP thread stretches wall times at
     # random (a start-up next to a test run once picked float32, 0.4x the speed, from wall times); the CPU cost
     # of each kernel on one core ranks them the same way on an idle machine and is robust to the load
@@ -142,11 +157,37 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
     dense_dtype = torch.bfloat16 if sum(series["bfloat16"]) < sum(series["float32"]) else torch.float32
     dense = series[str(dense_dtype).removeprefix("torch.")]
     max_rows = {fmt: crossover(series[fmt], dense, rows) for fmt in ("int4", "int8")}
+    batched_rows = amx_rows(timings, max_rows["int4"]) if amx is not None and dense_dtype == torch.bfloat16 else 0
     choice = KernelChoice(dense_dtype=dense_dtype, max_rows=max_rows, timings_ms=timings,
-                          cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_flags=cpu_bf16_flags())
+                          cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_flags=cpu_bf16_flags(),
+                          batched_rows=batched_rows)
     logger.info("CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s; ms %s", threads, out_features,
                 in_features, choice.describe(), {k: round(v, 3) for k, v in timings.items()})
     return choice
+
+
+def amx_rows(timings_ms: dict[str, float], compact_rows: int) -> int:
+    """Up to how many rows the AMX int4 matmul (``int4_amx@n``) is not slower than the dense bfloat16 copy
+    (``bfloat16@n``) at every probed size of :data:`BATCHED_PROBE_ROWS` above ``compact_rows`` (where the GEMV
+    hands over), capped at the largest probed size; 0 when it loses at the first of them."""
+    above = [n for n in BATCHED_PROBE_ROWS if n > compact_rows]
+    if not above:
+        return 0
+    won = crossover([timings_ms[f"int4_amx@{n}"] for n in above], [timings_ms[f"bfloat16@{n}"] for n in above], above)
+    return min(won, above[-1])
+
+
+def _amx_kernel(out_features: int, in_features: int,
+                gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """kvscope's AMX int4 matmul on a random weight of this shape, where it is built and the shape fits."""
+    if not cpu_decode.amx_loaded() or out_features % cpu_decode.TILE or in_features % cpu_decode.PAIR:
+        return None
+    blocks = Int4Blocks(codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
+                        scale=torch.full((out_features, in_features // 32), 0.01),
+                        zero=torch.zeros(out_features, in_features // 32))
+    pairs = int4_weight(blocks, pair_layout=True)
+    assert isinstance(pairs, cpu_decode.PairBlocks)
+    return cpu_decode.TileBlocks.from_pair_blocks(pairs).matmul
 
 
 def _int4_kernel(blocks: Int4Blocks) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels.cpu_decode import PairBlocks
+from kernels.cpu_decode import PairBlocks, TileBlocks
 
 INT4_GROUP = 32
 """Weights per scale/zero group: a GGUF Q4_0/Q4_1 block."""
@@ -188,6 +188,10 @@ class CompactLinearKernel:
     """A callable ``x [M, K] → [M, N]`` (a ``CpuLinearKernel``) used above ``max_compact_rows``; None = never."""
     dense_dtype: torch.dtype | None = None
     max_compact_rows: int = 1 << 62
+    batched: TileBlocks | None = None
+    """The same 4-bit weights for kvscope's AMX matmul (kernels/csrc/cpu_amx.cpp), used instead of ``dense``
+    from ``max_compact_rows + 1`` up to ``max_batched_rows`` rows (batched decode, short prefills); None = never."""
+    max_batched_rows: int = 0
 
     @property
     def fmt(self) -> str:
@@ -201,6 +205,13 @@ class CompactLinearKernel:
         if rows == 0:
             return x.new_empty(0, self.compact.out_features)
         dtype = x.dtype
+        if self.batched is not None and self.max_compact_rows < rows <= self.max_batched_rows:
+            if dtype not in (torch.float32, torch.bfloat16):
+                x = x.to(torch.float32)
+            out = self.batched.matmul(x)  # in x's dtype
+            if self.bias is not None:
+                out += self.bias.to(out.dtype)
+            return out if out.dtype == dtype else out.to(dtype)
         if self.dense is not None and rows > self.max_compact_rows:
             out = self.dense(x if dtype == self.dense_dtype else x.to(self.dense_dtype))
             return out if out.dtype == dtype else out.to(dtype)
@@ -217,9 +228,10 @@ class CompactLinearKernel:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: compact weights, bias and the dense copy."""
+        """Bytes held: compact weights, bias, the dense copy and the AMX copy."""
         dense = getattr(self.dense, "nbytes", 0) if self.dense is not None else 0
-        return self.compact.nbytes + (0 if self.bias is None else _nbytes(self.bias)) + dense
+        batched = 0 if self.batched is None else self.batched.nbytes
+        return self.compact.nbytes + (0 if self.bias is None else _nbytes(self.bias)) + dense + batched
 
 
 def _nbytes(t: torch.Tensor) -> int:
