@@ -115,9 +115,10 @@ def _interleaved_best_ms(fns: dict[str, Callable[[], object]], repeats: int,
 
 
 def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Sequence[int] = PROBE_ROWS,
-                      repeats: int = 5) -> KernelChoice:
+                      repeats: int = 5, batched_rows: Sequence[int] = BATCHED_PROBE_ROWS) -> KernelChoice:
     """Time dense float32/bfloat16 (oneDNN packed) and compact int4/int8 matmuls of a random
-    ``[out_features, in_features]`` weight at each row count; returns the KernelChoice. Times one thread's CPU
+    ``[out_features, in_features]`` weight at each row count, and kvscope's AMX int4 matmul against the dense
+    bfloat16 one at each of ``batched_rows`` where it is built; returns the KernelChoice. Times one thread's CPU
     time (``time.thread_time``, torch set to 1 thread for the probe, restored after): robust to other processes
     on the machine. Raises RuntimeError when this torch build lacks oneDNN."""
     gen = torch.Generator().manual_seed(0)
@@ -134,12 +135,12 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
         zero=torch.zeros(out_features, in_features // 32)))
     kernels["int8"] = Int8Weight.from_float(weight).matmul
     inputs = {(dtype, n): torch.ones(n, in_features, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
-              for n in (*rows, *BATCHED_PROBE_ROWS)}
+              for n in (*rows, *batched_rows)}
     fns = {f"{name}@{n}": (lambda k=kernel, x=inputs[torch.float32 if name == "float32" else torch.bfloat16, n]: k(x))
            for name, kernel in kernels.items() for n in rows}
     amx = _amx_kernel(out_features, in_features, gen)
     if amx is not None:  # the AMX matmul against the bfloat16 copy it would replace, also above ``rows``
-        for n in BATCHED_PROBE_ROWS:
+        for n in batched_rows:
             x = inputs[torch.bfloat16, n]
             fns[f"int4_amx@{n}"] = lambda x=x: amx(x)
             fns.setdefault(f"bfloat16@{n}", lambda x=x: kernels["bfloat16"](x))
@@ -157,20 +158,22 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
     dense_dtype = torch.bfloat16 if sum(series["bfloat16"]) < sum(series["float32"]) else torch.float32
     dense = series[str(dense_dtype).removeprefix("torch.")]
     max_rows = {fmt: crossover(series[fmt], dense, rows) for fmt in ("int4", "int8")}
-    batched_rows = amx_rows(timings, max_rows["int4"]) if amx is not None and dense_dtype == torch.bfloat16 else 0
+    amx_limit = 0
+    if amx is not None and dense_dtype == torch.bfloat16:
+        amx_limit = amx_rows(timings, max_rows["int4"], batched_rows)
     choice = KernelChoice(dense_dtype=dense_dtype, max_rows=max_rows, timings_ms=timings,
                           cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_flags=cpu_bf16_flags(),
-                          batched_rows=batched_rows)
+                          batched_rows=amx_limit)
     logger.info("CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s; ms %s", threads, out_features,
                 in_features, choice.describe(), {k: round(v, 3) for k, v in timings.items()})
     return choice
 
 
-def amx_rows(timings_ms: dict[str, float], compact_rows: int) -> int:
+def amx_rows(timings_ms: dict[str, float], compact_rows: int, probed: Sequence[int] = BATCHED_PROBE_ROWS) -> int:
     """Up to how many rows the AMX int4 matmul (``int4_amx@n``) is not slower than the dense bfloat16 copy
-    (``bfloat16@n``) at every probed size of :data:`BATCHED_PROBE_ROWS` above ``compact_rows`` (where the GEMV
-    hands over), capped at the largest probed size; 0 when it loses at the first of them."""
-    above = [n for n in BATCHED_PROBE_ROWS if n > compact_rows]
+    (``bfloat16@n``) at every ``probed`` size above ``compact_rows`` (where the GEMV hands over), capped at the
+    largest probed size; 0 when it loses at the first of them."""
+    above = [n for n in probed if n > compact_rows]
     if not above:
         return 0
     won = crossover([timings_ms[f"int4_amx@{n}"] for n in above], [timings_ms[f"bfloat16@{n}"] for n in above], above)

@@ -165,12 +165,17 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path) -> None:
 
 
 def test_probe_times_every_candidate_and_picks_consistently() -> None:
-    from engine.models.kernel_probe import probe_cpu_kernels
+    from engine.models.kernel_probe import amx_rows, probe_cpu_kernels
+    from kernels.cpu_decode import amx_loaded
 
-    choice = probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1)
-    assert sorted(choice.timings_ms) == sorted(f"{k}@{n}" for k in ("float32", "bfloat16", "int4", "int8")
-                                               for n in (1, 4))
+    choice = probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1, batched_rows=(4, 8))
+    expected = {f"{k}@{n}" for k in ("float32", "bfloat16", "int4", "int8") for n in (1, 4)}
+    if amx_loaded():  # kvscope's AMX int4 matmul against the bfloat16 copy at the batched sizes
+        expected |= {f"{k}@{n}" for k in ("int4_amx", "bfloat16") for n in (4, 8)}
+    assert sorted(choice.timings_ms) == sorted(expected)
     dense = "bfloat16" if choice.dense_dtype == torch.bfloat16 else "float32"
     for fmt in ("int4", "int8"):
         times = [choice.timings_ms[f"{fmt}@{n}"] for n in (1, 4)]
         assert choice.max_rows[fmt] == crossover(times, [choice.timings_ms[f"{dense}@{n}"] for n in (1, 4)], (1, 4))
+    amx = amx_loaded() and dense == "bfloat16"
+    assert choice.batched_rows == (amx_rows(choice.timings_ms, choice.max_rows["int4"], (4, 8)) if amx else 0)
