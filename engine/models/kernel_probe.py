@@ -190,7 +190,13 @@ def _amx_kernel(out_features: int, in_features: int,
                         zero=torch.zeros(out_features, in_features // 32))
     pairs = int4_weight(blocks, pair_layout=True)
     assert isinstance(pairs, cpu_decode.PairBlocks)
-    return cpu_decode.TileBlocks.from_pair_blocks(pairs).matmul
+    tiles = cpu_decode.TileBlocks.from_pair_blocks(pairs)
+    try:  # the kernel asks Linux for the AMX tile state on its first call: a kernel that refuses it → not used
+        tiles.matmul(torch.zeros(1, in_features, dtype=torch.bfloat16))
+    except RuntimeError as exc:
+        logger.warning("kvscope's AMX int4 matmul is not used: %s", exc)
+        return None
+    return tiles.matmul
 
 
 def _int4_kernel(blocks: Int4Blocks) -> Callable[[torch.Tensor], torch.Tensor]:
