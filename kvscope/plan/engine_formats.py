@@ -55,11 +55,13 @@ def linear_rows(shape: ModelShape) -> int:
 
 
 def engine_weight_bytes(shape: ModelShape, weights_format: str, dtype: str = "bfloat16",
-                        dense_copy: bool = True, q8_head: bool = True) -> int:
+                        dense_copy: bool = True, q8_head: bool = True, amx_copy: bool = False) -> int:
     """Bytes of weights the engine holds for ``weights_format`` (module doc); ``dtype``: the dense dtype of the
     compact formats (the engine's ``--dtype auto``: bfloat16 where its probe finds it faster, else float32);
     ``q8_head``: int4/gguf with kvscope's CPU kernels (the engine's default where they build; False for
-    ``--cpu-kernels torch`` or a CPU without AVX-512 VNNI). Raises KeyError for an unknown format or dtype."""
+    ``--cpu-kernels torch`` or a CPU without AVX-512 VNNI); ``amx_copy``: int4/gguf layers also hold the 4-bit
+    copy of kvscope's AMX matmul (a CPU with AMX-BF16 whose start-up probe found it faster than the dense copy
+    for batched rows). Raises KeyError for an unknown format or dtype."""
     quantization = ENGINE_FORMATS[weights_format][1]
     d = f.DTYPE_BYTES[format_dtype(weights_format, dtype)]
     counts = f.param_counts(shape)
@@ -73,7 +75,8 @@ def engine_weight_bytes(shape: ModelShape, weights_format: str, dtype: str = "bf
         matrices = (1 + copy) * (counts.linear + head) + SCALE_BYTES * (linear_rows(shape) + shape.vocab_size)
         untied_embedding = counts.embedding  # the embedding stays dense beside the int8 LM head
     else:
-        matrices = (INT4_BYTES + copy) * counts.linear + (2 * d + (Q8_HEAD_BYTES if q8_head else 0)) * head
+        amx = INT4_BYTES if amx_copy else 0
+        matrices = (INT4_BYTES + copy + amx) * counts.linear + (2 * d + (Q8_HEAD_BYTES if q8_head else 0)) * head
     return round(matrices + d * (untied_embedding + small))
 
 

@@ -147,6 +147,24 @@ def test_start_up_line_names_format_reason_and_bytes() -> None:
                                  "cache 1000 B (7 blocks), process RSS 5000 B (peak 6000 B)")
 
 
+@pytest.mark.amx
+def test_the_amx_copy_is_counted_and_planned(monkeypatch: pytest.MonkeyPatch, model_dir) -> None:
+    """A probe that keeps kvscope's AMX int4 matmul up to 32 rows: every int4 layer holds its tile copy, counted
+    in the weights bytes as `kvscope plan` counts it with amx_copy, and runs 5-32 rows on it."""
+    from dataclasses import replace
+
+    from engine.llm import LLM
+    from engine.models.quant import CompactLinearKernel
+
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: replace(XEON_AMX, batched_rows=32))
+    engine = LLM("smollm2-135m", dtype="auto", quantization="auto").engine
+    kernels = [m.cpu_kernel for m in engine.model.modules() if isinstance(getattr(m, "cpu_kernel", None),
+                                                                           CompactLinearKernel)]
+    assert len(kernels) == 120 and all(k.batched is not None and k.max_batched_rows == 32 for k in kernels)
+    assert engine.info.weights_bytes == model_weight_bytes(engine.model) == engine_weight_bytes(
+        read_model(str(model_dir)).shape, "gguf", "bfloat16", q8_head=True, amx_copy=True)
+
+
 def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPatch, model_dir) -> None:
     from engine.llm import LLM
 
