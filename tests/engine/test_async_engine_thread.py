@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,49 @@ def test_an_error_in_a_call_is_raised_in_the_caller_and_the_engine_keeps_serving
         assert len(asyncio.run(_generate(engine))) == 4
     finally:
         engine.stop()
+
+
+def test_a_step_delivers_its_outputs_in_one_thread_safe_call(tiny_dir: Path, monkeypatch) -> None:
+    """Each call_soon_threadsafe writes the loop's self-pipe from the engine thread: a step's outputs for 6
+    concurrent requests go in one call, each request still gets all its tokens in order."""
+    engine = AsyncEngine(_config(tiny_dir))
+    per_step: list[int] = []
+    original = EngineCore.step
+
+    def step(self, *args, **kwargs):
+        deadline = time.monotonic() + 10
+        while not per_step and len(set(self.request_ids())) < 6 and time.monotonic() < deadline:
+            engine._drain_inbox()  # the first step waits (on the engine thread) until all 6 requests are in
+            time.sleep(0.005)
+        result = original(self, *args, **kwargs)
+        per_step.append(len(result.outputs))
+        return result
+
+    monkeypatch.setattr(EngineCore, "step", step)
+    calls: list[int] = []
+
+    async def run() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            if threading.current_thread().name == "kvscope-engine":
+                calls.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+            return threadsafe(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+        async def one(i: int) -> list[int]:
+            request = engine.process_inputs([1, 2, 3 + i], params)
+            return [t async for out in engine.generate(f"r{i}", request) for t in out.outputs[0].token_ids]
+
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    try:
+        engine.start()
+        results = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert [len(tokens) for tokens in results] == [5] * 6
+    assert per_step[0] == 6 and calls == [n for n in per_step if n]  # one call per step, all its outputs
