@@ -12,7 +12,8 @@ What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of
 - ``batched_rows``: up to how many rows kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, where the CPU
   kernels were built on a CPU with AMX-BF16) beats the dense bfloat16 copy, probed up to
   :data:`BATCHED_PROBE_ROWS`; the int4 layers use it between ``max_rows["int4"]`` and this (0: not available).
-  On the 2-vCPU AMX Xeon it wins up to 256 rows (a SmolLM2 step's matmuls at 32 rows: 7.4 vs 19.7 ms).
+  On the 2-vCPU AMX Xeon it wins up to 32–64 rows (a SmolLM2 step's 120 decoder matmuls at 32 rows on 2
+  threads: 10.4 vs 24.7 ms).
 
 Each (kernel, rows) pair takes the minimum of a few timed runs of one thread's CPU time, which is robust to
 other processes on a shared machine (they only ever make a run slower, and CPU time does not count the waits
@@ -38,8 +39,10 @@ logger = logging.getLogger(__name__)
 NO_DENSE = 1 << 62
 """``max_rows`` meaning: the compact kernel at every size, no dense copy."""
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-BATCHED_PROBE_ROWS = (*PROBE_ROWS, 128, 256)
-"""Rows the AMX int4 matmul is probed at (it pays off up to prefill chunks of a few hundred tokens)."""
+BATCHED_PROBE_ROWS = PROBE_ROWS
+"""Rows the AMX int4 matmul is probed at. Not above 64: one cached 3072×576 matrix on one thread favours the
+expansion more than a whole model's matmuls on two threads do (the probe said 128 rows on some starts, where a
+SmolLM2 step's matmuls took 43.6 ms on AMX against 32.3 ms dense; at 64 rows 21.6 against 27.6 ms)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,8 +106,9 @@ def test_probe_picks_the_rows_where_amx_is_not_slower() -> None:
         return {**{f"bfloat16@{n}": 1.0 for n in BATCHED_PROBE_ROWS},
                 **{f"int4_amx@{n}": amx.get(n, 0.5) for n in BATCHED_PROBE_ROWS}}
 
-    assert amx_rows(timings({}), compact_rows=4) == 256  # never slower: capped at the largest probed size
+    assert BATCHED_PROBE_ROWS[-1] == 64
+    assert amx_rows(timings({}), compact_rows=4) == 64  # never slower: capped at the largest probed size
     assert amx_rows(timings({64: 1.2}), compact_rows=4) == 32
     assert amx_rows(timings({1: 9.0, 2: 9.0, 8: 1.5}), compact_rows=4) == 0  # loses above the GEMV's rows
-    assert amx_rows(timings({1: 9.0, 2: 9.0}), compact_rows=2) == 256  # sizes the GEMV takes do not count
-    assert amx_rows(timings({}), compact_rows=256) == 0
+    assert amx_rows(timings({1: 9.0, 2: 9.0}), compact_rows=2) == 64  # sizes the GEMV takes do not count
+    assert amx_rows(timings({}), compact_rows=64) == 0
