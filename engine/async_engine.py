@@ -1,7 +1,7 @@
 """AsyncEngine: the EngineCore step loop in its own thread, with per-request asyncio output streams.
 
 The server's event loop never runs model code: requests and aborts go to the engine thread through a queue,
-outputs come back with ``loop.call_soon_threadsafe``. A failing step fails the requests it touched (error
+outputs come back with ``loop.call_soon_threadsafe``, one call per step for all of its outputs. A failing step fails the requests it touched (error
 outputs) and the loop keeps serving: no input may leave the engine dead.
 
 All of the engine's torch work runs on that one thread: building the EngineCore (weights, the kernel probe),
