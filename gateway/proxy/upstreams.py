@@ -154,10 +154,10 @@ class UpstreamPool:
 
     # --- active health ------------------------------------------------------------------------------------
     async def check(self, replica: Replica, client: httpx.AsyncClient) -> bool:
-        """One health probe: ``GET /v1/models``; updates the replica's cards and health."""
+        """One health probe: ``GET /v1/models`` (once more on a fresh connection when a reused keep-alive
+        connection turns out closed, :meth:`_probe`); updates the replica's cards and health."""
         try:
-            resp = await client.get(replica.url + "/v1/models", headers=replica.auth_headers(),
-                                    timeout=self._routing.health_timeout_s)
+            resp = await self._probe(replica, client)
             data = resp.json()["data"] if resp.status_code == 200 else None
             cards = {c["id"]: c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)}
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -171,6 +171,17 @@ class UpstreamPool:
         replica.consecutive_failures = 0
         self._set_health(replica, True)
         return True
+
+    async def _probe(self, replica: Replica, client: httpx.AsyncClient) -> httpx.Response:
+        """``GET /v1/models``, retried once when the connection failed under it: an upstream that closes idle
+        keep-alive connections (uvicorn after 5 s, as long as httpx keeps them) can close the pooled one just as
+        the probe reuses it ("Server disconnected without sending a response"), which says nothing about the
+        upstream's health; the pool drops that connection and the second attempt opens a new one."""
+        url, headers, timeout = replica.url + "/v1/models", replica.auth_headers(), self._routing.health_timeout_s
+        try:
+            return await client.get(url, headers=headers, timeout=timeout)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            return await client.get(url, headers=headers, timeout=timeout)
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self.check(r, client) for r in self.replicas))

@@ -6,6 +6,7 @@ server closed is not reused, keep-alive reuse, and a closed stream reaching the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -192,3 +193,38 @@ async def test_the_gateway_client_uses_the_backend() -> None:
         assert pool._max_keepalive_connections == 256 and not pool._http2
     finally:
         await client.aclose()
+
+
+async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_failure() -> None:
+    """The upstream answers the first request of each connection and drops the connection at the second (what an
+    idle keep-alive timeout does when it fires as the pool reuses the connection): the replica stays healthy,
+    because the probe is retried once on a new connection (break-it finding: one such race marked it down)."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.proxy.upstreams import UpstreamPool
+
+    body = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+    connections: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")  # the second request on this connection: no answer
+        writer.transport.abort()
+
+    async with server(handler) as port:
+        settings = load_settings(None, {"upstreams": [{"url": f"http://127.0.0.1:{port}"}]}, env={})
+        pool = UpstreamPool(settings.upstreams, settings.models, settings.routing, GatewayMetrics(CollectorRegistry()))
+        client = new_http_client(settings)
+        try:
+            replica = pool.replicas[0]
+            for _ in range(3):
+                assert await pool.check(replica, client) and replica.healthy and set(replica.cards) == {"m"}
+        finally:
+            await client.aclose()
+    assert len(connections) == 3  # each reused connection was found closed and replaced once
