@@ -158,8 +158,12 @@ def load(cache_dir: Path) -> BuildResult:
 
 def is_loaded() -> bool:
     """Whether ``torch.ops.kvscope_cpu`` is registered in this process."""
+    return _has_op("qgemv")
+
+
+def _has_op(name: str) -> bool:
     try:
-        torch.ops.kvscope_cpu.qgemv  # noqa: B018 - raises when the library is not loaded
+        getattr(torch.ops.kvscope_cpu, name)  # raises when the library (or this op of it) is not loaded
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -223,8 +227,8 @@ class PairBlocks:
         codes = (q + 128).to(torch.uint8).view(rows, cols)
         return cls.pack(codes, d, -128.0 * d, 8)
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 ``[N, K]``: the weights the kernels multiply by (for tests and error checks)."""
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inverse of :meth:`pack`: codes uint8 ``[N, K]`` in weight order, d and m float16 ``[N, K/32]``."""
         rows = self.codes.shape[0]
         pairs = self.scales.shape[1]
         lanes = self.codes.view(rows, pairs, -1)
@@ -232,11 +236,14 @@ class PairBlocks:
             lanes = torch.cat([lanes & 15, lanes >> 4], dim=-1)
         codes = torch.empty_like(lanes)
         codes[:, :, _lane_order()] = lanes
-        s = self.scales.to(torch.float32)
-        d = s[:, :, :2].reshape(rows, -1)
-        m = s[:, :, 2:].reshape(rows, -1)
+        return codes.view(rows, -1), self.scales[:, :, :2].reshape(rows, -1), self.scales[:, :, 2:].reshape(rows, -1)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]``: the weights the kernels multiply by (for tests and error checks)."""
+        codes, d, m = self.unpack()
+        rows = codes.shape[0]
         blocks = codes.view(rows, -1, BLOCK).to(torch.float32)
-        return (blocks * d[..., None] + m[..., None]).view(rows, -1)
+        return (blocks * d.float()[..., None] + m.float()[..., None]).view(rows, -1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32 to 16-bit
@@ -250,13 +257,7 @@ TILE = 16
 
 def amx_loaded() -> bool:
     """Whether the loaded library has the AMX int4 matmul (built on a CPU with AMX-BF16 and AVX512-BF16)."""
-    if not is_loaded():
-        return False
-    try:
-        torch.ops.kvscope_cpu.int4_gemm_amx  # noqa: B018 - raises where the library was built without AMX
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return _has_op("int4_gemm_amx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,19 +285,13 @@ class TileBlocks:
         blocks or N not a multiple of 16."""
         if weight.bits != 4 or weight.out_features % TILE:
             raise ValueError(f"AMX tile blocks need 4-bit codes and N % {TILE} == 0")
-        rows, pairs = weight.codes.shape[0], weight.scales.shape[1]
-        lanes = weight.codes.view(rows, pairs, 32)
-        lanes = torch.cat([lanes & 15, lanes >> 4], dim=-1)
-        codes = torch.empty_like(lanes)
-        codes[:, :, _lane_order()] = lanes  # u [N, K/64, 64] in weight order
-        blocks = pairs * 2
+        codes, d, m = weight.unpack()
+        rows, blocks = d.shape
         u = codes.view(rows // TILE, TILE, blocks, TILE, 2).permute(0, 2, 3, 1, 4)  # [t, b, r, n, j]
         half = TILE // 2  # low nibbles: columns 0-7, high nibbles: columns 8-15 (byte 2n + j)
         lo = u[:, :, :, :half].reshape(rows // TILE, blocks, TILE, TILE)
         hi = u[:, :, :, half:].reshape(rows // TILE, blocks, TILE, TILE)
         packed = (lo | (hi << 4)).contiguous().view(rows // TILE, blocks, TILE * TILE)
-        d = weight.scales[:, :, :2].reshape(rows, blocks)
-        m = weight.scales[:, :, 2:].reshape(rows, blocks)
         dm = torch.stack([t.view(rows // TILE, TILE, blocks).permute(0, 2, 1) for t in (d, m)], dim=2)
         return cls(codes=packed, dm=dm.contiguous())
 

@@ -132,16 +132,16 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
         if kernel is None:
             raise RuntimeError("oneDNN is not available in this torch build")
         kernels[str(dtype).removeprefix("torch.")] = kernel
-    kernels["int4"] = _int4_kernel(Int4Blocks(
-        codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
-        scale=torch.full((out_features, in_features // 32), 0.01),
-        zero=torch.zeros(out_features, in_features // 32)))
+    blocks = Int4Blocks(codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
+                        scale=torch.full((out_features, in_features // 32), 0.01),
+                        zero=torch.zeros(out_features, in_features // 32))
+    kernels["int4"] = _int4_kernel(blocks)
     kernels["int8"] = Int8Weight.from_float(weight).matmul
     inputs = {(dtype, n): torch.ones(n, in_features, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
               for n in (*rows, *batched_rows)}
     fns = {f"{name}@{n}": (lambda k=kernel, x=inputs[torch.float32 if name == "float32" else torch.bfloat16, n]: k(x))
            for name, kernel in kernels.items() for n in rows}
-    amx = _amx_kernel(out_features, in_features, gen)
+    amx = _amx_kernel(blocks)
     if amx is not None:  # the AMX matmul against the bfloat16 copy it would replace, also above ``rows``
         for n in batched_rows:
             x = inputs[torch.bfloat16, n]
@@ -183,14 +183,11 @@ def amx_rows(timings_ms: dict[str, float], compact_rows: int, probed: Sequence[i
     return min(won, above[-1])
 
 
-def _amx_kernel(out_features: int, in_features: int,
-                gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """kvscope's AMX int4 matmul on a random weight of this shape, where it is built and the shape fits."""
+def _amx_kernel(blocks: Int4Blocks) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """kvscope's AMX int4 matmul of ``blocks``, where it is built and the shape fits."""
+    out_features, in_features = blocks.codes.shape
     if not cpu_decode.amx_loaded() or out_features % cpu_decode.TILE or in_features % cpu_decode.PAIR:
         return None
-    blocks = Int4Blocks(codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
-                        scale=torch.full((out_features, in_features // 32), 0.01),
-                        zero=torch.zeros(out_features, in_features // 32))
     pairs = int4_weight(blocks, pair_layout=True)
     assert isinstance(pairs, cpu_decode.PairBlocks)
     tiles = cpu_decode.TileBlocks.from_pair_blocks(pairs)

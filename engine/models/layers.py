@@ -157,7 +157,8 @@ def uses_packed_dense(kernel: object, rows: int) -> bool:
     if isinstance(kernel, CpuLinearKernel):
         return rows > 1 or kernel.column_major is None
     dense = getattr(kernel, "dense", None)
-    if getattr(kernel, "batched", None) is not None and rows <= getattr(kernel, "max_batched_rows", 0):
+    runs_batched = getattr(kernel, "runs_batched", None)
+    if runs_batched is not None and runs_batched(rows):
         return False  # kvscope's AMX matmul (pads to 16 rows itself)
     return dense is not None and rows > getattr(kernel, "max_compact_rows", rows)
 

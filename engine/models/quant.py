@@ -205,7 +205,7 @@ class CompactLinearKernel:
         if rows == 0:
             return x.new_empty(0, self.compact.out_features)
         dtype = x.dtype
-        if self.batched is not None and self.max_compact_rows < rows <= self.max_batched_rows:
+        if self.runs_batched(rows):
             if dtype not in (torch.float32, torch.bfloat16):
                 x = x.to(torch.float32)
             out = self.batched.matmul(x)  # in x's dtype
@@ -225,6 +225,10 @@ class CompactLinearKernel:
         if self.bias is not None:
             out += self.bias.to(out.dtype)
         return out if dtype == COMPUTE_DTYPE else out.to(dtype)
+
+    def runs_batched(self, rows: int) -> bool:
+        """Whether ``rows`` input rows run on the AMX copy (``batched``)."""
+        return self.batched is not None and self.max_compact_rows < rows <= self.max_batched_rows
 
     @property
     def nbytes(self) -> int:

@@ -106,9 +106,23 @@ class _BufferedProtocol(asyncio.Protocol):
         return first
 
 
-def _expire(waiter: asyncio.Future[None], exc: Exception) -> None:
+def _expire(waiter: asyncio.Future[None], exc: BaseException | type[BaseException]) -> None:
     if not waiter.done():
         waiter.set_exception(exc)
+
+
+async def wait_future(waiter: asyncio.Future[None], timeout: float | None,
+                      on_timeout: BaseException | type[BaseException]) -> None:
+    """Await ``waiter`` at most ``timeout`` seconds (None: no limit; ≤ 0: expired, unless it is already done),
+    then raise ``on_timeout``. One timer on the future's loop: ``asyncio.timeout`` would ask the running loop
+    and the current task, a ``getpid()`` each on Python 3.11, per wait."""
+    loop = waiter.get_loop()
+    timer = loop.call_later(max(0.0, timeout), _expire, waiter, on_timeout) if timeout is not None else None
+    try:
+        await waiter
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 class AsyncioStream(httpcore.AsyncNetworkStream):
@@ -123,7 +137,11 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         EOF; ReadError when the connection broke (after the bytes that came before it)."""
         p = self._protocol
         if not p.chunks and not p.eof:
-            await self._wait(p, "reader", timeout, httpcore.ReadTimeout("timed out reading the upstream"))
+            p.reader = p.loop.create_future()
+            try:
+                await wait_future(p.reader, timeout, httpcore.ReadTimeout("timed out reading the upstream"))
+            finally:
+                p.reader = None
         if p.chunks:
             return p.take(max_bytes)
         if p.error is not None:
@@ -139,21 +157,13 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteError("the upstream connection is closed")
         self._transport.write(buffer)
         if p.write_paused:
-            await self._wait(p, "drainer", timeout, httpcore.WriteTimeout("timed out writing to the upstream"))
+            p.drainer = p.loop.create_future()
+            try:
+                await wait_future(p.drainer, timeout, httpcore.WriteTimeout("timed out writing to the upstream"))
+            finally:
+                p.drainer = None
             if p.write_paused or p.error is not None:
                 raise httpcore.WriteError(str(p.error or "the upstream connection is closed"))
-
-    @staticmethod
-    async def _wait(p: _BufferedProtocol, slot: str, timeout: float | None, on_timeout: Exception) -> None:
-        waiter: asyncio.Future[None] = p.loop.create_future()
-        setattr(p, slot, waiter)
-        timer = p.loop.call_later(timeout, _expire, waiter, on_timeout) if timeout is not None else None
-        try:
-            await waiter
-        finally:
-            setattr(p, slot, None)
-            if timer is not None:
-                timer.cancel()
 
     async def aclose(self) -> None:
         """Close the connection now (the upstream sees EOF: a cancelled request stops its generation)."""

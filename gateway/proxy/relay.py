@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ import msgspec
 
 from gateway.errors import GatewayError, RetryableFailure, UpstreamFailed, UpstreamTimeout
 from gateway.proxy.client import ClientResponse
+from gateway.proxy.network import wait_future
 from gateway.proxy.upstreams import Replica, UpstreamPool
 from gateway.settings import TimeoutConfig
 from gateway.sse import (
@@ -50,15 +52,10 @@ the client's response has already ended."""
 _EOF = object()
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class ChunkQueue:
     """The pump's chunks for the relay: a bounded FIFO with one producer and one consumer, bound to the loop
-    it was made on. :meth:`get` waits with a deadline through one future and one timer (``asyncio.timeout``
-    and ``asyncio.Queue`` ask the running loop, a ``getpid()`` each on Python 3.11, several times a chunk)."""
+    it was made on. :meth:`get` waits with a deadline through one future and one timer
+    (:func:`gateway.proxy.network.wait_future`; ``asyncio.Queue`` asks the running loop per wait too)."""
 
     def __init__(self, maxsize: int = 64) -> None:
         self._loop = asyncio.get_running_loop()
@@ -85,14 +82,11 @@ class ChunkQueue:
     async def get(self, timeout: float | None = None) -> object:
         """The oldest item, waiting at most ``timeout`` seconds (None: no limit); TimeoutError after it."""
         if not self._items:
-            self._getter = waiter = self._loop.create_future()
-            timer = self._loop.call_later(max(0.0, timeout), _expire, waiter) if timeout is not None else None
+            self._getter = self._loop.create_future()
             try:
-                await waiter
+                await wait_future(self._getter, timeout, TimeoutError)
             finally:
                 self._getter = None
-                if timer is not None:
-                    timer.cancel()
         item = self._items.popleft()
         if self._putter is not None and not self._putter.done():
             self._putter.set_result(None)
@@ -205,12 +199,10 @@ class StreamRelay:
         """After ``[DONE]`` (the client already has its end): read the upstream's end of body, briefly, so
         its connection goes back to the pool instead of being closed."""
         until = time.perf_counter() + DRAIN_AFTER_DONE_S
-        try:
+        with contextlib.suppress(TimeoutError):
             while (item := await self.queue.get(until - time.perf_counter())) is not _EOF and \
                     not isinstance(item, Exception):
                 pass
-        except TimeoutError:
-            pass
 
     async def aclose(self) -> None:
         """Stop reading the upstream."""
