@@ -56,7 +56,7 @@ def measure(llm: LLM, concurrency: int, steps: int, input_len: int, profile: boo
         engine.step()
         cpu.append(time.thread_time() - c)
         wall.append(time.perf_counter() - w)
-    fwd_cpu = statistics.median(c for c, _ in log)
+    fwd_cpu = statistics.median(c for c, _ in log) if log else None  # the fused single-request step skips forward
     table = ""
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -72,8 +72,10 @@ def measure(llm: LLM, concurrency: int, steps: int, input_len: int, profile: boo
                   f"in-place updates, {resident.nbytes / 2**20:.1f} MiB\n")
     while engine.has_unfinished_requests():
         engine.step()
-    return (f"c={concurrency}: decode step CPU {1e3 * statistics.median(cpu):.1f} ms (min {1e3 * min(cpu):.1f}; forward "
-            f"{1e3 * fwd_cpu:.1f} ms, rest {1e3 * (statistics.median(cpu) - fwd_cpu):.1f} ms), wall "
+    split = ("fused step" if fwd_cpu is None else
+             f"forward {1e3 * fwd_cpu:.1f} ms, rest {1e3 * (statistics.median(cpu) - fwd_cpu):.1f} ms")
+    return (f"c={concurrency}: decode step CPU {1e3 * statistics.median(cpu):.1f} ms (min {1e3 * min(cpu):.1f}; "
+            f"{split}), wall "
             f"{1e3 * statistics.median(wall):.1f} ms; first step (prefill {concurrency}x{input_len}) CPU "
             f"{1e3 * first[0]:.1f} ms wall {1e3 * first[1]:.1f} ms; load {os.getloadavg()[0]:.2f}\n{table}")
 

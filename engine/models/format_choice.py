@@ -6,8 +6,12 @@ Candidates: the model's verified formats (``kvscope.models.registry.ModelSpec.ve
 start-up kernel probe (:func:`engine.models.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD
 EPYC without AMX gets what *its* probe measured. A format's cost at ``n`` rows is the time of the kernel it
 runs there: its dense dtype's for float32/bfloat16; for int8/gguf (int4) the compact kernel up to the
-crossover ``choice.max_rows`` and the dense copy above it, as :class:`engine.models.quant.CompactLinearKernel`
-switches. The score is the geometric mean over the probed row counts of cost / float32 cost (every batch
+crossover ``choice.max_rows``, for gguf then kvscope's AMX int4 matmul up to ``choice.batched_rows`` (where the
+probe found it faster than the dense copy: ``int4_amx@n``), and the dense copy above, as
+:class:`engine.models.quant.CompactLinearKernel` switches (``runs_batched``). Leaving the AMX rows out scored
+gguf at the dense copy's cost there, level with int8 (0.40 vs 0.43 on the 2-vCPU Xeon), and the noise of one
+start-up probe then picked int8 on some starts: 22 vs 6 ms a decode step at batch 1 and 64 vs 33 ms at
+batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score is the geometric mean over the probed row counts of cost / float32 cost (every batch
 size weighs the same: batch 1 is the latency a lone user sees, batch 32+ the throughput under load); the
 lowest score wins, ties go to the earlier (higher-precision) entry of :data:`FORMATS`.
 
@@ -57,6 +61,9 @@ def format_cost_ms(fmt: str, choice: KernelChoice, rows: int) -> float:
     kernel = _KERNEL[fmt]
     dense = str(choice.dense_dtype).removeprefix("torch.")
     if kernel in ("int4", "int8") and rows > choice.max_rows.get(kernel, 0):
+        amx = f"int4_amx@{rows}"
+        if kernel == "int4" and rows <= choice.batched_rows and amx in choice.timings_ms:
+            return choice.timings_ms[amx]
         kernel = dense
     return choice.timings_ms[f"{kernel}@{rows}"]
 

@@ -24,7 +24,7 @@ import collections
 import socket
 import ssl
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import httpcore
 import httpx
@@ -50,8 +50,7 @@ class _BufferedProtocol(asyncio.Protocol):
         self.drainer: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
         self.chunks.append(data)
@@ -184,9 +183,8 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         except (OSError, ssl.SSLError, ConnectionError) as exc:
             self._transport.abort()
             raise httpcore.ConnectError(str(exc)) from exc
-        assert isinstance(new, asyncio.Transport)
-        p.transport = new
-        return AsyncioStream(new, p)
+        p.transport = cast(asyncio.Transport, new)
+        return AsyncioStream(p.transport, p)
 
     def get_extra_info(self, info: str) -> Any:
         """httpcore's keys: ``ssl_object``, ``client_addr``, ``server_addr``, ``socket``, ``is_readable``."""

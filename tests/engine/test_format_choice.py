@@ -83,6 +83,29 @@ def test_scores_are_the_geometric_mean_of_the_kernel_each_format_runs() -> None:
         f"gguf {picked.scores['gguf']:.2f}); verified: float32, bfloat16, int8, gguf (test table)")
 
 
+def test_gguf_is_scored_on_the_amx_matmul_where_the_engine_runs_it() -> None:
+    # the 2-vCPU Xeon's probe of 2026-12-02 (rounded): the GEMVs hand over at 2 (int4) and 4 (int8) rows, the AMX
+    # int4 matmul beats the dense copy up to 32 rows. Without the AMX rows gguf scored 0.40 and int8 0.43, and
+    # start-up noise picked int8 on some starts.
+    timings = {f"{k}@{n}": t for k, ts in {
+        "float32": (0.46, 0.414, 0.367, 0.459, 0.59, 0.915, 1.652),
+        "bfloat16": (0.302, 0.283, 0.267, 0.277, 0.271, 0.285, 0.352),
+        "int4": (0.15, 0.166, 0.281, 0.503, 0.959, 1.857, 3.538),
+        "int8": (0.27, 0.196, 0.202, 0.415, 0.811, 1.567, 3.187),
+        "int4_amx": (0.238, 0.188, 0.152, 0.18, 0.166, 0.206, 0.353)}.items() for n, t in zip(ROWS, ts, strict=True)}
+    amx = KernelChoice(dense_dtype=torch.bfloat16, max_rows={"int4": 2, "int8": 4}, timings_ms=timings,
+                       batched_rows=32)
+    assert [format_cost_ms("gguf", amx, n) for n in ROWS] == [0.15, 0.166, 0.152, 0.18, 0.166, 0.206, 0.352]
+    assert [format_cost_ms("int8", amx, n) for n in ROWS] == [0.27, 0.196, 0.202, 0.277, 0.271, 0.285, 0.352]
+    gguf = [0.15 / 0.46, 0.166 / 0.414, 0.152 / 0.367, 0.18 / 0.459, 0.166 / 0.59, 0.206 / 0.915, 0.352 / 1.652]
+    assert format_score("gguf", amx) == pytest.approx(math.prod(gguf) ** (1 / 7))
+    picked = choose_format(SMOLLM2, amx)
+    assert picked.format == "gguf" and picked.scores["gguf"] == 0.3118 and picked.scores["int8"] == 0.4321
+    no_amx = KernelChoice(dense_dtype=torch.bfloat16, max_rows={"int4": 2, "int8": 4}, timings_ms=timings)
+    assert format_cost_ms("gguf", no_amx, 8) == 0.277        # not built or not faster: the dense copy's cost
+    assert choose_format(SMOLLM2, no_amx).scores["gguf"] == 0.4038
+
+
 def test_off_cpu_and_without_a_probe_and_unknown_names() -> None:
     assert (choose_format(SMOLLM2, None, device_type="cuda").dtype,
             choose_format(SMOLLM2, None, device_type="cuda").quantization) == ("bfloat16", "none")

@@ -17,7 +17,14 @@ import httpx
 import pytest
 
 from gateway.lifespan import new_http_client
-from gateway.proxy.network import HIGH_WATER, LOW_WATER, AsyncioBackend, AsyncioStream, upstream_transport
+from gateway.proxy.network import (
+    HIGH_WATER,
+    LOW_WATER,
+    AsyncioBackend,
+    AsyncioStream,
+    _BufferedProtocol,
+    upstream_transport,
+)
 from gateway.settings import load_settings
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -63,6 +70,43 @@ async def test_bytes_arrive_exactly_then_eof() -> None:
         assert await stream.read(10, timeout=5) == b""  # EOF stays EOF
         assert stream.get_extra_info("is_readable") is True
         await stream.aclose()
+
+
+class DuckTransport:
+    """A transport with asyncio's methods that does not subclass ``asyncio.Transport``, as uvloop's do (uvicorn
+    runs the gateway on uvloop whenever it is installed)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+
+async def test_a_transport_that_does_not_subclass_asyncio_transport_works() -> None:
+    protocol = _BufferedProtocol(asyncio.get_running_loop())
+    transport = DuckTransport()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    stream = AsyncioStream(protocol.transport, protocol)  # type: ignore[arg-type]
+    await stream.write(b"GET / HTTP/1.1\r\n\r\n", timeout=1)
+    protocol.data_received(b"HTTP/1.1 200 OK\r\n")
+    assert await stream.read(100, timeout=1) == b"HTTP/1.1 200 OK\r\n"
+    assert transport.written == [b"GET / HTTP/1.1\r\n\r\n"] and stream.get_extra_info("is_readable") is False
+    await stream.aclose()
+    assert transport.closed
 
 
 async def test_read_timeout_and_reset_after_data() -> None:
