@@ -13,6 +13,8 @@
   any loopback peer; the gateway trusts only ``trusted_proxies`` (gateway/forwarded.py).
 - ``ws="none"``: no WebSocket routes, so an ``Upgrade`` request is a plain HTTP request for the app.
 - no access log, no ``Server`` header (the gateway writes its own request log).
+- ``scope["extensions"]["kvscope.body_chunk"]``: :func:`write_body_chunk` for the request, the relay's way to write
+  a streamed event to the client without the ASGI send chain.
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+
+try:  # h11's writer of chunked bodies: the body-chunk fast path writes only where h11 chose it
+    from h11._writers import ChunkedWriter
+except ImportError:  # pragma: no cover - another h11 layout: the fast path stays off, ASGI send does it all
+    ChunkedWriter = None  # type: ignore[assignment,misc]
 
 from gateway.errors import InvalidRequest, error_json
+from gateway.proxy.client import BODY_CHUNK_EXTENSION
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
@@ -89,6 +97,14 @@ class GatewayH11Protocol(H11Protocol):
             raise h11.RemoteProtocolError(problem, 400)
         return event
 
+    def handle_events(self) -> None:
+        super().handle_events()
+        cycle = self.cycle  # the request just parsed (its task has not run yet) gets the body-chunk extension
+        if cycle is not None:
+            extensions = cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
+            if BODY_CHUNK_EXTENSION not in extensions:
+                extensions[BODY_CHUNK_EXTENSION] = functools.partial(write_body_chunk, cycle)
+
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:
             self._head = (self._head + data)[:MAX_LOGGED_TARGET + 64]
@@ -128,6 +144,24 @@ class GatewayH11Protocol(H11Protocol):
                                                                      len(body)))
         self.tasks.add(task)  # uvicorn waits for these at shutdown
         task.add_done_callback(self.tasks.discard)
+
+
+def write_body_chunk(cycle: RequestResponseCycle, data: bytes) -> bool:
+    """Write ``data`` as one chunk of the started response body straight to the client's transport, in the
+    chunked framing h11 chose for it (RFC 9112 §7.1), and return True; False, having written nothing, where
+    the caller must use ASGI ``send`` instead: empty data (an empty chunk would end the body), a response not
+    started or complete, a client gone or not reading (``send`` waits for its drain), or a body that h11 frames
+    otherwise (HTTP/1.0 clients, HEAD, a Content-Length).
+
+    Why: a streamed token went through Litestar's send wrappers, uvicorn's ``send`` and h11's state machine
+    before its one ``transport.write``; the relay writes each SSE event here instead (gateway/proxy/client.py;
+    docs/gateway.md "CPU per relayed token"). The start, the end and every other message keep the ASGI path."""
+    if (not data or ChunkedWriter is None or cycle.disconnected or not cycle.response_started
+            or cycle.response_complete or cycle.flow.write_paused
+            or not isinstance(getattr(cycle.conn, "_writer", None), ChunkedWriter)):
+        return False
+    cycle.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+    return True
 
 
 def uvicorn_config(app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any) -> uvicorn.Config:

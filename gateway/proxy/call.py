@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -33,7 +34,7 @@ from gateway.errors import (
     upstream_gateway_error,
 )
 from gateway.genai_attrs import base_attributes, end_attributes
-from gateway.proxy.client import ClientResponse
+from gateway.proxy.client import BODY_CHUNK_EXTENSION, ClientResponse
 from gateway.proxy.plan import ProxyPlan
 from gateway.proxy.relay import RelayOutcome, StreamRelay, StreamTerms, completion_outcome
 from gateway.proxy.upstreams import Replica
@@ -72,10 +73,13 @@ class ProxyCall:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._forwarded = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                            if k.lower() in FORWARDED_HEADERS}
-        await self._serve(receive, send)
+        await self._serve(receive, send, scope.get("extensions", {}).get(BODY_CHUNK_EXTENSION))
 
-    async def _serve(self, receive: Receive, send: Send) -> None:
-        self.client = ClientResponse(send)
+    def _count_body(self, size: int) -> None:
+        self.ctx.response_bytes += size
+
+    async def _serve(self, receive: Receive, send: Send, body_chunk: Callable[[bytes], bool] | None = None) -> None:
+        self.client = ClientResponse(send, body_chunk, self._count_body)
         task = asyncio.current_task()
         watcher = asyncio.create_task(self._watch_disconnect(receive, task))
         self.call_start = time.perf_counter()

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from litestar.types import Send
+
+BODY_CHUNK_EXTENSION = "kvscope.body_chunk"
+"""ASGI scope extension (``scope["extensions"]``) the server sets per request (gateway/server.py
+``write_body_chunk``): write one chunk of the started response body to the client, or say it cannot (False)."""
 
 
 class ClientResponse:
-    """Writes the response to the client; the call and the relay both write through it."""
+    """Writes the response to the client; the call and the relay both write through it.
 
-    def __init__(self, send: Send) -> None:
+    ``body_chunk``: the server's direct writer of one body chunk (gateway/server.py ``write_body_chunk``, the
+    ``kvscope.body_chunk`` scope extension), used for body bytes that do not end the response; it returns False
+    where ASGI ``send`` must write them instead. ``count``: told the size of each body written that way (the
+    request log's response bytes, which ASGI ``send`` counts otherwise)."""
+
+    def __init__(self, send: Send, body_chunk: Callable[[bytes], bool] | None = None,
+                 count: Callable[[int], None] | None = None) -> None:
         self._send = send
+        self._body_chunk = body_chunk
+        self._count = count
         self.committed = False
         """The response has started: no retry, errors go in-band."""
         self.finished = False
@@ -24,4 +38,8 @@ class ClientResponse:
         """Send body bytes; ``final`` ends the response."""
         if final:
             self.finished = True  # from here a disconnect message is the normal end, not the client leaving
+        elif self._body_chunk is not None and self._body_chunk(data):
+            if self._count is not None:
+                self._count(len(data))
+            return
         await self._send({"type": "http.response.body", "body": data, "more_body": not final})

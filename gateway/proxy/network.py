@@ -23,15 +23,108 @@ import asyncio
 import collections
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import httpcore
 import httpx
 
+TERMINAL_CHUNK = b"0\r\n\r\n"
+"""The last chunk of a chunked body, with no trailers (RFC 9112 §7.1)."""
+MAX_CHUNK_LINE = 4096
+"""Longest chunk-size line (with extensions) or trailer line a tap accepts."""
 HIGH_WATER = 256 * 1024
 """Buffered bytes above which the transport stops reading (resumed below :data:`LOW_WATER`)."""
 LOW_WATER = 64 * 1024
+
+
+class ChunkedBodyTap:
+    """Decodes an HTTP/1.1 chunked body (RFC 9112 §7.1: size line with optional extensions, data, CRLF; a zero
+    chunk, optional trailer lines and a blank line end it) from the connection's reads as they come, and hands
+    the payload of each read to ``deliver`` in one piece (chunk boundaries carry no meaning). At the body's end
+    ``deliver(None)``; on a broken body the httpx error httpx would have raised for it: ``RemoteProtocolError``
+    for bad framing or a connection closed before the end, ``ReadError`` for a connection reset. ``deliver``
+    returns whether it takes more (False: the protocol pauses reading until told, backpressure)."""
+
+    def __init__(self, deliver: Callable[[bytes | Exception | None], bool]) -> None:
+        self._deliver = deliver
+        self._pending = b""  # an incomplete size line, trailer line or chunk-ending CRLF
+        self._left = 0  # data bytes left in the current chunk
+        self._state = "size"  # size → data → crlf → size …; "trailer" after the zero chunk
+        self.accepting = True
+        self.done = False
+        self.broken = False
+
+    def feed(self, data: bytes) -> bytes | None:
+        """Consume ``data``; None while the body goes on, else the bytes after its end (normally ``b""``; also
+        after bad framing, with :attr:`broken` set)."""
+        if self.done:
+            return data
+        buf = self._pending + data if self._pending else data
+        self._pending = b""
+        payload: list[bytes] = []
+        pos, end = 0, len(buf)
+        while pos < end:
+            if self._state == "data":
+                take = min(self._left, end - pos)
+                payload.append(buf[pos:pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = "crlf"
+                continue
+            if self._state == "crlf":
+                if end - pos < 2:
+                    self._pending = buf[pos:]
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    return self._broken(payload, "chunk data not followed by CRLF")
+                pos += 2
+                self._state = "size"
+                continue
+            line_end = buf.find(b"\r\n", pos)
+            if line_end < 0:
+                if end - pos > MAX_CHUNK_LINE:
+                    return self._broken(payload, "chunk-size or trailer line too long")
+                self._pending = buf[pos:]
+                break
+            line = buf[pos:line_end]
+            pos = line_end + 2
+            if self._state == "trailer":
+                if not line:  # the blank line after the zero chunk (and any trailers): the body is over
+                    self.done = True
+                    self._flush(payload)
+                    self.accepting = self._deliver(None)
+                    return buf[pos:]
+                continue  # a trailer field: not forwarded (the relay never forwards upstream trailers)
+            size = line.split(b";", 1)[0].strip(b" \t")
+            if not size or len(size) > 16 or size.strip(b"0123456789abcdefABCDEF"):
+                return self._broken(payload, f"bad chunk-size line {line[:40]!r}")
+            self._left = int(size, 16)
+            self._state = "data" if self._left else "trailer"
+        self._flush(payload)
+        return None
+
+    def connection_ended(self, exc: Exception | None) -> None:
+        """The connection closed (``exc`` None: the upstream's EOF) before the body's end."""
+        if self.done:
+            return
+        self.done = True
+        if exc is None:
+            self._deliver(httpx.RemoteProtocolError("peer closed connection without sending complete message "
+                                                    "body: incomplete chunked read"))
+        else:
+            self._deliver(httpx.ReadError(str(exc) or type(exc).__name__))
+
+    def _flush(self, payload: list[bytes]) -> None:
+        if payload:
+            self.accepting = self._deliver(payload[0] if len(payload) == 1 else b"".join(payload))
+
+    def _broken(self, payload: list[bytes], why: str) -> bytes:
+        self._flush(payload)
+        self.done = self.broken = True
+        self._deliver(httpx.RemoteProtocolError(f"malformed chunked body from the upstream: {why}"))
+        return b""  # the connection is not reused: httpcore's parser never finishes this response
 
 
 class _BufferedProtocol(asyncio.Protocol):
@@ -48,11 +141,33 @@ class _BufferedProtocol(asyncio.Protocol):
         self.reader: asyncio.Future[None] | None = None
         self.write_paused = False
         self.drainer: asyncio.Future[None] | None = None
+        self.head_pending = False
+        """A request went out and its response head has not been handed to httpcore yet (reads stop at its end)."""
+        self.head_tail = b""
+        """The last bytes handed over while the head was pending (its blank line can straddle two reads)."""
+        self.clean_head = False
+        """httpcore was handed exactly the response head, nothing after it: the body is all still here."""
+        self.tap: ChunkedBodyTap | None = None
+        self.tap_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
+        if self.tap is not None:
+            after = self.tap.feed(data)
+            if after is None:  # still in the body
+                if not self.tap.accepting and not self.tap_paused and self.transport is not None:
+                    self.tap_paused = True
+                    self.transport.pause_reading()
+                return
+            broken = self.tap.broken
+            self.end_tap()
+            if broken:  # httpcore's parser never finishes this response: the connection is not reused
+                return
+            data = TERMINAL_CHUNK + after  # httpcore finishes the response on a body of no chunks
+            if not data:
+                return
         self.chunks.append(data)
         self.buffered += len(data)
         if self.buffered > HIGH_WATER and not self.read_paused and self.transport is not None:
@@ -62,12 +177,14 @@ class _BufferedProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        self._fail_tap(None)
         self._wake_reader()
         return False  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         self.error = exc
+        self._fail_tap(exc)
         self._wake_reader()
         if self.drainer is not None and not self.drainer.done():
             self.drainer.set_result(None)
@@ -79,6 +196,26 @@ class _BufferedProtocol(asyncio.Protocol):
         self.write_paused = False
         if self.drainer is not None and not self.drainer.done():
             self.drainer.set_result(None)
+
+    def end_tap(self) -> None:
+        """Back to buffering for httpcore (the tap's body ended, or its reader left)."""
+        self.tap = None
+        if self.tap_paused:
+            self.tap_paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def resume_tap(self) -> None:
+        """The tap's reader has room again: read on."""
+        if self.tap_paused and self.tap is not None and self.tap.accepting:
+            self.tap_paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def _fail_tap(self, exc: Exception | None) -> None:
+        if self.tap is not None:
+            tap, self.tap = self.tap, None
+            tap.connection_ended(exc)
 
     def _wake_reader(self) -> None:
         if self.reader is not None and not self.reader.done():
@@ -142,16 +279,73 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             finally:
                 p.reader = None
         if p.chunks:
-            return p.take(max_bytes)
+            data = p.take(max_bytes)
+            p.clean_head = False
+            if p.head_pending:
+                data = self._head_only(data)
+            return data
         if p.error is not None:
             raise httpcore.ReadError(str(p.error) or type(p.error).__name__) from p.error
         return b""
+
+    def _head_only(self, data: bytes) -> bytes:
+        """``data`` up to the end of the response head (its blank line) when it holds one; the rest goes back
+        to the buffer, so that httpcore's parser holds none of the body (:meth:`tap_body`)."""
+        p = self._protocol
+        seen = p.head_tail + data
+        end = seen.find(b"\r\n\r\n")
+        if end < 0:
+            p.head_tail = seen[-3:]
+            return data
+        cut = end + 4 - len(p.head_tail)
+        if cut < len(data):
+            rest = data[cut:]
+            p.chunks.appendleft(rest)
+            p.buffered += len(rest)
+        p.head_pending, p.head_tail, p.clean_head = False, b"", True
+        return data[:cut]
+
+    def tap_body(self, deliver: Callable[[bytes | Exception | None], bool]) -> bool:
+        """Take the response body being received off httpcore's hands: decode its chunked framing as it arrives
+        (:class:`ChunkedBodyTap`) and hand each read's payload to ``deliver`` (then None at the end, or the
+        httpx error that a broken body raises from httpx). False, and nothing changes, when the body is not all
+        still here (httpcore read past the head: an interim 1xx answer or a read after the head).
+
+        At the body's end the connection gets a zero-chunk body for httpcore to read
+        (:meth:`StreamRelay.drain`), so it goes back to the pool as after any complete answer; a body left
+        before its end keeps httpcore's parser short of it, and the connection is closed. Why: per relayed
+        token, httpx's response iterator over httpcore over h11 cost the gateway more CPU than all the rest of
+        the relay (docs/gateway.md "CPU per relayed token")."""
+        p = self._protocol
+        if not p.clean_head or p.tap is not None or p.eof:
+            return False
+        p.clean_head = False
+        p.tap = ChunkedBodyTap(deliver)
+        buffered = b"".join(p.chunks)
+        p.chunks.clear()
+        p.buffered = 0
+        if p.read_paused and p.transport is not None:
+            p.read_paused = False
+            p.transport.resume_reading()
+        if buffered:
+            p.data_received(buffered)
+        return True
+
+    def untap(self) -> None:
+        """Stop delivering (the reader left); the body's remainder is dropped with the connection."""
+        if self._protocol.tap is not None:
+            self._protocol.end_tap()
+
+    def tap_room(self) -> None:
+        """The tap's reader took items: resume reading if the tap paused it."""
+        self._protocol.resume_tap()
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         """Queue ``buffer`` on the transport; waits (up to ``timeout``) while the socket's buffer is full."""
         if not buffer:
             return
         p = self._protocol
+        p.head_pending, p.head_tail, p.clean_head = True, b"", False  # a request is going out
         if self._transport.is_closing() or p.eof and p.error is not None:
             raise httpcore.WriteError("the upstream connection is closed")
         self._transport.write(buffer)

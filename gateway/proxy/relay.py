@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ import msgspec
 
 from gateway.errors import GatewayError, RetryableFailure, UpstreamFailed, UpstreamTimeout
 from gateway.proxy.client import ClientResponse
-from gateway.proxy.network import wait_future
+from gateway.proxy.network import AsyncioStream, wait_future
 from gateway.proxy.upstreams import Replica, UpstreamPool
 from gateway.settings import TimeoutConfig
 from gateway.sse import (
@@ -63,6 +64,18 @@ class ChunkQueue:
         self._maxsize = maxsize
         self._getter: asyncio.Future[None] | None = None
         self._putter: asyncio.Future[None] | None = None
+        self.on_room: Callable[[], None] | None = None
+        """Called by :meth:`get` when :meth:`offer` had filled the queue and there is room again."""
+        self._full = False
+
+    def offer(self, item: object) -> bool:
+        """Append ``item`` without waiting (a producer that cannot wait: the network tap); returns whether
+        there is room for more (False: stop producing until :attr:`on_room` is called)."""
+        self._items.append(item)
+        if self._getter is not None and not self._getter.done():
+            self._getter.set_result(None)
+        self._full = len(self._items) >= self._maxsize
+        return not self._full
 
     def __len__(self) -> int:
         return len(self._items)
@@ -90,6 +103,9 @@ class ChunkQueue:
         item = self._items.popleft()
         if self._putter is not None and not self._putter.done():
             self._putter.set_result(None)
+        if self._full and len(self._items) <= self._maxsize // 2 and self.on_room is not None:
+            self._full = False
+            self.on_room()
         return item
 
 
@@ -174,11 +190,18 @@ class StreamRelay:
         self.done = False
         self.forwarded = 0
         self._pump: asyncio.Task | None = None
+        self._tap: AsyncioStream | None = None
 
     async def run(self) -> RelayOutcome:
         """Relay events until the stream is over; returns the outcome (its ``failure`` set when it failed).
         The client's response is left open: the caller ends it."""
-        self._pump = asyncio.create_task(self._read_upstream())
+        stream = self.response.extensions.get("network_stream")
+        chunked = self.response.headers.get("transfer-encoding", "").strip().lower() == "chunked"
+        if isinstance(stream, AsyncioStream) and chunked and stream.tap_body(self._offer):
+            self._tap = stream  # the body's chunks come straight from the connection (network.tap_body)
+            self.queue.on_room = stream.tap_room
+        else:
+            self._pump = asyncio.create_task(self._read_upstream())
         try:
             await self._relay()
         except (GatewayError, RetryableFailure) as exc:
@@ -203,12 +226,21 @@ class StreamRelay:
             while (item := await self.queue.get(until - time.perf_counter())) is not _EOF and \
                     not isinstance(item, Exception):
                 pass
+            if item is _EOF and self._tap is not None:  # httpcore reads the end the tap left it
+                async with asyncio.timeout(max(0.0, until - time.perf_counter())):
+                    async for _ in self.response.aiter_raw():
+                        pass
 
     async def aclose(self) -> None:
         """Stop reading the upstream."""
+        if self._tap is not None:
+            self._tap.untap()
         if self._pump is not None:
             self._pump.cancel()
             await asyncio.wait({self._pump})
+
+    def _offer(self, item: bytes | Exception | None) -> bool:
+        return self.queue.offer(_EOF if item is None else item)
 
     async def _read_upstream(self) -> None:
         try:

@@ -86,6 +86,8 @@ class FakeUpstream:
     records: list[Record] = field(default_factory=list)
     port: int = 0
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
+    connections: int = 0
+    """TCP connections accepted so far (keep-alive reuse shows as fewer connections than requests)."""
     _server: asyncio.Server | None = None
     _loop: asyncio.AbstractEventLoop | None = None
 
@@ -117,6 +119,7 @@ class FakeUpstream:
 
     # --- HTTP ---------------------------------------------------------------------------------------------
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while await self._one_request(reader, writer):
                 pass

@@ -70,6 +70,24 @@ def test_stream_headers_and_events_spread_over_time(quiet: Stack) -> None:
 KEEPALIVE = b": keep-alive\n\n"
 
 
+def test_streams_reuse_the_upstream_connection(quiet: Stack) -> None:
+    """The relay reads a stream's body off the connection itself (gateway/proxy/network.py ``tap_body``) and
+    leaves httpcore the body's end: a stream's connection goes back to the pool, so sequential streams (and the
+    JSON request between them) share one upstream connection, and each stream arrives whole and in order."""
+    fake = quiet.fakes["main"]
+    with httpx.Client(base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30) as c:
+        stream(c, {"max_tokens": 3}, "reuse-warm")
+        before = fake.connections
+        for i in range(3):
+            resp, pieces = stream(c, {"max_tokens": 40}, f"reuse-{i}")
+            events = sse_events(b"".join(p for _, p in pieces))
+            assert resp.status_code == 200 and _tokens(b"".join(p for _, p in pieces)) == 40
+            assert events[-1] == "[DONE]"
+            assert c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI,
+                                                        "max_tokens": 2}).status_code == 200
+    assert fake.connections == before
+
+
 def test_keepalive_comments_while_waiting_for_the_first_token(stack: Stack) -> None:
     """S4: ``: keep-alive`` comments (interval 0.3 s) while the upstream holds its first token (released after
     the third comment); never data-less events; the OpenAI SDK reads the stream; TTFT is the first real token.

@@ -20,8 +20,10 @@ from gateway.lifespan import new_http_client
 from gateway.proxy.network import (
     HIGH_WATER,
     LOW_WATER,
+    MAX_CHUNK_LINE,
     AsyncioBackend,
     AsyncioStream,
+    ChunkedBodyTap,
     _BufferedProtocol,
     upstream_transport,
 )
@@ -272,3 +274,183 @@ async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_
         finally:
             await client.aclose()
     assert len(connections) == 3  # each reused connection was found closed and replaced once
+
+
+CHUNKED_BODY = (b"5\r\nhello\r\n"
+                b"1a;name=value\r\n" + b"data: {\"a\": 1}\n\n" + b"0123456789"[:26 - 16] + b"\r\n"
+                b"3 \r\n\n\n\n\r\n"
+                b"0\r\nx-trailer: 1\r\n\r\n")
+CHUNKED_PAYLOAD = b"hello" + b"data: {\"a\": 1}\n\n" + b"0123456789"[:26 - 16] + b"\n\n\n"
+
+
+def _tap_collect() -> tuple[ChunkedBodyTap, list[object]]:
+    got: list[object] = []
+    return ChunkedBodyTap(lambda item: got.append(item) or True), got
+
+
+def _payload(got: list[object]) -> bytes:
+    return b"".join(x for x in got if isinstance(x, bytes))
+
+
+def test_the_tap_decodes_chunked_framing_split_anywhere() -> None:
+    """Extensions, a size with trailing whitespace, trailers; every split point of the body into two reads
+    (and one byte at a time) gives the same payload, then the end, then the bytes after it."""
+    for cut in range(len(CHUNKED_BODY) + 1):
+        tap, got = _tap_collect()
+        assert tap.feed(CHUNKED_BODY[:cut]) is None or cut == len(CHUNKED_BODY)
+        after = tap.feed(CHUNKED_BODY[cut:] + b"NEXT") if cut < len(CHUNKED_BODY) else tap.feed(b"NEXT")
+        assert _payload(got) == CHUNKED_PAYLOAD and got[-1] is None and after == b"NEXT", cut
+        assert tap.done and not tap.broken
+    tap, got = _tap_collect()
+    ends = [tap.feed(CHUNKED_BODY[i:i + 1]) for i in range(len(CHUNKED_BODY))]
+    assert ends[:-1] == [None] * (len(CHUNKED_BODY) - 1) and ends[-1] == b""
+    assert _payload(got) == CHUNKED_PAYLOAD and got[-1] is None
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b"zz\r\nhello\r\n", "bad chunk-size line"),
+    (b"\r\n", "bad chunk-size line"),
+    (b"-5\r\nhello\r\n", "bad chunk-size line"),
+    (b"5\r\nhelloXX", "not followed by CRLF"),
+    (b"1" * (MAX_CHUNK_LINE + 1), "too long"),
+])
+def test_bad_chunked_framing_is_a_remote_protocol_error(body: bytes, why: str) -> None:
+    tap, got = _tap_collect()
+    assert tap.feed(b"2\r\nok\r\n" + body) == b""
+    assert _payload(got).startswith(b"ok") and isinstance(got[-1], httpx.RemoteProtocolError) and why in str(got[-1])
+    assert tap.done and tap.broken
+
+
+def test_a_connection_that_ends_mid_body_is_an_httpx_error() -> None:
+    tap, got = _tap_collect()
+    tap.feed(b"5\r\nhel")
+    tap.connection_ended(None)
+    assert got[0] == b"hel" and isinstance(got[1], httpx.RemoteProtocolError) and "incomplete chunked read" in \
+        str(got[1])
+    tap, got = _tap_collect()
+    tap.connection_ended(ConnectionResetError("reset by peer"))
+    assert isinstance(got[0], httpx.ReadError) and "reset by peer" in str(got[0])
+    tap.connection_ended(None)  # once only
+    assert len(got) == 1
+
+
+async def _tapped_stream(client: httpx.AsyncClient, url: str) -> tuple[httpx.Response, list[object], asyncio.Event,
+                                                                      AsyncioStream, bool]:
+    response = await client.send(client.build_request("GET", url), stream=True)
+    stream = response.extensions["network_stream"]
+    assert isinstance(stream, AsyncioStream)
+    got: list[object] = []
+    ended = asyncio.Event()
+
+    def deliver(item: object) -> bool:
+        got.append(item)
+        if not isinstance(item, bytes):
+            ended.set()
+        return True
+
+    return response, got, ended, stream, stream.tap_body(deliver)
+
+
+async def test_a_tapped_body_arrives_whole_and_its_connection_is_reused() -> None:
+    """Head and first chunk in one packet, the rest piece by piece: the tap gets the whole payload (httpcore's
+    parser was handed the head only), and after httpcore reads the end the tap left, the next request reuses
+    the connection."""
+    connections: list[int] = []
+    pieces = [b"data: %d\n\n" % i for i in range(20)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if b"/json" in head:
+                writer.write(_chunked([b"ok"]))
+                continue
+            raw = _chunked(pieces)
+            first = raw.index(b"\r\n\r\n") + 4 + len(b"%x\r\n%s\r\n" % (len(pieces[0]), pieces[0]))
+            writer.write(raw[:first])  # the head and the first chunk together
+            for i in range(first, len(raw), 7):
+                await writer.drain()
+                await asyncio.sleep(0.001)
+                writer.write(raw[i:i + 7])
+
+    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+        base = f"http://127.0.0.1:{port}"
+        response, got, ended, _, tapped = await _tapped_stream(client, base + "/stream")
+        assert tapped
+        await asyncio.wait_for(ended.wait(), 5)
+        assert _payload(got) == b"".join(pieces) and got[-1] is None
+        assert [chunk async for chunk in response.aiter_raw()] == []  # the end the tap left: no chunks
+        await response.aclose()
+        assert (await client.get(base + "/json")).content == b"ok"
+        assert len(connections) == 1
+
+
+async def test_a_body_left_before_its_end_closes_the_connection() -> None:
+    seen_eof = asyncio.Event()
+    connections: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"/json" in head:
+            writer.write(_chunked([b"ok"]))
+            await reader.read(1)
+            return
+        writer.write(_chunked([b"data: 1\n\n"])[:-5])  # no zero chunk: the body goes on
+        await writer.drain()
+        await reader.read(1)  # b"" at EOF
+        seen_eof.set()
+
+    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+        base = f"http://127.0.0.1:{port}"
+        response, got, _, stream, tapped = await _tapped_stream(client, base + "/stream")
+        assert tapped
+        while _payload(got) != b"data: 1\n\n":
+            await asyncio.sleep(0.01)
+        stream.untap()
+        await response.aclose()
+        await asyncio.wait_for(seen_eof.wait(), 5)  # the upstream sees the client go (the engine aborts)
+        assert (await client.get(base + "/json")).content == b"ok" and len(connections) == 2
+
+
+async def test_no_tap_after_an_interim_answer_and_the_normal_path_still_works() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + _chunked([b"data: 1\n\n"]))
+        await writer.drain()
+        await reader.read(1)
+
+    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+        response, got, _, _, tapped = await _tapped_stream(client, f"http://127.0.0.1:{port}/stream")
+        assert not tapped and got == []
+        assert b"".join([chunk async for chunk in response.aiter_raw()]) == b"data: 1\n\n"
+        await response.aclose()
+
+
+async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -> None:
+    total = 4000  # 4 MB: more than one read, so reading pauses with the rest still in the socket
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_chunked([b"x" * 1000] * total))
+        await writer.drain()
+        await reader.read(1)
+
+    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+        response = await client.send(client.build_request("GET", f"http://127.0.0.1:{port}/s"), stream=True)
+        stream = response.extensions["network_stream"]
+        got: list[object] = []
+        assert stream.tap_body(lambda item: got.append(item) or False)  # never any room
+        await asyncio.sleep(0.1)
+        protocol = stream._protocol
+        assert protocol.tap_paused and 0 < len(got) and got[-1] is not None  # stopped short of the end
+        before = len(got)
+        protocol.tap.accepting = True
+        stream.tap_room()
+        assert not protocol.tap_paused
+        await asyncio.sleep(0.1)
+        assert len(got) > before and protocol.tap_paused  # read on, and paused again (still no room)
+        await response.aclose()

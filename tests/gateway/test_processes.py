@@ -127,6 +127,12 @@ def test_sse_bytes_equal_the_upstream_under_random_rechunking(cluster: Cluster, 
     assert received == expected
     if not include_usage:
         assert len(expected) < len(upstream)
+    # the events went to the client past the ASGI send chain (gateway/server.py write_body_chunk), and the log
+    # line still counts every body byte the client got
+    deadline = time.monotonic() + 10
+    while not (records := records_by_id(cluster.log, [rid]))[rid] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert records[rid][0]["http"]["response"]["body"]["bytes"] == len(received)
 
 
 def _token_events(data: bytes) -> int:
