@@ -34,12 +34,25 @@ class ClientResponse:
         self.committed = True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
+    @property
+    def direct(self) -> bool:
+        """The server gave a direct body writer (``write_now`` can succeed)."""
+        return self._body_chunk is not None
+
+    def write_now(self, data: bytes) -> bool:
+        """Write ``data`` (body bytes that do not end the response) through the server's direct writer, without
+        waiting; False, having written nothing, where :meth:`body` must (no direct writer, the client not
+        reading, not started …)."""
+        if self._body_chunk is None or not self._body_chunk(data):
+            return False
+        if self._count is not None:
+            self._count(len(data))
+        return True
+
     async def body(self, data: bytes, final: bool = False) -> None:
         """Send body bytes; ``final`` ends the response."""
         if final:
             self.finished = True  # from here a disconnect message is the normal end, not the client leaving
-        elif self._body_chunk is not None and self._body_chunk(data):
-            if self._count is not None:
-                self._count(len(data))
+        elif self.write_now(data):
             return
         await self._send({"type": "http.response.body", "body": data, "more_body": not final})

@@ -51,6 +51,29 @@ DRAIN_AFTER_DONE_S = 1.0
 """After ``[DONE]``, wait at most this long for the upstream's end of body (so its connection can be reused);
 the client's response has already ended."""
 _EOF = object()
+_REARM = object()
+_DONE, _ERROR, _BAD_FINISH = "done", "error", "bad_finish"
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    """What one event amounts to (:meth:`StreamRelay._decide`)."""
+
+    end: str | None
+    """``_DONE``, ``_ERROR`` or ``_BAD_FINISH`` when the event ends the stream; None otherwise."""
+    send: bytes | None
+    """The bytes to forward (None: nothing, e.g. the usage chunk the client did not ask for)."""
+    token: bool
+    """The event carried a token."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Handover:
+    """Events the tap's callback left to the relay task: one already decided (or None) and the rest raw."""
+
+    decision: _Decision | None
+    rest: list[bytes]
+    bug: Exception | None = None
 
 
 class ChunkQueue:
@@ -191,6 +214,8 @@ class StreamRelay:
         self.forwarded = 0
         self._pump: asyncio.Task | None = None
         self._tap: AsyncioStream | None = None
+        self._parked = False
+        """The relay task waits in :meth:`_next` (the tap's callback may relay events itself)."""
 
     async def run(self) -> RelayOutcome:
         """Relay events until the stream is over; returns the outcome (its ``failure`` set when it failed).
@@ -239,8 +264,6 @@ class StreamRelay:
             self._pump.cancel()
             await asyncio.wait({self._pump})
 
-    def _offer(self, item: bytes | Exception | None) -> bool:
-        return self.queue.offer(_EOF if item is None else item)
 
     async def _read_upstream(self) -> None:
         try:
@@ -257,24 +280,49 @@ class StreamRelay:
                 self.upstream_end = time.perf_counter()
                 await self._end(item)
                 return
+            if item is _REARM:
+                continue
+            if isinstance(item, _Handover):
+                if item.bug is not None:
+                    raise item.bug
+                if item.decision is not None and await self._act(item.decision):
+                    return
+                for raw in item.rest:
+                    if await self._on_event(raw):
+                        return
+                continue
             self.last_chunk_at = time.perf_counter()
             for raw in self.splitter.feed(item):
                 if await self._on_event(raw):
                     return
 
-    async def _next(self) -> bytes | object:
-        """The next upstream chunk; sends keep-alives meanwhile; raises UpstreamTimeout at a deadline."""
+    def _deadlines(self) -> tuple[float, float, bool, bool]:
+        """(hard deadline, next keep-alive, waiting for the first token, the phase's own timeout comes
+        first), from the stream's state now."""
         t = self.terms.timeouts
+        waiting_first = self.first_token_at is None
+        phase_end = (self.terms.attempt_start + t.first_token_s) if waiting_first else (self.last_chunk_at + t.idle_s)
+        return (min(phase_end, self.terms.deadline), self.last_sent_at + t.keepalive_s, waiting_first,
+                phase_end <= self.terms.deadline)
+
+    async def _next(self) -> bytes | object:
+        """The next upstream chunk; sends keep-alives meanwhile; raises UpstreamTimeout at a deadline. While
+        it waits here the tap's callback may relay events itself (:meth:`_offer`), moving the deadlines: a
+        timer that fires is checked against them anew (one timer per quiet spell, not one per chunk)."""
         while True:
-            waiting_first = self.first_token_at is None
-            phase_end = (self.terms.attempt_start + t.first_token_s) if waiting_first else (self.last_chunk_at + t.idle_s)
-            hard = min(phase_end, self.terms.deadline)
-            wake = min(hard, self.last_sent_at + t.keepalive_s)
+            hard, keepalive, _, _ = self._deadlines()
+            self._parked = True
             try:  # a chunk already read is taken at once, whatever the deadlines
-                return await self.queue.get(wake - time.perf_counter())
+                return await self.queue.get(min(hard, keepalive) - time.perf_counter())
             except TimeoutError:
-                if time.perf_counter() >= hard:
-                    raise self._timeout(waiting_first, phase_end <= self.terms.deadline) from None
+                pass
+            finally:
+                self._parked = False
+            hard, keepalive, waiting_first, phase = self._deadlines()
+            now = time.perf_counter()
+            if now >= hard:
+                raise self._timeout(waiting_first, phase) from None
+            if now >= keepalive:
                 await self._send(KEEPALIVE)
 
     def _timeout(self, waiting_first: bool, phase: bool) -> UpstreamTimeout:
@@ -286,42 +334,93 @@ class StreamRelay:
             return UpstreamTimeout(f"no first token from the upstream within {t.first_token_s:g}s")
         return UpstreamTimeout(f"upstream sent nothing for {t.idle_s:g}s")
 
-    async def _on_event(self, raw: bytes) -> bool:
-        """Handle one complete event; True when the stream is over (``[DONE]`` or an error forwarded)."""
+    def _decide(self, raw: bytes) -> _Decision:
+        """What one complete event amounts to; updates the stream's state (once per event)."""
         data = event_data(raw)
         if data is None:
-            await self._send(raw)
-            return False
+            return _Decision(None, raw, False)
         if data == DONE_DATA:
-            self.upstream_end = time.perf_counter()
-            self._check_complete()
-            await self._send(raw)
-            self.done = True
-            return True
+            return _Decision(_DONE, raw, False)
         try:
             obj = msgspec.json.decode(data)
         except msgspec.DecodeError:
-            await self._send(raw)
-            return False
+            return _Decision(None, raw, False)
         action, has_token = self.state.observe(obj, self.terms.include_usage)
         if action is Action.ERROR:
-            await self._send(raw)
+            return _Decision(_ERROR, raw, has_token)
+        if action is Action.BAD_FINISH:
+            return _Decision(_BAD_FINISH, None, has_token)
+        if action is Action.FORWARD:
+            return _Decision(None, raw, has_token)
+        if action is Action.REWRITE:
+            return _Decision(None, without_usage(obj), has_token)
+        return _Decision(None, None, has_token)  # DROP
+
+    async def _act(self, decision: _Decision) -> bool:
+        """Carry out a decision; True when the stream is over (``[DONE]`` or an error forwarded)."""
+        if decision.end is _DONE:
+            self.upstream_end = time.perf_counter()
+            self._check_complete()
+            await self._send(decision.send)  # type: ignore[arg-type]
+            self.done = True
+            return True
+        if decision.end is _ERROR:
+            await self._send(decision.send)  # type: ignore[arg-type]
             self.upstream_error = self.state.error or {}
             self.pool.report_failure(self.replica, "stream_error", passive=False)
             return True
-        if action is Action.BAD_FINISH:
+        if decision.end is _BAD_FINISH:
             raise UpstreamFailed(f"the upstream ended the stream with finish_reason "
                                  f"'{self.state.bad_finish_reason}'", code="stream_aborted")
-        if action is Action.FORWARD:
-            await self._send(raw)
-        elif action is Action.REWRITE:
-            await self._send(without_usage(obj))
-        if has_token:
-            now = time.perf_counter()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
+        if decision.send is not None:
+            await self._send(decision.send)
+        if decision.token:
+            self._token_sent()
         return False
+
+    async def _on_event(self, raw: bytes) -> bool:
+        """Handle one complete event; True when the stream is over (``[DONE]`` or an error forwarded)."""
+        return await self._act(self._decide(raw))
+
+    def _token_sent(self) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+
+    def _offer(self, item: bytes | Exception | None) -> bool:
+        """The tap's delivery (gateway/proxy/network.py): a chunk of the body, its end (None) or its error.
+        While the relay task waits for the next chunk with nothing queued and the response has started, a
+        chunk's events are relayed right here, in the connection's callback, through the server's direct body
+        writer: no task switch and no timer per token. The first event that needs more (the end, an error,
+        the client not reading) goes to the task with the rest, decided once."""
+        if self._parked and type(item) is bytes and not len(self.queue) and self.client.committed and \
+                self.client.direct:
+            try:
+                return self._relay_now(item)
+            except Exception as bug:  # noqa: BLE001 - never in the connection's callback: the task raises it
+                return self.queue.offer(_Handover(None, [], bug))
+        return self.queue.offer(_EOF if item is None else item)
+
+    def _relay_now(self, chunk: bytes) -> bool:
+        self.last_chunk_at = time.perf_counter()
+        waiting_first = self.first_token_at is None
+        events = self.splitter.feed(chunk)
+        for i, raw in enumerate(events):
+            decision = self._decide(raw)
+            if decision.end is None and (decision.send is None or self.client.write_now(decision.send)):
+                if decision.send is not None:
+                    self.forwarded += 1
+                    self.last_sent_at = time.perf_counter()
+                if decision.token:
+                    self._token_sent()
+                continue
+            return self.queue.offer(_Handover(decision, events[i + 1:]))
+        if waiting_first and self.first_token_at is not None:
+            # the first token moves the deadline from first_token_s to idle_s, maybe earlier than the waiting
+            # task's timer: it takes its deadlines anew (every other deadline only ever moves later)
+            return self.queue.offer(_REARM)
+        return True
 
     async def _send(self, data: bytes) -> None:
         if not self.client.committed:

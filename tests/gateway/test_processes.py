@@ -366,3 +366,47 @@ def test_one_replica_down_then_both(own_cluster: Cluster) -> None:
         assert down.headers["retry-after"] == "60"
         ready = httpx.get(cluster.gateway.url + "/readyz")
         assert ready.status_code == 503 and ready.json()["models"]["fake-model"] is False
+
+
+@pytest.mark.parametrize("keepalive_s", [0.25, 10.0])
+def test_keepalives_and_the_idle_timeout_after_tokens_relayed_directly(tmp_path: Path, keepalive_s: float) -> None:
+    """Through a real uvicorn the relay writes token events from the upstream connection's callback
+    (gateway/proxy/relay.py ``_offer``), with one timer per quiet spell instead of one per chunk: fifteen
+    tokens 0.1 s apart (1.5 s, longer than the idle timeout: a deadline taken before they came must not end
+    the stream), then a stall: keep-alive comments every 0.25 s (none when the interval is 10 s) and the idle
+    timeout (0.8 s after the last chunk) ends the stream in-band, no earlier and — although the relay task
+    last set its timer while waiting for the first token (first-token timeout 5 s) — not later either."""
+    fake = spawn_fake(tmp_path, "idle", token_delay_s=0.1)
+    procs = [fake]
+    try:
+        wait_http(fake.url + "/health", proc=fake.popen)
+        gateway = spawn_gateway(tmp_path, "gateway", {
+            "upstreams": [{"url": fake.url}], "logs": {"file": str(tmp_path / "requests.jsonl")},
+            "timeouts": {"first_token_s": 5.0, "idle_s": 0.8, "keepalive_s": keepalive_s}})
+        procs.append(gateway)
+        wait_http(gateway.url + "/readyz", proc=gateway.popen)
+        for i in range(15):  # fifteen tokens; the next is held for good
+            httpx.post(fake.url + "/_fake/release", json={"name": f"idle/{i}"}).raise_for_status()
+        arrivals: list[tuple[float, bytes]] = []
+        with httpx.Client(base_url=gateway.url, timeout=30) as c, \
+                c.stream("POST", "/v1/chat/completions", json={"model": "fake-model", "messages": HI, "stream": True,
+                                                               "max_tokens": 50, "fake": {"hold": "idle"}}) as r:
+            buffer = b""
+            for piece in r.iter_raw():
+                buffer += piece
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    arrivals.append((time.monotonic(), event))
+        tokens = [t for t, e in arrivals if b'"content":"t' in e]
+        keepalives = [t for t, e in arrivals if e == b": keep-alive" and t > tokens[-1]]
+        error = json.loads(arrivals[-1][1][len(b"data: "):])["error"]
+        assert len(tokens) == 15 and error["code"] == "upstream_timeout"
+        assert error["message"] == "upstream sent nothing for 0.8s"
+        if keepalive_s < 1:
+            assert 2 <= len(keepalives) <= 4  # at 0.25, 0.5, 0.75 s after the last token (scheduling may merge)
+        else:
+            assert keepalives == []
+        assert 0.8 - 0.01 <= arrivals[-1][0] - tokens[-1] < 3.0
+    finally:
+        for proc in procs:
+            proc.stop()
