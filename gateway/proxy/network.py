@@ -428,11 +428,51 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
         await asyncio.sleep(seconds)
 
 
+class LinearPool(httpcore.AsyncConnectionPool):
+    """httpcore 1.0's connection pool with its clean-up pass made linear. httpcore 1.0.9 evaluates
+    ``len([c.is_idle() for c in connections])`` once for every idle connection, O(n²) per request and per
+    response closed: with the 32 keep-alive connections of 32 streams that was a third of the gateway's httpx
+    time per request (py-spy, docs/gateway.md "CPU per relayed token"; encode/httpcore#1035). Same decisions
+    as httpcore's own (an idle connection is dropped while the pool holds more connections than
+    ``max_keepalive_connections``, closed and expired ones are removed), the count kept as it goes; the
+    assignment of queued requests is httpcore's."""
+
+    def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
+        closing: list[httpcore.AsyncConnectionInterface] = []
+        count = len(self._connections)
+        for connection in list(self._connections):
+            if connection.is_closed():
+                self._connections.remove(connection)
+                count -= 1
+            elif connection.has_expired() or (connection.is_idle() and count > self._max_keepalive_connections):
+                self._connections.remove(connection)
+                count -= 1
+                closing.append(connection)
+        for pool_request in [request for request in self._requests if request.is_queued()]:
+            origin = pool_request.request.url.origin
+            available = [c for c in self._connections if c.can_handle_request(origin) and c.is_available()]
+            if available:
+                pool_request.assign_to_connection(available[0])
+                continue
+            if len(self._connections) >= self._max_connections:
+                idle = next((c for c in self._connections if c.is_idle()), None)
+                if idle is None:
+                    continue  # wait for a connection to come free
+                self._connections.remove(idle)
+                closing.append(idle)
+            connection = self.create_connection(origin)
+            self._connections.append(connection)
+            pool_request.assign_to_connection(connection)
+        return closing
+
+
 def upstream_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
     """httpx's HTTP/1.1 transport (certificates verified, no proxy from the environment) whose connection
-    pool uses :class:`AsyncioBackend`."""
+    pool uses :class:`AsyncioBackend` (and is a :class:`LinearPool` on httpcore 1.0, whose clean-up pass it
+    was written against)."""
     transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-    transport._pool = httpcore.AsyncConnectionPool(
+    pool_class = LinearPool if httpcore.__version__.startswith("1.0.") else httpcore.AsyncConnectionPool
+    transport._pool = pool_class(
         ssl_context=httpx.create_ssl_context(trust_env=False), max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
         http1=True, http2=False, network_backend=AsyncioBackend())

@@ -454,3 +454,38 @@ async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -
         await asyncio.sleep(0.1)
         assert len(got) > before and protocol.tap_paused  # read on, and paused again (still no room)
         await response.aclose()
+
+
+async def test_the_pool_cleanup_pass_is_linear_and_decides_as_httpcores() -> None:
+    """gateway/proxy/network.py LinearPool: with n idle keep-alive connections a pass asks each connection
+    once whether it is idle (httpcore 1.0.9 asks n² times), and the pool keeps, reuses and evicts the same
+    connections as httpcore's own pool (max_keepalive_connections: the surplus idle ones are closed)."""
+    from gateway.proxy.network import LinearPool
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await asyncio.sleep(0.05)  # every request is in flight at once: one connection each
+                writer.write(_chunked([b"ok"]))
+
+    async with server(handler) as port:
+        results = {}
+        for cls in (LinearPool, httpcore.AsyncConnectionPool):
+            async with cls(max_keepalive_connections=5, network_backend=AsyncioBackend()) as pool:
+                url = f"http://127.0.0.1:{port}/"
+                await asyncio.gather(*(pool.request("GET", url) for _ in range(8)))
+                kept = len(pool.connections)
+                calls = 0
+                for connection in pool.connections:
+                    original = connection.is_idle
+
+                    def counted(original=original) -> bool:
+                        nonlocal calls
+                        calls += 1
+                        return original()
+                    connection.is_idle = counted  # type: ignore[method-assign]
+                await pool.request("GET", url)  # one pass when queued, one when closed
+                results[cls.__name__] = (kept, len(pool.connections), calls)
+        assert results["LinearPool"][:2] == results["AsyncConnectionPool"][:2] == (5, 5)
+        assert results["LinearPool"][2] <= 3 * 5 < results["AsyncConnectionPool"][2]
