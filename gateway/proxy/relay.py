@@ -264,7 +264,6 @@ class StreamRelay:
             self._pump.cancel()
             await asyncio.wait({self._pump})
 
-
     async def _read_upstream(self) -> None:
         try:
             async for chunk in self.response.aiter_raw():
