@@ -206,8 +206,10 @@ class _BufferedProtocol(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def resume_tap(self) -> None:
-        """The tap's reader has room again: read on."""
-        if self.tap_paused and self.tap is not None and self.tap.accepting:
+        """The tap's reader has room again: read on (until its next delivery says it is full)."""
+        if self.tap is not None:
+            self.tap.accepting = True
+        if self.tap_paused and self.tap is not None:
             self.tap_paused = False
             if self.transport is not None:
                 self.transport.resume_reading()

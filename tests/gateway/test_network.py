@@ -431,6 +431,11 @@ async def test_no_tap_after_an_interim_answer_and_the_normal_path_still_works() 
 
 
 async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -> None:
+    """The relay's queue (gateway/proxy/relay.py ChunkQueue, 4 items here) fills while its reader does not
+    read: the connection stops reading; once the reader takes items again it reads on, and the whole body
+    arrives (a resume that waited for the next delivery's answer never came: the stream hung)."""
+    from gateway.proxy.relay import ChunkQueue
+
     total = 4000  # 4 MB: more than one read, so reading pauses with the rest still in the socket
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -442,17 +447,19 @@ async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -
     async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
         response = await client.send(client.build_request("GET", f"http://127.0.0.1:{port}/s"), stream=True)
         stream = response.extensions["network_stream"]
-        got: list[object] = []
-        assert stream.tap_body(lambda item: got.append(item) or False)  # never any room
+        queue = ChunkQueue(maxsize=4)
+        queue.on_room = stream.tap_room
+        assert stream.tap_body(lambda item: queue.offer(item))
         await asyncio.sleep(0.1)
         protocol = stream._protocol
-        assert protocol.tap_paused and 0 < len(got) and got[-1] is not None  # stopped short of the end
-        before = len(got)
-        protocol.tap.accepting = True
-        stream.tap_room()
-        assert not protocol.tap_paused
-        await asyncio.sleep(0.1)
-        assert len(got) > before and protocol.tap_paused  # read on, and paused again (still no room)
+        assert protocol.tap_paused and len(queue) >= 4  # full, and reading stopped short of the end
+        body = b""
+        while (item := await queue.get(5)) is not None:
+            assert isinstance(item, bytes)
+            body += item
+            if len(queue) == 0:
+                await asyncio.sleep(0)  # a slow reader: the connection refills the queue meanwhile
+        assert body == b"x" * 1000 * total and not protocol.tap_paused
         await response.aclose()
 
 
