@@ -48,12 +48,17 @@ async def load(url: str, concurrency: int, tokens: int) -> int:
         return sum(await asyncio.gather(*(stream_once(client, url, tokens) for _ in range(concurrency))))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load's flags (streams, tokens per stream, the stub's pace, rounds), shared with bench/relay_floor.py."""
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
     parser.add_argument("--token-delay", type=float, default=0.03, help="stub's seconds between tokens")
     parser.add_argument("--rounds", type=int, default=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_load_arguments(parser)
     parser.add_argument("--py-spy", type=Path, help="write a py-spy raw profile of the gateway here")
     parser.add_argument("--py-spy-bin", default="py-spy")
     args = parser.parse_args()

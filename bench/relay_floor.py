@@ -20,13 +20,12 @@ import asyncio
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gateway_cpu import cpu_seconds, load  # noqa: E402
-from tests.gateway.harness import free_port, spawn_fake, spawn_gateway, wait_http  # noqa: E402
+from bench.gateway_cpu import add_load_arguments, cpu_seconds, load  # noqa: E402
+from tests.gateway.harness import free_port, spawn_fake, spawn_gateway, wait_http, wait_port  # noqa: E402
 
 
 class _UpstreamSide(asyncio.Protocol):
@@ -105,24 +104,9 @@ async def _serve(port: int, upstream: tuple[str, int]) -> None:
     await server.serve_forever()
 
 
-def _wait_port(port: int, timeout: float = 10.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"the minimal relay is not listening on port {port}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
-    parser.add_argument("--token-delay", type=float, default=0.03, help="stub's seconds between tokens")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_load_arguments(parser)
     parser.add_argument("--serve", nargs=3, metavar=("PORT", "UPSTREAM_HOST", "UPSTREAM_PORT"),
                         help=argparse.SUPPRESS)  # the minimal relay's own process
     args = parser.parse_args()
@@ -141,7 +125,7 @@ def main() -> None:
         host, upstream_port = fake.url.removeprefix("http://").rsplit(":", 1)
         port = free_port()
         relay = subprocess.Popen([sys.executable, __file__, "--serve", str(port), host, upstream_port])
-        _wait_port(port)
+        wait_port(port)
         targets = {"kvscope gateway": (gateway.popen.pid, gateway.url),
                    "minimal relay": (relay.pid, f"http://127.0.0.1:{port}")}
         for _, url in targets.values():  # warm connections and code paths

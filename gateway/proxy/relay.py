@@ -19,10 +19,8 @@ returns a :class:`RelayOutcome` (usage, finish reasons, token times, the failure
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +28,9 @@ import httpx
 import msgspec
 
 from gateway.errors import GatewayError, RetryableFailure, UpstreamFailed, UpstreamTimeout
+from gateway.proxy.chunk_queue import ChunkQueue
 from gateway.proxy.client import ClientResponse
-from gateway.proxy.network import AsyncioStream, wait_future
+from gateway.proxy.network import AsyncioStream
 from gateway.proxy.upstreams import Replica, UpstreamPool
 from gateway.settings import TimeoutConfig
 from gateway.sse import (
@@ -74,62 +73,6 @@ class _Handover:
     decision: _Decision | None
     rest: list[bytes]
     bug: Exception | None = None
-
-
-class ChunkQueue:
-    """The pump's chunks for the relay: a bounded FIFO with one producer and one consumer, bound to the loop
-    it was made on. :meth:`get` waits with a deadline through one future and one timer
-    (:func:`gateway.proxy.network.wait_future`; ``asyncio.Queue`` asks the running loop per wait too)."""
-
-    def __init__(self, maxsize: int = 64) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._items: collections.deque[object] = collections.deque()
-        self._maxsize = maxsize
-        self._getter: asyncio.Future[None] | None = None
-        self._putter: asyncio.Future[None] | None = None
-        self.on_room: Callable[[], None] | None = None
-        """Called by :meth:`get` when :meth:`offer` had filled the queue and there is room again."""
-        self._full = False
-
-    def offer(self, item: object) -> bool:
-        """Append ``item`` without waiting (a producer that cannot wait: the network tap); returns whether
-        there is room for more (False: stop producing until :attr:`on_room` is called)."""
-        self._items.append(item)
-        if self._getter is not None and not self._getter.done():
-            self._getter.set_result(None)
-        self._full = len(self._items) >= self._maxsize
-        return not self._full
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    async def put(self, item: object) -> None:
-        """Append ``item``, waiting while ``maxsize`` items are queued."""
-        while len(self._items) >= self._maxsize:
-            self._putter = self._loop.create_future()
-            try:
-                await self._putter
-            finally:
-                self._putter = None
-        self._items.append(item)
-        if self._getter is not None and not self._getter.done():
-            self._getter.set_result(None)
-
-    async def get(self, timeout: float | None = None) -> object:
-        """The oldest item, waiting at most ``timeout`` seconds (None: no limit); TimeoutError after it."""
-        if not self._items:
-            self._getter = self._loop.create_future()
-            try:
-                await wait_future(self._getter, timeout, TimeoutError)
-            finally:
-                self._getter = None
-        item = self._items.popleft()
-        if self._putter is not None and not self._putter.done():
-            self._putter.set_result(None)
-        if self._full and len(self._items) <= self._maxsize // 2 and self.on_room is not None:
-            self._full = False
-            self.on_room()
-        return item
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,13 +17,12 @@ import httpx
 import pytest
 
 from gateway.lifespan import new_http_client
+from gateway.proxy.chunked import MAX_CHUNK_LINE, ChunkedBodyTap
 from gateway.proxy.network import (
     HIGH_WATER,
     LOW_WATER,
-    MAX_CHUNK_LINE,
     AsyncioBackend,
     AsyncioStream,
-    ChunkedBodyTap,
     _BufferedProtocol,
     upstream_transport,
 )
@@ -431,10 +430,10 @@ async def test_no_tap_after_an_interim_answer_and_the_normal_path_still_works() 
 
 
 async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -> None:
-    """The relay's queue (gateway/proxy/relay.py ChunkQueue, 4 items here) fills while its reader does not
+    """The relay's queue (gateway/proxy/chunk_queue.py ChunkQueue, 4 items here) fills while its reader does not
     read: the connection stops reading; once the reader takes items again it reads on, and the whole body
     arrives (a resume that waited for the next delivery's answer never came: the stream hung)."""
-    from gateway.proxy.relay import ChunkQueue
+    from gateway.proxy.chunk_queue import ChunkQueue
 
     total = 4000  # 4 MB: more than one read, so reading pauses with the rest still in the socket
 
