@@ -4,7 +4,9 @@
 #   B  kvscope through the gateway   (kvscope gateway in front of A)
 #   C  llama.cpp's native llama-server on the same SmolLM2 GGUF, one slot per client (-np C), prompt cache off
 #  [D  llama-cpp-python's own server, opt-in: WITH_LLAMA_CPP_PYTHON=1; it serves one request at a time]
-# for each concurrency C in $CONCURRENCIES, alternating A B C A B C … ($ROUNDS rounds, `kvscope bench --compare`),
+# for each concurrency C in $CONCURRENCIES, alternating A B C, B C A, C A B, … (`kvscope bench --compare`, the
+# order rotated each round) for $ROUNDS rounds of $PROMPTS prompts: more, shorter rounds where a round is short,
+# so the median of the per-round ratios holds still on a noisy machine (docs/benchmarks.md "Side by side"),
 # then transformers `generate` on the same weights (bench/transformers_row.py, reusing engine/bench.py),
 # and prints the markdown table (bench/peers_table.py).
 #
@@ -24,10 +26,10 @@ HF_DIR="${HF_DIR:-$CACHE/models/$MODEL/hf}"
 PEERS_DIR="${PEERS_DIR:-/work/peers-build}"
 LLAMA_SERVER="${LLAMA_SERVER:-$PEERS_DIR/llama.cpp-build/bin/llama-server}"
 CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
-PROMPTS="${PROMPTS:-6 16 64}"            # prompts per run, one per concurrency
+PROMPTS="${PROMPTS:-4 16 64}"            # prompts per run, one per concurrency
 INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-128}"
-ROUNDS="${ROUNDS:-2}"
+ROUNDS="${ROUNDS:-8 4 3}"                # rounds, one per concurrency (or one for all)
 THREADS="${THREADS:-$(nproc)}"
 LLAMA_THREADS="${LLAMA_THREADS:-$THREADS}"   # llama-server -t/-tb
 DTYPE="${DTYPE:-auto}"                       # kvscope engine --dtype (auto|float32|bfloat16); auto = the servers' default
@@ -42,7 +44,12 @@ OUT_DIR="${OUT_DIR:-$PEERS_DIR/results/$(date -u +%Y%m%dT%H%M%SZ)}"
 
 read -r -a CONC <<<"$CONCURRENCIES"
 read -r -a NPROMPTS <<<"$PROMPTS"
+read -r -a NROUNDS <<<"$ROUNDS"
 [[ ${#CONC[@]} -eq ${#NPROMPTS[@]} ]] || { echo "CONCURRENCIES and PROMPTS need as many entries" >&2; exit 2; }
+if [[ ${#NROUNDS[@]} -eq 1 ]]; then
+    for i in "${!CONC[@]}"; do NROUNDS[$i]="${NROUNDS[0]}"; done
+fi
+[[ ${#CONC[@]} -eq ${#NROUNDS[@]} ]] || { echo "ROUNDS needs one entry, or one per concurrency" >&2; exit 2; }
 [[ -f "$GGUF" ]] || { echo "no GGUF at $GGUF (run: kvscope pull $MODEL)" >&2; exit 2; }
 [[ -f "$HF_DIR/tokenizer.json" ]] || { echo "no converted model at $HF_DIR" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
@@ -131,11 +138,11 @@ for i in "${!CONC[@]}"; do
     PIDS+=("$LLAMA_PID")
     wait_http "http://127.0.0.1:$LLAMA_PORT/health" 120
     echo "load average before concurrency $c: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT_DIR/machine.txt"
-    echo "=== concurrency $c: ${NPROMPTS[$i]} prompts × $ROUNDS rounds ==="
+    echo "=== concurrency $c: ${NPROMPTS[$i]} prompts × ${NROUNDS[$i]} rounds ==="
     kvscope bench --base-url "http://127.0.0.1:$ENGINE_PORT" --model "$MODEL" --tokenizer "$HF_DIR" \
         --compare "http://127.0.0.1:$GATEWAY_PORT" --compare "http://127.0.0.1:$LLAMA_PORT" \
         --label "kvscope engine" --label "kvscope gateway" --label "llama.cpp server" "${LCP_ARGS[@]}" \
-        --compare-rounds "$ROUNDS" --endpoint completions --dataset random --input-len "$INPUT_LEN" \
+        --compare-rounds "${NROUNDS[$i]}" --endpoint completions --dataset random --input-len "$INPUT_LEN" \
         --output-len "$OUTPUT_LEN" --ignore-eos --temperature 0 --max-concurrency "$c" \
         --num-prompts "${NPROMPTS[$i]}" --seed 0 --extra-body '{"cache_prompt": false}' --disable-tqdm \
         --save-result "$OUT_DIR/serve-c$c.json" | tee "$OUT_DIR/serve-c$c.txt"
@@ -147,7 +154,7 @@ PIDS=()
 # --- transformers generate (static batch = concurrency), servers stopped -----------------------------------------
 if [[ "$SKIP_TRANSFORMERS" != 1 ]]; then
     python bench/transformers_row.py --model-dir "$HF_DIR" --concurrency "${CONC[@]}" --input-len "$INPUT_LEN" \
-        --output-len "$OUTPUT_LEN" --dtype "${DTYPE/auto/float32}" --rounds "$ROUNDS" --save-result "$OUT_DIR/transformers.json" \
+        --output-len "$OUTPUT_LEN" --dtype "${DTYPE/auto/float32}" --rounds "${NROUNDS[-1]}" --save-result "$OUT_DIR/transformers.json" \
         | tee "$OUT_DIR/transformers.txt"
 fi
 

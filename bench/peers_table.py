@@ -3,6 +3,9 @@
 Reads ``serve-c*.json`` (``kvscope bench --compare`` results: per-endpoint medians over rounds) and
 ``transformers.json`` (bench/transformers_row.py). One row per system and concurrency: output tok/s,
 TTFT p50/p99, TPOT p50/p99 (ms), and the requests that failed or had another output length than requested.
+Then the paired ratios: per concurrency, each system against the first (the kvscope engine), the median over
+rounds of its round's figure ÷ the engine's in the same round, with the lowest and highest round in brackets
+(the spread a reader needs to judge a ratio near a target, e.g. the gateway's "within 5 %").
 
     python bench/peers_table.py /work/peers-build/results/<timestamp>
 """
@@ -10,6 +13,7 @@ TTFT p50/p99, TPOT p50/p99 (ms), and the requests that failed or had another out
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +37,25 @@ def serve_rows(path: Path) -> list[tuple[str, int, list[str]]]:
         rows.append((label, concurrency, cells))
     return rows
 
+RATIO_HEADER = "| concurrency | system ÷ {base} | output tok/s | TTFT p99 | TPOT p50 | rounds |"
+RATIO_FIGURES = ("output_throughput", "p99_ttft_ms", "median_tpot_ms")
+
+
+def ratio_rows(path: Path) -> tuple[str, list[str]]:
+    """(the first endpoint's label, one table row per other endpoint) of one ``serve-c<C>.json``: per figure of
+    :data:`RATIO_FIGURES`, ``median [min–max]`` over rounds of X_r / A_r (a round where A_r is 0 has no ratio and
+    is left out; ``n/a`` when no round has one)."""
+    data = json.loads(path.read_text())
+    concurrency = data["runs"][0][0]["load"]["max_concurrency"]
+    rows = []
+    for e, label in enumerate(data["labels"][1:], start=1):
+        cells = []
+        for name in RATIO_FIGURES:
+            ratios = [row[e][name] / row[0][name] for row in data["runs"] if row[0][name]]
+            cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}]" if ratios else "n/a")
+        rows.append(f"| {concurrency} | {label} | " + " | ".join(cells) + f" | {len(data['runs'])} |")
+    return data["labels"][0], rows
+
 
 def transformers_rows(path: Path) -> list[tuple[str, int, list[str]]]:
     """Rows of ``transformers.json``; a static batch has one TTFT and one TPOT, so p50 = p99."""
@@ -49,7 +72,8 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     folder = Path(argv[0])
-    rows = [r for path in sorted(folder.glob("serve-c*.json")) for r in serve_rows(path)]
+    serve_files = sorted(folder.glob("serve-c*.json"), key=lambda p: int(p.stem.removeprefix("serve-c")))
+    rows = [r for path in serve_files for r in serve_rows(path)]
     if (folder / "transformers.json").is_file():
         rows += transformers_rows(folder / "transformers.json")
     order = list(dict.fromkeys(label for label, _, _ in rows))
@@ -58,6 +82,13 @@ def main(argv: list[str]) -> int:
     print("|" + "---|" * 2 + "---:|" * 6)
     for label, concurrency, cells in rows:
         print(f"| {label} | {concurrency} | " + " | ".join(cells) + " |")
+    ratio_tables = [ratio_rows(path) for path in serve_files]
+    if ratio_tables:
+        print(f"\nPaired ratios: median [lowest–highest] over rounds of each round's figure ÷ {ratio_tables[0][0]}'s")
+        print(RATIO_HEADER.format(base=ratio_tables[0][0]))
+        print("|---|---|---:|---:|---:|---:|")
+        for _, lines in ratio_tables:
+            print("\n".join(lines))
     return 0
 
 

@@ -15,6 +15,16 @@ batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score
 size weighs the same: batch 1 is the latency a lone user sees, batch 32+ the throughput under load); the
 lowest score wins, ties go to the earlier (higher-precision) entry of :data:`FORMATS`.
 
+The probe times matmuls, not decode steps. Where kvscope's CPU kernels are loaded (``kernel_formats``: gguf,
+whose 4-bit blocks they hold) and the probe found the compact int4 kernel faster than the dense one at one row
+or more, gguf's decode step runs as one C++ call up to those rows (engine/models/fused_decode.py) with paged
+decode attention and fused norms around the matmuls above them: the ~1,000 torch ops of an eager step are gone,
+which no matmul timing shows. Then gguf is chosen whatever the matmul scores say (they are still logged).
+Measured, decode ms per step at batch 1 / 32, gguf vs int8: 2-vCPU AMD EPYC (AVX-512 + AVX512_BF16, no AMX)
+5.3 / 31.6 vs 16.6 / 66.8, where the scores tied at 0.49 and the tie went to int8 (a served engine: c=1
+TPOT 13.5 ms, 0.84x llama.cpp's throughput); 2-vCPU AMX Xeon 5.2-6.0 / 33 vs 18.9-22.3 / 64.4
+(docs/benchmarks.md "The format chooser on an AMD EPYC").
+
 Explicit flags win: ``--dtype X`` with ``--quantization auto`` means dense weights in X (no chooser), and an
 explicit ``--quantization`` never reaches this module. Off CPU, auto is ``none`` (the compact kernels are
 CPU-only).
@@ -83,9 +93,12 @@ def format_score(fmt: str, choice: KernelChoice) -> float:
 
 
 def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, source: str = "",
-                  device_type: str = "cpu", has_gguf: bool = True) -> FormatChoice:
+                  device_type: str = "cpu", has_gguf: bool = True,
+                  kernel_formats: tuple[str, ...] = ()) -> FormatChoice:
     """The fastest of ``verified`` on this CPU by ``choice`` (module doc). ``source`` names where the
-    verification comes from (logged); ``has_gguf``: False drops ``gguf`` (the model is not a GGUF). Off CPU,
+    verification comes from (logged); ``has_gguf``: False drops ``gguf`` (the model is not a GGUF);
+    ``kernel_formats``: formats whose weights kvscope's loaded CPU kernels hold (``("gguf",)`` when they
+    loaded), preferred where the probe's compact int4 kernel wins at one row or more (module doc). Off CPU,
     or without a probe: bfloat16 on CUDA, float32 on CPU. Raises ValueError for an unknown format name."""
     unknown = [f for f in verified if f not in FORMATS]
     if unknown:
@@ -97,13 +110,19 @@ def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, sou
         return FormatChoice("float32", "float32", "none", "no kernel probe timings or no verified format: float32")
     scores = {f: round(format_score(f, choice), 4) for f in candidates}
     best = min(candidates, key=lambda f: (scores[f], candidates.index(f)))
+    listed = ", ".join(f"{f} {scores[f]:.2f}" for f in candidates)
+    probe = f"the start-up probe (cost vs float32, geometric mean over {len(probe_rows(choice))} batch sizes: {listed})"
+    fused_rows = choice.max_rows.get("int4", 0)
+    if "gguf" in candidates and "gguf" in kernel_formats and fused_rows >= 1:
+        best = "gguf"
+        reason = (f"kvscope's CPU kernels run gguf's decode step (fused up to {fused_rows} rows, where the int4 "
+                  f"kernel beats the dense one), which the matmul probe does not time; {probe}")
+    else:
+        reason = f"fastest verified format by {probe}"
     dtype, quantization = FORMATS[best]
     if dtype == "auto":
         dtype = str(choice.dense_dtype).removeprefix("torch.")
-    listed = ", ".join(f"{f} {scores[f]:.2f}" for f in candidates)
-    reason = (f"fastest verified format by the start-up probe (cost vs float32, geometric mean over "
-              f"{len(probe_rows(choice))} batch sizes: {listed}); verified: {', '.join(verified)}"
-              f"{f' ({source})' if source else ''}")
+    reason += f"; verified: {', '.join(verified)}{f' ({source})' if source else ''}"
     return FormatChoice(best, dtype, quantization, reason, scores)
 
 

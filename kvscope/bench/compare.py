@@ -1,8 +1,13 @@
-"""``--compare``: the same workload against several endpoints in alternation (A B A B … or A B C A B C …).
+"""``--compare``: the same workload against several endpoints in alternation (A B, B A, A B … or A B C, B C A,
+C A B, …).
 
 Round r sends the same prompts (dataset seed + r) to every endpoint, one endpoint after the other, so slow
-drifts of a shared, noisy machine hit all endpoints alike. Each figure is reported per endpoint as the median
-over rounds, and as a ratio to endpoint A: the median over rounds of (X_r / A_r), the paired comparison.
+drifts of a shared, noisy machine hit all endpoints alike; the order rotates by one endpoint each round
+(counterbalanced), so no endpoint always runs first, or always right after the same other one. Why: on the
+2-vCPU VMs of docs/benchmarks.md the same engine's single-stream tok/s moved 131 -> 192 -> 184 between
+consecutive rounds, and an endpoint that always ran right after llama.cpp (or first in every round) carried
+that position's drift in every pair. Each figure is reported per endpoint as the median over rounds, and as a
+ratio to endpoint A: the median over rounds of (X_r / A_r), the paired comparison.
 """
 
 from __future__ import annotations
@@ -53,22 +58,24 @@ async def run_comparison(endpoints: Sequence[EndpointConfig], make_samples: Call
                          load: LoadConfig, rounds: int, *, progress: bool = True,
                          on_run: Callable[[int, str, RunResult], None] | None = None) -> Comparison:
     """Run ``rounds`` rounds; ``make_samples(r)`` gives round r's prompts (shared by every endpoint in it).
-    ``on_run(round, label, result)`` is called after each run. Raises ValueError if rounds < 1 or fewer than
-    two endpoints."""
+    Round r (from 0) runs the endpoints in the order r, r + 1, … (mod their number): A B C, B C A, C A B, ….
+    ``on_run(round, label, result)`` is called after each run, in the order they ran. Raises ValueError if
+    rounds < 1 or fewer than two endpoints."""
     if rounds < 1 or len(endpoints) < 2:
         raise ValueError("a comparison needs at least 1 round and 2 endpoints")
     labels = [chr(ord("A") + i) for i in range(len(endpoints))]
     runs = []
     for r in range(rounds):
         samples = make_samples(r)
-        row = []
-        for label, endpoint in zip(labels, endpoints, strict=True):
-            result = await run_benchmark(endpoint, samples, load, progress=progress,
-                                         label=f"round {r + 1}/{rounds} {label}")
+        row: list[RunResult | None] = [None] * len(endpoints)
+        for i in range(len(endpoints)):
+            e = (r + i) % len(endpoints)
+            result = await run_benchmark(endpoints[e], samples, load, progress=progress,
+                                         label=f"round {r + 1}/{rounds} {labels[e]}")
             if on_run:
-                on_run(r, label, result)
-            row.append(result)
-        runs.append(row)
+                on_run(r, labels[e], result)
+            row[e] = result
+        runs.append([result for result in row if result is not None])
     return Comparison(labels, list(endpoints), runs)
 
 

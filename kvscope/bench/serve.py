@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the same workload against URL too, alternating A B A B … (repeatable)")
     p.add_argument("--compare-model", action="append", default=[], metavar="NAME",
                    help="model field for each --compare URL (default: the same as A)")
-    p.add_argument("--compare-rounds", type=int, default=3, help="rounds of A B … (default 3)")
+    p.add_argument("--compare-rounds", type=int, default=3,
+                   help="rounds; each runs every endpoint once, in an order rotated by one each round (default 3)")
     p.add_argument("--label", action="append", default=[], help="names of A, B, … in output (repeatable)")
     return p
 

@@ -1,5 +1,5 @@
 """The ``kvscope bench`` CLI end to end over a MockTransport: request bodies, the JSON result file, the
-A B A B alternation of ``--compare`` and its ratios, exit codes."""
+rotated alternation of ``--compare`` (A B C, B C A, …) and its ratios, exit codes."""
 
 from __future__ import annotations
 
@@ -64,20 +64,25 @@ def test_single_run_writes_every_request(served, tmp_path, capsys):
 def test_compare_alternates_endpoints_and_reports_ratios(served, tmp_path, capsys):
     seen, common = served
     out_file = tmp_path / "cmp.json"
-    rc = main(["--base-url", "http://a:1", "--compare", "http://b:2", "--compare-rounds", "2", "--num-prompts",
-               "2", "--label", "engine", "--label", "peer", "--save-result", str(out_file), *common])
+    rc = main(["--base-url", "http://a:1", "--compare", "http://b:2", "--compare", "http://c:3", "--compare-rounds",
+               "4", "--num-prompts", "2", "--label", "engine", "--label", "peer", "--label", "other",
+               "--save-result", str(out_file), *common])
     assert rc == 0
     hosts = [host for host, _ in seen]
-    collapsed = [h for i, h in enumerate(hosts) if i == 0 or hosts[i - 1] != h]
-    assert collapsed == ["a", "b", "a", "b"]
-    assert hosts.count("a") == hosts.count("b") == 2 * (1 + 2)
+    runs = [hosts[i:i + 3] for i in range(0, len(hosts), 3)]  # each run: its warm-up and 2 prompts
+    assert all(len(set(run)) == 1 for run in runs)
+    # the order rotates each round (counterbalanced): A B C, B C A, C A B, A B C
+    assert [run[0] for run in runs] == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    out = capsys.readouterr().out
+    assert [line.split()[2] for line in out.splitlines() if line.startswith("round ")] == list("ABCBCACABABC")
     result = json.loads(out_file.read_text())
-    assert result["labels"] == ["engine", "peer"] and len(result["runs"]) == 2
+    assert result["labels"] == ["engine", "peer", "other"] and len(result["runs"]) == 4
+    assert [[run["label"] for run in row] for row in result["runs"]] == [["engine", "peer", "other"]] * 4
     prompts = [[run["requests"][0]["prompt_len"] for run in row] for row in result["runs"]]
-    assert prompts == [[6, 6], [6, 6]]
+    assert prompts == [[6, 6, 6]] * 4
     assert result["figures"]["output_throughput"][0] > 0
     assert set(result["ratios"]) >= {"output_throughput", "median_ttft_ms", "p99_tpot_ms"}
-    assert "peer/engine" in capsys.readouterr().out
+    assert "peer/engine" in out and "other/engine" in out
 
 
 def test_failed_warmup_and_bad_arguments_exit_nonzero(served, capsys):

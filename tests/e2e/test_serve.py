@@ -107,12 +107,14 @@ def _check_children(running: Serve) -> None:
 
 def _check_default_format(running: Serve) -> None:
     """No --dtype/--quantization: the engine picks the fastest verified format (smollm2-135m: float32, bfloat16,
-    int8 or gguf by its start-up probe), logs why, and serve prints the same format from the engine's card."""
+    int8 or gguf by its start-up probe; gguf where kvscope's CPU kernels run its decode step), logs why, and serve
+    prints the same format from the engine's card."""
     import re
 
     text = running.output.read_text(errors="replace")
-    engine_line = re.search(r"weights format: dtype (\w+), quantization (\w+) \(fastest verified format by the "
-                            r"start-up probe .*verified: float32, bfloat16, int8, gguf \(kvscope eval ppl, 13,613 tokens", text)
+    engine_line = re.search(r"weights format: dtype (\w+), quantization (\w+) \((?:fastest verified format by |kvscope's "
+                            r"CPU kernels run gguf's decode step .*?)the start-up probe .*verified: float32, bfloat16, "
+                            r"int8, gguf \(kvscope eval ppl, 13,613 tokens", text)
     serve_line = re.search(r"engine weight format: dtype (\w+), quantization (\w+), weights \d+ MiB", text)
     assert engine_line is not None and serve_line is not None, text[-3000:]
     assert engine_line.groups() == serve_line.groups()

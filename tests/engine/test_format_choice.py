@@ -106,6 +106,51 @@ def test_gguf_is_scored_on_the_amx_matmul_where_the_engine_runs_it() -> None:
     assert choose_format(SMOLLM2, no_amx).scores["gguf"] == 0.4038
 
 
+# The 2-vCPU AMD EPYC (AVX-512 + AVX512_BF16, no AMX) of 2026-12-02, its start-up probe as logged: int4 and int8
+# beat bfloat16 at 1-2 rows and hand over to the same dense copy above, so the matmul scores tie at 0.49.
+EPYC_2026_12_02 = probe(torch.bfloat16, {"int4": 2, "int8": 2},
+                        float32=(0.479, 0.301, 0.242, 0.254, 0.351, 0.605, 1.092),
+                        bfloat16=(0.196, 0.156, 0.13, 0.151, 0.202, 0.343, 0.626),
+                        int4=(0.152, 0.108, 0.166, 0.324, 0.631, 1.257, 2.556),
+                        int8=(0.156, 0.103, 0.146, 0.285, 0.559, 1.188, 2.227))
+
+
+def test_gguf_wins_where_the_cpu_kernels_run_its_decode_step() -> None:
+    # the tie went to int8, whose decode step is 3x slower there at batch 1 and 2x at batch 32 (module doc)
+    by_probe = choose_format(SMOLLM2, EPYC_2026_12_02)
+    assert by_probe.format == "int8" and (by_probe.scores["int8"], by_probe.scores["gguf"]) == (0.4887, 0.4902)
+    assert by_probe.reason.startswith("fastest verified format by the start-up probe")
+    picked = choose_format(SMOLLM2, EPYC_2026_12_02, source="test table", kernel_formats=("gguf",))
+    assert (picked.format, picked.dtype, picked.quantization) == ("gguf", "bfloat16", "gguf")
+    assert picked.scores == by_probe.scores
+    assert picked.reason == (
+        "kvscope's CPU kernels run gguf's decode step (fused up to 2 rows, where the int4 kernel beats the dense "
+        "one), which the matmul probe does not time; the start-up probe (cost vs float32, geometric mean over 7 "
+        "batch sizes: float32 1.00, bfloat16 0.54, int8 0.49, gguf 0.49); verified: float32, bfloat16, int8, "
+        "gguf (test table)")
+    # not where the int4 kernel never wins (no fused rows), the model has no GGUF, or gguf is not verified
+    assert choose_format(SMOLLM2, COMPACT_NEVER_WINS, kernel_formats=("gguf",)).format == "bfloat16"
+    assert choose_format(SMOLLM2, EPYC_2026_12_02, has_gguf=False, kernel_formats=("gguf",)).format == "int8"
+    assert choose_format(("float32", "bfloat16", "int8"), EPYC_2026_12_02, kernel_formats=("gguf",)).format == "int8"
+
+
+def test_the_loader_passes_the_loaded_kernels_to_the_chooser(monkeypatch) -> None:
+    seen = {}
+
+    def fake_choose(verified, kernels, **kwargs):
+        seen.update(kwargs)
+        return choose_format(verified, kernels, **kwargs)
+
+    monkeypatch.setattr(loader, "choose_format", fake_choose)
+    config = ModelConfig(model="smollm2-135m", dtype="auto", quantization="auto")
+    cpu = torch.device("cpu")
+    fmt = loader.resolve_format(config, cpu, EPYC_2026_12_02, None, kernel_formats=("gguf",))
+    assert seen["kernel_formats"] == ("gguf",) and fmt.format == "int8"  # no GGUF file: has_gguf False
+    assert loader.resolve_format(config, cpu, EPYC_2026_12_02, loader.Path("x.gguf"),
+                                 kernel_formats=("gguf",)).format == "gguf"
+    assert loader.resolve_format(config, cpu, EPYC_2026_12_02, loader.Path("x.gguf")).format == "int8"
+
+
 def test_off_cpu_and_without_a_probe_and_unknown_names() -> None:
     assert (choose_format(SMOLLM2, None, device_type="cuda").dtype,
             choose_format(SMOLLM2, None, device_type="cuda").quantization) == ("bfloat16", "none")
@@ -202,4 +247,6 @@ def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPat
     per_block = 30 * 2 * 16 * 3 * 64 * 2  # bf16 KV: layers x (K, V) x block x kv_heads x head_dim x 2 B
     assert info.num_blocks == (budget - info.weights_bytes) // per_block
     assert info.kv_cache_bytes == info.num_blocks * per_block
-    assert info.format_reason == choose_format(SMOLLM2, XEON_AMX, source=verified_formats("smollm2-135m")[1]).reason
+    kernel_formats = ("gguf",) if engine.model.load_report.cpu_kernels.ok else ()
+    assert info.format_reason == choose_format(SMOLLM2, XEON_AMX, source=verified_formats("smollm2-135m")[1],
+                                               kernel_formats=kernel_formats).reason
