@@ -37,6 +37,7 @@ def serve_rows(path: Path) -> list[tuple[str, int, list[str]]]:
         rows.append((label, concurrency, cells))
     return rows
 
+
 RATIO_HEADER = "| concurrency | system ÷ {base} | output tok/s | TTFT p99 | TPOT p50 | rounds |"
 RATIO_FIGURES = ("output_throughput", "p99_ttft_ms", "median_tpot_ms")
 
@@ -52,7 +53,8 @@ def ratio_rows(path: Path) -> tuple[str, list[str]]:
         cells = []
         for name in RATIO_FIGURES:
             ratios = [row[e][name] / row[0][name] for row in data["runs"] if row[0][name]]
-            cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}]" if ratios else "n/a")
+            cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}]"
+                         if ratios else "n/a")
         rows.append(f"| {concurrency} | {label} | " + " | ".join(cells) + f" | {len(data['runs'])} |")
     return data["labels"][0], rows
 
@@ -84,8 +86,9 @@ def main(argv: list[str]) -> int:
         print(f"| {label} | {concurrency} | " + " | ".join(cells) + " |")
     ratio_tables = [ratio_rows(path) for path in serve_files]
     if ratio_tables:
-        print(f"\nPaired ratios: median [lowest–highest] over rounds of each round's figure ÷ {ratio_tables[0][0]}'s")
-        print(RATIO_HEADER.format(base=ratio_tables[0][0]))
+        base = ratio_tables[0][0]
+        print(f"\nPaired ratios: median [lowest–highest] over rounds of each round's figure ÷ {base}'s")
+        print(RATIO_HEADER.format(base=base))
         print("|---|---|---:|---:|---:|---:|")
         for _, lines in ratio_tables:
             print("\n".join(lines))

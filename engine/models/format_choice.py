@@ -11,8 +11,8 @@ probe found it faster than the dense copy: ``int4_amx@n``), and the dense copy a
 :class:`engine.models.quant.CompactLinearKernel` switches (``runs_batched``). Leaving the AMX rows out scored
 gguf at the dense copy's cost there, level with int8 (0.40 vs 0.43 on the 2-vCPU Xeon), and the noise of one
 start-up probe then picked int8 on some starts: 22 vs 6 ms a decode step at batch 1 and 64 vs 33 ms at
-batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score is the geometric mean over the probed row counts of cost / float32 cost (every batch
-size weighs the same: batch 1 is the latency a lone user sees, batch 32+ the throughput under load); the
+batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score is the geometric mean over
+the probed row counts of cost / float32 cost (every batch size weighs the same: batch 1 is the latency a lone user sees, batch 32+ the throughput under load); the
 lowest score wins, ties go to the earlier (higher-precision) entry of :data:`FORMATS`.
 
 The probe times matmuls, not decode steps. Where kvscope's CPU kernels are loaded (``kernel_formats``: gguf,
@@ -111,7 +111,8 @@ def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, sou
     scores = {f: round(format_score(f, choice), 4) for f in candidates}
     best = min(candidates, key=lambda f: (scores[f], candidates.index(f)))
     listed = ", ".join(f"{f} {scores[f]:.2f}" for f in candidates)
-    probe = f"the start-up probe (cost vs float32, geometric mean over {len(probe_rows(choice))} batch sizes: {listed})"
+    probe = (f"the start-up probe (cost vs float32, geometric mean over {len(probe_rows(choice))} batch sizes: "
+             f"{listed})")
     fused_rows = choice.max_rows.get("int4", 0)
     if "gguf" in candidates and "gguf" in kernel_formats and fused_rows >= 1:
         best = "gguf"

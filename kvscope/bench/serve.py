@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-result", help="write every request's timings and the figures as JSON here")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--compare", action="append", default=[], metavar="URL",
-                   help="run the same workload against URL too, alternating A B A B … (repeatable)")
+                   help="run the same workload against URL too, in rounds: A B, B A, … (repeatable)")
     p.add_argument("--compare-model", action="append", default=[], metavar="NAME",
                    help="model field for each --compare URL (default: the same as A)")
     p.add_argument("--compare-rounds", type=int, default=3,
