@@ -12,8 +12,9 @@ probe found it faster than the dense copy: ``int4_amx@n``), and the dense copy a
 gguf at the dense copy's cost there, level with int8 (0.40 vs 0.43 on the 2-vCPU Xeon), and the noise of one
 start-up probe then picked int8 on some starts: 22 vs 6 ms a decode step at batch 1 and 64 vs 33 ms at
 batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score is the geometric mean over
-the probed row counts of cost / float32 cost (every batch size weighs the same: batch 1 is the latency a lone user sees, batch 32+ the throughput under load); the
-lowest score wins, ties go to the earlier (higher-precision) entry of :data:`FORMATS`.
+the probed row counts of cost / float32 cost (every batch size weighs the same: batch 1 is the latency a lone
+user sees, batch 32+ the throughput under load); the lowest score wins, ties go to the earlier
+(higher-precision) entry of :data:`FORMATS`.
 
 The probe times matmuls, not decode steps. Where kvscope's CPU kernels are loaded (``kernel_formats``: gguf,
 whose 4-bit blocks they hold) and the probe found the compact int4 kernel faster than the dense one at one row
