@@ -92,23 +92,38 @@ def _flags(llm: LLM) -> set[bool]:
     return {m.cpu_op for m in llm.engine.model.modules() if isinstance(m, (RMSNorm, MLP, Attention))}
 
 
+NOISE = 0.05
+"""Largest logprob difference allowed between kvscope's ops and torch's in one bfloat16 model."""
+
+
 def test_the_default_format_uses_them_and_its_tokens_match_torchs_ops() -> None:
-    """bfloat16/gguf with kvscope's kernels turns the ops on; switched off in the same model, prefill logits stay
-    within bfloat16 noise and the greedy continuation is the same."""
-    llm = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=32 << 20, num_threads=2)
+    """bfloat16/gguf with kvscope's kernels turns the ops on. Teacher-forced over the prompt and a greedy
+    continuation, the same model with the ops switched off gives every token a logprob within :data:`NOISE`, and
+    the same top token at every position unless torch's top two are within :data:`NOISE` (a near-tie).
+
+    Teacher-forced, not two greedy generations compared: generation decodes through the fused decode step (its
+    Q8_0 LM head, kernels chosen by the start-up probe), and on the 2-vCPU AMD EPYC two runs of the old test
+    disagreed at the sixth greedy token, where the top token leads the next two by 0.125. Prefix caching off:
+    a cached block has no prompt logprobs."""
+    llm = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=32 << 20, num_threads=2,
+              enable_prefix_caching=False)
     assert _flags(llm) == {True}
     model = llm.engine.model
     prompt = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    with_ops = llm.generate([prompt], greedy)[0]
+    continuation = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    tokens = prompt + continuation.outputs[0].token_ids
+    forced = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    with_ops = llm.generate([tokens], forced)[0].prompt_logprobs[1:]
     for module in model.modules():
         if isinstance(module, (RMSNorm, MLP, Attention)):
             module.cpu_op = False
-    with_torch = llm.generate([prompt], greedy)[0]
-    assert with_ops.outputs[0].token_ids == with_torch.outputs[0].token_ids
-    ours = [p.logprob for p in with_ops.prompt_logprobs[1:]]
-    theirs = [p.logprob for p in with_torch.prompt_logprobs[1:]]
-    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 0.05
+    assert _flags(llm) == {False}
+    with_torch = llm.generate([tokens], forced)[0].prompt_logprobs[1:]
+    assert len(with_ops) == len(with_torch) == len(tokens) - 1
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(with_ops, with_torch, strict=True)) < NOISE
+    for ours, theirs in zip(with_ops, with_torch, strict=True):
+        (top, best), (_, second) = theirs.top[:2]
+        assert ours.top[0][0] == top or best - second < NOISE
 
 
 def test_torch_kernels_and_float32_keep_torchs_ops() -> None:
