@@ -21,9 +21,8 @@ HEADER = ("| system | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms)
           "| failed / length mismatches |")
 
 
-def serve_rows(path: Path) -> list[tuple[str, int, list[str]]]:
-    """Rows of one ``serve-c<C>.json``: (label, concurrency, cells)."""
-    data = json.loads(path.read_text())
+def serve_rows(data: dict) -> list[tuple[str, int, list[str]]]:
+    """Rows of one parsed ``serve-c<C>.json``: (label, concurrency, cells)."""
     concurrency = data["runs"][0][0]["load"]["max_concurrency"]
     figures = data["figures"]
     rows = []
@@ -42,11 +41,10 @@ RATIO_HEADER = "| concurrency | system ÷ {base} | output tok/s | TTFT p99 | TPO
 RATIO_FIGURES = ("output_throughput", "p99_ttft_ms", "median_tpot_ms")
 
 
-def ratio_rows(path: Path) -> tuple[str, list[str]]:
-    """(the first endpoint's label, one table row per other endpoint) of one ``serve-c<C>.json``: per figure of
-    :data:`RATIO_FIGURES`, ``median [min–max]`` over rounds of X_r / A_r (a round where A_r is 0 has no ratio and
-    is left out; ``n/a`` when no round has one)."""
-    data = json.loads(path.read_text())
+def ratio_rows(data: dict) -> tuple[str, list[str]]:
+    """(the first endpoint's label, one table row per other endpoint) of one parsed ``serve-c<C>.json``: per
+    figure of :data:`RATIO_FIGURES`, ``median [min–max]`` over rounds of X_r / A_r (a round where A_r is 0 has
+    no ratio and is left out; ``n/a`` when no round has one)."""
     concurrency = data["runs"][0][0]["load"]["max_concurrency"]
     rows = []
     for e, label in enumerate(data["labels"][1:], start=1):
@@ -75,7 +73,8 @@ def main(argv: list[str]) -> int:
         return 2
     folder = Path(argv[0])
     serve_files = sorted(folder.glob("serve-c*.json"), key=lambda p: int(p.stem.removeprefix("serve-c")))
-    rows = [r for path in serve_files for r in serve_rows(path)]
+    serves = [json.loads(path.read_text()) for path in serve_files]
+    rows = [r for data in serves for r in serve_rows(data)]
     if (folder / "transformers.json").is_file():
         rows += transformers_rows(folder / "transformers.json")
     order = list(dict.fromkeys(label for label, _, _ in rows))
@@ -84,7 +83,7 @@ def main(argv: list[str]) -> int:
     print("|" + "---|" * 2 + "---:|" * 6)
     for label, concurrency, cells in rows:
         print(f"| {label} | {concurrency} | " + " | ".join(cells) + " |")
-    ratio_tables = [ratio_rows(path) for path in serve_files]
+    ratio_tables = [ratio_rows(data) for data in serves]
     if ratio_tables:
         base = ratio_tables[0][0]
         print(f"\nPaired ratios: median [lowest–highest] over rounds of each round's figure ÷ {base}'s")

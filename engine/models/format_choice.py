@@ -16,8 +16,8 @@ the probed row counts of cost / float32 cost (every batch size weighs the same: 
 user sees, batch 32+ the throughput under load); the lowest score wins, ties go to the earlier
 (higher-precision) entry of :data:`FORMATS`.
 
-The probe times matmuls, not decode steps. Where kvscope's CPU kernels are loaded (``kernel_formats``: gguf,
-whose 4-bit blocks they hold) and the probe found the compact int4 kernel faster than the dense one at one row
+The probe times matmuls, not decode steps. Where kvscope's CPU kernels are loaded (``cpu_kernels``: they hold
+gguf's 4-bit blocks) and the probe found the compact int4 kernel faster than the dense one at one row
 or more, gguf's decode step runs as one C++ call up to those rows (engine/models/fused_decode.py) with paged
 decode attention and fused norms around the matmuls above them: the ~1,000 torch ops of an eager step are gone,
 which no matmul timing shows. Then gguf is chosen whatever the matmul scores say (they are still logged).
@@ -95,11 +95,11 @@ def format_score(fmt: str, choice: KernelChoice) -> float:
 
 def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, source: str = "",
                   device_type: str = "cpu", has_gguf: bool = True,
-                  kernel_formats: tuple[str, ...] = ()) -> FormatChoice:
+                  cpu_kernels: bool = False) -> FormatChoice:
     """The fastest of ``verified`` on this CPU by ``choice`` (module doc). ``source`` names where the
     verification comes from (logged); ``has_gguf``: False drops ``gguf`` (the model is not a GGUF);
-    ``kernel_formats``: formats whose weights kvscope's loaded CPU kernels hold (``("gguf",)`` when they
-    loaded), preferred where the probe's compact int4 kernel wins at one row or more (module doc). Off CPU,
+    ``cpu_kernels``: kvscope's CPU kernels loaded, so gguf is preferred where the probe's compact int4 kernel
+    wins at one row or more (module doc). Off CPU,
     or without a probe: bfloat16 on CUDA, float32 on CPU. Raises ValueError for an unknown format name."""
     unknown = [f for f in verified if f not in FORMATS]
     if unknown:
@@ -115,7 +115,7 @@ def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, sou
     probe = (f"the start-up probe (cost vs float32, geometric mean over {len(probe_rows(choice))} batch sizes: "
              f"{listed})")
     fused_rows = choice.max_rows.get("int4", 0)
-    if "gguf" in candidates and "gguf" in kernel_formats and fused_rows >= 1:
+    if cpu_kernels and "gguf" in candidates and fused_rows >= 1:
         best = "gguf"
         reason = (f"kvscope's CPU kernels run gguf's decode step (fused up to {fused_rows} rows, where the int4 "
                   f"kernel beats the dense one), which the matmul probe does not time; {probe}")

@@ -163,7 +163,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     kernels = probe_cpu_kernels() if device.type == "cpu" and (
         model_config.dtype == "auto" or model_config.quantization not in ("none", "auto")) else None
     fmt = resolve_format(model_config, device, kernels, gguf_path,
-                         kernel_formats=("gguf",) if cpu_kernels is not None and cpu_kernels.ok else ())
+                         cpu_kernels=cpu_kernels is not None and cpu_kernels.ok)
     dtype = DTYPES[fmt.dtype]
     model = build_model(hf_config, dtype, device, model_dir)
     check_sliding_window(model.config, model_config.max_model_len or hf_config["max_position_embeddings"])
@@ -197,16 +197,16 @@ def load_cpu_kernels(root: Path) -> BuildResult:
 
 
 def resolve_format(model_config: ModelConfig, device: torch.device, kernels: KernelChoice | None,
-                   gguf_path: Path | None, kernel_formats: tuple[str, ...] = ()) -> FormatChoice:
+                   gguf_path: Path | None, cpu_kernels: bool = False) -> FormatChoice:
     """The weight format to load: ``--quantization auto`` with ``--dtype auto`` asks
-    :func:`engine.models.format_choice.choose_format` (the model's verified formats, the probe, the formats
-    kvscope's loaded CPU kernels hold: ``kernel_formats``); an explicit ``--dtype`` with ``auto`` pins dense
-    weights in it; explicit flags are kept as given (dtype auto resolved).
+    :func:`engine.models.format_choice.choose_format` (the model's verified formats, the probe, whether
+    kvscope's CPU kernels loaded: ``cpu_kernels``); an explicit ``--dtype`` with ``auto`` pins dense weights in
+    it; explicit flags are kept as given (dtype auto resolved).
     """
     if model_config.quantization == "auto" and model_config.dtype == "auto":
         verified, source = verified_formats(model_config.model)
         return choose_format(verified, kernels, source=source, device_type=device.type,
-                             has_gguf=gguf_path is not None, kernel_formats=kernel_formats)
+                             has_gguf=gguf_path is not None, cpu_kernels=cpu_kernels)
     dtype = str(resolve_dtype(model_config.dtype, device, kernels)).removeprefix("torch.")
     if model_config.quantization == "auto":
         return pinned_format(dtype, "none", f"--dtype {model_config.dtype} given: dense weights")

@@ -67,15 +67,14 @@ async def run_comparison(endpoints: Sequence[EndpointConfig], make_samples: Call
     runs = []
     for r in range(rounds):
         samples = make_samples(r)
-        row: list[RunResult | None] = [None] * len(endpoints)
+        row: dict[int, RunResult] = {}
         for i in range(len(endpoints)):
             e = (r + i) % len(endpoints)
-            result = await run_benchmark(endpoints[e], samples, load, progress=progress,
+            row[e] = await run_benchmark(endpoints[e], samples, load, progress=progress,
                                          label=f"round {r + 1}/{rounds} {labels[e]}")
             if on_run:
-                on_run(r, labels[e], result)
-            row[e] = result
-        runs.append([result for result in row if result is not None])
+                on_run(r, labels[e], row[e])
+        runs.append([row[e] for e in range(len(endpoints))])
     return Comparison(labels, list(endpoints), runs)
 
 

@@ -120,7 +120,7 @@ def test_gguf_wins_where_the_cpu_kernels_run_its_decode_step() -> None:
     by_probe = choose_format(SMOLLM2, EPYC_2026_12_02)
     assert by_probe.format == "int8" and (by_probe.scores["int8"], by_probe.scores["gguf"]) == (0.4887, 0.4902)
     assert by_probe.reason.startswith("fastest verified format by the start-up probe")
-    picked = choose_format(SMOLLM2, EPYC_2026_12_02, source="test table", kernel_formats=("gguf",))
+    picked = choose_format(SMOLLM2, EPYC_2026_12_02, source="test table", cpu_kernels=True)
     assert (picked.format, picked.dtype, picked.quantization) == ("gguf", "bfloat16", "gguf")
     assert picked.scores == by_probe.scores
     assert picked.reason == (
@@ -129,9 +129,9 @@ def test_gguf_wins_where_the_cpu_kernels_run_its_decode_step() -> None:
         "batch sizes: float32 1.00, bfloat16 0.54, int8 0.49, gguf 0.49); verified: float32, bfloat16, int8, "
         "gguf (test table)")
     # not where the int4 kernel never wins (no fused rows), the model has no GGUF, or gguf is not verified
-    assert choose_format(SMOLLM2, COMPACT_NEVER_WINS, kernel_formats=("gguf",)).format == "bfloat16"
-    assert choose_format(SMOLLM2, EPYC_2026_12_02, has_gguf=False, kernel_formats=("gguf",)).format == "int8"
-    assert choose_format(("float32", "bfloat16", "int8"), EPYC_2026_12_02, kernel_formats=("gguf",)).format == "int8"
+    assert choose_format(SMOLLM2, COMPACT_NEVER_WINS, cpu_kernels=True).format == "bfloat16"
+    assert choose_format(SMOLLM2, EPYC_2026_12_02, has_gguf=False, cpu_kernels=True).format == "int8"
+    assert choose_format(("float32", "bfloat16", "int8"), EPYC_2026_12_02, cpu_kernels=True).format == "int8"
 
 
 def test_the_loader_passes_the_loaded_kernels_to_the_chooser(monkeypatch) -> None:
@@ -144,10 +144,10 @@ def test_the_loader_passes_the_loaded_kernels_to_the_chooser(monkeypatch) -> Non
     monkeypatch.setattr(loader, "choose_format", fake_choose)
     config = ModelConfig(model="smollm2-135m", dtype="auto", quantization="auto")
     cpu = torch.device("cpu")
-    fmt = loader.resolve_format(config, cpu, EPYC_2026_12_02, None, kernel_formats=("gguf",))
-    assert seen["kernel_formats"] == ("gguf",) and fmt.format == "int8"  # no GGUF file: has_gguf False
+    fmt = loader.resolve_format(config, cpu, EPYC_2026_12_02, None, cpu_kernels=True)
+    assert seen["cpu_kernels"] is True and fmt.format == "int8"  # no GGUF file: has_gguf False
     assert loader.resolve_format(config, cpu, EPYC_2026_12_02, loader.Path("x.gguf"),
-                                 kernel_formats=("gguf",)).format == "gguf"
+                                 cpu_kernels=True).format == "gguf"
     assert loader.resolve_format(config, cpu, EPYC_2026_12_02, loader.Path("x.gguf")).format == "int8"
 
 
@@ -247,6 +247,5 @@ def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPat
     per_block = 30 * 2 * 16 * 3 * 64 * 2  # bf16 KV: layers x (K, V) x block x kv_heads x head_dim x 2 B
     assert info.num_blocks == (budget - info.weights_bytes) // per_block
     assert info.kv_cache_bytes == info.num_blocks * per_block
-    kernel_formats = ("gguf",) if engine.model.load_report.cpu_kernels.ok else ()
     assert info.format_reason == choose_format(SMOLLM2, XEON_AMX, source=verified_formats("smollm2-135m")[1],
-                                               kernel_formats=kernel_formats).reason
+                                               cpu_kernels=engine.model.load_report.cpu_kernels.ok).reason
