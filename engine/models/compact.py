@@ -10,8 +10,8 @@
 Every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stays dense in ``--dtype``, and so does the LM
 head under int4/gguf. With kvscope's own CPU kernels (``pair_kernels``, kernels/cpu_decode.py) the int4 layers are
 stored in those kernels' layout (the same codes, d and min) and the model gets ``decode_head``, an 8-bit Q8_0 copy
-of the LM head (blocks of 32, llama.cpp's type for SmolLM2's tied ``token_embd``) that only the fused decode step
-reads; every other logits computation keeps the dense head. Each compact layer keeps a dense oneDNN-packed copy for batches above
+of the LM head (blocks of 32, llama.cpp's type for SmolLM2's tied ``token_embd``) that the fused decode step and
+every one-row logits computation read; logits of more rows (batched decode, prompt logprobs) keep the dense head. Each compact layer keeps a dense oneDNN-packed copy for batches above
 the crossover :func:`engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
 """
 
@@ -95,8 +95,8 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelCho
         model.logits_kernel = _kernel(Int8Weight.from_float(embed), embed, None, choice)
         counts["quantized"] += 1
     elif pair_kernels and quantization in ("int4", "gguf") and model.config.hidden_size % PAIR == 0:
-        # the Q8_0 LM head of the fused decode step only (engine/models/fused_decode.py); prefill, prompt logprobs
-        # and batched decode keep the dense head (compute_logits), as with torch's kernels
+        # the Q8_0 LM head of the fused decode step (engine/models/fused_decode.py) and of one-row logits; prompt
+        # logprobs and batched decode keep the dense head (compute_logits), as with torch's kernels
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         model.decode_head = PairBlocks.q8_from_float(head)
     report = QuantReport(quantization, **counts)

@@ -231,7 +231,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] → logits float32 [N, vocab_size] (tied: the embedding matrix)."""
+        """hidden [N, hidden_size] → logits float32 [N, vocab_size] (tied: the embedding matrix). One row goes
+        through the 8-bit ``decode_head`` where there is one, as in the fused decode step: the first token of a
+        lone prompt comes from the same head as the tokens after it, in 0.6 instead of 1.6 ms (SmolLM2's 49,152 ×
+        576 head, 2 threads, AMD EPYC: a GEMV reads the weights once, 28 instead of 57 MB)."""
+        if self.decode_head is not None and hidden.shape[0] == 1 and not torch.is_grad_enabled() and \
+                hidden.dtype in (torch.float32, torch.bfloat16):
+            return self.decode_head.matmul(hidden.contiguous())
         if self.logits_kernel is not None and not torch.is_grad_enabled():
             return self.logits_kernel(hidden).float()
         if not self.config.tie_word_embeddings:

@@ -79,6 +79,20 @@ def test_prompt_logprobs_and_drafts_keep_the_eager_decoder(compact_llm, monkeypa
     assert len(calls) < 15  # steps with a draft (1 + k rows per request) ran eager
 
 
+def test_one_row_logits_come_from_the_decode_head(compact_llm) -> None:
+    """One row's logits (a lone prompt's first token) are the Q8_0 ``decode_head``'s, as in the fused step; two
+    or more rows (batched prefills, prompt logprobs) keep the dense head."""
+    model = compact_llm.engine.model
+    hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.inference_mode():
+        one = model.compute_logits(hidden[1:])
+        two = model.compute_logits(hidden)
+        assert torch.equal(one, model.decode_head.matmul(hidden[1:]))
+        assert torch.equal(two, model.logits_kernel(hidden).float())
+    assert not torch.equal(one[0], two[1])  # two different heads (8-bit vs bfloat16 weights)
+    torch.testing.assert_close(one[0], two[1], rtol=0, atol=0.1)
+
+
 def test_torch_kernels_and_other_formats_have_no_fused_step() -> None:
     torch_kernels = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=16 << 20,
                         cpu_kernels="torch")

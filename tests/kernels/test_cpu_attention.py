@@ -126,14 +126,16 @@ def backend_step(backend: TorchAttentionBackend, cache_dtype: torch.dtype, query
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 19, 1]])
 def test_backend_decode_rows_use_the_paged_op_on_bfloat16(query_lens):
-    """Decode rows of a decode-only and of a mixed step run the op (no gather: no resident copy), prefill rows
-    stay on SDPA (identical to the SDPA-only backend's); the decode rows are within one bfloat16 ulp of float64
-    and within 2^-7 of SDPA's path (outputs |x| < 1 here: SDPA's bfloat16 path on AMX rounds its probabilities
-    to bfloat16, measured 1.5e-3 from the op at most)."""
-    paged, sdpa = TorchAttentionBackend(paged_decode=True), TorchAttentionBackend(paged_decode=False)
+    """With ``paged_prefill=False``: decode rows of a decode-only and of a mixed step run the op (no gather: no
+    resident copy), prefill rows stay on SDPA (identical to the SDPA-only backend's); the decode rows are within
+    one bfloat16 ulp of float64 and within 2^-7 of SDPA's path (outputs |x| < 1 here: SDPA's bfloat16 path on
+    AMX rounds its probabilities to bfloat16, measured 1.5e-3 from the op at most)."""
+    paged = TorchAttentionBackend(paged_decode=True, paged_prefill=False)
+    sdpa = TorchAttentionBackend(paged_decode=False)
     out, (query, cache, tables, lens) = backend_step(paged, torch.bfloat16, query_lens)
     ref, _ = backend_step(sdpa, torch.bfloat16, query_lens)
     assert paged._plan.paged_decode is True and sdpa._plan.paged_decode is False
+    assert paged._plan.token_rows is None
     assert paged.resident.full_gathers == paged.resident.incremental_updates == 0
     ends = torch.tensor(query_lens).cumsum(0) - 1
     decode_rows = [r for r, q in enumerate(query_lens) if q == 1]
@@ -143,6 +145,39 @@ def test_backend_decode_rows_use_the_paged_op_on_bfloat16(query_lens):
     prefill = torch.ones(out.shape[0], dtype=torch.bool)
     prefill[ends[decode_rows]] = False
     assert torch.equal(out[prefill], ref[prefill])
+
+
+@pytest.mark.parametrize("query_lens", [[1, 19, 1], [70, 19, 141], [5, 1, 33]])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
+    """With ``paged_prefill`` every token of a step with prefill rows (whole prompts, chunks after cached tokens, decode rows
+    beside them) runs the op in one call: each token within one bfloat16 ulp (float32 query: 2e-5) of float64
+    SDPA over the keys up to its own position, within 2^-7 of the SDPA backend's path, no gather, and the output
+    in the query's dtype."""
+    seq_lens = [70, 19, 141]
+    _, cache, tables, _ = paged_inputs(seq_lens, 9, 3, 64, 16, torch.bfloat16, query_dtype, seed=5, fill=100.0)
+    metadata = AttentionMetadata.build(query_lens, seq_lens, [row[row > 0].tolist() for row in tables], 16)
+    packed = torch.randn(sum(query_lens), 9, 64, generator=torch.Generator().manual_seed(6)).to(query_dtype)
+    paged, sdpa = TorchAttentionBackend(paged_prefill=True), TorchAttentionBackend(paged_decode=False)
+    out = paged.forward(packed, cache, metadata, 0.125)
+    ref = sdpa.forward(packed, cache, metadata, 0.125)
+    assert paged._plan.token_rows is not None and out.dtype == query_dtype
+    rows = torch.repeat_interleave(torch.arange(3), torch.tensor(query_lens))
+    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)])
+    assert paged._plan.token_rows.seq_lens.tolist() == (positions + 1).tolist()
+    expected = sdpa_reference(packed, cache, tables[rows], (positions + 1).to(torch.int32), 0.125)
+    assert_close_to_reference(out, expected)
+    torch.testing.assert_close(out.double(), ref.double(), rtol=0, atol=2**-7)
+    assert paged.resident.full_gathers == paged.resident.incremental_updates == 0
+    assert paged._buffers == {}  # nothing gathered
+
+
+def test_prefill_rows_default_to_the_op_where_sdpa_would_upcast():
+    """The default follows the measurement: the op where SDPA attends in float32 (no AMX), SDPA where AMX's
+    bfloat16 SDPA runs (not measured against the op)."""
+    assert TorchAttentionBackend(native_bf16=False).paged_prefill is True
+    assert TorchAttentionBackend(native_bf16=True).paged_prefill is False
+    assert TorchAttentionBackend(native_bf16=False, paged_prefill=False).paged_prefill is False
 
 
 def test_float32_caches_keep_sdpa():
