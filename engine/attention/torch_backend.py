@@ -100,16 +100,18 @@ class _TokenRows:
     """int32 [num_tokens]: each token's position + 1 (it attends keys 0 … its own position, causal)."""
 
 
-def token_rows(metadata: AttentionMetadata) -> _TokenRows:
+def token_rows(metadata: AttentionMetadata, block_size: int) -> _TokenRows:
     """Per-token block tables and context lengths of a packed step: token j of request r (query length q_r,
-    context s_r after the step) sits at position s_r − q_r + j and attends s_r − q_r + j + 1 keys."""
+    context s_r after the step) sits at position s_r − q_r + j and attends s_r − q_r + j + 1 keys. The tables
+    keep the step's first ceil(max_seq_len / block_size) columns (the op reads no further)."""
     starts = metadata.query_start_loc.long()
     query_lens = starts[1:] - starts[:-1]
     rows = torch.repeat_interleave(torch.arange(metadata.num_reqs, device=starts.device), query_lens)
     positions = (torch.arange(metadata.num_tokens, device=starts.device) - starts[:-1][rows]
                  + (metadata.seq_lens.long() - query_lens)[rows])
-    return _TokenRows(tables=metadata.block_tables.index_select(0, rows).to(torch.int32).contiguous(),
-                      seq_lens=(positions + 1).to(torch.int32))
+    width = -(-metadata.max_seq_len // block_size)
+    tables = metadata.block_tables[:, :width].index_select(0, rows)
+    return _TokenRows(tables=tables.to(torch.int32).contiguous(), seq_lens=(positions + 1).to(torch.int32))
 
 
 def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
@@ -139,7 +141,7 @@ def _build_plan(metadata: AttentionMetadata, block_size: int, paged_decode: bool
             prefills.append(_prefill(metadata, row, starts[row], q_len, seq_len, block_size))
     decodes = _decode_batch(metadata, decode_rows, starts, seq_lens, block_size) if decode_rows else None
     largest = max([p.blocks.shape[0] for p in prefills] + [0 if decodes is None else decodes.blocks.shape[0]])
-    rows = token_rows(metadata) if paged_decode and paged_prefill and prefills else None
+    rows = token_rows(metadata, block_size) if paged_decode and paged_prefill and prefills else None
     return _Plan(prefills=tuple(prefills), decodes=decodes, max_gathered_blocks=largest, paged_decode=paged_decode,
                  token_rows=rows)
 

@@ -88,7 +88,7 @@ def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(ti
             gguf_weights = Int4Blocks.cat([blocks[s] for s in source_names(name)]).dequantize()
             assert torch.allclose(mine.dequantize(), gguf_weights, rtol=0, atol=1e-6 * gguf_weights.abs().max()), name
             assert isinstance(dict(torch_model.named_modules())[name].cpu_kernel.compact, Int4Weight)
-    head = model.decode_head  # the fused decode step's Q8 copy; compute_logits keeps the dense head
+    head = model.decode_head  # the fused decode step's Q8 copy (compute_logits: one-row logits only)
     assert isinstance(head, PairBlocks) and head.bits == 8 and model.lm_head.weight is not None
     dense = torch_model.lm_head.weight.float()
     assert (head.dequantize() - dense).abs().max() <= dense.abs().amax(dim=1, keepdim=True).max() / 254 + 1e-6

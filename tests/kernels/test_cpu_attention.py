@@ -165,6 +165,7 @@ def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
     rows = torch.repeat_interleave(torch.arange(3), torch.tensor(query_lens))
     positions = torch.cat([torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)])
     assert paged._plan.token_rows.seq_lens.tolist() == (positions + 1).tolist()
+    assert paged._plan.token_rows.tables.shape == (sum(query_lens), -(-max(seq_lens) // 16))  # no padding columns
     expected = sdpa_reference(packed, cache, tables[rows], (positions + 1).to(torch.int32), 0.125)
     assert_close_to_reference(out, expected)
     torch.testing.assert_close(out.double(), ref.double(), rtol=0, atol=2**-7)
