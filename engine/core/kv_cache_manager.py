@@ -60,14 +60,20 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size]))
         return hashes
 
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether ``request`` looks its prompt up in the prefix cache: caching is on and it asks for no prompt
+        logprobs (a cached position has no logits to score; vLLM v1's ``Request.skip_reading_prefix_cache``).
+        Its blocks are cached either way."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest prefix-cache hit for a request with no blocks: (hit blocks, hit tokens).
 
         Only full blocks match, and never the request's last known token, so at least one token is computed
         and yields logits: at most ``(num_tokens - 1) // block_size`` blocks. Nothing is touched here;
-        pass the blocks to :meth:`allocate_slots`. Returns ``([], 0)`` when caching is disabled.
+        pass the blocks to :meth:`allocate_slots`. Returns ``([], 0)`` unless :meth:`reads_prefix_cache`.
         """
-        if not self.enable_caching:
+        if not self.reads_prefix_cache(request):
             return [], 0
         hashes = self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -310,7 +310,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
             request.stats.num_cached_tokens = num_hit_tokens
             request.stats.attribution.on_first_admission(self._blocked_steps)
-            if self.kv_cache_manager.enable_caching:
+            if self.kv_cache_manager.reads_prefix_cache(request):  # vLLM counts only the lookups it made
                 self._prefix_cache_queries += request.num_tokens
                 self._prefix_cache_hits += num_hit_tokens
 

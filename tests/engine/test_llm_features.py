@@ -43,6 +43,26 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_output(llm):
     assert second.outputs[0].stats["kv_blocks"] == -(-(len(prompt) + 23) // 16)
 
 
+def test_prompt_logprobs_are_computed_past_the_prefix_cache(llm):
+    """A request asking for prompt logprobs reads no cached prefix (vLLM v1's rule): every prompt position but
+    the first is scored, the same values as the first time, while a request without them still hits the cache."""
+    prompt = llm.tokenizer.encode("A paged KV cache stores keys and values in fixed-size blocks of tokens, " * 3)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    before = llm.engine.scheduler.get_stats()
+    first, second = (llm.generate([prompt], params)[0] for _ in range(2))
+    after = llm.engine.scheduler.get_stats()
+    assert second.num_cached_tokens == 0
+    assert (after.prefix_cache_queries, after.prefix_cache_hits) == (before.prefix_cache_queries,
+                                                                     before.prefix_cache_hits)  # no lookup made
+    assert first.prompt_logprobs[0] is None and second.prompt_logprobs[0] is None
+    assert all(entry is not None for entry in second.prompt_logprobs[1:])
+    assert len(second.prompt_logprobs) == len(prompt)
+    assert [e.logprob for e in second.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in first.prompt_logprobs[1:]], abs=1e-4)
+    plain = llm.generate([prompt], GREEDY)[0]
+    assert plain.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+
+
 def test_prefix_caching_off_gives_identical_outputs(llm):
     no_cache = LLM("smollm2-135m", kv_cache_memory=64 << 20, enable_prefix_caching=False)
     prompts = [llm.tokenizer.encode("The three primary colors are"), llm.tokenizer.encode("The three primary colors")]
