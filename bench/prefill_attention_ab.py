@@ -92,10 +92,11 @@ def engine_ab(runs: int, input_len: int, threads: int) -> None:
     first_token_ms(llm, prompts[-1], "warm-0")
     first_token_ms(llm, prompts[-2], "warm-1")
     times: dict[bool, list[float]] = {False: [], True: []}
+    default = backend.paged_prefill
     for i in range(2 * runs):
         backend.paged_prefill = bool(i % 2)
         times[backend.paged_prefill].append(first_token_ms(llm, prompts[i], f"ab-{i}"))
-    backend.paged_prefill = True
+    backend.paged_prefill = default
     for paged, values in times.items():
         print(f"idle TTFT, {input_len}-token prompt, {'paged op' if paged else 'SDPA path'}: median "
               f"{statistics.median(values):.1f} / min {min(values):.1f} ms (n={len(values)})")

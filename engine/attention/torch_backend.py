@@ -95,7 +95,8 @@ class _TokenRows:
     """Every query token of a step as a one-token query at its own position, for the paged op."""
 
     tables: torch.Tensor
-    """int32 [num_tokens, max_num_blocks_per_req]: each token's request's block table."""
+    """int32 [num_tokens, ceil(max_seq_len / block_size)]: each token's request's block table, the columns this
+    step can read."""
     seq_lens: torch.Tensor
     """int32 [num_tokens]: each token's position + 1 (it attends keys 0 … its own position, causal)."""
 

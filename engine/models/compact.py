@@ -11,8 +11,9 @@ Every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stays dense in 
 head under int4/gguf. With kvscope's own CPU kernels (``pair_kernels``, kernels/cpu_decode.py) the int4 layers are
 stored in those kernels' layout (the same codes, d and min) and the model gets ``decode_head``, an 8-bit Q8_0 copy
 of the LM head (blocks of 32, llama.cpp's type for SmolLM2's tied ``token_embd``) that the fused decode step and
-every one-row logits computation read; logits of more rows (batched decode, prompt logprobs) keep the dense head. Each compact layer keeps a dense oneDNN-packed copy for batches above
-the crossover :func:`engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
+every one-row logits computation read; logits of more rows (batched decode, prompt logprobs) keep the dense head.
+Each compact layer keeps a dense oneDNN-packed copy for batches above the crossover
+:func:`engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
 """
 
 from __future__ import annotations
