@@ -17,17 +17,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention.torch_backend import cpu_has_amx
+from engine.attention.torch_backend import attention_compute_dtype, cpu_has_amx
 from engine.bench import random_prompts
 from engine.llm import LLM
 from engine.models.loader import load_cpu_kernels
-from engine.sampling_params import SamplingParams
 from kvscope.models.cache import cache_root
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.ttft_profile import first_step_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = ((32, 32), (128, 128), (256, 256), (512, 512), (1024, 1024), (1024, 128), (2048, 256))
@@ -46,10 +50,10 @@ def median_us(fn, reps: int) -> float:
 
 
 def op_table(reps: int) -> None:
-    compute_dtype = torch.bfloat16 if cpu_has_amx() else torch.float32  # attention_compute_dtype's rule
-    print(f"SDPA path computes in {compute_dtype}")
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 256, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    compute_dtype = attention_compute_dtype(cache, native_bf16=cpu_has_amx())  # the backend's own rule
+    print(f"SDPA path computes in {compute_dtype}")
     print("context, query tokens | paged op µs | SDPA path µs | ratio | max |diff|")
     for seq_len, q_len in SHAPES:
         blocks = torch.randperm(cache.shape[1], generator=gen)[: seq_len // BLOCK].to(torch.int32)
@@ -73,29 +77,18 @@ def op_table(reps: int) -> None:
         print(f"{seq_len:5d}, {q_len:4d} | {a:9.0f} | {b:9.0f} | {b / a:4.2f} | {diff:.1e}", flush=True)
 
 
-def first_token_ms(llm: LLM, ids: list[int], tag: str) -> float:
-    engine = llm.engine
-    start = time.perf_counter()
-    engine.add_request(tag, ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    engine.step()
-    elapsed = 1000 * (time.perf_counter() - start)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return elapsed
-
-
 def engine_ab(runs: int, input_len: int, threads: int) -> None:
     llm = LLM("smollm2-135m", dtype="auto", quantization="auto", num_threads=threads, enable_prefix_caching=False)
     llm.engine.warm_up_prefill()
     backend = llm.engine.runner.backend
     prompts = random_prompts(2 * runs + 2, input_len, llm.engine.vocab_size, 7)
-    first_token_ms(llm, prompts[-1], "warm-0")
-    first_token_ms(llm, prompts[-2], "warm-1")
+    first_step_ms(llm, prompts[-1], "warm-0")
+    first_step_ms(llm, prompts[-2], "warm-1")
     times: dict[bool, list[float]] = {False: [], True: []}
     default = backend.paged_prefill
     for i in range(2 * runs):
         backend.paged_prefill = bool(i % 2)
-        times[backend.paged_prefill].append(first_token_ms(llm, prompts[i], f"ab-{i}"))
+        times[backend.paged_prefill].append(first_step_ms(llm, prompts[i], f"ab-{i}"))
     backend.paged_prefill = default
     for paged, values in times.items():
         print(f"idle TTFT, {input_len}-token prompt, {'paged op' if paged else 'SDPA path'}: median "

@@ -17,50 +17,11 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.resident_kv import ResidentDecodeKV
+from engine.attention.torch_plan import DecodeBatch, Plan, Prefill, build_plan
 from kernels.cpu_decode import is_loaded as cpu_kernels_loaded
 
-_PAGED_QUERY_DTYPES = (torch.float32, torch.bfloat16)
 MAX_RETAINED_GATHER_BYTES = 64 << 20
 """TorchAttentionBackend keeps its K (and V) gather buffer across steps up to this size each."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Prefill:
-    """One request with query_len > 1, attended on its own."""
-
-    start: int
-    query_len: int
-    seq_len: int
-    blocks: torch.Tensor
-    """int64 [ceil(seq_len / block_size)]: the request's blocks, in order."""
-    mask: torch.Tensor | None
-    """bool [query_len, seq_len] (True = attend) or None when query_len == seq_len (plain causal)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeBatch:
-    """All requests with query_len == 1, attended together with keys padded to the longest sequence."""
-
-    token_index: torch.Tensor | None
-    """int64 [n]: position of each decode token in the packed query; None when the step is decodes only
-    (token i is request i)."""
-    blocks: torch.Tensor
-    """int64 [n * max_blocks]: each request's block table padded to the longest (padding reads block 0)."""
-    num_blocks: int
-    """max_blocks: blocks gathered per request."""
-    seq_len: int
-    """Longest context; keys past it are not gathered."""
-    mask: torch.Tensor | None
-    """bool [n, 1, 1, seq_len]: True where the key position is < the request's seq_len; None for one request."""
-    tables: torch.Tensor
-    """int32 [n, max_num_blocks_per_req]: the decode rows' block tables (the paged op reads them as they are)."""
-    seq_lens: torch.Tensor
-    """int32 [n]: the decode rows' context lengths."""
-
-    @property
-    def token_count(self) -> int:
-        """n: decode requests (one token each)."""
-        return self.blocks.shape[0] // self.num_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,43 +39,6 @@ class _DecodeViews:
     """The decode batch's key mask as SDPA's additive form (0 / -inf in the compute dtype), or None."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    prefills: tuple[_Prefill, ...]
-    decodes: _DecodeBatch | None
-    max_gathered_blocks: int
-    """Largest number of blocks one gather of this step copies (sizes the reusable K/V buffers)."""
-    paged_decode: bool = False
-    """Decode rows run kvscope's C++ paged decode attention (no gather; see :func:`paged_decode_applies`)."""
-    token_rows: _TokenRows | None = None
-    """Set when every token of a step with prefill rows runs that op (``paged_prefill``): one call per layer."""
-
-
-@dataclass(frozen=True, slots=True)
-class _TokenRows:
-    """Every query token of a step as a one-token query at its own position, for the paged op."""
-
-    tables: torch.Tensor
-    """int32 [num_tokens, ceil(max_seq_len / block_size)]: each token's request's block table, the columns this
-    step can read."""
-    seq_lens: torch.Tensor
-    """int32 [num_tokens]: each token's position + 1 (it attends keys 0 … its own position, causal)."""
-
-
-def token_rows(metadata: AttentionMetadata, block_size: int) -> _TokenRows:
-    """Per-token block tables and context lengths of a packed step: token j of request r (query length q_r,
-    context s_r after the step) sits at position s_r − q_r + j and attends s_r − q_r + j + 1 keys. The tables
-    keep the step's first ceil(max_seq_len / block_size) columns (the op reads no further)."""
-    starts = metadata.query_start_loc.long()
-    query_lens = starts[1:] - starts[:-1]
-    rows = torch.repeat_interleave(torch.arange(metadata.num_reqs, device=starts.device), query_lens)
-    positions = (torch.arange(metadata.num_tokens, device=starts.device) - starts[:-1][rows]
-                 + (metadata.seq_lens.long() - query_lens)[rows])
-    width = -(-metadata.max_seq_len // block_size)
-    tables = metadata.block_tables[:, :width].index_select(0, rows)
-    return _TokenRows(tables=tables.to(torch.int32).contiguous(), seq_lens=(positions + 1).to(torch.int32))
-
-
 def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
     """Whether decode tokens over ``kv_cache`` run ``torch.ops.kvscope_cpu.paged_decode_attention``: a CPU
     bfloat16 cache, head_dim 16, 32, 64 or 128, and kvscope's CPU kernels loaded (kernels/cpu_decode.py).
@@ -124,59 +48,6 @@ def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
     op sums in another order than SDPA, and the float32 path stays token-identical to transformers."""
     return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] in (16, 32, 64, 128)
             and cpu_kernels_loaded())
-
-
-def _build_plan(metadata: AttentionMetadata, block_size: int, paged_decode: bool = False,
-                paged_prefill: bool = False) -> _Plan:
-    """Split requests into solo prefills and one padded decode batch; precompute block lists and masks (and, with
-    ``paged_decode`` and ``paged_prefill`` on a step with prefill rows, the per-token rows of the paged op)."""
-    starts = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    prefills: list[_Prefill] = []
-    decode_rows: list[int] = []
-    for row, seq_len in enumerate(seq_lens):
-        q_len = starts[row + 1] - starts[row]
-        if q_len == 1:
-            decode_rows.append(row)
-        elif q_len > 1:
-            prefills.append(_prefill(metadata, row, starts[row], q_len, seq_len, block_size))
-    decodes = _decode_batch(metadata, decode_rows, starts, seq_lens, block_size) if decode_rows else None
-    largest = max([p.blocks.shape[0] for p in prefills] + [0 if decodes is None else decodes.blocks.shape[0]])
-    rows = token_rows(metadata, block_size) if paged_decode and paged_prefill and prefills else None
-    return _Plan(prefills=tuple(prefills), decodes=decodes, max_gathered_blocks=largest, paged_decode=paged_decode,
-                 token_rows=rows)
-
-
-def _prefill(metadata: AttentionMetadata, row: int, start: int, q_len: int, seq_len: int,
-             block_size: int) -> _Prefill:
-    device = metadata.block_tables.device
-    blocks = metadata.block_tables[row, : -(-seq_len // block_size)].long()
-    mask = None
-    if q_len != seq_len:  # query j sits at position seq_len - q_len + j and sees keys 0 … that position
-        key_pos = torch.arange(seq_len, device=device)
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-    return _Prefill(start=start, query_len=q_len, seq_len=seq_len, blocks=blocks, mask=mask)
-
-
-def _decode_batch(metadata: AttentionMetadata, rows: list[int], starts: list[int], seq_lens: list[int],
-                  block_size: int) -> _DecodeBatch:
-    device = metadata.block_tables.device
-    lens = [seq_lens[r] for r in rows]
-    longest = max(lens)
-    num_blocks = -(-longest // block_size)
-    only_decodes = len(rows) == len(seq_lens)
-    tables = metadata.block_tables if only_decodes else metadata.block_tables[rows]
-    blocks = tables[:, :num_blocks].long().reshape(-1)
-    mask = None
-    if len(rows) > 1:
-        key_pos = torch.arange(longest, device=device)
-        mask = (key_pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
-    token_index = None if only_decodes else torch.tensor([starts[r] for r in rows], dtype=torch.int64,
-                                                          device=device)
-    row_lens = metadata.seq_lens if only_decodes else metadata.seq_lens[rows]
-    return _DecodeBatch(token_index=token_index, blocks=blocks, num_blocks=num_blocks, seq_len=longest, mask=mask,
-                        tables=tables, seq_lens=row_lens)
 
 
 def cpu_has_amx() -> bool:
@@ -235,7 +106,7 @@ class TorchAttentionBackend:
         self.paged_prefill = not self.native_bf16 if paged_prefill is None else paged_prefill
         """With ``paged_decode`` where it applies, run prefill tokens through the same op (False: SDPA)."""
         self._plan_for: tuple[AttentionMetadata, int] | None = None
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._views: tuple[tuple[object, ...], _DecodeViews] | None = None
         self.resident = ResidentDecodeKV()
@@ -263,8 +134,8 @@ class TorchAttentionBackend:
         """
         plan = self._get_plan(metadata, kv_cache)
         written, self._written = self._written, None
-        if plan.token_rows is not None and query.dtype in _PAGED_QUERY_DTYPES:  # every token, from the cache in place
-            rows = plan.token_rows  # the op takes a float32 or bfloat16 query as it is (float32 arithmetic)
+        if plan.token_rows is not None:  # every token, read from the cache in place
+            rows = plan.token_rows  # the query as it is: bfloat16, like the cache (float32 arithmetic)
             return torch.ops.kvscope_cpu.paged_decode_attention(query, kv_cache, rows.tables, rows.seq_lens, scale)
         decodes = plan.decodes
         dtype = query.dtype
@@ -292,7 +163,7 @@ class TorchAttentionBackend:
             out[decodes.token_index] = self._decode(query[decodes.token_index], kv_cache, decodes, plan, scale)
         return out if compute_dtype == dtype else out.to(dtype)
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: _DecodeBatch, plan: _Plan,
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, plan: Plan,
                 scale: float) -> torch.Tensor:
         """query [n, H, d] (one token per request) → [n, H, d]."""
         if plan.paged_decode:  # K/V read from the paged cache in place (kernels/csrc/cpu_attention.cpp)
@@ -322,7 +193,7 @@ class TorchAttentionBackend:
         self._views = None
         self.resident.begin_step(None, None, None, 0)
 
-    def _decode_views_for(self, kv_cache: torch.Tensor, batch: _DecodeBatch, plan: _Plan) -> _DecodeViews:
+    def _decode_views_for(self, kv_cache: torch.Tensor, batch: DecodeBatch, plan: Plan) -> _DecodeViews:
         """The gather target and the K/V views SDPA reads for this step's decode batch, built on the first layer
         and reused by the others: every layer gathers into the same buffer (sized for the step on its first
         use), so ~12 view/slice/transpose calls per layer become one ``index_select`` (and one upcast copy)."""
@@ -350,7 +221,7 @@ class TorchAttentionBackend:
         return views
 
     @staticmethod
-    def _fresh(written: torch.Tensor, item: _Prefill, compute_dtype: torch.dtype
+    def _fresh(written: torch.Tensor, item: Prefill, compute_dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [query_len, KVH, d] of a prefill with no cached prefix (query_len == seq_len), sliced from
         what :meth:`write_kv` stored (in the cache's dtype, so the same values :meth:`_gather` would read back;
@@ -360,7 +231,7 @@ class TorchAttentionBackend:
             both = both.to(compute_dtype)
         return both[0], both[1]
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: _Plan
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: Plan
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy ``blocks`` (int64 [m]) of K and V (one ``index_select`` for both) into the reusable buffer →
         two [m * block_size, KVH, d] in the attention compute dtype."""
@@ -386,12 +257,12 @@ class TorchAttentionBackend:
             self._buffers[dtype] = buffer
         return buffer
 
-    def _get_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
+    def _get_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> Plan:
         """Memoized per (metadata object, block_size): every layer of one forward shares the plan."""
         block_size = kv_cache.shape[2]
         cached = self._plan_for
         if self._plan is None or cached is None or cached[0] is not metadata or cached[1] != block_size:
-            self._plan = _build_plan(metadata, block_size, self.paged_decode and paged_decode_applies(kv_cache),
+            self._plan = build_plan(metadata, block_size, self.paged_decode and paged_decode_applies(kv_cache),
                                      self.paged_prefill)
             self._plan_for = (metadata, block_size)
             self._views = None
