@@ -5,6 +5,7 @@ benchmark, not a test (docs/gateway.md "CPU per relayed token"); optionally writ
 gateway (``--py-spy PATH``, py-spy on PATH or ``--py-spy-bin``).
 
     python bench/gateway_cpu.py [--concurrency 32] [--tokens 128] [--token-delay 0.03] [--rounds 3]
+                                [--event-loop auto|uvloop|asyncio]
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def main() -> None:
     add_load_arguments(parser)
     parser.add_argument("--py-spy", type=Path, help="write a py-spy raw profile of the gateway here")
     parser.add_argument("--py-spy-bin", default="py-spy")
+    parser.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                        help="the gateway's event loop (kvscope/event_loop.py)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-gateway-cpu-"))
     fake = spawn_fake(tmp, "stub", token_delay_s=args.token_delay)
@@ -68,7 +71,8 @@ def main() -> None:
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
         gateway = spawn_gateway(tmp, "gateway", {"upstreams": [{"url": fake.url}],
-                                                 "logs": {"file": str(tmp / "requests.jsonl")}})
+                                                 "logs": {"file": str(tmp / "requests.jsonl")}},
+                                env={"KVSCOPE_GATEWAY_EVENT_LOOP": args.event_loop})
         procs.append(gateway)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
         url = gateway.url + "/v1/chat/completions"

@@ -40,7 +40,9 @@ def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:
 
     from gateway.server import uvicorn_config
 
-    uvicorn.Server(uvicorn_config(app, settings.host, settings.port, log_level)).run()
+    config = uvicorn_config(app, settings.host, settings.port, log_level)
+    logging.getLogger("kvscope.gateway").info("event loop: %s", config.loop)
+    uvicorn.Server(config).run()
 
 
 def gateway_main(argv: list[str]) -> int:

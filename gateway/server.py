@@ -11,6 +11,7 @@
   incomplete head).
 - ``proxy_headers=False``: uvicorn would otherwise rewrite the client address from ``X-Forwarded-For`` for
   any loopback peer; the gateway trusts only ``trusted_proxies`` (gateway/forwarded.py).
+- ``loop``: uvloop unless the settings' ``event_loop`` says ``asyncio`` (kvscope/event_loop.py).
 - ``ws="none"``: no WebSocket routes, so an ``Upgrade`` request is a plain HTTP request for the app.
 - no access log, no ``Server`` header (the gateway writes its own request log).
 - ``scope["extensions"]["kvscope.body_chunk"]``: :func:`write_body_chunk` for the request, the relay's way to write
@@ -35,6 +36,7 @@ except ImportError:  # pragma: no cover - another h11 layout: the fast path stay
 
 from gateway.errors import InvalidRequest, error_json
 from gateway.proxy.client import BODY_CHUNK_EXTENSION
+from kvscope.event_loop import resolve_event_loop
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
@@ -165,7 +167,9 @@ def write_body_chunk(cycle: RequestResponseCycle, data: bytes) -> bool:
 
 
 def uvicorn_config(app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any) -> uvicorn.Config:
-    """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options."""
+    """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options. The event
+    loop is the settings' ``event_loop`` resolved (kvscope/event_loop.py: uvloop where installed)."""
     protocol = functools.partial(GatewayH11Protocol, gateway=app.state.gateway)
+    extra.setdefault("loop", resolve_event_loop(app.state.gateway.settings.event_loop))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
                           lifespan="on", http=protocol, ws="none", proxy_headers=False, **extra)  # type: ignore[arg-type]

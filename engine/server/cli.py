@@ -4,7 +4,7 @@
 engine/server/settings.py) into an EngineConfig (engine.llm.build_engine_config) and ServerSettings, warns
 loudly when it binds a non-loopback address without ``--api-key``, configures logging (request lines as JSON
 on stdout, everything else on stderr) and runs
-uvicorn until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine shutting down"
+uvicorn (on uvloop unless ``--event-loop asyncio``: kvscope/event_loop.py) until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine shutting down"
 (streams receive an in-band error event) instead of hanging until the graceful-shutdown timeout.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
 from engine.server.settings import ServerSettings, add_arguments, engine_options, server_settings
+from kvscope.event_loop import resolve_event_loop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +67,15 @@ def engine_main(argv: Sequence[str] | None = None) -> int:
     return _serve(settings, config)
 
 
+def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
+    """The ``uvicorn.Config`` the engine serves ``app`` under: no access log of uvicorn's (the engine writes its
+    own), 5 s graceful shutdown, the event loop ``settings.event_loop`` resolved (uvloop where installed)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=5, lifespan="on", loop=resolve_event_loop(settings.event_loop))
+
+
 def _serve(settings: ServerSettings, config: Any) -> int:
     import uvicorn
 
@@ -78,7 +88,8 @@ def _serve(settings: ServerSettings, config: Any) -> int:
             await app.state.context.drain()
             await super().shutdown(sockets)
 
-    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=5, lifespan="on"))
+    server_config = uvicorn_config(app, settings)
+    logging.getLogger("kvscope.engine").info("event loop: %s", server_config.loop)
+    server = DrainingServer(server_config)
     server.run()
     return 0 if server.started else 1

@@ -76,11 +76,11 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
         "--attention-backend", "--num-threads", "--speculative", "--num-speculative-tokens", "--prompt-lookup-min",
         "--prompt-lookup-max", "--sse-keepalive-s", "--max-concurrent-requests", "--api-key",
         "--enable-fault-injection", "--otlp-endpoint", "--service-name", "--ttft-buckets", "--tpot-buckets",
-        "--duration-buckets", "--no-warmup", "--log-level"])
+        "--duration-buckets", "--no-warmup", "--log-level", "--event-loop"])
     assert sorted(_options(_gateway_parser())) == sorted([
         "--config", "--host", "--port", "--upstream", "--tokenizer", "--api-key-hash", "--trusted-proxy",
         "--allow-unauthenticated", "--redis-url", "--log-file", "--log-stdout", "--log-content", "--otlp-endpoint",
-        "--keepalive", "--first-token-timeout", "--total-timeout", "--health-interval", "--log-level"])
+        "--keepalive", "--first-token-timeout", "--total-timeout", "--health-interval", "--log-level", "--event-loop"])
 
 
 def test_engine_defaults_env_and_flags() -> None:
