@@ -175,8 +175,10 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
     health_interval_s: Annotated[float, Flag("upstream health-check period", name="--health-interval",
                                              metavar="S")] = 5.0
     health_timeout_s: float = 2.0
+    """A health probe unanswered this long counts towards ``failure_threshold``."""
     failure_threshold: int = 3
-    """Consecutive 5xx answers that eject a replica until its next good health check (connect errors: 1)."""
+    """Consecutive 5xx answers, or health probes unanswered within ``health_timeout_s``, that eject a replica
+    until its next good health check (connect errors: 1)."""
 
     def __post_init__(self) -> None:
         _positive(self)

@@ -3,7 +3,10 @@
 Active health check: ``GET {url}/v1/models`` every ``health_interval_s`` (universal across OpenAI-compatible
 servers, and it refreshes each replica's model cards, including ``max_model_len``). Passive ejection: a
 connection error or timeout ejects a replica at once, ``failure_threshold`` consecutive 5xx answers eject it;
-an ejected replica returns at its next good health check. Selection: among healthy replicas serving the
+an ejected replica returns at its next good health check. A health probe that gets no answer within
+``health_timeout_s`` ejects only as the ``failure_threshold``-th in a row (a replica whose event loop is slow in a
+long step is busy, not dead: Kubernetes' readiness ``failureThreshold``, Envoy's ``unhealthy_threshold``); a
+refused or timed-out connection, an error status or a malformed answer ejects at once. Selection: among healthy replicas serving the
 model, the one with the fewest requests in flight; ties go round-robin.
 """
 
@@ -33,6 +36,8 @@ class Replica:
     healthy: bool = False
     outstanding: int = 0
     consecutive_failures: int = 0
+    probe_timeouts: int = 0
+    """Consecutive health probes that got no answer within ``health_timeout_s``."""
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Model id → the upstream's ``/v1/models`` entry."""
 
@@ -155,11 +160,24 @@ class UpstreamPool:
     # --- active health ------------------------------------------------------------------------------------
     async def check(self, replica: Replica, client: httpx.AsyncClient) -> bool:
         """One health probe: ``GET /v1/models`` (once more on a fresh connection when a reused keep-alive
-        connection turns out closed, :meth:`_probe`); updates the replica's cards and health."""
+        connection turns out closed, :meth:`_probe`); updates the replica's cards and health and returns whether
+        the replica stays in rotation (a healthy replica keeps it through ``failure_threshold`` - 1 probes in a
+        row without an answer, see the module docstring)."""
         try:
             resp = await self._probe(replica, client)
             data = resp.json()["data"] if resp.status_code == 200 else None
             cards = {c["id"]: c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        except httpx.ReadTimeout as exc:  # connected, no answer yet: busy until failure_threshold probes in a row
+            replica.probe_timeouts += 1
+            if replica.healthy and replica.probe_timeouts < self._routing.failure_threshold:
+                _log.warning("upstream %s did not answer its health check within %gs (%d of %d before ejection)",
+                             replica.label, self._routing.health_timeout_s, replica.probe_timeouts,
+                             self._routing.failure_threshold)
+                return True
+            if replica.healthy:
+                _log.warning("upstream %s failed its health check: %r", replica.label, exc)
+            self._set_health(replica, False)
+            return False
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             if replica.healthy:
                 _log.warning("upstream %s failed its health check: %r", replica.label, exc)
@@ -168,7 +186,7 @@ class UpstreamPool:
         if not replica.healthy:
             _log.info("upstream %s is healthy (%s)", replica.label, ", ".join(cards) or "no models")
         replica.cards = cards
-        replica.consecutive_failures = 0
+        replica.consecutive_failures = replica.probe_timeouts = 0
         self._set_health(replica, True)
         return True
 

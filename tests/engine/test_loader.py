@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -98,9 +97,10 @@ def test_sliding_window_longer_than_context_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers_gguf(tmp_path: Path) -> None:
+def test_smollm2_matches_transformers_gguf(tmp_path: Path, hf_model) -> None:
     """Convert the real Q4_1 GGUF (first load) then load the safetensors cache (second load); logits of a
-    chat-templated prompt match transformers' own GGUF loader within 1e-3, same argmax everywhere."""
+    chat-templated prompt match transformers' own GGUF loader (the session's ``hf_model``) within 1e-3, same
+    argmax everywhere."""
     from kvscope.models.pull import pull
 
     gguf = pull("smollm2-135m", progress=False)  # no-op when the verified file is cached
@@ -116,9 +116,7 @@ def test_smollm2_matches_transformers_gguf(tmp_path: Path) -> None:
     assert ids == list(gguf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=False))
     assert ids[:3] == [1, 9690, 198] and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|>system\n … assistant\n
-    t0 = time.perf_counter()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    print(f"transformers GGUF load {time.perf_counter() - t0:.2f}s")
+    hf = hf_model
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0].float()
     caches = [torch.zeros(2, 8, 16, 3, 64) for _ in range(30)]

@@ -275,6 +275,69 @@ async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_
     assert len(connections) == 3  # each reused connection was found closed and replaced once
 
 
+
+async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> None:
+    """A replica that accepts the probe's connection but answers late (an engine in a long step) stays in rotation
+    through failure_threshold - 1 unanswered probes in a row, leaves at the failure_threshold-th, returns at the
+    next answer; an answer in between resets the count; a refused connection and an error status eject at once
+    (break-it finding: one 1-s probe timeout on a 2-core host turned every request into a 503 for a second)."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.proxy.upstreams import UpstreamPool
+
+    body = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+    script: list[str] = []  # per probe: "ok", "late" (never answers) or "500"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                action = script.pop(0)
+                if action == "late":
+                    await reader.read()  # until the client gives up and closes
+                    return
+                status, payload = (b"200 OK", body) if action == "ok" else (b"500 Internal Server Error", b"{}")
+                writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, len(payload), payload))
+                await writer.drain()
+
+    async with server(handler) as port:
+        settings = load_settings(None, {"upstreams": [{"url": f"http://127.0.0.1:{port}"}],
+                                        "routing": {"health_timeout_s": 0.2, "failure_threshold": 3}}, env={})
+        pool = UpstreamPool(settings.upstreams, settings.models, settings.routing, GatewayMetrics(CollectorRegistry()))
+        client = new_http_client(settings)
+        replica = pool.replicas[0]
+
+        async def probe(action: str) -> tuple[bool, bool, int]:
+            script.append(action)
+            kept = await pool.check(replica, client)
+            assert script == []
+            return kept, replica.healthy, replica.probe_timeouts
+
+        try:
+            assert await probe("late") == (False, False, 1)  # not yet healthy: a late first answer does not admit it
+            assert await probe("ok") == (True, True, 0)
+            assert [await probe("late") for _ in range(2)] == [(True, True, 1), (True, True, 2)]
+            assert await probe("ok") == (True, True, 0)  # an answer resets the count
+            assert [await probe("late") for _ in range(3)] == [(True, True, 1), (True, True, 2), (False, False, 3)]
+            assert await probe("late") == (False, False, 4)  # an ejected replica stays out while silent
+            assert await probe("ok") == (True, True, 0)
+            assert await probe("500") == (False, False, 0)  # an error status ejects at once
+            assert await probe("ok") == (True, True, 0)
+        finally:
+            await client.aclose()
+    client = new_http_client(settings)
+    try:
+        assert await probe_refused(pool, replica, client) == (False, False)  # the server is gone: refused, at once
+    finally:
+        await client.aclose()
+
+
+async def probe_refused(pool, replica, client: httpx.AsyncClient) -> tuple[bool, bool]:
+    replica.healthy = True
+    return await pool.check(replica, client), replica.healthy
+
 CHUNKED_BODY = (b"5\r\nhello\r\n"
                 b"1a;name=value\r\n" + b"data: {\"a\": 1}\n\n" + b"0123456789"[:26 - 16] + b"\r\n"
                 b"3 \r\n\n\n\n\r\n"

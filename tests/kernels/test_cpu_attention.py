@@ -152,8 +152,11 @@ def test_backend_decode_rows_use_the_paged_op_on_bfloat16(query_lens):
 def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
     """With ``paged_prefill`` every token of a step with prefill rows (whole prompts, chunks after cached tokens, decode rows
     beside them) runs the op in one call: each token within one bfloat16 ulp (float32 query: 2e-5) of float64
-    SDPA over the keys up to its own position, within 2^-7 of the SDPA backend's path, no gather, and the output
-    in the query's dtype."""
+    SDPA over the keys up to its own position, within 2^-7 + 2^-7·|x| of the SDPA backend's path, no gather, and
+    the output in the query's dtype. The relative part is the op's own rounding to bfloat16 (outputs reach |x| ≈ 3
+    here, where one ulp is 2^-6); the absolute part is SDPA's: where AMX runs it in bfloat16 (probabilities and, for
+    a float32 query, the query rounded to bfloat16) it is up to 8.8e-3 from float64 on these inputs (measured on a
+    Sapphire Rapids; the op differs from float64 by 7.8e-3 at most, a float32 query's by 7.2e-7)."""
     seq_lens = [70, 19, 141]
     _, cache, tables, _ = paged_inputs(seq_lens, 9, 3, 64, 16, torch.bfloat16, query_dtype, seed=5, fill=100.0)
     metadata = AttentionMetadata.build(query_lens, seq_lens, [row[row > 0].tolist() for row in tables], 16)
@@ -168,7 +171,7 @@ def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
     assert paged._plan.token_rows.tables.shape == (sum(query_lens), -(-max(seq_lens) // 16))  # no padding columns
     expected = sdpa_reference(packed, cache, tables[rows], (positions + 1).to(torch.int32), 0.125)
     assert_close_to_reference(out, expected)
-    torch.testing.assert_close(out.double(), ref.double(), rtol=0, atol=2**-7)
+    torch.testing.assert_close(out.double(), ref.double(), rtol=2**-7, atol=2**-7)
     assert paged.resident.full_gathers == paged.resident.incremental_updates == 0
     assert paged._buffers == {}  # nothing gathered
 
