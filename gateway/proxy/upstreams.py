@@ -4,10 +4,10 @@ Active health check: ``GET {url}/v1/models`` every ``health_interval_s`` (univer
 servers, and it refreshes each replica's model cards, including ``max_model_len``). Passive ejection: a
 connection error or timeout ejects a replica at once, ``failure_threshold`` consecutive 5xx answers eject it;
 an ejected replica returns at its next good health check. A health probe that gets no answer within
-``health_timeout_s`` ejects only as the ``failure_threshold``-th in a row (a replica whose event loop is slow in a
-long step is busy, not dead: Kubernetes' readiness ``failureThreshold``, Envoy's ``unhealthy_threshold``); a
-refused or timed-out connection, an error status or a malformed answer ejects at once. Selection: among healthy replicas serving the
-model, the one with the fewest requests in flight; ties go round-robin.
+``health_timeout_s`` ejects only as the ``failure_threshold``-th in a row (a replica whose event loop is slow in
+a long step is busy, not dead: Kubernetes' readiness ``failureThreshold``, Envoy's ``unhealthy_threshold``); a
+refused or timed-out connection, an error status or a malformed answer ejects at once. Selection: among
+healthy replicas serving the model, the one with the fewest requests in flight; ties go round-robin.
 """
 
 from __future__ import annotations
