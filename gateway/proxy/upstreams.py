@@ -167,18 +167,14 @@ class UpstreamPool:
             resp = await self._probe(replica, client)
             data = resp.json()["data"] if resp.status_code == 200 else None
             cards = {c["id"]: c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)}
-        except httpx.ReadTimeout as exc:  # connected, no answer yet: busy until failure_threshold probes in a row
-            replica.probe_timeouts += 1
-            if replica.healthy and replica.probe_timeouts < self._routing.failure_threshold:
-                _log.warning("upstream %s did not answer its health check within %gs (%d of %d before ejection)",
-                             replica.label, self._routing.health_timeout_s, replica.probe_timeouts,
-                             self._routing.failure_threshold)
-                return True
-            if replica.healthy:
-                _log.warning("upstream %s failed its health check: %r", replica.label, exc)
-            self._set_health(replica, False)
-            return False
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            if isinstance(exc, httpx.ReadTimeout):  # connected, no answer yet: busy until failure_threshold in a row
+                replica.probe_timeouts += 1
+                if replica.healthy and replica.probe_timeouts < self._routing.failure_threshold:
+                    _log.warning("upstream %s did not answer its health check within %gs (%d of %d before ejection)",
+                                 replica.label, self._routing.health_timeout_s, replica.probe_timeouts,
+                                 self._routing.failure_threshold)
+                    return True
             if replica.healthy:
                 _log.warning("upstream %s failed its health check: %r", replica.label, exc)
             self._set_health(replica, False)

@@ -116,9 +116,8 @@ def test_smollm2_matches_transformers_gguf(tmp_path: Path, hf_model) -> None:
     assert ids == list(gguf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=False))
     assert ids[:3] == [1, 9690, 198] and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|>system\n … assistant\n
-    hf = hf_model
     with torch.inference_mode():
-        expected = hf(torch.tensor([ids])).logits[0].float()
+        expected = hf_model(torch.tensor([ids])).logits[0].float()
     caches = [torch.zeros(2, 8, 16, 3, 64) for _ in range(30)]
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [[4, 1, 6, 0, 2, 7][: -(-len(ids) // 16)]], 16)
     with torch.inference_mode(), set_forward_context(meta, caches, TorchAttentionBackend()):
@@ -128,7 +127,7 @@ def test_smollm2_matches_transformers_gguf(tmp_path: Path, hf_model) -> None:
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
     greedy = greedy_decode(second, caches, ids, logits[-1], steps=8)
     with torch.inference_mode():
-        reference = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+        reference = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     print(f"greedy: {tok.decode(greedy)!r}")
     assert greedy == reference
 

@@ -275,7 +275,6 @@ async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_
     assert len(connections) == 3  # each reused connection was found closed and replaced once
 
 
-
 async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> None:
     """A replica that accepts the probe's connection but answers late (an engine in a long step) stays in rotation
     through failure_threshold - 1 unanswered probes in a row, leaves at the failure_threshold-th, returns at the
@@ -327,16 +326,9 @@ async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> 
             assert await probe("ok") == (True, True, 0)
         finally:
             await client.aclose()
-    client = new_http_client(settings)
-    try:
-        assert await probe_refused(pool, replica, client) == (False, False)  # the server is gone: refused, at once
-    finally:
-        await client.aclose()
+    async with new_http_client(settings) as client:  # healthy until now; the server is gone: refused, at once
+        assert (await pool.check(replica, client), replica.healthy) == (False, False)
 
-
-async def probe_refused(pool, replica, client: httpx.AsyncClient) -> tuple[bool, bool]:
-    replica.healthy = True
-    return await pool.check(replica, client), replica.healthy
 
 CHUNKED_BODY = (b"5\r\nhello\r\n"
                 b"1a;name=value\r\n" + b"data: {\"a\": 1}\n\n" + b"0123456789"[:26 - 16] + b"\r\n"
