@@ -50,6 +50,11 @@ def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
             and cpu_kernels_loaded())
 
 
+def _rows_ok(x: torch.Tensor, head_dim: int) -> bool:
+    """x [T, KVH, d] holds each token's heads contiguously (what ``kvscope_cpu.write_kv`` copies per token)."""
+    return x.dim() == 3 and x.stride(2) == 1 and (x.stride(1) == head_dim or x.shape[1] == 1)
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU runs AMX tiles (and the kernel granted them to the process): torch's own check,
     ``torch._C._cpu._init_amx`` (False where this torch build lacks it)."""
@@ -111,20 +116,27 @@ class TorchAttentionBackend:
         self._views: tuple[tuple[object, ...], _DecodeViews] | None = None
         self.resident = ResidentDecodeKV()
         """Decode K/V kept gathered across decode-only steps (engine/attention/resident_kv.py)."""
-        self._written: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        """(kv_cache, slot_mapping, K and V as written [2, T, KVH, d]) of the last :meth:`write_kv`: a fresh
+        self._written: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """(kv_cache, slot_mapping, K, V as written [T, KVH, d] each) of the last :meth:`write_kv`: a fresh
         prefill (no cached prefix) attends these instead of gathering its blocks back from the cache."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the flattened slot view of the cache
-        (one ``index_copy_`` for K and V together)."""
+        """Scatter key/value [num_tokens, num_kv_heads, head_dim] to the cache slots ``slot_mapping`` (int64
+        [num_tokens]): with kvscope's CPU kernels, one ``torch.ops.kvscope_cpu.write_kv`` (a row copy per token,
+        no temporary) where key and value already have the cache's dtype and each token's heads are contiguous;
+        otherwise one ``index_copy_`` of K and V stacked. Either way the cache holds the same bits."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
+        if (kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and _rows_ok(key, head_dim)
+                and _rows_ok(value, head_dim) and kv_cache.is_contiguous() and cpu_kernels_loaded()):
+            torch.ops.kvscope_cpu.write_kv(key, value, kv_cache, slot_mapping)
+            self._written = (kv_cache, slot_mapping, key, value)
+            return
         both = torch.stack((key, value))  # [2, T, KVH, d]
         if both.dtype != kv_cache.dtype:
             both = both.to(kv_cache.dtype)
         kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, both)
-        self._written = (kv_cache, slot_mapping, both)
+        self._written = (kv_cache, slot_mapping, both[0], both[1])
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -145,20 +157,27 @@ class TorchAttentionBackend:
         if decodes is not None and decodes.token_index is None:  # decode-only step: no scatter needed
             out = self._decode(query, kv_cache, decodes, plan, scale)
             return out if compute_dtype == dtype else out.to(dtype)
-        out = torch.empty_like(query)
+        out = None
         if written is not None and (written[0] is not kv_cache or written[1] is not metadata.slot_mapping):
             written = None
         for item in plan.prefills:
             if written is not None and item.mask is None:  # fresh prefill: its K/V are what was just written
-                keys, values = self._fresh(written[2], item, compute_dtype)
+                keys, values = self._fresh(written[2], written[3], item, compute_dtype)
             else:
                 keys, values = self._gather(kv_cache, item.blocks, plan)
             q = query[item.start: item.start + item.query_len].transpose(0, 1)[None]  # [1, H, q, d]
             k = keys[: item.seq_len].transpose(0, 1)[None]  # [1, KVH, S, d]
             v = values[: item.seq_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=item.mask, is_causal=item.mask is None,
-                                               scale=scale, enable_gqa=True)
-            out[item.start: item.start + item.query_len] = o[0].transpose(0, 1)
+                                               scale=scale, enable_gqa=True)[0].transpose(0, 1)  # [q, H, d]
+            if item.query_len == query.shape[0] and o.is_contiguous():  # the step is this one prompt: SDPA's
+                out = o  # CPU output is laid out [q, H, d] already, so no copy (~65 µs a layer at 128 tokens)
+                break
+            if out is None:
+                out = torch.empty_like(query)
+            out[item.start: item.start + item.query_len] = o
+        if out is None:
+            out = torch.empty_like(query)
         if decodes is not None:
             out[decodes.token_index] = self._decode(query[decodes.token_index], kv_cache, decodes, plan, scale)
         return out if compute_dtype == dtype else out.to(dtype)
@@ -221,15 +240,16 @@ class TorchAttentionBackend:
         return views
 
     @staticmethod
-    def _fresh(written: torch.Tensor, item: Prefill, compute_dtype: torch.dtype
+    def _fresh(keys: torch.Tensor, values: torch.Tensor, item: Prefill, compute_dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [query_len, KVH, d] of a prefill with no cached prefix (query_len == seq_len), sliced from
         what :meth:`write_kv` stored (in the cache's dtype, so the same values :meth:`_gather` would read back;
         upcast like it where the compute dtype differs)."""
-        both = written[:, item.start: item.start + item.query_len]
-        if both.dtype != compute_dtype:
-            both = both.to(compute_dtype)
-        return both[0], both[1]
+        rows = slice(item.start, item.start + item.query_len)
+        keys, values = keys[rows], values[rows]
+        if keys.dtype != compute_dtype:
+            keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+        return keys, values
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: Plan
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,7 +154,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)) (same operation order as HF)."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)) (same operation order as HF). The second residual add
+    is left to the next norm (:meth:`forward` returns the MLP output beside the residual stream, as vLLM's layers
+    do), so that with kvscope's CPU kernels every add runs fused with the norm after it."""
 
     def __init__(self, config: ArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -163,18 +165,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size]: the previous layer's MLP output, or the embeddings when ``residual`` is None
+        (the first layer); residual [T, hidden_size]: the stream before that output was added. Returns (this
+        layer's MLP output, the stream before it): the caller adds them, fused into the next norm
+        (:func:`add_norm`)."""
         # children's ``forward`` called directly inside the decoder (here, in Attention and MLP): nn.Module's
         # ``__call__`` (hooks, tracing state) costs ~2-3 µs a call, 9 calls per layer, and nothing registers hooks
-        attn = self.self_attn.forward(self.input_layernorm.forward(hidden), cos, sin)
-        norm = self.post_attention_layernorm
-        if norm.cpu_op and cpu_op_applies(hidden) and cpu_op_applies(attn) and norm.weight.dtype == torch.bfloat16:
-            # the residual add and the norm in one pass (kernels/csrc/cpu_elementwise.cpp), the add bit for bit
-            hidden, normed = torch.ops.kvscope_cpu.add_rms_norm(hidden, attn, norm.weight, norm.eps)
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm.forward(hidden)
         else:
-            hidden = hidden + attn
-            normed = norm.forward(hidden)
-        return hidden + self.mlp.forward(normed)
+            residual, normed = add_norm(self.input_layernorm, hidden, residual)
+        attn = self.self_attn.forward(normed, cos, sin)
+        residual, normed = add_norm(self.post_attention_layernorm, attn, residual)
+        return self.mlp.forward(normed), residual
+
+
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, norm(residual + x)) for x, residual [T, hidden_size]: one pass of kvscope's C++
+    ``add_rms_norm`` where the norm uses the CPU kernels (the add bit for bit torch's bfloat16 add), else torch's
+    add and the norm's own forward."""
+    if norm.cpu_op and cpu_op_applies(x) and cpu_op_applies(residual) and norm.weight.dtype == torch.bfloat16:
+        return torch.ops.kvscope_cpu.add_rms_norm(x, residual, norm.weight, norm.eps)
+    total = residual + x
+    return total, norm.forward(total)
 
 
 class LlamaModel(nn.Module):
@@ -193,9 +208,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = rope_tables(*self.rotary_emb(positions, hidden.dtype))
+        residual = None
         for layer in self.layers:
-            hidden = layer.forward(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer.forward(hidden, residual, cos, sin)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return add_norm(self.norm, hidden, residual)[1]
 
 
 # HF checkpoint name fragment → (fused parameter fragment, shard index); shards are laid out in order.

@@ -1,5 +1,6 @@
 """kvscope's C++ paged decode attention (kernels/csrc/cpu_attention.cpp) against SDPA on random paged caches, and
-its use by the torch backend's decode path (engine/attention/torch_backend.py).
+its use by the torch backend's decode path (engine/attention/torch_backend.py); its K/V cache write against
+``index_copy_``.
 
 Tolerances: the reference is SDPA in float64 over the same (bfloat16-rounded where the inputs are) values, so
 the only differences are the op's float32 arithmetic (summation order, the polynomial exp: relative error
@@ -177,8 +178,9 @@ def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
 
 
 def test_prefill_rows_default_to_the_op_where_sdpa_would_upcast():
-    """The default follows the measurement: the op where SDPA attends in float32 (no AMX), SDPA where AMX's
-    bfloat16 SDPA runs (not measured against the op)."""
+    """The default follows the measurement (bench/prefill_attention_ab.py, docs/benchmarks.md): the op where SDPA
+    attends in float32 (no AMX), SDPA where AMX's bfloat16 SDPA runs (0.80× the op's time at 128 tokens, 0.25× at
+    1,024 on a Sapphire Rapids)."""
     assert TorchAttentionBackend(native_bf16=False).paged_prefill is True
     assert TorchAttentionBackend(native_bf16=True).paged_prefill is False
     assert TorchAttentionBackend(native_bf16=False, paged_prefill=False).paged_prefill is False
@@ -194,3 +196,66 @@ def test_float32_caches_keep_sdpa():
     ref, _ = backend_step(off, torch.float32, [1, 1, 1])
     assert on._plan.paged_decode is False
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_puts_every_row_where_index_copy_would(dtype):
+    """K and V as the model hands them (views of the fused qkv output: rows 960 apart) land in shuffled slots of
+    both planes exactly as ``index_copy_`` puts them; no other slot changes."""
+    gen = torch.Generator().manual_seed(9)
+    tokens, slots = 37, 7 * 16
+    qkv = torch.randn(tokens, 960, generator=gen).to(dtype)
+    key, value = qkv[:, 576:768].view(tokens, 3, 64), qkv[:, 768:].view(tokens, 3, 64)
+    slot_mapping = torch.randperm(slots, generator=gen)[:tokens]
+    cache = torch.randn(2, 7, 16, 3, 64, generator=gen).to(dtype)
+    expected = cache.clone()
+    expected.view(2, -1, 3, 64).index_copy_(1, slot_mapping, torch.stack((key, value)))
+    torch.ops.kvscope_cpu.write_kv(key, value, cache, slot_mapping)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_rejects_what_it_cannot_copy_in_place():
+    cache = torch.zeros(2, 2, 16, 3, 64, dtype=torch.bfloat16)
+    key = torch.randn(4, 3, 64).bfloat16()
+    slots = torch.arange(4)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.kvscope_cpu.write_kv(key, key, cache, torch.tensor([0, 1, 2, 32]))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.kvscope_cpu.write_kv(key, key, cache, torch.tensor([0, -1, 2, 3]))
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        torch.ops.kvscope_cpu.write_kv(key.float(), key.float(), cache, slots)
+    with pytest.raises(RuntimeError, match="contiguous within a token"):
+        torch.ops.kvscope_cpu.write_kv(key.transpose(1, 2).contiguous().transpose(1, 2), key, cache, slots)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.kvscope_cpu.write_kv(key, key, cache, slots.int())
+    assert torch.equal(cache, torch.zeros_like(cache))  # a rejected call writes nothing
+
+
+def test_backend_write_kv_and_a_fresh_prefill_read_the_same_values(monkeypatch):
+    """The backend writes through the op where it applies, else stack + index_copy_: the same cache bits, and a
+    fresh prompt's attention (SDPA over the K/V just written, no gather) is the same either way."""
+    gen = torch.Generator().manual_seed(4)
+    tokens = 40
+    qkv = torch.randn(tokens, 960, generator=gen).bfloat16()
+    roped = torch.randn(tokens, 12, 64, generator=gen).bfloat16()
+    key, value = roped[:, 9:], qkv[:, 768:].view(tokens, 3, 64)  # as Attention.forward hands them: strided rows
+    metadata = AttentionMetadata.build([tokens], [tokens], [[3, 1, 4]], 16)
+    calls = []
+    real = torch.ops.kvscope_cpu.write_kv
+    monkeypatch.setattr(torch.ops.kvscope_cpu, "write_kv", lambda *a: calls.append(1) or real(*a))
+
+    def step():
+        backend = TorchAttentionBackend(paged_prefill=False)
+        cache = torch.zeros(2, 5, 16, 3, 64, dtype=torch.bfloat16)
+        backend.write_kv(key, value, cache, metadata.slot_mapping)
+        return cache, backend.forward(roped[:, :9], cache, metadata, 0.125), backend
+
+    with_op, out_op, backend = step()
+    assert len(calls) == 1 and backend._buffers == {}  # nothing gathered back from the cache
+    monkeypatch.setattr("engine.attention.torch_backend.cpu_kernels_loaded", lambda: False)
+    with_torch, out_torch, _ = step()
+    assert len(calls) == 1
+    expected = torch.zeros_like(with_op)
+    expected.view(2, -1, 3, 64).index_copy_(1, metadata.slot_mapping, torch.stack((key, value)))
+    assert torch.equal(with_op, expected) and torch.equal(with_torch, expected)
+    assert torch.equal(out_op, out_torch)

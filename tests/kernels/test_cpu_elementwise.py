@@ -1,9 +1,9 @@
 """kvscope's C++ elementwise kernels for bfloat16 activations (kernels/csrc/cpu_elementwise.cpp) against the torch
 ops they replace (engine/models/layers.py, engine/models/llama.py), and where the model uses them.
 
-Exactness: the residual add and RoPE round exactly where torch's ops do, so they are bit-identical; RMSNorm sums
-x² in another order and SwiGLU's exp is a polynomial (relative error < 2e-7), so a rare element may differ from
-torch's by the rounding of one bfloat16 step: at most 2 units in the last place, and ≥ 99.9 % of elements equal.
+Exactness: the residual add and RoPE round exactly where torch's ops do, and SwiGLU looks F.silu up in a table
+that torch computed, so they are bit-identical; RMSNorm sums x² in another order, so a rare element may differ
+from torch's by the rounding of one bfloat16 step: at most 2 units in the last place, ≥ 99.9 % of elements equal.
 """
 
 from __future__ import annotations
@@ -52,14 +52,29 @@ def test_rms_norm_and_the_fused_residual_add(rows: int) -> None:
     assert_near_torch(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), None, 1e-5) * weight)
     total, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(total, x + residual)
+    tiny = torch.full((rows, 576), 1e-39).bfloat16()  # float32 denormals: rounded as c10 does, not flushed
+    assert torch.equal(ops.add_rms_norm(tiny, tiny, weight, 1e-5)[0], tiny + tiny) and (tiny + tiny).ne(0).all()
     assert_near_torch(normed, F.rms_norm(x + residual, (576,), None, 1e-5) * weight)
 
 
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_and_mul(rows: int) -> None:
+def test_silu_and_mul_is_torchs_bit_for_bit(rows: int) -> None:
     gate_up = (4 * torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows))).bfloat16()
     gate, up = gate_up.chunk(2, dim=-1)
-    assert_near_torch(torch.ops.kvscope_cpu.silu_and_mul(gate_up), F.silu(gate) * up)
+    assert torch.equal(torch.ops.kvscope_cpu.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_silu_and_mul_over_every_bfloat16_gate() -> None:
+    """All 65,536 bfloat16 bit patterns as the gate (the lookup's whole table, its last entry included; denormal
+    products, which VCVTNEPS2BF16 alone would flush to zero), times random up values: the same bits as torch's,
+    NaN where torch's is NaN (the 254 NaN patterns and silu(-inf) = -inf · 0)."""
+    gate = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(-1, 1024)
+    up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(7)).bfloat16()
+    got = torch.ops.kvscope_cpu.silu_and_mul(torch.cat((gate, up), dim=1))
+    ref = F.silu(gate) * up
+    nan = ref.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.sum().item() == 255
+    assert torch.equal(got[~nan], ref[~nan])
 
 
 @pytest.mark.parametrize("tokens", ROWS)
