@@ -75,8 +75,9 @@ class RequestOutput:
 
     @property
     def tpot(self) -> float | None:
-        """(e2e − TTFT) / (output tokens − 1) in seconds; None for failed or single-token requests (vLLM)."""
-        if not self.success or self.output_tokens < 2:
+        """(e2e − TTFT) / (output tokens − 1) in seconds; None for failed or single-token requests (vLLM) and
+        for a stream whose tokens carried no text (nothing streamed to time)."""
+        if not self.success or self.output_tokens < 2 or self.stream_tokens == 0:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
@@ -163,9 +164,14 @@ async def _read_stream(out: RequestOutput, response: httpx.Response, endpoint: E
             out.generated_text += text
     if not done:
         _fail(out, "incomplete_stream", f"stream ended without [DONE] after {out.stream_tokens} token chunks")
-    elif out.stream_tokens == 0:
+    elif out.stream_tokens == 0 and not out.usage_output_tokens:
         _fail(out, "no_output", "the stream carried no text")
     else:
+        if out.stream_tokens == 0:
+            # tokens the server generated and counted, none of them text: byte tokens that never formed a
+            # character (the detokenizer holds them back, as vLLM's does) or skipped special tokens. The request
+            # completed; its output reached the client only with the end, so that is its TTFT (no TPOT, no ITL)
+            out.ttft = out.latency
         out.success = True
 
 

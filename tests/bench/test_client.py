@@ -72,6 +72,18 @@ async def test_single_token_has_no_tpot():
     assert out.success and out.output_tokens == 1 and out.tpot is None and out.itl == []
 
 
+async def test_tokens_without_text_complete_with_their_output_at_the_end():
+    """A stream whose 128 tokens are all byte tokens that never form a character (SmolLM2 does this for some
+    random prompts with ignore_eos): usage says 128, no chunk carries text. Completed, as in vLLM's client; the
+    output reached the client only with the end, so TTFT is the e2e latency; no TPOT, no ITL."""
+    events = [(0.5, completion_chunk("", "length")), (0.0, usage_chunk(128)), (0.25, "data: [DONE]")]
+    out, _ = await run_one(events)
+    assert out.success and out.error_type == ""
+    assert (out.stream_tokens, out.output_tokens) == (0, 128)
+    assert out.ttft == out.latency == pytest.approx(0.75, abs=1e-12)
+    assert out.tpot is None and out.itl == []
+
+
 @pytest.mark.parametrize(("script", "error_type", "message"), [
     ((429, {"error": {"message": "slow down", "type": "rate_limit_error"}}), "http_429", "slow down"),
     ([(0.5, completion_chunk("a")), (0.1, {"error": {"message": "boom", "type": "server_error"}})],
