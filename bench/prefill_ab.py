@@ -19,6 +19,7 @@ import time
 import torch
 
 import engine.attention.torch_backend as TB
+import engine.models.layers as L
 import engine.models.llama as M
 from engine.bench import random_prompts
 from engine.llm import LLM
@@ -38,13 +39,13 @@ def old_layer(self, hidden, residual, cos, sin):
     if residual is not None:
         hidden = residual + hidden  # the previous layer's own add
     attn = self.self_attn.forward(self.input_layernorm.forward(hidden), cos, sin)
-    hidden, normed = M.add_norm(self.post_attention_layernorm, attn, hidden)
+    hidden, normed = L.add_norm(self.post_attention_layernorm, attn, hidden)
     return hidden + self.mlp.forward(normed), None
 
 
 def old_model(self, input_ids, positions):
     hidden = self.embed_tokens(input_ids)
-    cos, sin = M.rope_tables(*self.rotary_emb(positions, hidden.dtype))
+    cos, sin = L.rope_tables(*self.rotary_emb(positions, hidden.dtype))
     for layer in self.layers:
         hidden, _ = layer.forward(hidden, None, cos, sin)
     return self.norm(hidden)

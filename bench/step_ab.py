@@ -48,7 +48,7 @@ def old_mlp(self, x):
     return self.down_proj(L.silu_and_mul(self.gate_up_proj(x)))
 def old_model(self, input_ids, positions):
     hidden = self.embed_tokens(input_ids)
-    cos, sin = M.rope_tables(*self.rotary_emb(positions, hidden.dtype))
+    cos, sin = L.rope_tables(*self.rotary_emb(positions, hidden.dtype))
     for layer in self.layers:
         hidden = layer(hidden, cos, sin)
     return self.norm(hidden)
@@ -57,7 +57,7 @@ def old_attn(self, hidden, cos, sin):
     qkv = self.qkv_proj(hidden)
     v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
     qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-    q, k = M.apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+    q, k = L.apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
     context = get_forward_context()
     kv_cache = context.kv_caches[self.layer_idx]
     context.backend.write_kv(k, v, kv_cache, context.attn_metadata.slot_mapping)

@@ -227,6 +227,16 @@ def cpu_op_applies(x: torch.Tensor) -> bool:
             and not torch.is_grad_enabled())
 
 
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, norm(residual + x)) for x, residual [T, hidden_size]: one pass of kvscope's C++
+    ``add_rms_norm`` where the norm uses the CPU kernels (the add bit for bit torch's bfloat16 add), else torch's
+    add and the norm's own forward."""
+    if norm.cpu_op and cpu_op_applies(x) and cpu_op_applies(residual) and norm.weight.dtype == torch.bfloat16:
+        return torch.ops.kvscope_cpu.add_rms_norm(x, residual, norm.weight, norm.eps)
+    total = residual + x
+    return total, norm.forward(total)
+
+
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     """Rotary embedding parameters, read from HF ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling`` (v4)."""
@@ -304,3 +314,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim], cos/sin [T, head_dim] → x·cos + rotate_half(x)·sin."""
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] → (cos, signed sin), each [T, 1, head_dim], for :func:`apply_rope`: built once per
+    step and shared by every layer. The signed sin is ``[-sin₁ | sin₂]`` (halves of the last dim)."""
+    half = sin.shape[-1] // 2
+    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, NeoX "rotate half" layout (HF ``apply_rotary_pos_emb``): x [T, heads, head_dim] with the tables of
+    :func:`rope_tables` → ``x·cos + rotate_half(x)·sin`` in 4 ops, bit for bit: ``rotate_half(x)·sin`` =
+    ``[-x₂·sin₁ | x₁·sin₂]`` = ``roll(x, half)·[-sin₁ | sin₂]`` (a negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

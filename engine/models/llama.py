@@ -27,8 +27,10 @@ from engine.models.layers import (
     RMSNorm,
     RopeConfig,
     RotaryEmbedding,
+    add_norm,
+    apply_rope,
     cpu_linear_kernel,
-    cpu_op_applies,
+    rope_tables,
     silu_and_mul,
 )
 
@@ -76,20 +78,6 @@ def _base_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         rope=RopeConfig.from_hf(cfg),
     )
-
-
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim] → (cos, signed sin), each [T, 1, head_dim], for :func:`apply_rope`: built once per
-    step and shared by every layer. The signed sin is ``[-sin₁ | sin₂]`` (halves of the last dim)."""
-    half = sin.shape[-1] // 2
-    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, NeoX "rotate half" layout (HF ``apply_rotary_pos_emb``): x [T, heads, head_dim] with the tables of
-    :func:`rope_tables` → ``x·cos + rotate_half(x)·sin`` in 4 ops, bit for bit: ``rotate_half(x)·sin`` =
-    ``[-x₂·sin₁ | x₁·sin₂]`` = ``roll(x, half)·[-sin₁ | sin₂]`` (a negation is exact)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -180,16 +168,6 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn.forward(normed, cos, sin)
         residual, normed = add_norm(self.post_attention_layernorm, attn, residual)
         return self.mlp.forward(normed), residual
-
-
-def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + x, norm(residual + x)) for x, residual [T, hidden_size]: one pass of kvscope's C++
-    ``add_rms_norm`` where the norm uses the CPU kernels (the add bit for bit torch's bfloat16 add), else torch's
-    add and the norm's own forward."""
-    if norm.cpu_op and cpu_op_applies(x) and cpu_op_applies(residual) and norm.weight.dtype == torch.bfloat16:
-        return torch.ops.kvscope_cpu.add_rms_norm(x, residual, norm.weight, norm.eps)
-    total = residual + x
-    return total, norm.forward(total)
 
 
 class LlamaModel(nn.Module):

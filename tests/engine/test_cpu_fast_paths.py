@@ -168,8 +168,7 @@ def test_bfloat16_engine_answers_like_float32(llm) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_rope_is_bit_identical_to_rotate_half(dtype: torch.dtype) -> None:
     """The 4-op RoPE (roll + signed sin, tables built once per step) gives exactly HF's x·cos + rotate_half(x)·sin."""
-    from engine.models.layers import RopeConfig, RotaryEmbedding, apply_rotary
-    from engine.models.llama import apply_rope, rope_tables
+    from engine.models.layers import RopeConfig, RotaryEmbedding, apply_rope, apply_rotary, rope_tables
 
     positions = torch.tensor([0, 1, 5, 37, 200])
     cos, sin = RotaryEmbedding(HEAD_DIM, RopeConfig(theta=100000.0))(positions, dtype)

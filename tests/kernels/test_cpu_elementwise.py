@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.llm import LLM
-from engine.models.layers import RMSNorm
-from engine.models.llama import MLP, Attention, apply_rope, rope_tables
+from engine.models.layers import RMSNorm, apply_rope, rope_tables
+from engine.models.llama import MLP, Attention
 from engine.models.loader import load_cpu_kernels
 from engine.sampling_params import SamplingParams
 from kvscope.models.cache import cache_root
