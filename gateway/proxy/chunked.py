@@ -35,6 +35,14 @@ class ChunkedBodyTap:
         after bad framing, with :attr:`broken` set)."""
         if self.done:
             return data
+        if self._state == "size" and not self._pending and data[-2:] == b"\r\n":
+            # the common read: exactly one whole chunk (a streamed token); the same checks as the loop below
+            line_end = data.find(b"\r\n")
+            size = data[:line_end].split(b";", 1)[0].strip(b" \t")
+            if 0 < len(size) <= 16 and not size.strip(b"0123456789abcdefABCDEF") and \
+                    line_end + 4 + int(size, 16) == len(data) and line_end + 2 < len(data) - 2:
+                self.accepting = self._deliver(data[line_end + 2:-2])
+                return None
         buf = self._pending + data if self._pending else data
         self._pending = b""
         payload: list[bytes] = []

@@ -345,8 +345,9 @@ class LinearPool(httpcore.AsyncConnectionPool):
     response closed: with the 32 keep-alive connections of 32 streams that was a third of the gateway's httpx
     time per request (py-spy, docs/gateway.md "CPU per relayed token"; encode/httpcore#1035). Same decisions
     as httpcore's own (an idle connection is dropped while the pool holds more connections than
-    ``max_keepalive_connections``, closed and expired ones are removed), the count kept as it goes; the
-    assignment of queued requests is httpcore's."""
+    ``max_keepalive_connections``, closed and expired ones are removed), the count kept as it goes (and asked
+    first, so an idle check runs only where it can matter); the assignment of queued requests is httpcore's,
+    stopping at the first available connection (httpcore builds the list of all of them and takes the first)."""
 
     def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
         closing: list[httpcore.AsyncConnectionInterface] = []
@@ -355,15 +356,16 @@ class LinearPool(httpcore.AsyncConnectionPool):
             if connection.is_closed():
                 self._connections.remove(connection)
                 count -= 1
-            elif connection.has_expired() or (connection.is_idle() and count > self._max_keepalive_connections):
+            elif connection.has_expired() or (count > self._max_keepalive_connections and connection.is_idle()):
                 self._connections.remove(connection)
                 count -= 1
                 closing.append(connection)
         for pool_request in [request for request in self._requests if request.is_queued()]:
             origin = pool_request.request.url.origin
-            available = [c for c in self._connections if c.can_handle_request(origin) and c.is_available()]
-            if available:
-                pool_request.assign_to_connection(available[0])
+            available = next((c for c in self._connections if c.can_handle_request(origin) and c.is_available()),
+                             None)
+            if available is not None:
+                pool_request.assign_to_connection(available)
                 continue
             if len(self._connections) >= self._max_connections:
                 idle = next((c for c in self._connections if c.is_idle()), None)

@@ -54,7 +54,7 @@ _REARM = object()
 _DONE, _ERROR, _BAD_FINISH = "done", "error", "bad_finish"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per token, and a frozen dataclass's __init__ costs 3x
 class _Decision:
     """What one event amounts to (:meth:`StreamRelay._decide`)."""
 

@@ -361,6 +361,28 @@ def test_the_tap_decodes_chunked_framing_split_anywhere() -> None:
     assert _payload(got) == CHUNKED_PAYLOAD and got[-1] is None
 
 
+@pytest.mark.parametrize("read", [
+    b"5\r\nhello\r\n", b"A;ext=1\r\n0123456789\r\n", b"a \t\r\n0123456789\r\n",  # one whole chunk: the shortcut
+    b"3\r\nhello\r\n",  # shorter than its data: broken
+    b"9\r\nhello\r\n",  # longer: the rest comes in the next read
+    b"0x5\r\nhello\r\n", b"+5\r\nhello\r\n", b"5_\r\nhello\r\n",  # what int(s, 16) takes, RFC 9112 does not
+    b"0\r\n\r\n", b"2\r\nok\r\n0\r\n\r\n",
+])
+def test_a_read_of_one_whole_chunk_decodes_as_byte_by_byte_reads_do(read: bytes) -> None:
+    """A read holding exactly one chunk (a streamed token) takes a shortcut (gateway/proxy/chunked.py); every
+    read gives the payload, end, errors and state that one byte at a time gives."""
+    whole, got_whole = _tap_collect()
+    bytewise, got_bytewise = _tap_collect()
+    after_whole = whole.feed(read)
+    after_bytewise = [bytewise.feed(read[i:i + 1]) for i in range(len(read))]
+    assert after_whole == next((a for a in after_bytewise if a is not None), None)
+    assert _payload(got_whole) == _payload(got_bytewise)
+    assert [type(x) for x in got_whole if not isinstance(x, bytes)] == \
+        [type(x) for x in got_bytewise if not isinstance(x, bytes)]
+    assert (whole.done, whole.broken, whole._state, whole._left) == \
+        (bytewise.done, bytewise.broken, bytewise._state, bytewise._left)
+
+
 @pytest.mark.parametrize(("body", "why"), [
     (b"zz\r\nhello\r\n", "bad chunk-size line"),
     (b"\r\n", "bad chunk-size line"),

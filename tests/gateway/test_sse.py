@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import msgspec
+import pytest
 
 from gateway.sse import Action, SSESplitter, StreamState, event_data, without_usage
 
@@ -38,7 +39,31 @@ def test_splitter_handles_crlf_cr_and_cr_at_a_chunk_boundary() -> None:
     assert splitter.tail() == b"data: partial"
 
 
+@pytest.mark.parametrize("data", [
+    b"data: {\"a\": 1}\n\n",  # one whole event per read: the shortcut
+    b": keep-alive\n\n",
+    b"\ndata: 1\n\n",  # a blank line first is an event of its own
+    b"data: 1\n\ndata: 2\n\n",  # two events
+    b"data: 1\r\n\r\n", b"data: 1\rx\n\n", b"data: 1\n\r\n",  # CR anywhere: the scan
+    b"\n\n", b"data: 1\n\n\n",
+])
+def test_splitter_reads_whole_events_as_the_byte_scan_does(data: bytes) -> None:
+    """A read holding exactly one LF-framed event takes a shortcut (gateway/sse.py); every read gives the
+    events (and the tail) that feeding the same bytes one at a time gives."""
+    whole, byte_by_byte = SSESplitter(), SSESplitter()
+    assert whole.feed(data) == [e for i in range(len(data)) for e in byte_by_byte.feed(data[i:i + 1])]
+    assert whole.tail() == byte_by_byte.tail()
+    after_partial = SSESplitter()
+    assert after_partial.feed(b"data: x") == []
+    assert after_partial.feed(data)[0].startswith(b"data: x")  # a buffered line joins the next read's
+
+
 def test_event_data_joins_data_lines_and_ignores_comments() -> None:
+    assert event_data(b"data:  two spaces\n\n") == b" two spaces"  # one space after the colon is dropped
+    assert event_data(b"data: \n\n") == b""
+    assert event_data(b"data: a\rb\n\n") == b"a"  # CR ends a line: "b" is no field
+    assert event_data(b"data: a\ndata: b\n\n") == b"a\nb"
+    assert event_data(b"data: a\r\n\r\n") == b"a"
     assert event_data(b"data: {\"a\":1}\n\n") == b"{\"a\":1}"
     assert event_data(b"data:x\ndata\ndata:  y\n\n") == b"x\n\n y"
     assert event_data(b": keep-alive\n\n") is None
