@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.cookiejar
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -80,15 +81,28 @@ def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list
     return sinks
 
 
+class _NoCookies(http.cookiejar.DefaultCookiePolicy):
+    """Stores no cookie and sends none: the upstream client is shared by every user of the gateway."""
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
+        return False
+
+    def return_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
+        return False
+
+
 def new_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
     """The upstream client: connect/pool timeouts from settings; read deadlines are enforced per request; the
-    connections on kvscope's asyncio network backend (gateway/proxy/network.py)."""
+    connections on kvscope's asyncio network backend (gateway/proxy/network.py). Its cookie jar keeps nothing:
+    httpx's default jar would store an upstream's ``Set-Cookie`` and send it with every later request of every
+    user (one client's session cookie on another's request)."""
     t = settings.timeouts
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     return httpx.AsyncClient(timeout=httpx.Timeout(connect=t.connect_s, read=None, write=t.connect_s,
                                                    pool=t.connect_s),
                              limits=limits, transport=upstream_transport(limits),
-                             headers={"accept-encoding": "identity"}, trust_env=False)
+                             headers={"accept-encoding": "identity"}, trust_env=False,
+                             cookies=http.cookiejar.CookieJar(policy=_NoCookies()))
 
 
 @contextlib.asynccontextmanager

@@ -240,6 +240,31 @@ async def test_the_gateway_client_uses_the_backend() -> None:
         await client.aclose()
 
 
+async def test_the_gateway_client_keeps_no_upstream_cookie() -> None:
+    """An upstream's Set-Cookie (a load balancer's sticky session, say) is not stored and not sent with the
+    next request: the client is shared by every user of the gateway (httpx's default jar would send it on)."""
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                seen.append(await reader.readuntil(b"\r\n\r\n"))
+                writer.write(b"HTTP/1.1 200 OK\r\nset-cookie: session=alice; Path=/\r\n"
+                             b"set-cookie: lb=node1\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+
+    async with server(handler) as port:
+        client = new_http_client(load_settings(None, {"upstreams": [{"url": f"http://127.0.0.1:{port}"}]}, env={}))
+        try:
+            for _ in range(2):
+                response = await client.get(f"http://127.0.0.1:{port}/v1/models")
+                assert response.headers.get_list("set-cookie") == ["session=alice; Path=/", "lb=node1"]
+            assert len(client.cookies) == 0
+        finally:
+            await client.aclose()
+    assert len(seen) == 2 and all(b"cookie" not in head.lower() for head in seen)
+
+
 async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_failure() -> None:
     """The upstream answers the first request of each connection and drops the connection at the second (what an
     idle keep-alive timeout does when it fires as the pool reuses the connection): the replica stays healthy,
