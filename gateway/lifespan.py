@@ -82,12 +82,10 @@ def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list
 
 
 class _NoCookies(http.cookiejar.DefaultCookiePolicy):
-    """Stores no cookie and sends none: the upstream client is shared by every user of the gateway."""
+    """Stores no cookie an upstream sets, so the client's jar stays empty and no request carries one on: the
+    upstream client is shared by every user of the gateway (the gateway passes no cookies of its own)."""
 
     def set_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
-        return False
-
-    def return_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
         return False
 
 

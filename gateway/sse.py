@@ -121,7 +121,7 @@ class StreamState:
         if isinstance(engine := get("kvscope"), dict):
             self.engine = engine
         choices = get("choices") or []
-        if len(choices) == 1 and isinstance(choices[0], dict):
+        if type(choices) is list and len(choices) == 1 and isinstance(choices[0], dict):
             has_token = self._observe_choice(choices[0])
         else:
             has_token = any([self._observe_choice(c) for c in choices if isinstance(c, dict)])

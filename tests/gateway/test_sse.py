@@ -94,6 +94,17 @@ def test_stream_state_tracks_tokens_finish_usage_and_actions() -> None:
     assert state.output_text() == ["Hi", "Yo"]
 
 
+def test_stream_state_reads_odd_choices_as_before() -> None:
+    """Choices that are not a list of objects carry no token and are forwarded (the one-choice shortcut of
+    observe takes lists only: a one-key object there once raised KeyError)."""
+    for choices in ({"a": 1}, {"0": {"delta": {"content": "x"}}}, ["x"], [], None):
+        state = StreamState()
+        assert state.observe({"id": "c", "choices": choices}, True) == (Action.FORWARD, False)
+        assert state.token_events == 0
+    state = StreamState()
+    assert state.observe({"choices": [{"index": 0, "text": "a"}, "junk"]}, True) == (Action.FORWARD, True)
+
+
 def test_stream_state_errors_and_bad_finish_reasons() -> None:
     state = StreamState()
     assert state.observe({"error": {"message": "boom", "code": "x"}}, False) == (Action.ERROR, False)
