@@ -133,10 +133,11 @@ def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> 
 @pytest.mark.vnni
 def test_a_truncated_cached_library_is_rebuilt_not_loaded(loaded, tmp_path: Path, monkeypatch) -> None:
     """A cut-off .so in the cache crashed the process in dlopen (SIGBUS, break-it finding): the build checks the
-    cached file against the digest it wrote and rebuilds when it differs or is missing. The "compiler" here copies
-    the library the session already built (a real compile is ~35 s; test_a_compile_error… runs the real one)."""
+    cached file against the digest it wrote and rebuilds when it differs or is missing. The "linker" here copies
+    the library the session already built (a real build is ~40 s; test_a_compile_error… runs the real compiler)."""
     real = library_path(cache_root() / CPU_KERNELS_DIR)
-    monkeypatch.setattr(cpu_decode, "_command", lambda out, compiler: ["cp", str(real), str(out)])
+    monkeypatch.setattr(cpu_decode, "_compile_command", lambda source, obj, compiler: ["touch", str(obj)])
+    monkeypatch.setattr(cpu_decode, "_link_command", lambda objects, out, compiler: ["cp", str(real), str(out)])
     built = build(tmp_path)
     assert built.ok and built.detail.startswith("built ") and built.library is not None
     library = built.library
