@@ -98,21 +98,33 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
 
 
 class OTLPReceiver:
-    """A local OTLP/HTTP trace receiver: keeps every decoded ExportTraceServiceRequest."""
+    """A local OTLP/HTTP receiver: keeps every decoded ExportTraceServiceRequest (POST /v1/traces) and
+    ExportMetricsServiceRequest (POST /v1/metrics); any other path is answered 404, as a collector without that
+    signal's receiver does."""
 
     def __init__(self) -> None:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
         self.requests: list[Any] = []
+        self.metric_requests: list[Any] = []
         self.content_types: list[str] = []
         receiver = self
+        signals = {"/v1/traces": (ExportTraceServiceRequest, self.requests),
+                   "/v1/metrics": (ExportMetricsServiceRequest, self.metric_requests)}
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server API
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                message = ExportTraceServiceRequest()
+                if self.path not in signals:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                message_type, kept = signals[self.path]
+                message = message_type()
                 message.ParseFromString(body)
-                receiver.requests.append(message)
+                kept.append(message)
                 receiver.content_types.append(self.headers["Content-Type"])
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
