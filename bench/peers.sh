@@ -8,7 +8,9 @@
 # order rotated each round) for $ROUNDS rounds of $PROMPTS prompts: more, shorter rounds where a round is short,
 # so the median of the per-round ratios holds still on a noisy machine (docs/benchmarks.md "Side by side"),
 # then transformers `generate` on the same weights (bench/transformers_row.py, reusing engine/bench.py),
-# and prints the markdown table (bench/peers_table.py).
+# and prints the markdown table (bench/peers_table.py). Before the servers start, the offline engine's idle TTFT
+# of one $INPUT_LEN-token prompt (`kvscope bench --offline --step-bench`, 20 runs; SKIP_IDLE_TTFT=1 leaves it
+# out), so that one run gives every figure of issue 13's targets on the same machine in the same hour.
 #
 # Usage (from the repo root, venv active):   bench/peers.sh
 #   quick smoke run:                          CONCURRENCIES="1 2" PROMPTS="2 2" INPUT_LEN=32 OUTPUT_LEN=8 ROUNDS=1 bench/peers.sh
@@ -40,6 +42,7 @@ LLAMA_PORT="${LLAMA_PORT:-18402}"
 LCP_PORT="${LCP_PORT:-18403}"
 WITH_LLAMA_CPP_PYTHON="${WITH_LLAMA_CPP_PYTHON:-0}"
 SKIP_TRANSFORMERS="${SKIP_TRANSFORMERS:-0}"
+SKIP_IDLE_TTFT="${SKIP_IDLE_TTFT:-0}"
 OUT_DIR="${OUT_DIR:-$PEERS_DIR/results/$(date -u +%Y%m%dT%H%M%SZ)}"
 
 read -r -a CONC <<<"$CONCURRENCIES"
@@ -96,6 +99,13 @@ cat "$OUT_DIR/machine.txt"
 if awk '{exit !($1 > 0.5)}' /proc/loadavg; then
     echo "WARNING: 1-min load average $(cut -d' ' -f1 /proc/loadavg) > 0.5: the machine is not quiet;" \
         "llama.cpp's numbers collapse under contention (see docs/benchmarks.md)" | tee -a "$OUT_DIR/machine.txt" >&2
+fi
+
+# --- idle TTFT: the offline engine alone, nothing else running -----------------------------------------------
+if [[ "$SKIP_IDLE_TTFT" != 1 ]]; then
+    kvscope bench --offline --step-bench --model "$MODEL" --dtype "$DTYPE" --quantization "$QUANTIZATION" \
+        --concurrency 1 --num-threads "$THREADS" --input-len "$INPUT_LEN" --ttft-runs 20 \
+        --save-result "$OUT_DIR/idle-ttft.json" 2>"$OUT_DIR/idle-ttft.log" | tee "$OUT_DIR/idle-ttft.txt"
 fi
 
 # --- kvscope engine and gateway (up for the whole run) ---------------------------------------------------------

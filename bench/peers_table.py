@@ -6,6 +6,8 @@ TTFT p50/p99, TPOT p50/p99 (ms), and the requests that failed or had another out
 Then the paired ratios: per concurrency, each system against the first (the kvscope engine), the median over
 rounds of its round's figure ÷ the engine's in the same round, with the lowest and highest round in brackets
 (the spread a reader needs to judge a ratio near a target, e.g. the gateway's "within 5 %").
+Last, from ``idle-ttft.json`` where the run measured it (``kvscope bench --offline --step-bench
+--save-result``), the offline engine's idle TTFT of one prompt.
 
     python bench/peers_table.py /work/peers-build/results/<timestamp>
 """
@@ -67,6 +69,16 @@ def transformers_rows(path: Path) -> list[tuple[str, int, list[str]]]:
     return rows
 
 
+def idle_ttft_line(path: Path) -> str:
+    """One line from a saved ``kvscope bench --offline --step-bench`` result (``[steps, ttft]``): the idle
+    TTFT's median and min in ms, the prompt's length, the runs, the threads and the weights format."""
+    _, ttft = json.loads(path.read_text())
+    idle = ttft["idle_ttft"]
+    return (f"Idle TTFT (offline engine, one {idle['input_len']}-token prompt, {idle['runs']} runs, "
+            f"{ttft['num_threads']} threads, {ttft['dtype']}/{ttft['quantization']}): median "
+            f"{idle['median_ms']:.1f} ms, min {idle['min_ms']:.1f} ms")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
@@ -91,6 +103,8 @@ def main(argv: list[str]) -> int:
         print("|---|---|---:|---:|---:|---:|")
         for _, lines in ratio_tables:
             print("\n".join(lines))
+    if (folder / "idle-ttft.json").is_file():
+        print("\n" + idle_ttft_line(folder / "idle-ttft.json"))
     return 0
 
 

@@ -53,3 +53,22 @@ def test_table_rows(tmp_path, capsys):
         "| 8 | llama.cpp server | 0.950 [0.80–1.10] | 1.125 [0.25–2.00] | 0.500 [0.50–0.50] | 3 |",
         "| 32 | llama.cpp server | 0.500 [0.50–0.50] | 4.000 [4.00–4.00] | 3.000 [3.00–3.00] | 1 |",
     ]
+
+
+def test_idle_ttft_line_after_the_ratios(tmp_path, capsys):
+    """A run that measured idle TTFT (peers.sh's ``idle-ttft.json``, the shape ``kvscope bench --offline
+    --step-bench --save-result`` writes) ends with one line of it; a folder without the file prints none."""
+    figures = {"output_throughput": [10.0], "median_ttft_ms": [1.0], "p99_ttft_ms": [2.0], "median_tpot_ms": [3.0],
+               "p99_tpot_ms": [4.0]}
+    (tmp_path / "serve-c1.json").write_text(json.dumps({
+        "labels": ["kvscope engine"], "figures": figures, "runs": [[run_json(0, 0, concurrency=1)]]}))
+    assert load_script().main([str(tmp_path)]) == 0
+    assert "Idle TTFT" not in capsys.readouterr().out
+    steps = {"concurrency": 1, "dtype": "bfloat16", "quantization": "gguf", "input_len": 128}
+    ttft = {"idle_ttft": {"input_len": 128, "runs": 20, "first_ms": 132.83, "median_ms": 54.349, "min_ms": 51.96},
+            "dtype": "bfloat16", "quantization": "gguf", "input_len": 128, "output_len": 128, "num_threads": 2}
+    (tmp_path / "idle-ttft.json").write_text(json.dumps([steps, ttft]))
+    assert load_script().main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "", "Idle TTFT (offline engine, one 128-token prompt, 20 runs, 2 threads, bfloat16/gguf): median 54.3 ms, "
+            "min 52.0 ms"]
