@@ -131,7 +131,9 @@ def hf_model():
 
     def shared_reader(*args, **kwargs):
         key = (tuple(str(a) for a in args), tuple(sorted(kwargs.items())))
-        return readers[key] if key in readers else readers.setdefault(key, read(*args, **kwargs))
+        if key not in readers:
+            readers[key] = read(*args, **kwargs)
+        return readers[key]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf_py, "GGUFReader", shared_reader)
