@@ -36,7 +36,14 @@ from gateway.errors import (
 from gateway.genai_attrs import base_attributes, end_attributes
 from gateway.proxy.client import BODY_CHUNK_EXTENSION, ClientResponse
 from gateway.proxy.plan import ProxyPlan
-from gateway.proxy.relay import RelayOutcome, StreamRelay, StreamTerms, completion_outcome
+from gateway.proxy.relay import (
+    DRAIN_AFTER_DONE_S,
+    DRAIN_BEFORE_END_S,
+    RelayOutcome,
+    StreamRelay,
+    StreamTerms,
+    completion_outcome,
+)
 from gateway.proxy.upstreams import Replica
 from gateway.sse import data_event
 
@@ -260,9 +267,10 @@ class ProxyCall:
             self._take(outcome)  # the request's numbers are final before the client sees the end
             if outcome.failure is not None:
                 raise outcome.failure
+            drained = not outcome.drain or await relay.drain(DRAIN_BEFORE_END_S)
             await self.client.body(b"", final=True)
-            if outcome.drain:
-                await relay.drain()
+            if not drained:
+                await relay.drain(DRAIN_AFTER_DONE_S)
         finally:
             await relay.aclose()
 

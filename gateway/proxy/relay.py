@@ -46,9 +46,14 @@ from gateway.sse import (
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
+DRAIN_BEFORE_END_S = 0.05
+"""After ``[DONE]``, wait at most this long for the upstream's end of body *before* ending the client's response:
+an upstream that ends its body right after ``[DONE]`` (kvscope's engine, vLLM, llama-server) gives its connection
+back to the pool before the client can send its next request, so a client's sequential streams share one
+upstream connection (without it, a client quicker than the drain made the pool open a new one)."""
 DRAIN_AFTER_DONE_S = 1.0
-"""After ``[DONE]``, wait at most this long for the upstream's end of body (so its connection can be reused);
-the client's response has already ended."""
+"""After that, with the client's response ended, wait at most this long more for the upstream's end of body (so
+its connection can still be reused)."""
 _EOF = object()
 _REARM = object()
 _DONE, _ERROR, _BAD_FINISH = "done", "error", "bad_finish"
@@ -186,18 +191,23 @@ class StreamRelay:
             first_token_at=self.first_token_at, last_token_at=self.last_token_at, upstream_end=self.upstream_end,
             upstream_error=self.upstream_error, failure=failure, drain=self.done and failure is None)
 
-    async def drain(self) -> None:
-        """After ``[DONE]`` (the client already has its end): read the upstream's end of body, briefly, so
-        its connection goes back to the pool instead of being closed."""
-        until = time.perf_counter() + DRAIN_AFTER_DONE_S
-        with contextlib.suppress(TimeoutError):
+    async def drain(self, within_s: float) -> bool:
+        """After ``[DONE]``: read the upstream's end of body for at most ``within_s`` seconds, so its connection
+        goes back to the pool instead of being closed. True when the drain is over (the body ended, or broke:
+        nothing more to wait for); False when ``within_s`` passed first: a later call waits on."""
+        until = time.perf_counter() + within_s
+        try:
             while (item := await self.queue.get(until - time.perf_counter())) is not _EOF and \
                     not isinstance(item, Exception):
                 pass
-            if item is _EOF and self._tap is not None:  # httpcore reads the end the tap left it
-                async with asyncio.timeout(max(0.0, until - time.perf_counter())):
+        except TimeoutError:
+            return False
+        if item is _EOF and self._tap is not None:  # httpcore reads the end the tap left it (buffered)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DRAIN_AFTER_DONE_S):
                     async for _ in self.response.aiter_raw():
                         pass
+        return True
 
     async def aclose(self) -> None:
         """Stop reading the upstream."""

@@ -11,6 +11,7 @@ this status and an OpenAI error), ``die_after_tokens`` (abort the TCP connection
 ``error_after_tokens`` (in-band error event), ``omit_finish`` (end without finish_reason/[DONE]),
 ``rechunk_seed`` (split the SSE bytes into random HTTP chunks), ``crlf`` (CRLF line endings),
 ``kvscope_stats`` (add the engine's ``kvscope`` stats object), ``headers_delay_s``, ``finish_reason``,
+``end_delay_s`` (a stream's body ends this long after its ``[DONE]``),
 ``hold`` (a gate name: token ``i`` is written only once the test released ``"{hold}/{i}"``, and a
 non-streaming answer waits for ``"{hold}/0"``; a test proves ordering with it instead of with a clock).
 
@@ -51,6 +52,8 @@ class Knobs:
     """Override the finish_reason (e.g. ``abort``)."""
     cached_tokens: int = 0
     """``usage.prompt_tokens_details.cached_tokens`` to report (a prefix-cache hit)."""
+    end_delay_s: float = 0.0
+    """Seconds between a stream's ``[DONE]`` and the end of its chunked body (the zero chunk)."""
     hold: str = ""
     """Gate prefix: token ``i`` waits for ``"{hold}/{i}"`` to be released (empty: no gates)."""
 
@@ -299,6 +302,7 @@ class Generation:
             extra = {"kvscope": ENGINE_STATS} if self.knobs.kvscope_stats else {}
             await out.event(self.chunk([], usage=self.usage(), **extra))
         await out.event("[DONE]")
+        await asyncio.sleep(self.knobs.end_delay_s)
         await out.end()
 
 

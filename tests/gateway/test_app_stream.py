@@ -13,6 +13,7 @@ import openai
 import pytest
 from opentelemetry.trace import SpanKind
 
+from gateway.proxy.relay import DRAIN_BEFORE_END_S
 from tests.gateway.conftest import KEYS, Stack, build_stack
 from tests.gateway.harness import LoopThread, metric_samples, records_by_id, sample, sse_events
 
@@ -67,19 +68,39 @@ def test_stream_headers_and_events_spread_over_time(quiet: Stack) -> None:
     assert (released, _tokens(seen)) == (10, 10) and sse_events(seen)[-1] == "[DONE]"
 
 
+def test_an_upstream_slow_to_end_its_body_does_not_hold_the_client(quiet: Stack) -> None:
+    """An upstream that keeps its body open long after ``[DONE]`` (here 5 s): the client's response ends
+    while the upstream's has not (the gateway waits ``DRAIN_BEFORE_END_S``, then ends the client's and drains
+    the upstream in the background), and the answer is whole."""
+    fake = quiet.fakes["main"]
+    with httpx.Client(base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30) as c:
+        resp, pieces = stream(c, {"max_tokens": 5, "fake": {"end_delay_s": 5.0}}, "late-end")
+        [record] = [r for r in fake.records if r.headers.get("x-request-id", "").startswith("late-end")]
+        assert not record.completed  # the upstream is still in its 5 s before the end of its body
+    events = sse_events(b"".join(p for _, p in pieces))
+    assert resp.status_code == 200 and _tokens(b"".join(p for _, p in pieces)) == 5 and events[-1] == "[DONE]"
+
+
 KEEPALIVE = b": keep-alive\n\n"
 
 
-def test_streams_reuse_the_upstream_connection(quiet: Stack) -> None:
+@pytest.mark.parametrize("end_delay_s", [0.0, 0.01])
+def test_streams_reuse_the_upstream_connection(quiet: Stack, end_delay_s: float) -> None:
     """The relay reads a stream's body off the connection itself (gateway/proxy/network.py ``tap_body``) and
     leaves httpcore the body's end: a stream's connection goes back to the pool, so sequential streams (and the
-    JSON request between them) share one upstream connection, and each stream arrives whole and in order."""
+    JSON request between them) share one upstream connection, and each stream arrives whole and in order.
+
+    The gateway waits for the upstream's end of body (up to ``DRAIN_BEFORE_END_S``) before it ends the
+    client's response, so a client that sends its next request at once still finds the connection in the pool,
+    even from an upstream that ends its body 10 ms after ``[DONE]`` (before, the client was the quicker one now
+    and then, and the pool opened a second connection: seen once in test-fresh)."""
+    assert end_delay_s < DRAIN_BEFORE_END_S / 2
     fake = quiet.fakes["main"]
     with httpx.Client(base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30) as c:
         stream(c, {"max_tokens": 3}, "reuse-warm")
         before = fake.connections
         for i in range(3):
-            resp, pieces = stream(c, {"max_tokens": 40}, f"reuse-{i}")
+            resp, pieces = stream(c, {"max_tokens": 40, "fake": {"end_delay_s": end_delay_s}}, f"reuse-{i}")
             events = sse_events(b"".join(p for _, p in pieces))
             assert resp.status_code == 200 and _tokens(b"".join(p for _, p in pieces)) == 40
             assert events[-1] == "[DONE]"
