@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvscope-installed
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): the engine runs one torch thread on a 2-CPU machine, so one pytest process left
+# a core idle (tests/conftest.py schedule_groups keeps each file on one worker).
+TEST_WORKERS ?= 2
 
 .PHONY: run test test-fresh lint install pull bench clean
 
@@ -29,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: $(STAMP) pull lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The fresh-machine check: a clone of HEAD with empty HOME, TMPDIR and model cache, then .ci/run (CI=true).
 test-fresh:

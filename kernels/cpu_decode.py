@@ -8,7 +8,8 @@ The shared library is compiled once per machine with the system C++ compiler aga
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
 caller names, keyed by the source, torch version and compiler flags. Where it cannot build (no compiler, no
 AVX-512 VNNI) :func:`load` returns a :class:`BuildResult` with ``ok=False`` and the reason; callers keep
-torch's own kernels. Imports only torch (contract "kernels import only torch/triton").
+torch's own kernels. Imports only torch and filelock (torch's own dependency; contract "kernels import only
+torch/triton").
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("cpu_*.cpp")))
@@ -111,15 +113,30 @@ def library_path(cache_dir: Path) -> Path:
 
 
 def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
-    """Compile the library into ``cache_dir`` unless it is there already (atomic rename: concurrent builds are
-    safe) with ``compiler`` (default :func:`default_compiler`). Returns ok=False with the reason (no AVX-512
-    VNNI, no compiler, the compiler's last lines) where it cannot."""
+    """Compile the library into ``cache_dir`` unless it is there already, with ``compiler`` (default
+    :func:`default_compiler`). Returns ok=False with the reason (no AVX-512 VNNI, no compiler, the compiler's
+    last lines, another process's build still running after ``2 × BUILD_TIMEOUT_S``) where it cannot.
+
+    Processes that start at once on a fresh machine (the replicas of ``kvscope serve``) build it once: the
+    first takes ``cache_dir/.build.lock``, the others wait for it and load its library (the rename into place
+    is atomic, so a reader never sees half a file either way)."""
     target = library_path(cache_dir)
     if target.exists() and _intact(target):
         return BuildResult(True, f"cached {target}", target)
     if not cpu_supports():
         return BuildResult(False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(target.parent / ".build.lock", timeout=2 * BUILD_TIMEOUT_S):
+            if target.exists() and _intact(target):  # another process built it while this one waited
+                return BuildResult(True, f"cached {target} (built by another process)", target)
+            return _build_locked(target, compiler)
+    except Timeout:
+        return BuildResult(False, f"another process has held {target.parent / '.build.lock'} for "
+                                  f"{2 * BUILD_TIMEOUT_S} s")
+
+
+def _build_locked(target: Path, compiler: str | None) -> BuildResult:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         cxx = compiler or default_compiler()

@@ -3,9 +3,12 @@ unless its reason is allow-listed (no CUDA device, no ELASTICSEARCH_URL); off CI
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
 CONFTEST = "from tests.conftest import pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary\n"
 INI = "[pytest]\nasyncio_default_fixture_loop_scope = function\nmarkers =\n    gpu: needs a CUDA device\n"
 ALLOWED = '''
@@ -43,10 +46,14 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     return pytester
 
 
-def test_a_deliberate_skip_fails_the_run_under_ci(inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("workers", [(), ("-n", "2", "--dist", "loadgroup")], ids=["one-process", "xdist"])
+def test_a_deliberate_skip_fails_the_run_under_ci(inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                                                  workers: tuple[str, ...]) -> None:
+    """Also with the workers ``make test`` runs (the skips are counted in the controlling process)."""
     monkeypatch.setenv("CI", "true")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # xdist's workers import tests.conftest too
     inner.makepyfile(DELIBERATE)
-    result = inner.runpytest()
+    result = inner.runpytest(*workers)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*skips not allowed under CI=true*",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 from safetensors import safe_open
 
 from engine.config import ModelConfig
@@ -106,10 +107,21 @@ def gguf_conversion_dir(gguf_path: Path, root: Path | None = None) -> Path:
 
 
 def _ensure_converted(gguf_path: Path, out_dir: Path) -> tuple[Path, bool]:
-    if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+    """(``out_dir``, converted now): the GGUF's HF folder, converted on first use. Processes that start at once
+    (``kvscope serve``'s replicas on a fresh machine) convert once: the first holds ``<out_dir>.lock``, the
+    others wait and then find the folder (renamed into place whole: :func:`convert_gguf_to_hf`)."""
+    if _converted(out_dir):
         return out_dir, False
-    logger.info("converting %s to %s (first use; dequantizes every tensor once)", gguf_path, out_dir)
-    return convert_gguf_to_hf(gguf_path, out_dir), True
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out_dir.with_name(out_dir.name + ".lock")):
+        if _converted(out_dir):
+            return out_dir, False
+        logger.info("converting %s to %s (first use; dequantizes every tensor once)", gguf_path, out_dir)
+        return convert_gguf_to_hf(gguf_path, out_dir), True
+
+
+def _converted(out_dir: Path) -> bool:
+    return (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file()
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:

@@ -54,6 +54,23 @@ def test_gguf_path_converts_into_cache(tmp_path: Path, monkeypatch: pytest.Monke
     assert converts == [(src / "m.gguf", out)]
 
 
+def test_processes_starting_at_once_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines starting together on a fresh cache: the first converts under ``hf.lock``, the second waits
+    and then finds the folder (a conversion that takes 0.5 s, so both are inside it together without the
+    lock)."""
+    import concurrent.futures
+    import time
+
+    converts: list[tuple[Path, Path]] = []
+    convert = fake_convert(converts)
+    monkeypatch.setattr(loader, "convert_gguf_to_hf", lambda g, o: time.sleep(0.5) or convert(g, o))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        found = list(pool.map(lambda _: loader._resolve(str(tmp_path / "m.gguf"), tmp_path / "cache"), range(2)))
+    assert len(converts) == 1 and found[0][0] == found[1][0] == converts[0][1]
+    assert sorted(converted for _, converted, _ in found) == [False, True]
+
+
 def test_hf_folder_is_used_as_is_and_unknown_names_raise(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_dir(str(tmp_path)) == tmp_path

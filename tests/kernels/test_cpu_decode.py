@@ -7,6 +7,7 @@ float64, so the only difference left is the kernel's float32 summation order (re
 
 from __future__ import annotations
 
+import concurrent.futures
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,21 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(loaded, tmp_path: Path
     assert rebuilt.detail == f"built {library}" and library.read_bytes() == good
     library.with_name(library.name + ".sha256").unlink()  # a library without its digest: rebuilt too
     assert build(tmp_path).detail == f"built {library}"
+
+
+def test_processes_starting_at_once_build_the_library_once(tmp_path: Path, monkeypatch) -> None:
+    """Two engines starting together on a fresh machine (``kvscope serve``'s replicas, two pytest workers): the
+    first takes ``.build.lock`` and compiles, the second waits and loads that library. The "compiler" sleeps
+    0.3 s per source and logs each run, so without the lock both would have compiled (10 runs, not 5)."""
+    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: avx512f avx512bw avx512dq avx512_vnni f16c")
+    log = tmp_path / "compiler.log"
+    monkeypatch.setattr(cpu_decode, "_compile_command", lambda source, obj, compiler: [
+        "sh", "-c", f'sleep 0.3; echo compile >> "{log}"; touch "{obj}"'])
+    monkeypatch.setattr(cpu_decode, "_link_command", lambda objects, out, compiler: [
+        "sh", "-c", f'echo link >> "{log}"; echo library > "{out}"'])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: build(tmp_path / "cache"), range(2)))
+    assert log.read_text().split() == ["compile"] * len(cpu_decode.SOURCES) + ["link"]
+    assert all(r.ok for r in results) and results[0].library == results[1].library
+    assert sorted(r.detail.split(" ")[0] for r in results) == ["built", "cached"]
+    assert "built by another process" in next(r.detail for r in results if r.detail.startswith("cached"))
