@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvscope-installed
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): the engine runs one torch thread on a 2-CPU machine, so one pytest process left
-# a core idle (tests/conftest.py schedule_groups keeps each file on one worker).
+# a core idle. --dist loadfile: a test file runs on one worker, so its module fixtures (a running engine, a stack
+# of processes) start once. (Not loadgroup: pytest-xdist 3.8 sets the group on Item._nodeid, which pytest 9.2's
+# nodeid no longer reads, so every test became its own unit.)
 TEST_WORKERS ?= 2
 
 .PHONY: run test test-fresh lint install pull bench clean
@@ -32,7 +34,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: $(STAMP) pull lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The fresh-machine check: a clone of HEAD with empty HOME, TMPDIR and model cache, then .ci/run (CI=true).
 test-fresh:

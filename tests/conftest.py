@@ -32,11 +32,7 @@ def require_tool(name: str) -> str:
     return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = schedule_groups(items)  # `make test` runs pytest-xdist workers with --dist loadgroup
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     try:
         import torch
 
@@ -59,18 +55,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_vnni)
         if "amx" in item.keywords and not has_amx:
             item.add_marker(skip_amx)
-
-
-def schedule_groups(items: list[pytest.Item]) -> dict[str, str]:
-    """node id → pytest-xdist group (``make test`` runs ``-n 2 --dist loadgroup``): a test file is one group,
-    so its module fixtures (a running engine, a stack of processes) are set up once, on one worker; and every
-    file with a test that uses the session's transformers reference (``hf_model``, ~15 s to load, 1 GB) joins
-    the one group ``hf_model``, so that one worker loads it."""
-    def file_of(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0]
-
-    with_hf = {file_of(i) for i in items if "hf_model" in getattr(i, "fixturenames", ())}
-    return {i.nodeid: "hf_model" if file_of(i) in with_hf else file_of(i) for i in items}
 
 
 def disallowed_skips(reports: list[pytest.TestReport]) -> list[str]:

@@ -46,7 +46,7 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     return pytester
 
 
-@pytest.mark.parametrize("workers", [(), ("-n", "2", "--dist", "loadgroup")], ids=["one-process", "xdist"])
+@pytest.mark.parametrize("workers", [(), ("-n", "2", "--dist", "loadfile")], ids=["one-process", "xdist"])
 def test_a_deliberate_skip_fails_the_run_under_ci(inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
                                                   workers: tuple[str, ...]) -> None:
     """Also with the workers ``make test`` runs (the skips are counted in the controlling process)."""
