@@ -47,13 +47,10 @@ from gateway.sse import (
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 DRAIN_BEFORE_END_S = 0.05
-"""After ``[DONE]``, wait at most this long for the upstream's end of body *before* ending the client's response:
-an upstream that ends its body right after ``[DONE]`` (kvscope's engine, vLLM, llama-server) gives its connection
-back to the pool before the client can send its next request, so a client's sequential streams share one
-upstream connection (without it, a client quicker than the drain made the pool open a new one)."""
+"""After ``[DONE]``, wait at most this long for the upstream's end of body before ending the client's response, so
+the connection is back in the pool before the client's next request (else the pool may open a second one)."""
 DRAIN_AFTER_DONE_S = 1.0
-"""After that, with the client's response ended, wait at most this long more for the upstream's end of body (so
-its connection can still be reused)."""
+"""Then, the client's response ended, wait at most this long more for it (so the connection can still be reused)."""
 _EOF = object()
 _REARM = object()
 _DONE, _ERROR, _BAD_FINISH = "done", "error", "bad_finish"
