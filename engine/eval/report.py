@@ -148,6 +148,8 @@ def markdown_table(report: EvalReport) -> str:
     lines.append("")
     lines.append(f"model {report.model}; text {report.text} (sha256 {report.text_sha256[:12]}…), "
                  f"{report.num_tokens} tokens in {report.num_windows} windows of ≤ {report.context} "
-                 f"(stride {report.stride}), kernels {report.kernels}; greedy agreement: 8 prompts × 64 tokens vs float32")
+                 f"(stride {report.stride}), kernels {report.kernels}; greedy agreement: "
+                 + ("8 prompts × 64 tokens vs float32" if any(r.agreement_possible for r in report.rows)
+                    else "not run (--no-agreement)"))
     lines.append(f"machine: {report.machine.describe()}")
     return "\n".join(lines)

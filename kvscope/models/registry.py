@@ -49,8 +49,9 @@ MODELS = MappingProxyType({
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         served_model_name="smollm2-135m",
         verified_formats=("float32", "bfloat16", "int8", "gguf"),
-        verified_by=("kvscope eval ppl, 13,613 tokens vs float32: bfloat16 +0.033 %, int8 +0.094 %, gguf -0.072 %, "
-                     "bfloat16/int8 +0.049 %, bfloat16/gguf -0.028 % (docs/benchmarks.md \"Quality\")"),
+        verified_by=("kvscope eval ppl, 13,613 tokens vs float32, kvscope's CPU kernels at every row: bfloat16 "
+                     "-0.041 %, int8 +0.094 %, gguf -0.000 %, bfloat16/gguf -0.017 % (2026-12-03; "
+                     "docs/benchmarks.md \"Quality of the weight formats\")"),
     ),
 })
 """Read-only registry: name → ModelSpec."""

@@ -7,6 +7,7 @@ import hashlib
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,11 @@ def test_rows_and_table_columns() -> None:
                              "8 prompts × 64 tokens vs float32")
     assert lines[-1] == ("machine: Test CPU (2 logical CPUs; amx_bf16; torch 2.x capability AVX512), 1 torch "
                          "thread(s), load average 1.00, 2.00, 3.00")
+    no_agreement = [_run("float32", 10.0, ()), _run("gguf", 10.04, ())]
+    report = replace(report, rows=build_rows(no_agreement))
+    lines = markdown_table(report).splitlines()
+    assert [line.split(" | ")[7] for line in lines[2:4]] == ["—", "—"]
+    assert lines[5].endswith("kernels compact; greedy agreement: not run (--no-agreement)")
 
 
 @pytest.mark.parametrize(("gguf_ppl", "code"), [(10.04, 0), (10.06, 1)])
