@@ -90,13 +90,33 @@ class StepResult:
     """The step's verified drafts (speculative decoding); None in steps without drafts."""
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device`` (``cpu``, ``cuda`` or ``cuda:N``). Raises ValueError for another name, or
+    for a CUDA device this torch build or machine does not have (torch would fail later with an AssertionError
+    or a CUDA error at the first allocation)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {name!r}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r}: torch {torch.__version__} sees no CUDA device on this machine "
+                             "(use --device cpu)")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
 class EngineCore:
     """Loads the model, sizes the KV cache, and runs steps. See docs/architecture.md."""
 
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or default_num_threads())
         elif config.num_threads:

@@ -1,6 +1,7 @@
 """``create_app``: the engine's OpenAI-compatible Litestar app.
 
-Start-up (lifespan): load the model (AsyncEngine) in a worker thread, start the step loop, warm up with one
+Start-up (lifespan): load the model (AsyncEngine) in a worker thread unless the caller passed a loaded one
+(``kvscope engine`` does: engine/server/cli.py ``load_engine``), start the step loop, warm up with one
 short generation, then attach the metrics/tracing step listener and serve. Uvicorn only accepts connections
 after that, so a reachable ``/health`` means warmed up. Shutdown fails in-flight requests ("engine shutting
 down": streams get an in-band error), stops the loop and flushes spans.

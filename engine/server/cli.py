@@ -50,7 +50,8 @@ def configure_logging(level: str) -> None:
 
 
 def engine_main(argv: Sequence[str] | None = None) -> int:
-    """Run the server; returns the process exit code (2 for invalid flags or configuration)."""
+    """Run the server; returns the process exit code (2 for invalid flags or configuration, including what only
+    loading the model can judge: :func:`load_engine`)."""
     args = build_parser().parse_args(argv)
     try:
         settings = server_settings(args)
@@ -76,12 +77,34 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
                           timeout_graceful_shutdown=5, lifespan="on", loop=resolve_event_loop(settings.event_loop))
 
 
+def load_engine(config: Any) -> Any:
+    """The AsyncEngine of ``config``, loaded before the server starts (model, formats, KV cache, kernels), so that a
+    configuration only the load can judge — a model that does not exist or cannot be pulled, ``--quantization
+    gguf`` without a GGUF, a memory budget below the weights, too few KV blocks for ``max_model_len``, a device
+    this machine lacks — ends the command with one line and exit status 2, not a start-up traceback. Returns
+    None after printing that line; other exceptions propagate (a defect, with its traceback)."""
+    from engine.async_engine import AsyncEngine
+    from kvscope.models.pull import PullError
+
+    try:
+        return AsyncEngine(config)
+    except (ValueError, TypeError, PullError) as exc:
+        print(f"kvscope engine: {exc}", file=sys.stderr)
+        return None
+
+
 def _serve(settings: ServerSettings, config: Any) -> int:
     import uvicorn
 
     from engine.server.app import create_app
 
-    app = create_app(settings, config)
+    try:
+        engine = load_engine(config)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (uvicorn's handlers are not installed yet)
+        return 130
+    if engine is None:
+        return 2
+    app = create_app(settings, engine=engine)
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
@@ -91,5 +114,8 @@ def _serve(settings: ServerSettings, config: Any) -> int:
     server_config = uvicorn_config(app, settings)
     logging.getLogger("kvscope.engine").info("event loop: %s", server_config.loop)
     server = DrainingServer(server_config)
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.stop()  # already stopped by the drain unless the server never started (e.g. the port was taken)
     return 0 if server.started else 1
