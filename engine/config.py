@@ -28,7 +28,8 @@ class ModelConfig:
     max_model_len: int | None = None
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None
-    """Name reported by /v1/models; defaults to the registry name or folder name."""
+    """Name reported by /v1/models; None: the registry name, a .gguf file's name without .gguf, or the HF folder's name
+    (``engine.engine_core.default_served_name``)."""
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ from engine.text.output_processor import OutputProcessor
 from engine.text.tokenizer import Tokenizer
 from engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
 from engine.worker.model_runner import ModelRunner
+from kvscope.models.registry import default_served_name
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class EngineCore:
         fmt = self.model.load_report.weight_format
         rss, peak_rss = process_memory_bytes()
         self.info = ModelInfo(
-            name=config.model.served_model_name or _default_name(config.model.model, model_dir),
+            name=config.model.served_model_name or default_served_name(config.model.model),
             model_dir=str(model_dir), max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_blocks * per_block,
             weights_bytes=weights, load_seconds=time.perf_counter() - start,
@@ -348,6 +349,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = None if params.seed is None else params.seed + index
     return replace(params, n=1, seed=seed)
 
-
-def _default_name(model: str, model_dir) -> str:
-    return model if "/" not in model and not model.endswith(".gguf") else model_dir.name

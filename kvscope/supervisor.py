@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from kvscope.models.cache import hf_dir
-from kvscope.models.registry import is_registered
+from kvscope.models.registry import default_served_name, is_registered
 from kvscope.models.settings import ModelSettings
 
 READY_TIMEOUT_S = 600.0
@@ -270,7 +270,7 @@ def _served_name(options: ServeOptions) -> str:
     args = list(options.engine_args)
     if "--served-model-name" in args:
         return args[args.index("--served-model-name") + 1]
-    return options.model
+    return default_served_name(options.model)  # the engine's own default (a path is served by its file's name)
 
 
 def _tokenizer_path(model: str) -> Path | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 
 
@@ -64,6 +64,19 @@ def list_models() -> list[str]:
 
 def is_registered(name: str) -> bool:
     return name in MODELS
+
+
+def default_served_name(model: str) -> str:
+    """The name a server reports in /v1/models for ``--model model`` without ``--served-model-name``: a registry name
+    as given, a ``.gguf`` file's name without ``.gguf`` (``SmolLM2-135M-Instruct.Q4_1``, not the name of the folder
+    it is converted into), an HF folder's name. The engine and ``kvscope serve`` (which prints it and keys the
+    gateway's tokenizer by it) share this rule."""
+    if model in MODELS:
+        return model
+    path = Path(model)
+    if model.endswith(".gguf"):
+        return path.name.removesuffix(".gguf")
+    return path.resolve().name if "/" in model or path.is_dir() else model
 
 
 def verified_formats(name: str) -> tuple[tuple[str, ...], str]:
