@@ -164,6 +164,10 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     logprobs: NumLogprobs | None = None
     echo: bool | None = False
+    best_of: int | None = None
+    """Refused above ``n`` (server-side best-of-n is not implemented; vLLM v1 refuses it too), never ignored."""
+    suffix: str | None = None
+    """Refused when non-empty (insertion after a suffix is not implemented), never ignored."""
 
 
 class TokenizeRequest(Struct):

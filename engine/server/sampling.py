@@ -37,6 +37,10 @@ def chat_sampling_params(req: ChatCompletionRequest,
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
     """SamplingParams of a completions request; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of is not supported: ask for n completions and choose among them.", param="best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported.", param="suffix")
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     return _build(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, renames={},

@@ -52,11 +52,21 @@ def test_chat_bad_fields_name_param(client, body, param, fragment):
     ({"model": "fake-model", "prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"model": "fake-model", "prompt": "hi", "stop_token_ids": [300]}, "stop_token_ids"),
     ({"model": "fake-model", "prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"model": "fake-model", "prompt": "hi", "best_of": 3}, "best_of"),
+    ({"model": "fake-model", "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ({"model": "fake-model", "prompt": "hi", "suffix": " and so on."}, "suffix"),
 ])  # fmt: skip
 def test_completions_bad_prompts_and_fields(client, fake_engine, body, param):
     error = _error(client.post("/v1/completions", json=body), 400)
     assert error["param"] == param
     assert fake_engine.started == ["warmup"], "nothing may reach the engine"
+
+
+@pytest.mark.parametrize("extra", [{"best_of": 1}, {"n": 2, "best_of": 2}, {"suffix": ""}, {"suffix": None}])
+def test_best_of_equal_to_n_and_an_empty_suffix_are_accepted(client, extra):
+    response = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2, **extra})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == extra.get("n", 1)
 
 
 def test_invalid_json_is_400_json_and_counted(client):
