@@ -5,7 +5,9 @@ character split over several tokens is emitted whole with the token that complet
 The stream is primed with the last prompt tokens, so the first generated token decodes in context (a leading
 space survives SentencePiece's ``Strip`` decoder). Priming steps the tail token by token: a prompt that ends
 in the middle of a multi-byte character leaves those bytes pending, and the first delta is then that whole
-character — never the prompt text before it (DecodeStream's ``ids=`` prefill would repeat it).
+character — never the prompt text before it (DecodeStream's ``ids=`` prefill would repeat it), including text
+that shares the character's token (SmolLM2's ``ĠðŁ`` is a space and half of an emoji: the space is removed
+from the first delta).
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ class IncrementalDetokenizer:
         """The stop string matched, once one was."""
         self._sent = 0
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        pending = b""
         for token_id in _prime_ids(tokenizer, prompt_token_ids):
-            self._step(token_id)
+            pending = b"" if self._step(token_id) is not None else pending + tokenizer.token_bytes(token_id)
+        self._prompt_pending = complete_characters(pending)
+        """Prompt text the stream still holds with a partial character after it (" " of a last prompt token
+        b" \xf0\x9f"): the first text it yields starts with it, and that part is the prompt's, not output."""
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Append newly sampled tokens; return the stop string they completed, or None.
@@ -59,6 +65,9 @@ class IncrementalDetokenizer:
         self.output_token_ids.extend(new_token_ids)
         ids = new_token_ids[:-1] if stop_terminated and not self.include_stop_str_in_output else new_token_ids
         added = "".join(filter(None, map(self._step, ids)))
+        if added and self._prompt_pending:
+            added = added.removeprefix(self._prompt_pending)
+            self._prompt_pending = ""
         self.output_text += added
         if not added or not self.stop or len(self.output_token_ids) <= self.min_tokens:
             return None
@@ -123,6 +132,21 @@ def longest_prefix_suffix(text: str, stop: str) -> int:
         if text.endswith(stop[:k]):
             return k
     return 0
+
+
+def complete_characters(data: bytes) -> str:
+    """The text of ``data`` up to the incomplete UTF-8 character it ends with (all of it when it ends on a
+    character boundary): ``b" \xf0\x9f"`` → ``" "``. Invalid bytes before that decode as U+FFFD."""
+    for back in range(1, min(4, len(data)) + 1):
+        lead = data[-back]
+        if lead < 0x80:
+            break
+        if lead >= 0xC0:  # a lead byte: 2, 3 or 4 bytes long
+            length = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            if back < length:
+                data = data[:-back]
+            break
+    return data.decode("utf-8", errors="replace")
 
 
 def _prime_ids(tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> Sequence[int]:

@@ -8,6 +8,7 @@ from engine.sampling_params import SamplingParams
 from engine.text.detokenizer import (
     IncrementalDetokenizer,
     _prime_ids,
+    complete_characters,
     find_stop_string,
     longest_prefix_suffix,
 )
@@ -59,6 +60,21 @@ def test_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
     assert ids == [369, 18645, 250, 48392, 138, 104]
     _, deltas, _ = stream(tokenizer, ids[:2], ids[2:])  # the prompt ends with b"\xe4\xbd", half of 你
     assert deltas == ["你", "", "好", "x"]  # the character it completes, never the prompt's "ab"
+
+
+def test_prompt_text_sharing_the_split_characters_token_is_not_repeated(tokenizer: Tokenizer) -> None:
+    """serving case T1: SmolLM2's token "ĠðŁ" is a space and the first half of 🌶; a prompt ending with it must not
+    make the first delta start with that space (found by a break-it run: ' 🌶' came back)."""
+    ids = tokenizer.encode("The dish is 🌶️!")
+    assert ids[:4] == [504, 8626, 314, 15107] and tokenizer.token_bytes(15107) == b" \xf0\x9f"
+    _, deltas, _ = stream(tokenizer, ids[:4], ids[4:])
+    assert "".join(deltas) == "🌶️!" and deltas[0] == ""  # 🌶 whole, from the token that completes it
+    assert tokenizer.decode(ids[:4]).rstrip("\ufffd") + "".join(deltas) == "The dish is 🌶️!"
+
+
+def test_complete_characters() -> None:
+    assert [complete_characters(b) for b in (b" \xf0\x9f", b"a\xe4", b"\xe4\xbd", "你".encode(), b"ab", b"")] == [
+        " ", "a", "", "你", "ab", ""]
 
 
 def test_prime_starts_on_a_character_boundary(tokenizer: Tokenizer) -> None:
