@@ -110,7 +110,10 @@ class RecordBuilder:
     def _gen_ai(self, ctx: RequestContext) -> dict[str, Any]:
         usage = ctx.usage or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        input_tokens = usage.get("prompt_tokens", ctx.prompt_tokens if ctx.client_disconnected else None)
+        # without the upstream's usage (the client left, or the stream failed after its first token: the prompt
+        # was read), the gateway's own prompt count stands in
+        counted = ctx.client_disconnected or ctx.first_token_at is not None
+        input_tokens = usage.get("prompt_tokens", ctx.prompt_tokens if counted else None)
         out: dict[str, Any] = {
             "operation": {"name": ctx.operation},
             "request": {"model": clip(ctx.request_model), "max_tokens": ctx.max_tokens,

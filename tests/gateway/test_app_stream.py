@@ -176,6 +176,19 @@ def test_failures_after_the_200_are_in_band_errors(stack: Stack, knobs: dict, co
     assert after == before + 1
 
 
+@pytest.mark.parametrize("knobs", [{"error_after_tokens": 2}, {"die_after_tokens": 2}])
+def test_a_stream_failing_after_its_first_token_logs_the_counted_prompt_tokens(stack: Stack, knobs: dict) -> None:
+    """No usage chunk came, but the upstream read the prompt: the log's input tokens are the gateway's own count,
+    not null (a break-it run found null beside prompt_tokens_counted)."""
+    rid = f"counted-{next(iter(knobs))}"
+    with stack.client() as c:
+        resp, pieces = stream(c, {"model": "tok-model", "max_tokens": 4, "fake": knobs}, rid)
+    assert resp.status_code == 200 and _tokens(b"".join(p for _, p in pieces)) == 2
+    record = records_by_id(stack.log, [rid])[rid][0]
+    assert record["kvscope"]["stream_error"] is not None
+    assert (record["gen_ai"]["usage"]["input_tokens"], record["kvscope"]["prompt_tokens_counted"]) == (6, 6)
+
+
 def test_engine_stats_reach_the_log(stack: Stack) -> None:
     with stack.client() as c:
         c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "fake": {"kvscope_stats": True}},
