@@ -29,7 +29,7 @@ class ModelConfig:
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None
     """Name reported by /v1/models; None: the registry name, a .gguf file's name without .gguf, or the HF folder's name
-    (``engine.engine_core.default_served_name``)."""
+    (``kvscope.models.registry.default_served_name``)."""
     seed: int = 0
 
     def __post_init__(self) -> None:

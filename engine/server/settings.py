@@ -88,7 +88,8 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
 
     model: Annotated[str, Flag("registry name, HF folder or .gguf file")] = DEFAULT_MODEL
     served_model_name: Annotated[str | None, Flag(
-        "name in /v1/models and the `model` field (default: the registry name, the .gguf file's name without .gguf, or the HF folder's name)")] = None
+        "name in /v1/models and the `model` field (default: the registry name, the .gguf file's name without "
+        ".gguf, or the HF folder's name)")] = None
     max_model_len: Annotated[int | None, Flag("context length enforced (prompt + completion)")] = None
     max_num_seqs: Annotated[int | None, Flag("most requests in one engine step")] = None
     max_num_batched_tokens: Annotated[int | None, Flag("token budget of one engine step")] = None

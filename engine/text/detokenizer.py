@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
             pending = b"" if self._step(token_id) is not None else pending + tokenizer.token_bytes(token_id)
         self._prompt_pending = complete_characters(pending)
         """Prompt text the stream still holds with a partial character after it (" " of a last prompt token
-        b" \xf0\x9f"): the first text it yields starts with it, and that part is the prompt's, not output."""
+        b" \\xf0\\x9f"): the first text it yields starts with it, and that part is the prompt's, not output."""
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Append newly sampled tokens; return the stop string they completed, or None.
@@ -136,7 +136,7 @@ def longest_prefix_suffix(text: str, stop: str) -> int:
 
 def complete_characters(data: bytes) -> str:
     """The text of ``data`` up to the incomplete UTF-8 character it ends with (all of it when it ends on a
-    character boundary): ``b" \xf0\x9f"`` → ``" "``. Invalid bytes before that decode as U+FFFD."""
+    character boundary): ``b" \\xf0\\x9f"`` → ``" "``. Invalid bytes before that decode as U+FFFD."""
     for back in range(1, min(4, len(data)) + 1):
         lead = data[-back]
         if lead < 0x80:
