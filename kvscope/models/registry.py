@@ -73,10 +73,9 @@ def default_served_name(model: str) -> str:
     gateway's tokenizer by it) share this rule."""
     if model in MODELS:
         return model
-    path = Path(model)
     if model.endswith(".gguf"):
-        return path.name.removesuffix(".gguf")
-    return path.resolve().name if "/" in model or path.is_dir() else model
+        return Path(model).name.removesuffix(".gguf")
+    return Path(model).resolve().name  # a bare name stays itself; "./m/" and "." name their folder
 
 
 def verified_formats(name: str) -> tuple[tuple[str, ...], str]:
