@@ -13,6 +13,20 @@ from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Largest ``logprobs``/``top_logprobs`` accepted (OpenAI documents 20)."""
+MAX_LOGIT_BIAS = 300
+"""Most ``logit_bias`` entries accepted: OpenAI's own limit. The bias is built into tensors once per request
+(engine.worker.sampler.RequestSampling) and added to every row of the request (its ``n`` children, its
+speculative verification rows) on every step, so its size is per-step work too."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` accepted (before de-duplication). Stop ids are end markers: every special token of
+the common vocabularies (Llama 3 reserves 256) fits with room. The scheduler checks each sampled token against
+them and ``min_tokens`` bans them on every step, so the list is bounded like any per-step input."""
+MAX_STOP_STRINGS = 16
+"""Most ``stop`` strings accepted (OpenAI allows 4; vLLM sets no limit)."""
+MAX_STOP_STRING_CHARS = 256
+"""Longest ``stop`` string accepted, in characters. A stream holds back up to this many characters minus one
+while its tail could still become a stop string, so the cap bounds how late text may reach the client; real
+stop strings are delimiters and role headers, tens of characters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +58,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings (a plain string is accepted and normalised to a 1-tuple)."""
     stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end generation (finish_reason "stop")."""
+    """Token ids that end generation (finish_reason "stop"); at most MAX_STOP_TOKEN_IDS, kept de-duplicated in
+    their first order."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
     include_stop_str_in_output: bool = False
@@ -57,6 +72,8 @@ class SamplingParams:
     """Grammar constraint (JSON schema, regex, choice, grammar) enforced by a token mask (engine/structured)."""
     extra: dict = field(default_factory=dict)
     """Free-form per-request annotations (e.g. the OpenAI ``user``); never used by sampling."""
+    stop_token_id_set: frozenset[int] = field(init=False, repr=False, compare=False)
+    """``stop_token_ids`` as a set: the scheduler's per-token membership test (O(1), not O(len))."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,7 +82,13 @@ class SamplingParams:
             object.__setattr__(self, "stop", ())
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop_ids = tuple(self.stop_token_ids or ())
+        _check(len(stop_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_ids)}.")
+        _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids), "stop_token_ids",
+               "stop_token_ids must be token ids (integers >= 0).")
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(stop_ids)))
+        object.__setattr__(self, "stop_token_id_set", frozenset(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -83,10 +106,14 @@ class SamplingParams:
             _check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
-        for token_id, bias in (self.logit_bias or {}).items():
-            _check(isinstance(token_id, int) and token_id >= 0, "logit_bias",
+        bias = self.logit_bias or {}
+        _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.")
+        for token_id, value in bias.items():
+            _check(isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0, "logit_bias",
                    f"logit_bias keys must be token ids, got {token_id!r}.")
-            _check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias values must be in [-100, 100], got {bias}.")
+            _check(isinstance(value, int | float) and not isinstance(value, bool) and -100.0 <= value <= 100.0,
+                   "logit_bias", f"logit_bias values must be in [-100, 100], got {value!r}.")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
@@ -94,7 +121,10 @@ class SamplingParams:
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings.")
-        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings are allowed.")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed.")
+        longest = max(map(len, self.stop), default=0)
+        _check(longest <= MAX_STOP_STRING_CHARS, "stop",
+               f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}.")
         _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",
                f"seed must be in [-2^63, 2^64 - 1], got {self.seed}.")
         _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",

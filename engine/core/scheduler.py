@@ -367,7 +367,7 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+            if token_id in params.stop_token_id_set:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
