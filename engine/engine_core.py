@@ -149,7 +149,8 @@ class EngineCore:
         """Speculative decoding's draft source (engine/spec_decode); None when it is off."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len,
                                    drafter=self.drafter)
-        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
+        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile,
+                                              device=self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         fmt = self.model.load_report.weight_format
         rss, peak_rss = process_memory_bytes()
@@ -225,7 +226,8 @@ class EngineCore:
             child_id = child_request_id(request_id, index, params.n)
             children.append(Request(child_id, list(request.prompt_token_ids), child_params,
                                     self.tokenizer.eos_token_id, arrival_time=arrival, max_tokens=request.max_tokens,
-                                    trace_context=trace_context, parent_id=request_id if params.n > 1 else None))
+                                    trace_context=trace_context, parent_id=request_id if params.n > 1 else None,
+                                    prepared_sampling=request.sampling))
         self.output_processor.add_request(request_id, children)
         for child in children:
             self.scheduler.add_request(child)

@@ -11,10 +11,13 @@ prompt before any of them starts) and ``EngineCore.add_request`` (the offline LL
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from engine.errors import InvalidParameterError, PromptTooLongError
 from engine.sampling_params import SamplingParams
+from engine.worker.sampler import RequestSampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,9 @@ class EngineRequest:
     params: SamplingParams
     max_tokens: int
     """New tokens at most: ``params.max_tokens``, else what is left of the context after the prompt."""
+    sampling: RequestSampling | None = field(default=None, compare=False)
+    """The request's constant sampling tensors (logit_bias, stop ids, prompt ids), built here once and shared
+    by every step and every one of its ``n`` children (engine.worker.sampler)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,8 @@ class InputProcessor:
     compile_constraint: Callable[..., float] | None = None
     """Compiles (and caches) a structured-output constraint, raising InvalidParameterError naming the field for
     an unsupported schema keyword or a bad regex/grammar (engine.structured.backend.StructuredOutputManager)."""
+    device: torch.device | str = "cpu"
+    """Where the request's sampling tensors live (the model runner's device)."""
 
     def process(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
         """The checked request. Raises InvalidParameterError (``param`` = ``prompt``, ``logit_bias``,
@@ -46,9 +54,7 @@ class InputProcessor:
             raise InvalidParameterError("prompt", "The prompt is empty: it encodes to zero tokens.")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) > last_id:
             raise InvalidParameterError("prompt", f"Token ids must be in [0, {last_id}].")
-        for name, ids in (("logit_bias", (params.logit_bias or {}).keys()), ("stop_token_ids", params.stop_token_ids)):
-            if any(not 0 <= i <= last_id for i in ids):
-                raise InvalidParameterError(name, f"{name} token ids must be in [0, {last_id}].")
+        sampling = RequestSampling.build(params, prompt_token_ids, self.vocab_size, self.device)
         num_prompt = len(prompt_token_ids)
         left = self.max_model_len - num_prompt
         if (params.max_tokens or 0) > left or left <= 0:
@@ -59,4 +65,4 @@ class InputProcessor:
                                         f"left in the context ({self.max_model_len} - {num_prompt} prompt tokens).")
         if params.structured_outputs is not None and self.compile_constraint is not None:
             self.compile_constraint(params.structured_outputs)
-        return EngineRequest(list(prompt_token_ids), params, params.max_tokens or left)
+        return EngineRequest(list(prompt_token_ids), params, params.max_tokens or left, sampling)

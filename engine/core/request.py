@@ -177,6 +177,9 @@ class Request:
     parent_id: str | None = None
     """The request id of an ``n > 1`` request whose choice this is (None for n == 1): the latency attribution
     counts its siblings' tokens as its own work, not as interference."""
+    prepared_sampling: object | None = None
+    """Opaque to the core: the worker's per-request sampling tensors (engine.worker.sampler.RequestSampling),
+    built once at admission and shared by an ``n > 1`` request's children."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

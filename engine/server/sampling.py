@@ -1,19 +1,26 @@
 """OpenAI request fields → :class:`engine.sampling_params.SamplingParams`.
 
 Defaults follow the OpenAI API: temperature 1, top_p 1, completions ``max_tokens`` 16, chat without a limit
-(the rest of the context). Range errors raised by SamplingParams come back as 400 naming the request's field.
+(the rest of the context). Range errors raised by SamplingParams come back as 400 naming the request's field,
+including its size caps (``logit_bias`` 300 entries, ``stop_token_ids`` 1024, ``stop`` 16 strings of at most 256
+characters: engine/sampling_params.py).
 """
 
 from __future__ import annotations
 
+import re
+
 from engine.errors import InvalidParameterError
-from engine.sampling_params import SamplingParams
-from engine.server.errors import OpenAIError, bad_request, from_engine
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from engine.server.errors import bad_request, from_engine
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.server.structured import structured_params
 from engine.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
+"""A token id as a ``logit_bias`` key: ASCII decimal digits, no sign, spaces, underscores or leading zeros, at
+most 10 digits (larger than any vocabulary; ``int()`` refuses strings of over 4,300 digits with a ValueError)."""
 
 
 def chat_sampling_params(req: ChatCompletionRequest,
@@ -78,11 +85,17 @@ def _build(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys (strings)."""
+    """OpenAI sends token ids as JSON object keys (strings). At most MAX_LOGIT_BIAS entries (OpenAI's limit,
+    checked before any key is read); each key is a token id in canonical decimal — ``int()`` would also read
+    "1_0" as 10, " 1" and "+1" as 1 and other scripts' digits, so those are refused rather than guessed.
+    Raises OpenAIError 400 ``param: logit_bias``; values are range-checked by the protocol and SamplingParams."""
     if not bias:
         return None
-    try:
-        return {int(key): value for key, value in bias.items()}
-    except ValueError as exc:
-        raise OpenAIError(400, f"logit_bias keys must be token ids, got {list(bias)!r}.", param="logit_bias",
-                          code="invalid_value") from exc
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.",
+                          param="logit_bias")
+    odd = next((key for key in bias if not _TOKEN_ID.fullmatch(key)), None)
+    if odd is not None:
+        raise bad_request(f"logit_bias keys must be token ids written in decimal digits (like \"50256\"), "
+                          f"got {odd!r}.", param="logit_bias")
+    return {int(key): value for key, value in bias.items()}

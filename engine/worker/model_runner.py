@@ -18,6 +18,7 @@ from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from engine.structured.batch import MatcherTable, StepMasks
 from engine.worker.input_batch import ModelInputs, build_model_inputs
 from engine.worker.sampler import (
+    RequestSampling,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -148,10 +149,12 @@ class ModelRunner:
     def _metadata(self, rows: list[tuple[Request, list[int]]], generators: list[torch.Generator | None],
                   masked: StepMasks | None) -> SamplingMetadata:
         """Sampling metadata of one row per (request, tokens appended after its output so far), with the
-        step's grammar masks when there are any."""
-        metadata = SamplingMetadata.build(
+        step's grammar masks when there are any. Each row reuses its request's :class:`RequestSampling`
+        (built once at admission, shared by siblings and verification rows): nothing per-request is checked
+        or rebuilt here."""
+        metadata = SamplingMetadata.from_requests(
             params=[r.sampling_params for r, _ in rows],
-            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            prepared=[self._prepared(r) for r, _ in rows],
             output_token_ids=[r.output_token_ids + prefix if prefix else r.output_token_ids for r, prefix in rows],
             generators=generators,
             eos_token_ids=[r.eos_token_id for r, _ in rows],
@@ -161,6 +164,16 @@ class ModelRunner:
         if masked is not None:
             metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
         return metadata
+
+    def _prepared(self, request: Request) -> RequestSampling:
+        """The request's sampling tensors: the ones its admission built (engine/input_processor.py), or, for a
+        Request made without one (tests, tools), built now and kept on the request, so still once."""
+        prepared = request.prepared_sampling
+        if prepared is None:
+            prepared = RequestSampling.build(request.sampling_params, request.prompt_token_ids, self.vocab_size,
+                                             self.device)
+            request.prepared_sampling = prepared
+        return prepared
 
     def _wait_masks(self, masks: Future | None, output: ModelRunnerOutput) -> StepMasks | None:
         if masks is None:

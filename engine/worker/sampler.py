@@ -11,6 +11,11 @@ Order of operations (vLLM v1 ``Sampler.forward``):
    ``argmax(log p - log q)`` with ``-log q`` Gumbel-distributed). A row with a seed draws its ``q`` from its own
    ``torch.Generator``, so its samples do not depend on the other rows of the batch.
 
+Per-request work happens once: a request's ``logit_bias``, ``stop_token_ids`` (for ``min_tokens``) and distinct
+prompt ids become a :class:`RequestSampling` when it is admitted, checked against the vocabulary there; every
+step's :class:`SamplingMetadata` only concatenates those tensors (shared by a request's ``n`` children and its
+speculative verification rows) and reads the scalars and the output so far.
+
 Fast path: when every row is greedy with no bias, bans or penalties and no row asked for logprobs
 (``SamplingMetadata.is_plain_greedy``), only the argmax is taken (``SamplerOutput.logprobs``/``ranks`` are None).
 """
@@ -18,9 +23,10 @@ Fast path: when every row is greedy with no bias, bans or penalties and no row a
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 
 import torch
 
@@ -43,21 +49,58 @@ SAMPLING_EPS = 1e-5
 EosIds = int | Sequence[int] | None
 
 
-def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
-    """Validate the token ids inside ``params`` against the model vocabulary (``[0, vocab_size)``).
+@dataclass(frozen=True, slots=True)
+class RequestSampling:
+    """The constant, per-request part of sampling as tensors: built and checked once when the request is
+    admitted (engine/input_processor.py), then reused on every step by every row of the request — its ``n``
+    children and its speculative verification rows share this one object. Steps never re-check or rebuild it.
+    Build with :meth:`build`."""
 
-    Call it when a request arrives so that a bad id fails that request only (400), not a batch step.
-    Raises InvalidParameterError naming ``logit_bias`` or ``stop_token_ids``.
-    """
-    for token_id in params.logit_bias or {}:
-        _check_id(token_id, vocab_size, "logit_bias")
-    for token_id in params.stop_token_ids:
-        _check_id(token_id, vocab_size, "stop_token_ids")
+    bias_ids: torch.Tensor | None
+    """int64 ``[k]``: ``logit_bias`` token ids (dict order); None without a bias."""
+    bias_values: torch.Tensor | None
+    """float32 ``[k]``: their biases."""
+    min_tokens_ban_ids: torch.Tensor | None
+    """int64 ``[m]``: ``stop_token_ids`` (de-duplicated), banned while fewer than ``min_tokens`` tokens were
+    generated; None when ``min_tokens`` is 0 or there are none. EOS is added per step (the request's own)."""
+    prompt_ids: torch.Tensor | None
+    """int64 ``[u]``: the distinct prompt token ids (the repetition penalty's prompt mask); None without a
+    repetition penalty."""
+
+    @property
+    def num_bias(self) -> int:
+        """Entries of ``logit_bias``."""
+        return 0 if self.bias_ids is None else self.bias_ids.numel()
+
+    @classmethod
+    def build(cls, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
+              device: torch.device | str = "cpu") -> RequestSampling:
+        """Check the token ids in ``params`` (and the prompt's, when a repetition penalty needs them) against the
+        vocabulary ``[0, vocab_size)`` and build the tensors. Raises InvalidParameterError naming ``vocab_size``,
+        ``logit_bias`` or ``stop_token_ids`` ("… token ids must be in [0, last]."), or ``prompt_token_ids``."""
+        if vocab_size < 1:
+            raise InvalidParameterError("vocab_size", f"vocab_size must be at least 1, got {vocab_size}")
+        bias = params.logit_bias or {}
+        _check_ids(bias.keys(), vocab_size, "logit_bias")
+        _check_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+        bias_ids = bias_values = bans = prompt_ids = None
+        if bias:
+            bias_ids = torch.tensor(list(bias.keys()), dtype=torch.int64, device=device)
+            bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+        if params.min_tokens > 0 and params.stop_token_ids:
+            bans = torch.tensor(params.stop_token_ids, dtype=torch.int64, device=device)
+        if params.repetition_penalty != 1.0:
+            if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+                raise InvalidParameterError("prompt_token_ids",
+                                            f"prompt_token_ids holds token ids outside [0, {vocab_size})")
+            prompt_ids = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.int64, device=device)
+        return cls(bias_ids, bias_values, bans, prompt_ids)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingMetadata:
-    """The sampling parameters of one batch as tensors (row i = request i). Build with :meth:`build`."""
+    """The sampling parameters of one batch as tensors (row i = request i). Built per step by
+    :meth:`from_requests` from each row's :class:`RequestSampling` (or by :meth:`build` from bare params)."""
 
     vocab_size: int
     temperature: torch.Tensor
@@ -102,19 +145,38 @@ class SamplingMetadata:
               output_token_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
               eos_token_ids: Sequence[EosIds], vocab_size: int,
               device: torch.device | str = "cpu") -> SamplingMetadata:
-        """Batch the per-request parameters; all lists have one entry per request (row).
+        """Batch the per-request parameters; all lists have one entry per request (row). Builds each row's
+        :class:`RequestSampling` here (tests, one-off batches); the engine builds those once per request and
+        calls :meth:`from_requests` on every step.
 
         ``eos_token_ids[i]`` is the request's EOS id (or ids, or None). Raises InvalidParameterError (a
         ValueError) naming the argument for mismatched lengths, ``vocab_size < 1``, token ids outside
         ``[0, vocab_size)`` (``prompt_token_ids``, ``output_token_ids``, ``eos_token_ids``, ``logit_bias``,
         ``stop_token_ids``).
         """
-        _check_batch(params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
-                     generators=generators, eos_token_ids=eos_token_ids)
+        _check_batch(params, prompt_token_ids=prompt_token_ids)
         if vocab_size < 1:
             raise InvalidParameterError("vocab_size", f"vocab_size must be at least 1, got {vocab_size}")
-        for p in params:
-            check_sampling_params(p, vocab_size)
+        prepared = [RequestSampling.build(p, prompt, vocab_size, device)
+                    for p, prompt in zip(params, prompt_token_ids, strict=True)]
+        return cls.from_requests(params, prepared, output_token_ids, generators, eos_token_ids, vocab_size, device)
+
+    @classmethod
+    def from_requests(cls, params: Sequence[SamplingParams], prepared: Sequence[RequestSampling],
+                      output_token_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+                      eos_token_ids: Sequence[EosIds], vocab_size: int,
+                      device: torch.device | str = "cpu") -> SamplingMetadata:
+        """One step's batch from rows whose constant part was built once (``prepared[i]``, possibly the same
+        object on several rows). Per row and step only the scalars, the output so far (penalties, min_tokens)
+        and EOS are read; bias and stop-id tensors are concatenated, never rebuilt or re-checked.
+
+        Raises InvalidParameterError naming ``prepared``, ``output_token_ids``, ``generators``,
+        ``eos_token_ids`` (mismatched lengths or ids outside the vocabulary) or ``vocab_size``.
+        """
+        _check_batch(params, prepared=prepared, output_token_ids=output_token_ids, generators=generators,
+                     eos_token_ids=eos_token_ids)
+        if vocab_size < 1:
+            raise InvalidParameterError("vocab_size", f"vocab_size must be at least 1, got {vocab_size}")
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         random = [p for p, g in zip(params, greedy, strict=True) if not g]
         floats = _float_tensor(device)
@@ -127,9 +189,9 @@ class SamplingMetadata:
             top_k=_top_k(params, vocab_size, device) if any(0 < p.top_k < vocab_size for p in random) else None,
             top_p=floats([p.top_p for p in params]) if any(p.top_p < 1.0 for p in random) else None,
             min_p=floats([p.min_p for p in params]) if any(p.min_p > 0.0 for p in random) else None,
-            penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            logit_bias=_logit_bias(params, device),
-            banned=_min_tokens_bans(params, output_token_ids, eos_token_ids, vocab_size, device),
+            penalties=_penalties(params, prepared, output_token_ids, vocab_size, device),
+            logit_bias=_logit_bias(prepared, device),
+            banned=_min_tokens_bans(params, prepared, output_token_ids, eos_token_ids, vocab_size, device),
             generators=tuple(generators),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=0),
             needs_logprobs=any(p.logprobs is not None for p in params),
@@ -329,6 +391,11 @@ def _check_id(token_id: int, vocab_size: int, param: str) -> None:
         raise InvalidParameterError(param, f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
+def _check_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    if any(not 0 <= token_id < vocab_size for token_id in token_ids):
+        raise InvalidParameterError(param, f"{param} token ids must be in [0, {vocab_size - 1}].")
+
+
 def _float_tensor(device: torch.device | str):
     return lambda values: torch.tensor(values, dtype=torch.float32, device=device)
 
@@ -349,7 +416,19 @@ def _token_matrix(token_lists: Sequence[Sequence[int]], vocab_size: int, param: 
     return rows, ids
 
 
-def _penalties(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+def _rows_of(prepared: Sequence[RequestSampling], pick: Callable[[RequestSampling], torch.Tensor | None],
+             device: torch.device | str
+             ) -> tuple[torch.Tensor, list[int]] | None:
+    """(row index per entry int64 ``[total]``, the rows used) of the rows whose ``pick(prepared[row])`` is a
+    tensor; None when no row has one."""
+    rows = [row for row, state in enumerate(prepared) if pick(state) is not None]
+    if not rows:
+        return None
+    lengths = torch.tensor([pick(prepared[row]).numel() for row in rows], dtype=torch.int64, device=device)
+    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), lengths), rows
+
+
+def _penalties(params: Sequence[SamplingParams], prepared: Sequence[RequestSampling],
                output_token_ids: Sequence[Sequence[int]], vocab_size: int,
                device: torch.device | str) -> PenaltyTensors | None:
     use_rep = any(p.repetition_penalty != 1.0 for p in params)
@@ -360,9 +439,11 @@ def _penalties(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequ
     counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     prompt_mask = None
     if use_rep:
-        rows, ids = _token_matrix(prompt_token_ids, vocab_size, "prompt_token_ids", device)
         prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
-        prompt_mask[rows, ids] = True
+        found = _rows_of(prepared, attrgetter("prompt_ids"), device)
+        if found is not None:
+            rows, used = found
+            prompt_mask[rows, torch.cat([prepared[row].prompt_ids for row in used])] = True
     floats = _float_tensor(device)
     return PenaltyTensors(repetition=floats([p.repetition_penalty for p in params]),
                           presence=floats([p.presence_penalty for p in params]),
@@ -370,31 +451,41 @@ def _penalties(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequ
                           output_counts=counts, prompt_mask=prompt_mask)
 
 
-def _logit_bias(params: Sequence[SamplingParams], device: torch.device | str) -> SparseLogits | None:
-    entries = [(row, token_id, bias) for row, p in enumerate(params) for token_id, bias in (p.logit_bias or {}).items()]
-    if not entries:
+def _logit_bias(prepared: Sequence[RequestSampling], device: torch.device | str) -> SparseLogits | None:
+    found = _rows_of(prepared, attrgetter("bias_ids"), device)
+    if found is None:
         return None
-    rows, cols, values = zip(*entries, strict=True)
-    return SparseLogits(torch.tensor(rows, dtype=torch.int64, device=device),
-                        torch.tensor(cols, dtype=torch.int64, device=device),
-                        torch.tensor(values, dtype=torch.float32, device=device))
+    rows, used = found
+    return SparseLogits(rows, torch.cat([prepared[row].bias_ids for row in used]),
+                        torch.cat([prepared[row].bias_values for row in used]))
 
 
-def _min_tokens_bans(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
-                     eos_token_ids: Sequence[EosIds], vocab_size: int,
+def _min_tokens_bans(params: Sequence[SamplingParams], prepared: Sequence[RequestSampling],
+                     output_token_ids: Sequence[Sequence[int]], eos_token_ids: Sequence[EosIds], vocab_size: int,
                      device: torch.device | str) -> SparseLogits | None:
     """While ``len(output) < min_tokens``: ban ``stop_token_ids`` and EOS (unless ``ignore_eos``, where EOS does
-    not stop generation anyway), like vLLM's MinTokensLogitsProcessor."""
-    pairs = []
+    not stop generation anyway), like vLLM's MinTokensLogitsProcessor. A (row, token) pair may repeat (EOS
+    also a stop id): setting -inf twice is the same ban."""
+    eos_rows: list[int] = []
+    eos_cols: list[int] = []
+    ban_rows: list[int] = []
     for row, (p, output, eos) in enumerate(zip(params, output_token_ids, eos_token_ids, strict=True)):
         if len(output) >= p.min_tokens:
             continue
         eos_ids = () if p.ignore_eos or eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         for token_id in eos_ids:
             _check_id(token_id, vocab_size, "eos_token_ids")
-        pairs.extend((row, token_id) for token_id in dict.fromkeys((*eos_ids, *p.stop_token_ids)))
-    if not pairs:
+            eos_rows.append(row)
+            eos_cols.append(token_id)
+        if prepared[row].min_tokens_ban_ids is not None:
+            ban_rows.append(row)
+    if not eos_rows and not ban_rows:
         return None
-    rows, cols = zip(*pairs, strict=True)
-    return SparseLogits(torch.tensor(rows, dtype=torch.int64, device=device),
-                        torch.tensor(cols, dtype=torch.int64, device=device))
+    rows = [torch.tensor(eos_rows, dtype=torch.int64, device=device)]
+    cols = [torch.tensor(eos_cols, dtype=torch.int64, device=device)]
+    if ban_rows:
+        lengths = torch.tensor([prepared[row].min_tokens_ban_ids.numel() for row in ban_rows], dtype=torch.int64,
+                               device=device)
+        rows.append(torch.repeat_interleave(torch.tensor(ban_rows, dtype=torch.int64, device=device), lengths))
+        cols.extend(prepared[row].min_tokens_ban_ids for row in ban_rows)
+    return SparseLogits(torch.cat(rows), torch.cat(cols))
