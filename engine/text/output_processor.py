@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ModelRunnerOutput
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, StopStrings
 from engine.text.tokenizer import Tokenizer
 
 
@@ -72,8 +72,9 @@ class OutputProcessor:
     def add_request(self, parent_id: str, children: list[Request]) -> None:
         """Register a parent request and its child requests (index i = position in ``children``)."""
         self._parents[parent_id] = _ParentState(children[0].prompt_token_ids, {c.request_id for c in children})
+        stops = StopStrings.compile(children[0].sampling_params.stop)  # once per request: the children share it
         for index, child in enumerate(children):
-            detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, child.sampling_params)
+            detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, child.sampling_params, stops)
             self._children[child.request_id] = _ChildState(parent_id, index, child, detok)
 
     def request_ids(self) -> list[str]:
