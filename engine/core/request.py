@@ -177,6 +177,10 @@ class Request:
     parent_id: str | None = None
     """The request id of an ``n > 1`` request whose choice this is (None for n == 1): the latency attribution
     counts its siblings' tokens as its own work, not as interference."""
+    fairness_group: str | None = None
+    """The client request this sequence belongs to (the server's response id, shared by all its prompts and
+    choices); None: ``parent_id``, else the request's own id. The scheduler shares its slots and tokens
+    between these groups (engine/core/fairness.py)."""
     prepared_sampling: object | None = None
     """Opaque to the core: the worker's per-request sampling tensors (engine.worker.sampler.RequestSampling),
     built once at admission and shared by an ``n > 1`` request's children."""
@@ -186,6 +190,11 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.stats is None:
             self.stats = RequestStats(arrival_time=self.arrival_time)
+
+    @property
+    def fairness_key(self) -> str:
+        """The fairness group of engine/core/fairness.py: ``fairness_group``, else ``parent_id``, else the id."""
+        return self.fairness_group or self.parent_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,18 +6,26 @@ There is no prefill or decode phase (vLLM v1 ``vllm/v1/core/sched/scheduler.py``
 ``num_tokens - num_computed_tokens`` tokens, capped by the budget left (chunked prefill) and by
 ``long_prefill_token_threshold``. When a running request cannot get blocks, the newest running request is
 preempted by recompute (blocks freed, back to the front of the waiting queue) until it fits.
+
+Fairness between client requests (engine/core/fairness.py, which states the rules): the sequences of one
+client request (its prompts and ``n`` choices; ``Request.fairness_key``) form a group, and a group gets
+``max(1, max_num_seqs // active groups)`` running slots while others wait. "Admission order" above is
+round-robin across groups, "FCFS" is FCFS inside a group with the group running the fewest sequences going
+first, a step starts by preempting the newest sequences of groups over their share when groups under it wait
+for slots, and the KV victim is taken from the group furthest over its share first. With one sequence per
+request all of this is the plain order above: nothing is preempted for fairness.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.attribution import QUEUE_LIMITS
 from engine.core.drafter import Drafter
+from engine.core.fairness import AdmissionOrder, GroupCounts, WaitingQueue, newest_over_share, round_robin
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -33,6 +41,9 @@ class _StepPlan:
     entries: list[tuple[Request, int, bool, list[int]]] = field(default_factory=list)
     """(request, num_new_tokens, is_new, draft tokens), running requests first."""
     preempted_req_ids: set[str] = field(default_factory=set)
+    """Preempted for KV blocks while scheduling the running requests: no waiting request is admitted."""
+    rebalanced_req_ids: set[str] = field(default_factory=set)
+    """Preempted at the step's start for fairness (rule 2 of engine/core/fairness.py)."""
 
     def add(self, request: Request, num_new_tokens: int, is_new: bool, draft: list[int] | None = None) -> None:
         self.entries.append((request, num_new_tokens, is_new, draft or []))
@@ -74,8 +85,11 @@ class Scheduler:
         """Speculative decoding's draft source; None = no drafts."""
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id."""
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
+        """FCFS per fairness group; iterates in queue order (engine/core/fairness.py)."""
         self.running: list[Request] = []
+        """In admission order."""
+        self._groups = GroupCounts()
         self._finished_req_ids: set[str] = set()
         self._num_preemptions_total = 0
         self._prefix_cache_queries = 0
@@ -101,6 +115,7 @@ class Scheduler:
         request.stats.num_prompt_tokens = request.num_prompt_tokens
         request.stats.attribution.on_arrival(len(self.waiting), len(self.running), self._blocked_steps)
         self.requests[request.request_id] = request
+        self._groups.added(request)
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
@@ -134,15 +149,18 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first, then waiting ones (skipped in a step that preempted).
+        """Plan one step: the fairness preemptions, running requests, then waiting ones (skipped in a step that
+        preempted for KV blocks).
 
         Advances each scheduled request's ``num_computed_tokens`` by its scheduled tokens (vLLM v1
         ``_update_after_schedule``): the runner must compute them before the next call.
         """
         plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
-        self._schedule_running(plan)
+        share = self._groups.share(self.scheduler_config.max_num_seqs)
+        rebalanced_groups = self._rebalance(plan, share)
+        self._schedule_running(plan, share)
         if not plan.preempted_req_ids:
-            self._schedule_waiting(plan)
+            self._schedule_waiting(plan, rebalanced_groups)
         elif self.waiting:
             self._blocked_steps[3] += 1  # QUEUE_LIMITS: "preemption"
         return self._build_output(plan)
@@ -237,22 +255,43 @@ class Scheduler:
 
     # ---- scheduling internals ----------------------------------------------------------------------------
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _rebalance(self, plan: _StepPlan, share: int) -> set[str]:
+        """Rule 2 of engine/core/fairness.py: while groups under their ``share`` wait for more slots than are
+        free, preempt the newest running request of the group furthest over its share. Returns the groups that
+        lost one (they admit nobody this step)."""
+        if not self.waiting:
+            return set()
+        free = self.scheduler_config.max_num_seqs - len(self.running)
+        demand = self.waiting.demand(self._groups, share) if free >= 0 else 0
+        groups: set[str] = set()
+        while demand > free and (victim := newest_over_share(self.running, self._groups, share)) is not None:
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.rebalanced_req_ids.add(victim.request_id)
+            groups.add(victim.fairness_key)
+            free += 1
+        return groups
+
+    def _schedule_running(self, plan: _StepPlan, share: int) -> None:
         drafts = self._propose_drafts()
-        index = 0
-        while index < len(self.running) and plan.token_budget > 0:
-            request = self.running[index]
+        pending = {request.request_id for request in self.running}
+        """Running requests not visited yet (the KV victims may only come from these and the current one)."""
+        for request in round_robin(self.running):  # admission order when every group runs one request
+            if plan.token_budget <= 0:
+                break
+            if request.request_id not in pending:
+                continue  # preempted earlier in this step
+            pending.discard(request.request_id)
             num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new > 0:
-                room = plan.token_budget - num_new - (len(self.running) - index - 1)  # 1 left per later one
+                room = plan.token_budget - num_new - len(pending)  # 1 left per later one
                 draft = drafts.get(request.request_id, [])[:max(room, 0)]
                 if draft and self.kv_cache_manager.allocate_slots(request, num_new + len(draft)) is not None:
                     plan.add(request, num_new, is_new=False, draft=draft)
-                elif not self._allocate_or_preempt(request, num_new, plan):
+                elif not self._allocate_or_preempt(request, num_new, plan, share, pending):
                     break  # drafts never preempt: without its blocks the request runs plain (or is preempted)
                 else:
                     plan.add(request, num_new, is_new=False)
-            index += 1
 
     def _propose_drafts(self) -> dict[str, list[int]]:
         """request_id → draft tokens for the running decode-phase requests (one new token to compute), capped
@@ -269,30 +308,44 @@ class Scheduler:
             return {}
         return {request.request_id: draft for request, draft in drafts}
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
-        """Allocate, preempting the newest running request until it fits; False if ``request`` itself went."""
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan, share: int,
+                             pending: set[str]) -> bool:
+        """Allocate, preempting until it fits (rule 4 of engine/core/fairness.py: the newest not-yet-scheduled
+        request, ``pending`` or ``request`` itself, of the group furthest over its ``share``, else the newest of
+        them); False if ``request`` itself went."""
         while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-            victim = self.running.pop()
+            candidates = pending | {request.request_id}
+            victim = newest_over_share(self.running, self._groups, share, candidates) or next(
+                r for r in reversed(self.running) if r.request_id in candidates)
+            self.running.remove(victim)
+            pending.discard(victim.request_id)
             self._preempt(victim)
             plan.preempted_req_ids.add(victim.request_id)
             if victim is request:
                 return False
         return True
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: _StepPlan, excluded_groups: set[str]) -> None:
+        """Admit waiting requests in rule 1's order (engine/core/fairness.py) until a limit stops the one whose
+        turn it is: nobody overtakes it. ``excluded_groups`` (preempted for fairness this step) admit nobody."""
         max_num_seqs = self.scheduler_config.max_num_seqs
+        order = AdmissionOrder(self.waiting, self._groups, excluded_groups)
         while self.waiting:
             if plan.token_budget <= 0 or len(self.running) >= max_num_seqs:
                 self._blocked_steps[0 if plan.token_budget > 0 else 2] += 1  # QUEUE_LIMITS order
                 break
-            request = self.waiting[0]
+            request = order.peek()
+            if request is None:  # only groups that gave up a slot this step are left
+                self._blocked_steps[0] += 1
+                break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_hit_tokens, plan.token_budget)
             if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
                 self._blocked_steps[2 if num_new <= 0 else 1] += 1
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the request whose turn it is
+            self.waiting.remove(request)
             self._admit(request, num_hit_tokens)
+            order.admitted(request)
             plan.add(request, num_new, is_new=True)
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
@@ -306,6 +359,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         self.running.append(request)
+        self._groups.admitted(request)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
             request.stats.num_cached_tokens = num_hit_tokens
@@ -315,6 +369,8 @@ class Scheduler:
                 self._prefix_cache_hits += num_hit_tokens
 
     def _preempt(self, request: Request) -> None:
+        """Preempt by recompute a request the caller took out of ``running``: blocks freed, front of the queue."""
+        self._groups.stopped_running(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.stats.attribution.recomputed_tokens += request.num_computed_tokens
@@ -331,7 +387,8 @@ class Scheduler:
             item.request.stats.on_scheduled(now, batch_size=len(scheduled), num_blocks=len(item.block_ids))
             if item.is_new:
                 item.request.stats.attribution.on_readmitted(now, item.request.stats.first_token_time is None)
-        for request_id in plan.preempted_req_ids:
+        preempted = plan.preempted_req_ids | plan.rebalanced_req_ids
+        for request_id in preempted:
             self.requests[request_id].stats.attribution.preempted_at = now
         total = sum(item.num_scheduled_tokens for item in scheduled)
         num_decode = sum(item.num_scheduled_tokens for item in scheduled if _is_decode(item))
@@ -339,7 +396,7 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             total_num_scheduled_tokens=total,
-            preempted_req_ids=plan.preempted_req_ids,
+            preempted_req_ids=preempted,
             finished_req_ids=finished_req_ids,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -380,8 +437,10 @@ class Scheduler:
         """Take the request out of its queue, record its finish stats, free its blocks."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._groups.stopped_running(request)
         else:
             self.waiting.remove(request)
+        self._groups.finished(request)
         request.status = status
         request.stats.kv_cache_usage = self.kv_cache_manager.usage
         request.stats.finished_time = now
