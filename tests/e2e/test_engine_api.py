@@ -1,4 +1,4 @@
-"""Serving cases S1–S5, T1–T2, A1–A4, K1 against a real engine server (SmolLM2 on CPU, a subprocess).
+"""Serving cases S1–S5, T1–T2, A1–A4, K1, N1 against a real engine server (SmolLM2 on CPU, a subprocess).
 
 Token counts are scaled down from ../shared/cases/serving-cases.md to fit a 2-core CPU (S1: 48 tokens instead
 of 200); the properties checked are the cases' own. After every test a plain chat request must answer 200.
@@ -262,6 +262,32 @@ def test_k1_over_long_input(engine, client):
     after = engine.metrics()
     for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count"):
         assert delta(before, after, f"kvscope_engine_{name}", model="smollm2-135m") == 0
+
+
+def test_n1_huge_per_request_lists_are_refused(engine, client):
+    """Serving case N1 (issue 35): a logit_bias naming every token of the vocabulary (0.5 each) with n 128 and
+    max_tokens 6, and stop_token_ids of 500,000 entries with n 16, are each a 400 naming the field (caps 300 and
+    1024, engine/sampling_params.py) before any engine work; a plain request right after is served."""
+    vocab = 49152  # SmolLM2's
+    before = engine.metrics()
+    attacks = (
+        (COMPLETIONS, completion("Hello", n=128, max_tokens=6, logit_bias={str(i): 0.5 for i in range(vocab)}),
+         "logit_bias", f"logit_bias may hold at most 300 entries, got {vocab}."),
+        (CHAT, chat("Hello", n=16, max_tokens=6, stop_token_ids=[5] * 500_000),
+         "stop_token_ids", "stop_token_ids may hold at most 1024 token ids, got 500000."),
+        (COMPLETIONS, completion("Hello", max_tokens=6, logit_bias={"1_0": 5}), "logit_bias",
+         "logit_bias keys must be token ids written in decimal digits (like \"50256\"), got '1_0'."),
+    )
+    for path, body, param, message in attacks:
+        response = client.post(path, json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                            "code": "invalid_value"}
+    after = engine.metrics()
+    for name in ("prompt_tokens_total", "generation_tokens_total"):
+        assert delta(before, after, f"kvscope_engine_{name}", model="smollm2-135m") == 0
+    plain = client.post(CHAT, json=chat("Say hi.", max_tokens=4, ignore_eos=True))
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4
 
 
 def test_metrics_after_known_workload(engine, client):
