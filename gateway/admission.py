@@ -4,6 +4,11 @@ auth (401, the route's guard: gateway/guards.py) → body size (413) → JSON + 
 models (403) → key's ``max_tokens`` ceiling (400) → context length with the model's tokenizer (400
 ``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429, the lease of gateway/ratelimit_middleware.py). What
 passes becomes a :class:`~gateway.proxy.plan.ProxyPlan`.
+
+A request without ``max_tokens`` gets one injected when its key has a ``max_tokens`` ceiling or a
+tokens-per-minute limit: the upstream's own default (16 for completions, the rest of the context for chat)
+capped at the ceiling and at what one minute's token budget leaves after the prompt (:func:`tpm_output_cap`).
+The rate-limit charge is the prompt + that max_tokens per choice, so what a key may generate is bounded up front.
 """
 
 from __future__ import annotations
@@ -61,10 +66,13 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
     ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
     max_len = gw.pool.max_model_len(req.model)
     _check_context(max_len, prompt_counts, _completion_budget(req.requested_max_tokens, op), op)
+    prompt_estimate = _prompt_estimate(raw, prompt_counts)
+    ceiling = _lowest(ceiling, tpm_output_cap(principal.limits.tokens_per_minute, prompt_estimate,
+                                              req.num_choices()))
     injected = _injected_max_tokens(ceiling, req, op, max_len, prompt_counts)
     ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
     _check_replica(gw, req.model)
-    prompt_estimate, estimate = _token_estimate(raw, req, prompt_counts, max_tokens)
+    estimate = _token_estimate(req, prompt_estimate, max_tokens)
     await lease_of(request).acquire(gw.limiter, principal, ctx, prompt_estimate, estimate)
     return ProxyPlan(path=op.path, body=_upstream_body(raw, body, req, injected), model=req.model,
                      stream=req.streaming, include_usage=req.wants_usage, expected_choices=req.num_choices(),
@@ -168,20 +176,45 @@ def _check_context(max_len: int | None, counts: list[int] | None, max_tokens: in
             raise ContextLengthExceeded(context_length_message(max_len, prompt, max_tokens, what), param=param)
 
 
-def _token_estimate(raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest,
-                    counts: list[int] | None, max_tokens: int | None) -> tuple[int, int]:
-    """(prompt tokens, tokens charged up front): the prompt counted (else chars / 4) + max_tokens per
-    choice; the charge is settled with the real usage at the end."""
+def _prompt_estimate(raw: dict[str, Any], counts: list[int] | None) -> int:
+    """The request's prompt tokens: counted with the model's tokenizer (all prompts), else characters / 4 of
+    the messages or prompt (and of the tools, which the engine renders into the prompt)."""
     if counts is not None:
-        prompt = sum(counts)
-    else:
-        chars = len(msgspec.json.encode(raw.get("messages", raw.get("prompt"))))
-        if raw.get("tools"):  # the engine renders the tool signatures into the prompt
-            chars += len(msgspec.json.encode(raw["tools"]))
-        prompt = estimate_tokens(chars)
+        return sum(counts)
+    chars = len(msgspec.json.encode(raw.get("messages", raw.get("prompt"))))
+    if raw.get("tools"):
+        chars += len(msgspec.json.encode(raw["tools"]))
+    return estimate_tokens(chars)
+
+
+def tpm_output_cap(tokens_per_minute: int | None, prompt_tokens: int, choices: int) -> int | None:
+    """The most completion tokens per choice a request may generate within one minute's token budget:
+    ``(tokens_per_minute - prompt_tokens) // choices``, at least 1 (a prompt that alone fills the budget is then
+    refused by the limiter as larger than the limit); None when the key has no tokens-per-minute limit.
+
+    Why: a request without ``max_tokens`` may generate up to the rest of the context (8,192 tokens for
+    SmolLM2), so charging it only its prompt let a TPM-1000 key run any number of concurrent streams to the
+    context's end. Admission injects this cap as ``max_tokens`` when the request names none (the key's
+    ``max_tokens`` ceiling works the same way), so the charge taken up front bounds what it can generate."""
+    if tokens_per_minute is None:
+        return None
+    return max(1, (tokens_per_minute - prompt_tokens) // max(1, choices))
+
+
+def _lowest(*bounds: int | None) -> int | None:
+    """The smallest of the bounds given (None: unbounded)."""
+    present = [b for b in bounds if b is not None]
+    return min(present) if present else None
+
+
+def _token_estimate(req: ChatCompletionRequest | CompletionRequest, prompt: int, max_tokens: int | None) -> int:
+    """Tokens charged up front: the prompt + max_tokens per choice (completions: 16 when absent); settled with
+    the real usage at the end. A chat request reaches here without max_tokens only when its key has neither a
+    tokens-per-minute limit nor a max_tokens ceiling (otherwise admission injected one), so the tokens bucket it
+    would be charged to does not exist."""
     if max_tokens is None and isinstance(req, CompletionRequest):
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    return prompt, prompt + (max_tokens or 0) * req.num_choices()
+    return prompt + (max_tokens or 0) * req.num_choices()
 
 
 def _upstream_body(raw: dict[str, Any], body: bytes, req: ChatCompletionRequest | CompletionRequest,

@@ -17,12 +17,12 @@ from prometheus_client.exposition import choose_encoder
 
 from gateway.admission import CHAT, COMPLETION, Operation, admit
 from gateway.context import context_of
-from gateway.errors import ModelNotFound, NotFound, clip
+from gateway.errors import AuthenticationFailed, ModelNotFound, NotFound, PermissionDenied, clip
 from gateway.guards import authenticated, names_operation, only, principal_of
 from gateway.proxy.call import ProxyCall
 from gateway.proxy.passthrough import forwardable, passthrough
 from gateway.ratelimit_middleware import RateLimitMiddleware
-from gateway.state import state_of
+from gateway.state import GatewayState, state_of
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
 RATE_LIMITS = RateLimitMiddleware()
@@ -67,7 +67,7 @@ async def retrieve_model(request: Request) -> dict[str, Any]:
     return state_of(request).pool.model_card(name)
 
 
-@route("/v1/{path:path}", http_method=ALL_METHODS, guards=[forwardable, authenticated])
+@route("/v1/{path:path}", http_method=ALL_METHODS, middleware=[RATE_LIMITS], guards=[forwardable, authenticated])
 async def other_v1(request: Request) -> Response:
     """Any other ``/v1/*`` path, passed through to an upstream (by ``model`` when the body names one)."""
     return await passthrough(state_of(request), request, principal_of(request))
@@ -81,16 +81,51 @@ def healthz() -> dict[str, str]:
 
 @get("/readyz")
 async def readyz(request: Request) -> Response:
-    """Readiness: 200 when a healthy upstream serves each configured model (each known model if none)."""
-    models = state_of(request).pool.ready()
+    """Readiness: 200 when a healthy upstream serves each configured model (each known model if none). The
+    per-model map is in the answer only for callers who may see those models (:func:`_readiness_models`)."""
+    gw = state_of(request)
+    models = gw.pool.ready()
     ok = bool(models) and all(models.values())
-    return Response({"status": "ready" if ok else "not_ready", "models": models}, status_code=200 if ok else 503)
+    body: dict[str, Any] = {"status": "ready" if ok else "not_ready"}
+    visible = _readiness_models(gw, request, models)
+    if visible is not None:
+        body["models"] = visible
+    return Response(body, status_code=200 if ok else 503)
+
+
+def _readiness_models(gw: GatewayState, request: Request, models: dict[str, bool]) -> dict[str, bool] | None:
+    """The per-model readiness map a caller of ``/readyz`` may see: all of it without API keys; with keys, only
+    to a caller presenting a valid key, filtered by that key's models (as ``/v1/models``); None (no map) for
+    anyone else. Readiness probes send no key: they get the status alone, never a 401, and unauthenticated
+    callers learn no model name."""
+    if not gw.settings.auth_enabled:
+        return models
+    try:
+        principal = gw.auth.authenticate(request.headers.get("authorization"))
+    except AuthenticationFailed:
+        return None
+    return models if principal.models is None else {m: v for m, v in models.items() if m in principal.models}
+
+
+def _check_metrics_access(gw: GatewayState, request: Request) -> None:
+    """With API keys configured and ``metrics_public`` off, ``/metrics`` (whose series name every served
+    model and upstream) needs a key that may use every model: 401 without a valid key, 403 for a key restricted
+    to some models. Without keys, or with ``metrics_public``, anyone may scrape."""
+    settings = gw.settings
+    if not settings.auth_enabled or settings.metrics_public:
+        return
+    principal = gw.auth.authenticate(request.headers.get("authorization"))
+    if principal.models is not None:
+        raise PermissionDenied("/metrics names every served model: it needs an API key that may use all models "
+                               "(or `metrics_public: true` in the gateway config).", code="permission_denied")
 
 
 @get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text format, or OpenMetrics (with exemplars: the trace of a sampled request on the
-    latency histograms) when the scraper's ``Accept`` asks for ``application/openmetrics-text``."""
+    latency histograms) when the scraper's ``Accept`` asks for ``application/openmetrics-text``. Access:
+    :func:`_check_metrics_access` (401/403 when keys are configured, unless ``metrics_public``)."""
+    _check_metrics_access(state_of(request), request)
     encode, content_type = choose_encoder(request.headers.get("accept"))
     # Litestar appends "; charset=utf-8" to text/* media types itself: do not send it twice
     media_type = content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type

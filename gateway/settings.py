@@ -25,6 +25,7 @@ import yaml
 from gateway.forwarded import parse_networks
 from kvscope.event_loop import EventLoop, resolve_event_loop
 from kvscope.net import is_loopback
+from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from kvscope.settings_cli import Flag, from_env, merge
 
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
@@ -150,8 +151,16 @@ class ApiKeyConfig(msgspec.Struct, **_STRUCT):
 
 
 class TimeoutConfig(msgspec.Struct, **_STRUCT):
-    """Upstream timeouts in seconds."""
+    """Timeouts in seconds: reading the client's request (head, body), then the upstream's answer."""
 
+    request_head_s: Annotated[float, Flag("a request head must be complete this long after the connection opened "
+                                          "or the previous response ended (else 408 and close)",
+                                          name="--request-head-timeout", metavar="S")] = HEAD_TIMEOUT_S
+    """A request head must be complete within this of the connection opening or the previous response ending:
+    else a JSON 408 and the connection closed (an idle connection is closed silently). kvscope/read_timeouts.py."""
+    request_body_s: Annotated[float, Flag("longest silence while a request body arrives (else 408 and close)",
+                                          name="--request-body-timeout", metavar="S")] = BODY_TIMEOUT_S
+    """Longest silence while a request body is being received: then a JSON 408 and the connection closed."""
     connect_s: float = 5.0
     first_token_s: Annotated[float, Flag("upstream request sent → first token (streams)",
                                          name="--first-token-timeout", metavar="S")] = 600.0
@@ -250,6 +259,11 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     allow_unauthenticated: Annotated[bool, Flag("serve without API keys on a non-loopback address",
                                                 env="KVSCOPE_GATEWAY_ALLOW_UNAUTHENTICATED")] = False
     """Serve without API keys on a non-loopback address (loopback never needs it)."""
+    metrics_public: Annotated[bool, Flag("serve /metrics without an API key even when keys are configured",
+                                         env="KVSCOPE_GATEWAY_METRICS_PUBLIC")] = False
+    """With ``api_keys``, ``/metrics`` (its series name every served model and upstream) needs a key that may use
+    every model; set this for a Prometheus that scrapes without one (on a network only it can reach). Without
+    keys ``/metrics`` is public anyway."""
     default_limits: KeyLimits = KeyLimits()
     """Limits for keys that do not set their own, and for anonymous clients when auth is off."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -314,7 +328,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """Overrides from ``KVSCOPE_GATEWAY_{HOST,PORT,UPSTREAMS,REDIS_URL,LOG_FILE,ALLOW_UNAUTHENTICATED,
-    API_KEY_HASHES,TRUSTED_PROXIES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the ``env`` of the fields' Flags), in
+    METRICS_PUBLIC,API_KEY_HASHES,TRUSTED_PROXIES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the ``env`` of the fields' Flags), in
     config-file shape; lists are comma-separated."""
     return from_env(GatewaySettings, env)
 

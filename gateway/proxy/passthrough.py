@@ -2,9 +2,13 @@
 
 Paths naming a generation API are never forwarded (404, :func:`forwardable`, the route's first guard;
 gateway/target.py). Auth (the route's next guard) and the body-size limit apply; a JSON body naming a
-``model`` is routed to a replica serving it (404 for an unknown model, 403 if the key may not use it), other
-requests go to any healthy replica. Connection
-failures are retried on another replica; the answer is streamed back unchanged (hop-by-hop headers removed).
+``model`` is routed to a replica serving it (404 for an unknown model, 403 if the key may not use it). A
+request naming no model goes to any healthy replica, except for a key restricted to some models: then only to
+a replica serving nothing but models the key may use (the upstream answers it with its own default model),
+403 ``model_not_allowed`` when there is none. Each request is charged to the key's limits like a generation
+request (one request per minute and a concurrency slot, no tokens: 429 with the ``x-ratelimit-*`` headers when
+spent; the route's rate-limit middleware settles it). Connection failures are retried on another replica; the
+answer is streamed back unchanged (hop-by-hop headers removed).
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from gateway.context import context_of
 from gateway.errors import (
     ModelNotFound,
     NotFound,
+    PermissionDenied,
     UpstreamUnavailable,
     clip,
     upstream_error_object,
     upstream_gateway_error,
 )
 from gateway.proxy.upstreams import Replica
+from gateway.ratelimit_middleware import lease_of
 from gateway.target import names_generation_api
 
 if TYPE_CHECKING:
@@ -81,26 +87,47 @@ def _model_of(body: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
+def _replicas_for(gw: GatewayState, principal: Principal, model: str | None) -> frozenset[str] | None:
+    """Which replicas may take a request naming ``model`` (None: any healthy one serving it), checked in the
+    order of admission: 404 ``model_not_found`` for a model no upstream serves, 403 when the key may not use it;
+    for a body naming no model from a key restricted to some models, the models a replica may serve (403 when
+    no replica serves only those); 503 when no such replica is healthy now."""
+    only = None
+    if model is not None:
+        if not gw.pool.is_served(model):
+            raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
+        gw.auth.check_model(principal, model)
+    elif principal.models is not None:
+        only = principal.models
+        if not gw.pool.serving_only(only):
+            raise PermissionDenied("This API key may use only some models, and no upstream serves only those: "
+                                   "name one of its models in the request body's 'model'.", param="model")
+    if not gw.pool.candidates(model, only=only):
+        raise UpstreamUnavailable("No healthy upstream is available right now.",
+                                  headers={"retry-after": gw.pool.retry_after()})
+    return only
+
+
 async def passthrough(gw: GatewayState, request: Request, principal: Principal) -> Stream:
-    """Forward the request of ``principal`` (its path checked by :func:`forwardable`); raises
-    ModelNotFound/PermissionDenied/UpstreamUnavailable before any upstream call."""
+    """Forward the request of ``principal`` (its path checked by :func:`forwardable`) to a replica its key may
+    reach, charged to its rate limits (module docstring); raises ModelNotFound/PermissionDenied/
+    UpstreamUnavailable/RateLimited before any upstream call."""
     ctx = context_of(request)
     path = _raw_path(request)
     body = await read_body(request, gw.settings.max_body_bytes)
     model = _model_of(body)
     if model is not None:
         ctx.request_model = model
-        if not gw.pool.is_served(model):
-            raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
-        ctx.model_served = True
-        gw.auth.check_model(principal, model)
+        ctx.model_served = gw.pool.is_served(model)
+    only = _replicas_for(gw, principal, model)
+    await lease_of(request).acquire(gw.limiter, principal, ctx, 0, 0)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
     headers["x-request-id"] = ctx.request_id
     if ctx.server_span is not None:
         gw.tracer.inject(ctx.server_span, headers)
     tried: list[Replica] = []
     for _ in range(gw.settings.routing.max_attempts):
-        replica = gw.pool.pick(model, exclude=tried)
+        replica = gw.pool.pick(model, exclude=tried, only=only)
         if replica is None:
             break
         tried.append(replica)

@@ -52,6 +52,17 @@ class Replica:
     def serves(self, model: str) -> bool:
         return model in self.config.models if self.config.models else model in self.cards
 
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models it serves: configured, else as its ``/v1/models`` last listed them (empty: not known)."""
+        return self.config.models or tuple(self.cards)
+
+    def serves_only(self, allowed: frozenset[str]) -> bool:
+        """Whether every model it serves is in ``allowed`` (False while its models are not known): a request
+        that names no model gets the upstream's own default model, which must be one the caller may use."""
+        models = self.models
+        return bool(models) and allowed.issuperset(models)
+
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
 
@@ -113,15 +124,24 @@ class UpstreamPool:
         return str(max(1, math.ceil(self._routing.health_interval_s)))
 
     # --- selection ----------------------------------------------------------------------------------------
-    def candidates(self, model: str | None, exclude: Iterable[Replica] = ()) -> list[Replica]:
-        """Healthy replicas serving ``model`` (any healthy replica for ``None``), minus ``exclude``."""
+    def candidates(self, model: str | None, exclude: Iterable[Replica] = (),
+                   only: frozenset[str] | None = None) -> list[Replica]:
+        """Healthy replicas serving ``model`` (any healthy replica for ``None``), minus ``exclude``; with
+        ``only``, just those serving nothing but models in ``only`` (:meth:`Replica.serves_only`)."""
         skip = set(map(id, exclude))
         return [r for r in self.replicas
-                if r.healthy and (model is None or r.serves(model)) and id(r) not in skip]
+                if r.healthy and (model is None or r.serves(model)) and id(r) not in skip
+                and (only is None or r.serves_only(only))]
 
-    def pick(self, model: str | None, exclude: Iterable[Replica] = ()) -> Replica | None:
-        """The healthy replica serving ``model`` with the fewest outstanding requests (ties round-robin)."""
-        replicas = self.candidates(model, exclude)
+    def serving_only(self, only: frozenset[str]) -> list[Replica]:
+        """Replicas, healthy or not, that serve nothing but models in ``only``."""
+        return [r for r in self.replicas if r.serves_only(only)]
+
+    def pick(self, model: str | None, exclude: Iterable[Replica] = (),
+             only: frozenset[str] | None = None) -> Replica | None:
+        """The healthy replica serving ``model`` (and, with ``only``, nothing but those models) with the fewest
+        outstanding requests (ties round-robin)."""
+        replicas = self.candidates(model, exclude, only)
         if not replicas:
             return None
         fewest = min(r.outstanding for r in replicas)

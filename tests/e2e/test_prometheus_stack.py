@@ -60,6 +60,7 @@ def gateway_config(path: Path, port: int, engine: str, fake: str, keys: dict[str
                      {"name": "limited", "sha256": hash_key(keys["limited"]), "limits": {"requests_per_minute": 1}}],
         "routing": {"health_interval_s": 1.0, "health_timeout_s": 1.0},
         "logs": {"file": str(path.parent / "requests.jsonl")},
+        "metrics_public": True,  # Prometheus scrapes without a key (loopback only)
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -37,7 +37,9 @@ class Stack:
         return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {KEYS[key]}"}, timeout=10, **kw)
 
     def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics").text
+        """The gateway's /metrics, read with alice's key (keys are configured: it needs one that may use every
+        model)."""
+        return httpx.get(self.url + "/metrics", headers={"authorization": f"Bearer {KEYS['alice']}"}).text
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 in-process (:class:`FakeUpstream`) or as a subprocess (``python -m tests.gateway.fake_upstream --port P``).
 
 Output is deterministic: completion token ``i`` of choice ``c`` is ``"t{i} "`` (choice 0) / ``"c{c}t{i} "``;
-``max_tokens`` tokens (default 8) then finish_reason ``length`` (``stop`` when max_tokens is absent).
+``max_tokens`` tokens (default 8; with ``ignore_eos``, up to the context: ``max_model_len`` − prompt words) then
+finish_reason ``length`` (``stop`` when max_tokens is absent).
 ``prompt_tokens`` = whitespace-separated words of the prompt / message contents.
 
 Knobs (server defaults via :class:`Knobs`/CLI flags, per request via a ``"fake": {...}`` body field, which the
@@ -166,7 +167,8 @@ class FakeUpstream:
                                                                     "type": "server_error", "param": None,
                                                                     "code": None}})
             gone = asyncio.Event()  # set when the client disconnects: ends a gate wait
-            gen = Generation(rec, knobs, chat=rec.path.endswith("chat/completions"), gate=self.gate, gone=gone)
+            gen = Generation(rec, knobs, chat=rec.path.endswith("chat/completions"), gate=self.gate, gone=gone,
+                             max_model_len=self.max_model_len)
             watcher = asyncio.create_task(_watch_eof(reader, rec, gone))
             try:
                 if rec.body.get("stream"):
@@ -211,12 +213,15 @@ class Generation:
     """One completion request's deterministic output."""
 
     def __init__(self, rec: Record, knobs: Knobs, chat: bool,
-                 gate: Callable[[str], asyncio.Event] | None = None, gone: asyncio.Event | None = None) -> None:
+                 gate: Callable[[str], asyncio.Event] | None = None, gone: asyncio.Event | None = None,
+                 max_model_len: int = 2048) -> None:
         self.rec, self.knobs, self.chat, self.body = rec, knobs, chat, rec.body
         self._gate, self._gone = gate, gone or asyncio.Event()
         self.n = self.body.get("n") or 1
         self.max_tokens = self.body.get("max_tokens") or self.body.get("max_completion_tokens")
-        self.num_tokens = self.max_tokens or 8
+        # ignore_eos without max_tokens runs to the end of the context, as an engine does
+        unbounded = max(1, max_model_len - prompt_words(self.body)) if self.body.get("ignore_eos") else 8
+        self.num_tokens = self.max_tokens or unbounded
         self.finish = knobs.finish_reason or ("length" if self.max_tokens else "stop")
         self.id = ("chatcmpl-" if chat else "cmpl-") + str(len(rec.path) + int(rec.arrived * 1e6))
         self.model = self.body.get("model")

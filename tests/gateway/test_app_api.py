@@ -264,7 +264,7 @@ def test_passthrough_never_leaves_v1(stack: Stack, path: str) -> None:
 
 def test_probes(stack: Stack) -> None:
     assert httpx.get(stack.url + "/healthz").json() == {"status": "ok"}
-    ready = httpx.get(stack.url + "/readyz")
+    ready = httpx.get(stack.url + "/readyz", headers={"authorization": f"Bearer {KEYS['alice']}"})
     assert ready.status_code == 200
     assert ready.json()["models"] == {"tok-model": True, "fake-model": True, "broken-model": True}
 
@@ -289,7 +289,8 @@ def test_upstream_5xx_is_relayed_then_the_replica_is_ejected(own_stack: Stack) -
     label = stack.fakes["broken"].url.split("://")[1]
     assert sample(samples, "kvscope_gateway_upstream_up", upstream=label) == 0
     assert sample(samples, "kvscope_gateway_upstream_errors_total", upstream=label, reason="status_5xx") == 3
-    assert httpx.get(stack.url + "/readyz").json()["models"]["broken-model"] is False
+    with stack.client() as c:
+        assert c.get("/readyz").json()["models"]["broken-model"] is False
 
 
 def test_huge_model_names_and_user_agents_are_clipped_in_errors_and_logs(stack: Stack) -> None:

@@ -207,7 +207,7 @@ def test_edge_app_uses_the_peer_when_no_proxy_is_trusted(edge: Stack, tmp_path: 
 def test_probes_are_unobserved_only_when_spelled_exactly(edge: Stack, target: bytes, status: int) -> None:
     rid = f"probe-{abs(hash(target))}"
     resp = raw_http(edge.gateway.port, b"GET " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
-                    b"X-Request-Id: " + rid.encode() + b"\r\n\r\n")
+                    b"Authorization: Bearer sk-alice\r\nX-Request-Id: " + rid.encode() + b"\r\n\r\n")
     assert resp.status == status
     fence = f"fence-{rid}"
     post(edge, b"/v1/models", "alice", fence)

@@ -6,9 +6,11 @@ import asyncio
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import pytest
 
 from gateway.auth import hash_key
+from gateway.tokenize import estimate_tokens
 from tests.conftest import require_tool
 from tests.gateway.harness import Proc, spawn_fake, spawn_gateway, spawn_redis, wait_http, wait_port
 
@@ -28,7 +30,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, li
         wait_http(fake.url + "/health", proc=fake.popen)
         config = {"upstreams": [{"url": fake.url}], "redis_url": f"redis://127.0.0.1:{redis.port}/0",
                   "api_keys": [{"name": "rpm", "sha256": hash_key("sk-rpm"), "limits": {"requests_per_minute": 5}},
-                               {"name": "conc", "sha256": hash_key("sk-conc"), "limits": {"max_concurrent": 2}}]}
+                               {"name": "conc", "sha256": hash_key("sk-conc"), "limits": {"max_concurrent": 2}},
+                               {"name": "tpm", "sha256": hash_key("sk-tpm"), "limits": {"tokens_per_minute": 1000}}]}
         gws = [spawn_gateway(tmp, f"gw{i}", config) for i in range(2)]
         procs += gws
         for gw in gws:
@@ -81,3 +84,28 @@ def test_concurrency_cap_is_shared(cluster: tuple[Proc, list[Proc]]) -> None:
     after = httpx.post(gateways[0].url + "/v1/chat/completions", json={"model": "fake-model", "messages": HI},
                        headers={"authorization": "Bearer sk-conc"})
     assert after.status_code == 200
+
+
+def test_n4_tokens_per_minute_holds_without_max_tokens_across_gateways(cluster: tuple[Proc, list[Proc]]) -> None:
+    """Serving case N4 on shared Redis limits: a TPM-1000 key sends 10 concurrent streams without max_tokens
+    (``ignore_eos``: each would run to the fake's 2,048-token context) through both gateways. One is admitted,
+    with the rest of the minute's budget after its prompt injected as max_tokens; nine get 429. Before, each was
+    charged its prompt alone and all ten ran to the end of the context."""
+    fake, gateways = cluster
+    httpx.post(fake.url + "/_fake/reset")
+    body = {"model": "fake-model", "messages": HI, "stream": True, "ignore_eos": True}
+
+    async def one(i: int) -> int:
+        async with httpx.AsyncClient(timeout=120) as c:
+            resp = await c.post(gateways[i % 2].url + "/v1/chat/completions", json=body,
+                                headers={"authorization": "Bearer sk-tpm"})
+            return resp.status_code
+
+    async def run() -> list[int]:
+        return await asyncio.gather(*(one(i) for i in range(10)))
+
+    assert sorted(asyncio.run(run())) == [200] + [429] * 9
+    upstream = [r for r in httpx.get(fake.url + "/_fake/requests").json() if r["path"] == "/v1/chat/completions"]
+    prompt = estimate_tokens(len(msgspec.json.encode(HI)))  # no tokenizer for fake-model: characters / 4
+    assert [r["body"]["max_tokens"] for r in upstream] == [1000 - prompt]
+    assert [r["sse"].count('"content":"t') for r in upstream] == [1000 - prompt]
