@@ -31,6 +31,9 @@ class EngineRequest:
     sampling: RequestSampling | None = field(default=None, compare=False)
     """The request's constant sampling tensors (logit_bias, stop ids, prompt ids), built here once and shared
     by every step and every one of its ``n`` children (engine.worker.sampler)."""
+    fairness_group: str | None = None
+    """The client request it belongs to (the server sets its response id, shared by all the request's prompts);
+    the scheduler shares slots and tokens between such groups (engine/core/fairness.py). None: its own id."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -23,7 +23,7 @@ from engine.errors import EngineDeadError, InvalidParameterError
 from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.server.errors import OpenAIError, from_engine, model_not_found
+from engine.server.errors import OpenAIError, bad_request, from_engine, model_not_found
 from engine.server.generation import DONE, KEEPALIVE, ClientDisconnected, GenerationRun, wait_for_disconnect
 from engine.server.request_state import Outcome, RequestState
 from engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
@@ -70,10 +70,24 @@ def admit(state: ServerState) -> None:
                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
+def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: str = "prompt") -> None:
+    """400 when one request asks for more sequences (``num_prompts`` x ``n``) than ``--max-sequences-per-request``
+    (ServerSettings.max_sequences_per_request), before anything is tokenized further or queued: ``param`` is
+    ``prompt_param`` when the prompts alone exceed the limit, else ``n``. Raises OpenAIError."""
+    limit = state.settings.max_sequences_per_request
+    total = num_prompts * n
+    if total <= limit:
+        return
+    raise bad_request(f"This request asks for {total} sequences ({num_prompts} prompt(s) x n={n}); the limit is "
+                      f"{limit} sequences per request (--max-sequences-per-request). Send fewer prompts or a "
+                      "smaller n, or split the request.", param=prompt_param if num_prompts > limit else "n")
+
+
 def process_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str
                     ) -> list[EngineRequest]:
     """Every prompt through the engine's validation (empty prompt, token ids, context length), or the 400 of
-    the first one that fails, naming the request's own fields."""
+    the first one that fails, naming the request's own fields; first the fan-out limit (:func:`check_fan_out`)."""
+    check_fan_out(state, len(prompts), params.n, prompt_param)
     try:
         return [state.engine.process_inputs(prompt, params) for prompt in prompts]
     except InvalidParameterError as exc:
@@ -82,11 +96,13 @@ def process_prompts(state: ServerState, prompts: list[list[int]], params: Sampli
 
 def start_job(state: ServerState, request: Request, operation: str, requests: list[EngineRequest],
               stream: bool) -> Job:
-    """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`)."""
+    """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`), as one fairness
+    group of the scheduler (EngineRequest.fairness_group = the response id; engine/core/fairness.py)."""
     prefix = "chatcmpl" if operation == "chat" else "cmpl"
     prompts = [r.prompt_token_ids for r in requests]
     rs = RequestState(f"{prefix}-{uuid.uuid4().hex}", operation, state.model_name, requests[0].params, prompts,
                       stream, state.metrics)
+    requests = [replace(r, fairness_group=rs.request_id) for r in requests]
     rs.timeline.parent = state.tracing.extract(request.headers)
     run = GenerationRun(state.engine, rs.request_id, requests, rs.arrival, rs.timeline,
                         fault_after_tokens=_fault_after(state, request))

@@ -15,7 +15,15 @@ from engine.server.logprobs import LegacyLogprobs, merge_legacy
 from engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from engine.server.request_state import RequestState
 from engine.server.sampling import completion_sampling_params
-from engine.server.serving import admit, check_model, process_prompts, respond_json, respond_stream, start_job
+from engine.server.serving import (
+    admit,
+    check_fan_out,
+    check_model,
+    process_prompts,
+    respond_json,
+    respond_stream,
+    start_job,
+)
 from engine.server.sse import SSEResponse
 from engine.server.state import ServerState
 from engine.server.structured import prepare_constraint
@@ -39,11 +47,17 @@ def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[in
                       "lists (not a mix).", param="prompt")
 
 
+def num_prompts(prompt: str | list) -> int:
+    """How many prompts :func:`completion_prompts` will find in ``prompt``, without tokenizing."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
+
 async def create_completion(state: ServerState, request: Request, req: CompletionRequest
                             ) -> Response | SSEResponse:
     admit(state)
     check_model(state, req.model)
     params = completion_sampling_params(req)
+    check_fan_out(state, num_prompts(req.prompt), params.n)  # before tokenizing a long list
     await prepare_constraint(state, params)
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, req.prompt)  # off the event loop
     requests = process_prompts(state, prompts, params, "prompt")

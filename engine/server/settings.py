@@ -143,6 +143,13 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     """Honour the ``x-kvscope-fault`` request header (tests of mid-stream failure, case S3). Off in production."""
     max_concurrent_requests: Annotated[int, Flag("429 above this many; 0 = unlimited")] = 0
     """Generation requests in flight before new ones get 429; 0 = unlimited."""
+    max_sequences_per_request: Annotated[int, Flag(
+        "most sequences (prompts x n) one request may ask for; more is a 400 (default 256)")] = 256
+    """Sequences (prompts x ``n``) one generation request may queue; more is a 400 naming ``prompt`` or ``n``
+    before anything is queued. 256: one prompt at OpenAI's largest ``n`` (128) fits twice, and it is four full
+    steps at the default ``max_num_seqs`` (64). Each sequence holds an engine request, a detokenizer and KV blocks
+    for its prompt; the probe's 400 prompts x n 64 (25,600 from a 6 KB body) made a plain request wait 122 s.
+    The scheduler's fairness (engine/core/fairness.py) keeps requests under the cap from starving others."""
     otlp_endpoint: Annotated[str | None, Flag(
         "OTLP/HTTP collector (base URL or …/v1/traces); default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, "
         "else no export",
@@ -170,6 +177,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             raise ValueError(f"sse_keepalive_s must be positive, got {self.sse_keepalive_s}")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         resolve_event_loop(self.event_loop)  # uvloop asked for where it is not installed: a config error

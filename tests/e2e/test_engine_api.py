@@ -6,12 +6,16 @@ of 200); the properties checked are the cases' own. After every test a plain cha
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import pytest
 
 from tests.engine.server.e2e_support import (
     CHAT,
     COMPLETIONS,
+    BackgroundStream,
     chat,
     completion,
     delta,
@@ -288,6 +292,51 @@ def test_n1_huge_per_request_lists_are_refused(engine, client):
         assert delta(before, after, f"kvscope_engine_{name}", model="smollm2-135m") == 0
     plain = client.post(CHAT, json=chat("Say hi.", max_tokens=4, ignore_eos=True))
     assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4
+
+
+def test_n3_fan_out_is_capped_and_cannot_stall_a_plain_request(engine, client):
+    """Serving case N3 (issue 35): /v1/completions with 400 prompts and n 64 (a 6 KB body, 25,600 sequences) is a
+    400 naming the limit (--max-sequences-per-request, 256) before any engine work. A request at the limit (4
+    prompts x n 64, 64 times this engine's --max-num-seqs 4) streaming while a plain streamed request arrives
+    does not hold it back (engine/core/fairness.py): the plain request is admitted in the first step after it
+    arrives (its kvscope ``queue_blocked_steps`` is 0) and its first token comes before more than one batch
+    (max_num_seqs) of the attacker's sequences has finished. Under FCFS it waited for 252 of them."""
+    before = engine.metrics()
+    body = completion(["Tell a joke."] * 400, n=64, max_tokens=16)
+    response = client.post(COMPLETIONS, json=body)
+    assert response.status_code == 400, response.text
+    assert len(response.request.content) > 6000
+    assert response.json()["error"] == {
+        "message": "This request asks for 25600 sequences (400 prompt(s) x n=64); the limit is 256 sequences per "
+                   "request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request.",
+        "type": "invalid_request_error", "param": "prompt", "code": "invalid_value"}
+    assert delta(before, engine.metrics(), "kvscope_engine_prompt_tokens_total", model="smollm2-135m") == 0
+
+    attacker = BackgroundStream(engine.url, COMPLETIONS, completion(
+        ["Once upon a time"] * 4, n=64, max_tokens=16, ignore_eos=True), "n3-attacker")
+    try:
+        wait_for(lambda: attacker.first_chunk is not None, timeout_s=120)
+        finished_before = len(attacker.finish_times)
+        sent = time.monotonic()
+        plain = stream(client, CHAT, chat("Say hi.", max_tokens=4, ignore_eos=True))
+        first_token = sent + next(t for t, event in plain.events if _has_content(event))
+        finished_by_first_token = sum(t <= first_token for t in attacker.finish_times)
+        attacker_open = attacker.first_chunk is not None and len(attacker.finish_times) < 256
+    finally:
+        attacker.close()
+    assert plain.status == 200 and plain.parsed.data[-1] == "[DONE]"
+    kvscope = log_line(engine, plain.parsed.chunks[0]["id"])["kvscope"]["engine"]
+    assert kvscope["queue_blocked_steps"] == 0, kvscope
+    assert finished_by_first_token - finished_before <= 4, (finished_before, finished_by_first_token)
+    assert attacker_open
+
+
+def _has_content(event: str) -> bool:
+    """A chat chunk event carrying generated text."""
+    if not event.startswith("data: {"):
+        return False
+    choices = json.loads(event[len("data: "):])["choices"]
+    return bool(choices and choices[0]["delta"].get("content"))
 
 
 def test_metrics_after_known_workload(engine, client):

@@ -168,6 +168,8 @@ class BackgroundStream:
         self.data_events = 0
         self.last_data: str | None = None
         self.first_chunk: dict | None = None
+        self.finish_times: list[float] = []
+        """``time.monotonic()`` when each choice's final chunk (a non-null ``finish_reason``) arrived."""
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(base_url, path, body), daemon=True)
         self.lines = 0
@@ -183,6 +185,8 @@ class BackgroundStream:
                 if line.startswith("data: "):
                     self.data_events += 1
                     self.last_data = line
+                    if '"finish_reason":"' in line:
+                        self.finish_times.append(time.monotonic())
                 if self._closing.is_set():
                     return
         self._closing.set()
