@@ -1,6 +1,9 @@
 """How the gateway runs under uvicorn: one :func:`uvicorn_config` for the CLI and the tests.
 
-- ``http``: :class:`GatewayH11Protocol`, uvicorn's h11 protocol with one change: a request the HTTP parser
+- ``http``: :class:`GatewayH11Protocol`, uvicorn's h11 protocol with the read timeouts of
+  kvscope/read_timeouts.py (``timeouts.request_head_s``: a request head not complete in time gets a JSON 408
+  and its connection closed, an idle one is closed; ``timeouts.request_body_s``: a body that stalls that long
+  gets a 408 and a close), each 408 with its log record like the parser's 400s, and one more change: a request the HTTP parser
   refuses (bad request line or header, missing Host, conflicting framing, a head over 16 KiB …) is answered
   with an OpenAI-shaped JSON 400 and gets its one log record, metrics and span
   (:func:`gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees. Two checks
@@ -27,16 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 
 try:  # h11's writer of chunked bodies: the body-chunk fast path writes only where h11 chose it
     from h11._writers import ChunkedWriter
 except ImportError:  # pragma: no cover - another h11 layout: the fast path stays off, ASGI send does it all
     ChunkedWriter = None  # type: ignore[assignment,misc]
 
-from gateway.errors import InvalidRequest, error_json
+from gateway.errors import GatewayError, InvalidRequest, error_json
 from gateway.proxy.client import BODY_CHUNK_EXTENSION
 from kvscope.event_loop import resolve_event_loop
+from kvscope.read_timeouts import READ_TIMEOUT_KEY, ReadTimeoutProtocol, ReadTimeouts
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
@@ -52,6 +56,12 @@ class InvalidHttpRequest(InvalidRequest):
     """The HTTP parser's 400 (h11 ``RemoteProtocolError``)."""
 
     code = "invalid_http_request"
+
+
+class RequestTimedOut(GatewayError):
+    """The server's 408: a request head or body that did not arrive in time (kvscope/read_timeouts.py)."""
+
+    status, code = 408, "request_timeout"
 
 
 def request_line(head: bytes) -> tuple[str, str]:
@@ -78,8 +88,9 @@ def head_problem(request: h11.Request, max_head_bytes: int = MAX_HEAD_BYTES) -> 
     return None
 
 
-class GatewayH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol; parser errors become JSON 400s with a log record (module docstring)."""
+class GatewayH11Protocol(ReadTimeoutProtocol):
+    """uvicorn's h11 protocol with read timeouts; parser errors become JSON 400s and read timeouts JSON 408s,
+    each with a log record (module docstring)."""
 
     def __init__(self, *args: Any, gateway: GatewayState, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -115,20 +126,38 @@ class GatewayH11Protocol(H11Protocol):
             self._head = b""
 
     def send_400_response(self, msg: str) -> None:
-        from gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
-
         in_progress = self.cycle is not None and not self.cycle.response_complete
         if in_progress and self.cycle.response_started:
             self.transport.close()  # the framing broke after the app answered: nothing more can be sent
             return
         # (a finished cycle is the previous request of a keep-alive connection: this one gets its 400)
         problem, self._problem = self._problem, None
-        err = InvalidHttpRequest(f"{msg} {problem + ' ' if problem else ''}The request is not valid HTTP/1.1 "
-                                 "(RFC 9112).")
+        self._refuse(InvalidHttpRequest(f"{msg} {problem + ' ' if problem else ''}The request is not valid "
+                                        "HTTP/1.1 (RFC 9112)."), in_progress)
+
+    def read_timed_out(self, stage: str, message: str) -> None:
+        """A head or body that did not arrive in time (kvscope/read_timeouts.py): a JSON 408 and the close, and
+        its log record: the app's own when it holds the request (a stalled body), else a record of its own (a
+        partial head, as for the parser's 400s)."""
+        in_progress = stage == "body" and self.cycle is not None and not self.cycle.response_complete
+        if in_progress:
+            self.cycle.scope["state"][READ_TIMEOUT_KEY] = 408  # type: ignore[index]
+            if self.cycle.response_started:  # the app answered while the body came: only the close is left
+                self._close()
+                return
+        self._refuse(RequestTimedOut(message), in_progress)
+
+    def _refuse(self, err: GatewayError, in_progress: bool) -> None:
+        """Answer ``err`` (400 or 408) as JSON with ``Connection: close``, close, and see that the request gets
+        its one log record: through the app when it holds (or will hold) the request, ``in_progress``, else
+        :func:`gateway.observe.record_refused` with the method and path read so far."""
+        from gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
+
         body = error_json(err)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+        reason = b"Bad Request" if err.status == 400 else b"Request Timeout"
+        for event in (h11.Response(status_code=err.status, headers=headers, reason=reason),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event) or b"")
         self.transport.close()
@@ -168,8 +197,12 @@ def write_body_chunk(cycle: RequestResponseCycle, data: bytes) -> bool:
 
 def uvicorn_config(app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any) -> uvicorn.Config:
     """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options. The event
-    loop is the settings' ``event_loop`` resolved (kvscope/event_loop.py: uvloop where installed)."""
-    protocol = functools.partial(GatewayH11Protocol, gateway=app.state.gateway)
+    loop is the settings' ``event_loop`` resolved (kvscope/event_loop.py: uvloop where installed); the read
+    timeouts are the settings' ``timeouts.request_head_s`` and ``timeouts.request_body_s``."""
+    settings = app.state.gateway.settings
+    protocol = functools.partial(GatewayH11Protocol, gateway=app.state.gateway,
+                                 read_timeouts=ReadTimeouts(settings.timeouts.request_head_s,
+                                                            settings.timeouts.request_body_s))
     extra.setdefault("loop", resolve_event_loop(app.state.gateway.settings.event_loop))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
                           lifespan="on", http=protocol, ws="none", proxy_headers=False, **extra)  # type: ignore[arg-type]

@@ -4,6 +4,11 @@ The middleware puts an :class:`AccessRecord` into the ASGI scope (``scope["kvsco
 handlers add the error type, the serving code adds the gen_ai / kvscope fields (docs/engine-server.md, "Request log"), and the
 line is written when the response is over (after the last SSE event, or when the client left). Field names
 follow ECS (``http.response.status_code``, ``event.outcome`` …); never the body, never prompt or output text.
+
+A client that leaves before its request body ended is logged (and counted) as 499 ``client_disconnected``,
+nginx's "client closed request" as the gateway logs it, not as the 500 Litestar's body reader raises for it (a
+client's departure must not feed the server-error alerts); a body the server stopped waiting for
+(kvscope/read_timeouts.py) as the 408 the server answered.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
+from kvscope.read_timeouts import READ_TIMEOUT_KEY
+
 ACCESS_LOGGER = "kvscope.engine.access"
 QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")
 """Route prefixes counted but not logged when they succeed (probes, scrapes, the gateway's model-list health
 check and docs would drown the log)."""
 
 
+CLIENT_CLOSED_REQUEST = 499
+"""Status logged for a client that left before its request body ended (nginx's convention, the gateway's too)."""
 ECS_VERSION = "9.1.0"
 """ECS 9.1 is the first with the ``gen_ai.*`` field set these records use (same as the gateway's record)."""
 
@@ -125,10 +134,45 @@ class AccessLogMiddleware:
                                                   (b"x-request-id", request_id.encode("latin-1"))]}
             await send(message)
 
+        body = _BodyWatch(receive)
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, body.receive, send_with_id)
         finally:
+            _body_outcome(record, body, scope)
             self.on_done(record, scope.get("path_template") or scope["path"])
+
+
+class _BodyWatch:
+    """Wraps an ASGI ``receive``: whether the client left (``http.disconnect``) before its body's last
+    ``http.request`` message."""
+
+    def __init__(self, receive: Callable) -> None:
+        self._receive = receive
+        self.body_done = False
+        self.left_mid_body = False
+
+    async def receive(self) -> dict[str, Any]:
+        message = await self._receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            self.body_done = True
+        elif message["type"] == "http.disconnect" and not self.body_done:
+            self.left_mid_body = True
+        return message
+
+
+def _body_outcome(record: AccessRecord, body: _BodyWatch, scope: dict[str, Any]) -> None:
+    """A request whose body never ended: 408 when the server timed its body out (``READ_TIMEOUT_KEY``), else
+    499 ``client_disconnected`` (module docstring), replacing the 500 the body reader's error was answered with."""
+    if not body.left_mid_body:
+        return
+    if (scope.get("state") or {}).get(READ_TIMEOUT_KEY) is not None:
+        record.status_override = 408
+        record.set_error("timeout_error", "the request body stalled; the server closed the connection",
+                         "request_timeout")
+        return
+    record.status_override = CLIENT_CLOSED_REQUEST
+    record.set_error("client_closed_request", "the client closed the connection while sending the request body",
+                     "client_disconnected")
 
 
 class JsonLineHandler(logging.Handler):

@@ -70,11 +70,20 @@ def engine_main(argv: Sequence[str] | None = None) -> int:
 
 def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
     """The ``uvicorn.Config`` the engine serves ``app`` under: no access log of uvicorn's (the engine writes its
-    own), 5 s graceful shutdown, the event loop ``settings.event_loop`` resolved (uvloop where installed)."""
+    own), 5 s graceful shutdown, the event loop ``settings.event_loop`` resolved (uvloop where installed), and
+    uvicorn's h11 protocol with the request head and body read timeouts (kvscope/read_timeouts.py:
+    ``--request-head-timeout``, ``--request-body-timeout``; a stalled head or body gets a JSON 408 and a close)."""
+    import functools
+
     import uvicorn
 
+    from kvscope.read_timeouts import ReadTimeoutProtocol, ReadTimeouts
+
+    protocol = functools.partial(ReadTimeoutProtocol, read_timeouts=ReadTimeouts(settings.request_head_timeout_s,
+                                                                                 settings.request_body_timeout_s))
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="on", loop=resolve_event_loop(settings.event_loop))
+                          timeout_graceful_shutdown=5, lifespan="on", loop=resolve_event_loop(settings.event_loop),
+                          http=protocol)  # type: ignore[arg-type]
 
 
 def load_engine(config: Any) -> Any:

@@ -26,6 +26,7 @@ from engine.config import DEFAULT_MODEL
 from engine.server.metrics import MetricBuckets
 from kvscope.event_loop import EventLoop, resolve_event_loop
 from kvscope.net import is_loopback
+from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
 DEFAULT_SERVICE_NAME = "kvscope-engine"
@@ -165,6 +166,14 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     event_loop: Annotated[EventLoop, Flag("the server's event loop: auto = uvloop where it is installed (an engine "
                                           "dependency), else asyncio")] = "auto"
     """uvicorn's event loop (kvscope/event_loop.py: uvloop took 17 % more tokens/s at 32 streams on 2 cores)."""
+    request_head_timeout_s: Annotated[float, Flag(
+        "a request head must be complete this long after the connection opened or the previous response ended "
+        "(else 408 and close)", name="--request-head-timeout")] = HEAD_TIMEOUT_S
+    """Seconds for a whole request head; then a JSON 408 and the connection closed (kvscope/read_timeouts.py)."""
+    request_body_timeout_s: Annotated[float, Flag(
+        "longest silence while a request body arrives (else 408 and close)", name="--request-body-timeout")] = \
+        BODY_TIMEOUT_S
+    """Longest silence while a request body is being received; then a JSON 408 and the connection closed."""
     api_key: Annotated[str | None, Flag("require 'Authorization: Bearer KEY' on every route but /health (default: "
                                         "$KVSCOPE_ENGINE_API_KEY; none = no auth, warned about on a non-loopback "
                                         "--host)", env=_api_key_from_env)] = None
@@ -175,6 +184,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
         if self.sse_keepalive_s <= 0:
             raise ValueError(f"sse_keepalive_s must be positive, got {self.sse_keepalive_s}")
+        if not (self.request_head_timeout_s > 0 and self.request_body_timeout_s > 0):
+            raise ValueError("request_head_timeout_s and request_body_timeout_s must be positive")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
         if self.max_sequences_per_request < 1:

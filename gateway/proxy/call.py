@@ -69,6 +69,9 @@ class ProxyCall:
         self.gw, self.ctx, self.plan = gw, ctx, plan
         self.client = ClientResponse(_never_sent)
         self.disconnected = False
+        self.completed = False
+        """The answer reached its end (a stream's ``[DONE]`` or terminal error event, relayed with its outcome
+        applied): a client that leaves from here on is not a disconnect (:meth:`_watch_disconnect`)."""
         self.attempt_start = 0.0
         self.upstream_end: float | None = None
         self.last_token_at: float | None = None
@@ -100,6 +103,8 @@ class ProxyCall:
             if not self.disconnected:
                 raise
             task.uncancel()
+            if self.completed:  # the client left inside the drain window, after the stream's end
+                return
             self.ctx.mark_disconnected(self.phase())
             if not self.client.committed:
                 self.ctx.status = CLIENT_CLOSED_REQUEST
@@ -125,10 +130,13 @@ class ProxyCall:
         return "first_token" if self.ctx.first_token_at is None else "decode"
 
     async def _watch_disconnect(self, receive: Receive, task: asyncio.Task | None) -> None:
+        """Cancel the call when the client leaves before its answer ended. A client that closes once it has the
+        stream's end (``data: [DONE]``) while the gateway still drains the upstream's end of body
+        (DRAIN_BEFORE_END_S) has not left early: the call finishes, logged as completed."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if not self.client.finished and task is not None:
+                if not self.client.finished and not self.completed and task is not None:
                     self.disconnected = True
                     task.cancel()
                 return
@@ -267,6 +275,7 @@ class ProxyCall:
             self._take(outcome)  # the request's numbers are final before the client sees the end
             if outcome.failure is not None:
                 raise outcome.failure
+            self.completed = True  # [DONE] (or the upstream's in-band error) went out: whatever the client does now
             drained = not outcome.drain or await relay.drain(DRAIN_BEFORE_END_S)
             await self.client.body(b"", final=True)
             if not drained:

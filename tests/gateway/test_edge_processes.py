@@ -183,3 +183,96 @@ def test_a_malformed_request_after_a_good_one_on_a_keep_alive_connection_gets_it
         time.sleep(0.05)
     assert sorted((r["http"]["response"]["status_code"], r["error"]["type"]) for r in new) == [
         (200, None), (400, "invalid_http_request")]
+
+
+# --- read timeouts (serving case N5; kvscope/read_timeouts.py) ---------------------------------------------
+READ_TIMEOUT_S = 0.5
+"""``timeouts.request_head_s`` and ``request_body_s`` of the :func:`slow_clients` gateway."""
+BROKEN_RUN_S = 20.0
+"""How long a test waits for the server to close before it calls the run broken (the old code never closed)."""
+
+
+@pytest.fixture(scope="module")
+def slow_clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    """A gateway process with 0.5 s request head and body timeouts."""
+    tmp = tmp_path_factory.mktemp("read-timeouts")
+    fake = spawn_fake(tmp, "fake")
+    procs = [fake]
+    try:
+        wait_http(fake.url + "/health", proc=fake.popen)
+        config = {"upstreams": [{"url": fake.url}], "api_keys": [{"name": "edge", "sha256": hash_key(KEY)}],
+                  "timeouts": {"request_head_s": READ_TIMEOUT_S, "request_body_s": READ_TIMEOUT_S},
+                  "routing": {"health_interval_s": 60}, "logs": {"file": str(tmp / "requests.jsonl")}}
+        gateway = spawn_gateway(tmp, "gateway", config)
+        procs.append(gateway)
+        wait_http(gateway.url + "/readyz", proc=gateway.popen)
+        yield Edge(gateway, fake, tmp / "requests.jsonl")
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _until_closed(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a new connection, then read until the server closes it; everything it sent."""
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=BROKEN_RUN_S) as sock:
+        if data:
+            sock.sendall(data)
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def _records_meanwhile(edge: Edge, action, fence: str) -> tuple[object, list[dict]]:
+    """(what ``action()`` returned, the records other than a fence request's logged while and after it ran)."""
+    before = len(read_log(edge.log, 0, 0))
+    result = action()
+    assert raw_http(edge.gateway.port, _request(b"GET", b"/v1/models", b"X-Request-Id: " + fence.encode() +
+                                                b"\r\n")).status == 200
+    records_by_id(edge.log, [fence], timeout=20)
+    return result, [r for r in read_log(edge.log, 0, 0)[before:] if r["http"]["request"]["id"] != fence]
+
+
+def _timeout_answer(raw: bytes) -> dict:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("timeout_error", "request_timeout")
+    return error
+
+
+def test_n5_half_a_request_head_is_closed_after_the_head_timeout(slow_clients: Edge) -> None:
+    """Serving case N5: a connection that sends half a request head and waits gets a JSON 408 and is closed
+    after ``request_head_s``, with one log record naming what could be read (method, path). Before, uvicorn
+    kept it open for as long as the client liked (2,000 such connections stayed 40 s in the probe)."""
+    half = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH
+    raw, others = _records_meanwhile(slow_clients, lambda: _until_closed(slow_clients.gateway.port, half),
+                                     "head-fence")
+    error = _timeout_answer(raw)
+    assert error["message"] == f"The request head was not received within {READ_TIMEOUT_S:g} s."
+    [record] = others
+    assert (record["http"]["response"]["status_code"], record["error"]["type"]) == (408, "request_timeout")
+    assert (record["http"]["request"]["method"], record["url"]["path"]) == ("POST", "/v1/chat/completions")
+
+
+def test_an_idle_connection_is_closed_without_an_answer_or_a_record(slow_clients: Edge) -> None:
+    """A connection that sends nothing is closed after the head timeout, silently (as uvicorn's keep-alive
+    timeout closes an idle keep-alive connection): there was no request to answer or log."""
+    raw, others = _records_meanwhile(slow_clients, lambda: _until_closed(slow_clients.gateway.port, b""),
+                                     "idle-fence")
+    assert (raw, others) == (b"", [])
+
+
+def test_n5_a_stalled_body_is_answered_408_and_logged_once(slow_clients: Edge) -> None:
+    """A body that stops arriving for ``request_body_s`` gets a JSON 408 and the close; the request's one log
+    record (the app held it, waiting for the body) says 408 ``request_timeout``, not a disconnect."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Type: application/json\r\n"
+            b"Content-Length: 100\r\nX-Request-Id: stalled-body\r\n\r\n{\"model\": ")
+    raw, others = _records_meanwhile(slow_clients, lambda: _until_closed(slow_clients.gateway.port, head),
+                                     "body-fence")
+    error = _timeout_answer(raw)
+    assert error["message"] == f"The request body stalled: nothing of it arrived for {READ_TIMEOUT_S:g} s."
+    [record] = others
+    assert record["http"]["request"]["id"] == "stalled-body"
+    assert (record["http"]["response"]["status_code"], record["error"]["type"]) == (408, "request_timeout")
+    assert record["kvscope"]["client_disconnected"] is False
