@@ -262,7 +262,7 @@ class Scheduler:
         if not self.waiting:
             return set()
         free = self.scheduler_config.max_num_seqs - len(self.running)
-        demand = self.waiting.demand(self._groups, share) if free >= 0 else 0
+        demand = self.waiting.demand(self._groups, share)
         groups: set[str] = set()
         while demand > free and (victim := newest_over_share(self.running, self._groups, share)) is not None:
             self.running.remove(victim)
@@ -274,8 +274,8 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan, share: int) -> None:
         drafts = self._propose_drafts()
+        # running requests not visited yet: the KV victims come from these and the current one
         pending = {request.request_id for request in self.running}
-        """Running requests not visited yet (the KV victims may only come from these and the current one)."""
         for request in round_robin(self.running):  # admission order when every group runs one request
             if plan.token_budget <= 0:
                 break
