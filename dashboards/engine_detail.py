@@ -113,10 +113,54 @@ def _spec_decode(q: PromQL) -> list[Json]:
     ]
 
 
+GPU_PANELS = ("GPU memory", "GPU utilisation", "GPU temperature", "GPU power", "GPU throttle reasons",
+              "Allocator OOMs and retries")
+"""Panels of NVML/torch.cuda series, which exist only while the engine runs on a CUDA device (empty on CPU)."""
+
+
+def _gpu(q: PromQL) -> list[Json]:
+    by = ("instance", "device")
+    return [
+        row("GPU (CUDA only: no series on CPU)"),
+        timeseries("GPU memory", "Memory used on the device (NVML) against the engine's budget "
+                   "(gpu_memory_utilization x total, reserved on purpose at start-up) and the total; torch's "
+                   "caching allocator: reserved and in live tensors. Alert KvscopeGPUMemoryOverBudget fires 5 % "
+                   "of the device above the budget.",
+                   [Target(q.gauge(f"{EN}device_memory_used_bytes", 'device=~"cuda.*"', by=by),
+                           "used {{instance}} {{device}}"),
+                    Target(q.gauge(f"{EN}gpu_memory_budget_bytes", by=by), "budget {{instance}} {{device}}"),
+                    Target(q.gauge(f"{EN}device_memory_total_bytes", 'device=~"cuda.*"', by=by),
+                           "total {{instance}} {{device}}"),
+                    Target(q.gauge(f"{EN}torch_memory_reserved_bytes", by=by), "torch reserved {{instance}} {{device}}"),
+                    Target(q.gauge(f"{EN}torch_memory_allocated_bytes", by=by),
+                           "torch allocated {{instance}} {{device}}")], "bytes", w=8),
+        timeseries("GPU utilisation", "Share of NVML's last sample period in which a kernel ran.",
+                   [Target(q.gauge(f"{EN}gpu_utilization_ratio", by=by), "{{instance}} {{device}}")],
+                   "percentunit", w=8, max_value=1),
+        timeseries("GPU temperature", "Core temperature (NVML).",
+                   [Target(q.gauge(f"{EN}gpu_temperature_celsius", by=by, agg="max"), "{{instance}} {{device}}")],
+                   "celsius", w=8),
+        timeseries("GPU power", "Power draw and the enforced power limit (NVML).",
+                   [Target(q.gauge(f"{EN}gpu_power_watts", by=by), "draw {{instance}} {{device}}"),
+                    Target(q.gauge(f"{EN}gpu_power_limit_watts", by=by), "limit {{instance}} {{device}}")],
+                   "watt", w=8),
+        timeseries("GPU throttle reasons", "NVML clocks event reasons in force (1 = active). sw_power_cap is a "
+                   "busy GPU at its power limit; thermal, hw_slowdown and power-brake reasons fire "
+                   "KvscopeGPUThrottled.",
+                   [Target(q.gauge(f"{EN}gpu_throttled", 'reason!="gpu_idle"', by=(*by, "reason"), agg="max"),
+                           "{{reason}} {{instance}} {{device}}")], "short", w=8, max_value=1),
+        timeseries("Allocator OOMs and retries", "torch's caching allocator: out-of-memory errors and "
+                   "allocations retried after freeing its cache, per interval (KvscopeGPUAllocatorFailures).",
+                   [Target(q.sum_increase(f"{EN}torch_ooms_total", by=by), "OOMs {{instance}} {{device}}"),
+                    Target(q.sum_increase(f"{EN}torch_alloc_retries_total", by=by),
+                           "retries {{instance}} {{device}}")], "short", w=8),
+    ]
+
+
 def build(q: PromQL) -> Json:
     """The engine-internals dashboard; raises KeyError/ValueError on a metric the catalog lacks."""
-    panels = [*_phases(q), *_steps(q), *_kv_cache(q), *_structured(q), *_spec_decode(q)]
+    panels = [*_phases(q), *_steps(q), *_kv_cache(q), *_gpu(q), *_structured(q), *_spec_decode(q)]
     links = [dashboard_link("Overview", "kvscope-overview")]
-    return dashboard(UID, "kvscope / Engine internals", "Request phases, engine steps, KV cache, structured "
-                     "output and speculative decoding.", panels,
+    return dashboard(UID, "kvscope / Engine internals", "Request phases, engine steps, KV cache, GPU, "
+                     "structured output and speculative decoding.", panels,
                      links)

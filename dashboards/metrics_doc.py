@@ -45,6 +45,16 @@ VLLM_NAMES = {
     "kvscope_engine_device_memory_used_bytes": "— (DCGM exporter: `DCGM_FI_DEV_FB_USED`, MiB)",
     "kvscope_engine_device_memory_total_bytes": "— (DCGM exporter: `DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE`)",
     "kvscope_engine_latency_cause_seconds": "— (vLLM has no per-request attribution)",
+    "kvscope_engine_gpu_memory_budget_bytes": "— (vLLM: `gpu_memory_utilization` label of `vllm:cache_config_info`)",
+    "kvscope_engine_gpu_utilization_ratio": "— (DCGM exporter: `DCGM_FI_DEV_GPU_UTIL`, %)",
+    "kvscope_engine_gpu_temperature_celsius": "— (DCGM exporter: `DCGM_FI_DEV_GPU_TEMP`)",
+    "kvscope_engine_gpu_power_watts": "— (DCGM exporter: `DCGM_FI_DEV_POWER_USAGE`)",
+    "kvscope_engine_gpu_power_limit_watts": "— (DCGM exporter: `DCGM_FI_DEV_POWER_MGMT_LIMIT`)",
+    "kvscope_engine_gpu_throttled": "— (DCGM exporter: `DCGM_FI_DEV_CLOCK_THROTTLE_REASONS`, one bitmask)",
+    "kvscope_engine_torch_memory_reserved_bytes": "— (`torch.cuda.memory_reserved`)",
+    "kvscope_engine_torch_memory_allocated_bytes": "— (`torch.cuda.memory_allocated`)",
+    "kvscope_engine_torch_alloc_retries": "— (`torch.cuda.memory_stats()[\"num_alloc_retries\"]`)",
+    "kvscope_engine_torch_ooms": "— (`torch.cuda.memory_stats()[\"num_ooms\"]`)",
     "kvscope_engine_spec_decode_num_drafts": "`vllm:spec_decode_num_drafts_total`",
     "kvscope_engine_spec_decode_num_draft_tokens": "`vllm:spec_decode_num_draft_tokens_total`",
     "kvscope_engine_spec_decode_num_accepted_tokens": "`vllm:spec_decode_num_accepted_tokens_total`",
@@ -88,6 +98,17 @@ draft slot of the configured `num_speculative_tokens` k (`"0"` … `"k-1"`, none
 draft with `a` accepted tokens counts once at positions 0 … a-1, so position i over `…_num_drafts_total` is
 the acceptance rate of the i-th proposed token.
 Latency histograms reach past the gateway's total timeout (1800 s): no request lands only in `+Inf`.
+
+GPU series (`kvscope_engine_gpu_*`, `kvscope_engine_torch_*`) exist only while the engine runs on a CUDA
+device: on CPU they are absent, not 0. The engine samples them every `--gpu-telemetry-interval` seconds (5 by
+default; engine/server/gpu_telemetry.py) through NVML (the `nvidia-ml-py` bindings, `pynvml`) and
+`torch.cuda.memory_stats`, together with `kvscope_engine_device_memory_used_bytes`/`…_total_bytes`, which on
+CUDA are NVML's used/total (refreshed, not written once) and on CPU the KV cache + weights and the host's
+memory. `kvscope_engine_gpu_throttled{reason}` is 1 while NVML reports that clocks event (throttle) reason:
+`gpu_idle`, `applications_clocks_setting`, `sw_power_cap`, `hw_slowdown`, `sync_boost`, `sw_thermal_slowdown`,
+`hw_thermal_slowdown`, `hw_power_brake_slowdown`, `display_clock_setting`. The engine reserves
+`gpu_memory_utilization` of the device on purpose (`kvscope_engine_gpu_memory_budget_bytes`), so memory alerts
+compare memory used with that budget, never with the total.
 
 Exemplars: `/metrics` (gateway and engine) answers in OpenMetrics 1.0 when the scraper's `Accept` asks for
 `application/openmetrics-text`, else in the Prometheus text format. The gateway's request-duration, TTFT

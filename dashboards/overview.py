@@ -21,6 +21,16 @@ KvscopeHighP99Latency alerts on p99 TTFT above TTFT_SLO_S; no alert thresholds t
 SLO_OBJECTIVE = 0.95
 """Fraction of requests that must meet each latency SLO."""
 SLO_STEPS = [("red", None), ("orange", 0.9), ("green", SLO_OBJECTIVE)]
+AVAILABILITY_SLO = 0.995
+"""SLO: 99.5 % of generation requests succeed over 30 days (no 5xx, no stream broken after its 200); the error
+budget is 0.5 %. Alerts KvscopeHighErrorRate (gateway) and KvscopeEngineHighErrorRate (engine) burn it."""
+BURN_RATE_WINDOWS = (("1h", "5m", 14.4, "critical"), ("6h", "30m", 6.0, "critical"), ("1d", "2h", 3.0, "warning"),
+                     ("3d", "6h", 1.0, "warning"))
+"""(long window, short window, burn rate, severity) of the error-budget alerts: Google SRE workbook, "Alerting
+on SLOs", multiwindow multi-burn-rate; each fires above burn rate x (1 - AVAILABILITY_SLO) over both windows."""
+MIN_SLO_REQUESTS = 100
+"""The error-budget alerts need at least this many generation requests in their long window (a minimum-traffic
+guard: 1 failure in 20 requests is noise, not a burn)."""
 
 GW = "kvscope_gateway_"
 EN = "kvscope_engine_"
@@ -53,7 +63,7 @@ def _slo_tiles(q: PromQL) -> list[Json]:
                      "attainment")], "percentunit", SLO_STEPS),
         stat("Availability (non-5xx)", "Share of requests answered without a 5xx over the dashboard range.",
              [Target(q.ratio(ok, q.sum_rate(req, window="$__range")), "availability")], "percentunit",
-             [("red", None), ("orange", 0.99), ("green", 0.999)], decimals=3),
+             [("red", None), ("green", AVAILABILITY_SLO)], decimals=3),
         stat("Healthy upstreams", "Upstreams whose last health check passed / upstreams configured.",
              [Target(q.ratio(q.gauge(f"{GW}upstream_up"), f"count({q.sel(f'{GW}upstream_up')})"),
                      "healthy")], "percentunit", [("red", None), ("orange", 0.5), ("green", 1)]),
@@ -67,7 +77,8 @@ def _traffic(q: PromQL) -> list[Json]:
         timeseries("Requests / s", "Requests finished per second at the gateway, by model.",
                    [Target(q.sum_rate(req, by=("model",)), "{{model}}")], "reqps", w=6),
         timeseries("Error ratio", "Share of requests answered with a 5xx (server) and a 4xx (client) status. "
-                   "Alert KvscopeHighErrorRate fires above 1 %.",
+                   f"The SLO allows {1 - AVAILABILITY_SLO:.1%} of 5xx and broken streams together; "
+                   "KvscopeHighErrorRate pages at 14.4x that over 1 h (and 5 m).",
                    [Target(q.ratio(q.sum_rate(req, 'status=~"5.."'), q.sum_rate(req)), "5xx"),
                     Target(q.ratio(q.sum_rate(req, 'status=~"4.."'), q.sum_rate(req)), "4xx")],
                    "percentunit", w=6),

@@ -5,8 +5,9 @@ This module only *defines* the metrics. The server creates one :class:`EngineMet
 
 Naming follows the Prometheus conventions (app prefix, base units: seconds, bytes, ratios 0–1, ``_total``
 counters). Labels are bounded: ``model`` (served model name), ``finish_reason`` (``stop``/``length``/``abort``/
-``error``), ``state`` (``used``/``cached``/``free``), ``device`` (``cpu``, ``cuda:0`` …). The mapping to vLLM's
-``vllm:*`` names is in docs/metrics.md.
+``error``), ``state`` (``used``/``cached``/``free``), ``device`` (``cpu``, ``cuda:0`` …), ``reason`` (NVML
+throttle reasons, :data:`GPU_THROTTLE_REASONS`). The mapping to vLLM's ``vllm:*`` names is in docs/metrics.md.
+The GPU series (``gpu_*``, ``torch_*``) are only created while a CUDA device is in use (absent on CPU).
 
 Default buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` with finer low ends (a 135M model on a GPU
 emits a token in a few milliseconds) and durations that reach 3600 s (TTFT 1800 s). They must keep the SLO thresholds the
@@ -32,6 +33,10 @@ REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
 """Buckets of ``request_params_n``, as vLLM's ``vllm:request_params_n``."""
 KV_BLOCK_STATES = ("used", "cached", "free")
 """Values of the ``state`` label: held by a request, free but holding a reusable prefix, free and empty."""
+GPU_THROTTLE_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+                        "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
+                        "display_clock_setting")
+"""Values of the ``reason`` label of ``gpu_throttled``: NVML's clocks event (throttle) reasons, in bit order."""
 
 
 STRUCTURED_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -114,6 +119,7 @@ class EngineMetrics:
         self._init_latency_histograms(registry, b)
         self._init_size_histograms(registry, b)
         self._init_device_memory(registry)
+        self._init_gpu(registry)
         self._init_structured(registry)
         self._init_spec_decode(registry, num_speculative_tokens)
 
@@ -212,6 +218,40 @@ class EngineMetrics:
             "Bytes of model weights held (compact int4/int8 and dense packed copies), labelled with the weight "
             "format served: dtype and quantization (--quantization auto resolved).",
             ["model", "dtype", "quantization"], registry=r)
+
+    def _init_gpu(self, r: CollectorRegistry) -> None:
+        # Sampled by engine.server.gpu_telemetry while a CUDA device is in use; never created on CPU (absent,
+        # not zero), so `initialize` leaves them alone.
+        self.gpu_memory_budget = Gauge(
+            "kvscope_engine_gpu_memory_budget_bytes", "Device memory the engine may use by design: "
+            "gpu_memory_utilization x total (weights, activations and the KV cache it sized at start-up).",
+            ["device"], registry=r)
+        self.gpu_utilization = Gauge(
+            "kvscope_engine_gpu_utilization_ratio", "Fraction of the last NVML sample period in which a kernel "
+            "ran on the GPU (0-1).", ["device"], registry=r)
+        self.gpu_temperature = Gauge(
+            "kvscope_engine_gpu_temperature_celsius", "GPU core temperature (degrees Celsius, NVML).",
+            ["device"], registry=r)
+        self.gpu_power = Gauge(
+            "kvscope_engine_gpu_power_watts", "GPU power draw (watts, NVML).", ["device"], registry=r)
+        self.gpu_power_limit = Gauge(
+            "kvscope_engine_gpu_power_limit_watts", "GPU power limit the driver enforces (watts, NVML).",
+            ["device"], registry=r)
+        self.gpu_throttled = Gauge(
+            "kvscope_engine_gpu_throttled", "1 while NVML reports this clocks event (throttle) reason, else 0.",
+            ["device", "reason"], registry=r)
+        self.torch_memory_reserved = Gauge(
+            "kvscope_engine_torch_memory_reserved_bytes", "Device memory held by torch's caching allocator.",
+            ["device"], registry=r)
+        self.torch_memory_allocated = Gauge(
+            "kvscope_engine_torch_memory_allocated_bytes", "Device memory in live tensors (torch allocator).",
+            ["device"], registry=r)
+        self.torch_alloc_retries = Counter(
+            "kvscope_engine_torch_alloc_retries", "Allocations torch retried after freeing its cache "
+            "(torch.cuda.memory_stats num_alloc_retries): the allocator is short of memory.", ["device"], registry=r)
+        self.torch_ooms = Counter(
+            "kvscope_engine_torch_ooms", "Out-of-memory errors raised by torch's allocator "
+            "(torch.cuda.memory_stats num_ooms).", ["device"], registry=r)
 
     def _init_structured(self, r: CollectorRegistry) -> None:
         self.structured_output_requests = Counter(

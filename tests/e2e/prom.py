@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from dashboards.overview import MIN_SLO_REQUESTS
 from dashboards.query import PrometheusAPI
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,14 +67,19 @@ def wait_for_series(api: PrometheusAPI, expr: str, timeout_s: float) -> list[dic
     raise RuntimeError(f"no series for {expr!r} after {timeout_s} s")
 
 
-def fast_rules(dest: Path, for_duration: str = "1s", src: Path = RULES) -> Path:
-    """Copy the project's rules with every ``for:`` set to ``for_duration`` (the e2e test's "test copy")."""
+def fast_rules(dest: Path, for_duration: str = "1s", src: Path = RULES, min_slo_requests: int = 10) -> Path:
+    """Copy the project's rules with every ``for:`` set to ``for_duration`` (15 s for the absent() rules, which
+    would fire before the first scrape) and the error-budget alerts' minimum-traffic guard (``MIN_SLO_REQUESTS`` requests in the long window) lowered to ``min_slo_requests``
+    (the e2e test's "test copy": seconds of traffic instead of hours)."""
     doc = yaml.safe_load(src.read_text())
+    guard = f">= {MIN_SLO_REQUESTS}"
     for group in doc["groups"]:
         group["interval"] = "1s"
         for rule in group["rules"]:
-            if "for" in rule:
-                rule["for"] = for_duration
+            if "for" in rule:  # absent(): no series before the first scrape, so it keeps a longer wait
+                rule["for"] = "15s" if "absent(" in rule["expr"] else for_duration
+            if "alert" in rule and guard in rule["expr"]:
+                rule["expr"] = rule["expr"].replace(guard, f">= {min_slo_requests}")
     dest.write_text(yaml.safe_dump(doc, sort_keys=False))
     return dest
 
