@@ -198,6 +198,9 @@ class AsyncEngine:
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
             self._deliver_step(result.outputs)
+            for output in result.failed:  # a grammar matcher error: the S3 path (an error, never a stop)
+                self._deliver(output.request_id, RequestFailedError(output.request_id,
+                                                                    str(output.outputs[0].finish_reason)))
             if self._listener is not None:
                 self._notify(result)
         self._fail_all("engine shutting down")

@@ -89,6 +89,10 @@ class StepResult:
     otherwise leave the running/waiting gauges at the previous step's values for its whole duration."""
     spec_decoding: SpecDecodingStats | None = None
     """The step's verified drafts (speculative decoding); None in steps without drafts."""
+    failed: list[RequestOutput] = field(default_factory=list)
+    """Final outputs of the requests this step failed (a grammar matcher error), already finished
+    (FINISHED_ERROR, blocks freed): each choice's ``finish_reason`` is the reason. AsyncEngine answers them as
+    RequestFailedError (an error, never a ``stop``); they are not in ``outputs``."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -266,6 +270,7 @@ class EngineCore:
         runner_output = self.runner.execute(scheduler_output)
         self._record_step_cost(scheduler_output, clock() - run_start)
         _record_structured_time(scheduler_output, runner_output)
+        failed = self._grammar_failures(runner_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         _trim_logprobs(runner_output)
         detokenized = self.output_processor.detokenize(runner_output)
@@ -273,12 +278,15 @@ class EngineCore:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
                                           detokenized.num_output_tokens.get(request_id))
         outputs = self.output_processor.make_outputs(detokenized)
+        failed_outputs = [output for request_id, reason in failed.items()
+                          for output in self.abort_request(request_id, reason)]
         stats = self.scheduler.get_stats()
         return StepResult(
             spec_decoding=SpecDecodingStats.from_drafts(
                 [(len(item.spec_token_ids), runner_output.num_accepted_tokens.get(item.request_id, 0))
                  for item in scheduler_output.scheduled if item.spec_token_ids]),
-            outputs=outputs, stats=stats, num_running=stats.num_running, num_waiting=stats.num_waiting,
+            outputs=outputs, failed=failed_outputs, stats=stats, num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage, batch_size=len(scheduler_output.scheduled),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_prefill_tokens=scheduler_output.num_prefill_tokens,
@@ -286,6 +294,21 @@ class EngineCore:
             num_preemptions=len(scheduler_output.preempted_req_ids),
             duration_s=time.perf_counter() - start)
 
+    def _grammar_failures(self, runner_output: ModelRunnerOutput) -> dict[str, str]:
+        """(Parent) request id → reason of the requests whose grammar matcher failed in this step
+        (MatcherTable.take_errors); their tokens of this step are dropped, so the EOS the error mask forced
+        never ends them as ``stop``."""
+        matchers = self.runner.matchers
+        errors = matchers.take_errors() if matchers is not None else {}
+        failed: dict[str, str] = {}
+        for child_id, reason in errors.items():
+            runner_output.sampled_token_ids.pop(child_id, None)
+            runner_output.logprobs.pop(child_id, None)
+            runner_output.num_accepted_tokens.pop(child_id, None)
+            request = self.scheduler.get_request(child_id)
+            if request is not None:
+                failed.setdefault(request.parent_id or child_id, reason)
+        return failed
 
     def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """Feed a decode-only step's seconds to the drafter's cost model (engine/spec_decode/adaptive.py): this

@@ -99,7 +99,8 @@ class LLM:
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         merged: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step().outputs:
+            result = self.engine.step()
+            for output in (*result.outputs, *result.failed):  # failed: finish_reason is the reason
                 merge_output(merged, output)
         return [_sorted(merged[r]) for r in request_ids]
 

@@ -2,35 +2,44 @@
 ``structured_outputs`` and legacy ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``.
 
 At most one constraint per request (400 naming the second field otherwise). Whether the schema/grammar is
-supported is decided by the engine's grammar compiler (EngineCore.check_request): an unsupported JSON-schema
+supported is decided by the engine's grammar compiler (engine/structured/backend.py): an unsupported JSON-schema
 keyword is a 400 naming the keyword, never a silently unconstrained answer.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from engine.errors import InvalidParameterError
 from engine.sampling_params import SamplingParams
-from engine.server.errors import bad_request, from_engine
+from engine.server.errors import OpenAIError, bad_request, from_engine
 from engine.server.protocol import StructuredFields
 from engine.server.state import ServerState
+from engine.structured.backend import CompileBusyError
 from engine.structured.params import StructuredOutputsParams
 
 
 async def prepare_constraint(state: ServerState, params: SamplingParams) -> None:
-    """Compile the request's constraint off the event loop (the first one also builds the grammar
-    tokenizer, ~1.5 s), count it by kind and observe its compile time. Raises OpenAIError 400 naming the
-    field for an unsupported schema keyword or an invalid regex/grammar."""
+    """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at once;
+    the first compile also builds the grammar tokenizer, ~0.3-1.5 s), pin it to the request, count it by kind
+    and observe its compile time. Nothing of it runs on asyncio's default executor, so requests without a
+    constraint never wait for a compile.
+
+    Raises OpenAIError 400 naming the field (``response_format``, ``tools``, ``structured_outputs``,
+    ``guided_*``) for an unsupported schema keyword, an invalid regex/grammar, a grammar above the size limit or
+    one the matcher cannot serve; 429 (``Retry-After: 1``) when the compile queue is full: the server is busy,
+    the schema is not wrong, and a 5xx would count against a healthy replica in the gateway."""
     constraint = params.structured_outputs
     if constraint is None:
         return
     try:
-        seconds = await asyncio.to_thread(state.engine.structured.compile, constraint)
+        seconds = await state.engine.structured.compile_async(constraint)
     except InvalidParameterError as exc:
         raise from_engine(exc) from exc
+    except CompileBusyError as exc:
+        raise OpenAIError(429, f"Too many new grammars are compiling: {exc}", code="grammar_compile_busy",
+                          headers={"Retry-After": "1"}) from exc
     metrics, model = state.metrics.engine, state.metrics.model
     metrics.structured_output_requests.labels(model=model, kind=constraint.kind).inc()
     if seconds > 0:

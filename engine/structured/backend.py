@@ -6,27 +6,61 @@ compile 12-15 ms (xgrammar 45-80 ms, outlines-core 450-680 ms), mask 33 µs/step
 outlines-core 1 µs for the token list), a 3 MB wheel with no dependencies (xgrammar pulls torch, transformers,
 triton and apache-tvm-ffi; outlines-core needs the vocabulary rebuilt from byte-level tokens). Compile time is
 on the request path of every new schema; the mask time is ~0.1 % of a CPU decode step.
+
+No request waits for another's compile (serving case N2): the cache is looked up first, under a lock that is
+never held during a compile; a grammar not in the cache compiles on the manager's own thread (one worker, at
+most ``CompileLimits.max_pending`` distinct grammars queued or running, beyond that :class:`CompileBusyError`),
+and concurrent requests for one grammar share that compile (single flight). llguidance's ``max_grammar_size``
+refuses oversized grammars in milliseconds. The compiled grammar is pinned to the request
+(:class:`~engine.structured.params.GrammarPin`), so the engine step never compiles (:meth:`matcher_for`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 
 from engine.errors import InvalidParameterError
-from engine.structured.bitmask import allocate_bitmask
-from engine.structured.matcher import RequestMatcher
-from engine.structured.params import StructuredOutputsParams
+from engine.structured.bitmask import allocate_bitmask, allowed_tokens
+from engine.structured.matcher import RequestMatcher, one_line
+from engine.structured.params import CompileLimits, StructuredOutputsParams
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 """Compact JSON (``,`` and ``:`` without spaces): a small model cannot pad the answer with endless
 whitespace, and the output is what ``json.dumps(separators=(",", ":"))`` writes."""
 ANY_JSON_OBJECT = '{"type":"object"}'
+FORCED_ROUNDS = 4
+"""Admission follows the grammar's forced tokens (``compute_ff_tokens``) at most this many times: a schema whose
+only possible start already breaks the matcher (a required self-reference, an ``anyOf`` wider than llguidance's
+row limit) is a 400 instead of an error after the first token."""
+_GRAMMAR_SIZE = "grammar size (number of symbols) too big"
+
+
+class CompileBusyError(RuntimeError):
+    """More distinct grammars than ``CompileLimits.max_pending`` are queued or compiling; retry later (the
+    server answers 429 with ``Retry-After``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A validated grammar: the template matcher at the start state (never advanced: each request gets a
+    ``deep_copy``) and the seconds its compile took on the compile thread."""
+
+    matcher: llguidance.LLMatcher
+    seconds: float
+
+
+class _Refused(Exception):
+    """A compile refusal (the one-line message), shared by every request of its key; each caller re-raises it
+    as InvalidParameterError naming its own field."""
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -43,98 +77,247 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("choice", params.spec)
         return llguidance.grammar_from("grammar", params.spec)
     except (ValueError, TypeError, json.JSONDecodeError) as exc:
-        raise InvalidParameterError(params.param, f"Invalid {params.kind} constraint: {exc}") from exc
-
-
-def _check_satisfiable(template: llguidance.LLMatcher, params: StructuredOutputsParams, vocab_size: int) -> None:
-    """Raise InvalidParameterError when the grammar can produce no output at all (a schema that only refers to
-    itself, a regex that matches nothing, a rule that never terminates): llguidance compiles these, and its
-    matcher only falls into its error state at the first mask, which would answer an empty 200."""
-    probe = template.deep_copy()
-    row = allocate_bitmask(1, vocab_size)[0]
-    probe.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-    if probe.is_error():
-        raise InvalidParameterError(params.param, f"The {params.kind} constraint can never be satisfied: no output "
-                                    f"matches it ({probe.get_error()})")
+        raise InvalidParameterError(params.param, f"Invalid {params.kind} constraint: {one_line(str(exc))}") from exc
 
 
 class StructuredOutputManager:
-    """Compiles constraints (cached, LRU of ``cache_size``) and hands each request its own matcher.
+    """Compiles constraints on its own thread (cached, LRU of ``cache_size``), pins them to their requests and
+    hands each request its own matcher.
 
-    Thread-safe: the server compiles while the engine thread creates matchers. The LLTokenizer (~1.5 s to
-    build for a 49k vocabulary) is built on first use, so unconstrained deployments never pay for it.
+    Thread-safe: the server compiles while the engine thread creates matchers. The LLTokenizer (~0.3-1.5 s to
+    build for a 49k vocabulary) is built on the compile thread at the first compile, so unconstrained
+    deployments never pay for it.
     """
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int | None,
-                 cache_size: int = 256) -> None:
+                 cache_size: int = 256, limits: CompileLimits | None = None) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.cache_size = cache_size
+        self.limits = limits or CompileLimits()
         self._lock = threading.Lock()
-        self._compile_lock = threading.Lock()
-        """Serialises compiles, so concurrent requests with one new schema compile it once."""
+        """Guards ``_cache`` and ``_inflight``; held for dictionary operations only, never during a compile."""
+        self._tokenizer_lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledGrammar | str] = OrderedDict()
+        """key → the compiled grammar, or the one-line message of its refusal (a repeated bad schema costs
+        nothing)."""
+        self._inflight: dict[str, Future[CompiledGrammar]] = {}
+        """key → the compile queued or running for it (single flight)."""
+        self._executor: ThreadPoolExecutor | None = None
+        self.num_compiles = 0
+        """Compiles run so far (cache hits and shared compiles not counted)."""
         self.mask_observer: Callable[[float], None] | None = None
         """Called with the seconds one step spent filling masks (the server points it at a histogram)."""
 
+    def set_limits(self, limits: CompileLimits) -> None:
+        """Use ``limits`` for the compiles from now on (the server's settings, at start-up); forgets the cached
+        grammars and refusals, which were judged under the old limits."""
+        with self._lock:
+            self.limits = limits
+            self._cache.clear()
+
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 eos = [self.eos_token_id] if self.eos_token_id is not None else None
                 self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                          eos_token=eos)
             return self._tokenizer
 
-    def compile(self, params: StructuredOutputsParams) -> float:
-        """Compile and cache ``params``; return the seconds it took (0.0 on a cache hit).
+    # --- admission ------------------------------------------------------------------------------------------
 
-        Raises InvalidParameterError naming ``params.param`` with llguidance's message, which names an
-        unsupported JSON-schema keyword (``Unimplemented keys: ["if"]``) or the grammar/regex error position.
-        """
-        with self._compile_lock:
-            if self._cached(params.key):
-                return 0.0
-            return self._compile(params)
-
-    def _cached(self, key: str) -> bool:
+    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
+        """The grammar pinned to ``params`` or cached for its key (pinning it), else None; never compiles or
+        waits for a compile. Raises InvalidParameterError (naming ``params.param``) for a cached refusal."""
+        pinned = params.pin.grammar
+        if isinstance(pinned, CompiledGrammar):
+            return pinned
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return True
-            return False
+            entry = self._cache.get(params.key)
+            if entry is not None:
+                self._cache.move_to_end(params.key)
+        if isinstance(entry, str):
+            raise InvalidParameterError(params.param, entry)
+        if entry is not None:
+            params.pin.grammar = entry
+        return entry
 
-    def _compile(self, params: StructuredOutputsParams) -> float:
+    def compile(self, params: StructuredOutputsParams) -> float:
+        """Compile ``params`` (blocking the caller, on the compile thread), cache it and pin it to ``params``;
+        return the seconds the compile took (0.0 when pinned, cached, or compiled by a concurrent request).
+
+        Raises InvalidParameterError naming ``params.param`` with llguidance's message in one line (an
+        unsupported JSON-schema keyword ``Unimplemented keys: ["if"]``, a grammar/regex error, a grammar above
+        ``max_grammar_size``, a constraint the matcher cannot serve), CompileBusyError when the compile queue
+        is full."""
+        if self.lookup(params) is not None:
+            return 0.0
+        future, mine = self._submit(params)
+        try:
+            compiled = future.result()
+        except _Refused as exc:
+            raise InvalidParameterError(params.param, str(exc)) from None
+        params.pin.grammar = compiled
+        return compiled.seconds if mine else 0.0
+
+    async def compile_async(self, params: StructuredOutputsParams) -> float:
+        """:meth:`compile` for an event loop: waits for the compile thread without occupying any other thread
+        (asyncio's default executor stays free for everything else). Cancelling the wait leaves the compile
+        running for the other requests of the same grammar. Same result and errors as :meth:`compile`."""
+        if self.lookup(params) is not None:
+            return 0.0
+        future, mine = self._submit(params)
+        try:
+            compiled = await _wait(future)
+        except _Refused as exc:
+            raise InvalidParameterError(params.param, str(exc)) from None
+        params.pin.grammar = compiled
+        return compiled.seconds if mine else 0.0
+
+    def _submit(self, params: StructuredOutputsParams) -> tuple[Future[CompiledGrammar], bool]:
+        """(the compile of ``params``' key, whether this call queued it): a finished future for a grammar that
+        got cached meanwhile, the running one for a key already compiling. Raises CompileBusyError."""
+        key = params.key
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                done: Future[CompiledGrammar] = Future()
+                if isinstance(entry, str):
+                    done.set_exception(_Refused(entry))
+                else:
+                    done.set_result(entry)
+                return done, False
+            running = self._inflight.get(key)
+            if running is not None:
+                return running, False
+            if len(self._inflight) >= self.limits.max_pending:
+                raise CompileBusyError(f"{len(self._inflight)} new grammars are already waiting to compile "
+                                       f"(limit {self.limits.max_pending}); retry later.")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+            future = self._executor.submit(self._compile_job, params, self.limits)
+            self._inflight[key] = future
+            return future, True
+
+    def _compile_job(self, params: StructuredOutputsParams, limits: CompileLimits) -> CompiledGrammar:
+        """Runs on the compile thread: compile, then cache the grammar or the refusal and retire the in-flight
+        entry in one step (a lookup sees one or the other)."""
+        entry: CompiledGrammar | str | None = None
+        try:
+            self.num_compiles += 1
+            entry = self._build(params, limits)
+        except InvalidParameterError as exc:
+            entry = str(exc)
+        finally:
+            with self._lock:
+                self._inflight.pop(params.key, None)
+                if entry is not None:
+                    self._cache[params.key] = entry
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+        if isinstance(entry, str):
+            raise _Refused(entry)
+        return entry
+
+    def _build(self, params: StructuredOutputsParams, limits: CompileLimits) -> CompiledGrammar:
         tokenizer = self.tokenizer
         start = time.perf_counter()
         grammar = grammar_text(params)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if is_error:
-            raise InvalidParameterError(params.param, f"Unsupported or invalid {params.kind} constraint: "
-                                        f"{'; '.join(messages)}")
-        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        parser_limits = llguidance.LLParserLimits(max_grammar_size=limits.max_grammar_size, verbose_errors=False)
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits)
         if template.is_error():
-            raise InvalidParameterError(params.param, f"Invalid {params.kind} constraint: {template.get_error()}")
-        _check_satisfiable(template, params, self.vocab_size)
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            self._cache[params.key] = template
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return elapsed
+            error = one_line(template.get_error())
+            if error.startswith(_GRAMMAR_SIZE):
+                raise InvalidParameterError(params.param, f"The {params.kind} constraint is too large to compile: "
+                                            f"its grammar has more than {limits.max_grammar_size} symbols (the "
+                                            f"engine's --structured-output-max-grammar-size).")
+            raise InvalidParameterError(params.param, f"Unsupported or invalid {params.kind} constraint: {error}")
+        self._check_servable(template.deep_copy(), params)
+        return CompiledGrammar(template, time.perf_counter() - start)
+
+    def _check_servable(self, probe: llguidance.LLMatcher, params: StructuredOutputsParams) -> None:
+        """Raise InvalidParameterError for a grammar the matcher cannot serve: one that no output satisfies (a
+        schema that only refers to itself, a regex that matches nothing: llguidance compiles these and only
+        fails at the first mask), one that only allows the empty answer, and one whose forced start (the tokens
+        every answer begins with) already breaks the matcher's limits. Each would otherwise answer an empty
+        or truncated 200."""
+        row = allocate_bitmask(1, self.vocab_size)[0]
+        for round_ in range(FORCED_ROUNDS):
+            probe.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if probe.is_error():
+                raise InvalidParameterError(params.param, f"The {params.kind} constraint can never be satisfied: "
+                                            f"no output matches it ({one_line(probe.get_error())})")
+            if round_ == 0 and self._only_eos(row):
+                raise InvalidParameterError(params.param, f"The {params.kind} constraint only allows an empty "
+                                            "answer.")
+            forced = probe.compute_ff_tokens()
+            if not forced or probe.is_error():
+                return
+            if not probe.consume_tokens(forced):
+                start = self.tokenizer.decode_str(forced[:8])
+                raise InvalidParameterError(params.param, f"The {params.kind} constraint cannot be served: the "
+                                            f"grammar matcher fails after the forced start {start!r} "
+                                            f"({one_line(probe.get_error())})")
+            if probe.is_stopped():
+                return
+
+    def _only_eos(self, row) -> bool:
+        allowed = allowed_tokens(row.unsqueeze(0), self.vocab_size)[0].nonzero().flatten().tolist()
+        return allowed == [self.eos_token_id]
+
+    # --- the engine step ------------------------------------------------------------------------------------
+
+    def matcher_for(self, params: StructuredOutputsParams) -> RequestMatcher | None:
+        """A fresh matcher at the grammar's start from the grammar pinned at admission (or, for a request made
+        without admission, the cached one); None when neither exists. Never compiles: this runs inside the
+        engine step. Raises InvalidParameterError for a cached refusal."""
+        compiled = self.lookup(params)
+        if compiled is None:
+            return None
+        return RequestMatcher(compiled.matcher.deep_copy(), self.eos_token_id)
 
     def new_matcher(self, params: StructuredOutputsParams) -> RequestMatcher:
-        """A fresh matcher at the grammar's start (compiles on a cache miss)."""
-        with self._lock:
-            template = self._cache.get(params.key)
-        if template is None:
-            self.compile(params)
-            with self._lock:
-                template = self._cache[params.key]
-        return RequestMatcher(template.deep_copy(), self.eos_token_id)
+        """A fresh matcher at the grammar's start, compiling first on a cache miss (tests, benchmarks: never
+        inside a step)."""
+        self.compile(params)
+        matcher = self.matcher_for(params)
+        assert matcher is not None
+        return matcher
 
     @property
     def num_cached(self) -> int:
         return len(self._cache)
+
+    @property
+    def num_pending(self) -> int:
+        """Distinct grammars queued or compiling now."""
+        return len(self._inflight)
+
+
+def _wait(future: Future[CompiledGrammar]) -> asyncio.Future[CompiledGrammar]:
+    """An asyncio future settled with ``future``'s outcome. Unlike ``asyncio.wrap_future``, cancelling it does
+    not cancel ``future`` (a compile other requests of the same grammar share)."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[CompiledGrammar] = loop.create_future()
+
+    def settle(done: Future[CompiledGrammar]) -> None:
+        if waiter.cancelled():
+            return
+        error = done.exception()
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(done.result())
+
+    def relay(done: Future[CompiledGrammar]) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, done)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+            pass
+
+    future.add_done_callback(relay)
+    return waiter
+

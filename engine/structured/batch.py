@@ -1,5 +1,10 @@
 """The worker's side of structured output: one matcher per constrained request, the step's bitmask, and
-advancing the matchers by the sampled tokens. Unconstrained requests are never touched."""
+advancing the matchers by the sampled tokens. Unconstrained requests are never touched.
+
+Nothing here compiles: a request's matcher comes from the grammar pinned to it at admission
+(StructuredOutputManager.matcher_for). A matcher that reaches its error state (one of llguidance's limits hit
+mid-answer) is reported by :meth:`MatcherTable.take_errors`; the engine fails that request instead of letting
+the EOS-only mask end it as a ``stop`` with a truncated answer."""
 
 from __future__ import annotations
 
@@ -10,9 +15,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.errors import InvalidParameterError
 from engine.structured.backend import StructuredOutputManager
 from engine.structured.bitmask import allocate_bitmask
 from engine.structured.matcher import RequestMatcher
+
+ERROR_PREFIX = "structured output failed: "
+"""Start of the reason a request fails with when its grammar matcher fails (RequestFailedError.reason)."""
 
 
 class StepMasks(NamedTuple):
@@ -34,6 +43,8 @@ class MatcherTable:
         self.manager = manager
         self._matchers: dict[str, RequestMatcher] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self._errors: dict[str, str] = {}
+        """request_id → why its matcher failed, since the last :meth:`take_errors`."""
 
     def bitmask_async(self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> Future | None:
         """:meth:`bitmask` on a helper thread, so the masks are computed while the model runs its forward pass
@@ -64,23 +75,42 @@ class MatcherTable:
         k = 0
         for i in constrained:
             began = time.perf_counter()
+            request_id = requests[i].request_id
             matcher = self._matcher(requests[i])
-            matcher.sync(requests[i].output_token_ids)
-            draft = () if drafts is None else drafts[i]
-            matcher.fill_bitmasks(mask[k:k + counts[i]], draft)
+            block = mask[k:k + counts[i]]
             k += counts[i]
-            seconds[requests[i].request_id] = time.perf_counter() - began
+            if matcher is None:  # no grammar pinned: fail the request, let the row allow anything meanwhile
+                continue
+            matcher.sync(requests[i].output_token_ids)
+            matcher.fill_bitmasks(block, () if drafts is None else drafts[i])
+            if matcher.is_error:
+                self._fail(request_id, matcher.error)
+            seconds[request_id] = time.perf_counter() - began
         if self.manager.mask_observer is not None:
             self.manager.mask_observer(time.perf_counter() - start)
         return StepMasks(torch.tensor(rows, dtype=torch.int64), mask, seconds)
 
     def advance(self, requests: Sequence[Any], token_ids: Sequence[Sequence[int]]) -> None:
-        """Consume each constrained request's emitted tokens (one list per request, in order)."""
+        """Consume each constrained request's emitted tokens (one list per request, in order); a token the
+        matcher fails on (a limit of llguidance hit while it advances) fails the request."""
         for request, tokens in zip(requests, token_ids, strict=True):
             matcher = self._matchers.get(request.request_id)
-            if matcher is not None:
-                for token_id in tokens:
-                    matcher.accept(token_id)
+            if matcher is None or request.request_id in self._errors:
+                continue
+            for token_id in tokens:
+                if not matcher.accept(token_id):
+                    self._fail(request.request_id, matcher.error)
+                    break
+
+    def take_errors(self) -> dict[str, str]:
+        """request_id → reason (``structured output failed: <llguidance's error in one line>``) of each request
+        whose matcher failed since the last call; the engine fails these requests and drops this step's tokens
+        of them (engine_core.EngineCore.step)."""
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def _fail(self, request_id: str, message: str) -> None:
+        self._errors.setdefault(request_id, ERROR_PREFIX + (message or "the grammar matcher failed"))
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -88,9 +118,18 @@ class MatcherTable:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def _matcher(self, request: Any) -> RequestMatcher:
+    def _matcher(self, request: Any) -> RequestMatcher | None:
+        """The request's matcher, made on its first step from the grammar pinned at admission; None (and the
+        request failed) when it has none: compiling here would stall the whole step."""
         matcher = self._matchers.get(request.request_id)
         if matcher is None:
-            matcher = self.manager.new_matcher(request.sampling_params.structured_outputs)
+            try:
+                matcher = self.manager.matcher_for(request.sampling_params.structured_outputs)
+            except InvalidParameterError as exc:
+                self._fail(request.request_id, str(exc))
+                return None
+            if matcher is None:
+                self._fail(request.request_id, "the grammar was not compiled at admission")
+                return None
             self._matchers[request.request_id] = matcher
         return matcher

@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import llguidance
 import torch
+
+_SOURCE_LINE = re.compile(r"^\d+ \| ")
+"""llguidance's echo of the grammar source under an error (``1 | start: foo |``)."""
+MAX_ERROR_CHARS = 300
+
+
+def one_line(message: str) -> str:
+    """llguidance's error ``message`` in one line of at most MAX_ERROR_CHARS characters: its parser-state dump
+    (``<state>…``), the ``<non-verbose/>`` marker, the grammar-source echo and caret lines dropped, the rest
+    joined with spaces (``unknown name: "foo"``, ``regex parse error: [a-z error: unclosed character class``)."""
+    head = message.split("<state>", 1)[0]
+    kept = [line.strip() for line in head.splitlines()]
+    kept = [line for line in kept if line and line != "<non-verbose/>" and not _SOURCE_LINE.match(line)
+            and set(line) - {"^", "~", " "}]
+    text = " ".join(kept) or "unknown error"
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"
 
 
 class RequestMatcher:
@@ -33,14 +50,16 @@ class RequestMatcher:
         self.num_consumed = num
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Write the allowed next tokens into ``row`` (int32 ``[words]``, contiguous, CPU). A matcher in an error
-        state (cannot happen while the mask is applied) allows only EOS, so the request ends."""
+        """Write the allowed next tokens into ``row`` (int32 ``[words]``, contiguous, CPU). A matcher in its error
+        state (a limit of llguidance hit while computing the mask or consuming a token) gets a row allowing only
+        EOS (token 0 without one), so the sampler still has a token to draw; the engine fails the request
+        (MatcherTable.take_errors) and drops that token."""
+        if not self._matcher.is_error():
+            self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self._matcher.is_error():
+            eos = self._eos if self._eos is not None else 0
             row.zero_()
-            if self._eos is not None:
-                row[self._eos // 32] = _bit(self._eos % 32)
-            return
-        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            row[eos // 32] = _bit(eos % 32)
 
     def fill_bitmasks(self, rows: torch.Tensor, draft: Sequence[int]) -> None:
         """Row j of ``rows`` (int32 ``[1 + len(draft), words]``) gets the mask after consuming ``draft[:j]``
@@ -69,6 +88,11 @@ class RequestMatcher:
     @property
     def is_error(self) -> bool:
         return self._matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        """The matcher's error in one line ("" when it is not in its error state)."""
+        return one_line(self._matcher.get_error()) if self._matcher.is_error() else ""
 
     @property
     def is_terminated(self) -> bool:

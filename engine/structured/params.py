@@ -8,12 +8,45 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
 """Every constraint kind (the ``kind`` label of ``kvscope_engine_structured_output_requests_total``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompileLimits:
+    """What the grammar compiler accepts (engine/structured/backend.py; the server's
+    ``--structured-output-max-grammar-size`` and ``--structured-output-max-pending-compiles``).
+
+    ``max_grammar_size`` is llguidance's own ``LLParserLimits.max_grammar_size`` (symbols in the grammar's
+    productions), checked before the expensive part of a compile, so a grammar above it is refused in
+    milliseconds with a 400. 20,000 symbols is ~0.5 s of compile on one core of the 2-core dev Xeon in the
+    worst shape measured (2,500 optional object properties: llguidance's compile time grows with the square of
+    an object's optional properties) and ~0.3 s for 5,000 required ones (OpenAI's own cap is 5,000 properties);
+    the probe's 7,000 optional properties (56k symbols) took 4.4 s, 10,000 took 11.6 s.
+    ``max_pending`` bounds the distinct grammars queued or compiling on the one compile thread; a request that
+    would be one more is refused with a 429 (worst wait behind the queue ~ max_pending x 0.5 s)."""
+
+    max_grammar_size: int = 20_000
+    max_pending: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_grammar_size < 1 or self.max_pending < 1:
+            raise ValueError(f"grammar compile limits must be >= 1, got max_grammar_size={self.max_grammar_size}, "
+                             f"max_pending={self.max_pending}")
+
+
+@dataclass(slots=True, eq=False)
+class GrammarPin:
+    """The compiled grammar a request was admitted with, set once by the compiler
+    (:meth:`engine.structured.backend.StructuredOutputManager.compile`). The request holds it, so the grammar
+    cache may evict the grammar while the request waits: the engine step never compiles."""
+
+    grammar: object | None = None
+    """engine.structured.backend.CompiledGrammar (opaque here: this module stays free of llguidance)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +61,9 @@ class StructuredOutputsParams:
     kind: StructuredKind
     spec: str = ""
     param: str = "structured_outputs"
+    pin: GrammarPin = field(default_factory=GrammarPin, compare=False, repr=False)
+    """Filled at admission with the compiled grammar; ``n > 1`` children share it (their SamplingParams are copies
+    that keep this object)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -195,3 +195,49 @@ def test_unknown_named_tool_is_400(client):
         client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=4,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert (caught.value.status_code, caught.value.body["param"]) == (400, "tool_choice")
+
+
+ANY_OF_3000 = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                         for i in range(3000)]}
+SELF_REFERENCE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+SELF_REF_TOOL = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": ANY_OF_3000}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": SELF_REFERENCE}}},
+     "response_format"),
+    ({"tools": [SELF_REF_TOOL], "tool_choice": "required"}, "tools"),
+])  # fmt: skip
+def test_schemas_the_matcher_cannot_serve_are_400_at_admission(client, extra, param):
+    """Serving case N2: these answered ``{"`` or ``[`` with finish_reason stop (invalid JSON) before."""
+    with pytest.raises(BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, extra_body=extra)
+    error = caught.value.body
+    assert (caught.value.status_code, error["param"], error["type"]) == (400, param, "invalid_request_error")
+    assert error["message"].startswith("The json constraint ") and "\n" not in error["message"]
+
+
+def test_a_matcher_error_mid_answer_is_an_error_never_a_stop(engine):
+    """An integer or a self-nesting object: admission passes, the answer ``{"`` (logit_bias) breaks llguidance's
+    item limit at the next token. JSON: a 500 naming the cause; stream: an in-band error event and no [DONE]
+    (serving case S3), never finish_reason stop on invalid JSON."""
+    schema = {"anyOf": [{"type": "integer"},
+                        {"type": "object", "properties": {"a": {"$ref": "#/anyOf/1"}}, "required": ["a"]}]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON value:"}], "temperature": 0,
+            "max_tokens": 10, "logit_bias": {"39428": 100},  # 39428 = '{"' in SmolLM2's vocabulary
+            "response_format": {"type": "json_schema", "json_schema": {"name": "nest", "schema": schema}}}
+    cause = ("structured output failed: parser error: Too many items (limit 50000; ff_tokens); try avoiding "
+             "single-byte/short lexemes")
+    answer = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=240)
+    assert (answer.status_code, answer.json()["error"]["message"]) == (
+        500, f"The engine failed the request: {cause}")
+    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=240) as streamed:
+        events = [line.removeprefix("data: ") for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    chunks = [json.loads(event) for event in events]
+    assert chunks[-1]["error"]["message"] == f"The engine failed the request: {cause}"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1]) == '{"'
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])

@@ -1,5 +1,6 @@
 """Structured output through the engine: matchers survive preemption by recompute (outputs equal the solo
-ones and match the grammar), n > 1 children and stop strings keep their constraint."""
+ones and match the grammar), n > 1 children and stop strings keep their constraint, a matcher error fails its
+request (never a ``stop``), and no engine step compiles a grammar (serving case N2)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import re
 
 import pytest
 
+import engine.structured.backend as backend
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
+from tests.engine.structured.llguidance_spy import LLGuidanceSpy
 
 pytestmark = pytest.mark.slow
 DIGITS = 40
@@ -64,3 +67,40 @@ def test_constrained_requests_carry_their_grammar_mask_seconds(llm):
     assert 0 < with_grammar.stats["structured_mask_s"] <= sum(steps)
     assert 0 <= with_grammar.stats["structured_wait_s"]
     assert (without.stats["structured_mask_s"], without.stats["structured_wait_s"]) == (None, None)
+
+
+def test_a_matcher_error_mid_answer_fails_the_request_instead_of_stopping(llm):
+    """An integer or an object whose required ``a`` is the same object again: admission passes (the first token
+    is a choice), the answer ``{"`` (forced by logit_bias) breaks llguidance's item limit at the next token.
+    Before, the error state's EOS-only mask ended the answer ``{"`` with finish_reason ``stop``."""
+    schema = {"anyOf": [{"type": "integer"},
+                        {"type": "object", "properties": {"a": {"$ref": "#/anyOf/1"}}, "required": ["a"]}]}
+    brace = llm.tokenizer.encode('{"', add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=10, logit_bias={brace[0]: 100.0},
+                            structured_outputs=StructuredOutputsParams.json_schema(schema, "response_format"))
+    free_blocks = llm.engine.kv_cache_manager.num_free_blocks
+    choice = llm.generate(["A JSON value:"], params)[0].outputs[0]
+    assert (choice.text, choice.token_ids) == ('{"', brace)  # the token the matcher failed on is dropped
+    assert choice.finish_reason == ("structured output failed: parser error: Too many items (limit 50000; "
+                                    "ff_tokens); try avoiding single-byte/short lexemes")
+    assert llm.engine.kv_cache_manager.num_free_blocks == free_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_no_engine_step_compiles_a_grammar(llm, monkeypatch):
+    """The grammar is pinned to its request at admission: evicted from the cache while the request queued, it
+    is not compiled again inside a step (before: on the mask thread, the whole batch waiting for it)."""
+    spy = LLGuidanceSpy()
+    monkeypatch.setattr(backend, "llguidance", spy)
+    constraint = StructuredOutputsParams("regex", "[0-9]{3}-evicted")
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=constraint)
+    request = llm.engine.input_processor.process(llm.tokenizer.encode("Code:"), params)
+    admitted = list(spy.compile_threads)
+    assert len(admitted) == 1  # compiled once, at admission
+    llm.engine.structured._cache.clear()  # evicted from the LRU while the request waited
+    llm.engine.add_engine_request("evicted", request)
+    text = ""
+    while llm.engine.has_unfinished_requests():
+        text += "".join(c.text for output in llm.engine.step().outputs for c in output.outputs)
+    assert re.fullmatch("[0-9]{3}-evicted", text)
+    assert spy.compile_threads == admitted  # no compile since admission (before: one on grammar-mask_0)

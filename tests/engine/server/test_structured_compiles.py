@@ -1,0 +1,110 @@
+"""Serving case N2 through the HTTP server: ten concurrent requests with distinct 7,000-property schemas, one
+``json_object`` request and one plain chat. The plain chat and the cached ``json_object`` request are answered
+while the compiles still hold the compile thread (the spy keeps them there until the test opens its gate); the
+ten are a 400 naming ``response_format`` (their grammars exceed the size limit); a full compile queue is a 429.
+
+The scripted FakeEngine generates; the grammar compiler is the real one (engine/structured/backend.py) on
+SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import engine.structured.backend as backend
+from engine.structured.backend import StructuredOutputManager
+from engine.structured.params import CompileLimits
+from engine.text.tokenizer import Tokenizer
+from tests.engine.server.conftest import chat_body
+from tests.engine.server.fakes import FakeEngine
+from tests.engine.structured.llguidance_spy import LLGuidanceSpy
+
+MARKER = "held-compile"
+CHAT = "/v1/chat/completions"
+PROPERTIES = {f"p{i}": {"type": "string", "maxLength": 5} for i in range(7000)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture
+def grammar_manager(tokenizer) -> StructuredOutputManager:
+    return StructuredOutputManager(tokenizer.hf.to_str, 49152, tokenizer.eos_token_id)
+
+
+@pytest.fixture
+def fake_engine(grammar_manager) -> FakeEngine:
+    engine = FakeEngine()
+    engine.structured = grammar_manager  # what the server compiles with (EngineClient.structured)
+    return engine
+
+
+@pytest.fixture
+def spy(monkeypatch) -> LLGuidanceSpy:
+    spy = LLGuidanceSpy(hold_marker=MARKER)
+    monkeypatch.setattr(backend, "llguidance", spy)
+    yield spy
+    spy.open()
+
+
+def _schema_body(i: int) -> dict:
+    schema = {"title": f"{MARKER}-{i}", "type": "object", "properties": PROPERTIES}
+    return chat_body(f"form {i}", max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": f"form{i}", "schema": schema}})
+
+
+def _until(condition) -> None:
+    for _ in range(6000):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached in 60 s")
+
+
+def test_plain_and_cached_requests_never_wait_for_grammar_compiles(client, grammar_manager, spy) -> None:
+    json_object = chat_body("a cat", max_tokens=4, response_format={"type": "json_object"})
+    assert client.post(CHAT, json=json_object).status_code == 200  # compiled and cached (and the tokenizer built)
+    pool = ThreadPoolExecutor(12)
+    try:
+        schemas = [pool.submit(client.post, CHAT, json=_schema_body(i)) for i in range(10)]
+        assert spy.entered.wait(60)
+        _until(lambda: grammar_manager.num_pending == 10)  # one holds the compile thread, nine queue behind it
+        quick = [pool.submit(client.post, CHAT, json=json_object), pool.submit(client.post, CHAT, json=chat_body())]
+        answers = [future.result(timeout=60) for future in quick]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert answers[1].json()["choices"][0]["message"]["content"] == "Hello world"
+        assert not any(future.done() for future in schemas)  # answered before any of the ten compiles ended
+        spy.open()
+        refused = [future.result(timeout=120) for future in schemas]
+    finally:
+        spy.open()
+        pool.shutdown(wait=True)
+    for answer in refused:
+        error = answer.json()["error"]
+        assert (answer.status_code, error["param"], error["type"], error["message"]) == (
+            400, "response_format", "invalid_request_error", "The json constraint is too large to compile: its "
+            "grammar has more than 20000 symbols (the engine's --structured-output-max-grammar-size).")
+    assert spy.compile_threads == ["grammar-compile_0"] * 11  # the json_object and the ten, on their own thread
+
+
+def test_a_full_compile_queue_is_a_429(client, grammar_manager, spy) -> None:
+    grammar_manager.set_limits(CompileLimits(max_pending=1))
+    pool = ThreadPoolExecutor(1)
+    try:
+        held = pool.submit(client.post, CHAT, json=_schema_body(0))
+        assert spy.entered.wait(60)
+        busy = client.post(CHAT, json=_schema_body(1))
+        spy.open()
+        assert held.result(timeout=120).status_code == 400
+    finally:
+        spy.open()
+        pool.shutdown(wait=True)
+    error = busy.json()["error"]
+    assert (busy.status_code, busy.headers["retry-after"], error["code"], error["type"]) == (
+        429, "1", "grammar_compile_busy", "rate_limit_error")
+    assert error["message"] == ("Too many new grammars are compiling: 1 new grammars are already waiting to compile "
+                                "(limit 1); retry later.")
