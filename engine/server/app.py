@@ -34,6 +34,7 @@ from engine.server.settings import ServerSettings
 from engine.server.stat_logger import ServerMetrics, host_memory_bytes
 from engine.server.state import ServerState
 from engine.server.tracing import Tracing, package_version
+from engine.structured.params import CompileLimits
 from kvscope.otel_genai import GenAiServerMetrics, build_meter_provider
 
 logger = logging.getLogger(__name__)
@@ -124,9 +125,14 @@ async def warm_up(engine: EngineClient) -> None:
 
 
 def _observe_mask_time(state: ServerState) -> None:
-    """Feed the structured-output mask time of each step (engine thread) into its histogram."""
+    """Feed the structured-output mask time of each step (engine thread) into its histogram, and give the grammar
+    compiler the server's limits (``--structured-output-max-grammar-size``, ``--structured-output-max-pending-
+    compiles``)."""
     structured = getattr(state.engine, "structured", None)  # the server tests' fake engines have none
     if structured is not None:
+        settings = state.settings
+        structured.set_limits(CompileLimits(max_grammar_size=settings.structured_output_max_grammar_size,
+                                            max_pending=settings.structured_output_max_pending_compiles))
         structured.mask_observer = state.metrics.engine.structured_output_mask_time.labels(
             model=state.metrics.model).observe
 

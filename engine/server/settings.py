@@ -24,6 +24,7 @@ import msgspec
 
 from engine.config import DEFAULT_MODEL
 from engine.server.metrics import MetricBuckets
+from engine.structured.params import CompileLimits
 from kvscope.event_loop import EventLoop, resolve_event_loop
 from kvscope.net import is_loopback
 from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
@@ -151,6 +152,17 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     steps at the default ``max_num_seqs`` (64). Each sequence holds an engine request, a detokenizer and KV blocks
     for its prompt; the probe's 400 prompts x n 64 (25,600 from a 6 KB body) made a plain request wait 122 s.
     The scheduler's fairness (engine/core/fairness.py) keeps requests under the cap from starving others."""
+    structured_output_max_grammar_size: Annotated[int, Flag(
+        "largest grammar (llguidance symbols) a structured-output constraint may compile to; more is a 400 "
+        "naming the field (default 20000)")] = CompileLimits().max_grammar_size
+    """llguidance's ``max_grammar_size``: a bigger grammar is refused in milliseconds, before the expensive part of
+    its compile (engine/structured/params.py CompileLimits says why 20,000: ~0.5 s of compile at most; the probe's
+    7,000 optional properties, 56k symbols, took 4.4 s)."""
+    structured_output_max_pending_compiles: Annotated[int, Flag(
+        "new grammars queued or compiling at once (one compile thread); one more is a 429 (default 16)")] = \
+        CompileLimits().max_pending
+    """Distinct grammars waiting for or in the one compile thread; a request with yet another new grammar gets a
+    429 with ``Retry-After: 1`` (requests with a cached grammar, or none, never wait for compiles)."""
     otlp_endpoint: Annotated[str | None, Flag(
         "OTLP/HTTP collector (base URL or …/v1/traces); default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, "
         "else no export",
@@ -190,6 +202,7 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
+        CompileLimits(self.structured_output_max_grammar_size, self.structured_output_max_pending_compiles)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         resolve_event_loop(self.event_loop)  # uvloop asked for where it is not installed: a config error
