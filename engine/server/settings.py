@@ -156,7 +156,7 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
         "largest grammar (llguidance symbols) a structured-output constraint may compile to; more is a 400 "
         "naming the field (default 20000)")] = CompileLimits().max_grammar_size
     """llguidance's ``max_grammar_size``: a bigger grammar is refused in milliseconds, before the expensive part of
-    its compile (engine/structured/params.py CompileLimits says why 20,000: ~0.5 s of compile at most; the probe's
+    its compile (engine/structured/params.py CompileLimits says why 20,000: ~0.6 s of compile at most; the probe's
     7,000 optional properties, 56k symbols, took 4.4 s)."""
     structured_output_max_pending_compiles: Annotated[int, Flag(
         "new grammars queued or compiling at once (one compile thread); one more is a 429 (default 16)")] = \
