@@ -43,8 +43,11 @@ class InputProcessor:
     max_model_len: int
     vocab_size: int
     compile_constraint: Callable[..., float] | None = None
-    """Compiles (and caches) a structured-output constraint, raising InvalidParameterError naming the field for
-    an unsupported schema keyword or a bad regex/grammar (engine.structured.backend.StructuredOutputManager)."""
+    """Compiles (and caches) a structured-output constraint on the grammar compiler's thread and pins it to the
+    constraint the request carries (a no-op when the server already did, StructuredOutputsParams.pin), so no
+    engine step compiles; raises InvalidParameterError naming the field for an unsupported schema keyword, a bad
+    regex/grammar, a grammar above the size limit or one the matcher cannot serve
+    (engine.structured.backend.StructuredOutputManager.compile)."""
     device: torch.device | str = "cpu"
     """Where the request's sampling tensors live (the model runner's device)."""
 
