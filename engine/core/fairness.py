@@ -1,28 +1,45 @@
-"""Fairness between requests in the scheduler: one request's many sequences cannot starve a one-sequence
-request. Pure Python (engine.core).
+"""Fairness in the scheduler, between tenants (API keys) and between the requests of each: one request's many
+sequences cannot starve a one-sequence request, and one key's many requests cannot starve another key's one.
+Pure Python (engine.core).
 
 A *fairness group* is every sequence one client request asked for: all its prompts and all ``n`` choices of
 each (``Request.fairness_key``: the HTTP request's id, set by the server; else the ``n > 1`` parent id; else the
-sequence's own id). With ``G`` groups holding unfinished sequences, a group's *share* of the running slots is
-``max(1, max_num_seqs // G)``. The scheduler (engine/core/scheduler.py) applies four rules:
+sequence's own id). A *tenant* is whoever sent it (``Request.fairness_tenant_key``): the gateway's API key name,
+which the gateway sends the engine in the ``x-kvscope-tenant`` header; without that header (a client talking
+to the engine directly, or the gateway without keys) every group is its own tenant. The OpenAI body's ``user``
+field is never a tenant: the client picks it. All sequences of a group have one tenant.
 
-1. Admission order. The next waiting sequence admitted is the head (FCFS inside a group) of the group that runs
-   the fewest sequences; ties go to the group whose head is first in queue order (preempted sequences first,
-   the latest preemption first, then arrival order). With one sequence per group this is plain FCFS.
-2. Slots by share. Before a step schedules anyone, while the groups running fewer than their share wait with
-   more sequences (counted up to their share) than there are free slots, the newest running sequence of the
-   group furthest over its share is preempted (by recompute, as the KV preemption). Those groups admit nobody
-   in that step. No group is preempted down below its share, so one-sequence requests are never preempted by
-   this rule.
-3. Token budget round-robin. Running sequences get the step's tokens in rounds: every group's oldest running
-   sequence, then every group's second, … (admission order inside a round). With one sequence per group this is
-   admission order.
+Shares. With ``T`` tenants holding unfinished sequences, a tenant's share of the running slots is
+``max(1, max_num_seqs // T)``; inside a tenant with ``G`` such groups, a group's share is
+``max(1, tenant share // G)``. A tenant's (group's) *excess* is what it runs minus its share. Without the
+header every tenant has one group, and both shares are the plain ``max(1, max_num_seqs // groups)``. The
+scheduler (engine/core/scheduler.py) applies four rules:
+
+1. Admission order. The next waiting sequence admitted is the head (FCFS inside a group) of, in the tenant
+   that runs the fewest sequences, the group that runs the fewest; ties go to the one whose candidate head is
+   first in queue order (preempted sequences first, the latest preemption first, then arrival order). With one
+   sequence per tenant this is plain FCFS.
+2. Slots by share. A waiting group under its group share *claims* its waiting sequences up to what it lacks;
+   a tenant claims the sum of its groups' claims, but at most what it lacks of its tenant share plus the
+   excess of its own groups over their group share. Before a step schedules anyone, while the claims exceed
+   the free slots, a running sequence is preempted (by recompute, as the KV preemption): the newest one of,
+   in the tenant furthest over its share, the group furthest over its group share; when no tenant is over its
+   share, of the group furthest over its group share inside a claiming tenant. Those groups admit nobody in
+   that step. Nothing is preempted from a tenant at or under its share whose groups are at or under theirs,
+   so with one request per tenant a one-sequence request is never preempted by this rule.
+3. Token budget round-robin. Running sequences get the step's tokens in rounds: every tenant's first running
+   sequence, then every tenant's second, … (admission order inside a round), where a tenant's sequences are
+   ordered the same way across its groups (every group's oldest running sequence, then every group's
+   second, …). With one sequence per tenant this is admission order.
 4. KV preemption. A running sequence that cannot get KV blocks preempts the newest not-yet-scheduled sequence
-   of the group furthest over its share, else (no group over its share) the newest not-yet-scheduled
-   sequence, itself included, as before.
+   of, in the tenant furthest over its share, the group furthest over its group share (when no tenant is
+   over: of the group furthest over its group share), else (nobody over a share) the newest
+   not-yet-scheduled sequence, itself included, as before.
 
 What it does not bound: a waiting sequence still needs token budget left after the running ones (rule 3 orders
-running sequences only) and free KV blocks (rule 4 frees them only when a running sequence asks).
+running sequences only) and free KV blocks (rule 4 frees them only when a running sequence asks); a slot freed
+by rule 2 goes to whoever rule 1 names, which is the claimant unless a tenant running as few waits with groups
+at their share.
 """
 
 from __future__ import annotations
@@ -34,47 +51,86 @@ from collections.abc import Collection, Iterator, Sequence
 from engine.core.request import Request
 
 
-class GroupCounts:
-    """Sequences per fairness group: unfinished (waiting or running) and running. The scheduler reports each
-    change; groups with no unfinished sequence are dropped, so ``len`` counts the active groups."""
+class FairShares:
+    """Sequences per fairness group and per tenant, and the shares they give. The scheduler reports each
+    change; groups (tenants) with no unfinished sequence are dropped, so the shares count only active ones.
+    ``max_num_seqs``: the running slots shared (SchedulerConfig.max_num_seqs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_num_seqs: int) -> None:
+        self._max_num_seqs = max_num_seqs
         self._unfinished: dict[str, int] = {}
+        """Group → its waiting or running sequences."""
         self._running: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._unfinished)
+        """Group → its running sequences."""
+        self._tenant_of: dict[str, str] = {}
+        """Active group → its tenant key."""
+        self._groups: dict[str, int] = {}
+        """Tenant → its active groups."""
+        self._tenant_running: dict[str, int] = {}
 
     def added(self, request: Request) -> None:
-        key = request.fairness_key
-        self._unfinished[key] = self._unfinished.get(key, 0) + 1
+        """A sequence entered the scheduler. Raises ValueError when its group is active under another tenant
+        (the server gives all sequences of one HTTP request one tenant); nothing is counted then."""
+        group, tenant = request.fairness_key, request.fairness_tenant_key
+        known = self._tenant_of.get(group)
+        if known is None:
+            self._tenant_of[group] = tenant
+            self._groups[tenant] = self._groups.get(tenant, 0) + 1
+        elif known != tenant:
+            raise ValueError(f"request {request.request_id!r}: fairness group {group!r} belongs to tenant "
+                             f"{known!r}, not {tenant!r}")
+        self._unfinished[group] = self._unfinished.get(group, 0) + 1
 
     def admitted(self, request: Request) -> None:
-        key = request.fairness_key
-        self._running[key] = self._running.get(key, 0) + 1
+        group = request.fairness_key
+        self._running[group] = self._running.get(group, 0) + 1
+        tenant = self._tenant_of[group]
+        self._tenant_running[tenant] = self._tenant_running.get(tenant, 0) + 1
 
     def stopped_running(self, request: Request) -> None:
         """The request left the running list (preempted or finished)."""
-        _decrement(self._running, request.fairness_key)
+        group = request.fairness_key
+        _decrement(self._running, group)
+        _decrement(self._tenant_running, self._tenant_of[group])
 
     def finished(self, request: Request) -> None:
-        _decrement(self._unfinished, request.fairness_key)
+        group = request.fairness_key
+        if _decrement(self._unfinished, group) == 0:
+            _decrement(self._groups, self._tenant_of.pop(group))
 
-    def running(self, key: str) -> int:
-        """Running sequences of group ``key``."""
-        return self._running.get(key, 0)
+    def tenant_of(self, group: str) -> str:
+        """The tenant key of active group ``group``."""
+        return self._tenant_of[group]
 
-    def share(self, max_num_seqs: int) -> int:
-        """Running slots per group: ``max(1, max_num_seqs // active groups)``."""
-        return max(1, max_num_seqs // max(1, len(self._unfinished)))
+    def running(self, group: str) -> int:
+        """Running sequences of group ``group``."""
+        return self._running.get(group, 0)
+
+    def tenant_running(self, tenant: str) -> int:
+        """Running sequences of tenant ``tenant``."""
+        return self._tenant_running.get(tenant, 0)
+
+    def running_groups(self) -> Iterator[tuple[str, int]]:
+        """(group, running sequences) of every group running any."""
+        return iter(self._running.items())
+
+    def tenant_share(self) -> int:
+        """Running slots per tenant: ``max(1, max_num_seqs // active tenants)``."""
+        return max(1, self._max_num_seqs // max(1, len(self._groups)))
+
+    def group_share(self, group: str) -> int:
+        """Running slots of active group ``group``: ``max(1, tenant share // its tenant's active groups)``."""
+        return max(1, self.tenant_share() // self._groups[self._tenant_of[group]])
 
 
-def _decrement(counts: dict[str, int], key: str) -> None:
+def _decrement(counts: dict[str, int], key: str) -> int:
+    """``counts[key] - 1``, the key dropped at zero; returns what is left."""
     left = counts[key] - 1
     if left:
         counts[key] = left
     else:
         del counts[key]
+    return left
 
 
 class WaitingQueue:
@@ -128,60 +184,96 @@ class WaitingQueue:
     def groups(self) -> Iterator[tuple[str, deque[Request]]]:
         return iter(self._groups.items())
 
-    def demand(self, counts: GroupCounts, share: int) -> int:
-        """Slots the groups under their share would take: per such group, its waiting sequences up to what it
-        lacks of its share (rule 2)."""
-        return sum(min(len(group), share - counts.running(key)) for key, group in self._groups.items()
-                   if counts.running(key) < share)
+
+def claims(queue: WaitingQueue, shares: FairShares) -> tuple[int, set[str]]:
+    """Rule 2's claims: (slots the waiting groups claim in all, the tenants claiming any). A group under its
+    share claims its waiting sequences up to what it lacks; a tenant at most what it lacks of its share plus
+    its groups' excess over theirs."""
+    wanted: dict[str, int] = {}
+    for group, waiting in queue.groups():
+        lack = shares.group_share(group) - shares.running(group)
+        if lack > 0:
+            tenant = shares.tenant_of(group)
+            wanted[tenant] = wanted.get(tenant, 0) + min(len(waiting), lack)
+    if not wanted:
+        return 0, set()
+    room = {tenant: max(0, shares.tenant_share() - shares.tenant_running(tenant)) for tenant in wanted}
+    for group, running in shares.running_groups():
+        tenant = shares.tenant_of(group)
+        if tenant in room:
+            room[tenant] += max(0, running - shares.group_share(group))
+    return sum(min(want, room[tenant]) for tenant, want in wanted.items()), set(wanted)
 
 
 class AdmissionOrder:
-    """Rule 1 for one step: a heap of (running sequences, head's queue position, group) over the groups with
-    waiting sequences, minus ``excluded`` groups. :meth:`peek` names the next sequence to admit; call
+    """Rule 1 for one step: a heap of (running sequences, candidate head's queue position, tenant) over the
+    tenants with waiting sequences, each with a heap of (running sequences, head's queue position, group) over
+    its waiting groups, minus ``excluded`` groups. :meth:`peek` names the next sequence to admit; call
     :meth:`admitted` once it is taken out of the queue and running."""
 
-    def __init__(self, queue: WaitingQueue, counts: GroupCounts, excluded: Collection[str] = ()) -> None:
+    def __init__(self, queue: WaitingQueue, shares: FairShares, excluded: Collection[str] = ()) -> None:
         self._queue = queue
-        self._counts = counts
-        self._heap = [(counts.running(key), queue.position(group[0]), key) for key, group in queue.groups()
-                      if key not in excluded]
-        heapq.heapify(self._heap)
+        self._shares = shares
+        self._groups: dict[str, list[tuple[int, int, str]]] = {}
+        for key, group in queue.groups():
+            if key not in excluded:
+                self._groups.setdefault(shares.tenant_of(key), []).append(
+                    (shares.running(key), queue.position(group[0]), key))
+        for heap in self._groups.values():
+            heapq.heapify(heap)
+        self._tenants = [(shares.tenant_running(tenant), heap[0][1], tenant) for tenant, heap in self._groups.items()]
+        heapq.heapify(self._tenants)
 
     def peek(self) -> Request | None:
-        return self._queue.head(self._heap[0][2]) if self._heap else None
+        return self._queue.head(self._groups[self._tenants[0][2]][0][2]) if self._tenants else None
 
     def admitted(self, request: Request) -> None:
-        key = heapq.heappop(self._heap)[2]
+        tenant = heapq.heappop(self._tenants)[2]
+        groups = self._groups[tenant]
+        key = heapq.heappop(groups)[2]
         head = self._queue.head(key)
         if head is not None:
-            heapq.heappush(self._heap, (self._counts.running(key), self._queue.position(head), key))
+            heapq.heappush(groups, (self._shares.running(key), self._queue.position(head), key))
+        if groups:
+            heapq.heappush(self._tenants, (self._shares.tenant_running(tenant), groups[0][1], tenant))
 
 
 def round_robin(running: Sequence[Request]) -> list[Request]:
-    """Rule 3: the running sequences in token order, every group's k-th sequence before any group's
-    (k+1)-th, admission order inside a round. ``running`` itself when no group runs two."""
-    rounds: dict[str, int] = {}
-    ranked = []
+    """Rule 3: the running sequences in token order, every tenant's k-th sequence before any tenant's
+    (k+1)-th, admission order inside a round; a tenant's sequences ranked the same way across its groups.
+    ``running`` itself when no tenant runs two."""
+    group_rounds: dict[str, int] = {}
+    tenants: dict[str, list[tuple[int, int]]] = {}  # tenant -> (round in its group, position)
     for position, request in enumerate(running):
         key = request.fairness_key
-        rank = rounds.get(key, 0)
-        rounds[key] = rank + 1
-        ranked.append((rank, position))
-    if len(rounds) == len(running):
+        rank = group_rounds.get(key, 0)
+        group_rounds[key] = rank + 1
+        tenants.setdefault(request.fairness_tenant_key, []).append((rank, position))
+    if len(tenants) == len(running):
         return list(running)
+    ranked = []
+    for members in tenants.values():
+        members.sort()
+        ranked.extend((rank, position) for rank, (_, position) in enumerate(members))
     return [running[position] for _, position in sorted(ranked)]
 
 
-def newest_over_share(running: Sequence[Request], counts: GroupCounts, share: int,
-                      candidates: Collection[str] | None = None) -> Request | None:
-    """The preemption victim of rules 2 and 4: of the group furthest over its ``share`` (most running
-    sequences beyond it), the newest running sequence (last in ``running``, admission order) whose id is in
-    ``candidates`` (None: any). None when no candidate's group runs more than its share."""
-    victim, worst = None, 0
+def fairness_victim(running: Sequence[Request], shares: FairShares, candidates: Collection[str] | None = None,
+                    claimants: Collection[str] | None = None) -> Request | None:
+    """The preemption victim of rules 2 and 4: the newest running sequence (last in ``running``, admission
+    order) whose id is in ``candidates`` (None: any) with the largest (tenant excess, group excess), among those
+    whose tenant runs over its share or whose group runs over its group share (rule 2: a group of one of the
+    ``claimants`` tenants; None: any). None when there is no such sequence."""
+    tenant_share = shares.tenant_share()
+    victim, worst = None, (0, 0)
     for request in reversed(running):
         if candidates is not None and request.request_id not in candidates:
             continue
-        excess = counts.running(request.fairness_key) - share
-        if excess > worst:
+        group = request.fairness_key
+        tenant = shares.tenant_of(group)
+        excess = (shares.tenant_running(tenant) - tenant_share, shares.running(group) - shares.group_share(group))
+        if excess[0] <= 0 and (excess[1] <= 0 or (claimants is not None and tenant not in claimants)):
+            continue
+        if victim is None or excess > worst:
             victim, worst = request, excess
     return victim

@@ -144,6 +144,10 @@ def _diff(end: float | None, start: float | None) -> float | None:
     return None if end is None or start is None else end - start
 
 
+TENANT_KEY_PREFIX = "tenant:"
+"""Starts the scheduler's key of a named tenant (Request.fairness_tenant_key)."""
+
+
 def child_request_id(parent_id: str, index: int, n: int) -> str:
     """The engine request id of choice ``index`` of a request with ``n`` choices: the parent id itself when
     ``n == 1``, else ``{parent_id}-{index}`` (vLLM v1 parallel sampling runs choices as sibling requests)."""
@@ -181,6 +185,10 @@ class Request:
     """The client request this sequence belongs to (the server's response id, shared by all its prompts and
     choices); None: ``parent_id``, else the request's own id. The scheduler shares its slots and tokens
     between these groups (engine/core/fairness.py)."""
+    fairness_tenant: str | None = None
+    """Who sent the client request: the gateway's API key name (the ``x-kvscope-tenant`` header the server
+    reads); None: its fairness group is its own tenant. The scheduler shares its slots between tenants first,
+    then between each tenant's groups (engine/core/fairness.py)."""
     prepared_sampling: object | None = None
     """Opaque to the core: the worker's per-request sampling tensors (engine.worker.sampler.RequestSampling),
     built once at admission and shared by an ``n > 1`` request's children."""
@@ -195,6 +203,12 @@ class Request:
     def fairness_key(self) -> str:
         """The fairness group of engine/core/fairness.py: ``fairness_group``, else ``parent_id``, else the id."""
         return self.fairness_group or self.parent_id or self.request_id
+
+    @property
+    def fairness_tenant_key(self) -> str:
+        """The tenant of engine/core/fairness.py: ``tenant:`` + ``fairness_tenant`` (the prefix keeps a tenant
+        apart from group keys, which hold no ``:``), else the fairness group's key."""
+        return TENANT_KEY_PREFIX + self.fairness_tenant if self.fairness_tenant else self.fairness_key
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,13 +7,15 @@ There is no prefill or decode phase (vLLM v1 ``vllm/v1/core/sched/scheduler.py``
 ``long_prefill_token_threshold``. When a running request cannot get blocks, the newest running request is
 preempted by recompute (blocks freed, back to the front of the waiting queue) until it fits.
 
-Fairness between client requests (engine/core/fairness.py, which states the rules): the sequences of one
-client request (its prompts and ``n`` choices; ``Request.fairness_key``) form a group, and a group gets
-``max(1, max_num_seqs // active groups)`` running slots while others wait. "Admission order" above is
-round-robin across groups, "FCFS" is FCFS inside a group with the group running the fewest sequences going
-first, a step starts by preempting the newest sequences of groups over their share when groups under it wait
-for slots, and the KV victim is taken from the group furthest over its share first. With one sequence per
-request all of this is the plain order above: nothing is preempted for fairness.
+Fairness between tenants and between client requests (engine/core/fairness.py, which states the rules): the
+sequences of one client request (its prompts and ``n`` choices; ``Request.fairness_key``) form a group, the
+groups of one API key (``Request.fairness_tenant_key``; else each group alone) a tenant; a tenant gets
+``max(1, max_num_seqs // active tenants)`` running slots while others wait, and its groups split that share.
+"Admission order" above is round-robin across tenants, then groups, "FCFS" is FCFS inside a group with the
+tenant, then the group, running the fewest sequences going first, a step starts by preempting the newest
+sequences of tenants (groups) over their share when others under it wait for slots, and the KV victim is taken
+from the tenant, then the group, furthest over its share first. With one sequence per tenant all of this is the
+plain order above: nothing is preempted for fairness.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from dataclasses import dataclass, field
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.attribution import QUEUE_LIMITS
 from engine.core.drafter import Drafter
-from engine.core.fairness import AdmissionOrder, GroupCounts, WaitingQueue, newest_over_share, round_robin
+from engine.core.fairness import (
+    AdmissionOrder,
+    FairShares,
+    WaitingQueue,
+    claims,
+    fairness_victim,
+    round_robin,
+)
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -89,7 +98,7 @@ class Scheduler:
         """FCFS per fairness group; iterates in queue order (engine/core/fairness.py)."""
         self.running: list[Request] = []
         """In admission order."""
-        self._groups = GroupCounts()
+        self._shares = FairShares(scheduler_config.max_num_seqs)
         self._finished_req_ids: set[str] = set()
         self._num_preemptions_total = 0
         self._prefix_cache_queries = 0
@@ -100,8 +109,8 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (status WAITING). Raises ValueError for a duplicate id or an empty prompt, and
-        PromptTooLongError when the prompt exceeds ``max_model_len``: invariants, not user-facing checks (the
+        """Queue a request (status WAITING). Raises ValueError for a duplicate id, an empty prompt or a fairness
+        group already queued under another tenant, and PromptTooLongError when the prompt exceeds ``max_model_len``: invariants, not user-facing checks (the
         engine's InputProcessor rejected such requests before they became Requests)."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the scheduler")
@@ -111,11 +120,11 @@ class Scheduler:
             raise PromptTooLongError(
                 max_model_len=self.max_model_len, num_prompt_tokens=request.num_tokens, max_tokens=None
             )
+        self._shares.added(request)
         request.status = RequestStatus.WAITING
         request.stats.num_prompt_tokens = request.num_prompt_tokens
         request.stats.attribution.on_arrival(len(self.waiting), len(self.running), self._blocked_steps)
         self.requests[request.request_id] = request
-        self._groups.added(request)
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
@@ -156,9 +165,8 @@ class Scheduler:
         ``_update_after_schedule``): the runner must compute them before the next call.
         """
         plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
-        share = self._groups.share(self.scheduler_config.max_num_seqs)
-        rebalanced_groups = self._rebalance(plan, share)
-        self._schedule_running(plan, share)
+        rebalanced_groups = self._rebalance(plan)
+        self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan, rebalanced_groups)
         elif self.waiting:
@@ -255,16 +263,17 @@ class Scheduler:
 
     # ---- scheduling internals ----------------------------------------------------------------------------
 
-    def _rebalance(self, plan: _StepPlan, share: int) -> set[str]:
-        """Rule 2 of engine/core/fairness.py: while groups under their ``share`` wait for more slots than are
-        free, preempt the newest running request of the group furthest over its share. Returns the groups that
-        lost one (they admit nobody this step)."""
+    def _rebalance(self, plan: _StepPlan) -> set[str]:
+        """Rule 2 of engine/core/fairness.py: while the waiting groups under their share claim more slots than
+        are free, preempt the newest running request of the tenant, then the group, furthest over its share.
+        Returns the groups that lost one (they admit nobody this step)."""
         if not self.waiting:
             return set()
         free = self.scheduler_config.max_num_seqs - len(self.running)
-        demand = self.waiting.demand(self._groups, share)
+        demand, claimants = claims(self.waiting, self._shares)
         groups: set[str] = set()
-        while demand > free and (victim := newest_over_share(self.running, self._groups, share)) is not None:
+        while demand > free and (victim := fairness_victim(self.running, self._shares,
+                                                           claimants=claimants)) is not None:
             self.running.remove(victim)
             self._preempt(victim)
             plan.rebalanced_req_ids.add(victim.request_id)
@@ -272,11 +281,11 @@ class Scheduler:
             free += 1
         return groups
 
-    def _schedule_running(self, plan: _StepPlan, share: int) -> None:
+    def _schedule_running(self, plan: _StepPlan) -> None:
         drafts = self._propose_drafts()
         # running requests not visited yet: the KV victims come from these and the current one
         pending = {request.request_id for request in self.running}
-        for request in round_robin(self.running):  # admission order when every group runs one request
+        for request in round_robin(self.running):  # admission order when every tenant runs one request
             if plan.token_budget <= 0:
                 break
             if request.request_id not in pending:
@@ -288,7 +297,7 @@ class Scheduler:
                 draft = drafts.get(request.request_id, [])[:max(room, 0)]
                 if draft and self.kv_cache_manager.allocate_slots(request, num_new + len(draft)) is not None:
                     plan.add(request, num_new, is_new=False, draft=draft)
-                elif not self._allocate_or_preempt(request, num_new, plan, share, pending):
+                elif not self._allocate_or_preempt(request, num_new, plan, pending):
                     break  # drafts never preempt: without its blocks the request runs plain (or is preempted)
                 else:
                     plan.add(request, num_new, is_new=False)
@@ -308,14 +317,14 @@ class Scheduler:
             return {}
         return {request.request_id: draft for request, draft in drafts}
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan, share: int,
-                             pending: set[str]) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan, pending: set[str]
+                             ) -> bool:
         """Allocate, preempting until it fits (rule 4 of engine/core/fairness.py: the newest not-yet-scheduled
-        request, ``pending`` or ``request`` itself, of the group furthest over its ``share``, else the newest of
-        them); False if ``request`` itself went."""
+        request, ``pending`` or ``request`` itself, of the tenant, then the group, furthest over its share, else
+        the newest of them); False if ``request`` itself went."""
         while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
             candidates = pending | {request.request_id}
-            victim = newest_over_share(self.running, self._groups, share, candidates) or next(
+            victim = fairness_victim(self.running, self._shares, candidates) or next(
                 r for r in reversed(self.running) if r.request_id in candidates)
             self.running.remove(victim)
             pending.discard(victim.request_id)
@@ -329,7 +338,7 @@ class Scheduler:
         """Admit waiting requests in rule 1's order (engine/core/fairness.py) until a limit stops the one whose
         turn it is: nobody overtakes it. ``excluded_groups`` (preempted for fairness this step) admit nobody."""
         max_num_seqs = self.scheduler_config.max_num_seqs
-        order = AdmissionOrder(self.waiting, self._groups, excluded_groups)
+        order = AdmissionOrder(self.waiting, self._shares, excluded_groups)
         while self.waiting:
             if plan.token_budget <= 0 or len(self.running) >= max_num_seqs:
                 self._blocked_steps[0 if plan.token_budget > 0 else 2] += 1  # QUEUE_LIMITS order
@@ -359,7 +368,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         self.running.append(request)
-        self._groups.admitted(request)
+        self._shares.admitted(request)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
             request.stats.num_cached_tokens = num_hit_tokens
@@ -370,7 +379,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute a request the caller took out of ``running``: blocks freed, front of the queue."""
-        self._groups.stopped_running(request)
+        self._shares.stopped_running(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.stats.attribution.recomputed_tokens += request.num_computed_tokens
@@ -437,10 +446,10 @@ class Scheduler:
         """Take the request out of its queue, record its finish stats, free its blocks."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-            self._groups.stopped_running(request)
+            self._shares.stopped_running(request)
         else:
             self.waiting.remove(request)
-        self._groups.finished(request)
+        self._shares.finished(request)
         request.status = status
         request.stats.kv_cache_usage = self.kv_cache_manager.usage
         request.stats.finished_time = now
