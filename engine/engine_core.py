@@ -231,7 +231,8 @@ class EngineCore:
             children.append(Request(child_id, list(request.prompt_token_ids), child_params,
                                     self.tokenizer.eos_token_id, arrival_time=arrival, max_tokens=request.max_tokens,
                                     trace_context=trace_context, parent_id=request_id if params.n > 1 else None,
-                                    prepared_sampling=request.sampling, fairness_group=request.fairness_group))
+                                    prepared_sampling=request.sampling, fairness_group=request.fairness_group,
+                                    fairness_tenant=request.fairness_tenant))
         self.output_processor.add_request(request_id, children)
         for child in children:
             self.scheduler.add_request(child)

@@ -34,6 +34,9 @@ class EngineRequest:
     fairness_group: str | None = None
     """The client request it belongs to (the server sets its response id, shared by all the request's prompts);
     the scheduler shares slots and tokens between such groups (engine/core/fairness.py). None: its own id."""
+    fairness_tenant: str | None = None
+    """Who sent it: the gateway's API key name (the server reads the ``x-kvscope-tenant`` header); the scheduler
+    shares slots between tenants first, then between each tenant's groups. None: its group is its own tenant."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -31,6 +32,11 @@ from engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 FAULT_HEADER = "x-kvscope-fault"
+TENANT_HEADER = "x-kvscope-tenant"
+"""The tenant of a request (engine/core/fairness.py): the gateway sets it to the caller's API key name and drops
+a client's own (gateway/auth.py TENANT_HEADER). Without it the request is its own tenant."""
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+"""A tenant name: what the gateway's key names are (1-64 of letters, digits, ``.``, ``_``, ``@``, ``-``)."""
 CLIENT_CLOSED_STATUS = 499
 """Logged (nginx's convention) when the client left before a non-streamed answer; never sent."""
 
@@ -97,18 +103,34 @@ def process_prompts(state: ServerState, prompts: list[list[int]], params: Sampli
 def start_job(state: ServerState, request: Request, operation: str, requests: list[EngineRequest],
               stream: bool) -> Job:
     """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`), as one fairness
-    group of the scheduler (EngineRequest.fairness_group = the response id; engine/core/fairness.py)."""
+    group of the scheduler (EngineRequest.fairness_group = the response id; engine/core/fairness.py) of the
+    tenant :func:`tenant_of` names. Raises OpenAIError (400) for a malformed tenant header, before queueing."""
+    tenant = tenant_of(request)
     prefix = "chatcmpl" if operation == "chat" else "cmpl"
     prompts = [r.prompt_token_ids for r in requests]
     rs = RequestState(f"{prefix}-{uuid.uuid4().hex}", operation, state.model_name, requests[0].params, prompts,
                       stream, state.metrics)
-    requests = [replace(r, fairness_group=rs.request_id) for r in requests]
+    requests = [replace(r, fairness_group=rs.request_id, fairness_tenant=tenant) for r in requests]
     rs.timeline.parent = state.tracing.extract(request.headers)
     run = GenerationRun(state.engine, rs.request_id, requests, rs.arrival, rs.timeline,
                         fault_after_tokens=_fault_after(state, request))
     run.start()
     state.in_flight += 1
     return Job(state, request, rs, run)
+
+
+def tenant_of(request: Request) -> str | None:
+    """The request's tenant for the scheduler's fairness: the ``x-kvscope-tenant`` header (the gateway's API key
+    name), None without one. The body's ``user`` field is never used: the client picks it. The engine trusts the
+    header from whoever reaches it, so only the gateway should (the engine's ``--api-key``). Raises OpenAIError
+    (400, ``param`` the header) when it is not 1-64 of letters, digits, ``.``, ``_``, ``@``, ``-``."""
+    value = request.headers.get(TENANT_HEADER)
+    if value is None:
+        return None
+    if not TENANT_NAME.fullmatch(value):
+        raise bad_request(f"{TENANT_HEADER} must be 1-64 of letters, digits, '.', '_', '@', '-' (starting with a "
+                          "letter or digit), as the gateway's API key names.", param=TENANT_HEADER)
+    return value
 
 
 def _fault_after(state: ServerState, request: Request) -> int | None:
