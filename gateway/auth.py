@@ -17,6 +17,10 @@ from gateway.settings import ApiKeyConfig, KeyLimits
 
 KEY_PREFIX = "sk-kvs-"
 ANONYMOUS = "anonymous"
+TENANT_HEADER = "x-kvscope-tenant"
+"""Set on the upstream request of a keyed caller to its key's name (``user.id``; never the key itself): the engine
+scheduler's tenant, whose share its requests split (docs/engine-server.md). Without keys it is not sent, and a
+client's own header of that name is never forwarded."""
 
 
 def generate_key() -> str:

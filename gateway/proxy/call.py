@@ -22,6 +22,7 @@ import msgspec
 from litestar.types import Receive, Scope, Send
 from opentelemetry.trace import Span, Status, StatusCode
 
+from gateway.auth import TENANT_HEADER
 from gateway.errors import (
     GatewayError,
     RetryableFailure,
@@ -195,6 +196,8 @@ class ProxyCall:
     def _headers(self, replica: Replica) -> dict[str, str]:
         headers = {**self._forwarded, "content-type": "application/json", "x-request-id": self.ctx.request_id,
                    **replica.auth_headers()}
+        if self.ctx.key_id is not None:  # the engine's fairness tenant (a client's own is not in _forwarded)
+            headers[TENANT_HEADER] = self.ctx.key_id
         if self.plan.stream:
             headers["accept"] = "text/event-stream"
         if self.client_span is not None:

@@ -26,7 +26,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 
-from gateway.auth import Principal
+from gateway.auth import TENANT_HEADER, Principal
 from gateway.body import read_body
 from gateway.context import context_of
 from gateway.errors import (
@@ -121,8 +121,10 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
         ctx.model_served = gw.pool.is_served(model)
     only = _replicas_for(gw, principal, model)
     await lease_of(request).acquire(gw.limiter, principal, ctx, 0, 0)
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != TENANT_HEADER}
     headers["x-request-id"] = ctx.request_id
+    if ctx.key_id is not None:
+        headers[TENANT_HEADER] = ctx.key_id
     if ctx.server_span is not None:
         gw.tracer.inject(ctx.server_span, headers)
     tried: list[Replica] = []
