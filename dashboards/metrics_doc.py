@@ -122,9 +122,12 @@ _OTEL = """\
 ## OpenTelemetry GenAI metrics (OTLP)
 
 Beside the Prometheus series, the gateway and the engine push the OTel semantic-conventions 1.41 GenAI
-metrics to `{otlp_endpoint}/v1/metrics` (OTLP/HTTP protobuf; gateway `tracing.otlp_endpoint`, every
-`tracing.metrics_export_interval_s` = 15 s; engine `--otlp-endpoint`; a last push at shutdown), built in
-`kvscope/otel_genai.py` with the semconv names, units and bucket boundaries:
+metrics over OTLP (HTTP protobuf or gRPC) where the OpenTelemetry SDK environment points them
+(`OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` as is, else `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/metrics`; gateway
+`tracing.otlp_endpoint` and engine `--otlp-endpoint` override it; none with `OTEL_SDK_DISABLED=true`) every
+`OTEL_METRIC_EXPORT_INTERVAL` ms (default 15 s; gateway `tracing.metrics_export_interval_s` overrides), with a
+last push at shutdown (docs/engine-server.md, "Traces", lists every variable). Built in `kvscope/otel_genai.py`
+with the semconv names, units and bucket boundaries:
 
 | metric | unit | where | buckets |
 |---|---|---|---|

@@ -1,7 +1,9 @@
 """Gateway configuration: frozen msgspec Structs, loaded from a YAML/TOML file, then env, then CLI overrides.
 
-This is the only module of the gateway that reads the environment. Precedence (later wins): built-in
-defaults < config file < ``KVSCOPE_GATEWAY_*`` env vars (and ``OTEL_EXPORTER_OTLP_ENDPOINT``) < CLI flags.
+This is the only module of the gateway that reads the environment (besides the OpenTelemetry SDK, which reads
+its own ``OTEL_*`` variables: kvscope/otel_env.py). Precedence (later wins): built-in defaults < config file <
+``KVSCOPE_GATEWAY_*`` env vars < CLI flags; for ``OTEL_SERVICE_NAME`` and the ``OTEL_EXPORTER_OTLP_*`` endpoints
+the config file and flags override the environment (OTel's variables are the defaults).
 Every struct forbids unknown keys, so a typo in the config file is an error, not a silent default.
 
 Defaults are written once, on the fields. A field that a flag or an environment variable sets says so with
@@ -25,6 +27,7 @@ import yaml
 from gateway.forwarded import parse_networks
 from kvscope.event_loop import EventLoop, resolve_event_loop
 from kvscope.net import is_loopback
+from kvscope.otel_env import protocol as otlp_protocol
 from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from kvscope.settings_cli import Flag, from_env, merge
 
@@ -222,11 +225,14 @@ class LogConfig(msgspec.Struct, **_STRUCT):
 
 
 class TracingConfig(msgspec.Struct, **_STRUCT):
-    otlp_endpoint: Annotated[str | None, Flag("OTLP/HTTP endpoint for traces (http://127.0.0.1:4318)",
-                                              env="OTEL_EXPORTER_OTLP_ENDPOINT")] = None
-    """OTLP/HTTP base URL, e.g. ``http://127.0.0.1:4318`` (spans go to ``/v1/traces``)."""
-    metrics_export_interval_s: float = 15.0
-    """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed to ``{otlp_endpoint}/v1/metrics``."""
+    otlp_endpoint: Annotated[str | None, Flag(
+        "OTLP endpoint for traces and metrics (http://127.0.0.1:4318; default: $OTEL_EXPORTER_OTLP_*)")] = None
+    """OTLP base URL, e.g. ``http://127.0.0.1:4318`` (OTLP/HTTP: spans to ``/v1/traces``, metrics to
+    ``/v1/metrics``; gRPC: used as is). None: the ``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT`` environment,
+    read by the OTel SDK (kvscope/otel_env.py)."""
+    metrics_export_interval_s: float | None = None
+    """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed; None: ``$OTEL_METRIC_EXPORT_INTERVAL``
+    (ms), else 15 s."""
     gen_ai_provider: str = "kvscope"
     """``gen_ai.provider.name`` of the gen_ai CLIENT span and metrics (OTel GenAI semconv: required; a
     custom value where no well-known one applies). Set e.g. ``openai`` when the upstreams are OpenAI's."""
@@ -284,6 +290,7 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
                                           "dependency), else asyncio", env="KVSCOPE_GATEWAY_EVENT_LOOP")] = "auto"
     """uvicorn's event loop (kvscope/event_loop.py: 10-15 % less CPU per relayed token on uvloop)."""
     service_name: str = "kvscope-gateway"
+    """OTel ``service.name`` of spans, metrics and logs; default ``$OTEL_SERVICE_NAME``, else ``kvscope-gateway``."""
     node_name: str | None = None
     """``service.node.name`` in logs and traces; defaults to the host name."""
 
@@ -328,20 +335,23 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """Overrides from ``KVSCOPE_GATEWAY_{HOST,PORT,UPSTREAMS,REDIS_URL,LOG_FILE,ALLOW_UNAUTHENTICATED,
-    METRICS_PUBLIC,API_KEY_HASHES,TRUSTED_PROXIES}`` and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the ``env`` of the fields' Flags), in
-    config-file shape; lists are comma-separated."""
+    METRICS_PUBLIC,API_KEY_HASHES,TRUSTED_PROXIES}`` (the ``env`` of the fields' Flags), in config-file shape;
+    lists are comma-separated."""
     return from_env(GatewaySettings, env)
 
 
 def load_settings(config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
                   env: Mapping[str, str] | None = None) -> GatewaySettings:
-    """Settings from defaults < file (``config_path`` or ``$KVSCOPE_GATEWAY_CONFIG``) < env < ``overrides``.
+    """Settings from defaults < file (``config_path`` or ``$KVSCOPE_GATEWAY_CONFIG``) < env < ``overrides``
+    (``OTEL_SERVICE_NAME``: defaults < env < file < overrides).
 
     ``env`` defaults to ``os.environ``. Raises ValueError with the offending path on any invalid value.
     """
     env = os.environ if env is None else env
     config_path = config_path or env.get("KVSCOPE_GATEWAY_CONFIG")
     raw = read_config_file(config_path) if config_path else {}
+    if "service_name" not in raw and env.get("OTEL_SERVICE_NAME"):  # OTel's variable; the config file wins
+        raw = {**raw, "service_name": env["OTEL_SERVICE_NAME"]}
     raw = merge(merge(raw, env_overrides(env)), overrides or {})
     try:
         settings = msgspec.convert(raw, GatewaySettings)
@@ -349,4 +359,6 @@ def load_settings(config_path: str | Path | None = None, overrides: Mapping[str,
         raise ValueError(f"invalid gateway config: {exc}") from exc
     if settings.logs.elasticsearch is not None:
         settings.logs.elasticsearch_settings().sink_config()
+    for signal in ("traces", "metrics"):
+        otlp_protocol(signal, env)  # an unsupported OTEL_EXPORTER_OTLP_PROTOCOL is a config error, not a crash later
     return settings

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of the gateway (docs/gateway.md, "Metrics and traces"): W3C ``traceparent`` in, OTLP/HTTP out.
+"""OpenTelemetry traces of the gateway (docs/gateway.md, "Metrics and traces"): W3C ``traceparent`` in, OTLP out.
 
 Per request: a SERVER span ``POST /v1/chat/completions`` (parent: the client's ``traceparent``, if any) →
 a CLIENT span ``chat {model}`` / ``text_completion {model}`` with gen_ai attributes, whose context goes to the
@@ -21,24 +21,24 @@ from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.settings import TracingConfig
+from kvscope.otel_env import span_exporter
 
 
 def build_tracer_provider(config: TracingConfig, service_name: str, service_version: str, node: str,
                           exporter: SpanExporter | None = None) -> TracerProvider:
-    """A provider exporting to ``exporter`` (synchronously; for tests) and/or to OTLP/HTTP
-    ``{otlp_endpoint}/v1/traces`` (batched). Without either, spans are still made (ids for the log)."""
+    """A provider exporting to ``exporter`` (synchronously; for tests) and/or over OTLP (batched) to
+    ``tracing.otlp_endpoint`` (an OTLP/HTTP base URL, spans to ``/v1/traces``, or a gRPC endpoint) or, when
+    unset, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (:func:`kvscope.otel_env.span_exporter`; the SDK
+    reads it). Without either, spans are still made (ids for the log); ``OTEL_SDK_DISABLED=true`` makes the
+    provider no-op and exports nothing. Raises ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
     resource = Resource.create({"service.name": service_name, "service.version": service_version,
                                 "service.instance.id": node})
     provider = TracerProvider(resource=resource)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    if config.otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        endpoint = config.otlp_endpoint.rstrip("/")
-        if not endpoint.endswith("/v1/traces"):
-            endpoint += "/v1/traces"
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    otlp = span_exporter(config.otlp_endpoint)
+    if otlp is not None:
+        provider.add_span_processor(BatchSpanProcessor(otlp))
     return provider
 
 

@@ -10,8 +10,9 @@ conventions for generative AI metrics":
   ``gen_ai.server.time_per_output_token`` (s).
 
 Each :class:`MeterProvider` is built here and owned by its service (the global provider is never set). With
-an OTLP endpoint a periodic reader pushes to ``{endpoint}/v1/metrics`` (protobuf); tests pass their own
-reader (e.g. ``InMemoryMetricReader``). Without either, instruments record into nothing.
+an OTLP endpoint (the service's flag/config or the standard ``OTEL_EXPORTER_OTLP_*`` environment,
+:mod:`kvscope.otel_env`) a periodic reader pushes over OTLP/HTTP or gRPC; tests pass their own reader (e.g.
+``InMemoryMetricReader``). Without either, instruments record into nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
+
+from kvscope.otel_env import metric_reader
 
 OPERATION_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96,
                               81.92)
@@ -33,28 +36,20 @@ TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 
 """``gen_ai.server.time_to_first_token`` and ``gen_ai.client.operation.time_to_first_chunk``."""
 TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 """``gen_ai.server.time_per_output_token``."""
-DEFAULT_EXPORT_INTERVAL_S = 15.0
-
-
-def metrics_endpoint(endpoint: str) -> str:
-    """``{base}/v1/metrics`` of an OTLP/HTTP base URL or of a ``…/v1/traces`` URL."""
-    base = endpoint.rstrip("/")
-    for suffix in ("/v1/traces", "/v1/metrics"):
-        base = base.removesuffix(suffix)
-    return base + "/v1/metrics"
 
 
 def build_meter_provider(resource: Mapping[str, str], otlp_endpoint: str | None = None,
                          readers: Sequence[MetricReader] = (),
-                         export_interval_s: float = DEFAULT_EXPORT_INTERVAL_S) -> MeterProvider:
-    """A provider pushing every ``export_interval_s`` to OTLP/HTTP when ``otlp_endpoint`` is set (a final push
-    at :meth:`MeterProvider.shutdown`), plus ``readers``."""
+                         export_interval_s: float | None = None) -> MeterProvider:
+    """A provider with ``readers`` plus, when metrics are exported (``otlp_endpoint`` or the OTLP environment;
+    not with ``OTEL_SDK_DISABLED=true``), a periodic OTLP push every ``export_interval_s`` (None:
+    ``OTEL_METRIC_EXPORT_INTERVAL``, else 15 s) with a final push at :meth:`MeterProvider.shutdown`.
+    ``resource`` is merged over ``OTEL_RESOURCE_ATTRIBUTES``. Raises ValueError on an unsupported
+    ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
     all_readers = list(readers)
-    if otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-        exporter = OTLPMetricExporter(endpoint=metrics_endpoint(otlp_endpoint))
-        all_readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=export_interval_s * 1000))
+    reader = metric_reader(otlp_endpoint, export_interval_s)
+    if reader is not None:
+        all_readers.append(reader)
     return MeterProvider(resource=Resource.create(dict(resource)), metric_readers=all_readers)
 
 

@@ -1,5 +1,7 @@
-"""A local OTLP/HTTP receiver for tests: decodes the protobuf export requests it is sent (metrics and
-traces), keeping them in memory. ``with OtlpReceiver() as rx: rx.url`` → ``http://127.0.0.1:PORT``."""
+"""Local OTLP receivers for tests: decode the protobuf export requests they are sent (metrics and traces),
+keeping them in memory. ``with OtlpReceiver() as rx: rx.url`` → ``http://127.0.0.1:PORT`` (OTLP/HTTP: any
+path naming ``metrics`` or ``traces``, recorded in ``rx.paths``); ``GrpcOtlpReceiver`` is the same over gRPC
+(the collector's TraceService and MetricsService)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,53 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 
-class OtlpReceiver:
+class _Received:
+    """What a receiver was sent, and the views the tests read."""
+
     def __init__(self) -> None:
         self.metrics: list[ExportMetricsServiceRequest] = []
         self.traces: list[ExportTraceServiceRequest] = []
+        self.paths: list[str] = []
         self.lock = threading.Lock()
+
+    def add(self, message: ExportMetricsServiceRequest | ExportTraceServiceRequest, path: str) -> None:
+        with self.lock:
+            (self.metrics if isinstance(message, ExportMetricsServiceRequest) else self.traces).append(message)
+            self.paths.append(path)
+
+    def metric_points(self) -> dict[str, list[tuple[dict[str, Any], Any]]]:
+        """Metric name → [(attributes, data point)] over every export received."""
+        out: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+        with self.lock:
+            requests = list(self.metrics)
+        for request in requests:
+            for rm in request.resource_metrics:
+                for sm in rm.scope_metrics:
+                    for metric in sm.metrics:
+                        points = metric.histogram.data_points if metric.HasField("histogram") else []
+                        for point in points:
+                            attrs = {a.key: _value(a.value) for a in point.attributes}
+                            out.setdefault(metric.name, []).append((attrs, point))
+        return out
+
+    def resources(self) -> list[dict[str, Any]]:
+        """The resource attributes of every metrics export."""
+        with self.lock:
+            return [{a.key: _value(a.value) for a in rm.resource.attributes}
+                    for request in self.metrics for rm in request.resource_metrics]
+
+    def spans(self) -> list[tuple[dict[str, Any], str]]:
+        """(resource attributes, span name) of every span received."""
+        with self.lock:
+            requests = list(self.traces)
+        return [({a.key: _value(a.value) for a in rs.resource.attributes}, span.name)
+                for request in requests for rs in request.resource_spans for ss in rs.scope_spans
+                for span in ss.spans]
+
+
+class OtlpReceiver(_Received):
+    def __init__(self) -> None:
+        super().__init__()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -24,15 +68,13 @@ class OtlpReceiver:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
-                kind = {"/v1/metrics": ExportMetricsServiceRequest, "/v1/traces": ExportTraceServiceRequest}.get(
-                    self.path)
+                kind = (ExportMetricsServiceRequest if "metrics" in self.path
+                        else ExportTraceServiceRequest if "traces" in self.path else None)
                 if kind is None:
                     self.send_response(404)
                     self.end_headers()
                     return
-                message = kind.FromString(body)
-                with receiver.lock:
-                    (receiver.metrics if kind is ExportMetricsServiceRequest else receiver.traces).append(message)
+                receiver.add(kind.FromString(body), self.path)
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", "0")
@@ -56,25 +98,46 @@ class OtlpReceiver:
         self.server.shutdown()
         self.server.server_close()
 
-    def metric_points(self) -> dict[str, list[tuple[dict[str, Any], Any]]]:
-        """Metric name → [(attributes, data point)] over every export received."""
-        out: dict[str, list[tuple[dict[str, Any], Any]]] = {}
-        with self.lock:
-            requests = list(self.metrics)
-        for request in requests:
-            for rm in request.resource_metrics:
-                for sm in rm.scope_metrics:
-                    for metric in sm.metrics:
-                        points = metric.histogram.data_points if metric.HasField("histogram") else []
-                        for point in points:
-                            attrs = {a.key: _value(a.value) for a in point.attributes}
-                            out.setdefault(metric.name, []).append((attrs, point))
-        return out
 
-    def resources(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return [{a.key: _value(a.value) for a in rm.resource.attributes}
-                    for request in self.metrics for rm in request.resource_metrics]
+
+class GrpcOtlpReceiver(_Received):
+    """An OTLP/gRPC receiver on a free port: ``rx.url`` → ``http://127.0.0.1:PORT`` (plaintext)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+
+        class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC API
+                receiver.add(request, "grpc:traces")
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC API
+                receiver.add(request, "grpc:metrics")
+                return metrics_service_pb2.ExportMetricsServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), self.server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> GrpcOtlpReceiver:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(grace=None)
 
 
 def _value(v: Any) -> Any:

@@ -5,11 +5,11 @@ Two msgspec Structs hold every default once: :class:`EngineOptions` (the engine 
 fields by :mod:`kvscope.settings_cli` (the gateway's settings use the same helper); precedence: defaults <
 environment < flags.
 
-Environment variables (standard OpenTelemetry names):
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (used as is) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (base URL,
-``/v1/traces`` appended) switch on the OTLP/HTTP span exporter when ``--otlp-endpoint`` is not given;
-``OTEL_SERVICE_NAME`` names the service (default ``kvscope-engine``); ``KVSCOPE_ENGINE_API_KEY`` is the API key
-when ``--api-key`` is not given (a flag is visible in ``ps``, the environment is not).
+Environment variables: ``OTEL_SERVICE_NAME`` names the service (default ``kvscope-engine``);
+``KVSCOPE_ENGINE_API_KEY`` is the API key when ``--api-key`` is not given (a flag is visible in ``ps``, the
+environment is not). The OpenTelemetry SDK reads its own ``OTEL_*`` variables (endpoints, protocol, export
+interval, ``OTEL_SDK_DISABLED``; kvscope/otel_env.py); ``--otlp-endpoint`` overrides their endpoints and an
+unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL`` is rejected here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from engine.server.metrics import MetricBuckets
 from engine.structured.params import CompileLimits
 from kvscope.event_loop import EventLoop, resolve_event_loop
 from kvscope.net import is_loopback
+from kvscope.otel_env import protocol as otlp_protocol
 from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
@@ -47,39 +48,14 @@ def parse_size(text: str | int) -> int:
     return int(number * _UNITS[unit])
 
 
-def _with_traces_path(url: str) -> str:
-    url = url.rstrip("/")
-    return url if url.endswith("/v1/traces") else f"{url}/v1/traces"
-
-
 def api_key_from(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
     """``explicit`` (``--api-key``), else ``$KVSCOPE_ENGINE_API_KEY``, else None."""
     env = os.environ if environ is None else environ
     return explicit or env.get("KVSCOPE_ENGINE_API_KEY") or None
 
 
-def traces_endpoint(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The OTLP/HTTP traces URL: ``explicit`` (a base URL or a full ``…/v1/traces`` URL) wins over
-    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (as is) and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (base). None when unset.
-
-    Source: OpenTelemetry spec, "OTLP Exporter Configuration" (signal-specific URLs are used as is, the generic
-    one gets ``v1/traces`` appended).
-    """
-    env = os.environ if environ is None else environ
-    if explicit:
-        return _with_traces_path(explicit)
-    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    return _with_traces_path(base) if base else None
-
-
 def _api_key_from_env(environ: Mapping[str, str]) -> str | None:
     return api_key_from(None, environ)
-
-
-def _traces_from_env(environ: Mapping[str, str]) -> str | None:
-    return traces_endpoint(None, environ)
 
 
 class EngineOptions(msgspec.Struct, **_STRUCT):
@@ -164,10 +140,10 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     """Distinct grammars waiting for or in the one compile thread; a request with yet another new grammar gets a
     429 with ``Retry-After: 1`` (requests with a cached grammar, or none, never wait for compiles)."""
     otlp_endpoint: Annotated[str | None, Flag(
-        "OTLP/HTTP collector (base URL or …/v1/traces); default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, "
-        "else no export",
-        parse=_with_traces_path, env=_traces_from_env)] = None
-    """Full OTLP/HTTP traces URL (``…/v1/traces``); None = no span export."""
+        "OTLP collector for traces and metrics (OTLP/HTTP base URL or …/v1/traces; a gRPC endpoint with "
+        "OTEL_EXPORTER_OTLP_PROTOCOL=grpc); default: $OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT, else no export")] = None
+    """OTLP endpoint overriding the ``OTEL_EXPORTER_OTLP_*`` environment (OTLP/HTTP: spans to ``/v1/traces``,
+    metrics to ``/v1/metrics``); None = what the environment names, read by the OTel SDK (kvscope/otel_env.py)."""
     service_name: Annotated[str, Flag("OTel service.name (default $OTEL_SERVICE_NAME or kvscope-engine)",
                                       env="OTEL_SERVICE_NAME")] = DEFAULT_SERVICE_NAME
     buckets: MetricBuckets = msgspec.field(default_factory=MetricBuckets)
@@ -235,4 +211,6 @@ def server_settings(args: argparse.Namespace, environ: Mapping[str, str] | None 
     """The server settings of parsed flags, the environment (``environ``, default ``os.environ``) filling what
     the flags leave unset. Raises ValueError naming the invalid value."""
     env = os.environ if environ is None else environ
+    for signal in ("traces", "metrics"):
+        otlp_protocol(signal, env)  # an unsupported OTEL_EXPORTER_OTLP_PROTOCOL: exit 2 with one line
     return load(ServerSettings, from_env(ServerSettings, env), given(args, ServerSettings))

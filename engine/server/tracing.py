@@ -7,8 +7,9 @@ events collected by :class:`RequestTimeline` from the step listener (engine thre
 accepted runs are totals on the ``decode`` span (:func:`spec_decode_attributes`).
 
 The trace continues an incoming W3C ``traceparent`` (the gateway's span becomes the parent of
-``llm_request``). Export: OTLP/HTTP protobuf when an endpoint is configured, an injected exporter in tests
-(e.g. ``InMemorySpanExporter``), nothing otherwise. Each :class:`Tracing` owns its TracerProvider; the global
+``llm_request``). Export: OTLP (HTTP protobuf or gRPC) when ``--otlp-endpoint`` or the standard
+``OTEL_EXPORTER_OTLP_*`` environment configures it (:mod:`kvscope.otel_env`; none with ``OTEL_SDK_DISABLED=true``),
+an injected exporter in tests (e.g. ``InMemorySpanExporter``), nothing otherwise. Each :class:`Tracing` owns its TracerProvider; the global
 OTel provider is never set. Attribute names follow the OTel GenAI semantic conventions (``gen_ai.*``).
 """
 
@@ -28,6 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.core.request import Request
+from kvscope.otel_env import span_exporter
 
 
 @dataclass(slots=True)
@@ -148,12 +150,11 @@ class Tracing:
 
     @classmethod
     def otlp(cls, service_name: str, endpoint: str | None) -> Tracing:
-        """OTLP/HTTP protobuf export to ``endpoint`` (full ``…/v1/traces`` URL); no export when None."""
-        if endpoint is None:
-            return cls(service_name)
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        return cls(service_name, OTLPSpanExporter(endpoint=endpoint))
+        """OTLP export to ``endpoint`` (the ``--otlp-endpoint`` flag: an OTLP/HTTP base or ``…/v1/traces`` URL,
+        or a gRPC endpoint) or, when None, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (the SDK reads
+        it); no export when neither is set or ``OTEL_SDK_DISABLED=true`` (:func:`kvscope.otel_env.span_exporter`).
+        Raises ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
+        return cls(service_name, span_exporter(endpoint))
 
     def extract(self, headers: Mapping[str, str]) -> Context | None:
         """The context of an incoming ``traceparent`` header, None when absent or malformed."""

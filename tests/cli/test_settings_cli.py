@@ -93,8 +93,8 @@ def test_engine_defaults_env_and_flags() -> None:
     assert options.config_kwargs() == {"dtype": "auto", "quantization": "auto"} and options.model == "smollm2-135m"
     assert (settings.host, settings.port, settings.sse_keepalive_s, settings.max_concurrent_requests,
             settings.log_level, settings.warmup) == ("127.0.0.1", 8000, 15.0, 0, "info", True)
-    assert (settings.api_key, settings.service_name, settings.otlp_endpoint) == ("k-env", "svc",
-                                                                                  "http://c/v1/traces")
+    # OTEL_EXPORTER_OTLP_ENDPOINT is the OTel SDK's to read (kvscope/otel_env.py): no flag value
+    assert (settings.api_key, settings.service_name, settings.otlp_endpoint) == ("k-env", "svc", None)
     args = build_parser().parse_args(["--api-key", "k-flag", "--service-name", "mine", "--no-warmup",
                                       "--dtype", "bfloat16", "--kv-cache-memory", "1M", "--tpot-buckets", "0.1,1"])
     options, settings = engine_options(args), server_settings(args, env)

@@ -23,11 +23,14 @@ def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
         "api_keys": [{"name": "alice", "sha256": DIGEST, "models": ["m"], "limits": {"requests_per_minute": 7}}],
         "default_limits": {"max_tokens": 512}}))
     env = {"KVSCOPE_GATEWAY_PORT": "9100", "KVSCOPE_GATEWAY_REDIS_URL": "redis://r:6379/0",
-           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4318"}
+           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4318", "OTEL_SERVICE_NAME": "gw-env"}
     args = _gateway_parser().parse_args(["--port", "9200", "--keepalive", "2", "--tokenizer", "m=/tok"])
     s = load_settings(path, _overrides(args), env=env)
-    assert (s.host, s.port, s.redis_url, s.tracing.otlp_endpoint) == ("127.0.0.1", 9200, "redis://r:6379/0",
-                                                                       "http://otel:4318")
+    # OTEL_EXPORTER_OTLP_ENDPOINT is read by the OTel SDK (kvscope/otel_env.py); OTEL_SERVICE_NAME is the default
+    assert (s.host, s.port, s.redis_url, s.tracing.otlp_endpoint) == ("127.0.0.1", 9200, "redis://r:6379/0", None)
+    assert s.service_name == "gw-env"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "service_name": "gw-file"}))
+    assert load_settings(path, env=env).service_name == "gw-file"  # the config file overrides OTel's variable
     assert (s.timeouts.keepalive_s, s.timeouts.idle_s, s.timeouts.total_s) == (2.0, 30.0, 1800.0)
     assert s.upstreams[0].url == "http://a:1" and s.upstreams[0].models == ("m",) and s.upstreams[0].label == "a:1"
     assert s.models[0].name == "m" and s.models[0].tokenizer == "/tok"

@@ -6,11 +6,11 @@ import pytest
 
 from engine.llm import build_engine_config
 from engine.server.cli import build_parser, engine_config_kwargs, engine_main, server_settings
-from engine.server.settings import parse_size, traces_endpoint
+from engine.server.settings import parse_size
 
 
 def test_flags_map_to_engine_config_and_settings(monkeypatch):
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")  # read by the OTel SDK, not here
     args = build_parser().parse_args([
         "--model", "smollm2-135m", "--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-memory", "160M",
         "--block-size", "8", "--served-model-name", "tiny", "--no-prefix-caching", "--sse-keepalive-s", "0.5",
@@ -21,18 +21,15 @@ def test_flags_map_to_engine_config_and_settings(monkeypatch):
     assert (config.cache.kv_cache_memory, config.cache.block_size, config.cache.enable_prefix_caching) == (
         160 << 20, 8, False)
     settings = server_settings(args)
-    assert settings.otlp_endpoint == "http://collector:4318/v1/traces"
+    assert settings.otlp_endpoint is None
     assert (settings.sse_keepalive_s, settings.enable_fault_injection) == (0.5, True)
     assert settings.buckets.ttft_s == (0.1, 1.0, 10.0)
 
 
-def test_otlp_endpoint_resolution():
-    assert traces_endpoint(None, {}) is None
-    assert traces_endpoint("http://a:4318", {}) == "http://a:4318/v1/traces"
-    assert traces_endpoint("http://a:4318/v1/traces", {}) == "http://a:4318/v1/traces"
-    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://b"}
-    assert traces_endpoint(None, env) == "http://t/x"
-    assert traces_endpoint("http://c", env) == "http://c/v1/traces"
+def test_an_unsupported_otlp_protocol_is_a_settings_error(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL must be one of http/protobuf, grpc"):
+        server_settings(build_parser().parse_args([]))
 
 
 def test_parse_size():
