@@ -2,7 +2,8 @@
 
 Start-up (lifespan): load the model (AsyncEngine) in a worker thread unless the caller passed a loaded one
 (``kvscope engine`` does: engine/server/cli.py ``load_engine``), start the step loop, warm up with one
-short generation, then attach the metrics/tracing step listener and serve. Uvicorn only accepts connections
+short generation, then attach the metrics/tracing step listener (and, on CUDA, start the GPU telemetry
+sampler: engine/server/gpu_telemetry.py) and serve. Uvicorn only accepts connections
 after that, so a reachable ``/health`` means warmed up. Shutdown fails in-flight requests ("engine shutting
 down": streams get an in-band error), stops the loop and flushes spans.
 """
@@ -29,6 +30,7 @@ from engine.server.access_log import AccessLogMiddleware, AccessRecord
 from engine.server.auth import api_key_guard
 from engine.server.engine_client import EngineClient
 from engine.server.errors import exception_handlers
+from engine.server.gpu_telemetry import GpuTelemetry, sample_every
 from engine.server.routes import ROUTES
 from engine.server.settings import ServerSettings
 from engine.server.stat_logger import ServerMetrics, host_memory_bytes
@@ -56,6 +58,8 @@ class AppContext:
         self._registry = registry
         self._metric_readers = tuple(metric_readers)
         self.state: ServerState | None = None
+        self._gpu: GpuTelemetry | None = None
+        self._gpu_task: asyncio.Task | None = None
 
     @asynccontextmanager
     async def lifespan(self, app: Litestar) -> AsyncIterator[None]:
@@ -65,6 +69,7 @@ class AppContext:
             yield
         finally:
             await self.drain()
+            await self._stop_gpu_telemetry()
             state.tracing.shutdown()
             if state.metrics.genai is not None:
                 state.metrics.genai.provider.shutdown()  # the last OTLP metrics push
@@ -94,11 +99,29 @@ class AppContext:
         self.state = ServerState(engine, self.settings, metrics, tracing)
         _observe_mask_time(self.state)
         _set_device_memory(self.state)
+        self._start_gpu_telemetry(engine, metrics)
         self.state.on_step(StepResult())
         engine.set_step_listener(self.state.on_step)
         logger.info("serving %s (max_model_len %d, dtype %s, quantization %s, weights %d B)", engine.info.name,
                     engine.info.max_model_len, engine.info.dtype, engine.info.quantization, engine.info.weights_bytes)
         return self.state
+
+    def _start_gpu_telemetry(self, engine: EngineClient, metrics: ServerMetrics) -> None:
+        """On CUDA: sample NVML and the torch allocator now and every ``gpu_telemetry_interval_s``
+        (engine/server/gpu_telemetry.py); on CPU nothing (the GPU series stay absent)."""
+        config = getattr(getattr(engine, "core", None), "config", None)  # the EngineCore's EngineConfig
+        utilization = config.cache.gpu_memory_utilization if config is not None else None
+        self._gpu = GpuTelemetry.for_engine(metrics.engine, engine.device, utilization)
+        if self._gpu is not None:
+            self._gpu.sample()  # the series exist from the first scrape
+            self._gpu_task = asyncio.create_task(sample_every(self._gpu, self.settings.gpu_telemetry_interval_s))
+
+    async def _stop_gpu_telemetry(self) -> None:
+        if self._gpu_task is not None:
+            self._gpu_task.cancel()
+            await asyncio.gather(self._gpu_task, return_exceptions=True)
+        if self._gpu is not None:
+            self._gpu.close()
 
     async def drain(self) -> None:
         """Refuse new work and fail in-flight requests (their clients get an error, not a hang)."""
@@ -138,17 +161,12 @@ def _observe_mask_time(state: ServerState) -> None:
 
 
 def _set_device_memory(state: ServerState) -> None:
-    """CPU: KV cache + weights bytes of host memory (``kvscope_engine_device_memory_*``, docs/metrics.md). CUDA:
-    the device's used/total memory."""
+    """CPU: KV cache + weights bytes of host memory (``kvscope_engine_device_memory_*``, docs/metrics.md; fixed
+    once loaded). CUDA: left to the GPU telemetry, which refreshes the device's used/total memory."""
     device = state.engine.device
     info = state.engine.info
     state.metrics.set_weights(info.dtype, info.quantization, info.weights_bytes)
-    if device.startswith("cuda"):
-        import torch
-
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        state.metrics.set_device_memory(device, total - free, total)
-    else:
+    if not device.startswith("cuda"):
         used = info.kv_cache_bytes + info.weights_bytes
         state.metrics.set_device_memory(device, used, host_memory_bytes())
 

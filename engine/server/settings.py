@@ -148,6 +148,11 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
                                       env="OTEL_SERVICE_NAME")] = DEFAULT_SERVICE_NAME
     buckets: MetricBuckets = msgspec.field(default_factory=MetricBuckets)
     """Histogram buckets of the ``kvscope_engine_*`` metrics (``--ttft-buckets`` …, engine/server/metrics.py)."""
+    gpu_telemetry_interval_s: Annotated[float, Flag(
+        "seconds between samples of the CUDA device (NVML, torch allocator); CUDA only",
+        name="--gpu-telemetry-interval")] = 5.0
+    """Seconds between GPU telemetry samples (engine/server/gpu_telemetry.py): the Prometheus scrape interval of
+    the compose stack; a sample costs a few NVML calls (milliseconds, off the event loop)."""
     warmup: Annotated[bool, Flag("skip the warm-up generation", negate=True)] = True
     """Run one short generation before reporting healthy (first-call costs are paid before traffic)."""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], Flag()] = "info"
@@ -174,6 +179,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             raise ValueError(f"sse_keepalive_s must be positive, got {self.sse_keepalive_s}")
         if not (self.request_head_timeout_s > 0 and self.request_body_timeout_s > 0):
             raise ValueError("request_head_timeout_s and request_body_timeout_s must be positive")
+        if not self.gpu_telemetry_interval_s > 0:
+            raise ValueError(f"gpu_telemetry_interval_s must be positive, got {self.gpu_telemetry_interval_s}")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
         if self.max_sequences_per_request < 1:

@@ -77,7 +77,8 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
         "--prompt-lookup-max", "--sse-keepalive-s", "--max-concurrent-requests", "--max-sequences-per-request",
         "--structured-output-max-grammar-size", "--structured-output-max-pending-compiles",
         "--request-head-timeout", "--request-body-timeout", "--api-key",
-        "--enable-fault-injection", "--otlp-endpoint", "--service-name", "--ttft-buckets", "--tpot-buckets",
+        "--enable-fault-injection", "--otlp-endpoint", "--service-name", "--gpu-telemetry-interval", "--ttft-buckets",
+        "--tpot-buckets",
         "--duration-buckets", "--no-warmup", "--log-level", "--event-loop"])
     assert sorted(_options(_gateway_parser())) == sorted([
         "--config", "--host", "--port", "--upstream", "--tokenizer", "--api-key-hash", "--trusted-proxy",

@@ -46,6 +46,12 @@ EXPECTED = {
     "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": ("counter", ("model", "position")),
     "kvscope_engine_spec_decode_acceptance_length": ("histogram", ("model",)),
     "kvscope_engine_weights_bytes": ("gauge", ()),  # labelled model/dtype/quantization, set by the server at start
+    # CUDA only, set by engine/server/gpu_telemetry.py: no series after initialize() (absent on CPU, not 0)
+    **{f"kvscope_engine_{name}": ("gauge", ()) for name in (
+        "gpu_memory_budget_bytes", "gpu_utilization_ratio", "gpu_temperature_celsius", "gpu_power_watts",
+        "gpu_power_limit_watts", "gpu_throttled", "torch_memory_reserved_bytes", "torch_memory_allocated_bytes")},
+    "kvscope_engine_torch_alloc_retries": ("counter", ()),
+    "kvscope_engine_torch_ooms": ("counter", ()),
 }
 
 
