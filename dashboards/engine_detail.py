@@ -3,11 +3,14 @@ the KV cache is used. The overview links here when an engine panel looks wrong."
 
 from __future__ import annotations
 
+from dashboards.alert_thresholds import alert_threshold
 from dashboards.grafana import Json, Target, dashboard, dashboard_link, row, timeseries
 from dashboards.overview import EN, latency_targets
 from dashboards.promql import PromQL
 
 UID = "kvscope-engine"
+GENERATION = 'route=~"/v1/chat/completions|/v1/completions"'
+"""The engine's generation routes (the error-budget alert's)."""
 
 
 def _phases(q: PromQL) -> list[Json]:
@@ -34,10 +37,12 @@ def _phases(q: PromQL) -> list[Json]:
                    "prompt) of finished requests.",
                    [Target(q.mean(f"{EN}request_params_max_tokens"), "max_tokens"),
                     Target(q.mean(f"{EN}request_params_n"), "n")], "short", w=8),
-        timeseries("Engine HTTP 5xx ratio", "Share of the engine server's HTTP answers with a 5xx status "
-                   "(the gateway retries those on another replica, so the gateway's own ratio can stay low).",
-                   [Target(q.ratio(q.sum_rate(f"{EN}http_requests_total", 'status=~"5.."'),
-                                   q.sum_rate(f"{EN}http_requests_total")), "5xx")], "percentunit", w=8),
+        timeseries("Engine HTTP 5xx ratio", "Share of the engine server's generation requests answered with a "
+                   "5xx (the gateway retries those on another replica, so the gateway's own ratio can stay low); "
+                   "its /metrics and /health answers are not counted, as in KvscopeEngineHighErrorRate.",
+                   [Target(q.ratio(q.sum_rate(f"{EN}http_requests_total", GENERATION, 'status=~"5.."'),
+                                   q.sum_rate(f"{EN}http_requests_total", GENERATION)), "5xx")], "percentunit", w=8,
+                   threshold=alert_threshold("KvscopeEngineHighErrorRate", long_window="1h")),
         timeseries("Engine HTTP requests / s", "Requests answered by the engine server, by status and route.",
                    [Target(q.sum_rate(f"{EN}http_requests_total", by=("status", "route")),
                            "{{status}} {{route}}")], "reqps", stack=True),

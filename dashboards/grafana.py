@@ -48,12 +48,18 @@ def _panel(kind: str, title: str, description: str, targets: list[Target], w: in
 
 
 def timeseries(title: str, description: str, targets: list[Target], unit: str, *, stack: bool = False,
-               w: int = 12, h: int = 8, min_value: float | None = 0, max_value: float | None = None) -> Json:
-    """Line chart; ``stack`` stacks series (breakdowns that add up to a total)."""
+               w: int = 12, h: int = 8, min_value: float | None = 0, max_value: float | None = None,
+               threshold: float | None = None) -> Json:
+    """Line chart; ``stack`` stacks series (breakdowns that add up to a total); ``threshold`` draws a dashed
+    red line at that value (an alert's threshold: dashboards.alert_thresholds)."""
     panel = _panel("timeseries", title, description, targets, w, h)
     custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 25 if stack else 10, "showPoints": "never",
               "spanNulls": False, "stacking": {"group": "A", "mode": "normal" if stack else "none"}}
     defaults: Json = {"unit": unit, "custom": custom}
+    if threshold is not None:
+        custom["thresholdsStyle"] = {"mode": "dashed"}
+        defaults["thresholds"] = {"mode": "absolute", "steps": [{"color": "green", "value": None},
+                                                                {"color": "red", "value": threshold}]}
     if min_value is not None:
         defaults["min"] = min_value
     if max_value is not None:

@@ -7,6 +7,7 @@ dependencies (upstreams, log shipping, scrape targets) → request shapes.
 
 from __future__ import annotations
 
+from dashboards.alert_thresholds import alert_threshold
 from dashboards.grafana import Json, Target, dashboard, dashboard_link, heatmap, row, stat, timeseries
 from dashboards.promql import PromQL, up
 
@@ -72,6 +73,7 @@ def _slo_tiles(q: PromQL) -> list[Json]:
 
 def _traffic(q: PromQL) -> list[Json]:
     req = f"{GW}requests_total"
+    fivexx = q.sum_rate(req, 'status=~"5.."')
     return [
         row("Traffic and errors"),
         timeseries("Requests / s", "Requests finished per second at the gateway, by model.",
@@ -80,8 +82,11 @@ def _traffic(q: PromQL) -> list[Json]:
                    f"The SLO allows {1 - AVAILABILITY_SLO:.1%} of 5xx and broken streams together; "
                    "KvscopeHighErrorRate pages at 14.4x that over 1 h (and 5 m).",
                    [Target(q.ratio(q.sum_rate(req, 'status=~"5.."'), q.sum_rate(req)), "5xx"),
+                    Target(q.ratio(f"({fivexx} + {q.sum_rate(GW + 'stream_errors_total')})", q.sum_rate(req)),
+                           "5xx + streams broken after 200 (the SLO's errors)"),
                     Target(q.ratio(q.sum_rate(req, 'status=~"4.."'), q.sum_rate(req)), "4xx")],
-                   "percentunit", w=6),
+                   "percentunit", w=6,
+                   threshold=alert_threshold("KvscopeHighErrorRate", long_window="1h")),
         timeseries("Status breakdown", "Requests per second by HTTP status and route.",
                    [Target(q.sum_rate(req, by=("status", "route")), "{{status}} {{route}}")], "reqps",
                    stack=True, w=6),
@@ -113,8 +118,12 @@ def _latency(q: PromQL) -> list[Json]:
          "Whole request: gateway request duration (last byte sent) and engine arrival → finish."),
     ]
     panels: list[Json] = [row("Latency — gateway | engine")]
+    alerts = {"time_to_first_token_seconds": "KvscopeHighP99Latency",
+              "time_per_output_token_seconds": "KvscopeHighP99TimePerOutputToken"}  # their p99s
     for title, gw, en, description in pairs:
-        panels.append(timeseries(f"{title} (gateway)", description, latency_targets(q, GW + gw), "s"))
+        line = alert_threshold(alerts[gw]) if gw in alerts else None
+        panels.append(timeseries(f"{title} (gateway)", description, latency_targets(q, GW + gw), "s",
+                                 threshold=line))
         panels.append(timeseries(f"{title} (engine)", description, latency_targets(q, EN + en), "s"))
     panels.append(timeseries("Gateway overhead", "Time the gateway adds on top of the upstream "
                              "(auth, limits, routing, proxying), p50/p95/p99/mean.",
@@ -150,10 +159,10 @@ def _engine(q: PromQL) -> list[Json]:
         timeseries("KV-cache usage", "Fraction of KV blocks held by requests, per instance. Near 100 % the "
                    "scheduler preempts.", [Target(q.gauge(f"{EN}kv_cache_usage_ratio", by=("instance",),
                                                           agg="max"), "{{instance}}")],
-                   "percentunit", w=8, max_value=1),
+                   "percentunit", w=8, max_value=1, threshold=alert_threshold("KvscopeKVCachePressure")),
         timeseries("Preemptions / s", "Requests preempted (recomputed later) because KV blocks ran out.",
                    [Target(q.sum_rate(f"{EN}preemptions_total", by=("instance",)), "{{instance}}")], "short",
-                   w=8),
+                   w=8, threshold=alert_threshold("KvscopePreemptionStorm")),
         timeseries("Prefix-cache hit rate", "Prompt tokens served from the prefix cache / prompt tokens "
                    "looked up.", [Target(q.ratio(q.sum_rate(hits), q.sum_rate(queries)), "hit rate")],
                    "percentunit", w=8, max_value=1),

@@ -216,7 +216,7 @@ def test_every_panel_query_evaluates_in_prometheus(prometheus: PrometheusServer)
         except PromQLError as exc:
             errors[expr] = exc.message
     assert errors == {}
-    assert len(all_exprs()) == 129  # the GPU row: 12 queries
+    assert len(all_exprs()) == 130  # the GPU row: 12 queries; the SLO error ratio
 
 
 def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) -> None:
@@ -245,3 +245,32 @@ def test_render_draws_every_panel_and_reports_missing_data(prometheus: Prometheu
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r.title for r in results] == [p["title"] for p in dashboard["panels"] if p["type"] != "row"]
     assert all(q.error is None and not q.has_data for r in results for q in r.queries)
+
+
+def test_threshold_lines_are_the_alert_thresholds() -> None:
+    # Generated from alerts/kvscope.rules.yaml (dashboards.alert_thresholds): the page's burn-rate ratio, the
+    # p99 latency limits, KV-cache pressure and the preemption rate.
+    lines = {p["title"]: p["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"]
+             for d in DASHBOARDS.values() for p in d["panels"]
+             if p.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("thresholdsStyle")}
+    page = 14.4 * (1 - overview.AVAILABILITY_SLO)
+    assert lines == {"Error ratio": pytest.approx(page), "Engine HTTP 5xx ratio": pytest.approx(page),
+                     "Time to first token (gateway)": overview.TTFT_SLO_S,
+                     "Time per output token (gateway)": overview.P99_TPOT_S, "KV-cache usage": 0.9,
+                     "Preemptions / s": 0.2}
+
+
+def test_a_changed_alert_threshold_moves_its_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dashboards import alert_thresholds
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(alert_thresholds.RULES_FILE.read_text().replace(
+        "avg_over_time(kvscope_engine_kv_cache_usage_ratio[5m]) > 0.9", "avg_over_time(kvscope_engine_kv_cache_usage_ratio[5m]) > 0.8"))
+    monkeypatch.setattr(alert_thresholds, "RULES_FILE", rules)
+    alert_thresholds._rules.cache_clear()
+    try:
+        built = generate.build_dashboards(CATALOG)
+    finally:
+        alert_thresholds._rules.cache_clear()
+    kv = next(p for p in built["kvscope-overview.json"]["panels"] if p["title"] == "KV-cache usage")
+    assert kv["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] == 0.8
