@@ -98,6 +98,9 @@ draft slot of the configured `num_speculative_tokens` k (`"0"` … `"k-1"`, none
 draft with `a` accepted tokens counts once at positions 0 … a-1, so position i over `…_num_drafts_total` is
 the acceptance rate of the i-th proposed token.
 Latency histograms reach past the gateway's total timeout (1800 s): no request lands only in `+Inf`.
+Both services also export prometheus_client's standard process metrics (`process_cpu_seconds_total`,
+`process_resident_memory_bytes`, `process_open_fds`, … of the server process) and a `…_build_info` gauge,
+always 1, labelled with the kvscope `version` and the `python` version (count it by `version` during a rollout).
 
 GPU series (`kvscope_engine_gpu_*`, `kvscope_engine_torch_*`) exist only while the engine runs on a CUDA
 device: on CPU they are absent, not 0. The engine samples them every `--gpu-telemetry-interval` seconds (5 by

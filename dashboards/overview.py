@@ -192,6 +192,12 @@ def _dependencies(q: PromQL) -> list[Json]:
                    "short", w=8),
         timeseries("Scrape targets up", "Prometheus' scrape health of the selected targets.",
                    [Target(up(), "{{job}} {{instance}}")], "short", w=8, max_value=1),
+        timeseries("Versions running", "Processes per kvscope and Python version (the build_info series): "
+                   "two versions at once during a rollout, one after it.",
+                   [Target(q.gauge(f"{GW}build_info", by=("version", "python"), agg="count"),
+                           "gateway {{version}} (Python {{python}})"),
+                    Target(q.gauge(f"{EN}build_info", by=("version", "python"), agg="count"),
+                           "engine {{version}} (Python {{python}})")], "short", w=8),
         timeseries("Log records / s", "Request-log records per sink and final outcome: shipped, failed "
                    "(refused for good) or dropped (lost). Every record ends in exactly one, so the stack is "
                    "the records emitted.",

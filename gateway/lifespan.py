@@ -17,7 +17,7 @@ import httpx
 from litestar import Litestar
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gateway.auth import Authenticator
 from gateway.forwarded import ClientAddressResolver, parse_networks
@@ -43,7 +43,9 @@ def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = 
     """Wire the gateway's parts from ``settings``. ``registry`` defaults to a new one (not the global);
     ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones;
     ``metric_readers`` read the OTel GenAI metrics besides the OTLP exporter (tests)."""
-    metrics = GatewayMetrics(registry or CollectorRegistry(), settings.metrics)
+    registry = registry or CollectorRegistry()
+    ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_resident_memory_bytes & co.
+    metrics = GatewayMetrics(registry, settings.metrics)
     configured = configured_sinks(settings, metrics)
     metrics.initialize(tuple(u.label for u in settings.upstreams), tuple(s.name for s in configured))
     version = service_version()

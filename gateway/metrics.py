@@ -7,6 +7,9 @@ fixed vocabularies. vLLM equivalents are listed in docs/gateway.md.
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.settings import MetricsConfig
@@ -81,11 +84,15 @@ class GatewayMetrics:
                                            "sink (a transit state; each also ends in one final outcome).",
                                            ["sink"], **kw)
         self.log_spool_bytes = Gauge(p + "log_spool_bytes", "Bytes of request-log records spooled to disk.", **kw)
+        self.build_info = Gauge(p + "build_info", "Always 1, labelled with the kvscope version and the Python "
+                                "version the gateway runs (the Prometheus build_info convention).",
+                                ["version", "python"], **kw)
 
     def initialize(self, upstreams: tuple[str, ...] = (), sinks: tuple[str, ...] = ()) -> None:
         """Create the zero series of every bounded label set known at start, so that rates read 0 instead of
         "No data" before the first event (Prometheus instrumentation practice: export 0 for label sets known
         in advance)."""
+        self.build_info.labels(_kvscope_version(), platform.python_version()).set(1)
         for reason in RATE_LIMIT_REASONS:
             self.rate_limited.labels(reason)
         for upstream in upstreams:
@@ -127,3 +134,10 @@ class LogSinkMetrics:
 
     def on_spool_bytes(self, n: int) -> None:
         self._spool.set(n)
+
+
+def _kvscope_version() -> str:
+    try:
+        return importlib.metadata.version("kvscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"

@@ -16,6 +16,8 @@ alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (t
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -213,6 +215,10 @@ class EngineMetrics:
             "kvscope_engine_device_memory_total_bytes",
             "Device memory capacity: VRAM on CUDA; the host's physical memory on CPU.",
             ["device"], registry=r)
+        self.build_info = Gauge(
+            "kvscope_engine_build_info", "Always 1, labelled with the kvscope version and the Python version the "
+            "engine runs (the Prometheus build_info convention: join on it, count versions during a rollout).",
+            ["version", "python"], registry=r)
         self.weights_bytes = Gauge(
             "kvscope_engine_weights_bytes",
             "Bytes of model weights held (compact int4/int8 and dense packed copies), labelled with the weight "
@@ -304,6 +310,7 @@ class EngineMetrics:
         for phase, causes in LATENCY_CAUSES.items():
             for cause in causes:
                 self.latency_cause.labels(model=model, phase=phase, cause=cause)
+        self.build_info.labels(version=kvscope_version(), python=platform.python_version()).set(1)
         for route in GENERATION_ROUTES:  # the success and the 5xx series the dashboards divide
             for status in ("200", "500"):
                 self.http_requests.labels(route=route, status=status)
@@ -318,6 +325,14 @@ class EngineMetrics:
             metric.labels(model=model)  # at zero with speculation off too, as every other counter
         for position in range(self.num_speculative_tokens):
             self.spec_decode_num_accepted_tokens_per_pos.labels(model=model, position=str(position))
+
+
+def kvscope_version() -> str:
+    """The installed ``kvscope`` distribution's version (``0.1.0`` from a bare checkout)."""
+    try:
+        return importlib.metadata.version("kvscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
 
 
 def acceptance_length_buckets(num_speculative_tokens: int) -> tuple[float, ...]:

@@ -3,10 +3,18 @@ validation, and exposition after initialize()."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.server.metrics import FINISH_REASONS, KV_BLOCK_STATES, EngineMetrics, MetricBuckets
+from engine.server.metrics import (
+    FINISH_REASONS,
+    KV_BLOCK_STATES,
+    EngineMetrics,
+    MetricBuckets,
+    kvscope_version,
+)
 
 EXPECTED = {
     "kvscope_engine_requests_running": ("gauge", ("model",)),
@@ -46,6 +54,7 @@ EXPECTED = {
     "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": ("counter", ("model", "position")),
     "kvscope_engine_spec_decode_acceptance_length": ("histogram", ("model",)),
     "kvscope_engine_weights_bytes": ("gauge", ()),  # labelled model/dtype/quantization, set by the server at start
+    "kvscope_engine_build_info": ("gauge", ("python", "version")),
     # CUDA only, set by engine/server/gpu_telemetry.py: no series after initialize() (absent on CPU, not 0)
     **{f"kvscope_engine_{name}": ("gauge", ()) for name in (
         "gpu_memory_budget_bytes", "gpu_utilization_ratio", "gpu_temperature_celsius", "gpu_power_watts",
@@ -76,6 +85,13 @@ def test_initialize_creates_each_label_value_at_zero() -> None:
         assert f'kvscope_engine_kv_cache_blocks{{model="m",state="{state}"}} 0.0' in text
     assert 'kvscope_engine_device_memory_total_bytes{device="cuda:0"} 0.0' in text
     assert 'kvscope_engine_time_to_first_token_seconds_bucket{le="0.001",model="m"} 0.0' in text
+
+
+def test_build_info_is_one_with_the_versions() -> None:
+    registry = CollectorRegistry()
+    EngineMetrics(registry).initialize("m", "cpu")
+    assert registry.get_sample_value("kvscope_engine_build_info", {
+        "version": kvscope_version(), "python": platform.python_version()}) == 1.0
 
 
 def test_observations_land_in_the_right_buckets() -> None:
