@@ -4,8 +4,9 @@ Names, units, attributes and bucket boundaries are those of OTel semantic conven
 conventions for generative AI metrics":
 
 - client (the gateway calling an upstream): ``gen_ai.client.operation.duration`` (s),
-  ``gen_ai.client.token.usage`` ({token}, attribute ``gen_ai.token.type`` = ``input`` | ``output``) and
-  ``gen_ai.client.operation.time_to_first_chunk`` (s, streams);
+  ``gen_ai.client.token.usage`` ({token}, attribute ``gen_ai.token.type`` = ``input`` | ``output``),
+  ``gen_ai.client.operation.time_to_first_chunk`` and ``gen_ai.client.operation.time_per_output_chunk`` (s,
+  streams; the duration buckets 0.01 … 81.92 s);
 - server (the engine): ``gen_ai.server.request.duration``, ``gen_ai.server.time_to_first_token`` and
   ``gen_ai.server.time_per_output_token`` (s).
 
@@ -33,7 +34,10 @@ TOKEN_USAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048
 """``gen_ai.client.token.usage``."""
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                                7.5, 10.0)
-"""``gen_ai.server.time_to_first_token`` and ``gen_ai.client.operation.time_to_first_chunk``."""
+"""``gen_ai.server.time_to_first_token``."""
+CHUNK_BUCKETS = OPERATION_DURATION_BUCKETS
+"""``gen_ai.client.operation.time_to_first_chunk`` and ``…time_per_output_chunk``: the semconv gives them the
+operation duration's boundaries, 0.01 … 81.92 s."""
 TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 """``gen_ai.server.time_per_output_token``."""
 
@@ -68,12 +72,20 @@ class GenAiClientMetrics:
         self.time_to_first_chunk = meter.create_histogram(
             "gen_ai.client.operation.time_to_first_chunk", unit="s",
             description="Time to receive the first chunk of a streamed response.",
-            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS)
+            explicit_bucket_boundaries_advisory=CHUNK_BUCKETS)
+        self.time_per_output_chunk = meter.create_histogram(
+            "gen_ai.client.operation.time_per_output_chunk", unit="s",
+            description="Time per output chunk after the first of a streamed response.",
+            explicit_bucket_boundaries_advisory=CHUNK_BUCKETS)
 
     def record(self, attributes: Mapping[str, Any], duration_s: float, input_tokens: int | None,
-               output_tokens: int | None, time_to_first_chunk_s: float | None) -> None:
+               output_tokens: int | None, time_to_first_chunk_s: float | None,
+               time_per_output_chunk_s: float | None = None) -> None:
         """One upstream call; ``attributes`` as :mod:`gateway.genai_attrs` builds them (only the metric
-        attributes of the semconv are kept: operation, provider, models, server address/port, error.type)."""
+        attributes of the semconv are kept: operation, provider, models, server address/port, error.type).
+        ``time_per_output_chunk_s``: the stream's mean gap between chunks after the first, recorded once per
+        stream (the semconv records each gap; one observation keeps OTel out of the relay's per-chunk path,
+        as the gateway's own time-per-output-token histogram does)."""
         attrs = {k: v for k, v in attributes.items() if k in _METRIC_ATTRIBUTES}
         self.duration.record(duration_s, attrs)
         for kind, value in (("input", input_tokens), ("output", output_tokens)):
@@ -81,6 +93,8 @@ class GenAiClientMetrics:
                 self.token_usage.record(value, {**attrs, "gen_ai.token.type": kind})
         if time_to_first_chunk_s is not None:
             self.time_to_first_chunk.record(time_to_first_chunk_s, attrs)
+        if time_per_output_chunk_s is not None:
+            self.time_per_output_chunk.record(time_per_output_chunk_s, attrs)
 
 
 class GenAiServerMetrics:

@@ -326,6 +326,13 @@ class ProxyCall:
         await self.client.body(data_event(err.body()))
         await self.client.body(b"", final=True)
 
+    def _time_per_output_chunk(self) -> float | None:
+        """The stream's mean gap between its token chunks after the first (s); None with fewer than 2."""
+        ctx = self.ctx
+        if not ctx.stream or ctx.first_token_at is None or self.last_token_at is None or ctx.output_events < 2:
+            return None
+        return (self.last_token_at - ctx.first_token_at) / (ctx.output_events - 1)
+
     def _end_client_span(self) -> None:
         span, ctx = self.client_span, self.ctx
         if span is None:
@@ -335,7 +342,7 @@ class ProxyCall:
         usage = ctx.usage or {}
         self.gw.genai.record({**self.base_attrs, **attrs}, time.perf_counter() - self.call_start,
                              usage.get("prompt_tokens"), ctx.output_tokens,
-                             attrs.get("gen_ai.response.time_to_first_chunk"))
+                             attrs.get("gen_ai.response.time_to_first_chunk"), self._time_per_output_chunk())
         if "error.type" in attrs:
             span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
         if ctx.engine is None and ctx.first_token_at is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from kvscope.otel_genai import OPERATION_DURATION_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS, TOKEN_USAGE_BUCKETS
+from kvscope.otel_genai import CHUNK_BUCKETS, OPERATION_DURATION_BUCKETS, TOKEN_USAGE_BUCKETS
 from tests.gateway.conftest import KEYS, build_stack
 from tests.gateway.harness import LoopThread
 from tests.otlp_receiver import OtlpReceiver
@@ -34,7 +34,7 @@ def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
     loop.stop()
 
     assert {"gen_ai.client.operation.duration", "gen_ai.client.token.usage",
-            "gen_ai.client.operation.time_to_first_chunk"} <= set(points)
+            "gen_ai.client.operation.time_to_first_chunk", "gen_ai.client.operation.time_per_output_chunk"} <= set(points)
     base = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "kvscope",
             "gen_ai.request.model": "fake-model", "gen_ai.response.model": "fake-model",
             "server.address": "127.0.0.1", "server.port": fakes["main"].port}
@@ -47,5 +47,8 @@ def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
     assert list(usage["input"].explicit_bounds) == [float(b) for b in TOKEN_USAGE_BUCKETS]
     (attrs, ttfc), = points["gen_ai.client.operation.time_to_first_chunk"]
     assert attrs == base and ttfc.count == 1  # the stream only
-    assert list(ttfc.explicit_bounds) == list(TIME_TO_FIRST_TOKEN_BUCKETS)
+    assert list(ttfc.explicit_bounds) == list(CHUNK_BUCKETS) == [0.01 * 2**i for i in range(14)]  # semconv
+    (attrs, tpoc), = points["gen_ai.client.operation.time_per_output_chunk"]
+    assert attrs == base and tpoc.count == 1  # the stream's 3 chunks: one mean gap
+    assert list(tpoc.explicit_bounds) == list(CHUNK_BUCKETS)
     assert {"service.name": "kvscope-gateway"}.items() <= resources[-1].items()
