@@ -116,7 +116,8 @@ compare memory used with that budget, never with the total.
 Exemplars: `/metrics` (gateway and engine) answers in OpenMetrics 1.0 when the scraper's `Accept` asks for
 `application/openmetrics-text`, else in the Prometheus text format. The gateway's request-duration, TTFT
 and TPOT histograms carry the `trace_id` of a sampled request as an exemplar (the same id as the request log's
-`trace.id`); compose runs Prometheus with `--enable-feature=exemplar-storage`, and the Grafana Prometheus
+`trace.id`), and so do the engine's latency histograms (TTFT, e2e, queue, prefill, decode, TPOT, inference time:
+the trace id of the request's `llm_request` span); compose runs Prometheus with `--enable-feature=exemplar-storage`, and the Grafana Prometheus
 datasource links `trace_id` to the Jaeger datasource (`exemplarTraceIdDestinations`), so a p99 point opens the
 trace of a slow request.
 """

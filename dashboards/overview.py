@@ -38,8 +38,12 @@ EN = "kvscope_engine_"
 
 
 EXEMPLAR_HISTOGRAMS = frozenset({f"{GW}time_to_first_token_seconds", f"{GW}time_per_output_token_seconds",
-                                 f"{GW}request_duration_seconds"})
-"""Gateway histograms observed with an exemplar (the trace id of a sampled request, gateway/observe.py)."""
+                                 f"{GW}request_duration_seconds",
+                                 *(f"{EN}{n}_seconds" for n in ("time_to_first_token", "e2e_request_latency",
+                                                                 "queue_time", "prefill_time", "decode_time",
+                                                                 "time_per_output_token", "request_inference_time"))})
+"""Histograms observed with an exemplar (the trace id of a sampled request): the gateway's (gateway/observe.py)
+and the engine's latency histograms (engine/server/request_state.py)."""
 
 
 def latency_targets(q: PromQL, hist: str) -> list[Target]:

@@ -140,14 +140,15 @@ class RequestState:
             if choice.stats is None and snapshots and choice.index in snapshots:
                 choice.stats = snapshots[choice.index]
         timings = [self._timings(c, outcome, now) for c in self.choices]
+        span = tracing.record(self._spans(outcome, now, timings))
+        exemplar = {"trace_id": span.trace_id} if span.sampled else None  # a trace the backend holds
         for t in timings:
-            self.metrics.on_sequence_finished(t)
+            self.metrics.on_sequence_finished(t, exemplar)
         self.metrics.on_request_params(self.params.n, self.params.max_tokens)
         error_type = None if outcome.kind == "success" else (outcome.error_type or outcome.kind)
         self.metrics.on_request_done(self.operation, timings, error_type)
-        trace_id, span_id = tracing.record(self._spans(outcome, now, timings))
         if access is not None:
-            access.set_request_details(self._log_fields(outcome, timings, trace_id, span_id))
+            access.set_request_details(self._log_fields(outcome, timings, span.trace_id, span.span_id))
 
     def _timings(self, choice: ChoiceState, outcome: Outcome, now: float) -> SequenceTimings:
         stats = choice.stats or _NO_STATS

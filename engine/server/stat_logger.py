@@ -123,22 +123,24 @@ class ServerMetrics:
         if inter_token_s is not None:
             self.engine.inter_token_latency.labels(model=self.model).observe(inter_token_s)
 
-    def on_sequence_finished(self, t: SequenceTimings) -> None:
-        """Latency and length histograms of one finished sequence plus ``request_success{finish_reason}``."""
+    def on_sequence_finished(self, t: SequenceTimings, exemplar: dict[str, str] | None = None) -> None:
+        """Latency and length histograms of one finished sequence plus ``request_success{finish_reason}``.
+        ``exemplar`` (``{"trace_id": …}`` of the request's sampled trace) goes on the latency observations, so a
+        slow bucket links to its trace (OpenMetrics exemplars, as the gateway's)."""
         m, model = self.engine, self.model
         m.request_success.labels(model=model, finish_reason=t.finish_reason).inc()
-        m.e2e_request_latency.labels(model=model).observe(t.e2e_s)
+        m.e2e_request_latency.labels(model=model).observe(t.e2e_s, exemplar)
         m.request_generation_tokens.labels(model=model).observe(t.num_output_tokens)
         for histogram, value in ((m.time_to_first_token, t.ttft_s), (m.queue_time, t.queue_s),
                                  (m.prefill_time, t.prefill_s), (m.decode_time, t.decode_s),
                                  (m.time_per_output_token, t.tpot_s)):
             if value is not None:
-                histogram.labels(model=model).observe(value)
+                histogram.labels(model=model).observe(value, exemplar)
         for (phase, cause), seconds in (t.causes or {}).items():
             if seconds > 0:
                 m.latency_cause.labels(model=model, phase=phase, cause=cause).inc(seconds)
         if t.prefill_s is not None:
-            m.request_inference_time.labels(model=model).observe(t.prefill_s + (t.decode_s or 0.0))
+            m.request_inference_time.labels(model=model).observe(t.prefill_s + (t.decode_s or 0.0), exemplar)
 
     def on_request_done(self, operation: str, timings: list[SequenceTimings], error_type: str | None) -> None:
         """The OTel GenAI server metrics of one request (semconv 1.41): duration = the longest choice's

@@ -19,7 +19,7 @@ import importlib.metadata
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -124,6 +124,15 @@ def spec_decode_attributes(drafts: int | None, draft_tokens: int | None, accepte
             "kvscope.spec_decode.mean_accepted_length": mean_accepted_length or 1.0}
 
 
+class RecordedSpan(NamedTuple):
+    """The ids of a request's ``llm_request`` span (lowercase hex) and whether its trace is sampled (exported:
+    only then may a metric exemplar point at it)."""
+
+    trace_id: str
+    span_id: str
+    sampled: bool
+
+
 def package_version() -> str:
     """The installed ``kvscope`` distribution's version (``0.1.0`` when running from a bare checkout)."""
     try:
@@ -164,9 +173,10 @@ class Tracing:
                                             "tracestate": headers.get("tracestate", "")})
         return context or None
 
-    def record(self, spans: RequestSpans) -> tuple[str, str]:
+    def record(self, spans: RequestSpans) -> RecordedSpan:
         """Emit ``llm_request`` (SERVER) with children ``queue``, ``prefill`` (chunk/preemption events) and
-        ``decode``. Returns the (trace id, span id) of ``llm_request`` as lowercase hex."""
+        ``decode``. Returns the trace id and span id of ``llm_request`` (lowercase hex) and whether it is
+        sampled."""
         def wall(mono: float) -> int:
             return spans.arrival_wall_ns + int((mono - spans.arrival) * 1e9)
 
@@ -189,7 +199,7 @@ class Tracing:
             root.set_status(Status(StatusCode.ERROR, spans.error))
         root.end(end_time=wall(spans.end))
         ctx = root.get_span_context()
-        return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+        return RecordedSpan(f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}", ctx.trace_flags.sampled)
 
     def _child(self, name: str, parent: Context, start_ns: int, end_ns: int, events: list[TimelineEvent],
                wall: Callable[[float], int], attributes: Mapping[str, Any] | None = None) -> None:
