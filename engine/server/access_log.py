@@ -57,6 +57,8 @@ class AccessRecord:
         """Status to log instead of the one sent (499 when the client left before a non-streamed answer)."""
         self.error: dict[str, Any] | None = None
         self.details: dict[str, Any] = {}
+        self.server_span: Any = None
+        """The request's HTTP SERVER span (engine/server/tracing.py), None for probes and scrapes."""
 
     def set_error(self, type: str, message: str, code: str | int | None = None) -> None:
         self.error = {"type": type, "message": message, **({"code": code} if code is not None else {})}
@@ -115,9 +117,13 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
 class AccessLogMiddleware:
     """ASGI middleware for every routed request: count it, and log it unless it is a quiet success."""
 
-    def __init__(self, app: Callable, on_done: Callable[[AccessRecord, str], None]) -> None:
+    def __init__(self, app: Callable, on_done: Callable[[AccessRecord, str], None],
+                 on_start: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """``on_start(scope)`` returns the request's HTTP SERVER span (kept on the record), ``on_done(record,
+        route)`` runs when the response ended."""
         self.app = app
         self.on_done = on_done
+        self.on_start = on_start
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -126,6 +132,8 @@ class AccessLogMiddleware:
         request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
         record = AccessRecord(scope["method"], scope["path"], request_id)
         scope["kvscope.access"] = record
+        if self.on_start is not None:
+            record.server_span = self.on_start(scope)
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":

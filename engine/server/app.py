@@ -130,9 +130,17 @@ class AppContext:
         self.state.draining = True
         await asyncio.to_thread(self.state.engine.stop)
 
+    def on_access_start(self, scope: dict[str, Any]) -> Any:
+        """The request's HTTP SERVER span (None before start-up ends, and for probes and scrapes)."""
+        return self.state.tracing.start_server_span(scope) if self.state is not None else None
+
     def on_access_done(self, record: AccessRecord, route: str) -> None:
         if self.state is not None:
             self.state.on_access_done(record, route)
+            if record.server_span is not None:
+                error = record.error["type"] if record.error else None
+                self.state.tracing.end_server_span(record.server_span, record.method, record.final_status, route,
+                                                   error)
 
     def on_unrouted(self, request: Any, error: Any) -> None:
         if self.state is not None:
@@ -186,7 +194,8 @@ def create_app(settings: ServerSettings | None = None, engine_config: EngineConf
         route_handlers=ROUTES,
         lifespan=[context.lifespan],
         exception_handlers=exception_handlers(),
-        middleware=[DefineMiddleware(AccessLogMiddleware, on_done=context.on_access_done)],
+        middleware=[DefineMiddleware(AccessLogMiddleware, on_done=context.on_access_done,
+                                     on_start=context.on_access_start)],
         openapi_config=OpenAPIConfig(title="kvscope engine", version="0.1.0",
                                      description="OpenAI-compatible API of the kvscope engine."),
         state=State({"unrouted_hook": context.on_unrouted, "context": context}),

@@ -140,7 +140,7 @@ class RequestState:
             if choice.stats is None and snapshots and choice.index in snapshots:
                 choice.stats = snapshots[choice.index]
         timings = [self._timings(c, outcome, now) for c in self.choices]
-        span = tracing.record(self._spans(outcome, now, timings))
+        span = tracing.record(self._spans(outcome, now, timings), getattr(access, "server_span", None))
         exemplar = {"trace_id": span.trace_id} if span.sampled else None  # a trace the backend holds
         for t in timings:
             self.metrics.on_sequence_finished(t, exemplar)
@@ -185,7 +185,8 @@ class RequestState:
                 ttft = None if choice.stats is None else choice.stats.ttft_s
                 token_time = None if ttft is None else self.arrival + ttft
                 self.timeline.finish_prefill(child, len(prompt), token_time)
-        error = None if outcome.kind == "success" else (outcome.error_message or outcome.kind)
+        # a client that left is not a failure of the server (HTTP semconv); kvscope.outcome says it
+        error = None if outcome.kind in ("success", "client_disconnected") else (outcome.error_message or outcome.kind)
         return RequestSpans(
             timeline=self.timeline, arrival=self.arrival, arrival_wall_ns=self.arrival_wall_ns, end=now,
             first_scheduled=earliest([t.queue_s for t in timings]), first_token=first_token,

@@ -1,4 +1,12 @@
-"""OpenTelemetry traces of engine requests: ``llm_request`` → ``queue``, ``prefill``, ``decode``.
+"""OpenTelemetry traces of engine requests: ``POST /v1/chat/completions`` (HTTP SERVER) → ``llm_request``
+(INTERNAL, the generation) → ``queue``, ``prefill``, ``decode``.
+
+The HTTP SERVER span follows the OTel semconv 1.41 HTTP server span (``http.request.method``, ``url.path``,
+``url.scheme``, ``network.protocol.version``, ``client.address``, ``user_agent.original``, then ``http.route``,
+``http.response.status_code`` and, for a 5xx only, ``error.type`` with status ERROR): the access-log middleware
+opens it for every API request (probes and scrapes excepted: :data:`UNTRACED_ROUTES`), so a request refused before
+admission (400, 429, 503) has its span too. A client that disconnects is not an error of the server: its
+``llm_request`` keeps an unset status and says ``kvscope.outcome = client_disconnected``.
 
 Spans are built retrospectively when a request ends, with explicit start/end times taken from the request's
 monotonic timestamps (arrival, first scheduled, first token, last token) mapped onto the wall clock at arrival.
@@ -25,7 +33,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.core.request import Request
@@ -124,6 +132,11 @@ def spec_decode_attributes(drafts: int | None, draft_tokens: int | None, accepte
             "kvscope.spec_decode.mean_accepted_length": mean_accepted_length or 1.0}
 
 
+UNTRACED_ROUTES = ("/health", "/metrics")
+"""Path prefixes that get no HTTP SERVER span: liveness probes and scrapes (several a second, never a user's
+request)."""
+
+
 class RecordedSpan(NamedTuple):
     """The ids of a request's ``llm_request`` span (lowercase hex) and whether its trace is sampled (exported:
     only then may a metric exemplar point at it)."""
@@ -173,14 +186,47 @@ class Tracing:
                                             "tracestate": headers.get("tracestate", "")})
         return context or None
 
-    def record(self, spans: RequestSpans) -> RecordedSpan:
-        """Emit ``llm_request`` (SERVER) with children ``queue``, ``prefill`` (chunk/preemption events) and
-        ``decode``. Returns the trace id and span id of ``llm_request`` (lowercase hex) and whether it is
-        sampled."""
+    def start_server_span(self, scope: Mapping[str, Any]) -> Span | None:
+        """The HTTP SERVER span of the ASGI request ``scope`` (child of its ``traceparent``), None for
+        :data:`UNTRACED_ROUTES`; end it with :meth:`end_server_span`."""
+        path = scope.get("path", "")
+        if path.startswith(UNTRACED_ROUTES):
+            return None
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        method = scope.get("method", "GET")
+        attributes: dict[str, Any] = {"http.request.method": method, "url.path": path,
+                                      "url.scheme": scope.get("scheme", "http"),
+                                      "network.protocol.version": scope.get("http_version", "1.1")}
+        if scope.get("client"):
+            attributes["client.address"] = scope["client"][0]
+        if "user-agent" in headers:
+            attributes["user_agent.original"] = headers["user-agent"]
+        return self.tracer.start_span(method, context=self.extract(headers), kind=SpanKind.SERVER,
+                                      attributes=attributes)
+
+    def end_server_span(self, span: Span, method: str, status: int, route: str | None,
+                        error_type: str | None) -> None:
+        """Name the span ``{method} {route}`` and end it with the response status: ERROR with ``error.type``
+        (``error_type``, else the status code) for a 5xx only (4xx stays unset on a server span, as the HTTP
+        semconv says)."""
+        if route:
+            span.set_attribute("http.route", route)
+            span.update_name(f"{method} {route}")
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_attribute("error.type", error_type or str(status))
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    def record(self, spans: RequestSpans, server_span: Span | None = None) -> RecordedSpan:
+        """Emit ``llm_request`` (INTERNAL, under ``server_span``, the request's HTTP SERVER span, else under the
+        incoming ``traceparent``) with children ``queue``, ``prefill`` (chunk/preemption events) and ``decode``.
+        Returns the trace id and span id of ``llm_request`` (lowercase hex) and whether it is sampled."""
         def wall(mono: float) -> int:
             return spans.arrival_wall_ns + int((mono - spans.arrival) * 1e9)
 
-        root = self.tracer.start_span("llm_request", context=spans.timeline.parent, kind=SpanKind.SERVER,
+        parent = set_span_in_context(server_span) if server_span is not None else spans.timeline.parent
+        root = self.tracer.start_span("llm_request", context=parent, kind=SpanKind.INTERNAL,
                                       start_time=wall(spans.arrival), attributes=spans.attributes)
         parent = set_span_in_context(root)
         queue_end = spans.first_scheduled if spans.first_scheduled is not None else spans.end

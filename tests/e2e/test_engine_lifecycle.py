@@ -186,15 +186,15 @@ def test_m1_latency_histograms_are_true(engine, client):
 
 def _span_tree(receiver, trace_hex: str) -> dict:
     spans = [s for s in receiver.spans() if s.trace_id.hex() == trace_hex]
-    return {s.name: s for s in spans} if len(spans) == 4 else {}
+    return {s.name: s for s in spans} if len(spans) == 5 else {}
 
 
 def test_m3_one_trace_per_request_over_otlp(engine, client, receiver):
     body = client.post(CHAT, json=chat("hi", max_tokens=4), headers={"traceparent": TRACEPARENT}).json()
     named = wait_for(lambda: _span_tree(receiver, "4bf92f3577b34da6a3ce929d0e0e4736"), 10)
-    assert set(named) == {"llm_request", "queue", "prefill", "decode"}
-    root = named["llm_request"]
-    assert root.parent_span_id.hex() == "00f067aa0ba902b7"
+    assert set(named) == {"POST /v1/chat/completions", "llm_request", "queue", "prefill", "decode"}
+    server, root = named["POST /v1/chat/completions"], named["llm_request"]
+    assert server.parent_span_id.hex() == "00f067aa0ba902b7" and root.parent_span_id == server.span_id
     assert all(named[c].parent_span_id == root.span_id for c in ("queue", "prefill", "decode"))
     attrs = {a.key: a.value for a in root.attributes}
     assert attrs["gen_ai.request.model"].string_value == "smollm2-135m"
@@ -207,4 +207,4 @@ def test_m3_one_trace_per_request_over_otlp(engine, client, receiver):
     plain = client.post(CHAT, json=chat("hi", max_tokens=2)).json()
     trace = log_line(engine, plain["id"])["trace"]["id"]
     tree = wait_for(lambda: _span_tree(receiver, trace), 10)
-    assert tree["llm_request"].parent_span_id == b""
+    assert tree["POST /v1/chat/completions"].parent_span_id == b""

@@ -199,33 +199,37 @@ def test_m1_latency_histograms_are_true(stack, client):
     assert {120.0, 300.0, 600.0} <= duration_bounds
 
 
-def spans_by_trace(stack, trace_id: str) -> dict[str, tuple[str, object]]:
-    """Span name → (service.name, span) of every span of ``trace_id`` the receiver holds."""
+def spans_by_trace(stack, trace_id: str) -> dict[tuple[str, str], object]:
+    """(service.name, span name) → span, of every span of ``trace_id`` the receiver holds."""
     out = {}
     for request in stack.receiver.requests:
         for rs in request.resource_spans:
             service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
             for span in (s for ss in rs.scope_spans for s in ss.spans if s.trace_id.hex() == trace_id):
-                assert span.name not in out, f"two spans named {span.name}"
-                out[span.name] = (service, span)
+                assert (service, span.name) not in out, f"two spans named {span.name} in {service}"
+                out[(service, span.name)] = span
     return out
 
 
 GATEWAY_SPANS = ("POST /v1/chat/completions", f"chat {MODEL}")
-ENGINE_SPANS = ("llm_request", "queue", "prefill", "decode")
+ENGINE_SPANS = ("POST /v1/chat/completions", "llm_request", "queue", "prefill", "decode")
 
 
 def one_trace(stack, trace_id: str) -> dict:
-    """The request's six spans (gateway server + client, engine llm_request/queue/prefill/decode), checked
-    to form one tree: server → client → llm_request → queue|prefill|decode."""
-    named = wait_for(lambda: (s := spans_by_trace(stack, trace_id)) and len(s) == 6 and s, 10)
-    assert set(named) == {*GATEWAY_SPANS, *ENGINE_SPANS}
-    assert {named[n][0] for n in GATEWAY_SPANS} == {"kvscope-gateway"}
-    assert {named[n][0] for n in ENGINE_SPANS} == {"kvscope-engine"}
-    span = {name: s for name, (_, s) in named.items()}
-    server, client_span, root = span[GATEWAY_SPANS[0]], span[GATEWAY_SPANS[1]], span["llm_request"]
-    assert client_span.parent_span_id == server.span_id and root.parent_span_id == client_span.span_id
-    assert all(span[c].parent_span_id == root.span_id for c in ENGINE_SPANS[1:])
+    """The request's seven spans (gateway server + client, engine HTTP server, llm_request, queue, prefill,
+    decode), checked to form one tree: server → client → engine server → llm_request → queue|prefill|decode.
+    Returns them by role: ``gateway server``, ``client``, ``engine server``, ``llm_request``, the phases."""
+    named = wait_for(lambda: (s := spans_by_trace(stack, trace_id)) and len(s) == 7 and s, 10)
+    assert set(named) == {("kvscope-gateway", n) for n in GATEWAY_SPANS} | {("kvscope-engine", n)
+                                                                            for n in ENGINE_SPANS}
+    span = {"gateway server": named[("kvscope-gateway", GATEWAY_SPANS[0])],
+            "client": named[("kvscope-gateway", GATEWAY_SPANS[1])],
+            "engine server": named[("kvscope-engine", ENGINE_SPANS[0])],
+            **{n: named[("kvscope-engine", n)] for n in ENGINE_SPANS[1:]}}
+    assert span["client"].parent_span_id == span["gateway server"].span_id
+    assert span["engine server"].parent_span_id == span["client"].span_id
+    assert span["llm_request"].parent_span_id == span["engine server"].span_id
+    assert all(span[c].parent_span_id == span["llm_request"].span_id for c in ENGINE_SPANS[2:])
     return span
 
 
@@ -234,7 +238,7 @@ def test_m3_one_trace_through_gateway_and_engine(stack, client):
                                                                        "x-request-id": "gw-m3"})
     assert traced.status_code == 200
     span = one_trace(stack, TRACE_ID)
-    server = span[GATEWAY_SPANS[0]]
+    server = span["gateway server"]
     assert server.parent_span_id.hex() == PARENT_ID
     line = stack.gateway_line("gw-m3")
     assert (line["trace"]["id"], line["span"]["id"]) == (TRACE_ID, server.span_id.hex())
@@ -245,7 +249,7 @@ def test_m3_one_trace_through_gateway_and_engine(stack, client):
     trace_id = stack.gateway_line("gw-m3-root")["trace"]["id"]
     assert trace_id != TRACE_ID
     rooted = one_trace(stack, trace_id)
-    assert rooted[GATEWAY_SPANS[0]].parent_span_id == b""  # the gateway starts the trace
+    assert rooted["gateway server"].parent_span_id == b""  # the gateway starts the trace
     assert stack.engine_line("gw-m3-root")["trace"]["id"] == trace_id
     roots = [s for s in stack.receiver.spans()
              if s.name == "llm_request" and _attr(s, "gen_ai.response.id") == plain.json()["id"]]

@@ -1,11 +1,15 @@
-"""Spans of a request (case M3) with the in-memory exporter, and the engine timeline → span events."""
+"""Spans of a request (case M3) with the in-memory exporter, and the engine timeline → span events: an HTTP
+SERVER span (HTTP semconv) around the INTERNAL ``llm_request``, a span for a refused request, a disconnect that
+is no error (issue 39)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import logging
+import time
 
+import httpx
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -14,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.access_log import ACCESS_LOGGER
 from engine.server.tracing import RequestSpans, RequestTimeline, Tracing, observe_step
 from tests.engine.server.conftest import chat_body
+from tests.engine.server.helpers import serve_in_thread
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -28,11 +33,18 @@ def test_traceparent_is_continued_with_phase_children(client, spans, caplog):
     body = client.post("/v1/chat/completions", json=chat_body(max_tokens=4),
                        headers={"traceparent": TRACEPARENT}).json()
     named = _by_name(spans)
-    assert sorted(named) == ["decode", "llm_request", "prefill", "queue"]
-    root = named["llm_request"]
+    assert sorted(named) == ["POST /v1/chat/completions", "decode", "llm_request", "prefill", "queue"]
+    server, root = named["POST /v1/chat/completions"], named["llm_request"]
     assert {f"{s.context.trace_id:032x}" for s in named.values()} == {"4bf92f3577b34da6a3ce929d0e0e4736"}
-    assert f"{root.parent.span_id:016x}" == "00f067aa0ba902b7" and root.parent.is_remote
-    assert root.kind == SpanKind.SERVER
+    assert f"{server.parent.span_id:016x}" == "00f067aa0ba902b7" and server.parent.is_remote
+    assert (server.kind, root.kind, root.parent.span_id) == (SpanKind.SERVER, SpanKind.INTERNAL,
+                                                             server.context.span_id)
+    assert {k: v for k, v in server.attributes.items() if k != "client.address"} == {
+        "http.request.method": "POST", "url.path": "/v1/chat/completions", "url.scheme": "http",
+        "network.protocol.version": "1.1", "user_agent.original": "testclient",
+        "http.route": "/v1/chat/completions", "http.response.status_code": 200}
+    assert server.status.status_code == StatusCode.UNSET
+    assert server.start_time <= root.start_time and root.end_time <= server.end_time
     for child in ("queue", "prefill", "decode"):
         assert named[child].parent.span_id == root.context.span_id
     assert named["queue"].end_time <= named["prefill"].start_time + 1
@@ -51,20 +63,38 @@ def test_traceparent_is_continued_with_phase_children(client, spans, caplog):
     assert line["span"]["id"] == f"{root.context.span_id:016x}"
 
 
-def test_without_traceparent_llm_request_is_a_root(client, spans):
+def test_without_traceparent_the_server_span_is_a_root(client, spans):
     spans.clear()
     client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+    client.get("/health")
+    client.get("/metrics")
     named = _by_name(spans)
-    assert named["llm_request"].parent is None
+    assert named["POST /v1/completions"].parent is None  # probes and scrapes make no span
+    assert named["llm_request"].parent.span_id == named["POST /v1/completions"].context.span_id
     assert len({s.context.trace_id for s in named.values()}) == 1
+
+
+def test_a_refused_request_has_a_server_span(client, spans):
+    spans.clear()
+    response = client.post("/v1/chat/completions", json=chat_body(max_tokens=-1),
+                           headers={"traceparent": TRACEPARENT})
+    assert response.status_code == 400
+    (server,) = spans.get_finished_spans()  # refused before admission: no llm_request
+    assert (server.name, server.kind, f"{server.parent.span_id:016x}") == (
+        "POST /v1/chat/completions", SpanKind.SERVER, "00f067aa0ba902b7")
+    assert server.attributes["http.response.status_code"] == 400
+    assert server.status.status_code == StatusCode.UNSET and "error.type" not in server.attributes
 
 
 def test_failed_request_span_has_error_status(client, spans):
     spans.clear()
     client.post("/v1/chat/completions", json=chat_body(max_tokens=20), headers={"x-kvscope-fault": "after_tokens=2"})
-    root = _by_name(spans)["llm_request"]
+    named = _by_name(spans)
+    root, server = named["llm_request"], named["POST /v1/chat/completions"]
     assert root.status.status_code == StatusCode.ERROR
     assert "injected fault" in root.status.description
+    assert server.status.status_code == StatusCode.ERROR and server.attributes["http.response.status_code"] == 500
+    assert server.attributes["error.type"]
 
 
 def _request(prompt_len: int) -> Request:
@@ -124,3 +154,23 @@ def test_tracer_resource_names_service_version():
     assert span.resource.attributes["service.version"] == "9.8.7"
     default = Tracing("kvscope-engine").provider.resource.attributes["service.version"]
     assert default == importlib.metadata.version("kvscope")
+
+
+def test_a_client_disconnect_is_not_a_server_error(app, fake_engine, spans):
+    fake_engine.token_s = 1.0  # the answer would take seconds: the client leaves after its first event
+    spans.clear()
+    with serve_in_thread(app) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=chat_body(max_tokens=50, stream=True),
+                          timeout=30) as response:
+            next(response.iter_lines())
+        deadline = time.monotonic() + 30  # bounds a broken run only
+        while "llm_request" not in _by_name(spans):
+            assert time.monotonic() < deadline, "no llm_request span after the disconnect"
+            time.sleep(0.01)
+        while "POST /v1/chat/completions" not in _by_name(spans):
+            assert time.monotonic() < deadline, "no server span after the disconnect"
+            time.sleep(0.01)
+    named = _by_name(spans)
+    root, server = named["llm_request"], named["POST /v1/chat/completions"]
+    assert (root.status.status_code, root.attributes["kvscope.outcome"]) == (StatusCode.UNSET, "client_disconnected")
+    assert server.status.status_code == StatusCode.UNSET  # the 200 was sent; no server error either
