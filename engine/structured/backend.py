@@ -289,12 +289,17 @@ class StructuredOutputManager:
 
     @property
     def num_cached(self) -> int:
-        return len(self._cache)
+        """Grammars and refusals in the cache now."""
+        with self._lock:
+            return len(self._cache)
 
     @property
     def num_pending(self) -> int:
-        """Distinct grammars queued or compiling now."""
-        return len(self._inflight)
+        """Distinct grammars queued or compiling now. Read under the lock: :meth:`_submit` hands a job to the
+        compile thread before it records it in flight (it needs the job's future), so an unlocked read could
+        see 0 while that compile already runs."""
+        with self._lock:
+            return len(self._inflight)
 
 
 def _wait(future: Future[CompiledGrammar]) -> asyncio.Future[CompiledGrammar]:

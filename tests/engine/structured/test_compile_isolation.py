@@ -110,6 +110,32 @@ def test_concurrent_requests_for_one_grammar_share_one_compile(tokenizer, gramma
     assert len({id(params.pin.grammar) for params in requests}) == 1  # each request holds the same grammar
 
 
+def test_a_running_compile_is_pending_before_its_submitter_resumes(tokenizer, grammar_tokenizer, spy,
+                                                                     monkeypatch) -> None:
+    # The interleaving of a loaded machine, forced: the submitting thread is paused right after handing the
+    # job to the compile thread (the compile is running) and before it records the job as in flight. A reader
+    # of num_pending must still see it (it waits for the submitter), never 0 while a compile runs.
+    read = threading.Event()
+
+    class PausedAfterSubmit(backend.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            future = super().submit(fn, *args, **kwargs)
+            assert spy.entered.wait(60)
+            read.wait(2)  # a reader that does not wait for the submitter reads now; one that waits, after 2 s
+            return future
+
+    monkeypatch.setattr(backend, "ThreadPoolExecutor", PausedAfterSubmit)
+    manager = _manager(tokenizer, grammar_tokenizer)
+    thread, result = _start(manager.compile, _held())
+    assert spy.entered.wait(60)
+    pending = manager.num_pending
+    read.set()
+    assert pending == 1
+    spy.open()
+    thread.join(60)
+    assert result["value"] > 0 and manager.num_pending == 0
+
+
 def test_new_grammars_beyond_the_pending_limit_are_refused_at_once(tokenizer, grammar_tokenizer, spy) -> None:
     manager = _manager(tokenizer, grammar_tokenizer, CompileLimits(max_pending=2))
     first, second = _start(manager.compile, _held(1)), _start(manager.compile, _held(2))
