@@ -82,8 +82,9 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
         "--duration-buckets", "--no-warmup", "--log-level", "--event-loop"])
     assert sorted(_options(_gateway_parser())) == sorted([
         "--config", "--host", "--port", "--upstream", "--tokenizer", "--api-key-hash", "--trusted-proxy",
-        "--allow-unauthenticated", "--redis-url", "--log-file", "--log-stdout", "--log-content", "--otlp-endpoint",
-        "--keepalive", "--first-token-timeout", "--total-timeout", "--health-interval", "--log-level", "--event-loop"])
+        "--allow-unauthenticated", "--metrics-public", "--redis-url", "--log-file", "--log-stdout", "--log-content",
+        "--otlp-endpoint", "--request-head-timeout", "--request-body-timeout", "--keepalive", "--first-token-timeout",
+        "--total-timeout", "--health-interval", "--log-level", "--event-loop"])
 
 
 def test_engine_defaults_env_and_flags() -> None:
