@@ -128,6 +128,9 @@ class UpstreamAnswer:
     status: int
     content_type: str
     body: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """The upstream's headers the client gets with it (``retry-after``, ``x-ratelimit-*``:
+    gateway/proxy/call.py ``RELAYED_ANSWER_HEADERS``)."""
 
 
 class RetryableFailure(Exception):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from litestar.connection import ASGIConnection
@@ -81,6 +82,13 @@ class RateLimitLease:
         await charge.limiter.release(charge.key_id, charge.limits, charge.lease_id, charge.estimate - actual)
 
 
+def with_own_limits(headers: Iterable[tuple[bytes, bytes]], own: list[tuple[bytes, bytes]]
+                    ) -> list[tuple[bytes, bytes]]:
+    """A response's ``headers`` with the gateway's own ``x-ratelimit-*`` (``own``) in place of any an upstream
+    sent (a relayed answer or a passed-through response): the client sees its key's limits, once each."""
+    return [*((k, v) for k, v in headers if not k.lower().startswith(b"x-ratelimit-")), *own]
+
+
 def lease_of(connection: ASGIConnection) -> RateLimitLease:
     """The request's lease (the route must list :class:`RateLimitMiddleware`)."""
     return connection.scope["state"][LEASE_KEY]
@@ -99,7 +107,7 @@ class RateLimitMiddleware(ASGIMiddleware):
 
         async def settling_send(message: Message) -> None:
             if message["type"] == "http.response.start" and lease.headers:
-                message = {**message, "headers": [*message.get("headers", ()), *lease.headers]}
+                message = {**message, "headers": with_own_limits(message.get("headers", ()), lease.headers)}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 await lease.settle(ctx)  # the limits are free again when the client sees the end
             await send(message)

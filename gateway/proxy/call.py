@@ -61,6 +61,18 @@ FORWARDED_HEADERS = frozenset({b"x-kvscope-fault"})
 """Client headers passed on to the upstream as they are: our engine's fault-injection hook (honoured only by
 an engine started with ``--enable-fault-injection``; docs/engine-server.md), so tests can fail a request
 mid-stream through the gateway."""
+RELAYED_ANSWER_HEADERS = frozenset({b"retry-after"})
+RELAYED_ANSWER_PREFIXES = (b"x-ratelimit-",)
+"""Headers of an upstream's non-200 answer the client gets with its body: the back-off hint of a 429/503
+(``Retry-After``, e.g. the engine's ``grammar_compile_busy``) and the upstream's ``x-ratelimit-*``. The
+gateway's own ``x-ratelimit-*`` (a key with limits) replace the upstream's (gateway/ratelimit_middleware.py)."""
+
+
+def relayed_answer_headers(raw: list[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers among an upstream answer's ``raw`` (name, value) pairs that the client gets too
+    (:data:`RELAYED_ANSWER_HEADERS`, :data:`RELAYED_ANSWER_PREFIXES`), names lower-cased."""
+    return tuple((name.lower(), value) for name, value in raw
+                 if name.lower() in RELAYED_ANSWER_HEADERS or name.lower().startswith(RELAYED_ANSWER_PREFIXES))
 
 
 class ProxyCall:
@@ -240,7 +252,8 @@ class ProxyCall:
 
     async def _relay_status(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
         body = await self.read_body(replica, response, deadline)
-        answer = UpstreamAnswer(response.status_code, response.headers.get("content-type", ""), body)
+        answer = UpstreamAnswer(response.status_code, response.headers.get("content-type", ""), body,
+                                relayed_answer_headers(response.headers.raw))
         if response.status_code >= 500:
             # a 5xx the client asked for (our engine's fault-injection header) says nothing about the
             # replica: counted, but never towards the consecutive-5xx ejection
@@ -303,12 +316,14 @@ class ProxyCall:
             ctx.error_message = str(error.get("message", ""))
 
     async def _relay_answer(self, answer: UpstreamAnswer) -> None:
-        """An upstream's non-200 answer with its status; non-JSON bodies are wrapped in an OpenAI error."""
+        """An upstream's non-200 answer with its status and its back-off headers (:data:`RELAYED_ANSWER_HEADERS`);
+        non-JSON bodies are wrapped in an OpenAI error."""
         error, native = upstream_error_object(answer.status, answer.body)
         body = answer.body if native else msgspec.json.encode({"error": error})
         self.ctx.set_error(upstream_gateway_error(error))
         await self.client.start(answer.status, [(b"content-type", b"application/json"),
-                                                (b"content-length", str(len(body)).encode())])
+                                                (b"content-length", str(len(body)).encode()),
+                                                *answer.headers])
         await self.client.body(body, final=True)
 
     # --- ending ------------------------------------------------------------------------------------------

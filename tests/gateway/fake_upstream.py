@@ -8,7 +8,8 @@ finish_reason ``length`` (``stop`` when max_tokens is absent).
 
 Knobs (server defaults via :class:`Knobs`/CLI flags, per request via a ``"fake": {...}`` body field, which the
 gateway forwards untouched): ``token_delay_s``, ``first_token_delay_s``, ``status`` (answer every request with
-this status and an OpenAI error), ``die_after_tokens`` (abort the TCP connection mid-stream),
+this status and an OpenAI error; ``error_code`` its code, ``error_headers`` its extra headers as
+``"Name: value, Name: value"``), ``die_after_tokens`` (abort the TCP connection mid-stream),
 ``error_after_tokens`` (in-band error event), ``omit_finish`` (end without finish_reason/[DONE]),
 ``rechunk_seed`` (split the SSE bytes into random HTTP chunks), ``crlf`` (CRLF line endings),
 ``kvscope_stats`` (add the engine's ``kvscope`` stats object), ``headers_delay_s``, ``finish_reason``,
@@ -43,6 +44,10 @@ class Knobs:
     first_token_delay_s: float = 0.0
     headers_delay_s: float = 0.0
     status: int = 200
+    error_code: str = ""
+    """``error.code`` of the ``status`` answer (empty: null)."""
+    error_headers: str = ""
+    """Extra headers of the ``status`` answer, ``"Retry-After: 1, x-ratelimit-remaining-requests: 0"``."""
     die_after_tokens: int = -1
     error_after_tokens: int = -1
     omit_finish: bool = False
@@ -163,9 +168,12 @@ class FakeUpstream:
             if knobs.headers_delay_s:
                 await asyncio.sleep(knobs.headers_delay_s)
             if knobs.status != 200:
+                extra = [tuple(h.strip() for h in item.split(":", 1)) for item in knobs.error_headers.split(",")
+                         if item.strip()]
                 return await _json(writer, knobs.status, {"error": {"message": f"fake {knobs.status}",
                                                                     "type": "server_error", "param": None,
-                                                                    "code": None}})
+                                                                    "code": knobs.error_code or None}},
+                                   headers=extra)
             gone = asyncio.Event()  # set when the client disconnects: ends a gate wait
             gen = Generation(rec, knobs, chat=rec.path.endswith("chat/completions"), gate=self.gate, gone=gone,
                              max_model_len=self.max_model_len)
@@ -195,10 +203,12 @@ async def _watch_eof(reader: asyncio.StreamReader, rec: Record, gone: asyncio.Ev
             gone.set()
 
 
-async def _json(writer: asyncio.StreamWriter, status: int, obj: Any) -> None:
+async def _json(writer: asyncio.StreamWriter, status: int, obj: Any, headers: list[tuple[str, ...]] | None = None
+                ) -> None:
     body = msgspec.json.encode(obj)
-    writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-                 .encode() + body)
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers or ())
+    writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                 f"{extra}\r\n".encode() + body)
     await writer.drain()
 
 
