@@ -16,7 +16,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from kvscope.openai_errors import INVALID_JSON, default_code, error_body, error_type
+from kvscope.openai_errors import INVALID_JSON, INVALID_VALUE, default_code, error_body, error_type
 
 _log = logging.getLogger("kvscope.gateway")
 
@@ -51,12 +51,12 @@ class GatewayError(Exception):
 
 
 class InvalidRequest(GatewayError):
-    """A 400 ``invalid_request_error``. A body the schema refuses says ``code`` ``invalid_value`` and one that
-    is not JSON ``invalid_json`` (:class:`InvalidJson`), as the engine answers the same mistakes; the
-    gateway's own checks (a key's max_tokens ceiling) name no code. The log's ``error.type`` is the code when
-    there is one (as for every gateway error), else ``invalid_request_error``."""
+    """A 400 ``invalid_request_error``. ``code`` ``invalid_value`` unless it names another: a body the schema
+    refuses, a bad prompt, a key's max_tokens ceiling; a body that is not JSON says ``invalid_json``
+    (:class:`InvalidJson`), as the engine answers the same mistakes. Never a null code: docs/gateway.md says
+    ``code`` always names the error. The log's ``error.type`` is the code (as for every gateway error)."""
 
-    status, code = 400, None
+    status, code = 400, INVALID_VALUE
 
 
 class InvalidJson(InvalidRequest):
@@ -177,10 +177,13 @@ def error_json(err: GatewayError) -> bytes:
 
 
 def from_http_exception(exc: HTTPException) -> GatewayError:
-    """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status."""
+    """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status; its code is
+    the status's own (:func:`kvscope.openai_errors.default_code`), else ``invalid_value`` for a 400 and the
+    status's ``type`` for any other: never null."""
     err = GatewayError(str(exc.detail))
     err.status = exc.status_code
-    err.code = default_code(exc.status_code)
+    err.code = default_code(exc.status_code) or (INVALID_VALUE if exc.status_code == 400
+                                                 else error_type(exc.status_code))
     return err
 
 

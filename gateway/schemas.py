@@ -86,14 +86,30 @@ def _is_ids(value: list[Any]) -> bool:
     return bool(value) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
+EMPTY_PROMPT_LIST = "prompt must not be an empty list."
+"""The engine's message for ``prompt: []`` (engine/server/serving_completions.py)."""
+EMPTY_PROMPT = "The prompt is empty: it encodes to zero tokens."
+"""The engine's message for a prompt of zero tokens (engine/input_processor.py), e.g. ``prompt: [[]]``."""
+
+
 def check_prompt(prompt: str | list[Any]) -> None:
-    """A prompt is a string, a list of strings, a list of token ids or a list of such lists."""
+    """A prompt is a string, a list of strings, a list of token ids or a list of such lists, none of them empty.
+    Raises InvalidRequest (400 ``invalid_value``, param ``prompt``) worded as the engine answers the same
+    mistake: an empty list (``[]``), an empty token-id array (``[[]]``, ``[[1], []]``), a mix of kinds. An
+    empty string (``""``, ``[""]``) is the upstream's to judge (whether it encodes to zero tokens is its
+    tokenizer's business; kvscope's engine answers 400 ``invalid_value`` with :data:`EMPTY_PROMPT`)."""
     if isinstance(prompt, str) or _is_ids(prompt):
         return
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) and _is_ids(p) for p in prompt):
+    if not prompt:
+        raise InvalidRequest(EMPTY_PROMPT_LIST, param="prompt", code=INVALID_VALUE)
+    if all(isinstance(p, str) for p in prompt):
+        return
+    if all(isinstance(p, list) and (not p or _is_ids(p)) for p in prompt):
+        if not all(prompt):
+            raise InvalidRequest(EMPTY_PROMPT, param="prompt", code=INVALID_VALUE)
         return
     raise InvalidRequest("prompt must be a string, an array of strings, an array of token ids or an array of "
-                         "token-id arrays", param="prompt")
+                         "token-id arrays (not a mix).", param="prompt", code=INVALID_VALUE)
 
 
 def error_param(message: str) -> str | None:
