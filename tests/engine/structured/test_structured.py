@@ -111,3 +111,30 @@ def test_a_tool_choice_constraint_and_a_guided_field_together_are_a_400() -> Non
     del body["guided_regex"]
     assert chat_sampling_params(decode_body(json.dumps(body).encode(), ChatCompletionRequest), tool
                                 ).structured_outputs is tool
+
+
+def _optional(count: int, kind: str) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": kind} for i in range(count)}}
+
+
+@pytest.mark.parametrize(("schema", "prefix"), [
+    (_optional(500, "string"), "'{'"),
+    ({"type": "array", "items": _optional(500, "integer")}, "'[{'"),
+])  # fmt: skip
+def test_a_row_past_the_matchers_limit_after_the_start_is_a_400_at_admission(manager, schema, prefix) -> None:
+    """500 optional properties: ``{`` is not forced (``{}`` and ``{"`` are tokens too), and the row after it
+    holds 2,007 items, above llguidance's 2,000. The probe tries the tokens after the forced start, so this is a
+    400 at admission; before, it compiled and every request failed at its second token (a 500)."""
+    with pytest.raises(InvalidParameterError) as caught:
+        manager.compile(StructuredOutputsParams.json_schema(schema, "response_format"))
+    assert caught.value.param == "response_format"
+    assert str(caught.value) == (f"The json constraint cannot be served: the grammar matcher exceeds its limits "
+                                 f"after {prefix} (Parser Error: Current row has 2007 items; max is 2000; consider "
+                                 "making your grammar left-recursive if it's right-recursive)")
+
+
+def test_the_most_optional_string_properties_served(manager) -> None:
+    """docs/engine-server.md's boundary: 498 optional string properties are served, 499 are a 400."""
+    assert manager.compile(StructuredOutputsParams.json_schema(_optional(498, "string"), "response_format")) > 0
+    with pytest.raises(InvalidParameterError):
+        manager.compile(StructuredOutputsParams.json_schema(_optional(499, "string"), "response_format"))
