@@ -33,6 +33,7 @@ from engine.errors import EngineDeadError
 from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.batch import ERROR_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,17 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"request {request_id} failed: {reason}")
         self.request_id = request_id
         self.reason = reason
+
+
+class GrammarLimitError(RequestFailedError):
+    """The request's grammar matcher hit one of llguidance's limits while generating (a row above
+    ``max_items_in_row``, too many items): the client's constraint is beyond what the matcher serves, not an
+    engine fault (the server answers a 400 naming the constraint's field). ``detail`` is llguidance's error in
+    one line."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(request_id, reason)
+        self.detail = reason.removeprefix(ERROR_PREFIX)
 
 
 @dataclass(slots=True)
@@ -199,8 +211,9 @@ class AsyncEngine:
                 continue
             self._deliver_step(result.outputs)
             for output in result.failed:  # a grammar matcher error: the S3 path (an error, never a stop)
-                self._deliver(output.request_id, RequestFailedError(output.request_id,
-                                                                    str(output.outputs[0].finish_reason)))
+                reason = str(output.outputs[0].finish_reason)
+                error = GrammarLimitError if reason.startswith(ERROR_PREFIX) else RequestFailedError
+                self._deliver(output.request_id, error(output.request_id, reason))
             if self._listener is not None:
                 self._notify(result)
         self._fail_all("engine shutting down")

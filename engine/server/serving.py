@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import msgspec
 from litestar import Request, Response
 
-from engine.async_engine import RequestFailedError
+from engine.async_engine import GrammarLimitError, RequestFailedError
 from engine.errors import EngineDeadError, InvalidParameterError
 from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
@@ -157,10 +157,17 @@ def finish_job(job: Job, outcome: Outcome) -> None:
     job.state.in_flight -= 1
 
 
-def failure_error(exc: BaseException) -> OpenAIError:
-    """What a request the engine failed answers: 503 for shutdown / dead engine, else 500."""
+def failure_error(exc: BaseException, params: SamplingParams | None = None) -> OpenAIError:
+    """What a request the engine failed answers: 400 naming the constraint's field when its grammar exceeded the
+    matcher's limits while generating (``params`` is the request's SamplingParams: the client's grammar, not an
+    engine fault, so never a 5xx that would eject a healthy replica), 503 for shutdown / dead engine, else 500."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, GrammarLimitError):
+        constraint = params.structured_outputs if params is not None else None
+        kind, param = (constraint.kind, constraint.param) if constraint is not None else ("structured", None)
+        return bad_request(f"The {kind} constraint exceeded the grammar matcher's limits while generating: "
+                           f"{exc.detail}", param=param)
     if isinstance(exc, RequestFailedError):
         status = 503 if "shutting down" in exc.reason else 500
         return OpenAIError(status, f"The engine failed the request: {exc.reason}",
@@ -185,7 +192,7 @@ async def respond_json(job: Job, formatter: Formatter) -> Response:
             access.status_override = CLIENT_CLOSED_STATUS
         return Response(content=b"", status_code=CLIENT_CLOSED_STATUS)
     except Exception as exc:  # noqa: BLE001 - answered as OpenAI error JSON
-        error = failure_error(exc)
+        error = failure_error(exc, job.rs.params)
         finish_job(job, Outcome("error", error.status, error.type, error.message, phase=job.run.phase()))
         raise error from exc
     except asyncio.CancelledError:
@@ -236,9 +243,9 @@ async def _events(job: Job, formatter: Formatter, include_usage: bool):
         outcome = outcome or Outcome("client_disconnected", phase=job.run.phase())
         raise
     except Exception as exc:  # noqa: BLE001 - after the 200 errors go in-band
-        error = failure_error(exc)
+        error = failure_error(exc, job.rs.params)
         outcome = Outcome("error", 200, error.type, error.message, phase=job.run.phase())
-        yield error_event(error.message, error.type, str(error.code) if error.code else None)
+        yield error_event(error.message, error.type, str(error.code) if error.code else None, error.param)
     finally:
         finish_job(job, outcome or Outcome("client_disconnected", phase=job.run.phase()))
         job.run.close()

@@ -28,8 +28,10 @@ def data_event(payload: Any) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
-    return data_event(ErrorResponse(ErrorInfo(message=message, type=type, param=None, code=code)))
+def error_event(message: str, type: str = "server_error", code: str | None = None,
+                param: str | None = None) -> bytes:
+    """An in-band ``data: {"error": {...}}`` event (a stream that fails after its 200)."""
+    return data_event(ErrorResponse(ErrorInfo(message=message, type=type, param=param, code=code)))
 
 
 class SSEResponse(Stream):

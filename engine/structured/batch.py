@@ -21,7 +21,12 @@ from engine.structured.bitmask import allocate_bitmask
 from engine.structured.matcher import RequestMatcher
 
 ERROR_PREFIX = "structured output failed: "
-"""Start of the reason a request fails with when its grammar matcher fails (RequestFailedError.reason)."""
+"""Start of the reason a request fails with when its grammar matcher fails (RequestFailedError.reason): the
+client's grammar hit one of llguidance's limits while generating (the server answers a 400 naming the
+constraint's field, engine.async_engine.GrammarLimitError), the rest of the reason being llguidance's error."""
+UNAVAILABLE_PREFIX = "structured output unavailable: "
+"""Start of the reason a request fails with when it has no usable grammar (none pinned at admission): the
+engine's fault, a 500."""
 
 
 class StepMasks(NamedTuple):
@@ -126,10 +131,11 @@ class MatcherTable:
             try:
                 matcher = self.manager.matcher_for(request.sampling_params.structured_outputs)
             except InvalidParameterError as exc:
-                self._fail(request.request_id, str(exc))
+                self._errors.setdefault(request.request_id, UNAVAILABLE_PREFIX + str(exc))
                 return None
             if matcher is None:
-                self._fail(request.request_id, "the grammar was not compiled at admission")
+                self._errors.setdefault(request.request_id,
+                                        UNAVAILABLE_PREFIX + "the grammar was not compiled at admission")
                 return None
             self._matchers[request.request_id] = matcher
         return matcher

@@ -221,23 +221,24 @@ def test_schemas_the_matcher_cannot_serve_are_400_at_admission(client, extra, pa
 
 def test_a_matcher_error_mid_answer_is_an_error_never_a_stop(engine):
     """An integer or a self-nesting object: admission passes, the answer ``{"`` (logit_bias) breaks llguidance's
-    item limit at the next token. JSON: a 500 naming the cause; stream: an in-band error event and no [DONE]
-    (serving case S3), never finish_reason stop on invalid JSON."""
+    item limit at the next token: the client's grammar beyond the matcher's limits. JSON: a 400 naming
+    response_format and the cause; stream: an in-band invalid_request_error event and no [DONE] (serving case
+    S3), never finish_reason stop on invalid JSON."""
     schema = {"anyOf": [{"type": "integer"},
                         {"type": "object", "properties": {"a": {"$ref": "#/anyOf/1"}}, "required": ["a"]}]}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON value:"}], "temperature": 0,
             "max_tokens": 10, "logit_bias": {"39428": 100},  # 39428 = '{"' in SmolLM2's vocabulary
             "response_format": {"type": "json_schema", "json_schema": {"name": "nest", "schema": schema}}}
-    cause = ("structured output failed: parser error: Too many items (limit 50000; ff_tokens); try avoiding "
-             "single-byte/short lexemes")
+    error = {"message": "The json constraint exceeded the grammar matcher's limits while generating: parser "
+                        "error: Too many items (limit 50000; ff_tokens); try avoiding single-byte/short lexemes",
+             "type": "invalid_request_error", "param": "response_format", "code": "invalid_value"}
     answer = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=240)
-    assert (answer.status_code, answer.json()["error"]["message"]) == (
-        500, f"The engine failed the request: {cause}")
+    assert (answer.status_code, answer.json()["error"]) == (400, error)
     with httpx.stream("POST", f"{engine.url}/v1/chat/completions", json={**body, "stream": True},
                       timeout=240) as streamed:
         events = [line.removeprefix("data: ") for line in streamed.iter_lines() if line.startswith("data: ")]
     assert "[DONE]" not in events
     chunks = [json.loads(event) for event in events]
-    assert chunks[-1]["error"]["message"] == f"The engine failed the request: {cause}"
+    assert chunks[-1]["error"] == error
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1]) == '{"'
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])

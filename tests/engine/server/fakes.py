@@ -13,7 +13,7 @@ import codecs
 import time
 from dataclasses import dataclass, field
 
-from engine.async_engine import RequestFailedError
+from engine.async_engine import GrammarLimitError, RequestFailedError
 from engine.config import SpeculativeConfig
 from engine.core.request import Request, RequestStatus
 from engine.core.stats import SchedulerStats
@@ -22,6 +22,7 @@ from engine.errors import EngineDeadError
 from engine.input_processor import EngineRequest, InputProcessor
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured.batch import ERROR_PREFIX
 
 EOS = 0
 
@@ -208,8 +209,8 @@ class FakeEngine:
     async def _sleep(self, seconds: float, request_id: str) -> None:
         await asyncio.sleep(seconds)  # always yield to the loop, as waiting on the engine thread does
         reason = self._failures.pop(request_id, None)
-        if reason is not None and reason != "abort":
-            raise RequestFailedError(request_id, reason)
+        if reason is not None and reason != "abort":  # the grammar's reasons map as AsyncEngine maps them
+            raise (GrammarLimitError if reason.startswith(ERROR_PREFIX) else RequestFailedError)(request_id, reason)
 
     def _notify(self) -> None:
         if self.listener is not None:

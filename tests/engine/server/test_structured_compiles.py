@@ -13,12 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import engine.server.generation as generation
 import engine.structured.backend as backend
 from engine.structured.backend import StructuredOutputManager
+from engine.structured.batch import ERROR_PREFIX
 from engine.structured.params import CompileLimits
 from engine.text.tokenizer import Tokenizer
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
+from tests.engine.server.helpers import metric_samples, parse_sse, sample
 from tests.engine.structured.llguidance_spy import LLGuidanceSpy
 
 MARKER = "held-compile"
@@ -108,3 +111,34 @@ def test_a_full_compile_queue_is_a_429(client, grammar_manager, spy) -> None:
         429, "1", "grammar_compile_busy", "rate_limit_error")
     assert error["message"] == ("Too many new grammars are compiling: 1 new grammars are already waiting to compile "
                                 "(limit 1); retry later.")
+
+
+GRAMMAR_LIMIT = ERROR_PREFIX + "Parser Error: Current row has 2007 items; max is 2000"
+
+
+def test_a_matcher_limit_mid_answer_is_the_clients_400_never_an_engine_5xx(client, monkeypatch) -> None:
+    """The grammar matcher failing while generating (AsyncEngine's GrammarLimitError, injected here after two
+    tokens) is the client's constraint beyond llguidance's limits: a 400 naming ``response_format``, an in-band
+    ``invalid_request_error`` when streamed (no [DONE]); the engine counts no 5xx (the gateway ejects a replica
+    on 5xx) and no broken stream. Before: a 500 ``request_failed``."""
+    monkeypatch.setattr(generation, "FAULT_REASON", GRAMMAR_LIMIT)
+    body = chat_body("Give JSON.", max_tokens=10, response_format={"type": "json_object"})
+    fault = {"x-kvscope-fault": "after_tokens=2"}
+    before = metric_samples(client.get("/metrics").text)
+    answer = client.post(CHAT, json=body, headers=fault)
+    message = ("The json_object constraint exceeded the grammar matcher's limits while generating: Parser Error: "
+               "Current row has 2007 items; max is 2000")
+    assert answer.status_code == 400
+    assert answer.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                      "param": "response_format", "code": "invalid_value"}
+    streamed = client.post(CHAT, json={**body, "stream": True}, headers=fault)
+    events = parse_sse(streamed.text)
+    assert streamed.status_code == 200 and "[DONE]" not in events.data
+    assert events.data[-1] == {"error": {"message": message, "type": "invalid_request_error",
+                                         "param": "response_format", "code": "invalid_value"}}
+    after = metric_samples(client.get("/metrics").text)
+    http = "kvscope_engine_http_requests_total"
+    assert sample(after, http, route=CHAT, status="400") - sample(before, http, route=CHAT, status="400") == 1
+    assert sample(after, http, route=CHAT, status="500") == sample(before, http, route=CHAT, status="500")
+    broken = {k: v for k, v in after.items() if k[0] == "kvscope_engine_stream_errors_total"}
+    assert broken == {k: v for k, v in before.items() if k[0] == "kvscope_engine_stream_errors_total"}
