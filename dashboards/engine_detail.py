@@ -38,10 +38,14 @@ def _phases(q: PromQL) -> list[Json]:
                    [Target(q.mean(f"{EN}request_params_max_tokens"), "max_tokens"),
                     Target(q.mean(f"{EN}request_params_n"), "n")], "short", w=8),
         timeseries("Engine HTTP 5xx ratio", "Share of the engine server's generation requests answered with a "
-                   "5xx (the gateway retries those on another replica, so the gateway's own ratio can stay low); "
-                   "its /metrics and /health answers are not counted, as in KvscopeEngineHighErrorRate.",
+                   "5xx (the gateway retries those on another replica, so the gateway's own ratio can stay low) and "
+                   "of its streams broken after their 200 (an in-band error event); its /metrics and /health "
+                   "answers are not counted. KvscopeEngineHighErrorRate alerts on the two together.",
                    [Target(q.ratio(q.sum_rate(f"{EN}http_requests_total", GENERATION, 'status=~"5.."'),
-                                   q.sum_rate(f"{EN}http_requests_total", GENERATION)), "5xx")], "percentunit", w=8,
+                                   q.sum_rate(f"{EN}http_requests_total", GENERATION)), "5xx"),
+                    Target(q.ratio(q.sum_rate(f"{EN}stream_errors_total"),
+                                   q.sum_rate(f"{EN}http_requests_total", GENERATION)), "broken streams")],
+                   "percentunit", w=8,
                    threshold=alert_threshold("KvscopeEngineHighErrorRate", long_window="1h")),
         timeseries("Engine HTTP requests / s", "Requests answered by the engine server, by status and route.",
                    [Target(q.sum_rate(f"{EN}http_requests_total", by=("status", "route")),

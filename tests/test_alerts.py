@@ -169,6 +169,7 @@ def test_error_ratios_count_generation_routes_and_broken_streams() -> None:
         gateway = records[f"kvscope:gateway_slo_error_ratio:rate{window}"]
         assert f"rate(kvscope_gateway_stream_errors_total[{window}])" in gateway  # failures after the 200
         engine = records[f"kvscope:engine_slo_error_ratio:rate{window}"]
+        assert f"rate(kvscope_engine_stream_errors_total[{window}])" in engine  # in-band errors after the 200
         assert engine.count(GENERATION_ROUTES) == 2  # numerator and denominator: no /metrics, /health
         assert gateway.count(GENERATION_ROUTES) == 2
 

@@ -6,7 +6,7 @@ This module only *defines* the metrics. The server creates one :class:`EngineMet
 Naming follows the Prometheus conventions (app prefix, base units: seconds, bytes, ratios 0–1, ``_total``
 counters). Labels are bounded: ``model`` (served model name), ``finish_reason`` (``stop``/``length``/``abort``/
 ``error``), ``state`` (``used``/``cached``/``free``), ``device`` (``cpu``, ``cuda:0`` …), ``reason`` (NVML
-throttle reasons, :data:`GPU_THROTTLE_REASONS`). The mapping to vLLM's ``vllm:*`` names is in docs/metrics.md.
+throttle reasons, :data:`GPU_THROTTLE_REASONS`; of ``stream_errors``: :data:`STREAM_ERROR_REASONS`). The mapping to vLLM's ``vllm:*`` names is in docs/metrics.md.
 The GPU series (``gpu_*``, ``torch_*``) are only created while a CUDA device is in use (absent on CPU).
 
 Default buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` with finer low ends (a 135M model on a GPU
@@ -29,6 +29,12 @@ from kvscope.settings_cli import Flag
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finish_reason`` label (engine.core.request.RequestStatus.finish_reason)."""
+STREAM_ERROR_REASONS = ("engine_shutdown", "engine_unavailable", "request_failed", "injected_fault", "internal_error")
+"""Values of the ``reason`` label of ``stream_errors``: why a stream ended with an in-band error after its 200 —
+the engine stopping (``engine_shutdown``) or dead (``engine_unavailable``), the engine failing the request
+(``request_failed``: a failed step, an engine abort), ``--enable-fault-injection``'s ``x-kvscope-fault``
+(``injected_fault``), anything else (``internal_error``). Client disconnects and the client's own errors (4xx,
+``invalid_request_error``) are never counted."""
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 """``route`` values of ``http_requests`` created at zero by :meth:`EngineMetrics.initialize`."""
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
@@ -205,6 +211,10 @@ class EngineMetrics:
         self.http_requests = Counter(
             "kvscope_engine_http_requests", "HTTP requests answered by the engine server, by route and status.",
             ["route", "status"], registry=r)
+        self.stream_errors = Counter(
+            "kvscope_engine_stream_errors", "Streams that failed after their 200 (an in-band error event, no "
+            "[DONE]; the status stays 200), by reason (STREAM_ERROR_REASONS). Client disconnects and client errors "
+            "are not counted.", ["model", "reason"], registry=r)
 
     def _init_device_memory(self, r: CollectorRegistry) -> None:
         self.device_memory_used = Gauge(
@@ -307,6 +317,8 @@ class EngineMetrics:
             self.kv_cache_blocks.labels(model=model, state=state)
         for reason in FINISH_REASONS:
             self.request_success.labels(model=model, finish_reason=reason)
+        for reason in STREAM_ERROR_REASONS:
+            self.stream_errors.labels(model=model, reason=reason)
         for phase, causes in LATENCY_CAUSES.items():
             for cause in causes:
                 self.latency_cause.labels(model=model, phase=phase, cause=cause)

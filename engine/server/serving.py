@@ -25,7 +25,15 @@ from engine.input_processor import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import OpenAIError, bad_request, from_engine, model_not_found
-from engine.server.generation import DONE, KEEPALIVE, ClientDisconnected, GenerationRun, wait_for_disconnect
+from engine.server.generation import (
+    DONE,
+    FAULT_REASON,
+    KEEPALIVE,
+    ClientDisconnected,
+    GenerationRun,
+    wait_for_disconnect,
+)
+from engine.server.metrics import STREAM_ERROR_REASONS
 from engine.server.request_state import Outcome, RequestState
 from engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
 from engine.server.state import ServerState
@@ -178,6 +186,18 @@ def failure_error(exc: BaseException, params: SamplingParams | None = None) -> O
     return OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
 
 
+def stream_error_reason(exc: BaseException, error: OpenAIError) -> str | None:
+    """The ``reason`` label (engine.server.metrics.STREAM_ERROR_REASONS) of a stream that ``exc`` broke after
+    its 200, ``error`` being :func:`failure_error` of it: None for the client's own error (a 4xx such as
+    ``invalid_request_error``: not the engine's failure), ``injected_fault`` for ``x-kvscope-fault``, else the
+    error's code when it is a known reason, else ``internal_error``."""
+    if error.status < 500:
+        return None
+    if isinstance(exc, RequestFailedError) and exc.reason == FAULT_REASON:
+        return "injected_fault"
+    return error.code if error.code in STREAM_ERROR_REASONS else "internal_error"
+
+
 async def respond_json(job: Job, formatter: Formatter) -> Response:
     """Collect the whole generation; abort it if the client disconnects first."""
     watcher = asyncio.ensure_future(wait_for_disconnect(job.request.receive))
@@ -245,6 +265,8 @@ async def _events(job: Job, formatter: Formatter, include_usage: bool):
     except Exception as exc:  # noqa: BLE001 - after the 200 errors go in-band
         error = failure_error(exc, job.rs.params)
         outcome = Outcome("error", 200, error.type, error.message, phase=job.run.phase())
+        if (reason := stream_error_reason(exc, error)) is not None:  # the availability SLO counts it
+            job.state.metrics.on_stream_error(reason)
         yield error_event(error.message, error.type, str(error.code) if error.code else None, error.param)
     finally:
         finish_job(job, outcome or Outcome("client_disconnected", phase=job.run.phase()))

@@ -162,6 +162,11 @@ class ServerMetrics:
         if max_tokens is not None:
             self.engine.request_params_max_tokens.labels(model=self.model).observe(max_tokens)
 
+    def on_stream_error(self, reason: str) -> None:
+        """One stream that failed after its 200 (``kvscope_engine_stream_errors_total``); ``reason`` is one of
+        engine.server.metrics.STREAM_ERROR_REASONS (the caller maps anything else to ``internal_error``)."""
+        self.engine.stream_errors.labels(model=self.model, reason=reason).inc()
+
     def on_http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()
 

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from engine.server.metrics import (
     FINISH_REASONS,
     KV_BLOCK_STATES,
+    STREAM_ERROR_REASONS,
     EngineMetrics,
     MetricBuckets,
     kvscope_version,
@@ -43,6 +44,7 @@ EXPECTED = {
     "kvscope_engine_latency_cause_seconds": ("counter", ("cause", "model", "phase")),
     "kvscope_engine_request_params_max_tokens": ("histogram", ("model",)),
     "kvscope_engine_http_requests": ("counter", ("route", "status")),
+    "kvscope_engine_stream_errors": ("counter", ("model", "reason")),
     "kvscope_engine_structured_output_requests": ("counter", ("kind", "model")),
     "kvscope_engine_structured_output_compile_seconds": ("histogram", ("model",)),
     "kvscope_engine_structured_output_mask_seconds": ("histogram", ("model",)),
@@ -81,6 +83,8 @@ def test_initialize_creates_each_label_value_at_zero() -> None:
     text = generate_latest(registry).decode()
     for reason in FINISH_REASONS:
         assert f'kvscope_engine_request_success_total{{finish_reason="{reason}",model="m"}} 0.0' in text
+    for reason in STREAM_ERROR_REASONS:
+        assert f'kvscope_engine_stream_errors_total{{model="m",reason="{reason}"}} 0.0' in text
     for state in KV_BLOCK_STATES:
         assert f'kvscope_engine_kv_cache_blocks{{model="m",state="{state}"}} 0.0' in text
     assert 'kvscope_engine_device_memory_total_bytes{device="cuda:0"} 0.0' in text

@@ -3,6 +3,8 @@ against the scripted FakeEngine (reply "Hello world" + EOS unless the test sets 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.helpers import metric_samples, parse_sse, sample
 
@@ -130,6 +132,30 @@ def test_injected_fault_mid_stream_is_in_band_error(client, fake_engine):
     name = "kvscope_engine_request_success_total"
     assert sample(after, name, model="fake-model", finish_reason="error") - sample(
         before, name, model="fake-model", finish_reason="error") == 1
+    # the availability SLO sees the broken stream although its status stays 200 (alerts/kvscope.rules.yaml)
+    assert _stream_errors(after) - _stream_errors(before) == {"injected_fault": 1}
+
+
+def _stream_errors(samples: dict) -> Counter:
+    return Counter({labels[1][1]: value for (name, labels), value in samples.items()
+                    if name == "kvscope_engine_stream_errors_total" and labels[0] == ("model", "fake-model")})
+
+
+def test_stream_error_reasons_are_bounded_and_skip_client_errors():
+    from engine.async_engine import RequestFailedError
+    from engine.server.errors import OpenAIError
+    from engine.server.serving import failure_error, stream_error_reason
+
+    shutdown = RequestFailedError("r", "engine shutting down")
+    assert stream_error_reason(shutdown, failure_error(shutdown)) == "engine_shutdown"
+    failed = RequestFailedError("r", "engine step failed: RuntimeError: boom")
+    assert stream_error_reason(failed, failure_error(failed)) == "request_failed"
+    crash = KeyError("x")
+    assert stream_error_reason(crash, failure_error(crash)) == "internal_error"
+    odd = OpenAIError(502, "upstream", code="something_else")
+    assert stream_error_reason(odd, odd) == "internal_error"
+    grammar = OpenAIError(400, "the grammar exceeds a limit", param="response_format")
+    assert grammar.type == "invalid_request_error" and stream_error_reason(grammar, grammar) is None
 
 
 def test_injected_fault_non_streaming_is_500_json(client):
