@@ -138,7 +138,7 @@ with the semconv names, units and bucket boundaries:
 | `gen_ai.client.operation.duration` | s | gateway, per upstream call | 0.01 … 81.92 (×2) |
 | `gen_ai.client.token.usage` (`gen_ai.token.type` = input \\| output) | {token} | gateway | 1 … 67108864 (×4) |
 | `gen_ai.client.operation.time_to_first_chunk` | s | gateway, streams | 0.01 … 81.92 (×2) |
-| `gen_ai.client.operation.time_per_output_chunk` | s | gateway, streams: one mean gap between chunks per stream | 0.01 … 81.92 (×2) |
+| `gen_ai.client.operation.time_per_output_chunk` | s | gateway, streams: each gap between chunks after the first (one per chunk) | 0.01 … 81.92 (×2) |
 | `gen_ai.server.request.duration` | s | engine, per request | 0.01 … 81.92 (×2) |
 | `gen_ai.server.time_to_first_token` | s | engine, successful requests | 0.001 … 10 |
 | `gen_ai.server.time_per_output_token` | s | engine, successful requests | 0.01 … 2.5 |

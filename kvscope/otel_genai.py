@@ -6,7 +6,7 @@ conventions for generative AI metrics":
 - client (the gateway calling an upstream): ``gen_ai.client.operation.duration`` (s),
   ``gen_ai.client.token.usage`` ({token}, attribute ``gen_ai.token.type`` = ``input`` | ``output``),
   ``gen_ai.client.operation.time_to_first_chunk`` and ``gen_ai.client.operation.time_per_output_chunk`` (s,
-  streams; the duration buckets 0.01 … 81.92 s);
+  streams, the latter once per chunk after the first; the duration buckets 0.01 … 81.92 s);
 - server (the engine): ``gen_ai.server.request.duration``, ``gen_ai.server.time_to_first_token`` and
   ``gen_ai.server.time_per_output_token`` (s).
 
@@ -80,12 +80,13 @@ class GenAiClientMetrics:
 
     def record(self, attributes: Mapping[str, Any], duration_s: float, input_tokens: int | None,
                output_tokens: int | None, time_to_first_chunk_s: float | None,
-               time_per_output_chunk_s: float | None = None) -> None:
+               output_chunk_gaps_s: Sequence[float] = ()) -> None:
         """One upstream call; ``attributes`` as :mod:`gateway.genai_attrs` builds them (only the metric
         attributes of the semconv are kept: operation, provider, models, server address/port, error.type).
-        ``time_per_output_chunk_s``: the stream's mean gap between chunks after the first, recorded once per
-        stream (the semconv records each gap; one observation keeps OTel out of the relay's per-chunk path,
-        as the gateway's own time-per-output-token histogram does)."""
+        ``output_chunk_gaps_s``: the stream's gaps between consecutive chunks after the first (seconds), each
+        recorded as one ``time_per_output_chunk`` observation, as the semconv asks (one per chunk after the
+        first). The relay only collects the chunk times (a list append per token); the histogram records all
+        of them here, once the call ended, which keeps OTel out of the per-chunk path."""
         attrs = {k: v for k, v in attributes.items() if k in _METRIC_ATTRIBUTES}
         self.duration.record(duration_s, attrs)
         for kind, value in (("input", input_tokens), ("output", output_tokens)):
@@ -93,8 +94,8 @@ class GenAiClientMetrics:
                 self.token_usage.record(value, {**attrs, "gen_ai.token.type": kind})
         if time_to_first_chunk_s is not None:
             self.time_to_first_chunk.record(time_to_first_chunk_s, attrs)
-        if time_per_output_chunk_s is not None:
-            self.time_per_output_chunk.record(time_per_output_chunk_s, attrs)
+        for gap in output_chunk_gaps_s:
+            self.time_per_output_chunk.record(gap, attrs)
 
 
 class GenAiServerMetrics:

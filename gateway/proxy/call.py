@@ -88,6 +88,8 @@ class ProxyCall:
         self.attempt_start = 0.0
         self.upstream_end: float | None = None
         self.last_token_at: float | None = None
+        self.token_times: list[float] = []
+        """When each token event reached the client (perf_counter s), from the relay (RelayOutcome.token_times)."""
         self.client_span: Span | None = None
         self.call_start = 0.0
         self.base_attrs: dict[str, Any] = {}
@@ -309,6 +311,7 @@ class ProxyCall:
         ctx.output_content = outcome.output_content
         ctx.first_token_at = outcome.first_token_at if outcome.first_token_at is not None else ctx.first_token_at
         self.last_token_at = outcome.last_token_at or self.last_token_at
+        self.token_times = outcome.token_times or self.token_times
         self.upstream_end = outcome.upstream_end
         if (error := outcome.upstream_error) is not None:
             ctx.stream_error = "upstream_error"
@@ -341,12 +344,14 @@ class ProxyCall:
         await self.client.body(data_event(err.body()))
         await self.client.body(b"", final=True)
 
-    def _time_per_output_chunk(self) -> float | None:
-        """The stream's mean gap between its token chunks after the first (s); None with fewer than 2."""
-        ctx = self.ctx
-        if not ctx.stream or ctx.first_token_at is None or self.last_token_at is None or ctx.output_events < 2:
-            return None
-        return (self.last_token_at - ctx.first_token_at) / (ctx.output_events - 1)
+    def _output_chunk_gaps(self) -> list[float]:
+        """The stream's gaps between consecutive token chunks after the first (s): one per chunk after the
+        first, as ``gen_ai.client.operation.time_per_output_chunk`` records them; empty for a non-streamed
+        answer or a stream with fewer than 2 token chunks. Computed once, at the end of the call."""
+        times = self.token_times
+        if not self.ctx.stream or len(times) < 2:
+            return []
+        return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
 
     def _end_client_span(self) -> None:
         span, ctx = self.client_span, self.ctx
@@ -357,7 +362,7 @@ class ProxyCall:
         usage = ctx.usage or {}
         self.gw.genai.record({**self.base_attrs, **attrs}, time.perf_counter() - self.call_start,
                              usage.get("prompt_tokens"), ctx.output_tokens,
-                             attrs.get("gen_ai.response.time_to_first_chunk"), self._time_per_output_chunk())
+                             attrs.get("gen_ai.response.time_to_first_chunk"), self._output_chunk_gaps())
         if "error.type" in attrs:
             span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
         if ctx.engine is None and ctx.first_token_at is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -94,6 +94,9 @@ class RelayOutcome:
     """Each choice's text, only when the content is logged."""
     first_token_at: float | None = None
     last_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    """When each token event was sent to the client (perf_counter seconds), in order: the gaps after the first
+    are ``gen_ai.client.operation.time_per_output_chunk`` (one append per token: nothing heavier per chunk)."""
     upstream_end: float | None = None
     """When the upstream's answer ended (``[DONE]``, end of body or a broken connection); None: it did not."""
     upstream_error: dict[str, Any] | None = None
@@ -153,6 +156,7 @@ class StreamRelay:
         self.last_sent_at = terms.request_start
         self.first_token_at = terms.first_token_at
         self.last_token_at: float | None = None
+        self.token_times: list[float] = []
         self.upstream_end: float | None = None
         self.upstream_error: dict[str, Any] | None = None
         self.done = False
@@ -185,7 +189,8 @@ class StreamRelay:
             usage=state.usage, engine=state.engine, response_model=state.model, response_id=state.response_id,
             finish_reasons=tuple(state.finish_reasons[i] for i in sorted(state.finish_reasons)),
             token_events=state.token_events, output_content=state.output_text() if state.keep_text else None,
-            first_token_at=self.first_token_at, last_token_at=self.last_token_at, upstream_end=self.upstream_end,
+            first_token_at=self.first_token_at, last_token_at=self.last_token_at, token_times=self.token_times,
+            upstream_end=self.upstream_end,
             upstream_error=self.upstream_error, failure=failure, drain=self.done and failure is None)
 
     async def drain(self, within_s: float) -> bool:
@@ -336,6 +341,7 @@ class StreamRelay:
         if self.first_token_at is None:
             self.first_token_at = now
         self.last_token_at = now
+        self.token_times.append(now)
 
     def _offer(self, item: bytes | Exception | None) -> bool:
         """The tap's delivery (gateway/proxy/network.py): a chunk of the body, its end (None) or its error.

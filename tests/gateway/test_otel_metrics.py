@@ -3,6 +3,7 @@ Build: semconv names, units, attributes and bucket boundaries)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,8 @@ from tests.gateway.harness import LoopThread
 from tests.otlp_receiver import OtlpReceiver
 
 HI = [{"role": "user", "content": "hello world"}]
+TOKEN_DELAY_S = 0.05
+"""The fake upstream's pause before each token (s)."""
 
 
 def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
@@ -23,8 +26,11 @@ def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
         headers = {"authorization": f"Bearer {KEYS['alice']}"}
         with gateway:
             for stream in (False, True):
+                started = time.perf_counter()
                 resp = httpx.post(gateway.url + "/v1/chat/completions", headers=headers, timeout=10,
-                                  json={"model": "fake-model", "messages": HI, "max_tokens": 3, "stream": stream})
+                                  json={"model": "fake-model", "messages": HI, "max_tokens": 3, "stream": stream,
+                                        "fake": {"token_delay_s": TOKEN_DELAY_S}})
+                stream_s = time.perf_counter() - started
                 assert resp.status_code == 200
         # leaving the gateway shut its MeterProvider down: the final push has arrived
         points = rx.metric_points()
@@ -49,6 +55,10 @@ def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
     assert attrs == base and ttfc.count == 1  # the stream only
     assert list(ttfc.explicit_bounds) == list(CHUNK_BUCKETS) == [0.01 * 2**i for i in range(14)]  # semconv
     (attrs, tpoc), = points["gen_ai.client.operation.time_per_output_chunk"]
-    assert attrs == base and tpoc.count == 1  # the stream's 3 chunks: one mean gap
+    # one observation per chunk after the first (semconv): the stream's 3 token chunks give 2 gaps, which add
+    # up to the time from its first to its last chunk: at least the upstream's 2 token delays less one (the
+    # first chunk may arrive late, never early), at most the whole stream as the client saw it
+    assert attrs == base and tpoc.count == 2
+    assert TOKEN_DELAY_S <= tpoc.sum <= stream_s
     assert list(tpoc.explicit_bounds) == list(CHUNK_BUCKETS)
     assert {"service.name": "kvscope-gateway"}.items() <= resources[-1].items()
