@@ -14,7 +14,10 @@ ARG KVSCOPE_EXTRAS=engine,gateway
 # 1: download SmolLM2-135M into the image at build time (otherwise on first start, into the volume).
 ARG PRELOAD_MODEL=0
 
+# PYTHONSAFEPATH: `python -m ...` in /opt/kvscope does not put the source folders on sys.path (the top-level
+# name `kernels` is Hugging Face's package, which transformers imports, not kvscope's kernels/ folder).
 ENV PYTHONUNBUFFERED=1 \
+    PYTHONSAFEPATH=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     KVSCOPE_CACHE=/var/lib/kvscope
 
@@ -33,7 +36,11 @@ COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY gateway ./gateway
 COPY kernels ./kernels
+COPY dashboards ./dashboards
+# kvscope/ links engine, gateway, kernels and dashboards in as kvscope.engine, ...; src/kvscope links to kvscope/
+# (the package root pyproject.toml installs from). The wheel holds real files.
 COPY kvscope ./kvscope
+COPY src ./src
 RUN pip install --no-cache-dir ".[${KVSCOPE_EXTRAS}]"
 
 USER kvscope

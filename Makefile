@@ -10,6 +10,8 @@ PYTEST_ARGS ?=
 # of processes) start once. (Not loadgroup: pytest-xdist 3.8 sets the group on Item._nodeid, which pytest 9.2's
 # nodeid no longer reads, so every test became its own unit.)
 TEST_WORKERS ?= 2
+# python -P: the repository root stays off sys.path, where its kernels/ folder would shadow Hugging Face's
+# top-level `kernels` (transformers imports it); kvscope's layers are kvscope.engine, kvscope.kernels, ...
 
 .PHONY: run test test-fresh lint install pull bench clean
 
@@ -30,11 +32,11 @@ pull: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check engine gateway kernels kvscope dashboards bench tests
-	$(PY) -m dashboards.generate --check
+	$(PY) -P -m kvscope.dashboards.generate --check
 	$(VENV)/bin/lint-imports
 
 test: $(STAMP) pull lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -P -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The fresh-machine check: a clone of HEAD with empty HOME, TMPDIR and model cache, then .ci/run (CI=true).
 test-fresh:

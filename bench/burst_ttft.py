@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine.bench import random_prompts
-from engine.config import SchedulerConfig
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.config import SchedulerConfig
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from kvscope.kernels import cpu_decode
 
 
 def paged_case(batch: int, context: int, dtype: torch.dtype, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,

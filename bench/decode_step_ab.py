@@ -13,9 +13,9 @@ import os
 import statistics
 import time
 
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ import argparse
 import statistics
 import time
 
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.models.layers import RMSNorm
-from engine.models.llama import MLP, Attention
-from engine.sampling_params import SamplingParams
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.models.layers import RMSNorm
+from kvscope.engine.models.llama import MLP, Attention
+from kvscope.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 

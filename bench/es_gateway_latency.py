@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from bench.gateway_overhead import one, overhead, percentile  # noqa: E402
 from tests.gateway.harness import (  # noqa: E402

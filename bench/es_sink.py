@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
-from gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchSinkConfig  # noqa: E402
-from gateway.logs.es_client import EsConnectionConfig  # noqa: E402
-from gateway.logs.es_shipper import ShipperConfig  # noqa: E402
-from gateway.logs.spool import SpoolConfig  # noqa: E402
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchSinkConfig  # noqa: E402
+from kvscope.gateway.logs.es_client import EsConnectionConfig  # noqa: E402
+from kvscope.gateway.logs.es_shipper import ShipperConfig  # noqa: E402
+from kvscope.gateway.logs.spool import SpoolConfig  # noqa: E402
 from tests.gateway.logs.records import make_record  # noqa: E402
 
 

@@ -23,8 +23,8 @@ FORMATS = {
 
 def one(name: str, model: str) -> dict:
     """Build the engine in format ``name`` and report its bytes (B)."""
-    from engine.llm import LLM
-    from engine.memory import process_memory_bytes
+    from kvscope.engine.llm import LLM
+    from kvscope.engine.memory import process_memory_bytes
 
     before, _ = process_memory_bytes()
     info = LLM(model, kv_cache_memory=64 << 20, num_threads=1, **FORMATS[name]).engine.info

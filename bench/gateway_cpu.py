@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from tests.gateway.harness import spawn_fake, spawn_gateway, wait_http  # noqa: E402
 

@@ -17,11 +17,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
-from engine.bench import bench_steps, random_prompts  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.bench import bench_steps, random_prompts  # noqa: E402
+from kvscope.engine.llm import LLM  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 from kvscope.plan.cpu_probe import ProbeConfig, probe_cpu  # noqa: E402
 from kvscope.plan.planner import PlanRequest, plan  # noqa: E402
 from kvscope.plan.shape import read_model  # noqa: E402

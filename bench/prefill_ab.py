@@ -18,12 +18,12 @@ import time
 
 import torch
 
-import engine.attention.torch_backend as TB
-import engine.models.layers as L
-import engine.models.llama as M
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+import kvscope.engine.attention.torch_backend as TB
+import kvscope.engine.models.layers as L
+import kvscope.engine.models.llama as M
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def old_write(self, key, value, kv_cache, slot_mapping):

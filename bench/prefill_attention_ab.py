@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.attention.torch_backend import attention_compute_dtype, cpu_has_amx
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.models.loader import load_cpu_kernels
+from kvscope.engine.attention.torch_backend import attention_compute_dtype, cpu_has_amx
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.models.loader import load_cpu_kernels
 from kvscope.models.cache import cache_root
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 from bench.ttft_profile import first_step_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from bench.gateway_cpu import add_load_arguments, cpu_seconds, load  # noqa: E402
 from tests.gateway.harness import free_port, spawn_fake, spawn_gateway, wait_http, wait_port  # noqa: E402

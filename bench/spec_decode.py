@@ -4,7 +4,7 @@ that ships in this repository) and on random-token prompts, at concurrency 1 and
 figures (accepted / proposed draft tokens, vLLM's mean acceptance length 1 + accepted / drafts); and on
 open-ended stories, where there is little to copy.
 
-Offline (engine.llm.LLM, no HTTP), greedy (``open`` stories: temperature 0.8 with a seed per prompt), chat
+Offline (kvscope.engine.llm.LLM, no HTTP), greedy (``open`` stories: temperature 0.8 with a seed per prompt), chat
 template for the chat prompts. c=1 runs its prompts one after the other (single stream); c=8 submits 8 at
 once (continuous batching, ``max_num_seqs`` 8). Output tok/s = generated tokens / wall time (prefill
 included); decode tok/s per stream = the mean over requests of (tokens − 1) / (last token − first token), from
@@ -31,13 +31,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 import torch  # noqa: E402
 
-from engine.bench import random_prompts  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.bench import random_prompts  # noqa: E402
+from kvscope.engine.llm import LLM  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE_FILES = ("engine/sampling_params.py", "engine/core/block_pool.py", "engine/text/output_processor.py",
@@ -87,7 +87,7 @@ SAMPLED = {"open"}
 
 def workloads(llm: LLM, names: list[str], count: int, seed: int) -> dict[str, list[list[int]]]:
     """Token-id prompts per workload: ``code`` and ``list`` (chat template applied), ``random`` (128 random
-    ids, engine.bench.random_prompts; a small model tends to loop on them) and ``open`` (short stories)."""
+    ids, kvscope.engine.bench.random_prompts; a small model tends to loop on them) and ``open`` (short stories)."""
     out: dict[str, list[list[int]]] = {}
     template = llm.tokenizer.apply_chat_template
     if "code" in names:

@@ -13,14 +13,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-import engine.attention.torch_backend as TB
-import engine.models.layers as L
-import engine.models.llama as M
-import engine.models.quant as Q
-from engine.attention.forward_context import get_forward_context
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+import kvscope.engine.attention.torch_backend as TB
+import kvscope.engine.models.layers as L
+import kvscope.engine.models.llama as M
+import kvscope.engine.models.quant as Q
+from kvscope.engine.attention.forward_context import get_forward_context
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def old_rms(self, x):

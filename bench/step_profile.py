@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def _timed_forward(model: torch.nn.Module, log: list[tuple[float, float]]):

@@ -1,7 +1,7 @@
 """Structured-output overhead (issue 14): decode tok/s of a batch of 32 where half the requests are
 grammar-constrained vs the same batch unconstrained, plus the compile time of a typical JSON schema.
 
-Offline (engine.llm.LLM, no HTTP). Unconstrained rows use ``ignore_eos``; constrained rows use a regex that
+Offline (kvscope.engine.llm.LLM, no HTTP). Unconstrained rows use ``ignore_eos``; constrained rows use a regex that
 cannot complete within ``--max-tokens`` (so both runs decode exactly the same number of tokens). Runs are
 interleaved ``--repeats`` times and the best tok/s of each kind is reported (the least disturbed by other load).
 
@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured.params import StructuredOutputsParams  # noqa: E402
+from kvscope.engine.llm import LLM  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.structured.params import StructuredOutputsParams  # noqa: E402
 
 CONSTRAINTS = {
     # a JSON string field: llguidance's token-trie slices make its mask cheap (the common case)

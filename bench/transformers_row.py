@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
-from engine.bench import bench_transformers, random_prompts  # noqa: E402
+from kvscope.engine.bench import bench_transformers, random_prompts  # noqa: E402
 
 
 def measure(model_dir: str, concurrency: int, input_len: int, output_len: int, dtype: torch.dtype,

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-import engine.models.layers as L
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+import kvscope.engine.models.layers as L
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 

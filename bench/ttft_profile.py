@@ -19,10 +19,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench import random_prompts
-from engine.llm import LLM
-from engine.models.layers import Linear
-from engine.sampling_params import SamplingParams
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.models.layers import Linear
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def first_step_ms(llm: LLM, ids: list[int], tag: str) -> float:

@@ -8,7 +8,7 @@ from functools import cache
 
 import yaml
 
-from dashboards.coverage import RULES_FILE
+from kvscope.dashboards.coverage import RULES_FILE
 
 _COMPARISON = re.compile(r"(?:>=|<=|>|<)\s*(-?[0-9][0-9.eE+-]*)")
 

@@ -1,6 +1,6 @@
 """The metric catalog: every metric the code defines, discovered from the collector classes themselves.
 
-``discover()`` instantiates ``engine.server.metrics.EngineMetrics`` and ``gateway.metrics.GatewayMetrics`` on a fresh
+``discover()`` instantiates ``kvscope.engine.server.metrics.EngineMetrics`` and ``kvscope.gateway.metrics.GatewayMetrics`` on a fresh
 ``CollectorRegistry``, creates one child per labelled metric (so that label names and histogram bounds show
 up as samples) and reads ``registry.collect()``. Dashboards, alert rules and docs/metrics.md are checked
 against this catalog, so a renamed metric breaks the build instead of a dashboard.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 COMPONENTS = {
-    "engine": ("engine.server.metrics", "EngineMetrics"),
-    "gateway": ("gateway.metrics", "GatewayMetrics"),
+    "engine": ("kvscope.engine.server.metrics", "EngineMetrics"),
+    "gateway": ("kvscope.gateway.metrics", "GatewayMetrics"),
 }
 """component → (module, class); each class takes a ``CollectorRegistry`` as first argument."""
 _PLACEHOLDER = "catalog"

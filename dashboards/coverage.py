@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from dashboards.catalog import Catalog
-from dashboards.grafana import Json
+from kvscope.dashboards.catalog import Catalog
+from kvscope.dashboards.grafana import Json
 
 REPO = Path(__file__).resolve().parent.parent
 RULES_FILE = REPO / "alerts" / "kvscope.rules.yaml"

@@ -3,10 +3,10 @@ the KV cache is used. The overview links here when an engine panel looks wrong."
 
 from __future__ import annotations
 
-from dashboards.alert_thresholds import alert_threshold
-from dashboards.grafana import Json, Target, dashboard, dashboard_link, row, timeseries
-from dashboards.overview import EN, latency_targets
-from dashboards.promql import PromQL
+from kvscope.dashboards.alert_thresholds import alert_threshold
+from kvscope.dashboards.grafana import Json, Target, dashboard, dashboard_link, row, timeseries
+from kvscope.dashboards.overview import EN, latency_targets
+from kvscope.dashboards.promql import PromQL
 
 UID = "kvscope-engine"
 GENERATION = 'route=~"/v1/chat/completions|/v1/completions"'

@@ -1,7 +1,7 @@
 """Generate the Grafana dashboards and docs/metrics.md from the metric catalog.
 
-    python -m dashboards.generate           # write dashboards/json/*.json and docs/metrics.md
-    python -m dashboards.generate --check   # exit 1 if a committed file differs from what would be written
+    python -m kvscope.dashboards.generate           # write dashboards/json/*.json and docs/metrics.md
+    python -m kvscope.dashboards.generate --check   # exit 1 if a committed file differs from what would be written
 
 Exit status 2 when the catalog is incomplete (a metrics module is missing), since the output would differ.
 """
@@ -14,11 +14,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from dashboards import engine_detail, metrics_doc, overview
-from dashboards.catalog import Catalog, discover
-from dashboards.coverage import REPO, not_shown
-from dashboards.grafana import Json
-from dashboards.promql import PromQL
+from kvscope.dashboards import engine_detail, metrics_doc, overview
+from kvscope.dashboards.catalog import Catalog, discover
+from kvscope.dashboards.coverage import REPO, not_shown
+from kvscope.dashboards.grafana import Json
+from kvscope.dashboards.promql import PromQL
 
 JSON_DIR = REPO / "dashboards" / "json"
 METRICS_DOC = REPO / "docs" / "metrics.md"
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = stale_files(files)
     if args.check:
         for path in stale:
-            print(f"stale: {_shown(path)} (run: python -m dashboards.generate)", file=sys.stderr)
+            print(f"stale: {_shown(path)} (run: python -m kvscope.dashboards.generate)", file=sys.stderr)
         return 1 if stale else 0
     JSON_DIR.mkdir(parents=True, exist_ok=True)
     for path in stale:

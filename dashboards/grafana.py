@@ -51,7 +51,7 @@ def timeseries(title: str, description: str, targets: list[Target], unit: str, *
                w: int = 12, h: int = 8, min_value: float | None = 0, max_value: float | None = None,
                threshold: float | None = None) -> Json:
     """Line chart; ``stack`` stacks series (breakdowns that add up to a total); ``threshold`` draws a dashed
-    red line at that value (an alert's threshold: dashboards.alert_thresholds)."""
+    red line at that value (an alert's threshold: kvscope.dashboards.alert_thresholds)."""
     panel = _panel("timeseries", title, description, targets, w, h)
     custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 25 if stack else 10, "showPoints": "never",
               "spanNulls": False, "stacking": {"group": "A", "mode": "normal" if stack else "none"}}

@@ -7,9 +7,9 @@ dependencies (upstreams, log shipping, scrape targets) → request shapes.
 
 from __future__ import annotations
 
-from dashboards.alert_thresholds import alert_threshold
-from dashboards.grafana import Json, Target, dashboard, dashboard_link, heatmap, row, stat, timeseries
-from dashboards.promql import PromQL, up
+from kvscope.dashboards.alert_thresholds import alert_threshold
+from kvscope.dashboards.grafana import Json, Target, dashboard, dashboard_link, heatmap, row, stat, timeseries
+from kvscope.dashboards.promql import PromQL, up
 
 UID = "kvscope-overview"
 TTFT_SLO_S = 1.0

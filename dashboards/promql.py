@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dashboards.catalog import Catalog
+from kvscope.dashboards.catalog import Catalog
 
 RATE = "$__rate_interval"
 """Grafana's rate window: max(4 × scrape interval, step + scrape interval)."""

@@ -4,7 +4,7 @@ The figure keeps Grafana's grid (24 columns; rows of 1 unit): timeseries as line
 value, heatmaps as bucket counts over time. Panels without data say so in red, so a reviewer sees what the
 on-call engineer would see, gaps included.
 
-    python -m dashboards.render --prometheus http://127.0.0.1:9090 --minutes 10 --out test-artifacts/dashboards
+    python -m kvscope.dashboards.render --prometheus http://127.0.0.1:9090 --minutes 10 --out test-artifacts/dashboards
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 from matplotlib.dates import DateFormatter
 from matplotlib.figure import Figure
 
-from dashboards.grafana import GRID_WIDTH, Json
-from dashboards.query import PrometheusAPI, PromQLError, Variables, legend
+from kvscope.dashboards.grafana import GRID_WIDTH, Json
+from kvscope.dashboards.query import PrometheusAPI, PromQLError, Variables, legend
 
 UNIT_H_IN, FIG_W_IN = 0.34, 22.0
 

@@ -25,15 +25,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from engine.config import EngineConfig
-from engine.core.request import Request
-from engine.core.stats import SchedulerStats
-from engine.engine_core import EngineCore, StepResult
-from engine.errors import EngineDeadError
-from engine.input_processor import EngineRequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured.batch import ERROR_PREFIX
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.engine_core import EngineCore, StepResult
+from kvscope.engine.errors import EngineDeadError
+from kvscope.engine.input_processor import EngineRequest
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.batch import ERROR_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Offline throughput benchmark: kvscope's engine vs transformers ``generate`` (static batching), same weights.
 
-Run: ``kvscope bench --offline`` or ``python -m engine.bench``. Prints output tokens/s for each concurrency
+Run: ``kvscope bench --offline`` or ``python -m kvscope.engine.bench``. Prints output tokens/s for each concurrency
 (128 prompt / 128 output tokens by default, greedy, ignore_eos) and the median TTFT. ``--step-bench`` instead
 times single engine steps: decode ms/step at each concurrency (all prompts prefilled first), the first step of
 each concurrency (its prefill), and the idle TTFT: ``--ttft-runs`` single prompts of ``--input-len`` tokens,
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,13 @@ class ModelConfig:
     """Registry name (``smollm2-135m``), a HF folder (config.json + safetensors + tokenizer) or a .gguf file."""
     dtype: str = "float32"
     """Weights/activations dtype: float32 (CPU default, exact parity), bfloat16, float16, or auto: on CPU the
-    faster of float32/bfloat16 by a start-up probe (``engine.models.kernel_probe``: bfloat16 where oneDNN runs it
+    faster of float32/bfloat16 by a start-up probe (``kvscope.engine.models.kernel_probe``: bfloat16 where oneDNN runs it
     on AMX/AVX512_BF16), bfloat16 on CUDA."""
     quantization: str = "none"
     """Linear-layer weights (vLLM's ``--quantization``): none, int8 (weight-only, per output channel), int4
     (groups of 32; a Q4_0/Q4_1 GGUF's own blocks), gguf (the GGUF's Q4 tensors as int4, the rest dense). CPU
-    only; see ``engine.models.compact``. auto: the fastest format the model's registry entry lists as verified,
-    by the start-up probe (``engine.models.format_choice``; with an explicit dtype: none). The library keeps
+    only; see ``kvscope.engine.models.compact``. auto: the fastest format the model's registry entry lists as verified,
+    by the start-up probe (``kvscope.engine.models.format_choice``; with an explicit dtype: none). The library keeps
     none/float32 as defaults (exact parity); ``kvscope engine``/``serve`` default to auto/auto."""
     cpu_kernels: str = "auto"
     """CPU kernels for compact weights: auto = kvscope's own (kernels/cpu_decode.py: AVX-512 VNNI GEMVs and a
@@ -53,7 +53,7 @@ class CacheConfig:
     """Override: exact number of KV blocks (tests)."""
     memory_budget: int | None = None
     """CPU: bytes for weights and KV cache together; when set, the KV cache gets ``memory_budget`` minus the
-    weights bytes of the loaded format (packed, compact and dense copies, ``engine.models.compact.
+    weights bytes of the loaded format (packed, compact and dense copies, ``kvscope.engine.models.compact.
     model_weight_bytes``) instead of ``kv_cache_memory``."""
     gpu_memory_utilization: float = 0.9
     """CUDA: fraction of device memory for weights + activations + KV cache."""
@@ -139,7 +139,7 @@ class EngineConfig:
     """``auto`` (Triton on CUDA, torch reference on CPU), ``torch`` or ``triton``."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None = auto: one fewer than the CPUs this process may run on, at least 1
-    (``engine.engine_core.default_num_threads``, which documents the measurements). On a 2-core machine that
+    (``kvscope.engine.engine_core.default_num_threads``, which documents the measurements). On a 2-core machine that
     is 1: a second OpenMP thread gains 1.4-1.8x on batched steps when the machine is idle, but makes steps
     2.5-5x slower as soon as another process wants a core. Override with ``--num-threads``."""
 

@@ -13,28 +13,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.selector import get_attention_backend
-from engine.config import EngineConfig
-from engine.core.block_pool import BlockPool
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus, child_request_id
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.core.stats import SchedulerStats
-from engine.input_processor import EngineRequest, InputProcessor
-from engine.memory import process_memory_bytes, with_kv_budget
-from engine.models.compact import model_weight_bytes
-from engine.models.loader import load_model
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.drafter import NgramDrafter
-from engine.spec_decode.stats import SpecDecodingStats
-from engine.structured.backend import StructuredOutputManager
-from engine.structured.batch import MatcherTable
-from engine.text.output_processor import OutputProcessor
-from engine.text.tokenizer import Tokenizer
-from engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
-from engine.worker.model_runner import ModelRunner
+from kvscope.engine.attention.selector import get_attention_backend
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.block_pool import BlockPool
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import Request, RequestStatus, child_request_id
+from kvscope.engine.core.scheduler import Scheduler
+from kvscope.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.input_processor import EngineRequest, InputProcessor
+from kvscope.engine.memory import process_memory_bytes, with_kv_budget
+from kvscope.engine.models.compact import model_weight_bytes
+from kvscope.engine.models.loader import load_model
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.spec_decode.drafter import NgramDrafter
+from kvscope.engine.spec_decode.stats import SpecDecodingStats
+from kvscope.engine.structured.backend import StructuredOutputManager
+from kvscope.engine.structured.batch import MatcherTable
+from kvscope.engine.text.output_processor import OutputProcessor
+from kvscope.engine.text.tokenizer import Tokenizer
+from kvscope.engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
+from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.models.registry import default_served_name
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class ModelInfo:
     quantization: str = "none"
     """``--quantization`` as loaded (``auto`` resolved)."""
     format_reason: str = ""
-    """Why this format (engine.models.format_choice)."""
+    """Why this format (kvscope.engine.models.format_choice)."""
     cpu_kernels: str = ""
     """The CPU kernels of the compact weights: ``kvscope (fused decode up to N rows)`` (kernels/cpu_decode.py),
     ``torch`` (and why not kvscope's), or empty off CPU / for dense formats."""
@@ -208,14 +208,14 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, trace_context: object | None = None) -> list[Request]:
-        """Validate (:class:`~engine.input_processor.InputProcessor`) and queue a request (``n`` children for
+        """Validate (:class:`~kvscope.engine.input_processor.InputProcessor`) and queue a request (``n`` children for
         ``params.n > 1``). Raises InvalidParameterError / PromptTooLongError before any work is done."""
         return self.add_engine_request(request_id, self.input_processor.process(prompt_token_ids, params),
                                        arrival_time, trace_context)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The resolved max_tokens of a request, or the errors of :meth:`add_request`; queues nothing (the same
-        :class:`~engine.input_processor.InputProcessor` check)."""
+        :class:`~kvscope.engine.input_processor.InputProcessor` check)."""
         return self.input_processor.process(prompt_token_ids, params).max_tokens
 
     def add_engine_request(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,

@@ -1,7 +1,7 @@
 """The one validation point of an engine request, where it enters the engine (vLLM v1's ``InputProcessor``,
 vllm/v1/engine/input_processor.py).
 
-A prompt and its :class:`~engine.sampling_params.SamplingParams` (which checked their own ranges when built) are
+A prompt and its :class:`~kvscope.engine.sampling_params.SamplingParams` (which checked their own ranges when built) are
 checked here against the loaded model: token ids in the vocabulary, prompt + ``max_tokens`` within the context.
 What passes is an :class:`EngineRequest`; the engine queues nothing else, so no layer below checks again (the
 scheduler only asserts its own invariants). Callers: ``AsyncEngine.process_inputs`` (the server, for every
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.errors import InvalidParameterError, PromptTooLongError
-from engine.sampling_params import SamplingParams
-from engine.worker.sampler import RequestSampling
+from kvscope.engine.errors import InvalidParameterError, PromptTooLongError
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.worker.sampler import RequestSampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class EngineRequest:
     """New tokens at most: ``params.max_tokens``, else what is left of the context after the prompt."""
     sampling: RequestSampling | None = field(default=None, compare=False)
     """The request's constant sampling tensors (logit_bias, stop ids, prompt ids), built here once and shared
-    by every step and every one of its ``n`` children (engine.worker.sampler)."""
+    by every step and every one of its ``n`` children (kvscope.engine.worker.sampler)."""
     fairness_group: str | None = None
     """The client request it belongs to (the server sets its response id, shared by all the request's prompts);
     the scheduler shares slots and tokens between such groups (engine/core/fairness.py). None: its own id."""
@@ -50,7 +50,7 @@ class InputProcessor:
     constraint the request carries (a no-op when the server already did, StructuredOutputsParams.pin), so no
     engine step compiles; raises InvalidParameterError naming the field for an unsupported schema keyword, a bad
     regex/grammar, a grammar above the size limit or one the matcher cannot serve
-    (engine.structured.backend.StructuredOutputManager.compile)."""
+    (kvscope.engine.structured.backend.StructuredOutputManager.compile)."""
     device: torch.device | str = "cpu"
     """Where the request's sampling tensors live (the model runner's device)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import (
+from kvscope.engine.config import (
     DEFAULT_MODEL,
     CacheConfig,
     EngineConfig,
@@ -12,9 +12,9 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine.engine_core import EngineCore
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from kvscope.engine.engine_core import EngineCore
+from kvscope.engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from engine.config import CacheConfig
+from kvscope.engine.config import CacheConfig
 
 
 def cpu_kv_budget(cache: CacheConfig, weights_bytes: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.stats import KvscopeStats
+from kvscope.engine.core.stats import KvscopeStats
 
 
 @dataclass(slots=True)

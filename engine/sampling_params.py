@@ -1,6 +1,6 @@
 """Per-request sampling parameters (OpenAI + vLLM vocabulary).
 
-Validation raises :class:`engine.errors.InvalidParameterError` (a ``ValueError``) whose ``param`` names the
+Validation raises :class:`kvscope.engine.errors.InvalidParameterError` (a ``ValueError``) whose ``param`` names the
 offending field, so the server can answer 400 with OpenAI's ``param``.
 """
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidParameterError
-from engine.structured.params import StructuredOutputsParams
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Largest ``logprobs``/``top_logprobs`` accepted (OpenAI documents 20)."""
 MAX_LOGIT_BIAS = 300
 """Most ``logit_bias`` entries accepted: OpenAI's own limit. The bias is built into tensors once per request
-(engine.worker.sampler.RequestSampling) and added to every row of the request (its ``n`` children, its
+(kvscope.engine.worker.sampler.RequestSampling) and added to every row of the request (its ``n`` children, its
 speculative verification rows) on every step, so its size is per-step work too."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most ``stop_token_ids`` accepted (before de-duplication). Stop ids are end markers: every special token of

@@ -1,7 +1,7 @@
-"""``python -m gateway …`` runs the gateway (same flags as ``kvscope gateway``)."""
+"""``python -m kvscope.gateway …`` runs the gateway (same flags as ``kvscope gateway``)."""
 
 import sys
 
-from gateway.cli import gateway_main
+from kvscope.gateway.cli import gateway_main
 
 raise SystemExit(gateway_main(sys.argv[1:]))

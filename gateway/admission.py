@@ -3,7 +3,7 @@
 auth (401, the route's guard: gateway/guards.py) → body size (413) → JSON + schema (400) → unknown model (404 ``model_not_found``) → key's
 models (403) → key's ``max_tokens`` ceiling (400) → context length with the model's tokenizer (400
 ``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429, the lease of gateway/ratelimit_middleware.py). What
-passes becomes a :class:`~gateway.proxy.plan.ProxyPlan`.
+passes becomes a :class:`~kvscope.gateway.proxy.plan.ProxyPlan`.
 
 A request without ``max_tokens`` gets one injected when its key has a ``max_tokens`` ceiling or a
 tokens-per-minute limit: the upstream's own default (16 for completions, the rest of the context for chat)
@@ -21,18 +21,24 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from litestar import Request
 
-from gateway.auth import Principal
-from gateway.body import read_body
-from gateway.context import RequestContext, context_of
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UpstreamUnavailable, clip
-from gateway.proxy.plan import ProxyPlan
-from gateway.ratelimit_middleware import lease_of
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
-from gateway.tokenize import estimate_tokens
+from kvscope.gateway.auth import Principal
+from kvscope.gateway.body import read_body
+from kvscope.gateway.context import RequestContext, context_of
+from kvscope.gateway.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    UpstreamUnavailable,
+    clip,
+)
+from kvscope.gateway.proxy.plan import ProxyPlan
+from kvscope.gateway.ratelimit_middleware import lease_of
+from kvscope.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
+from kvscope.gateway.tokenize import estimate_tokens
 from kvscope.openai_errors import context_length_message
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from kvscope.gateway.state import GatewayState
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default ``max_tokens`` for /v1/completions."""

@@ -17,16 +17,16 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
-from gateway.errors import EXCEPTION_HANDLERS
-from gateway.lifespan import build_state, gateway_lifespan
-from gateway.logs.sink import LogSink
-from gateway.observe import PROBE_PATHS, observe
-from gateway.routes import ROUTES
-from gateway.settings import GatewaySettings
+from kvscope.gateway.errors import EXCEPTION_HANDLERS
+from kvscope.gateway.lifespan import build_state, gateway_lifespan
+from kvscope.gateway.logs.sink import LogSink
+from kvscope.gateway.observe import PROBE_PATHS, observe
+from kvscope.gateway.routes import ROUTES
+from kvscope.gateway.settings import GatewaySettings
 
 
 class GatewayApp(Litestar):
-    """The Litestar app with :func:`gateway.observe.observe` around it, outside the router: a request no
+    """The Litestar app with :func:`kvscope.gateway.observe.observe` around it, outside the router: a request no
     route or method matches is still observed (one log record, metrics, a span), and a non-canonical
     request target is refused before routing."""
 
@@ -51,7 +51,7 @@ def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None 
     """Build the gateway.
 
     Args:
-        settings: validated settings (:func:`gateway.settings.load_settings`).
+        settings: validated settings (:func:`kvscope.gateway.settings.load_settings`).
         registry: Prometheus registry for the ``kvscope_gateway_*`` collectors (default: a new one).
         span_exporter: also export spans here, synchronously (tests pass an ``InMemorySpanExporter``).
         sinks: extra request-log sinks (e.g. the Elasticsearch sink) besides the configured file/stdout ones.

@@ -12,8 +12,8 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from gateway.errors import AuthenticationFailed, PermissionDenied
-from gateway.settings import ApiKeyConfig, KeyLimits
+from kvscope.gateway.errors import AuthenticationFailed, PermissionDenied
+from kvscope.gateway.settings import ApiKeyConfig, KeyLimits
 
 KEY_PREFIX = "sk-kvs-"
 ANONYMOUS = "anonymous"

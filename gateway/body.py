@@ -6,8 +6,8 @@ from __future__ import annotations
 from litestar import Request
 from litestar.exceptions import InternalServerException
 
-from gateway.context import context_of
-from gateway.errors import ClientClosedRequest, PayloadTooLarge
+from kvscope.gateway.context import context_of
+from kvscope.gateway.errors import ClientClosedRequest, PayloadTooLarge
 
 
 async def read_body(request: Request, limit: int) -> bytes:

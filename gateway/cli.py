@@ -12,8 +12,8 @@ import logging
 import sys
 from typing import Any
 
-from gateway.auth import generate_key, hash_key
-from gateway.settings import GatewaySettings, check_key_name, load_settings
+from kvscope.gateway.auth import generate_key, hash_key
+from kvscope.gateway.settings import GatewaySettings, check_key_name, load_settings
 from kvscope.settings_cli import add_flags, given
 
 
@@ -34,11 +34,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted, under :func:`gateway.server.uvicorn_config` (JSON 400s
+    """Serve ``app`` with uvicorn until interrupted, under :func:`kvscope.gateway.server.uvicorn_config` (JSON 400s
     for parser errors, no uvicorn proxy-header rewriting, no access log: the gateway writes its own)."""
     import uvicorn
 
-    from gateway.server import uvicorn_config
+    from kvscope.gateway.server import uvicorn_config
 
     config = uvicorn_config(app, settings.host, settings.port, log_level)
     logging.getLogger("kvscope.gateway").info("event loop: %s", config.loop)
@@ -52,7 +52,7 @@ def gateway_main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
-        from gateway.app import create_app
+        from kvscope.gateway.app import create_app
 
         settings = load_settings(args.config, _overrides(args))
         app = create_app(settings)

@@ -14,7 +14,7 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from opentelemetry.trace import Span
 
-from gateway.errors import GatewayError
+from kvscope.gateway.errors import GatewayError
 
 CTX_KEY = "kvscope_ctx"
 """``scope["state"]`` key of the request's RequestContext."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from gateway.context import RequestContext
+    from kvscope.gateway.context import RequestContext
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 

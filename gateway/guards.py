@@ -3,7 +3,7 @@ the method it accepts (405), the generation operation it serves, and the caller'
 
 Authentication happens here and nowhere else: :func:`authenticated` checks ``Authorization: Bearer <key>``
 (gateway/auth.py), records ``user.id`` in the request context and leaves the
-:class:`~gateway.auth.Principal` in ``scope["user"]`` (Litestar's place for it: ``request.user``), which the
+:class:`~kvscope.gateway.auth.Principal` in ``scope["user"]`` (Litestar's place for it: ``request.user``), which the
 handlers read through :func:`principal_of`. Guard errors are GatewayErrors, answered as OpenAI JSON by the
 app's exception handlers.
 """
@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from gateway.auth import Principal
-from gateway.context import context_of
-from gateway.errors import MethodNotAllowed
-from gateway.state import state_of
+from kvscope.gateway.auth import Principal
+from kvscope.gateway.context import context_of
+from kvscope.gateway.errors import MethodNotAllowed
+from kvscope.gateway.state import state_of
 
 Guard = Callable[[ASGIConnection, BaseRouteHandler], Awaitable[None]]
 """Guards are coroutines: Litestar runs a plain function guard in a worker thread."""

@@ -1,4 +1,4 @@
-"""Building and running the gateway's long-lived parts (:class:`gateway.state.GatewayState`): startup/shutdown.
+"""Building and running the gateway's long-lived parts (:class:`kvscope.gateway.state.GatewayState`): startup/shutdown.
 
 :func:`build_state` wires objects without I/O (tokenizers are loaded here so a bad path fails at startup);
 :func:`gateway_lifespan` opens the upstream HTTP client, starts the log sinks, probes every upstream once,
@@ -19,19 +19,19 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from gateway.auth import Authenticator
-from gateway.forwarded import ClientAddressResolver, parse_networks
-from gateway.logs.record import RecordBuilder, ServiceInfo
-from gateway.logs.sink import LogSink
-from gateway.logs.sinks import JsonlFileSink, StdoutSink
-from gateway.metrics import GatewayMetrics, LogSinkMetrics
-from gateway.proxy.network import upstream_transport
-from gateway.proxy.upstreams import UpstreamPool
-from gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
-from gateway.settings import GatewaySettings
-from gateway.state import GatewayState, service_version
-from gateway.tokenize import PromptCounter
-from gateway.tracing import GatewayTracer, build_tracer_provider
+from kvscope.gateway.auth import Authenticator
+from kvscope.gateway.forwarded import ClientAddressResolver, parse_networks
+from kvscope.gateway.logs.record import RecordBuilder, ServiceInfo
+from kvscope.gateway.logs.sink import LogSink
+from kvscope.gateway.logs.sinks import JsonlFileSink, StdoutSink
+from kvscope.gateway.metrics import GatewayMetrics, LogSinkMetrics
+from kvscope.gateway.proxy.network import upstream_transport
+from kvscope.gateway.proxy.upstreams import UpstreamPool
+from kvscope.gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
+from kvscope.gateway.settings import GatewaySettings
+from kvscope.gateway.state import GatewayState, service_version
+from kvscope.gateway.tokenize import PromptCounter
+from kvscope.gateway.tracing import GatewayTracer, build_tracer_provider
 from kvscope.otel_genai import GenAiClientMetrics, build_meter_provider
 
 _log = logging.getLogger("kvscope.gateway")
@@ -76,7 +76,7 @@ def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list
     if logs.stdout:
         sinks.append(StdoutSink(metrics, logs.queue_size))
     if logs.elasticsearch is not None:
-        from gateway.logs.elasticsearch import ElasticsearchSink
+        from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
 
         sink_config = logs.elasticsearch_settings().sink_config()
         sinks.append(ElasticsearchSink(sink_config, LogSinkMetrics(metrics, ElasticsearchSink.name)))

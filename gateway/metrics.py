@@ -12,7 +12,7 @@ import platform
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gateway.settings import MetricsConfig
+from kvscope.gateway.settings import MetricsConfig
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/*", "other")
 UNKNOWN_MODEL = "unknown"

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import Status, StatusCode
 
-from gateway.context import CTX_KEY, REFUSED_KEY, RequestContext, new_request_id
-from gateway.errors import GatewayError, error_json
-from gateway.metrics import route_label
-from gateway.target import check_target
-from gateway.tracing import span_ids
+from kvscope.gateway.context import CTX_KEY, REFUSED_KEY, RequestContext, new_request_id
+from kvscope.gateway.errors import GatewayError, error_json
+from kvscope.gateway.metrics import route_label
+from kvscope.gateway.target import check_target
+from kvscope.gateway.tracing import span_ids
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from kvscope.gateway.state import GatewayState
 
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.settings import KeyLimits
+from kvscope.gateway.settings import KeyLimits
 
 _log = logging.getLogger("kvscope.gateway")
 CONCURRENCY_RETRY_S = 1.0

@@ -22,11 +22,11 @@ from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.auth import Principal
-from gateway.context import CTX_KEY, RequestContext
-from gateway.errors import RateLimited
-from gateway.ratelimit import RateLimiter
-from gateway.settings import KeyLimits
+from kvscope.gateway.auth import Principal
+from kvscope.gateway.context import CTX_KEY, RequestContext
+from kvscope.gateway.errors import RateLimited
+from kvscope.gateway.ratelimit import RateLimiter
+from kvscope.gateway.settings import KeyLimits
 
 LEASE_KEY = "kvscope_rate_lease"
 """``scope["state"]`` key of the request's RateLimitLease."""

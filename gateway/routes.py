@@ -1,4 +1,4 @@
-"""HTTP routes. Generation routes return a :class:`~gateway.proxy.call.ProxyCall` (an ASGI app that owns the
+"""HTTP routes. Generation routes return a :class:`~kvscope.gateway.proxy.call.ProxyCall` (an ASGI app that owns the
 exchange); the others are small. Every path lands on some route (catch-alls raise OpenAI-shaped 404/405);
 methods no route declares get Litestar's 405, mapped to the same JSON. The observation wrapper
 (gateway/observe.py) sits outside the router, so every request is logged either way.
@@ -15,14 +15,14 @@ from litestar import Request, Response, get, route
 from litestar.types import ASGIApp
 from prometheus_client.exposition import choose_encoder
 
-from gateway.admission import CHAT, COMPLETION, Operation, admit
-from gateway.context import context_of
-from gateway.errors import AuthenticationFailed, ModelNotFound, NotFound, PermissionDenied, clip
-from gateway.guards import authenticated, names_operation, only, principal_of
-from gateway.proxy.call import ProxyCall
-from gateway.proxy.passthrough import forwardable, passthrough
-from gateway.ratelimit_middleware import RateLimitMiddleware
-from gateway.state import GatewayState, state_of
+from kvscope.gateway.admission import CHAT, COMPLETION, Operation, admit
+from kvscope.gateway.context import context_of
+from kvscope.gateway.errors import AuthenticationFailed, ModelNotFound, NotFound, PermissionDenied, clip
+from kvscope.gateway.guards import authenticated, names_operation, only, principal_of
+from kvscope.gateway.proxy.call import ProxyCall
+from kvscope.gateway.proxy.passthrough import forwardable, passthrough
+from kvscope.gateway.ratelimit_middleware import RateLimitMiddleware
+from kvscope.gateway.state import GatewayState, state_of
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
 RATE_LIMITS = RateLimitMiddleware()

@@ -14,7 +14,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from gateway.errors import InvalidJson, InvalidRequest
+from kvscope.gateway.errors import InvalidJson, InvalidRequest
 from kvscope.openai_errors import INVALID_VALUE, invalid_json_message
 
 PositiveInt = Annotated[int, Meta(ge=1)]

@@ -6,7 +6,7 @@
   gets a 408 and a close), each 408 with its log record like the parser's 400s, and one more change: a request the HTTP parser
   refuses (bad request line or header, missing Host, conflicting framing, a head over 16 KiB …) is answered
   with an OpenAI-shaped JSON 400 and gets its one log record, metrics and span
-  (:func:`gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees. Two checks
+  (:func:`kvscope.gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees. Two checks
   h11 leaves to the server are added (:func:`head_problem`): a request with both ``Content-Length`` and
   ``Transfer-Encoding`` is refused and its connection closed (RFC 9112 §6.1 allows refusing it and requires
   the close: a proxy in front that reads the other header would see a different request, "request
@@ -37,14 +37,14 @@ try:  # h11's writer of chunked bodies: the body-chunk fast path writes only whe
 except ImportError:  # pragma: no cover - another h11 layout: the fast path stays off, ASGI send does it all
     ChunkedWriter = None  # type: ignore[assignment,misc]
 
-from gateway.errors import GatewayError, InvalidRequest, error_json
-from gateway.proxy.client import BODY_CHUNK_EXTENSION
 from kvscope.event_loop import resolve_event_loop
+from kvscope.gateway.errors import GatewayError, InvalidRequest, error_json
+from kvscope.gateway.proxy.client import BODY_CHUNK_EXTENSION
 from kvscope.read_timeouts import READ_TIMEOUT_KEY, ReadTimeoutProtocol, ReadTimeouts
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayApp
-    from gateway.state import GatewayState
+    from kvscope.gateway.app import GatewayApp
+    from kvscope.gateway.state import GatewayState
 
 _METHOD = re.compile(rb"[A-Z]{1,20}")
 MAX_LOGGED_TARGET = 2048
@@ -150,8 +150,8 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
     def _refuse(self, err: GatewayError, in_progress: bool) -> None:
         """Answer ``err`` (400 or 408) as JSON with ``Connection: close``, close, and see that the request gets
         its one log record: through the app when it holds (or will hold) the request, ``in_progress``, else
-        :func:`gateway.observe.record_refused` with the method and path read so far."""
-        from gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
+        :func:`kvscope.gateway.observe.record_refused` with the method and path read so far."""
+        from kvscope.gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
 
         body = error_json(err)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

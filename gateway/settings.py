@@ -24,8 +24,8 @@ from typing import Annotated, Any
 import msgspec
 import yaml
 
-from gateway.forwarded import parse_networks
 from kvscope.event_loop import EventLoop, resolve_event_loop
+from kvscope.gateway.forwarded import parse_networks
 from kvscope.net import is_loopback
 from kvscope.otel_env import protocol as otlp_protocol
 from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
@@ -210,13 +210,13 @@ class LogConfig(msgspec.Struct, **_STRUCT):
     log_content: Annotated[bool, Flag("log prompts and completions")] = False
     """Also log prompts and completions (off by default: they may hold personal data)."""
     elasticsearch: dict[str, Any] | None = None
-    """Ship records to Elasticsearch too: the fields of ``gateway.logs.es_settings.EsLogSettings``
+    """Ship records to Elasticsearch too: the fields of ``kvscope.gateway.logs.es_settings.EsLogSettings``
     (hosts, api_key, data_stream, spool_dir …); checked by :func:`load_settings`."""
 
     def elasticsearch_settings(self) -> Any:
         """The ``elasticsearch`` section as ``EsLogSettings`` (imports the client only when configured).
         Raises ValueError when it is invalid."""
-        from gateway.logs.es_settings import EsLogSettings
+        from kvscope.gateway.logs.es_settings import EsLogSettings
 
         try:
             return msgspec.convert(self.elasticsearch, EsLogSettings)

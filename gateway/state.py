@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import httpx
 from litestar.connection import ASGIConnection
 
-from gateway.auth import Authenticator
-from gateway.forwarded import ClientAddressResolver
-from gateway.logs.record import RecordBuilder
-from gateway.logs.sink import LogSink
-from gateway.metrics import GatewayMetrics
-from gateway.proxy.upstreams import UpstreamPool
-from gateway.ratelimit import RateLimiter
-from gateway.settings import GatewaySettings
-from gateway.tokenize import PromptCounter
-from gateway.tracing import GatewayTracer
+from kvscope.gateway.auth import Authenticator
+from kvscope.gateway.forwarded import ClientAddressResolver
+from kvscope.gateway.logs.record import RecordBuilder
+from kvscope.gateway.logs.sink import LogSink
+from kvscope.gateway.metrics import GatewayMetrics
+from kvscope.gateway.proxy.upstreams import UpstreamPool
+from kvscope.gateway.ratelimit import RateLimiter
+from kvscope.gateway.settings import GatewaySettings
+from kvscope.gateway.tokenize import PromptCounter
+from kvscope.gateway.tracing import GatewayTracer
 from kvscope.otel_genai import GenAiClientMetrics
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote
 
-from gateway.errors import InvalidRequest
+from kvscope.gateway.errors import InvalidRequest
 
 UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 """RFC 3986 §2.3: percent-encoding these is never needed (§6.2.2.2: equivalent to the plain character)."""

@@ -20,7 +20,6 @@ from typing import Any
 
 import tokenizers
 
-from gateway.settings import ModelConfig
 from kvscope.chat_template import (
     ChatRenderer,
     compile_chat_template,
@@ -28,6 +27,7 @@ from kvscope.chat_template import (
     normalize_messages,
     special_tokens,
 )
+from kvscope.gateway.settings import ModelConfig
 
 _log = logging.getLogger("kvscope.gateway")
 CHARS_PER_TOKEN = 4

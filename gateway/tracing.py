@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.settings import TracingConfig
+from kvscope.gateway.settings import TracingConfig
 from kvscope.otel_env import span_exporter
 
 
@@ -59,7 +59,7 @@ class GatewayTracer:
 
     def start_client_span(self, parent: Span, operation: str, model: str, attributes: Mapping) -> Span:
         """The gen_ai CLIENT span ``{operation} {model}`` under ``parent`` (attributes: see
-        :mod:`gateway.genai_attrs`)."""
+        :mod:`kvscope.gateway.genai_attrs`)."""
         context = trace.set_span_in_context(parent)
         attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model, **attributes}
         return self._tracer.start_span(f"{operation} {model}", context=context, kind=SpanKind.CLIENT,

@@ -1,4 +1,4 @@
-"""``python -m kernels.bench [--quick] [--save-path DIR]``: achieved bandwidth and FLOP/s of the kernels on CUDA.
+"""``python -m kvscope.kernels.bench [--quick] [--save-path DIR]``: achieved bandwidth and FLOP/s of the kernels on CUDA.
 
 For each kernel and workload (pure decode batches, one prefill chunk behind a cached prefix, KV writes) over
 context lengths and batch sizes, it times (``triton.testing.do_bench``, median) and reports:
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kernels.paged_attention import paged_attention
-from kernels.reshape_and_cache import reshape_and_cache
+from kvscope.kernels.paged_attention import paged_attention
+from kvscope.kernels.reshape_and_cache import reshape_and_cache
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -217,12 +217,12 @@ def _print_plain(suite: Suite, marks: list[triton.testing.Benchmark]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the grid; returns 2 (with a message) without a CUDA device."""
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvscope.kernels.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
     parser.add_argument("--save-path", default="", help="folder for perf_report CSV/PNG (needs pandas)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.bench measures CUDA kernels, and torch sees no CUDA device here; nothing to run.",
+        print("kvscope.kernels.bench measures CUDA kernels, and torch sees no CUDA device here; nothing to run.",
               file=sys.stderr)  # fmt: skip
         return 2
     suite = Suite(torch.device("cuda"), args.quick)

@@ -1,6 +1,6 @@
 """merge_attn_states: combine split-KV partial attention results (the second pass of flash-decoding).
 
-With ``num_segments`` > 1, :mod:`kernels.paged_attention` splits each query's keys into segments and writes,
+With ``num_segments`` > 1, :mod:`kvscope.kernels.paged_attention` splits each query's keys into segments and writes,
 per (token, head, segment), the running softmax state of FlashAttention-2's online softmax: the row max ``m``
 (in log2 units, i.e. ``max_j s_j * log2(e)``), the sum ``l = sum_j 2**(s_j*log2(e) - m)`` and the
 unnormalised output ``acc = sum_j 2**(...) v_j``. Merging them is exact:
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_float_dtypes, check_head_dim, check_launchable, check_same_device
+from kvscope.kernels._checks import check_float_dtypes, check_head_dim, check_launchable, check_same_device
 
 
 @triton.jit

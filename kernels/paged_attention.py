@@ -13,7 +13,7 @@ table (``num_q_blocks = num_tokens // BLOCK_Q + num_reqs``, surplus programs exi
 of ``TILE_N``, gathered token by token through ``block_tables`` (any block size, int64 offsets), with
 FlashAttention-2's online softmax in fp32 (base-2 exponent, scale folded into ``log2(e)``). With
 ``num_segments`` > 1 (flash-decoding) each program covers one slice of the keys and writes its partial state;
-:func:`kernels.merge_attn_states.merge_attn_states` combines them.
+:func:`kvscope.kernels.merge_attn_states.merge_attn_states` combines them.
 
 Sources: Tri Dao, "FlashAttention-2" (2023), Algorithm 1; vLLM ``vllm/attention/ops/triton_unified_attention.py``
 (q-block indexing, GQA row packing, 3D split-KV variant); Triton tutorial 06 "Fused Attention".
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from kvscope.kernels._checks import (
     check_contiguous,
     check_float_dtypes,
     check_head_dim,
@@ -38,7 +38,7 @@ from kernels._checks import (
     is_interpreted,
     next_power_of_2,
 )
-from kernels.merge_attn_states import merge_attn_states
+from kvscope.kernels.merge_attn_states import merge_attn_states
 
 TILE_N = 32
 """Keys per inner-loop tile (>= 16 for tl.dot)."""
@@ -289,7 +289,7 @@ def paged_attention(
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` fp16/bf16/fp32, tokens packed request after request.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, same dtype and device; K/V of the
-            new tokens must already be written (:func:`kernels.reshape_and_cache.reshape_and_cache`).
+            new tokens must already be written (:func:`kvscope.kernels.reshape_and_cache.reshape_and_cache`).
         query_start_loc: int32 ``[num_reqs + 1]`` cumulative query lengths (``[0] == 0``).
         seq_lens: int32 ``[num_reqs]`` context length after this step (cached + new), >= the query length.
         block_tables: int32 ``[num_reqs, max_blocks]``; entries past ``cdiv(seq_len, block_size)`` are never read.

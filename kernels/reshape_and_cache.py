@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from kvscope.kernels._checks import (
     check_float_dtypes,
     check_head_dim,
     check_index,

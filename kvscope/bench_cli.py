@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 def bench_main(argv: list[str]) -> int:
-    """Dispatch to engine.bench (offline) or kvscope.bench.serve (against an OpenAI-compatible URL)."""
+    """Dispatch to kvscope.engine.bench (offline) or kvscope.bench.serve (against an OpenAI-compatible URL)."""
     if "--offline" in argv:
-        from engine.bench import main
+        from kvscope.engine.bench import main
 
         return main([a for a in argv if a != "--offline"])
     from kvscope.bench.serve import main as serve_main

@@ -13,14 +13,14 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvscope.supervisor:serve_main", "pull the model if needed, start engine + gateway, print the URL"),
-    "engine": ("engine.server.cli:engine_main", "run the engine's OpenAI-compatible server"),
-    "gateway": ("gateway.cli:gateway_main", "run the gateway in front of one or more upstreams"),
-    "keys": ("gateway.cli:keys_main", "create gateway API keys (stored as sha256 hashes)"),
+    "engine": ("kvscope.engine.server.cli:engine_main", "run the engine's OpenAI-compatible server"),
+    "gateway": ("kvscope.gateway.cli:gateway_main", "run the gateway in front of one or more upstreams"),
+    "keys": ("kvscope.gateway.cli:keys_main", "create gateway API keys (stored as sha256 hashes)"),
     "pull": ("kvscope.pull_cli:pull_main", "download a registered model into the cache"),
-    "logs": ("gateway.analytics.cli:logs_main", "request-log analytics: setup-es, report, search, plot"),
+    "logs": ("kvscope.gateway.analytics.cli:logs_main", "request-log analytics: setup-es, report, search, plot"),
     "bench": ("kvscope.bench_cli:bench_main", "serving benchmark (or --offline engine benchmark)"),
     "plan": ("kvscope.plan:plan_main", "KV-cache capacity planner"),
-    "eval": ("engine.eval.cli:eval_main", "quality of the weight formats: eval ppl (perplexity + greedy agreement)"),
+    "eval": ("kvscope.engine.eval.cli:eval_main", "quality of the weight formats: eval ppl (perplexity + greedy agreement)"),
 }
 
 

@@ -81,7 +81,7 @@ class GenAiClientMetrics:
     def record(self, attributes: Mapping[str, Any], duration_s: float, input_tokens: int | None,
                output_tokens: int | None, time_to_first_chunk_s: float | None,
                output_chunk_gaps_s: Sequence[float] = ()) -> None:
-        """One upstream call; ``attributes`` as :mod:`gateway.genai_attrs` builds them (only the metric
+        """One upstream call; ``attributes`` as :mod:`kvscope.gateway.genai_attrs` builds them (only the metric
         attributes of the semconv are kept: operation, provider, models, server address/port, error.type).
         ``output_chunk_gaps_s``: the stream's gaps between consecutive chunks after the first (seconds), each
         recorded as one ``time_per_output_chunk`` observation, as the semconv asks (one per chunk after the

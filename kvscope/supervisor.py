@@ -122,9 +122,11 @@ class Supervisor:
 
     def _start_engine(self) -> None:
         o = self.options
-        cmd = [sys.executable, "-m", "kvscope.cli", "engine", "--model", o.model, "--host", "127.0.0.1",
+        # -P: no working folder on sys.path, so a `kvscope serve` run from the repository root imports Hugging
+        # Face's top-level `kernels` (which transformers loads), not the repository's kernels/ folder.
+        cmd = [sys.executable, "-P", "-m", "kvscope.cli", "engine", "--model", o.model, "--host", "127.0.0.1",
                "--port", str(o.engine_port), *o.engine_args]
-        print(f"starting engine: {shlex.join(cmd[2:])}  (its JSON request log: {self.engine_log})", flush=True)
+        print(f"starting engine: {shlex.join(cmd[3:])}  (its JSON request log: {self.engine_log})", flush=True)
         self.engine_log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.engine_log, "ab") as log:  # the child keeps its own descriptor
             child = self._spawn(cmd, stdout=log)
@@ -140,14 +142,14 @@ class Supervisor:
     def _start_gateway(self) -> None:
         o = self.options
         o.log_file.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "kvscope.cli", "gateway", "--host", o.host, "--port", str(o.port),
+        cmd = [sys.executable, "-P", "-m", "kvscope.cli", "gateway", "--host", o.host, "--port", str(o.port),
                "--upstream", f"http://127.0.0.1:{o.engine_port}", "--log-file", str(o.log_file)]
         tokenizer = _tokenizer_path(o.model)
         if tokenizer is not None:
             served = _served_name(o)
             cmd += ["--tokenizer", f"{served}={tokenizer}"]
         cmd += list(o.gateway_args)
-        print(f"starting gateway: {shlex.join(cmd[2:])}", flush=True)
+        print(f"starting gateway: {shlex.join(cmd[3:])}", flush=True)
         child = self._spawn(cmd)
         self._wait_ready(child, f"http://{_client_host(o.host)}:{o.port}/readyz", "gateway")
 

@@ -2,7 +2,7 @@
 # CUDA checks of the Triton attention path (docs/kernels.md), on a machine with an NVIDIA GPU:
 #   1. tests/kernels on the device (compiled kernels, TRITON_INTERPRET=0), incl. the @gpu-marked cases;
 #   2. whole-engine greedy equality, Triton vs torch backend, SmolLM2-135M (tests/kernels/test_engine_triton_gpu.py);
-#   3. the kernel benchmark, `python -m kernels.bench --quick`, under a time bound.
+#   3. the kernel benchmark, `python -m kvscope.kernels.bench --quick`, under a time bound.
 # Usage: scripts/gpu_check.sh [--full-bench]. Env: PYTHON (default .venv/bin/python), BENCH_TIMEOUT (s, 300),
 # TEST_TIMEOUT (s, 900). Exit status: 0 all passed, 2 no CUDA device, else the first failing step's status.
 set -euo pipefail
@@ -27,5 +27,5 @@ echo "== 2/3 engine greedy equality: triton vs torch backend (SmolLM2-135M, fp32
 timeout "${TEST_TIMEOUT:-900}" "$PYTHON" -m pytest tests/kernels/test_engine_triton_gpu.py -q -p no:cacheprovider -rs
 
 echo "== 3/3 kernel benchmark (${BENCH_ARGS[*]:-full grid})"
-timeout "${BENCH_TIMEOUT:-300}" "$PYTHON" -m kernels.bench "${BENCH_ARGS[@]}"
+timeout "${BENCH_TIMEOUT:-300}" "$PYTHON" -P -m kvscope.kernels.bench "${BENCH_ARGS[@]}"
 echo "gpu_check: all steps passed"

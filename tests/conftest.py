@@ -6,8 +6,22 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
+
+
+def _drop_the_repository_root_from_sys_path() -> None:
+    """Remove the repository root from sys.path (``python -m pytest`` run there puts it first, as ``''`` or its
+    path). Its layer folders would shadow top-level packages that are not ours: ``kernels/`` shadows Hugging
+    Face's ``kernels``, which transformers imports. The tests need no root on sys.path: the project is imported as
+    ``kvscope.*`` (installed) and ``tests.*`` is registered by pytest's importlib import mode."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != root]
+
+
+_drop_the_repository_root_from_sys_path()
 
 ALLOWED_SKIP_REASONS = (
     "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
@@ -40,7 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     except ImportError:
         has_cuda = False
     try:
-        from kernels.cpu_decode import cpu_supports, cpu_supports_amx
+        from kvscope.kernels.cpu_decode import cpu_supports, cpu_supports_amx
 
         has_vnni, has_amx = cpu_supports(), cpu_supports_amx()
     except ImportError:
@@ -94,7 +108,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 @pytest.fixture(scope="session")
 def model_dir():
     """The default model converted to an HF folder (pulled and converted on first use)."""
-    from engine.models.loader import resolve_model_dir
+    from kvscope.engine.models.loader import resolve_model_dir
 
     return resolve_model_dir("smollm2-135m")
 
@@ -102,7 +116,7 @@ def model_dir():
 @pytest.fixture(scope="session")
 def llm():
     """One shared offline engine on SmolLM2 (fp32, prefix caching on, 256 MiB of KV cache)."""
-    from engine.llm import LLM
+    from kvscope.engine.llm import LLM
 
     return LLM("smollm2-135m", kv_cache_memory=256 << 20)
 
@@ -123,7 +137,7 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.models.loader import resolve_model_dir
+    from kvscope.engine.models.loader import resolve_model_dir
 
     path = next(resolve_model_dir("smollm2-135m").parent.glob("*.gguf"))
     readers: dict = {}

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dashboards import overview
-from dashboards.catalog import discover
-from dashboards.coverage import rule_queries, undefined
-from dashboards.promql import le_regex
+from kvscope.dashboards import overview
+from kvscope.dashboards.catalog import discover
+from kvscope.dashboards.coverage import rule_queries, undefined
+from kvscope.dashboards.promql import le_regex
 from tests.conftest import require_tool
 
 REPO = Path(__file__).resolve().parent.parent

@@ -131,7 +131,7 @@ def test_grafana_mounts_the_generated_dashboards_where_provisioning_looks() -> N
 
 
 def test_gateway_config_loads_with_the_gateway_schema() -> None:
-    from gateway import settings
+    from kvscope.gateway import settings
 
     loaded = settings.load_settings(REPO / "deploy" / "gateway.yaml", env={})
     assert (loaded.host, loaded.port) == ("0.0.0.0", 4000)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dashboards import generate, overview
-from dashboards.catalog import discover
-from dashboards.coverage import metric_names, not_shown, panel_queries, undefined
-from dashboards.grafana import DATASOURCE_UID, GRID_WIDTH, layout, row, timeseries
-from dashboards.promql import PromQL, le_regex
-from dashboards.query import PromQLError, Variables, legend
+from kvscope.dashboards import generate, overview
+from kvscope.dashboards.catalog import discover
+from kvscope.dashboards.coverage import metric_names, not_shown, panel_queries, undefined
+from kvscope.dashboards.grafana import DATASOURCE_UID, GRID_WIDTH, layout, row, timeseries
+from kvscope.dashboards.promql import PromQL, le_regex
+from kvscope.dashboards.query import PromQLError, Variables, legend
 from tests.conftest import require_tool
 from tests.e2e.prom import PrometheusServer
 
@@ -37,7 +37,7 @@ def test_both_dashboards_are_committed() -> None:
 
 def test_committed_files_match_the_generator() -> None:
     stale = generate.stale_files(generate.expected_files(CATALOG))
-    assert stale == [], "run: python -m dashboards.generate"
+    assert stale == [], "run: python -m kvscope.dashboards.generate"
 
 
 def test_check_mode_fails_on_a_stale_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +75,7 @@ def test_dashboards_name_only_defined_metrics(component: str) -> None:
 
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_every_defined_metric_is_on_a_panel(component: str) -> None:
-    # The reverse report (also printed by `python -m dashboards.generate` and in docs/metrics.md).
+    # The reverse report (also printed by `python -m kvscope.dashboards.generate` and in docs/metrics.md).
     unshown = not_shown(DASHBOARDS.values(), CATALOG)
     assert [n for n in unshown if n.startswith(f"kvscope_{component}_")] == []
 
@@ -228,7 +228,7 @@ def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) 
 
 
 def test_values_are_formatted_in_the_panel_unit() -> None:
-    from dashboards.render import format_value
+    from kvscope.dashboards.render import format_value
 
     assert [format_value(v, u) for v, u in [(0.0421, "s"), (2.5, "s"), (0.9512, "percentunit"),
                                             (3 * 2**30, "bytes"), (1536, "bytes"), (12.34, "reqps"),
@@ -237,7 +237,7 @@ def test_values_are_formatted_in_the_panel_unit() -> None:
 
 
 def test_render_draws_every_panel_and_reports_missing_data(prometheus: PrometheusServer, tmp_path: Path) -> None:
-    from dashboards.render import Window, render
+    from kvscope.dashboards.render import Window, render
 
     dashboard = DASHBOARDS["kvscope-engine.json"]
     out = tmp_path / "engine.png"
@@ -248,7 +248,7 @@ def test_render_draws_every_panel_and_reports_missing_data(prometheus: Prometheu
 
 
 def test_threshold_lines_are_the_alert_thresholds() -> None:
-    # Generated from alerts/kvscope.rules.yaml (dashboards.alert_thresholds): the page's burn-rate ratio, the
+    # Generated from alerts/kvscope.rules.yaml (kvscope.dashboards.alert_thresholds): the page's burn-rate ratio, the
     # p99 latency limits, KV-cache pressure and the preemption rate.
     lines = {p["title"]: p["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"]
              for d in DASHBOARDS.values() for p in d["panels"]
@@ -261,7 +261,7 @@ def test_threshold_lines_are_the_alert_thresholds() -> None:
 
 
 def test_a_changed_alert_threshold_moves_its_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from dashboards import alert_thresholds
+    from kvscope.dashboards import alert_thresholds
 
     rules = tmp_path / "rules.yaml"
     rules.write_text(alert_thresholds.RULES_FILE.read_text().replace(

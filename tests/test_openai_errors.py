@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from litestar.exceptions import HTTPException
 
-from engine.errors import PromptTooLongError
-from engine.server.errors import OpenAIError, from_engine
-from gateway.errors import (
+from kvscope.engine.errors import PromptTooLongError
+from kvscope.engine.server.errors import OpenAIError, from_engine
+from kvscope.gateway.errors import (
     AuthenticationFailed,
     ClientClosedRequest,
     GatewayError,
@@ -93,12 +93,12 @@ def test_both_servers_answer_a_bad_body_with_the_same_type_code_and_param(body: 
     the engine when called directly): type, code and param; the message starts the same way."""
     import msgspec
 
-    from engine.server.errors import from_msgspec
-    from engine.server.protocol import ChatCompletionRequest as EngineChat
-    from engine.server.protocol import decode_body
-    from gateway.errors import InvalidRequest
-    from gateway.schemas import ChatCompletionRequest as GatewayChat
-    from gateway.schemas import decode_object, validate_body
+    from kvscope.engine.server.errors import from_msgspec
+    from kvscope.engine.server.protocol import ChatCompletionRequest as EngineChat
+    from kvscope.engine.server.protocol import decode_body
+    from kvscope.gateway.errors import InvalidRequest
+    from kvscope.gateway.schemas import ChatCompletionRequest as GatewayChat
+    from kvscope.gateway.schemas import decode_object, validate_body
 
     with pytest.raises(InvalidRequest) as gw:
         validate_body(decode_object(body), GatewayChat)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from kvscope.engine.attention.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,5 +44,5 @@ def get_forward_context() -> ForwardContext:
     """The active ForwardContext. Raises RuntimeError outside ``set_forward_context``."""
     context = _forward_context.get()
     if context is None:
-        raise RuntimeError("no forward context: run the model inside engine.attention.forward_context.set_forward_context()")
+        raise RuntimeError("no forward context: run the model inside kvscope.engine.attention.forward_context.set_forward_context()")
     return context

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.attention.backend import AttentionBackend
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -20,6 +20,6 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
         return TorchAttentionBackend()
     if not on_cuda:
         raise ValueError(f"the triton attention backend needs a CUDA device, got {device}")
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from kvscope.engine.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.resident_kv import ResidentDecodeKV
-from engine.attention.torch_plan import DecodeBatch, Plan, Prefill, build_plan
-from kernels.cpu_decode import is_loaded as cpu_kernels_loaded
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.resident_kv import ResidentDecodeKV
+from kvscope.engine.attention.torch_plan import DecodeBatch, Plan, Prefill, build_plan
+from kvscope.kernels.cpu_decode import is_loaded as cpu_kernels_loaded
 
 MAX_RETAINED_GATHER_BYTES = 64 << 20
 """TorchAttentionBackend keeps its K (and V) gather buffer across steps up to this size each."""
@@ -191,7 +191,7 @@ class TorchAttentionBackend:
         resident = None
         if batch.token_index is None:
             resident = self.resident.gathered(kv_cache, attention_compute_dtype(kv_cache, self.native_bf16))
-        if resident is not None:  # this layer's K/V kept gathered across steps (engine.attention.resident_kv)
+        if resident is not None:  # this layer's K/V kept gathered across steps (kvscope.engine.attention.resident_kv)
             kv = resident.flatten(1, 2).view(2, batch.token_count, batch.num_blocks * kv_cache.shape[2],
                                              *kv_cache.shape[3:])[:, :, : batch.seq_len].transpose(2, 3)
             keys, values = kv[0], kv[1]

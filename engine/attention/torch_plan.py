@@ -1,4 +1,4 @@
-"""The per-step plan of :class:`engine.attention.torch_backend.TorchAttentionBackend`: which rows are solo prefills
+"""The per-step plan of :class:`kvscope.engine.attention.torch_backend.TorchAttentionBackend`: which rows are solo prefills
 (their blocks, causal masks), which form the padded decode batch, or — when kvscope's C++ paged op runs every token —
 each token's block table and context length. Built once per step (on the first layer) from the step's
 ``AttentionMetadata``; the backend only reads it.
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.backend import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """TritonAttentionBackend: the AttentionBackend protocol (engine/attention/backend.py) on the Triton kernels of kernels/.
 
-``write_kv`` is :func:`kernels.reshape_and_cache.reshape_and_cache`; ``forward`` is one launch of
-:func:`kernels.paged_attention.paged_attention` for the whole step (prefill chunks and decodes mixed), plus the
+``write_kv`` is :func:`kvscope.kernels.reshape_and_cache.reshape_and_cache`; ``forward`` is one launch of
+:func:`kvscope.kernels.paged_attention.paged_attention` for the whole step (prefill chunks and decodes mixed), plus the
 split-KV merge when the launcher splits a pure-decode step. Importing this module is cheap and safe without
 CUDA or triton: the kernels are imported when the backend is constructed (get_attention_backend does so only
 on CUDA).
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.backend import AttentionMetadata
+    from kvscope.engine.attention.backend import AttentionMetadata
 
 
 def _load_kernels() -> tuple[Any, Any]:
     """Import the launchers; raise ImportError with an install hint when triton is missing."""
     try:
-        from kernels.paged_attention import paged_attention
-        from kernels.reshape_and_cache import reshape_and_cache
+        from kvscope.kernels.paged_attention import paged_attention
+        from kvscope.kernels.reshape_and_cache import reshape_and_cache
     except ImportError as exc:
         raise ImportError(
             f"the triton attention backend needs the 'triton' package ({exc}); "

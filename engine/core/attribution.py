@@ -5,7 +5,7 @@ prefill and decode token totals, the number of requests in it, and (from its own
 is scheduled and once when its output is applied) the step's duration. :class:`StepAttribution` sums those
 per request — a few integer and float adds per scheduled request per step, no sampling and no second clock —
 and :meth:`StepAttribution.fields` turns them into the attribution fields of
-:class:`~engine.core.stats.KvscopeStats`.
+:class:`~kvscope.engine.core.stats.KvscopeStats`.
 
 The split of one step's seconds between its requests is token-proportional: a request that scheduled ``own``
 of the step's ``total`` tokens is charged ``dt * own / total`` as its own compute and ``dt * (total - own) /
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.core.stats import KvscopeStats
+    from kvscope.engine.core.stats import KvscopeStats
 
 QUEUE_LIMITS: tuple[str, ...] = ("max_num_seqs", "kv_cache", "token_budget", "preemption")
 """Why a step admitted no further waiting request (``queue_limit``), indexed as in ``Scheduler._blocked_steps``:

@@ -1,15 +1,15 @@
-"""The scheduler's view of a speculative draft source. Pure Python (engine.core)."""
+"""The scheduler's view of a speculative draft source. Pure Python (kvscope.engine.core)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.core.request import Request
+from kvscope.engine.core.request import Request
 
 
 class Drafter(Protocol):
-    """Where speculative drafts come from (engine.spec_decode.drafter.NgramDrafter); injected so this module
+    """Where speculative drafts come from (kvscope.engine.spec_decode.drafter.NgramDrafter); injected so this module
     stays pure Python."""
 
     def propose(self, request: Request, max_draft: int) -> list[int]:

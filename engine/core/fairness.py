@@ -1,6 +1,6 @@
 """Fairness in the scheduler, between tenants (API keys) and between the requests of each: one request's many
 sequences cannot starve a one-sequence request, and one key's many requests cannot starve another key's one.
-Pure Python (engine.core).
+Pure Python (kvscope.engine.core).
 
 A *fairness group* is every sequence one client request asked for: all its prompts and all ``n`` choices of
 each (``Request.fairness_key``: the HTTP request's id, set by the server; else the ``n > 1`` parent id; else the
@@ -48,7 +48,7 @@ import heapq
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 
-from engine.core.request import Request
+from kvscope.engine.core.request import Request
 
 
 class FairShares:

@@ -11,8 +11,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from engine.core.block_pool import BlockPool, KVCacheBlock
-from engine.core.request import Request
+from kvscope.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvscope.engine.core.request import Request
 
 
 def hash_block_tokens(parent_block_hash: int | None, token_ids: Sequence[int]) -> int:

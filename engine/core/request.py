@@ -1,4 +1,4 @@
-"""A request inside the engine: token ids, progress and timing. Pure Python (engine.core imports it).
+"""A request inside the engine: token ids, progress and timing. Pure Python (kvscope.engine.core imports it).
 
 Vocabulary follows vLLM v1: ``num_computed_tokens`` counts tokens whose KV is in the cache,
 ``num_cached_tokens`` the prompt tokens served from the prefix cache at first scheduling.
@@ -10,9 +10,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.core.attribution import StepAttribution
-from engine.core.stats import KvscopeStats, spec_summary
-from engine.sampling_params import SamplingParams
+from kvscope.engine.core.attribution import StepAttribution
+from kvscope.engine.core.stats import KvscopeStats, spec_summary
+from kvscope.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,7 +46,7 @@ _FINISH_REASONS = {
 @dataclass(slots=True)
 class RequestStats:
     """Timestamps (``time.monotonic()`` seconds) and counters of one request; :meth:`summary` makes its
-    :class:`~engine.core.stats.KvscopeStats`."""
+    :class:`~kvscope.engine.core.stats.KvscopeStats`."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -190,7 +190,7 @@ class Request:
     reads); None: its fairness group is its own tenant. The scheduler shares its slots between tenants first,
     then between each tenant's groups (engine/core/fairness.py)."""
     prepared_sampling: object | None = None
-    """Opaque to the core: the worker's per-request sampling tensors (engine.worker.sampler.RequestSampling),
+    """Opaque to the core: the worker's per-request sampling tensors (kvscope.engine.worker.sampler.RequestSampling),
     built once at admission and shared by an ``n > 1`` request's children."""
 
     def __post_init__(self) -> None:

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.attribution import QUEUE_LIMITS
-from engine.core.drafter import Drafter
-from engine.core.fairness import (
+from kvscope.engine.config import CacheConfig, SchedulerConfig
+from kvscope.engine.core.attribution import QUEUE_LIMITS
+from kvscope.engine.core.drafter import Drafter
+from kvscope.engine.core.fairness import (
     AdmissionOrder,
     FairShares,
     WaitingQueue,
@@ -35,11 +35,11 @@ from engine.core.fairness import (
     fairness_victim,
     round_robin,
 )
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.core.stats import SchedulerStats
-from engine.errors import PromptTooLongError
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import Request, RequestStatus
+from kvscope.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.errors import PromptTooLongError
 
 
 @dataclass(slots=True)

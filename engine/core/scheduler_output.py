@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import Request
-from engine.outputs import TokenLogprob
+from kvscope.engine.core.request import Request
+from kvscope.engine.outputs import TokenLogprob
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ import msgspec
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    """Snapshot taken by :meth:`engine.core.scheduler.Scheduler.get_stats`.
+    """Snapshot taken by :meth:`kvscope.engine.core.scheduler.Scheduler.get_stats`.
 
     The three block counts partition the pool: ``num_used_blocks + num_cached_blocks + num_free_blocks``
     equals the number of blocks (``kvscope_engine_kv_cache_blocks{state=used|cached|free}``).

@@ -20,7 +20,7 @@ DEFAULT_STRIDE = 512
 
 
 def _parser() -> argparse.ArgumentParser:
-    from engine.eval.formats import DEFAULT_FORMATS
+    from kvscope.engine.eval.formats import DEFAULT_FORMATS
 
     parser = argparse.ArgumentParser(prog="kvscope eval ppl", description=(
         "Perplexity (sliding windows, Hugging Face's strided method) of the shipped English text and greedy "
@@ -69,8 +69,8 @@ def ppl_main(argv: list[str]) -> int:
     problem = _check_numbers(args)
     if problem:
         return _fail(problem)
-    from engine.eval.formats import FormatError, parse_formats
-    from engine.eval.text import EvalTextError, load_text
+    from kvscope.engine.eval.formats import FormatError, parse_formats
+    from kvscope.engine.eval.text import EvalTextError, load_text
 
     try:
         specs = parse_formats(args.formats)
@@ -82,11 +82,11 @@ def ppl_main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, specs, text) -> int:
-    from engine.eval.perplexity import sliding_windows
-    from engine.eval.report import EvalReport, build_rows, markdown_table, this_machine
-    from engine.eval.runner import run_format
-    from engine.models.loader import read_hf_config, resolve_model_dir
-    from engine.text.tokenizer import Tokenizer
+    from kvscope.engine.eval.perplexity import sliding_windows
+    from kvscope.engine.eval.report import EvalReport, build_rows, markdown_table, this_machine
+    from kvscope.engine.eval.runner import run_format
+    from kvscope.engine.models.loader import read_hf_config, resolve_model_dir
+    from kvscope.engine.text.tokenizer import Tokenizer
 
     try:
         model_dir = resolve_model_dir(args.model)

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.forward_context import set_forward_context
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.models.fused_decode import FusedDecoder
-from engine.worker.kv_cache import allocate_kv_caches
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.forward_context import set_forward_context
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.models.fused_decode import FusedDecoder
+from kvscope.engine.worker.kv_cache import allocate_kv_caches
 
 BLOCK_SIZE = 16
 

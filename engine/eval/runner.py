@@ -1,4 +1,4 @@
-"""Run one weight format through the engine (``engine.llm.LLM``, the serving path): prompt log-probabilities
+"""Run one weight format through the engine (``kvscope.engine.llm.LLM``, the serving path): prompt log-probabilities
 per window for perplexity and greedy continuations for agreement.
 
 The prompt log-probabilities are the engine's ``prompt_logprobs`` (what completions ``echo`` returns): the
@@ -24,14 +24,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.eval.agreement import AGREEMENT_PROMPTS, AGREEMENT_TOKENS
-from engine.eval.formats import FormatSpec
-from engine.eval.perplexity import PerplexityResult, Window, score_windows
-from engine.llm import LLM
-from engine.models.compact import model_weight_bytes
-from engine.models.kernel_probe import NO_DENSE
-from engine.models.quant import CompactLinearKernel
-from engine.sampling_params import SamplingParams
+from kvscope.engine.eval.agreement import AGREEMENT_PROMPTS, AGREEMENT_TOKENS
+from kvscope.engine.eval.formats import FormatSpec
+from kvscope.engine.eval.perplexity import PerplexityResult, Window, score_windows
+from kvscope.engine.llm import LLM
+from kvscope.engine.models.compact import model_weight_bytes
+from kvscope.engine.models.kernel_probe import NO_DENSE
+from kvscope.engine.models.quant import CompactLinearKernel
+from kvscope.engine.sampling_params import SamplingParams
 
 KERNEL_MODES = ("compact", "served")
 KV_CACHE_BYTES = 512 << 20

@@ -1,13 +1,13 @@
 """Llama-family models over the paged KV cache, their loader and the GGUF converter."""
 
-from engine.models.llama import (
+from kvscope.engine.models.llama import (
     ArchConfig,
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
-from engine.models.registry import ARCHITECTURES, get_model_class
+from kvscope.engine.models.registry import ARCHITECTURES, get_model_class
 
 __all__ = [
     "ARCHITECTURES",

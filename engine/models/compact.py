@@ -13,7 +13,7 @@ stored in those kernels' layout (the same codes, d and min) and the model gets `
 of the LM head (blocks of 32, llama.cpp's type for SmolLM2's tied ``token_embd``) that the fused decode step and
 every one-row logits computation read; logits of more rows (batched decode, prompt logprobs) keep the dense head.
 Each compact layer keeps a dense oneDNN-packed copy for batches above the crossover
-:func:`engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
+:func:`kvscope.engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.gguf import cached_gguf_int4_blocks
-from engine.models.kernel_probe import NO_DENSE, KernelChoice
-from engine.models.layers import CpuLinearKernel, Linear, packed_linear_kernel
-from engine.models.llama import _STACKED, LlamaForCausalLM
-from engine.models.quant import (
+from kvscope.engine.models.gguf import cached_gguf_int4_blocks
+from kvscope.engine.models.kernel_probe import NO_DENSE, KernelChoice
+from kvscope.engine.models.layers import CpuLinearKernel, Linear, packed_linear_kernel
+from kvscope.engine.models.llama import _STACKED, LlamaForCausalLM
+from kvscope.engine.models.quant import (
     CompactLinearKernel,
     Int4Blocks,
     Int4Weight,
@@ -38,7 +38,7 @@ from engine.models.quant import (
     int4_blocks_from_float,
     int4_weight,
 )
-from kernels.cpu_decode import PAIR, TILE, PairBlocks, TileBlocks
+from kvscope.kernels.cpu_decode import PAIR, TILE, PairBlocks, TileBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelCho
     """Replace the dense weights of ``model`` (loaded, on CPU) by compact kernels, in place (module doc).
 
     ``gguf_path``: the GGUF the model came from (None: a HF folder); ``cache_dir`` holds the int4 block
-    cache (``engine.models.gguf.INT4_CACHE_FILE``); ``pair_kernels``: kvscope's CPU kernels are loaded
-    (``kernels.cpu_decode.load``), so int4 layers use their layout and the LM head gets a Q8_0 copy. Raises
+    cache (``kvscope.engine.models.gguf.INT4_CACHE_FILE``); ``pair_kernels``: kvscope's CPU kernels are loaded
+    (``kvscope.kernels.cpu_decode.load``), so int4 layers use their layout and the LM head gets a Q8_0 copy. Raises
     ValueError for an unknown quantization, or ``gguf`` without a GGUF.
     """
     if quantization not in QUANTIZATIONS:

@@ -3,12 +3,12 @@
 Candidates: the model's verified formats (``kvscope.models.registry.ModelSpec.verified_formats``, names of
 :data:`FORMATS`; a model that is not registered: float32 and bfloat16,
 ``kvscope.models.registry.verified_formats``). Speed: the
-start-up kernel probe (:func:`engine.models.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD
+start-up kernel probe (:func:`kvscope.engine.models.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD
 EPYC without AMX gets what *its* probe measured. A format's cost at ``n`` rows is the time of the kernel it
 runs there: its dense dtype's for float32/bfloat16; for int8/gguf (int4) the compact kernel up to the
 crossover ``choice.max_rows``, for gguf then kvscope's AMX int4 matmul up to ``choice.batched_rows`` (where the
 probe found it faster than the dense copy: ``int4_amx@n``), and the dense copy above, as
-:class:`engine.models.quant.CompactLinearKernel` switches (``runs_batched``). Leaving the AMX rows out scored
+:class:`kvscope.engine.models.quant.CompactLinearKernel` switches (``runs_batched``). Leaving the AMX rows out scored
 gguf at the dense copy's cost there, level with int8 (0.40 vs 0.43 on the 2-vCPU Xeon), and the noise of one
 start-up probe then picked int8 on some starts: 22 vs 6 ms a decode step at batch 1 and 64 vs 33 ms at
 batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score is the geometric mean over
@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from engine.models.kernel_probe import KernelChoice
+from kvscope.engine.models.kernel_probe import KernelChoice
 
 FORMATS = MappingProxyType({
     "float32": ("float32", "none"),

@@ -15,7 +15,7 @@ decode-path perplexity (engine/eval/decode_path.py).
 
 Used for decode-only steps (every row one token: no prefill chunk, no speculative draft) of at most
 ``max_rows`` requests (the compact kernels' crossover from the start-up probe), when every decoder matmul is
-a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``engine.models.compact`` with
+a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``kvscope.engine.models.compact`` with
 ``pair_kernels``), the
 architecture has no biases and no q/k norm, and head_dim is 64 or 128.
 """
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
-from engine.models.quant import CompactLinearKernel
-from kernels.cpu_decode import PairBlocks, is_loaded
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.models.llama import LlamaForCausalLM
+from kvscope.engine.models.quant import CompactLinearKernel
+from kvscope.kernels.cpu_decode import PairBlocks, is_loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ class FusedDecoder:
         c = model.config
         if c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.head_dim not in (64, 128):
             return None
-        head = getattr(model, "decode_head", None)  # the Q8_0 LM head engine.models.compact made for this step
+        head = getattr(model, "decode_head", None)  # the Q8_0 LM head kvscope.engine.models.compact made for this step
         embed = model.model.embed_tokens.weight
         if not isinstance(head, PairBlocks) or head.bits != 8 or not embed.is_contiguous() or \
                 embed.dtype not in (torch.bfloat16, torch.float32):

@@ -22,7 +22,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from engine.models.quant import GGUF_INT4_TYPES, Int4Blocks, int4_blocks_from_gguf
+from kvscope.engine.models.quant import GGUF_INT4_TYPES, Int4Blocks, int4_blocks_from_gguf
 
 logger = logging.getLogger(__name__)
 

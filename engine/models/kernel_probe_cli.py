@@ -1,4 +1,4 @@
-"""``python -m engine.models.kernel_probe_cli``: the start-up kernel probe (:mod:`engine.models.kernel_probe`) and
+"""``python -m kvscope.engine.models.kernel_probe_cli``: the start-up kernel probe (:mod:`kvscope.engine.models.kernel_probe`) and
 ms per decode step of a model's matmuls per weight format, rows and threads (see docs/engine-server.md, Weight
 formats). A separate module so that the probe stays below the loader (no import circle)."""
 
@@ -10,15 +10,15 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.models.kernel_probe import decode_matmul_ms, model_linear_shapes, probe_cpu_kernels
-from engine.models.loader import read_hf_config, resolve_model_dir
+from kvscope.engine.models.kernel_probe import decode_matmul_ms, model_linear_shapes, probe_cpu_kernels
+from kvscope.engine.models.loader import read_hf_config, resolve_model_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m engine.models.kernel_probe_cli [--model M] [--threads 1 2] [--rows 1 32]``: run the probe, then
+    """``python -m kvscope.engine.models.kernel_probe_cli [--model M] [--threads 1 2] [--rows 1 32]``: run the probe, then
     print ms per decode step of the model's matmuls per format and thread count (wall time, and on one
     thread also CPU time: see :func:`decode_matmul_ms`)."""
-    p = argparse.ArgumentParser(prog="python -m engine.models.kernel_probe_cli", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvscope.engine.models.kernel_probe_cli", description=main.__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32])

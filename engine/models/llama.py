@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.forward_context import get_forward_context
-from engine.models.layers import (
+from kvscope.engine.attention.forward_context import get_forward_context
+from kvscope.engine.models.layers import (
     ALIGN_MIN_ROWS,
     ROW_ALIGN,
     Linear,
@@ -216,10 +216,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.decode_head = None
-        """An 8-bit copy of the LM head (kernels.cpu_decode.PairBlocks) for the fused CPU decode step
-        (engine/models/fused_decode.py), set by engine.models.compact with kvscope's CPU kernels; None otherwise."""
+        """An 8-bit copy of the LM head (kvscope.kernels.cpu_decode.PairBlocks) for the fused CPU decode step
+        (engine/models/fused_decode.py), set by kvscope.engine.models.compact with kvscope's CPU kernels; None otherwise."""
         self.logits_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
-        """CPU kernel of the LM head: a CpuLinearKernel, or a compact one (engine.models.compact)."""
+        """CPU kernel of the LM head: a CpuLinearKernel, or a compact one (kvscope.engine.models.compact)."""
 
     @classmethod
     def arch_config(cls, cfg: Mapping[str, Any]) -> ArchConfig:
@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             self.logits_kernel = self.lm_head.cpu_kernel
             return switched
-        if getattr(self.logits_kernel, "compact", None) is not None:  # int8 logits (engine.models.compact)
+        if getattr(self.logits_kernel, "compact", None) is not None:  # int8 logits (kvscope.engine.models.compact)
             return switched + 1
         embed = self.model.embed_tokens
         self.logits_kernel = cpu_linear_kernel(embed.weight, None)

@@ -21,14 +21,14 @@ import torch
 from filelock import FileLock
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.models.compact import QuantReport, quantize_model
-from engine.models.format_choice import FormatChoice, choose_format, pinned_format
-from engine.models.gguf import convert_gguf_to_hf
-from engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
-from engine.models.llama import LlamaForCausalLM, check_sliding_window
-from engine.models.registry import get_model_class
-from kernels.cpu_decode import BuildResult, load
+from kvscope.engine.config import ModelConfig
+from kvscope.engine.models.compact import QuantReport, quantize_model
+from kvscope.engine.models.format_choice import FormatChoice, choose_format, pinned_format
+from kvscope.engine.models.gguf import convert_gguf_to_hf
+from kvscope.engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
+from kvscope.engine.models.llama import LlamaForCausalLM, check_sliding_window
+from kvscope.engine.models.registry import get_model_class
+from kvscope.kernels.cpu_decode import BuildResult, load
 from kvscope.models.cache import cache_root, hf_dir
 from kvscope.models.pull import pull
 from kvscope.models.registry import UnknownModelError, is_registered, list_models, verified_formats
@@ -211,7 +211,7 @@ def load_cpu_kernels(root: Path) -> BuildResult:
 def resolve_format(model_config: ModelConfig, device: torch.device, kernels: KernelChoice | None,
                    gguf_path: Path | None, cpu_kernels: bool = False) -> FormatChoice:
     """The weight format to load: ``--quantization auto`` with ``--dtype auto`` asks
-    :func:`engine.models.format_choice.choose_format` (the model's verified formats, the probe, whether
+    :func:`kvscope.engine.models.format_choice.choose_format` (the model's verified formats, the probe, whether
     kvscope's CPU kernels loaded: ``cpu_kernels``); an explicit ``--dtype`` with ``auto`` pins dense weights in
     it; explicit flags are kept as given (dtype auto resolved).
     """

@@ -17,7 +17,7 @@ channel), run with torch's own packed weight-only kernels.
 Both kernels are memory-bound GEMVs: they win for a few rows and lose to oneDNN's blocked bf16/fp32 matmul
 (AMX where present) at batched-decode and prefill sizes. :class:`CompactLinearKernel` therefore keeps an
 optional dense packed copy and switches above ``max_compact_rows``, a crossover measured per CPU by
-:mod:`engine.models.kernel_probe`.
+:mod:`kvscope.engine.models.kernel_probe`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels.cpu_decode import PairBlocks, TileBlocks
+from kvscope.kernels.cpu_decode import PairBlocks, TileBlocks
 
 INT4_GROUP = 32
 """Weights per scale/zero group: a GGUF Q4_0/Q4_1 block."""
@@ -177,7 +177,7 @@ class Int8Weight:
 @dataclass(frozen=True, slots=True)
 class CompactLinearKernel:
     """``y = x @ Wᵀ + bias`` from compact weights for up to ``max_compact_rows`` rows, else through ``dense``
-    (a oneDNN-packed copy, see ``engine.models.layers.packed_linear_kernel``) when there is one. The output
+    (a oneDNN-packed copy, see ``kvscope.engine.models.layers.packed_linear_kernel``) when there is one. The output
     has x's dtype."""
 
     compact: Int4Weight | Int8Weight | PairBlocks

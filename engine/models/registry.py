@@ -6,7 +6,12 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvscope.engine.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 
 ARCHITECTURES: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -1,7 +1,7 @@
-"""``python -m engine.server …`` (same flags as ``kvscope engine``)."""
+"""``python -m kvscope.engine.server …`` (same flags as ``kvscope engine``)."""
 
 import sys
 
-from engine.server.cli import engine_main
+from kvscope.engine.server.cli import engine_main
 
 sys.exit(engine_main())

@@ -23,20 +23,20 @@ from litestar.openapi import OpenAPIConfig
 from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from engine.config import EngineConfig
-from engine.engine_core import StepResult
-from engine.sampling_params import SamplingParams
-from engine.server.access_log import AccessLogMiddleware, AccessRecord
-from engine.server.auth import api_key_guard
-from engine.server.engine_client import EngineClient
-from engine.server.errors import exception_handlers
-from engine.server.gpu_telemetry import GpuTelemetry, sample_every
-from engine.server.routes import ROUTES
-from engine.server.settings import ServerSettings
-from engine.server.stat_logger import ServerMetrics, host_memory_bytes
-from engine.server.state import ServerState
-from engine.server.tracing import Tracing, package_version
-from engine.structured.params import CompileLimits
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine_core import StepResult
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.access_log import AccessLogMiddleware, AccessRecord
+from kvscope.engine.server.auth import api_key_guard
+from kvscope.engine.server.engine_client import EngineClient
+from kvscope.engine.server.errors import exception_handlers
+from kvscope.engine.server.gpu_telemetry import GpuTelemetry, sample_every
+from kvscope.engine.server.routes import ROUTES
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.stat_logger import ServerMetrics, host_memory_bytes
+from kvscope.engine.server.state import ServerState
+from kvscope.engine.server.tracing import Tracing, package_version
+from kvscope.engine.structured.params import CompileLimits
 from kvscope.otel_genai import GenAiServerMetrics, build_meter_provider
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class AppContext:
     async def _start(self) -> ServerState:
         engine = self._engine
         if engine is None:
-            from engine.async_engine import AsyncEngine
+            from kvscope.engine.async_engine import AsyncEngine
 
             engine = await asyncio.to_thread(AsyncEngine, self._engine_config)
         warm_prefill = getattr(engine, "warm_up_prefill", None)  # the server tests' fake engines have none
@@ -183,7 +183,7 @@ def create_app(settings: ServerSettings | None = None, engine_config: EngineConf
                engine: EngineClient | None = None, tracing: Tracing | None = None,
                registry: CollectorRegistry | None = None, metric_readers: Sequence[MetricReader] = ()) -> Litestar:
     """The engine server app. Give ``engine_config`` (the app builds an AsyncEngine at start-up) or an
-    ``engine`` (an :class:`~engine.server.engine_client.EngineClient`, e.g. the tests' FakeEngine). ``tracing`` overrides the exporter chosen by settings
+    ``engine`` (an :class:`~kvscope.engine.server.engine_client.EngineClient`, e.g. the tests' FakeEngine). ``tracing`` overrides the exporter chosen by settings
     (e.g. an in-memory exporter); ``registry`` the Prometheus registry; ``metric_readers`` also read the OTel
     ``gen_ai.server.*`` metrics (pushed over OTLP when ``otlp_endpoint`` is set). Raises ValueError without
     an engine.

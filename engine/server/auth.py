@@ -16,7 +16,7 @@ from collections.abc import Callable
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
-from engine.server.errors import OpenAIError
+from kvscope.engine.server.errors import OpenAIError
 
 OPEN_PATHS = frozenset({"/health"})
 """Paths served without the key."""

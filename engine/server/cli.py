@@ -1,7 +1,7 @@
-"""``kvscope engine …`` / ``python -m engine.server …``: serve one model over the OpenAI API with uvicorn.
+"""``kvscope engine …`` / ``python -m kvscope.engine.server …``: serve one model over the OpenAI API with uvicorn.
 
 ``engine_main(argv) -> int`` parses the flags (derived from the fields of EngineOptions and ServerSettings,
-engine/server/settings.py) into an EngineConfig (engine.llm.build_engine_config) and ServerSettings, warns
+engine/server/settings.py) into an EngineConfig (kvscope.engine.llm.build_engine_config) and ServerSettings, warns
 loudly when it binds a non-loopback address without ``--api-key``, configures logging (request lines as JSON
 on stdout, everything else on stderr) and runs
 uvicorn (on uvloop unless ``--event-loop asyncio``: kvscope/event_loop.py) until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine shutting down"
@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
-from engine.server.settings import ServerSettings, add_arguments, engine_options, server_settings
+from kvscope.engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
+from kvscope.engine.server.settings import ServerSettings, add_arguments, engine_options, server_settings
 from kvscope.event_loop import resolve_event_loop
 
 
@@ -56,7 +56,7 @@ def engine_main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = server_settings(args)
         options = engine_options(args)
-        from engine.llm import build_engine_config
+        from kvscope.engine.llm import build_engine_config
 
         config = build_engine_config(options.model, **options.config_kwargs())
     except (ValueError, TypeError) as exc:
@@ -92,7 +92,7 @@ def load_engine(config: Any) -> Any:
     gguf`` without a GGUF, a memory budget below the weights, too few KV blocks for ``max_model_len``, a device
     this machine lacks — ends the command with one line and exit status 2, not a start-up traceback. Returns
     None after printing that line; other exceptions propagate (a defect, with its traceback)."""
-    from engine.async_engine import AsyncEngine
+    from kvscope.engine.async_engine import AsyncEngine
     from kvscope.models.pull import PullError
 
     try:
@@ -105,7 +105,7 @@ def load_engine(config: Any) -> Any:
 def _serve(settings: ServerSettings, config: Any) -> int:
     import uvicorn
 
-    from engine.server.app import create_app
+    from kvscope.engine.server.app import create_app
 
     try:
         engine = load_engine(config)

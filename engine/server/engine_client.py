@@ -1,6 +1,6 @@
 """``EngineClient``: everything the server asks of the engine (vLLM's ``EngineClient``, vllm/engine/protocol.py).
 
-:class:`engine.async_engine.AsyncEngine` satisfies it; the server tests' scripted FakeEngine does too. The
+:class:`kvscope.engine.async_engine.AsyncEngine` satisfies it; the server tests' scripted FakeEngine does too. The
 server holds the engine only through this protocol, never through ``AsyncEngine``'s internals.
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from engine.config import SpeculativeConfig
-from engine.core.request import Request
-from engine.core.stats import SchedulerStats
-from engine.engine_core import ModelInfo, StepResult
-from engine.input_processor import EngineRequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured.backend import StructuredOutputManager
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.config import SpeculativeConfig
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.engine_core import ModelInfo, StepResult
+from kvscope.engine.input_processor import EngineRequest
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.backend import StructuredOutputManager
+from kvscope.engine.text.tokenizer import Tokenizer
 
 
 class EngineClient(Protocol):

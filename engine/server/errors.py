@@ -1,7 +1,7 @@
 """Typed errors → OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}`` at the HTTP edge.
 
 Every failure path answers JSON with the proper status: our own :class:`OpenAIError`, engine errors
-(:class:`engine.errors.InvalidParameterError`, ``PromptTooLongError``, ``EngineDeadError``), msgspec decode
+(:class:`kvscope.engine.errors.InvalidParameterError`, ``PromptTooLongError``, ``EngineDeadError``), msgspec decode
 errors, and Litestar's own exceptions (404 route, 405 method, 413 body size, validation). Unknown exceptions
 are a 500 ``server_error`` JSON body, never plain text.
 """
@@ -16,8 +16,8 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
-from engine.server.protocol import ErrorInfo, ErrorResponse
+from kvscope.engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
+from kvscope.engine.server.protocol import ErrorInfo, ErrorResponse
 from kvscope.openai_errors import (
     INVALID_JSON,
     INVALID_VALUE,
@@ -95,7 +95,7 @@ def error_response(error: OpenAIError) -> Response:
 
 
 def note_error(request: Request, error: OpenAIError) -> None:
-    """Record the error on the request's access record (see engine.server.access_log)."""
+    """Record the error on the request's access record (see kvscope.engine.server.access_log)."""
     record = request.scope.get("kvscope.access")
     if record is not None:
         record.set_error(error.type, error.message, error.code)

@@ -12,11 +12,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.core.request import Request, child_request_id
-from engine.core.stats import KvscopeStats
-from engine.input_processor import EngineRequest
-from engine.outputs import RequestOutput
-from engine.server.engine_client import EngineClient
+from kvscope.engine.core.request import Request, child_request_id
+from kvscope.engine.core.stats import KvscopeStats
+from kvscope.engine.input_processor import EngineRequest
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server.engine_client import EngineClient
 
 KEEPALIVE = object()
 """Returned by :meth:`GenerationRun.next` when nothing arrived within the timeout."""

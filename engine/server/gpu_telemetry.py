@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.server.metrics import GPU_THROTTLE_REASONS, EngineMetrics
+from kvscope.engine.server.metrics import GPU_THROTTLE_REASONS, EngineMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Engine logprobs (:class:`engine.outputs.TokenLogprob`) in OpenAI's two formats.
+"""Engine logprobs (:class:`kvscope.engine.outputs.TokenLogprob`) in OpenAI's two formats.
 
 Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` where ``bytes`` are the token's raw
 bytes (``Tokenizer.token_bytes``) and ``token`` their UTF-8 text, or ``bytes:\\xNN…`` when the token is only part
@@ -15,9 +15,9 @@ import codecs
 import math
 from collections.abc import Sequence
 
-from engine.outputs import CompletionOutput, TokenLogprob
-from engine.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.outputs import CompletionOutput, TokenLogprob
+from kvscope.engine.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kvscope.engine.text.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0
 

@@ -23,12 +23,12 @@ from typing import Annotated
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.core.attribution import LATENCY_CAUSES
-from engine.structured.params import KINDS as STRUCTURED_KINDS
+from kvscope.engine.core.attribution import LATENCY_CAUSES
+from kvscope.engine.structured.params import KINDS as STRUCTURED_KINDS
 from kvscope.settings_cli import Flag
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-"""Values of the ``finish_reason`` label (engine.core.request.RequestStatus.finish_reason)."""
+"""Values of the ``finish_reason`` label (kvscope.engine.core.request.RequestStatus.finish_reason)."""
 STREAM_ERROR_REASONS = ("engine_shutdown", "engine_unavailable", "request_failed", "injected_fault", "internal_error")
 """Values of the ``reason`` label of ``stream_errors``: why a stream ended with an in-band error after its 200 —
 the engine stopping (``engine_shutdown``) or dead (``engine_unavailable``), the engine failing the request
@@ -236,7 +236,7 @@ class EngineMetrics:
             ["model", "dtype", "quantization"], registry=r)
 
     def _init_gpu(self, r: CollectorRegistry) -> None:
-        # Sampled by engine.server.gpu_telemetry while a CUDA device is in use; never created on CPU (absent,
+        # Sampled by kvscope.engine.server.gpu_telemetry while a CUDA device is in use; never created on CPU (absent,
         # not zero), so `initialize` leaves them alone.
         self.gpu_memory_budget = Gauge(
             "kvscope_engine_gpu_memory_budget_bytes", "Device memory the engine may use by design: "

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from engine.core.stats import KvscopeStats
-from engine.sampling_params import MAX_LOGPROBS
+from kvscope.engine.core.stats import KvscopeStats
+from kvscope.engine.sampling_params import MAX_LOGPROBS
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]

@@ -2,7 +2,7 @@
 (histograms, spans, the access-log fields), with one set of numbers for all three.
 
 Choice ``i`` of prompt ``k`` is OpenAI choice ``k * n + i``. Timings come from the engine's per-request stats
-(:class:`engine.core.stats.KvscopeStats`, the ``kvscope`` object of docs/engine-server.md) when the engine
+(:class:`kvscope.engine.core.stats.KvscopeStats`, the ``kvscope`` object of docs/engine-server.md) when the engine
 finished the sequence; when the client left or the engine failed it, from the engine's live Request stats
 snapshot, else from the server's own timestamps of the deltas it received.
 """
@@ -13,16 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.attribution import cause_seconds
-from engine.core.request import child_request_id
-from engine.core.stats import KvscopeStats
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.server.generation import prompt_request_id
-from engine.server.logprobs import visible_entries
-from engine.server.protocol import PromptTokensDetails, Usage
-from engine.server.stat_logger import SequenceTimings, ServerMetrics
-from engine.server.tracing import RequestSpans, RequestTimeline, Tracing, spec_decode_attributes
+from kvscope.engine.core.attribution import cause_seconds
+from kvscope.engine.core.request import child_request_id
+from kvscope.engine.core.stats import KvscopeStats
+from kvscope.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.generation import prompt_request_id
+from kvscope.engine.server.logprobs import visible_entries
+from kvscope.engine.server.protocol import PromptTokensDetails, Usage
+from kvscope.engine.server.stat_logger import SequenceTimings, ServerMetrics
+from kvscope.engine.server.tracing import RequestSpans, RequestTimeline, Tracing, spec_decode_attributes
 
 _NO_STATS = KvscopeStats()
 

@@ -19,10 +19,10 @@ from litestar.params import JSONBody
 from litestar.typing import FieldDefinition
 from prometheus_client.exposition import choose_encoder
 
-from engine.errors import InvalidParameterError
-from engine.server.errors import OpenAIError, from_engine, from_msgspec
-from engine.server.logprobs import token_text
-from engine.server.protocol import (
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.server.errors import OpenAIError, from_engine, from_msgspec
+from kvscope.engine.server.logprobs import token_text
+from kvscope.engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -37,16 +37,16 @@ from engine.server.protocol import (
     TokenizeResponse,
     decode_body,
 )
-from engine.server.serving import check_model, server_state
-from engine.server.serving_chat import chat_prompt, create_chat_completion
-from engine.server.serving_completions import create_completion
+from kvscope.engine.server.serving import check_model, server_state
+from kvscope.engine.server.serving_chat import chat_prompt, create_chat_completion
+from kvscope.engine.server.serving_completions import create_completion
 
 T = TypeVar("T", bound=msgspec.Struct)
 
 
 class StrictBody(AbstractDTO[T]):
-    """Litestar DTO that decodes the body once with :func:`~engine.server.protocol.decode_body` (strict msgspec,
-    bytes → Struct) and answers a bad body with the 400 of :func:`~engine.server.errors.from_msgspec`. It has
+    """Litestar DTO that decodes the body once with :func:`~kvscope.engine.server.protocol.decode_body` (strict msgspec,
+    bytes → Struct) and answers a bad body with the 400 of :func:`~kvscope.engine.server.errors.from_msgspec`. It has
     no transfer model: the OpenAPI schema is the Struct's own."""
 
     @classmethod

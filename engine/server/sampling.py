@@ -1,4 +1,4 @@
-"""OpenAI request fields → :class:`engine.sampling_params.SamplingParams`.
+"""OpenAI request fields → :class:`kvscope.engine.sampling_params.SamplingParams`.
 
 Defaults follow the OpenAI API: temperature 1, top_p 1, completions ``max_tokens`` 16, chat without a limit
 (the rest of the context). Range errors raised by SamplingParams come back as 400 naming the request's field,
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 
-from engine.errors import InvalidParameterError
-from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from engine.server.errors import bad_request, from_engine
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from engine.server.structured import structured_params
-from engine.structured.params import StructuredOutputsParams
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from kvscope.engine.server.errors import bad_request, from_engine
+from kvscope.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvscope.engine.server.structured import structured_params
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")

@@ -19,13 +19,13 @@ from typing import Any, Protocol
 import msgspec
 from litestar import Request, Response
 
-from engine.async_engine import GrammarLimitError, RequestFailedError
-from engine.errors import EngineDeadError, InvalidParameterError
-from engine.input_processor import EngineRequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.server.errors import OpenAIError, bad_request, from_engine, model_not_found
-from engine.server.generation import (
+from kvscope.engine.async_engine import GrammarLimitError, RequestFailedError
+from kvscope.engine.errors import EngineDeadError, InvalidParameterError
+from kvscope.engine.input_processor import EngineRequest
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.errors import OpenAIError, bad_request, from_engine, model_not_found
+from kvscope.engine.server.generation import (
     DONE,
     FAULT_REASON,
     KEEPALIVE,
@@ -33,10 +33,10 @@ from engine.server.generation import (
     GenerationRun,
     wait_for_disconnect,
 )
-from engine.server.metrics import STREAM_ERROR_REASONS
-from engine.server.request_state import Outcome, RequestState
-from engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
-from engine.server.state import ServerState
+from kvscope.engine.server.metrics import STREAM_ERROR_REASONS
+from kvscope.engine.server.request_state import Outcome, RequestState
+from kvscope.engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
+from kvscope.engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 FAULT_HEADER = "x-kvscope-fault"
@@ -187,7 +187,7 @@ def failure_error(exc: BaseException, params: SamplingParams | None = None) -> O
 
 
 def stream_error_reason(exc: BaseException, error: OpenAIError) -> str | None:
-    """The ``reason`` label (engine.server.metrics.STREAM_ERROR_REASONS) of a stream that ``exc`` broke after
+    """The ``reason`` label (kvscope.engine.server.metrics.STREAM_ERROR_REASONS) of a stream that ``exc`` broke after
     its 200, ``error`` being :func:`failure_error` of it: None for the client's own error (a 4xx such as
     ``invalid_request_error``: not the engine's failure), ``injected_fault`` for ``x-kvscope-fault``, else the
     error's code when it is a known reason, else ``internal_error``."""

@@ -8,12 +8,12 @@ import time
 from litestar import Request, Response
 from msgspec import UNSET
 
-from engine.async_engine import RequestFailedError
-from engine.errors import InvalidParameterError
-from engine.outputs import RequestOutput
-from engine.server.errors import from_engine
-from engine.server.logprobs import chat_logprobs
-from engine.server.protocol import (
+from kvscope.engine.async_engine import RequestFailedError
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server.errors import from_engine
+from kvscope.engine.server.logprobs import chat_logprobs
+from kvscope.engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -24,15 +24,22 @@ from engine.server.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
 )
-from engine.server.request_state import RequestState
-from engine.server.sampling import chat_sampling_params
-from engine.server.serving import admit, check_model, process_prompts, respond_json, respond_stream, start_job
-from engine.server.serving_tools import ToolChatFormatter
-from engine.server.sse import SSEResponse
-from engine.server.state import ServerState
-from engine.server.structured import prepare_constraint
-from engine.server.tools import ToolMode, conversation, tool_constraint, tool_mode
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.server.request_state import RequestState
+from kvscope.engine.server.sampling import chat_sampling_params
+from kvscope.engine.server.serving import (
+    admit,
+    check_model,
+    process_prompts,
+    respond_json,
+    respond_stream,
+    start_job,
+)
+from kvscope.engine.server.serving_tools import ToolChatFormatter
+from kvscope.engine.server.sse import SSEResponse
+from kvscope.engine.server.state import ServerState
+from kvscope.engine.server.structured import prepare_constraint
+from kvscope.engine.server.tools import ToolMode, conversation, tool_constraint, tool_mode
+from kvscope.engine.text.tokenizer import Tokenizer
 
 
 def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, mode: ToolMode | None = None) -> list[int]:

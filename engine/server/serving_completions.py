@@ -8,14 +8,19 @@ import time
 from litestar import Request, Response
 from msgspec import UNSET
 
-from engine.async_engine import RequestFailedError
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.server.errors import bad_request
-from engine.server.logprobs import LegacyLogprobs, merge_legacy
-from engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from engine.server.request_state import RequestState
-from engine.server.sampling import completion_sampling_params
-from engine.server.serving import (
+from kvscope.engine.async_engine import RequestFailedError
+from kvscope.engine.outputs import RequestOutput, TokenLogprob
+from kvscope.engine.server.errors import bad_request
+from kvscope.engine.server.logprobs import LegacyLogprobs, merge_legacy
+from kvscope.engine.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from kvscope.engine.server.request_state import RequestState
+from kvscope.engine.server.sampling import completion_sampling_params
+from kvscope.engine.server.serving import (
     admit,
     check_fan_out,
     check_model,
@@ -24,10 +29,10 @@ from engine.server.serving import (
     respond_stream,
     start_job,
 )
-from engine.server.sse import SSEResponse
-from engine.server.state import ServerState
-from engine.server.structured import prepare_constraint
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.server.sse import SSEResponse
+from kvscope.engine.server.state import ServerState
+from kvscope.engine.server.structured import prepare_constraint
+from kvscope.engine.text.tokenizer import Tokenizer
 
 
 def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[int]]:

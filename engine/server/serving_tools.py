@@ -3,7 +3,7 @@
 Streaming follows OpenAI: for each call a first delta with ``index``, ``id``, ``type`` and ``function.name``
 (``arguments: ""``), then ``function.arguments`` fragments as the model writes them. A named tool_choice's
 output is the arguments object, so every content delta is a fragment. ``required`` and ``auto`` go through
-engine.server.tool_stream's incremental scanner: a call's header goes out once its ``name`` string is
+kvscope.engine.server.tool_stream's incremental scanner: a call's header goes out once its ``name`` string is
 complete, then the raw text of its ``arguments`` object as it grows; in ``auto`` the text outside
 ``<tool_call>`` blocks streams as content (only a possible prefix of the tag is held back), and an answer
 with no call is all content. The non-streamed answer is parsed by the same scanner, so a stream's fragments
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
-from engine.outputs import RequestOutput
-from engine.server.protocol import (
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -29,14 +29,14 @@ from engine.server.protocol import (
     FunctionCall,
     ToolCall,
 )
-from engine.server.tool_stream import Arguments, CallStart, Content, ToolCallScanner
-from engine.server.tools import ParsedCall, ToolMode, new_call_id, parse_tool_calls
+from kvscope.engine.server.tool_stream import Arguments, CallStart, Content, ToolCallScanner
+from kvscope.engine.server.tools import ParsedCall, ToolMode, new_call_id, parse_tool_calls
 
 TOOL_CALLS = "tool_calls"
 
 
 class ToolChatFormatter:
-    """Wraps a chat formatter (engine.server.serving_chat.ChatFormatter: its chunks, accumulated text and
+    """Wraps a chat formatter (kvscope.engine.server.serving_chat.ChatFormatter: its chunks, accumulated text and
     request state) and turns the answer of a tool-using request into tool calls."""
 
     def __init__(self, inner, mode: ToolMode) -> None:

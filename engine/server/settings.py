@@ -1,7 +1,7 @@
-"""Settings of the engine HTTP server. The only module of ``engine.server`` that reads the environment.
+"""Settings of the engine HTTP server. The only module of ``kvscope.engine.server`` that reads the environment.
 
 Two msgspec Structs hold every default once: :class:`EngineOptions` (the engine flags; their defaults are
-:class:`engine.config.EngineConfig`'s) and :class:`ServerSettings`. The command line is derived from their
+:class:`kvscope.engine.config.EngineConfig`'s) and :class:`ServerSettings`. The command line is derived from their
 fields by :mod:`kvscope.settings_cli` (the gateway's settings use the same helper); precedence: defaults <
 environment < flags.
 
@@ -22,9 +22,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine.config import DEFAULT_MODEL
-from engine.server.metrics import MetricBuckets
-from engine.structured.params import CompileLimits
+from kvscope.engine.config import DEFAULT_MODEL
+from kvscope.engine.server.metrics import MetricBuckets
+from kvscope.engine.structured.params import CompileLimits
 from kvscope.event_loop import EventLoop, resolve_event_loop
 from kvscope.net import is_loopback
 from kvscope.otel_env import protocol as otlp_protocol
@@ -59,8 +59,8 @@ def _api_key_from_env(environ: Mapping[str, str]) -> str | None:
 
 
 class EngineOptions(msgspec.Struct, **_STRUCT):
-    """The engine options of ``kvscope engine`` (engine.llm.build_engine_config keywords). None: the default
-    of :class:`engine.config.EngineConfig` (engine/config.py holds those defaults, once). The server's own
+    """The engine options of ``kvscope engine`` (kvscope.engine.llm.build_engine_config keywords). None: the default
+    of :class:`kvscope.engine.config.EngineConfig` (engine/config.py holds those defaults, once). The server's own
     defaults differ in one place: ``dtype``/``quantization`` are ``auto`` (the fastest verified weight format,
     engine/models/format_choice.py), where the library keeps float32 for exact parity."""
 
@@ -95,7 +95,7 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
     attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None
     num_threads: Annotated[int | None, Flag("torch intra-op threads on CPU")] = None
-    # speculative decoding (issue 16, engine/spec_decode): engine.config.SpeculativeConfig's fields
+    # speculative decoding (issue 16, engine/spec_decode): kvscope.engine.config.SpeculativeConfig's fields
     speculative: Annotated[Literal["none", "ngram"] | None, Flag(
         "speculative decoding: ngram = prompt-lookup drafts verified in one forward pass (default none)")] = None
     num_speculative_tokens: Annotated[int | None, Flag(
@@ -110,7 +110,7 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
 
 
 class ServerSettings(msgspec.Struct, **_STRUCT):
-    """How the HTTP server behaves (the engine itself is configured by :class:`engine.config.EngineConfig`)."""
+    """How the HTTP server behaves (the engine itself is configured by :class:`kvscope.engine.config.EngineConfig`)."""
 
     host: Annotated[str, Flag("bind address")] = "127.0.0.1"
     port: Annotated[int, Flag("port")] = 8000

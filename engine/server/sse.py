@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from litestar.response import Stream
 
-from engine.server.protocol import ErrorInfo, ErrorResponse
+from kvscope.engine.server.protocol import ErrorInfo, ErrorResponse
 
 KEEPALIVE_EVENT = b": keep-alive\n\n"
 DONE_EVENT = b"data: [DONE]\n\n"

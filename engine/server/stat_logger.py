@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from engine.core.stats import SchedulerStats
-from engine.engine_core import StepResult
-from engine.server.metrics import EngineMetrics, MetricBuckets
-from engine.spec_decode.stats import SpecDecodingStats
+from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.engine_core import StepResult
+from kvscope.engine.server.metrics import EngineMetrics, MetricBuckets
+from kvscope.engine.spec_decode.stats import SpecDecodingStats
 from kvscope.otel_genai import GenAiServerMetrics
 
 
@@ -43,7 +43,7 @@ class SequenceTimings:
     decode_s: float | None = None
     tpot_s: float | None = None
     causes: dict[tuple[str, str], float] | None = None
-    """(phase, cause) → seconds (engine.core.attribution.cause_seconds); None without engine stats."""
+    """(phase, cause) → seconds (kvscope.engine.core.attribution.cause_seconds); None without engine stats."""
 
 
 class ServerMetrics:
@@ -164,7 +164,7 @@ class ServerMetrics:
 
     def on_stream_error(self, reason: str) -> None:
         """One stream that failed after its 200 (``kvscope_engine_stream_errors_total``); ``reason`` is one of
-        engine.server.metrics.STREAM_ERROR_REASONS (the caller maps anything else to ``internal_error``)."""
+        kvscope.engine.server.metrics.STREAM_ERROR_REASONS (the caller maps anything else to ``internal_error``)."""
         self.engine.stream_errors.labels(model=self.model, reason=reason).inc()
 
     def on_http_request(self, route: str, status: int) -> None:

@@ -7,14 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.engine_core import StepResult
-from engine.server.access_log import ACCESS_LOGGER, AccessRecord, emit
-from engine.server.engine_client import EngineClient
-from engine.server.errors import OpenAIError
-from engine.server.settings import ServerSettings
-from engine.server.stat_logger import ServerMetrics
-from engine.server.tracing import Tracing, observe_step
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.engine_core import StepResult
+from kvscope.engine.server.access_log import ACCESS_LOGGER, AccessRecord, emit
+from kvscope.engine.server.engine_client import EngineClient
+from kvscope.engine.server.errors import OpenAIError
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.stat_logger import ServerMetrics
+from kvscope.engine.server.tracing import Tracing, observe_step
+from kvscope.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

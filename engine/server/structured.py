@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.errors import InvalidParameterError
-from engine.sampling_params import SamplingParams
-from engine.server.errors import OpenAIError, bad_request, from_engine
-from engine.server.protocol import StructuredFields
-from engine.server.state import ServerState
-from engine.structured.backend import CompileBusyError
-from engine.structured.params import StructuredOutputsParams
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.errors import OpenAIError, bad_request, from_engine
+from kvscope.engine.server.protocol import StructuredFields
+from kvscope.engine.server.state import ServerState
+from kvscope.engine.structured.backend import CompileBusyError
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 
 async def prepare_constraint(state: ServerState, params: SamplingParams) -> None:

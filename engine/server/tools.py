@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
-from engine.server.errors import bad_request
-from engine.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
-from engine.server.tool_stream import scan
-from engine.structured.params import StructuredOutputsParams
+from kvscope.engine.server.errors import bad_request
+from kvscope.engine.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from kvscope.engine.server.tool_stream import scan
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
@@ -148,7 +148,7 @@ def _text(content: Any) -> str:
 def parse_tool_calls(mode: ToolMode, text: str) -> tuple[list[ParsedCall], str | None] | None:
     """(calls, remaining content) from a finished answer, or None when it holds no (valid) call.
 
-    ``required``/``auto`` take the calls from engine.server.tool_stream's scanner (the streaming path's
+    ``required``/``auto`` take the calls from kvscope.engine.server.tool_stream's scanner (the streaming path's
     parser), so ``arguments`` is the model's own text of the arguments object, byte for byte what a stream
     of the same answer sends; ``required`` must also be a JSON array of objects with ``name``/``arguments``.
     """

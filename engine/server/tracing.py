@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine.core.request import Request
+from kvscope.engine.core.request import Request
 from kvscope.otel_env import span_exporter
 
 

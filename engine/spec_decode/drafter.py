@@ -1,14 +1,14 @@
-"""The scheduler's draft source (``engine.core.scheduler.Drafter``): n-gram proposals, gated per request by
+"""The scheduler's draft source (``kvscope.engine.core.scheduler.Drafter``): n-gram proposals, gated per request by
 its acceptance and per step by the measured step cost (engine/spec_decode/adaptive.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import SpeculativeConfig
-from engine.core.request import Request
-from engine.spec_decode.adaptive import AcceptanceTracker, StepCostModel
-from engine.spec_decode.ngram import NgramProposer
+from kvscope.engine.config import SpeculativeConfig
+from kvscope.engine.core.request import Request
+from kvscope.engine.spec_decode.adaptive import AcceptanceTracker, StepCostModel
+from kvscope.engine.spec_decode.ngram import NgramProposer
 
 
 class NgramDrafter:

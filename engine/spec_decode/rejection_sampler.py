@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.worker.sampler import first_argmax
+from kvscope.engine.worker.sampler import first_argmax
 
 
 def rejection_sample(probs: torch.Tensor, draft_token_ids: Sequence[int],
@@ -63,7 +63,7 @@ def greedy_verify(target_token_ids: Sequence[int], draft_token_ids: Sequence[int
 
 
 def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs`` (``[vocab]``) as ``argmax(probs / e)``, ``e ~ Exp(1)`` (engine.worker.sampler's
+    """One draw from ``probs`` (``[vocab]``) as ``argmax(probs / e)``, ``e ~ Exp(1)`` (kvscope.engine.worker.sampler's
     exponential race: the same ``vocab`` draws from ``generator`` as one step of the Sampler)."""
     noise = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
     return int(first_argmax((probs / noise).unsqueeze(0))[0])

@@ -12,7 +12,7 @@ never held during a compile; a grammar not in the cache compiles on the manager'
 most ``CompileLimits.max_pending`` distinct grammars queued or running, beyond that :class:`CompileBusyError`),
 and concurrent requests for one grammar share that compile (single flight). llguidance's ``max_grammar_size``
 refuses oversized grammars in milliseconds. The compiled grammar is pinned to the request
-(:class:`~engine.structured.params.GrammarPin`), so the engine step never compiles (:meth:`matcher_for`).
+(:class:`~kvscope.engine.structured.params.GrammarPin`), so the engine step never compiles (:meth:`matcher_for`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from engine.errors import InvalidParameterError
-from engine.structured.bitmask import allocate_bitmask, allowed_tokens
-from engine.structured.matcher import RequestMatcher, one_line
-from engine.structured.params import CompileLimits, StructuredOutputsParams
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.structured.bitmask import allocate_bitmask, allowed_tokens
+from kvscope.engine.structured.matcher import RequestMatcher, one_line
+from kvscope.engine.structured.params import CompileLimits, StructuredOutputsParams
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 """Compact JSON (``,`` and ``:`` without spaces): a small model cannot pad the answer with endless

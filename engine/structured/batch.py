@@ -15,15 +15,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.errors import InvalidParameterError
-from engine.structured.backend import StructuredOutputManager
-from engine.structured.bitmask import allocate_bitmask
-from engine.structured.matcher import RequestMatcher
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.structured.backend import StructuredOutputManager
+from kvscope.engine.structured.bitmask import allocate_bitmask
+from kvscope.engine.structured.matcher import RequestMatcher
 
 ERROR_PREFIX = "structured output failed: "
 """Start of the reason a request fails with when its grammar matcher fails (RequestFailedError.reason): the
 client's grammar hit one of llguidance's limits while generating (the server answers a 400 naming the
-constraint's field, engine.async_engine.GrammarLimitError), the rest of the reason being llguidance's error."""
+constraint's field, kvscope.engine.async_engine.GrammarLimitError), the rest of the reason being llguidance's error."""
 UNAVAILABLE_PREFIX = "structured output unavailable: "
 """Start of the reason a request fails with when it has no usable grammar (none pinned at admission): the
 engine's fault, a 500."""

@@ -43,11 +43,11 @@ class CompileLimits:
 @dataclass(slots=True, eq=False)
 class GrammarPin:
     """The compiled grammar a request was admitted with, set once by the compiler
-    (:meth:`engine.structured.backend.StructuredOutputManager.compile`). The request holds it, so the grammar
+    (:meth:`kvscope.engine.structured.backend.StructuredOutputManager.compile`). The request holds it, so the grammar
     cache may evict the grammar while the request waits: the engine step never compiles."""
 
     grammar: object | None = None
-    """engine.structured.backend.CompiledGrammar (opaque here: this module stays free of llguidance)."""
+    """kvscope.engine.structured.backend.CompiledGrammar (opaque here: this module stays free of llguidance)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from engine.sampling_params import SamplingParams
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.text.tokenizer import Tokenizer
 
 PRIME_TOKENS = 6
 """Prompt tokens the stream is primed with (vLLM primes with 4 to 24)."""

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler_output import ModelRunnerOutput
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.text.detokenizer import IncrementalDetokenizer, StopStrings
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.core.request import Request, RequestStatus
+from kvscope.engine.core.scheduler_output import ModelRunnerOutput
+from kvscope.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvscope.engine.text.detokenizer import IncrementalDetokenizer, StopStrings
+from kvscope.engine.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -14,7 +14,6 @@ from typing import Any
 
 import tokenizers
 
-from engine.errors import InvalidParameterError
 from kvscope.chat_template import (
     ChatTemplateError,
     compile_chat_template,
@@ -22,6 +21,7 @@ from kvscope.chat_template import (
     normalize_messages,
     special_tokens,
 )
+from kvscope.engine.errors import InvalidParameterError
 
 
 def bytes_to_unicode() -> dict[int, str]:

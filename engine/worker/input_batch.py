@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.core.scheduler_output import SchedulerOutput
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import CacheConfig
+from kvscope.engine.config import CacheConfig
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

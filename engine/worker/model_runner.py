@@ -8,16 +8,16 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.forward_context import set_forward_context
-from engine.core.request import Request
-from engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.models.fused_decode import FusedDecoder
-from engine.outputs import TokenLogprob
-from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
-from engine.structured.batch import MatcherTable, StepMasks
-from engine.worker.input_batch import ModelInputs, build_model_inputs
-from engine.worker.sampler import (
+from kvscope.engine.attention.backend import AttentionBackend
+from kvscope.engine.attention.forward_context import set_forward_context
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvscope.engine.models.fused_decode import FusedDecoder
+from kvscope.engine.outputs import TokenLogprob
+from kvscope.engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from kvscope.engine.structured.batch import MatcherTable, StepMasks
+from kvscope.engine.worker.input_batch import ModelInputs, build_model_inputs
+from kvscope.engine.worker.sampler import (
     RequestSampling,
     Sampler,
     SamplerOutput,
@@ -38,7 +38,7 @@ class ModelRunner:
                  block_size: int, vocab_size: int, device: torch.device) -> None:
         self.model = model
         if device.type == "cpu" and hasattr(model, "prepare_for_cpu"):
-            model.prepare_for_cpu()  # packed/column-major weights: see engine.models.layers.CpuLinearKernel
+            model.prepare_for_cpu()  # packed/column-major weights: see kvscope.engine.models.layers.CpuLinearKernel
         self.fused = FusedDecoder.from_model(model) if device.type == "cpu" else None
         """The one-call C++ decode step (engine/models/fused_decode.py) for decode-only steps; None where the
         model's weights or the CPU do not allow it."""

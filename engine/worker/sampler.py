@@ -30,10 +30,10 @@ from operator import attrgetter
 
 import torch
 
-from engine.errors import InvalidParameterError
-from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import apply_token_bitmask
-from engine.worker.logits_processors import (
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.bitmask import apply_token_bitmask
+from kvscope.engine.worker.logits_processors import (
     PenaltyTensors,
     SparseLogits,
     apply_bans_,

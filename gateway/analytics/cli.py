@@ -2,7 +2,7 @@
 
 Sources: a JSONL file or directory (DuckDB) or an Elasticsearch URL (``--source http://localhost:9200``).
 Defaults come from ``KVSCOPE_LOGS_SOURCE``/``KVSCOPE_GATEWAY_LOG_FILE`` and ``ELASTICSEARCH_*``
-(gateway.logs.es_settings). Exit status: 0 ok, 1 runtime error (message on stderr), 2 usage error.
+(kvscope.gateway.logs.es_settings). Exit status: 0 ok, 1 runtime error (message on stderr), 2 usage error.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.logs.es_settings import CliEnv, cli_env
+from kvscope.gateway.logs.es_settings import CliEnv, cli_env
 
 if TYPE_CHECKING:
-    from gateway.analytics.commands import LogSource
+    from kvscope.gateway.analytics.commands import LogSource
 
 COMMANDS = ("setup-es", "report", "search", "plot", "why")
 
@@ -46,8 +46,8 @@ def _source_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
 
 
 def build_parser(env: CliEnv) -> argparse.ArgumentParser:
-    from gateway.analytics.render import FORMATS
-    from gateway.analytics.report import GROUP_FIELDS
+    from kvscope.gateway.analytics.render import FORMATS
+    from kvscope.gateway.analytics.report import GROUP_FIELDS
 
     parser = argparse.ArgumentParser(prog="kvscope logs", description="Request-log analytics.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -85,8 +85,8 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
 
 
 def _log_source(args: argparse.Namespace, location: str) -> LogSource:
-    from gateway.analytics.commands import LogSource
-    from gateway.logs.es_client import EsConnectionConfig
+    from kvscope.gateway.analytics.commands import LogSource
+    from kvscope.gateway.logs.es_client import EsConnectionConfig
 
     basic = (args.user, args.password or "") if args.user else None
     conn = EsConnectionConfig(hosts=(location,) if location.startswith("http") else ("http://localhost:9200",),
@@ -96,8 +96,8 @@ def _log_source(args: argparse.Namespace, location: str) -> LogSource:
 
 
 async def _setup_es(args: argparse.Namespace) -> int:
-    from gateway.logs import es_setup
-    from gateway.logs.es_client import make_client
+    from kvscope.gateway.logs import es_setup
+    from kvscope.gateway.logs.es_client import make_client
 
     config = es_setup.EsIndexConfig(data_stream=args.index, delete_after=args.delete_after,
                                     rollover_max_age=args.rollover_max_age,
@@ -119,9 +119,9 @@ async def _setup_es(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from gateway.analytics import commands
-    from gateway.analytics.plot import parse_bucket
-    from gateway.analytics.render import render_records, render_report
+    from kvscope.gateway.analytics import commands
+    from kvscope.gateway.analytics.plot import parse_bucket
+    from kvscope.gateway.analytics.render import render_records, render_report
 
     if args.command == "setup-es":
         return await _setup_es(args)

@@ -14,12 +14,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.analytics.duckdb_logs import DuckDBLogs
-from gateway.analytics.es_logs import EsLogs
-from gateway.analytics.plot import auto_bucket_s, plot_histogram, plot_latency
-from gateway.analytics.report import Report, parse_since
-from gateway.analytics.why import Why, explain, why_query
-from gateway.logs.es_client import EsConnectionConfig, is_es_url, make_client
+from kvscope.gateway.analytics.duckdb_logs import DuckDBLogs
+from kvscope.gateway.analytics.es_logs import EsLogs
+from kvscope.gateway.analytics.plot import auto_bucket_s, plot_histogram, plot_latency
+from kvscope.gateway.analytics.report import Report, parse_since
+from kvscope.gateway.analytics.why import Why, explain, why_query
+from kvscope.gateway.logs.es_client import EsConnectionConfig, is_es_url, make_client
 
 
 @dataclass(frozen=True, slots=True)

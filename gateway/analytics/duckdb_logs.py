@@ -3,7 +3,7 @@
 Files: ``--source`` names the current log file (``requests.jsonl``: its rotated siblings ``requests.jsonl.1``,
 ``.2`` … and ``.gz`` variants are read too) or a directory (every ``*.jsonl`` family in it).
 Columns are read with explicit types derived from the Elasticsearch mapping
-(:func:`gateway.logs.es_setup.record_properties`), so both back ends agree on every field's type. A line
+(:func:`kvscope.gateway.logs.es_setup.record_properties`), so both back ends agree on every field's type. A line
 that is not valid JSON or does not fit the types (a line torn by a crash) is skipped and counted in
 ``Report.extra["unparsed_lines"]``. The files are read once, when :class:`DuckDBLogs` is built (every query
 of one report sees the same snapshot); a last line without its newline is a record still being written and is
@@ -20,7 +20,7 @@ from typing import Any
 
 import duckdb
 
-from gateway.analytics.report import (
+from kvscope.gateway.analytics.report import (
     ERROR_STATUS,
     GROUP_FIELDS,
     LATENCY_FIELDS,
@@ -31,8 +31,8 @@ from gateway.analytics.report import (
     es_time,
     slow_request,
 )
-from gateway.logs.es_setup import record_properties
-from gateway.logs.jsonl import complete_copy
+from kvscope.gateway.logs.es_setup import record_properties
+from kvscope.gateway.logs.jsonl import complete_copy
 
 PERCENTILE_METHOD = "exact, linear interpolation (DuckDB quantile_cont, Hyndman-Fan type 7)"
 ARRAY_FIELDS = {"event.category", "event.type", "gen_ai.response.finish_reasons"}

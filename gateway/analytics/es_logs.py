@@ -15,7 +15,7 @@ from typing import Any
 
 from elasticsearch import AsyncElasticsearch
 
-from gateway.analytics.report import (
+from kvscope.gateway.analytics.report import (
     ERROR_STATUS,
     GROUP_FIELDS,
     LATENCY_FIELDS,
@@ -41,7 +41,7 @@ def time_filter(since: datetime | None) -> dict[str, Any]:
 
 
 def metric_aggs() -> dict[str, Any]:
-    """The per-row metric aggregations (see gateway.analytics.report for the definitions)."""
+    """The per-row metric aggregations (see kvscope.gateway.analytics.report for the definitions)."""
     errors = {"bool": {"should": [{"range": {"http.response.status_code": {"gte": ERROR_STATUS}}},
                                   {"term": {"event.outcome": "failure"}}], "minimum_should_match": 1}}
     aggs: dict[str, Any] = {"errors": {"filter": errors}}

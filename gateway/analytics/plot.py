@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.analytics.report import PERCENTS
+from kvscope.gateway.analytics.report import PERCENTS
 
 NICE_BUCKETS_S = (1, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 

@@ -10,7 +10,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.table import Table
 
-from gateway.analytics.report import Report, dotted, es_time
+from kvscope.gateway.analytics.report import Report, dotted, es_time
 
 FORMATS = ("table", "json", "csv")
 RECORD_COLUMNS = {

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from gateway.analytics.why import rank_causes
+from kvscope.gateway.analytics.why import rank_causes
 
 PERCENTS = (50, 95, 99)
 LATENCY_FIELDS = {"ttft": "kvscope.ttft_s", "tpot": "kvscope.tpot_s", "e2e": "kvscope.e2e_s"}

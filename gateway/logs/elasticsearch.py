@@ -37,11 +37,11 @@ from typing import Any, Protocol
 
 from elasticsearch import ApiError, AsyncElasticsearch, TransportError
 
-from gateway.logs.es_client import EsConnectionConfig, make_client
-from gateway.logs.es_setup import EsIndexConfig, ensure_setup
-from gateway.logs.es_shipper import RETRY_STATUSES, ShipperConfig, ShipResult, ship_batch
-from gateway.logs.sink import LogRecord
-from gateway.logs.spool import AppendResult, Spool, SpoolBatch, SpoolConfig
+from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
+from kvscope.gateway.logs.es_setup import EsIndexConfig, ensure_setup
+from kvscope.gateway.logs.es_shipper import RETRY_STATUSES, ShipperConfig, ShipResult, ship_batch
+from kvscope.gateway.logs.sink import LogRecord
+from kvscope.gateway.logs.spool import AppendResult, Spool, SpoolBatch, SpoolConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class _Throttled:
 
 
 class ElasticsearchSink:
-    """:class:`gateway.logs.sink.LogSink` that ships to an Elasticsearch data stream (module docstring)."""
+    """:class:`kvscope.gateway.logs.sink.LogSink` that ships to an Elasticsearch data stream (module docstring)."""
 
     name = "elasticsearch"
 

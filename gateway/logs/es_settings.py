@@ -1,4 +1,4 @@
-"""Settings for the Elasticsearch log sink and the ``kvscope logs`` CLI (the only env reads of gateway.logs).
+"""Settings for the Elasticsearch log sink and the ``kvscope logs`` CLI (the only env reads of kvscope.gateway.logs).
 
 :class:`EsLogSettings` is a msgspec Struct in the gateway's config style, meant to sit in the gateway's
 ``logs`` config as ``elasticsearch:``; :meth:`EsLogSettings.sink_config` turns it into the sink's config.
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.logs.elasticsearch import ElasticsearchSinkConfig
-from gateway.logs.es_client import EsConnectionConfig
-from gateway.logs.es_setup import EsIndexConfig
-from gateway.logs.es_shipper import ShipperConfig
-from gateway.logs.spool import SpoolConfig
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSinkConfig
+from kvscope.gateway.logs.es_client import EsConnectionConfig
+from kvscope.gateway.logs.es_setup import EsIndexConfig
+from kvscope.gateway.logs.es_shipper import ShipperConfig
+from kvscope.gateway.logs.spool import SpoolConfig
 
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
@@ -32,7 +32,7 @@ class EsLogSettings(msgspec.Struct, **_STRUCT):
     ca_certs: str | None = None
     verify_certs: bool = True
     compat_major: int = 8
-    """8: works with Elasticsearch 8.x and 9.x; 9: 9.x only (see gateway.logs.es_client)."""
+    """8: works with Elasticsearch 8.x and 9.x; 9: 9.x only (see kvscope.gateway.logs.es_client)."""
     data_stream: str = "kvscope-requests"
     delete_after: str = "30d"
     setup_on_start: bool = True

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from elasticsearch import AsyncElasticsearch
 
-from gateway.context import GATEWAY_PHASES
+from kvscope.gateway.context import GATEWAY_PHASES
 
 logger = logging.getLogger(__name__)
 

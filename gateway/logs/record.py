@@ -4,7 +4,7 @@ ECS field names where ECS has one, OpenTelemetry ``gen_ai.*`` for model fields, 
 Every field below is always present (``null`` when it does not apply), so that sinks and index templates see
 one stable shape. Never the API key; prompts and completions only with ``log_content`` (then under
 ``gen_ai.input.messages`` / ``gen_ai.output.messages`` in the OTel GenAI message schema, see
-:mod:`gateway.logs.genai_messages`).
+:mod:`kvscope.gateway.logs.genai_messages`).
 
 ``ecs.version`` is 9.1.0: the ``gen_ai.*`` field set the record uses is part of ECS from 9.1 (ECS reference,
 "Gen AI fields"). ``log.level`` takes Python's level names (``info``, ``warning``, ``error``), the vocabulary
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import clip
-from gateway.logs.genai_messages import input_messages, output_messages
-from gateway.logs.sink import LogRecord
+from kvscope.gateway.errors import clip
+from kvscope.gateway.logs.genai_messages import input_messages, output_messages
+from kvscope.gateway.logs.sink import LogRecord
 
 if TYPE_CHECKING:
-    from gateway.context import RequestContext
+    from kvscope.gateway.context import RequestContext
 
 ECS_VERSION = "9.1.0"
 MAX_LOGGED_USER_AGENT = 1024
@@ -61,7 +61,7 @@ def level(ctx: RequestContext) -> str:
 
 
 class RecordBuilder:
-    """Builds the record from a finished :class:`~gateway.observe.RequestContext`."""
+    """Builds the record from a finished :class:`~kvscope.gateway.observe.RequestContext`."""
 
     def __init__(self, service: ServiceInfo, log_content: bool = False) -> None:
         self.service = service

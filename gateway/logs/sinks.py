@@ -1,6 +1,6 @@
 """Request-log sinks that write JSON lines: a size-rotated JSONL file and stdout.
 
-Both implement :class:`gateway.logs.sink.LogSink`. ``emit`` only puts the record on a bounded queue (a full
+Both implement :class:`kvscope.gateway.logs.sink.LogSink`. ``emit`` only puts the record on a bounded queue (a full
 queue drops the record and counts ``outcome="dropped"``); a writer thread encodes (msgspec) and writes
 batches, so neither JSON encoding nor disk I/O runs on the event loop. Written records count as
 ``outcome="shipped"``, write errors as ``"failed"``.
@@ -19,8 +19,8 @@ from typing import BinaryIO
 
 import msgspec
 
-from gateway.logs.sink import LogRecord
-from gateway.metrics import GatewayMetrics
+from kvscope.gateway.logs.sink import LogRecord
+from kvscope.gateway.metrics import GatewayMetrics
 
 _log = logging.getLogger("kvscope.gateway")
 _STOP = object()

@@ -4,7 +4,7 @@
 cancels everything, closing the upstream connection at once, so the engine aborts), picks replicas
 (least outstanding), retries on another replica while nothing has reached the client yet, enforces the
 timeouts, and relays the answer: JSON as the upstream's exact bytes, streams through
-:class:`gateway.proxy.relay.StreamRelay`. What the relay returns (a :class:`~gateway.proxy.relay.RelayOutcome`)
+:class:`kvscope.gateway.proxy.relay.StreamRelay`. What the relay returns (a :class:`~kvscope.gateway.proxy.relay.RelayOutcome`)
 is applied to the request context here, before the client's response ends. Errors before the response started
 are JSON with their status; after it started they go in-band (``data: {"error": …}``, no ``[DONE]``).
 """
@@ -22,8 +22,8 @@ import msgspec
 from litestar.types import Receive, Scope, Send
 from opentelemetry.trace import Span, Status, StatusCode
 
-from gateway.auth import TENANT_HEADER
-from gateway.errors import (
+from kvscope.gateway.auth import TENANT_HEADER
+from kvscope.gateway.errors import (
     GatewayError,
     RetryableFailure,
     UpstreamAnswer,
@@ -34,10 +34,10 @@ from gateway.errors import (
     upstream_error_object,
     upstream_gateway_error,
 )
-from gateway.genai_attrs import base_attributes, end_attributes
-from gateway.proxy.client import BODY_CHUNK_EXTENSION, ClientResponse
-from gateway.proxy.plan import ProxyPlan
-from gateway.proxy.relay import (
+from kvscope.gateway.genai_attrs import base_attributes, end_attributes
+from kvscope.gateway.proxy.client import BODY_CHUNK_EXTENSION, ClientResponse
+from kvscope.gateway.proxy.plan import ProxyPlan
+from kvscope.gateway.proxy.relay import (
     DRAIN_AFTER_DONE_S,
     DRAIN_BEFORE_END_S,
     RelayOutcome,
@@ -45,12 +45,12 @@ from gateway.proxy.relay import (
     StreamTerms,
     completion_outcome,
 )
-from gateway.proxy.upstreams import Replica
-from gateway.sse import data_event
+from kvscope.gateway.proxy.upstreams import Replica
+from kvscope.gateway.sse import data_event
 
 if TYPE_CHECKING:
-    from gateway.context import RequestContext
-    from gateway.state import GatewayState
+    from kvscope.gateway.context import RequestContext
+    from kvscope.gateway.state import GatewayState
 
 _log = logging.getLogger("kvscope.gateway")
 _STREAM_REASONS = {"upstream_timeout": "timeout", "stream_incomplete": "incomplete", "stream_aborted": "aborted",

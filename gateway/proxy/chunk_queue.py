@@ -7,13 +7,13 @@ import asyncio
 import collections
 from collections.abc import Callable
 
-from gateway.proxy.network import wait_future
+from kvscope.gateway.proxy.network import wait_future
 
 
 class ChunkQueue:
     """The pump's chunks for the relay: a bounded FIFO with one producer and one consumer, bound to the loop
     it was made on. :meth:`get` waits with a deadline through one future and one timer
-    (:func:`gateway.proxy.network.wait_future`; ``asyncio.Queue`` asks the running loop per wait too)."""
+    (:func:`kvscope.gateway.proxy.network.wait_future`; ``asyncio.Queue`` asks the running loop per wait too)."""
 
     def __init__(self, maxsize: int = 64) -> None:
         self._loop = asyncio.get_running_loop()

@@ -29,7 +29,7 @@ from typing import Any, cast
 import httpcore
 import httpx
 
-from gateway.proxy.chunked import TERMINAL_CHUNK, ChunkedBodyTap
+from kvscope.gateway.proxy.chunked import TERMINAL_CHUNK, ChunkedBodyTap
 
 HIGH_WATER = 256 * 1024
 """Buffered bytes above which the transport stops reading (resumed below :data:`LOW_WATER`)."""

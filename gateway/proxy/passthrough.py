@@ -26,10 +26,10 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 
-from gateway.auth import TENANT_HEADER, Principal
-from gateway.body import read_body
-from gateway.context import context_of
-from gateway.errors import (
+from kvscope.gateway.auth import TENANT_HEADER, Principal
+from kvscope.gateway.body import read_body
+from kvscope.gateway.context import context_of
+from kvscope.gateway.errors import (
     ModelNotFound,
     NotFound,
     PermissionDenied,
@@ -38,12 +38,12 @@ from gateway.errors import (
     upstream_error_object,
     upstream_gateway_error,
 )
-from gateway.proxy.upstreams import Replica
-from gateway.ratelimit_middleware import lease_of
-from gateway.target import names_generation_api
+from kvscope.gateway.proxy.upstreams import Replica
+from kvscope.gateway.ratelimit_middleware import lease_of
+from kvscope.gateway.target import names_generation_api
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from kvscope.gateway.state import GatewayState
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-authenticate", "proxy-authorization", "host", "authorization", "content-length",

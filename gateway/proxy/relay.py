@@ -27,13 +27,13 @@ from typing import Any
 import httpx
 import msgspec
 
-from gateway.errors import GatewayError, RetryableFailure, UpstreamFailed, UpstreamTimeout
-from gateway.proxy.chunk_queue import ChunkQueue
-from gateway.proxy.client import ClientResponse
-from gateway.proxy.network import AsyncioStream
-from gateway.proxy.upstreams import Replica, UpstreamPool
-from gateway.settings import TimeoutConfig
-from gateway.sse import (
+from kvscope.gateway.errors import GatewayError, RetryableFailure, UpstreamFailed, UpstreamTimeout
+from kvscope.gateway.proxy.chunk_queue import ChunkQueue
+from kvscope.gateway.proxy.client import ClientResponse
+from kvscope.gateway.proxy.network import AsyncioStream
+from kvscope.gateway.proxy.upstreams import Replica, UpstreamPool
+from kvscope.gateway.settings import TimeoutConfig
+from kvscope.gateway.sse import (
     DONE_DATA,
     DONE_EVENT,
     KEEPALIVE,

@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from gateway.metrics import GatewayMetrics
-from gateway.settings import ModelConfig, RoutingConfig, UpstreamConfig
+from kvscope.gateway.metrics import GatewayMetrics
+from kvscope.gateway.settings import ModelConfig, RoutingConfig, UpstreamConfig
 
 _log = logging.getLogger("kvscope.gateway")
 

@@ -111,7 +111,7 @@ async def _read_es(args: argparse.Namespace):
     from elastic_transport import TransportError
     from elasticsearch import ApiError
 
-    from gateway.logs.es_client import EsConnectionConfig, make_client
+    from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
     from kvscope.plan.replay_es import read_spans_es
     from kvscope.plan.settings import es_env
 

@@ -3,7 +3,7 @@
 - Bandwidth: the best of ``repeats`` timed ``tensor.sum()`` over a float32 buffer of ``buffer_bytes``
   (default 1 GiB, beyond any last-level cache), i.e. streaming read bandwidth, the traffic of a decode step.
 - Peak FLOP/s: the best of ``repeats`` timed ``n × n`` matmuls (``2 n³`` FLOPs each) in fp32 and bf16.
-Both run with the torch thread count the engine would use (``engine.engine_core.default_num_threads``: the
+Both run with the torch thread count the engine would use (``kvscope.engine.engine_core.default_num_threads``: the
 CPUs this process may use minus one, at least 1), so the bound is the engine's own ceiling on this machine.
 About 2 s on a 2-core VM.
 """
@@ -38,7 +38,7 @@ class ProbeConfig:
 
 
 def engine_default_threads() -> int:
-    """The engine's CPU thread default (mirrors engine.engine_core.default_num_threads, without its imports)."""
+    """The engine's CPU thread default (mirrors kvscope.engine.engine_core.default_num_threads, without its imports)."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 

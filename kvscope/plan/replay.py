@@ -162,7 +162,7 @@ def read_spans(source: str | Path) -> tuple[list[Span], dict[str, Any]]:
     Raises FileNotFoundError when no log file matches."""
     import duckdb
 
-    from gateway.analytics.duckdb_logs import DuckDBLogs
+    from kvscope.gateway.analytics.duckdb_logs import DuckDBLogs
 
     try:
         logs = DuckDBLogs(source)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from gateway.logs.es_settings import CliEnv, cli_env
+from kvscope.gateway.logs.es_settings import CliEnv, cli_env
 
 
 def es_env() -> CliEnv:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.server.cli import uvicorn_config as engine_uvicorn_config
-from engine.server.settings import ServerSettings
-from gateway.app import create_app
-from gateway.server import uvicorn_config as gateway_uvicorn_config
-from gateway.settings import load_settings
 from kvscope import event_loop
+from kvscope.engine.server.cli import uvicorn_config as engine_uvicorn_config
+from kvscope.engine.server.settings import ServerSettings
 from kvscope.event_loop import resolve_event_loop
+from kvscope.gateway.app import create_app
+from kvscope.gateway.server import uvicorn_config as gateway_uvicorn_config
+from kvscope.gateway.settings import load_settings
 from tests.gateway.harness import spawn_fake, spawn_gateway, wait_http
 
 UPSTREAM = {"upstreams": [{"url": "http://127.0.0.1:9"}]}

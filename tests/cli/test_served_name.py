@@ -36,7 +36,7 @@ def test_serve_announces_the_name_the_engine_serves(model: str, engine_args: tup
 
 
 def test_the_engine_serves_a_gguf_file_by_its_name(model_dir: Path) -> None:
-    from engine.llm import LLM
+    from kvscope.engine.llm import LLM
 
     gguf = next(model_dir.parent.glob("*.gguf"))
     llm = LLM(str(gguf), kv_cache_memory=32 << 20)

@@ -8,9 +8,9 @@ from typing import Annotated, Literal
 import msgspec
 import pytest
 
-from engine.server.cli import build_parser
-from engine.server.settings import engine_options, server_settings
-from gateway.cli import _gateway_parser
+from kvscope.engine.server.cli import build_parser
+from kvscope.engine.server.settings import engine_options, server_settings
+from kvscope.gateway.cli import _gateway_parser
 from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
 

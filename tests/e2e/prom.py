@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from dashboards.overview import MIN_SLO_REQUESTS
-from dashboards.query import PrometheusAPI
+from kvscope.dashboards.overview import MIN_SLO_REQUESTS
+from kvscope.dashboards.query import PrometheusAPI
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "alerts" / "kvscope.rules.yaml"

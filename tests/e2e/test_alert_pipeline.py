@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from gateway.metrics import GatewayMetrics
+from kvscope.gateway.metrics import GatewayMetrics
 from tests.conftest import require_tool
 from tests.e2e.prom import (
     AlertmanagerServer,

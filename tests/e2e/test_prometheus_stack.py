@@ -21,10 +21,10 @@ import httpx
 import pytest
 import yaml
 
-from dashboards.engine_detail import GPU_PANELS
-from dashboards.query import Variables
-from dashboards.render import Window, render
-from gateway.auth import generate_key, hash_key
+from kvscope.dashboards.engine_detail import GPU_PANELS
+from kvscope.dashboards.query import Variables
+from kvscope.dashboards.render import Window, render
+from kvscope.gateway.auth import generate_key, hash_key
 from tests.conftest import require_tool
 from tests.e2e.prom import (
     REPO,
@@ -78,7 +78,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     engine_url, fake_url = f"http://127.0.0.1:{ports['engine']}", f"http://127.0.0.1:{ports['fake']}"
     fake = ManagedProcess(python("-m", "tests.gateway.fake_upstream", "--port", str(ports["fake"]), "--models",
                                  FAKE_MODEL, "--status", "500"), tmp / "fake.log").start()
-    engine = ManagedProcess(python("-m", "kvscope.cli", "engine", "--model", MODEL, "--dtype", "float32",
+    engine = ManagedProcess(python("-P", "-m", "kvscope.cli", "engine", "--model", MODEL, "--dtype", "float32",
                                    "--speculative", "ngram",  # feeds the engine dashboard's speculative panels
                                    "--host", "127.0.0.1", "--port", str(ports["engine"])), tmp / "engine.log").start()
     config = gateway_config(tmp / "gateway.yaml", ports["gateway"], engine_url, fake_url, keys)
@@ -86,7 +86,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     try:
         wait_http_ok(f"{fake_url}/health", 30, fake.proc)
         wait_http_ok(f"{engine_url}/health", 300, engine.proc)
-        gateway = ManagedProcess(python("-m", "kvscope.cli", "gateway", "--config", str(config)),
+        gateway = ManagedProcess(python("-P", "-m", "kvscope.cli", "gateway", "--config", str(config)),
                                  tmp / "gateway.log").start()
         processes.append(gateway)
         wait_http_ok(f"http://127.0.0.1:{ports['gateway']}/healthz", 60, gateway.proc)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.logs.jsonl import read_records
+from kvscope.gateway.logs.jsonl import read_records
 from tests.engine.server.e2e_support import CHAT, wait_for
 from tests.gateway.harness import REPO, free_port, read_log
 
@@ -71,7 +71,7 @@ class Serve:
 
 def _command(port: int, log_file: Path) -> list[str]:
     script = Path(sys.executable).with_name("kvscope")  # the console script of this venv
-    head = [str(script)] if script.is_file() else [sys.executable, "-m", "kvscope.cli"]
+    head = [str(script)] if script.is_file() else [sys.executable, "-P", "-m", "kvscope.cli"]
     return [*head, "serve", "--port", str(port), "--log-file", str(log_file), "--engine-args", ENGINE_ARGS]
 
 
@@ -129,7 +129,7 @@ def _check_why(log_file: Path, prompt_tokens: int, record: dict) -> None:
     import io
     import json
 
-    from gateway.analytics.cli import logs_main
+    from kvscope.gateway.analytics.cli import logs_main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -17,7 +17,7 @@ def tokenizer_dir(model_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir: Path):
-    """engine.text.tokenizer.Tokenizer of the test model, loaded once per session."""
-    from engine.text.tokenizer import Tokenizer
+    """kvscope.engine.text.tokenizer.Tokenizer of the test model, loaded once per session."""
+    from kvscope.engine.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tokenizer_dir)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.engine_core import EngineCore
-from engine.errors import EngineDeadError
-from engine.sampling_params import SamplingParams
+from kvscope.engine.async_engine import AsyncEngine
+from kvscope.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvscope.engine.engine_core import EngineCore
+from kvscope.engine.errors import EngineDeadError
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.spec_distribution import build_tiny_model
 
 

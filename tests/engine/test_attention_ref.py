@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.forward_context import get_forward_context, set_forward_context
-from engine.attention.selector import get_attention_backend
-from engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.forward_context import get_forward_context, set_forward_context
+from kvscope.engine.attention.selector import get_attention_backend
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 
 HEAD_DIM = 8
 

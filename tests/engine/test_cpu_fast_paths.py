@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.attention.torch_backend as engine_attention
-import engine.engine_core as engine_core
-from engine.attention.backend import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
-from engine.models.layers import Linear, cpu_linear_kernel
-from engine.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler, SamplingMetadata
+import kvscope.engine.attention.torch_backend as engine_attention
+import kvscope.engine.engine_core as engine_core
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
+from kvscope.engine.models.layers import Linear, cpu_linear_kernel
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.worker.sampler import Sampler, SamplingMetadata
 from tests.engine.test_attention_ref import HEAD_DIM, allocate_blocks, naive_attention
 from tests.engine.test_models_tiny import ATOL, COMMON, hf_logits, make_pair, new_caches, paged_step, prompt
 
@@ -153,7 +153,7 @@ def test_gather_buffers_are_reused_and_large_ones_released(monkeypatch: pytest.M
 @pytest.mark.slow
 def test_bfloat16_engine_answers_like_float32(llm) -> None:
     """The bf16 option (packed bf16 matmuls, float32 attention) on the real model: same greedy answer."""
-    from engine.llm import LLM
+    from kvscope.engine.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=24)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -168,7 +168,13 @@ def test_bfloat16_engine_answers_like_float32(llm) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_rope_is_bit_identical_to_rotate_half(dtype: torch.dtype) -> None:
     """The 4-op RoPE (roll + signed sin, tables built once per step) gives exactly HF's x·cos + rotate_half(x)·sin."""
-    from engine.models.layers import RopeConfig, RotaryEmbedding, apply_rope, apply_rotary, rope_tables
+    from kvscope.engine.models.layers import (
+        RopeConfig,
+        RotaryEmbedding,
+        apply_rope,
+        apply_rotary,
+        rope_tables,
+    )
 
     positions = torch.tensor([0, 1, 5, 37, 200])
     cos, sin = RotaryEmbedding(HEAD_DIM, RopeConfig(theta=100000.0))(positions, dtype)

@@ -1,18 +1,18 @@
-"""engine.text.detokenizer with the real SmolLM2 tokenizer: UTF-8 safe streaming, stop strings, hold-back."""
+"""kvscope.engine.text.detokenizer with the real SmolLM2 tokenizer: UTF-8 safe streaming, stop strings, hold-back."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.text.detokenizer import (
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.text.detokenizer import (
     IncrementalDetokenizer,
     _prime_ids,
     complete_characters,
     find_stop_string,
     longest_prefix_suffix,
 )
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.text.tokenizer import Tokenizer
 
 STREAM_TEXTS = [
     " The quick brown fox jumps over the lazy dog.\n\nNew paragraph!",

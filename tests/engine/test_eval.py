@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.eval.runner as runner
-import engine.eval.text as eval_text
-from engine.eval.agreement import AGREEMENT_PROMPTS, agreement, common_prefix
-from engine.eval.cli import eval_main, ppl_main
-from engine.eval.formats import FormatError, FormatSpec, parse_format, parse_formats
-from engine.eval.perplexity import PerplexityResult, Window, score_windows, sliding_windows
-from engine.eval.report import TABLE_COLUMNS, EvalReport, Machine, build_rows, markdown_table
-from engine.eval.runner import FormatRun, force_compact_kernels
-from engine.eval.text import DEFAULT_TEXT_SHA256, DEFAULT_TEXT_TOKENS, EvalTextError, load_text
-from engine.models.kernel_probe import NO_DENSE
-from engine.models.quant import CompactLinearKernel, Int8Weight
+import kvscope.engine.eval.runner as runner
+import kvscope.engine.eval.text as eval_text
+from kvscope.engine.eval.agreement import AGREEMENT_PROMPTS, agreement, common_prefix
+from kvscope.engine.eval.cli import eval_main, ppl_main
+from kvscope.engine.eval.formats import FormatError, FormatSpec, parse_format, parse_formats
+from kvscope.engine.eval.perplexity import PerplexityResult, Window, score_windows, sliding_windows
+from kvscope.engine.eval.report import TABLE_COLUMNS, EvalReport, Machine, build_rows, markdown_table
+from kvscope.engine.eval.runner import FormatRun, force_compact_kernels
+from kvscope.engine.eval.text import DEFAULT_TEXT_SHA256, DEFAULT_TEXT_TOKENS, EvalTextError, load_text
+from kvscope.engine.models.kernel_probe import NO_DENSE
+from kvscope.engine.models.quant import CompactLinearKernel, Int8Weight
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -256,7 +256,7 @@ def test_a_context_beyond_the_model_exits_2(model_dir: Path, capsys: pytest.Capt
     (["eval"], "  ppl  perplexity + greedy agreement per weight format (kvscope eval ppl --help)"),
 ])
 def test_the_kvscope_command_exits_2_without_a_traceback(argv: list[str], stderr_line: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvscope.cli", *argv], capture_output=True, text=True, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvscope.cli", *argv], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.splitlines()[-1] == stderr_line

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.eval.cli import ppl_main
-from engine.eval.formats import DEFAULT_FORMATS, parse_format
-from engine.eval.perplexity import sliding_windows
-from engine.eval.runner import build_llm, engine_prompt_logprobs, score_windows
-from engine.eval.text import load_text
+from kvscope.engine.eval.cli import ppl_main
+from kvscope.engine.eval.formats import DEFAULT_FORMATS, parse_format
+from kvscope.engine.eval.perplexity import sliding_windows
+from kvscope.engine.eval.runner import build_llm, engine_prompt_logprobs, score_windows
+from kvscope.engine.eval.text import load_text
 from kvscope.models.registry import get_model_spec
 
 pytestmark = pytest.mark.slow

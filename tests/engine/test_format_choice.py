@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-import engine.models.loader as loader
-from engine.config import CacheConfig, ModelConfig
-from engine.engine_core import format_line
-from engine.memory import cpu_kv_budget, process_memory_bytes
-from engine.models.compact import model_weight_bytes
-from engine.models.format_choice import choose_format, format_cost_ms, format_score
-from engine.models.kernel_probe import NO_DENSE, KernelChoice
-from engine.server.cli import build_parser, engine_options
+import kvscope.engine.models.loader as loader
+from kvscope.engine.config import CacheConfig, ModelConfig
+from kvscope.engine.engine_core import format_line
+from kvscope.engine.memory import cpu_kv_budget, process_memory_bytes
+from kvscope.engine.models.compact import model_weight_bytes
+from kvscope.engine.models.format_choice import choose_format, format_cost_ms, format_score
+from kvscope.engine.models.kernel_probe import NO_DENSE, KernelChoice
+from kvscope.engine.server.cli import build_parser, engine_options
 from kvscope.models.registry import verified_formats
 from kvscope.plan.engine_formats import engine_weight_bytes
 from kvscope.plan.model_files import read_model
@@ -221,8 +221,8 @@ def test_the_amx_copy_is_counted_and_planned(monkeypatch: pytest.MonkeyPatch, mo
     in the weights bytes as `kvscope plan` counts it with amx_copy, and runs 5-32 rows on it."""
     from dataclasses import replace
 
-    from engine.llm import LLM
-    from engine.models.quant import CompactLinearKernel
+    from kvscope.engine.llm import LLM
+    from kvscope.engine.models.quant import CompactLinearKernel
 
     monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: replace(XEON_AMX, batched_rows=32))
     engine = LLM("smollm2-135m", dtype="auto", quantization="auto").engine
@@ -234,7 +234,7 @@ def test_the_amx_copy_is_counted_and_planned(monkeypatch: pytest.MonkeyPatch, mo
 
 
 def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPatch, model_dir) -> None:
-    from engine.llm import LLM
+    from kvscope.engine.llm import LLM
 
     monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: XEON_AMX)
     budget = 600 << 20

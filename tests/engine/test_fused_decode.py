@@ -7,20 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.models.loader as loader
-from engine.attention.backend import AttentionMetadata
-from engine.attention.forward_context import set_forward_context
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
-from engine.eval.decode_path import decode_path_nll, perplexity
-from engine.eval.text import load_text
-from engine.llm import LLM
-from engine.models.fused_decode import FusedDecoder
-from engine.models.kernel_probe import KernelChoice
-from engine.models.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.text.tokenizer import Tokenizer
-from engine.worker.kv_cache import allocate_kv_caches
+import kvscope.engine.models.loader as loader
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.forward_context import set_forward_context
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.config import ModelConfig
+from kvscope.engine.eval.decode_path import decode_path_nll, perplexity
+from kvscope.engine.eval.text import load_text
+from kvscope.engine.llm import LLM
+from kvscope.engine.models.fused_decode import FusedDecoder
+from kvscope.engine.models.kernel_probe import KernelChoice
+from kvscope.engine.models.loader import load_model
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.text.tokenizer import Tokenizer
+from kvscope.engine.worker.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.vnni
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvscope.engine.llm import LLM
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
 
 ATTRIBUTION_KEYS = ("prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival", "queue_limit",
                     "queue_blocked_steps", "recomputed_tokens", "structured_mask_s", "structured_wait_s",
@@ -199,7 +199,7 @@ def test_t2_stop_never_occurs_flushes_tail(llm):
 
 
 def test_min_tokens_beyond_the_context_is_rejected_before_any_work(llm):
-    from engine.errors import InvalidParameterError
+    from kvscope.engine.errors import InvalidParameterError
 
     prompt = llm.tokenizer.encode("Hello")
     left = llm.engine.max_model_len - len(prompt)

@@ -12,9 +12,9 @@ import gc
 import pytest
 import torch
 
-from engine.llm import LLM, merge_output
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvscope.engine.llm import LLM, merge_output
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64  # as tests/e2e/test_engine_preemption.py

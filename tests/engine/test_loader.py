@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.forward_context import set_forward_context
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
-from engine.models import loader
-from engine.models.loader import load_model, resolve_model_dir
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.forward_context import set_forward_context
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.config import ModelConfig
+from kvscope.engine.models import loader
+from kvscope.engine.models.loader import load_model, resolve_model_dir
 from kvscope.models import UnknownModelError
 from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_caches, paged_step, prompt
 

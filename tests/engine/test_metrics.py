@@ -1,4 +1,4 @@
-"""engine.server.metrics: the exact kvscope_engine_* names, types and labels of docs/metrics.md, bucket defaults and
+"""kvscope.engine.server.metrics: the exact kvscope_engine_* names, types and labels of docs/metrics.md, bucket defaults and
 validation, and exposition after initialize()."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import platform
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.server.metrics import (
+from kvscope.engine.server.metrics import (
     FINISH_REASONS,
     KV_BLOCK_STATES,
     STREAM_ERROR_REASONS,
@@ -147,9 +147,9 @@ def test_instances_are_independent_per_registry() -> None:
 
 
 def test_a_finished_sequence_adds_its_seconds_by_cause() -> None:
-    from engine.core.attribution import cause_seconds
-    from engine.core.stats import KvscopeStats
-    from engine.server.stat_logger import SequenceTimings, ServerMetrics
+    from kvscope.engine.core.attribution import cause_seconds
+    from kvscope.engine.core.stats import KvscopeStats
+    from kvscope.engine.server.stat_logger import SequenceTimings, ServerMetrics
 
     stats = KvscopeStats(queue_s=2.0, prefill_steps=3, prefill_own_s=0.5, prefill_interference_s=1.25,
                          prefill_interference_prefill_s=1.0, prefill_preempted_s=0.0, prefill_other_s=0.125,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.models.gguf import convert_gguf_to_hf, hf_tensor_name, reverse_permute
-from engine.models.loader import load_model
+from kvscope.engine.config import ModelConfig
+from kvscope.engine.models.gguf import convert_gguf_to_hf, hf_tensor_name, reverse_permute
+from kvscope.engine.models.loader import load_model
 from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_caches, paged_step, prompt
 
 # Written independently of engine/models/gguf.py: llama.cpp's names (gguf-py tensor_mapping.py).

@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.forward_context import set_forward_context
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.models import get_model_class
-from engine.models.llama import LlamaForCausalLM
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.forward_context import set_forward_context
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.models import get_model_class
+from kvscope.engine.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

@@ -7,14 +7,14 @@ import logging
 
 import pytest
 
-from engine.bench import main
+from kvscope.engine.bench import main
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_saved_step_bench_names_its_weights_lengths_and_threads(tmp_path, model_dir, caplog) -> None:
     out = tmp_path / "steps.json"
-    caplog.set_level(logging.INFO, logger="engine.engine_core")
+    caplog.set_level(logging.INFO, logger="kvscope.engine.engine_core")
     assert main(["--model", str(model_dir), "--step-bench", "--concurrency", "2", "--steps", "2",
                  "--input-len", "8", "--num-threads", "1", "--dtype", "float32", "--ttft-runs", "3",
                  "--save-result", str(out)]) == 0

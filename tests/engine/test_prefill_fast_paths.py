@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-import engine.models.layers as layers
-from engine.attention.backend import AttentionMetadata
-from engine.attention.forward_context import set_forward_context
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.models.layers import Linear, aligned_rows, cpu_linear_kernel, packed_linear_kernel
-from engine.models.quant import CompactLinearKernel, Int8Weight
+import kvscope.engine.models.layers as layers
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.forward_context import set_forward_context
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.models.layers import Linear, aligned_rows, cpu_linear_kernel, packed_linear_kernel
+from kvscope.engine.models.quant import CompactLinearKernel, Int8Weight
 from tests.engine.test_attention_ref import allocate_blocks
 from tests.engine.test_models_tiny import make_pair
 

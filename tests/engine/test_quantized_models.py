@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine.models.loader as loader
-from engine.config import ModelConfig
-from engine.models.compact import model_weight_bytes, source_names
-from engine.models.gguf import INT4_CACHE_FILE, cached_gguf_int4_blocks, convert_gguf_to_hf
-from engine.models.kernel_probe import KernelChoice
-from engine.models.layers import Linear
-from engine.models.loader import gguf_conversion_dir, load_model
-from engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
-from engine.sampling_params import SamplingParams
-from kernels.cpu_decode import PairBlocks
+import kvscope.engine.models.loader as loader
+from kvscope.engine.config import ModelConfig
+from kvscope.engine.models.compact import model_weight_bytes, source_names
+from kvscope.engine.models.gguf import INT4_CACHE_FILE, cached_gguf_int4_blocks, convert_gguf_to_hf
+from kvscope.engine.models.kernel_probe import KernelChoice
+from kvscope.engine.models.layers import Linear
+from kvscope.engine.models.loader import gguf_conversion_dir, load_model
+from kvscope.engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.kernels.cpu_decode import PairBlocks
 from tests.engine.test_models_gguf import write_gguf
 from tests.engine.test_models_tiny import Pair, make_pair, new_caches, paged_step, prompt
 
@@ -135,7 +135,7 @@ def greedy(llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def int4_llm():
-    from engine.llm import LLM
+    from kvscope.engine.llm import LLM
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "probe_cpu_kernels", lambda: FIXED)
@@ -157,7 +157,7 @@ def test_smollm2_int4_is_the_gguf_q4_1_and_deterministic(int4_llm, llm) -> None:
 
 
 def test_smollm2_bfloat16_int8_is_deterministic() -> None:
-    from engine.llm import LLM
+    from kvscope.engine.llm import LLM
 
     int8 = LLM("smollm2-135m", dtype="bfloat16", quantization="int8", kv_cache_memory=64 << 20)
     model = int8.engine.model
@@ -171,8 +171,8 @@ def test_smollm2_bfloat16_int8_is_deterministic() -> None:
 
 
 def test_engine_flags_reach_the_model_config() -> None:
-    from engine.llm import build_engine_config
-    from engine.server.cli import build_parser, engine_config_kwargs
+    from kvscope.engine.llm import build_engine_config
+    from kvscope.engine.server.cli import build_parser, engine_config_kwargs
 
     args = build_parser().parse_args(["--dtype", "auto", "--quantization", "int4"])
     config = build_engine_config(args.model, **engine_config_kwargs(args))

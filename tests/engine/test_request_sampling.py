@@ -1,4 +1,4 @@
-"""Per-request sampling tensors are built once per request, never per step (issue 35): engine.worker.sampler's
+"""Per-request sampling tensors are built once per request, never per step (issue 35): kvscope.engine.worker.sampler's
 RequestSampling is built at admission (InputProcessor), shared by a request's n children and its speculative
 verification rows, and every step's SamplingMetadata only reuses it."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.request import Request
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.worker.sampler import RequestSampling, SamplingMetadata
+from kvscope.engine.core.request import Request
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.worker.sampler import RequestSampling, SamplingMetadata
 
 
 class Spy:

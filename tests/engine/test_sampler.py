@@ -1,4 +1,4 @@
-"""engine.worker.sampler / engine.worker.logits_processors / engine.server.logprobs: exact values on hand-made logits."""
+"""kvscope.engine.worker.sampler / kvscope.engine.worker.logits_processors / kvscope.engine.server.logprobs: exact values on hand-made logits."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import msgspec
 import pytest
 import torch
 
-from engine.errors import InvalidParameterError
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, chat_logprobs, token_text
-from engine.worker.logits_processors import apply_logit_bias_, apply_penalties, apply_top_k_top_p
-from engine.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, first_argmax
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.outputs import TokenLogprob
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, chat_logprobs, token_text
+from kvscope.engine.worker.logits_processors import apply_logit_bias_, apply_penalties, apply_top_k_top_p
+from kvscope.engine.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, first_argmax
 
 NEG_INF = float("-inf")
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import InvalidParameterError
-from engine.sampling_params import SamplingParams
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [

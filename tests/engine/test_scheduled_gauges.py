@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.engine_core import StepResult
-from engine.sampling_params import SamplingParams
-from engine.server.stat_logger import ServerMetrics
+from kvscope.engine.engine_core import StepResult
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.stat_logger import ServerMetrics
 
 pytestmark = pytest.mark.slow
 

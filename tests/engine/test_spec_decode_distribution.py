@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.worker.model_runner as model_runner
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.spec_decode import rejection_sampler
+import kvscope.engine.worker.model_runner as model_runner
+from kvscope.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.spec_decode import rejection_sampler
 from tests.engine.spec_distribution import (
     VOCAB,
     TinyModel,
@@ -131,7 +131,7 @@ def test_step_metrics_add_up_to_the_requests_totals(tiny: TinyModel, prompt: lis
     draft with sum = drafts + accepted tokens."""
     from prometheus_client import CollectorRegistry
 
-    from engine.server.stat_logger import ServerMetrics
+    from kvscope.engine.server.stat_logger import ServerMetrics
 
     llm = spec_llm(tiny)
     registry = CollectorRegistry()

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured.params import StructuredOutputsParams
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.engine_core import StepResult
-from engine.server.metrics import EngineMetrics, acceptance_length_buckets
-from engine.server.stat_logger import ServerMetrics
-from engine.spec_decode.stats import SpecDecodingStats
+from kvscope.engine.engine_core import StepResult
+from kvscope.engine.server.metrics import EngineMetrics, acceptance_length_buckets
+from kvscope.engine.server.stat_logger import ServerMetrics
+from kvscope.engine.spec_decode.stats import SpecDecodingStats
 
 SD = "kvscope_engine_spec_decode_"
 

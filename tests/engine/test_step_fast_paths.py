@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.resident_kv import ResidentDecodeKV
-from engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
-from engine.models.layers import RMSNorm
-from engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.resident_kv import ResidentDecodeKV
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
+from kvscope.engine.models.layers import RMSNorm
+from kvscope.engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
 from tests.engine.test_attention_ref import HEAD_DIM, allocate_blocks
 
 
@@ -154,7 +154,7 @@ def test_resident_decode_kv_respects_its_byte_bounds() -> None:
 
 
 def test_a_step_continues_the_previous_one_only_one_token_longer_on_the_same_blocks() -> None:
-    from engine.attention.resident_kv import _continues, _StepState
+    from kvscope.engine.attention.resident_kv import _continues, _StepState
 
     prev = _StepState(step=1, tables=torch.tensor([[3, 4, 0], [5, 6, 7]]), seq_lens=torch.tensor([8, 10]))
     assert _continues(prev, torch.tensor([[3, 4, 9], [5, 6, 7]]), torch.tensor([9, 11]), 4)  # row 0: new block
@@ -168,8 +168,8 @@ def test_a_step_continues_the_previous_one_only_one_token_longer_on_the_same_blo
 def test_engine_greedy_tokens_are_the_same_with_and_without_resident_decode_kv(llm) -> None:
     """SmolLM2 float32, 24 prompts decoding together (~5 MB of K/V per layer: resident): the same greedy tokens
     as with every layer gathering every step."""
-    from engine.bench import random_prompts
-    from engine.sampling_params import SamplingParams
+    from kvscope.engine.bench import random_prompts
+    from kvscope.engine.sampling_params import SamplingParams
 
     backend = llm.engine.runner.backend
     prompts = random_prompts(24, 40, llm.engine.vocab_size, 8)

@@ -1,4 +1,4 @@
-"""engine.text.detokenizer's incremental stop-string matcher (issue 35): the same matches and hold-back as the
+"""kvscope.engine.text.detokenizer's incremental stop-string matcher (issue 35): the same matches and hold-back as the
 reference definitions, a per-step work bound counted in comparisons (not time), and one compiled table per
 request shared by its n children."""
 
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from engine.core.request import Request
-from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from engine.text.detokenizer import IncrementalDetokenizer, StopMatcher, StopStrings, find_stop_string
-from engine.text.output_processor import OutputProcessor
-from engine.text.tokenizer import Tokenizer
+from kvscope.engine.core.request import Request
+from kvscope.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from kvscope.engine.text.detokenizer import IncrementalDetokenizer, StopMatcher, StopStrings, find_stop_string
+from kvscope.engine.text.output_processor import OutputProcessor
+from kvscope.engine.text.tokenizer import Tokenizer
 
 
 def naive_hold_back(text: str, stop: str) -> int:

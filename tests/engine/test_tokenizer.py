@@ -1,4 +1,4 @@
-"""engine.text.tokenizer against the real SmolLM2 tokenizer and transformers' apply_chat_template."""
+"""kvscope.engine.text.tokenizer against the real SmolLM2 tokenizer and transformers' apply_chat_template."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models
 
-from engine.errors import InvalidParameterError
-from engine.text.tokenizer import Tokenizer, bytes_to_unicode
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.text.tokenizer import Tokenizer, bytes_to_unicode
 
 MIXED = "你好，世界！🌶️🎉 ďábelské"
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", MIXED, "👨‍👩‍👧 family", "<|im_start|>user"]

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.app import create_app
-from gateway.auth import hash_key
-from gateway.settings import load_settings
+from kvscope.gateway.app import create_app
+from kvscope.gateway.auth import hash_key
+from kvscope.gateway.settings import load_settings
 from tests.gateway.fake_upstream import FakeUpstream
 from tests.gateway.harness import GatewayThread, LoopThread, make_tokenizer_dir, start_fake_thread
 

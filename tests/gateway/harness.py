@@ -21,7 +21,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.logs.jsonl import read_records
+from kvscope.gateway.logs.jsonl import read_records
 from tests.gateway.fake_upstream import FakeUpstream, Knobs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,12 +93,12 @@ def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -
 
 def spawn_gateway(tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "",
                   env: dict[str, str] | None = None) -> Proc:
-    """``python -m gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the repo,
+    """``python -m kvscope.gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the repo,
     ``env`` added to the inherited environment."""
     port = free_port()
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))
-    return spawn([sys.executable, "-m", "gateway", "--config", str(path), "--log-level", "warning"], port,
+    return spawn([sys.executable, "-P", "-m", "kvscope.gateway", "--config", str(path), "--log-level", "warning"], port,
                  tmp / f"{name}.out", pythonpath, env)
 
 
@@ -191,7 +191,7 @@ class GatewayThread:
     def __init__(self, app: Any) -> None:
         import uvicorn
 
-        from gateway.server import uvicorn_config
+        from kvscope.gateway.server import uvicorn_config
 
         self.app = app
         config = uvicorn_config(app, "127.0.0.1", free_port(), "warning")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.admission import CHAT, COMPLETION, _injected_max_tokens
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from kvscope.gateway.admission import CHAT, COMPLETION, _injected_max_tokens
+from kvscope.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 HI = [{"role": "user", "content": "hi"}]
 

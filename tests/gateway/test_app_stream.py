@@ -13,7 +13,7 @@ import openai
 import pytest
 from opentelemetry.trace import SpanKind
 
-from gateway.proxy.relay import DRAIN_BEFORE_END_S
+from kvscope.gateway.proxy.relay import DRAIN_BEFORE_END_S
 from tests.gateway.conftest import KEYS, Stack, build_stack
 from tests.gateway.harness import LoopThread, metric_samples, records_by_id, sample, sse_events
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import h11
 import pytest
 
-from gateway.server import write_body_chunk
+from kvscope.gateway.server import write_body_chunk
 
 
 @dataclass

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.admission import tpm_output_cap
-from gateway.auth import hash_key
+from kvscope.gateway.admission import tpm_output_cap
+from kvscope.gateway.auth import hash_key
 from tests.gateway.conftest import Stack
 from tests.gateway.harness import (
     GatewayThread,
@@ -41,8 +41,8 @@ def generated_tokens(record) -> int:
 def budgets(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Upstream ``a`` serves tok-model and model-a, ``b`` serves model-b, ``ab`` serves both model-a and
     model-b; keys: a TPM-1000 key, keys restricted to some models, an RPM-2 key, a key for every model."""
-    from gateway.app import create_app
-    from gateway.settings import load_settings
+    from kvscope.gateway.app import create_app
+    from kvscope.gateway.settings import load_settings
 
     tmp = tmp_path_factory.mktemp("budgets")
     fakes = {"a": start_fake_thread(loop, ("tok-model", "model-a"), max_model_len=CONTEXT),
@@ -201,8 +201,8 @@ def test_readyz_names_models_only_to_key_holders(budgets: Stack) -> None:
 
 def test_metrics_public_opens_metrics_to_scrapers(loop: LoopThread, tmp_path: Path) -> None:
     """``metrics_public: true``: a Prometheus without a key scrapes /metrics while keys guard the API."""
-    from gateway.app import create_app
-    from gateway.settings import load_settings
+    from kvscope.gateway.app import create_app
+    from kvscope.gateway.settings import load_settings
 
     fake = start_fake_thread(loop, ("fake-model",))
     config = {"upstreams": [{"url": fake.url}], "metrics_public": True, "routing": {"health_interval_s": 60},

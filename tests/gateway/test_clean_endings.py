@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-import gateway.proxy.call
+import kvscope.gateway.proxy.call
 from tests.gateway.conftest import Stack, build_stack
 from tests.gateway.harness import LoopThread, records_by_id
 
@@ -20,7 +20,7 @@ HI = [{"role": "user", "content": "hi"}]
 def drained(loop: LoopThread, tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
     """A stack whose drain window after ``[DONE]`` is 2 s instead of 50 ms (DRAIN_BEFORE_END_S): the client's
     close surely lands inside it, so the test does not depend on a 50 ms race."""
-    monkeypatch.setattr(gateway.proxy.call, "DRAIN_BEFORE_END_S", 2.0)
+    monkeypatch.setattr(kvscope.gateway.proxy.call, "DRAIN_BEFORE_END_S", 2.0)
     gw, fakes, exporter = build_stack(loop, tmp_path)
     with gw:
         yield Stack(gw, fakes, exporter, tmp_path / "requests.jsonl")

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import hash_key
-from gateway.errors import NotFound
-from gateway.forwarded import ClientAddressResolver, forwarded_for, parse_networks, parse_node
-from gateway.proxy.passthrough import upstream_path
-from gateway.target import names_generation_api, target_problem
+from kvscope.gateway.auth import hash_key
+from kvscope.gateway.errors import NotFound
+from kvscope.gateway.forwarded import ClientAddressResolver, forwarded_for, parse_networks, parse_node
+from kvscope.gateway.proxy.passthrough import upstream_path
+from kvscope.gateway.target import names_generation_api, target_problem
 from tests.gateway.conftest import KEYS, Stack, build_stack
 from tests.gateway.harness import LoopThread, RawResponse, raw_http, records_by_id
 

@@ -1,4 +1,4 @@
-"""Issue 19 against a real ``python -m gateway`` process, over raw sockets: every request the gateway answers
+"""Issue 19 against a real ``python -m kvscope.gateway`` process, over raw sockets: every request the gateway answers
 (405s for unusual methods, non-GET on /v1/models/{id}, the HTTP parser's own 400s) has exactly one log line
 and an OpenAI-shaped JSON error, and client.ip trusts forwarding headers only from ``trusted_proxies``
 (uvicorn's own proxy_headers handling, which trusts any loopback peer, is off)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import hash_key
+from kvscope.gateway.auth import hash_key
 from tests.gateway.harness import (
     Proc,
     raw_http,

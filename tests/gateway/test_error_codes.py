@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidParameterError
-from engine.input_processor import InputProcessor
-from engine.sampling_params import SamplingParams
-from engine.server.errors import OpenAIError
-from engine.server.serving_completions import completion_prompts
-from gateway.schemas import EMPTY_PROMPT, EMPTY_PROMPT_LIST
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.input_processor import InputProcessor
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.errors import OpenAIError
+from kvscope.engine.server.serving_completions import completion_prompts
+from kvscope.gateway.schemas import EMPTY_PROMPT, EMPTY_PROMPT_LIST
 from tests.gateway.conftest import Stack
 
 

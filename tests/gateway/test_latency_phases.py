@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.auth import hash_key
-from gateway.context import GATEWAY_PHASES, RequestContext
-from gateway.logs.es_setup import record_properties
-from gateway.logs.record import RecordBuilder, ServiceInfo
-from gateway.settings import load_settings
+from kvscope.gateway.app import create_app
+from kvscope.gateway.auth import hash_key
+from kvscope.gateway.context import GATEWAY_PHASES, RequestContext
+from kvscope.gateway.logs.es_setup import record_properties
+from kvscope.gateway.logs.record import RecordBuilder, ServiceInfo
+from kvscope.gateway.settings import load_settings
 from tests.gateway.conftest import LoopThread
 from tests.gateway.harness import GatewayThread, make_tokenizer_dir, records_by_id, start_fake_thread
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.metrics import GatewayMetrics
-from gateway.settings import MetricsConfig, load_settings
+from kvscope.gateway.metrics import GatewayMetrics
+from kvscope.gateway.settings import MetricsConfig, load_settings
 from tests.gateway.conftest import Stack
 from tests.gateway.harness import metric_samples, sample
 

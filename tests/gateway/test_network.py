@@ -16,9 +16,9 @@ import httpcore
 import httpx
 import pytest
 
-from gateway.lifespan import new_http_client
-from gateway.proxy.chunked import MAX_CHUNK_LINE, ChunkedBodyTap
-from gateway.proxy.network import (
+from kvscope.gateway.lifespan import new_http_client
+from kvscope.gateway.proxy.chunked import MAX_CHUNK_LINE, ChunkedBodyTap
+from kvscope.gateway.proxy.network import (
     HIGH_WATER,
     LOW_WATER,
     AsyncioBackend,
@@ -26,7 +26,7 @@ from gateway.proxy.network import (
     _BufferedProtocol,
     upstream_transport,
 )
-from gateway.settings import load_settings
+from kvscope.gateway.settings import load_settings
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -271,8 +271,8 @@ async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_
     because the probe is retried once on a new connection (break-it finding: one such race marked it down)."""
     from prometheus_client import CollectorRegistry
 
-    from gateway.metrics import GatewayMetrics
-    from gateway.proxy.upstreams import UpstreamPool
+    from kvscope.gateway.metrics import GatewayMetrics
+    from kvscope.gateway.proxy.upstreams import UpstreamPool
 
     body = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
     connections: list[int] = []
@@ -307,8 +307,8 @@ async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> 
     (break-it finding: one 1-s probe timeout on a 2-core host turned every request into a 503 for a second)."""
     from prometheus_client import CollectorRegistry
 
-    from gateway.metrics import GatewayMetrics
-    from gateway.proxy.upstreams import UpstreamPool
+    from kvscope.gateway.metrics import GatewayMetrics
+    from kvscope.gateway.proxy.upstreams import UpstreamPool
 
     body = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
     script: list[str] = []  # per probe: "ok", "late" (never answers) or "500"
@@ -535,7 +535,7 @@ async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -
     """The relay's queue (gateway/proxy/chunk_queue.py ChunkQueue, 4 items here) fills while its reader does not
     read: the connection stops reading; once the reader takes items again it reads on, and the whole body
     arrives (a resume that waited for the next delivery's answer never came: the stream hung)."""
-    from gateway.proxy.chunk_queue import ChunkQueue
+    from kvscope.gateway.proxy.chunk_queue import ChunkQueue
 
     total = 4000  # 4 MB: more than one read, so reading pauses with the rest still in the socket
 
@@ -568,7 +568,7 @@ async def test_the_pool_cleanup_pass_is_linear_and_decides_as_httpcores() -> Non
     """gateway/proxy/network.py LinearPool: with n idle keep-alive connections a pass asks each connection
     once whether it is idle (httpcore 1.0.9 asks n² times), and the pool keeps, reuses and evicts the same
     connections as httpcore's own pool (max_keepalive_connections: the surplus idle ones are closed)."""
-    from gateway.proxy.network import LinearPool
+    from kvscope.gateway.proxy.network import LinearPool
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):

@@ -17,7 +17,7 @@ import msgspec
 import openai
 import pytest
 
-from gateway.auth import hash_key
+from kvscope.gateway.auth import hash_key
 from tests.gateway.harness import (
     Proc,
     metric_samples,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gateway.ratelimit import InMemoryRateLimiter, RedisRateLimiter, format_duration, limit_headers
-from gateway.settings import KeyLimits
+from kvscope.gateway.ratelimit import InMemoryRateLimiter, RedisRateLimiter, format_duration, limit_headers
+from kvscope.gateway.settings import KeyLimits
 from tests.conftest import require_tool
 from tests.gateway.harness import spawn_redis, wait_port
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.auth import hash_key
-from gateway.ratelimit import InMemoryRateLimiter, LimitDecision
-from gateway.settings import KeyLimits
+from kvscope.gateway.auth import hash_key
+from kvscope.gateway.ratelimit import InMemoryRateLimiter, LimitDecision
+from kvscope.gateway.settings import KeyLimits
 from tests.gateway.conftest import Stack, build_stack
 from tests.gateway.harness import LoopThread, records_by_id, sse_events
 

@@ -9,8 +9,8 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.auth import hash_key
-from gateway.tokenize import estimate_tokens
+from kvscope.gateway.auth import hash_key
+from kvscope.gateway.tokenize import estimate_tokens
 from tests.conftest import require_tool
 from tests.gateway.harness import Proc, spawn_fake, spawn_gateway, spawn_redis, wait_http, wait_port
 

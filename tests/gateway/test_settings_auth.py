@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.auth import Authenticator, generate_key, hash_key
-from gateway.cli import _gateway_parser, _overrides, keys_main
-from gateway.errors import AuthenticationFailed, PermissionDenied
-from gateway.settings import ApiKeyConfig, KeyLimits, load_settings, parse_key_hash
+from kvscope.gateway.auth import Authenticator, generate_key, hash_key
+from kvscope.gateway.cli import _gateway_parser, _overrides, keys_main
+from kvscope.gateway.errors import AuthenticationFailed, PermissionDenied
+from kvscope.gateway.settings import ApiKeyConfig, KeyLimits, load_settings, parse_key_hash
 
 DIGEST = hash_key("sk-test")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from gateway.lifespan import build_state
-from gateway.logs.sink import LogSink
-from gateway.logs.sinks import JsonlFileSink, StdoutSink
-from gateway.metrics import GatewayMetrics
-from gateway.settings import load_settings
+from kvscope.gateway.lifespan import build_state
+from kvscope.gateway.logs.sink import LogSink
+from kvscope.gateway.logs.sinks import JsonlFileSink, StdoutSink
+from kvscope.gateway.metrics import GatewayMetrics
+from kvscope.gateway.settings import load_settings
 
 
 def _count(metrics: GatewayMetrics, sink: str, outcome: str) -> float:

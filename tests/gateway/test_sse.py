@@ -7,7 +7,7 @@ import random
 import msgspec
 import pytest
 
-from gateway.sse import Action, SSESplitter, StreamState, event_data, without_usage
+from kvscope.gateway.sse import Action, SSESplitter, StreamState, event_data, without_usage
 
 EVENTS = [b"data: {\"a\": 1}\n\n", b": keep-alive\n\n", b"event: x\ndata: line1\ndata: line2\n\n",
           b"data: [DONE]\n\n"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.auth import TENANT_HEADER
+from kvscope.gateway.auth import TENANT_HEADER
 from tests.gateway.conftest import KEYS, Stack, build_stack
 from tests.gateway.harness import LoopThread
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import ModelConfig
-from gateway.tokenize import ModelTokenizer, PromptCounter, estimate_tokens
+from kvscope.gateway.settings import ModelConfig
+from kvscope.gateway.tokenize import ModelTokenizer, PromptCounter, estimate_tokens
 from tests.gateway.harness import make_tokenizer_dir
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.app import create_app
-from gateway.auth import hash_key
-from gateway.settings import load_settings
+from kvscope.gateway.app import create_app
+from kvscope.gateway.auth import hash_key
+from kvscope.gateway.settings import load_settings
 from tests.gateway.harness import GatewayThread, free_port
 
 BODY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import hash_key
+from kvscope.gateway.auth import hash_key
 from tests.gateway.conftest import KEYS, Stack, build_stack
 from tests.gateway.harness import LoopThread
 

@@ -17,14 +17,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.merge_attn_states import _merge_attn_states_kernel
-from kernels.paged_attention import (
+from kvscope.kernels.merge_attn_states import _merge_attn_states_kernel
+from kvscope.kernels.paged_attention import (
     _paged_attention_kernel,
     choose_block_m,
     choose_num_warps,
     paged_attention_args,
 )
-from kernels.reshape_and_cache import _reshape_and_cache_kernel, reshape_and_cache_args
+from kvscope.kernels.reshape_and_cache import _reshape_and_cache_kernel, reshape_and_cache_args
 
 TYPE_NAMES = {
     torch.float16: "fp16",

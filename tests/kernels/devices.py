@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._checks import is_interpreted
-from kernels.paged_attention import _paged_attention_kernel
+from kvscope.kernels._checks import is_interpreted
+from kvscope.kernels.paged_attention import _paged_attention_kernel
 
 INTERPRETED = is_interpreted(_paged_attention_kernel)
 if not INTERPRETED and not torch.cuda.is_available():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend
+from kvscope.engine.attention.triton_backend import TritonAttentionBackend
 from tests.kernels.devices import DEVICE
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M attention

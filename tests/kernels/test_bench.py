@@ -1,12 +1,12 @@
-"""kernels.bench: its byte/FLOP accounting, its PyTorch baselines, and its refusal without CUDA."""
+"""kvscope.kernels.bench: its byte/FLOP accounting, its PyTorch baselines, and its refusal without CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.bench import SHAPES, attention_runner, gather_dense, main, make_workload
-from kernels.paged_attention import paged_attention_ref
+from kvscope.kernels.bench import SHAPES, attention_runner, gather_dense, main, make_workload
+from kvscope.kernels.paged_attention import paged_attention_ref
 from tests.kernels.devices import DEVICE
 
 

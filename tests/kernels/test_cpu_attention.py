@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, paged_decode_applies
-from engine.models.loader import load_cpu_kernels
+from kvscope.engine.attention.backend import AttentionMetadata
+from kvscope.engine.attention.torch_backend import TorchAttentionBackend, paged_decode_applies
+from kvscope.engine.models.loader import load_cpu_kernels
 from kvscope.models.cache import cache_root
 
 
@@ -252,7 +252,7 @@ def test_backend_write_kv_and_a_fresh_prefill_read_the_same_values(monkeypatch):
 
     with_op, out_op, backend = step()
     assert len(calls) == 1 and backend._buffers == {}  # nothing gathered back from the cache
-    monkeypatch.setattr("engine.attention.torch_backend.cpu_kernels_loaded", lambda: False)
+    monkeypatch.setattr("kvscope.engine.attention.torch_backend.cpu_kernels_loaded", lambda: False)
     with_torch, out_torch, _ = step()
     assert len(calls) == 1
     expected = torch.zeros_like(with_op)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.loader import CPU_KERNELS_DIR
-from kernels import cpu_decode
-from kernels.cpu_decode import PAIR, PairBlocks, build, library_path, load
+from kvscope.engine.models.loader import CPU_KERNELS_DIR
+from kvscope.kernels import cpu_decode
+from kvscope.kernels.cpu_decode import PAIR, PairBlocks, build, library_path, load
 from kvscope.models.cache import cache_root
 
 

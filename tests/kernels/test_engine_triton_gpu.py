@@ -20,8 +20,8 @@ PROMPTS = [
 
 
 def _generate(backend: str) -> list[list[int]]:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from kvscope.engine.llm import LLM
+    from kvscope.engine.sampling_params import SamplingParams
 
     llm = LLM(
         model="smollm2-135m",

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from kernels._checks import check_launchable
-from kernels.merge_attn_states import merge_attn_states
-from kernels.paged_attention import paged_attention
-from kernels.reshape_and_cache import reshape_and_cache
+from kvscope.kernels._checks import check_launchable
+from kvscope.kernels.merge_attn_states import merge_attn_states
+from kvscope.kernels.paged_attention import paged_attention
+from kvscope.kernels.reshape_and_cache import reshape_and_cache
 from tests.kernels.devices import DEVICE
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
+from kvscope.kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
 from tests.kernels.devices import DEVICE
 
 LOG2E = 1.4426950408889634

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, paged_attention_ref
-from kernels.reshape_and_cache import reshape_and_cache
+from kvscope.kernels.paged_attention import paged_attention, paged_attention_ref
+from kvscope.kernels.reshape_and_cache import reshape_and_cache
 from tests.kernels.devices import DEVICE
 from tests.kernels.paged_batch import TOLERANCES, BatchShape, PagedBatch, make_batch
 

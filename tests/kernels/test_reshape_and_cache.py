@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from kvscope.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from tests.kernels.devices import DEVICE
 from tests.kernels.paged_batch import BatchShape, make_batch
 

@@ -142,13 +142,13 @@ def test_list_devices_json_has_every_entry_with_its_source(capsys):
 
 def test_the_planner_imports_no_torch():
     code = ("import sys, kvscope.plan.cli, kvscope.plan.replay, kvscope.plan.log_section, kvscope.plan.render; "
-            "print(sorted(m for m in ('torch', 'transformers', 'engine') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'transformers', 'kvscope.engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "[]\n"
 
 
 def test_the_planner_assumes_the_engines_default_token_budget() -> None:
-    from engine.config import SchedulerConfig
+    from kvscope.engine.config import SchedulerConfig
     from kvscope.plan.planner import PlanRequest
 
     assert PlanRequest(model="smollm2-135m").max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens == 1024

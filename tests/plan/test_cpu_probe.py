@@ -44,7 +44,7 @@ def test_probe_cpu_builds_the_cpu_device_and_restores_torch_threads():
 
 
 def test_default_threads_are_the_engines():
-    from engine.engine_core import default_num_threads
+    from kvscope.engine.engine_core import default_num_threads
 
     assert engine_default_threads() == default_num_threads()
 

@@ -1,5 +1,5 @@
 """``kvscope plan --weights-format``: the bytes the kvscope engine holds per CPU weight format (the counts
-``engine.models.compact.model_weight_bytes`` reported for SmolLM2-135M on 2026-12-01, dense copies in
+``kvscope.engine.models.compact.model_weight_bytes`` reported for SmolLM2-135M on 2026-12-01, dense copies in
 bfloat16), bytes per parameter, and the recommended flags naming the format."""
 
 from __future__ import annotations

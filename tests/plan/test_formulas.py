@@ -50,7 +50,7 @@ def test_smollm2_real_config_46080_bytes_per_token_fp32(model_dir):
 def test_kv_bytes_agree_with_the_engines_allocator():
     import torch
 
-    from engine.worker.kv_cache import kv_cache_bytes_per_block
+    from kvscope.engine.worker.kv_cache import kv_cache_bytes_per_block
 
     for config in (MHA, GQA, MQA):
         shape = shape_from_hf_config(config)
@@ -74,7 +74,7 @@ def test_parameter_count_by_hand_for_the_mha_config():
 def test_parameter_count_equals_the_engines_model(config):
     import torch
 
-    from engine.models.registry import get_model_class
+    from kvscope.engine.models.registry import get_model_class
 
     with torch.device("meta"):
         model = get_model_class(config)(config)

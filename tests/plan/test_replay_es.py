@@ -6,7 +6,7 @@ import asyncio
 import json
 from datetime import datetime
 
-from gateway.logs.es_client import EsConnectionConfig, make_client
+from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
 from kvscope.plan.cli import plan_main
 from kvscope.plan.replay import read_spans
 from kvscope.plan.replay_es import read_spans_es

@@ -1,16 +1,16 @@
-"""Builders shared by the engine.core tests: fake requests, a small scheduler, one engine step."""
+"""Builders shared by the kvscope.engine.core tests: fake requests, a small scheduler, one engine step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.block_pool import BlockPool
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerOutput
-from engine.sampling_params import SamplingParams
+from kvscope.engine.config import CacheConfig, SchedulerConfig
+from kvscope.engine.core.block_pool import BlockPool
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.scheduler import Scheduler
+from kvscope.engine.core.scheduler_output import SchedulerOutput
+from kvscope.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
-from gateway.analytics.why import rank_causes
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.scheduler import Scheduler
+from kvscope.gateway.analytics.why import rank_causes
 from tests.engine.core.factories import FakeClock, make_request, make_scheduler, prompt
 
 STEP_BASE_S = 0.010
@@ -141,7 +141,7 @@ def test_kv_budget_forces_preemption() -> None:
 def test_the_choices_of_one_request_are_not_each_others_interference() -> None:
     """n > 1: siblings (Request.parent_id) share every step; each counts the group's tokens as its own, and the
     merged kvscope object takes one choice's attribution (the last to finish) instead of adding them up."""
-    from engine.core.stats import KvscopeStats
+    from kvscope.engine.core.stats import KvscopeStats
 
     clock = FakeClock()
     run = Run(make_scheduler(num_blocks=64, enable_caching=False, clock=clock), clock)

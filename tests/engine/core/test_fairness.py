@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.scheduler import Scheduler
 from tests.engine.core.factories import make_request, make_scheduler, prompt, step
 
 

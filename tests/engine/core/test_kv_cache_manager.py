@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from engine.core.block_pool import BlockPool
-from engine.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from kvscope.engine.core.block_pool import BlockPool
+from kvscope.engine.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from tests.engine.core.factories import make_request, prompt
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_pool import BlockPool
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import RequestStatus
-from engine.core.scheduler_output import SchedulerOutput
-from engine.errors import PromptTooLongError
+from kvscope.engine.core.block_pool import BlockPool
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import RequestStatus
+from kvscope.engine.core.scheduler_output import SchedulerOutput
+from kvscope.engine.errors import PromptTooLongError
 from tests.engine.core.factories import make_request, make_scheduler, prompt, step
 
 
@@ -209,8 +209,8 @@ def test_add_request_validates_prompt() -> None:
 
 def test_kv_cache_must_hold_max_model_len() -> None:
     kv = KVCacheManager(BlockPool(4), 4)
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.core.scheduler import Scheduler
+    from kvscope.engine.config import CacheConfig, SchedulerConfig
+    from kvscope.engine.core.scheduler import Scheduler
 
     with pytest.raises(ValueError, match="holds 16 tokens, fewer than max_model_len=17"):
         Scheduler(SchedulerConfig(), CacheConfig(block_size=4), kv, 17)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.stats import SchedulerStats
+from kvscope.engine.core.request import Request, RequestStatus
+from kvscope.engine.core.scheduler import Scheduler
+from kvscope.engine.core.stats import SchedulerStats
 from tests.engine.core.factories import FakeClock, make_request, make_scheduler, prompt, step
 
 

@@ -3,11 +3,11 @@ checks inside an accepted run, no preemption for drafts."""
 
 from __future__ import annotations
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.block_pool import BlockPool
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler
+from kvscope.engine.config import CacheConfig, SchedulerConfig
+from kvscope.engine.core.block_pool import BlockPool
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import RequestStatus
+from kvscope.engine.core.scheduler import Scheduler
 from tests.engine.core.factories import FakeClock, make_request
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.scheduler import Scheduler
 from tests.engine.core.factories import make_request, make_scheduler, prompt, step
 
 

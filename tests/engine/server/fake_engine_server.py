@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from engine.server.app import create_app
-from engine.server.cli import build_parser, configure_logging, uvicorn_config
-from engine.server.settings import server_settings
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.cli import build_parser, configure_logging, uvicorn_config
+from kvscope.engine.server.settings import server_settings
 from tests.engine.server.fakes import FakeEngine
 
 

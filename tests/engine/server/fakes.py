@@ -13,16 +13,16 @@ import codecs
 import time
 from dataclasses import dataclass, field
 
-from engine.async_engine import GrammarLimitError, RequestFailedError
-from engine.config import SpeculativeConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.stats import SchedulerStats
-from engine.engine_core import StepResult
-from engine.errors import EngineDeadError
-from engine.input_processor import EngineRequest, InputProcessor
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.structured.batch import ERROR_PREFIX
+from kvscope.engine.async_engine import GrammarLimitError, RequestFailedError
+from kvscope.engine.config import SpeculativeConfig
+from kvscope.engine.core.request import Request, RequestStatus
+from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.engine_core import StepResult
+from kvscope.engine.errors import EngineDeadError
+from kvscope.engine.input_processor import EngineRequest, InputProcessor
+from kvscope.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.batch import ERROR_PREFIX
 
 EOS = 0
 

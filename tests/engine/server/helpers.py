@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.logs.jsonl import read_records
+from kvscope.gateway.logs.jsonl import read_records
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -98,7 +98,7 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 
 @dataclass
 class EngineProcess:
-    """``python -m engine.server`` as a subprocess; stdout (the JSON request log) goes to ``log_path``."""
+    """``python -m kvscope.engine.server`` as a subprocess; stdout (the JSON request log) goes to ``log_path``."""
 
     url: str
     proc: subprocess.Popen
@@ -133,7 +133,7 @@ def start_engine(tmp_dir: Path, *args: str, env: dict[str, str] | None = None,
     port = free_port()
     log_path, err_path = tmp_dir / "engine.jsonl", tmp_dir / "engine.err"
     pinned = pin_float32 and not any(a.split("=")[0] in ("--dtype", "--quantization") for a in args)
-    command = [sys.executable, "-m", "engine.server", "--port", str(port), *(("--dtype", "float32") if pinned else ()),
+    command = [sys.executable, "-P", "-m", "kvscope.engine.server", "--port", str(port), *(("--dtype", "float32") if pinned else ()),
                *args]
     proc = subprocess.Popen(command, cwd=REPO, stdout=log_path.open("w"), stderr=err_path.open("w"),
                             env={**os.environ, **(env or {})})

@@ -10,11 +10,11 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client import CollectorRegistry
 
-from engine.server import cli
-from engine.server.app import create_app
-from engine.server.auth import key_matches
-from engine.server.settings import ServerSettings, api_key_from
-from engine.server.tracing import Tracing
+from kvscope.engine.server import cli
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.auth import key_matches
+from kvscope.engine.server.settings import ServerSettings, api_key_from
+from kvscope.engine.server.tracing import Tracing
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 

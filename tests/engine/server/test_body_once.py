@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from litestar import Request
 
-from engine.server import routes
+from kvscope.engine.server import routes
 from tests.engine.server.conftest import chat_body
 
 

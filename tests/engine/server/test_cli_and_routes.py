@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import build_engine_config
-from engine.server.cli import build_parser, engine_config_kwargs, engine_main, server_settings
-from engine.server.settings import parse_size
+from kvscope.engine.llm import build_engine_config
+from kvscope.engine.server.cli import build_parser, engine_config_kwargs, engine_main, server_settings
+from kvscope.engine.server.settings import parse_size
 
 
 def test_flags_map_to_engine_config_and_settings(monkeypatch):

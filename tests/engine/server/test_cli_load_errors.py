@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine_core import resolve_device
+from kvscope.engine.engine_core import resolve_device
 
 
 def _engine(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "engine.server", "--port", "1", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-P", "-m", "kvscope.engine.server", "--port", "1", *args], capture_output=True,
                           text=True, timeout=300)
 
 

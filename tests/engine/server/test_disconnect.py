@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from engine.core.request import RequestStatus
-from engine.server.access_log import ACCESS_LOGGER
+from kvscope.engine.core.request import RequestStatus
+from kvscope.engine.server.access_log import ACCESS_LOGGER
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.helpers import metric_samples, sample, serve_in_thread
 

@@ -138,9 +138,9 @@ def test_concurrency_limit_is_429(fake_engine, spans):
     from litestar.testing import TestClient
     from prometheus_client import CollectorRegistry
 
-    from engine.server.app import create_app
-    from engine.server.settings import ServerSettings
-    from engine.server.tracing import Tracing
+    from kvscope.engine.server.app import create_app
+    from kvscope.engine.server.settings import ServerSettings
+    from kvscope.engine.server.tracing import Tracing
 
     app = create_app(ServerSettings(max_concurrent_requests=1), engine=fake_engine,
                      tracing=Tracing("t", spans, batch=False), registry=CollectorRegistry())

@@ -9,9 +9,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from engine.server.app import create_app
-from engine.server.settings import ServerSettings
-from engine.server.tracing import Tracing
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.tracing import Tracing
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 

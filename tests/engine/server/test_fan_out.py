@@ -9,10 +9,10 @@ from litestar.testing import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from engine.server.app import create_app
-from engine.server.cli import build_parser
-from engine.server.settings import ServerSettings, server_settings
-from engine.server.tracing import Tracing
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.cli import build_parser
+from kvscope.engine.server.settings import ServerSettings, server_settings
+from kvscope.engine.server.tracing import Tracing
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 

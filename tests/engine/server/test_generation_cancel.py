@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from engine.server.generation import KEEPALIVE, GenerationRun
+from kvscope.engine.server.generation import KEEPALIVE, GenerationRun
 
 
 async def _queue_getters() -> list[asyncio.Task]:

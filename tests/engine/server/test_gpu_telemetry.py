@@ -14,11 +14,11 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client import CollectorRegistry
 
-from engine.server import app as app_module
-from engine.server.app import create_app
-from engine.server.gpu_telemetry import GpuTelemetry, TorchCuda
-from engine.server.metrics import GPU_THROTTLE_REASONS, EngineMetrics
-from engine.server.settings import ServerSettings
+from kvscope.engine.server import app as app_module
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.gpu_telemetry import GpuTelemetry, TorchCuda
+from kvscope.engine.server.metrics import GPU_THROTTLE_REASONS, EngineMetrics
+from kvscope.engine.server.settings import ServerSettings
 from tests.engine.server.fakes import FakeEngine
 from tests.engine.server.helpers import metric_samples, sample
 
@@ -186,7 +186,7 @@ def test_a_cpu_engine_exports_no_gpu_series(gpu: FakeGpu) -> None:
 
 
 def test_the_server_samples_the_gpu_on_its_clock(gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("engine.server.gpu_telemetry.torch_cuda", lambda device: fake_cuda(gpu))
+    monkeypatch.setattr("kvscope.engine.server.gpu_telemetry.torch_cuda", lambda device: fake_cuda(gpu))
     monkeypatch.setattr(app_module, "host_memory_bytes", lambda: 1)  # not asked on CUDA
     engine = FakeEngine()
     engine.device = "cuda:0"

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 
-from engine.server.access_log import JsonLineHandler
+from kvscope.engine.server.access_log import JsonLineHandler
 from tests.gateway.logs.test_jsonl import WriteRecorder
 
 

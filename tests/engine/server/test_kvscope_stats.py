@@ -1,4 +1,4 @@
-"""The ``kvscope`` object is one typed Struct (engine.core.stats.KvscopeStats): the response's ``kvscope``, the
+"""The ``kvscope`` object is one typed Struct (kvscope.engine.core.stats.KvscopeStats): the response's ``kvscope``, the
 request log's ``kvscope.engine`` and the span attributes carry the same keys and values."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import logging
 import msgspec
 import pytest
 
-from engine.core.request import RequestStats
-from engine.core.stats import KvscopeStats
-from engine.server.access_log import ACCESS_LOGGER
+from kvscope.engine.core.request import RequestStats
+from kvscope.engine.core.stats import KvscopeStats
+from kvscope.engine.server.access_log import ACCESS_LOGGER
 
 KEYS = ["queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean", "batch_size_max", "kv_blocks",
         "kv_cache_usage", "num_preemptions", "prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival",

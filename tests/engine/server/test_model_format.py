@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.memory import process_memory_bytes
+from kvscope.engine.memory import process_memory_bytes
 from tests.engine.server.helpers import metric_samples, sample
 
 

@@ -7,11 +7,11 @@ import inspect
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidParameterError, PromptTooLongError
-from engine.input_processor import EngineRequest, InputProcessor
-from engine.sampling_params import SamplingParams
-from engine.server.engine_client import EngineClient
+from kvscope.engine.async_engine import AsyncEngine
+from kvscope.engine.errors import InvalidParameterError, PromptTooLongError
+from kvscope.engine.input_processor import EngineRequest, InputProcessor
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.engine_client import EngineClient
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 

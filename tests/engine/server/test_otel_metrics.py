@@ -6,9 +6,9 @@ from litestar.testing import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from engine.server.app import create_app
-from engine.server.settings import ServerSettings
-from engine.server.tracing import Tracing, package_version
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.tracing import Tracing, package_version
 from kvscope.otel_genai import (
     OPERATION_DURATION_BUCKETS,
     TIME_PER_OUTPUT_TOKEN_BUCKETS,

@@ -19,11 +19,11 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from engine.server.access_log import ACCESS_LOGGER
-from engine.server.app import create_app
-from engine.server.cli import uvicorn_config
-from engine.server.settings import ServerSettings
-from engine.server.tracing import Tracing
+from kvscope.engine.server.access_log import ACCESS_LOGGER
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.cli import uvicorn_config
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.tracing import Tracing
 from tests.engine.server.helpers import free_port, metric_samples, sample
 
 READ_TIMEOUT_S = 0.5

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidParameterError
-from engine.sampling_params import (
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,

@@ -5,12 +5,12 @@ from __future__ import annotations
 from litestar.testing import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.core.stats import SchedulerStats
-from engine.engine_core import StepResult
-from engine.server.app import create_app
-from engine.server.metrics import MetricBuckets
-from engine.server.settings import ServerSettings
-from engine.server.stat_logger import ServerMetrics
+from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.engine_core import StepResult
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.metrics import MetricBuckets
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.stat_logger import ServerMetrics
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 from tests.engine.server.helpers import metric_samples, sample

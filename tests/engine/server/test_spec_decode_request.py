@@ -9,8 +9,8 @@ import logging
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine.server.access_log import ACCESS_LOGGER
-from engine.server.tracing import RequestSpans, RequestTimeline, Tracing, spec_decode_attributes
+from kvscope.engine.server.access_log import ACCESS_LOGGER
+from kvscope.engine.server.tracing import RequestSpans, RequestTimeline, Tracing, spec_decode_attributes
 from tests.engine.server.fakes import FakeEngine
 
 DRAFTS = ((3, 3), (3, 1), (2, 0))
@@ -55,8 +55,8 @@ def test_plain_request_has_null_spec_fields(caplog) -> None:
     from litestar.testing import TestClient
     from prometheus_client import CollectorRegistry
 
-    from engine.server.app import create_app
-    from engine.server.settings import ServerSettings
+    from kvscope.engine.server.app import create_app
+    from kvscope.engine.server.settings import ServerSettings
 
     app = create_app(ServerSettings(), engine=FakeEngine(), tracing=Tracing("t", InMemorySpanExporter(), batch=False),
                      registry=CollectorRegistry())
@@ -70,9 +70,9 @@ def test_the_server_sizes_the_per_position_series_from_the_engine_config() -> No
     from litestar.testing import TestClient
     from prometheus_client import CollectorRegistry
 
-    from engine.config import SpeculativeConfig
-    from engine.server.app import create_app
-    from engine.server.settings import ServerSettings
+    from kvscope.engine.config import SpeculativeConfig
+    from kvscope.engine.server.app import create_app
+    from kvscope.engine.server.settings import ServerSettings
 
     engine = FakeEngine(speculative=SpeculativeConfig(num_speculative_tokens=3))
     with TestClient(create_app(ServerSettings(), engine=engine, registry=CollectorRegistry())) as client:

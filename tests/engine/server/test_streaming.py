@@ -142,9 +142,9 @@ def _stream_errors(samples: dict) -> Counter:
 
 
 def test_stream_error_reasons_are_bounded_and_skip_client_errors():
-    from engine.async_engine import RequestFailedError
-    from engine.server.errors import OpenAIError
-    from engine.server.serving import failure_error, stream_error_reason
+    from kvscope.engine.async_engine import RequestFailedError
+    from kvscope.engine.server.errors import OpenAIError
+    from kvscope.engine.server.serving import failure_error, stream_error_reason
 
     shutdown = RequestFailedError("r", "engine shutting down")
     assert stream_error_reason(shutdown, failure_error(shutdown)) == "engine_shutdown"
@@ -167,7 +167,7 @@ def test_injected_fault_non_streaming_is_500_json(client):
 
 
 def test_created_is_the_request_time_not_the_server_start(client, monkeypatch):
-    import engine.server.serving_chat as serving_chat
+    import kvscope.engine.server.serving_chat as serving_chat
 
     monkeypatch.setattr(serving_chat.time, "time", lambda: 2_000_000_000.5)
     body = client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).json()

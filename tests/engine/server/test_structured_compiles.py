@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import engine.server.generation as generation
-import engine.structured.backend as backend
-from engine.structured.backend import StructuredOutputManager
-from engine.structured.batch import ERROR_PREFIX
-from engine.structured.params import CompileLimits
-from engine.text.tokenizer import Tokenizer
+import kvscope.engine.server.generation as generation
+import kvscope.engine.structured.backend as backend
+from kvscope.engine.structured.backend import StructuredOutputManager
+from kvscope.engine.structured.batch import ERROR_PREFIX
+from kvscope.engine.structured.params import CompileLimits
+from kvscope.engine.text.tokenizer import Tokenizer
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 from tests.engine.server.helpers import metric_samples, parse_sse, sample

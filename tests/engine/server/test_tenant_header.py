@@ -15,13 +15,13 @@ from litestar.testing import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
-from engine.server.app import create_app
-from engine.server.serving import TENANT_HEADER
-from engine.server.settings import ServerSettings
-from engine.server.tracing import Tracing
+from kvscope.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.scheduler import Scheduler
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.serving import TENANT_HEADER
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.tracing import Tracing
 from tests.engine.server.conftest import chat_body
 from tests.engine.spec_distribution import TOKENIZER_FILES
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.server.tool_stream import Arguments, CallEnd, CallStart, Content, ToolCallScanner, scan
-from engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
+from kvscope.engine.server.tool_stream import Arguments, CallEnd, CallStart, Content, ToolCallScanner, scan
+from kvscope.engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine, FakeInfo
 from tests.engine.server.helpers import parse_sse

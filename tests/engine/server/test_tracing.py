@@ -13,10 +13,10 @@ import httpx
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from engine.core.request import Request
-from engine.sampling_params import SamplingParams
-from engine.server.access_log import ACCESS_LOGGER
-from engine.server.tracing import RequestSpans, RequestTimeline, Tracing, observe_step
+from kvscope.engine.core.request import Request
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.access_log import ACCESS_LOGGER
+from kvscope.engine.server.tracing import RequestSpans, RequestTimeline, Tracing, observe_step
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.helpers import serve_in_thread
 

@@ -6,16 +6,16 @@ import logging
 
 import pytest
 
-from engine.config import SpeculativeConfig
-from engine.spec_decode.adaptive import (
+from kvscope.engine.config import SpeculativeConfig
+from kvscope.engine.spec_decode.adaptive import (
     FIRST_BACKOFF,
     PROBE_EVERY,
     AcceptanceTracker,
     StepCostModel,
     rows_bucket,
 )
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.stats import SpecDecodingStats
+from kvscope.engine.spec_decode.ngram import NgramProposer
+from kvscope.engine.spec_decode.stats import SpecDecodingStats
 
 
 def test_proposer_matches_the_longest_suffix_at_its_last_occurrence():
@@ -62,7 +62,7 @@ def test_step_cost_model_turns_drafts_off_where_they_do_not_pay_and_logs_it(capl
     for _ in range(20):
         model.record(32, 0, 0.150)
         model.record(32, 128, 0.470)  # +2.5 ms per draft token at batch 32
-    with caplog.at_level(logging.INFO, logger="engine.spec_decode.adaptive"):
+    with caplog.at_level(logging.INFO, logger="kvscope.engine.spec_decode.adaptive"):
         assert not model.allows(32, 128, 40.0)  # 2.5 ms * 128 * 32 > 150 ms * 40
     assert model.decision(32) is False and model.decision(1) is True
     assert "speculative decoding off at batch size 32" in caplog.text
@@ -83,8 +83,8 @@ def test_speculative_config_validation_and_stats():
 
 
 def test_engine_flags_build_the_speculative_config():
-    from engine.llm import build_engine_config
-    from engine.server.cli import build_parser, engine_config_kwargs
+    from kvscope.engine.llm import build_engine_config
+    from kvscope.engine.server.cli import build_parser, engine_config_kwargs
 
     args = build_parser().parse_args(["--speculative", "ngram", "--num-speculative-tokens", "3",
                                       "--prompt-lookup-max", "5"])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
-from engine.worker.sampler import Sampler, SamplingMetadata
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from kvscope.engine.worker.sampler import Sampler, SamplingMetadata
 
 VOCAB = 6
 NUM_DRAWS = 20_000

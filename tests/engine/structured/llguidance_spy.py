@@ -11,7 +11,7 @@ import llguidance
 
 
 class LLGuidanceSpy:
-    """Install with ``monkeypatch.setattr(engine.structured.backend, "llguidance", spy)``."""
+    """Install with ``monkeypatch.setattr(kvscope.engine.structured.backend, "llguidance", spy)``."""
 
     def __init__(self, hold_marker: str | None = None) -> None:
         self.hold_marker = hold_marker

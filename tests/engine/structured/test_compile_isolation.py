@@ -12,13 +12,13 @@ import time
 import msgspec
 import pytest
 
-import engine.structured.backend as backend
-from engine.errors import InvalidParameterError
-from engine.server.protocol import ChatCompletionRequest
-from engine.server.tools import tool_constraint, tool_mode
-from engine.structured.backend import CompileBusyError, StructuredOutputManager
-from engine.structured.params import CompileLimits, StructuredOutputsParams
-from engine.text.tokenizer import Tokenizer
+import kvscope.engine.structured.backend as backend
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.server.protocol import ChatCompletionRequest
+from kvscope.engine.server.tools import tool_constraint, tool_mode
+from kvscope.engine.structured.backend import CompileBusyError, StructuredOutputManager
+from kvscope.engine.structured.params import CompileLimits, StructuredOutputsParams
+from kvscope.engine.text.tokenizer import Tokenizer
 from tests.engine.structured.llguidance_spy import LLGuidanceSpy
 
 VOCAB = 49152

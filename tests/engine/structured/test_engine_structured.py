@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-import engine.structured.backend as backend
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured.params import StructuredOutputsParams
+import kvscope.engine.structured.backend as backend
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.params import StructuredOutputsParams
 from tests.engine.structured.llguidance_spy import LLGuidanceSpy
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.structured.bitmask import allocate_bitmask
-from engine.structured.params import StructuredOutputsParams
+from kvscope.engine.structured.bitmask import allocate_bitmask
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 
 def _allowed(row: torch.Tensor, token_id: int) -> bool:

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from engine.errors import InvalidParameterError
-from engine.sampling_params import SamplingParams
-from engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
-from engine.structured.backend import StructuredOutputManager
-from engine.structured.bitmask import allocate_bitmask, allowed_tokens
-from engine.structured.params import StructuredOutputsParams
-from engine.text.tokenizer import Tokenizer
-from engine.worker.sampler import Sampler, SamplingMetadata
+from kvscope.engine.errors import InvalidParameterError
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
+from kvscope.engine.structured.backend import StructuredOutputManager
+from kvscope.engine.structured.bitmask import allocate_bitmask, allowed_tokens
+from kvscope.engine.structured.params import StructuredOutputsParams
+from kvscope.engine.text.tokenizer import Tokenizer
+from kvscope.engine.worker.sampler import Sampler, SamplingMetadata
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +96,9 @@ def test_parse_tool_calls_per_mode() -> None:
 
 
 def test_a_tool_choice_constraint_and_a_guided_field_together_are_a_400() -> None:
-    from engine.server.errors import OpenAIError
-    from engine.server.protocol import ChatCompletionRequest, decode_body
-    from engine.server.sampling import chat_sampling_params
+    from kvscope.engine.server.errors import OpenAIError
+    from kvscope.engine.server.protocol import ChatCompletionRequest, decode_body
+    from kvscope.engine.server.sampling import chat_sampling_params
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "guided_regex": "a+"}
     req = decode_body(json.dumps(body).encode(), ChatCompletionRequest)

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from gateway.logs.elasticsearch import ElasticsearchSinkConfig
-from gateway.logs.es_client import EsConnectionConfig
-from gateway.logs.es_setup import EsIndexConfig
-from gateway.logs.es_shipper import ShipperConfig
-from gateway.logs.spool import SpoolConfig
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSinkConfig
+from kvscope.gateway.logs.es_client import EsConnectionConfig
+from kvscope.gateway.logs.es_setup import EsIndexConfig
+from kvscope.gateway.logs.es_shipper import ShipperConfig
+from kvscope.gateway.logs.spool import SpoolConfig
 
 
 class RecordingMetrics:
-    """Implements gateway.logs.elasticsearch.SinkMetrics; keeps totals and every spool-bytes report."""
+    """Implements kvscope.gateway.logs.elasticsearch.SinkMetrics; keeps totals and every spool-bytes report."""
 
     def __init__(self) -> None:
         self.outcomes: Counter[str] = Counter()

@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from gateway.logs.elasticsearch import ElasticsearchSink
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
 from tests.gateway.logs.helpers import fast_config
 from tests.gateway.logs.records import make_record
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.logs.es_setup import EsIndexConfig, record_properties
+from kvscope.gateway.logs.es_setup import EsIndexConfig, record_properties
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 

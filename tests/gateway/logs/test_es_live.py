@@ -8,12 +8,12 @@ import uuid
 
 import pytest
 
-from gateway.analytics.es_logs import EsLogs
-from gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchSinkConfig
-from gateway.logs.es_client import EsConnectionConfig, make_client
-from gateway.logs.es_setup import EsIndexConfig
-from gateway.logs.es_shipper import ShipperConfig
-from gateway.logs.spool import SpoolConfig
+from kvscope.gateway.analytics.es_logs import EsLogs
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchSinkConfig
+from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
+from kvscope.gateway.logs.es_setup import EsIndexConfig
+from kvscope.gateway.logs.es_shipper import ShipperConfig
+from kvscope.gateway.logs.spool import SpoolConfig
 from tests.gateway.logs.records import engine_stats, make_record
 
 URL = os.environ.get("ELASTICSEARCH_URL")

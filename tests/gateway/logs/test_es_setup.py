@@ -8,9 +8,9 @@ import json
 import pytest
 from elasticsearch import ApiError, UnsupportedProductError
 
-from gateway.analytics.cli import logs_main
-from gateway.logs.es_client import EsConnectionConfig, make_client
-from gateway.logs.es_setup import EsIndexConfig, ensure_setup, record_properties
+from kvscope.gateway.analytics.cli import logs_main
+from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
+from kvscope.gateway.logs.es_setup import EsIndexConfig, ensure_setup, record_properties
 from tests.gateway.logs.es_double import EsDouble
 from tests.gateway.logs.records import engine_stats, make_record
 
@@ -164,7 +164,7 @@ def test_cli_setup_es_against_the_double_and_print(capsys):
 def test_gateway_config_struct_builds_the_sink_config(tmp_path):
     import msgspec
 
-    from gateway.logs.es_settings import EsLogSettings, cli_env
+    from kvscope.gateway.logs.es_settings import EsLogSettings, cli_env
 
     raw = {"hosts": ["https://es:9200"], "username": "u", "password": "p", "spool_dir": str(tmp_path),
            "compat_major": 9, "data_stream": "kvscope-x", "spool_fsync": "always"}

@@ -9,9 +9,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from gateway.logs.elasticsearch import ElasticsearchSink
-from gateway.logs.sink import LogSink
-from gateway.logs.spool import REJECTED_FILE
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
+from kvscope.gateway.logs.sink import LogSink
+from kvscope.gateway.logs.spool import REJECTED_FILE
 from tests.gateway.logs.helpers import RecordingMetrics, fast_config, segment_files
 from tests.gateway.logs.records import make_record
 
@@ -127,7 +127,7 @@ async def test_past_the_spool_cap_records_are_dropped_counted_and_logged(tmp_pat
     metrics = RecordingMetrics()
     sink = ElasticsearchSink(fast_config(tmp_path, es.url, spool_max_bytes=20 * (line + 10)), metrics)
     await sink.start()
-    with caplog.at_level(logging.ERROR, logger="gateway.logs.elasticsearch"):
+    with caplog.at_level(logging.ERROR, logger="kvscope.gateway.logs.elasticsearch"):
         await emit_paced(sink, 0, 50, chunk=10)
         assert await until(lambda: sink.queued == 0, 10)
     s = sink.stats

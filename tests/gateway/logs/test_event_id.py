@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.logs.elasticsearch import ElasticsearchSink
-from gateway.logs.spool import Spool
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
+from kvscope.gateway.logs.spool import Spool
 from tests.gateway.conftest import KEYS, build_stack
 from tests.gateway.harness import LoopThread, read_log
 from tests.gateway.logs.es_double import EsDouble

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.logs.elasticsearch import SPOOLED_HANDOFF_S
+from kvscope.gateway.logs.elasticsearch import SPOOLED_HANDOFF_S
 from tests.gateway.harness import (
     LoopThread,
     Proc,

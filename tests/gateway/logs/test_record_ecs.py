@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import time
 
-from engine.server.access_log import AccessRecord
-from gateway.context import RequestContext
-from gateway.logs.genai_messages import input_messages, output_messages
-from gateway.logs.record import ECS_VERSION, LOG_LEVELS, RecordBuilder, ServiceInfo
+from kvscope.engine.server.access_log import AccessRecord
+from kvscope.gateway.context import RequestContext
+from kvscope.gateway.logs.genai_messages import input_messages, output_messages
+from kvscope.gateway.logs.record import ECS_VERSION, LOG_LEVELS, RecordBuilder, ServiceInfo
 
 
 def ctx(status: int, **kw) -> RequestContext:

@@ -10,8 +10,8 @@ from datetime import datetime
 
 import pytest
 
-from gateway.analytics.cli import logs_main
-from gateway.analytics.es_logs import parse_report, parse_timeseries, report_query, search_query
+from kvscope.gateway.analytics.cli import logs_main
+from kvscope.gateway.analytics.es_logs import parse_report, parse_timeseries, report_query, search_query
 from tests.gateway.logs.es_double import EsDouble
 from tests.gateway.logs.records import T0
 

@@ -14,11 +14,11 @@ from datetime import timedelta
 
 import pytest
 
-from gateway.analytics import commands as analytics
-from gateway.analytics.cli import logs_main
-from gateway.analytics.commands import LogSource
-from gateway.analytics.plot import auto_bucket_s, parse_bucket
-from gateway.analytics.report import parse_since
+from kvscope.gateway.analytics import commands as analytics
+from kvscope.gateway.analytics.cli import logs_main
+from kvscope.gateway.analytics.commands import LogSource
+from kvscope.gateway.analytics.plot import auto_bucket_s, parse_bucket
+from kvscope.gateway.analytics.report import parse_since
 from tests.gateway.logs.records import KEYS, MODELS, T0, UPSTREAMS, engine_stats, make_record
 
 N_OLD, N_NEW = 150, 250
@@ -252,7 +252,7 @@ def test_plot_writes_two_pngs(log_dir, tmp_path, capsys):
 
 
 def test_plot_data_buckets_and_histogram(log_dir):
-    from gateway.analytics.duckdb_logs import DuckDBLogs
+    from kvscope.gateway.analytics.duckdb_logs import DuckDBLogs
 
     logs = DuckDBLogs(log_dir / "requests.jsonl")
     series = logs.timeseries(60)

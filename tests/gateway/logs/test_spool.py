@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from gateway.logs.spool import REJECTED_FILE, Spool, SpoolConfig
+from kvscope.gateway.logs.spool import REJECTED_FILE, Spool, SpoolConfig
 from tests.gateway.logs.helpers import segment_files
 
 

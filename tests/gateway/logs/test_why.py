@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from engine.core.stats import KvscopeStats
-from gateway.analytics.cli import logs_main
-from gateway.analytics.why import explain, rank_causes, why_query
-from gateway.logs.es_setup import attribution_properties, record_properties
+from kvscope.engine.core.stats import KvscopeStats
+from kvscope.gateway.analytics.cli import logs_main
+from kvscope.gateway.analytics.why import explain, rank_causes, why_query
+from kvscope.gateway.logs.es_setup import attribution_properties, record_properties
 from tests.engine.core.factories import FakeClock, make_scheduler
 from tests.engine.core.test_attribution import Run
 from tests.gateway.logs.records import make_record
@@ -135,8 +135,8 @@ def test_why_query_refuses_quotes() -> None:
 def test_report_breaks_the_slowest_and_p99_down_by_cause(tmp_path) -> None:
     import asyncio
 
-    from gateway.analytics import commands
-    from gateway.analytics.commands import LogSource
+    from kvscope.gateway.analytics import commands
+    from kvscope.gateway.analytics.commands import LogSource
 
     clock = FakeClock()
     run = Run(make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096, clock=clock), clock)
