@@ -178,12 +178,10 @@ def error_json(err: GatewayError) -> bytes:
 
 def from_http_exception(exc: HTTPException) -> GatewayError:
     """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status; its code is
-    the status's own (:func:`kvscope.openai_errors.default_code`), else ``invalid_value`` for a 400 and the
-    status's ``type`` for any other: never null."""
+    :func:`kvscope.openai_errors.default_code` (never null), as the engine's."""
     err = GatewayError(str(exc.detail))
     err.status = exc.status_code
-    err.code = default_code(exc.status_code) or (INVALID_VALUE if exc.status_code == 400
-                                                 else error_type(exc.status_code))
+    err.code = default_code(exc.status_code)
     return err
 
 

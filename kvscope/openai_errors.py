@@ -39,9 +39,11 @@ def error_type(status: int) -> str:
     return _TYPES.get(status, "invalid_request_error")
 
 
-def default_code(status: int) -> str | None:
-    """The ``code`` of an error with HTTP ``status`` that names no code itself (None: no code)."""
-    return _CODES.get(status)
+def default_code(status: int) -> str:
+    """The ``code`` of an error with HTTP ``status`` that names no code itself, in both servers: the status's
+    own (``not_found``, ``request_too_large`` …), ``invalid_value`` for a 400, else the status's ``type``. Never
+    null: docs/gateway.md and docs/engine-server.md say ``code`` always names the error."""
+    return _CODES.get(status) or (INVALID_VALUE if status == 400 else error_type(status))
 
 
 INVALID_VALUE = "invalid_value"

@@ -46,7 +46,7 @@ def test_gateway_errors_take_their_type_from_their_status() -> None:
               RateLimited("x", reason="requests", headers={}), ClientClosedRequest("x"), GatewayError("x"),
               UpstreamFailed("x"), UpstreamUnavailable("x"), UpstreamTimeout("x")]
     assert [(e.status, e.body()["error"]["type"], e.code) for e in errors] == [
-        (400, "invalid_request_error", None), (401, "authentication_error", "invalid_api_key"),
+        (400, "invalid_request_error", "invalid_value"), (401, "authentication_error", "invalid_api_key"),
         (403, "permission_error", "model_not_allowed"), (404, "invalid_request_error", "not_found"),
         (404, "invalid_request_error", "model_not_found"), (405, "invalid_request_error", "method_not_allowed"),
         (413, "invalid_request_error", "request_too_large"), (429, "rate_limit_error", "rate_limit_exceeded"),
@@ -58,7 +58,8 @@ def test_gateway_errors_take_their_type_from_their_status() -> None:
 
 def test_litestar_errors_get_the_same_default_code_in_both_servers() -> None:
     for status, code in ((404, "not_found"), (405, "method_not_allowed"), (413, "request_too_large"),
-                         (503, "service_unavailable"), (400, None)):
+                         (503, "service_unavailable"), (400, "invalid_value"),
+                         (408, "timeout_error"), (415, "invalid_request_error")):
         assert from_http_exception(HTTPException(status_code=status, detail="x")).code == code
 
 
