@@ -9,7 +9,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CONFTEST = "from tests.conftest import pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary\n"
+# The inner session (and each xdist worker) imports the repository's tests.conftest; the root is off sys.path
+# by design (tests/conftest.py), so the inner conftest puts it there itself.
+CONFTEST = (f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
+            "from tests.conftest import pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary\n")
 INI = "[pytest]\nasyncio_default_fixture_loop_scope = function\nmarkers =\n    gpu: needs a CUDA device\n"
 ALLOWED = '''
 import os
@@ -51,7 +54,6 @@ def test_a_deliberate_skip_fails_the_run_under_ci(inner: pytest.Pytester, monkey
                                                   workers: tuple[str, ...]) -> None:
     """Also with the workers ``make test`` runs (the skips are counted in the controlling process)."""
     monkeypatch.setenv("CI", "true")
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # xdist's workers import tests.conftest too
     inner.makepyfile(DELIBERATE)
     result = inner.runpytest(*workers)
     assert result.ret == pytest.ExitCode.TESTS_FAILED

@@ -101,7 +101,7 @@ def serve(tmp_path) -> Iterator[Serve]:
 
 
 def _check_children(running: Serve) -> None:
-    commands = sorted(" ".join(cmdline(pid)[1:4]) for pid in running.children)
+    commands = sorted(" ".join(cmdline(pid)[1:5]) for pid in running.children)  # [python] -P -m kvscope.cli <cmd>
     assert len(commands) == 2 and "engine" in commands[0] and "gateway" in commands[1], commands
 
 
