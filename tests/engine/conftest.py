@@ -21,3 +21,17 @@ def tokenizer(tokenizer_dir: Path):
     from kvscope.engine.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch):
+    """kvscope.engine.structured.backend's llguidance replaced by an LLGuidanceSpy that records every compile and
+    holds those of grammars containing ``HOLD_MARKER`` (tests/engine/structured/llguidance_spy.py) until the test
+    opens the gate; opened again at teardown so no compile thread stays blocked."""
+    import kvscope.engine.structured.backend as backend
+    from tests.engine.structured.llguidance_spy import HOLD_MARKER, LLGuidanceSpy
+
+    spy = LLGuidanceSpy(hold_marker=HOLD_MARKER)
+    monkeypatch.setattr(backend, "llguidance", spy)
+    yield spy
+    spy.open()

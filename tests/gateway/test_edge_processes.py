@@ -40,14 +40,17 @@ class Edge:
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
-    tmp = tmp_path_factory.mktemp("edge-procs")
+    yield from _edge_stack(tmp_path_factory.mktemp("edge-procs"), trusted_proxies=[TRUSTED_PROXY])
+
+
+def _edge_stack(tmp: Path, **config: object) -> Iterator[Edge]:
+    """A fake upstream and a keyed gateway in front of it (``config`` adds gateway settings), stopped after."""
     fake = spawn_fake(tmp, "fake")
     procs = [fake]
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
         config = {"upstreams": [{"url": fake.url}], "api_keys": [{"name": "edge", "sha256": hash_key(KEY)}],
-                  "trusted_proxies": [TRUSTED_PROXY], "routing": {"health_interval_s": 60},
-                  "logs": {"file": str(tmp / "requests.jsonl")}}
+                  "routing": {"health_interval_s": 60}, "logs": {"file": str(tmp / "requests.jsonl")}, **config}
         gateway = spawn_gateway(tmp, "gateway", config)
         procs.append(gateway)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
@@ -195,21 +198,8 @@ BROKEN_RUN_S = 20.0
 @pytest.fixture(scope="module")
 def slow_clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     """A gateway process with 0.5 s request head and body timeouts."""
-    tmp = tmp_path_factory.mktemp("read-timeouts")
-    fake = spawn_fake(tmp, "fake")
-    procs = [fake]
-    try:
-        wait_http(fake.url + "/health", proc=fake.popen)
-        config = {"upstreams": [{"url": fake.url}], "api_keys": [{"name": "edge", "sha256": hash_key(KEY)}],
-                  "timeouts": {"request_head_s": READ_TIMEOUT_S, "request_body_s": READ_TIMEOUT_S},
-                  "routing": {"health_interval_s": 60}, "logs": {"file": str(tmp / "requests.jsonl")}}
-        gateway = spawn_gateway(tmp, "gateway", config)
-        procs.append(gateway)
-        wait_http(gateway.url + "/readyz", proc=gateway.popen)
-        yield Edge(gateway, fake, tmp / "requests.jsonl")
-    finally:
-        for proc in procs:
-            proc.stop()
+    yield from _edge_stack(tmp_path_factory.mktemp("read-timeouts"),
+                           timeouts={"request_head_s": READ_TIMEOUT_S, "request_body_s": READ_TIMEOUT_S})
 
 
 def _until_closed(port: int, data: bytes) -> bytes:

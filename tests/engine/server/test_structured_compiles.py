@@ -14,24 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import kvscope.engine.server.generation as generation
-import kvscope.engine.structured.backend as backend
 from kvscope.engine.structured.backend import StructuredOutputManager
 from kvscope.engine.structured.batch import ERROR_PREFIX
 from kvscope.engine.structured.params import CompileLimits
-from kvscope.engine.text.tokenizer import Tokenizer
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 from tests.engine.server.helpers import metric_samples, parse_sse, sample
-from tests.engine.structured.llguidance_spy import LLGuidanceSpy
+from tests.engine.structured.llguidance_spy import HOLD_MARKER
 
-MARKER = "held-compile"
+MARKER = HOLD_MARKER
 CHAT = "/v1/chat/completions"
 PROPERTIES = {f"p{i}": {"type": "string", "maxLength": 5} for i in range(7000)}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
 
 
 @pytest.fixture
@@ -44,14 +37,6 @@ def fake_engine(grammar_manager) -> FakeEngine:
     engine = FakeEngine()
     engine.structured = grammar_manager  # what the server compiles with (EngineClient.structured)
     return engine
-
-
-@pytest.fixture
-def spy(monkeypatch) -> LLGuidanceSpy:
-    spy = LLGuidanceSpy(hold_marker=MARKER)
-    monkeypatch.setattr(backend, "llguidance", spy)
-    yield spy
-    spy.open()
 
 
 def _schema_body(i: int) -> dict:

@@ -9,6 +9,10 @@ from typing import Any
 
 import llguidance
 
+HOLD_MARKER = "held-compile"
+"""The marker of the ``spy`` fixture (tests/engine/conftest.py): a grammar containing it compiles only once the
+test opens the gate."""
+
 
 class LLGuidanceSpy:
     """Install with ``monkeypatch.setattr(kvscope.engine.structured.backend, "llguidance", spy)``."""

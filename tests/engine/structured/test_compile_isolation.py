@@ -18,16 +18,10 @@ from kvscope.engine.server.protocol import ChatCompletionRequest
 from kvscope.engine.server.tools import tool_constraint, tool_mode
 from kvscope.engine.structured.backend import CompileBusyError, StructuredOutputManager
 from kvscope.engine.structured.params import CompileLimits, StructuredOutputsParams
-from kvscope.engine.text.tokenizer import Tokenizer
-from tests.engine.structured.llguidance_spy import LLGuidanceSpy
+from tests.engine.structured.llguidance_spy import HOLD_MARKER
 
 VOCAB = 49152
-MARKER = "held-compile"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
+MARKER = HOLD_MARKER
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +33,6 @@ def _manager(tokenizer, grammar_tokenizer, limits: CompileLimits | None = None) 
     manager = StructuredOutputManager(tokenizer.hf.to_str, VOCAB, tokenizer.eos_token_id, limits=limits)
     manager._tokenizer = grammar_tokenizer  # the LLTokenizer takes ~0.3 s to build: share it between tests
     return manager
-
-
-@pytest.fixture
-def spy(monkeypatch) -> LLGuidanceSpy:
-    spy = LLGuidanceSpy(hold_marker=MARKER)
-    monkeypatch.setattr(backend, "llguidance", spy)
-    yield spy
-    spy.open()
 
 
 def _held(i: int = 0, param: str = "response_format") -> StructuredOutputsParams:
