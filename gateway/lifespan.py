@@ -29,10 +29,11 @@ from kvscope.gateway.proxy.network import upstream_transport
 from kvscope.gateway.proxy.upstreams import UpstreamPool
 from kvscope.gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
 from kvscope.gateway.settings import GatewaySettings
-from kvscope.gateway.state import GatewayState, service_version
+from kvscope.gateway.state import GatewayState
 from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer, build_tracer_provider
 from kvscope.otel_genai import GenAiClientMetrics, build_meter_provider
+from kvscope.version import kvscope_version
 
 _log = logging.getLogger("kvscope.gateway")
 
@@ -48,7 +49,7 @@ def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = 
     metrics = GatewayMetrics(registry, settings.metrics)
     configured = configured_sinks(settings, metrics)
     metrics.initialize(tuple(u.label for u in settings.upstreams), tuple(s.name for s in configured))
-    version = service_version()
+    version = kvscope_version()
     provider = build_tracer_provider(settings.tracing, settings.service_name, version, settings.node,
                                      span_exporter)
     limiter: RateLimiter = (RedisRateLimiter(settings.redis_url, settings.timeouts.total_s + 60)

@@ -7,12 +7,12 @@ fixed vocabularies. vLLM equivalents are listed in docs/gateway.md.
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvscope.gateway.settings import MetricsConfig
+from kvscope.version import kvscope_version
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/*", "other")
 UNKNOWN_MODEL = "unknown"
@@ -92,7 +92,7 @@ class GatewayMetrics:
         """Create the zero series of every bounded label set known at start, so that rates read 0 instead of
         "No data" before the first event (Prometheus instrumentation practice: export 0 for label sets known
         in advance)."""
-        self.build_info.labels(_kvscope_version(), platform.python_version()).set(1)
+        self.build_info.labels(kvscope_version(), platform.python_version()).set(1)
         for reason in RATE_LIMIT_REASONS:
             self.rate_limited.labels(reason)
         for upstream in upstreams:
@@ -134,10 +134,3 @@ class LogSinkMetrics:
 
     def on_spool_bytes(self, n: int) -> None:
         self._spool.set(n)
-
-
-def _kvscope_version() -> str:
-    try:
-        return importlib.metadata.version("kvscope")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0"

@@ -5,7 +5,6 @@ gateway/lifespan.py, read by every route. It imports only the parts it holds, ne
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,13 +21,6 @@ from kvscope.gateway.settings import GatewaySettings
 from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer
 from kvscope.otel_genai import GenAiClientMetrics
-
-
-def service_version() -> str:
-    try:
-        return importlib.metadata.version("kvscope")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0"
 
 
 @dataclass(slots=True)

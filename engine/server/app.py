@@ -35,9 +35,10 @@ from kvscope.engine.server.routes import ROUTES
 from kvscope.engine.server.settings import ServerSettings
 from kvscope.engine.server.stat_logger import ServerMetrics, host_memory_bytes
 from kvscope.engine.server.state import ServerState
-from kvscope.engine.server.tracing import Tracing, package_version
+from kvscope.engine.server.tracing import Tracing
 from kvscope.engine.structured.params import CompileLimits
 from kvscope.otel_genai import GenAiServerMetrics, build_meter_provider
+from kvscope.version import kvscope_version
 
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = "Hello"
@@ -88,13 +89,13 @@ class AppContext:
             await warm_up(engine)
         tracing = self._tracing or Tracing.otlp(self.settings.service_name, self.settings.otlp_endpoint)
         meters = build_meter_provider({"service.name": self.settings.service_name,
-                                       "service.version": package_version()},
+                                       "service.version": kvscope_version()},
                                       self.settings.otlp_endpoint, self._metric_readers)
         registry = self._registry or CollectorRegistry()
         ProcessCollector(registry=registry)  # process_resident_memory_bytes & co. (the prometheus_client standard)
         speculative = engine.speculative  # the per-position series and length buckets follow k
         metrics = ServerMetrics(registry, engine.info.name, engine.device,
-                                self.settings.buckets, genai=GenAiServerMetrics(meters, package_version()),
+                                self.settings.buckets, genai=GenAiServerMetrics(meters, kvscope_version()),
                                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
         self.state = ServerState(engine, self.settings, metrics, tracing)
         _observe_mask_time(self.state)

@@ -16,7 +16,6 @@ alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (t
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 from dataclasses import dataclass
 from typing import Annotated
@@ -26,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvscope.engine.core.attribution import LATENCY_CAUSES
 from kvscope.engine.structured.params import KINDS as STRUCTURED_KINDS
 from kvscope.settings_cli import Flag
+from kvscope.version import kvscope_version
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finish_reason`` label (kvscope.engine.core.request.RequestStatus.finish_reason)."""
@@ -337,14 +337,6 @@ class EngineMetrics:
             metric.labels(model=model)  # at zero with speculation off too, as every other counter
         for position in range(self.num_speculative_tokens):
             self.spec_decode_num_accepted_tokens_per_pos.labels(model=model, position=str(position))
-
-
-def kvscope_version() -> str:
-    """The installed ``kvscope`` distribution's version (``0.1.0`` from a bare checkout)."""
-    try:
-        return importlib.metadata.version("kvscope")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0"
 
 
 def acceptance_length_buckets(num_speculative_tokens: int) -> tuple[float, ...]:

@@ -23,7 +23,6 @@ OTel provider is never set. Attribute names follow the OTel GenAI semantic conve
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvscope.engine.core.request import Request
 from kvscope.otel_env import span_exporter
+from kvscope.version import kvscope_version
 
 
 @dataclass(slots=True)
@@ -146,14 +146,6 @@ class RecordedSpan(NamedTuple):
     sampled: bool
 
 
-def package_version() -> str:
-    """The installed ``kvscope`` distribution's version (``0.1.0`` when running from a bare checkout)."""
-    try:
-        return importlib.metadata.version("kvscope")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0"
-
-
 class Tracing:
     """Owns a TracerProvider; :meth:`record` writes the spans of one request."""
 
@@ -161,7 +153,7 @@ class Tracing:
                  batch: bool = True, service_version: str | None = None) -> None:
         """Resource: ``service.name`` and ``service.version`` (OTel resource semconv; the installed
         ``kvscope`` package version unless ``service_version`` is given)."""
-        version = service_version or package_version()
+        version = service_version or kvscope_version()
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name,
                                                                  "service.version": version}))
         if exporter is not None:

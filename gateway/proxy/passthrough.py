@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-authenticate", "proxy-authorization", "host", "authorization", "content-length",
                         "accept-encoding", "content-encoding"})
+REQUEST_DROPPED = HOP_BY_HOP | {TENANT_HEADER}
+"""Client request headers never forwarded: the tenant is the gateway's to set (the key's name), never the client's."""
 RESPONSE_DROPPED = HOP_BY_HOP | {"date", "server", "content-type", "x-request-id"}
 """Upstream response headers the gateway sets itself (no duplicated Date/Server/Content-Type/id)."""
 MAX_ERROR_BYTES = 64 << 10
@@ -121,7 +123,7 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
         ctx.model_served = gw.pool.is_served(model)
     only = _replicas_for(gw, principal, model)
     await lease_of(request).acquire(gw.limiter, principal, ctx, 0, 0)
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != TENANT_HEADER}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in REQUEST_DROPPED}
     headers["x-request-id"] = ctx.request_id
     if ctx.key_id is not None:
         headers[TENANT_HEADER] = ctx.key_id

@@ -8,12 +8,13 @@ from prometheus_client import CollectorRegistry
 
 from kvscope.engine.server.app import create_app
 from kvscope.engine.server.settings import ServerSettings
-from kvscope.engine.server.tracing import Tracing, package_version
+from kvscope.engine.server.tracing import Tracing
 from kvscope.otel_genai import (
     OPERATION_DURATION_BUCKETS,
     TIME_PER_OUTPUT_TOKEN_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,
 )
+from kvscope.version import kvscope_version
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 from tests.otlp_receiver import OtlpReceiver
@@ -45,7 +46,7 @@ def test_gen_ai_server_metrics_reach_an_otlp_receiver() -> None:
     assert ttft["chat"].count == 2 and list(ttft["chat"].explicit_bounds) == list(TIME_TO_FIRST_TOKEN_BUCKETS)
     tpot = {a["gen_ai.operation.name"]: p for a, p in points["gen_ai.server.time_per_output_token"]}
     assert tpot["chat"].count == 2 and list(tpot["chat"].explicit_bounds) == list(TIME_PER_OUTPUT_TOKEN_BUCKETS)
-    assert resources[-1]["service.name"] == "kvscope-engine" and resources[-1]["service.version"] == package_version()
+    assert resources[-1]["service.name"] == "kvscope-engine" and resources[-1]["service.version"] == kvscope_version()
 
 
 def test_engine_metrics_are_openmetrics_when_asked() -> None:
