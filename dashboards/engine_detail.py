@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from kvscope.dashboards.alert_thresholds import alert_threshold
 from kvscope.dashboards.grafana import Json, Target, dashboard, dashboard_link, row, timeseries
-from kvscope.dashboards.overview import EN, latency_targets
+from kvscope.dashboards.overview import EN, GENERATION_ROUTES, latency_targets
 from kvscope.dashboards.promql import PromQL
 
 UID = "kvscope-engine"
-GENERATION = 'route=~"/v1/chat/completions|/v1/completions"'
-"""The engine's generation routes (the error-budget alert's)."""
 
 
 def _phases(q: PromQL) -> list[Json]:
@@ -41,10 +39,10 @@ def _phases(q: PromQL) -> list[Json]:
                    "5xx (the gateway retries those on another replica, so the gateway's own ratio can stay low) and "
                    "of its streams broken after their 200 (an in-band error event); its /metrics and /health "
                    "answers are not counted. KvscopeEngineHighErrorRate alerts on the two together.",
-                   [Target(q.ratio(q.sum_rate(f"{EN}http_requests_total", GENERATION, 'status=~"5.."'),
-                                   q.sum_rate(f"{EN}http_requests_total", GENERATION)), "5xx"),
+                   [Target(q.ratio(q.sum_rate(f"{EN}http_requests_total", GENERATION_ROUTES, 'status=~"5.."'),
+                                   q.sum_rate(f"{EN}http_requests_total", GENERATION_ROUTES)), "5xx"),
                     Target(q.ratio(q.sum_rate(f"{EN}stream_errors_total"),
-                                   q.sum_rate(f"{EN}http_requests_total", GENERATION)), "broken streams")],
+                                   q.sum_rate(f"{EN}http_requests_total", GENERATION_ROUTES)), "broken streams")],
                    "percentunit", w=8,
                    threshold=alert_threshold("KvscopeEngineHighErrorRate", long_window="1h")),
         timeseries("Engine HTTP requests / s", "Requests answered by the engine server, by status and route.",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvscope.dashboards.alert_thresholds import alert_threshold
 from kvscope.dashboards.grafana import Json, Target, dashboard, dashboard_link, heatmap, row, stat, timeseries
-from kvscope.dashboards.promql import PromQL, up
+from kvscope.dashboards.promql import RATE, PromQL, up
 
 UID = "kvscope-overview"
 TTFT_SLO_S = 1.0
@@ -54,12 +54,23 @@ def latency_targets(q: PromQL, hist: str) -> list[Target]:
     return [*quantiles, Target(q.mean(hist), "mean")]
 
 
+GENERATION_ROUTES = 'route=~"/v1/chat/completions|/v1/completions"'
+"""The generation routes: the availability SLO's requests (alerts/kvscope.rules.yaml), gateway and engine."""
+
+
+def slo_failures(q: PromQL, requests: str, broken_streams: str, window: str = RATE) -> str:
+    """Failed generation requests per second, as the SLO's recording rules count them: 5xx answers of
+    ``requests`` plus ``broken_streams`` (streams broken after their 200). Joined with ``or`` inside the sum (the
+    two families' label sets differ, so both sides stay): with ``+`` the sum would be empty, "No data", until the
+    first 5xx creates its series."""
+    fivexx = q.sel(requests, GENERATION_ROUTES, 'status=~"5.."')
+    return f"sum(rate({fivexx}[{window}]) or rate({q.sel(broken_streams)}[{window}]))"
+
+
 def _slo_tiles(q: PromQL) -> list[Json]:
     req = f"{GW}requests_total"
-    generation = 'route=~"/v1/chat/completions|/v1/completions"'
-    fivexx = q.sum_rate(req, generation, 'status=~"5.."', window="$__range")
-    broken = q.sum_rate(GW + "stream_errors_total", window="$__range")
-    failed = f"({fivexx} + {broken})"
+    generation = GENERATION_ROUTES
+    failed = slo_failures(q, req, GW + "stream_errors_total", window="$__range")
     return [
         stat(f"TTFT ≤ {TTFT_SLO_S:g} s", f"Share of requests whose first token reached the client within "
              f"{TTFT_SLO_S:g} s over the dashboard range (gateway). Objective {SLO_OBJECTIVE:.0%}.",
@@ -81,7 +92,6 @@ def _slo_tiles(q: PromQL) -> list[Json]:
 
 def _traffic(q: PromQL) -> list[Json]:
     req = f"{GW}requests_total"
-    fivexx = q.sum_rate(req, 'status=~"5.."')
     return [
         row("Traffic and errors"),
         timeseries("Requests / s", "Requests finished per second at the gateway, by model.",
@@ -90,8 +100,9 @@ def _traffic(q: PromQL) -> list[Json]:
                    f"The SLO allows {1 - AVAILABILITY_SLO:.1%} of 5xx and broken streams together; "
                    "KvscopeHighErrorRate pages at 14.4x that over 1 h (and 5 m).",
                    [Target(q.ratio(q.sum_rate(req, 'status=~"5.."'), q.sum_rate(req)), "5xx"),
-                    Target(q.ratio(f"({fivexx} + {q.sum_rate(GW + 'stream_errors_total')})", q.sum_rate(req)),
-                           "5xx + streams broken after 200 (the SLO's errors)"),
+                    Target(q.ratio(slo_failures(q, req, GW + "stream_errors_total"),
+                                   q.sum_rate(req, GENERATION_ROUTES)),
+                           "5xx + streams broken after 200 on generation routes (the SLO's errors)"),
                     Target(q.ratio(q.sum_rate(req, 'status=~"4.."'), q.sum_rate(req)), "4xx")],
                    "percentunit", w=6,
                    threshold=alert_threshold("KvscopeHighErrorRate", long_window="1h")),
