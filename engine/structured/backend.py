@@ -184,7 +184,7 @@ class StructuredOutputManager:
             return 0.0
         future, mine = self._submit(params)
         try:
-            compiled = await _wait(future)
+            compiled = await asyncio.shield(asyncio.wrap_future(future))  # a cancelled wait leaves the shared compile
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
@@ -360,29 +360,3 @@ class StructuredOutputManager:
         see 0 while that compile already runs."""
         with self._lock:
             return len(self._inflight)
-
-
-def _wait(future: Future[CompiledGrammar]) -> asyncio.Future[CompiledGrammar]:
-    """An asyncio future settled with ``future``'s outcome. Unlike ``asyncio.wrap_future``, cancelling it does
-    not cancel ``future`` (a compile other requests of the same grammar share)."""
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[CompiledGrammar] = loop.create_future()
-
-    def settle(done: Future[CompiledGrammar]) -> None:
-        if waiter.cancelled():
-            return
-        error = done.exception()
-        if error is not None:
-            waiter.set_exception(error)
-        else:
-            waiter.set_result(done.result())
-
-    def relay(done: Future[CompiledGrammar]) -> None:
-        try:
-            loop.call_soon_threadsafe(settle, done)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-            pass
-
-    future.add_done_callback(relay)
-    return waiter
-
