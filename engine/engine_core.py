@@ -153,8 +153,7 @@ class EngineCore:
         """Speculative decoding's draft source (engine/spec_decode); None when it is off."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len,
                                    drafter=self.drafter)
-        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile,
-                                              device=self.device)
+        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
         fmt = self.model.load_report.weight_format
         rss, peak_rss = process_memory_bytes()
@@ -225,13 +224,14 @@ class EngineCore:
         params = request.params
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
+        sampling = None if request.sampling is None else request.sampling.to(self.device)  # once, for every child
         for index in range(params.n):
             child_params = params if params.n == 1 else _child_params(params, index)
             child_id = child_request_id(request_id, index, params.n)
             children.append(Request(child_id, list(request.prompt_token_ids), child_params,
                                     self.tokenizer.eos_token_id, arrival_time=arrival, max_tokens=request.max_tokens,
                                     trace_context=trace_context, parent_id=request_id if params.n > 1 else None,
-                                    prepared_sampling=request.sampling, fairness_group=request.fairness_group,
+                                    prepared_sampling=sampling, fairness_group=request.fairness_group,
                                     fairness_tenant=request.fairness_tenant))
         self.output_processor.add_request(request_id, children)
         for child in children:

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from kvscope.engine.errors import InvalidParameterError, PromptTooLongError
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.sampler import RequestSampling
@@ -51,8 +49,6 @@ class InputProcessor:
     engine step compiles; raises InvalidParameterError naming the field for an unsupported schema keyword, a bad
     regex/grammar, a grammar above the size limit or one the matcher cannot serve
     (kvscope.engine.structured.backend.StructuredOutputManager.compile)."""
-    device: torch.device | str = "cpu"
-    """Where the request's sampling tensors live (the model runner's device)."""
 
     def process(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
         """The checked request. Raises InvalidParameterError (``param`` = ``prompt``, ``logit_bias``,
@@ -63,7 +59,7 @@ class InputProcessor:
             raise InvalidParameterError("prompt", "The prompt is empty: it encodes to zero tokens.")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) > last_id:
             raise InvalidParameterError("prompt", f"Token ids must be in [0, {last_id}].")
-        sampling = RequestSampling.build(params, prompt_token_ids, self.vocab_size, self.device)
+        sampling = RequestSampling.build(params, prompt_token_ids, self.vocab_size)
         num_prompt = len(prompt_token_ids)
         left = self.max_model_len - num_prompt
         if (params.max_tokens or 0) > left or left <= 0:

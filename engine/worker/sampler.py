@@ -72,6 +72,16 @@ class RequestSampling:
         """Entries of ``logit_bias``."""
         return 0 if self.bias_ids is None else self.bias_ids.numel()
 
+    def to(self, device: torch.device | str) -> RequestSampling:
+        """These tensors on ``device`` (``self`` when they are there already). The engine thread calls it once
+        per request (EngineCore.add_engine_request): admission builds on the CPU, on the server's event loop,
+        where a copy to a CUDA device would wait for the running step."""
+        device = torch.device(device)
+        tensors = (self.bias_ids, self.bias_values, self.min_tokens_ban_ids, self.prompt_ids)
+        if all(t is None or t.device == device for t in tensors):
+            return self
+        return RequestSampling(*(None if t is None else t.to(device) for t in tensors))
+
     @classmethod
     def build(cls, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
               device: torch.device | str = "cpu") -> RequestSampling:
