@@ -10,20 +10,21 @@ import pytest
 
 from kvscope.engine.core.request import Request
 from kvscope.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from kvscope.engine.text.detokenizer import IncrementalDetokenizer, StopMatcher, StopStrings, find_stop_string
+from kvscope.engine.text.detokenizer import (
+    IncrementalDetokenizer,
+    StopMatcher,
+    StopStrings,
+    find_stop_string,
+    longest_prefix_suffix,
+)
 from kvscope.engine.text.output_processor import OutputProcessor
 from kvscope.engine.text.tokenizer import Tokenizer
-
-
-def naive_hold_back(text: str, stop: str) -> int:
-    """The definition: the longest proper prefix of ``stop`` that ``text`` ends with (O(len(stop)^2))."""
-    return max((k for k in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:k])), default=0)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_matcher_equals_the_reference_search_and_hold_back(seed: int) -> None:
     """Random texts over a 3-letter alphabet (many overlaps and borders), random stops and chunkings: each feed
-    reports exactly find_stop_string's match and leaves exactly the naive hold-back."""
+    reports exactly find_stop_string's match and leaves exactly longest_prefix_suffix's hold-back."""
     rng = random.Random(seed)
     stops = ["".join(rng.choice("aab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
     text = "".join(rng.choice("abc") for _ in range(200))
@@ -39,7 +40,7 @@ def test_matcher_equals_the_reference_search_and_hold_back(seed: int) -> None:
         assert found == (None if expected is None else (expected[0], expected[1] - (done - len(chunk))))
         if found is not None:
             break
-        assert matcher.longest_partial() == max(naive_hold_back(text[:done], s) for s in stops)
+        assert matcher.longest_partial() == max(longest_prefix_suffix(text[:done], s) for s in stops)
 
 
 def test_stop_examples_match_the_reference() -> None:
