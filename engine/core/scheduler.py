@@ -270,6 +270,8 @@ class Scheduler:
         if not self.waiting:
             return set()
         free = self.scheduler_config.max_num_seqs - len(self.running)
+        if len(self.waiting) <= free:  # claims never exceed the waiting sequences: nobody to preempt for
+            return set()
         demand, claimants = claims(self.waiting, self._shares)
         groups: set[str] = set()
         while demand > free and (victim := fairness_victim(self.running, self._shares,
@@ -338,11 +340,13 @@ class Scheduler:
         """Admit waiting requests in rule 1's order (engine/core/fairness.py) until a limit stops the one whose
         turn it is: nobody overtakes it. ``excluded_groups`` (preempted for fairness this step) admit nobody."""
         max_num_seqs = self.scheduler_config.max_num_seqs
-        order = AdmissionOrder(self.waiting, self._shares, excluded_groups)
+        order: AdmissionOrder | None = None  # built once a request can be admitted (a full engine skips it)
         while self.waiting:
             if plan.token_budget <= 0 or len(self.running) >= max_num_seqs:
                 self._blocked_steps[0 if plan.token_budget > 0 else 2] += 1  # QUEUE_LIMITS order
                 break
+            if order is None:
+                order = AdmissionOrder(self.waiting, self._shares, excluded_groups)
             request = order.peek()
             if request is None:  # only groups that gave up a slot this step are left
                 self._blocked_steps[0] += 1
