@@ -46,6 +46,8 @@ def default_code(status: int) -> str:
     return _CODES.get(status) or (INVALID_VALUE if status == 400 else error_type(status))
 
 
+CLIENT_CLOSED_REQUEST = 499
+"""The status both servers log (and the engine answers) for a client that left before its answer (nginx's 499)."""
 INVALID_VALUE = "invalid_value"
 """The ``code`` of a 400 whose body is JSON but a field is wrong (both servers)."""
 INVALID_JSON = "invalid_json"

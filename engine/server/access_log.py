@@ -21,6 +21,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
+from kvscope.openai_errors import CLIENT_CLOSED_REQUEST, default_code, error_type
 from kvscope.read_timeouts import READ_TIMEOUT_KEY
 
 ACCESS_LOGGER = "kvscope.engine.access"
@@ -29,7 +30,6 @@ QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")
 check and docs would drown the log)."""
 
 
-CLIENT_CLOSED_REQUEST = 499
 """Status logged for a client that left before its request body ended (nginx's convention, the gateway's too)."""
 ECS_VERSION = "9.1.0"
 """ECS 9.1 is the first with the ``gen_ai.*`` field set these records use (same as the gateway's record)."""
@@ -179,8 +179,8 @@ def _body_outcome(record: AccessRecord, body: _BodyWatch, scope: dict[str, Any])
                          "request_timeout")
         return
     record.status_override = CLIENT_CLOSED_REQUEST
-    record.set_error("client_closed_request", "the client closed the connection while sending the request body",
-                     "client_disconnected")
+    record.set_error(error_type(CLIENT_CLOSED_REQUEST), "the client closed the connection while sending the request "
+                     "body", default_code(CLIENT_CLOSED_REQUEST))
 
 
 class JsonLineHandler(logging.Handler):

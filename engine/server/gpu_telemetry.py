@@ -176,11 +176,11 @@ def _throttle_reasons(nvml: Any, handle: Any) -> int:
 
 
 async def sample_every(telemetry: GpuTelemetry, interval_s: float) -> None:
-    """Sample now and then every ``interval_s`` seconds until cancelled; a failing sample is logged and the
-    next one tried (telemetry never stops the server)."""
+    """Sample every ``interval_s`` seconds (the first after one interval: the server samples once at start-up)
+    until cancelled; a failing sample is logged and the next one tried (telemetry never stops the server)."""
     while True:
+        await asyncio.sleep(interval_s)
         try:
             await asyncio.to_thread(telemetry.sample)
         except Exception:
             logger.exception("GPU telemetry sample of %s failed", telemetry.device)
-        await asyncio.sleep(interval_s)

@@ -37,6 +37,7 @@ from kvscope.engine.server.metrics import STREAM_ERROR_REASONS
 from kvscope.engine.server.request_state import Outcome, RequestState
 from kvscope.engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
 from kvscope.engine.server.state import ServerState
+from kvscope.openai_errors import CLIENT_CLOSED_REQUEST
 
 logger = logging.getLogger(__name__)
 FAULT_HEADER = "x-kvscope-fault"
@@ -45,8 +46,6 @@ TENANT_HEADER = "x-kvscope-tenant"
 a client's own (gateway/auth.py TENANT_HEADER). Without it the request is its own tenant."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 """A tenant name: what the gateway's key names are (1-64 of letters, digits, ``.``, ``_``, ``@``, ``-``)."""
-CLIENT_CLOSED_STATUS = 499
-"""Logged (nginx's convention) when the client left before a non-streamed answer; never sent."""
 
 
 class Formatter(Protocol):
@@ -206,17 +205,17 @@ async def respond_json(job: Job, formatter: Formatter) -> Response:
             formatter.add(*item)
         check_complete(job)
     except ClientDisconnected:
-        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_STATUS, phase=job.run.phase()))
+        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_REQUEST, phase=job.run.phase()))
         access = job.request.scope.get("kvscope.access")
         if access is not None:
-            access.status_override = CLIENT_CLOSED_STATUS
-        return Response(content=b"", status_code=CLIENT_CLOSED_STATUS)
+            access.status_override = CLIENT_CLOSED_REQUEST
+        return Response(content=b"", status_code=CLIENT_CLOSED_REQUEST)
     except Exception as exc:  # noqa: BLE001 - answered as OpenAI error JSON
         error = failure_error(exc, job.rs.params)
         finish_job(job, Outcome("error", error.status, error.type, error.message, phase=job.run.phase()))
         raise error from exc
     except asyncio.CancelledError:
-        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_STATUS, phase=job.run.phase()))
+        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_REQUEST, phase=job.run.phase()))
         raise
     finally:
         watcher.cancel()

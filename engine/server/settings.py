@@ -28,7 +28,7 @@ from kvscope.engine.structured.params import CompileLimits
 from kvscope.event_loop import EventLoop, resolve_event_loop
 from kvscope.net import is_loopback
 from kvscope.otel_env import protocol as otlp_protocol
-from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
+from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, ReadTimeouts
 from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
 DEFAULT_SERVICE_NAME = "kvscope-engine"
@@ -177,8 +177,7 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
         if self.sse_keepalive_s <= 0:
             raise ValueError(f"sse_keepalive_s must be positive, got {self.sse_keepalive_s}")
-        if not (self.request_head_timeout_s > 0 and self.request_body_timeout_s > 0):
-            raise ValueError("request_head_timeout_s and request_body_timeout_s must be positive")
+        ReadTimeouts(self.request_head_timeout_s, self.request_body_timeout_s)  # each must be > 0
         if not self.gpu_telemetry_interval_s > 0:
             raise ValueError(f"gpu_telemetry_interval_s must be positive, got {self.gpu_telemetry_interval_s}")
         if self.max_concurrent_requests < 0:

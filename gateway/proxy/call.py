@@ -47,6 +47,7 @@ from kvscope.gateway.proxy.relay import (
 )
 from kvscope.gateway.proxy.upstreams import Replica
 from kvscope.gateway.sse import data_event
+from kvscope.openai_errors import CLIENT_CLOSED_REQUEST
 
 if TYPE_CHECKING:
     from kvscope.gateway.context import RequestContext
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
 _log = logging.getLogger("kvscope.gateway")
 _STREAM_REASONS = {"upstream_timeout": "timeout", "stream_incomplete": "incomplete", "stream_aborted": "aborted",
                    "upstream_disconnected": "upstream_disconnected"}
-CLIENT_CLOSED_REQUEST = 499
-"""Status logged when the client left before the response started (nginx's convention)."""
 FORWARDED_HEADERS = frozenset({b"x-kvscope-fault"})
 """Client headers passed on to the upstream as they are: our engine's fault-injection hook (honoured only by
 an engine started with ``--enable-fault-injection``; docs/engine-server.md), so tests can fail a request
