@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--py-spy", type=Path, help="write a py-spy raw profile of the gateway here")
     parser.add_argument("--py-spy-bin", default="py-spy")
     parser.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
-                        help="the gateway's event loop (kvscope/event_loop.py)")
+                        help="the gateway's event loop (kvscope/common/event_loop.py)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-gateway-cpu-"))
     fake = spawn_fake(tmp, "stub", token_delay_s=args.token_delay)

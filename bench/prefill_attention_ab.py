@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvscope.common.models.cache import cache_root
 from kvscope.engine.attention.torch_backend import attention_compute_dtype, cpu_has_amx
 from kvscope.engine.bench import random_prompts
 from kvscope.engine.llm import LLM
 from kvscope.engine.models.loader import load_cpu_kernels
-from kvscope.models.cache import cache_root
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 from bench.ttft_profile import first_step_ms  # noqa: E402

@@ -6,7 +6,7 @@ TTFT = wall time of a 1-new-token ``generate`` (prefill of the whole batch + the
 TPOT = (wall time of the full ``generate`` − TTFT) / (output_len − 1); output tok/s = batch · output_len / wall time.
 Medians over ``--rounds`` repetitions (each loads the model once per measured call; loading is not timed).
 
-    python bench/transformers_row.py --model-dir ~/.cache/kvscope/models/smollm2-135m/hf --concurrency 1 8 32
+    python bench/transformers_row.py --model-dir ~/.cache/kvscope/common/models/smollm2-135m/hf --concurrency 1 8 32
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ metrics over OTLP (HTTP protobuf or gRPC) where the OpenTelemetry SDK environmen
 (`OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` as is, else `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/metrics`; gateway
 `tracing.otlp_endpoint` and engine `--otlp-endpoint` override it; none with `OTEL_SDK_DISABLED=true`) every
 `OTEL_METRIC_EXPORT_INTERVAL` ms (default 15 s; gateway `tracing.metrics_export_interval_s` overrides), with a
-last push at shutdown (docs/engine-server.md, "Traces", lists every variable). Built in `kvscope/otel_genai.py`
+last push at shutdown (docs/engine-server.md, "Traces", lists every variable). Built in `kvscope/common/otel_genai.py`
 with the semconv names, units and bucket boundaries:
 
 | metric | unit | where | buckets |

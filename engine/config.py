@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvscope.common import engine_defaults
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -29,7 +31,7 @@ class ModelConfig:
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None
     """Name reported by /v1/models; None: the registry name, a .gguf file's name without .gguf, or the HF folder's name
-    (``kvscope.models.registry.default_served_name``)."""
+    (``kvscope.common.models.registry.default_served_name``)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -45,7 +47,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = engine_defaults.BLOCK_SIZE
     """Tokens per KV block."""
     kv_cache_memory: int = 1 << 30
     """KV cache budget in bytes (CPU); the number of blocks is derived from it."""
@@ -55,7 +57,7 @@ class CacheConfig:
     """CPU: bytes for weights and KV cache together; when set, the KV cache gets ``memory_budget`` minus the
     weights bytes of the loaded format (packed, compact and dense copies, ``kvscope.engine.models.compact.
     model_weight_bytes``) instead of ``kv_cache_memory``."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = engine_defaults.GPU_MEMORY_UTILIZATION
     """CUDA: fraction of device memory for weights + activations + KV cache."""
     enable_prefix_caching: bool = True
 
@@ -74,9 +76,9 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = engine_defaults.MAX_NUM_SEQS
     """Most requests in one step."""
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = engine_defaults.MAX_NUM_BATCHED_TOKENS
     """Token budget of one step (prefill chunks + decodes). 1024 measured best for a burst of 32 arriving
     128-token prompts (closed loop on the engine, SmolLM2-135M fp32, one thread, CPU seconds): TTFT p50/p99
     8.5/11.7 s and TPOT p50 478 ms, against 13.6/13.9 s and 753 ms at 2048 (every prompt then waits for a

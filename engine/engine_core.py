@@ -6,13 +6,14 @@ Single-threaded: the AsyncEngine runs it in its own thread; the offline LLM call
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from kvscope.common.engine_defaults import default_num_threads
+from kvscope.common.models.registry import default_served_name
 from kvscope.engine.attention.selector import get_attention_backend
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.block_pool import BlockPool
@@ -35,7 +36,6 @@ from kvscope.engine.text.output_processor import OutputProcessor
 from kvscope.engine.text.tokenizer import Tokenizer
 from kvscope.engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
 from kvscope.engine.worker.model_runner import ModelRunner
-from kvscope.models.registry import default_served_name
 
 logger = logging.getLogger(__name__)
 
@@ -346,26 +346,6 @@ def format_line(info: ModelInfo) -> str:
     return (f"weights format: dtype {info.dtype}, quantization {info.quantization} ({info.format_reason}){kernels}; "
             f"weights {info.weights_bytes} B, KV cache {info.kv_cache_bytes} B ({info.num_blocks} blocks), "
             f"process RSS {info.rss_bytes} B (peak {info.peak_rss_bytes} B)")
-
-
-def default_num_threads() -> int:
-    """torch threads when ``EngineConfig.num_threads`` is None: the CPUs this process may use minus one (left
-    for the server loop, tokenizer and the OS), at least 1.
-
-    Why not all of them: OpenMP threads spin at every barrier, so when any other process (or the server's own
-    thread) takes one of the cores, each parallel op waits for a descheduled thread. Measured on a 2-core
-    AVX-512 VM, SmolLM2-135M fp32, decode ms/step at batch 1 / 8 / 32 (128-token prompts):
-    idle machine: 1 thread 41 / 62 / 150, 2 threads 42 / 43 / 98; one busy-loop process beside it:
-    1 thread 43 / 63 / 154, 2 threads 105 / 186 / 361; under the team's usual load (3-4 busy processes):
-    1 thread 44 / 70 / 160-200, 2 threads 250 / 300-1700 / 1300-2200. With ``OMP_WAIT_POLICY=PASSIVE`` in the
-    environment before torch loads, 2 threads stay at 44 / 65 / 177 beside a busy process (and 47 / 54 / 106
-    idle), so a deployment that sets it can pass ``num_threads`` = all CPUs.
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus - 1)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

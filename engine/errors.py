@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvscope.openai_errors import context_length_message
+from kvscope.common.openai_errors import context_length_message
 
 
 class InvalidParameterError(ValueError):
@@ -15,7 +15,7 @@ class InvalidParameterError(ValueError):
 
 class PromptTooLongError(InvalidParameterError):
     """Prompt tokens (+ requested completion tokens) exceed the context length actually enforced. The message is
-    OpenAI's (:func:`kvscope.openai_errors.context_length_message`); the server words it again with the
+    OpenAI's (:func:`kvscope.common.openai_errors.context_length_message`); the server words it again with the
     request's field name (``messages`` or ``prompt``)."""
 
     def __init__(self, *, max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from litestar import Request
 
+from kvscope.common.openai_errors import context_length_message
 from kvscope.gateway.auth import Principal
 from kvscope.gateway.body import read_body
 from kvscope.gateway.context import RequestContext, context_of
@@ -35,7 +36,6 @@ from kvscope.gateway.proxy.plan import ProxyPlan
 from kvscope.gateway.ratelimit_middleware import lease_of
 from kvscope.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
 from kvscope.gateway.tokenize import estimate_tokens
-from kvscope.openai_errors import context_length_message
 
 if TYPE_CHECKING:
     from kvscope.gateway.state import GatewayState

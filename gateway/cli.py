@@ -12,14 +12,14 @@ import logging
 import sys
 from typing import Any
 
+from kvscope.common.settings_cli import add_flags, given
 from kvscope.gateway.auth import generate_key, hash_key
 from kvscope.gateway.settings import GatewaySettings, check_key_name, load_settings
-from kvscope.settings_cli import add_flags, given
 
 
 def _gateway_parser() -> argparse.ArgumentParser:
     """``--config`` and ``--log-level``, then one flag per :class:`Flag` field of GatewaySettings (derived by
-    kvscope.settings_cli: ``--port``, ``--upstream``, ``--keepalive`` …)."""
+    kvscope.common.settings_cli: ``--port``, ``--upstream``, ``--keepalive`` …)."""
     p = argparse.ArgumentParser(prog="kvscope gateway", description="OpenAI-compatible gateway in front of "
                                 "one or more upstreams (the kvscope engine, vLLM, llama.cpp …).")
     p.add_argument("--config", help="YAML or TOML config file (also $KVSCOPE_GATEWAY_CONFIG)")

@@ -16,14 +16,14 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from kvscope.openai_errors import INVALID_JSON, INVALID_VALUE, default_code, error_body, error_type
+from kvscope.common.openai_errors import INVALID_JSON, INVALID_VALUE, default_code, error_body, error_type
 
 _log = logging.getLogger("kvscope.gateway")
 
 
 class GatewayError(Exception):
     """An error with an HTTP status and an OpenAI error body. ``headers`` go on the response. Its ``type``
-    follows from the status (:func:`kvscope.openai_errors.error_type`, the vocabulary the engine speaks too)."""
+    follows from the status (:func:`kvscope.common.openai_errors.error_type`, the vocabulary the engine speaks too)."""
 
     status = 500
     code: str | None = "internal_error"
@@ -178,7 +178,7 @@ def error_json(err: GatewayError) -> bytes:
 
 def from_http_exception(exc: HTTPException) -> GatewayError:
     """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status; its code is
-    :func:`kvscope.openai_errors.default_code` (never null), as the engine's."""
+    :func:`kvscope.common.openai_errors.default_code` (never null), as the engine's."""
     err = GatewayError(str(exc.detail))
     err.status = exc.status_code
     err.code = default_code(exc.status_code)

@@ -19,6 +19,8 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from kvscope.common.otel_genai import GenAiClientMetrics, build_meter_provider
+from kvscope.common.version import kvscope_version
 from kvscope.gateway.auth import Authenticator
 from kvscope.gateway.forwarded import ClientAddressResolver, parse_networks
 from kvscope.gateway.logs.record import RecordBuilder, ServiceInfo
@@ -32,8 +34,6 @@ from kvscope.gateway.settings import GatewaySettings
 from kvscope.gateway.state import GatewayState
 from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer, build_tracer_provider
-from kvscope.otel_genai import GenAiClientMetrics, build_meter_provider
-from kvscope.version import kvscope_version
 
 _log = logging.getLogger("kvscope.gateway")
 

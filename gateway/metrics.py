@@ -11,8 +11,8 @@ import platform
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvscope.common.version import kvscope_version
 from kvscope.gateway.settings import MetricsConfig
-from kvscope.version import kvscope_version
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/*", "other")
 UNKNOWN_MODEL = "unknown"

@@ -14,8 +14,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
+from kvscope.common.openai_errors import INVALID_VALUE, invalid_json_message
 from kvscope.gateway.errors import InvalidJson, InvalidRequest
-from kvscope.openai_errors import INVALID_VALUE, invalid_json_message
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 _PATH = re.compile(r"at `\$\.?([^`]*)`")

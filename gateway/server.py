@@ -1,7 +1,7 @@
 """How the gateway runs under uvicorn: one :func:`uvicorn_config` for the CLI and the tests.
 
 - ``http``: :class:`GatewayH11Protocol`, uvicorn's h11 protocol with the read timeouts of
-  kvscope/read_timeouts.py (``timeouts.request_head_s``: a request head not complete in time gets a JSON 408
+  kvscope/common/read_timeouts.py (``timeouts.request_head_s``: a request head not complete in time gets a JSON 408
   and its connection closed, an idle one is closed; ``timeouts.request_body_s``: a body that stalls that long
   gets a 408 and a close), each 408 with its log record like the parser's 400s, and one more change: a request the HTTP parser
   refuses (bad request line or header, missing Host, conflicting framing, a head over 16 KiB …) is answered
@@ -14,7 +14,7 @@
   incomplete head).
 - ``proxy_headers=False``: uvicorn would otherwise rewrite the client address from ``X-Forwarded-For`` for
   any loopback peer; the gateway trusts only ``trusted_proxies`` (gateway/forwarded.py).
-- ``loop``: uvloop unless the settings' ``event_loop`` says ``asyncio`` (kvscope/event_loop.py).
+- ``loop``: uvloop unless the settings' ``event_loop`` says ``asyncio`` (kvscope/common/event_loop.py).
 - ``ws="none"``: no WebSocket routes, so an ``Upgrade`` request is a plain HTTP request for the app.
 - no access log, no ``Server`` header (the gateway writes its own request log).
 - ``scope["extensions"]["kvscope.body_chunk"]``: :func:`write_body_chunk` for the request, the relay's way to write
@@ -37,10 +37,10 @@ try:  # h11's writer of chunked bodies: the body-chunk fast path writes only whe
 except ImportError:  # pragma: no cover - another h11 layout: the fast path stays off, ASGI send does it all
     ChunkedWriter = None  # type: ignore[assignment,misc]
 
-from kvscope.event_loop import resolve_event_loop
+from kvscope.common.event_loop import resolve_event_loop
+from kvscope.common.read_timeouts import READ_TIMEOUT_KEY, ReadTimeoutProtocol, ReadTimeouts
 from kvscope.gateway.errors import GatewayError, InvalidRequest, error_json
 from kvscope.gateway.proxy.client import BODY_CHUNK_EXTENSION
-from kvscope.read_timeouts import READ_TIMEOUT_KEY, ReadTimeoutProtocol, ReadTimeouts
 
 if TYPE_CHECKING:
     from kvscope.gateway.app import GatewayApp
@@ -59,7 +59,7 @@ class InvalidHttpRequest(InvalidRequest):
 
 
 class RequestTimedOut(GatewayError):
-    """The server's 408: a request head or body that did not arrive in time (kvscope/read_timeouts.py)."""
+    """The server's 408: a request head or body that did not arrive in time (kvscope/common/read_timeouts.py)."""
 
     status, code = 408, "request_timeout"
 
@@ -136,7 +136,7 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
                                         "HTTP/1.1 (RFC 9112)."), in_progress)
 
     def read_timed_out(self, stage: str, message: str) -> None:
-        """A head or body that did not arrive in time (kvscope/read_timeouts.py): a JSON 408 and the close, and
+        """A head or body that did not arrive in time (kvscope/common/read_timeouts.py): a JSON 408 and the close, and
         its log record: the app's own when it holds the request (a stalled body), else a record of its own (a
         partial head, as for the parser's 400s)."""
         in_progress = stage == "body" and self.cycle is not None and not self.cycle.response_complete
@@ -197,7 +197,7 @@ def write_body_chunk(cycle: RequestResponseCycle, data: bytes) -> bool:
 
 def uvicorn_config(app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any) -> uvicorn.Config:
     """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options. The event
-    loop is the settings' ``event_loop`` resolved (kvscope/event_loop.py: uvloop where installed); the read
+    loop is the settings' ``event_loop`` resolved (kvscope/common/event_loop.py: uvloop where installed); the read
     timeouts are the settings' ``timeouts.request_head_s`` and ``timeouts.request_body_s``."""
     settings = app.state.gateway.settings
     protocol = functools.partial(GatewayH11Protocol, gateway=app.state.gateway,

@@ -1,13 +1,13 @@
 """Gateway configuration: frozen msgspec Structs, loaded from a YAML/TOML file, then env, then CLI overrides.
 
 This is the only module of the gateway that reads the environment (besides the OpenTelemetry SDK, which reads
-its own ``OTEL_*`` variables: kvscope/otel_env.py). Precedence (later wins): built-in defaults < config file <
+its own ``OTEL_*`` variables: kvscope/common/otel_env.py). Precedence (later wins): built-in defaults < config file <
 ``KVSCOPE_GATEWAY_*`` env vars < CLI flags; for ``OTEL_SERVICE_NAME`` and the ``OTEL_EXPORTER_OTLP_*`` endpoints
 the config file and flags override the environment (OTel's variables are the defaults).
 Every struct forbids unknown keys, so a typo in the config file is an error, not a silent default.
 
 Defaults are written once, on the fields. A field that a flag or an environment variable sets says so with
-``Annotated[..., Flag(...)]``; :mod:`kvscope.settings_cli` (shared with the engine server) derives the
+``Annotated[..., Flag(...)]``; :mod:`kvscope.common.settings_cli` (shared with the engine server) derives the
 ``kvscope gateway`` flags and reads the variables from those annotations.
 """
 
@@ -24,12 +24,12 @@ from typing import Annotated, Any
 import msgspec
 import yaml
 
-from kvscope.event_loop import EventLoop, resolve_event_loop
+from kvscope.common.event_loop import EventLoop, resolve_event_loop
+from kvscope.common.net import is_loopback
+from kvscope.common.otel_env import protocol as otlp_protocol
+from kvscope.common.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
+from kvscope.common.settings_cli import Flag, from_env, merge
 from kvscope.gateway.forwarded import parse_networks
-from kvscope.net import is_loopback
-from kvscope.otel_env import protocol as otlp_protocol
-from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
-from kvscope.settings_cli import Flag, from_env, merge
 
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
@@ -160,7 +160,7 @@ class TimeoutConfig(msgspec.Struct, **_STRUCT):
                                           "or the previous response ended (else 408 and close)",
                                           name="--request-head-timeout", metavar="S")] = HEAD_TIMEOUT_S
     """A request head must be complete within this of the connection opening or the previous response ending:
-    else a JSON 408 and the connection closed (an idle connection is closed silently). kvscope/read_timeouts.py."""
+    else a JSON 408 and the connection closed (an idle connection is closed silently). kvscope/common/read_timeouts.py."""
     request_body_s: Annotated[float, Flag("longest silence while a request body arrives (else 408 and close)",
                                           name="--request-body-timeout", metavar="S")] = BODY_TIMEOUT_S
     """Longest silence while a request body is being received: then a JSON 408 and the connection closed."""
@@ -229,7 +229,7 @@ class TracingConfig(msgspec.Struct, **_STRUCT):
         "OTLP endpoint for traces and metrics (http://127.0.0.1:4318; default: $OTEL_EXPORTER_OTLP_*)")] = None
     """OTLP base URL, e.g. ``http://127.0.0.1:4318`` (OTLP/HTTP: spans to ``/v1/traces``, metrics to
     ``/v1/metrics``; gRPC: used as is). None: the ``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT`` environment,
-    read by the OTel SDK (kvscope/otel_env.py)."""
+    read by the OTel SDK (kvscope/common/otel_env.py)."""
     metrics_export_interval_s: float | None = None
     """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed; None: ``$OTEL_METRIC_EXPORT_INTERVAL``
     (ms), else 15 s."""
@@ -288,7 +288,7 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     metrics: MetricsConfig = MetricsConfig()
     event_loop: Annotated[EventLoop, Flag("the server's event loop: auto = uvloop where it is installed (a gateway "
                                           "dependency), else asyncio", env="KVSCOPE_GATEWAY_EVENT_LOOP")] = "auto"
-    """uvicorn's event loop (kvscope/event_loop.py: 10-15 % less CPU per relayed token on uvloop)."""
+    """uvicorn's event loop (kvscope/common/event_loop.py: 10-15 % less CPU per relayed token on uvloop)."""
     service_name: str = "kvscope-gateway"
     """OTel ``service.name`` of spans, metrics and logs; default ``$OTEL_SERVICE_NAME``, else ``kvscope-gateway``."""
     node_name: str | None = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 from litestar.connection import ASGIConnection
 
+from kvscope.common.otel_genai import GenAiClientMetrics
 from kvscope.gateway.auth import Authenticator
 from kvscope.gateway.forwarded import ClientAddressResolver
 from kvscope.gateway.logs.record import RecordBuilder
@@ -20,7 +21,6 @@ from kvscope.gateway.ratelimit import RateLimiter
 from kvscope.gateway.settings import GatewaySettings
 from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer
-from kvscope.otel_genai import GenAiClientMetrics
 
 
 @dataclass(slots=True)

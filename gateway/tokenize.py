@@ -1,7 +1,7 @@
 """Prompt token counting at the edge with the model's own tokenizer (HF ``tokenizers``).
 
 Per model, configure ``tokenizer:`` (a ``tokenizer.json`` or a model folder). Chat prompts are rendered with
-the model's chat template by :mod:`kvscope.chat_template`, the module our engine uses too (the environment of
+the model's chat template by :mod:`kvscope.common.chat_template`, the module our engine uses too (the environment of
 transformers' ``chat_template_utils``), the text tokenized without adding special tokens. Completions prompts
 are tokenized with special tokens (BOS).
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import tokenizers
 
-from kvscope.chat_template import (
+from kvscope.common.chat_template import (
     ChatRenderer,
     compile_chat_template,
     load_chat_template,

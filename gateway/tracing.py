@@ -20,15 +20,15 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvscope.common.otel_env import span_exporter
 from kvscope.gateway.settings import TracingConfig
-from kvscope.otel_env import span_exporter
 
 
 def build_tracer_provider(config: TracingConfig, service_name: str, service_version: str, node: str,
                           exporter: SpanExporter | None = None) -> TracerProvider:
     """A provider exporting to ``exporter`` (synchronously; for tests) and/or over OTLP (batched) to
     ``tracing.otlp_endpoint`` (an OTLP/HTTP base URL, spans to ``/v1/traces``, or a gRPC endpoint) or, when
-    unset, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (:func:`kvscope.otel_env.span_exporter`; the SDK
+    unset, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (:func:`kvscope.common.otel_env.span_exporter`; the SDK
     reads it). Without either, spans are still made (ids for the log); ``OTEL_SDK_DISABLED=true`` makes the
     provider no-op and exports nothing. Raises ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
     resource = Resource.create({"service.name": service_name, "service.version": service_version,

@@ -1,4 +1,4 @@
-"""One OpenAI error vocabulary (kvscope/openai_errors.py): the engine server and the gateway answer the same
+"""One OpenAI error vocabulary (kvscope/common/openai_errors.py): the engine server and the gateway answer the same
 ``type`` for the same status, and word the context-length error with one function."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from litestar.exceptions import HTTPException
 
+from kvscope.common.openai_errors import context_length_message, error_body, error_type
 from kvscope.engine.errors import PromptTooLongError
 from kvscope.engine.server.errors import OpenAIError, from_engine
 from kvscope.gateway.errors import (
@@ -25,7 +26,6 @@ from kvscope.gateway.errors import (
     from_http_exception,
     upstream_error_object,
 )
-from kvscope.openai_errors import context_length_message, error_body, error_type
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",

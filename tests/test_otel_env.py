@@ -1,4 +1,4 @@
-"""kvscope/otel_env.py: which OTLP exporters the OpenTelemetry environment and a flag/config endpoint give
+"""kvscope/common/otel_env.py: which OTLP exporters the OpenTelemetry environment and a flag/config endpoint give
 (the process tests, tests/{engine/server,gateway}/test_otel_env.py, check what arrives)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-from kvscope.otel_env import exports, metric_reader, protocol, signal_url, span_exporter
+from kvscope.common.otel_env import exports, metric_reader, protocol, signal_url, span_exporter
 
 OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
              "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_METRIC_EXPORT_INTERVAL",

@@ -50,7 +50,7 @@ class FormatSpec:
 
     @property
     def verified_name(self) -> str | None:
-        """The name ``kvscope.models.registry.ModelSpec.verified_formats`` uses for it (float32, bfloat16,
+        """The name ``kvscope.common.models.registry.ModelSpec.verified_formats`` uses for it (float32, bfloat16,
         int8, gguf), or None for another pair."""
         return self.name if self.name in ("float32", "bfloat16", "int8", "gguf") else None
 

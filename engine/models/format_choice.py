@@ -1,8 +1,8 @@
 """``--quantization auto``: the fastest weight format this CPU runs among those verified for the model.
 
-Candidates: the model's verified formats (``kvscope.models.registry.ModelSpec.verified_formats``, names of
+Candidates: the model's verified formats (``kvscope.common.models.registry.ModelSpec.verified_formats``, names of
 :data:`FORMATS`; a model that is not registered: float32 and bfloat16,
-``kvscope.models.registry.verified_formats``). Speed: the
+``kvscope.common.models.registry.verified_formats``). Speed: the
 start-up kernel probe (:func:`kvscope.engine.models.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD
 EPYC without AMX gets what *its* probe measured. A format's cost at ``n`` rows is the time of the kernel it
 runs there: its dense dtype's for float32/bfloat16; for int8/gguf (int4) the compact kernel up to the

@@ -21,6 +21,9 @@ import torch
 from filelock import FileLock
 from safetensors import safe_open
 
+from kvscope.common.models.cache import cache_root, hf_dir
+from kvscope.common.models.pull import pull
+from kvscope.common.models.registry import UnknownModelError, is_registered, list_models, verified_formats
 from kvscope.engine.config import ModelConfig
 from kvscope.engine.models.compact import QuantReport, quantize_model
 from kvscope.engine.models.format_choice import FormatChoice, choose_format, pinned_format
@@ -29,9 +32,6 @@ from kvscope.engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
 from kvscope.engine.models.llama import LlamaForCausalLM, check_sliding_window
 from kvscope.engine.models.registry import get_model_class
 from kvscope.kernels.cpu_decode import BuildResult, load
-from kvscope.models.cache import cache_root, hf_dir
-from kvscope.models.pull import pull
-from kvscope.models.registry import UnknownModelError, is_registered, list_models, verified_formats
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ follow ECS (``http.response.status_code``, ``event.outcome`` …); never the bod
 A client that leaves before its request body ended is logged (and counted) as 499 ``client_disconnected``,
 nginx's "client closed request" as the gateway logs it, not as the 500 Litestar's body reader raises for it (a
 client's departure must not feed the server-error alerts); a body the server stopped waiting for
-(kvscope/read_timeouts.py) as the 408 the server answered.
+(kvscope/common/read_timeouts.py) as the 408 the server answered.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
-from kvscope.openai_errors import CLIENT_CLOSED_REQUEST, default_code, error_type
-from kvscope.read_timeouts import READ_TIMEOUT_KEY
+from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST, default_code, error_type
+from kvscope.common.read_timeouts import READ_TIMEOUT_KEY
 
 ACCESS_LOGGER = "kvscope.engine.access"
 QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")

@@ -23,6 +23,8 @@ from litestar.openapi import OpenAPIConfig
 from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from kvscope.common.otel_genai import GenAiServerMetrics, build_meter_provider
+from kvscope.common.version import kvscope_version
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine_core import StepResult
 from kvscope.engine.sampling_params import SamplingParams
@@ -37,8 +39,6 @@ from kvscope.engine.server.stat_logger import ServerMetrics, host_memory_bytes
 from kvscope.engine.server.state import ServerState
 from kvscope.engine.server.tracing import Tracing
 from kvscope.engine.structured.params import CompileLimits
-from kvscope.otel_genai import GenAiServerMetrics, build_meter_provider
-from kvscope.version import kvscope_version
 
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = "Hello"

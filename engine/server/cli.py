@@ -4,7 +4,7 @@
 engine/server/settings.py) into an EngineConfig (kvscope.engine.llm.build_engine_config) and ServerSettings, warns
 loudly when it binds a non-loopback address without ``--api-key``, configures logging (request lines as JSON
 on stdout, everything else on stderr) and runs
-uvicorn (on uvloop unless ``--event-loop asyncio``: kvscope/event_loop.py) until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine shutting down"
+uvicorn (on uvloop unless ``--event-loop asyncio``: kvscope/common/event_loop.py) until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine shutting down"
 (streams receive an in-band error event) instead of hanging until the graceful-shutdown timeout.
 """
 
@@ -16,14 +16,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvscope.common.event_loop import resolve_event_loop
 from kvscope.engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
 from kvscope.engine.server.settings import ServerSettings, add_arguments, engine_options, server_settings
-from kvscope.event_loop import resolve_event_loop
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``kvscope engine``'s flags: one per :class:`EngineOptions` / :class:`ServerSettings` field
-    (engine/server/settings.py), derived by kvscope.settings_cli."""
+    (engine/server/settings.py), derived by kvscope.common.settings_cli."""
     return add_arguments(argparse.ArgumentParser(prog="kvscope engine",
                                                  description="Serve a model with the kvscope engine."))
 
@@ -71,13 +71,13 @@ def engine_main(argv: Sequence[str] | None = None) -> int:
 def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
     """The ``uvicorn.Config`` the engine serves ``app`` under: no access log of uvicorn's (the engine writes its
     own), 5 s graceful shutdown, the event loop ``settings.event_loop`` resolved (uvloop where installed), and
-    uvicorn's h11 protocol with the request head and body read timeouts (kvscope/read_timeouts.py:
+    uvicorn's h11 protocol with the request head and body read timeouts (kvscope/common/read_timeouts.py:
     ``--request-head-timeout``, ``--request-body-timeout``; a stalled head or body gets a JSON 408 and a close)."""
     import functools
 
     import uvicorn
 
-    from kvscope.read_timeouts import ReadTimeoutProtocol, ReadTimeouts
+    from kvscope.common.read_timeouts import ReadTimeoutProtocol, ReadTimeouts
 
     protocol = functools.partial(ReadTimeoutProtocol, read_timeouts=ReadTimeouts(settings.request_head_timeout_s,
                                                                                  settings.request_body_timeout_s))
@@ -92,8 +92,8 @@ def load_engine(config: Any) -> Any:
     gguf`` without a GGUF, a memory budget below the weights, too few KV blocks for ``max_model_len``, a device
     this machine lacks — ends the command with one line and exit status 2, not a start-up traceback. Returns
     None after printing that line; other exceptions propagate (a defect, with its traceback)."""
+    from kvscope.common.models.pull import PullError
     from kvscope.engine.async_engine import AsyncEngine
-    from kvscope.models.pull import PullError
 
     try:
         return AsyncEngine(config)

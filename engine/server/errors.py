@@ -16,9 +16,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from kvscope.engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
-from kvscope.engine.server.protocol import ErrorInfo, ErrorResponse
-from kvscope.openai_errors import (
+from kvscope.common.openai_errors import (
     INVALID_JSON,
     INVALID_VALUE,
     context_length_message,
@@ -26,6 +24,8 @@ from kvscope.openai_errors import (
     error_type,
     invalid_json_message,
 )
+from kvscope.engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
+from kvscope.engine.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 class OpenAIError(Exception):
     """An error answered as OpenAI error JSON with ``status``; raised by the serving code. Its ``type`` follows
-    from the status (:func:`kvscope.openai_errors.error_type`, the vocabulary the gateway speaks too)."""
+    from the status (:func:`kvscope.common.openai_errors.error_type`, the vocabulary the gateway speaks too)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -76,7 +76,7 @@ def from_engine(exc: Exception, *, prompt_param: str = "messages",
     """Map engine exceptions: PromptTooLongError → 400 ``context_length_exceeded`` with the real numbers,
     InvalidParameterError → 400 with its ``param`` (renamed to the request's field name), EngineDeadError → 503.
     The over-long ``param`` is always the prompt field (``messages``/``prompt``), as OpenAI and the gateway
-    name it (kvscope.openai_errors.context_length_message words the numbers)."""
+    name it (kvscope.common.openai_errors.context_length_message words the numbers)."""
     if isinstance(exc, PromptTooLongError):
         message = context_length_message(exc.max_model_len, exc.num_prompt_tokens, exc.max_tokens,
                                          "messages" if prompt_param == "messages" else "prompt")

@@ -22,10 +22,10 @@ from typing import Annotated
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvscope.common.settings_cli import Flag
+from kvscope.common.version import kvscope_version
 from kvscope.engine.core.attribution import LATENCY_CAUSES
 from kvscope.engine.structured.params import KINDS as STRUCTURED_KINDS
-from kvscope.settings_cli import Flag
-from kvscope.version import kvscope_version
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finish_reason`` label (kvscope.engine.core.request.RequestStatus.finish_reason)."""

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 from litestar import Request, Response
 
+from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
 from kvscope.engine.async_engine import GrammarLimitError, RequestFailedError
 from kvscope.engine.errors import EngineDeadError, InvalidParameterError
 from kvscope.engine.input_processor import EngineRequest
@@ -37,7 +38,6 @@ from kvscope.engine.server.metrics import STREAM_ERROR_REASONS
 from kvscope.engine.server.request_state import Outcome, RequestState
 from kvscope.engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
 from kvscope.engine.server.state import ServerState
-from kvscope.openai_errors import CLIENT_CLOSED_REQUEST
 
 logger = logging.getLogger(__name__)
 FAULT_HEADER = "x-kvscope-fault"

@@ -2,13 +2,13 @@
 
 Two msgspec Structs hold every default once: :class:`EngineOptions` (the engine flags; their defaults are
 :class:`kvscope.engine.config.EngineConfig`'s) and :class:`ServerSettings`. The command line is derived from their
-fields by :mod:`kvscope.settings_cli` (the gateway's settings use the same helper); precedence: defaults <
+fields by :mod:`kvscope.common.settings_cli` (the gateway's settings use the same helper); precedence: defaults <
 environment < flags.
 
 Environment variables: ``OTEL_SERVICE_NAME`` names the service (default ``kvscope-engine``);
 ``KVSCOPE_ENGINE_API_KEY`` is the API key when ``--api-key`` is not given (a flag is visible in ``ps``, the
 environment is not). The OpenTelemetry SDK reads its own ``OTEL_*`` variables (endpoints, protocol, export
-interval, ``OTEL_SDK_DISABLED``; kvscope/otel_env.py); ``--otlp-endpoint`` overrides their endpoints and an
+interval, ``OTEL_SDK_DISABLED``; kvscope/common/otel_env.py); ``--otlp-endpoint`` overrides their endpoints and an
 unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL`` is rejected here.
 """
 
@@ -22,14 +22,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvscope.common.event_loop import EventLoop, resolve_event_loop
+from kvscope.common.net import is_loopback
+from kvscope.common.otel_env import protocol as otlp_protocol
+from kvscope.common.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, ReadTimeouts
+from kvscope.common.settings_cli import Flag, add_flags, from_env, given, load
 from kvscope.engine.config import DEFAULT_MODEL
 from kvscope.engine.server.metrics import MetricBuckets
 from kvscope.engine.structured.params import CompileLimits
-from kvscope.event_loop import EventLoop, resolve_event_loop
-from kvscope.net import is_loopback
-from kvscope.otel_env import protocol as otlp_protocol
-from kvscope.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, ReadTimeouts
-from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
 DEFAULT_SERVICE_NAME = "kvscope-engine"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -143,7 +143,7 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
         "OTLP collector for traces and metrics (OTLP/HTTP base URL or …/v1/traces; a gRPC endpoint with "
         "OTEL_EXPORTER_OTLP_PROTOCOL=grpc); default: $OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT, else no export")] = None
     """OTLP endpoint overriding the ``OTEL_EXPORTER_OTLP_*`` environment (OTLP/HTTP: spans to ``/v1/traces``,
-    metrics to ``/v1/metrics``); None = what the environment names, read by the OTel SDK (kvscope/otel_env.py)."""
+    metrics to ``/v1/metrics``); None = what the environment names, read by the OTel SDK (kvscope/common/otel_env.py)."""
     service_name: Annotated[str, Flag("OTel service.name (default $OTEL_SERVICE_NAME or kvscope-engine)",
                                       env="OTEL_SERVICE_NAME")] = DEFAULT_SERVICE_NAME
     buckets: MetricBuckets = msgspec.field(default_factory=MetricBuckets)
@@ -158,11 +158,11 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     log_level: Annotated[Literal["debug", "info", "warning", "error"], Flag()] = "info"
     event_loop: Annotated[EventLoop, Flag("the server's event loop: auto = uvloop where it is installed (an engine "
                                           "dependency), else asyncio")] = "auto"
-    """uvicorn's event loop (kvscope/event_loop.py: uvloop took 17 % more tokens/s at 32 streams on 2 cores)."""
+    """uvicorn's event loop (kvscope/common/event_loop.py: uvloop took 17 % more tokens/s at 32 streams on 2 cores)."""
     request_head_timeout_s: Annotated[float, Flag(
         "a request head must be complete this long after the connection opened or the previous response ended "
         "(else 408 and close)", name="--request-head-timeout")] = HEAD_TIMEOUT_S
-    """Seconds for a whole request head; then a JSON 408 and the connection closed (kvscope/read_timeouts.py)."""
+    """Seconds for a whole request head; then a JSON 408 and the connection closed (kvscope/common/read_timeouts.py)."""
     request_body_timeout_s: Annotated[float, Flag(
         "longest silence while a request body arrives (else 408 and close)", name="--request-body-timeout")] = \
         BODY_TIMEOUT_S
@@ -203,7 +203,7 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of :class:`EngineOptions` and :class:`ServerSettings` (kvscope.settings_cli derives them from
+    """The flags of :class:`EngineOptions` and :class:`ServerSettings` (kvscope.common.settings_cli derives them from
     the fields: ``--max-model-len``, ``--no-warmup`` …). Returns ``parser``."""
     return add_flags(add_flags(parser, EngineOptions), ServerSettings)
 

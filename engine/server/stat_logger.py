@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from kvscope.common.otel_genai import GenAiServerMetrics
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.engine_core import StepResult
 from kvscope.engine.server.metrics import EngineMetrics, MetricBuckets
 from kvscope.engine.spec_decode.stats import SpecDecodingStats
-from kvscope.otel_genai import GenAiServerMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ class ServerMetrics:
         self.registry = registry
         self.model = model
         self.genai = genai
-        """OTel ``gen_ai.server.*`` instruments (kvscope.otel_genai), None when not wired."""
+        """OTel ``gen_ai.server.*`` instruments (kvscope.common.otel_genai), None when not wired."""
         self.engine = EngineMetrics(registry, buckets, num_speculative_tokens)
         self.engine.initialize(model, device)
         self.http_requests = self.engine.http_requests

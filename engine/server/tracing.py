@@ -16,7 +16,7 @@ accepted runs are totals on the ``decode`` span (:func:`spec_decode_attributes`)
 
 The trace continues an incoming W3C ``traceparent`` (the gateway's span becomes the parent of
 ``llm_request``). Export: OTLP (HTTP protobuf or gRPC) when ``--otlp-endpoint`` or the standard
-``OTEL_EXPORTER_OTLP_*`` environment configures it (:mod:`kvscope.otel_env`; none with ``OTEL_SDK_DISABLED=true``),
+``OTEL_EXPORTER_OTLP_*`` environment configures it (:mod:`kvscope.common.otel_env`; none with ``OTEL_SDK_DISABLED=true``),
 an injected exporter in tests (e.g. ``InMemorySpanExporter``), nothing otherwise. Each :class:`Tracing` owns its TracerProvider; the global
 OTel provider is never set. Attribute names follow the OTel GenAI semantic conventions (``gen_ai.*``).
 """
@@ -35,9 +35,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvscope.common.otel_env import span_exporter
+from kvscope.common.version import kvscope_version
 from kvscope.engine.core.request import Request
-from kvscope.otel_env import span_exporter
-from kvscope.version import kvscope_version
 
 
 @dataclass(slots=True)
@@ -166,7 +166,7 @@ class Tracing:
     def otlp(cls, service_name: str, endpoint: str | None) -> Tracing:
         """OTLP export to ``endpoint`` (the ``--otlp-endpoint`` flag: an OTLP/HTTP base or ``…/v1/traces`` URL,
         or a gRPC endpoint) or, when None, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (the SDK reads
-        it); no export when neither is set or ``OTEL_SDK_DISABLED=true`` (:func:`kvscope.otel_env.span_exporter`).
+        it); no export when neither is set or ``OTEL_SDK_DISABLED=true`` (:func:`kvscope.common.otel_env.span_exporter`).
         Raises ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
         return cls(service_name, span_exporter(endpoint))
 

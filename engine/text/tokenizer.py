@@ -1,7 +1,7 @@
 """Tokenizer wrapper: HF ``tokenizers`` (tokenizer.json) + the model's jinja2 chat template.
 
 The runtime path never imports transformers: encoding/decoding is the Rust ``tokenizers`` library, the chat
-template is rendered by :mod:`kvscope.chat_template` (shared with the gateway) the way
+template is rendered by :mod:`kvscope.common.chat_template` (shared with the gateway) the way
 ``transformers.utils.chat_template_utils`` does, and the rendered text is tokenized without special tokens.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import tokenizers
 
-from kvscope.chat_template import (
+from kvscope.common.chat_template import (
     ChatTemplateError,
     compile_chat_template,
     load_chat_template,

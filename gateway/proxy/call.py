@@ -22,6 +22,7 @@ import msgspec
 from litestar.types import Receive, Scope, Send
 from opentelemetry.trace import Span, Status, StatusCode
 
+from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
 from kvscope.gateway.auth import TENANT_HEADER
 from kvscope.gateway.errors import (
     GatewayError,
@@ -47,7 +48,6 @@ from kvscope.gateway.proxy.relay import (
 )
 from kvscope.gateway.proxy.upstreams import Replica
 from kvscope.gateway.sse import data_event
-from kvscope.openai_errors import CLIENT_CLOSED_REQUEST
 
 if TYPE_CHECKING:
     from kvscope.gateway.context import RequestContext

@@ -116,7 +116,7 @@ def _sampler(args: argparse.Namespace):
 
 
 def _default_tokenizer(model: str) -> str | None:
-    from kvscope.models.cache import hf_dir
+    from kvscope.common.models.cache import hf_dir
 
     path = hf_dir(model) / "tokenizer.json"
     return str(path) if path.is_file() else None

@@ -1,10 +1,4 @@
-"""``kvscope plan``: the capacity planner (docs/plan.md). Imports nothing heavy: torch only inside the CPU probe."""
+"""``kvscope plan``: the capacity planner (docs/plan.md). Imports nothing heavy: torch only inside the CPU probe.
 
-from __future__ import annotations
-
-
-def plan_main(argv: list[str]) -> int:
-    """Entry point of ``kvscope plan`` (see kvscope/plan/cli.py)."""
-    from kvscope.plan.cli import plan_main as main
-
-    return main(argv)
+Its command line is kvscope/cli/plan.py (the top layer, which also reads request logs for ``--from-log``).
+"""

@@ -3,7 +3,7 @@
 - Bandwidth: the best of ``repeats`` timed ``tensor.sum()`` over a float32 buffer of ``buffer_bytes``
   (default 1 GiB, beyond any last-level cache), i.e. streaming read bandwidth, the traffic of a decode step.
 - Peak FLOP/s: the best of ``repeats`` timed ``n × n`` matmuls (``2 n³`` FLOPs each) in fp32 and bf16.
-Both run with the torch thread count the engine would use (``kvscope.engine.engine_core.default_num_threads``: the
+Both run with the torch thread count the engine would use (``kvscope.common.engine_defaults.default_num_threads``: the
 CPUs this process may use minus one, at least 1), so the bound is the engine's own ceiling on this machine.
 About 2 s on a 2-core VM.
 """
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from kvscope.common.engine_defaults import default_num_threads
 from kvscope.plan.devices import CPU, Device
 
 Clock = Callable[[], float]
@@ -35,11 +36,6 @@ class ProbeConfig:
             raise ValueError("buffer_bytes >= 4096, matmul_n >= 16 and repeats >= 1 are required")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"probe threads must be at least 1, got {self.threads}")
-
-
-def engine_default_threads() -> int:
-    """The engine's CPU thread default (mirrors kvscope.engine.engine_core.default_num_threads, without its imports)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int, clock: Clock) -> float:
@@ -80,7 +76,7 @@ def probe_cpu(config: ProbeConfig | None = None, clock: Clock = time.perf_counte
     import torch
 
     config = config or ProbeConfig()
-    threads = config.threads or engine_default_threads()
+    threads = config.threads or default_num_threads()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

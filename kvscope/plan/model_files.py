@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvscope.models.cache import hf_dir, model_dir
-from kvscope.models.registry import get_model_spec, is_registered, list_models
+from kvscope.common.models.cache import hf_dir, model_dir
+from kvscope.common.models.registry import get_model_spec, is_registered, list_models
 from kvscope.plan.gguf_header import read_gguf
 from kvscope.plan.shape import ModelNotFoundError, ModelShape, shape_from_hf_config
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from kvscope.common import engine_defaults
 from kvscope.plan import engine_formats as ef
 from kvscope.plan import formulas as f
 from kvscope.plan.devices import CPU, FORMAT_OF_DTYPE, Device
@@ -23,8 +24,8 @@ CUDA_CONTEXT_BYTES = 512 << 20
 MAX_SEQS_CAP = 256
 """Largest --max-num-seqs recommended when no --concurrency is asked for."""
 CONCURRENCY_ROWS = (1, 8, 32, 64, 128, 256)
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
-"""The engine's prefill token budget per step (engine/config.py SchedulerConfig; a test keeps them equal)."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = engine_defaults.MAX_NUM_BATCHED_TOKENS
+"""The engine's prefill token budget per step (declared once in kvscope.common.engine_defaults)."""
 PROMPT_ROWS = (128, 512, 2048, 8192, 32768)
 
 
@@ -41,10 +42,10 @@ class PlanRequest:
     max_model_len: int | None = None
     """None = the model's max_position_embeddings."""
     concurrency: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = engine_defaults.GPU_MEMORY_UTILIZATION
     kv_cache_memory: int | None = None
     """CPU KV budget (bytes); None = what ``concurrency`` (or the RAM) needs."""
-    block_size: int = 16
+    block_size: int = engine_defaults.BLOCK_SIZE
     prompt_len: int = 128
     output_len: int = 128
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -18,8 +18,6 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from kvscope.plan.formulas import blocks_for
 
@@ -140,35 +138,3 @@ def length_stats(values: list[int]) -> dict[str, float | None]:
     floats = [float(v) for v in values]
     return {"p50": quantile(floats, 0.5), "p90": quantile(floats, 0.9), "p99": quantile(floats, 0.99),
             "max": max(floats) if floats else None, "mean": statistics.fmean(floats) if floats else None}
-
-
-_SPAN_SQL = """
-SELECT epoch("event"."start") AS start_s, epoch("event"."end") AS end_s,
-       "gen_ai"."usage"."input_tokens" AS input_tokens,
-       coalesce("gen_ai"."usage"."output_tokens", 0) AS output_tokens,
-       "kvscope"."ttft_s" AS ttft_s
-FROM requests WHERE "event"."start" IS NOT NULL AND "event"."end" IS NOT NULL
-  AND "gen_ai"."usage"."input_tokens" IS NOT NULL
-ORDER BY start_s
-"""
-_NOT_GENERATIONS_SQL = 'SELECT count(*) FROM requests WHERE "gen_ai"."usage"."input_tokens" IS NULL'
-
-
-
-def read_spans(source: str | Path) -> tuple[list[Span], dict[str, Any]]:
-    """Spans of every record of a JSONL request log (the file with its rotated siblings, or a directory),
-    read by DuckDB with the typed columns ``kvscope logs`` uses. Returns (spans, {"unparsed_lines": n,
-    "not_generations": m}).
-    Raises FileNotFoundError when no log file matches."""
-    import duckdb
-
-    from kvscope.gateway.analytics.duckdb_logs import DuckDBLogs
-
-    try:
-        logs = DuckDBLogs(source)
-    except duckdb.Error as exc:  # a damaged .gz or an unreadable file: bad input, not a crash
-        raise ValueError(f"cannot read the request log {source}: {exc}") from None
-    rows = logs.con.execute(_SPAN_SQL).fetchall()
-    spans = [Span(float(a), float(b), int(i), int(o), None if t is None else float(t)) for a, b, i, o, t in rows]
-    not_generations = logs.con.execute(_NOT_GENERATIONS_SQL).fetchone()[0]
-    return spans, {"unparsed_lines": logs.unparsed_lines(), "not_generations": int(not_generations)}

@@ -1,4 +1,4 @@
-"""The event loop the engine's and the gateway's uvicorn servers run on (kvscope/event_loop.py): uvloop by
+"""The event loop the engine's and the gateway's uvicorn servers run on (kvscope/common/event_loop.py): uvloop by
 default, asyncio on request, a clear error for uvloop where it is missing; and a gateway process really runs
 the loop it was given (its memory map holds uvloop's extension only when it does)."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvscope import event_loop
+from kvscope.common import event_loop
+from kvscope.common.event_loop import resolve_event_loop
 from kvscope.engine.server.cli import uvicorn_config as engine_uvicorn_config
 from kvscope.engine.server.settings import ServerSettings
-from kvscope.event_loop import resolve_event_loop
 from kvscope.gateway.app import create_app
 from kvscope.gateway.server import uvicorn_config as gateway_uvicorn_config
 from kvscope.gateway.settings import load_settings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvscope.supervisor import engine_format_line
+from kvscope.cli.supervisor import engine_format_line
 
 
 def test_the_serve_line_names_the_engine_format_and_the_float32_flag() -> None:

@@ -1,5 +1,5 @@
 """The name a model is served under without ``--served-model-name``: one rule for the engine's /v1/models and for
-``kvscope serve``'s banner and gateway tokenizer key (kvscope/models/registry.py ``default_served_name``; a break-it
+``kvscope serve``'s banner and gateway tokenizer key (kvscope/common/models/registry.py ``default_served_name``; a break-it
 run found a .gguf path served as ``hf``, the name of the folder it is converted into)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.models.registry import default_served_name
-from kvscope.supervisor import ServeOptions, _served_name
+from kvscope.cli.supervisor import ServeOptions, _served_name
+from kvscope.common.models.registry import default_served_name
 
 
 def test_default_served_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""kvscope.settings_cli: flags and environment variables derived from settings fields (engine and gateway)."""
+"""kvscope.common.settings_cli: flags and environment variables derived from settings fields (engine and gateway)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Annotated, Literal
 import msgspec
 import pytest
 
+from kvscope.common.settings_cli import Flag, add_flags, from_env, given, load
 from kvscope.engine.server.cli import build_parser
 from kvscope.engine.server.settings import engine_options, server_settings
 from kvscope.gateway.cli import _gateway_parser
-from kvscope.settings_cli import Flag, add_flags, from_env, given, load
 
 
 class Inner(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -95,7 +95,7 @@ def test_engine_defaults_env_and_flags() -> None:
     assert options.config_kwargs() == {"dtype": "auto", "quantization": "auto"} and options.model == "smollm2-135m"
     assert (settings.host, settings.port, settings.sse_keepalive_s, settings.max_concurrent_requests,
             settings.log_level, settings.warmup) == ("127.0.0.1", 8000, 15.0, 0, "info", True)
-    # OTEL_EXPORTER_OTLP_ENDPOINT is the OTel SDK's to read (kvscope/otel_env.py): no flag value
+    # OTEL_EXPORTER_OTLP_ENDPOINT is the OTel SDK's to read (kvscope/common/otel_env.py): no flag value
     assert (settings.api_key, settings.service_name, settings.otlp_endpoint) == ("k-env", "svc", None)
     args = build_parser().parse_args(["--api-key", "k-flag", "--service-name", "mine", "--no-warmup",
                                       "--dtype", "bfloat16", "--kv-cache-memory", "1M", "--tpot-buckets", "0.1,1"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.supervisor import ServeOptions, Supervisor
+from kvscope.cli.supervisor import ServeOptions, Supervisor
 
 
 def _listening() -> socket.socket:

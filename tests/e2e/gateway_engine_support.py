@@ -86,7 +86,7 @@ def start_stack(tmp: Path, *engine_args: str, gateway_config: dict[str, Any] | N
     """Engine (``ENGINE_BASE_ARGS`` + ``engine_args``) then the gateway in front of it, with the model's
     tokenizer for prompt limits at the edge, keep-alives every ``GATEWAY_KEEPALIVE_S``, a JSONL log in ``tmp``
     and both exporting OTLP to a fresh receiver; returns once the gateway is ready (/readyz 200)."""
-    from kvscope.models.cache import hf_dir
+    from kvscope.common.models.cache import hf_dir
 
     receiver = OTLPReceiver()
     engine = start_engine(tmp, *ENGINE_BASE_ARGS, *engine_args, "--otlp-endpoint", receiver.url, env=FAST_EXPORT)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kvscope.engine.attention.torch_backend as engine_attention
-import kvscope.engine.engine_core as engine_core
+from kvscope.common import engine_defaults
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
 from kvscope.engine.models.layers import Linear, cpu_linear_kernel
@@ -132,8 +132,8 @@ def test_bfloat16_cache_attention(native_bf16: bool) -> None:
 
 @pytest.mark.parametrize(("cpus", "expected"), [({0}, 1), ({0, 1}, 1), (set(range(8)), 7)])
 def test_default_num_threads_leaves_one_cpu(monkeypatch: pytest.MonkeyPatch, cpus: set[int], expected: int) -> None:
-    monkeypatch.setattr(engine_core.os, "sched_getaffinity", lambda pid: cpus)
-    assert engine_core.default_num_threads() == expected
+    monkeypatch.setattr(engine_defaults.os, "sched_getaffinity", lambda pid: cpus)
+    assert engine_defaults.default_num_threads() == expected
 
 
 def test_gather_buffers_are_reused_and_large_ones_released(monkeypatch: pytest.MonkeyPatch) -> None:

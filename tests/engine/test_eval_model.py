@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvscope.common.models.registry import get_model_spec
 from kvscope.engine.eval.cli import ppl_main
 from kvscope.engine.eval.formats import DEFAULT_FORMATS, parse_format
 from kvscope.engine.eval.perplexity import sliding_windows
 from kvscope.engine.eval.runner import build_llm, engine_prompt_logprobs, score_windows
 from kvscope.engine.eval.text import load_text
-from kvscope.models.registry import get_model_spec
 
 pytestmark = pytest.mark.slow
 PREFIX = 512

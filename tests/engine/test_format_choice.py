@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvscope.engine.models.loader as loader
+from kvscope.common.models.registry import verified_formats
 from kvscope.engine.config import CacheConfig, ModelConfig
 from kvscope.engine.engine_core import format_line
 from kvscope.engine.memory import cpu_kv_budget, process_memory_bytes
@@ -16,7 +17,6 @@ from kvscope.engine.models.compact import model_weight_bytes
 from kvscope.engine.models.format_choice import choose_format, format_cost_ms, format_score
 from kvscope.engine.models.kernel_probe import NO_DENSE, KernelChoice
 from kvscope.engine.server.cli import build_parser, engine_options
-from kvscope.models.registry import verified_formats
 from kvscope.plan.engine_formats import engine_weight_bytes
 from kvscope.plan.model_files import read_model
 from tests.engine.server.fakes import FakeInfo

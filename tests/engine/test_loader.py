@@ -8,13 +8,13 @@ import pytest
 import torch
 import transformers
 
+from kvscope.common.models import UnknownModelError
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 from kvscope.engine.config import ModelConfig
 from kvscope.engine.models import loader
 from kvscope.engine.models.loader import load_model, resolve_model_dir
-from kvscope.models import UnknownModelError
 from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_caches, paged_step, prompt
 
 
@@ -118,7 +118,7 @@ def test_smollm2_matches_transformers_gguf(tmp_path: Path, hf_model) -> None:
     """Convert the real Q4_1 GGUF (first load) then load the safetensors cache (second load); logits of a
     chat-templated prompt match transformers' own GGUF loader (the session's ``hf_model``) within 1e-3, same
     argmax everywhere."""
-    from kvscope.models.pull import pull
+    from kvscope.common.models.pull import pull
 
     gguf = pull("smollm2-135m", progress=False)  # no-op when the verified file is cached
     first, _, model_dir = load_model(ModelConfig(model=str(gguf)), "cpu", root=tmp_path)

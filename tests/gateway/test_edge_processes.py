@@ -188,7 +188,7 @@ def test_a_malformed_request_after_a_good_one_on_a_keep_alive_connection_gets_it
         (200, None), (400, "invalid_http_request")]
 
 
-# --- read timeouts (serving case N5; kvscope/read_timeouts.py) ---------------------------------------------
+# --- read timeouts (serving case N5; kvscope/common/read_timeouts.py) ---------------------------------------------
 READ_TIMEOUT_S = 0.5
 """``timeouts.request_head_s`` and ``request_body_s`` of the :func:`slow_clients` gateway."""
 BROKEN_RUN_S = 20.0

@@ -26,7 +26,7 @@ def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4318", "OTEL_SERVICE_NAME": "gw-env"}
     args = _gateway_parser().parse_args(["--port", "9200", "--keepalive", "2", "--tokenizer", "m=/tok"])
     s = load_settings(path, _overrides(args), env=env)
-    # OTEL_EXPORTER_OTLP_ENDPOINT is read by the OTel SDK (kvscope/otel_env.py); OTEL_SERVICE_NAME is the default
+    # OTEL_EXPORTER_OTLP_ENDPOINT is read by the OTel SDK (kvscope/common/otel_env.py); OTEL_SERVICE_NAME is the default
     assert (s.host, s.port, s.redis_url, s.tracing.otlp_endpoint) == ("127.0.0.1", 9200, "redis://r:6379/0", None)
     assert s.service_name == "gw-env"
     path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "service_name": "gw-file"}))

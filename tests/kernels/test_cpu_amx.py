@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvscope.common.models.cache import cache_root
 from kvscope.engine.models.kernel_probe import BATCHED_PROBE_ROWS, amx_rows
 from kvscope.engine.models.layers import packed_linear_kernel, uses_packed_dense
 from kvscope.engine.models.loader import CPU_KERNELS_DIR
 from kvscope.engine.models.quant import CompactLinearKernel
 from kvscope.kernels.cpu_decode import PairBlocks, TileBlocks, amx_loaded, load
-from kvscope.models.cache import cache_root
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvscope.common.models.cache import cache_root
 from kvscope.engine.models.loader import CPU_KERNELS_DIR
 from kvscope.kernels import cpu_decode
 from kvscope.kernels.cpu_decode import PAIR, PairBlocks, build, library_path, load
-from kvscope.models.cache import cache_root
 
 
 @pytest.fixture(scope="module")

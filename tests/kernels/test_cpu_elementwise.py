@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvscope.common.models.cache import cache_root
 from kvscope.engine.llm import LLM
 from kvscope.engine.models.layers import RMSNorm, apply_rope, rope_tables
 from kvscope.engine.models.llama import MLP, Attention
 from kvscope.engine.models.loader import load_cpu_kernels
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.models.cache import cache_root
 
 pytestmark = pytest.mark.vnni
 ROWS = (1, 3, 17, 128, 513)

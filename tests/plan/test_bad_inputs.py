@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.plan.cli import plan_main
+from kvscope.cli.plan import plan_main
 
 GOOD = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256}

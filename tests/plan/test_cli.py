@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvscope.cli import main as kvscope_main
-from kvscope.plan.cli import plan_main
+from kvscope.cli.main import main as kvscope_main
+from kvscope.cli.plan import plan_main
 from kvscope.plan.devices import known_device_names
 
 KNOWN_DEVICES = ("a10-24gb, a100-sxm-40gb, a100-sxm-80gb, cpu, h100-pcie-80gb, h100-sxm-80gb, h200-sxm-141gb, "
@@ -49,7 +49,7 @@ def test_json_plan_for_smollm2_on_an_a100_40gb(capsys, model_dir):
 def test_cpu_plan_recommends_the_kv_cache_memory_it_needs(capsys, model_dir, monkeypatch):
     from types import MappingProxyType
 
-    from kvscope.plan import cli
+    from kvscope.cli import plan as cli
     from kvscope.plan.devices import Device
 
     fake_cpu = Device("cpu", 16 << 30, 10e9, MappingProxyType({"fp32": 100e9, "bf16": 200e9}), "test")
@@ -70,7 +70,7 @@ def test_cpu_plan_recommends_the_kv_cache_memory_it_needs(capsys, model_dir, mon
 def test_cpu_plan_warns_when_the_cache_does_not_fit_the_ram(capsys, model_dir, monkeypatch):
     from types import MappingProxyType
 
-    from kvscope.plan import cli
+    from kvscope.cli import plan as cli
     from kvscope.plan.devices import Device
 
     small = Device("cpu", 1 << 30, 10e9, MappingProxyType({"fp32": 100e9}), "test")
@@ -141,7 +141,7 @@ def test_list_devices_json_has_every_entry_with_its_source(capsys):
 
 
 def test_the_planner_imports_no_torch():
-    code = ("import sys, kvscope.plan.cli, kvscope.plan.replay, kvscope.plan.log_section, kvscope.plan.render; "
+    code = ("import sys, kvscope.cli.plan, kvscope.plan.replay, kvscope.plan.log_section, kvscope.plan.render; "
             "print(sorted(m for m in ('torch', 'transformers', 'kvscope.engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "[]\n"

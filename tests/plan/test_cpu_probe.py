@@ -8,7 +8,6 @@ import pytest
 
 from kvscope.plan.cpu_probe import (
     ProbeConfig,
-    engine_default_threads,
     measure_bandwidth,
     measure_matmul_flops,
     probe_cpu,
@@ -42,11 +41,6 @@ def test_probe_cpu_builds_the_cpu_device_and_restores_torch_threads():
     assert device.measured == {"threads": 1, "buffer_bytes": 1 << 16, "matmul_n": 32, "repeats": 1}
     assert torch.get_num_threads() == before
 
-
-def test_default_threads_are_the_engines():
-    from kvscope.engine.engine_core import default_num_threads
-
-    assert engine_default_threads() == default_num_threads()
 
 
 def test_probe_config_refuses_tiny_sizes():

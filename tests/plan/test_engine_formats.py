@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import pytest
 
-from kvscope.plan import cli
+from kvscope.cli import plan as cli
 from kvscope.plan.devices import Device
 from kvscope.plan.engine_formats import bytes_per_linear_weight, engine_weight_bytes
 from kvscope.plan.model_files import read_model

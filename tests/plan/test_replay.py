@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscope.plan.cli import plan_main
-from kvscope.plan.replay import Capacity, Span, quantile, read_spans, sweep
+from kvscope.cli.plan import plan_main
+from kvscope.cli.plan_log import read_spans
+from kvscope.plan.replay import Capacity, Span, quantile, sweep
 from tests.gateway.logs.records import T0, make_record
 
 T0_S = T0.timestamp()

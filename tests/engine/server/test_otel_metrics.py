@@ -6,15 +6,15 @@ from litestar.testing import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from kvscope.engine.server.app import create_app
-from kvscope.engine.server.settings import ServerSettings
-from kvscope.engine.server.tracing import Tracing
-from kvscope.otel_genai import (
+from kvscope.common.otel_genai import (
     OPERATION_DURATION_BUCKETS,
     TIME_PER_OUTPUT_TOKEN_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,
 )
-from kvscope.version import kvscope_version
+from kvscope.common.version import kvscope_version
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.settings import ServerSettings
+from kvscope.engine.server.tracing import Tracing
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 from tests.otlp_receiver import OtlpReceiver

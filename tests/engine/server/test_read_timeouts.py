@@ -1,7 +1,7 @@
 """Serving case N5, "Clean endings", in the engine server (../shared/cases/serving-cases.md): a client that leaves
 in the middle of its request body is logged and counted as 499 (not a 500 feeding the error alerts), and the
 server ``kvscope engine`` runs (engine/server/cli.py ``uvicorn_config``) closes a half-sent head or a stalled
-body after its read timeout with a JSON 408 (kvscope/read_timeouts.py). A real uvicorn in a thread, the
+body after its read timeout with a JSON 408 (kvscope/common/read_timeouts.py). A real uvicorn in a thread, the
 FakeEngine behind it."""
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 
-from kvscope.models.cache import hf_dir
-from kvscope.models.registry import default_served_name, is_registered
-from kvscope.models.settings import ModelSettings
+from kvscope.common.models.cache import hf_dir
+from kvscope.common.models.registry import default_served_name, is_registered
+from kvscope.common.models.settings import ModelSettings
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 15.0
@@ -64,7 +64,7 @@ def serve_main(argv: list[str]) -> int:
         log_file=args.log_file or settings.cache_root / "logs" / "requests.jsonl",
         engine_args=tuple(shlex.split(args.engine_args)), gateway_args=tuple(shlex.split(args.gateway_args)))
     if is_registered(options.model):
-        from kvscope.models.pull import pull
+        from kvscope.common.models.pull import pull
 
         pull(options.model)
     return Supervisor(options).run()

@@ -21,8 +21,8 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from kvscope.models.cache import model_dir
-from kvscope.models.registry import ModelSpec, get_model_spec
+from kvscope.common.models.cache import model_dir
+from kvscope.common.models.registry import ModelSpec, get_model_spec
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvscope.models.registry import list_models
+from kvscope.common.models.registry import list_models
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -14,7 +14,7 @@ def pull_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvscope pull", description="Download a registered model.")
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=list_models())
     args = parser.parse_args(argv)
-    from kvscope.models.pull import PullError, pull
+    from kvscope.common.models.pull import PullError, pull
 
     try:
         path = pull(args.name)

@@ -1,4 +1,4 @@
-"""Environment settings of the model cache. The only module of ``kvscope.models`` that reads the environment."""
+"""Environment settings of the model cache. The only module of ``kvscope.common.models`` that reads the environment."""
 
 from __future__ import annotations
 

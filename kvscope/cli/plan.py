@@ -98,7 +98,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def _read_log(args: argparse.Namespace):
     if not args.from_log.startswith(("http://", "https://")):
-        from kvscope.plan.replay import read_spans
+        from kvscope.cli.plan_log import read_spans
 
         return read_spans(args.from_log)
     import asyncio
@@ -111,9 +111,9 @@ async def _read_es(args: argparse.Namespace):
     from elastic_transport import TransportError
     from elasticsearch import ApiError
 
+    from kvscope.cli.plan_env import es_env
     from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
     from kvscope.plan.replay_es import read_spans_es
-    from kvscope.plan.settings import es_env
 
     env = es_env()
     user = args.user or env.username

@@ -12,7 +12,7 @@ conventions for generative AI metrics":
 
 Each :class:`MeterProvider` is built here and owned by its service (the global provider is never set). With
 an OTLP endpoint (the service's flag/config or the standard ``OTEL_EXPORTER_OTLP_*`` environment,
-:mod:`kvscope.otel_env`) a periodic reader pushes over OTLP/HTTP or gRPC; tests pass their own reader (e.g.
+:mod:`kvscope.common.otel_env`) a periodic reader pushes over OTLP/HTTP or gRPC; tests pass their own reader (e.g.
 ``InMemoryMetricReader``). Without either, instruments record into nothing.
 """
 
@@ -25,7 +25,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 
-from kvscope.otel_env import metric_reader
+from kvscope.common.otel_env import metric_reader
 
 OPERATION_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96,
                               81.92)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvscope.models.settings import ModelSettings
+from kvscope.common.models.settings import ModelSettings
 
 HF_SUBDIR = "hf"
 

@@ -32,7 +32,7 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvscope.openai_errors import error_body, error_type
+from kvscope.common.openai_errors import error_body, error_type
 
 HEAD_TIMEOUT_S = 10.0
 """Default seconds for a whole request head (a few hundred bytes from any real client; Go servers commonly
