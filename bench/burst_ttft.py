@@ -27,8 +27,9 @@ def quantile(values: list[float], q: float) -> float:
 def run_burst(llm: LLM, budget: int, threshold: int, clients: int, num_prompts: int, output_len: int) -> str:
     """One closed-loop run under ``SchedulerConfig(max_num_batched_tokens=budget, ...)``; returns its line."""
     engine = llm.engine
-    engine.scheduler.scheduler_config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=budget,
-                                                        long_prefill_token_threshold=threshold)
+    engine.scheduler.scheduler_config = SchedulerConfig(
+        max_num_seqs=64, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold
+    )
     prompts = random_prompts(num_prompts, 128, engine.vocab_size, 7)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     clock, arrive, first, done = 0.0, {}, {}, {}
@@ -55,9 +56,11 @@ def run_burst(llm: LLM, budget: int, threshold: int, clients: int, num_prompts: 
                     send()
     ttft = [first[r] - arrive[r] for r in arrive]
     tpot = [(done[r] - first[r]) / max(1, output_len - 1) for r in arrive]
-    return (f"budget={budget} threshold={threshold}: TTFT p50 {quantile(ttft, 0.5) * 1e3:.0f} ms, p99 "
-            f"{quantile(ttft, 0.99) * 1e3:.0f} ms; TPOT p50 {quantile(tpot, 0.5) * 1e3:.1f} ms; {clock:.1f} CPU s, "
-            f"{steps} steps")
+    return (
+        f"budget={budget} threshold={threshold}: TTFT p50 {quantile(ttft, 0.5) * 1e3:.0f} ms, p99 "
+        f"{quantile(ttft, 0.99) * 1e3:.0f} ms; TPOT p50 {quantile(tpot, 0.5) * 1e3:.1f} ms; {clock:.1f} CPU s, "
+        f"{steps} steps"
+    )
 
 
 def main() -> None:
@@ -69,14 +72,22 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--budgets", nargs="+", default=["2048:0", "1024:0", "512:0", "256:0"])
     args = parser.parse_args()
-    llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization, num_threads=1,
-              enable_prefix_caching=False, max_model_len=1024)
+    llm = LLM(
+        "smollm2-135m",
+        dtype=args.dtype,
+        quantization=args.quantization,
+        num_threads=1,
+        enable_prefix_caching=False,
+        max_model_len=1024,
+    )
     llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     for spec in args.budgets:
         budget, threshold = (int(v) for v in spec.split(":"))
         line = run_burst(llm, budget, threshold, args.clients, args.num_prompts, args.output_len)
-        print(f"{args.dtype}/{args.quantization} c={args.clients} n={args.num_prompts} out={args.output_len} {line}",
-              flush=True)
+        print(
+            f"{args.dtype}/{args.quantization} c={args.clients} n={args.num_prompts} out={args.output_len} {line}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

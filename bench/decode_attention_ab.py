@@ -22,16 +22,28 @@ import torch.nn.functional as F
 from kvscope.kernels import cpu_decode
 
 
-def paged_case(batch: int, context: int, dtype: torch.dtype, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
-               block_size: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+def paged_case(
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    heads: int = 9,
+    kv_heads: int = 3,
+    head_dim: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
     """A random paged cache holding ``batch`` contexts of ``context`` tokens in shuffled blocks, one query each."""
     gen = torch.Generator().manual_seed(seed)
     per_req = -(-context // block_size)
     num_blocks = batch * per_req + 1
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     tables = (torch.randperm(num_blocks - 1, generator=gen)[: batch * per_req] + 1).view(batch, per_req).int()
-    return {"query": torch.randn(batch, heads, head_dim, generator=gen).to(dtype), "cache": cache,
-            "tables": tables, "seq_lens": torch.full((batch,), context, dtype=torch.int32)}
+    return {
+        "query": torch.randn(batch, heads, head_dim, generator=gen).to(dtype),
+        "cache": cache,
+        "tables": tables,
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32),
+    }
 
 
 def sdpa_gathered(case: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,13 +56,18 @@ def sdpa_gathered(case: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return kv[0], kv[1]
 
 
-def run_sdpa(case: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    return F.scaled_dot_product_attention(case["query"][:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
+def run_sdpa(
+    case: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        case["query"][:, :, None], keys, values, scale=scale, enable_gqa=True
+    )[:, :, 0]
 
 
 def run_op(case: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
-    return torch.ops.kvscope_cpu.paged_decode_attention(case["query"], case["cache"], case["tables"],
-                                                        case["seq_lens"], scale)
+    return torch.ops.kvscope_cpu.paged_decode_attention(
+        case["query"], case["cache"], case["tables"], case["seq_lens"], scale
+    )
 
 
 def measure(batch: int, context: int, dtype: torch.dtype, repeats: int) -> str:
@@ -81,14 +98,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--kernels-dir", type=Path, default=Path.home() / ".cache" / "kvscope" / "cpu-kernels")
+    parser.add_argument(
+        "--kernels-dir", type=Path, default=Path.home() / ".cache" / "kvscope" / "cpu-kernels"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result = cpu_decode.load(args.kernels_dir)
     if not result.ok:
         raise SystemExit(f"kvscope CPU kernels unavailable: {result.detail}")
     dtype = getattr(torch, args.dtype)
-    print(f"{args.dtype}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; min / median ms per call")
+    print(
+        f"{args.dtype}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; min / median ms per call"
+    )
     print("| batch | context | paged op | SDPA (gathered) | gather + SDPA | max abs diff |")
     print("|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:

@@ -25,15 +25,24 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    llm = LLM("smollm2-135m", dtype="auto", quantization="gguf", num_threads=args.threads,
-              enable_prefix_caching=False, max_model_len=1024)
+    llm = LLM(
+        "smollm2-135m",
+        dtype="auto",
+        quantization="gguf",
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_model_len=1024,
+    )
     engine = llm.engine
     backend = engine.runner.backend
     max_tokens = 2 * args.rounds * 5 + 16
     for i, ids in enumerate(random_prompts(args.batch, args.input_len, engine.vocab_size, 1)):
-        engine.add_request(f"ab{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                          for r in engine.scheduler.running):
+        engine.add_request(
+            f"ab{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
         engine.step()
     times: dict[bool, list[float]] = {True: [], False: []}
     for rnd in range(2 * args.rounds):
@@ -47,9 +56,11 @@ def main() -> None:
     backend.paged_decode = True
     context = args.input_len + max_tokens // 2
     cells = {k: f"median {1e3 * statistics.median(v):.1f} min {1e3 * min(v):.1f}" for k, v in times.items()}
-    print(f"batch {args.batch}, {args.threads} thread(s), contexts {args.input_len}-{args.input_len + max_tokens}"
-          f" (~{context}): SDPA {cells[False]} | paged op {cells[True]} ms wall per decode step; load "
-          f"{os.getloadavg()[0]:.2f}")
+    print(
+        f"batch {args.batch}, {args.threads} thread(s), contexts {args.input_len}-{args.input_len + max_tokens}"
+        f" (~{context}): SDPA {cells[False]} | paged op {cells[True]} ms wall per decode step; load "
+        f"{os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,14 +30,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30, help="prompts per side")
     parser.add_argument("--input-len", type=int, default=128)
     args = parser.parse_args()
-    llm = LLM("smollm2-135m", dtype="auto", quantization="auto", num_threads=args.threads,
-              enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m",
+        dtype="auto",
+        quantization="auto",
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     engine.warm_up_prefill()
     llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))
     modules = [m for m in engine.model.modules() if isinstance(m, (RMSNorm, MLP, Attention))]
     if not any(m.cpu_op for m in modules):
-        raise SystemExit("the C++ elementwise ops are off for this model (no kvscope CPU kernels, or not bfloat16)")
+        raise SystemExit(
+            "the C++ elementwise ops are off for this model (no kvscope CPU kernels, or not bfloat16)"
+        )
     times: dict[bool, list[float]] = {True: [], False: []}
     for i, ids in enumerate(random_prompts(2 * args.runs, args.input_len, engine.vocab_size, 1)):
         on = i % 2 == 0
@@ -50,8 +57,10 @@ def main() -> None:
         times[on].append(1000 * (time.perf_counter() - start))
     for on in (False, True):
         label = "C++ ops " if on else "torch ops"
-        print(f"{label}: median {statistics.median(times[on]):.1f} ms, min {min(times[on]):.1f} ms "
-              f"({args.runs} prompts of {args.input_len} tokens, {args.threads} threads)")
+        print(
+            f"{label}: median {statistics.median(times[on]):.1f} ms, min {min(times[on]):.1f} ms "
+            f"({args.runs} prompts of {args.input_len} tokens, {args.threads} threads)"
+        )
 
 
 if __name__ == "__main__":

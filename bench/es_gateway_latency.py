@@ -72,8 +72,13 @@ async def serve_double(port: int) -> None:
 class DoubleProcess:
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        self.popen = subprocess.Popen([sys.executable, __file__, "--es-double", str(port)], cwd=REPO, text=True,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.popen = subprocess.Popen(
+            [sys.executable, __file__, "--es-double", str(port)],
+            cwd=REPO,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         self._ack()
 
     def _ack(self) -> None:
@@ -112,8 +117,10 @@ async def measure(base: str, stream: bool, concurrency: int, total: int) -> list
 
 def sink_counts(gateway: Proc) -> dict[str, float]:
     samples = metric_samples(httpx.get(gateway.url + "/metrics", timeout=5).text)
-    counts = {o: sample(samples, "kvscope_gateway_log_records_total", sink="elasticsearch", outcome=o)
-              for o in OUTCOMES}
+    counts = {
+        o: sample(samples, "kvscope_gateway_log_records_total", sink="elasticsearch", outcome=o)
+        for o in OUTCOMES
+    }
     counts["spooled"] = sample(samples, "kvscope_gateway_log_records_spooled_total", sink="elasticsearch")
     counts["spool_bytes"] = sample(samples, "kvscope_gateway_log_spool_bytes")
     return counts
@@ -153,8 +160,11 @@ def run(requests: int, concurrency: int, rounds: int) -> dict[str, Any]:
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
         base = {"upstreams": [{"url": fake.url}], "routing": {"health_interval_s": 60}}
-        with_sink = spawn_gateway(tmp, "gateway-es", {**base, "logs": {"elasticsearch": {
-            "hosts": [es.url], "spool_dir": str(tmp / "spool")}}})
+        with_sink = spawn_gateway(
+            tmp,
+            "gateway-es",
+            {**base, "logs": {"elasticsearch": {"hosts": [es.url], "spool_dir": str(tmp / "spool")}}},
+        )
         without = spawn_gateway(tmp, "gateway-plain", base)
         procs += [with_sink, without]
         for gateway in (with_sink, without):
@@ -173,9 +183,14 @@ def run(requests: int, concurrency: int, rounds: int) -> dict[str, Any]:
             wait_until(lambda: sink_counts(with_sink)["shipped"] >= served, 30, "every record shipped")
         except TimeoutError:
             pass  # reported as a mismatch below
-        return {"rows": [cells[(s, m)].row(s, m) for s in STATES for m in MODES],
-                "sink_outcomes": sink_counts(with_sink), "sink_gateway_requests": served,
-                "requests_per_cell": per_round * rounds, "concurrency": concurrency, "rounds": rounds}
+        return {
+            "rows": [cells[(s, m)].row(s, m) for s in STATES for m in MODES],
+            "sink_outcomes": sink_counts(with_sink),
+            "sink_gateway_requests": served,
+            "requests_per_cell": per_round * rounds,
+            "concurrency": concurrency,
+            "rounds": rounds,
+        }
     finally:
         for proc in procs:
             proc.stop()
@@ -198,28 +213,45 @@ class Cell:
 
     def row(self, state: str, mode: str) -> dict[str, Any]:
         ok = [v for v in self.values if v is not None]
-        return {"state": state, "mode": mode, "n": len(ok), "errors": len(self.values) - len(ok),
-                "p50_ms": percentile(ok, 50) * 1e3 if ok else float("nan"),
-                "p99_ms": percentile(ok, 99) * 1e3 if ok else float("nan"),
-                "self_mean_ms": self.self_s / max(1.0, self.self_n) * 1e3}
+        return {
+            "state": state,
+            "mode": mode,
+            "n": len(ok),
+            "errors": len(self.values) - len(ok),
+            "p50_ms": percentile(ok, 50) * 1e3 if ok else float("nan"),
+            "p99_ms": percentile(ok, 99) * 1e3 if ok else float("nan"),
+            "self_mean_ms": self.self_s / max(1.0, self.self_n) * 1e3,
+        }
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{result['requests_per_cell']} requests per cell, concurrency {result['concurrency']}, "
-          f"{result['rounds']} interleaved rounds")
+    print(
+        f"{result['requests_per_cell']} requests per cell, concurrency {result['concurrency']}, "
+        f"{result['rounds']} interleaved rounds"
+    )
     print(f"{'state':<10}{'metric':<15}{'p50 ms':>9}{'p99 ms':>9}{'self ms':>9}{'n':>6}{'errors':>8}")
     for row in result["rows"]:
-        print(f"{row['state']:<10}{row['mode']:<15}{row['p50_ms']:>9.2f}{row['p99_ms']:>9.2f}"
-              f"{row['self_mean_ms']:>9.3f}{row['n']:>6}{row['errors']:>8}")
+        print(
+            f"{row['state']:<10}{row['mode']:<15}{row['p50_ms']:>9.2f}{row['p99_ms']:>9.2f}"
+            f"{row['self_mean_ms']:>9.3f}{row['n']:>6}{row['errors']:>8}"
+        )
     counts = result["sink_outcomes"]
-    print(f"sink gateway served {int(result['sink_gateway_requests'])} chat requests (incl. warm-up); "
-          "Elasticsearch sink records: " + ", ".join(f"{o} {int(counts[o])}" for o in (*OUTCOMES, "spooled"))
-          + f"; spool bytes {int(counts['spool_bytes'])}")
-    complete = (counts["shipped"] == result["sink_gateway_requests"] and counts["spool_bytes"] == 0
-                and counts["failed"] == counts["dropped"] == 0)
+    print(
+        f"sink gateway served {int(result['sink_gateway_requests'])} chat requests (incl. warm-up); "
+        "Elasticsearch sink records: "
+        + ", ".join(f"{o} {int(counts[o])}" for o in (*OUTCOMES, "spooled"))
+        + f"; spool bytes {int(counts['spool_bytes'])}"
+    )
+    complete = (
+        counts["shipped"] == result["sink_gateway_requests"]
+        and counts["spool_bytes"] == 0
+        and counts["failed"] == counts["dropped"] == 0
+    )
     print("every record shipped exactly once" if complete else "MISMATCH: records missing or failed")
-    print("self: mean kvscope_gateway_overhead_seconds of the cell's requests (gateway time not spent waiting "
-          "on the upstream)")
+    print(
+        "self: mean kvscope_gateway_overhead_seconds of the cell's requests (gateway time not spent waiting "
+        "on the upstream)"
+    )
 
 
 def main() -> None:
@@ -229,7 +261,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=500, help="requests per cell (state × metric)")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the requests are split into")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds the requests are split into"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     result = run(args.requests, args.concurrency, args.rounds)

@@ -40,9 +40,11 @@ from tests.gateway.logs.records import make_record  # noqa: E402
 
 def default_config(url: str, queue_size: int = 10_000) -> ElasticsearchSinkConfig:
     """The production defaults (1 s flush, 500-record batches, 0.5→30 s backoff, fsync every second)."""
-    return ElasticsearchSinkConfig(spool=SpoolConfig(Path(tempfile.mkdtemp())),
-                                   connection=EsConnectionConfig(hosts=(url,)),
-                                   shipper=ShipperConfig(queue_size=queue_size))
+    return ElasticsearchSinkConfig(
+        spool=SpoolConfig(Path(tempfile.mkdtemp())),
+        connection=EsConnectionConfig(hosts=(url,)),
+        shipper=ShipperConfig(queue_size=queue_size),
+    )
 
 
 def free_port() -> int:
@@ -52,7 +54,11 @@ def free_port() -> int:
 
 
 def pct(values: list[float], p: float) -> float:
-    return statistics.quantiles(values, n=1000, method="inclusive")[int(p * 10) - 1] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=1000, method="inclusive")[int(p * 10) - 1]
+        if len(values) > 1
+        else values[0]
+    )
 
 
 async def ticker(lags: list[float], stop: asyncio.Event, period_s: float = 0.001) -> None:
@@ -94,9 +100,16 @@ async def request_path(url: str | None, rate: int, seconds: float) -> dict[str, 
     stop.set()
     await tick
     await sink.aclose()
-    return {"emit_p50_us": pct(emit_s, 50) * 1e6, "emit_p99_us": pct(emit_s, 99) * 1e6,
-            "emit_max_us": max(emit_s) * 1e6, "lag_p50_ms": pct(lags, 50) * 1e3, "lag_p99_ms": pct(lags, 99) * 1e3,
-            "lag_max_ms": max(lags) * 1e3, "shipped": sink.stats.shipped, "spooled": sink.stats.spooled}
+    return {
+        "emit_p50_us": pct(emit_s, 50) * 1e6,
+        "emit_p99_us": pct(emit_s, 99) * 1e6,
+        "emit_max_us": max(emit_s) * 1e6,
+        "lag_p50_ms": pct(lags, 50) * 1e3,
+        "lag_p99_ms": pct(lags, 99) * 1e3,
+        "lag_max_ms": max(lags) * 1e3,
+        "shipped": sink.stats.shipped,
+        "spooled": sink.stats.spooled,
+    }
 
 
 async def throughput(url: str, n: int, up: bool) -> float:
@@ -105,7 +118,7 @@ async def throughput(url: str, n: int, up: bool) -> float:
     records = [make_record(i) for i in range(n)]
     started = time.perf_counter()
     for first in range(0, n, 1000):
-        for record in records[first:first + 1000]:
+        for record in records[first : first + 1000]:
             sink.emit(record)
         await asyncio.sleep(0)
     if up:
@@ -121,8 +134,12 @@ async def throughput(url: str, n: int, up: bool) -> float:
 async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.ERROR)
     port, down_url = free_port(), f"http://127.0.0.1:{free_port()}"
-    double = subprocess.Popen([sys.executable, "-m", "tests.gateway.logs.es_double", str(port)], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True)
+    double = subprocess.Popen(
+        [sys.executable, "-m", "tests.gateway.logs.es_double", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     url = double.stdout.readline().strip()  # type: ignore[union-attr]
     try:
         results = {

@@ -29,9 +29,16 @@ def one(name: str, model: str) -> dict:
     before, _ = process_memory_bytes()
     info = LLM(model, kv_cache_memory=64 << 20, num_threads=1, **FORMATS[name]).engine.info
     rss, peak = process_memory_bytes()
-    return {"format": name, "dtype": info.dtype, "quantization": info.quantization,
-            "weights_bytes": info.weights_bytes, "kv_cache_bytes": info.kv_cache_bytes,
-            "rss_bytes": rss, "peak_rss_bytes": peak, "rss_before_load_bytes": before}
+    return {
+        "format": name,
+        "dtype": info.dtype,
+        "quantization": info.quantization,
+        "weights_bytes": info.weights_bytes,
+        "kv_cache_bytes": info.kv_cache_bytes,
+        "rss_bytes": rss,
+        "peak_rss_bytes": peak,
+        "rss_before_load_bytes": before,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,16 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(one(args.one, args.model)))
         return 0
-    print("| format | dtype / quantization | weights | KV cache | RSS after start | peak RSS | RSS before load |")
+    print(
+        "| format | dtype / quantization | weights | KV cache | RSS after start | peak RSS | RSS before load |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in FORMATS:
-        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--one", name], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--model", args.model, "--one", name],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         r = json.loads(out.strip().splitlines()[-1])
         mib = {k: f"{r[k] / (1 << 20):.0f} MiB" for k in r if k.endswith("_bytes")}
-        print(f"| {name} | {r['dtype']} / {r['quantization']} | {mib['weights_bytes']} ({r['weights_bytes']:,} B) | "
-              f"{mib['kv_cache_bytes']} | {mib['rss_bytes']} | {mib['peak_rss_bytes']} | "
-              f"{mib['rss_before_load_bytes']} |")
+        print(
+            f"| {name} | {r['dtype']} / {r['quantization']} | {mib['weights_bytes']} ({r['weights_bytes']:,} B) | "
+            f"{mib['kv_cache_bytes']} | {mib['rss_bytes']} | {mib['peak_rss_bytes']} | "
+            f"{mib['rss_before_load_bytes']} |"
+        )
     return 0
 
 

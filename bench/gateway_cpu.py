@@ -22,7 +22,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from tests.gateway.harness import spawn_fake, spawn_gateway, wait_http  # noqa: E402
 
@@ -34,8 +36,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def stream_once(client: httpx.AsyncClient, url: str, tokens: int) -> int:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     seen = 0
     async with client.stream("POST", url, json=body) as resp:
         async for piece in resp.aiter_raw():
@@ -62,32 +69,55 @@ def main() -> None:
     add_load_arguments(parser)
     parser.add_argument("--py-spy", type=Path, help="write a py-spy raw profile of the gateway here")
     parser.add_argument("--py-spy-bin", default="py-spy")
-    parser.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
-                        help="the gateway's event loop (kvscope/common/event_loop.py)")
+    parser.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="the gateway's event loop (kvscope/common/event_loop.py)",
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-gateway-cpu-"))
     fake = spawn_fake(tmp, "stub", token_delay_s=args.token_delay)
     procs = [fake]
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
-        gateway = spawn_gateway(tmp, "gateway", {"upstreams": [{"url": fake.url}],
-                                                 "logs": {"file": str(tmp / "requests.jsonl")}},
-                                env={"KVSCOPE_GATEWAY_EVENT_LOOP": args.event_loop})
+        gateway = spawn_gateway(
+            tmp,
+            "gateway",
+            {"upstreams": [{"url": fake.url}], "logs": {"file": str(tmp / "requests.jsonl")}},
+            env={"KVSCOPE_GATEWAY_EVENT_LOOP": args.event_loop},
+        )
         procs.append(gateway)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
         url = gateway.url + "/v1/chat/completions"
         asyncio.run(load(url, args.concurrency, args.tokens))  # warm connections and code paths
         spy = None
         if args.py_spy:
-            spy = subprocess.Popen([args.py_spy_bin, "record", "-p", str(gateway.popen.pid), "-o", str(args.py_spy),
-                                    "-f", "raw", "-r", "200", "-n"])
+            spy = subprocess.Popen(
+                [
+                    args.py_spy_bin,
+                    "record",
+                    "-p",
+                    str(gateway.popen.pid),
+                    "-o",
+                    str(args.py_spy),
+                    "-f",
+                    "raw",
+                    "-r",
+                    "200",
+                    "-n",
+                ]
+            )
             time.sleep(1)
         for _ in range(args.rounds):
             before, start = cpu_seconds(gateway.popen.pid), time.perf_counter()
             received = asyncio.run(load(url, args.concurrency, args.tokens))
             wall, used = time.perf_counter() - start, cpu_seconds(gateway.popen.pid) - before
-            print(f"concurrency {args.concurrency}: {received} tokens in {wall:.2f} s, gateway CPU {used:.2f} s, "
-                  f"{used / max(1, received) * 1e6:.0f} us per token", flush=True)
+            print(
+                f"concurrency {args.concurrency}: {received} tokens in {wall:.2f} s, gateway CPU {used:.2f} s, "
+                f"{used / max(1, received) * 1e6:.0f} us per token",
+                flush=True,
+            )
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait()

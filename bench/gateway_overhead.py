@@ -23,7 +23,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from tests.gateway.harness import metric_samples, sample, spawn_fake, spawn_gateway, wait_http  # noqa: E402
 
@@ -77,8 +79,10 @@ def overhead(gateway_url: str) -> tuple[float, float]:
     """(sum, count) of the gateway's own ``kvscope_gateway_overhead_seconds`` for chat completions."""
     samples = metric_samples(httpx.get(gateway_url + "/metrics").text)
     route = {"route": "/v1/chat/completions"}
-    return (sample(samples, "kvscope_gateway_overhead_seconds_sum", **route),
-            sample(samples, "kvscope_gateway_overhead_seconds_count", **route))
+    return (
+        sample(samples, "kvscope_gateway_overhead_seconds_sum", **route),
+        sample(samples, "kvscope_gateway_overhead_seconds_count", **route),
+    )
 
 
 def run(requests: int, concurrencies: list[int], pythonpath: str = "") -> dict:
@@ -87,8 +91,12 @@ def run(requests: int, concurrencies: list[int], pythonpath: str = "") -> dict:
     procs = [fake]
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
-        gateway = spawn_gateway(tmp, "gateway", {"upstreams": [{"url": fake.url}],
-                                                 "logs": {"file": str(tmp / "requests.jsonl")}}, pythonpath)
+        gateway = spawn_gateway(
+            tmp,
+            "gateway",
+            {"upstreams": [{"url": fake.url}], "logs": {"file": str(tmp / "requests.jsonl")}},
+            pythonpath,
+        )
         procs.append(gateway)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
         rows = []
@@ -99,12 +107,20 @@ def run(requests: int, concurrencies: list[int], pythonpath: str = "") -> dict:
                     before = overhead(gateway.url)
                     values = asyncio.run(measure(base, stream, c, requests))
                     ok = [v for v in values if v is not None]
-                    row[name] = {"p50_ms": percentile(ok, 50) * 1e3, "p99_ms": percentile(ok, 99) * 1e3,
-                                 "n": len(ok), "errors": len(values) - len(ok)}
+                    row[name] = {
+                        "p50_ms": percentile(ok, 50) * 1e3,
+                        "p99_ms": percentile(ok, 99) * 1e3,
+                        "n": len(ok),
+                        "errors": len(values) - len(ok),
+                    }
                     if name == "gateway":
                         after = overhead(gateway.url)
-                        row["self_overhead_mean_ms"] = (after[0] - before[0]) / max(1, after[1] - before[1]) * 1e3
-                row["direct_best"] = {k: min(row["direct"][k], row["direct2"][k]) for k in ("p50_ms", "p99_ms")}
+                        row["self_overhead_mean_ms"] = (
+                            (after[0] - before[0]) / max(1, after[1] - before[1]) * 1e3
+                        )
+                row["direct_best"] = {
+                    k: min(row["direct"][k], row["direct2"][k]) for k in ("p50_ms", "p99_ms")
+                }
                 row["added_p50_ms"] = row["gateway"]["p50_ms"] - row["direct_best"]["p50_ms"]
                 row["added_p99_ms"] = row["gateway"]["p99_ms"] - row["direct_best"]["p99_ms"]
                 rows.append(row)
@@ -119,21 +135,30 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400, help="requests per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--gateway-pythonpath", default="",
-                        help="extra import path for the gateway process, e.g. a folder holding uvloop and httptools "
-                             "(`pip install --target DIR uvloop httptools`): uvicorn then uses them")
+    parser.add_argument(
+        "--gateway-pythonpath",
+        default="",
+        help="extra import path for the gateway process, e.g. a folder holding uvloop and httptools "
+        "(`pip install --target DIR uvloop httptools`): uvicorn then uses them",
+    )
     args = parser.parse_args()
     result = run(args.requests, args.concurrency, args.gateway_pythonpath)
-    print(f"{'metric':<14}{'conc':>5}  {'direct p50/p99 ms':>19}  {'gateway p50/p99 ms':>19}  "
-          f"{'added p50/p99 ms':>17}  {'self ms':>7}  errors")
+    print(
+        f"{'metric':<14}{'conc':>5}  {'direct p50/p99 ms':>19}  {'gateway p50/p99 ms':>19}  "
+        f"{'added p50/p99 ms':>17}  {'self ms':>7}  errors"
+    )
     for r in result["rows"]:
         d, g = r["direct_best"], r["gateway"]
         errors = sum(r[k]["errors"] for k in ("direct", "gateway", "direct2"))
-        print(f"{r['mode']:<14}{r['concurrency']:>5}  {d['p50_ms']:>8.2f} / {d['p99_ms']:<8.2f}  "
-              f"{g['p50_ms']:>8.2f} / {g['p99_ms']:<8.2f}  {r['added_p50_ms']:>7.2f} / {r['added_p99_ms']:<7.2f}  "
-              f"{r['self_overhead_mean_ms']:>7.3f}  {errors}")
-    print("direct: best of two runs bracketing the gateway run; self: mean kvscope_gateway_overhead_seconds "
-          "(e2e at the gateway minus time waiting on the upstream)")
+        print(
+            f"{r['mode']:<14}{r['concurrency']:>5}  {d['p50_ms']:>8.2f} / {d['p99_ms']:<8.2f}  "
+            f"{g['p50_ms']:>8.2f} / {g['p99_ms']:<8.2f}  {r['added_p50_ms']:>7.2f} / {r['added_p99_ms']:<7.2f}  "
+            f"{r['self_overhead_mean_ms']:>7.3f}  {errors}"
+        )
+    print(
+        "direct: best of two runs bracketing the gateway run; self: mean kvscope_gateway_overhead_seconds "
+        "(e2e at the gateway minus time waiting on the upstream)"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

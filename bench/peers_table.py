@@ -19,8 +19,10 @@ import statistics
 import sys
 from pathlib import Path
 
-HEADER = ("| system | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
-          "| failed / length mismatches |")
+HEADER = (
+    "| system | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
+    "| failed / length mismatches |"
+)
 
 
 def serve_rows(data: dict) -> list[tuple[str, int, list[str]]]:
@@ -32,9 +34,14 @@ def serve_rows(data: dict) -> list[tuple[str, int, list[str]]]:
         runs = [row[e] for row in data["runs"]]
         failed = sum(run["failed"] for run in runs)
         mismatched = sum(run["output_len_mismatches"] for run in runs)
-        cells = [f"{figures['output_throughput'][e]:.1f}", f"{figures['median_ttft_ms'][e]:.0f}",
-                 f"{figures['p99_ttft_ms'][e]:.0f}", f"{figures['median_tpot_ms'][e]:.1f}",
-                 f"{figures['p99_tpot_ms'][e]:.1f}", f"{failed} / {mismatched}"]
+        cells = [
+            f"{figures['output_throughput'][e]:.1f}",
+            f"{figures['median_ttft_ms'][e]:.0f}",
+            f"{figures['p99_ttft_ms'][e]:.0f}",
+            f"{figures['median_tpot_ms'][e]:.1f}",
+            f"{figures['p99_tpot_ms'][e]:.1f}",
+            f"{failed} / {mismatched}",
+        ]
         rows.append((label, concurrency, cells))
     return rows
 
@@ -53,8 +60,9 @@ def ratio_rows(data: dict) -> tuple[str, list[str]]:
         cells = []
         for name in RATIO_FIGURES:
             ratios = [row[e][name] / row[0][name] for row in data["runs"] if row[0][name]]
-            cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}]"
-                         if ratios else "n/a")
+            cells.append(
+                f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}]" if ratios else "n/a"
+            )
         rows.append(f"| {concurrency} | {label} | " + " | ".join(cells) + f" | {len(data['runs'])} |")
     return data["labels"][0], rows
 
@@ -63,8 +71,14 @@ def transformers_rows(path: Path) -> list[tuple[str, int, list[str]]]:
     """Rows of ``transformers.json``; a static batch has one TTFT and one TPOT, so p50 = p99."""
     rows = []
     for row in json.loads(path.read_text()):
-        cells = [f"{row['output_throughput']:.1f}", f"{row['ttft_ms']:.0f}", f"{row['ttft_ms']:.0f}",
-                 f"{row['tpot_ms']:.1f}", f"{row['tpot_ms']:.1f}", "n/a"]
+        cells = [
+            f"{row['output_throughput']:.1f}",
+            f"{row['ttft_ms']:.0f}",
+            f"{row['ttft_ms']:.0f}",
+            f"{row['tpot_ms']:.1f}",
+            f"{row['tpot_ms']:.1f}",
+            "n/a",
+        ]
         rows.append((row["system"], row["concurrency"], cells))
     return rows
 
@@ -74,9 +88,11 @@ def idle_ttft_line(path: Path) -> str:
     TTFT's median and min in ms, the prompt's length, the runs, the threads and the weights format."""
     _, ttft = json.loads(path.read_text())
     idle = ttft["idle_ttft"]
-    return (f"Idle TTFT (offline engine, one {idle['input_len']}-token prompt, {idle['runs']} runs, "
-            f"{ttft['num_threads']} threads, {ttft['dtype']}/{ttft['quantization']}): median "
-            f"{idle['median_ms']:.1f} ms, min {idle['min_ms']:.1f} ms")
+    return (
+        f"Idle TTFT (offline engine, one {idle['input_len']}-token prompt, {idle['runs']} runs, "
+        f"{ttft['num_threads']} threads, {ttft['dtype']}/{ttft['quantization']}): median "
+        f"{idle['median_ms']:.1f} ms, min {idle['min_ms']:.1f} ms"
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from kvscope.engine.bench import bench_steps, random_prompts  # noqa: E402
 from kvscope.engine.llm import LLM  # noqa: E402
@@ -30,10 +32,19 @@ from kvscope.plan.shape import read_model  # noqa: E402
 def bound_ms(model: str, concurrency: list[int], input_len: int, steps: int, threads: int) -> dict[int, dict]:
     """The plan's decode rows (probe now) at the benchmark's context: prompt + steps/2 tokens on average."""
     device = probe_cpu(ProbeConfig(threads=threads))
-    req = PlanRequest(model=model, max_model_len=input_len + steps + 8, prompt_len=input_len, output_len=steps,
-                      concurrency=max(concurrency), kv_cache_memory=1 << 30)
+    req = PlanRequest(
+        model=model,
+        max_model_len=input_len + steps + 8,
+        prompt_len=input_len,
+        output_len=steps,
+        concurrency=max(concurrency),
+        kv_cache_memory=1 << 30,
+    )
     rows = {r["concurrency"]: r for r in plan(req, read_model(model), device).speed["decode"]}
-    return {c: rows[c] | {"bandwidth": device.bandwidth, "peak_fp32": device.peak_flops["fp32"]} for c in concurrency}
+    return {
+        c: rows[c] | {"bandwidth": device.bandwidth, "peak_fp32": device.peak_flops["fp32"]}
+        for c in concurrency
+    }
 
 
 def main() -> int:
@@ -53,26 +64,49 @@ def main() -> int:
     rounds = []
     for r in range(args.rounds):
         before = bound_ms(args.model, args.concurrency, args.input_len, args.steps, threads)
-        measured = {c: bench_steps(llm, random_prompts(c, args.input_len, llm.engine.vocab_size, r), args.steps)
-                    .decode_ms_per_step for c in args.concurrency}
+        measured = {
+            c: bench_steps(
+                llm, random_prompts(c, args.input_len, llm.engine.vocab_size, r), args.steps
+            ).decode_ms_per_step
+            for c in args.concurrency
+        }
         after = bound_ms(args.model, args.concurrency, args.input_len, args.steps, threads)
         rounds.append({"measured_ms": measured, "bound_before": before, "bound_after": after})
-        print(json.dumps({c: {"measured_ms": round(measured[c], 2), "bound_ms": round(before[c]["step_ms"], 2),
-                              "bound_after_ms": round(after[c]["step_ms"], 2)} for c in args.concurrency}), flush=True)
+        print(
+            json.dumps(
+                {
+                    c: {
+                        "measured_ms": round(measured[c], 2),
+                        "bound_ms": round(before[c]["step_ms"], 2),
+                        "bound_after_ms": round(after[c]["step_ms"], 2),
+                    }
+                    for c in args.concurrency
+                }
+            ),
+            flush=True,
+        )
     summary = {}
     for c in args.concurrency:
         measured = statistics.median(x["measured_ms"][c] for x in rounds)
         bound = statistics.median(x[k][c]["step_ms"] for x in rounds for k in ("bound_before", "bound_after"))
-        summary[c] = {"measured_ms_per_step": measured, "bound_ms_per_step": bound, "bound_over_measured": bound / measured,
-                      "bound_kind": rounds[0]["bound_before"][c]["bound"],
-                      "bandwidth_gb_s": statistics.median(x["bound_before"][c]["bandwidth"] for x in rounds) / 1e9,
-                      "peak_fp32_gflops": statistics.median(x["bound_before"][c]["peak_fp32"] for x in rounds) / 1e9}
-    print(f"{platform.processor() or platform.machine()}, {threads} torch threads, fp32, prompt {args.input_len}, "
-          f"{args.steps} decode steps, {args.rounds} rounds")
+        summary[c] = {
+            "measured_ms_per_step": measured,
+            "bound_ms_per_step": bound,
+            "bound_over_measured": bound / measured,
+            "bound_kind": rounds[0]["bound_before"][c]["bound"],
+            "bandwidth_gb_s": statistics.median(x["bound_before"][c]["bandwidth"] for x in rounds) / 1e9,
+            "peak_fp32_gflops": statistics.median(x["bound_before"][c]["peak_fp32"] for x in rounds) / 1e9,
+        }
+    print(
+        f"{platform.processor() or platform.machine()}, {threads} torch threads, fp32, prompt {args.input_len}, "
+        f"{args.steps} decode steps, {args.rounds} rounds"
+    )
     for c, s in summary.items():
-        print(f"concurrency {c:3d}: measured {s['measured_ms_per_step']:7.1f} ms/step, bound {s['bound_ms_per_step']:6.1f} "
-              f"ms ({s['bound_kind']}), bound/measured {s['bound_over_measured']:.2f}; probe {s['bandwidth_gb_s']:.1f} GB/s, "
-              f"{s['peak_fp32_gflops']:.0f} GFLOP/s fp32")
+        print(
+            f"concurrency {c:3d}: measured {s['measured_ms_per_step']:7.1f} ms/step, bound {s['bound_ms_per_step']:6.1f} "
+            f"ms ({s['bound_kind']}), bound/measured {s['bound_over_measured']:.2f}; probe {s['bandwidth_gb_s']:.1f} GB/s, "
+            f"{s['peak_fp32_gflops']:.0f} GFLOP/s fp32"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=2, default=str))
     return 0

@@ -12,6 +12,7 @@ lookup, which replaced the kernel's own exp + division inside the C++ library (b
 
 Usage: python bench/prefill_ab.py [--threads N] [--rounds R] [--silu]
 """
+
 import argparse
 import statistics
 import time
@@ -61,16 +62,25 @@ def old_forward(self, query, kv_cache, metadata, scale):  # the SDPA path with i
     out = torch.empty_like(query)
     for item in plan.prefills:
         keys, values = self._fresh(written[2], written[3], item, compute_dtype)
-        q = query[item.start: item.start + item.query_len].transpose(0, 1)[None]
+        q = query[item.start : item.start + item.query_len].transpose(0, 1)[None]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, keys[: item.seq_len].transpose(0, 1)[None], values[: item.seq_len].transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True)
-        out[item.start: item.start + item.query_len] = o[0].transpose(0, 1)
+            q,
+            keys[: item.seq_len].transpose(0, 1)[None],
+            values[: item.seq_len].transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[item.start : item.start + item.query_len] = o[0].transpose(0, 1)
     return out if compute_dtype == dtype else out.to(dtype)
 
 
-PATCHES = [(TB.TorchAttentionBackend, "write_kv", old_write), (M.DecoderLayer, "forward", old_layer),
-           (M.LlamaModel, "forward", old_model), (TB.TorchAttentionBackend, "forward", old_forward)]
+PATCHES = [
+    (TB.TorchAttentionBackend, "write_kv", old_write),
+    (M.DecoderLayer, "forward", old_layer),
+    (M.LlamaModel, "forward", old_model),
+    (TB.TorchAttentionBackend, "forward", old_forward),
+]
 NEW = [(cls, name, getattr(cls, name)) for cls, name, _ in PATCHES]
 
 
@@ -83,8 +93,10 @@ def silu(threads: int) -> None:
     torch.set_num_threads(threads)
     gate_up = torch.randn(128, 3072).bfloat16()
     ops = torch.ops.kvscope_cpu
-    for name, fn in (("kvscope_cpu.silu_and_mul", lambda: ops.silu_and_mul(gate_up)),
-                     ("torch F.silu(g) * u", lambda: torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:])):
+    for name, fn in (
+        ("kvscope_cpu.silu_and_mul", lambda: ops.silu_and_mul(gate_up)),
+        ("torch F.silu(g) * u", lambda: torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:]),
+    ):
         for _ in range(50):
             fn()
         samples = []
@@ -92,8 +104,10 @@ def silu(threads: int) -> None:
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
-        print(f"{name} [128, 3072] bf16, {threads} thread(s): median {1e6 * statistics.median(samples):.1f} µs, "
-              f"min {1e6 * min(samples):.1f}")
+        print(
+            f"{name} [128, 3072] bf16, {threads} thread(s): median {1e6 * statistics.median(samples):.1f} µs, "
+            f"min {1e6 * min(samples):.1f}"
+        )
 
 
 def main() -> None:
@@ -102,8 +116,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--silu", action="store_true", help="time the SwiGLU op alone")
     args = parser.parse_args()
-    llm = LLM("smollm2-135m", dtype="auto", quantization="auto", num_threads=args.threads,
-              enable_prefix_caching=False, max_model_len=1024)
+    llm = LLM(
+        "smollm2-135m",
+        dtype="auto",
+        quantization="auto",
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_model_len=1024,
+    )
     if args.silu:
         silu(args.threads)
         return
@@ -124,10 +144,12 @@ def main() -> None:
             engine.step()
     apply(False)
     old, new = times["old"], times["new"]
-    print(f"128-token prefill step, {args.threads} thread(s), {len(old)}+{len(new)} samples "
-          f"({'CPU' if args.threads == 1 else 'wall'} ms): before median {1e3 * statistics.median(old):.1f} min "
-          f"{1e3 * min(old):.1f} | after median {1e3 * statistics.median(new):.1f} min {1e3 * min(new):.1f} "
-          f"| after ÷ before {statistics.median(new) / statistics.median(old):.3f}")
+    print(
+        f"128-token prefill step, {args.threads} thread(s), {len(old)}+{len(new)} samples "
+        f"({'CPU' if args.threads == 1 else 'wall'} ms): before median {1e3 * statistics.median(old):.1f} min "
+        f"{1e3 * min(old):.1f} | after median {1e3 * statistics.median(new):.1f} min {1e3 * min(new):.1f} "
+        f"| after ÷ before {statistics.median(new) / statistics.median(old):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ from kvscope.engine.bench import random_prompts
 from kvscope.engine.llm import LLM
 from kvscope.engine.models.loader import load_cpu_kernels
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 from bench.ttft_profile import first_step_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -60,17 +62,27 @@ def op_table(reps: int) -> None:
         query = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen)
         tables = blocks[None].expand(q_len, -1).contiguous()
         lens = torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32)
-        mask = None if q_len == seq_len else torch.arange(seq_len)[None] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+        mask = (
+            None
+            if q_len == seq_len
+            else torch.arange(seq_len)[None] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+        )
 
         def paged(query=query, tables=tables, lens=lens):
-            return torch.ops.kvscope_cpu.paged_decode_attention(query, cache, tables, lens, HEAD_DIM ** -0.5)
+            return torch.ops.kvscope_cpu.paged_decode_attention(query, cache, tables, lens, HEAD_DIM**-0.5)
 
         def sdpa(query=query, blocks=blocks, mask=mask):
             kv = cache[:, blocks.long()].flatten(1, 2).to(compute_dtype).transpose(1, 2)  # [2, KVH, S, d]
             q = query.to(compute_dtype).transpose(0, 1)[None]
-            return F.scaled_dot_product_attention(q, kv[0][None], kv[1][None],
-                                                  attn_mask=mask, is_causal=mask is None, scale=HEAD_DIM ** -0.5,
-                                                  enable_gqa=True)[0].transpose(0, 1)
+            return F.scaled_dot_product_attention(
+                q,
+                kv[0][None],
+                kv[1][None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=HEAD_DIM**-0.5,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
 
         diff = (paged() - sdpa().float()).abs().max().item()
         a, b = median_us(paged, reps), median_us(sdpa, reps)
@@ -78,7 +90,9 @@ def op_table(reps: int) -> None:
 
 
 def engine_ab(runs: int, input_len: int, threads: int) -> None:
-    llm = LLM("smollm2-135m", dtype="auto", quantization="auto", num_threads=threads, enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m", dtype="auto", quantization="auto", num_threads=threads, enable_prefix_caching=False
+    )
     llm.engine.warm_up_prefill()
     backend = llm.engine.runner.backend
     prompts = random_prompts(2 * runs + 2, input_len, llm.engine.vocab_size, 7)
@@ -91,8 +105,10 @@ def engine_ab(runs: int, input_len: int, threads: int) -> None:
         times[backend.paged_prefill].append(first_step_ms(llm, prompts[i], f"ab-{i}"))
     backend.paged_prefill = default
     for paged, values in times.items():
-        print(f"idle TTFT, {input_len}-token prompt, {'paged op' if paged else 'SDPA path'}: median "
-              f"{statistics.median(values):.1f} / min {min(values):.1f} ms (n={len(values)})")
+        print(
+            f"idle TTFT, {input_len}-token prompt, {'paged op' if paged else 'SDPA path'}: median "
+            f"{statistics.median(values):.1f} / min {min(values):.1f} ms (n={len(values)})"
+        )
 
 
 def main() -> None:

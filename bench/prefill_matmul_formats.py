@@ -47,8 +47,11 @@ def time_shape(m: int, k: int, n: int) -> dict[str, float]:
     return {
         "bfloat16": median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")),
         "_int_mm": median_ms(lambda: torch._int_mm(x_q, w_qt)),
-        "qlinear": median_ms(lambda: torch.ops.onednn.qlinear_pointwise.tensor(
-            x_u8, x_scale, x_zero, w_packed, w_scale, zeros, None, 1.0, 0, torch.bfloat16, "none", [], "")),
+        "qlinear": median_ms(
+            lambda: torch.ops.onednn.qlinear_pointwise.tensor(
+                x_u8, x_scale, x_zero, w_packed, w_scale, zeros, None, 1.0, 0, torch.bfloat16, "none", [], ""
+            )
+        ),
     }
 
 
@@ -67,8 +70,10 @@ def main() -> None:
     for name, (k, n) in shapes.items():
         ms = time_shape(m, k, n)
         gflop = 2 * m * k * n / 1e9
-        print(f"{name:8s} {m} x {k} -> {n}: " + "  ".join(
-            f"{fmt} {t:.3f} ms ({gflop / t * 1e3:.0f} GFLOP/s)" for fmt, t in ms.items()))
+        print(
+            f"{name:8s} {m} x {k} -> {n}: "
+            + "  ".join(f"{fmt} {t:.3f} ms ({gflop / t * 1e3:.0f} GFLOP/s)" for fmt, t in ms.items())
+        )
         for fmt, t in ms.items():
             totals[fmt] += t
     print("one layer: " + "  ".join(f"{fmt} {t:.2f} ms" for fmt, t in totals.items()))

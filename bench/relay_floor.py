@@ -22,7 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from bench.gateway_cpu import add_load_arguments, cpu_seconds, load  # noqa: E402
 from tests.gateway.harness import free_port, spawn_fake, spawn_gateway, wait_http, wait_port  # noqa: E402
@@ -47,21 +49,21 @@ class _UpstreamSide(asyncio.Protocol):
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:
                 return
-            self.client.write(self.buffer[:end + 4])
-            self.buffer, self.in_body = self.buffer[end + 4:], True
+            self.client.write(self.buffer[: end + 4])
+            self.buffer, self.in_body = self.buffer[end + 4 :], True
         while (line_end := self.buffer.find(b"\r\n")) >= 0:  # chunked framing (RFC 9112 §7.1)
             size = int(self.buffer[:line_end].split(b";", 1)[0], 16)
             if len(self.buffer) < line_end + 4 + size:
                 return
-            payload = self.buffer[line_end + 2:line_end + 2 + size]
-            self.buffer = self.buffer[line_end + 4 + size:]
+            payload = self.buffer[line_end + 2 : line_end + 2 + size]
+            self.buffer = self.buffer[line_end + 4 + size :]
             if size == 0:
                 self.client.write(b"0\r\n\r\n")
                 self.in_body = False
                 return
             self.events += payload
             while (split := self.events.find(b"\n\n")) >= 0:  # one SSE event, one chunk, one write
-                event, self.events = self.events[:split + 2], self.events[split + 2:]
+                event, self.events = self.events[: split + 2], self.events[split + 2 :]
                 self.client.write(b"%x\r\n%s\r\n" % (len(event), event))
 
 
@@ -83,10 +85,14 @@ class _ClientSide(asyncio.Protocol):
         if end < 0:
             return
         head = self.buffer[:end].lower()
-        length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0]) if b"content-length:" in head else 0
+        length = (
+            int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            if b"content-length:" in head
+            else 0
+        )
         if len(self.buffer) < end + 4 + length:
             return
-        request, self.buffer = self.buffer[:end + 4 + length], self.buffer[end + 4 + length:]
+        request, self.buffer = self.buffer[: end + 4 + length], self.buffer[end + 4 + length :]
         asyncio.get_running_loop().create_task(self._forward(request))
 
     async def _forward(self, request: bytes) -> None:
@@ -94,7 +100,8 @@ class _ClientSide(asyncio.Protocol):
             assert self.transport is not None
             client = self.transport
             _, self.upstream = await asyncio.get_running_loop().create_connection(
-                lambda: _UpstreamSide(client), *self.upstream_address)
+                lambda: _UpstreamSide(client), *self.upstream_address
+            )
         assert self.upstream.transport is not None
         self.upstream.transport.write(request)
 
@@ -107,8 +114,9 @@ async def _serve(port: int, upstream: tuple[str, int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_load_arguments(parser)
-    parser.add_argument("--serve", nargs=3, metavar=("PORT", "UPSTREAM_HOST", "UPSTREAM_PORT"),
-                        help=argparse.SUPPRESS)  # the minimal relay's own process
+    parser.add_argument(
+        "--serve", nargs=3, metavar=("PORT", "UPSTREAM_HOST", "UPSTREAM_PORT"), help=argparse.SUPPRESS
+    )  # the minimal relay's own process
     args = parser.parse_args()
     if args.serve:
         port, host, upstream_port = args.serve
@@ -119,15 +127,18 @@ def main() -> None:
     gateway = relay = None
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
-        gateway = spawn_gateway(tmp, "gateway", {"upstreams": [{"url": fake.url}],
-                                                 "logs": {"file": str(tmp / "requests.jsonl")}})
+        gateway = spawn_gateway(
+            tmp, "gateway", {"upstreams": [{"url": fake.url}], "logs": {"file": str(tmp / "requests.jsonl")}}
+        )
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
         host, upstream_port = fake.url.removeprefix("http://").rsplit(":", 1)
         port = free_port()
         relay = subprocess.Popen([sys.executable, __file__, "--serve", str(port), host, upstream_port])
         wait_port(port)
-        targets = {"kvscope gateway": (gateway.popen.pid, gateway.url),
-                   "minimal relay": (relay.pid, f"http://127.0.0.1:{port}")}
+        targets = {
+            "kvscope gateway": (gateway.popen.pid, gateway.url),
+            "minimal relay": (relay.pid, f"http://127.0.0.1:{port}"),
+        }
         for _, url in targets.values():  # warm connections and code paths
             asyncio.run(load(url + "/v1/chat/completions", args.concurrency, args.tokens))
         for round_ in range(1, args.rounds + 1):
@@ -135,8 +146,11 @@ def main() -> None:
                 before = cpu_seconds(pid)
                 received = asyncio.run(load(url + "/v1/chat/completions", args.concurrency, args.tokens))
                 used = cpu_seconds(pid) - before
-                print(f"round {round_} {name:16s} concurrency {args.concurrency}: {received} tokens, CPU "
-                      f"{used:.2f} s, {used / max(1, received) * 1e6:.0f} us per token", flush=True)
+                print(
+                    f"round {round_} {name:16s} concurrency {args.concurrency}: {received} tokens, CPU "
+                    f"{used:.2f} s, {used / max(1, received) * 1e6:.0f} us per token",
+                    flush=True,
+                )
     finally:
         if relay is not None:
             relay.kill()

@@ -31,7 +31,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 import torch  # noqa: E402
 
@@ -40,18 +42,56 @@ from kvscope.engine.llm import LLM  # noqa: E402
 from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE_FILES = ("engine/sampling_params.py", "engine/core/block_pool.py", "engine/text/output_processor.py",
-              "engine/core/kv_cache_manager.py", "engine/server/metrics.py", "gateway/logs/record.py",
-              "dashboards/promql.py", "engine/core/request.py")
+CODE_FILES = (
+    "engine/sampling_params.py",
+    "engine/core/block_pool.py",
+    "engine/text/output_processor.py",
+    "engine/core/kv_cache_manager.py",
+    "engine/server/metrics.py",
+    "gateway/logs/record.py",
+    "dashboards/promql.py",
+    "engine/core/request.py",
+)
 """Source files of this repository the code prompts copy from (one ~30-line slice each)."""
 LIST_SOURCE = "docs/metrics.md"
 """The list prompts repeat metric names from this page."""
 CONCURRENCIES = (1, 8)
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 _IDENT = re.compile(r"\b[a-z_][a-z0-9_]{3,}\b")
-_KEYWORDS = {"self", "return", "from", "import", "none", "true", "false", "class", "with", "while", "elif",
-             "else", "pass", "raise", "assert", "lambda", "yield", "async", "await", "global", "field", "float",
-             "list", "dict", "tuple", "bool", "str", "int", "for", "not", "and", "def"}
+_KEYWORDS = {
+    "self",
+    "return",
+    "from",
+    "import",
+    "none",
+    "true",
+    "false",
+    "class",
+    "with",
+    "while",
+    "elif",
+    "else",
+    "pass",
+    "raise",
+    "assert",
+    "lambda",
+    "yield",
+    "async",
+    "await",
+    "global",
+    "field",
+    "float",
+    "list",
+    "dict",
+    "tuple",
+    "bool",
+    "str",
+    "int",
+    "for",
+    "not",
+    "and",
+    "def",
+}
 
 
 def code_prompt(path: Path, lines: int = 30) -> list[dict]:
@@ -59,18 +99,28 @@ def code_prompt(path: Path, lines: int = 30) -> list[dict]:
     frequent identifier renamed: the answer is the slice again, one name changed."""
     text = path.read_text().splitlines()
     start = next((i for i, line in enumerate(text) if line.lstrip().startswith("def ")), 0)
-    code = "\n".join(text[start:start + lines])
+    code = "\n".join(text[start : start + lines])
     names = Counter(n for n in _IDENT.findall(code) if n.lower() not in _KEYWORDS)
     old = names.most_common(1)[0][0] if names else "value"
-    return [{"role": "user", "content": f"Rewrite this code with the variable `{old}` renamed to `{old}_2`. "
-                                        f"Change nothing else and output only the code.\n\n```python\n{code}\n```"}]
+    return [
+        {
+            "role": "user",
+            "content": f"Rewrite this code with the variable `{old}` renamed to `{old}_2`. "
+            f"Change nothing else and output only the code.\n\n```python\n{code}\n```",
+        }
+    ]
 
 
 def list_prompt(items: list[str], index: int) -> list[dict]:
     """A chat asking to repeat a numbered list with item ``index`` replaced."""
     listing = "\n".join(f"{i + 1}. {item}" for i, item in enumerate(items))
-    return [{"role": "user", "content": f"Repeat the list below exactly, but replace item {index + 1} with "
-                                        f"`banana`. Output only the list.\n\n{listing}"}]
+    return [
+        {
+            "role": "user",
+            "content": f"Repeat the list below exactly, but replace item {index + 1} with "
+            f"`banana`. Output only the list.\n\n{listing}",
+        }
+    ]
 
 
 def metric_names(path: Path) -> list[str]:
@@ -78,8 +128,16 @@ def metric_names(path: Path) -> list[str]:
     return re.findall(r"^\| `(kvscope_[a-z_]+)`", path.read_text(), flags=re.MULTILINE)
 
 
-TOPICS = ("a lighthouse keeper", "a lost umbrella", "the first day of school", "a city under snow",
-          "a robot learning to paint", "an old map", "a night train", "a garden on the moon")
+TOPICS = (
+    "a lighthouse keeper",
+    "a lost umbrella",
+    "the first day of school",
+    "a city under snow",
+    "a robot learning to paint",
+    "an old map",
+    "a night train",
+    "a garden on the moon",
+)
 """Open-ended story prompts (``open``): little to copy from the prompt."""
 SAMPLED = {"open"}
 """Workloads sampled at temperature 0.8 (a fixed seed per prompt, the same with speculation off and on)."""
@@ -91,17 +149,26 @@ def workloads(llm: LLM, names: list[str], count: int, seed: int) -> dict[str, li
     out: dict[str, list[list[int]]] = {}
     template = llm.tokenizer.apply_chat_template
     if "code" in names:
-        out["code"] = [template(code_prompt(ROOT / CODE_FILES[i % len(CODE_FILES)]), add_generation_prompt=True)
-                       for i in range(count)]
+        out["code"] = [
+            template(code_prompt(ROOT / CODE_FILES[i % len(CODE_FILES)]), add_generation_prompt=True)
+            for i in range(count)
+        ]
     if "list" in names:
         metrics = metric_names(ROOT / LIST_SOURCE)
-        out["list"] = [template(list_prompt(metrics[i:i + 12], (3 + i) % 12), add_generation_prompt=True)
-                       for i in range(count)]
+        out["list"] = [
+            template(list_prompt(metrics[i : i + 12], (3 + i) % 12), add_generation_prompt=True)
+            for i in range(count)
+        ]
     if "random" in names:
         out["random"] = random_prompts(count, 128, llm.engine.vocab_size, seed)
     if "open" in names:
-        out["open"] = [template([{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}],
-                                add_generation_prompt=True) for i in range(count)]
+        out["open"] = [
+            template(
+                [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}],
+                add_generation_prompt=True,
+            )
+            for i in range(count)
+        ]
     return out
 
 
@@ -125,11 +192,15 @@ class Run:
         return self.output_tokens / self.seconds
 
 
-def run(llm: LLM, workload: str, prompts: list[list[int]], concurrency: int, max_tokens: int, spec: bool) -> Run:
+def run(
+    llm: LLM, workload: str, prompts: list[list[int]], concurrency: int, max_tokens: int, spec: bool
+) -> Run:
     """Generate for ``prompts`` (one at a time for c=1, all at once otherwise); wall time and the summed
     speculative-decoding fields of the requests' kvscope stats."""
     temperature = 0.8 if workload in SAMPLED else 0.0
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens) for i in range(len(prompts))
+    ]
     start = time.perf_counter()
     if concurrency == 1:
         outputs = [o for p, sp in zip(prompts, params, strict=True) for o in llm.generate([p], sp)]
@@ -138,12 +209,23 @@ def run(llm: LLM, workload: str, prompts: list[list[int]], concurrency: int, max
     seconds = time.perf_counter() - start
     choices = [o.outputs[0] for o in outputs]
     stats = [c.stats for c in choices if c.stats is not None]
-    rates = [(len(c.token_ids) - 1) / c.stats.decode_s for c in choices
-             if c.stats is not None and c.stats.decode_s and len(c.token_ids) > 1]
-    return Run(workload, concurrency, spec, sum(len(c.token_ids) for c in choices), seconds,
-               sum(s.spec_drafts or 0 for s in stats), sum(s.spec_draft_tokens or 0 for s in stats),
-               sum(s.spec_accepted_tokens or 0 for s in stats), tuple(tuple(c.token_ids) for c in choices),
-               sum(rates) / len(rates) if rates else 0.0)
+    rates = [
+        (len(c.token_ids) - 1) / c.stats.decode_s
+        for c in choices
+        if c.stats is not None and c.stats.decode_s and len(c.token_ids) > 1
+    ]
+    return Run(
+        workload,
+        concurrency,
+        spec,
+        sum(len(c.token_ids) for c in choices),
+        seconds,
+        sum(s.spec_drafts or 0 for s in stats),
+        sum(s.spec_draft_tokens or 0 for s in stats),
+        sum(s.spec_accepted_tokens or 0 for s in stats),
+        tuple(tuple(c.token_ids) for c in choices),
+        sum(rates) / len(rates) if rates else 0.0,
+    )
 
 
 def machine() -> dict[str, object]:
@@ -156,16 +238,23 @@ def machine() -> dict[str, object]:
         model = found.group(1).strip() if found else model
         found = re.search(r"^flags\s*:\s*(.+)$", text, flags=re.MULTILINE)
         flags = set(found.group(1).split()) if found else set()
-    return {"cpu": model, "cpus": os.cpu_count(), "flags": [f for f in FLAGS if f in flags],
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "flags": [f for f in FLAGS if f in flags],
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def table(best: dict[tuple[str, int, bool], Run]) -> str:
     """Markdown: one row per workload and concurrency, speculation off vs on."""
-    rows = ["| workload | c | off tok/s | on tok/s | speedup | decode tok/s per stream off → on | decode speedup | "
-            "acceptance rate | mean acceptance length | drafts | same tokens |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    rows = [
+        "| workload | c | off tok/s | on tok/s | speedup | decode tok/s per stream off → on | decode speedup | "
+        "acceptance rate | mean acceptance length | drafts | same tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for (workload, c, spec), on in best.items():
         if not spec or (workload, c, False) not in best:
             continue
@@ -173,9 +262,11 @@ def table(best: dict[tuple[str, int, bool], Run]) -> str:
         rate = f"{on.accepted_tokens / on.draft_tokens:.0%}" if on.draft_tokens else "—"
         length = f"{1 + on.accepted_tokens / on.drafts:.2f}" if on.drafts else "—"
         decode = f"{on.decode_tok_s / off.decode_tok_s:.2f}×" if off.decode_tok_s else "—"
-        rows.append(f"| {workload} | {c} | {off.tok_s:.1f} | {on.tok_s:.1f} | {on.tok_s / off.tok_s:.2f}× "
-                    f"| {off.decode_tok_s:.1f} → {on.decode_tok_s:.1f} | {decode} | {rate} "
-                    f"| {length} | {on.drafts} | {'yes' if on.token_ids == off.token_ids else 'no'} |")
+        rows.append(
+            f"| {workload} | {c} | {off.tok_s:.1f} | {on.tok_s:.1f} | {on.tok_s / off.tok_s:.2f}× "
+            f"| {off.decode_tok_s:.1f} → {on.decode_tok_s:.1f} | {decode} | {rate} "
+            f"| {length} | {on.drafts} | {'yes' if on.token_ids == off.token_ids else 'no'} |"
+        )
     return "\n".join(rows)
 
 
@@ -186,15 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-c1", type=int, default=2, help="prompts run one after the other at c=1")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="auto", help="the servers' default: the fastest verified format")
+    parser.add_argument(
+        "--quantization", default="auto", help="the servers' default: the fastest verified format"
+    )
     parser.add_argument("--workloads", default="code,list,random,open")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     before = machine()
     common = dict(dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(CONCURRENCIES))
-    engines = {False: LLM(**common),
-               True: LLM(**common, speculative="ngram", num_speculative_tokens=args.num_speculative_tokens)}
+    engines = {
+        False: LLM(**common),
+        True: LLM(**common, speculative="ngram", num_speculative_tokens=args.num_speculative_tokens),
+    }
     prompts = workloads(engines[False], args.workloads.split(","), max(CONCURRENCIES), args.seed)
     for llm in engines.values():  # warm-up: first-call allocations and kernel selection
         llm.generate([prompts[next(iter(prompts))][0]], SamplingParams(temperature=0.0, max_tokens=8))
@@ -202,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for workload, texts in prompts.items():
             for c in CONCURRENCIES:
-                batch = texts[:args.prompts_c1] if c == 1 else texts[:c]
+                batch = texts[: args.prompts_c1] if c == 1 else texts[:c]
                 for spec in (False, True):  # interleaved, so slow phases of the box hit both
                     result = run(engines[spec], workload, batch, c, args.max_tokens, spec)
                     key = (workload, c, spec)
@@ -210,20 +305,36 @@ def main(argv: list[str] | None = None) -> int:
                         best[key] = result
     after = machine()
     info = engines[False].engine.info
-    print(f"machine: {before['cpu']} ({before['cpus']} CPUs; {', '.join(before['flags']) or 'no AVX2/512'}), "
-          f"torch {after['torch']} with {after['torch_threads']} engine threads; load average "
-          f"{before['load_average']} before, {after['load_average']} after")
+    print(
+        f"machine: {before['cpu']} ({before['cpus']} CPUs; {', '.join(before['flags']) or 'no AVX2/512'}), "
+        f"torch {after['torch']} with {after['torch_threads']} engine threads; load average "
+        f"{before['load_average']} before, {after['load_average']} after"
+    )
     report = engines[False].engine.model.load_report
     fmt = report.weight_format
-    served = f"{fmt.dtype} {fmt.quantization}" if fmt is not None else str(report.dtype).removeprefix("torch.")
-    print(f"model: {info.name} (--dtype {args.dtype} --quantization {args.quantization} → {served}), greedy "
-          f"(open: temperature 0.8, seeded), "
-          f"max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, best of {args.repeats}\n")
+    served = (
+        f"{fmt.dtype} {fmt.quantization}" if fmt is not None else str(report.dtype).removeprefix("torch.")
+    )
+    print(
+        f"model: {info.name} (--dtype {args.dtype} --quantization {args.quantization} → {served}), greedy "
+        f"(open: temperature 0.8, seeded), "
+        f"max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, best of {args.repeats}\n"
+    )
     print(table(best))
     if args.json:
-        args.json.write_text(json.dumps({"machine_before": before, "machine_after": after, "runs": [
-            {k: v for k, v in asdict(r).items() if k != "token_ids"} | {"tok_s": r.tok_s} for r in best.values()]},
-            indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine_before": before,
+                    "machine_after": after,
+                    "runs": [
+                        {k: v for k, v in asdict(r).items() if k != "token_ids"} | {"tok_s": r.tok_s}
+                        for r in best.values()
+                    ],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

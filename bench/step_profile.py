@@ -46,8 +46,9 @@ def measure(llm: LLM, concurrency: int, steps: int, input_len: int, profile: boo
     start_cpu, start_wall = time.thread_time(), time.perf_counter()
     engine.step()
     first = (time.thread_time() - start_cpu, time.perf_counter() - start_wall)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                          for r in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
         engine.step()
     log.clear()
     cpu, wall = [], []
@@ -56,7 +57,9 @@ def measure(llm: LLM, concurrency: int, steps: int, input_len: int, profile: boo
         engine.step()
         cpu.append(time.thread_time() - c)
         wall.append(time.perf_counter() - w)
-    fwd_cpu = statistics.median(c for c, _ in log) if log else None  # the fused single-request step skips forward
+    fwd_cpu = (
+        statistics.median(c for c, _ in log) if log else None
+    )  # the fused single-request step skips forward
     table = ""
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -68,16 +71,23 @@ def measure(llm: LLM, concurrency: int, steps: int, input_len: int, profile: boo
     model.forward = inner
     resident = getattr(engine.runner.backend, "resident", None)
     if resident is not None:
-        table += (f"resident decode K/V: {resident.full_gathers} full gathers, {resident.incremental_updates} "
-                  f"in-place updates, {resident.nbytes / 2**20:.1f} MiB\n")
+        table += (
+            f"resident decode K/V: {resident.full_gathers} full gathers, {resident.incremental_updates} "
+            f"in-place updates, {resident.nbytes / 2**20:.1f} MiB\n"
+        )
     while engine.has_unfinished_requests():
         engine.step()
-    split = ("fused step" if fwd_cpu is None else
-             f"forward {1e3 * fwd_cpu:.1f} ms, rest {1e3 * (statistics.median(cpu) - fwd_cpu):.1f} ms")
-    return (f"c={concurrency}: decode step CPU {1e3 * statistics.median(cpu):.1f} ms (min {1e3 * min(cpu):.1f}; "
-            f"{split}), wall "
-            f"{1e3 * statistics.median(wall):.1f} ms; first step (prefill {concurrency}x{input_len}) CPU "
-            f"{1e3 * first[0]:.1f} ms wall {1e3 * first[1]:.1f} ms; load {os.getloadavg()[0]:.2f}\n{table}")
+    split = (
+        "fused step"
+        if fwd_cpu is None
+        else f"forward {1e3 * fwd_cpu:.1f} ms, rest {1e3 * (statistics.median(cpu) - fwd_cpu):.1f} ms"
+    )
+    return (
+        f"c={concurrency}: decode step CPU {1e3 * statistics.median(cpu):.1f} ms (min {1e3 * min(cpu):.1f}; "
+        f"{split}), wall "
+        f"{1e3 * statistics.median(wall):.1f} ms; first step (prefill {concurrency}x{input_len}) CPU "
+        f"{1e3 * first[0]:.1f} ms wall {1e3 * first[1]:.1f} ms; load {os.getloadavg()[0]:.2f}\n{table}"
+    )
 
 
 def main() -> None:
@@ -92,12 +102,21 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
-              enable_prefix_caching=False, max_model_len=1024)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_model_len=1024,
+    )
     llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     for concurrency in args.concurrency:
-        print(f"{args.dtype}/{args.quantization} threads={torch.get_num_threads()} "
-              + measure(llm, concurrency, args.steps, args.input_len, args.profile, args.top), flush=True)
+        print(
+            f"{args.dtype}/{args.quantization} threads={torch.get_num_threads()} "
+            + measure(llm, concurrency, args.steps, args.input_len, args.profile, args.top),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

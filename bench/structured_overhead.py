@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from kvscope.engine.llm import LLM  # noqa: E402
 from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
@@ -26,25 +28,47 @@ from kvscope.engine.structured.params import StructuredOutputsParams  # noqa: E4
 
 CONSTRAINTS = {
     # a JSON string field: llguidance's token-trie slices make its mask cheap (the common case)
-    "json": StructuredOutputsParams.json_schema({"type": "object", "required": ["text"], "properties": {
-        "text": {"type": "string", "minLength": 2000}}}),
+    "json": StructuredOutputsParams.json_schema(
+        {
+            "type": "object",
+            "required": ["text"],
+            "properties": {"text": {"type": "string", "minLength": 2000}},
+        }
+    ),
     # a character class no slice covers: the whole token trie is walked every step (the worst case)
     "regex": StructuredOutputsParams("regex", "[a-z ,.]{1000}"),
 }
-TYPICAL_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "address", "tags"],
-                  "properties": {"name": {"type": "string", "maxLength": 20},
-                                 "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                 "address": {"type": "object", "required": ["city"],
-                                             "properties": {"city": {"type": "string"},
-                                                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
-                                 "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
+TYPICAL_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "address", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "address": {
+            "type": "object",
+            "required": ["city"],
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+}
 
 
-def run(llm: LLM, batch: int, max_tokens: int, constrained: int, constraint: StructuredOutputsParams) -> float:
+def run(
+    llm: LLM, batch: int, max_tokens: int, constrained: int, constraint: StructuredOutputsParams
+) -> float:
     """tok/s of one batch with ``constrained`` grammar rows."""
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens,
-                             ignore_eos=i >= constrained, structured_outputs=constraint if i < constrained else None)
-              for i in range(batch)]
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=i,
+            max_tokens=max_tokens,
+            ignore_eos=i >= constrained,
+            structured_outputs=constraint if i < constrained else None,
+        )
+        for i in range(batch)
+    ]
     start = time.perf_counter()
     outputs = llm.generate([f"Write about topic {i}:" for i in range(batch)], params)
     elapsed = time.perf_counter() - start
@@ -71,13 +95,24 @@ def main() -> None:
     for _ in range(args.repeats):
         plain.append(run(llm, args.batch, args.max_tokens, 0, constraint))
         mixed.append(run(llm, args.batch, args.max_tokens, args.batch // 2, constraint))
-    compile_s = [llm.engine.structured.compile(StructuredOutputsParams.json_schema({**TYPICAL_SCHEMA, "title": str(i)}))
-                 for i in range(5)]
-    result = {"constraint": args.constraint, "batch": args.batch, "max_tokens": args.max_tokens, "unconstrained_tok_s": max(plain),
-              "half_constrained_tok_s": max(mixed), "ratio": max(mixed) / max(plain),
-              "mask_ms_per_step_median": statistics.median(mask_times) * 1e3,
-              "schema_compile_ms_median": statistics.median(compile_s) * 1e3,
-              "all_unconstrained": plain, "all_half_constrained": mixed}
+    compile_s = [
+        llm.engine.structured.compile(
+            StructuredOutputsParams.json_schema({**TYPICAL_SCHEMA, "title": str(i)})
+        )
+        for i in range(5)
+    ]
+    result = {
+        "constraint": args.constraint,
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "unconstrained_tok_s": max(plain),
+        "half_constrained_tok_s": max(mixed),
+        "ratio": max(mixed) / max(plain),
+        "mask_ms_per_step_median": statistics.median(mask_times) * 1e3,
+        "schema_compile_ms_median": statistics.median(compile_s) * 1e3,
+        "all_unconstrained": plain,
+        "all_half_constrained": mixed,
+    }
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

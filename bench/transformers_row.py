@@ -19,13 +19,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
 
 from kvscope.engine.bench import bench_transformers, random_prompts  # noqa: E402
 
 
-def measure(model_dir: str, concurrency: int, input_len: int, output_len: int, dtype: torch.dtype,
-            seed: int) -> dict[str, float]:
+def measure(
+    model_dir: str, concurrency: int, input_len: int, output_len: int, dtype: torch.dtype, seed: int
+) -> dict[str, float]:
     """One round at one concurrency: output tok/s, TTFT and TPOT in ms. Raises ValueError if output_len < 2."""
     if output_len < 2:
         raise ValueError("output_len must be ≥ 2 to define TPOT")
@@ -33,9 +36,13 @@ def measure(model_dir: str, concurrency: int, input_len: int, output_len: int, d
     prompts = random_prompts(concurrency, input_len, vocab_size, seed)
     first = bench_transformers(model_dir, prompts, 1, dtype)
     full = bench_transformers(model_dir, prompts, output_len, dtype)
-    return {"output_throughput": full.output_tokens_per_s, "ttft_ms": first.seconds * 1000,
-            "tpot_ms": (full.seconds - first.seconds) / (output_len - 1) * 1000, "seconds": full.seconds,
-            "output_tokens": full.output_tokens}
+    return {
+        "output_throughput": full.output_tokens_per_s,
+        "ttft_ms": first.seconds * 1000,
+        "tpot_ms": (full.seconds - first.seconds) / (output_len - 1) * 1000,
+        "seconds": full.seconds,
+        "output_tokens": full.output_tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,14 +59,26 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     rows = []
     for concurrency in args.concurrency:
-        runs = [measure(args.model_dir, concurrency, args.input_len, args.output_len, dtype, args.seed + r)
-                for r in range(args.rounds)]
-        row = {"system": f"transformers generate ({args.dtype}, static batch)", "concurrency": concurrency,
-               "threads": torch.get_num_threads(), "runs": runs,
-               **{k: statistics.median(run[k] for run in runs) for k in ("output_throughput", "ttft_ms", "tpot_ms")}}
+        runs = [
+            measure(args.model_dir, concurrency, args.input_len, args.output_len, dtype, args.seed + r)
+            for r in range(args.rounds)
+        ]
+        row = {
+            "system": f"transformers generate ({args.dtype}, static batch)",
+            "concurrency": concurrency,
+            "threads": torch.get_num_threads(),
+            "runs": runs,
+            **{
+                k: statistics.median(run[k] for run in runs)
+                for k in ("output_throughput", "ttft_ms", "tpot_ms")
+            },
+        }
         rows.append(row)
-        print(f"{row['system']} c={concurrency}: {row['output_throughput']:.1f} out tok/s, TTFT {row['ttft_ms']:.1f} ms, "
-              f"TPOT {row['tpot_ms']:.2f} ms", flush=True)
+        print(
+            f"{row['system']} c={concurrency}: {row['output_throughput']:.1f} out tok/s, TTFT {row['ttft_ms']:.1f} ms, "
+            f"TPOT {row['tpot_ms']:.2f} ms",
+            flush=True,
+        )
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(rows, indent=2) + "\n")
     return 0

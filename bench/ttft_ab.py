@@ -86,14 +86,17 @@ def main() -> None:
     cold, padded = [], []
     for i, n in enumerate(n for n in range(lo, hi + 1) if n % 2):  # odd lengths: never a warmed shape
         L.ALIGN_MIN_ROWS = align_min if i % 2 else 1 << 62  # 1 << 62: no padding, the code before
-        (padded if i % 2 else cold).append(ttft_ms(llm, random_prompts(1, n, engine.vocab_size, n)[0], f"n-{n}"))
+        (padded if i % 2 else cold).append(
+            ttft_ms(llm, random_prompts(1, n, engine.vocab_size, n)[0], f"n-{n}")
+        )
     same_old, same_new = [], []
     for i in range(2 * args.runs):  # one length, both warm: the cost of the padding rows alone
         L.ALIGN_MIN_ROWS = align_min if i % 2 else 1 << 62
-        (same_new if i % 2 else same_old).append(ttft_ms(llm, prompts[i], f"same-{i}")
-                                                 if lo == args.input_len else
-                                                 ttft_ms(llm, random_prompts(1, lo, engine.vocab_size, 1000 + i)[0],
-                                                         f"same-{i}"))
+        (same_new if i % 2 else same_old).append(
+            ttft_ms(llm, prompts[i], f"same-{i}")
+            if lo == args.input_len
+            else ttft_ms(llm, random_prompts(1, lo, engine.vocab_size, 1000 + i)[0], f"same-{i}")
+        )
     L.ALIGN_MIN_ROWS = align_min
     print(f"new odd lengths {lo}..{hi}, no padding (each a new shape): {summary(cold)}")
     print(f"new odd lengths {lo}..{hi}, padded to 16 rows, warmed     : {summary(padded)}")

@@ -53,10 +53,15 @@ def matmul_floor(llm: LLM, rows: int) -> str:
                 module.forward(x)
                 times.append(time.perf_counter() - start)
         total += min(times)
-        parts.append(f"{name} {module.out_features}x{module.in_features}: min {1e6 * min(times):.0f} / median "
-                     f"{1e6 * statistics.median(times):.0f} us")
+        parts.append(
+            f"{name} {module.out_features}x{module.in_features}: min {1e6 * min(times):.0f} / median "
+            f"{1e6 * statistics.median(times):.0f} us"
+        )
     layers = len(llm.engine.model.model.layers)
-    return "\n".join(parts) + f"\nfloor: {1e3 * total:.2f} ms a layer (sum of mins), {1e3 * total * layers:.1f} ms x {layers}"
+    return (
+        "\n".join(parts)
+        + f"\nfloor: {1e3 * total:.2f} ms a layer (sum of mins), {1e3 * total * layers:.1f} ms x {layers}"
+    )
 
 
 def main() -> None:
@@ -71,14 +76,17 @@ def main() -> None:
     if not args.no_warmup:
         engine.warm_up_prefill()
     llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))
-    print(f"{engine.info.dtype}/{engine.info.quantization}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()}", flush=True)
+    print(
+        f"{engine.info.dtype}/{engine.info.quantization}, {torch.get_num_threads()} threads, "
+        f"load average {os.getloadavg()}",
+        flush=True,
+    )
     prompts = random_prompts(args.runs + 5, args.input_len, engine.vocab_size, 21)
     times = [first_step_ms(llm, ids, f"ttft-{i}") for i, ids in enumerate(prompts[: args.runs])]
     print("first-step ms:", [round(t, 1) for t in times])
     print(f"min {min(times):.1f} median {statistics.median(times):.1f} ms", flush=True)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for i, ids in enumerate(prompts[args.runs:]):
+        for i, ids in enumerate(prompts[args.runs :]):
             first_step_ms(llm, ids, f"prof-{i}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=20))

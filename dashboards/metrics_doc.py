@@ -12,19 +12,19 @@ VLLM_NAMES = {
     "kvscope_engine_requests_running": "`vllm:num_requests_running`",
     "kvscope_engine_requests_waiting": "`vllm:num_requests_waiting`",
     "kvscope_engine_kv_cache_usage_ratio": "`vllm:kv_cache_usage_perc` (older V1 releases: `vllm:gpu_cache_usage_perc`), "
-                                           "0–1",
+    "0–1",
     "kvscope_engine_kv_cache_blocks": "— (vLLM: `num_gpu_blocks` label of `vllm:cache_config_info`)",
     "kvscope_engine_prompt_tokens": "`vllm:prompt_tokens_total`",
     "kvscope_engine_generation_tokens": "`vllm:generation_tokens_total`",
     "kvscope_engine_request_success": "`vllm:request_success_total` (label `finished_reason`)",
     "kvscope_engine_preemptions": "`vllm:num_preemptions_total`",
     "kvscope_engine_prefix_cache_queries": "`vllm:prefix_cache_queries_total` (older V1 releases: "
-                                           "`vllm:gpu_prefix_cache_queries_total`)",
+    "`vllm:gpu_prefix_cache_queries_total`)",
     "kvscope_engine_prefix_cache_hits": "`vllm:prefix_cache_hits_total` (older V1 releases: "
-                                        "`vllm:gpu_prefix_cache_hits_total`)",
+    "`vllm:gpu_prefix_cache_hits_total`)",
     "kvscope_engine_time_to_first_token_seconds": "`vllm:time_to_first_token_seconds`",
     "kvscope_engine_inter_token_latency_seconds": "`vllm:inter_token_latency_seconds` (older V1 releases: "
-                                                  "`vllm:time_per_output_token_seconds`)",
+    "`vllm:time_per_output_token_seconds`)",
     "kvscope_engine_time_per_output_token_seconds": "`vllm:request_time_per_output_token_seconds`",
     "kvscope_engine_e2e_request_latency_seconds": "`vllm:e2e_request_latency_seconds`",
     "kvscope_engine_queue_time_seconds": "`vllm:request_queue_time_seconds`",
@@ -34,7 +34,7 @@ VLLM_NAMES = {
     "kvscope_engine_request_params_n": "`vllm:request_params_n`",
     "kvscope_engine_request_params_max_tokens": "`vllm:request_params_max_tokens`",
     "kvscope_engine_http_requests": "— (vLLM's API server: `http_requests_total` of prometheus-fastapi-instrumentator, "
-                                    "labels `handler`, `status` as `2xx`)",
+    "labels `handler`, `status` as `2xx`)",
     "kvscope_engine_structured_output_requests": "— (vLLM has no structured-output counter)",
     "kvscope_engine_structured_output_compile_seconds": "—",
     "kvscope_engine_structured_output_mask_seconds": "—",
@@ -53,15 +53,15 @@ VLLM_NAMES = {
     "kvscope_engine_gpu_throttled": "— (DCGM exporter: `DCGM_FI_DEV_CLOCK_THROTTLE_REASONS`, one bitmask)",
     "kvscope_engine_torch_memory_reserved_bytes": "— (`torch.cuda.memory_reserved`)",
     "kvscope_engine_torch_memory_allocated_bytes": "— (`torch.cuda.memory_allocated`)",
-    "kvscope_engine_torch_alloc_retries": "— (`torch.cuda.memory_stats()[\"num_alloc_retries\"]`)",
-    "kvscope_engine_torch_ooms": "— (`torch.cuda.memory_stats()[\"num_ooms\"]`)",
+    "kvscope_engine_torch_alloc_retries": '— (`torch.cuda.memory_stats()["num_alloc_retries"]`)',
+    "kvscope_engine_torch_ooms": '— (`torch.cuda.memory_stats()["num_ooms"]`)',
     "kvscope_engine_spec_decode_num_drafts": "`vllm:spec_decode_num_drafts_total`",
     "kvscope_engine_spec_decode_num_draft_tokens": "`vllm:spec_decode_num_draft_tokens_total`",
     "kvscope_engine_spec_decode_num_accepted_tokens": "`vllm:spec_decode_num_accepted_tokens_total`",
     "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": "`vllm:spec_decode_num_accepted_tokens_per_pos_total`"
-                                                              " (same `position` label)",
+    " (same `position` label)",
     "kvscope_engine_spec_decode_acceptance_length": "— (vLLM logs the mean acceptance length, 1 + accepted / "
-                                                    "drafts, from the counters)",
+    "drafts, from the counters)",
     "kvscope_gateway_requests": "— (vLLM's API server: `http_requests_total` of prometheus-fastapi-instrumentator)",
     "kvscope_gateway_request_duration_seconds": "— (vLLM's API server: `http_request_duration_seconds`)",
 }
@@ -69,8 +69,8 @@ VLLM_NAMES = {
 
 BUCKET_NOTES = {
     "kvscope_engine_spec_decode_acceptance_length": "1, 2, …, k+1 with k the engine's num_speculative_tokens "
-                                                    "(`kvscope.engine.server.metrics.acceptance_length_buckets`; 1 with "
-                                                    "speculation off)",
+    "(`kvscope.engine.server.metrics.acceptance_length_buckets`; 1 with "
+    "speculation off)",
 }
 """Histograms whose bounds follow the engine's configuration rather than MetricBuckets."""
 
@@ -173,22 +173,38 @@ def _series(metric: MetricInfo) -> str:
 
 def _row(metric: MetricInfo, panels: Sequence[str], alerts: Sequence[str]) -> str:
     labels = ", ".join(f"`{label}`" for label in metric.labels) or "—"
-    cells = [_series(metric), metric.type, labels, metric.unit, metric.help,
-             VLLM_NAMES.get(metric.name, "—"), "; ".join(panels) or "**none**", ", ".join(alerts) or "—"]
+    cells = [
+        _series(metric),
+        metric.type,
+        labels,
+        metric.unit,
+        metric.help,
+        VLLM_NAMES.get(metric.name, "—"),
+        "; ".join(panels) or "**none**",
+        ", ".join(alerts) or "—",
+    ]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
-def _table(catalog: Catalog, component: str, shown: dict[str, list[str]], alerted: dict[str, list[str]]) -> str:
-    head = ("| series | type | labels | unit | meaning | vLLM equivalent | dashboard panels | alerts |\n"
-            "|---|---|---|---|---|---|---|---|")
+def _table(
+    catalog: Catalog, component: str, shown: dict[str, list[str]], alerted: dict[str, list[str]]
+) -> str:
+    head = (
+        "| series | type | labels | unit | meaning | vLLM equivalent | dashboard panels | alerts |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     rows = [_row(m, shown[m.name], alerted[m.name]) for m in catalog.metrics if m.component == component]
     return "\n".join([head, *rows])
 
 
 def _buckets(catalog: Catalog) -> str:
-    lines = ["## Default histogram buckets", "",
-             "Upper bounds (`+Inf` implied), configurable: engine `kvscope.engine.server.metrics.MetricBuckets`, gateway "
-             "`kvscope.gateway.settings.MetricsConfig`.", ""]
+    lines = [
+        "## Default histogram buckets",
+        "",
+        "Upper bounds (`+Inf` implied), configurable: engine `kvscope.engine.server.metrics.MetricBuckets`, gateway "
+        "`kvscope.gateway.settings.MetricsConfig`.",
+        "",
+    ]
     for metric in catalog.metrics:
         if metric.type == "histogram":
             bounds = BUCKET_NOTES.get(metric.name) or ", ".join(f"{b:g}" for b in metric.buckets)
@@ -201,9 +217,24 @@ def render(catalog: Catalog, dashboards: Sequence[Json]) -> str:
     shown, alerted = shown_on(dashboards, catalog), alerted_by(catalog)
     unshown = not_shown(dashboards, catalog)
     report = ", ".join(f"`{n}`" for n in unshown) if unshown else "none — every defined metric is on a panel."
-    parts = [_INTRO, "## Engine (`kvscope_engine_*`, scraped at `:8000/metrics`)", "",
-             _table(catalog, "engine", shown, alerted), "",
-             "## Gateway (`kvscope_gateway_*`, scraped at `:4000/metrics`)", "",
-             _table(catalog, "gateway", shown, alerted), "",
-             "## Defined but on no dashboard", "", report, "", _buckets(catalog), "", _OTEL, "", _PORTING]
+    parts = [
+        _INTRO,
+        "## Engine (`kvscope_engine_*`, scraped at `:8000/metrics`)",
+        "",
+        _table(catalog, "engine", shown, alerted),
+        "",
+        "## Gateway (`kvscope_gateway_*`, scraped at `:4000/metrics`)",
+        "",
+        _table(catalog, "gateway", shown, alerted),
+        "",
+        "## Defined but on no dashboard",
+        "",
+        report,
+        "",
+        _buckets(catalog),
+        "",
+        _OTEL,
+        "",
+        _PORTING,
+    ]
     return "\n".join(parts)

@@ -127,10 +127,20 @@ def _draw_stat(ax, panel: Json, result: PanelResult, window: Window) -> None:
     color = "#777777"
     for step in defaults["thresholds"]["steps"]:
         if not math.isnan(value) and (step["value"] is None or value >= step["value"]):
-            color = {"red": "#c4162a", "orange": "#ff780a", "green": "#37872d"}.get(step["color"], step["color"])
+            color = {"red": "#c4162a", "orange": "#ff780a", "green": "#37872d"}.get(
+                step["color"], step["color"]
+            )
     ax.set_facecolor(color)
-    ax.text(0.5, 0.45, format_value(value, defaults["unit"]), ha="center", va="center", fontsize=20,
-            color="white", transform=ax.transAxes)
+    ax.text(
+        0.5,
+        0.45,
+        format_value(value, defaults["unit"]),
+        ha="center",
+        va="center",
+        fontsize=20,
+        color="white",
+        transform=ax.transAxes,
+    )
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -140,8 +150,10 @@ def _draw_heatmap(ax, panel: Json, result: PanelResult, window: Window) -> None:
     if not series:
         return
     rows = [_points(s)[1] for s in series]
-    cells = [[max(v - (rows[i - 1][j] if i else 0.0), 0.0) for j, v in enumerate(row)]
-             for i, row in enumerate(rows)]
+    cells = [
+        [max(v - (rows[i - 1][j] if i else 0.0), 0.0) for j, v in enumerate(row)]
+        for i, row in enumerate(rows)
+    ]
     ax.imshow(cells, aspect="auto", origin="lower", cmap="Oranges", interpolation="nearest")
     labels = [s["metric"].get("le", "?") for s in series]
     ticks = list(range(0, len(labels), max(1, len(labels) // 8)))
@@ -161,15 +173,21 @@ def _title(ax, panel: Json, result: PanelResult) -> None:
     ax.set_title(panel["title"] + note, fontsize=9, loc="left", color="#c4162a" if note else "black")
 
 
-def render(dashboard: Json, api: PrometheusAPI, window: Window, out: Path,
-           variables: Variables | None = None) -> list[PanelResult]:
+def render(
+    dashboard: Json, api: PrometheusAPI, window: Window, out: Path, variables: Variables | None = None
+) -> list[PanelResult]:
     """Evaluate every panel and write ``out`` (PNG). Returns the per-panel query results."""
     variables = variables or Variables()
     panels = dashboard["panels"]
     height = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
     fig = Figure(figsize=(FIG_W_IN, height * UNIT_H_IN + 0.8))
-    fig.suptitle(f"{dashboard['title']} — {datetime.fromtimestamp(window.start):%Y-%m-%d %H:%M:%S} → "
-                 f"{datetime.fromtimestamp(window.end):%H:%M:%S}", fontsize=12, x=0.01, ha="left")
+    fig.suptitle(
+        f"{dashboard['title']} — {datetime.fromtimestamp(window.start):%Y-%m-%d %H:%M:%S} → "
+        f"{datetime.fromtimestamp(window.end):%H:%M:%S}",
+        fontsize=12,
+        x=0.01,
+        ha="left",
+    )
     scale_y = 1.0 - 0.8 / (height * UNIT_H_IN + 0.8)
     results = []
     for panel in panels:

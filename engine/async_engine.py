@@ -82,8 +82,9 @@ class AsyncEngine:
         self._stopping = False
         self._serving = False
         built: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._main, args=(config, built), name="kvscope-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(config, built), name="kvscope-engine", daemon=True
+        )
         self._thread.start()
         self.core = built.result()
         self.info = self.core.info
@@ -131,8 +132,13 @@ class AsyncEngine:
         InvalidParameterError / PromptTooLongError before anything is queued."""
         return self.core.input_processor.process(prompt_token_ids, params)
 
-    async def generate(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
-                       trace_context: object | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        request: EngineRequest,
+        arrival_time: float | None = None,
+        trace_context: object | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Queue a request (from :meth:`process_inputs`) and yield its delta outputs until the last one
         (``finished``).
 
@@ -248,7 +254,9 @@ class AsyncEngine:
             else:
                 self._abort(command[1], command[2])
 
-    def _add(self, request_id: str, request: EngineRequest, arrival: float, trace_context: object | None) -> None:
+    def _add(
+        self, request_id: str, request: EngineRequest, arrival: float, trace_context: object | None
+    ) -> None:
         with self._lock:
             if request_id not in self._streams:  # the client left before the engine saw the request
                 return
@@ -266,8 +274,15 @@ class AsyncEngine:
             self._deliver(request_id, RequestFailedError(request_id, reason))
         if self._listener is not None and outputs:
             stats = self.scheduler_stats()
-            self._notify(StepResult(outputs=outputs, stats=stats, num_running=stats.num_running,
-                                    num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage))
+            self._notify(
+                StepResult(
+                    outputs=outputs,
+                    stats=stats,
+                    num_running=stats.num_running,
+                    num_waiting=stats.num_waiting,
+                    kv_cache_usage=stats.kv_cache_usage,
+                )
+            )
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -54,7 +54,11 @@ def bench_kvscope(llm: LLM, prompts: list[list[int]], output_len: int) -> BenchR
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ttfts = [stats.ttft_s for o in outputs if (stats := o.outputs[0].stats) is not None and stats.ttft_s is not None]
+    ttfts = [
+        stats.ttft_s
+        for o in outputs
+        if (stats := o.outputs[0].stats) is not None and stats.ttft_s is not None
+    ]
     return BenchResult("kvscope", len(prompts), tokens, seconds, statistics.median(ttfts) if ttfts else None)
 
 
@@ -89,8 +93,9 @@ def bench_steps(llm: LLM, prompts: list[list[int]], steps: int) -> StepBenchResu
     start = time.perf_counter()
     engine.step()
     prefill = time.perf_counter() - start
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                          for r in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
         engine.step()
     times = []
     for _ in range(steps):
@@ -120,7 +125,9 @@ def bench_idle_ttft(llm: LLM, input_len: int, runs: int, seed: int) -> IdleTtftR
     return IdleTtftResult(input_len, runs, times[0], statistics.median(times), min(times))
 
 
-def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> BenchResult:
+def bench_transformers(
+    model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype
+) -> BenchResult:
     """transformers ``generate(do_sample=False)`` on one static batch (all prompts the same length: no padding)."""
     from transformers import AutoModelForCausalLM
 
@@ -135,8 +142,9 @@ def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int
     tokens = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
     del model
     gc.collect()
-    return BenchResult(f"transformers ({str(dtype).removeprefix('torch.')}, static batch)", len(prompts), tokens,
-                       seconds)
+    return BenchResult(
+        f"transformers ({str(dtype).removeprefix('torch.')}, static batch)", len(prompts), tokens, seconds
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,24 +154,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "gguf"],
-                        help="linear-layer weights of the kvscope engine (docs/engine-server.md; auto: what "
-                             "kvscope serve picks)")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        help="linear-layer weights of the kvscope engine (docs/engine-server.md; auto: what "
+        "kvscope serve picks)",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: the engine's choice)")
-    parser.add_argument("--speculative", default="none", choices=["none", "ngram"],
-                        help="speculative decoding (engine/spec_decode)")
+    parser.add_argument(
+        "--speculative",
+        default="none",
+        choices=["none", "ngram"],
+        help="speculative decoding (engine/spec_decode)",
+    )
     parser.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (default 4)")
-    parser.add_argument("--step-bench", action="store_true",
-                        help="time single steps instead: decode ms/step per concurrency and one prompt's prefill")
+    parser.add_argument(
+        "--step-bench",
+        action="store_true",
+        help="time single steps instead: decode ms/step per concurrency and one prompt's prefill",
+    )
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed by --step-bench")
-    parser.add_argument("--ttft-runs", type=int, default=8,
-                        help="single idle prompts timed by --step-bench for the idle TTFT (0: skip)")
+    parser.add_argument(
+        "--ttft-runs",
+        type=int,
+        default=8,
+        help="single idle prompts timed by --step-bench for the idle TTFT (0: skip)",
+    )
     parser.add_argument("--save-result", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
-              speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        num_threads=args.num_threads,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     args.dtype = str(llm.engine.model.load_report.dtype).removeprefix("torch.")  # auto resolved
     args.quantization = llm.engine.info.quantization  # auto resolved
     if args.step_bench:
@@ -182,15 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(results, args)
     if args.save_result:
         with open(args.save_result, "w") as fh:
-            json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} | _setup(args) for r in results],
-                      fh, indent=2)
+            json.dump(
+                [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} | _setup(args) for r in results],
+                fh,
+                indent=2,
+            )
     return 0
 
 
 def _setup(args: argparse.Namespace) -> dict[str, object]:
     """What a saved result was measured with (weights, lengths, threads), so results can be compared."""
-    return {"dtype": args.dtype, "quantization": args.quantization, "input_len": args.input_len,
-            "output_len": args.output_len, "num_threads": torch.get_num_threads()}
+    return {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_threads": torch.get_num_threads(),
+    }
 
 
 def _threads() -> str:
@@ -205,15 +242,21 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
     for concurrency in args.concurrency:
         prompts = random_prompts(concurrency, args.input_len, llm.engine.vocab_size, args.seed)
         results.append(bench_steps(llm, prompts, args.steps))
-        print(f"kvscope {args.dtype}/{args.quantization}, {_threads()}, concurrency {concurrency:3d}: decode "
-              f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x {args.input_len} "
-              f"tokens) {results[-1].prefill_ms:8.1f} ms", flush=True)
+        print(
+            f"kvscope {args.dtype}/{args.quantization}, {_threads()}, concurrency {concurrency:3d}: decode "
+            f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x {args.input_len} "
+            f"tokens) {results[-1].prefill_ms:8.1f} ms",
+            flush=True,
+        )
     saved = [asdict(r) | _setup(args) for r in results]
     if args.ttft_runs > 0:
         ttft = bench_idle_ttft(llm, args.input_len, args.ttft_runs, args.seed + 1)
-        print(f"kvscope {args.dtype}/{args.quantization}, {_threads()}: idle TTFT of one "
-              f"{args.input_len}-token prompt over {ttft.runs} runs: median {ttft.median_ms:.1f} ms, min "
-              f"{ttft.min_ms:.1f} ms (first run {ttft.first_ms:.1f} ms)", flush=True)
+        print(
+            f"kvscope {args.dtype}/{args.quantization}, {_threads()}: idle TTFT of one "
+            f"{args.input_len}-token prompt over {ttft.runs} runs: median {ttft.median_ms:.1f} ms, min "
+            f"{ttft.min_ms:.1f} ms (first run {ttft.first_ms:.1f} ms)",
+            flush=True,
+        )
         saved.append({"idle_ttft": asdict(ttft)} | _setup(args))
     if args.save_result:
         with open(args.save_result, "w") as fh:
@@ -223,17 +266,22 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
 
 def _print(result: BenchResult) -> None:
     ttft = "" if result.ttft_s is None else f", median TTFT {result.ttft_s * 1000:.0f} ms"
-    print(f"{result.system:40s} concurrency {result.concurrency:3d}: {result.output_tokens_per_s:8.1f} output tok/s "
-          f"({result.output_tokens} tokens in {result.seconds:.2f} s{ttft})", flush=True)
+    print(
+        f"{result.system:40s} concurrency {result.concurrency:3d}: {result.output_tokens_per_s:8.1f} output tok/s "
+        f"({result.output_tokens} tokens in {result.seconds:.2f} s{ttft})",
+        flush=True,
+    )
 
 
 def _print_table(results: list[BenchResult], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Offline output tokens/s — {args.input_len} prompt / {args.output_len} output tokens, "
-                        f"greedy, {args.dtype}, quantization {args.quantization}, {platform.processor() or platform.machine()}, "
-                        f"{torch.get_num_threads()} threads")
+    table = Table(
+        title=f"Offline output tokens/s — {args.input_len} prompt / {args.output_len} output tokens, "
+        f"greedy, {args.dtype}, quantization {args.quantization}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads"
+    )
     table.add_column("system")
     for concurrency in args.concurrency:
         table.add_column(f"c={concurrency}", justify="right")

@@ -38,7 +38,9 @@ class ModelConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
-            raise ValueError(f"quantization must be auto, none, int8, int4 or gguf, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be auto, none, int8, int4 or gguf, got {self.quantization!r}"
+            )
         if self.cpu_kernels not in ("auto", "torch"):
             raise ValueError(f"cpu_kernels must be auto or torch, got {self.cpu_kernels!r}")
         if self.max_model_len is not None and self.max_model_len < 16:
@@ -118,14 +120,18 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
         if self.prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
-                             f"({self.prompt_lookup_min})")
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +153,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")

@@ -39,6 +39,7 @@ from kvscope.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What the server reports about the loaded model."""
@@ -108,10 +109,14 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device {name!r}: torch {torch.__version__} sees no CUDA device on this machine "
-                             "(use --device cpu)")
+            raise ValueError(
+                f"device {name!r}: torch {torch.__version__} sees no CUDA device on this machine "
+                "(use --device cpu)"
+            )
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device {name!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+            raise ValueError(
+                f"device {name!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
     return device
 
 
@@ -141,30 +146,45 @@ class EngineCore:
         cache = with_kv_budget(config.cache, weights) if self.device.type == "cpu" else config.cache
         num_blocks = config.cache.num_blocks or budget_num_blocks(cache, self.device, per_block)
         self.max_model_len = self._max_model_len(hf_config, num_blocks * block_size)
-        self.runner.kv_caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                                                   dtype, self.device)
-        self.structured = StructuredOutputManager(self.tokenizer.hf.to_str, self.vocab_size,
-                                                  self.tokenizer.eos_token_id)
+        self.runner.kv_caches = allocate_kv_caches(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device
+        )
+        self.structured = StructuredOutputManager(
+            self.tokenizer.hf.to_str, self.vocab_size, self.tokenizer.eos_token_id
+        )
         """Grammar compile cache for structured outputs (engine/structured); the runner's matchers use it."""
         self.runner.matchers = MatcherTable(self.structured)
-        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, config.cache.enable_prefix_caching),
-                                               block_size, config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            BlockPool(num_blocks, config.cache.enable_prefix_caching),
+            block_size,
+            config.cache.enable_prefix_caching,
+        )
         self.drafter = NgramDrafter(config.speculative) if config.speculative is not None else None
         """Speculative decoding's draft source (engine/spec_decode); None when it is off."""
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len,
-                                   drafter=self.drafter)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len, drafter=self.drafter
+        )
         self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
         fmt = self.model.load_report.weight_format
         rss, peak_rss = process_memory_bytes()
         self.info = ModelInfo(
             name=config.model.served_model_name or default_served_name(config.model.model),
-            model_dir=str(model_dir), max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_blocks * per_block,
-            weights_bytes=weights, load_seconds=time.perf_counter() - start,
-            dtype=str(dtype).removeprefix("torch."), quantization=fmt.quantization if fmt else "none",
-            format_reason=fmt.reason if fmt else "", cpu_kernels=self._cpu_kernels_line(),
-            rss_bytes=rss, peak_rss_bytes=peak_rss)
+            model_dir=str(model_dir),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_cache_bytes=num_blocks * per_block,
+            weights_bytes=weights,
+            load_seconds=time.perf_counter() - start,
+            dtype=str(dtype).removeprefix("torch."),
+            quantization=fmt.quantization if fmt else "none",
+            format_reason=fmt.reason if fmt else "",
+            cpu_kernels=self._cpu_kernels_line(),
+            rss_bytes=rss,
+            peak_rss_bytes=peak_rss,
+        )
         logger.info("%s", format_line(self.info))
         logger.info("engine ready: %s", self.info)
 
@@ -185,8 +205,10 @@ class EngineCore:
         limit = asked or model_len
         if limit > capacity_tokens:
             if asked is not None:
-                raise ValueError(f"max_model_len {asked} needs more KV cache than the budget holds "
-                                 f"({capacity_tokens} tokens); raise --kv-cache-memory or lower max_model_len")
+                raise ValueError(
+                    f"max_model_len {asked} needs more KV cache than the budget holds "
+                    f"({capacity_tokens} tokens); raise --kv-cache-memory or lower max_model_len"
+                )
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity_tokens, limit)
             limit = capacity_tokens
         return limit
@@ -205,34 +227,58 @@ class EngineCore:
 
     # --- requests -------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, trace_context: object | None = None) -> list[Request]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        trace_context: object | None = None,
+    ) -> list[Request]:
         """Validate (:class:`~kvscope.engine.input_processor.InputProcessor`) and queue a request (``n`` children for
         ``params.n > 1``). Raises InvalidParameterError / PromptTooLongError before any work is done."""
-        return self.add_engine_request(request_id, self.input_processor.process(prompt_token_ids, params),
-                                       arrival_time, trace_context)
+        return self.add_engine_request(
+            request_id, self.input_processor.process(prompt_token_ids, params), arrival_time, trace_context
+        )
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The resolved max_tokens of a request, or the errors of :meth:`add_request`; queues nothing (the same
         :class:`~kvscope.engine.input_processor.InputProcessor` check)."""
         return self.input_processor.process(prompt_token_ids, params).max_tokens
 
-    def add_engine_request(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
-                           trace_context: object | None = None) -> list[Request]:
+    def add_engine_request(
+        self,
+        request_id: str,
+        request: EngineRequest,
+        arrival_time: float | None = None,
+        trace_context: object | None = None,
+    ) -> list[Request]:
         """Queue a validated request: ``n`` sibling Requests for ``n > 1`` (vLLM v1 parallel sampling).
         Raises ValueError for an id already in flight."""
         params = request.params
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
-        sampling = None if request.sampling is None else request.sampling.to(self.device)  # once, for every child
+        sampling = (
+            None if request.sampling is None else request.sampling.to(self.device)
+        )  # once, for every child
         for index in range(params.n):
             child_params = params if params.n == 1 else _child_params(params, index)
             child_id = child_request_id(request_id, index, params.n)
-            children.append(Request(child_id, list(request.prompt_token_ids), child_params,
-                                    self.tokenizer.eos_token_id, arrival_time=arrival, max_tokens=request.max_tokens,
-                                    trace_context=trace_context, parent_id=request_id if params.n > 1 else None,
-                                    prepared_sampling=sampling, fairness_group=request.fairness_group,
-                                    fairness_tenant=request.fairness_tenant))
+            children.append(
+                Request(
+                    child_id,
+                    list(request.prompt_token_ids),
+                    child_params,
+                    self.tokenizer.eos_token_id,
+                    arrival_time=arrival,
+                    max_tokens=request.max_tokens,
+                    trace_context=trace_context,
+                    parent_id=request_id if params.n > 1 else None,
+                    prepared_sampling=sampling,
+                    fairness_group=request.fairness_group,
+                    fairness_tenant=request.fairness_tenant,
+                )
+            )
         self.output_processor.add_request(request_id, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -264,8 +310,15 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if on_scheduled is not None:
             now = self.scheduler.get_stats()
-            on_scheduled(StepResult(stats=now, num_running=now.num_running, num_waiting=now.num_waiting,
-                                    kv_cache_usage=now.kv_cache_usage, scheduled_only=True))
+            on_scheduled(
+                StepResult(
+                    stats=now,
+                    num_running=now.num_running,
+                    num_waiting=now.num_waiting,
+                    kv_cache_usage=now.kv_cache_usage,
+                    scheduled_only=True,
+                )
+            )
         clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
         run_start = clock()
         runner_output = self.runner.execute(scheduler_output)
@@ -276,24 +329,37 @@ class EngineCore:
         _trim_logprobs(runner_output)
         detokenized = self.output_processor.detokenize(runner_output)
         for request_id in detokenized.stopped_request_ids:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
-                                          detokenized.num_output_tokens.get(request_id))
+            self.scheduler.finish_request(
+                request_id, RequestStatus.FINISHED_STOPPED, detokenized.num_output_tokens.get(request_id)
+            )
         outputs = self.output_processor.make_outputs(detokenized)
-        failed_outputs = [output for request_id, reason in failed.items()
-                          for output in self.abort_request(request_id, reason)]
+        failed_outputs = [
+            output
+            for request_id, reason in failed.items()
+            for output in self.abort_request(request_id, reason)
+        ]
         stats = self.scheduler.get_stats()
         return StepResult(
             spec_decoding=SpecDecodingStats.from_drafts(
-                [(len(item.spec_token_ids), runner_output.num_accepted_tokens.get(item.request_id, 0))
-                 for item in scheduler_output.scheduled if item.spec_token_ids]),
-            outputs=outputs, failed=failed_outputs, stats=stats, num_running=stats.num_running,
+                [
+                    (len(item.spec_token_ids), runner_output.num_accepted_tokens.get(item.request_id, 0))
+                    for item in scheduler_output.scheduled
+                    if item.spec_token_ids
+                ]
+            ),
+            outputs=outputs,
+            failed=failed_outputs,
+            stats=stats,
+            num_running=stats.num_running,
             num_waiting=stats.num_waiting,
-            kv_cache_usage=stats.kv_cache_usage, batch_size=len(scheduler_output.scheduled),
+            kv_cache_usage=stats.kv_cache_usage,
+            batch_size=len(scheduler_output.scheduled),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_prefill_tokens=scheduler_output.num_prefill_tokens,
             num_decode_tokens=scheduler_output.num_decode_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
-            duration_s=time.perf_counter() - start)
+            duration_s=time.perf_counter() - start,
+        )
 
     def _grammar_failures(self, runner_output: ModelRunnerOutput) -> dict[str, str]:
         """(Parent) request id → reason of the requests whose grammar matcher failed in this step
@@ -343,9 +409,11 @@ def _record_structured_time(scheduler_output: SchedulerOutput, runner_output: Mo
 def format_line(info: ModelInfo) -> str:
     """The start-up line naming the weight format: dtype, quantization, why, weights bytes, KV bytes, RSS."""
     kernels = f", CPU kernels {info.cpu_kernels}" if info.cpu_kernels else ""
-    return (f"weights format: dtype {info.dtype}, quantization {info.quantization} ({info.format_reason}){kernels}; "
-            f"weights {info.weights_bytes} B, KV cache {info.kv_cache_bytes} B ({info.num_blocks} blocks), "
-            f"process RSS {info.rss_bytes} B (peak {info.peak_rss_bytes} B)")
+    return (
+        f"weights format: dtype {info.dtype}, quantization {info.quantization} ({info.format_reason}){kernels}; "
+        f"weights {info.weights_bytes} B, KV cache {info.kv_cache_bytes} B ({info.num_blocks} blocks), "
+        f"process RSS {info.rss_bytes} B (peak {info.peak_rss_bytes} B)"
+    )
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -354,4 +422,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 
     seed = None if params.seed is None else params.seed + index
     return replace(params, n=1, seed=seed)
-

@@ -63,11 +63,15 @@ class InputProcessor:
         num_prompt = len(prompt_token_ids)
         left = self.max_model_len - num_prompt
         if (params.max_tokens or 0) > left or left <= 0:
-            raise PromptTooLongError(max_model_len=self.max_model_len, num_prompt_tokens=num_prompt,
-                                     max_tokens=params.max_tokens)
+            raise PromptTooLongError(
+                max_model_len=self.max_model_len, num_prompt_tokens=num_prompt, max_tokens=params.max_tokens
+            )
         if params.max_tokens is None and params.min_tokens > left:
-            raise InvalidParameterError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {left} tokens "
-                                        f"left in the context ({self.max_model_len} - {num_prompt} prompt tokens).")
+            raise InvalidParameterError(
+                "min_tokens",
+                f"min_tokens ({params.min_tokens}) exceeds the {left} tokens "
+                f"left in the context ({self.max_model_len} - {num_prompt} prompt tokens).",
+            )
         if params.structured_outputs is not None and self.compile_constraint is not None:
             self.compile_constraint(params.structured_outputs)
         return EngineRequest(list(prompt_token_ids), params, params.max_tokens or left, sampling)

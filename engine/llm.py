@@ -35,8 +35,12 @@ def build_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
             top[key] = value
         else:
             raise TypeError(f"unknown engine option {key!r}")
-    return EngineConfig(model=ModelConfig(model=model, **groups[ModelConfig]), cache=CacheConfig(**groups[CacheConfig]),
-                        scheduler=SchedulerConfig(**groups[SchedulerConfig]), **top)
+    return EngineConfig(
+        model=ModelConfig(model=model, **groups[ModelConfig]),
+        cache=CacheConfig(**groups[CacheConfig]),
+        scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+        **top,
+    )
 
 
 def _speculative_config(kwargs: dict) -> SpeculativeConfig | None:
@@ -61,8 +65,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Prompts: a string, token ids (list[int]), ``{"prompt_token_ids": [...]}``, or a list of those.
 
         Raises the engine's InvalidParameterError/PromptTooLongError before any request is queued.
@@ -72,8 +79,10 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompt_list)
         if len(params_list) != len(prompt_list):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        requests = [self.engine.input_processor.process(self._tokenize(prompt), p)
-                    for prompt, p in zip(prompt_list, params_list, strict=True)]
+        requests = [
+            self.engine.input_processor.process(self._tokenize(prompt), p)
+            for prompt, p in zip(prompt_list, params_list, strict=True)
+        ]
         ids_in_order = []
         for request in requests:
             request_id = f"offline-{self._counter}"
@@ -82,8 +91,9 @@ class LLM:
             ids_in_order.append(request_id)
         return self._run(ids_in_order)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """Apply the model's chat template (add_generation_prompt) to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
@@ -118,7 +128,9 @@ def merge_output(merged: dict[str, RequestOutput], delta: RequestOutput) -> None
     for choice in delta.outputs:
         target = next((c for c in current.outputs if c.index == choice.index), None)
         if target is None:
-            target = CompletionOutput(index=choice.index, logprobs=[] if choice.logprobs is not None else None)
+            target = CompletionOutput(
+                index=choice.index, logprobs=[] if choice.logprobs is not None else None
+            )
             current.outputs.append(target)
         target.text += choice.text
         target.token_ids.extend(choice.token_ids)
@@ -127,8 +139,11 @@ def merge_output(merged: dict[str, RequestOutput], delta: RequestOutput) -> None
         target.num_output_tokens = choice.num_output_tokens
         target.num_cached_tokens = choice.num_cached_tokens
         if choice.finish_reason is not None:
-            target.finish_reason, target.stop_reason, target.stats = (choice.finish_reason, choice.stop_reason,
-                                                                      choice.stats)
+            target.finish_reason, target.stop_reason, target.stats = (
+                choice.finish_reason,
+                choice.stop_reason,
+                choice.stats,
+            )
 
 
 def _sorted(output: RequestOutput) -> RequestOutput:

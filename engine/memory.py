@@ -16,8 +16,10 @@ def cpu_kv_budget(cache: CacheConfig, weights_bytes: int) -> int:
         return cache.kv_cache_memory
     left = cache.memory_budget - weights_bytes
     if left <= 0:
-        raise ValueError(f"--memory-budget {cache.memory_budget} B is not above the weights' {weights_bytes} B; "
-                         "raise it or use a more compact --quantization")
+        raise ValueError(
+            f"--memory-budget {cache.memory_budget} B is not above the weights' {weights_bytes} B; "
+            "raise it or use a more compact --quantization"
+        )
     return left
 
 

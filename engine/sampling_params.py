@@ -83,10 +83,16 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         stop_ids = tuple(self.stop_token_ids or ())
-        _check(len(stop_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-               f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_ids)}.")
-        _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids), "stop_token_ids",
-               "stop_token_ids must be token ids (integers >= 0).")
+        _check(
+            len(stop_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_ids)}.",
+        )
+        _check(
+            all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids),
+            "stop_token_ids",
+            "stop_token_ids must be token ids (integers >= 0).",
+        )
         object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(stop_ids)))
         object.__setattr__(self, "stop_token_id_set", frozenset(self.stop_token_ids))
         if self.top_k == -1:
@@ -95,44 +101,91 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", f"n must be in [1, 128], got {self.n}.")
-        _check(0.0 <= self.temperature <= 2.0, "temperature",
-               f"temperature must be in [0, 2], got {self.temperature}.")
+        _check(
+            0.0 <= self.temperature <= 2.0,
+            "temperature",
+            f"temperature must be in [0, 2], got {self.temperature}.",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-               f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            f"top_k must be -1 (disable) or at least 1, got {self.top_k}.",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.",
+        )
         bias = self.logit_bias or {}
-        _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
-               f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.")
+        _check(
+            len(bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.",
+        )
         for token_id, value in bias.items():
-            _check(isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0, "logit_bias",
-                   f"logit_bias keys must be token ids, got {token_id!r}.")
-            _check(isinstance(value, int | float) and not isinstance(value, bool) and -100.0 <= value <= 100.0,
-                   "logit_bias", f"logit_bias values must be in [-100, 100], got {value!r}.")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-               f"min_tokens must be at least 0, got {self.min_tokens}.")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings.")
-        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed.")
+            _check(
+                isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0,
+                "logit_bias",
+                f"logit_bias keys must be token ids, got {token_id!r}.",
+            )
+            _check(
+                isinstance(value, int | float) and not isinstance(value, bool) and -100.0 <= value <= 100.0,
+                "logit_bias",
+                f"logit_bias values must be in [-100, 100], got {value!r}.",
+            )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}.",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"min_tokens must be at least 0, got {self.min_tokens}.",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "stop strings must be non-empty strings.",
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed.",
+        )
         longest = max(map(len, self.stop), default=0)
-        _check(longest <= MAX_STOP_STRING_CHARS, "stop",
-               f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}.")
-        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",
-               f"seed must be in [-2^63, 2^64 - 1], got {self.seed}.")
-        _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
-               "ignore_eos cannot be combined with structured outputs (the grammar ends with EOS).")
+        _check(
+            longest <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}.",
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            f"seed must be in [-2^63, 2^64 - 1], got {self.seed}.",
+        )
+        _check(
+            self.structured_outputs is None or not self.ignore_eos,
+            "ignore_eos",
+            "ignore_eos cannot be combined with structured outputs (the grammar ends with EOS).",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or 0 <= value <= MAX_LOGPROBS, name,
-                   f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+            _check(
+                value is None or 0 <= value <= MAX_LOGPROBS,
+                name,
+                f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.",
+            )
 
     @property
     def greedy(self) -> bool:

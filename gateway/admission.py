@@ -66,27 +66,37 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
     ceiling = _check_ceiling(req, principal.limits.max_tokens)
     started = time.perf_counter()
     try:
-        prompt_counts = await asyncio.to_thread(_count_prompt, gw, raw, req)  # a huge prompt must not stall the loop
+        prompt_counts = await asyncio.to_thread(
+            _count_prompt, gw, raw, req
+        )  # a huge prompt must not stall the loop
     finally:
         ctx.tokenize_s += time.perf_counter() - started  # kvscope.gateway.tokenize_s
     ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
     max_len = gw.pool.max_model_len(req.model)
     _check_context(max_len, prompt_counts, _completion_budget(req.requested_max_tokens, op), op)
     prompt_estimate = _prompt_estimate(raw, prompt_counts)
-    ceiling = _lowest(ceiling, tpm_output_cap(principal.limits.tokens_per_minute, prompt_estimate,
-                                              req.num_choices()))
+    ceiling = _lowest(
+        ceiling, tpm_output_cap(principal.limits.tokens_per_minute, prompt_estimate, req.num_choices())
+    )
     injected = _injected_max_tokens(ceiling, req, op, max_len, prompt_counts)
     ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
     _check_replica(gw, req.model)
     estimate = _token_estimate(req, prompt_estimate, max_tokens)
     await lease_of(request).acquire(gw.limiter, principal, ctx, prompt_estimate, estimate)
-    return ProxyPlan(path=op.path, body=_upstream_body(raw, body, req, injected), model=req.model,
-                     stream=req.streaming, include_usage=req.wants_usage, expected_choices=req.num_choices(),
-                     operation=op.name)
+    return ProxyPlan(
+        path=op.path,
+        body=_upstream_body(raw, body, req, injected),
+        model=req.model,
+        stream=req.streaming,
+        include_usage=req.wants_usage,
+        expected_choices=req.num_choices(),
+        operation=op.name,
+    )
 
 
-def _parse(gw: GatewayState, ctx: RequestContext, body: bytes,
-           op: Operation) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
+def _parse(
+    gw: GatewayState, ctx: RequestContext, body: bytes, op: Operation
+) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
     raw = decode_object(body)
     model = raw.get("model")
     ctx.request_model = model if isinstance(model, str) else None  # logged even when validation fails
@@ -106,8 +116,11 @@ def _check_model(gw: GatewayState, ctx: RequestContext, principal: Principal, mo
     not use it."""
     if not gw.pool.is_served(model):
         if gw.pool.has_unknown_models():
-            raise UpstreamUnavailable(f"No upstream has answered yet to say whether it serves model "
-                                      f"'{clip(model)}'; retry shortly.", headers={"retry-after": gw.pool.retry_after()})
+            raise UpstreamUnavailable(
+                f"No upstream has answered yet to say whether it serves model "
+                f"'{clip(model)}'; retry shortly.",
+                headers={"retry-after": gw.pool.retry_after()},
+            )
         raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
     ctx.model_served = True
     gw.auth.check_model(principal, model)
@@ -116,21 +129,30 @@ def _check_model(gw: GatewayState, ctx: RequestContext, principal: Principal, mo
 def _check_replica(gw: GatewayState, model: str) -> None:
     """503 with Retry-After (the health-check period) when no healthy replica serves ``model``."""
     if not gw.pool.candidates(model):
-        raise UpstreamUnavailable(f"No healthy upstream serves model '{model}' right now.",
-                                  headers={"retry-after": gw.pool.retry_after()})
+        raise UpstreamUnavailable(
+            f"No healthy upstream serves model '{model}' right now.",
+            headers={"retry-after": gw.pool.retry_after()},
+        )
 
 
 def _check_ceiling(req: ChatCompletionRequest | CompletionRequest, ceiling: int | None) -> int | None:
     """400 when max_tokens exceeds the key's ceiling; returns the ceiling (None: the key has none)."""
     requested = req.requested_max_tokens
     if ceiling is not None and requested is not None and requested > ceiling:
-        raise InvalidRequest(f"{req.max_tokens_param} is {requested}, above this API key's limit of {ceiling}.",
-                             param=req.max_tokens_param)
+        raise InvalidRequest(
+            f"{req.max_tokens_param} is {requested}, above this API key's limit of {ceiling}.",
+            param=req.max_tokens_param,
+        )
     return ceiling
 
 
-def _injected_max_tokens(ceiling: int | None, req: ChatCompletionRequest | CompletionRequest, op: Operation,
-                         max_len: int | None, counts: list[int] | None) -> int | None:
+def _injected_max_tokens(
+    ceiling: int | None,
+    req: ChatCompletionRequest | CompletionRequest,
+    op: Operation,
+    max_len: int | None,
+    counts: list[int] | None,
+) -> int | None:
     """max_tokens to add to a request that has none, so the key's ceiling holds without changing what the
     client asked for: the upstream's own default capped at the ceiling — 16 for completions (OpenAI/vLLM),
     the rest of the context for chat (``max_len`` − the longest prompt; the ceiling when either is unknown).
@@ -143,8 +165,9 @@ def _injected_max_tokens(ceiling: int | None, req: ChatCompletionRequest | Compl
     return ceiling if default is None else max(1, min(ceiling, default))
 
 
-def _count_prompt(gw: GatewayState, raw: dict[str, Any],
-                  req: ChatCompletionRequest | CompletionRequest) -> list[int] | None:
+def _count_prompt(
+    gw: GatewayState, raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest
+) -> list[int] | None:
     if isinstance(req, ChatCompletionRequest):
         if _renders_tools(raw):
             return None  # the engine writes tool signatures/calls into the prompt its own way: it counts them
@@ -161,7 +184,8 @@ def _renders_tools(raw: dict[str, Any]) -> bool:
         return True
     messages = raw.get("messages")
     return isinstance(messages, list) and any(
-        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages
+    )
 
 
 def _completion_budget(max_tokens: int | None, op: Operation) -> int | None:
@@ -172,14 +196,18 @@ def _completion_budget(max_tokens: int | None, op: Operation) -> int | None:
     return max_tokens
 
 
-def _check_context(max_len: int | None, counts: list[int] | None, max_tokens: int | None, op: Operation) -> None:
+def _check_context(
+    max_len: int | None, counts: list[int] | None, max_tokens: int | None, op: Operation
+) -> None:
     """400 ``context_length_exceeded`` stating the context length, the prompt and the requested tokens."""
     if max_len is None or counts is None:
         return
     what, param = ("messages", "messages") if op is CHAT else ("prompt", "prompt")
     for prompt in counts:
         if prompt >= max_len if max_tokens is None else prompt + max_tokens > max_len:
-            raise ContextLengthExceeded(context_length_message(max_len, prompt, max_tokens, what), param=param)
+            raise ContextLengthExceeded(
+                context_length_message(max_len, prompt, max_tokens, what), param=param
+            )
 
 
 def _prompt_estimate(raw: dict[str, Any], counts: list[int] | None) -> int:
@@ -213,7 +241,9 @@ def _lowest(*bounds: int | None) -> int | None:
     return min(present) if present else None
 
 
-def _token_estimate(req: ChatCompletionRequest | CompletionRequest, prompt: int, max_tokens: int | None) -> int:
+def _token_estimate(
+    req: ChatCompletionRequest | CompletionRequest, prompt: int, max_tokens: int | None
+) -> int:
     """Tokens charged up front: the prompt + max_tokens per choice (completions: 16 when absent); settled with
     the real usage at the end. A chat request reaches here without max_tokens only when its key has neither a
     tokens-per-minute limit nor a max_tokens ceiling (otherwise admission injected one), so the tokens bucket it
@@ -223,8 +253,12 @@ def _token_estimate(req: ChatCompletionRequest | CompletionRequest, prompt: int,
     return prompt + (max_tokens or 0) * req.num_choices()
 
 
-def _upstream_body(raw: dict[str, Any], body: bytes, req: ChatCompletionRequest | CompletionRequest,
-                   injected_max_tokens: int | None) -> bytes:
+def _upstream_body(
+    raw: dict[str, Any],
+    body: bytes,
+    req: ChatCompletionRequest | CompletionRequest,
+    injected_max_tokens: int | None,
+) -> bytes:
     """The client's body, plus ``stream_options.include_usage`` on streams and the key's max_tokens ceiling
     when the request had none; the original bytes when nothing changes."""
     changes: dict[str, Any] = {}

@@ -41,13 +41,21 @@ def _plain_probe(scope: Scope) -> bool:
     """A probe (not observed) only when spelled exactly: ``/%6detrics`` or ``/healthz#x`` are observed and
     refused like any other non-canonical target."""
     path = scope["path"]
-    return (path in PROBE_PATHS and scope.get("raw_path", path.encode()) == path.encode()
-            and b"#" not in scope.get("query_string", b""))
+    return (
+        path in PROBE_PATHS
+        and scope.get("raw_path", path.encode()) == path.encode()
+        and b"#" not in scope.get("query_string", b"")
+    )
 
 
-def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None = None,
-               span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = (),
-               metric_readers: Sequence[MetricReader] = ()) -> GatewayApp:
+def create_app(
+    settings: GatewaySettings,
+    *,
+    registry: CollectorRegistry | None = None,
+    span_exporter: SpanExporter | None = None,
+    sinks: Sequence[LogSink] = (),
+    metric_readers: Sequence[MetricReader] = (),
+) -> GatewayApp:
     """Build the gateway.
 
     Args:
@@ -58,8 +66,9 @@ def create_app(settings: GatewaySettings, *, registry: CollectorRegistry | None 
         metric_readers: also read the OTel ``gen_ai.client.*`` metrics here (tests pass an
             ``InMemoryMetricReader``); OTLP export follows ``tracing.otlp_endpoint``.
     """
-    gw = build_state(settings, registry=registry, span_exporter=span_exporter, sinks=sinks,
-                     metric_readers=metric_readers)
+    gw = build_state(
+        settings, registry=registry, span_exporter=span_exporter, sinks=sinks, metric_readers=metric_readers
+    )
     return GatewayApp(
         route_handlers=ROUTES,
         exception_handlers=EXCEPTION_HANDLERS,

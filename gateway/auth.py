@@ -51,9 +51,15 @@ class Authenticator:
     def __init__(self, keys: tuple[ApiKeyConfig, ...], default_limits: KeyLimits) -> None:
         self._keys = [(bytes.fromhex(k.sha256), k) for k in keys]
         self._anonymous = Principal(ANONYMOUS, None, default_limits, authenticated=False)
-        self._principals = {k.name: Principal(k.name, frozenset(k.models) if k.models is not None else None,
-                                              k.limits.merged(default_limits), authenticated=True)
-                            for k in keys}
+        self._principals = {
+            k.name: Principal(
+                k.name,
+                frozenset(k.models) if k.models is not None else None,
+                k.limits.merged(default_limits),
+                authenticated=True,
+            )
+            for k in keys
+        }
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal for an ``Authorization`` header value.

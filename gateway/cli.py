@@ -20,8 +20,11 @@ from kvscope.gateway.settings import GatewaySettings, check_key_name, load_setti
 def _gateway_parser() -> argparse.ArgumentParser:
     """``--config`` and ``--log-level``, then one flag per :class:`Flag` field of GatewaySettings (derived by
     kvscope.common.settings_cli: ``--port``, ``--upstream``, ``--keepalive`` …)."""
-    p = argparse.ArgumentParser(prog="kvscope gateway", description="OpenAI-compatible gateway in front of "
-                                "one or more upstreams (the kvscope engine, vLLM, llama.cpp …).")
+    p = argparse.ArgumentParser(
+        prog="kvscope gateway",
+        description="OpenAI-compatible gateway in front of "
+        "one or more upstreams (the kvscope engine, vLLM, llama.cpp …).",
+    )
     p.add_argument("--config", help="YAML or TOML config file (also $KVSCOPE_GATEWAY_CONFIG)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return add_flags(p, GatewaySettings)
@@ -49,7 +52,9 @@ def gateway_main(argv: list[str]) -> int:
     """Entry point of ``kvscope gateway``; returns the exit code (2 for a bad configuration, e.g. an
     invalid value or a tokenizer file that does not exist)."""
     args = _gateway_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         from kvscope.gateway.app import create_app
@@ -93,8 +98,10 @@ def keys_main(argv: list[str]) -> int:
     if models is not None:
         entry["models"] = models
     print(key)
-    print(f"# API key '{args.name}' is shown above only once; store it now. The gateway keeps only its hash.",
-          file=sys.stderr)
+    print(
+        f"# API key '{args.name}' is shown above only once; store it now. The gateway keeps only its hash.",
+        file=sys.stderr,
+    )
     print("# add under `api_keys:` in the gateway config:", file=sys.stderr)
     print("- " + json.dumps(entry))
     if models is None:

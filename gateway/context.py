@@ -40,8 +40,15 @@ class GatewayPhases:
 
     @property
     def total_s(self) -> float:
-        return (self.auth_s + self.rate_limit_s + self.tokenize_s + self.retry_s + self.upstream_connect_s
-                + self.upstream_response_s + self.other_s)
+        return (
+            self.auth_s
+            + self.rate_limit_s
+            + self.tokenize_s
+            + self.retry_s
+            + self.upstream_connect_s
+            + self.upstream_response_s
+            + self.other_s
+        )
 
     def to_dict(self) -> dict[str, float]:
         """The log record's ``kvscope.gateway`` object."""
@@ -191,8 +198,14 @@ class RequestContext:
     def gateway_phases(self, e2e_s: float) -> GatewayPhases:
         """The request's ``e2e_s`` split into the phases of :class:`GatewayPhases`; ``other_s`` is the
         remainder, so the phases add up to ``e2e_s`` (asserted to 1e-9 s)."""
-        measured = (self.auth_s, self.rate_limit_s, self.tokenize_s, self.retry_s, self.upstream_connect_s,
-                    self.upstream_response_s)
+        measured = (
+            self.auth_s,
+            self.rate_limit_s,
+            self.tokenize_s,
+            self.retry_s,
+            self.upstream_connect_s,
+            self.upstream_response_s,
+        )
         phases = GatewayPhases(*measured, other_s=e2e_s - sum(measured))
         assert abs(phases.total_s - e2e_s) <= 1e-9, (phases, e2e_s)
         return phases

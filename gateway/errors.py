@@ -28,8 +28,14 @@ class GatewayError(Exception):
     status = 500
     code: str | None = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -136,7 +142,9 @@ class UpstreamAnswer:
 class RetryableFailure(Exception):
     """The attempt failed before any byte reached the client; another replica may take the request."""
 
-    def __init__(self, error: GatewayError, answer: UpstreamAnswer | None = None, same_replica_ok: bool = False):
+    def __init__(
+        self, error: GatewayError, answer: UpstreamAnswer | None = None, same_replica_ok: bool = False
+    ):
         super().__init__(error.message)
         self.error, self.answer, self.same_replica_ok = error, answer, same_replica_ok
 
@@ -193,7 +201,9 @@ def _record(request: Request, err: GatewayError) -> None:
 
 def gateway_error_handler(request: Request, exc: GatewayError) -> Response:
     _record(request, exc)
-    return Response(content=exc.body(), status_code=exc.status, headers=exc.headers, media_type="application/json")
+    return Response(
+        content=exc.body(), status_code=exc.status, headers=exc.headers, media_type="application/json"
+    )
 
 
 def http_exception_handler(request: Request, exc: HTTPException) -> Response:
@@ -206,5 +216,8 @@ def internal_error_handler(request: Request, exc: Exception) -> Response:
     return gateway_error_handler(request, err)
 
 
-EXCEPTION_HANDLERS = {GatewayError: gateway_error_handler, HTTPException: http_exception_handler,
-                      Exception: internal_error_handler}
+EXCEPTION_HANDLERS = {
+    GatewayError: gateway_error_handler,
+    HTTPException: http_exception_handler,
+    Exception: internal_error_handler,
+}

@@ -37,10 +37,16 @@ def server_host_port(url: str | None) -> tuple[str, int] | None:
 
 def base_attributes(ctx: RequestContext, provider: str, model: str) -> dict[str, Any]:
     """The attributes a call has from its start: operation, provider, request model and parameters."""
-    attrs: dict[str, Any] = {"gen_ai.operation.name": ctx.operation or "chat", "gen_ai.provider.name": provider,
-                             "gen_ai.request.model": model}
-    for key, value in (("gen_ai.request.max_tokens", ctx.max_tokens), ("gen_ai.request.temperature", ctx.temperature),
-                       ("gen_ai.request.top_p", ctx.top_p)):
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": ctx.operation or "chat",
+        "gen_ai.provider.name": provider,
+        "gen_ai.request.model": model,
+    }
+    for key, value in (
+        ("gen_ai.request.max_tokens", ctx.max_tokens),
+        ("gen_ai.request.temperature", ctx.temperature),
+        ("gen_ai.request.top_p", ctx.top_p),
+    ):
         if value is not None:
             attrs[key] = value
     return attrs
@@ -74,8 +80,10 @@ def end_attributes(ctx: RequestContext, call_start: float) -> dict[str, Any]:
         attrs["gen_ai.response.finish_reasons"] = list(ctx.finish_reasons)
     usage = ctx.usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    for key, value in (("gen_ai.usage.input_tokens", usage.get("prompt_tokens")),
-                       ("gen_ai.usage.output_tokens", ctx.output_tokens)):
+    for key, value in (
+        ("gen_ai.usage.input_tokens", usage.get("prompt_tokens")),
+        ("gen_ai.usage.output_tokens", ctx.output_tokens),
+    ):
         if isinstance(value, int):
             attrs[key] = value
     if isinstance(cached, int) and cached > 0:

@@ -31,8 +31,9 @@ def only(method: str) -> Guard:
 
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         if connection.scope["method"] != method:
-            raise MethodNotAllowed(f"{connection.scope['method']} is not allowed on {connection.url.path}; "
-                                   f"use {method}.")
+            raise MethodNotAllowed(
+                f"{connection.scope['method']} is not allowed on {connection.url.path}; use {method}."
+            )
 
     return guard
 

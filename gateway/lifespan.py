@@ -38,9 +38,13 @@ from kvscope.gateway.tracing import GatewayTracer, build_tracer_provider
 _log = logging.getLogger("kvscope.gateway")
 
 
-def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = None,
-                span_exporter: SpanExporter | None = None, sinks: Sequence[LogSink] = (),
-                metric_readers: Sequence[MetricReader] = ()) -> GatewayState:
+def build_state(
+    settings: GatewaySettings,
+    registry: CollectorRegistry | None = None,
+    span_exporter: SpanExporter | None = None,
+    sinks: Sequence[LogSink] = (),
+    metric_readers: Sequence[MetricReader] = (),
+) -> GatewayState:
     """Wire the gateway's parts from ``settings``. ``registry`` defaults to a new one (not the global);
     ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones;
     ``metric_readers`` read the OTel GenAI metrics besides the OTLP exporter (tests)."""
@@ -50,23 +54,39 @@ def build_state(settings: GatewaySettings, registry: CollectorRegistry | None = 
     configured = configured_sinks(settings, metrics)
     metrics.initialize(tuple(u.label for u in settings.upstreams), tuple(s.name for s in configured))
     version = kvscope_version()
-    provider = build_tracer_provider(settings.tracing, settings.service_name, version, settings.node,
-                                     span_exporter)
-    limiter: RateLimiter = (RedisRateLimiter(settings.redis_url, settings.timeouts.total_s + 60)
-                            if settings.redis_url else InMemoryRateLimiter())
-    meters = build_meter_provider({"service.name": settings.service_name, "service.version": version,
-                                   "service.instance.id": settings.node}, settings.tracing.otlp_endpoint,
-                                  metric_readers, settings.tracing.metrics_export_interval_s)
+    provider = build_tracer_provider(
+        settings.tracing, settings.service_name, version, settings.node, span_exporter
+    )
+    limiter: RateLimiter = (
+        RedisRateLimiter(settings.redis_url, settings.timeouts.total_s + 60)
+        if settings.redis_url
+        else InMemoryRateLimiter()
+    )
+    meters = build_meter_provider(
+        {
+            "service.name": settings.service_name,
+            "service.version": version,
+            "service.instance.id": settings.node,
+        },
+        settings.tracing.otlp_endpoint,
+        metric_readers,
+        settings.tracing.metrics_export_interval_s,
+    )
     return GatewayState(
-        settings=settings, metrics=metrics, tracer=GatewayTracer(provider, version),
+        settings=settings,
+        metrics=metrics,
+        tracer=GatewayTracer(provider, version),
         genai=GenAiClientMetrics(meters, version),
         pool=UpstreamPool(settings.upstreams, settings.models, settings.routing, metrics),
-        auth=Authenticator(settings.api_keys, settings.default_limits), limiter=limiter,
+        auth=Authenticator(settings.api_keys, settings.default_limits),
+        limiter=limiter,
         counter=PromptCounter.from_config(settings.models),
-        record_builder=RecordBuilder(ServiceInfo(settings.service_name, version, settings.node),
-                                     settings.logs.log_content),
+        record_builder=RecordBuilder(
+            ServiceInfo(settings.service_name, version, settings.node), settings.logs.log_content
+        ),
         sinks=[*configured, *sinks],
-        client_address=ClientAddressResolver(parse_networks(settings.trusted_proxies)))
+        client_address=ClientAddressResolver(parse_networks(settings.trusted_proxies)),
+    )
 
 
 def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list[LogSink]:
@@ -99,11 +119,14 @@ def new_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
     user (one client's session cookie on another's request)."""
     t = settings.timeouts
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=httpx.Timeout(connect=t.connect_s, read=None, write=t.connect_s,
-                                                   pool=t.connect_s),
-                             limits=limits, transport=upstream_transport(limits),
-                             headers={"accept-encoding": "identity"}, trust_env=False,
-                             cookies=http.cookiejar.CookieJar(policy=_NoCookies()))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=t.connect_s, read=None, write=t.connect_s, pool=t.connect_s),
+        limits=limits,
+        transport=upstream_transport(limits),
+        headers={"accept-encoding": "identity"},
+        trust_env=False,
+        cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
+    )
 
 
 @contextlib.asynccontextmanager

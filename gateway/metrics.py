@@ -25,8 +25,15 @@ up to the records emitted (minus those still queued). Being spooled is a transit
 ``kvscope_gateway_log_records_spooled_total``."""
 RATE_LIMIT_REASONS = ("requests", "tokens", "concurrency")
 STREAM_ERROR_REASONS = ("upstream_error", "incomplete", "aborted", "timeout", "upstream_disconnected")
-UPSTREAM_ERROR_REASONS = ("connect", "disconnect", "timeout", "status_5xx", "stream_broken", "stream_incomplete",
-                          "stream_error")
+UPSTREAM_ERROR_REASONS = (
+    "connect",
+    "disconnect",
+    "timeout",
+    "status_5xx",
+    "stream_broken",
+    "stream_incomplete",
+    "stream_error",
+)
 
 
 def route_label(path: str) -> str:
@@ -46,47 +53,89 @@ class GatewayMetrics:
         self.registry = registry
         p = "kvscope_gateway_"
         kw = {"registry": registry}
-        self.requests = Counter(p + "requests", "Requests answered, by final HTTP status.",
-                                ["model", "route", "status"], **kw)
-        self.request_duration = Histogram(p + "request_duration_seconds",
-                                          "Request arrival to last byte sent (e2e at the gateway).",
-                                          ["model", "route"], buckets=config.duration_buckets, **kw)
-        self.ttft = Histogram(p + "time_to_first_token_seconds",
-                              "Request arrival to the first token event sent to the client (streams).",
-                              ["model"], buckets=config.ttft_buckets, **kw)
-        self.tpot = Histogram(p + "time_per_output_token_seconds",
-                              "(e2e - TTFT) / (output tokens - 1) of streams with at least 2 tokens.",
-                              ["model"], buckets=config.tpot_buckets, **kw)
-        self.overhead = Histogram(p + "overhead_seconds",
-                                  "Time spent in the gateway: e2e minus the time waiting on upstreams.",
-                                  ["route"], buckets=config.overhead_buckets, **kw)
-        self.tokens = Counter(p + "tokens", "Tokens by type: input (prompt) and output (completion).",
-                              ["model", "type"], **kw)
-        self.cached_tokens = Counter(p + "cached_tokens",
-                                     "Prompt tokens served from the upstream's prefix cache (a subset of input).",
-                                     ["model"], **kw)
+        self.requests = Counter(
+            p + "requests", "Requests answered, by final HTTP status.", ["model", "route", "status"], **kw
+        )
+        self.request_duration = Histogram(
+            p + "request_duration_seconds",
+            "Request arrival to last byte sent (e2e at the gateway).",
+            ["model", "route"],
+            buckets=config.duration_buckets,
+            **kw,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Request arrival to the first token event sent to the client (streams).",
+            ["model"],
+            buckets=config.ttft_buckets,
+            **kw,
+        )
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds",
+            "(e2e - TTFT) / (output tokens - 1) of streams with at least 2 tokens.",
+            ["model"],
+            buckets=config.tpot_buckets,
+            **kw,
+        )
+        self.overhead = Histogram(
+            p + "overhead_seconds",
+            "Time spent in the gateway: e2e minus the time waiting on upstreams.",
+            ["route"],
+            buckets=config.overhead_buckets,
+            **kw,
+        )
+        self.tokens = Counter(
+            p + "tokens", "Tokens by type: input (prompt) and output (completion).", ["model", "type"], **kw
+        )
+        self.cached_tokens = Counter(
+            p + "cached_tokens",
+            "Prompt tokens served from the upstream's prefix cache (a subset of input).",
+            ["model"],
+            **kw,
+        )
         self.in_flight = Gauge(p + "in_flight_requests", "Requests being served.", **kw)
         self.rate_limited = Counter(p + "rate_limited", "Requests refused by a limit.", ["reason"], **kw)
-        self.stream_errors = Counter(p + "stream_errors",
-                                     "Streams that failed after the response started (in-band error).",
-                                     ["model", "reason"], **kw)
-        self.upstream_up = Gauge(p + "upstream_up", "1 when the upstream replica is healthy.", ["upstream"], **kw)
-        self.upstream_outstanding = Gauge(p + "upstream_outstanding_requests",
-                                          "Requests in flight per upstream (least-outstanding balancing).",
-                                          ["upstream"], **kw)
-        self.upstream_errors = Counter(p + "upstream_errors", "Failed upstream attempts.",
-                                       ["upstream", "reason"], **kw)
-        self.log_records = Counter(p + "log_records",
-                                   "Request-log records by sink and final outcome (shipped, failed, dropped).",
-                                   ["sink", "outcome"], **kw)
-        self.log_records_spooled = Counter(p + "log_records_spooled",
-                                           "Request-log records written to the on-disk spool on their way to the "
-                                           "sink (a transit state; each also ends in one final outcome).",
-                                           ["sink"], **kw)
-        self.log_spool_bytes = Gauge(p + "log_spool_bytes", "Bytes of request-log records spooled to disk.", **kw)
-        self.build_info = Gauge(p + "build_info", "Always 1, labelled with the kvscope version and the Python "
-                                "version the gateway runs (the Prometheus build_info convention).",
-                                ["version", "python"], **kw)
+        self.stream_errors = Counter(
+            p + "stream_errors",
+            "Streams that failed after the response started (in-band error).",
+            ["model", "reason"],
+            **kw,
+        )
+        self.upstream_up = Gauge(
+            p + "upstream_up", "1 when the upstream replica is healthy.", ["upstream"], **kw
+        )
+        self.upstream_outstanding = Gauge(
+            p + "upstream_outstanding_requests",
+            "Requests in flight per upstream (least-outstanding balancing).",
+            ["upstream"],
+            **kw,
+        )
+        self.upstream_errors = Counter(
+            p + "upstream_errors", "Failed upstream attempts.", ["upstream", "reason"], **kw
+        )
+        self.log_records = Counter(
+            p + "log_records",
+            "Request-log records by sink and final outcome (shipped, failed, dropped).",
+            ["sink", "outcome"],
+            **kw,
+        )
+        self.log_records_spooled = Counter(
+            p + "log_records_spooled",
+            "Request-log records written to the on-disk spool on their way to the "
+            "sink (a transit state; each also ends in one final outcome).",
+            ["sink"],
+            **kw,
+        )
+        self.log_spool_bytes = Gauge(
+            p + "log_spool_bytes", "Bytes of request-log records spooled to disk.", **kw
+        )
+        self.build_info = Gauge(
+            p + "build_info",
+            "Always 1, labelled with the kvscope version and the Python "
+            "version the gateway runs (the Prometheus build_info convention).",
+            ["version", "python"],
+            **kw,
+        )
 
     def initialize(self, upstreams: tuple[str, ...] = (), sinks: tuple[str, ...] = ()) -> None:
         """Create the zero series of every bounded label set known at start, so that rates read 0 instead of

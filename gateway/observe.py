@@ -33,14 +33,21 @@ def begin(gw: GatewayState, scope: Scope) -> RequestContext:
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
     path, method = scope["path"], scope["method"]
     route = route_label(path)
-    ctx = RequestContext(request_id=new_request_id(headers.get("x-request-id")), method=method, path=path,
-                         route=route, start=time.perf_counter(), start_wall=time.time(),
-                         client_ip=gw.client_address.resolve((scope.get("client") or (None,))[0], scope["headers"]),
-                         user_agent=headers.get("user-agent"),
-                         http_version=scope.get("http_version", "1.1"))
+    ctx = RequestContext(
+        request_id=new_request_id(headers.get("x-request-id")),
+        method=method,
+        path=path,
+        route=route,
+        start=time.perf_counter(),
+        start_wall=time.time(),
+        client_ip=gw.client_address.resolve((scope.get("client") or (None,))[0], scope["headers"]),
+        user_agent=headers.get("user-agent"),
+        http_version=scope.get("http_version", "1.1"),
+    )
     name = f"{method} {route}" if route != "other" else method
-    ctx.server_span = gw.tracer.start_server_span(name, headers, ctx.epoch_ns(ctx.start),
-                                                  server_span_attributes(ctx, scope))
+    ctx.server_span = gw.tracer.start_server_span(
+        name, headers, ctx.epoch_ns(ctx.start), server_span_attributes(ctx, scope)
+    )
     ctx.trace_id, ctx.span_id = span_ids(ctx.server_span)
     gw.metrics.in_flight.inc()
     return ctx
@@ -96,10 +103,14 @@ def server_span_attributes(ctx: RequestContext, scope: Scope) -> dict[str, str |
     ``http.request.method``, ``url.path``, ``url.scheme``, ``http.route``; recommended
     ``network.protocol.version``, ``client.address``, ``user_agent.original``). The client's request id is
     ``kvscope.request.id``: OTel defines no ``http.request.id``."""
-    attrs: dict[str, str | int] = {"http.request.method": ctx.method, "url.path": ctx.path,
-                                   "url.scheme": scope.get("scheme") or "http", "http.route": ctx.route,
-                                   "network.protocol.version": ctx.http_version,
-                                   "kvscope.request.id": ctx.request_id}
+    attrs: dict[str, str | int] = {
+        "http.request.method": ctx.method,
+        "url.path": ctx.path,
+        "url.scheme": scope.get("scheme") or "http",
+        "http.route": ctx.route,
+        "network.protocol.version": ctx.http_version,
+        "kvscope.request.id": ctx.request_id,
+    }
     if ctx.client_ip:
         attrs["client.address"] = ctx.client_ip
     if ctx.user_agent:
@@ -145,8 +156,10 @@ async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, 
         if message["type"] == "http.response.start":
             if not ctx.answered_by_server:
                 ctx.status = message["status"]
-            message = {**message, "headers": [*message.get("headers", ()),
-                                              (b"x-request-id", ctx.request_id.encode())]}
+            message = {
+                **message,
+                "headers": [*message.get("headers", ()), (b"x-request-id", ctx.request_id.encode())],
+            }
             await send(message)
             return
         await send(message)
@@ -157,8 +170,11 @@ async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, 
 
     try:
         try:
-            check_target(scope.get("raw_path") or scope["path"].encode("latin-1"), scope.get("query_string", b""),
-                         scope["path"])
+            check_target(
+                scope.get("raw_path") or scope["path"].encode("latin-1"),
+                scope.get("query_string", b""),
+                scope["path"],
+            )
         except GatewayError as err:
             ctx.set_error(err)
             await send_error(observed_send, err)
@@ -168,11 +184,18 @@ async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, 
         await finish(gw, ctx)
 
 
-async def record_refused(gw: GatewayState, method: str, path: str, client: str | None, err: GatewayError,
-                         response_bytes: int) -> None:
+async def record_refused(
+    gw: GatewayState, method: str, path: str, client: str | None, err: GatewayError, response_bytes: int
+) -> None:
     """The one log record (and metrics, span) of a request the HTTP server refused before any app saw it."""
-    scope = {"type": "http", "method": method, "path": path, "headers": [], "client": (client, 0),
-             "http_version": "1.1"}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [],
+        "client": (client, 0),
+        "http_version": "1.1",
+    }
     ctx = begin(gw, scope)  # type: ignore[arg-type]
     ctx.set_error(err)
     ctx.status, ctx.response_bytes, ctx.end_at = err.status, response_bytes, time.perf_counter()
@@ -182,7 +205,10 @@ async def record_refused(gw: GatewayState, method: str, path: str, client: str |
 async def send_error(send: Send, err: GatewayError) -> None:
     """Answer with ``err``'s OpenAI error JSON (status, JSON content type, ``err.headers``)."""
     body = error_json(err)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *((k.encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()),
+    ]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -62,8 +62,10 @@ def format_duration(seconds: float) -> str:
 def limit_headers(limits: KeyLimits, req_level: float | None, tok_level: float | None) -> dict[str, str]:
     """OpenAI-style headers from the bucket levels after the decision (None: dimension not limited)."""
     headers: dict[str, str] = {}
-    for kind, limit, level in (("requests", limits.requests_per_minute, req_level),
-                               ("tokens", limits.tokens_per_minute, tok_level)):
+    for kind, limit, level in (
+        ("requests", limits.requests_per_minute, req_level),
+        ("tokens", limits.tokens_per_minute, tok_level),
+    ):
         if limit is None or level is None:
             continue
         headers[f"x-ratelimit-limit-{kind}"] = str(limit)
@@ -72,8 +74,9 @@ def limit_headers(limits: KeyLimits, req_level: float | None, tok_level: float |
     return headers
 
 
-def decide(limits: KeyLimits, req_level: float | None, tok_level: float | None, tokens: int,
-           in_flight: int) -> tuple[str | None, float]:
+def decide(
+    limits: KeyLimits, req_level: float | None, tok_level: float | None, tokens: int, in_flight: int
+) -> tuple[str | None, float]:
     """(reason, retry_after_s) of a refusal, or (None, 0) to admit. Reasons checked in the order
     requests, tokens, concurrency; the wait is the longest of the failing dimensions."""
     reason, wait = None, 0.0
@@ -108,8 +111,9 @@ class InMemoryRateLimiter:
         now = self._clock()
         state = self._keys.get(key_id)
         if state is None:
-            state = self._keys[key_id] = _KeyState(float(limits.requests_per_minute or 0),
-                                                   float(limits.tokens_per_minute or 0), now)
+            state = self._keys[key_id] = _KeyState(
+                float(limits.requests_per_minute or 0), float(limits.tokens_per_minute or 0), now
+            )
         elapsed, state.stamp = now - state.stamp, now
         if limits.requests_per_minute:
             state.req_level = refill(state.req_level, elapsed, limits.requests_per_minute)
@@ -152,7 +156,9 @@ end
 """
 """``clock(ARGV[i])``: the caller's time when it passed one (tests), else the Redis server's clock."""
 
-_ACQUIRE_LUA = _NOW_LUA + """
+_ACQUIRE_LUA = (
+    _NOW_LUA
+    + """
 local now = clock(ARGV[8])
 local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cap, lease, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
@@ -193,8 +199,11 @@ if reason == '' then
 end
 return {reason, tostring(wait), tostring(req), tostring(tok)}
 """
+)
 
-_RELEASE_LUA = _NOW_LUA + """
+_RELEASE_LUA = (
+    _NOW_LUA
+    + """
 redis.call('ZREM', KEYS[3], ARGV[3])
 local tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[2])
 if tpm > 0 and delta ~= 0 then
@@ -208,6 +217,7 @@ if tpm > 0 and delta ~= 0 then
 end
 return 1
 """
+)
 
 
 class RedisRateLimiter:
@@ -221,8 +231,13 @@ class RedisRateLimiter:
     share one clock, so the gateway never sets it.
     """
 
-    def __init__(self, url: str, lease_ttl_s: float, prefix: str = "kvscope:ratelimit",
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        lease_ttl_s: float,
+        prefix: str = "kvscope:ratelimit",
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         import redis.asyncio as aioredis  # optional dependency: imported only when --redis-url is set
 
         self._redis = aioredis.Redis.from_url(url)
@@ -242,8 +257,16 @@ class RedisRateLimiter:
         return [f"{base}:requests", f"{base}:tokens", f"{base}:concurrent"]
 
     async def acquire(self, key_id: str, limits: KeyLimits, tokens: int, lease_id: str) -> LimitDecision:
-        args = [limits.requests_per_minute or 0, limits.tokens_per_minute or 0, tokens,
-                limits.max_concurrent or 0, lease_id, self._ttl, CONCURRENCY_RETRY_S, self._now()]
+        args = [
+            limits.requests_per_minute or 0,
+            limits.tokens_per_minute or 0,
+            tokens,
+            limits.max_concurrent or 0,
+            lease_id,
+            self._ttl,
+            CONCURRENCY_RETRY_S,
+            self._now(),
+        ]
         try:
             reason, wait, req, tok = await self._acquire(keys=self._keys(key_id), args=args)
         except self._errors as exc:
@@ -253,14 +276,17 @@ class RedisRateLimiter:
         tok_level = float(tok) if limits.tokens_per_minute else None
         headers = limit_headers(limits, req_level, tok_level)
         if reason:
-            return LimitDecision(False, reason.decode() if isinstance(reason, bytes) else reason,
-                                 float(wait), headers)
+            return LimitDecision(
+                False, reason.decode() if isinstance(reason, bytes) else reason, float(wait), headers
+            )
         return LimitDecision(True, headers=headers)
 
     async def release(self, key_id: str, limits: KeyLimits, lease_id: str, token_delta: int) -> None:
         try:
-            await self._release(keys=self._keys(key_id),
-                                args=[limits.tokens_per_minute or 0, token_delta, lease_id, self._now()])
+            await self._release(
+                keys=self._keys(key_id),
+                args=[limits.tokens_per_minute or 0, token_delta, lease_id, self._now()],
+            )
         except self._errors as exc:
             _log.warning("rate limiter: redis unavailable on release (%s)", exc)
 

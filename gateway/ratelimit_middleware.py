@@ -50,8 +50,14 @@ class RateLimitLease:
         self.headers: list[tuple[bytes, bytes]] = []
         """``x-ratelimit-*`` headers of the admitted request."""
 
-    async def acquire(self, limiter: RateLimiter, principal: Principal, ctx: RequestContext,
-                      prompt_estimate: int, estimate: int) -> None:
+    async def acquire(
+        self,
+        limiter: RateLimiter,
+        principal: Principal,
+        ctx: RequestContext,
+        prompt_estimate: int,
+        estimate: int,
+    ) -> None:
         """Charge one request of ``estimate`` tokens (``prompt_estimate`` of them the prompt) to the key;
         nothing when the key has no limits. Raises RateLimited (429) when a limit refuses it."""
         limits = principal.limits
@@ -64,9 +70,11 @@ class RateLimitLease:
             ctx.rate_limit_s += time.perf_counter() - started  # kvscope.gateway.rate_limit_s
         if not decision.allowed:
             retry = max(1, math.ceil(decision.retry_after_s))
-            raise RateLimited(f"Rate limit reached for this API key ({decision.reason}). Retry after {retry}s.",
-                              reason=decision.reason or "requests",
-                              headers={**decision.headers, "retry-after": str(retry)})
+            raise RateLimited(
+                f"Rate limit reached for this API key ({decision.reason}). Retry after {retry}s.",
+                reason=decision.reason or "requests",
+                headers={**decision.headers, "retry-after": str(retry)},
+            )
         self.headers = [(k.encode(), v.encode()) for k, v in decision.headers.items()]
         self._charge = _Charge(limiter, principal.key_id, limits, ctx.event_id, prompt_estimate, estimate)
 
@@ -78,12 +86,15 @@ class RateLimitLease:
             return
         actual = (ctx.usage or {}).get("total_tokens")
         if not isinstance(actual, int):
-            actual = charge.estimate if ctx.output_tokens is None else charge.prompt_estimate + ctx.output_tokens
+            actual = (
+                charge.estimate if ctx.output_tokens is None else charge.prompt_estimate + ctx.output_tokens
+            )
         await charge.limiter.release(charge.key_id, charge.limits, charge.lease_id, charge.estimate - actual)
 
 
-def with_own_limits(headers: Iterable[tuple[bytes, bytes]], own: list[tuple[bytes, bytes]]
-                    ) -> list[tuple[bytes, bytes]]:
+def with_own_limits(
+    headers: Iterable[tuple[bytes, bytes]], own: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
     """A response's ``headers`` with the gateway's own ``x-ratelimit-*`` (``own``) in place of any an upstream
     sent (a relayed answer or a passed-through response): the client sees its key's limits, once each."""
     return [*((k, v) for k, v in headers if not k.lower().startswith(b"x-ratelimit-")), *own]

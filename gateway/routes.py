@@ -34,14 +34,22 @@ async def _generation(request: Request, op: Operation) -> ASGIApp:
     return ProxyCall(gw, context_of(request), plan)
 
 
-@route("/v1/chat/completions", http_method=ALL_METHODS, middleware=[RATE_LIMITS],
-       guards=[only("POST"), names_operation(CHAT.name), authenticated])
+@route(
+    "/v1/chat/completions",
+    http_method=ALL_METHODS,
+    middleware=[RATE_LIMITS],
+    guards=[only("POST"), names_operation(CHAT.name), authenticated],
+)
 async def chat_completions(request: Request) -> ASGIApp:
     return await _generation(request, CHAT)
 
 
-@route("/v1/completions", http_method=ALL_METHODS, middleware=[RATE_LIMITS],
-       guards=[only("POST"), names_operation(COMPLETION.name), authenticated])
+@route(
+    "/v1/completions",
+    http_method=ALL_METHODS,
+    middleware=[RATE_LIMITS],
+    guards=[only("POST"), names_operation(COMPLETION.name), authenticated],
+)
 async def completions(request: Request) -> ASGIApp:
     return await _generation(request, COMPLETION)
 
@@ -59,7 +67,9 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [pool.model_card(m) for m in _visible_models(request)]}
 
 
-@route("/v1/models/{model:path}", http_method=ALL_METHODS, status_code=200, guards=[only("GET"), authenticated])
+@route(
+    "/v1/models/{model:path}", http_method=ALL_METHODS, status_code=200, guards=[only("GET"), authenticated]
+)
 async def retrieve_model(request: Request) -> dict[str, Any]:
     name = str(request.path_params["model"]).lstrip("/")
     if name not in _visible_models(request):
@@ -67,7 +77,9 @@ async def retrieve_model(request: Request) -> dict[str, Any]:
     return state_of(request).pool.model_card(name)
 
 
-@route("/v1/{path:path}", http_method=ALL_METHODS, middleware=[RATE_LIMITS], guards=[forwardable, authenticated])
+@route(
+    "/v1/{path:path}", http_method=ALL_METHODS, middleware=[RATE_LIMITS], guards=[forwardable, authenticated]
+)
 async def other_v1(request: Request) -> Response:
     """Any other ``/v1/*`` path, passed through to an upstream (by ``model`` when the body names one)."""
     return await passthrough(state_of(request), request, principal_of(request))
@@ -116,8 +128,11 @@ def _check_metrics_access(gw: GatewayState, request: Request) -> None:
         return
     principal = gw.auth.authenticate(request.headers.get("authorization"))
     if principal.models is not None:
-        raise PermissionDenied("/metrics names every served model: it needs an API key that may use all models "
-                               "(or `metrics_public: true` in the gateway config).", code="permission_denied")
+        raise PermissionDenied(
+            "/metrics names every served model: it needs an API key that may use all models "
+            "(or `metrics_public: true` in the gateway config).",
+            code="permission_denied",
+        )
 
 
 @get("/metrics")
@@ -128,7 +143,9 @@ async def metrics(request: Request) -> Response:
     _check_metrics_access(state_of(request), request)
     encode, content_type = choose_encoder(request.headers.get("accept"))
     # Litestar appends "; charset=utf-8" to text/* media types itself: do not send it twice
-    media_type = content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type
+    media_type = (
+        content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type
+    )
     return Response(encode(state_of(request).metrics.registry), media_type=media_type)
 
 
@@ -137,5 +154,14 @@ async def not_found(request: Request) -> None:
     raise NotFound(f"Unknown path {request.url.path}.")
 
 
-ROUTES = [chat_completions, completions, list_models, retrieve_model, other_v1, healthz, readyz, metrics,
-          not_found]
+ROUTES = [
+    chat_completions,
+    completions,
+    list_models,
+    retrieve_model,
+    other_v1,
+    healthz,
+    readyz,
+    metrics,
+    not_found,
+]

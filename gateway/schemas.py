@@ -108,8 +108,12 @@ def check_prompt(prompt: str | list[Any]) -> None:
         if not all(prompt):
             raise InvalidRequest(EMPTY_PROMPT, param="prompt", code=INVALID_VALUE)
         return
-    raise InvalidRequest("prompt must be a string, an array of strings, an array of token ids or an array of "
-                         "token-id arrays (not a mix).", param="prompt", code=INVALID_VALUE)
+    raise InvalidRequest(
+        "prompt must be a string, an array of strings, an array of token ids or an array of "
+        "token-id arrays (not a mix).",
+        param="prompt",
+        code=INVALID_VALUE,
+    )
 
 
 def error_param(message: str) -> str | None:

@@ -82,7 +82,9 @@ def head_problem(request: h11.Request, max_head_bytes: int = MAX_HEAD_BYTES) -> 
     names = {name for name, _ in request.headers}  # h11 lower-cases header names
     if b"content-length" in names and b"transfer-encoding" in names:
         return "Both Content-Length and Transfer-Encoding are present."
-    size = len(request.method) + len(request.target) + 12 + sum(len(n) + len(v) + 4 for n, v in request.headers)
+    size = (
+        len(request.method) + len(request.target) + 12 + sum(len(n) + len(v) + 4 for n, v in request.headers)
+    )
     if size > max_head_bytes:
         return f"The request head is over {max_head_bytes} bytes."
     return None
@@ -100,7 +102,9 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         self._problem: str | None = None
         """Why :meth:`_next_event` refused the head being answered (None: h11 itself refused it)."""
         self._parse_next_event = self.conn.next_event
-        self.conn.next_event = self._next_event  # uvicorn's handle_events turns its RemoteProtocolError into a 400
+        self.conn.next_event = (
+            self._next_event
+        )  # uvicorn's handle_events turns its RemoteProtocolError into a 400
 
     def _next_event(self) -> Any:
         """h11's next event, with :func:`head_problem`'s refusals raised as h11's own parser errors."""
@@ -120,7 +124,7 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:
-            self._head = (self._head + data)[:MAX_LOGGED_TARGET + 64]
+            self._head = (self._head + data)[: MAX_LOGGED_TARGET + 64]
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.ERROR:
             self._head = b""
@@ -132,8 +136,12 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
             return
         # (a finished cycle is the previous request of a keep-alive connection: this one gets its 400)
         problem, self._problem = self._problem, None
-        self._refuse(InvalidHttpRequest(f"{msg} {problem + ' ' if problem else ''}The request is not valid "
-                                        "HTTP/1.1 (RFC 9112)."), in_progress)
+        self._refuse(
+            InvalidHttpRequest(
+                f"{msg} {problem + ' ' if problem else ''}The request is not valid HTTP/1.1 (RFC 9112)."
+            ),
+            in_progress,
+        )
 
     def read_timed_out(self, stage: str, message: str) -> None:
         """A head or body that did not arrive in time (kvscope/common/read_timeouts.py): a JSON 408 and the close, and
@@ -154,11 +162,17 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         from kvscope.gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
 
         body = error_json(err)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         reason = b"Bad Request" if err.status == 400 else b"Request Timeout"
-        for event in (h11.Response(status_code=err.status, headers=headers, reason=reason),
-                      h11.Data(data=body), h11.EndOfMessage()):
+        for event in (
+            h11.Response(status_code=err.status, headers=headers, reason=reason),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
             self.transport.write(self.conn.send(event) or b"")
         self.transport.close()
         if in_progress:  # the app holds (or will) this request
@@ -171,8 +185,9 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         method, path = request_line(self._head or self.conn.trailing_data[0])
         self._head = b""
         client = self.client[0] if self.client else None
-        task = asyncio.get_running_loop().create_task(record_refused(self._gateway, method, path, client, err,
-                                                                     len(body)))
+        task = asyncio.get_running_loop().create_task(
+            record_refused(self._gateway, method, path, client, err, len(body))
+        )
         self.tasks.add(task)  # uvicorn waits for these at shutdown
         task.add_done_callback(self.tasks.discard)
 
@@ -187,22 +202,43 @@ def write_body_chunk(cycle: RequestResponseCycle, data: bytes) -> bool:
     Why: a streamed token went through Litestar's send wrappers, uvicorn's ``send`` and h11's state machine
     before its one ``transport.write``; the relay writes each SSE event here instead (gateway/proxy/client.py;
     docs/gateway.md "CPU per relayed token"). The start, the end and every other message keep the ASGI path."""
-    if (not data or ChunkedWriter is None or cycle.disconnected or not cycle.response_started
-            or cycle.response_complete or cycle.flow.write_paused
-            or not isinstance(getattr(cycle.conn, "_writer", None), ChunkedWriter)):
+    if (
+        not data
+        or ChunkedWriter is None
+        or cycle.disconnected
+        or not cycle.response_started
+        or cycle.response_complete
+        or cycle.flow.write_paused
+        or not isinstance(getattr(cycle.conn, "_writer", None), ChunkedWriter)
+    ):
         return False
     cycle.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
     return True
 
 
-def uvicorn_config(app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any) -> uvicorn.Config:
+def uvicorn_config(
+    app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any
+) -> uvicorn.Config:
     """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options. The event
     loop is the settings' ``event_loop`` resolved (kvscope/common/event_loop.py: uvloop where installed); the read
     timeouts are the settings' ``timeouts.request_head_s`` and ``timeouts.request_body_s``."""
     settings = app.state.gateway.settings
-    protocol = functools.partial(GatewayH11Protocol, gateway=app.state.gateway,
-                                 read_timeouts=ReadTimeouts(settings.timeouts.request_head_s,
-                                                            settings.timeouts.request_body_s))
+    protocol = functools.partial(
+        GatewayH11Protocol,
+        gateway=app.state.gateway,
+        read_timeouts=ReadTimeouts(settings.timeouts.request_head_s, settings.timeouts.request_body_s),
+    )
     extra.setdefault("loop", resolve_event_loop(app.state.gateway.settings.event_loop))
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
-                          lifespan="on", http=protocol, ws="none", proxy_headers=False, **extra)  # type: ignore[arg-type]
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        server_header=False,
+        lifespan="on",
+        http=protocol,
+        ws="none",
+        proxy_headers=False,
+        **extra,
+    )  # type: ignore[arg-type]

@@ -33,12 +33,78 @@ from kvscope.gateway.forwarded import parse_networks
 
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1200.0, 1800.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 10.0)
-DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
-                    300.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+    1200.0,
+    1800.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+DURATION_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    900.0,
+    1200.0,
+    1800.0,
+    3600.0,
+)
 """Request durations reach the default ``timeouts.total_s`` (1800 s) in a finite bucket: a histogram whose
 top bound is below the longest possible request reports every longer request as that bound (p99 reads 600 s
 for a 1,500 s request). :class:`GatewaySettings` refuses TTFT/duration buckets that end below ``total_s``."""
@@ -120,8 +186,12 @@ class KeyLimits(msgspec.Struct, **_STRUCT):
 
     def merged(self, defaults: KeyLimits) -> KeyLimits:
         """These limits with unset fields taken from ``defaults``."""
-        return KeyLimits(**{f: getattr(self, f) if getattr(self, f) is not None else getattr(defaults, f)
-                            for f in self.__struct_fields__})
+        return KeyLimits(
+            **{
+                f: getattr(self, f) if getattr(self, f) is not None else getattr(defaults, f)
+                for f in self.__struct_fields__
+            }
+        )
 
 
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
@@ -132,8 +202,9 @@ no ``:``, which ``--api-key-hash NAME:SHA256`` uses as its separator)."""
 def check_key_name(name: str) -> None:
     """Raises ValueError when ``name`` is not a valid API key name (:data:`KEY_NAME`)."""
     if not KEY_NAME.fullmatch(name):
-        raise ValueError(f"api key name {name!r} must be 1-64 of A-Z a-z 0-9 . _ @ - (starting with a letter "
-                         f"or digit)")
+        raise ValueError(
+            f"api key name {name!r} must be 1-64 of A-Z a-z 0-9 . _ @ - (starting with a letter or digit)"
+        )
 
 
 class ApiKeyConfig(msgspec.Struct, **_STRUCT):
@@ -156,21 +227,37 @@ class ApiKeyConfig(msgspec.Struct, **_STRUCT):
 class TimeoutConfig(msgspec.Struct, **_STRUCT):
     """Timeouts in seconds: reading the client's request (head, body), then the upstream's answer."""
 
-    request_head_s: Annotated[float, Flag("a request head must be complete this long after the connection opened "
-                                          "or the previous response ended (else 408 and close)",
-                                          name="--request-head-timeout", metavar="S")] = HEAD_TIMEOUT_S
+    request_head_s: Annotated[
+        float,
+        Flag(
+            "a request head must be complete this long after the connection opened "
+            "or the previous response ended (else 408 and close)",
+            name="--request-head-timeout",
+            metavar="S",
+        ),
+    ] = HEAD_TIMEOUT_S
     """A request head must be complete within this of the connection opening or the previous response ending:
     else a JSON 408 and the connection closed (an idle connection is closed silently). kvscope/common/read_timeouts.py."""
-    request_body_s: Annotated[float, Flag("longest silence while a request body arrives (else 408 and close)",
-                                          name="--request-body-timeout", metavar="S")] = BODY_TIMEOUT_S
+    request_body_s: Annotated[
+        float,
+        Flag(
+            "longest silence while a request body arrives (else 408 and close)",
+            name="--request-body-timeout",
+            metavar="S",
+        ),
+    ] = BODY_TIMEOUT_S
     """Longest silence while a request body is being received: then a JSON 408 and the connection closed."""
     connect_s: float = 5.0
-    first_token_s: Annotated[float, Flag("upstream request sent → first token (streams)",
-                                         name="--first-token-timeout", metavar="S")] = 600.0
+    first_token_s: Annotated[
+        float,
+        Flag("upstream request sent → first token (streams)", name="--first-token-timeout", metavar="S"),
+    ] = 600.0
     """Upstream request sent → first token event (streams); covers queueing and prefill."""
     idle_s: float = 120.0
     """Longest silence between two upstream chunks after the first token."""
-    total_s: Annotated[float, Flag("whole request, all attempts", name="--total-timeout", metavar="S")] = 1800.0
+    total_s: Annotated[float, Flag("whole request, all attempts", name="--total-timeout", metavar="S")] = (
+        1800.0
+    )
     """Whole request, all attempts."""
     keepalive_s: Annotated[float, Flag("SSE keep-alive interval", name="--keepalive", metavar="S")] = 15.0
     """Send ``: keep-alive`` to a stream's client after this much silence (keep below proxies' idle timeouts)."""
@@ -184,8 +271,9 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
 
     max_attempts: int = 3
     """Upstream attempts per request (retries happen only before the first byte reached the client)."""
-    health_interval_s: Annotated[float, Flag("upstream health-check period", name="--health-interval",
-                                             metavar="S")] = 5.0
+    health_interval_s: Annotated[
+        float, Flag("upstream health-check period", name="--health-interval", metavar="S")
+    ] = 5.0
     health_timeout_s: float = 2.0
     """A health probe unanswered this long counts towards ``failure_threshold``."""
     failure_threshold: int = 3
@@ -199,8 +287,10 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
 class LogConfig(msgspec.Struct, **_STRUCT):
     """Request-log sinks (one JSON line per request)."""
 
-    file: Annotated[str | None, Flag("request log, JSON lines, rotated by size", name="--log-file",
-                                     env="KVSCOPE_GATEWAY_LOG_FILE")] = None
+    file: Annotated[
+        str | None,
+        Flag("request log, JSON lines, rotated by size", name="--log-file", env="KVSCOPE_GATEWAY_LOG_FILE"),
+    ] = None
     """Rotating JSONL file; ``None``: no file sink."""
     stdout: Annotated[bool, Flag("request log on stdout too", name="--log-stdout")] = False
     max_bytes: int = 100 * 1024 * 1024
@@ -225,8 +315,10 @@ class LogConfig(msgspec.Struct, **_STRUCT):
 
 
 class TracingConfig(msgspec.Struct, **_STRUCT):
-    otlp_endpoint: Annotated[str | None, Flag(
-        "OTLP endpoint for traces and metrics (http://127.0.0.1:4318; default: $OTEL_EXPORTER_OTLP_*)")] = None
+    otlp_endpoint: Annotated[
+        str | None,
+        Flag("OTLP endpoint for traces and metrics (http://127.0.0.1:4318; default: $OTEL_EXPORTER_OTLP_*)"),
+    ] = None
     """OTLP base URL, e.g. ``http://127.0.0.1:4318`` (OTLP/HTTP: spans to ``/v1/traces``, metrics to
     ``/v1/metrics``; gRPC: used as is). None: the ``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT`` environment,
     read by the OTel SDK (kvscope/common/otel_env.py)."""
@@ -253,41 +345,89 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     host: Annotated[str, Flag("bind address", env="KVSCOPE_GATEWAY_HOST")] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535), Flag("port", env="KVSCOPE_GATEWAY_PORT")] = 4000
     """4000 (LiteLLM's default); the engine listens on 8000."""
-    upstreams: Annotated[tuple[UpstreamConfig, ...], Flag(
-        "upstream base URL (repeatable)", name="--upstream", metavar="URL", repeat=True, item=_upstream,
-        env="KVSCOPE_GATEWAY_UPSTREAMS")] = ()
-    models: Annotated[tuple[ModelConfig, ...], Flag(
-        "tokenizer.json or model folder for MODEL, for prompt limits at the edge (repeatable)", name="--tokenizer",
-        metavar="MODEL=PATH", repeat=True, item=tokenizer_model)] = ()
-    api_keys: Annotated[tuple[ApiKeyConfig, ...], Flag(
-        "an API key (repeatable)", name="--api-key-hash", metavar="NAME:SHA256", repeat=True, item=parse_key_hash,
-        env="KVSCOPE_GATEWAY_API_KEY_HASHES")] = ()
-    allow_unauthenticated: Annotated[bool, Flag("serve without API keys on a non-loopback address",
-                                                env="KVSCOPE_GATEWAY_ALLOW_UNAUTHENTICATED")] = False
+    upstreams: Annotated[
+        tuple[UpstreamConfig, ...],
+        Flag(
+            "upstream base URL (repeatable)",
+            name="--upstream",
+            metavar="URL",
+            repeat=True,
+            item=_upstream,
+            env="KVSCOPE_GATEWAY_UPSTREAMS",
+        ),
+    ] = ()
+    models: Annotated[
+        tuple[ModelConfig, ...],
+        Flag(
+            "tokenizer.json or model folder for MODEL, for prompt limits at the edge (repeatable)",
+            name="--tokenizer",
+            metavar="MODEL=PATH",
+            repeat=True,
+            item=tokenizer_model,
+        ),
+    ] = ()
+    api_keys: Annotated[
+        tuple[ApiKeyConfig, ...],
+        Flag(
+            "an API key (repeatable)",
+            name="--api-key-hash",
+            metavar="NAME:SHA256",
+            repeat=True,
+            item=parse_key_hash,
+            env="KVSCOPE_GATEWAY_API_KEY_HASHES",
+        ),
+    ] = ()
+    allow_unauthenticated: Annotated[
+        bool,
+        Flag("serve without API keys on a non-loopback address", env="KVSCOPE_GATEWAY_ALLOW_UNAUTHENTICATED"),
+    ] = False
     """Serve without API keys on a non-loopback address (loopback never needs it)."""
-    metrics_public: Annotated[bool, Flag("serve /metrics without an API key even when keys are configured",
-                                         env="KVSCOPE_GATEWAY_METRICS_PUBLIC")] = False
+    metrics_public: Annotated[
+        bool,
+        Flag(
+            "serve /metrics without an API key even when keys are configured",
+            env="KVSCOPE_GATEWAY_METRICS_PUBLIC",
+        ),
+    ] = False
     """With ``api_keys``, ``/metrics`` (its series name every served model and upstream) needs a key that may use
     every model; set this for a Prometheus that scrapes without one (on a network only it can reach). Without
     keys ``/metrics`` is public anyway."""
     default_limits: KeyLimits = KeyLimits()
     """Limits for keys that do not set their own, and for anonymous clients when auth is off."""
     max_body_bytes: int = 8 * 1024 * 1024
-    trusted_proxies: Annotated[tuple[str, ...], Flag(
-        "trust Forwarded/X-Forwarded-For from this proxy address or network (repeatable)", name="--trusted-proxy",
-        metavar="IP_OR_CIDR", repeat=True, env="KVSCOPE_GATEWAY_TRUSTED_PROXIES")] = ()
+    trusted_proxies: Annotated[
+        tuple[str, ...],
+        Flag(
+            "trust Forwarded/X-Forwarded-For from this proxy address or network (repeatable)",
+            name="--trusted-proxy",
+            metavar="IP_OR_CIDR",
+            repeat=True,
+            env="KVSCOPE_GATEWAY_TRUSTED_PROXIES",
+        ),
+    ] = ()
     """Proxy addresses or CIDR networks whose ``Forwarded`` / ``X-Forwarded-For`` name the client
     (gateway/forwarded.py); empty: the TCP peer is the client, whatever the headers say."""
-    redis_url: Annotated[str | None, Flag("share rate limits between gateway replicas (redis://host:6379/0)",
-                                          env="KVSCOPE_GATEWAY_REDIS_URL")] = None
+    redis_url: Annotated[
+        str | None,
+        Flag(
+            "share rate limits between gateway replicas (redis://host:6379/0)",
+            env="KVSCOPE_GATEWAY_REDIS_URL",
+        ),
+    ] = None
     """Share rate limits between gateway replicas through Redis; ``None``: in-memory."""
     timeouts: TimeoutConfig = TimeoutConfig()
     routing: RoutingConfig = RoutingConfig()
     logs: LogConfig = LogConfig()
     tracing: TracingConfig = TracingConfig()
     metrics: MetricsConfig = MetricsConfig()
-    event_loop: Annotated[EventLoop, Flag("the server's event loop: auto = uvloop where it is installed (a gateway "
-                                          "dependency), else asyncio", env="KVSCOPE_GATEWAY_EVENT_LOOP")] = "auto"
+    event_loop: Annotated[
+        EventLoop,
+        Flag(
+            "the server's event loop: auto = uvloop where it is installed (a gateway "
+            "dependency), else asyncio",
+            env="KVSCOPE_GATEWAY_EVENT_LOOP",
+        ),
+    ] = "auto"
     """uvicorn's event loop (kvscope/common/event_loop.py: 10-15 % less CPU per relayed token on uvloop)."""
     service_name: str = "kvscope-gateway"
     """OTel ``service.name`` of spans, metrics and logs; default ``$OTEL_SERVICE_NAME``, else ``kvscope-gateway``."""
@@ -296,10 +436,14 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
 
     def __post_init__(self) -> None:
         if not self.upstreams:
-            raise ValueError("at least one upstream is required (--upstream URL or `upstreams:` in the config)")
+            raise ValueError(
+                "at least one upstream is required (--upstream URL or `upstreams:` in the config)"
+            )
         if not self.api_keys and not self.allow_unauthenticated and not is_loopback(self.host):
-            raise ValueError(f"refusing to serve {self.host} without API keys: add keys (kvscope keys create) "
-                             "or pass --allow-unauthenticated")
+            raise ValueError(
+                f"refusing to serve {self.host} without API keys: add keys (kvscope keys create) "
+                "or pass --allow-unauthenticated"
+            )
         parse_networks(self.trusted_proxies)
         resolve_event_loop(self.event_loop)  # uvloop asked for where it is not installed: a config error
         names = [key.name for key in self.api_keys]
@@ -308,8 +452,10 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
         for name in ("ttft_buckets", "duration_buckets"):
             bounds = getattr(self.metrics, name)
             if not bounds or bounds[-1] < self.timeouts.total_s:
-                raise ValueError(f"metrics.{name} must reach timeouts.total_s ({self.timeouts.total_s:g} s) so "
-                                 f"that no request lands in +Inf only; the last bound is {bounds[-1] if bounds else None}")
+                raise ValueError(
+                    f"metrics.{name} must reach timeouts.total_s ({self.timeouts.total_s:g} s) so "
+                    f"that no request lands in +Inf only; the last bound is {bounds[-1] if bounds else None}"
+                )
 
     @property
     def auth_enabled(self) -> bool:
@@ -340,8 +486,11 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return from_env(GatewaySettings, env)
 
 
-def load_settings(config_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
-                  env: Mapping[str, str] | None = None) -> GatewaySettings:
+def load_settings(
+    config_path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> GatewaySettings:
     """Settings from defaults < file (``config_path`` or ``$KVSCOPE_GATEWAY_CONFIG``) < env < ``overrides``
     (``OTEL_SERVICE_NAME``: defaults < env < file < overrides).
 
@@ -360,5 +509,7 @@ def load_settings(config_path: str | Path | None = None, overrides: Mapping[str,
     if settings.logs.elasticsearch is not None:
         settings.logs.elasticsearch_settings().sink_config()
     for signal in ("traces", "metrics"):
-        otlp_protocol(signal, env)  # an unsupported OTEL_EXPORTER_OTLP_PROTOCOL is a config error, not a crash later
+        otlp_protocol(
+            signal, env
+        )  # an unsupported OTEL_EXPORTER_OTLP_PROTOCOL is a config error, not a crash later
     return settings

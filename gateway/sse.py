@@ -30,8 +30,13 @@ class SSESplitter:
         """Offset in ``_buf`` of the line being scanned (everything before it is in complete lines)."""
 
     def feed(self, data: bytes) -> list[bytes]:
-        if not self._buf and data[-2:] == b"\n\n" and data.find(b"\n\n") == len(data) - 2 and \
-                data[:1] != b"\n" and b"\r" not in data:
+        if (
+            not self._buf
+            and data[-2:] == b"\n\n"
+            and data.find(b"\n\n") == len(data) - 2
+            and data[:1] != b"\n"
+            and b"\r" not in data
+        ):
             return [data]  # one whole LF-framed event, as servers send each token: what the scan below finds
         buf = self._buf + data
         events: list[bytes] = []
@@ -40,7 +45,7 @@ class SSESplitter:
             if m.end() == len(buf) and m.group() == b"\r":
                 break  # a CR at the end may be the first half of CRLF: wait for the next byte
             if m.start() == line_start:
-                events.append(buf[start:m.end()])
+                events.append(buf[start : m.end()])
                 start = m.end()
             line_start = m.end()
         self._buf, self._line_start = buf[start:], line_start - start
@@ -53,7 +58,12 @@ class SSESplitter:
 
 def event_data(raw: bytes) -> bytes | None:
     """The event's data (``data`` lines joined with ``\\n``), or None for comment-only/empty events."""
-    if raw[:6] == b"data: " and raw[-2:] == b"\n\n" and raw.find(b"\n", 6) == len(raw) - 2 and b"\r" not in raw:
+    if (
+        raw[:6] == b"data: "
+        and raw[-2:] == b"\n\n"
+        and raw.find(b"\n", 6) == len(raw) - 2
+        and b"\r" not in raw
+    ):
         return raw[6:-2]  # one ``data: `` line, LF-framed: what the loop below returns for it
     parts = []
     for line in raw.splitlines():

@@ -26,8 +26,21 @@ _PCT = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\\#?]")
 _LEADING_WORD = re.compile(r"[a-z]*")
 _ENCODED_SLASH = re.compile(rb"%2[Ff]")
-GENERATION_SEGMENTS = frozenset({"completions", "completion", "chat", "responses", "messages", "generate",
-                                 "generations", "engines", "infill", "realtime", "audio"})
+GENERATION_SEGMENTS = frozenset(
+    {
+        "completions",
+        "completion",
+        "chat",
+        "responses",
+        "messages",
+        "generate",
+        "generations",
+        "engines",
+        "infill",
+        "realtime",
+        "audio",
+    }
+)
 """Path segments (case-folded) that name a generation API of the OpenAI, vLLM, llama.cpp or TGI servers:
 the pass-through never forwards a ``/v1/*`` path containing one (only the admitted routes serve them)."""
 
@@ -82,5 +95,7 @@ def names_generation_api(path: str) -> bool:
     :data:`GENERATION_SEGMENTS`: whatever a server might strip after them (``;params``, ``#…``, ``.json``)
     and any letter case count (``/v1/Chat/Completions``, ``/v1/completions;x``, ``/v1/completions%23x``)."""
     decoded = unquote(path)
-    return any(_LEADING_WORD.match(segment.casefold()).group(0) in GENERATION_SEGMENTS
-               for segment in decoded.split("/"))
+    return any(
+        _LEADING_WORD.match(segment.casefold()).group(0) in GENERATION_SEGMENTS
+        for segment in decoded.split("/")
+    )

@@ -41,8 +41,9 @@ def estimate_tokens(text_chars: int) -> int:
 class ModelTokenizer:
     """One model's tokenizer + chat template renderer."""
 
-    def __init__(self, hf: tokenizers.Tokenizer, template: ChatRenderer | None,
-                 variables: Mapping[str, str]) -> None:
+    def __init__(
+        self, hf: tokenizers.Tokenizer, template: ChatRenderer | None, variables: Mapping[str, str]
+    ) -> None:
         self.hf = hf
         self._template = template
         self._variables = dict(variables)
@@ -71,7 +72,9 @@ class ModelTokenizer:
             return None
         try:
             text = self._template(normalize_messages(messages), True, self._variables)
-        except Exception as exc:  # ChatTemplateError, or whatever else a template raises: the upstream decides
+        except (
+            Exception
+        ) as exc:  # ChatTemplateError, or whatever else a template raises: the upstream decides
             _log.debug("chat template did not render: %s", exc)
             return None
         return self.count_text(text, add_special_tokens=False)

@@ -24,15 +24,21 @@ from kvscope.common.otel_env import span_exporter
 from kvscope.gateway.settings import TracingConfig
 
 
-def build_tracer_provider(config: TracingConfig, service_name: str, service_version: str, node: str,
-                          exporter: SpanExporter | None = None) -> TracerProvider:
+def build_tracer_provider(
+    config: TracingConfig,
+    service_name: str,
+    service_version: str,
+    node: str,
+    exporter: SpanExporter | None = None,
+) -> TracerProvider:
     """A provider exporting to ``exporter`` (synchronously; for tests) and/or over OTLP (batched) to
     ``tracing.otlp_endpoint`` (an OTLP/HTTP base URL, spans to ``/v1/traces``, or a gRPC endpoint) or, when
     unset, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (:func:`kvscope.common.otel_env.span_exporter`; the SDK
     reads it). Without either, spans are still made (ids for the log); ``OTEL_SDK_DISABLED=true`` makes the
     provider no-op and exports nothing. Raises ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
-    resource = Resource.create({"service.name": service_name, "service.version": service_version,
-                                "service.instance.id": node})
+    resource = Resource.create(
+        {"service.name": service_name, "service.version": service_version, "service.instance.id": node}
+    )
     provider = TracerProvider(resource=resource)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -50,20 +56,23 @@ class GatewayTracer:
         self._tracer = provider.get_tracer("kvscope.gateway", version)
         self._propagator = TraceContextTextMapPropagator()
 
-    def start_server_span(self, name: str, headers: Mapping[str, str], start_ns: int,
-                          attributes: Mapping[str, str | int]) -> Span:
+    def start_server_span(
+        self, name: str, headers: Mapping[str, str], start_ns: int, attributes: Mapping[str, str | int]
+    ) -> Span:
         """The request's SERVER span, child of the incoming ``traceparent`` when it is valid."""
         parent = self._propagator.extract(carrier=dict(headers))
-        return self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER, start_time=start_ns,
-                                       attributes=dict(attributes))
+        return self._tracer.start_span(
+            name, context=parent, kind=SpanKind.SERVER, start_time=start_ns, attributes=dict(attributes)
+        )
 
     def start_client_span(self, parent: Span, operation: str, model: str, attributes: Mapping) -> Span:
         """The gen_ai CLIENT span ``{operation} {model}`` under ``parent`` (attributes: see
         :mod:`kvscope.gateway.genai_attrs`)."""
         context = trace.set_span_in_context(parent)
         attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model, **attributes}
-        return self._tracer.start_span(f"{operation} {model}", context=context, kind=SpanKind.CLIENT,
-                                       attributes=attrs)
+        return self._tracer.start_span(
+            f"{operation} {model}", context=context, kind=SpanKind.CLIENT, attributes=attrs
+        )
 
     def inject(self, span: Span, headers: dict[str, str]) -> None:
         """Add ``traceparent`` (and ``tracestate``) naming ``span`` to outgoing ``headers``."""

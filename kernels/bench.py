@@ -217,7 +217,9 @@ def _print_plain(suite: Suite, marks: list[triton.testing.Benchmark]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the grid; returns 2 (with a message) without a CUDA device."""
-    parser = argparse.ArgumentParser(prog="python -m kvscope.kernels.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvscope.kernels.bench", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
     parser.add_argument("--save-path", default="", help="folder for perf_report CSV/PNG (needs pandas)")
     args = parser.parse_args(argv)

@@ -63,20 +63,39 @@ def _compile_command(source: Path, obj: Path, compiler: str) -> list[str]:
     """One source to one object file (``CXX_FLAGS`` without ``-shared``)."""
     torch_dir = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler, *(f for f in CXX_FLAGS if f != "-shared"), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-            "-c", str(source), "-o", str(obj)]
+    return [
+        compiler,
+        *(f for f in CXX_FLAGS if f != "-shared"),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{torch_dir / 'include'}",
+        f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        "-c",
+        str(source),
+        "-o",
+        str(obj),
+    ]
 
 
 def _link_command(objects: list[Path], out: Path, compiler: str) -> list[str]:
     torch_dir = _torch_dir()
-    return [compiler, *CXX_FLAGS, *map(str, objects), "-o", str(out), f"-L{torch_dir / 'lib'}", "-lc10",
-            "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    return [
+        compiler,
+        *CXX_FLAGS,
+        *map(str, objects),
+        "-o",
+        str(out),
+        f"-L{torch_dir / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+    ]
 
 
 def _run_all(commands: list[list[str]], jobs: int) -> subprocess.CompletedProcess | None:
     """Run ``commands`` up to ``jobs`` at a time; the first that failed (by source order), else None. Raises
     OSError (no compiler) or subprocess.TimeoutExpired (one ran past ``BUILD_TIMEOUT_S``)."""
+
     def run(command: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
 
@@ -106,8 +125,13 @@ def _cpu_flags() -> str:
 def library_path(cache_dir: Path) -> Path:
     """Where the library for this source, torch, compiler flags and CPU lives under ``cache_dir``."""
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__.encode(), " ".join(CXX_FLAGS).encode(),
-                 _cpu_flags().encode(), sysconfig.get_platform().encode()):
+    for part in (
+        *(src.read_bytes() for src in SOURCES + HEADERS),
+        torch.__version__.encode(),
+        " ".join(CXX_FLAGS).encode(),
+        _cpu_flags().encode(),
+        sysconfig.get_platform().encode(),
+    ):
         key.update(part)
     return Path(cache_dir) / f"kvscope_cpu_decode-{key.hexdigest()[:16]}.so"
 
@@ -132,8 +156,9 @@ def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
                 return BuildResult(True, f"cached {target} (built by another process)", target)
             return _build_locked(target, compiler)
     except Timeout:
-        return BuildResult(False, f"another process has held {target.parent / '.build.lock'} for "
-                                  f"{2 * BUILD_TIMEOUT_S} s")
+        return BuildResult(
+            False, f"another process has held {target.parent / '.build.lock'} for {2 * BUILD_TIMEOUT_S} s"
+        )
 
 
 def _build_locked(target: Path, compiler: str | None) -> BuildResult:
@@ -142,8 +167,10 @@ def _build_locked(target: Path, compiler: str | None) -> BuildResult:
         cxx = compiler or default_compiler()
         objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
         try:  # the sources in parallel (one library, ~70 s of compiling on one core), then one link
-            failed = _run_all([_compile_command(src, obj, cxx) for src, obj in zip(SOURCES, objects, strict=True)],
-                              _build_jobs())
+            failed = _run_all(
+                [_compile_command(src, obj, cxx) for src, obj in zip(SOURCES, objects, strict=True)],
+                _build_jobs(),
+            )
             failed = failed or _run_all([_link_command(objects, out, cxx)], 1)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return BuildResult(False, f"C++ compiler unavailable: {exc}")
@@ -178,7 +205,11 @@ def _intact(library: Path) -> bool:
 def cpu_supports() -> bool:
     """Whether this CPU has the instructions the kernels use (AVX-512 F/BW/DQ/VNNI, F16C), by /proc/cpuinfo."""
     flags = _cpu_flags().split()
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c")) if flags else False
+    return (
+        all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c"))
+        if flags
+        else False
+    )
 
 
 def cpu_supports_amx() -> bool:
@@ -252,7 +283,9 @@ class PairBlocks:
         → packed. Raises ValueError when K is not a multiple of 64 or a code does not fit ``bits``."""
         rows, cols = codes.shape
         if cols % PAIR or d.shape != (rows, cols // BLOCK) or m.shape != d.shape:
-            raise ValueError(f"pair blocks need K % {PAIR} == 0 and d, m of shape [N, K/32]; got {tuple(codes.shape)}")
+            raise ValueError(
+                f"pair blocks need K % {PAIR} == 0 and d, m of shape [N, K/32]; got {tuple(codes.shape)}"
+            )
         if bits not in (4, 8) or int(codes.max()) >= 1 << bits:
             raise ValueError(f"codes must fit {bits} bits")
         lanes = codes.view(rows, cols // PAIR, PAIR)[:, :, _lane_order()]
@@ -283,7 +316,11 @@ class PairBlocks:
             lanes = torch.cat([lanes & 15, lanes >> 4], dim=-1)
         codes = torch.empty_like(lanes)
         codes[:, :, _lane_order()] = lanes
-        return codes.view(rows, -1), self.scales[:, :, :2].reshape(rows, -1), self.scales[:, :, 2:].reshape(rows, -1)
+        return (
+            codes.view(rows, -1),
+            self.scales[:, :, :2].reshape(rows, -1),
+            self.scales[:, :, 2:].reshape(rows, -1),
+        )
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, K]``: the weights the kernels multiply by (for tests and error checks)."""

@@ -100,7 +100,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     found = config.stash.get(_DISALLOWED_SKIPS, [])
     if found:
         terminalreporter.section("skips not allowed under CI=true", sep="=", red=True, bold=True)
-        terminalreporter.line(f"allowed: {', '.join(ALLOWED_SKIP_REASONS)} (tests/conftest.py ALLOWED_SKIP_REASONS)")
+        terminalreporter.line(
+            f"allowed: {', '.join(ALLOWED_SKIP_REASONS)} (tests/conftest.py ALLOWED_SKIP_REASONS)"
+        )
         for line in found:
             terminalreporter.line(f"SKIPPED {line}", red=True)
 
@@ -151,6 +153,8 @@ def hf_model():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf_py, "GGUFReader", shared_reader)
-        patch.setattr(gguf_py, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf_py.get_tensor_name_map))
+        patch.setattr(
+            gguf_py, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf_py.get_tensor_name_map)
+        )
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()

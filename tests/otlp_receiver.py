@@ -25,7 +25,9 @@ class _Received:
 
     def add(self, message: ExportMetricsServiceRequest | ExportTraceServiceRequest, path: str) -> None:
         with self.lock:
-            (self.metrics if isinstance(message, ExportMetricsServiceRequest) else self.traces).append(message)
+            (self.metrics if isinstance(message, ExportMetricsServiceRequest) else self.traces).append(
+                message
+            )
             self.paths.append(path)
 
     def metric_points(self) -> dict[str, list[tuple[dict[str, Any], Any]]]:
@@ -46,16 +48,23 @@ class _Received:
     def resources(self) -> list[dict[str, Any]]:
         """The resource attributes of every metrics export."""
         with self.lock:
-            return [{a.key: _value(a.value) for a in rm.resource.attributes}
-                    for request in self.metrics for rm in request.resource_metrics]
+            return [
+                {a.key: _value(a.value) for a in rm.resource.attributes}
+                for request in self.metrics
+                for rm in request.resource_metrics
+            ]
 
     def spans(self) -> list[tuple[dict[str, Any], str]]:
         """(resource attributes, span name) of every span received."""
         with self.lock:
             requests = list(self.traces)
-        return [({a.key: _value(a.value) for a in rs.resource.attributes}, span.name)
-                for request in requests for rs in request.resource_spans for ss in rs.scope_spans
-                for span in ss.spans]
+        return [
+            ({a.key: _value(a.value) for a in rs.resource.attributes}, span.name)
+            for request in requests
+            for rs in request.resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
 
 
 class OtlpReceiver(_Received):
@@ -68,8 +77,13 @@ class OtlpReceiver(_Received):
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
-                kind = (ExportMetricsServiceRequest if "metrics" in self.path
-                        else ExportTraceServiceRequest if "traces" in self.path else None)
+                kind = (
+                    ExportMetricsServiceRequest
+                    if "metrics" in self.path
+                    else ExportTraceServiceRequest
+                    if "traces" in self.path
+                    else None
+                )
                 if kind is None:
                     self.send_response(404)
                     self.end_headers()
@@ -97,7 +111,6 @@ class OtlpReceiver(_Received):
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
-
 
 
 class GrpcOtlpReceiver(_Received):

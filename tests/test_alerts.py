@@ -25,11 +25,25 @@ ALERTMANAGER = ALERTS / "alertmanager.yml"
 RUNBOOKS = REPO / "docs" / "runbooks"
 RUNBOOK_BASE = "https://github.com/kvscope/kvscope/blob/main/docs/runbooks/"
 REQUIRED = {
-    "KvscopeHighP99Latency", "KvscopeHighErrorRate", "KvscopeTTFTSLOBreach", "KvscopeTPOTSLOBreach",
-    "KvscopeQueueBuildup", "KvscopeKVCachePressure", "KvscopePreemptionStorm", "KvscopeGPUMemoryOverBudget",
-    "KvscopeGPUAllocatorFailures", "KvscopeGPUThrottled", "KvscopeTargetDown", "KvscopeTargetMissing",
-    "KvscopeNoHealthyUpstream", "KvscopeUpstreamDown", "KvscopeLogShippingFailing", "KvscopeLogSpooling",
-    "KvscopeHighP99TimePerOutputToken", "KvscopeEngineHighErrorRate", "Watchdog",
+    "KvscopeHighP99Latency",
+    "KvscopeHighErrorRate",
+    "KvscopeTTFTSLOBreach",
+    "KvscopeTPOTSLOBreach",
+    "KvscopeQueueBuildup",
+    "KvscopeKVCachePressure",
+    "KvscopePreemptionStorm",
+    "KvscopeGPUMemoryOverBudget",
+    "KvscopeGPUAllocatorFailures",
+    "KvscopeGPUThrottled",
+    "KvscopeTargetDown",
+    "KvscopeTargetMissing",
+    "KvscopeNoHealthyUpstream",
+    "KvscopeUpstreamDown",
+    "KvscopeLogShippingFailing",
+    "KvscopeLogSpooling",
+    "KvscopeHighP99TimePerOutputToken",
+    "KvscopeEngineHighErrorRate",
+    "Watchdog",
 }
 BURN_ALERTS = ("KvscopeHighErrorRate", "KvscopeEngineHighErrorRate")
 GENERATION_ROUTES = 'route=~"/v1/chat/completions|/v1/completions"'
@@ -41,8 +55,12 @@ def alert_rules() -> list[dict]:
 
 
 def recording_rules() -> dict[str, str]:
-    return {r["record"]: r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
-            if "record" in r}
+    return {
+        r["record"]: r["expr"]
+        for g in yaml.safe_load(RULES.read_text())["groups"]
+        for r in g["rules"]
+        if "record" in r
+    }
 
 
 def rule_test_groups() -> list[dict]:
@@ -70,20 +88,30 @@ def test_promtool_unit_tests_catch_a_wrong_threshold(tmp_path: Path) -> None:
     # fire it. Only the slow-burn case runs (the normal day alone takes promtool ~20 s).
     rules = RULES.read_text()
     assert rules.count("kvscope:gateway_slo_error_ratio:rate1d > 0.015\n") == 1
-    (tmp_path / "kvscope.rules.yaml").write_text(rules.replace("kvscope:gateway_slo_error_ratio:rate1d > 0.015\n",
-                                                               "kvscope:gateway_slo_error_ratio:rate1d > 0.5\n"))
+    (tmp_path / "kvscope.rules.yaml").write_text(
+        rules.replace(
+            "kvscope:gateway_slo_error_ratio:rate1d > 0.015\n",
+            "kvscope:gateway_slo_error_ratio:rate1d > 0.5\n",
+        )
+    )
     doc = yaml.safe_load(RULE_TESTS.read_text())
     doc["tests"] = [t for t in doc["tests"] if _fires(t, "1d")]  # the slow burn
     assert len(doc["tests"]) == 1
     (tmp_path / "kvscope.rules.test.yaml").write_text(yaml.safe_dump(doc))
     result = run(require_tool("promtool"), "test", "rules", "kvscope.rules.test.yaml", cwd=tmp_path)
     assert result.returncode == 1
-    assert 'alertname="KvscopeHighErrorRate", job="kvscope-gateway", long_window="1d"' in result.stdout + result.stderr
+    assert (
+        'alertname="KvscopeHighErrorRate", job="kvscope-gateway", long_window="1d"'
+        in result.stdout + result.stderr
+    )
 
 
 def _fires(group: dict, long_window: str) -> bool:
-    return any(a["exp_labels"].get("long_window") == long_window and a["exp_labels"]["job"] == "kvscope-gateway"
-               for c in group.get("alert_rule_test", []) for a in c["exp_alerts"])
+    return any(
+        a["exp_labels"].get("long_window") == long_window and a["exp_labels"]["job"] == "kvscope-gateway"
+        for c in group.get("alert_rule_test", [])
+        for a in c["exp_alerts"]
+    )
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
@@ -94,11 +122,19 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     assert names == REQUIRED
     assert (names - fires, names - quiet) == (set(), set())
     severities = {(c["alertname"], a["exp_labels"]["severity"]) for c in cases for a in c["exp_alerts"]}
-    assert {("KvscopeHighErrorRate", "critical"), ("KvscopeHighErrorRate", "warning"),
-            ("KvscopeEngineHighErrorRate", "critical"), ("KvscopeEngineHighErrorRate", "warning"),
-            ("KvscopeGPUMemoryOverBudget", "critical")} <= severities
-    windows = {(c["alertname"], a["exp_labels"]["long_window"]) for c in cases for a in c["exp_alerts"]
-               if "long_window" in a["exp_labels"]}
+    assert {
+        ("KvscopeHighErrorRate", "critical"),
+        ("KvscopeHighErrorRate", "warning"),
+        ("KvscopeEngineHighErrorRate", "critical"),
+        ("KvscopeEngineHighErrorRate", "warning"),
+        ("KvscopeGPUMemoryOverBudget", "critical"),
+    } <= severities
+    windows = {
+        (c["alertname"], a["exp_labels"]["long_window"])
+        for c in cases
+        for a in c["exp_alerts"]
+        if "long_window" in a["exp_labels"]
+    }
     assert windows == {(n, w) for n in BURN_ALERTS for w in ("1h", "6h", "1d", "3d")}
 
 
@@ -150,17 +186,21 @@ def test_error_budget_alerts_are_multiwindow_multi_burn_rate() -> None:
     # SRE workbook table: 14.4x over 1h & 5m and 6x over 6h & 30m page, 3x over 1d & 2h and 1x over 3d & 6h
     # are tickets; thresholds are burn x the budget of dashboards/overview.py; every one has the traffic guard.
     budget = 1 - overview.AVAILABILITY_SLO
-    for name, prefix in (("KvscopeHighErrorRate", "kvscope:gateway_slo"), ("KvscopeEngineHighErrorRate",
-                                                                            "kvscope:engine_slo")):
+    for name, prefix in (
+        ("KvscopeHighErrorRate", "kvscope:gateway_slo"),
+        ("KvscopeEngineHighErrorRate", "kvscope:engine_slo"),
+    ):
         rules = {r["labels"]["long_window"]: r for r in alert_rules() if r["alert"] == name}
         assert set(rules) == {w[0] for w in overview.BURN_RATE_WINDOWS}
         for long, short, burn, severity in overview.BURN_RATE_WINDOWS:
             rule = rules[long]
             assert rule["labels"]["severity"] == severity
             lines = [line.strip() for line in rule["expr"].strip().splitlines()]
-            assert lines == [f"{prefix}_error_ratio:rate{long} > {burn * budget:.4g}",
-                             f"and {prefix}_error_ratio:rate{short} > {burn * budget:.4g}",
-                             f"and {prefix}_requests:increase{long} >= {overview.MIN_SLO_REQUESTS}"]
+            assert lines == [
+                f"{prefix}_error_ratio:rate{long} > {burn * budget:.4g}",
+                f"and {prefix}_error_ratio:rate{short} > {burn * budget:.4g}",
+                f"and {prefix}_requests:increase{long} >= {overview.MIN_SLO_REQUESTS}",
+            ]
 
 
 def test_error_ratios_count_generation_routes_and_broken_streams() -> None:
@@ -188,7 +228,9 @@ def test_the_normal_day_case_checks_every_alert_stays_quiet() -> None:
     assert max(len(str(s["values"]).split()) for s in day["input_series"]) > 1
     exprs = {t["expr"]: t["exp_samples"] for t in day["promql_expr_test"]}
     assert exprs['count_over_time(ALERTS{alertstate="firing", alertname!="Watchdog"}[1d])'] == []
-    assert {c["alertname"] for c in day["alert_rule_test"] if c["exp_alerts"] == []} == REQUIRED - {"Watchdog"}
+    assert {c["alertname"] for c in day["alert_rule_test"] if c["exp_alerts"] == []} == REQUIRED - {
+        "Watchdog"
+    }
     up = next(s for s in day["input_series"] if s["series"].startswith('up{job="kvscope-engine"'))
     assert " 0x2 " in up["values"]  # three scrapes down: the restart
     used = next(s for s in day["input_series"] if "device_memory_used_bytes" in s["series"])
@@ -202,12 +244,15 @@ def test_amtool_check_config() -> None:
     assert "SUCCESS" in result.stdout and "2 inhibit rules" in result.stdout
 
 
-@pytest.mark.parametrize(("labels", "receiver"), [
-    (["alertname=KvscopeHighErrorRate", "severity=critical", "long_window=1h"], "pager"),
-    (["alertname=KvscopeTargetDown", "severity=warning"], "team-chat"),
-    (["alertname=KvscopeQueueBuildup", "severity=warning"], "team-chat"),
-    (["alertname=Watchdog", "severity=none"], "watchdog"),
-])
+@pytest.mark.parametrize(
+    ("labels", "receiver"),
+    [
+        (["alertname=KvscopeHighErrorRate", "severity=critical", "long_window=1h"], "pager"),
+        (["alertname=KvscopeTargetDown", "severity=warning"], "team-chat"),
+        (["alertname=KvscopeQueueBuildup", "severity=warning"], "team-chat"),
+        (["alertname=Watchdog", "severity=none"], "watchdog"),
+    ],
+)
 def test_amtool_routes(labels: list[str], receiver: str) -> None:
     result = run(require_tool("amtool"), "config", "routes", "test", f"--config.file={ALERTMANAGER}", *labels)
     assert result.returncode == 0, result.stderr
@@ -217,8 +262,13 @@ def test_amtool_routes(labels: list[str], receiver: str) -> None:
 def test_critical_inhibits_warning_of_the_same_alert() -> None:
     config = yaml.safe_load(ALERTMANAGER.read_text())
     first = config["inhibit_rules"][0]
-    assert (first["source_matchers"], first["target_matchers"]) == (['severity = "critical"'],
-                                                                    ['severity = "warning"'])
+    assert (first["source_matchers"], first["target_matchers"]) == (
+        ['severity = "critical"'],
+        ['severity = "warning"'],
+    )
     assert "alertname" in first["equal"]
     assert [c["url"] for r in config["receivers"] for c in r["webhook_configs"]] == [
-        "http://127.0.0.1:5001/team-chat", "http://127.0.0.1:5001/pager", "http://127.0.0.1:5001/watchdog"]
+        "http://127.0.0.1:5001/team-chat",
+        "http://127.0.0.1:5001/pager",
+        "http://127.0.0.1:5001/watchdog",
+    ]

@@ -11,10 +11,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 # The inner session (and each xdist worker) imports the repository's tests.conftest; the root is off sys.path
 # by design (tests/conftest.py), so the inner conftest puts it there itself.
-CONFTEST = (f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
-            "from tests.conftest import pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary\n")
+CONFTEST = (
+    f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
+    "from tests.conftest import pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary\n"
+)
 INI = "[pytest]\nasyncio_default_fixture_loop_scope = function\nmarkers =\n    gpu: needs a CUDA device\n"
-ALLOWED = '''
+ALLOWED = """
 import os
 import pytest
 
@@ -28,8 +30,8 @@ def test_live_es():
 
 def test_passes():
     assert 1 + 1 == 2
-'''
-DELIBERATE = '''
+"""
+DELIBERATE = """
 import pytest
 
 def test_not_written_yet():
@@ -37,7 +39,7 @@ def test_not_written_yet():
 
 def test_passes():
     assert True
-'''
+"""
 
 
 @pytest.fixture
@@ -50,19 +52,26 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
 
 
 @pytest.mark.parametrize("workers", [(), ("-n", "2", "--dist", "loadfile")], ids=["one-process", "xdist"])
-def test_a_deliberate_skip_fails_the_run_under_ci(inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-                                                  workers: tuple[str, ...]) -> None:
+def test_a_deliberate_skip_fails_the_run_under_ci(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: tuple[str, ...]
+) -> None:
     """Also with the workers ``make test`` runs (the skips are counted in the controlling process)."""
     monkeypatch.setenv("CI", "true")
     inner.makepyfile(DELIBERATE)
     result = inner.runpytest(*workers)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*skips not allowed under CI=true*",
-                                 "SKIPPED test_a_deliberate_skip_fails_the_run_under_ci.py::test_not_written_yet: x"])
+    result.stdout.fnmatch_lines(
+        [
+            "*skips not allowed under CI=true*",
+            "SKIPPED test_a_deliberate_skip_fails_the_run_under_ci.py::test_not_written_yet: x",
+        ]
+    )
 
 
-def test_allowed_reasons_keep_the_run_green_under_ci(inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_allowed_reasons_keep_the_run_green_under_ci(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CI", "true")
     inner.makepyfile(ALLOWED)
     result = inner.runpytest("-rs")

@@ -46,8 +46,18 @@ def test_schema_check_rejects_a_bad_condition(tmp_path: Path) -> None:
 
 
 def test_the_stack_has_every_service() -> None:
-    assert set(SERVICES) == {"engine", "gateway", "prometheus", "alertmanager", "grafana", "elasticsearch",
-                             "kibana", "es-setup", "kibana-setup", "jaeger"}
+    assert set(SERVICES) == {
+        "engine",
+        "gateway",
+        "prometheus",
+        "alertmanager",
+        "grafana",
+        "elasticsearch",
+        "kibana",
+        "es-setup",
+        "kibana-setup",
+        "jaeger",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -78,19 +88,39 @@ def test_depends_on_uses_conditions_on_known_services() -> None:
     for name, service in SERVICES.items():
         for dep, spec in service.get("depends_on", {}).items():
             assert dep in SERVICES, f"{name} depends on unknown {dep}"
-            expected = "service_completed_successfully" if dep in ONE_SHOT else ("service_healthy", "service_started")
+            expected = (
+                "service_completed_successfully"
+                if dep in ONE_SHOT
+                else ("service_healthy", "service_started")
+            )
             assert spec["condition"] in expected, f"{name} → {dep}"
     assert SERVICES["gateway"]["depends_on"]["engine"]["condition"] == "service_healthy"
     assert SERVICES["gateway"]["depends_on"]["es-setup"]["condition"] == "service_completed_successfully"
 
 
 def test_engine_gateway_and_setup_commands() -> None:
-    assert SERVICES["engine"]["command"] == ["kvscope", "engine", "--model", "smollm2-135m", "--host", "0.0.0.0",
-                                             "--port", "8000"]
+    assert SERVICES["engine"]["command"] == [
+        "kvscope",
+        "engine",
+        "--model",
+        "smollm2-135m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+    ]
     assert SERVICES["gateway"]["command"] == ["kvscope", "gateway", "--config", "/etc/kvscope/gateway.yaml"]
-    assert SERVICES["es-setup"]["command"] == ["kvscope", "logs", "setup-es", "--url", "http://elasticsearch:9200"]
+    assert SERVICES["es-setup"]["command"] == [
+        "kvscope",
+        "logs",
+        "setup-es",
+        "--url",
+        "http://elasticsearch:9200",
+    ]
     assert "file=@/etc/kvscope/kibana/saved_objects.ndjson" in SERVICES["kibana-setup"]["command"]
-    assert {SERVICES[n]["image"] for n in ("engine", "gateway", "es-setup", "kibana-setup")} == {"kvscope:0.1.0"}
+    assert {SERVICES[n]["image"] for n in ("engine", "gateway", "es-setup", "kibana-setup")} == {
+        "kvscope:0.1.0"
+    }
 
 
 def bind_mounts() -> list[tuple[str, str, str]]:

@@ -52,17 +52,23 @@ def test_check_mode_fails_on_a_stale_file(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_metric_names_are_read_from_promql() -> None:
-    expr = ('sum by (le) (rate(kvscope_engine_queue_time_seconds_bucket{job=~"$job", x="kvscope_fake"}[1m]))'
-            ' / on (job) group_left up{job="a"}')
+    expr = (
+        'sum by (le) (rate(kvscope_engine_queue_time_seconds_bucket{job=~"$job", x="kvscope_fake"}[1m]))'
+        ' / on (job) group_left up{job="a"}'
+    )
     assert metric_names(expr) == {"kvscope_engine_queue_time_seconds_bucket", "up"}
 
 
 def test_an_undefined_metric_is_reported() -> None:
-    exprs = ["rate(kvscope_engine_prompt_tokens_total[1m])", "rate(kvscope_engine_promt_tokens_total[1m])",
-             "up == 0", "vllm:num_requests_running{model=\"m\"}"]
+    exprs = [
+        "rate(kvscope_engine_prompt_tokens_total[1m])",
+        "rate(kvscope_engine_promt_tokens_total[1m])",
+        "up == 0",
+        'vllm:num_requests_running{model="m"}',
+    ]
     assert undefined(exprs, CATALOG) == {
         "kvscope_engine_promt_tokens_total": {"rate(kvscope_engine_promt_tokens_total[1m])"},
-        "vllm:num_requests_running": {"vllm:num_requests_running{model=\"m\"}"},
+        "vllm:num_requests_running": {'vllm:num_requests_running{model="m"}'},
     }
 
 
@@ -95,13 +101,16 @@ def test_builder_rejects_what_the_catalog_lacks() -> None:
 def test_selectors_carry_the_variables_the_metric_supports() -> None:
     q = PromQL(CATALOG)
     assert q.sel("kvscope_engine_requests_running") == (
-        'kvscope_engine_requests_running{job=~"$job", instance=~"$instance", model=~"$model"}')
+        'kvscope_engine_requests_running{job=~"$job", instance=~"$instance", model=~"$model"}'
+    )
     assert q.sel("kvscope_engine_device_memory_used_bytes", 'device="cpu"') == (
-        'kvscope_engine_device_memory_used_bytes{job=~"$job", instance=~"$instance", device="cpu"}')
+        'kvscope_engine_device_memory_used_bytes{job=~"$job", instance=~"$instance", device="cpu"}'
+    )
     assert q.mean("kvscope_engine_batch_size") == (
         'sum(rate(kvscope_engine_batch_size_sum{job=~"$job", instance=~"$instance", model=~"$model"}'
         '[$__rate_interval])) / (sum(rate(kvscope_engine_batch_size_count{job=~"$job", '
-        'instance=~"$instance", model=~"$model"}[$__rate_interval])) > 0)')
+        'instance=~"$instance", model=~"$model"}[$__rate_interval])) > 0)'
+    )
     assert (le_regex(1.0), le_regex(0.1), le_regex(600)) == ("1|1.0", "0.1", "600|600.0")
 
 
@@ -109,9 +118,11 @@ def test_every_mean_guards_the_division() -> None:
     means = [e for e in all_exprs() if "_sum{" in e]
     assert len(means) == 21  # overview: 6 latency pairs + overhead, queue, batch; engine internals: 12
     for expr in means:
-        assert re.fullmatch(r"sum(?: by \([\w, ]+\))?\(rate\(\w+_sum\{.*\}\[\$__rate_interval\]\)\) / "
-                            r"\(sum(?: by \([\w, ]+\))?\(rate\(\w+_count\{.*\}\[\$__rate_interval\]\)\) > 0\)",
-                            expr), expr
+        assert re.fullmatch(
+            r"sum(?: by \([\w, ]+\))?\(rate\(\w+_sum\{.*\}\[\$__rate_interval\]\)\) / "
+            r"\(sum(?: by \([\w, ]+\))?\(rate\(\w+_count\{.*\}\[\$__rate_interval\]\)\) > 0\)",
+            expr,
+        ), expr
 
 
 def test_slo_thresholds_are_bucket_bounds_of_both_histograms() -> None:
@@ -136,8 +147,13 @@ def test_panels_tile_the_grid_without_overlap(name: str) -> None:
 
 def test_layout_wraps_rows_and_panels() -> None:
     panels = layout([row("a"), *[timeseries(f"p{i}", "", [], "s", w=10) for i in range(3)], row("b")])
-    assert [(p["gridPos"]["x"], p["gridPos"]["y"]) for p in panels] == [(0, 0), (0, 1), (10, 1), (0, 9),
-                                                                         (0, 17)]
+    assert [(p["gridPos"]["x"], p["gridPos"]["y"]) for p in panels] == [
+        (0, 0),
+        (0, 1),
+        (10, 1),
+        (0, 9),
+        (0, 17),
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))
@@ -162,13 +178,33 @@ def test_variables_are_datasource_job_instance_model(name: str) -> None:
 
 def test_overview_has_the_panels_the_issue_lists() -> None:
     titles = {p["title"] for p in DASHBOARDS["kvscope-overview.json"]["panels"]}
-    expected = {"Requests / s", "Error ratio", "Status breakdown", "TTFT ≤ 1 s", "TPOT ≤ 100 ms",
-                "Time to first token (gateway)", "Time to first token (engine)",
-                "Time per output token (gateway)", "Time per output token (engine)",
-                "End-to-end latency (gateway)", "End-to-end latency (engine)", "Tokens / s",
-                "Running vs waiting", "Queue time (engine)", "Batch size", "KV-cache usage", "Preemptions / s",
-                "Prefix-cache hit rate", "Device memory", "Upstream health", "Log records / s",
-                "Log spool size", "Prompt length (tokens)", "Output length (tokens)", "TTFT by cause (engine)"}
+    expected = {
+        "Requests / s",
+        "Error ratio",
+        "Status breakdown",
+        "TTFT ≤ 1 s",
+        "TPOT ≤ 100 ms",
+        "Time to first token (gateway)",
+        "Time to first token (engine)",
+        "Time per output token (gateway)",
+        "Time per output token (engine)",
+        "End-to-end latency (gateway)",
+        "End-to-end latency (engine)",
+        "Tokens / s",
+        "Running vs waiting",
+        "Queue time (engine)",
+        "Batch size",
+        "KV-cache usage",
+        "Preemptions / s",
+        "Prefix-cache hit rate",
+        "Device memory",
+        "Upstream health",
+        "Log records / s",
+        "Log spool size",
+        "Prompt length (tokens)",
+        "Output length (tokens)",
+        "TTFT by cause (engine)",
+    }
     assert expected - titles == set()
     heatmaps = [p for p in DASHBOARDS["kvscope-overview.json"]["panels"] if p["type"] == "heatmap"]
     assert [p["targets"][0]["format"] for p in heatmaps] == ["heatmap", "heatmap"]
@@ -186,7 +222,8 @@ def test_provisioning_pins_the_datasource_and_scrape_interval() -> None:
 def test_variables_and_legends_substitute_like_grafana() -> None:
     v = Variables(rate_interval="4s", range="5m")
     assert v.substitute('rate(x{job=~"$job",m=~"${model}"}[$__rate_interval]) / $__range') == (
-        'rate(x{job=~".*",m=~".*"}[4s]) / 5m')
+        'rate(x{job=~".*",m=~".*"}[4s]) / 5m'
+    )
     with pytest.raises(KeyError, match=r"\$pod"):
         v.substitute('x{pod="$pod"}')
     assert legend("{{status}} {{route}}", {"status": "200", "route": "/v1/x"}, "A") == "200 /v1/x"
@@ -194,6 +231,7 @@ def test_variables_and_legends_substitute_like_grafana() -> None:
 
 
 # --- a real Prometheus (no targets) parses and evaluates every query ---------------------------------------
+
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory):
@@ -216,7 +254,9 @@ def test_every_panel_query_evaluates_in_prometheus(prometheus: PrometheusServer)
         except PromQLError as exc:
             errors[expr] = exc.message
     assert errors == {}
-    assert len(all_exprs()) == 133  # the GPU row: 12 queries; the SLO error ratio; build_info: 2; engine broken streams
+    assert (
+        len(all_exprs()) == 133
+    )  # the GPU row: 12 queries; the SLO error ratio; build_info: 2; engine broken streams
 
 
 def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) -> None:
@@ -230,13 +270,23 @@ def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) 
 def test_values_are_formatted_in_the_panel_unit() -> None:
     from kvscope.dashboards.render import format_value
 
-    assert [format_value(v, u) for v, u in [(0.0421, "s"), (2.5, "s"), (0.9512, "percentunit"),
-                                            (3 * 2**30, "bytes"), (1536, "bytes"), (12.34, "reqps"),
-                                            (float("nan"), "s")]] == [
-        "42.1 ms", "2.50 s", "95.12 %", "3.0 GiB", "1.5 KiB", "12.3 req/s", "NaN"]
+    assert [
+        format_value(v, u)
+        for v, u in [
+            (0.0421, "s"),
+            (2.5, "s"),
+            (0.9512, "percentunit"),
+            (3 * 2**30, "bytes"),
+            (1536, "bytes"),
+            (12.34, "reqps"),
+            (float("nan"), "s"),
+        ]
+    ] == ["42.1 ms", "2.50 s", "95.12 %", "3.0 GiB", "1.5 KiB", "12.3 req/s", "NaN"]
 
 
-def test_render_draws_every_panel_and_reports_missing_data(prometheus: PrometheusServer, tmp_path: Path) -> None:
+def test_render_draws_every_panel_and_reports_missing_data(
+    prometheus: PrometheusServer, tmp_path: Path
+) -> None:
     from kvscope.dashboards.render import Window, render
 
     dashboard = DASHBOARDS["kvscope-engine.json"]
@@ -250,22 +300,33 @@ def test_render_draws_every_panel_and_reports_missing_data(prometheus: Prometheu
 def test_threshold_lines_are_the_alert_thresholds() -> None:
     # Generated from alerts/kvscope.rules.yaml (kvscope.dashboards.alert_thresholds): the page's burn-rate ratio, the
     # p99 latency limits, KV-cache pressure and the preemption rate.
-    lines = {p["title"]: p["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"]
-             for d in DASHBOARDS.values() for p in d["panels"]
-             if p.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("thresholdsStyle")}
+    lines = {
+        p["title"]: p["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"]
+        for d in DASHBOARDS.values()
+        for p in d["panels"]
+        if p.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("thresholdsStyle")
+    }
     page = 14.4 * (1 - overview.AVAILABILITY_SLO)
-    assert lines == {"Error ratio": pytest.approx(page), "Engine HTTP 5xx ratio": pytest.approx(page),
-                     "Time to first token (gateway)": overview.TTFT_SLO_S,
-                     "Time per output token (gateway)": overview.P99_TPOT_S, "KV-cache usage": 0.9,
-                     "Preemptions / s": 0.2}
+    assert lines == {
+        "Error ratio": pytest.approx(page),
+        "Engine HTTP 5xx ratio": pytest.approx(page),
+        "Time to first token (gateway)": overview.TTFT_SLO_S,
+        "Time per output token (gateway)": overview.P99_TPOT_S,
+        "KV-cache usage": 0.9,
+        "Preemptions / s": 0.2,
+    }
 
 
 def test_a_changed_alert_threshold_moves_its_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from kvscope.dashboards import alert_thresholds
 
     rules = tmp_path / "rules.yaml"
-    rules.write_text(alert_thresholds.RULES_FILE.read_text().replace(
-        "avg_over_time(kvscope_engine_kv_cache_usage_ratio[5m]) > 0.9", "avg_over_time(kvscope_engine_kv_cache_usage_ratio[5m]) > 0.8"))
+    rules.write_text(
+        alert_thresholds.RULES_FILE.read_text().replace(
+            "avg_over_time(kvscope_engine_kv_cache_usage_ratio[5m]) > 0.9",
+            "avg_over_time(kvscope_engine_kv_cache_usage_ratio[5m]) > 0.8",
+        )
+    )
     monkeypatch.setattr(alert_thresholds, "RULES_FILE", rules)
     alert_thresholds._rules.cache_clear()
     try:

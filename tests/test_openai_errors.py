@@ -27,10 +27,19 @@ from kvscope.gateway.errors import (
     upstream_error_object,
 )
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "server_error",
-         504: "server_error"}
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
 
 
 @pytest.mark.parametrize(("status", "expected"), sorted(TYPES.items()))
@@ -41,54 +50,93 @@ def test_both_servers_give_a_status_the_same_type(status: int, expected: str) ->
 
 
 def test_gateway_errors_take_their_type_from_their_status() -> None:
-    errors = [InvalidRequest("x"), AuthenticationFailed("x"), PermissionDenied("x"), NotFound("x"),
-              ModelNotFound("x"), MethodNotAllowed("x"), PayloadTooLarge("x"),
-              RateLimited("x", reason="requests", headers={}), ClientClosedRequest("x"), GatewayError("x"),
-              UpstreamFailed("x"), UpstreamUnavailable("x"), UpstreamTimeout("x")]
+    errors = [
+        InvalidRequest("x"),
+        AuthenticationFailed("x"),
+        PermissionDenied("x"),
+        NotFound("x"),
+        ModelNotFound("x"),
+        MethodNotAllowed("x"),
+        PayloadTooLarge("x"),
+        RateLimited("x", reason="requests", headers={}),
+        ClientClosedRequest("x"),
+        GatewayError("x"),
+        UpstreamFailed("x"),
+        UpstreamUnavailable("x"),
+        UpstreamTimeout("x"),
+    ]
     assert [(e.status, e.body()["error"]["type"], e.code) for e in errors] == [
-        (400, "invalid_request_error", "invalid_value"), (401, "authentication_error", "invalid_api_key"),
-        (403, "permission_error", "model_not_allowed"), (404, "invalid_request_error", "not_found"),
-        (404, "invalid_request_error", "model_not_found"), (405, "invalid_request_error", "method_not_allowed"),
-        (413, "invalid_request_error", "request_too_large"), (429, "rate_limit_error", "rate_limit_exceeded"),
-        (499, "client_closed_request", "client_disconnected"), (500, "server_error", "internal_error"),
-        (502, "server_error", "upstream_error"), (503, "server_error", "upstream_unavailable"),
-        (504, "server_error", "upstream_timeout")]
+        (400, "invalid_request_error", "invalid_value"),
+        (401, "authentication_error", "invalid_api_key"),
+        (403, "permission_error", "model_not_allowed"),
+        (404, "invalid_request_error", "not_found"),
+        (404, "invalid_request_error", "model_not_found"),
+        (405, "invalid_request_error", "method_not_allowed"),
+        (413, "invalid_request_error", "request_too_large"),
+        (429, "rate_limit_error", "rate_limit_exceeded"),
+        (499, "client_closed_request", "client_disconnected"),
+        (500, "server_error", "internal_error"),
+        (502, "server_error", "upstream_error"),
+        (503, "server_error", "upstream_unavailable"),
+        (504, "server_error", "upstream_timeout"),
+    ]
     assert GatewayError("x").error_type == "internal_error"  # the log's error.type: the code
 
 
 def test_litestar_errors_get_the_same_default_code_in_both_servers() -> None:
-    for status, code in ((404, "not_found"), (405, "method_not_allowed"), (413, "request_too_large"),
-                         (503, "service_unavailable"), (400, "invalid_value"),
-                         (408, "timeout_error"), (415, "invalid_request_error")):
+    for status, code in (
+        (404, "not_found"),
+        (405, "method_not_allowed"),
+        (413, "request_too_large"),
+        (503, "service_unavailable"),
+        (400, "invalid_value"),
+        (408, "timeout_error"),
+        (415, "invalid_request_error"),
+    ):
         assert from_http_exception(HTTPException(status_code=status, detail="x")).code == code
 
 
 def test_a_non_json_upstream_answer_gets_the_type_of_its_status() -> None:
-    assert upstream_error_object(502, b"bad gateway") == (error_body("bad gateway", "server_error")["error"], False)
-    assert upstream_error_object(404, b"") == (error_body("upstream answered 404", "invalid_request_error")["error"],
-                                               False)
+    assert upstream_error_object(502, b"bad gateway") == (
+        error_body("bad gateway", "server_error")["error"],
+        False,
+    )
+    assert upstream_error_object(404, b"") == (
+        error_body("upstream answered 404", "invalid_request_error")["error"],
+        False,
+    )
 
 
 def test_one_context_length_message_in_openai_wording() -> None:
     assert context_length_message(128, 130, None) == (
         "This model's maximum context length is 128 tokens. However, your messages resulted in 130 tokens. "
-        "Please reduce the length of the messages.")
+        "Please reduce the length of the messages."
+    )
     assert context_length_message(128, 100, 50, "prompt") == (
         "This model's maximum context length is 128 tokens. However, you requested 150 tokens (100 in the "
-        "prompt, 50 in the completion). Please reduce the length of the prompt or completion.")
-    engine = from_engine(PromptTooLongError(max_model_len=128, num_prompt_tokens=100, max_tokens=50),
-                         prompt_param="prompt")
+        "prompt, 50 in the completion). Please reduce the length of the prompt or completion."
+    )
+    engine = from_engine(
+        PromptTooLongError(max_model_len=128, num_prompt_tokens=100, max_tokens=50), prompt_param="prompt"
+    )
     assert (engine.status, engine.type, engine.code, engine.param, engine.message) == (
-        400, "invalid_request_error", "context_length_exceeded", "prompt",
-        context_length_message(128, 100, 50, "prompt"))
+        400,
+        "invalid_request_error",
+        "context_length_exceeded",
+        "prompt",
+        context_length_message(128, 100, 50, "prompt"),
+    )
 
 
-@pytest.mark.parametrize("body", [
-    b'{"model": "m", "messages": [',
-    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
-    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
-    b'\xff\xfe',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "messages": [',
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
+        b"\xff\xfe",
+    ],
+)
 def test_both_servers_answer_a_bad_body_with_the_same_type_code_and_param(body: bytes) -> None:
     """The same mistake gets the same OpenAI error from whichever layer refuses it (gateway at the edge, or
     the engine when called directly): type, code and param; the message starts the same way."""

@@ -10,10 +10,18 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 
 from kvscope.common.otel_env import exports, metric_reader, protocol, signal_url, span_exporter
 
-OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-             "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_METRIC_EXPORT_INTERVAL",
-             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_TRACES_EXPORTER",
-             "OTEL_METRICS_EXPORTER")
+OTEL_VARS = (
+    "OTEL_SDK_DISABLED",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_METRIC_EXPORT_INTERVAL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_METRICS_EXPORTER",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -23,13 +31,20 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_signal_is_exported_when_its_url_or_the_base_is_set() -> None:
-    assert [exports("traces", None, env) for env in (
-        {}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c/t"},
-        {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c/m"},
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_SDK_DISABLED": "TRUE"},
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_TRACES_EXPORTER": "none"},
-    )] == [False, True, True, False, False, False]
-    assert exports("metrics", "http://flag", {}) and not exports("metrics", "http://flag", {"OTEL_SDK_DISABLED": "true"})
+    assert [
+        exports("traces", None, env)
+        for env in (
+            {},
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"},
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c/t"},
+            {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c/m"},
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_SDK_DISABLED": "TRUE"},
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_TRACES_EXPORTER": "none"},
+        )
+    ] == [False, True, True, False, False, False]
+    assert exports("metrics", "http://flag", {}) and not exports(
+        "metrics", "http://flag", {"OTEL_SDK_DISABLED": "true"}
+    )
 
 
 def test_protocol_per_signal_and_unsupported_values() -> None:
@@ -41,8 +56,9 @@ def test_protocol_per_signal_and_unsupported_values() -> None:
 
 
 def test_signal_urls_of_a_flag_endpoint() -> None:
-    assert [signal_url(u, "metrics") for u in ("http://c:4318", "http://c:4318/", "http://c:4318/v1/traces")] == [
-        "http://c:4318/v1/metrics"] * 3
+    assert [
+        signal_url(u, "metrics") for u in ("http://c:4318", "http://c:4318/", "http://c:4318/v1/traces")
+    ] == ["http://c:4318/v1/metrics"] * 3
 
 
 def test_the_sdk_reads_the_environment_and_a_flag_overrides_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,7 +77,10 @@ def test_the_export_interval_is_the_environments_unless_configured(monkeypatch: 
     readers += [metric_reader(), metric_reader(interval_s=3600)]
     try:
         assert [r._export_interval_millis for r in readers] == [15000.0, 2000.0, 3600000.0]
-        assert isinstance(readers[0]._exporter, OTLPMetricExporter) and readers[0]._exporter._endpoint == "http://c/m"
+        assert (
+            isinstance(readers[0]._exporter, OTLPMetricExporter)
+            and readers[0]._exporter._endpoint == "http://c/m"
+        )
     finally:
         for reader in readers:
             reader.shutdown()

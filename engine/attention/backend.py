@@ -40,8 +40,14 @@ class AttentionMetadata:
         return self.slot_mapping.shape[0]
 
     @classmethod
-    def build(cls, query_lens: Sequence[int], seq_lens: Sequence[int], block_ids: Sequence[Sequence[int]],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
         """Metadata for requests whose new tokens sit at positions ``seq_len - query_len … seq_len - 1``.
 
         ``block_ids[r]`` is request r's block table (must cover ``seq_lens[r]`` tokens). Raises ValueError
@@ -53,8 +59,9 @@ class AttentionMetadata:
         for q_len, seq_len, blocks in zip(query_lens, seq_lens, block_ids, strict=True):
             if not 0 < q_len <= seq_len or len(blocks) * block_size < seq_len:
                 raise ValueError(f"bad request: query_len={q_len} seq_len={seq_len} num_blocks={len(blocks)}")
-            slots.extend(blocks[p // block_size] * block_size + p % block_size
-                         for p in range(seq_len - q_len, seq_len))
+            slots.extend(
+                blocks[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)
+            )
         width = max(len(b) for b in block_ids)
         table = [list(b) + [0] * (width - len(b)) for b in block_ids]
         starts = [0]
@@ -73,12 +80,14 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """key/value [num_tokens, num_kv_heads, head_dim] → kv_cache[0|1] at ``slot_mapping``."""
         ...
 
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim] → [num_tokens, num_heads, head_dim]; GQA by head groups."""
         ...

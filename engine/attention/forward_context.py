@@ -29,8 +29,9 @@ _forward_context: ContextVar[ForwardContext | None] = ContextVar("kvscope_forwar
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor],
-                        backend: AttentionBackend) -> Iterator[ForwardContext]:
+def set_forward_context(
+    attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor], backend: AttentionBackend
+) -> Iterator[ForwardContext]:
     """Install a ForwardContext for the duration of the ``with`` block (restores the previous one after)."""
     context = ForwardContext(attn_metadata=attn_metadata, kv_caches=kv_caches, backend=backend)
     token = _forward_context.set(context)
@@ -44,5 +45,7 @@ def get_forward_context() -> ForwardContext:
     """The active ForwardContext. Raises RuntimeError outside ``set_forward_context``."""
     context = _forward_context.get()
     if context is None:
-        raise RuntimeError("no forward context: run the model inside kvscope.engine.attention.forward_context.set_forward_context()")
+        raise RuntimeError(
+            "no forward context: run the model inside kvscope.engine.attention.forward_context.set_forward_context()"
+        )
     return context

@@ -64,8 +64,13 @@ class ResidentDecodeKV:
         """Layer gathers of every block (for tests and profiles); ``incremental_updates`` counts the others."""
         self.incremental_updates = 0
 
-    def begin_step(self, tables: torch.Tensor | None, seq_lens: torch.Tensor | None, slots: torch.Tensor | None,
-                   block_size: int) -> None:
+    def begin_step(
+        self,
+        tables: torch.Tensor | None,
+        seq_lens: torch.Tensor | None,
+        slots: torch.Tensor | None,
+        block_size: int,
+    ) -> None:
         """Start a step. For a decode-only step pass its padded tables (int64 [n, num_blocks]), seq_lens (after
         the step) and the new tokens' cache slots (int64 [n]); for any other step pass None (the next decode
         step then gathers in full)."""
@@ -76,11 +81,16 @@ class ResidentDecodeKV:
             return
         seq_lens = seq_lens.long()
         prev = self._prev
-        self._continues = prev is not None and prev.step == self._step - 1 and _continues(prev, tables, seq_lens,
-                                                                                         block_size)
+        self._continues = (
+            prev is not None
+            and prev.step == self._step - 1
+            and _continues(prev, tables, seq_lens, block_size)
+        )
         width = tables.shape[1] * block_size
         self._slots = slots
-        self._positions = torch.arange(tables.shape[0], dtype=torch.int64, device=tables.device) * width + seq_lens - 1
+        self._positions = (
+            torch.arange(tables.shape[0], dtype=torch.int64, device=tables.device) * width + seq_lens - 1
+        )
         self._blocks = tables.reshape(-1)
         self._prev = _StepState(step=self._step, tables=tables, seq_lens=seq_lens)
 
@@ -106,8 +116,11 @@ class ResidentDecodeKV:
                 self._layers.pop(key, None)
                 return None
             self._layers.pop(key, None)  # exact size: a x1.5 headroom per layer would hit the cap early
-            layer = _Layer(cache=weakref.ref(kv_cache), buffer=torch.empty(numel, dtype=compute_dtype,
-                                                                             device=kv_cache.device), filled_step=-1)
+            layer = _Layer(
+                cache=weakref.ref(kv_cache),
+                buffer=torch.empty(numel, dtype=compute_dtype, device=kv_cache.device),
+                filled_step=-1,
+            )
             self._layers[key] = layer
         out = layer.buffer[:numel].view(2, m, *block_shape)
         if self._continues and layer.filled_step == self._step - 1:
@@ -125,8 +138,11 @@ class ResidentDecodeKV:
         return out
 
     def _resident_bytes(self, exclude: int) -> int:
-        return sum(layer.buffer.numel() * layer.buffer.element_size() for key, layer in self._layers.items()
-                   if key != exclude)
+        return sum(
+            layer.buffer.numel() * layer.buffer.element_size()
+            for key, layer in self._layers.items()
+            if key != exclude
+        )
 
     @property
     def nbytes(self) -> int:

@@ -46,8 +46,12 @@ def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
     Measured against SDPA in process (bench/decode_attention_ab.py, SmolLM2 shapes, docs/benchmarks.md
     "Batched decode"): faster at every batch 1…32 and context 128…1024 tried. float32 caches keep SDPA: the
     op sums in another order than SDPA, and the float32 path stays token-identical to transformers."""
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] in (16, 32, 64, 128)
-            and cpu_kernels_loaded())
+    return (
+        kv_cache.device.type == "cpu"
+        and kv_cache.dtype == torch.bfloat16
+        and kv_cache.shape[-1] in (16, 32, 64, 128)
+        and cpu_kernels_loaded()
+    )
 
 
 def _rows_ok(x: torch.Tensor, head_dim: int) -> bool:
@@ -103,8 +107,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, native_bf16: bool | None = None, paged_decode: bool = True,
-                 paged_prefill: bool | None = None) -> None:
+    def __init__(
+        self, native_bf16: bool | None = None, paged_decode: bool = True, paged_prefill: bool | None = None
+    ) -> None:
         self.native_bf16 = cpu_has_amx() if native_bf16 is None else native_bf16
         self.paged_decode = paged_decode
         """Use the C++ paged decode attention where it applies (False: always SDPA over gathered K/V)."""
@@ -120,15 +125,22 @@ class TorchAttentionBackend:
         """(kv_cache, slot_mapping, K, V as written [T, KVH, d] each) of the last :meth:`write_kv`: a fresh
         prefill (no cached prefix) attends these instead of gathering its blocks back from the cache."""
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """Scatter key/value [num_tokens, num_kv_heads, head_dim] to the cache slots ``slot_mapping`` (int64
         [num_tokens]): with kvscope's CPU kernels, one ``torch.ops.kvscope_cpu.write_kv`` (a row copy per token,
         no temporary) where key and value already have the cache's dtype and each token's heads are contiguous;
         otherwise one ``index_copy_`` of K and V stacked. Either way the cache holds the same bits."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        if (kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and _rows_ok(key, head_dim)
-                and _rows_ok(value, head_dim) and kv_cache.is_contiguous() and cpu_kernels_loaded()):
+        if (
+            kv_cache.device.type == "cpu"
+            and key.dtype == value.dtype == kv_cache.dtype
+            and _rows_ok(key, head_dim)
+            and _rows_ok(value, head_dim)
+            and kv_cache.is_contiguous()
+            and cpu_kernels_loaded()
+        ):
             torch.ops.kvscope_cpu.write_kv(key, value, kv_cache, slot_mapping)
             self._written = (kv_cache, slot_mapping, key, value)
             return
@@ -138,8 +150,9 @@ class TorchAttentionBackend:
         kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, both)
         self._written = (kv_cache, slot_mapping, both[0], both[1])
 
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         """Causal attention of packed ``query`` [num_tokens, num_heads, head_dim] over the paged cache.
 
         Returns [num_tokens, num_heads, head_dim] in the query's dtype.
@@ -148,7 +161,9 @@ class TorchAttentionBackend:
         written, self._written = self._written, None
         if plan.token_rows is not None:  # every token, read from the cache in place
             rows = plan.token_rows  # the query as it is: bfloat16, like the cache (float32 arithmetic)
-            return torch.ops.kvscope_cpu.paged_decode_attention(query, kv_cache, rows.tables, rows.seq_lens, scale)
+            return torch.ops.kvscope_cpu.paged_decode_attention(
+                query, kv_cache, rows.tables, rows.seq_lens, scale
+            )
         decodes = plan.decodes
         dtype = query.dtype
         compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
@@ -165,43 +180,57 @@ class TorchAttentionBackend:
                 keys, values = self._fresh(written[2], written[3], item, compute_dtype)
             else:
                 keys, values = self._gather(kv_cache, item.blocks, plan)
-            q = query[item.start: item.start + item.query_len].transpose(0, 1)[None]  # [1, H, q, d]
+            q = query[item.start : item.start + item.query_len].transpose(0, 1)[None]  # [1, H, q, d]
             k = keys[: item.seq_len].transpose(0, 1)[None]  # [1, KVH, S, d]
             v = values[: item.seq_len].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=item.mask, is_causal=item.mask is None,
-                                               scale=scale, enable_gqa=True)[0].transpose(0, 1)  # [q, H, d]
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=item.mask, is_causal=item.mask is None, scale=scale, enable_gqa=True
+            )[0].transpose(0, 1)  # [q, H, d]
             if item.query_len == query.shape[0] and o.is_contiguous():  # the step is this one prompt: SDPA's
                 out = o  # CPU output is laid out [q, H, d] already, so no copy (~65 µs a layer at 128 tokens)
                 break
             if out is None:
                 out = torch.empty_like(query)
-            out[item.start: item.start + item.query_len] = o
+            out[item.start : item.start + item.query_len] = o
         if out is None:
             out = torch.empty_like(query)
         if decodes is not None:
-            out[decodes.token_index] = self._decode(query[decodes.token_index], kv_cache, decodes, plan, scale)
+            out[decodes.token_index] = self._decode(
+                query[decodes.token_index], kv_cache, decodes, plan, scale
+            )
         return out if compute_dtype == dtype else out.to(dtype)
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, plan: Plan,
-                scale: float) -> torch.Tensor:
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, plan: Plan, scale: float
+    ) -> torch.Tensor:
         """query [n, H, d] (one token per request) → [n, H, d]."""
         if plan.paged_decode:  # K/V read from the paged cache in place (kernels/csrc/cpu_attention.cpp)
-            return torch.ops.kvscope_cpu.paged_decode_attention(query, kv_cache, batch.tables, batch.seq_lens, scale)
+            return torch.ops.kvscope_cpu.paged_decode_attention(
+                query, kv_cache, batch.tables, batch.seq_lens, scale
+            )
         views = self._decode_views_for(kv_cache, batch, plan)
         resident = None
         if batch.token_index is None:
             resident = self.resident.gathered(kv_cache, attention_compute_dtype(kv_cache, self.native_bf16))
-        if resident is not None:  # this layer's K/V kept gathered across steps (kvscope.engine.attention.resident_kv)
-            kv = resident.flatten(1, 2).view(2, batch.token_count, batch.num_blocks * kv_cache.shape[2],
-                                             *kv_cache.shape[3:])[:, :, : batch.seq_len].transpose(2, 3)
+        if (
+            resident is not None
+        ):  # this layer's K/V kept gathered across steps (kvscope.engine.attention.resident_kv)
+            kv = (
+                resident.flatten(1, 2)
+                .view(2, batch.token_count, batch.num_blocks * kv_cache.shape[2], *kv_cache.shape[3:])[
+                    :, :, : batch.seq_len
+                ]
+                .transpose(2, 3)
+            )
             keys, values = kv[0], kv[1]
         else:
             torch.index_select(kv_cache, 1, batch.blocks, out=views.gathered)
             if views.upcast is not None:
                 views.upcast.copy_(views.gathered)
             keys, values = views.keys, views.values
-        o = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=views.mask,
-                                           scale=scale, enable_gqa=True)  # [n, H, 1, d]
+        o = F.scaled_dot_product_attention(
+            query[:, :, None, :], keys, values, attn_mask=views.mask, scale=scale, enable_gqa=True
+        )  # [n, H, 1, d]
         return o[:, :, 0, :]
 
     def skip_step(self) -> None:
@@ -222,7 +251,9 @@ class TorchAttentionBackend:
             return cached[1]
         n, m = batch.token_count, batch.blocks.shape[0]
         block_shape = kv_cache.shape[2:]
-        gathered = self._get_buffer(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)[: 2 * m * block_shape.numel()]
+        gathered = self._get_buffer(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)[
+            : 2 * m * block_shape.numel()
+        ]
         gathered = gathered.view(2, m, *block_shape)
         both, upcast = gathered, None
         compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
@@ -232,16 +263,26 @@ class TorchAttentionBackend:
         width = batch.num_blocks * kv_cache.shape[2]
         kv = both.flatten(1, 2).view(2, n, width, *kv_cache.shape[3:])[:, :, : batch.seq_len].transpose(2, 3)
         mask = batch.mask
-        if mask is not None:  # SDPA turns a bool mask into this additive one on every call (where(¬m, -inf, 0))
-            mask = torch.zeros(mask.shape, dtype=compute_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        views = _DecodeViews(gathered=gathered, upcast=upcast, keys=kv[0], values=kv[1],  # [n, KVH, S, d] each
-                             mask=mask)
+        if (
+            mask is not None
+        ):  # SDPA turns a bool mask into this additive one on every call (where(¬m, -inf, 0))
+            mask = torch.zeros(mask.shape, dtype=compute_dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf")
+            )
+        views = _DecodeViews(
+            gathered=gathered,
+            upcast=upcast,
+            keys=kv[0],
+            values=kv[1],  # [n, KVH, S, d] each
+            mask=mask,
+        )
         self._views = (key, views)
         return views
 
     @staticmethod
-    def _fresh(keys: torch.Tensor, values: torch.Tensor, item: Prefill, compute_dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fresh(
+        keys: torch.Tensor, values: torch.Tensor, item: Prefill, compute_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [query_len, KVH, d] of a prefill with no cached prefix (query_len == seq_len), sliced from
         what :meth:`write_kv` stored (in the cache's dtype, so the same values :meth:`_gather` would read back;
         upcast like it where the compute dtype differs)."""
@@ -251,13 +292,16 @@ class TorchAttentionBackend:
             keys, values = keys.to(compute_dtype), values.to(compute_dtype)
         return keys, values
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: Plan
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, plan: Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy ``blocks`` (int64 [m]) of K and V (one ``index_select`` for both) into the reusable buffer →
         two [m * block_size, KVH, d] in the attention compute dtype."""
         m = blocks.shape[0]
         block_shape = kv_cache.shape[2:]
-        gathered = self._get_buffer(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)[: 2 * m * block_shape.numel()]
+        gathered = self._get_buffer(kv_cache, kv_cache.dtype, plan.max_gathered_blocks)[
+            : 2 * m * block_shape.numel()
+        ]
         both = torch.index_select(kv_cache, 1, blocks, out=gathered.view(2, m, *block_shape))
         compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
         if compute_dtype != kv_cache.dtype:
@@ -282,15 +326,20 @@ class TorchAttentionBackend:
         block_size = kv_cache.shape[2]
         cached = self._plan_for
         if self._plan is None or cached is None or cached[0] is not metadata or cached[1] != block_size:
-            self._plan = build_plan(metadata, block_size, self.paged_decode and paged_decode_applies(kv_cache),
-                                     self.paged_prefill)
+            self._plan = build_plan(
+                metadata, block_size, self.paged_decode and paged_decode_applies(kv_cache), self.paged_prefill
+            )
             self._plan_for = (metadata, block_size)
             self._views = None
             self._release_large_buffers(2 * self._plan.max_gathered_blocks * kv_cache.shape[2:].numel())
             decodes = self._plan.decodes
             if decodes is not None and decodes.token_index is None and not self._plan.paged_decode:
-                self.resident.begin_step(decodes.blocks.view(decodes.token_count, decodes.num_blocks),
-                                         metadata.seq_lens, metadata.slot_mapping, block_size)
+                self.resident.begin_step(
+                    decodes.blocks.view(decodes.token_count, decodes.num_blocks),
+                    metadata.seq_lens,
+                    metadata.slot_mapping,
+                    block_size,
+                )
             else:
                 self.resident.begin_step(None, None, None, block_size)
         return self._plan

@@ -85,21 +85,29 @@ def token_rows(metadata: AttentionMetadata, block_size: int) -> TokenRows:
     starts = metadata.query_start_loc.long()
     query_lens = starts[1:] - starts[:-1]
     rows = torch.repeat_interleave(torch.arange(metadata.num_reqs, device=starts.device), query_lens)
-    positions = torch.arange(metadata.num_tokens, device=starts.device) + \
-        (metadata.seq_lens.long() - query_lens - starts[:-1])[rows]
+    positions = (
+        torch.arange(metadata.num_tokens, device=starts.device)
+        + (metadata.seq_lens.long() - query_lens - starts[:-1])[rows]
+    )
     width = -(-metadata.max_seq_len // block_size)
     tables = metadata.block_tables[:, :width].index_select(0, rows)
     return TokenRows(tables=tables.to(torch.int32).contiguous(), seq_lens=(positions + 1).to(torch.int32))
 
 
-def build_plan(metadata: AttentionMetadata, block_size: int, paged_decode: bool = False,
-                paged_prefill: bool = False) -> Plan:
+def build_plan(
+    metadata: AttentionMetadata, block_size: int, paged_decode: bool = False, paged_prefill: bool = False
+) -> Plan:
     """Split requests into solo prefills and one padded decode batch; precompute block lists and masks. With
     ``paged_decode`` and ``paged_prefill``, a step with prefill rows gets only the per-token rows of the paged op
     (it runs every token; nothing is gathered)."""
     if paged_decode and paged_prefill and metadata.max_query_len > 1:
-        return Plan(prefills=(), decodes=None, max_gathered_blocks=0, paged_decode=True,
-                    token_rows=token_rows(metadata, block_size))
+        return Plan(
+            prefills=(),
+            decodes=None,
+            max_gathered_blocks=0,
+            paged_decode=True,
+            token_rows=token_rows(metadata, block_size),
+        )
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     prefills: list[Prefill] = []
@@ -112,11 +120,14 @@ def build_plan(metadata: AttentionMetadata, block_size: int, paged_decode: bool 
             prefills.append(prefill_item(metadata, row, starts[row], q_len, seq_len, block_size))
     decodes = decode_batch(metadata, decode_rows, starts, seq_lens, block_size) if decode_rows else None
     largest = max([p.blocks.shape[0] for p in prefills] + [0 if decodes is None else decodes.blocks.shape[0]])
-    return Plan(prefills=tuple(prefills), decodes=decodes, max_gathered_blocks=largest, paged_decode=paged_decode)
+    return Plan(
+        prefills=tuple(prefills), decodes=decodes, max_gathered_blocks=largest, paged_decode=paged_decode
+    )
 
 
-def prefill_item(metadata: AttentionMetadata, row: int, start: int, q_len: int, seq_len: int,
-             block_size: int) -> Prefill:
+def prefill_item(
+    metadata: AttentionMetadata, row: int, start: int, q_len: int, seq_len: int, block_size: int
+) -> Prefill:
     device = metadata.block_tables.device
     blocks = metadata.block_tables[row, : -(-seq_len // block_size)].long()
     mask = None
@@ -127,8 +138,9 @@ def prefill_item(metadata: AttentionMetadata, row: int, start: int, q_len: int, 
     return Prefill(start=start, query_len=q_len, seq_len=seq_len, blocks=blocks, mask=mask)
 
 
-def decode_batch(metadata: AttentionMetadata, rows: list[int], starts: list[int], seq_lens: list[int],
-                  block_size: int) -> DecodeBatch:
+def decode_batch(
+    metadata: AttentionMetadata, rows: list[int], starts: list[int], seq_lens: list[int], block_size: int
+) -> DecodeBatch:
     device = metadata.block_tables.device
     lens = [seq_lens[r] for r in rows]
     longest = max(lens)
@@ -140,8 +152,16 @@ def decode_batch(metadata: AttentionMetadata, rows: list[int], starts: list[int]
     if len(rows) > 1:
         key_pos = torch.arange(longest, device=device)
         mask = (key_pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
-    token_index = None if only_decodes else torch.tensor([starts[r] for r in rows], dtype=torch.int64,
-                                                          device=device)
+    token_index = (
+        None if only_decodes else torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
+    )
     row_lens = metadata.seq_lens if only_decodes else metadata.seq_lens[rows]
-    return DecodeBatch(token_index=token_index, blocks=blocks, num_blocks=num_blocks, seq_len=longest, mask=mask,
-                        tables=tables, seq_lens=row_lens)
+    return DecodeBatch(
+        token_index=token_index,
+        blocks=blocks,
+        num_blocks=num_blocks,
+        seq_len=longest,
+        mask=mask,
+        tables=tables,
+        seq_lens=row_lens,
+    )

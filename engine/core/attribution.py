@@ -72,7 +72,9 @@ class _Phase:
     interference_prefill_s: float = 0.0
     preempted_s: float = 0.0
 
-    def add(self, own: int, other_prefill: int, other_decode: int, others: int, dt: float, share: float) -> None:
+    def add(
+        self, own: int, other_prefill: int, other_decode: int, others: int, dt: float, share: float
+    ) -> None:
         """One step: ``own`` of its tokens, the others' tokens and count, ``dt`` seconds, ``share`` = dt / the
         step's tokens."""
         self.steps += 1
@@ -128,7 +130,9 @@ class StepAttribution:
         self.blocked_at_arrival = list(blocked_steps)
 
     def on_first_admission(self, blocked_steps: list[int]) -> None:
-        self.blocked_while_queued = [now - then for now, then in zip(blocked_steps, self.blocked_at_arrival, strict=True)]
+        self.blocked_while_queued = [
+            now - then for now, then in zip(blocked_steps, self.blocked_at_arrival, strict=True)
+        ]
 
     def on_readmitted(self, now: float, before_first_token: bool) -> None:
         if self.preempted_at is not None:

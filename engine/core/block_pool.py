@@ -159,8 +159,10 @@ class BlockPool:
     def get_num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (O(cached blocks))."""
         return sum(
-            1 for holders in self.cached_block_hash_to_block.values()
-            for block in holders.values() if block.ref_cnt == 0
+            1
+            for holders in self.cached_block_hash_to_block.values()
+            for block in holders.values()
+            if block.ref_cnt == 0
         )
 
     @property

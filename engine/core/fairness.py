@@ -77,8 +77,10 @@ class FairShares:
             self._tenant_of[group] = tenant
             self._groups[tenant] = self._groups.get(tenant, 0) + 1
         elif known != tenant:
-            raise ValueError(f"request {request.request_id!r}: fairness group {group!r} belongs to tenant "
-                             f"{known!r}, not {tenant!r}")
+            raise ValueError(
+                f"request {request.request_id!r}: fairness group {group!r} belongs to tenant "
+                f"{known!r}, not {tenant!r}"
+            )
         self._unfinished[group] = self._unfinished.get(group, 0) + 1
 
     def admitted(self, request: Request) -> None:
@@ -149,8 +151,12 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Every waiting sequence in queue order (sorts: for tests and inspection, not the step)."""
-        return iter(sorted((r for group in self._groups.values() for r in group),
-                           key=lambda r: self._position[r.request_id]))
+        return iter(
+            sorted(
+                (r for group in self._groups.values() for r in group),
+                key=lambda r: self._position[r.request_id],
+            )
+        )
 
     def append(self, request: Request) -> None:
         self._position[request.request_id] = self._back
@@ -218,10 +224,13 @@ class AdmissionOrder:
         for key, group in queue.groups():
             if key not in excluded:
                 self._groups.setdefault(shares.tenant_of(key), []).append(
-                    (shares.running(key), queue.position(group[0]), key))
+                    (shares.running(key), queue.position(group[0]), key)
+                )
         for heap in self._groups.values():
             heapq.heapify(heap)
-        self._tenants = [(shares.tenant_running(tenant), heap[0][1], tenant) for tenant, heap in self._groups.items()]
+        self._tenants = [
+            (shares.tenant_running(tenant), heap[0][1], tenant) for tenant, heap in self._groups.items()
+        ]
         heapq.heapify(self._tenants)
 
     def peek(self) -> Request | None:
@@ -258,8 +267,12 @@ def round_robin(running: Sequence[Request]) -> list[Request]:
     return [running[position] for _, position in sorted(ranked)]
 
 
-def fairness_victim(running: Sequence[Request], shares: FairShares, candidates: Collection[str] | None = None,
-                    claimants: Collection[str] | None = None) -> Request | None:
+def fairness_victim(
+    running: Sequence[Request],
+    shares: FairShares,
+    candidates: Collection[str] | None = None,
+    claimants: Collection[str] | None = None,
+) -> Request | None:
     """The preemption victim of rules 2 and 4: the newest running sequence (last in ``running``, admission
     order) whose id is in ``candidates`` (None: any) with the largest (tenant excess, group excess), among those
     whose tenant runs over its share or whose group runs over its group share (rule 2: a group of one of the
@@ -271,7 +284,10 @@ def fairness_victim(running: Sequence[Request], shares: FairShares, candidates: 
             continue
         group = request.fairness_key
         tenant = shares.tenant_of(group)
-        excess = (shares.tenant_running(tenant) - tenant_share, shares.running(group) - shares.group_share(group))
+        excess = (
+            shares.tenant_running(tenant) - tenant_share,
+            shares.running(group) - shares.group_share(group),
+        )
         if excess[0] <= 0 and (excess[1] <= 0 or (claimants is not None and tenant not in claimants)):
             continue
         if victim is None or excess > worst:

@@ -57,7 +57,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // size):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size]))
+            hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
         return hashes
 
     def reads_prefix_cache(self, request: Request) -> bool:
@@ -113,7 +113,9 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, req_blocks, min(num_computed + num_new_tokens, request.num_tokens))
+            self._cache_full_blocks(
+                request, req_blocks, min(num_computed + num_new_tokens, request.num_tokens)
+            )
         return [block.block_id for block in new_blocks]
 
     def free(self, request: Request) -> None:

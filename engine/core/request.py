@@ -93,14 +93,20 @@ class RequestStats:
     def summary(self, num_output_tokens: int) -> KvscopeStats:
         """The request's ``kvscope`` object (seconds, requests, blocks, ratio, count) after
         ``num_output_tokens`` generated tokens."""
-        first_sched, first_tok, last_tok = self.first_scheduled_time, self.first_token_time, self.last_token_time
+        first_sched, first_tok, last_tok = (
+            self.first_scheduled_time,
+            self.first_token_time,
+            self.last_token_time,
+        )
         decode_s = (last_tok - first_tok) if first_tok is not None and last_tok is not None else None
         return KvscopeStats(
             queue_s=_diff(first_sched, self.arrival_time),
             ttft_s=_diff(first_tok, self.arrival_time),
             prefill_s=_diff(first_tok, first_sched),
             decode_s=decode_s,
-            tpot_s=decode_s / (num_output_tokens - 1) if decode_s is not None and num_output_tokens > 1 else None,
+            tpot_s=decode_s / (num_output_tokens - 1)
+            if decode_s is not None and num_output_tokens > 1
+            else None,
             batch_size_mean=self.batch_size_sum / self.num_steps if self.num_steps else None,
             batch_size_max=self.batch_size_max,
             kv_blocks=self.kv_blocks_peak,
@@ -118,8 +124,10 @@ class RequestStats:
         """Record one verified draft of this request: ``num_draft_tokens`` (k >= 1) proposed tokens, of which
         ``num_accepted_tokens`` (0 <= a <= k) were accepted. Raises ValueError outside those bounds."""
         if num_draft_tokens < 1 or not 0 <= num_accepted_tokens <= num_draft_tokens:
-            raise ValueError(f"a verified draft has k >= 1 proposed and 0 <= a <= k accepted tokens, "
-                             f"got k={num_draft_tokens}, a={num_accepted_tokens}")
+            raise ValueError(
+                f"a verified draft has k >= 1 proposed and 0 <= a <= k accepted tokens, "
+                f"got k={num_draft_tokens}, a={num_accepted_tokens}"
+            )
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_draft_tokens
         self.spec_num_accepted_tokens += num_accepted_tokens
@@ -237,4 +245,4 @@ class Request:
         drop = self.num_output_tokens - num_output_tokens
         if drop > 0:
             del self.output_token_ids[num_output_tokens:]
-            del self.all_token_ids[len(self.all_token_ids) - drop:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]

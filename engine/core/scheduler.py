@@ -54,7 +54,9 @@ class _StepPlan:
     rebalanced_req_ids: set[str] = field(default_factory=set)
     """Preempted at the step's start for fairness (rule 2 of engine/core/fairness.py)."""
 
-    def add(self, request: Request, num_new_tokens: int, is_new: bool, draft: list[int] | None = None) -> None:
+    def add(
+        self, request: Request, num_new_tokens: int, is_new: bool, draft: list[int] | None = None
+    ) -> None:
         self.entries.append((request, num_new_tokens, is_new, draft or []))
         self.token_budget -= num_new_tokens + len(draft or ())
 
@@ -127,8 +129,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
-                       ) -> Request | None:
+    def finish_request(
+        self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
+    ) -> Request | None:
         """Finish a request from outside (stop string matched, client gone) in any state: it leaves its
         queue and its blocks are freed. ``num_output_tokens``: keep only that many output tokens (a stop string
         ended inside a run of accepted draft tokens; the later ones are dropped). Returns the request, or None
@@ -173,7 +176,9 @@ class Scheduler:
             self._blocked_steps[3] += 1  # QUEUE_LIMITS: "preemption"
         return self._build_output(plan)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Request]:
         """Append each request's emitted tokens (``sampled``: request_id → token ids, one or, after a verified
         draft, the accepted draft tokens then the target's token) one by one, with the stop checks after each.
 
@@ -226,7 +231,9 @@ class Scheduler:
         The choices of one ``n > 1`` request (``Request.parent_id``) count each other's tokens as their own."""
         prefill, decode, count = out.num_prefill_tokens, out.num_decode_tokens, len(out.scheduled)
         share = dt / max(prefill + decode, 1)
-        groups: dict[str, list[int]] = {}  # parent id -> [prefill tokens, decode tokens, requests] in this step
+        groups: dict[
+            str, list[int]
+        ] = {}  # parent id -> [prefill tokens, decode tokens, requests] in this step
         for item in out.scheduled:
             if item.request.parent_id is not None:
                 group = groups.setdefault(item.request.parent_id, [0, 0, 0])
@@ -241,8 +248,14 @@ class Scheduler:
                 own = len(item.token_ids)
                 group = [0, own, 1] if _is_decode(item) else [own, 0, 1]
             own_prefill, own_decode, members = group
-            phase.add(own_prefill + own_decode, prefill - own_prefill, decode - own_decode, count - members, dt,
-                      share)
+            phase.add(
+                own_prefill + own_decode,
+                prefill - own_prefill,
+                decode - own_decode,
+                count - members,
+                dt,
+                share,
+            )
 
     def get_stats(self) -> SchedulerStats:
         """Snapshot of queue sizes, block states and the preemption / prefix-cache counters."""
@@ -274,8 +287,10 @@ class Scheduler:
             return set()
         demand, claimants = claims(self.waiting, self._shares)
         groups: set[str] = set()
-        while demand > free and (victim := fairness_victim(self.running, self._shares,
-                                                           claimants=claimants)) is not None:
+        while (
+            demand > free
+            and (victim := fairness_victim(self.running, self._shares, claimants=claimants)) is not None
+        ):
             self.running.remove(victim)
             self._preempt(victim)
             plan.rebalanced_req_ids.add(victim.request_id)
@@ -296,7 +311,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new > 0:
                 room = plan.token_budget - num_new - len(pending)  # 1 left per later one
-                draft = drafts.get(request.request_id, [])[:max(room, 0)]
+                draft = drafts.get(request.request_id, [])[: max(room, 0)]
                 if draft and self.kv_cache_manager.allocate_slots(request, num_new + len(draft)) is not None:
                     plan.add(request, num_new, is_new=False, draft=draft)
                 elif not self._allocate_or_preempt(request, num_new, plan, pending):
@@ -309,25 +324,32 @@ class Scheduler:
         so that the step cannot pass ``max_tokens`` or ``max_model_len``; {} when the drafter declines."""
         if self.drafter is None:
             return {}
-        decode = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0]
+        decode = [
+            r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0
+        ]
         drafts = []
         for request in decode:
-            max_draft = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            max_draft = (
+                min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+                - 1
+            )
             if max_draft > 0 and (draft := self.drafter.propose(request, max_draft)):
                 drafts.append((request, draft))
         if not drafts or not self.drafter.allows(len(decode), drafts):
             return {}
         return {request.request_id: draft for request, draft in drafts}
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan, pending: set[str]
-                             ) -> bool:
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan, pending: set[str]
+    ) -> bool:
         """Allocate, preempting until it fits (rule 4 of engine/core/fairness.py: the newest not-yet-scheduled
         request, ``pending`` or ``request`` itself, of the tenant, then the group, furthest over its share, else
         the newest of them); False if ``request`` itself went."""
         while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
             candidates = pending | {request.request_id}
             victim = fairness_victim(self.running, self._shares, candidates) or next(
-                r for r in reversed(self.running) if r.request_id in candidates)
+                r for r in reversed(self.running) if r.request_id in candidates
+            )
             self.running.remove(victim)
             pending.discard(victim.request_id)
             self._preempt(victim)
@@ -394,7 +416,10 @@ class Scheduler:
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         now = self.clock()
-        scheduled = [self._scheduled_request(req, num_new, is_new, draft) for req, num_new, is_new, draft in plan.entries]
+        scheduled = [
+            self._scheduled_request(req, num_new, is_new, draft)
+            for req, num_new, is_new, draft in plan.entries
+        ]
         for item in scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
             item.request.stats.on_scheduled(now, batch_size=len(scheduled), num_blocks=len(item.block_ids))
@@ -419,12 +444,13 @@ class Scheduler:
             scheduled_time=now,
         )
 
-    def _scheduled_request(self, request: Request, num_new_tokens: int, is_new: bool,
-                           draft: list[int]) -> ScheduledRequest:
+    def _scheduled_request(
+        self, request: Request, num_new_tokens: int, is_new: bool, draft: list[int]
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request=request,
-            token_ids=request.all_token_ids[start:start + num_new_tokens] + draft,
+            token_ids=request.all_token_ids[start : start + num_new_tokens] + draft,
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sample=start + num_new_tokens == request.num_tokens,
@@ -440,7 +466,11 @@ class Scheduler:
             if token_id in params.stop_token_id_set:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
+            if (
+                not params.ignore_eos
+                and request.eos_token_id is not None
+                and token_id == request.eos_token_id
+            ):
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -467,6 +497,7 @@ class Scheduler:
 def _is_decode(item: ScheduledRequest) -> bool:
     """A decode feeds back exactly one generated token (plus its draft tokens, if any); everything else (prompt
     chunks, recomputation of generated tokens after preemption) counts as prefill."""
-    return (item.num_scheduled_tokens - len(item.spec_token_ids) == 1
-            and item.num_computed_tokens >= item.request.num_prompt_tokens)
-
+    return (
+        item.num_scheduled_tokens - len(item.spec_token_ids) == 1
+        and item.num_computed_tokens >= item.request.num_prompt_tokens
+    )

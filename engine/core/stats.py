@@ -172,9 +172,12 @@ class KvscopeStats(msgspec.Struct, frozen=True):
 def spec_summary(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, int | float]:
     """The speculative-decoding fields of a kvscope object from the sums over its verified drafts; the mean
     acceptance length is vLLM's ``1 + accepted / drafts`` (vllm/v1/spec_decode/metrics.py). ``num_drafts`` > 0."""
-    return {"spec_drafts": num_drafts, "spec_draft_tokens": num_draft_tokens,
-            "spec_accepted_tokens": num_accepted_tokens,
-            "spec_mean_accepted_length": 1 + num_accepted_tokens / num_drafts}
+    return {
+        "spec_drafts": num_drafts,
+        "spec_draft_tokens": num_draft_tokens,
+        "spec_accepted_tokens": num_accepted_tokens,
+        "spec_mean_accepted_length": 1 + num_accepted_tokens / num_drafts,
+    }
 
 
 def _mean(values: list[float]) -> float:

@@ -60,5 +60,7 @@ def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
     Raises ValueError when the prompt counts differ."""
     if len(reference) != len(other):
         raise ValueError(f"{len(other)} continuations for {len(reference)} reference ones")
-    return Agreement(matched=tuple(min(common_prefix(r, o), length) for r, o in zip(reference, other, strict=True)),
-                     length=length)
+    return Agreement(
+        matched=tuple(min(common_prefix(r, o), length) for r, o in zip(reference, other, strict=True)),
+        length=length,
+    )

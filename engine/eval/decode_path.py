@@ -26,8 +26,9 @@ BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
-def decode_path_nll(model: torch.nn.Module, tokens: Sequence[int], dtype: torch.dtype,
-                    fused: FusedDecoder | None = None) -> list[float]:
+def decode_path_nll(
+    model: torch.nn.Module, tokens: Sequence[int], dtype: torch.dtype, fused: FusedDecoder | None = None
+) -> list[float]:
     """NLL (nats) of ``tokens[i + 1]`` after decode steps over ``tokens[: i + 1]``, for i = 0 … n − 2.
 
     ``model``: a loaded CPU model (``prepare_for_cpu`` done); ``dtype``: its KV-cache dtype; ``fused``: the
@@ -37,8 +38,15 @@ def decode_path_nll(model: torch.nn.Module, tokens: Sequence[int], dtype: torch.
         raise ValueError("need at least 2 tokens to score")
     c = model.config
     num_blocks = -(-len(tokens) // BLOCK_SIZE)
-    caches = allocate_kv_caches(c.num_hidden_layers, num_blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
-                                dtype, torch.device("cpu"))
+    caches = allocate_kv_caches(
+        c.num_hidden_layers,
+        num_blocks,
+        BLOCK_SIZE,
+        c.num_key_value_heads,
+        c.head_dim,
+        dtype,
+        torch.device("cpu"),
+    )
     backend = TorchAttentionBackend()
     table = list(range(num_blocks))
     nll = []

@@ -63,8 +63,10 @@ def parse_format(text: str) -> FormatSpec:
     dtype, sep, quant = name.partition("/")
     if sep and dtype in DTYPES and quant in QUANTIZATIONS:
         return FormatSpec(name, dtype, quant)
-    raise FormatError(f"unknown format {name!r}: use one of {', '.join(NAMED_FORMATS)} or DTYPE/QUANTIZATION "
-                      f"with DTYPE in {', '.join(DTYPES)} and QUANTIZATION in {', '.join(QUANTIZATIONS)}")
+    raise FormatError(
+        f"unknown format {name!r}: use one of {', '.join(NAMED_FORMATS)} or DTYPE/QUANTIZATION "
+        f"with DTYPE in {', '.join(DTYPES)} and QUANTIZATION in {', '.join(QUANTIZATIONS)}"
+    )
 
 
 def parse_formats(text: str) -> list[FormatSpec]:

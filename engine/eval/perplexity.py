@@ -77,8 +77,12 @@ def sliding_windows(num_tokens: int, context: int, stride: int) -> list[Window]:
         begin += stride
 
 
-def score_windows(token_ids: Sequence[int], windows: Sequence[Window], prompt_logprobs: PromptLogprobs,
-                  on_window: Callable[[int, int], None] | None = None) -> PerplexityResult:
+def score_windows(
+    token_ids: Sequence[int],
+    windows: Sequence[Window],
+    prompt_logprobs: PromptLogprobs,
+    on_window: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
     """Sum the NLL of each window's scored tokens, ``prompt_logprobs`` giving a window's log-probabilities.
 
     ``on_window(i, total)`` is called after each window (progress). Raises ValueError when
@@ -88,12 +92,12 @@ def score_windows(token_ids: Sequence[int], windows: Sequence[Window], prompt_lo
     nll = 0.0
     scored = 0
     for i, window in enumerate(windows):
-        tokens = ids[window.begin:window.end]
+        tokens = ids[window.begin : window.end]
         logprobs = list(prompt_logprobs(tokens))
         if len(logprobs) != len(tokens) - 1:
             raise ValueError(f"prompt_logprobs returned {len(logprobs)} values for {len(tokens)} tokens")
         # logprobs[j] scores tokens[j + 1], i.e. absolute token window.begin + j + 1
-        for lp in logprobs[window.score_from - window.begin - 1:]:
+        for lp in logprobs[window.score_from - window.begin - 1 :]:
             nll -= float(lp)
         scored += window.num_scored
         if on_window is not None:

@@ -16,8 +16,17 @@ from kvscope.engine.eval.perplexity import relative_change_pct
 from kvscope.engine.eval.runner import FormatRun
 from kvscope.engine.models.kernel_probe import cpu_bf16_flags
 
-TABLE_COLUMNS = ("format", "dtype / quantization", "weights bytes", "ppl", "Δ vs fp32 %", "bound", "pass",
-                 "greedy agreement", "seconds")
+TABLE_COLUMNS = (
+    "format",
+    "dtype / quantization",
+    "weights bytes",
+    "ppl",
+    "Δ vs fp32 %",
+    "bound",
+    "pass",
+    "greedy agreement",
+    "seconds",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +45,10 @@ class Machine:
     def describe(self) -> str:
         flags = " ".join(self.cpu_flags) or "no avx512_bf16/amx"
         load = ", ".join(f"{x:.2f}" for x in self.load_average)
-        return (f"{self.cpu_model} ({self.logical_cpus} logical CPUs; {flags}; torch {self.torch_version} "
-                f"capability {self.torch_cpu_capability}), {self.threads} torch thread(s), load average {load}")
+        return (
+            f"{self.cpu_model} ({self.logical_cpus} logical CPUs; {flags}; torch {self.torch_version} "
+            f"capability {self.torch_cpu_capability}), {self.threads} torch thread(s), load average {load}"
+        )
 
 
 def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -53,9 +64,15 @@ def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def this_machine(load_average: tuple[float, float, float] | None = None) -> Machine:
     """The current machine and torch's current thread count; ``load_average`` defaults to the one now."""
-    return Machine(cpu_model=cpu_model_name(), cpu_flags=cpu_bf16_flags(),
-                   torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads(),
-                   logical_cpus=os.cpu_count() or 1, load_average=load_average or os.getloadavg(), torch_version=torch.__version__)
+    return Machine(
+        cpu_model=cpu_model_name(),
+        cpu_flags=cpu_bf16_flags(),
+        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        threads=torch.get_num_threads(),
+        logical_cpus=os.cpu_count() or 1,
+        load_average=load_average or os.getloadavg(),
+        torch_version=torch.__version__,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +132,30 @@ def build_rows(runs: Sequence[FormatRun]) -> tuple[FormatRow, ...]:
         delta = relative_change_pct(run.perplexity.perplexity, reference.perplexity.perplexity)
         quantization = run.quantization or run.spec.quantization
         bound = run.spec.bound_pct(run.dtype, quantization)
-        agree: Agreement = agreement(reference.greedy, run.greedy, max((len(g) for g in reference.greedy), default=0))
-        rows.append(FormatRow(format=run.spec.name, dtype=run.dtype, quantization=quantization,
-                              dense_dtype=run.dense_dtype, kernels=run.kernels, weights_bytes=run.weights_bytes,
-                              perplexity=run.perplexity.perplexity, mean_nll=run.perplexity.mean_nll,
-                              tokens_scored=run.perplexity.num_scored, delta_pct=delta, bound_pct=bound,
-                              passed=delta <= bound, agreement_tokens=agree.matched, agreement_total=agree.total,
-                              agreement_possible=agree.possible, identical_prompts=agree.identical_prompts,
-                              seconds=run.seconds))
+        agree: Agreement = agreement(
+            reference.greedy, run.greedy, max((len(g) for g in reference.greedy), default=0)
+        )
+        rows.append(
+            FormatRow(
+                format=run.spec.name,
+                dtype=run.dtype,
+                quantization=quantization,
+                dense_dtype=run.dense_dtype,
+                kernels=run.kernels,
+                weights_bytes=run.weights_bytes,
+                perplexity=run.perplexity.perplexity,
+                mean_nll=run.perplexity.mean_nll,
+                tokens_scored=run.perplexity.num_scored,
+                delta_pct=delta,
+                bound_pct=bound,
+                passed=delta <= bound,
+                agreement_tokens=agree.matched,
+                agreement_total=agree.total,
+                agreement_possible=agree.possible,
+                identical_prompts=agree.identical_prompts,
+                seconds=run.seconds,
+            )
+        )
     return tuple(rows)
 
 
@@ -141,15 +174,28 @@ def markdown_table(report: EvalReport) -> str:
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|---|---|---:|---:|---:|---:|---|---|---:|"]
     for r in report.rows:
         bound = "reference" if r.format == REFERENCE else f"≤ +{r.bound_pct:g} %"
-        agree = (f"{r.identical_prompts}/{len(r.agreement_tokens)} prompts, "
-                 f"{r.agreement_total}/{r.agreement_possible} tokens") if r.agreement_possible else "—"
-        lines.append(f"| {r.format} | {_format_cell(r)} | {r.weights_bytes:,} | {r.perplexity:.4f} | "
-                     f"{r.delta_pct:+.3f} | {bound} | {'PASS' if r.passed else 'FAIL'} | {agree} | {r.seconds:.1f} |")
+        agree = (
+            (
+                f"{r.identical_prompts}/{len(r.agreement_tokens)} prompts, "
+                f"{r.agreement_total}/{r.agreement_possible} tokens"
+            )
+            if r.agreement_possible
+            else "—"
+        )
+        lines.append(
+            f"| {r.format} | {_format_cell(r)} | {r.weights_bytes:,} | {r.perplexity:.4f} | "
+            f"{r.delta_pct:+.3f} | {bound} | {'PASS' if r.passed else 'FAIL'} | {agree} | {r.seconds:.1f} |"
+        )
     lines.append("")
-    lines.append(f"model {report.model}; text {report.text} (sha256 {report.text_sha256[:12]}…), "
-                 f"{report.num_tokens} tokens in {report.num_windows} windows of ≤ {report.context} "
-                 f"(stride {report.stride}), kernels {report.kernels}; greedy agreement: "
-                 + ("8 prompts × 64 tokens vs float32" if any(r.agreement_possible for r in report.rows)
-                    else "not run (--no-agreement)"))
+    lines.append(
+        f"model {report.model}; text {report.text} (sha256 {report.text_sha256[:12]}…), "
+        f"{report.num_tokens} tokens in {report.num_windows} windows of ≤ {report.context} "
+        f"(stride {report.stride}), kernels {report.kernels}; greedy agreement: "
+        + (
+            "8 prompts × 64 tokens vs float32"
+            if any(r.agreement_possible for r in report.rows)
+            else "not run (--no-agreement)"
+        )
+    )
     lines.append(f"machine: {report.machine.describe()}")
     return "\n".join(lines)

@@ -71,8 +71,9 @@ def engine_prompt_logprobs(llm: LLM) -> Callable[[list[int]], list[float]]:
     return logprobs
 
 
-def greedy_continuations(llm: LLM, prompts: Sequence[str] = AGREEMENT_PROMPTS,
-                         max_tokens: int = AGREEMENT_TOKENS) -> tuple[tuple[int, ...], ...]:
+def greedy_continuations(
+    llm: LLM, prompts: Sequence[str] = AGREEMENT_PROMPTS, max_tokens: int = AGREEMENT_TOKENS
+) -> tuple[tuple[int, ...], ...]:
     """Greedy (temperature 0, ignore_eos) continuations of ``prompts``, batched as the engine batches them."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return tuple(tuple(o.outputs[0].token_ids) for o in llm.generate(list(prompts), params))
@@ -97,13 +98,27 @@ def force_compact_kernels(model: torch.nn.Module) -> int:
 def build_llm(model: str, spec: FormatSpec, num_threads: int | None) -> LLM:
     """An offline engine for ``model`` in ``spec``'s format (prefix caching off). Raises what the engine's
     loader raises (ValueError, UnknownModelError, PullError)."""
-    return LLM(model, dtype=spec.dtype, quantization=spec.quantization, num_threads=num_threads,
-               enable_prefix_caching=False, kv_cache_memory=KV_CACHE_BYTES)
+    return LLM(
+        model,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        num_threads=num_threads,
+        enable_prefix_caching=False,
+        kv_cache_memory=KV_CACHE_BYTES,
+    )
 
 
-def run_format(model: str, spec: FormatSpec, token_ids: Sequence[int], windows: Sequence[Window],
-               num_threads: int | None, on_window: Callable[[int, int], None] | None = None, *,
-               agreement: bool = True, kernels: str = "compact") -> FormatRun:
+def run_format(
+    model: str,
+    spec: FormatSpec,
+    token_ids: Sequence[int],
+    windows: Sequence[Window],
+    num_threads: int | None,
+    on_window: Callable[[int, int], None] | None = None,
+    *,
+    agreement: bool = True,
+    kernels: str = "compact",
+) -> FormatRun:
     """Load ``model`` in ``spec``, score ``token_ids`` in ``windows``, generate the agreement prompts (unless
     ``agreement`` is False: ``greedy`` is then empty) with ``kernels`` (module doc); the engine is released
     before returning. Raises ValueError for an unknown kernel mode."""
@@ -123,13 +138,25 @@ def run_format(model: str, spec: FormatSpec, token_ids: Sequence[int], windows: 
         ppl_seconds = time.perf_counter() - ppl_start
         greedy = greedy_continuations(llm) if agreement else ()
         probe = report.kernels
-        quantization = report.weight_format.quantization if report.weight_format is not None else spec.quantization
-        return FormatRun(spec=spec, dtype=str(report.dtype).removeprefix("torch."),
-                         dense_dtype=(str(probe.dense_dtype).removeprefix("torch.")
-                                      if probe is not None and quantization != "none" else None),
-                         weights_bytes=weights_bytes, perplexity=ppl, greedy=greedy,
-                         seconds=time.perf_counter() - start, ppl_seconds=ppl_seconds, kernels=kernels,
-                         quantization=quantization)
+        quantization = (
+            report.weight_format.quantization if report.weight_format is not None else spec.quantization
+        )
+        return FormatRun(
+            spec=spec,
+            dtype=str(report.dtype).removeprefix("torch."),
+            dense_dtype=(
+                str(probe.dense_dtype).removeprefix("torch.")
+                if probe is not None and quantization != "none"
+                else None
+            ),
+            weights_bytes=weights_bytes,
+            perplexity=ppl,
+            greedy=greedy,
+            seconds=time.perf_counter() - start,
+            ppl_seconds=ppl_seconds,
+            kernels=kernels,
+            quantization=quantization,
+        )
     finally:
         del llm
         gc.collect()

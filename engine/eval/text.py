@@ -46,13 +46,17 @@ def load_text(path: Path | None = None) -> EvalText:
         raise EvalTextError(f"cannot read the evaluation text {target}: {exc.strerror or exc}") from None
     digest = hashlib.sha256(data).hexdigest()
     if path is None and digest != DEFAULT_TEXT_SHA256:
-        raise EvalTextError(f"the shipped evaluation text {target} changed: sha256 {digest}, expected "
-                            f"{DEFAULT_TEXT_SHA256} (restore it from git; perplexities are only comparable on "
-                            "the same tokens)")
+        raise EvalTextError(
+            f"the shipped evaluation text {target} changed: sha256 {digest}, expected "
+            f"{DEFAULT_TEXT_SHA256} (restore it from git; perplexities are only comparable on "
+            "the same tokens)"
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise EvalTextError(f"the evaluation text {target} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise EvalTextError(
+            f"the evaluation text {target} is not UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
     if not text.strip():
         raise EvalTextError(f"the evaluation text {target} is empty")
     return EvalText(path=target, text=text, sha256=digest)

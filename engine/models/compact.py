@@ -62,13 +62,21 @@ def source_names(module_name: str) -> list[str]:
     """HF checkpoint weight names filling a (fused) layer, in shard order:
     ``model.layers.0.self_attn.qkv_proj`` → its q/k/v_proj weights; an unfused layer → its own weight."""
     name = f"{module_name}.weight"
-    shards = sorted((shard, fragment, fused) for fragment, (fused, shard) in _STACKED.items() if fused in name)
+    shards = sorted(
+        (shard, fragment, fused) for fragment, (fused, shard) in _STACKED.items() if fused in name
+    )
     return [name.replace(fused, fragment) for _, fragment, fused in shards] or [name]
 
 
-def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelChoice,
-                   gguf_path: Path | None = None, cache_dir: Path | None = None, *,
-                   pair_kernels: bool = False) -> QuantReport:
+def quantize_model(
+    model: LlamaForCausalLM,
+    quantization: str,
+    choice: KernelChoice,
+    gguf_path: Path | None = None,
+    cache_dir: Path | None = None,
+    *,
+    pair_kernels: bool = False,
+) -> QuantReport:
     """Replace the dense weights of ``model`` (loaded, on CPU) by compact kernels, in place (module doc).
 
     ``gguf_path``: the GGUF the model came from (None: a HF folder); ``cache_dir`` holds the int4 block
@@ -82,8 +90,11 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelCho
         return QuantReport(quantization, 0, 0, 0)
     if quantization == "gguf" and gguf_path is None:
         raise ValueError("quantization 'gguf' needs a GGUF model (a registry name or a .gguf file)")
-    blocks = (cached_gguf_int4_blocks(gguf_path, cache_dir or gguf_path.parent)
-              if quantization in ("int4", "gguf") and gguf_path is not None else {})
+    blocks = (
+        cached_gguf_int4_blocks(gguf_path, cache_dir or gguf_path.parent)
+        if quantization in ("int4", "gguf") and gguf_path is not None
+        else {}
+    )
     counts = {"from_gguf": 0, "quantized": 0, "dense": 0}
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
@@ -101,19 +112,33 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, choice: KernelCho
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         model.decode_head = PairBlocks.q8_from_float(head)
     report = QuantReport(quantization, **counts)
-    logger.info("quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense; %s", quantization,
-                report.from_gguf, report.quantized, report.dense, choice.describe())
+    logger.info(
+        "quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense; %s",
+        quantization,
+        report.from_gguf,
+        report.quantized,
+        report.dense,
+        choice.describe(),
+    )
     return report
 
 
-def _compact_weight(name: str, module: Linear, quantization: str, blocks: dict[str, Int4Blocks],
-                    counts: dict[str, int], pair_kernels: bool) -> Int4Weight | Int8Weight | PairBlocks | None:
+def _compact_weight(
+    name: str,
+    module: Linear,
+    quantization: str,
+    blocks: dict[str, Int4Blocks],
+    counts: dict[str, int],
+    pair_kernels: bool,
+) -> Int4Weight | Int8Weight | PairBlocks | None:
     if quantization == "int8":
         counts["quantized"] += 1
         return Int8Weight.from_float(module.weight)
     sources = source_names(name)
     pairs = pair_kernels and module.in_features % PAIR == 0
-    if name == "lm_head":  # dense; kvscope's kernels add a Q8_0 copy for the fused decode step (quantize_model)
+    if (
+        name == "lm_head"
+    ):  # dense; kvscope's kernels add a Q8_0 copy for the fused decode step (quantize_model)
         counts["dense"] += 1
         return None
     if all(s in blocks for s in sources):
@@ -126,22 +151,35 @@ def _compact_weight(name: str, module: Linear, quantization: str, blocks: dict[s
     return int4_weight(int4_blocks_from_float(module.weight), pairs)
 
 
-def _kernel(compact: Int4Weight | Int8Weight, weight: torch.Tensor, bias: torch.Tensor | None,
-            choice: KernelChoice) -> CompactLinearKernel:
+def _kernel(
+    compact: Int4Weight | Int8Weight, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice
+) -> CompactLinearKernel:
     # kvscope's pair-block kernels (4- and 8-bit alike) are what the probe timed as "int4" when they are loaded
     fmt = "int4" if isinstance(compact, Int4Weight | PairBlocks) else "int8"
     max_rows = choice.max_rows[fmt]
     dense = None
     if max_rows < NO_DENSE:
-        dense = packed_linear_kernel(weight.to(choice.dense_dtype),
-                                     None if bias is None else bias.to(choice.dense_dtype))
+        dense = packed_linear_kernel(
+            weight.to(choice.dense_dtype), None if bias is None else bias.to(choice.dense_dtype)
+        )
     batched = None
-    if (dense is not None and choice.batched_rows > max_rows and isinstance(compact, PairBlocks)
-            and compact.bits == 4 and compact.out_features % TILE == 0):
+    if (
+        dense is not None
+        and choice.batched_rows > max_rows
+        and isinstance(compact, PairBlocks)
+        and compact.bits == 4
+        and compact.out_features % TILE == 0
+    ):
         batched = TileBlocks.from_pair_blocks(compact)
-    return CompactLinearKernel(compact=compact, bias=None if bias is None else bias.detach().clone(), dense=dense,
-                               dense_dtype=choice.dense_dtype, max_compact_rows=max_rows if dense else NO_DENSE,
-                               batched=batched, max_batched_rows=choice.batched_rows if batched else 0)
+    return CompactLinearKernel(
+        compact=compact,
+        bias=None if bias is None else bias.detach().clone(),
+        dense=dense,
+        dense_dtype=choice.dense_dtype,
+        max_compact_rows=max_rows if dense else NO_DENSE,
+        batched=batched,
+        max_batched_rows=choice.batched_rows if batched else 0,
+    )
 
 
 def model_weight_bytes(model: nn.Module) -> int:
@@ -154,8 +192,11 @@ def model_weight_bytes(model: nn.Module) -> int:
         if key in seen and tensor.layout == torch.strided and tensor.numel():
             continue
         seen.add(key)
-        total += tensor.numel() * tensor.element_size() if tensor.layout == torch.strided else \
-            _opaque_nbytes(tensor)
+        total += (
+            tensor.numel() * tensor.element_size()
+            if tensor.layout == torch.strided
+            else _opaque_nbytes(tensor)
+        )
     return total
 
 

@@ -39,12 +39,14 @@ from types import MappingProxyType
 
 from kvscope.engine.models.kernel_probe import KernelChoice
 
-FORMATS = MappingProxyType({
-    "float32": ("float32", "none"),
-    "bfloat16": ("bfloat16", "none"),
-    "int8": ("auto", "int8"),
-    "gguf": ("auto", "gguf"),
-})
+FORMATS = MappingProxyType(
+    {
+        "float32": ("float32", "none"),
+        "bfloat16": ("bfloat16", "none"),
+        "int8": ("auto", "int8"),
+        "gguf": ("auto", "gguf"),
+    }
+)
 """Weight-format name → (``--dtype``, ``--quantization``) it runs as. Compact formats run with ``--dtype auto``
 (the probe's dense dtype for activations, the LM head and the dense copy used for batched rows)."""
 _KERNEL = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "gguf": "int4"}
@@ -93,9 +95,15 @@ def format_score(fmt: str, choice: KernelChoice) -> float:
     return math.exp(sum(logs) / len(logs))
 
 
-def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, source: str = "",
-                  device_type: str = "cpu", has_gguf: bool = True,
-                  cpu_kernels: bool = False) -> FormatChoice:
+def choose_format(
+    verified: tuple[str, ...],
+    choice: KernelChoice | None,
+    *,
+    source: str = "",
+    device_type: str = "cpu",
+    has_gguf: bool = True,
+    cpu_kernels: bool = False,
+) -> FormatChoice:
     """The fastest of ``verified`` on this CPU by ``choice`` (module doc). ``source`` names where the
     verification comes from (logged); ``has_gguf``: False drops ``gguf`` (the model is not a GGUF);
     ``cpu_kernels``: kvscope's CPU kernels loaded, so gguf is preferred where the probe's compact int4 kernel
@@ -105,20 +113,28 @@ def choose_format(verified: tuple[str, ...], choice: KernelChoice | None, *, sou
     if unknown:
         raise ValueError(f"unknown weight formats {unknown}; known: {', '.join(FORMATS)}")
     if device_type != "cpu":
-        return FormatChoice("bfloat16", "bfloat16", "none", f"device {device_type}: compact formats are CPU-only")
+        return FormatChoice(
+            "bfloat16", "bfloat16", "none", f"device {device_type}: compact formats are CPU-only"
+        )
     candidates = [f for f in FORMATS if f in verified and (has_gguf or f != "gguf")]
     if choice is None or not candidates or not probe_rows(choice):
-        return FormatChoice("float32", "float32", "none", "no kernel probe timings or no verified format: float32")
+        return FormatChoice(
+            "float32", "float32", "none", "no kernel probe timings or no verified format: float32"
+        )
     scores = {f: round(format_score(f, choice), 4) for f in candidates}
     best = min(candidates, key=lambda f: (scores[f], candidates.index(f)))
     listed = ", ".join(f"{f} {scores[f]:.2f}" for f in candidates)
-    probe = (f"the start-up probe (cost vs float32, geometric mean over {len(probe_rows(choice))} batch sizes: "
-             f"{listed})")
+    probe = (
+        f"the start-up probe (cost vs float32, geometric mean over {len(probe_rows(choice))} batch sizes: "
+        f"{listed})"
+    )
     fused_rows = choice.max_rows.get("int4", 0)
     if cpu_kernels and "gguf" in candidates and fused_rows >= 1:
         best = "gguf"
-        reason = (f"kvscope's CPU kernels run gguf's decode step (fused up to {fused_rows} rows, where the int4 "
-                  f"kernel beats the dense one), which the matmul probe does not time; {probe}")
+        reason = (
+            f"kvscope's CPU kernels run gguf's decode step (fused up to {fused_rows} rows, where the int4 "
+            f"kernel beats the dense one), which the matmul probe does not time; {probe}"
+        )
     else:
         reason = f"fastest verified format by {probe}"
     dtype, quantization = FORMATS[best]

@@ -62,49 +62,98 @@ class FusedDecoder:
         c = model.config
         if c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.head_dim not in (64, 128):
             return None
-        head = getattr(model, "decode_head", None)  # the Q8_0 LM head kvscope.engine.models.compact made for this step
+        head = getattr(
+            model, "decode_head", None
+        )  # the Q8_0 LM head kvscope.engine.models.compact made for this step
         embed = model.model.embed_tokens.weight
-        if not isinstance(head, PairBlocks) or head.bits != 8 or not embed.is_contiguous() or \
-                embed.dtype not in (torch.bfloat16, torch.float32):
+        if (
+            not isinstance(head, PairBlocks)
+            or head.bits != 8
+            or not embed.is_contiguous()
+            or embed.dtype not in (torch.bfloat16, torch.float32)
+        ):
             return None
         codes, scales, limits = [], [], []
         norms = []
         for layer in model.model.layers:
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
                 weight = _pair(linear.cpu_kernel, bits=4)
                 if weight is None:
                     return None
                 codes.append(weight.codes)
                 scales.append(weight.scales)
                 limits.append(linear.cpu_kernel.max_compact_rows)
-            norms += [layer.input_layernorm.weight.detach().float().contiguous(),
-                      layer.post_attention_layernorm.weight.detach().float().contiguous()]
+            norms += [
+                layer.input_layernorm.weight.detach().float().contiguous(),
+                layer.post_attention_layernorm.weight.detach().float().contiguous(),
+            ]
         inv_freq = c.rope.inv_freq(c.head_dim, embed.device).contiguous()
-        return cls(embed=embed.detach(), inv_freq=inv_freq, norms=norms, codes=codes, scales=scales,
-                   final_norm=model.model.norm.weight.detach().float().contiguous(), head=head,
-                   num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
-                   max_rows=min(limits))
+        return cls(
+            embed=embed.detach(),
+            inv_freq=inv_freq,
+            norms=norms,
+            codes=codes,
+            scales=scales,
+            final_norm=model.model.norm.weight.detach().float().contiguous(),
+            head=head,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            eps=c.rms_norm_eps,
+            max_rows=min(limits),
+        )
 
     def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         """Whether this step can run fused: decode-only, at most ``max_rows`` requests, a float32/bfloat16 cache."""
-        return (metadata.max_query_len == 1 and metadata.num_reqs <= self.max_rows
-                and metadata.num_tokens == metadata.num_reqs and bool(kv_caches)
-                and kv_caches[0].dtype in (torch.bfloat16, torch.float32))
+        return (
+            metadata.max_query_len == 1
+            and metadata.num_reqs <= self.max_rows
+            and metadata.num_tokens == metadata.num_reqs
+            and bool(kv_caches)
+            and kv_caches[0].dtype in (torch.bfloat16, torch.float32)
+        )
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
         """input_ids, positions int64 ``[n]`` (one token per request) → float32 logits ``[n, vocab]``; writes
         the new tokens' K/V into ``kv_caches`` (``[2, blocks, block_size, KVH, head_dim]`` per layer) at
         ``metadata.slot_mapping``. Raises RuntimeError (from the kernel) on inconsistent shapes."""
         return torch.ops.kvscope_cpu.decode_step(
-            input_ids, positions, self.embed, self.inv_freq, self.norms, self.codes, self.scales,
-            self.final_norm, self.head.codes, self.head.scales, kv_caches, metadata.block_tables,
-            metadata.seq_lens, metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.eps)
+            input_ids,
+            positions,
+            self.embed,
+            self.inv_freq,
+            self.norms,
+            self.codes,
+            self.scales,
+            self.final_norm,
+            self.head.codes,
+            self.head.scales,
+            kv_caches,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+        )
 
 
 def _pair(kernel: object, bits: int) -> PairBlocks | None:
-    if isinstance(kernel, CompactLinearKernel) and isinstance(kernel.compact, PairBlocks) and \
-            kernel.compact.bits == bits and kernel.bias is None:
+    if (
+        isinstance(kernel, CompactLinearKernel)
+        and isinstance(kernel.compact, PairBlocks)
+        and kernel.compact.bits == bits
+        and kernel.bias is None
+    ):
         return kernel.compact
     return None

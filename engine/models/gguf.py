@@ -92,25 +92,33 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     """HF config dict (LlamaConfig-style fields) from GGUF metadata. Raises ValueError for other archs."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
     if arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
         hf_arch, model_type = GGUF_ARCHITECTURES["mistral"]
     heads = _uniform(_field(reader, f"{arch}.attention.head_count"), "head_count")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
-    head_dim = _field(reader, f"{arch}.attention.key_length", None) or _field(
-        reader, f"{arch}.rope.dimension_count", None) or hidden // heads
+    head_dim = (
+        _field(reader, f"{arch}.attention.key_length", None)
+        or _field(reader, f"{arch}.rope.dimension_count", None)
+        or hidden // heads
+    )
     tensor_names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
-        "vocab_size": int(_field(reader, f"{arch}.vocab_size", None)
-                          or len(reader.fields["tokenizer.ggml.tokens"].data)),
+        "vocab_size": int(
+            _field(reader, f"{arch}.vocab_size", None) or len(reader.fields["tokenizer.ggml.tokens"].data)
+        ),
         "hidden_size": hidden,
         "intermediate_size": _uniform(_field(reader, f"{arch}.feed_forward_length"), "feed_forward_length"),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": _uniform(_field(reader, f"{arch}.attention.head_count_kv", heads), "head_count_kv"),
+        "num_key_value_heads": _uniform(
+            _field(reader, f"{arch}.attention.head_count_kv", heads), "head_count_kv"
+        ),
         "head_dim": int(head_dim),
         "hidden_act": "silu",
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -134,7 +142,12 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
         return {}
     if kind != "linear":
         raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
-    return {"rope_scaling": {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}}
+    return {
+        "rope_scaling": {
+            "rope_type": "linear",
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+        }
+    }
 
 
 def _special_tokens(reader: GGUFReader) -> dict[str, int]:
@@ -228,7 +241,10 @@ def gguf_int4_blocks(gguf_path: Path | str) -> dict[str, Int4Blocks]:
     reader = GGUFReader(gguf_path)
     config = gguf_hf_config(reader)
     arch = _field(reader, "general.architecture")
-    heads = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
+    heads = {
+        ".self_attn.q_proj.": config["num_attention_heads"],
+        ".self_attn.k_proj.": config["num_key_value_heads"],
+    }
     out: dict[str, Int4Blocks] = {}
     for tensor in reader.tensors:
         if tensor.tensor_type not in GGUF_INT4_TYPES:
@@ -236,7 +252,9 @@ def gguf_int4_blocks(gguf_path: Path | str) -> dict[str, Int4Blocks]:
         name = hf_tensor_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))
         blocks = int4_blocks_from_gguf(np.asarray(tensor.data), tensor.tensor_type, shape)
-        permuted = next((n for fragment, n in heads.items() if fragment in name), None) if arch == "llama" else None
+        permuted = (
+            next((n for fragment, n in heads.items() if fragment in name), None) if arch == "llama" else None
+        )
         if permuted is not None:
             blocks = blocks.map_rows(lambda a, n=permuted: reverse_permute(a, n))
         out[name] = blocks
@@ -264,20 +282,31 @@ def cached_gguf_int4_blocks(gguf_path: Path | str, cache_dir: Path | str) -> dic
     if path.is_file():
         flat = load_file(str(path))
         names = sorted({key.rpartition(".")[0] for key in flat})
-        return {name: Int4Blocks(codes=_unpack_nibbles(flat[f"{name}.codes"]), scale=flat[f"{name}.scale"],
-                                 zero=flat[f"{name}.zero"]) for name in names}
+        return {
+            name: Int4Blocks(
+                codes=_unpack_nibbles(flat[f"{name}.codes"]),
+                scale=flat[f"{name}.scale"],
+                zero=flat[f"{name}.zero"],
+            )
+            for name in names
+        }
     blocks = gguf_int4_blocks(gguf_path)
     flat = {}
     for name, b in blocks.items():
-        flat |= {f"{name}.codes": b.codes[:, 0::2] | (b.codes[:, 1::2] << 4), f"{name}.scale": b.scale,
-                 f"{name}.zero": b.zero}
+        flat |= {
+            f"{name}.codes": b.codes[:, 0::2] | (b.codes[:, 1::2] << 4),
+            f"{name}.scale": b.scale,
+            f"{name}.zero": b.zero,
+        }
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp), metadata={"source": str(gguf_path)})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError as exc:  # a read-only model folder: work without the cache
-        logger.warning("could not write the int4 cache %s (%s); the next start reads the GGUF again", path, exc)
+        logger.warning(
+            "could not write the int4 cache %s (%s); the next start reads the GGUF again", path, exc
+        )
         tmp.unlink(missing_ok=True)
     return blocks
 

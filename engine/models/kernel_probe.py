@@ -61,10 +61,14 @@ class KernelChoice:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        rows = ", ".join(f"{fmt} up to {'all' if n >= NO_DENSE else n} rows" for fmt, n in self.max_rows.items())
+        rows = ", ".join(
+            f"{fmt} up to {'all' if n >= NO_DENSE else n} rows" for fmt, n in self.max_rows.items()
+        )
         amx = f", int4 on AMX up to {self.batched_rows} rows" if self.batched_rows else ""
-        return (f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows}{amx} (cpu "
-                f"{self.cpu_capability}{', ' + ' '.join(self.cpu_flags) if self.cpu_flags else ''})")
+        return (
+            f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows}{amx} (cpu "
+            f"{self.cpu_capability}{', ' + ' '.join(self.cpu_flags) if self.cpu_flags else ''})"
+        )
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
@@ -77,7 +81,9 @@ def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
         text = cpuinfo.read_text()
     except OSError:
         return ()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
@@ -102,8 +108,9 @@ def crossover(compact_ms: Sequence[float], dense_ms: Sequence[float], rows: Sequ
     return NO_DENSE
 
 
-def _interleaved_best_ms(fns: dict[str, Callable[[], object]], repeats: int,
-                         clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+def _interleaved_best_ms(
+    fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
     """Best time (ms) of each function by ``clock``, timing them round-robin so that a burst of load elsewhere
     slows every candidate alike instead of one of them."""
     for fn in fns.values():
@@ -117,8 +124,13 @@ def _interleaved_best_ms(fns: dict[str, Callable[[], object]], repeats: int,
     return {key: t * 1e3 for key, t in best.items()}
 
 
-def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Sequence[int] = PROBE_ROWS,
-                      repeats: int = 5, batched_rows: Sequence[int] = BATCHED_PROBE_ROWS) -> KernelChoice:
+def probe_cpu_kernels(
+    out_features: int = 3072,
+    in_features: int = 576,
+    rows: Sequence[int] = PROBE_ROWS,
+    repeats: int = 5,
+    batched_rows: Sequence[int] = BATCHED_PROBE_ROWS,
+) -> KernelChoice:
     """Time dense float32/bfloat16 (oneDNN packed) and compact int4/int8 matmuls of a random
     ``[out_features, in_features]`` weight at each row count, and kvscope's AMX int4 matmul against the dense
     bfloat16 one at each of ``batched_rows`` where it is built; returns the KernelChoice. Times one thread's CPU
@@ -132,15 +144,25 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
         if kernel is None:
             raise RuntimeError("oneDNN is not available in this torch build")
         kernels[str(dtype).removeprefix("torch.")] = kernel
-    blocks = Int4Blocks(codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
-                        scale=torch.full((out_features, in_features // 32), 0.01),
-                        zero=torch.zeros(out_features, in_features // 32))
+    blocks = Int4Blocks(
+        codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
+        scale=torch.full((out_features, in_features // 32), 0.01),
+        zero=torch.zeros(out_features, in_features // 32),
+    )
     kernels["int4"] = _int4_kernel(blocks)
     kernels["int8"] = Int8Weight.from_float(weight).matmul
-    inputs = {(dtype, n): torch.ones(n, in_features, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
-              for n in (*rows, *batched_rows)}
-    fns = {f"{name}@{n}": (lambda k=kernel, x=inputs[torch.float32 if name == "float32" else torch.bfloat16, n]: k(x))
-           for name, kernel in kernels.items() for n in rows}
+    inputs = {
+        (dtype, n): torch.ones(n, in_features, dtype=dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+        for n in (*rows, *batched_rows)
+    }
+    fns = {
+        f"{name}@{n}": (
+            lambda k=kernel, x=inputs[torch.float32 if name == "float32" else torch.bfloat16, n]: k(x)
+        )
+        for name, kernel in kernels.items()
+        for n in rows
+    }
     amx = _amx_kernel(blocks)
     if amx is not None:  # the AMX matmul against the bfloat16 copy it would replace, also above ``rows``
         for n in batched_rows:
@@ -164,22 +186,37 @@ def probe_cpu_kernels(out_features: int = 3072, in_features: int = 576, rows: Se
     amx_limit = 0
     if amx is not None and dense_dtype == torch.bfloat16:
         amx_limit = amx_rows(timings, max_rows["int4"], batched_rows)
-    choice = KernelChoice(dense_dtype=dense_dtype, max_rows=max_rows, timings_ms=timings,
-                          cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_flags=cpu_bf16_flags(),
-                          batched_rows=amx_limit)
-    logger.info("CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s; ms %s", threads, out_features,
-                in_features, choice.describe(), {k: round(v, 3) for k, v in timings.items()})
+    choice = KernelChoice(
+        dense_dtype=dense_dtype,
+        max_rows=max_rows,
+        timings_ms=timings,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        cpu_flags=cpu_bf16_flags(),
+        batched_rows=amx_limit,
+    )
+    logger.info(
+        "CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s; ms %s",
+        threads,
+        out_features,
+        in_features,
+        choice.describe(),
+        {k: round(v, 3) for k, v in timings.items()},
+    )
     return choice
 
 
-def amx_rows(timings_ms: dict[str, float], compact_rows: int, probed: Sequence[int] = BATCHED_PROBE_ROWS) -> int:
+def amx_rows(
+    timings_ms: dict[str, float], compact_rows: int, probed: Sequence[int] = BATCHED_PROBE_ROWS
+) -> int:
     """Up to how many rows the AMX int4 matmul (``int4_amx@n``) is not slower than the dense bfloat16 copy
     (``bfloat16@n``) at every ``probed`` size above ``compact_rows`` (where the GEMV hands over), capped at the
     largest probed size; 0 when it loses at the first of them."""
     above = [n for n in probed if n > compact_rows]
     if not above:
         return 0
-    won = crossover([timings_ms[f"int4_amx@{n}"] for n in above], [timings_ms[f"bfloat16@{n}"] for n in above], above)
+    won = crossover(
+        [timings_ms[f"int4_amx@{n}"] for n in above], [timings_ms[f"bfloat16@{n}"] for n in above], above
+    )
     return min(won, above[-1])
 
 
@@ -204,8 +241,14 @@ def _int4_kernel(blocks: Int4Blocks) -> Callable[[torch.Tensor], torch.Tensor]:
     return int4_weight(blocks, cpu_decode.is_loaded() and blocks.codes.shape[1] % cpu_decode.PAIR == 0).matmul
 
 
-def decode_matmul_ms(shapes: Sequence[tuple[int, int]], rows: int, fmt: str, choice: KernelChoice,
-                     repeats: int = 5, clock: Callable[[], float] = time.perf_counter) -> float:
+def decode_matmul_ms(
+    shapes: Sequence[tuple[int, int]],
+    rows: int,
+    fmt: str,
+    choice: KernelChoice,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Best time (ms) of one decode step's matmuls ``shapes`` (``[N, K]`` each, in order, e.g.
     :func:`model_linear_shapes`) at ``rows`` rows in format ``fmt``: float32/bfloat16 (dense, as
     ``Linear.prepare_for_cpu``) or int4/int8 (compact kernels switching to dense above ``choice.max_rows``;
@@ -225,13 +268,28 @@ def decode_matmul_ms(shapes: Sequence[tuple[int, int]], rows: int, fmt: str, cho
         if quant in ("float32", "bfloat16") or (quant == "int4" and i == len(shapes) - 1):
             kernels.append(cpu_linear_kernel(weight.to(dtype), None))
             continue
-        compact = Int8Weight.from_float(weight) if quant == "int8" else Int4Weight.from_blocks(Int4Blocks(
-            codes=torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
-            scale=torch.full((n, k // 32), 0.01), zero=torch.zeros(n, k // 32)))
+        compact = (
+            Int8Weight.from_float(weight)
+            if quant == "int8"
+            else Int4Weight.from_blocks(
+                Int4Blocks(
+                    codes=torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                    scale=torch.full((n, k // 32), 0.01),
+                    zero=torch.zeros(n, k // 32),
+                )
+            )
+        )
         limit = choice.max_rows[quant]
         dense = packed_linear_kernel(weight.to(choice.dense_dtype), None) if limit < NO_DENSE else None
-        kernels.append(CompactLinearKernel(compact=compact, bias=None, dense=dense, dense_dtype=choice.dense_dtype,
-                                           max_compact_rows=limit))
+        kernels.append(
+            CompactLinearKernel(
+                compact=compact,
+                bias=None,
+                dense=dense,
+                dense_dtype=choice.dense_dtype,
+                max_compact_rows=limit,
+            )
+        )
     inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes]
 
     def step() -> None:
@@ -249,6 +307,10 @@ def model_linear_shapes(hf_config: dict) -> list[tuple[int, int]]:
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     head_dim = hf_config.get("head_dim") or hidden // heads
-    layer = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
-             (hidden, inter)]
+    layer = [
+        ((heads + 2 * kv_heads) * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (2 * inter, hidden),
+        (hidden, inter),
+    ]
     return layer * hf_config["num_hidden_layers"] + [(hf_config["vocab_size"], hidden)]

@@ -109,8 +109,9 @@ def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLin
     except (AttributeError, RuntimeError):  # op missing from this build, or oneDNN refused the shape
         return None
     column_major = weight.t().contiguous().t() if weight.dtype == torch.float32 else None
-    return CpuLinearKernel(column_major=column_major, packed=packed,
-                           bias=None if bias is None else bias.detach())
+    return CpuLinearKernel(
+        column_major=column_major, packed=packed, bias=None if bias is None else bias.detach()
+    )
 
 
 def packed_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLinearKernel | None:
@@ -223,8 +224,13 @@ def cpu_op_applies(x: torch.Tensor) -> bool:
     """Whether ``x`` suits kvscope's C++ elementwise kernels (kernels/csrc/cpu_elementwise.cpp): contiguous
     bfloat16 rows [R, H], H a multiple of 32, outside autograd (the ops have no backward). The device is not
     checked: only a CPU model turns the ops on (``LlamaForCausalLM.use_cpu_elementwise_ops``)."""
-    return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] % 32 == 0 and x.is_contiguous()
-            and not torch.is_grad_enabled())
+    return (
+        x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[1] % 32 == 0
+        and x.is_contiguous()
+        and not torch.is_grad_enabled()
+    )
 
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +256,9 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+            raise ValueError(
+                f"unsupported rope scaling {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> RopeConfig:
@@ -261,15 +269,19 @@ class RopeConfig:
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         original = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-        return cls(theta=float(theta), rope_type=rope_type, factor=float(params.get("factor", 1.0)),
-                   low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                   high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                   original_max_position_embeddings=int(original))
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original),
+        )
 
     def inv_freq(self, head_dim: int, device: torch.device) -> torch.Tensor:
         """float32 [head_dim / 2]: 1 / theta^(2i/d) (Su et al. 2021), then the configured scaling."""
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
-        inv_freq = 1.0 / (self.theta ** exponent)
+        inv_freq = 1.0 / (self.theta**exponent)
         if self.rope_type == "linear":
             return inv_freq / self.factor
         if self.rope_type == "llama3":

@@ -71,11 +71,15 @@ def _base_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"only hidden_act='silu' is supported, got {cfg.get('hidden_act')!r}")
     heads = cfg["num_attention_heads"]
     return dict(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         rope=RopeConfig.from_hf(cfg),
     )
 
@@ -91,7 +95,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
@@ -105,18 +109,27 @@ class Attention(nn.Module):
         """hidden [T, hidden_size], cos/sin [T, 1, head_dim] from :func:`rope_tables` → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:  # RoPE of q and k in one pass (elementwise: the same numbers as two calls)
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
-                                                          self.head_dim)
-            if (self.cpu_op and qk.dtype == cos.dtype == sin.dtype == torch.bfloat16 and self.head_dim % 32 == 0
-                    and cos.is_contiguous() and sin.is_contiguous() and not torch.is_grad_enabled()):
-                roped = torch.ops.kvscope_cpu.rope(qk, cos, sin)  # apply_rope's 4 ops in one pass, bit for bit
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            if (
+                self.cpu_op
+                and qk.dtype == cos.dtype == sin.dtype == torch.bfloat16
+                and self.head_dim % 32 == 0
+                and cos.is_contiguous()
+                and sin.is_contiguous()
+                and not torch.is_grad_enabled()
+            ):
+                roped = torch.ops.kvscope_cpu.rope(
+                    qk, cos, sin
+                )  # apply_rope's 4 ops in one pass, bit for bit
             else:
                 roped = apply_rope(qk, cos, sin)
             q, k = roped.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -153,8 +166,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden_size]: the previous layer's MLP output, or the embeddings when ``residual`` is None
         (the first layer); residual [T, hidden_size]: the stream before that output was added. Returns (this
         layer's MLP output, the stream before it): the caller adds them, fused into the next norm
@@ -224,8 +238,13 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def arch_config(cls, cfg: Mapping[str, Any]) -> ArchConfig:
         bias = bool(cfg.get("attention_bias", False))
-        return ArchConfig(**_base_fields(cfg), qkv_bias=bias, o_bias=bias,
-                          mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=cfg.get("sliding_window"))
+        return ArchConfig(
+            **_base_fields(cfg),
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=cfg.get("sliding_window"),
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [T], positions int64 [T] → hidden [T, hidden_size]. Needs a forward context."""
@@ -236,8 +255,12 @@ class LlamaForCausalLM(nn.Module):
         through the 8-bit ``decode_head`` where there is one, as in the fused decode step: the first token of a
         lone prompt comes from the same head as the tokens after it, in 0.6 instead of 1.6 ms (SmolLM2's 49,152 ×
         576 head, 2 threads, AMD EPYC: a GEMV reads the weights once, 28 instead of 57 MB)."""
-        if self.decode_head is not None and hidden.shape[0] == 1 and not torch.is_grad_enabled() and \
-                hidden.dtype in (torch.float32, torch.bfloat16):
+        if (
+            self.decode_head is not None
+            and hidden.shape[0] == 1
+            and not torch.is_grad_enabled()
+            and hidden.dtype in (torch.float32, torch.bfloat16)
+        ):
             return self.decode_head.matmul(hidden.contiguous())
         if self.logits_kernel is not None and not torch.is_grad_enabled():
             return self.logits_kernel(hidden).float()
@@ -269,7 +292,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             self.logits_kernel = self.lm_head.cpu_kernel
             return switched
-        if getattr(self.logits_kernel, "compact", None) is not None:  # int8 logits (kvscope.engine.models.compact)
+        if (
+            getattr(self.logits_kernel, "compact", None) is not None
+        ):  # int8 logits (kvscope.engine.models.compact)
             return switched + 1
         embed = self.model.embed_tokens
         self.logits_kernel = cpu_linear_kernel(embed.weight, None)
@@ -288,7 +313,9 @@ class LlamaForCausalLM(nn.Module):
         number of matmuls run."""
         dtype = self.model.embed_tokens.weight.dtype
         shapes: dict[tuple[int, int, type], Linear] = {}
-        for module in self.model.modules():  # the decoder's projections (the LM head runs on sampled rows only)
+        for (
+            module
+        ) in self.model.modules():  # the decoder's projections (the LM head runs on sampled rows only)
             if isinstance(module, Linear) and module.cpu_kernel is not None:
                 shapes.setdefault((module.in_features, module.out_features, type(module.cpu_kernel)), module)
         calls = 0
@@ -308,7 +335,9 @@ class LlamaForCausalLM(nn.Module):
         filled: set[tuple[str, int]] = set()
         used: set[str] = set()
         for name, tensor in weights:
-            if name.endswith(SKIPPED_WEIGHT_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if name.endswith(SKIPPED_WEIGHT_SUFFIXES) or (
+                name == "lm_head.weight" and self.config.tie_word_embeddings
+            ):
                 continue
             target, shard = self._target(name)
             if target not in params:
@@ -329,7 +358,9 @@ class LlamaForCausalLM(nn.Module):
     def _copy_shard(self, param: nn.Parameter, name: str, shard: int, tensor: torch.Tensor) -> None:
         rows = param.data if shard < 0 else param.data.narrow(0, *self._shard_range(name, shard))
         if rows.shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {name} shard {shard}: {tuple(tensor.shape)} vs {tuple(rows.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name} shard {shard}: {tuple(tensor.shape)} vs {tuple(rows.shape)}"
+            )
         with torch.no_grad():
             rows.copy_(tensor)
 
@@ -378,7 +409,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def arch_config(cls, cfg: Mapping[str, Any]) -> ArchConfig:
         bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-        return ArchConfig(**_base_fields(cfg), qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_window=window)
+        return ArchConfig(
+            **_base_fields(cfg), qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_window=window
+        )
 
 
 def check_sliding_window(config: ArchConfig, max_model_len: int) -> None:
@@ -386,5 +419,7 @@ def check_sliding_window(config: ArchConfig, max_model_len: int) -> None:
     up to the window, full causal attention is exactly sliding-window attention)."""
     window = config.sliding_window
     if window is not None and max_model_len > window:
-        raise ValueError(f"sliding-window attention is not implemented: set max_model_len <= {window} "
-                         f"(the window), got {max_model_len}")
+        raise ValueError(
+            f"sliding-window attention is not implemented: set max_model_len <= {window} "
+            f"(the window), got {max_model_len}"
+        )

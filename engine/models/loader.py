@@ -94,8 +94,10 @@ def _resolve(name_or_path: str, root: Path | None) -> tuple[Path, bool, Path | N
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
         return *_ensure_converted(ggufs[0], gguf_conversion_dir(ggufs[0], root)), ggufs[0]
-    raise UnknownModelError(f"model {name_or_path!r} is not a registered name ({', '.join(list_models())}), "
-                            "a HF folder with config.json, or a .gguf file")
+    raise UnknownModelError(
+        f"model {name_or_path!r} is not a registered name ({', '.join(list_models())}), "
+        "a HF folder with config.json, or a .gguf file"
+    )
 
 
 def gguf_conversion_dir(gguf_path: Path, root: Path | None = None) -> Path:
@@ -143,8 +145,9 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
-                model_dir: Path) -> LlamaForCausalLM:
+def build_model(
+    hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str, model_dir: Path
+) -> LlamaForCausalLM:
     """Instantiate without initialising (meta device), allocate on ``device``, fill from safetensors."""
     with torch.device("meta"):
         model = get_model_class(hf_config)(hf_config)
@@ -153,8 +156,9 @@ def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
-               root: Path | None = None) -> tuple[LlamaForCausalLM, dict[str, Any], Path]:
+def load_model(
+    model_config: ModelConfig, device: torch.device | str = "cpu", *, root: Path | None = None
+) -> tuple[LlamaForCausalLM, dict[str, Any], Path]:
     """Resolve, (pull, convert,) and load ``model_config.model`` on ``device`` in ``model_config.dtype``.
 
     Returns (model, HF config dict, model folder); ``model.load_report`` holds a LoadReport. Raises
@@ -166,32 +170,67 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", *,
     hf_config = read_hf_config(model_dir)
     device = torch.device(device)
     if model_config.quantization not in ("none", "auto") and device.type != "cpu":
-        raise ValueError(f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
-                         f"kernels); use --quantization none on {device}")
+        raise ValueError(
+            f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
+            f"kernels); use --quantization none on {device}"
+        )
     # the kernels' build folder is the configured cache root's even when ``root`` moves the models elsewhere (a
     # test's tmp folder): one compile per machine, not per model folder
-    cpu_kernels = load_cpu_kernels(cache_root()) if device.type == "cpu" and model_config.cpu_kernels == "auto" \
-        and model_config.quantization in PAIR_KERNEL_QUANTIZATIONS else None
-    kernels = probe_cpu_kernels() if device.type == "cpu" and (
-        model_config.dtype == "auto" or model_config.quantization not in ("none", "auto")) else None
-    fmt = resolve_format(model_config, device, kernels, gguf_path,
-                         cpu_kernels=cpu_kernels is not None and cpu_kernels.ok)
+    cpu_kernels = (
+        load_cpu_kernels(cache_root())
+        if device.type == "cpu"
+        and model_config.cpu_kernels == "auto"
+        and model_config.quantization in PAIR_KERNEL_QUANTIZATIONS
+        else None
+    )
+    kernels = (
+        probe_cpu_kernels()
+        if device.type == "cpu"
+        and (model_config.dtype == "auto" or model_config.quantization not in ("none", "auto"))
+        else None
+    )
+    fmt = resolve_format(
+        model_config, device, kernels, gguf_path, cpu_kernels=cpu_kernels is not None and cpu_kernels.ok
+    )
     dtype = DTYPES[fmt.dtype]
     model = build_model(hf_config, dtype, device, model_dir)
     check_sliding_window(model.config, model_config.max_model_len or hf_config["max_position_embeddings"])
     quant = None
     if fmt.quantization != "none":
-        quant = quantize_model(model, fmt.quantization, kernels, gguf_path, model_dir,
-                               pair_kernels=cpu_kernels is not None and cpu_kernels.ok)
+        quant = quantize_model(
+            model,
+            fmt.quantization,
+            kernels,
+            gguf_path,
+            model_dir,
+            pair_kernels=cpu_kernels is not None and cpu_kernels.ok,
+        )
     if cpu_kernels is not None and cpu_kernels.ok and dtype == torch.bfloat16:
         model.use_cpu_elementwise_ops()  # norms, residual add + norm, SwiGLU, RoPE: kernels/csrc/cpu_elementwise.cpp
-    report = LoadReport(model_dir=model_dir, converted=converted, resolve_s=resolved - start,
-                        weights_s=time.perf_counter() - resolved, dtype=dtype, quantization=quant, kernels=kernels,
-                        gguf_path=gguf_path, weight_format=fmt, cpu_kernels=cpu_kernels)
+    report = LoadReport(
+        model_dir=model_dir,
+        converted=converted,
+        resolve_s=resolved - start,
+        weights_s=time.perf_counter() - resolved,
+        dtype=dtype,
+        quantization=quant,
+        kernels=kernels,
+        gguf_path=gguf_path,
+        weight_format=fmt,
+        cpu_kernels=cpu_kernels,
+    )
     model.load_report = report
-    logger.info("loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs), dtype %s, quantization %s",
-                model_config.model, model_dir, report.total_s, " + convert" if converted else "", report.resolve_s,
-                report.weights_s, fmt.dtype, fmt.quantization)
+    logger.info(
+        "loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs), dtype %s, quantization %s",
+        model_config.model,
+        model_dir,
+        report.total_s,
+        " + convert" if converted else "",
+        report.resolve_s,
+        report.weights_s,
+        fmt.dtype,
+        fmt.quantization,
+    )
     return model, hf_config, model_dir
 
 
@@ -199,17 +238,30 @@ def load_cpu_kernels(root: Path) -> BuildResult:
     """Build (first start on a machine: ~15 s of C++ compile) and load kvscope's CPU kernels from
     ``root``/:data:`CPU_KERNELS_DIR`; logs where they are not usable (torch's kernels are used then)."""
     started = time.perf_counter()
-    logger.info("kvscope CPU kernels: loading from %s (the first start on a machine compiles them, ~15-45 s)",
-                root / CPU_KERNELS_DIR)
+    logger.info(
+        "kvscope CPU kernels: loading from %s (the first start on a machine compiles them, ~15-45 s)",
+        root / CPU_KERNELS_DIR,
+    )
     result = load(root / CPU_KERNELS_DIR)
     level = logging.INFO if result.ok else logging.WARNING
-    logger.log(level, "kvscope CPU kernels %s (%s, %.1fs)%s", "loaded" if result.ok else "unavailable",
-               result.detail, time.perf_counter() - started, "" if result.ok else ": using torch's kernels")
+    logger.log(
+        level,
+        "kvscope CPU kernels %s (%s, %.1fs)%s",
+        "loaded" if result.ok else "unavailable",
+        result.detail,
+        time.perf_counter() - started,
+        "" if result.ok else ": using torch's kernels",
+    )
     return result
 
 
-def resolve_format(model_config: ModelConfig, device: torch.device, kernels: KernelChoice | None,
-                   gguf_path: Path | None, cpu_kernels: bool = False) -> FormatChoice:
+def resolve_format(
+    model_config: ModelConfig,
+    device: torch.device,
+    kernels: KernelChoice | None,
+    gguf_path: Path | None,
+    cpu_kernels: bool = False,
+) -> FormatChoice:
     """The weight format to load: ``--quantization auto`` with ``--dtype auto`` asks
     :func:`kvscope.engine.models.format_choice.choose_format` (the model's verified formats, the probe, whether
     kvscope's CPU kernels loaded: ``cpu_kernels``); an explicit ``--dtype`` with ``auto`` pins dense weights in
@@ -217,13 +269,22 @@ def resolve_format(model_config: ModelConfig, device: torch.device, kernels: Ker
     """
     if model_config.quantization == "auto" and model_config.dtype == "auto":
         verified, source = verified_formats(model_config.model)
-        return choose_format(verified, kernels, source=source, device_type=device.type,
-                             has_gguf=gguf_path is not None, cpu_kernels=cpu_kernels)
+        return choose_format(
+            verified,
+            kernels,
+            source=source,
+            device_type=device.type,
+            has_gguf=gguf_path is not None,
+            cpu_kernels=cpu_kernels,
+        )
     dtype = str(resolve_dtype(model_config.dtype, device, kernels)).removeprefix("torch.")
     if model_config.quantization == "auto":
         return pinned_format(dtype, "none", f"--dtype {model_config.dtype} given: dense weights")
-    return pinned_format(dtype, model_config.quantization,
-                         f"--dtype {model_config.dtype} --quantization {model_config.quantization} given")
+    return pinned_format(
+        dtype,
+        model_config.quantization,
+        f"--dtype {model_config.dtype} --quantization {model_config.quantization} given",
+    )
 
 
 def resolve_dtype(name: str, device: torch.device, kernels: KernelChoice | None) -> torch.dtype:

@@ -57,17 +57,26 @@ class Int4Blocks:
 
     def map_rows(self, fn) -> Int4Blocks:
         """Apply a row permutation ``fn`` (numpy ``[N, …]`` → ``[N, …]``) to codes, scale and zero alike."""
-        return Int4Blocks(*(torch.from_numpy(np.ascontiguousarray(fn(t.numpy()))) for t in
-                            (self.codes, self.scale, self.zero)))
+        return Int4Blocks(
+            *(
+                torch.from_numpy(np.ascontiguousarray(fn(t.numpy())))
+                for t in (self.codes, self.scale, self.zero)
+            )
+        )
 
     @staticmethod
     def cat(parts: Sequence[Int4Blocks]) -> Int4Blocks:
         """Stack along the output rows (fused q/k/v or gate/up)."""
-        return Int4Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]))
+        return Int4Blocks(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+        )
 
 
-def int4_blocks_from_gguf(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Int4Blocks:
+def int4_blocks_from_gguf(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> Int4Blocks:
     """Unpack GGUF Q4_0/Q4_1 rows (uint8 ``[N, K/32 · block bytes]``, as ``GGUFReader`` returns them) of a
     ``[N, K]`` matrix into codes/scale/zero, exactly: ``dequantize()`` equals ``gguf.quants.dequantize``.
 
@@ -91,8 +100,9 @@ def int4_blocks_from_gguf(data: np.ndarray, qtype: GGMLQuantizationType, shape: 
     return Int4Blocks(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero))
 
 
-def int4_blocks_from_float(weight: torch.Tensor,
-                           qtype: GGMLQuantizationType = GGMLQuantizationType.Q4_1) -> Int4Blocks:
+def int4_blocks_from_float(
+    weight: torch.Tensor, qtype: GGMLQuantizationType = GGMLQuantizationType.Q4_1
+) -> Int4Blocks:
     """Quantize a float ``[N, K]`` weight as llama.cpp would (``gguf.quants.quantize``, round-to-nearest, no
     importance matrix), for models that do not come as a Q4 GGUF. Raises ValueError when K % 32 != 0."""
     if weight.shape[1] % INT4_GROUP:
@@ -126,9 +136,13 @@ class Int4Weight:
     @classmethod
     def from_blocks(cls, blocks: Int4Blocks) -> Int4Weight:
         """Pack; raises RuntimeError when torch refuses the shape (N must be a multiple of 16)."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32).contiguous(), 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            blocks.codes.to(torch.int32).contiguous(), 1
+        )
         pairs = torch.stack([blocks.scale, blocks.zero], dim=-1).transpose(0, 1).contiguous()
-        return cls(packed=packed, scales_and_zeros=pairs.to(COMPUTE_DTYPE), out_features=blocks.codes.shape[0])
+        return cls(
+            packed=packed, scales_and_zeros=pairs.to(COMPUTE_DTYPE), out_features=blocks.codes.shape[0]
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x bfloat16 ``[M, K]`` → bfloat16 ``[M, N]``."""

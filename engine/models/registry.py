@@ -13,18 +13,22 @@ from kvscope.engine.models.llama import (
     Qwen3ForCausalLM,
 )
 
-ARCHITECTURES: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType({
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-})
-MODEL_TYPES: Mapping[str, str] = MappingProxyType({
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-})
+ARCHITECTURES: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
+    {
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "MistralForCausalLM": MistralForCausalLM,
+        "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    }
+)
+MODEL_TYPES: Mapping[str, str] = MappingProxyType(
+    {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+)
 
 
 def get_model_class(hf_config: Mapping[str, Any]) -> type[LlamaForCausalLM]:
@@ -38,5 +42,7 @@ def get_model_class(hf_config: Mapping[str, Any]) -> type[LlamaForCausalLM]:
     model_type = hf_config.get("model_type")
     if model_type in MODEL_TYPES:
         return ARCHITECTURES[MODEL_TYPES[model_type]]
-    raise ValueError(f"unsupported architecture {hf_config.get('architectures')} (model_type={model_type!r}); "
-                     f"supported: {', '.join(ARCHITECTURES)}")
+    raise ValueError(
+        f"unsupported architecture {hf_config.get('architectures')} (model_type={model_type!r}); "
+        f"supported: {', '.join(ARCHITECTURES)}"
+    )

@@ -76,15 +76,25 @@ class AccessRecord:
         kvscope = self.details.get("kvscope", {})
         outcome = "success" if status < 400 and kvscope.get("outcome", "success") == "success" else "failure"
         record: dict[str, Any] = {
-            "@timestamp": _iso(end_ns), "ecs": {"version": ECS_VERSION},
+            "@timestamp": _iso(end_ns),
+            "ecs": {"version": ECS_VERSION},
             "log": {"level": _level(status, outcome), "logger": ACCESS_LOGGER},
             "message": self._message(status, kvscope),
-            "event": {"kind": "event", "category": ["web"], "type": ["access"], "outcome": outcome,
-                      "duration": int((time.monotonic() - self._start) * 1e9), "start": _iso(self.start_ns),
-                      "end": _iso(end_ns)},
-            "http": {"request": {"id": self.request_id, "method": self.method},
-                     "response": {"status_code": status}},
-            "url": {"path": self.path}, "service": {"name": service_name},
+            "event": {
+                "kind": "event",
+                "category": ["web"],
+                "type": ["access"],
+                "outcome": outcome,
+                "duration": int((time.monotonic() - self._start) * 1e9),
+                "start": _iso(self.start_ns),
+                "end": _iso(end_ns),
+            },
+            "http": {
+                "request": {"id": self.request_id, "method": self.method},
+                "response": {"status_code": status},
+            },
+            "url": {"path": self.path},
+            "service": {"name": service_name},
         }
         if self.error is not None:
             record["error"] = self.error
@@ -117,8 +127,12 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
 class AccessLogMiddleware:
     """ASGI middleware for every routed request: count it, and log it unless it is a quiet success."""
 
-    def __init__(self, app: Callable, on_done: Callable[[AccessRecord, str], None],
-                 on_start: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def __init__(
+        self,
+        app: Callable,
+        on_done: Callable[[AccessRecord, str], None],
+        on_start: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> None:
         """``on_start(scope)`` returns the request's HTTP SERVER span (kept on the record), ``on_done(record,
         route)`` runs when the response ended."""
         self.app = app
@@ -138,8 +152,10 @@ class AccessLogMiddleware:
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))],
+                }
             await send(message)
 
         body = _BodyWatch(receive)
@@ -175,12 +191,16 @@ def _body_outcome(record: AccessRecord, body: _BodyWatch, scope: dict[str, Any])
         return
     if (scope.get("state") or {}).get(READ_TIMEOUT_KEY) is not None:
         record.status_override = 408
-        record.set_error("timeout_error", "the request body stalled; the server closed the connection",
-                         "request_timeout")
+        record.set_error(
+            "timeout_error", "the request body stalled; the server closed the connection", "request_timeout"
+        )
         return
     record.status_override = CLIENT_CLOSED_REQUEST
-    record.set_error(error_type(CLIENT_CLOSED_REQUEST), "the client closed the connection while sending the request "
-                     "body", default_code(CLIENT_CLOSED_REQUEST))
+    record.set_error(
+        error_type(CLIENT_CLOSED_REQUEST),
+        "the client closed the connection while sending the request body",
+        default_code(CLIENT_CLOSED_REQUEST),
+    )
 
 
 class JsonLineHandler(logging.Handler):

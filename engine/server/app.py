@@ -47,9 +47,15 @@ WARMUP_PROMPT = "Hello"
 class AppContext:
     """Builds the ServerState at start-up and hands it to the middleware and hooks created before it."""
 
-    def __init__(self, settings: ServerSettings, engine_config: EngineConfig | None, engine: EngineClient | None,
-                 tracing: Tracing | None, registry: CollectorRegistry | None,
-                 metric_readers: Sequence[MetricReader] = ()) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        engine_config: EngineConfig | None,
+        engine: EngineClient | None,
+        tracing: Tracing | None,
+        registry: CollectorRegistry | None,
+        metric_readers: Sequence[MetricReader] = (),
+    ) -> None:
         if engine_config is None and engine is None:
             raise ValueError("create_app needs an engine_config or an engine")
         self.settings = settings
@@ -83,28 +89,45 @@ class AppContext:
             engine = await asyncio.to_thread(AsyncEngine, self._engine_config)
         warm_prefill = getattr(engine, "warm_up_prefill", None)  # the server tests' fake engines have none
         if self.settings.warmup and warm_prefill is not None:
-            await asyncio.to_thread(warm_prefill)  # oneDNN shapes of every prefill size (before the step loop)
+            await asyncio.to_thread(
+                warm_prefill
+            )  # oneDNN shapes of every prefill size (before the step loop)
         engine.start()
         if self.settings.warmup:
             await warm_up(engine)
         tracing = self._tracing or Tracing.otlp(self.settings.service_name, self.settings.otlp_endpoint)
-        meters = build_meter_provider({"service.name": self.settings.service_name,
-                                       "service.version": kvscope_version()},
-                                      self.settings.otlp_endpoint, self._metric_readers)
+        meters = build_meter_provider(
+            {"service.name": self.settings.service_name, "service.version": kvscope_version()},
+            self.settings.otlp_endpoint,
+            self._metric_readers,
+        )
         registry = self._registry or CollectorRegistry()
-        ProcessCollector(registry=registry)  # process_resident_memory_bytes & co. (the prometheus_client standard)
+        ProcessCollector(
+            registry=registry
+        )  # process_resident_memory_bytes & co. (the prometheus_client standard)
         speculative = engine.speculative  # the per-position series and length buckets follow k
-        metrics = ServerMetrics(registry, engine.info.name, engine.device,
-                                self.settings.buckets, genai=GenAiServerMetrics(meters, kvscope_version()),
-                                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
+        metrics = ServerMetrics(
+            registry,
+            engine.info.name,
+            engine.device,
+            self.settings.buckets,
+            genai=GenAiServerMetrics(meters, kvscope_version()),
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+        )
         self.state = ServerState(engine, self.settings, metrics, tracing)
         _observe_mask_time(self.state)
         _set_device_memory(self.state)
         self._start_gpu_telemetry(engine, metrics)
         self.state.on_step(StepResult())
         engine.set_step_listener(self.state.on_step)
-        logger.info("serving %s (max_model_len %d, dtype %s, quantization %s, weights %d B)", engine.info.name,
-                    engine.info.max_model_len, engine.info.dtype, engine.info.quantization, engine.info.weights_bytes)
+        logger.info(
+            "serving %s (max_model_len %d, dtype %s, quantization %s, weights %d B)",
+            engine.info.name,
+            engine.info.max_model_len,
+            engine.info.dtype,
+            engine.info.quantization,
+            engine.info.weights_bytes,
+        )
         return self.state
 
     def _start_gpu_telemetry(self, engine: EngineClient, metrics: ServerMetrics) -> None:
@@ -115,7 +138,9 @@ class AppContext:
         self._gpu = GpuTelemetry.for_engine(metrics.engine, engine.device, utilization)
         if self._gpu is not None:
             self._gpu.sample()  # the series exist from the first scrape
-            self._gpu_task = asyncio.create_task(sample_every(self._gpu, self.settings.gpu_telemetry_interval_s))
+            self._gpu_task = asyncio.create_task(
+                sample_every(self._gpu, self.settings.gpu_telemetry_interval_s)
+            )
 
     async def _stop_gpu_telemetry(self) -> None:
         if self._gpu_task is not None:
@@ -140,8 +165,9 @@ class AppContext:
             self.state.on_access_done(record, route)
             if record.server_span is not None:
                 error = record.error["type"] if record.error else None
-                self.state.tracing.end_server_span(record.server_span, record.method, record.final_status, route,
-                                                   error)
+                self.state.tracing.end_server_span(
+                    record.server_span, record.method, record.final_status, route, error
+                )
 
     def on_unrouted(self, request: Any, error: Any) -> None:
         if self.state is not None:
@@ -163,10 +189,15 @@ def _observe_mask_time(state: ServerState) -> None:
     structured = getattr(state.engine, "structured", None)  # the server tests' fake engines have none
     if structured is not None:
         settings = state.settings
-        structured.set_limits(CompileLimits(max_grammar_size=settings.structured_output_max_grammar_size,
-                                            max_pending=settings.structured_output_max_pending_compiles))
+        structured.set_limits(
+            CompileLimits(
+                max_grammar_size=settings.structured_output_max_grammar_size,
+                max_pending=settings.structured_output_max_pending_compiles,
+            )
+        )
         structured.mask_observer = state.metrics.engine.structured_output_mask_time.labels(
-            model=state.metrics.model).observe
+            model=state.metrics.model
+        ).observe
 
 
 def _set_device_memory(state: ServerState) -> None:
@@ -180,9 +211,15 @@ def _set_device_memory(state: ServerState) -> None:
         state.metrics.set_device_memory(device, used, host_memory_bytes())
 
 
-def create_app(settings: ServerSettings | None = None, engine_config: EngineConfig | None = None, *,
-               engine: EngineClient | None = None, tracing: Tracing | None = None,
-               registry: CollectorRegistry | None = None, metric_readers: Sequence[MetricReader] = ()) -> Litestar:
+def create_app(
+    settings: ServerSettings | None = None,
+    engine_config: EngineConfig | None = None,
+    *,
+    engine: EngineClient | None = None,
+    tracing: Tracing | None = None,
+    registry: CollectorRegistry | None = None,
+    metric_readers: Sequence[MetricReader] = (),
+) -> Litestar:
     """The engine server app. Give ``engine_config`` (the app builds an AsyncEngine at start-up) or an
     ``engine`` (an :class:`~kvscope.engine.server.engine_client.EngineClient`, e.g. the tests' FakeEngine). ``tracing`` overrides the exporter chosen by settings
     (e.g. an in-memory exporter); ``registry`` the Prometheus registry; ``metric_readers`` also read the OTel
@@ -195,10 +232,16 @@ def create_app(settings: ServerSettings | None = None, engine_config: EngineConf
         route_handlers=ROUTES,
         lifespan=[context.lifespan],
         exception_handlers=exception_handlers(),
-        middleware=[DefineMiddleware(AccessLogMiddleware, on_done=context.on_access_done,
-                                     on_start=context.on_access_start)],
-        openapi_config=OpenAPIConfig(title="kvscope engine", version="0.1.0",
-                                     description="OpenAI-compatible API of the kvscope engine."),
+        middleware=[
+            DefineMiddleware(
+                AccessLogMiddleware, on_done=context.on_access_done, on_start=context.on_access_start
+            )
+        ],
+        openapi_config=OpenAPIConfig(
+            title="kvscope engine",
+            version="0.1.0",
+            description="OpenAI-compatible API of the kvscope engine.",
+        ),
         state=State({"unrouted_hook": context.on_unrouted, "context": context}),
         guards=[api_key_guard(settings.api_key)] if settings.api_key else [],
         logging_config=None,

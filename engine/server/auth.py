@@ -43,7 +43,8 @@ def api_key_guard(api_key: str) -> Callable[[ASGIConnection, BaseRouteHandler], 
         if connection.scope["path"] in OPEN_PATHS:
             return
         if not key_matches(connection.headers.get("authorization"), expected):
-            raise OpenAIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key")
+            raise OpenAIError(
+                401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+            )
 
     return guard

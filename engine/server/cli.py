@@ -24,8 +24,9 @@ from kvscope.engine.server.settings import ServerSettings, add_arguments, engine
 def build_parser() -> argparse.ArgumentParser:
     """``kvscope engine``'s flags: one per :class:`EngineOptions` / :class:`ServerSettings` field
     (engine/server/settings.py), derived by kvscope.common.settings_cli."""
-    return add_arguments(argparse.ArgumentParser(prog="kvscope engine",
-                                                 description="Serve a model with the kvscope engine."))
+    return add_arguments(
+        argparse.ArgumentParser(prog="kvscope engine", description="Serve a model with the kvscope engine.")
+    )
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,11 +80,21 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
 
     from kvscope.common.read_timeouts import ReadTimeoutProtocol, ReadTimeouts
 
-    protocol = functools.partial(ReadTimeoutProtocol, read_timeouts=ReadTimeouts(settings.request_head_timeout_s,
-                                                                                 settings.request_body_timeout_s))
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="on", loop=resolve_event_loop(settings.event_loop),
-                          http=protocol)  # type: ignore[arg-type]
+    protocol = functools.partial(
+        ReadTimeoutProtocol,
+        read_timeouts=ReadTimeouts(settings.request_head_timeout_s, settings.request_body_timeout_s),
+    )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        loop=resolve_event_loop(settings.event_loop),
+        http=protocol,
+    )  # type: ignore[arg-type]
 
 
 def load_engine(config: Any) -> Any:

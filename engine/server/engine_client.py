@@ -52,8 +52,13 @@ class EngineClient(Protocol):
         """The request's one validation; raises InvalidParameterError / PromptTooLongError."""
         ...
 
-    def generate(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
-                 trace_context: object | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        request_id: str,
+        request: EngineRequest,
+        arrival_time: float | None = None,
+        trace_context: object | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of a validated request until the finished one; closing it early aborts the request."""
         ...
 

@@ -37,8 +37,15 @@ class OpenAIError(Exception):
     """An error answered as OpenAI error JSON with ``status``; raised by the serving code. Its ``type`` follows
     from the status (:func:`kvscope.common.openai_errors.error_type`, the vocabulary the gateway speaks too)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -48,7 +55,9 @@ class OpenAIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> ErrorResponse:
-        return ErrorResponse(ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return ErrorResponse(
+            ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
 
 
 def bad_request(message: str, param: str | None = None, code: str = INVALID_VALUE) -> OpenAIError:
@@ -65,21 +74,29 @@ def from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
     JSON path of the offending field without ``$.`` (e.g. ``top_logprobs``, ``messages[0].content``)."""
     if isinstance(exc, msgspec.ValidationError):
         message = str(exc)
-        found = [m.group(1).replace("[...]", "") for m in (_PATH.search(message), _MISSING.search(message))
-                 if m and m.group(1)]
+        found = [
+            m.group(1).replace("[...]", "")
+            for m in (_PATH.search(message), _MISSING.search(message))
+            if m and m.group(1)
+        ]
         return bad_request(message, param=".".join(found) or None, code="invalid_value")
     return bad_request(invalid_json_message(str(exc)), code=INVALID_JSON)
 
 
-def from_engine(exc: Exception, *, prompt_param: str = "messages",
-                renames: dict[str, str] | None = None) -> OpenAIError:
+def from_engine(
+    exc: Exception, *, prompt_param: str = "messages", renames: dict[str, str] | None = None
+) -> OpenAIError:
     """Map engine exceptions: PromptTooLongError → 400 ``context_length_exceeded`` with the real numbers,
     InvalidParameterError → 400 with its ``param`` (renamed to the request's field name), EngineDeadError → 503.
     The over-long ``param`` is always the prompt field (``messages``/``prompt``), as OpenAI and the gateway
     name it (kvscope.common.openai_errors.context_length_message words the numbers)."""
     if isinstance(exc, PromptTooLongError):
-        message = context_length_message(exc.max_model_len, exc.num_prompt_tokens, exc.max_tokens,
-                                         "messages" if prompt_param == "messages" else "prompt")
+        message = context_length_message(
+            exc.max_model_len,
+            exc.num_prompt_tokens,
+            exc.max_tokens,
+            "messages" if prompt_param == "messages" else "prompt",
+        )
         return bad_request(message, param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, InvalidParameterError):
         param = (renames or {}).get(exc.param, exc.param)
@@ -90,8 +107,12 @@ def from_engine(exc: Exception, *, prompt_param: str = "messages",
 
 
 def error_response(error: OpenAIError) -> Response:
-    return Response(content=msgspec.json.encode(error.body()), status_code=error.status,
-                    media_type="application/json", headers=error.headers)
+    return Response(
+        content=msgspec.json.encode(error.body()),
+        status_code=error.status,
+        media_type="application/json",
+        headers=error.headers,
+    )
 
 
 def note_error(request: Request, error: OpenAIError) -> None:
@@ -123,8 +144,9 @@ def handle_engine_error(request: Request, exc: Exception) -> Response:
 
 def handle_unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return handle_openai_error(request, OpenAIError(500, f"Internal server error: {type(exc).__name__}",
-                                                    code="internal_error"))
+    return handle_openai_error(
+        request, OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
+    )
 
 
 def _log_unrouted(request: Request, error: OpenAIError) -> None:

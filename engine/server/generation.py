@@ -46,8 +46,15 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) 
 class GenerationRun:
     """The engine side of one HTTP request: one validated engine request per prompt, sharing SamplingParams."""
 
-    def __init__(self, engine: EngineClient, request_id: str, requests: list[EngineRequest], arrival_time: float,
-                 trace_context: object | None = None, fault_after_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        request_id: str,
+        requests: list[EngineRequest],
+        arrival_time: float,
+        trace_context: object | None = None,
+        fault_after_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.requests = requests
@@ -65,8 +72,9 @@ class GenerationRun:
 
     def start(self) -> None:
         for k, (engine_id, request) in enumerate(zip(self.engine_ids, self.requests, strict=True)):
-            stream = self.engine.generate(engine_id, request, arrival_time=self._arrival,
-                                          trace_context=self._trace_context)
+            stream = self.engine.generate(
+                engine_id, request, arrival_time=self._arrival, trace_context=self._trace_context
+            )
             self._tasks.append(asyncio.ensure_future(self._pump(k, stream)))
         # After the pumps' first step (which queues the engine request), so an immediate fault finds it.
         asyncio.get_running_loop().call_soon(self._maybe_inject_fault)
@@ -82,8 +90,9 @@ class GenerationRun:
             return
         self._queue.put_nowait((k, None))
 
-    async def next(self, timeout: float | None = None,
-                   disconnect: asyncio.Future | None = None) -> tuple[int, RequestOutput] | object:
+    async def next(
+        self, timeout: float | None = None, disconnect: asyncio.Future | None = None
+    ) -> tuple[int, RequestOutput] | object:
         """The next ``(prompt index, delta RequestOutput)``, KEEPALIVE after ``timeout`` seconds without one,
         or DONE. Raises the engine's exception for a failed request (RequestFailedError, EngineDeadError …) and
         ClientDisconnected when ``disconnect`` completes first."""
@@ -137,8 +146,11 @@ class GenerationRun:
     def snapshots(self) -> dict[int, KvscopeStats]:
         """Choice index → the engine's live stats (the ``kvscope`` object, docs/engine-server.md) of choices still
         in the engine."""
-        return {index: request.stats.summary(request.num_output_tokens)
-                for index, request in self.engine_requests().items() if request.stats is not None}
+        return {
+            index: request.stats.summary(request.num_output_tokens)
+            for index, request in self.engine_requests().items()
+            if request.stats is not None
+        }
 
     def engine_requests(self) -> dict[int, Request]:
         """Choice index → the engine's live Request (read-only snapshot taken from the event loop)."""

@@ -60,8 +60,9 @@ def open_nvml(device: str) -> tuple[Any, Any] | None:
         nvml = importlib.import_module("pynvml")
         nvml.nvmlInit()
     except Exception as exc:  # ImportError, or NVMLError: no driver / library
-        logger.warning("GPU telemetry without NVML (%s): no utilisation, temperature, power or throttle series",
-                       exc)
+        logger.warning(
+            "GPU telemetry without NVML (%s): no utilisation, temperature, power or throttle series", exc
+        )
         return None
     index = int(device.partition(":")[2] or 0)
     try:
@@ -85,8 +86,14 @@ def _torch_uuid(index: int) -> str:
 class GpuTelemetry:
     """Samples one CUDA device into an :class:`EngineMetrics`; build with :meth:`for_engine`."""
 
-    def __init__(self, metrics: EngineMetrics, device: str, memory_utilization: float | None,
-                 cuda: TorchCuda, nvml: tuple[Any, Any] | None) -> None:
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        device: str,
+        memory_utilization: float | None,
+        cuda: TorchCuda,
+        nvml: tuple[Any, Any] | None,
+    ) -> None:
         """``memory_utilization``: the engine's ``gpu_memory_utilization`` (None: no budget series)."""
         self.metrics = metrics
         self.device = device
@@ -97,8 +104,13 @@ class GpuTelemetry:
         self._unsupported: set[str] = set()
 
     @classmethod
-    def for_engine(cls, metrics: EngineMetrics, device: str, memory_utilization: float | None,
-                   cuda: TorchCuda | None = None) -> GpuTelemetry | None:
+    def for_engine(
+        cls,
+        metrics: EngineMetrics,
+        device: str,
+        memory_utilization: float | None,
+        cuda: TorchCuda | None = None,
+    ) -> GpuTelemetry | None:
         """Telemetry of ``device``, None off CUDA (``cpu``: no GPU series at all). ``cuda`` defaults to
         :func:`torch_cuda` of the device."""
         if not device.startswith("cuda"):
@@ -136,12 +148,15 @@ class GpuTelemetry:
         reading = self._read(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu, "utilization")
         if reading is not None:
             m.gpu_utilization.labels(device=d).set(reading / 100)
-        reading = self._read(lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),
-                             "temperature")
+        reading = self._read(
+            lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), "temperature"
+        )
         if reading is not None:
             m.gpu_temperature.labels(device=d).set(reading)
-        for name, gauge, call in (("power", m.gpu_power, nvml.nvmlDeviceGetPowerUsage),
-                                  ("power limit", m.gpu_power_limit, nvml.nvmlDeviceGetEnforcedPowerLimit)):
+        for name, gauge, call in (
+            ("power", m.gpu_power, nvml.nvmlDeviceGetPowerUsage),
+            ("power limit", m.gpu_power_limit, nvml.nvmlDeviceGetEnforcedPowerLimit),
+        ):
             reading = self._read(lambda call=call: call(handle), name)
             if reading is not None:
                 gauge.labels(device=d).set(reading / 1000)  # milliwatts
@@ -170,8 +185,10 @@ class GpuTelemetry:
 
 def _throttle_reasons(nvml: Any, handle: Any) -> int:
     """NVML's clocks event reasons bitmask (``…ClocksEventReasons``; ``…ClocksThrottleReasons`` before R535)."""
-    query = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    query = (
+        getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
     return int(query(handle))
 
 

@@ -55,8 +55,11 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> Chat
         for token_id, logprob in entry.top:
             alt_text, alt_raw = token_text(tokenizer, token_id)
             top.append(TopLogprob(token=alt_text, logprob=clamp_logprob(logprob), bytes=list(alt_raw)))
-        content.append(ChatTokenLogprob(token=text, logprob=clamp_logprob(entry.logprob), bytes=list(raw),
-                                        top_logprobs=top))
+        content.append(
+            ChatTokenLogprob(
+                token=text, logprob=clamp_logprob(entry.logprob), bytes=list(raw), top_logprobs=top
+            )
+        )
     return ChatLogprobs(content=content)
 
 

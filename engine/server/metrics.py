@@ -29,7 +29,13 @@ from kvscope.engine.structured.params import KINDS as STRUCTURED_KINDS
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finish_reason`` label (kvscope.engine.core.request.RequestStatus.finish_reason)."""
-STREAM_ERROR_REASONS = ("engine_shutdown", "engine_unavailable", "request_failed", "injected_fault", "internal_error")
+STREAM_ERROR_REASONS = (
+    "engine_shutdown",
+    "engine_unavailable",
+    "request_failed",
+    "injected_fault",
+    "internal_error",
+)
 """Values of the ``reason`` label of ``stream_errors``: why a stream ended with an in-band error after its 200 —
 the engine stopping (``engine_shutdown``) or dead (``engine_unavailable``), the engine failing the request
 (``request_failed``: a failed step, an engine abort), ``--enable-fault-injection``'s ``x-kvscope-fault``
@@ -41,9 +47,17 @@ REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
 """Buckets of ``request_params_n``, as vLLM's ``vllm:request_params_n``."""
 KV_BLOCK_STATES = ("used", "cached", "free")
 """Values of the ``state`` label: held by a request, free but holding a reusable prefix, free and empty."""
-GPU_THROTTLE_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
-                        "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
-                        "display_clock_setting")
+GPU_THROTTLE_REASONS = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
 """Values of the ``reason`` label of ``gpu_throttled``: NVML's clocks event (throttle) reasons, in bit order."""
 
 
@@ -114,8 +128,12 @@ class EngineMetrics:
     Raises ValueError (from prometheus_client) if ``registry`` already holds one of these names.
     """
 
-    def __init__(self, registry: CollectorRegistry, buckets: MetricBuckets | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        buckets: MetricBuckets | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         """``num_speculative_tokens`` (k, 0 = speculation off) sets the ``position`` values of the per-position
         acceptance counter (0 … k-1) and the acceptance-length buckets (1 … k+1)."""
         b = buckets if buckets is not None else MetricBuckets()
@@ -133,172 +151,305 @@ class EngineMetrics:
 
     def _init_scheduler_state(self, r: CollectorRegistry) -> None:
         self.requests_running = Gauge(
-            "kvscope_engine_requests_running", "Requests in the running batch (scheduled in the engine step).",
-            ["model"], registry=r)
+            "kvscope_engine_requests_running",
+            "Requests in the running batch (scheduled in the engine step).",
+            ["model"],
+            registry=r,
+        )
         self.requests_waiting = Gauge(
-            "kvscope_engine_requests_waiting", "Requests waiting to be scheduled (queued or preempted).",
-            ["model"], registry=r)
+            "kvscope_engine_requests_waiting",
+            "Requests waiting to be scheduled (queued or preempted).",
+            ["model"],
+            registry=r,
+        )
         self.kv_cache_usage_ratio = Gauge(
-            "kvscope_engine_kv_cache_usage_ratio", "Fraction of KV-cache blocks held by requests (0-1).",
-            ["model"], registry=r)
+            "kvscope_engine_kv_cache_usage_ratio",
+            "Fraction of KV-cache blocks held by requests (0-1).",
+            ["model"],
+            registry=r,
+        )
         self.kv_cache_blocks = Gauge(
             "kvscope_engine_kv_cache_blocks",
             "KV-cache blocks by state: used (held by requests), cached (free, reusable prefix), free (empty).",
-            ["model", "state"], registry=r)
+            ["model", "state"],
+            registry=r,
+        )
         self.preemptions = Counter(
-            "kvscope_engine_preemptions", "Requests preempted (by recompute) because KV blocks ran out.",
-            ["model"], registry=r)
+            "kvscope_engine_preemptions",
+            "Requests preempted (by recompute) because KV blocks ran out.",
+            ["model"],
+            registry=r,
+        )
         self.request_success = Counter(
-            "kvscope_engine_request_success", "Requests finished, by finish reason.",
-            ["model", "finish_reason"], registry=r)
+            "kvscope_engine_request_success",
+            "Requests finished, by finish reason.",
+            ["model", "finish_reason"],
+            registry=r,
+        )
 
     def _init_token_counters(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
-            "kvscope_engine_prompt_tokens", "Prompt tokens processed (prefill, prefix-cache hits included).",
-            ["model"], registry=r)
+            "kvscope_engine_prompt_tokens",
+            "Prompt tokens processed (prefill, prefix-cache hits included).",
+            ["model"],
+            registry=r,
+        )
         self.generation_tokens = Counter(
-            "kvscope_engine_generation_tokens", "Output tokens generated.", ["model"], registry=r)
+            "kvscope_engine_generation_tokens", "Output tokens generated.", ["model"], registry=r
+        )
         self.prefix_cache_queries = Counter(
-            "kvscope_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            ["model"], registry=r)
+            "kvscope_engine_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            ["model"],
+            registry=r,
+        )
         self.prefix_cache_hits = Counter(
-            "kvscope_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache (not recomputed).",
-            ["model"], registry=r)
+            "kvscope_engine_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not recomputed).",
+            ["model"],
+            registry=r,
+        )
 
     def _init_latency_histograms(self, r: CollectorRegistry, b: MetricBuckets) -> None:
         def hist(name: str, doc: str, bounds: tuple[float, ...]) -> Histogram:
             return Histogram(f"kvscope_engine_{name}_seconds", doc, ["model"], buckets=bounds, registry=r)
 
         self.time_to_first_token = hist(
-            "time_to_first_token", "Arrival to first token sampled, in the engine.", b.ttft_s)
+            "time_to_first_token", "Arrival to first token sampled, in the engine.", b.ttft_s
+        )
         self.inter_token_latency = hist(
-            "inter_token_latency", "Time between two consecutive output tokens of a request.",
-            b.token_latency_s)
+            "inter_token_latency",
+            "Time between two consecutive output tokens of a request.",
+            b.token_latency_s,
+        )
         self.time_per_output_token = hist(
-            "time_per_output_token", "Decode time / (output tokens - 1), per request.", b.token_latency_s)
+            "time_per_output_token", "Decode time / (output tokens - 1), per request.", b.token_latency_s
+        )
         self.e2e_request_latency = hist(
-            "e2e_request_latency", "Arrival to finish of a request, in the engine.", b.duration_s)
+            "e2e_request_latency", "Arrival to finish of a request, in the engine.", b.duration_s
+        )
         self.queue_time = hist("queue_time", "Arrival to first scheduled (time spent waiting).", b.duration_s)
         self.prefill_time = hist("prefill_time", "First scheduled to first token (prefill).", b.duration_s)
         self.decode_time = hist("decode_time", "First token to last token (decode).", b.duration_s)
         self.latency_cause = Counter(
-            "kvscope_engine_latency_cause_seconds", "Seconds of finished requests' TTFT (queue + prefill) and "
-            "decode by cause, from the scheduler's step records (docs/logs.md, \"Why was this request slow?\").",
-            ["model", "phase", "cause"], registry=r)
+            "kvscope_engine_latency_cause_seconds",
+            "Seconds of finished requests' TTFT (queue + prefill) and "
+            'decode by cause, from the scheduler\'s step records (docs/logs.md, "Why was this request slow?").',
+            ["model", "phase", "cause"],
+            registry=r,
+        )
         self.request_inference_time = hist(
-            "request_inference_time", "First scheduled to last token (prefill + decode), per request.",
-            b.duration_s)
+            "request_inference_time",
+            "First scheduled to last token (prefill + decode), per request.",
+            b.duration_s,
+        )
 
     def _init_size_histograms(self, r: CollectorRegistry, b: MetricBuckets) -> None:
         self.batch_size = Histogram(
-            "kvscope_engine_batch_size", "Requests in one engine step.", ["model"],
-            buckets=b.batch_size, registry=r)
+            "kvscope_engine_batch_size",
+            "Requests in one engine step.",
+            ["model"],
+            buckets=b.batch_size,
+            registry=r,
+        )
         self.step_tokens = Histogram(
-            "kvscope_engine_step_tokens", "Tokens scheduled in one engine step (prefill chunks + decodes).",
-            ["model"], buckets=b.step_tokens, registry=r)
+            "kvscope_engine_step_tokens",
+            "Tokens scheduled in one engine step (prefill chunks + decodes).",
+            ["model"],
+            buckets=b.step_tokens,
+            registry=r,
+        )
         self.request_prompt_tokens = Histogram(
-            "kvscope_engine_request_prompt_tokens", "Prompt length of finished requests (tokens).",
-            ["model"], buckets=b.request_tokens, registry=r)
+            "kvscope_engine_request_prompt_tokens",
+            "Prompt length of finished requests (tokens).",
+            ["model"],
+            buckets=b.request_tokens,
+            registry=r,
+        )
         self.request_generation_tokens = Histogram(
-            "kvscope_engine_request_generation_tokens", "Output length of finished requests (tokens).",
-            ["model"], buckets=b.request_tokens, registry=r)
+            "kvscope_engine_request_generation_tokens",
+            "Output length of finished requests (tokens).",
+            ["model"],
+            buckets=b.request_tokens,
+            registry=r,
+        )
         self.request_params_n = Histogram(
-            "kvscope_engine_request_params_n", "The n (choices per prompt) of finished requests.",
-            ["model"], buckets=REQUEST_N_BUCKETS, registry=r)
+            "kvscope_engine_request_params_n",
+            "The n (choices per prompt) of finished requests.",
+            ["model"],
+            buckets=REQUEST_N_BUCKETS,
+            registry=r,
+        )
         self.request_params_max_tokens = Histogram(
-            "kvscope_engine_request_params_max_tokens", "The max_tokens of finished requests that set one.",
-            ["model"], buckets=b.request_tokens, registry=r)
+            "kvscope_engine_request_params_max_tokens",
+            "The max_tokens of finished requests that set one.",
+            ["model"],
+            buckets=b.request_tokens,
+            registry=r,
+        )
         self.http_requests = Counter(
-            "kvscope_engine_http_requests", "HTTP requests answered by the engine server, by route and status.",
-            ["route", "status"], registry=r)
+            "kvscope_engine_http_requests",
+            "HTTP requests answered by the engine server, by route and status.",
+            ["route", "status"],
+            registry=r,
+        )
         self.stream_errors = Counter(
-            "kvscope_engine_stream_errors", "Streams that failed after their 200 (an in-band error event, no "
+            "kvscope_engine_stream_errors",
+            "Streams that failed after their 200 (an in-band error event, no "
             "[DONE]; the status stays 200), by reason (STREAM_ERROR_REASONS). Client disconnects and client errors "
-            "are not counted.", ["model", "reason"], registry=r)
+            "are not counted.",
+            ["model", "reason"],
+            registry=r,
+        )
 
     def _init_device_memory(self, r: CollectorRegistry) -> None:
         self.device_memory_used = Gauge(
             "kvscope_engine_device_memory_used_bytes",
             "Device memory in use: VRAM on CUDA (NVML/torch.cuda); KV cache + weights on CPU.",
-            ["device"], registry=r)
+            ["device"],
+            registry=r,
+        )
         self.device_memory_total = Gauge(
             "kvscope_engine_device_memory_total_bytes",
             "Device memory capacity: VRAM on CUDA; the host's physical memory on CPU.",
-            ["device"], registry=r)
+            ["device"],
+            registry=r,
+        )
         self.build_info = Gauge(
-            "kvscope_engine_build_info", "Always 1, labelled with the kvscope version and the Python version the "
+            "kvscope_engine_build_info",
+            "Always 1, labelled with the kvscope version and the Python version the "
             "engine runs (the Prometheus build_info convention: join on it, count versions during a rollout).",
-            ["version", "python"], registry=r)
+            ["version", "python"],
+            registry=r,
+        )
         self.weights_bytes = Gauge(
             "kvscope_engine_weights_bytes",
             "Bytes of model weights held (compact int4/int8 and dense packed copies), labelled with the weight "
             "format served: dtype and quantization (--quantization auto resolved).",
-            ["model", "dtype", "quantization"], registry=r)
+            ["model", "dtype", "quantization"],
+            registry=r,
+        )
 
     def _init_gpu(self, r: CollectorRegistry) -> None:
         # Sampled by kvscope.engine.server.gpu_telemetry while a CUDA device is in use; never created on CPU (absent,
         # not zero), so `initialize` leaves them alone.
         self.gpu_memory_budget = Gauge(
-            "kvscope_engine_gpu_memory_budget_bytes", "Device memory the engine may use by design: "
+            "kvscope_engine_gpu_memory_budget_bytes",
+            "Device memory the engine may use by design: "
             "gpu_memory_utilization x total (weights, activations and the KV cache it sized at start-up).",
-            ["device"], registry=r)
+            ["device"],
+            registry=r,
+        )
         self.gpu_utilization = Gauge(
-            "kvscope_engine_gpu_utilization_ratio", "Fraction of the last NVML sample period in which a kernel "
-            "ran on the GPU (0-1).", ["device"], registry=r)
+            "kvscope_engine_gpu_utilization_ratio",
+            "Fraction of the last NVML sample period in which a kernel ran on the GPU (0-1).",
+            ["device"],
+            registry=r,
+        )
         self.gpu_temperature = Gauge(
-            "kvscope_engine_gpu_temperature_celsius", "GPU core temperature (degrees Celsius, NVML).",
-            ["device"], registry=r)
+            "kvscope_engine_gpu_temperature_celsius",
+            "GPU core temperature (degrees Celsius, NVML).",
+            ["device"],
+            registry=r,
+        )
         self.gpu_power = Gauge(
-            "kvscope_engine_gpu_power_watts", "GPU power draw (watts, NVML).", ["device"], registry=r)
+            "kvscope_engine_gpu_power_watts", "GPU power draw (watts, NVML).", ["device"], registry=r
+        )
         self.gpu_power_limit = Gauge(
-            "kvscope_engine_gpu_power_limit_watts", "GPU power limit the driver enforces (watts, NVML).",
-            ["device"], registry=r)
+            "kvscope_engine_gpu_power_limit_watts",
+            "GPU power limit the driver enforces (watts, NVML).",
+            ["device"],
+            registry=r,
+        )
         self.gpu_throttled = Gauge(
-            "kvscope_engine_gpu_throttled", "1 while NVML reports this clocks event (throttle) reason, else 0.",
-            ["device", "reason"], registry=r)
+            "kvscope_engine_gpu_throttled",
+            "1 while NVML reports this clocks event (throttle) reason, else 0.",
+            ["device", "reason"],
+            registry=r,
+        )
         self.torch_memory_reserved = Gauge(
-            "kvscope_engine_torch_memory_reserved_bytes", "Device memory held by torch's caching allocator.",
-            ["device"], registry=r)
+            "kvscope_engine_torch_memory_reserved_bytes",
+            "Device memory held by torch's caching allocator.",
+            ["device"],
+            registry=r,
+        )
         self.torch_memory_allocated = Gauge(
-            "kvscope_engine_torch_memory_allocated_bytes", "Device memory in live tensors (torch allocator).",
-            ["device"], registry=r)
+            "kvscope_engine_torch_memory_allocated_bytes",
+            "Device memory in live tensors (torch allocator).",
+            ["device"],
+            registry=r,
+        )
         self.torch_alloc_retries = Counter(
-            "kvscope_engine_torch_alloc_retries", "Allocations torch retried after freeing its cache "
-            "(torch.cuda.memory_stats num_alloc_retries): the allocator is short of memory.", ["device"], registry=r)
+            "kvscope_engine_torch_alloc_retries",
+            "Allocations torch retried after freeing its cache "
+            "(torch.cuda.memory_stats num_alloc_retries): the allocator is short of memory.",
+            ["device"],
+            registry=r,
+        )
         self.torch_ooms = Counter(
-            "kvscope_engine_torch_ooms", "Out-of-memory errors raised by torch's allocator "
-            "(torch.cuda.memory_stats num_ooms).", ["device"], registry=r)
+            "kvscope_engine_torch_ooms",
+            "Out-of-memory errors raised by torch's allocator (torch.cuda.memory_stats num_ooms).",
+            ["device"],
+            registry=r,
+        )
 
     def _init_structured(self, r: CollectorRegistry) -> None:
         self.structured_output_requests = Counter(
-            "kvscope_engine_structured_output_requests", "Requests decoded under a grammar constraint, by kind "
+            "kvscope_engine_structured_output_requests",
+            "Requests decoded under a grammar constraint, by kind "
             "(json, json_object, regex, choice, grammar; tool_choice required/named count as json).",
-            ["model", "kind"], registry=r)
+            ["model", "kind"],
+            registry=r,
+        )
         self.structured_output_compile_time = Histogram(
-            "kvscope_engine_structured_output_compile_seconds", "Grammar compile time of a constraint not in "
-            "the cache (llguidance).", ["model"], buckets=STRUCTURED_COMPILE_BUCKETS, registry=r)
+            "kvscope_engine_structured_output_compile_seconds",
+            "Grammar compile time of a constraint not in the cache (llguidance).",
+            ["model"],
+            buckets=STRUCTURED_COMPILE_BUCKETS,
+            registry=r,
+        )
         self.structured_output_mask_time = Histogram(
-            "kvscope_engine_structured_output_mask_seconds", "Time one engine step spent computing the token "
-            "bitmasks of its constrained requests.", ["model"], buckets=STRUCTURED_MASK_BUCKETS, registry=r)
+            "kvscope_engine_structured_output_mask_seconds",
+            "Time one engine step spent computing the token bitmasks of its constrained requests.",
+            ["model"],
+            buckets=STRUCTURED_MASK_BUCKETS,
+            registry=r,
+        )
 
     def _init_spec_decode(self, r: CollectorRegistry, k: int) -> None:
         # vLLM v1's family (vllm/v1/spec_decode/metrics.py SpecDecodingProm) under our prefix
         self.spec_decode_num_drafts = Counter(
-            "kvscope_engine_spec_decode_num_drafts", "Speculative drafts verified (one per request and step "
-            "that proposed at least one token).", ["model"], registry=r)
+            "kvscope_engine_spec_decode_num_drafts",
+            "Speculative drafts verified (one per request and step that proposed at least one token).",
+            ["model"],
+            registry=r,
+        )
         self.spec_decode_num_draft_tokens = Counter(
-            "kvscope_engine_spec_decode_num_draft_tokens", "Draft tokens proposed (n-gram lookup) and verified.",
-            ["model"], registry=r)
+            "kvscope_engine_spec_decode_num_draft_tokens",
+            "Draft tokens proposed (n-gram lookup) and verified.",
+            ["model"],
+            registry=r,
+        )
         self.spec_decode_num_accepted_tokens = Counter(
-            "kvscope_engine_spec_decode_num_accepted_tokens", "Draft tokens accepted by the verification.",
-            ["model"], registry=r)
+            "kvscope_engine_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the verification.",
+            ["model"],
+            registry=r,
+        )
         self.spec_decode_num_accepted_tokens_per_pos = Counter(
-            "kvscope_engine_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position "
-            "of the draft (0 = the first proposed token).", ["model", "position"], registry=r)
+            "kvscope_engine_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of the draft (0 = the first proposed token).",
+            ["model", "position"],
+            registry=r,
+        )
         self.spec_decode_acceptance_length = Histogram(
-            "kvscope_engine_spec_decode_acceptance_length", "Tokens emitted per verification of a draft: 1 + "
-            "accepted draft tokens (the bonus or correction token included).", ["model"],
-            buckets=acceptance_length_buckets(k), registry=r)
+            "kvscope_engine_spec_decode_acceptance_length",
+            "Tokens emitted per verification of a draft: 1 + "
+            "accepted draft tokens (the bonus or correction token included).",
+            ["model"],
+            buckets=acceptance_length_buckets(k),
+            registry=r,
+        )
 
     def initialize(self, model: str, device: str) -> None:
         """Create every labelled series at zero for ``model`` and ``device`` so that rates, ratios and
@@ -332,8 +483,12 @@ class EngineMetrics:
             self.structured_output_requests.labels(model=model, kind=kind)
         self.structured_output_compile_time.labels(model=model)
         self.structured_output_mask_time.labels(model=model)
-        for metric in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
-                       self.spec_decode_num_accepted_tokens, self.spec_decode_acceptance_length):
+        for metric in (
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
+            self.spec_decode_acceptance_length,
+        ):
             metric.labels(model=model)  # at zero with speculation off too, as every other counter
         for position in range(self.num_speculative_tokens):
             self.spec_decode_num_accepted_tokens_per_pos.labels(model=model, position=str(position))

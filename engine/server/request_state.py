@@ -81,8 +81,9 @@ class RequestState:
         self.cached_tokens = [0] * len(self.prompts)
         self._prompt_done = [False] * len(self.prompts)
 
-    def on_output(self, k: int, output: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput,
-                                                                     list[TokenLogprob]]]:
+    def on_output(
+        self, k: int, output: RequestOutput
+    ) -> list[tuple[ChoiceState, CompletionOutput, list[TokenLogprob]]]:
         """Account one delta of prompt ``k``; returns (choice, delta, visible logprob entries) per choice."""
         now = time.monotonic()
         updates = []
@@ -91,11 +92,16 @@ class RequestState:
             if delta.token_ids:
                 self._on_tokens(k, choice, len(delta.token_ids), now)
             if delta.index == 0:
-                self.cached_tokens[k] = max(self.cached_tokens[k], output.num_cached_tokens, delta.num_cached_tokens)
+                self.cached_tokens[k] = max(
+                    self.cached_tokens[k], output.num_cached_tokens, delta.num_cached_tokens
+                )
             choice.num_output_tokens = max(choice.num_output_tokens, delta.num_output_tokens)
             if delta.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason, choice.stats = (
-                    delta.finish_reason, delta.stop_reason, delta.stats)
+                    delta.finish_reason,
+                    delta.stop_reason,
+                    delta.stats,
+                )
             updates.append((choice, delta, visible_entries(delta, self.params.include_stop_str_in_output)))
         return updates
 
@@ -113,8 +119,12 @@ class RequestState:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(c.num_output_tokens for c in self.choices)
         cached = sum(min(c, len(p)) for c, p in zip(self.cached_tokens, self.prompts, strict=True))
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     def kvscope(self) -> KvscopeStats:
         """The response's ``kvscope`` object: the choices' stats merged (:meth:`KvscopeStats.merge`); a
@@ -127,8 +137,13 @@ class RequestState:
 
     # --- the end -------------------------------------------------------------------------------------------
 
-    def finish(self, outcome: Outcome, tracing: Tracing, access: Any,
-               snapshots: dict[int, KvscopeStats] | None = None) -> None:
+    def finish(
+        self,
+        outcome: Outcome,
+        tracing: Tracing,
+        access: Any,
+        snapshots: dict[int, KvscopeStats] | None = None,
+    ) -> None:
         """Observe the histograms, write the spans and fill the access record. ``snapshots`` (choice index →
         live engine stats) stand in for the final stats of choices the engine did not finish. Idempotent;
         synchronous (runs in ``finally`` blocks of cancelled tasks)."""
@@ -165,10 +180,17 @@ class RequestState:
         if tpot is None and decode is not None and choice.num_output_tokens > 1:
             tpot = decode / (choice.num_output_tokens - 1)
         prefill = stats.prefill_s if ttft is not None else None
-        return SequenceTimings(finish_reason=reason, num_output_tokens=choice.num_output_tokens,
-                               e2e_s=now - self.arrival, ttft_s=ttft, queue_s=stats.queue_s,
-                               prefill_s=prefill, decode_s=decode if ttft is not None else None, tpot_s=tpot,
-                               causes=cause_seconds(stats) if choice.stats is not None else None)
+        return SequenceTimings(
+            finish_reason=reason,
+            num_output_tokens=choice.num_output_tokens,
+            e2e_s=now - self.arrival,
+            ttft_s=ttft,
+            queue_s=stats.queue_s,
+            prefill_s=prefill,
+            decode_s=decode if ttft is not None else None,
+            tpot_s=tpot,
+            causes=cause_seconds(stats) if choice.stats is not None else None,
+        )
 
     def _spans(self, outcome: Outcome, now: float, timings: list[SequenceTimings]) -> RequestSpans:
         def earliest(values: list[float | None]) -> float | None:
@@ -186,25 +208,44 @@ class RequestState:
                 token_time = None if ttft is None else self.arrival + ttft
                 self.timeline.finish_prefill(child, len(prompt), token_time)
         # a client that left is not a failure of the server (HTTP semconv); kvscope.outcome says it
-        error = None if outcome.kind in ("success", "client_disconnected") else (outcome.error_message or outcome.kind)
+        error = (
+            None
+            if outcome.kind in ("success", "client_disconnected")
+            else (outcome.error_message or outcome.kind)
+        )
         return RequestSpans(
-            timeline=self.timeline, arrival=self.arrival, arrival_wall_ns=self.arrival_wall_ns, end=now,
-            first_scheduled=earliest([t.queue_s for t in timings]), first_token=first_token,
+            timeline=self.timeline,
+            arrival=self.arrival,
+            arrival_wall_ns=self.arrival_wall_ns,
+            end=now,
+            first_scheduled=earliest([t.queue_s for t in timings]),
+            first_token=first_token,
             last_token=self.arrival + max(ends) if ends else None,
-            attributes=self._span_attributes(outcome), error=error, decode_attributes=self._decode_attributes())
+            attributes=self._span_attributes(outcome),
+            error=error,
+            decode_attributes=self._decode_attributes(),
+        )
 
     def _decode_attributes(self) -> dict[str, Any]:
         stats = self.kvscope()
-        return spec_decode_attributes(stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens,
-                                      stats.spec_mean_accepted_length)
+        return spec_decode_attributes(
+            stats.spec_drafts,
+            stats.spec_draft_tokens,
+            stats.spec_accepted_tokens,
+            stats.spec_mean_accepted_length,
+        )
 
     def _span_attributes(self, outcome: Outcome) -> dict[str, Any]:
         usage = self.usage()
         attrs: dict[str, Any] = {
-            "gen_ai.operation.name": self.operation, "gen_ai.provider.name": "kvscope",
-            "gen_ai.request.model": self.model, "gen_ai.response.model": self.model,
-            "gen_ai.response.id": self.request_id, "gen_ai.request.temperature": self.params.temperature,
-            "gen_ai.request.top_p": self.params.top_p, "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.operation.name": self.operation,
+            "gen_ai.provider.name": "kvscope",
+            "gen_ai.request.model": self.model,
+            "gen_ai.response.model": self.model,
+            "gen_ai.response.id": self.request_id,
+            "gen_ai.request.temperature": self.params.temperature,
+            "gen_ai.request.top_p": self.params.top_p,
+            "gen_ai.usage.input_tokens": usage.prompt_tokens,
             "gen_ai.usage.output_tokens": usage.completion_tokens,
             "gen_ai.usage.cache_read.input_tokens": usage.prompt_tokens_details.cached_tokens,
             "gen_ai.response.finish_reasons": [c.finish_reason or outcome.kind for c in self.choices],
@@ -221,26 +262,41 @@ class RequestState:
                 attrs[f"kvscope.{name}"] = value
         return attrs
 
-    def _log_fields(self, outcome: Outcome, timings: list[SequenceTimings], trace_id: str, span_id: str
-                    ) -> dict[str, Any]:
+    def _log_fields(
+        self, outcome: Outcome, timings: list[SequenceTimings], trace_id: str, span_id: str
+    ) -> dict[str, Any]:
         usage = self.usage()
         ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
         tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
         return {
-            "trace": {"id": trace_id}, "span": {"id": span_id},
+            "trace": {"id": trace_id},
+            "span": {"id": span_id},
             "gen_ai": {
                 "operation": {"name": self.operation},
-                "request": {"model": self.model, "max_tokens": self.params.max_tokens,
-                            "temperature": self.params.temperature, "stream": self.stream},
-                "response": {"id": self.request_id, "model": self.model,
-                             "finish_reasons": [t.finish_reason for t in timings]},
-                "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-                          "cache_read": {"input_tokens": usage.prompt_tokens_details.cached_tokens}},
+                "request": {
+                    "model": self.model,
+                    "max_tokens": self.params.max_tokens,
+                    "temperature": self.params.temperature,
+                    "stream": self.stream,
+                },
+                "response": {
+                    "id": self.request_id,
+                    "model": self.model,
+                    "finish_reasons": [t.finish_reason for t in timings],
+                },
+                "usage": {
+                    "input_tokens": usage.prompt_tokens,
+                    "output_tokens": usage.completion_tokens,
+                    "cache_read": {"input_tokens": usage.prompt_tokens_details.cached_tokens},
+                },
             },
             "kvscope": {
-                "outcome": outcome.kind, "ttft_s": min(ttfts) if ttfts else None,
-                "tpot_s": sum(tpots) / len(tpots) if tpots else None, "e2e_s": timings[0].e2e_s,
-                "client_disconnected": outcome.kind == "client_disconnected", "phase": outcome.phase,
+                "outcome": outcome.kind,
+                "ttft_s": min(ttfts) if ttfts else None,
+                "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+                "e2e_s": timings[0].e2e_s,
+                "client_disconnected": outcome.kind == "client_disconnected",
+                "phase": outcome.phase,
                 "num_preemptions": sum((c.stats or _NO_STATS).num_preemptions or 0 for c in self.choices),
                 "engine": self.kvscope().to_dict(),
             },

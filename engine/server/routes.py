@@ -58,14 +58,20 @@ class StrictBody(AbstractDTO[T]):
         return False
 
     @classmethod
-    def create_for_field_definition(cls, field_definition: FieldDefinition, handler_id: str,
-                                    backend_cls: Any = None) -> None:
+    def create_for_field_definition(
+        cls, field_definition: FieldDefinition, handler_id: str, backend_cls: Any = None
+    ) -> None:
         """Nothing to build: :meth:`decode_bytes` decodes into the Struct directly."""
 
     @classmethod
-    def create_openapi_schema(cls, field_definition: FieldDefinition, handler_id: str, schema_creator: Any) -> Any:
+    def create_openapi_schema(
+        cls, field_definition: FieldDefinition, handler_id: str, schema_creator: Any
+    ) -> Any:
         return schema_creator.for_field_definition(
-            FieldDefinition.from_annotation(cls.model_type, kwarg_definition=field_definition.kwarg_definition))
+            FieldDefinition.from_annotation(
+                cls.model_type, kwarg_definition=field_definition.kwarg_definition
+            )
+        )
 
     def decode_bytes(self, value: bytes) -> T:
         return _decode(value, self.model_type)
@@ -88,26 +94,47 @@ async def require_body(request: Request) -> None:
 def _documented(body: type[msgspec.Struct], chunk: str) -> dict[int, ResponseSpec]:
     """OpenAPI responses of a generation route (the handlers return raw Responses)."""
     error = "OpenAI error JSON: {error: {message, type, param, code}}"
-    return {200: ResponseSpec(body, description=f"JSON body; with stream=true an SSE stream of {chunk} chunks "
-                              "ending with data: [DONE]"),
-            400: ResponseSpec(ErrorResponse, description=error), 404: ResponseSpec(ErrorResponse, description=error),
-            429: ResponseSpec(ErrorResponse, description=error), 503: ResponseSpec(ErrorResponse, description=error)}
+    return {
+        200: ResponseSpec(
+            body,
+            description=f"JSON body; with stream=true an SSE stream of {chunk} chunks "
+            "ending with data: [DONE]",
+        ),
+        400: ResponseSpec(ErrorResponse, description=error),
+        404: ResponseSpec(ErrorResponse, description=error),
+        429: ResponseSpec(ErrorResponse, description=error),
+        503: ResponseSpec(ErrorResponse, description=error),
+    }
 
 
 def body_route(path: str, request_type: type[msgspec.Struct], **kwargs: Any) -> Any:
     """``@post`` for a route whose JSON body is ``request_type``, decoded once by :class:`StrictBody`."""
-    return post(path, status_code=200, before_request=require_body, dto=StrictBody[request_type], return_dto=None,
-                **kwargs)
+    return post(
+        path,
+        status_code=200,
+        before_request=require_body,
+        dto=StrictBody[request_type],
+        return_dto=None,
+        **kwargs,
+    )
 
 
-@body_route("/v1/chat/completions", ChatCompletionRequest, summary="Chat completion (JSON or SSE)",
-            responses=_documented(ChatCompletionResponse, "chat.completion.chunk"))
+@body_route(
+    "/v1/chat/completions",
+    ChatCompletionRequest,
+    summary="Chat completion (JSON or SSE)",
+    responses=_documented(ChatCompletionResponse, "chat.completion.chunk"),
+)
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
     return await create_chat_completion(server_state(request), request, data)
 
 
-@body_route("/v1/completions", CompletionRequest, summary="Text completion (JSON or SSE)",
-            responses=_documented(CompletionResponse, "text_completion"))
+@body_route(
+    "/v1/completions",
+    CompletionRequest,
+    summary="Text completion (JSON or SSE)",
+    responses=_documented(CompletionResponse, "text_completion"),
+)
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
     return await create_completion(server_state(request), request, data)
 
@@ -116,11 +143,21 @@ async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Re
 async def models(request: Request) -> ModelList:
     state = server_state(request)
     info = state.engine.info
-    card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len,
-                     root=info.model_dir, kvscope=ModelFormatInfo(
-                         dtype=info.dtype, quantization=info.quantization, weights_bytes=info.weights_bytes,
-                         kv_cache_bytes=info.kv_cache_bytes, rss_bytes=info.rss_bytes, reason=info.format_reason,
-                         cpu_kernels=info.cpu_kernels))
+    card = ModelCard(
+        id=state.model_name,
+        created=state.created,
+        max_model_len=state.max_model_len,
+        root=info.model_dir,
+        kvscope=ModelFormatInfo(
+            dtype=info.dtype,
+            quantization=info.quantization,
+            weights_bytes=info.weights_bytes,
+            kv_cache_bytes=info.kv_cache_bytes,
+            rss_bytes=info.rss_bytes,
+            reason=info.format_reason,
+            cpu_kernels=info.cpu_kernels,
+        ),
+    )
     return ModelList(data=[card])
 
 
@@ -162,7 +199,9 @@ async def metrics(request: Request) -> Response:
     registry = server_state(request).metrics.registry
     encode, content_type = choose_encoder(request.headers.get("accept"))  # OpenMetrics when asked for
     # Litestar appends "; charset=utf-8" to text/* media types itself: do not send it twice
-    media_type = content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type
+    media_type = (
+        content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type
+    )
     return Response(content=encode(registry), media_type=media_type, status_code=200)
 
 

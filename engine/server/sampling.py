@@ -23,8 +23,9 @@ _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
 most 10 digits (larger than any vocabulary; ``int()`` refuses strings of over 4,300 digits with a ValueError)."""
 
 
-def chat_sampling_params(req: ChatCompletionRequest,
-                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+def chat_sampling_params(
+    req: ChatCompletionRequest, constraint: StructuredOutputsParams | None = None
+) -> SamplingParams:
     """SamplingParams of a chat request. ``top_logprobs`` needs ``logprobs: true`` (400 ``top_logprobs``).
     ``constraint`` (a tool_choice's) is the request's grammar; asking for another one as well (vLLM's
     ``structured_outputs``/``guided_*``) is a 400 naming that field, never a silently dropped constraint."""
@@ -32,30 +33,54 @@ def chat_sampling_params(req: ChatCompletionRequest,
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    renames = {"logprobs": "top_logprobs",
-               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+    renames = {
+        "logprobs": "top_logprobs",
+        "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+    }
     own = structured_params(req)
     if constraint is not None and own is not None:
-        raise bad_request(f"tool_choice required or a named function cannot be combined with {own.param}.",
-                          param=own.param)
-    return _build(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, renames=renames,
-                  constraint=constraint or own)
+        raise bad_request(
+            f"tool_choice required or a named function cannot be combined with {own.param}.", param=own.param
+        )
+    return _build(
+        req,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=None,
+        renames=renames,
+        constraint=constraint or own,
+    )
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
     """SamplingParams of a completions request; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
     if req.best_of is not None and req.best_of != (req.n or 1):
-        raise bad_request("best_of is not supported: ask for n completions and choose among them.", param="best_of")
+        raise bad_request(
+            "best_of is not supported: ask for n completions and choose among them.", param="best_of"
+        )
     if req.suffix:
         raise bad_request("suffix is not supported.", param="suffix")
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    return _build(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, renames={},
-                  constraint=structured_params(req))
+    return _build(
+        req,
+        max_tokens=max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        renames={},
+        constraint=structured_params(req),
+    )
 
 
-def _build(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-           renames: dict[str, str], constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+def _build(
+    req: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    renames: dict[str, str],
+    constraint: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     try:
         return SamplingParams(
             n=req.n or 1,
@@ -92,10 +117,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     if len(bias) > MAX_LOGIT_BIAS:
-        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.",
-                          param="logit_bias")
+        raise bad_request(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.", param="logit_bias"
+        )
     odd = next((key for key in bias if not _TOKEN_ID.fullmatch(key)), None)
     if odd is not None:
-        raise bad_request(f"logit_bias keys must be token ids written in decimal digits (like \"50256\"), "
-                          f"got {odd!r}.", param="logit_bias")
+        raise bad_request(
+            f'logit_bias keys must be token ids written in decimal digits (like "50256"), got {odd!r}.',
+            param="logit_bias",
+        )
     return {int(key): value for key, value in bias.items()}

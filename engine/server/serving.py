@@ -75,12 +75,20 @@ def check_model(state: ServerState, name: str | None) -> None:
 def admit(state: ServerState) -> None:
     """503 while starting/stopping or after the engine died; 429 above ``max_concurrent_requests``."""
     if state.draining or not state.engine.is_running:
-        raise OpenAIError(503, "The engine is not running (starting up, shutting down or failed).",
-                          code="engine_unavailable", headers={"Retry-After": "1"})
+        raise OpenAIError(
+            503,
+            "The engine is not running (starting up, shutting down or failed).",
+            code="engine_unavailable",
+            headers={"Retry-After": "1"},
+        )
     limit = state.settings.max_concurrent_requests
     if limit and state.in_flight >= limit:
-        raise OpenAIError(429, f"Too many requests in flight (limit {limit}); retry later.",
-                          code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        raise OpenAIError(
+            429,
+            f"Too many requests in flight (limit {limit}); retry later.",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )
 
 
 def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: str = "prompt") -> None:
@@ -91,13 +99,17 @@ def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: st
     total = num_prompts * n
     if total <= limit:
         return
-    raise bad_request(f"This request asks for {total} sequences ({num_prompts} prompt(s) x n={n}); the limit is "
-                      f"{limit} sequences per request (--max-sequences-per-request). Send fewer prompts or a "
-                      "smaller n, or split the request.", param=prompt_param if num_prompts > limit else "n")
+    raise bad_request(
+        f"This request asks for {total} sequences ({num_prompts} prompt(s) x n={n}); the limit is "
+        f"{limit} sequences per request (--max-sequences-per-request). Send fewer prompts or a "
+        "smaller n, or split the request.",
+        param=prompt_param if num_prompts > limit else "n",
+    )
 
 
-def process_prompts(state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str
-                    ) -> list[EngineRequest]:
+def process_prompts(
+    state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str
+) -> list[EngineRequest]:
     """Every prompt through the engine's validation (empty prompt, token ids, context length), or the 400 of
     the first one that fails, naming the request's own fields; first the fan-out limit (:func:`check_fan_out`)."""
     check_fan_out(state, len(prompts), params.n, prompt_param)
@@ -107,20 +119,34 @@ def process_prompts(state: ServerState, prompts: list[list[int]], params: Sampli
         raise from_engine(exc, prompt_param=prompt_param, renames={"prompt": prompt_param}) from exc
 
 
-def start_job(state: ServerState, request: Request, operation: str, requests: list[EngineRequest],
-              stream: bool) -> Job:
+def start_job(
+    state: ServerState, request: Request, operation: str, requests: list[EngineRequest], stream: bool
+) -> Job:
     """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`), as one fairness
     group of the scheduler (EngineRequest.fairness_group = the response id; engine/core/fairness.py) of the
     tenant :func:`tenant_of` names. Raises OpenAIError (400) for a malformed tenant header, before queueing."""
     tenant = tenant_of(request)
     prefix = "chatcmpl" if operation == "chat" else "cmpl"
     prompts = [r.prompt_token_ids for r in requests]
-    rs = RequestState(f"{prefix}-{uuid.uuid4().hex}", operation, state.model_name, requests[0].params, prompts,
-                      stream, state.metrics)
+    rs = RequestState(
+        f"{prefix}-{uuid.uuid4().hex}",
+        operation,
+        state.model_name,
+        requests[0].params,
+        prompts,
+        stream,
+        state.metrics,
+    )
     requests = [replace(r, fairness_group=rs.request_id, fairness_tenant=tenant) for r in requests]
     rs.timeline.parent = state.tracing.extract(request.headers)
-    run = GenerationRun(state.engine, rs.request_id, requests, rs.arrival, rs.timeline,
-                        fault_after_tokens=_fault_after(state, request))
+    run = GenerationRun(
+        state.engine,
+        rs.request_id,
+        requests,
+        rs.arrival,
+        rs.timeline,
+        fault_after_tokens=_fault_after(state, request),
+    )
     run.start()
     state.in_flight += 1
     return Job(state, request, rs, run)
@@ -135,8 +161,11 @@ def tenant_of(request: Request) -> str | None:
     if value is None:
         return None
     if not TENANT_NAME.fullmatch(value):
-        raise bad_request(f"{TENANT_HEADER} must be 1-64 of letters, digits, '.', '_', '@', '-' (starting with a "
-                          "letter or digit), as the gateway's API key names.", param=TENANT_HEADER)
+        raise bad_request(
+            f"{TENANT_HEADER} must be 1-64 of letters, digits, '.', '_', '@', '-' (starting with a "
+            "letter or digit), as the gateway's API key names.",
+            param=TENANT_HEADER,
+        )
     return value
 
 
@@ -173,12 +202,17 @@ def failure_error(exc: BaseException, params: SamplingParams | None = None) -> O
     if isinstance(exc, GrammarLimitError):
         constraint = params.structured_outputs if params is not None else None
         kind, param = (constraint.kind, constraint.param) if constraint is not None else ("structured", None)
-        return bad_request(f"The {kind} constraint exceeded the grammar matcher's limits while generating: "
-                           f"{exc.detail}", param=param)
+        return bad_request(
+            f"The {kind} constraint exceeded the grammar matcher's limits while generating: {exc.detail}",
+            param=param,
+        )
     if isinstance(exc, RequestFailedError):
         status = 503 if "shutting down" in exc.reason else 500
-        return OpenAIError(status, f"The engine failed the request: {exc.reason}",
-                           code="engine_shutdown" if status == 503 else "request_failed")
+        return OpenAIError(
+            status,
+            f"The engine failed the request: {exc.reason}",
+            code="engine_shutdown" if status == 503 else "request_failed",
+        )
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc), code="engine_unavailable")
     logger.exception("request failed", exc_info=exc)
@@ -239,8 +273,10 @@ def check_complete(job: Job) -> None:
     """Every choice must have ended with stop/length; anything else is a failure, never a success."""
     for choice in job.rs.choices:
         if choice.finish_reason not in ("stop", "length"):
-            raise RequestFailedError(job.rs.request_id, f"choice {choice.index} ended without a terminal "
-                                     f"chunk ({choice.finish_reason})")
+            raise RequestFailedError(
+                job.rs.request_id,
+                f"choice {choice.index} ended without a terminal chunk ({choice.finish_reason})",
+            )
 
 
 async def _events(job: Job, formatter: Formatter, include_usage: bool):

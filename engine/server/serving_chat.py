@@ -45,16 +45,20 @@ from kvscope.engine.text.tokenizer import Tokenizer
 def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest, mode: ToolMode | None = None) -> list[int]:
     """Token ids of the rendered chat template (text parts of a message joined with newlines); tools, tool
     calls and tool results rendered as engine/server/tools.py documents."""
-    messages, variables = conversation(req, mode or ToolMode("none"), getattr(tokenizer, "chat_template", None))
+    messages, variables = conversation(
+        req, mode or ToolMode("none"), getattr(tokenizer, "chat_template", None)
+    )
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                             **variables)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt is not False, **variables
+        )
     except InvalidParameterError as exc:
         raise from_engine(exc) from exc
 
 
-async def create_chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest
-                                 ) -> Response | SSEResponse:
+async def create_chat_completion(
+    state: ServerState, request: Request, req: ChatCompletionRequest
+) -> Response | SSEResponse:
     admit(state)
     check_model(state, req.model)
     mode = tool_mode(req)
@@ -76,8 +80,9 @@ class ChatFormatter:
     """Turns delta outputs into chunks and accumulates the same deltas for the non-streaming body, so the
     concatenated stream equals the JSON answer byte for byte."""
 
-    def __init__(self, rs: RequestState, tokenizer: Tokenizer, created: int, logprobs: bool,
-                 include_usage: bool) -> None:
+    def __init__(
+        self, rs: RequestState, tokenizer: Tokenizer, created: int, logprobs: bool, include_usage: bool
+    ) -> None:
         self.rs = rs
         self.tokenizer = tokenizer
         self.created = created
@@ -93,7 +98,9 @@ class ChatFormatter:
         chunks = []
         for choice, delta, entries in self.rs.on_output(k, output):
             if delta.finish_reason in ("abort", "error"):
-                raise RequestFailedError(self.rs.request_id, f"choice {choice.index} ended: {delta.finish_reason}")
+                raise RequestFailedError(
+                    self.rs.request_id, f"choice {choice.index} ended: {delta.finish_reason}"
+                )
             i = choice.index
             if not self._started[i]:
                 self._started[i] = True
@@ -107,23 +114,49 @@ class ChatFormatter:
                 chunks.append(self._chunk(i, message, logprobs, delta.finish_reason))
         return chunks
 
-    def _chunk(self, index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
-               finish_reason: str | None = None) -> ChatCompletionChunk:
+    def _chunk(
+        self,
+        index: int,
+        delta: DeltaMessage,
+        logprobs: ChatLogprobs | None = None,
+        finish_reason: str | None = None,
+    ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self.rs.request_id, created=self.created, model=self.rs.model,
-            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
-            usage=None if self.include_usage else UNSET)
+            id=self.rs.request_id,
+            created=self.created,
+            model=self.rs.model,
+            choices=[
+                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            ],
+            usage=None if self.include_usage else UNSET,
+        )
 
     def usage_chunk(self) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.rs.request_id, created=self.created, model=self.rs.model, choices=[],
-                                   usage=self.rs.usage(), kvscope=self.rs.kvscope())
+        return ChatCompletionChunk(
+            id=self.rs.request_id,
+            created=self.created,
+            model=self.rs.model,
+            choices=[],
+            usage=self.rs.usage(),
+            kvscope=self.rs.kvscope(),
+        )
 
     def response(self) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(index=c.index, message=AssistantMessage(content="".join(self._content[c.index])),
-                       logprobs=ChatLogprobs(self._entries[c.index]) if self.logprobs else None,
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content="".join(self._content[c.index])),
+                logprobs=ChatLogprobs(self._entries[c.index]) if self.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             for c in self.rs.choices
         ]
-        return ChatCompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model,
-                                      choices=choices, usage=self.rs.usage(), kvscope=self.rs.kvscope())
+        return ChatCompletionResponse(
+            id=self.rs.request_id,
+            created=self.created,
+            model=self.rs.model,
+            choices=choices,
+            usage=self.rs.usage(),
+            kvscope=self.rs.kvscope(),
+        )

@@ -48,8 +48,11 @@ def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[in
         return [tokenizer.encode(x) for x in prompt]
     if all(isinstance(x, list) for x in prompt):
         return [list(x) for x in prompt]
-    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
-                      "lists (not a mix).", param="prompt")
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+        "lists (not a mix).",
+        param="prompt",
+    )
 
 
 def num_prompts(prompt: str | list) -> int:
@@ -57,8 +60,9 @@ def num_prompts(prompt: str | list) -> int:
     return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
 
-async def create_completion(state: ServerState, request: Request, req: CompletionRequest
-                            ) -> Response | SSEResponse:
+async def create_completion(
+    state: ServerState, request: Request, req: CompletionRequest
+) -> Response | SSEResponse:
     admit(state)
     check_model(state, req.model)
     params = completion_sampling_params(req)
@@ -69,8 +73,9 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = start_job(state, request, "text_completion", requests, bool(req.stream))
-    formatter = CompletionFormatter(job.rs, state.tokenizer, int(time.time()), echo_texts, req.logprobs is not None,
-                                    include_usage)
+    formatter = CompletionFormatter(
+        job.rs, state.tokenizer, int(time.time()), echo_texts, req.logprobs is not None, include_usage
+    )
     if req.stream:
         return respond_stream(job, formatter, include_usage)
     return await respond_json(job, formatter)
@@ -88,8 +93,15 @@ class CompletionFormatter:
     """Delta outputs → ``text_completion`` chunks, accumulated for the non-streaming body. With ``echo`` the
     prompt text (and, with logprobs, the prompt's logprobs) leads each choice's first chunk."""
 
-    def __init__(self, rs: RequestState, tokenizer: Tokenizer, created: int, echo_texts: list[str] | None,
-                 logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        rs: RequestState,
+        tokenizer: Tokenizer,
+        created: int,
+        echo_texts: list[str] | None,
+        logprobs: bool,
+        include_usage: bool,
+    ) -> None:
         self.rs = rs
         self.created = created
         self.echo_texts = echo_texts
@@ -105,9 +117,11 @@ class CompletionFormatter:
         chunks = []
         for choice, delta, entries in self.rs.on_output(k, output):
             if delta.finish_reason in ("abort", "error"):
-                raise RequestFailedError(self.rs.request_id, f"choice {choice.index} ended: {delta.finish_reason}")
+                raise RequestFailedError(
+                    self.rs.request_id, f"choice {choice.index} ended: {delta.finish_reason}"
+                )
             i = choice.index
-            text, ids, lp_entries = delta.text, list(delta.token_ids[:len(entries)]), list(entries)
+            text, ids, lp_entries = delta.text, list(delta.token_ids[: len(entries)]), list(entries)
             if not self._started[i]:
                 self._started[i] = True
                 if self.echo_texts is not None:
@@ -120,28 +134,57 @@ class CompletionFormatter:
             if logprobs is not None:
                 self._lp_parts[i].append(logprobs)
             if text or logprobs is not None or delta.finish_reason:
-                chunks.append(self._chunk(CompletionChoice(
-                    index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason if delta.finish_reason else None)))
+                chunks.append(
+                    self._chunk(
+                        CompletionChoice(
+                            index=i,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                            stop_reason=delta.stop_reason if delta.finish_reason else None,
+                        )
+                    )
+                )
         return chunks
 
     def _chunk(self, choice: CompletionChoice) -> CompletionResponse:
-        return CompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model,
-                                  choices=[choice], usage=None if self.include_usage else UNSET)
+        return CompletionResponse(
+            id=self.rs.request_id,
+            created=self.created,
+            model=self.rs.model,
+            choices=[choice],
+            usage=None if self.include_usage else UNSET,
+        )
 
     def usage_chunk(self) -> CompletionResponse:
-        return CompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model, choices=[],
-                                  usage=self.rs.usage(), kvscope=self.rs.kvscope())
+        return CompletionResponse(
+            id=self.rs.request_id,
+            created=self.created,
+            model=self.rs.model,
+            choices=[],
+            usage=self.rs.usage(),
+            kvscope=self.rs.kvscope(),
+        )
 
     def response(self) -> CompletionResponse:
         choices = [
-            CompletionChoice(index=c.index, text="".join(self._text[c.index]),
-                             logprobs=merge_legacy(self._lp_parts[c.index]) if self.logprobs else None,
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            CompletionChoice(
+                index=c.index,
+                text="".join(self._text[c.index]),
+                logprobs=merge_legacy(self._lp_parts[c.index]) if self.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             for c in self.rs.choices
         ]
-        return CompletionResponse(id=self.rs.request_id, created=self.created, model=self.rs.model,
-                                  choices=choices, usage=self.rs.usage(), kvscope=self.rs.kvscope())
+        return CompletionResponse(
+            id=self.rs.request_id,
+            created=self.created,
+            model=self.rs.model,
+            choices=choices,
+            usage=self.rs.usage(),
+            kvscope=self.rs.kvscope(),
+        )
 
 
 def _prompt_entries(output: RequestOutput, num_prompt_tokens: int) -> list[TokenLogprob | None]:

@@ -58,17 +58,25 @@ class ToolChatFormatter:
             if delta.role is not UNSET:
                 chunks.append(chunk)
                 if self.mode.kind == "named":
-                    chunks.append(self._tool_chunk(choice.index, self._header(choice.index, 0, self.mode.function)))
+                    chunks.append(
+                        self._tool_chunk(choice.index, self._header(choice.index, 0, self.mode.function))
+                    )
                 continue
             if self.mode.kind == "named":
                 if isinstance(delta.content, str) and delta.content:
-                    chunks.append(self._tool_chunk(choice.index, DeltaToolCall(
-                        0, DeltaFunctionCall(arguments=delta.content))))
+                    chunks.append(
+                        self._tool_chunk(
+                            choice.index, DeltaToolCall(0, DeltaFunctionCall(arguments=delta.content))
+                        )
+                    )
                 if choice.finish_reason:
                     chunks.append(self._chunk(choice.index, DeltaMessage(), None, self._finish(choice.index)))
                 continue
-            chunks += self._scanned(choice.index, delta.content if isinstance(delta.content, str) else "",
-                                    bool(choice.finish_reason))
+            chunks += self._scanned(
+                choice.index,
+                delta.content if isinstance(delta.content, str) else "",
+                bool(choice.finish_reason),
+            )
         return chunks
 
     def _scanned(self, index: int, text: str, last: bool) -> list[ChatCompletionChunk]:
@@ -82,15 +90,19 @@ class ToolChatFormatter:
             elif isinstance(event, CallStart):
                 chunks.append(self._tool_chunk(index, self._header(index, event.index, event.name)))
             elif isinstance(event, Arguments):
-                chunks.append(self._tool_chunk(index, DeltaToolCall(
-                    event.index, DeltaFunctionCall(arguments=event.text))))
+                chunks.append(
+                    self._tool_chunk(
+                        index, DeltaToolCall(event.index, DeltaFunctionCall(arguments=event.text))
+                    )
+                )
         if last:
             chunks.append(self._chunk(index, DeltaMessage(), None, self._finish(index)))
         return chunks
 
     def _header(self, index: int, j: int, name: str | None) -> DeltaToolCall:
-        return DeltaToolCall(j, DeltaFunctionCall(name=name, arguments=""), id=self._call_id(index, j),
-                             type="function")
+        return DeltaToolCall(
+            j, DeltaFunctionCall(name=name, arguments=""), id=self._call_id(index, j), type="function"
+        )
 
     def _tool_chunk(self, index: int, call: DeltaToolCall) -> ChatCompletionChunk:
         return self._chunk(index, DeltaMessage(tool_calls=[call]))
@@ -115,11 +127,27 @@ class ToolChatFormatter:
                 message = AssistantMessage(content="".join(self._content[c.index]))
             else:
                 calls, rest = parsed
-                message = AssistantMessage(content=rest, tool_calls=[
-                    ToolCall(self._call_id(c.index, j), FunctionCall(call.name, call.arguments))
-                    for j, call in enumerate(calls)])
-            choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=ChatLogprobs(self._entries[c.index]) if self.inner.logprobs else None,
-                                      finish_reason=self._finish(c.index), stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=self.rs.request_id, created=self.inner.created, model=self.rs.model,
-                                      choices=choices, usage=self.rs.usage(), kvscope=self.rs.kvscope())
+                message = AssistantMessage(
+                    content=rest,
+                    tool_calls=[
+                        ToolCall(self._call_id(c.index, j), FunctionCall(call.name, call.arguments))
+                        for j, call in enumerate(calls)
+                    ],
+                )
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=ChatLogprobs(self._entries[c.index]) if self.inner.logprobs else None,
+                    finish_reason=self._finish(c.index),
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.rs.request_id,
+            created=self.inner.created,
+            model=self.rs.model,
+            choices=choices,
+            usage=self.rs.usage(),
+            kvscope=self.rs.kvscope(),
+        )

@@ -65,48 +65,79 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     engine/models/format_choice.py), where the library keeps float32 for exact parity."""
 
     model: Annotated[str, Flag("registry name, HF folder or .gguf file")] = DEFAULT_MODEL
-    served_model_name: Annotated[str | None, Flag(
-        "name in /v1/models and the `model` field (default: the registry name, the .gguf file's name without "
-        ".gguf, or the HF folder's name)")] = None
+    served_model_name: Annotated[
+        str | None,
+        Flag(
+            "name in /v1/models and the `model` field (default: the registry name, the .gguf file's name without "
+            ".gguf, or the HF folder's name)"
+        ),
+    ] = None
     max_model_len: Annotated[int | None, Flag("context length enforced (prompt + completion)")] = None
     max_num_seqs: Annotated[int | None, Flag("most requests in one engine step")] = None
     max_num_batched_tokens: Annotated[int | None, Flag("token budget of one engine step")] = None
     long_prefill_token_threshold: Annotated[int | None, Flag("cap one request's prefill chunk")] = None
-    kv_cache_memory: Annotated[int | None, Flag("KV cache bytes on CPU (e.g. 256M, 1GiB)",
-                                                parse=parse_size)] = None
-    memory_budget: Annotated[int | None, Flag(
-        "CPU: bytes for weights + KV cache (e.g. 2GiB); the KV cache gets it minus the loaded format's weights "
-        "(overrides --kv-cache-memory)", parse=parse_size)] = None
+    kv_cache_memory: Annotated[
+        int | None, Flag("KV cache bytes on CPU (e.g. 256M, 1GiB)", parse=parse_size)
+    ] = None
+    memory_budget: Annotated[
+        int | None,
+        Flag(
+            "CPU: bytes for weights + KV cache (e.g. 2GiB); the KV cache gets it minus the loaded format's weights "
+            "(overrides --kv-cache-memory)",
+            parse=parse_size,
+        ),
+    ] = None
     num_blocks: Annotated[int | None, Flag("exact number of KV blocks (overrides the memory budget)")] = None
     block_size: Annotated[int | None, Flag("tokens per KV block")] = None
     gpu_memory_utilization: Annotated[float | None, Flag("CUDA: fraction of device memory to use")] = None
-    enable_prefix_caching: Annotated[bool | None, Flag("disable the prefix cache", name="--no-prefix-caching",
-                                                       negate=True)] = None
-    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Flag(
-        "weights/activations (default auto: with --quantization auto the chosen format's, else bfloat16 where "
-        "the CPU probe measures it faster; float32 for exact parity with transformers)")] = "auto"
-    quantization: Annotated[Literal["auto", "none", "int8", "int4", "gguf"], Flag(
-        "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf; default auto: the "
-        "fastest format verified for the model, by the start-up probe (--dtype float32 alone: none)")] = "auto"
-    cpu_kernels: Annotated[Literal["auto", "torch"] | None, Flag(
-        "CPU kernels of compact weights: auto = kvscope's own AVX-512 VNNI kernels and one-call decode step "
-        "(built once with the system C++ compiler; torch's where they cannot build), torch = torch's only")] = None
+    enable_prefix_caching: Annotated[
+        bool | None, Flag("disable the prefix cache", name="--no-prefix-caching", negate=True)
+    ] = None
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Flag(
+            "weights/activations (default auto: with --quantization auto the chosen format's, else bfloat16 where "
+            "the CPU probe measures it faster; float32 for exact parity with transformers)"
+        ),
+    ] = "auto"
+    quantization: Annotated[
+        Literal["auto", "none", "int8", "int4", "gguf"],
+        Flag(
+            "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf; default auto: the "
+            "fastest format verified for the model, by the start-up probe (--dtype float32 alone: none)"
+        ),
+    ] = "auto"
+    cpu_kernels: Annotated[
+        Literal["auto", "torch"] | None,
+        Flag(
+            "CPU kernels of compact weights: auto = kvscope's own AVX-512 VNNI kernels and one-call decode step "
+            "(built once with the system C++ compiler; torch's where they cannot build), torch = torch's only"
+        ),
+    ] = None
     seed: Annotated[int | None, Flag()] = None
     device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
     attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None
     num_threads: Annotated[int | None, Flag("torch intra-op threads on CPU")] = None
     # speculative decoding (issue 16, engine/spec_decode): kvscope.engine.config.SpeculativeConfig's fields
-    speculative: Annotated[Literal["none", "ngram"] | None, Flag(
-        "speculative decoding: ngram = prompt-lookup drafts verified in one forward pass (default none)")] = None
-    num_speculative_tokens: Annotated[int | None, Flag(
-        "draft tokens per request per step with --speculative ngram (default 4)")] = None
+    speculative: Annotated[
+        Literal["none", "ngram"] | None,
+        Flag(
+            "speculative decoding: ngram = prompt-lookup drafts verified in one forward pass (default none)"
+        ),
+    ] = None
+    num_speculative_tokens: Annotated[
+        int | None, Flag("draft tokens per request per step with --speculative ngram (default 4)")
+    ] = None
     prompt_lookup_min: Annotated[int | None, Flag("shortest suffix n-gram looked up (default 2)")] = None
     prompt_lookup_max: Annotated[int | None, Flag("longest suffix n-gram looked up first (default 4)")] = None
 
     def config_kwargs(self) -> dict[str, object]:
         """The options that were set, as build_engine_config keywords (``model`` is its first argument)."""
-        return {name: getattr(self, name) for name in self.__struct_fields__
-                if name != "model" and getattr(self, name) is not None}
+        return {
+            name: getattr(self, name)
+            for name in self.__struct_fields__
+            if name != "model" and getattr(self, name) is not None
+        }
 
 
 class ServerSettings(msgspec.Struct, **_STRUCT):
@@ -116,60 +147,95 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     port: Annotated[int, Flag("port")] = 8000
     sse_keepalive_s: Annotated[float, Flag("seconds between SSE keep-alive comments")] = 15.0
     """Send ``: keep-alive`` SSE comments when no event was sent for this long (below proxy idle timeouts)."""
-    enable_fault_injection: Annotated[bool, Flag(
-        "honour the x-kvscope-fault: after_tokens=N header (tests only)")] = False
+    enable_fault_injection: Annotated[
+        bool, Flag("honour the x-kvscope-fault: after_tokens=N header (tests only)")
+    ] = False
     """Honour the ``x-kvscope-fault`` request header (tests of mid-stream failure, case S3). Off in production."""
     max_concurrent_requests: Annotated[int, Flag("429 above this many; 0 = unlimited")] = 0
     """Generation requests in flight before new ones get 429; 0 = unlimited."""
-    max_sequences_per_request: Annotated[int, Flag(
-        "most sequences (prompts x n) one request may ask for; more is a 400 (default 256)")] = 256
+    max_sequences_per_request: Annotated[
+        int, Flag("most sequences (prompts x n) one request may ask for; more is a 400 (default 256)")
+    ] = 256
     """Sequences (prompts x ``n``) one generation request may queue; more is a 400 naming ``prompt`` or ``n``
     before anything is queued. 256: one prompt at OpenAI's largest ``n`` (128) fits twice, and it is four full
     steps at the default ``max_num_seqs`` (64). Each sequence holds an engine request, a detokenizer and KV blocks
     for its prompt; the probe's 400 prompts x n 64 (25,600 from a 6 KB body) made a plain request wait 122 s.
     The scheduler's fairness (engine/core/fairness.py) keeps requests under the cap from starving others."""
-    structured_output_max_grammar_size: Annotated[int, Flag(
-        "largest grammar (llguidance symbols) a structured-output constraint may compile to; more is a 400 "
-        "naming the field (default 20000)")] = CompileLimits().max_grammar_size
+    structured_output_max_grammar_size: Annotated[
+        int,
+        Flag(
+            "largest grammar (llguidance symbols) a structured-output constraint may compile to; more is a 400 "
+            "naming the field (default 20000)"
+        ),
+    ] = CompileLimits().max_grammar_size
     """llguidance's ``max_grammar_size``: a bigger grammar is refused in milliseconds, before the expensive part of
     its compile (engine/structured/params.py CompileLimits says why 20,000: ~0.6 s of compile at most; the probe's
     7,000 optional properties, 56k symbols, took 4.4 s)."""
-    structured_output_max_pending_compiles: Annotated[int, Flag(
-        "new grammars queued or compiling at once (one compile thread); one more is a 429 (default 16)")] = \
-        CompileLimits().max_pending
+    structured_output_max_pending_compiles: Annotated[
+        int,
+        Flag("new grammars queued or compiling at once (one compile thread); one more is a 429 (default 16)"),
+    ] = CompileLimits().max_pending
     """Distinct grammars waiting for or in the one compile thread; a request with yet another new grammar gets a
     429 with ``Retry-After: 1`` (requests with a cached grammar, or none, never wait for compiles)."""
-    otlp_endpoint: Annotated[str | None, Flag(
-        "OTLP collector for traces and metrics (OTLP/HTTP base URL or …/v1/traces; a gRPC endpoint with "
-        "OTEL_EXPORTER_OTLP_PROTOCOL=grpc); default: $OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT, else no export")] = None
+    otlp_endpoint: Annotated[
+        str | None,
+        Flag(
+            "OTLP collector for traces and metrics (OTLP/HTTP base URL or …/v1/traces; a gRPC endpoint with "
+            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc); default: $OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT, else no export"
+        ),
+    ] = None
     """OTLP endpoint overriding the ``OTEL_EXPORTER_OTLP_*`` environment (OTLP/HTTP: spans to ``/v1/traces``,
     metrics to ``/v1/metrics``); None = what the environment names, read by the OTel SDK (kvscope/common/otel_env.py)."""
-    service_name: Annotated[str, Flag("OTel service.name (default $OTEL_SERVICE_NAME or kvscope-engine)",
-                                      env="OTEL_SERVICE_NAME")] = DEFAULT_SERVICE_NAME
+    service_name: Annotated[
+        str, Flag("OTel service.name (default $OTEL_SERVICE_NAME or kvscope-engine)", env="OTEL_SERVICE_NAME")
+    ] = DEFAULT_SERVICE_NAME
     buckets: MetricBuckets = msgspec.field(default_factory=MetricBuckets)
     """Histogram buckets of the ``kvscope_engine_*`` metrics (``--ttft-buckets`` …, engine/server/metrics.py)."""
-    gpu_telemetry_interval_s: Annotated[float, Flag(
-        "seconds between samples of the CUDA device (NVML, torch allocator); CUDA only",
-        name="--gpu-telemetry-interval")] = 5.0
+    gpu_telemetry_interval_s: Annotated[
+        float,
+        Flag(
+            "seconds between samples of the CUDA device (NVML, torch allocator); CUDA only",
+            name="--gpu-telemetry-interval",
+        ),
+    ] = 5.0
     """Seconds between GPU telemetry samples (engine/server/gpu_telemetry.py): the Prometheus scrape interval of
     the compose stack; a sample costs a few NVML calls (milliseconds, off the event loop)."""
     warmup: Annotated[bool, Flag("skip the warm-up generation", negate=True)] = True
     """Run one short generation before reporting healthy (first-call costs are paid before traffic)."""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], Flag()] = "info"
-    event_loop: Annotated[EventLoop, Flag("the server's event loop: auto = uvloop where it is installed (an engine "
-                                          "dependency), else asyncio")] = "auto"
+    event_loop: Annotated[
+        EventLoop,
+        Flag(
+            "the server's event loop: auto = uvloop where it is installed (an engine "
+            "dependency), else asyncio"
+        ),
+    ] = "auto"
     """uvicorn's event loop (kvscope/common/event_loop.py: uvloop took 17 % more tokens/s at 32 streams on 2 cores)."""
-    request_head_timeout_s: Annotated[float, Flag(
-        "a request head must be complete this long after the connection opened or the previous response ended "
-        "(else 408 and close)", name="--request-head-timeout")] = HEAD_TIMEOUT_S
+    request_head_timeout_s: Annotated[
+        float,
+        Flag(
+            "a request head must be complete this long after the connection opened or the previous response ended "
+            "(else 408 and close)",
+            name="--request-head-timeout",
+        ),
+    ] = HEAD_TIMEOUT_S
     """Seconds for a whole request head; then a JSON 408 and the connection closed (kvscope/common/read_timeouts.py)."""
-    request_body_timeout_s: Annotated[float, Flag(
-        "longest silence while a request body arrives (else 408 and close)", name="--request-body-timeout")] = \
-        BODY_TIMEOUT_S
+    request_body_timeout_s: Annotated[
+        float,
+        Flag(
+            "longest silence while a request body arrives (else 408 and close)", name="--request-body-timeout"
+        ),
+    ] = BODY_TIMEOUT_S
     """Longest silence while a request body is being received; then a JSON 408 and the connection closed."""
-    api_key: Annotated[str | None, Flag("require 'Authorization: Bearer KEY' on every route but /health (default: "
-                                        "$KVSCOPE_ENGINE_API_KEY; none = no auth, warned about on a non-loopback "
-                                        "--host)", env=_api_key_from_env)] = None
+    api_key: Annotated[
+        str | None,
+        Flag(
+            "require 'Authorization: Bearer KEY' on every route but /health (default: "
+            "$KVSCOPE_ENGINE_API_KEY; none = no auth, warned about on a non-loopback "
+            "--host)",
+            env=_api_key_from_env,
+        ),
+    ] = None
     """Bearer key required on every route but ``/health`` (engine/server/auth.py); None: no auth."""
 
     def __post_init__(self) -> None:
@@ -179,7 +245,9 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             raise ValueError(f"sse_keepalive_s must be positive, got {self.sse_keepalive_s}")
         ReadTimeouts(self.request_head_timeout_s, self.request_body_timeout_s)  # each must be > 0
         if not self.gpu_telemetry_interval_s > 0:
-            raise ValueError(f"gpu_telemetry_interval_s must be positive, got {self.gpu_telemetry_interval_s}")
+            raise ValueError(
+                f"gpu_telemetry_interval_s must be positive, got {self.gpu_telemetry_interval_s}"
+            )
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
         if self.max_sequences_per_request < 1:
@@ -195,11 +263,13 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
         gateway's keys and limits."""
         if self.api_key is not None or is_loopback(self.host):
             return None
-        return (f"the engine listens on {self.host}:{self.port} WITHOUT an API key: anyone who can reach this "
-                "port can generate (/v1/chat/completions, /v1/completions), tokenize and read /metrics and "
-                "/schema, bypassing the gateway's API keys, rate limits and max_tokens ceilings. Bind to "
-                "127.0.0.1, or pass --api-key (or set KVSCOPE_ENGINE_API_KEY) and give the gateway the same "
-                "key as the upstream's api_key.")
+        return (
+            f"the engine listens on {self.host}:{self.port} WITHOUT an API key: anyone who can reach this "
+            "port can generate (/v1/chat/completions, /v1/completions), tokenize and read /metrics and "
+            "/schema, bypassing the gateway's API keys, rate limits and max_tokens ceilings. Bind to "
+            "127.0.0.1, or pass --api-key (or set KVSCOPE_ENGINE_API_KEY) and give the gateway the same "
+            "key as the upstream's api_key."
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

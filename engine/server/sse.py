@@ -28,8 +28,9 @@ def data_event(payload: Any) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-def error_event(message: str, type: str = "server_error", code: str | None = None,
-                param: str | None = None) -> bytes:
+def error_event(
+    message: str, type: str = "server_error", code: str | None = None, param: str | None = None
+) -> bytes:
     """An in-band ``data: {"error": {...}}`` event (a stream that fails after its 200)."""
     return data_event(ErrorResponse(ErrorInfo(message=message, type=type, param=param, code=code)))
 
@@ -43,8 +44,12 @@ class SSEResponse(Stream):
     covers a generator that never started).
     """
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None],
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(events, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self._on_close = on_close
 

@@ -50,9 +50,15 @@ class ServerMetrics:
     """All engine-server metrics on one registry. Thread-safe: prometheus_client collectors lock internally;
     the prefix-cache counter bookkeeping is touched by the engine thread only."""
 
-    def __init__(self, registry: CollectorRegistry, model: str, device: str = "cpu",
-                 buckets: MetricBuckets | None = None, genai: GenAiServerMetrics | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model: str,
+        device: str = "cpu",
+        buckets: MetricBuckets | None = None,
+        genai: GenAiServerMetrics | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         self.registry = registry
         self.model = model
         self.genai = genai
@@ -96,15 +102,22 @@ class ServerMetrics:
                 per_position[position] += 1
         for position, count in enumerate(per_position):
             if count:
-                m.spec_decode_num_accepted_tokens_per_pos.labels(model=model, position=str(position)).inc(count)
+                m.spec_decode_num_accepted_tokens_per_pos.labels(model=model, position=str(position)).inc(
+                    count
+                )
 
     def _on_scheduler_stats(self, stats: SchedulerStats) -> None:
         m, model = self.engine, self.model
-        for state, value in (("used", stats.num_used_blocks), ("cached", stats.num_cached_blocks),
-                             ("free", stats.num_free_blocks)):
+        for state, value in (
+            ("used", stats.num_used_blocks),
+            ("cached", stats.num_cached_blocks),
+            ("free", stats.num_free_blocks),
+        ):
             m.kv_cache_blocks.labels(model=model, state=state).set(value)
         if stats.prefix_cache_queries > self._prefix_queries_seen:
-            m.prefix_cache_queries.labels(model=model).inc(stats.prefix_cache_queries - self._prefix_queries_seen)
+            m.prefix_cache_queries.labels(model=model).inc(
+                stats.prefix_cache_queries - self._prefix_queries_seen
+            )
             self._prefix_queries_seen = stats.prefix_cache_queries
         if stats.prefix_cache_hits > self._prefix_hits_seen:
             m.prefix_cache_hits.labels(model=model).inc(stats.prefix_cache_hits - self._prefix_hits_seen)
@@ -131,9 +144,13 @@ class ServerMetrics:
         m.request_success.labels(model=model, finish_reason=t.finish_reason).inc()
         m.e2e_request_latency.labels(model=model).observe(t.e2e_s, exemplar)
         m.request_generation_tokens.labels(model=model).observe(t.num_output_tokens)
-        for histogram, value in ((m.time_to_first_token, t.ttft_s), (m.queue_time, t.queue_s),
-                                 (m.prefill_time, t.prefill_s), (m.decode_time, t.decode_s),
-                                 (m.time_per_output_token, t.tpot_s)):
+        for histogram, value in (
+            (m.time_to_first_token, t.ttft_s),
+            (m.queue_time, t.queue_s),
+            (m.prefill_time, t.prefill_s),
+            (m.decode_time, t.decode_s),
+            (m.time_per_output_token, t.tpot_s),
+        ):
             if value is not None:
                 histogram.labels(model=model).observe(value, exemplar)
         for (phase, cause), seconds in (t.causes or {}).items():
@@ -147,14 +164,22 @@ class ServerMetrics:
         e2e, TTFT = the first choice's first token, TPOT = the mean over choices; TTFT/TPOT only on success."""
         if self.genai is None or not timings:
             return
-        attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "kvscope",
-                 "gen_ai.request.model": self.model, "gen_ai.response.model": self.model}
+        attrs = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": "kvscope",
+            "gen_ai.request.model": self.model,
+            "gen_ai.response.model": self.model,
+        }
         if error_type is not None:
             attrs["error.type"] = error_type
         ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
         tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
-        self.genai.record(attrs, max(t.e2e_s for t in timings), min(ttfts) if ttfts else None,
-                          sum(tpots) / len(tpots) if tpots else None)
+        self.genai.record(
+            attrs,
+            max(t.e2e_s for t in timings),
+            min(ttfts) if ttfts else None,
+            sum(tpots) / len(tpots) if tpots else None,
+        )
 
     def on_request_params(self, n: int, max_tokens: int | None) -> None:
         """The request's ``n`` and ``max_tokens`` (once per request, as vLLM's ``request_params_*``)."""
@@ -176,7 +201,9 @@ class ServerMetrics:
 
     def set_weights(self, dtype: str, quantization: str, weights_bytes: int) -> None:
         """``kvscope_engine_weights_bytes{model, dtype, quantization}``: the served weight format and its bytes."""
-        self.engine.weights_bytes.labels(model=self.model, dtype=dtype, quantization=quantization).set(weights_bytes)
+        self.engine.weights_bytes.labels(model=self.model, dtype=dtype, quantization=quantization).set(
+            weights_bytes
+        )
 
 
 def host_memory_bytes() -> int:

@@ -47,7 +47,9 @@ class ServerState:
 
     def on_step(self, result: StepResult) -> None:
         """The engine's step listener (engine thread): metrics gauges/histograms and request timelines."""
-        self.metrics.on_step(result, result.stats if result.stats is not None else self.engine.scheduler_stats())
+        self.metrics.on_step(
+            result, result.stats if result.stats is not None else self.engine.scheduler_stats()
+        )
         if not result.scheduled_only:  # timelines advance on completed steps only
             observe_step(self.engine.unfinished_requests())
 

@@ -38,8 +38,12 @@ async def prepare_constraint(state: ServerState, params: SamplingParams) -> None
     except InvalidParameterError as exc:
         raise from_engine(exc) from exc
     except CompileBusyError as exc:
-        raise OpenAIError(429, f"Too many new grammars are compiling: {exc}", code="grammar_compile_busy",
-                          headers={"Retry-After": "1"}) from exc
+        raise OpenAIError(
+            429,
+            f"Too many new grammars are compiling: {exc}",
+            code="grammar_compile_busy",
+            headers={"Retry-After": "1"},
+        ) from exc
     metrics, model = state.metrics.engine, state.metrics.model
     metrics.structured_output_requests.labels(model=model, kind=constraint.kind).inc()
     if seconds > 0:
@@ -51,8 +55,10 @@ def structured_params(req: StructuredFields) -> StructuredOutputsParams | None:
     ``json_schema`` response_format without a schema, or a non-object/ill-formed JSON schema string."""
     found = [c for c in (_response_format(req), *_vllm_fields(req)) if c is not None]
     if len(found) > 1:
-        raise bad_request(f"Only one structured-output constraint per request; got {found[0].param} and "
-                          f"{found[1].param}.", param=found[1].param)
+        raise bad_request(
+            f"Only one structured-output constraint per request; got {found[0].param} and {found[1].param}.",
+            param=found[1].param,
+        )
     return found[0] if found else None
 
 
@@ -63,8 +69,9 @@ def _response_format(req: StructuredFields) -> StructuredOutputsParams | None:
     if fmt.type == "json_object":
         return StructuredOutputsParams("json_object", "", "response_format")
     if fmt.json_schema is None or fmt.json_schema.schema is None:
-        raise bad_request("response_format of type json_schema needs json_schema.schema.",
-                          param="response_format")
+        raise bad_request(
+            "response_format of type json_schema needs json_schema.schema.", param="response_format"
+        )
     return StructuredOutputsParams.json_schema(fmt.json_schema.schema, "response_format")
 
 
@@ -72,11 +79,19 @@ def _vllm_fields(req: StructuredFields) -> list[StructuredOutputsParams | None]:
     so = req.structured_outputs
     found = []
     if so is not None:
-        found += [_json(so.json, "structured_outputs"), _text("regex", so.regex, "structured_outputs"),
-                  _choice(so.choice, "structured_outputs"), _text("grammar", so.grammar, "structured_outputs"),
-                  StructuredOutputsParams("json_object", "", "structured_outputs") if so.json_object else None]
-    found += [_json(req.guided_json, "guided_json"), _text("regex", req.guided_regex, "guided_regex"),
-              _choice(req.guided_choice, "guided_choice"), _text("grammar", req.guided_grammar, "guided_grammar")]
+        found += [
+            _json(so.json, "structured_outputs"),
+            _text("regex", so.regex, "structured_outputs"),
+            _choice(so.choice, "structured_outputs"),
+            _text("grammar", so.grammar, "structured_outputs"),
+            StructuredOutputsParams("json_object", "", "structured_outputs") if so.json_object else None,
+        ]
+    found += [
+        _json(req.guided_json, "guided_json"),
+        _text("regex", req.guided_regex, "guided_regex"),
+        _choice(req.guided_choice, "guided_choice"),
+        _text("grammar", req.guided_grammar, "guided_grammar"),
+    ]
     return found
 
 

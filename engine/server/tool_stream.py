@@ -237,7 +237,7 @@ class ToolCallScanner:
             before = self._hold[:at]
             kept = before.rstrip(_WS)
             self._content(kept)
-            self._block, self._hold, self._state = self._hold[len(kept):], "", "open"
+            self._block, self._hold, self._state = self._hold[len(kept) :], "", "open"
             return
         body = self._hold.rstrip(_WS)
         cut = len(body)

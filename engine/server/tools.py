@@ -75,12 +75,16 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode:
     else:
         names = [t.function.name for t in req.tools]
         if choice.function.name not in names:
-            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools "
-                              f"({names}).", param="tool_choice")
+            raise bad_request(
+                f"tool_choice names function {choice.function.name!r}, which is not in tools ({names}).",
+                param="tool_choice",
+            )
         mode = ToolMode("named", choice.function.name, parallel)
     if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("tool_choice required or a named function cannot be combined with response_format.",
-                          param="response_format")
+        raise bad_request(
+            "tool_choice required or a named function cannot be combined with response_format.",
+            param="response_format",
+        )
     return mode
 
 
@@ -91,9 +95,15 @@ def tool_constraint(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOut
         return StructuredOutputsParams.json_schema(_parameters(tool), "tools")
     if mode.kind != "required":
         return None
-    items = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)}}
-             for t in req.tools or ()]
+    items = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
+        }
+        for t in req.tools or ()
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not mode.parallel:
         schema["maxItems"] = 1
@@ -131,8 +141,11 @@ def _message(message: ChatMessage, native: bool) -> dict:
             item["tool_call_id"] = message.tool_call_id
         return item
     if message.tool_calls:
-        calls = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c.function.name)}, "arguments": '
-                          f"{c.function.arguments}}}\n</tool_call>" for c in message.tool_calls)
+        calls = "\n".join(
+            f'<tool_call>\n{{"name": {json.dumps(c.function.name)}, "arguments": '
+            f"{c.function.arguments}}}\n</tool_call>"
+            for c in message.tool_calls
+        )
         item["content"] = f"{_text(content)}\n{calls}" if _text(content) else calls
     if message.role == "tool":
         item["content"] = f"<tool_response>\n{_text(content)}\n</tool_response>"
@@ -157,8 +170,9 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[list[ParsedCall], str |
             return ([ParsedCall(mode.function, text)], None) if isinstance(json.loads(text), dict) else None
         if mode.kind == "required":
             items = json.loads(text)
-            if not isinstance(items, list) or not all(isinstance(i["name"], str) and "arguments" in i
-                                                      for i in items):
+            if not isinstance(items, list) or not all(
+                isinstance(i["name"], str) and "arguments" in i for i in items
+            ):
                 return None
     except (json.JSONDecodeError, KeyError, TypeError):
         return None

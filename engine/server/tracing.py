@@ -67,15 +67,29 @@ class RequestTimeline:
         computed_before, preemptions_before = self._seen.get(request.request_id, (0, 0))
         preemptions = request.stats.num_preemptions if request.stats else 0
         if preemptions > preemptions_before:
-            self.events.append(TimelineEvent("preemption", now, {
-                "kvscope.request_id": request.request_id, "kvscope.num_preemptions": preemptions,
-                "kvscope.num_output_tokens": request.num_output_tokens}))
+            self.events.append(
+                TimelineEvent(
+                    "preemption",
+                    now,
+                    {
+                        "kvscope.request_id": request.request_id,
+                        "kvscope.num_preemptions": preemptions,
+                        "kvscope.num_output_tokens": request.num_output_tokens,
+                    },
+                )
+            )
             computed_before = 0
         computed = request.num_computed_tokens
-        if computed > computed_before and (computed - computed_before > 1
-                                           or computed_before < request.num_prompt_tokens):
-            self._chunk(request.request_id, computed_before, computed, now, preemptions == 0
-                        and computed_before < request.num_prompt_tokens)
+        if computed > computed_before and (
+            computed - computed_before > 1 or computed_before < request.num_prompt_tokens
+        ):
+            self._chunk(
+                request.request_id,
+                computed_before,
+                computed,
+                now,
+                preemptions == 0 and computed_before < request.num_prompt_tokens,
+            )
         self._seen[request.request_id] = (computed, preemptions)
 
     def finish_prefill(self, request_id: str, num_prompt_tokens: int, first_token_time: float | None) -> None:
@@ -87,9 +101,19 @@ class RequestTimeline:
             self._seen[request_id] = (num_prompt_tokens, 0)
 
     def _chunk(self, request_id: str, start: int, end: int, now: float, initial: bool) -> None:
-        self.events.append(TimelineEvent("prefill_chunk", now, {
-            "kvscope.request_id": request_id, "kvscope.chunk.start": start, "kvscope.chunk.end": end,
-            "kvscope.chunk.num_tokens": end - start}, initial_prefill=initial))
+        self.events.append(
+            TimelineEvent(
+                "prefill_chunk",
+                now,
+                {
+                    "kvscope.request_id": request_id,
+                    "kvscope.chunk.start": start,
+                    "kvscope.chunk.end": end,
+                    "kvscope.chunk.num_tokens": end - start,
+                },
+                initial_prefill=initial,
+            )
+        )
 
 
 def observe_step(requests: Iterable[Request], now: float | None = None) -> None:
@@ -118,8 +142,12 @@ class RequestSpans:
     """Attributes of the ``decode`` span: the speculative-decoding totals (:func:`spec_decode_attributes`)."""
 
 
-def spec_decode_attributes(drafts: int | None, draft_tokens: int | None, accepted_tokens: int | None,
-                           mean_accepted_length: float | None) -> dict[str, int | float]:
+def spec_decode_attributes(
+    drafts: int | None,
+    draft_tokens: int | None,
+    accepted_tokens: int | None,
+    mean_accepted_length: float | None,
+) -> dict[str, int | float]:
     """The ``decode`` span's speculative-decoding attributes, ``kvscope.spec_decode.{drafts, draft_tokens,
     accepted_tokens, mean_accepted_length}`` (the request's totals, the kvscope object's ``spec_*`` fields);
     empty when the request never speculated. Totals rather than one event per verification: a long answer
@@ -127,9 +155,12 @@ def spec_decode_attributes(drafts: int | None, draft_tokens: int | None, accepte
     and drops the rest silently; the per-verification distribution is the acceptance-length histogram."""
     if not drafts:
         return {}
-    return {"kvscope.spec_decode.drafts": drafts, "kvscope.spec_decode.draft_tokens": draft_tokens or 0,
-            "kvscope.spec_decode.accepted_tokens": accepted_tokens or 0,
-            "kvscope.spec_decode.mean_accepted_length": mean_accepted_length or 1.0}
+    return {
+        "kvscope.spec_decode.drafts": drafts,
+        "kvscope.spec_decode.draft_tokens": draft_tokens or 0,
+        "kvscope.spec_decode.accepted_tokens": accepted_tokens or 0,
+        "kvscope.spec_decode.mean_accepted_length": mean_accepted_length or 1.0,
+    }
 
 
 UNTRACED_ROUTES = ("/health", "/metrics")
@@ -149,13 +180,20 @@ class RecordedSpan(NamedTuple):
 class Tracing:
     """Owns a TracerProvider; :meth:`record` writes the spans of one request."""
 
-    def __init__(self, service_name: str = "kvscope-engine", exporter: SpanExporter | None = None, *,
-                 batch: bool = True, service_version: str | None = None) -> None:
+    def __init__(
+        self,
+        service_name: str = "kvscope-engine",
+        exporter: SpanExporter | None = None,
+        *,
+        batch: bool = True,
+        service_version: str | None = None,
+    ) -> None:
         """Resource: ``service.name`` and ``service.version`` (OTel resource semconv; the installed
         ``kvscope`` package version unless ``service_version`` is given)."""
         version = service_version or kvscope_version()
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name,
-                                                                 "service.version": version}))
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name, "service.version": version})
+        )
         if exporter is not None:
             processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
             self.provider.add_span_processor(processor)
@@ -174,8 +212,9 @@ class Tracing:
         """The context of an incoming ``traceparent`` header, None when absent or malformed."""
         if "traceparent" not in headers:
             return None
-        context = self._propagator.extract({"traceparent": headers["traceparent"],
-                                            "tracestate": headers.get("tracestate", "")})
+        context = self._propagator.extract(
+            {"traceparent": headers["traceparent"], "tracestate": headers.get("tracestate", "")}
+        )
         return context or None
 
     def start_server_span(self, scope: Mapping[str, Any]) -> Span | None:
@@ -186,18 +225,23 @@ class Tracing:
             return None
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         method = scope.get("method", "GET")
-        attributes: dict[str, Any] = {"http.request.method": method, "url.path": path,
-                                      "url.scheme": scope.get("scheme", "http"),
-                                      "network.protocol.version": scope.get("http_version", "1.1")}
+        attributes: dict[str, Any] = {
+            "http.request.method": method,
+            "url.path": path,
+            "url.scheme": scope.get("scheme", "http"),
+            "network.protocol.version": scope.get("http_version", "1.1"),
+        }
         if scope.get("client"):
             attributes["client.address"] = scope["client"][0]
         if "user-agent" in headers:
             attributes["user_agent.original"] = headers["user-agent"]
-        return self.tracer.start_span(method, context=self.extract(headers), kind=SpanKind.SERVER,
-                                      attributes=attributes)
+        return self.tracer.start_span(
+            method, context=self.extract(headers), kind=SpanKind.SERVER, attributes=attributes
+        )
 
-    def end_server_span(self, span: Span, method: str, status: int, route: str | None,
-                        error_type: str | None) -> None:
+    def end_server_span(
+        self, span: Span, method: str, status: int, route: str | None, error_type: str | None
+    ) -> None:
         """Name the span ``{method} {route}`` and end it with the response status: ERROR with ``error.type``
         (``error_type``, else the status code) for a 5xx only (4xx stays unset on a server span, as the HTTP
         semconv says)."""
@@ -214,12 +258,18 @@ class Tracing:
         """Emit ``llm_request`` (INTERNAL, under ``server_span``, the request's HTTP SERVER span, else under the
         incoming ``traceparent``) with children ``queue``, ``prefill`` (chunk/preemption events) and ``decode``.
         Returns the trace id and span id of ``llm_request`` (lowercase hex) and whether it is sampled."""
+
         def wall(mono: float) -> int:
             return spans.arrival_wall_ns + int((mono - spans.arrival) * 1e9)
 
         parent = set_span_in_context(server_span) if server_span is not None else spans.timeline.parent
-        root = self.tracer.start_span("llm_request", context=parent, kind=SpanKind.INTERNAL,
-                                      start_time=wall(spans.arrival), attributes=spans.attributes)
+        root = self.tracer.start_span(
+            "llm_request",
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            start_time=wall(spans.arrival),
+            attributes=spans.attributes,
+        )
         parent = set_span_in_context(root)
         queue_end = spans.first_scheduled if spans.first_scheduled is not None else spans.end
         prefill_end = spans.first_token if spans.first_token is not None else spans.end
@@ -231,23 +281,39 @@ class Tracing:
             ok_end = spans.last_token if spans.last_token is not None else spans.first_token
             decode_end = ok_end if spans.error is None else spans.end
             late = [e for e in spans.timeline.events if not e.initial_prefill and e.time > prefill_end]
-            self._child("decode", parent, wall(spans.first_token), wall(decode_end), late, wall,
-                        spans.decode_attributes)
+            self._child(
+                "decode",
+                parent,
+                wall(spans.first_token),
+                wall(decode_end),
+                late,
+                wall,
+                spans.decode_attributes,
+            )
         if spans.error is not None:
             root.set_status(Status(StatusCode.ERROR, spans.error))
         root.end(end_time=wall(spans.end))
         ctx = root.get_span_context()
         return RecordedSpan(f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}", ctx.trace_flags.sampled)
 
-    def _child(self, name: str, parent: Context, start_ns: int, end_ns: int, events: list[TimelineEvent],
-               wall: Callable[[float], int], attributes: Mapping[str, Any] | None = None) -> None:
+    def _child(
+        self,
+        name: str,
+        parent: Context,
+        start_ns: int,
+        end_ns: int,
+        events: list[TimelineEvent],
+        wall: Callable[[float], int],
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
         end_ns = max(end_ns, start_ns)
         span = self.tracer.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
         for event in events:
-            span.add_event(event.name, event.attributes, timestamp=min(max(wall(event.time), start_ns), end_ns))
+            span.add_event(
+                event.name, event.attributes, timestamp=min(max(wall(event.time), start_ns), end_ns)
+            )
         span.end(end_time=end_ns)
 
     def shutdown(self) -> None:
         """Flush pending spans and stop the exporter."""
         self.provider.shutdown()
-

@@ -100,8 +100,11 @@ class StepCostModel:
             bucket.t0 = seconds if bucket.t0 is None else (1 - TIME_ALPHA) * bucket.t0 + TIME_ALPHA * seconds
         elif bucket.t0 is not None:
             extra = max(seconds - bucket.t0, 0.0) / num_draft_tokens
-            bucket.per_token = extra if bucket.per_token is None else (
-                (1 - TIME_ALPHA) * bucket.per_token + TIME_ALPHA * extra)
+            bucket.per_token = (
+                extra
+                if bucket.per_token is None
+                else ((1 - TIME_ALPHA) * bucket.per_token + TIME_ALPHA * extra)
+            )
 
     def allows(self, num_rows: int, num_draft_tokens: int, expected_accepted: float) -> bool:
         """Whether a step over ``num_rows`` decode rows with ``num_draft_tokens`` drafts, of which
@@ -114,9 +117,16 @@ class StepCostModel:
             return bucket.t0 is not None or bucket.steps % PROBE_EVERY != 0  # measure t0 now and then
         pays = bucket.per_token * num_draft_tokens * num_rows < bucket.t0 * expected_accepted
         if pays != bucket.pays:
-            logger.info("speculative decoding %s at batch size %s: step %.2f ms without drafts, +%.3f ms per "
-                        "draft token, %d drafts expecting %.1f accepted", "on" if pays else "off",
-                        key, bucket.t0 * 1e3, bucket.per_token * 1e3, num_draft_tokens, expected_accepted)
+            logger.info(
+                "speculative decoding %s at batch size %s: step %.2f ms without drafts, +%.3f ms per "
+                "draft token, %d drafts expecting %.1f accepted",
+                "on" if pays else "off",
+                key,
+                bucket.t0 * 1e3,
+                bucket.per_token * 1e3,
+                num_draft_tokens,
+                expected_accepted,
+            )
             bucket.pays = pays
         if not pays and bucket.steps % PROBE_EVERY == 0:
             return True  # re-measure the cost of drafts now and then

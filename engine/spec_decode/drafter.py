@@ -16,8 +16,9 @@ class NgramDrafter:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
         self.cost = StepCostModel()
         self._trackers: dict[str, AcceptanceTracker] = {}
 
@@ -43,7 +44,8 @@ class NgramDrafter:
     def on_verified(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if self.config.adaptive:
             self._trackers.setdefault(request.request_id, AcceptanceTracker()).on_verified(
-                num_draft_tokens, num_accepted_tokens)
+                num_draft_tokens, num_accepted_tokens
+            )
 
     def record_step(self, num_decode_rows: int, num_draft_tokens: int, seconds: float) -> None:
         """A decode-only step's duration (StepCostModel.record)."""

@@ -30,11 +30,18 @@ class NgramProposer:
     does not hold.
     """
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int,
-                 window: int = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        prompt_lookup_min: int,
+        prompt_lookup_max: int,
+        window: int = DEFAULT_WINDOW,
+    ) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({prompt_lookup_max})")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
+                f"({prompt_lookup_max})"
+            )
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
         self.k = num_speculative_tokens
@@ -58,7 +65,7 @@ class NgramProposer:
             position = _last_match(arr, n)
             if position is not None:
                 follow = position + n
-                return arr[follow:follow + limit].tolist()
+                return arr[follow : follow + limit].tolist()
         return []
 
 

@@ -25,8 +25,9 @@ import torch
 from kvscope.engine.worker.sampler import first_argmax
 
 
-def rejection_sample(probs: torch.Tensor, draft_token_ids: Sequence[int],
-                     generator: torch.Generator | None = None) -> list[int]:
+def rejection_sample(
+    probs: torch.Tensor, draft_token_ids: Sequence[int], generator: torch.Generator | None = None
+) -> list[int]:
     """Verify one request's draft under sampling.
 
     ``probs``: float32 ``[k + 1, vocab]``, row ``i`` the target's final sampling distribution (probabilities,
@@ -65,5 +66,7 @@ def greedy_verify(target_token_ids: Sequence[int], draft_token_ids: Sequence[int
 def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from ``probs`` (``[vocab]``) as ``argmax(probs / e)``, ``e ~ Exp(1)`` (kvscope.engine.worker.sampler's
     exponential race: the same ``vocab`` draws from ``generator`` as one step of the Sampler)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+    noise = (
+        torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+    )
     return int(first_argmax((probs / noise).unsqueeze(0))[0])

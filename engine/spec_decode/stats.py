@@ -27,6 +27,9 @@ class SpecDecodingStats:
         """From ``(num_draft_tokens, num_accepted_tokens)`` pairs, one per verified draft; None when empty."""
         if not drafts:
             return None
-        return cls(num_drafts=len(drafts), num_draft_tokens=sum(k for k, _ in drafts),
-                   num_accepted_tokens=sum(a for _, a in drafts),
-                   accepted_per_draft=tuple(a for _, a in drafts))
+        return cls(
+            num_drafts=len(drafts),
+            num_draft_tokens=sum(k for k, _ in drafts),
+            num_accepted_tokens=sum(a for _, a in drafts),
+            accepted_per_draft=tuple(a for _, a in drafts),
+        )

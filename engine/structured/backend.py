@@ -87,7 +87,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("choice", params.spec)
         return llguidance.grammar_from("grammar", params.spec)
     except (ValueError, TypeError, json.JSONDecodeError) as exc:
-        raise InvalidParameterError(params.param, f"Invalid {params.kind} constraint: {one_line(str(exc))}") from exc
+        raise InvalidParameterError(
+            params.param, f"Invalid {params.kind} constraint: {one_line(str(exc))}"
+        ) from exc
 
 
 class StructuredOutputManager:
@@ -99,8 +101,14 @@ class StructuredOutputManager:
     deployments never pay for it.
     """
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int | None,
-                 cache_size: int = 256, limits: CompileLimits | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_json: Callable[[], str],
+        vocab_size: int,
+        eos_token_id: int | None,
+        cache_size: int = 256,
+        limits: CompileLimits | None = None,
+    ) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -136,8 +144,9 @@ class StructuredOutputManager:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 eos = [self.eos_token_id] if self.eos_token_id is not None else None
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                         eos_token=eos)
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=eos
+                )
             return self._tokenizer
 
     # --- admission ------------------------------------------------------------------------------------------
@@ -184,7 +193,9 @@ class StructuredOutputManager:
             return 0.0
         future, mine = self._submit(params)
         try:
-            compiled = await asyncio.shield(asyncio.wrap_future(future))  # a cancelled wait leaves the shared compile
+            compiled = await asyncio.shield(
+                asyncio.wrap_future(future)
+            )  # a cancelled wait leaves the shared compile
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
@@ -207,8 +218,10 @@ class StructuredOutputManager:
             if running is not None:
                 return running, False
             if len(self._inflight) >= self.limits.max_pending:
-                raise CompileBusyError(f"{len(self._inflight)} new grammars are already waiting to compile "
-                                       f"(limit {self.limits.max_pending}); retry later.")
+                raise CompileBusyError(
+                    f"{len(self._inflight)} new grammars are already waiting to compile "
+                    f"(limit {self.limits.max_pending}); retry later."
+                )
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
             future = self._executor.submit(self._compile_job, params, self.limits)
@@ -239,15 +252,22 @@ class StructuredOutputManager:
         tokenizer = self.tokenizer
         start = time.perf_counter()
         grammar = grammar_text(params)
-        parser_limits = llguidance.LLParserLimits(max_grammar_size=limits.max_grammar_size, verbose_errors=False)
+        parser_limits = llguidance.LLParserLimits(
+            max_grammar_size=limits.max_grammar_size, verbose_errors=False
+        )
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits)
         if template.is_error():
             error = one_line(template.get_error())
             if error.startswith(_GRAMMAR_SIZE):
-                raise InvalidParameterError(params.param, f"The {params.kind} constraint is too large to compile: "
-                                            f"its grammar has more than {limits.max_grammar_size} symbols (the "
-                                            f"engine's --structured-output-max-grammar-size).")
-            raise InvalidParameterError(params.param, f"Unsupported or invalid {params.kind} constraint: {error}")
+                raise InvalidParameterError(
+                    params.param,
+                    f"The {params.kind} constraint is too large to compile: "
+                    f"its grammar has more than {limits.max_grammar_size} symbols (the "
+                    f"engine's --structured-output-max-grammar-size).",
+                )
+            raise InvalidParameterError(
+                params.param, f"Unsupported or invalid {params.kind} constraint: {error}"
+            )
         self._check_servable(template.deep_copy(), params)
         return CompiledGrammar(template, time.perf_counter() - start)
 
@@ -263,11 +283,15 @@ class StructuredOutputManager:
         for round_ in range(FORCED_ROUNDS):
             probe.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             if probe.is_error():
-                raise InvalidParameterError(params.param, f"The {params.kind} constraint can never be satisfied: "
-                                            f"no output matches it ({one_line(probe.get_error())})")
+                raise InvalidParameterError(
+                    params.param,
+                    f"The {params.kind} constraint can never be satisfied: "
+                    f"no output matches it ({one_line(probe.get_error())})",
+                )
             if round_ == 0 and self._only_eos(row):
-                raise InvalidParameterError(params.param, f"The {params.kind} constraint only allows an empty "
-                                            "answer.")
+                raise InvalidParameterError(
+                    params.param, f"The {params.kind} constraint only allows an empty answer."
+                )
             forced = probe.compute_ff_tokens()
             if probe.is_error():
                 return
@@ -275,9 +299,12 @@ class StructuredOutputManager:
                 break
             if not probe.consume_tokens(forced):
                 text = self.tokenizer.decode_str(forced[:8])
-                raise InvalidParameterError(params.param, f"The {params.kind} constraint cannot be served: the "
-                                            f"grammar matcher fails after the forced start {text!r} "
-                                            f"({one_line(probe.get_error())})")
+                raise InvalidParameterError(
+                    params.param,
+                    f"The {params.kind} constraint cannot be served: the "
+                    f"grammar matcher fails after the forced start {text!r} "
+                    f"({one_line(probe.get_error())})",
+                )
             if probe.is_stopped():
                 return
             start += forced
@@ -287,8 +314,13 @@ class StructuredOutputManager:
                 return
         self._try_branches(probe, row, start, params)
 
-    def _try_branches(self, probe: llguidance.LLMatcher, row: torch.Tensor, start: list[int],
-                      params: StructuredOutputsParams) -> None:
+    def _try_branches(
+        self,
+        probe: llguidance.LLMatcher,
+        row: torch.Tensor,
+        start: list[int],
+        params: StructuredOutputsParams,
+    ) -> None:
         """Consume each of up to BRANCH_TOKENS tokens ``row`` (the mask at ``probe``'s state, after the forced
         ``start``) allows, each on a deep copy of ``probe``, and compute the mask after it. Raises
         InvalidParameterError naming ``params.param`` when the matcher fails there (a row above llguidance's
@@ -305,9 +337,12 @@ class StructuredOutputManager:
                 branch.unsafe_compute_mask_ptr(after.data_ptr(), after.numel() * after.element_size())
             if branch.is_error():
                 prefix = self.tokenizer.decode_str([*start[-8:], token])
-                raise InvalidParameterError(params.param, f"The {params.kind} constraint cannot be served: the "
-                                            f"grammar matcher exceeds its limits after {prefix!r} "
-                                            f"({one_line(branch.get_error())})")
+                raise InvalidParameterError(
+                    params.param,
+                    f"The {params.kind} constraint cannot be served: the "
+                    f"grammar matcher exceeds its limits after {prefix!r} "
+                    f"({one_line(branch.get_error())})",
+                )
 
     def _token_rank(self) -> torch.Tensor:
         """int64 ``[vocab_size]``: 0 for tokens that begin with ``"`` (they open a string or a key), 1 for those

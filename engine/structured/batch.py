@@ -51,7 +51,9 @@ class MatcherTable:
         self._errors: dict[str, str] = {}
         """request_id → why its matcher failed, since the last :meth:`take_errors`."""
 
-    def bitmask_async(self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> Future | None:
+    def bitmask_async(
+        self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None
+    ) -> Future | None:
         """:meth:`bitmask` on a helper thread, so the masks are computed while the model runs its forward pass
         (llguidance releases the GIL while it computes); None when no request is constrained. The caller
         must wait for the result before the next call, :meth:`advance` or :meth:`drop`."""
@@ -61,7 +63,9 @@ class MatcherTable:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         return self._executor.submit(self.bitmask, list(requests), drafts)
 
-    def bitmask(self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> StepMasks | None:
+    def bitmask(
+        self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None
+    ) -> StepMasks | None:
         """The step's masks (:class:`StepMasks`: rows int64 ``[k]``, bitmask int32 ``[k, words]``, seconds per
         request id) of the constrained requests among ``requests`` (engine Requests), or None when none is
         constrained. Without ``drafts`` request i owns logits row i; with them (speculative decoding, one draft
@@ -82,7 +86,7 @@ class MatcherTable:
             began = time.perf_counter()
             request_id = requests[i].request_id
             matcher = self._matcher(requests[i])
-            block = mask[k:k + counts[i]]
+            block = mask[k : k + counts[i]]
             k += counts[i]
             if matcher is None:  # no grammar pinned: fail the request, let the row allow anything meanwhile
                 continue
@@ -134,8 +138,9 @@ class MatcherTable:
                 self._errors.setdefault(request.request_id, UNAVAILABLE_PREFIX + str(exc))
                 return None
             if matcher is None:
-                self._errors.setdefault(request.request_id,
-                                        UNAVAILABLE_PREFIX + "the grammar was not compiled at admission")
+                self._errors.setdefault(
+                    request.request_id, UNAVAILABLE_PREFIX + "the grammar was not compiled at admission"
+                )
                 return None
             self._matchers[request.request_id] = matcher
         return matcher

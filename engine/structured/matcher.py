@@ -19,10 +19,13 @@ def one_line(message: str) -> str:
     joined with spaces (``unknown name: "foo"``, ``regex parse error: [a-z error: unclosed character class``)."""
     head = message.split("<state>", 1)[0]
     kept = [line.strip() for line in head.splitlines()]
-    kept = [line for line in kept if line and line != "<non-verbose/>" and not _SOURCE_LINE.match(line)
-            and set(line) - {"^", "~", " "}]
+    kept = [
+        line
+        for line in kept
+        if line and line != "<non-verbose/>" and not _SOURCE_LINE.match(line) and set(line) - {"^", "~", " "}
+    ]
     text = " ".join(kept) or "unknown error"
-    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
 
 
 class RequestMatcher:
@@ -46,7 +49,7 @@ class RequestMatcher:
         if num < self.num_consumed:
             self._matcher.reset()
             self.num_consumed = 0
-        self._matcher.consume_tokens(list(output_token_ids[self.num_consumed:]))
+        self._matcher.consume_tokens(list(output_token_ids[self.num_consumed :]))
         self.num_consumed = num
 
     def fill_bitmask(self, row: torch.Tensor) -> None:

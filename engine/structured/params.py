@@ -36,8 +36,10 @@ class CompileLimits:
 
     def __post_init__(self) -> None:
         if self.max_grammar_size < 1 or self.max_pending < 1:
-            raise ValueError(f"grammar compile limits must be >= 1, got max_grammar_size={self.max_grammar_size}, "
-                             f"max_pending={self.max_pending}")
+            raise ValueError(
+                f"grammar compile limits must be >= 1, got max_grammar_size={self.max_grammar_size}, "
+                f"max_pending={self.max_pending}"
+            )
 
 
 @dataclass(slots=True, eq=False)

@@ -38,8 +38,13 @@ class IncrementalDetokenizer:
     """Per-request text state: feed sampled ids with :meth:`update`, read deltas with
     :meth:`get_next_output_text`. Not thread-safe (one owner: the output processor)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 stops: StopStrings | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        stops: StopStrings | None = None,
+    ) -> None:
         """``stops``: ``params.stop`` compiled (:meth:`StopStrings.compile`), passed in so that a request's
         children share one; compiled here when None."""
         self.tokenizer = tokenizer
@@ -89,7 +94,9 @@ class IncrementalDetokenizer:
             return None
         stop_str, offset = match
         index = len(self.output_text) - len(added) + offset
-        self.output_text = self.output_text[:index + len(stop_str) if self.include_stop_str_in_output else index]
+        self.output_text = self.output_text[
+            : index + len(stop_str) if self.include_stop_str_in_output else index
+        ]
         self._sent = min(self._sent, len(self.output_text))
         self.stop_reason = stop_str
         return stop_str

@@ -71,10 +71,16 @@ class OutputProcessor:
 
     def add_request(self, parent_id: str, children: list[Request]) -> None:
         """Register a parent request and its child requests (index i = position in ``children``)."""
-        self._parents[parent_id] = _ParentState(children[0].prompt_token_ids, {c.request_id for c in children})
-        stops = StopStrings.compile(children[0].sampling_params.stop)  # once per request: the children share it
+        self._parents[parent_id] = _ParentState(
+            children[0].prompt_token_ids, {c.request_id for c in children}
+        )
+        stops = StopStrings.compile(
+            children[0].sampling_params.stop
+        )  # once per request: the children share it
         for index, child in enumerate(children):
-            detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, child.sampling_params, stops)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, child.prompt_token_ids, child.sampling_params, stops
+            )
             self._children[child.request_id] = _ChildState(parent_id, index, child, detok)
 
     def request_ids(self) -> list[str]:
@@ -103,11 +109,14 @@ class OutputProcessor:
                 if stop_str is not None:
                     break
             logprobs = runner_output.logprobs.get(request_id)
-            step.advanced.append(_Advanced(state, token_ids[:kept], None if logprobs is None else logprobs[:kept],
-                                           stop_str))
+            step.advanced.append(
+                _Advanced(state, token_ids[:kept], None if logprobs is None else logprobs[:kept], stop_str)
+            )
             if stop_str is not None and kept < len(token_ids):
                 step.num_output_tokens[request_id] = state.request.num_output_tokens - (len(token_ids) - kept)
-                if state.request.is_finished:  # by a later stop in the same run: the scheduler is done with it
+                if (
+                    state.request.is_finished
+                ):  # by a later stop in the same run: the scheduler is done with it
                     state.request.truncate_output(step.num_output_tokens[request_id])
             if stop_str is not None and not state.request.is_finished:
                 step.stopped_request_ids.append(request_id)
@@ -129,8 +138,12 @@ class OutputProcessor:
             if state is None:
                 continue
             text = state.detokenizer.get_next_output_text(finished=True, delta=True)
-            completion = CompletionOutput(index=state.index, text=text, finish_reason=reason,
-                                          num_output_tokens=state.request.num_output_tokens)
+            completion = CompletionOutput(
+                index=state.index,
+                text=text,
+                finish_reason=reason,
+                num_output_tokens=state.request.num_output_tokens,
+            )
             self._finish(state, completion)
             outputs.append(self._request_output(state, completion))
         return outputs
@@ -140,8 +153,11 @@ class OutputProcessor:
         (only the ``last`` token of a step can be; its text is not output, unless include_stop_str_in_output);
         returns the stop string it completed."""
         request = state.request
-        stop_token = last and (request.is_finished and isinstance(request.stop_reason, int) or (
-            request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None))
+        stop_token = last and (
+            request.is_finished
+            and isinstance(request.stop_reason, int)
+            or (request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None)
+        )
         stop_str = None
         if not stop_token or request.sampling_params.include_stop_str_in_output:
             stop_str = state.detokenizer.update([token_id])
@@ -181,9 +197,13 @@ class OutputProcessor:
         finished = not parent.unfinished
         if finished:
             self._parents.pop(state.parent_id, None)
-        output = RequestOutput(request_id=state.parent_id, prompt_token_ids=parent.prompt_token_ids,
-                               outputs=[completion], finished=finished,
-                               num_cached_tokens=completion.num_cached_tokens)
+        output = RequestOutput(
+            request_id=state.parent_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=completion.num_cached_tokens,
+        )
         if state.request.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             n = len(state.request.prompt_token_ids)
             output.prompt_logprobs = [None] + [state.prompt_logprobs.get(p) for p in range(1, n)]

@@ -30,7 +30,11 @@ def bytes_to_unicode() -> dict[int, str]:
     Source: openai/gpt-2 ``encoder.py`` (also ``tokenizers`` ``ByteLevel``): printable Latin-1 bytes map to
     themselves, the other 68 bytes to U+0100 onwards in byte order.
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -46,8 +50,14 @@ class Tokenizer:
     Build it with :meth:`from_dir`. ``hf`` is the underlying ``tokenizers.Tokenizer``.
     """
 
-    def __init__(self, hf: tokenizers.Tokenizer, chat_template: str | None, special_tokens: Mapping[str, str],
-                 eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        chat_template: str | None,
+        special_tokens: Mapping[str, str],
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+    ) -> None:
         self.hf = hf
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens)
@@ -82,8 +92,11 @@ class Tokenizer:
         special = special_tokens(tok_config)
         gen_config = _read_json(model_dir / "generation_config.json")
         config = _read_json(model_dir / "config.json")
-        eos_ids = [*_as_ids(gen_config.get("eos_token_id")), *_as_ids(_token_id(hf, special.get("eos_token"))),
-                   *_as_ids(config.get("eos_token_id"))]
+        eos_ids = [
+            *_as_ids(gen_config.get("eos_token_id")),
+            *_as_ids(_token_id(hf, special.get("eos_token"))),
+            *_as_ids(config.get("eos_token_id")),
+        ]
         bos_id = _token_id(hf, special.get("bos_token"))
         if bos_id is None:
             bos_id = next(iter(_as_ids(gen_config.get("bos_token_id") or config.get("bos_token_id"))), None)
@@ -122,8 +135,12 @@ class Tokenizer:
             return bytes([int(token[3:5], 16)])
         return token.replace("▁", " ").encode()
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         """The chat template rendered to text. Message ``content`` may be a string or a list of
         ``{"type": "text", "text": ...}`` parts (joined with ``"\\n"``, as vLLM does).
 
@@ -138,8 +155,13 @@ class Tokenizer:
         except ChatTemplateError as exc:
             raise InvalidParameterError("messages", str(exc)) from exc
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True, **template_kwargs: Any) -> list[int] | str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int] | str:
         """Token ids (``tokenize=True``) or text of the rendered chat; see :meth:`render_chat`.
 
         The text is tokenized without special tokens (the template writes them), as transformers does.

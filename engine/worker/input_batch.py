@@ -33,7 +33,9 @@ class ModelInputs:
         return any(n > 1 for n in self.num_logits)
 
 
-def build_model_inputs(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+def build_model_inputs(
+    scheduler_output: SchedulerOutput, block_size: int, device: torch.device
+) -> ModelInputs:
     """Pack the scheduled chunks into flat tensors.
 
     slot of token at position p = block_ids[p // block_size] * block_size + p % block_size (docs/architecture.md, "KV cache layout").

@@ -9,14 +9,22 @@ import torch
 from kvscope.engine.config import CacheConfig
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes of one KV block over all layers: 2 (K and V) × layers × block_size × kv_heads × head_dim × bytes."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
     """One zeroed tensor per layer, shape [2, num_blocks, block_size, num_kv_heads, head_dim]."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

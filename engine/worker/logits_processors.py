@@ -77,7 +77,9 @@ def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, NEG_INF)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Top-k then top-p (nucleus) masking with one ascending sort per row (vLLM ``apply_top_k_top_p``).
 
     ``top_k`` int64 ``[num_reqs]`` in [1, vocab] (vocab = off): keeps every token whose logit is ≥ the k-th

@@ -34,8 +34,15 @@ PROMPT_LOGPROBS_SLICE = 256
 class ModelRunner:
     """Executes SchedulerOutputs: packs inputs, runs the model under a forward context, samples."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend,
-                 block_size: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         if device.type == "cpu" and hasattr(model, "prepare_for_cpu"):
             model.prepare_for_cpu()  # packed/column-major weights: see kvscope.engine.models.layers.CpuLinearKernel
@@ -76,14 +83,24 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions)
         self._prompt_logprobs(scheduler_output, inputs, hidden, output)
         if inputs.sampled_rows:
-            self._sample(scheduler_output, inputs, self.model.compute_logits(hidden[inputs.logits_indices]),
-                         output, masks)
+            self._sample(
+                scheduler_output,
+                inputs,
+                self.model.compute_logits(hidden[inputs.logits_indices]),
+                output,
+                masks,
+            )
         return output
 
     def _fused_applies(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> bool:
-        return (self.fused is not None and not inputs.has_drafts
-                and self.fused.applies(inputs.attn_metadata, self.kv_caches)
-                and all(item.request.sampling_params.prompt_logprobs is None for item in scheduler_output.scheduled))
+        return (
+            self.fused is not None
+            and not inputs.has_drafts
+            and self.fused.applies(inputs.attn_metadata, self.kv_caches)
+            and all(
+                item.request.sampling_params.prompt_logprobs is None for item in scheduler_output.scheduled
+            )
+        )
 
     def _start_grammar_masks(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> Future | None:
         if self.matchers is None or not inputs.sampled_rows:
@@ -92,8 +109,14 @@ class ModelRunner:
         drafts = [item.spec_token_ids for item in items] if inputs.has_drafts else None
         return self.matchers.bitmask_async([item.request for item in items], drafts)
 
-    def _sample(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
-                output: ModelRunnerOutput, masks: Future | None = None) -> None:
+    def _sample(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: ModelInputs,
+        logits: torch.Tensor,
+        output: ModelRunnerOutput,
+        masks: Future | None = None,
+    ) -> None:
         """Sample (or verify drafts) from ``logits`` float32 ``[len(logits_indices), vocab]``."""
         items = [scheduler_output.scheduled[row] for row in inputs.sampled_rows]
         if inputs.has_drafts:
@@ -101,8 +124,11 @@ class ModelRunner:
             return
         requests = [item.request for item in items]
         masked = self._wait_masks(masks, output)
-        metadata = self._metadata([(r, []) for r in requests],
-                                  [self._generator(r.request_id, r.sampling_params.seed) for r in requests], masked)
+        metadata = self._metadata(
+            [(r, []) for r in requests],
+            [self._generator(r.request_id, r.sampling_params.seed) for r in requests],
+            masked,
+        )
         result: SamplerOutput = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         if masked is not None:
@@ -110,11 +136,17 @@ class ModelRunner:
         for i, request in enumerate(requests):
             output.sampled_token_ids[request.request_id] = [token_ids[i]]
             if request.sampling_params.logprobs is not None:
-                output.logprobs[request.request_id] = [_logprob_entry(result, i, token_ids[i],
-                                                                      request.sampling_params.logprobs)]
+                output.logprobs[request.request_id] = [
+                    _logprob_entry(result, i, token_ids[i], request.sampling_params.logprobs)
+                ]
 
-    def _verify(self, items: list[ScheduledRequest], logits: torch.Tensor, output: ModelRunnerOutput,
-                masked: StepMasks | None) -> None:
+    def _verify(
+        self,
+        items: list[ScheduledRequest],
+        logits: torch.Tensor,
+        output: ModelRunnerOutput,
+        masked: StepMasks | None,
+    ) -> None:
         """Speculative verification: ``logits`` has 1 + len(spec_token_ids) rows per request (row j: after the
         output so far and the draft's first j tokens); each request emits its accepted draft prefix and one
         target token (engine/spec_decode/rejection_sampler.py). Requests without a draft take one row."""
@@ -130,24 +162,29 @@ class ModelRunner:
         for request, draft in zip(requests, drafts, strict=True):
             count = len(draft) + 1
             if greedy_rows[offset]:
-                emitted = greedy_verify(greedy_ids[offset:offset + count], draft)
+                emitted = greedy_verify(greedy_ids[offset : offset + count], draft)
             else:
                 generator = self._generator(request.request_id, request.sampling_params.seed)
-                emitted = rejection_sample(target.probs[offset:offset + count], draft, generator)
+                emitted = rejection_sample(target.probs[offset : offset + count], draft, generator)
             emitted_lists.append(emitted)
             output.sampled_token_ids[request.request_id] = emitted
             if draft:
                 output.num_accepted_tokens[request.request_id] = len(emitted) - 1
             k = request.sampling_params.logprobs
             if k is not None:
-                output.logprobs[request.request_id] = _logprob_entries(target.raw_logprobs[offset:offset + len(emitted)],
-                                                                       emitted, k)
+                output.logprobs[request.request_id] = _logprob_entries(
+                    target.raw_logprobs[offset : offset + len(emitted)], emitted, k
+                )
             offset += count
         if masked is not None:
             self.matchers.advance(requests, emitted_lists)
 
-    def _metadata(self, rows: list[tuple[Request, list[int]]], generators: list[torch.Generator | None],
-                  masked: StepMasks | None) -> SamplingMetadata:
+    def _metadata(
+        self,
+        rows: list[tuple[Request, list[int]]],
+        generators: list[torch.Generator | None],
+        masked: StepMasks | None,
+    ) -> SamplingMetadata:
         """Sampling metadata of one row per (request, tokens appended after its output so far), with the
         step's grammar masks when there are any. Each row reuses its request's :class:`RequestSampling`
         (built once at admission, shared by siblings and verification rows): nothing per-request is checked
@@ -155,14 +192,18 @@ class ModelRunner:
         metadata = SamplingMetadata.from_requests(
             params=[r.sampling_params for r, _ in rows],
             prepared=[self._prepared(r) for r, _ in rows],
-            output_token_ids=[r.output_token_ids + prefix if prefix else r.output_token_ids for r, prefix in rows],
+            output_token_ids=[
+                r.output_token_ids + prefix if prefix else r.output_token_ids for r, prefix in rows
+            ],
             generators=generators,
             eos_token_ids=[r.eos_token_id for r, _ in rows],
             vocab_size=self.vocab_size,
             device=self.device,
         )
         if masked is not None:
-            metadata = replace(metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask)
+            metadata = replace(
+                metadata, bitmask_rows=masked.rows.to(self.device), token_bitmask=masked.bitmask
+            )
         return metadata
 
     def _prepared(self, request: Request) -> RequestSampling:
@@ -170,8 +211,9 @@ class ModelRunner:
         Request made without one (tests, tools), built now and kept on the request, so still once."""
         prepared = request.prepared_sampling
         if prepared is None:
-            prepared = RequestSampling.build(request.sampling_params, request.prompt_token_ids, self.vocab_size,
-                                             self.device)
+            prepared = RequestSampling.build(
+                request.sampling_params, request.prompt_token_ids, self.vocab_size, self.device
+            )
             request.prepared_sampling = prepared
         return prepared
 
@@ -195,8 +237,13 @@ class ModelRunner:
             self._generators[request_id] = generator
         return generator
 
-    def _prompt_logprobs(self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
-                         output: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: ModelInputs,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
         if all(item.request.sampling_params.prompt_logprobs is None for item in scheduler_output.scheduled):
             return
         query_start = inputs.attn_metadata.query_start_loc.tolist()
@@ -204,13 +251,16 @@ class ModelRunner:
             k = item.request.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            entries = _chunk_prompt_logprobs(self.model, item, hidden[query_start[row]: query_start[row + 1]], k)
+            entries = _chunk_prompt_logprobs(
+                self.model, item, hidden[query_start[row] : query_start[row + 1]], k
+            )
             if entries:
                 output.prompt_logprobs[item.request_id] = entries
 
 
-def _chunk_prompt_logprobs(model: torch.nn.Module, item: ScheduledRequest, hidden: torch.Tensor,
-                           k: int) -> dict[int, TokenLogprob]:
+def _chunk_prompt_logprobs(
+    model: torch.nn.Module, item: ScheduledRequest, hidden: torch.Tensor, k: int
+) -> dict[int, TokenLogprob]:
     """Logprobs of prompt tokens predicted inside this chunk: hidden at position p scores prompt[p + 1]."""
     prompt = item.request.prompt_token_ids
     start = item.num_computed_tokens
@@ -218,8 +268,8 @@ def _chunk_prompt_logprobs(model: torch.nn.Module, item: ScheduledRequest, hidde
     entries: dict[int, TokenLogprob] = {}
     for lo in range(start, last, PROMPT_LOGPROBS_SLICE):
         hi = min(lo + PROMPT_LOGPROBS_SLICE, last)
-        logits = model.compute_logits(hidden[lo - start: hi - start])
-        targets = torch.tensor(prompt[lo + 1: hi + 1], dtype=torch.int64, device=logits.device)
+        logits = model.compute_logits(hidden[lo - start : hi - start])
+        targets = torch.tensor(prompt[lo + 1 : hi + 1], dtype=torch.int64, device=logits.device)
         lps, top_ids, top_lps, ranks = compute_prompt_logprobs(logits, targets, k)
         for j, (lp, rank) in enumerate(zip(lps.tolist(), ranks.tolist(), strict=True)):
             top = list(zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True))
@@ -231,12 +281,21 @@ def _logprob_entries(raw_logprobs: torch.Tensor, token_ids: list[int], k: int) -
     """One entry per emitted token: ``raw_logprobs`` ``[len(token_ids), vocab]`` (row j scores token j)."""
     ids = torch.tensor(token_ids, dtype=torch.int64, device=raw_logprobs.device)
     lps, top_ids, top_lps, ranks = gather_logprobs(raw_logprobs, ids, k)
-    return [TokenLogprob(token_id=token_id, logprob=float(lps[j]), rank=int(ranks[j]),
-                         top=list(zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True)))
-            for j, token_id in enumerate(token_ids)]
+    return [
+        TokenLogprob(
+            token_id=token_id,
+            logprob=float(lps[j]),
+            rank=int(ranks[j]),
+            top=list(zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True)),
+        )
+        for j, token_id in enumerate(token_ids)
+    ]
 
 
 def _logprob_entry(result: SamplerOutput, row: int, token_id: int, k: int) -> TokenLogprob:
-    top = list(zip(result.top_token_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist(), strict=True))
-    return TokenLogprob(token_id=token_id, logprob=float(result.logprobs[row]), rank=int(result.ranks[row]),
-                        top=top)
+    top = list(
+        zip(result.top_token_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist(), strict=True)
+    )
+    return TokenLogprob(
+        token_id=token_id, logprob=float(result.logprobs[row]), rank=int(result.ranks[row]), top=top
+    )

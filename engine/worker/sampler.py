@@ -83,8 +83,13 @@ class RequestSampling:
         return RequestSampling(*(None if t is None else t.to(device) for t in tensors))
 
     @classmethod
-    def build(cls, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> RequestSampling:
+    def build(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> RequestSampling:
         """Check the token ids in ``params`` (and the prompt's, when a repetition penalty needs them) against the
         vocabulary ``[0, vocab_size)`` and build the tensors. Raises InvalidParameterError naming ``vocab_size``,
         ``logit_bias`` or ``stop_token_ids`` ("… token ids must be in [0, last]."), or ``prompt_token_ids``."""
@@ -101,8 +106,9 @@ class RequestSampling:
             bans = torch.tensor(params.stop_token_ids, dtype=torch.int64, device=device)
         if params.repetition_penalty != 1.0:
             if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
-                raise InvalidParameterError("prompt_token_ids",
-                                            f"prompt_token_ids holds token ids outside [0, {vocab_size})")
+                raise InvalidParameterError(
+                    "prompt_token_ids", f"prompt_token_ids holds token ids outside [0, {vocab_size})"
+                )
             prompt_ids = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.int64, device=device)
         return cls(bias_ids, bias_values, bans, prompt_ids)
 
@@ -143,18 +149,29 @@ class SamplingMetadata:
     @property
     def is_plain_greedy(self) -> bool:
         """Every row takes the argmax of the unmodified logits and nobody wants logprobs (the fast path)."""
-        return (self.all_greedy and not self.needs_logprobs and self.logit_bias is None and self.banned is None
-                and self.penalties is None)
+        return (
+            self.all_greedy
+            and not self.needs_logprobs
+            and self.logit_bias is None
+            and self.banned is None
+            and self.penalties is None
+        )
 
     @property
     def num_reqs(self) -> int:
         return len(self.generators)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
-              output_token_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
-              eos_token_ids: Sequence[EosIds], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingMetadata:
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Sequence[EosIds],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
         """Batch the per-request parameters; all lists have one entry per request (row). Builds each row's
         :class:`RequestSampling` here (tests, one-off batches); the engine builds those once per request and
         calls :meth:`from_requests` on every step.
@@ -167,15 +184,25 @@ class SamplingMetadata:
         _check_batch(params, prompt_token_ids=prompt_token_ids)
         if vocab_size < 1:
             raise InvalidParameterError("vocab_size", f"vocab_size must be at least 1, got {vocab_size}")
-        prepared = [RequestSampling.build(p, prompt, vocab_size, device)
-                    for p, prompt in zip(params, prompt_token_ids, strict=True)]
-        return cls.from_requests(params, prepared, output_token_ids, generators, eos_token_ids, vocab_size, device)
+        prepared = [
+            RequestSampling.build(p, prompt, vocab_size, device)
+            for p, prompt in zip(params, prompt_token_ids, strict=True)
+        ]
+        return cls.from_requests(
+            params, prepared, output_token_ids, generators, eos_token_ids, vocab_size, device
+        )
 
     @classmethod
-    def from_requests(cls, params: Sequence[SamplingParams], prepared: Sequence[RequestSampling],
-                      output_token_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
-                      eos_token_ids: Sequence[EosIds], vocab_size: int,
-                      device: torch.device | str = "cpu") -> SamplingMetadata:
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        prepared: Sequence[RequestSampling],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Sequence[EosIds],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
         """One step's batch from rows whose constant part was built once (``prepared[i]``, possibly the same
         object on several rows). Per row and step only the scalars, the output so far (penalties, min_tokens)
         and EOS are read; bias and stop-id tensors are concatenated, never rebuilt or re-checked.
@@ -183,8 +210,13 @@ class SamplingMetadata:
         Raises InvalidParameterError naming ``prepared``, ``output_token_ids``, ``generators``,
         ``eos_token_ids`` (mismatched lengths or ids outside the vocabulary) or ``vocab_size``.
         """
-        _check_batch(params, prepared=prepared, output_token_ids=output_token_ids, generators=generators,
-                     eos_token_ids=eos_token_ids)
+        _check_batch(
+            params,
+            prepared=prepared,
+            output_token_ids=output_token_ids,
+            generators=generators,
+            eos_token_ids=eos_token_ids,
+        )
         if vocab_size < 1:
             raise InvalidParameterError("vocab_size", f"vocab_size must be at least 1, got {vocab_size}")
         greedy = [p.temperature < SAMPLING_EPS for p in params]
@@ -196,7 +228,9 @@ class SamplingMetadata:
             greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            top_k=_top_k(params, vocab_size, device) if any(0 < p.top_k < vocab_size for p in random) else None,
+            top_k=_top_k(params, vocab_size, device)
+            if any(0 < p.top_k < vocab_size for p in random)
+            else None,
             top_p=floats([p.top_p for p in params]) if any(p.top_p < 1.0 for p in random) else None,
             min_p=floats([p.min_p for p in params]) if any(p.min_p > 0.0 for p in random) else None,
             penalties=_penalties(params, prepared, output_token_ids, vocab_size, device),
@@ -236,7 +270,9 @@ class Sampler:
         """
         if logits.dim() != 2 or tuple(logits.shape) != (metadata.num_reqs, metadata.vocab_size):
             raise InvalidParameterError(
-                "logits", f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}")
+                "logits",
+                f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}",
+            )
         logits = logits.to(torch.float32)
         if metadata.token_bitmask is not None:  # structured output: forbidden tokens -> -inf, as vLLM does
             logits = apply_token_bitmask(logits, metadata.bitmask_rows, metadata.token_bitmask)
@@ -273,7 +309,9 @@ def distributions(logits: torch.Tensor, metadata: SamplingMetadata) -> TargetDis
     ("logits") when the shape does not match the metadata."""
     if logits.dim() != 2 or tuple(logits.shape) != (metadata.num_reqs, metadata.vocab_size):
         raise InvalidParameterError(
-            "logits", f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}")
+            "logits",
+            f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], got {tuple(logits.shape)}",
+        )
     logits = logits.to(torch.float32)
     if metadata.token_bitmask is not None:
         logits = apply_token_bitmask(logits, metadata.bitmask_rows, metadata.token_bitmask)
@@ -319,24 +357,30 @@ def _argmax_block(vocab: int) -> int | None:
     return None
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From ``logprobs`` ``[n, vocab]`` and chosen ``token_ids`` ``[n]``: (chosen logprobs ``[n]``, top-k ids
     ``[n, k]`` and logprobs ``[n, k]`` sorted descending, 1-based ranks ``[n]``). Rank counts the tokens whose
     logprob is ≥ the chosen one's, as vLLM v1 does (so a tie ranks behind)."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
-    top_lps, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids.new_empty(len(token_ids), 0))
+    top_lps, top_ids = (
+        logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids.new_empty(len(token_ids), 0))
+    )
     return chosen, top_ids, top_lps, ranks
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt logprobs (completions ``echo``): ``logits[i]`` (``[n, vocab]``) scores ``target_ids[i]``
     (``[n]`` int64, the next prompt token). Returns (logprobs ``[n]``, top ids ``[n, k]``, top logprobs
     ``[n, k]``, ranks ``[n]``) of ``log_softmax(logits)``. Raises ValueError naming ``target_ids`` or ``k``."""
     if target_ids.shape != logits.shape[:1]:
-        raise InvalidParameterError("target_ids", f"need {logits.shape[0]} target ids, got {tuple(target_ids.shape)}")
+        raise InvalidParameterError(
+            "target_ids", f"need {logits.shape[0]} target ids, got {tuple(target_ids.shape)}"
+        )
     if not 0 <= k <= logits.shape[-1]:
         raise InvalidParameterError("k", f"k must be in [0, {logits.shape[-1]}], got {k}")
     return gather_logprobs(logits.to(torch.float32).log_softmax(dim=-1), target_ids, k)
@@ -411,12 +455,16 @@ def _float_tensor(device: torch.device | str):
 
 
 def _top_k(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    return torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                        dtype=torch.int64, device=device)
+    return torch.tensor(
+        [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+        dtype=torch.int64,
+        device=device,
+    )
 
 
-def _token_matrix(token_lists: Sequence[Sequence[int]], vocab_size: int, param: str,
-                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_matrix(
+    token_lists: Sequence[Sequence[int]], vocab_size: int, param: str, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, ids) int64 ``[total]`` of every token of every row, ids checked against the vocabulary."""
     ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device=device)
@@ -426,9 +474,11 @@ def _token_matrix(token_lists: Sequence[Sequence[int]], vocab_size: int, param: 
     return rows, ids
 
 
-def _rows_of(prepared: Sequence[RequestSampling], pick: Callable[[RequestSampling], torch.Tensor | None],
-             device: torch.device | str
-             ) -> tuple[torch.Tensor, list[int]] | None:
+def _rows_of(
+    prepared: Sequence[RequestSampling],
+    pick: Callable[[RequestSampling], torch.Tensor | None],
+    device: torch.device | str,
+) -> tuple[torch.Tensor, list[int]] | None:
     """(row index per entry int64 ``[total]``, the rows used) of the rows whose ``pick(prepared[row])`` is a
     tensor; None when no row has one."""
     rows = [row for row, state in enumerate(prepared) if pick(state) is not None]
@@ -438,9 +488,13 @@ def _rows_of(prepared: Sequence[RequestSampling], pick: Callable[[RequestSamplin
     return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), lengths), rows
 
 
-def _penalties(params: Sequence[SamplingParams], prepared: Sequence[RequestSampling],
-               output_token_ids: Sequence[Sequence[int]], vocab_size: int,
-               device: torch.device | str) -> PenaltyTensors | None:
+def _penalties(
+    params: Sequence[SamplingParams],
+    prepared: Sequence[RequestSampling],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> PenaltyTensors | None:
     use_rep = any(p.repetition_penalty != 1.0 for p in params)
     if not use_rep and not any(p.presence_penalty or p.frequency_penalty for p in params):
         return None
@@ -455,10 +509,13 @@ def _penalties(params: Sequence[SamplingParams], prepared: Sequence[RequestSampl
             rows, used = found
             prompt_mask[rows, torch.cat([prepared[row].prompt_ids for row in used])] = True
     floats = _float_tensor(device)
-    return PenaltyTensors(repetition=floats([p.repetition_penalty for p in params]),
-                          presence=floats([p.presence_penalty for p in params]),
-                          frequency=floats([p.frequency_penalty for p in params]),
-                          output_counts=counts, prompt_mask=prompt_mask)
+    return PenaltyTensors(
+        repetition=floats([p.repetition_penalty for p in params]),
+        presence=floats([p.presence_penalty for p in params]),
+        frequency=floats([p.frequency_penalty for p in params]),
+        output_counts=counts,
+        prompt_mask=prompt_mask,
+    )
 
 
 def _logit_bias(prepared: Sequence[RequestSampling], device: torch.device | str) -> SparseLogits | None:
@@ -466,13 +523,21 @@ def _logit_bias(prepared: Sequence[RequestSampling], device: torch.device | str)
     if found is None:
         return None
     rows, used = found
-    return SparseLogits(rows, torch.cat([prepared[row].bias_ids for row in used]),
-                        torch.cat([prepared[row].bias_values for row in used]))
+    return SparseLogits(
+        rows,
+        torch.cat([prepared[row].bias_ids for row in used]),
+        torch.cat([prepared[row].bias_values for row in used]),
+    )
 
 
-def _min_tokens_bans(params: Sequence[SamplingParams], prepared: Sequence[RequestSampling],
-                     output_token_ids: Sequence[Sequence[int]], eos_token_ids: Sequence[EosIds], vocab_size: int,
-                     device: torch.device | str) -> SparseLogits | None:
+def _min_tokens_bans(
+    params: Sequence[SamplingParams],
+    prepared: Sequence[RequestSampling],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[EosIds],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SparseLogits | None:
     """While ``len(output) < min_tokens``: ban ``stop_token_ids`` and EOS (unless ``ignore_eos``, where EOS does
     not stop generation anyway), like vLLM's MinTokensLogitsProcessor. A (row, token) pair may repeat (EOS
     also a stop id): setting -inf twice is the same ban."""
@@ -494,8 +559,11 @@ def _min_tokens_bans(params: Sequence[SamplingParams], prepared: Sequence[Reques
     rows = [torch.tensor(eos_rows, dtype=torch.int64, device=device)]
     cols = [torch.tensor(eos_cols, dtype=torch.int64, device=device)]
     if ban_rows:
-        lengths = torch.tensor([prepared[row].min_tokens_ban_ids.numel() for row in ban_rows], dtype=torch.int64,
-                               device=device)
-        rows.append(torch.repeat_interleave(torch.tensor(ban_rows, dtype=torch.int64, device=device), lengths))
+        lengths = torch.tensor(
+            [prepared[row].min_tokens_ban_ids.numel() for row in ban_rows], dtype=torch.int64, device=device
+        )
+        rows.append(
+            torch.repeat_interleave(torch.tensor(ban_rows, dtype=torch.int64, device=device), lengths)
+        )
         cols.extend(prepared[row].min_tokens_ban_ids for row in ban_rows)
     return SparseLogits(torch.cat(rows), torch.cat(cols))

@@ -31,16 +31,26 @@ def _connection_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
     g.add_argument("--password", default=env.password, help="basic-auth password ($ELASTICSEARCH_PASSWORD)")
     g.add_argument("--ca-certs", default=env.ca_certs, help="PEM CA bundle for TLS ($ELASTICSEARCH_CA_CERTS)")
     g.add_argument("--insecure", action="store_true", help="do not verify TLS certificates")
-    g.add_argument("--compat", type=int, choices=(8, 9), default=8,
-                   help="REST compatibility header: 8 works with ES 8.x and 9.x (default), 9 only with 9.x")
-    g.add_argument("--index", default="kvscope-requests", help="data stream / index (default kvscope-requests)")
+    g.add_argument(
+        "--compat",
+        type=int,
+        choices=(8, 9),
+        default=8,
+        help="REST compatibility header: 8 works with ES 8.x and 9.x (default), 9 only with 9.x",
+    )
+    g.add_argument(
+        "--index", default="kvscope-requests", help="data stream / index (default kvscope-requests)"
+    )
 
 
 def _source_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
-    p.add_argument("--source", default=env.source or env.es_url,
-                   help="JSONL file/dir or Elasticsearch URL (default $KVSCOPE_LOGS_SOURCE, "
-                        "$KVSCOPE_GATEWAY_LOG_FILE, $ELASTICSEARCH_URL, else kvscope serve's "
-                        "$KVSCOPE_CACHE/logs/requests.jsonl)")
+    p.add_argument(
+        "--source",
+        default=env.source or env.es_url,
+        help="JSONL file/dir or Elasticsearch URL (default $KVSCOPE_LOGS_SOURCE, "
+        "$KVSCOPE_GATEWAY_LOG_FILE, $ELASTICSEARCH_URL, else kvscope serve's "
+        "$KVSCOPE_CACHE/logs/requests.jsonl)",
+    )
     p.add_argument("--since", help="only records newer than this: 15m, 1h, 2d or an ISO-8601 time")
     _connection_args(p, env)
 
@@ -51,14 +61,27 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="kvscope logs", description="Request-log analytics.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    setup = sub.add_parser("setup-es", help="create/update the ILM policy, templates and data stream template")
-    setup.add_argument("--url", "--es", dest="url", default=env.es_url or "http://localhost:9200",
-                       help="Elasticsearch URL (default $ELASTICSEARCH_URL or http://localhost:9200)")
-    setup.add_argument("--delete-after", default="30d", help="ILM: delete backing indices this long after rollover")
+    setup = sub.add_parser(
+        "setup-es", help="create/update the ILM policy, templates and data stream template"
+    )
+    setup.add_argument(
+        "--url",
+        "--es",
+        dest="url",
+        default=env.es_url or "http://localhost:9200",
+        help="Elasticsearch URL (default $ELASTICSEARCH_URL or http://localhost:9200)",
+    )
+    setup.add_argument(
+        "--delete-after", default="30d", help="ILM: delete backing indices this long after rollover"
+    )
     setup.add_argument("--rollover-max-age", default="1d")
     setup.add_argument("--rollover-max-size", default="50gb", help="max primary shard size before rollover")
-    setup.add_argument("--dynamic", choices=("false", "strict"), default="false", help="mapping for unknown fields")
-    setup.add_argument("--rollover", action="store_true", help="roll the data stream over now (apply new mappings)")
+    setup.add_argument(
+        "--dynamic", choices=("false", "strict"), default="false", help="mapping for unknown fields"
+    )
+    setup.add_argument(
+        "--rollover", action="store_true", help="roll the data stream over now (apply new mappings)"
+    )
     setup.add_argument("--print", action="store_true", help="print the request bodies, contact nothing")
     _connection_args(setup, env)
     rep = sub.add_parser("report", help="requests, errors, TTFT/TPOT/e2e percentiles, slowest requests")
@@ -67,13 +90,19 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
     rep.add_argument("--format", choices=FORMATS, default="table")
     _source_args(rep, env)
     srch = sub.add_parser("search", help="print matching records (DuckDB SQL condition | ES query string)")
-    srch.add_argument("query", help="files: SQL condition, e.g. \"kvscope.e2e_s > 5\"; ES: query string, "
-                                    "e.g. \"kvscope.e2e_s:>5 AND http.response.status_code:500\"")
+    srch.add_argument(
+        "query",
+        help='files: SQL condition, e.g. "kvscope.e2e_s > 5"; ES: query string, '
+        'e.g. "kvscope.e2e_s:>5 AND http.response.status_code:500"',
+    )
     srch.add_argument("--limit", type=int, default=20)
     srch.add_argument("--format", choices=FORMATS, default="table")
     _source_args(srch, env)
-    why = sub.add_parser("why", help="why was this request slow: its latency by cause, from the engine's step "
-                                     "records and the gateway's timings")
+    why = sub.add_parser(
+        "why",
+        help="why was this request slow: its latency by cause, from the engine's step "
+        "records and the gateway's timings",
+    )
     why.add_argument("id", help="the request id (http.request.id, x-request-id) or trace id")
     why.add_argument("--format", choices=("text", "json"), default="text")
     _source_args(why, env)
@@ -89,9 +118,14 @@ def _log_source(args: argparse.Namespace, location: str) -> LogSource:
     from kvscope.gateway.logs.es_client import EsConnectionConfig
 
     basic = (args.user, args.password or "") if args.user else None
-    conn = EsConnectionConfig(hosts=(location,) if location.startswith("http") else ("http://localhost:9200",),
-                              api_key=args.api_key, basic_auth=basic, ca_certs=args.ca_certs,
-                              verify_certs=not args.insecure, compat_major=args.compat)
+    conn = EsConnectionConfig(
+        hosts=(location,) if location.startswith("http") else ("http://localhost:9200",),
+        api_key=args.api_key,
+        basic_auth=basic,
+        ca_certs=args.ca_certs,
+        verify_certs=not args.insecure,
+        compat_major=args.compat,
+    )
     return LogSource(location=location, index=args.index, connection=conn)
 
 
@@ -99,14 +133,20 @@ async def _setup_es(args: argparse.Namespace) -> int:
     from kvscope.gateway.logs import es_setup
     from kvscope.gateway.logs.es_client import make_client
 
-    config = es_setup.EsIndexConfig(data_stream=args.index, delete_after=args.delete_after,
-                                    rollover_max_age=args.rollover_max_age,
-                                    rollover_max_primary_shard_size=args.rollover_max_size, dynamic=args.dynamic)
+    config = es_setup.EsIndexConfig(
+        data_stream=args.index,
+        delete_after=args.delete_after,
+        rollover_max_age=args.rollover_max_age,
+        rollover_max_primary_shard_size=args.rollover_max_size,
+        dynamic=args.dynamic,
+    )
     if args.print:
-        bodies = {f"PUT _ilm/policy/{config.ilm_policy}": es_setup.ilm_policy_body(config),
-                  f"PUT _component_template/{config.settings_template}": es_setup.settings_template_body(config),
-                  f"PUT _component_template/{config.mappings_template}": es_setup.mappings_template_body(config),
-                  f"PUT _index_template/{config.data_stream}": es_setup.index_template_body(config)}
+        bodies = {
+            f"PUT _ilm/policy/{config.ilm_policy}": es_setup.ilm_policy_body(config),
+            f"PUT _component_template/{config.settings_template}": es_setup.settings_template_body(config),
+            f"PUT _component_template/{config.mappings_template}": es_setup.mappings_template_body(config),
+            f"PUT _index_template/{config.data_stream}": es_setup.index_template_body(config),
+        }
         print(json.dumps(bodies, indent=2))
         return 0
     client = make_client(_log_source(args, args.url).connection, max_retries=3)
@@ -126,12 +166,14 @@ async def _run(args: argparse.Namespace) -> int:
     if args.command == "setup-es":
         return await _setup_es(args)
     if not args.source:
-        raise ValueError("no --source: pass a JSONL file/dir or an Elasticsearch URL "
-                         "(or set KVSCOPE_LOGS_SOURCE)")
+        raise ValueError(
+            "no --source: pass a JSONL file/dir or an Elasticsearch URL (or set KVSCOPE_LOGS_SOURCE)"
+        )
     source = _log_source(args, args.source)
     if args.command == "report":
-        render_report(await commands.report(source, since=args.since, by=args.by, top=args.top),
-                      args.format, sys.stdout)
+        render_report(
+            await commands.report(source, since=args.since, by=args.by, top=args.top), args.format, sys.stdout
+        )
     elif args.command == "why":
         answer = await commands.why(source, args.id, since=args.since)
         print(json.dumps(answer.to_dict(), indent=2) if args.format == "json" else answer.text)

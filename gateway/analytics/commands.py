@@ -49,22 +49,35 @@ async def _call(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-async def report(source: LogSource, *, since: str | None = None, by: str | None = None, top: int = 10,
-                 now: datetime | None = None) -> Report:
+async def report(
+    source: LogSource,
+    *,
+    since: str | None = None,
+    by: str | None = None,
+    top: int = 10,
+    now: datetime | None = None,
+) -> Report:
     """The report (totals, ``by`` groups, ``top`` slowest requests) since ``since`` (``1h``, ISO time)."""
     async with open_logs(source, parse_since(since, now)) as logs:
         return await _call(logs.report(by=by, top=top, since=since))
 
 
-async def search(source: LogSource, query: str, *, since: str | None = None, limit: int = 20,
-                 now: datetime | None = None) -> list[dict[str, Any]]:
+async def search(
+    source: LogSource, query: str, *, since: str | None = None, limit: int = 20, now: datetime | None = None
+) -> list[dict[str, Any]]:
     """Matching records, newest first: a DuckDB SQL condition for files, a query string for Elasticsearch."""
     async with open_logs(source, parse_since(since, now)) as logs:
         return await _call(logs.search(query, limit))
 
 
-async def plot(source: LogSource, out_dir: Path, *, since: str | None = None, bucket_s: int | None = None,
-               now: datetime | None = None) -> list[Path]:
+async def plot(
+    source: LogSource,
+    out_dir: Path,
+    *,
+    since: str | None = None,
+    bucket_s: int | None = None,
+    now: datetime | None = None,
+) -> list[Path]:
     """Write ``latency_percentiles.png`` and ``ttft_histogram.png`` into ``out_dir``; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     async with open_logs(source, parse_since(since, now)) as logs:
@@ -73,12 +86,17 @@ async def plot(source: LogSource, out_dir: Path, *, since: str | None = None, bu
         series = await _call(logs.timeseries(bucket))
         edges, counts = await _call(logs.ttft_histogram())
     where = f"{source.location}" + (f", since {since}" if since else "")
-    return [plot_latency(series, out_dir / "latency_percentiles.png", f"latency percentiles per {bucket}s — {where}"),
-            plot_histogram(edges, counts, out_dir / "ttft_histogram.png", f"TTFT distribution — {where}")]
+    return [
+        plot_latency(
+            series, out_dir / "latency_percentiles.png", f"latency percentiles per {bucket}s — {where}"
+        ),
+        plot_histogram(edges, counts, out_dir / "ttft_histogram.png", f"TTFT distribution — {where}"),
+    ]
 
 
-async def why(source: LogSource, request_or_trace_id: str, *, since: str | None = None,
-              now: datetime | None = None) -> Why:
+async def why(
+    source: LogSource, request_or_trace_id: str, *, since: str | None = None, now: datetime | None = None
+) -> Why:
     """The latency explanation of the newest record whose ``http.request.id`` or ``trace.id`` is the given id
     (the gateway's record when both services logged it). Raises LookupError when no record matches and
     ValueError when the record has no attribution."""

@@ -37,8 +37,15 @@ from kvscope.gateway.logs.jsonl import complete_copy
 PERCENTILE_METHOD = "exact, linear interpolation (DuckDB quantile_cont, Hyndman-Fan type 7)"
 ARRAY_FIELDS = {"event.category", "event.type", "gen_ai.response.finish_reasons"}
 """Fields the record holds as JSON arrays (Elasticsearch mappings do not say which are arrays)."""
-_DUCK_TYPES = {"long": "BIGINT", "double": "DOUBLE", "boolean": "BOOLEAN", "date": "TIMESTAMPTZ",
-               "keyword": "VARCHAR", "match_only_text": "VARCHAR", "ip": "VARCHAR"}
+_DUCK_TYPES = {
+    "long": "BIGINT",
+    "double": "DOUBLE",
+    "boolean": "BOOLEAN",
+    "date": "TIMESTAMPTZ",
+    "keyword": "VARCHAR",
+    "match_only_text": "VARCHAR",
+    "ip": "VARCHAR",
+}
 _ROTATED = r"(\.\d+)?(\.gz)?"
 
 
@@ -87,13 +94,18 @@ class DuckDBLogs:
         self.source = str(source)
         self.con = duckdb.connect()
         self.con.execute("SET TimeZone = 'UTC'")
-        columns = "{" + ", ".join(f"{_sql_str(k)}: {_sql_str(v)}"
-                                  for k, v in duckdb_type(record_properties()).items()) + "}"
+        columns = (
+            "{"
+            + ", ".join(f"{_sql_str(k)}: {_sql_str(v)}" for k, v in duckdb_type(record_properties()).items())
+            + "}"
+        )
         with tempfile.TemporaryDirectory(prefix="kvscope-logs-") as tmp:
             paths = [f if f.endswith(".gz") else str(complete_copy(f, tmp)) for f in log_files(source)]
             files = "[" + ", ".join(_sql_str(f) for f in paths) + "]"
-            self.con.execute(f"CREATE TABLE raw AS SELECT * FROM read_json({files}, format = 'newline_delimited', "
-                             f"columns = {columns}, ignore_errors = true)")
+            self.con.execute(
+                f"CREATE TABLE raw AS SELECT * FROM read_json({files}, format = 'newline_delimited', "
+                f"columns = {columns}, ignore_errors = true)"
+            )
         where = '"@timestamp" IS NOT NULL'
         if since is not None:
             where += f' AND "@timestamp" >= TIMESTAMPTZ {_sql_str(es_time(since))}'
@@ -103,26 +115,39 @@ class DuckDBLogs:
         return self.con.execute('SELECT count(*) FROM raw WHERE "@timestamp" IS NULL').fetchone()[0]
 
     # ---- report ------------------------------------------------------------------------------------
-    def report(self, by: str | None = None, top: int = 10, max_groups: int = 50, since: str | None = None) -> Report:
+    def report(
+        self, by: str | None = None, top: int = 10, max_groups: int = 50, since: str | None = None
+    ) -> Report:
         """The report over all (filtered) records; ``by`` is a key of ``GROUP_FIELDS``. Raises ValueError."""
         if by is not None and by not in GROUP_FIELDS:
             raise ValueError(f"--by must be one of {', '.join(GROUP_FIELDS)}")
         total = self._rows(f"SELECT NULL AS grp, {_metrics_sql()} FROM requests")[0]
         groups = self._rows(self._group_sql(by, max_groups)) if by else []
-        return Report(source=self.source, by=by, since=since, total=total, groups=tuple(groups),
-                      slowest=tuple(self.slowest(top)), percentile_method=PERCENTILE_METHOD,
-                      extra={"unparsed_lines": self.unparsed_lines()})
+        return Report(
+            source=self.source,
+            by=by,
+            since=since,
+            total=total,
+            groups=tuple(groups),
+            slowest=tuple(self.slowest(top)),
+            percentile_method=PERCENTILE_METHOD,
+            extra={"unparsed_lines": self.unparsed_lines()},
+        )
 
     def _group_sql(self, by: str, limit: int) -> str:
         field = col(GROUP_FIELDS[by])
         if by == "finish_reason":
-            source = (f"requests, unnest(CASE WHEN len(coalesce({field}, []::VARCHAR[])) > 0 THEN {field} "
-                      f"ELSE [{_sql_str(MISSING)}] END) AS u(g)")
+            source = (
+                f"requests, unnest(CASE WHEN len(coalesce({field}, []::VARCHAR[])) > 0 THEN {field} "
+                f"ELSE [{_sql_str(MISSING)}] END) AS u(g)"
+            )
             expr = "u.g"
         else:
             source, expr = "requests", f"coalesce(CAST({field} AS VARCHAR), {_sql_str(MISSING)})"
-        return (f"SELECT {expr} AS grp, {_metrics_sql()} FROM {source} GROUP BY grp "
-                f"ORDER BY requests DESC, grp ASC LIMIT {int(limit)}")
+        return (
+            f"SELECT {expr} AS grp, {_metrics_sql()} FROM {source} GROUP BY grp "
+            f"ORDER BY requests DESC, grp ASC LIMIT {int(limit)}"
+        )
 
     def _rows(self, sql: str) -> list[ReportRow]:
         cursor = self.con.execute(sql)
@@ -131,8 +156,10 @@ class DuckDBLogs:
 
     def slowest(self, top: int) -> list[Any]:
         """The ``top`` records with the largest ``kvscope.e2e_s`` (ties: request id ascending)."""
-        sql = (f"SELECT * FROM requests WHERE {col('kvscope.e2e_s')} IS NOT NULL "
-               f"ORDER BY {col('kvscope.e2e_s')} DESC, {col('http.request.id')} ASC LIMIT {int(top)}")
+        sql = (
+            f"SELECT * FROM requests WHERE {col('kvscope.e2e_s')} IS NOT NULL "
+            f"ORDER BY {col('kvscope.e2e_s')} DESC, {col('http.request.id')} ASC LIMIT {int(top)}"
+        )
         return [slow_request(doc) for doc in self._docs(sql)]
 
     # ---- search ------------------------------------------------------------------------------------
@@ -142,7 +169,9 @@ class DuckDBLogs:
         Raises ``duckdb.Error`` for an invalid condition.
         """
         cond = condition.strip() or "true"
-        return self._docs(f'SELECT * FROM requests WHERE ({cond}) ORDER BY "@timestamp" DESC LIMIT {int(limit)}')
+        return self._docs(
+            f'SELECT * FROM requests WHERE ({cond}) ORDER BY "@timestamp" DESC LIMIT {int(limit)}'
+        )
 
     def _docs(self, sql: str) -> list[dict[str, Any]]:
         cursor = self.con.execute(sql)
@@ -153,9 +182,11 @@ class DuckDBLogs:
     def timeseries(self, bucket_s: int) -> list[dict[str, Any]]:
         """Per time bucket: ``{"t": datetime, "requests": n, "ttft": [p50, p95, p99], "e2e": [...]}``."""
         q = _percent_list()
-        sql = (f"SELECT time_bucket(INTERVAL '{int(bucket_s)} seconds', \"@timestamp\") AS t, count(*) AS requests, "
-               f"quantile_cont({col(LATENCY_FIELDS['ttft'])}, {q}) AS ttft, "
-               f"quantile_cont({col(LATENCY_FIELDS['e2e'])}, {q}) AS e2e FROM requests GROUP BY t ORDER BY t")
+        sql = (
+            f"SELECT time_bucket(INTERVAL '{int(bucket_s)} seconds', \"@timestamp\") AS t, count(*) AS requests, "
+            f"quantile_cont({col(LATENCY_FIELDS['ttft'])}, {q}) AS ttft, "
+            f"quantile_cont({col(LATENCY_FIELDS['e2e'])}, {q}) AS e2e FROM requests GROUP BY t ORDER BY t"
+        )
         cursor = self.con.execute(sql)
         return [dict(zip(("t", "requests", "ttft", "e2e"), row, strict=True)) for row in cursor.fetchall()]
 
@@ -165,12 +196,16 @@ class DuckDBLogs:
     def ttft_histogram(self, bins: int = 40) -> tuple[list[float], list[int]]:
         """Bin edges (``bins + 1``) over [min, p99.5] of TTFT and counts; the last bin also holds the rest."""
         ttft = col(LATENCY_FIELDS["ttft"])
-        lo, hi = self.con.execute(f"SELECT min({ttft}), quantile_cont({ttft}, 0.995) FROM requests").fetchone()
+        lo, hi = self.con.execute(
+            f"SELECT min({ttft}), quantile_cont({ttft}, 0.995) FROM requests"
+        ).fetchone()
         if lo is None:
             return [], []
         width = (hi - lo) / bins if hi > lo else 1.0
-        sql = (f"SELECT least(CAST(floor(({ttft} - {lo!r}) / {width!r}) AS BIGINT), {bins - 1}) AS b, count(*) "
-               f"FROM requests WHERE {ttft} IS NOT NULL GROUP BY b")
+        sql = (
+            f"SELECT least(CAST(floor(({ttft} - {lo!r}) / {width!r}) AS BIGINT), {bins - 1}) AS b, count(*) "
+            f"FROM requests WHERE {ttft} IS NOT NULL GROUP BY b"
+        )
         counts = [0] * bins
         for b, n in self.con.execute(sql).fetchall():
             counts[b] += n
@@ -183,25 +218,38 @@ def _percent_list() -> str:
 
 def _metrics_sql() -> str:
     q = _percent_list()
-    parts = ["count(*) AS requests",
-             f"count(*) FILTER (WHERE {col('http.response.status_code')} >= {ERROR_STATUS} "
-             f"OR {col('event.outcome')} = 'failure') AS errors"]
+    parts = [
+        "count(*) AS requests",
+        f"count(*) FILTER (WHERE {col('http.response.status_code')} >= {ERROR_STATUS} "
+        f"OR {col('event.outcome')} = 'failure') AS errors",
+    ]
     parts += [f"quantile_cont({col(path)}, {q}) AS {name}" for name, path in LATENCY_FIELDS.items()]
-    parts += [f"coalesce(sum({col('gen_ai.usage.input_tokens')}), 0) AS tokens_in",
-              f"coalesce(sum({col('gen_ai.usage.output_tokens')}), 0) AS tokens_out",
-              f"avg({col('kvscope.engine.batch_size_mean')}) AS batch_size_mean",
-              f"quantile_cont({col('kvscope.engine.kv_cache_usage')}, 0.95) AS kv_usage_p95",
-              f"coalesce(sum({col('kvscope.engine.num_preemptions')}), 0) AS preemptions"]
+    parts += [
+        f"coalesce(sum({col('gen_ai.usage.input_tokens')}), 0) AS tokens_in",
+        f"coalesce(sum({col('gen_ai.usage.output_tokens')}), 0) AS tokens_out",
+        f"avg({col('kvscope.engine.batch_size_mean')}) AS batch_size_mean",
+        f"quantile_cont({col('kvscope.engine.kv_cache_usage')}, 0.95) AS kv_usage_p95",
+        f"coalesce(sum({col('kvscope.engine.num_preemptions')}), 0) AS preemptions",
+    ]
     return ", ".join(parts)
 
 
 def _row(values: dict[str, Any]) -> ReportRow:
-    latency = {name: dict(zip(PERCENTS, values[name] or [None] * len(PERCENTS), strict=True))
-               for name in LATENCY_FIELDS}
-    return ReportRow(group=values["grp"], requests=int(values["requests"]), errors=int(values["errors"]),
-                     latency=latency, tokens_in=int(values["tokens_in"]), tokens_out=int(values["tokens_out"]),
-                     batch_size_mean=values["batch_size_mean"], kv_usage_p95=values["kv_usage_p95"],
-                     preemptions=int(values["preemptions"]))
+    latency = {
+        name: dict(zip(PERCENTS, values[name] or [None] * len(PERCENTS), strict=True))
+        for name in LATENCY_FIELDS
+    }
+    return ReportRow(
+        group=values["grp"],
+        requests=int(values["requests"]),
+        errors=int(values["errors"]),
+        latency=latency,
+        tokens_in=int(values["tokens_in"]),
+        tokens_out=int(values["tokens_out"]),
+        batch_size_mean=values["batch_size_mean"],
+        kv_usage_p95=values["kv_usage_p95"],
+        preemptions=int(values["preemptions"]),
+    )
 
 
 def prune(value: Any) -> Any:

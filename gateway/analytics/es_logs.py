@@ -42,8 +42,15 @@ def time_filter(since: datetime | None) -> dict[str, Any]:
 
 def metric_aggs() -> dict[str, Any]:
     """The per-row metric aggregations (see kvscope.gateway.analytics.report for the definitions)."""
-    errors = {"bool": {"should": [{"range": {"http.response.status_code": {"gte": ERROR_STATUS}}},
-                                  {"term": {"event.outcome": "failure"}}], "minimum_should_match": 1}}
+    errors = {
+        "bool": {
+            "should": [
+                {"range": {"http.response.status_code": {"gte": ERROR_STATUS}}},
+                {"term": {"event.outcome": "failure"}},
+            ],
+            "minimum_should_match": 1,
+        }
+    }
     aggs: dict[str, Any] = {"errors": {"filter": errors}}
     for name, field in LATENCY_FIELDS.items():
         aggs[name] = {"percentiles": {"field": field, "percents": list(PERCENTS)}}
@@ -57,7 +64,9 @@ def metric_aggs() -> dict[str, Any]:
     return aggs
 
 
-def report_query(by: str | None, since: datetime | None, top: int = 10, max_groups: int = 50) -> dict[str, Any]:
+def report_query(
+    by: str | None, since: datetime | None, top: int = 10, max_groups: int = 50
+) -> dict[str, Any]:
     """The ``_search`` body of a report. Raises ValueError for an unknown ``by``."""
     aggs = metric_aggs()
     if by is not None:
@@ -74,8 +83,10 @@ def report_query(by: str | None, since: datetime | None, top: int = 10, max_grou
         "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}],
         # the slow-request fields, with the whole kvscope.engine and kvscope.gateway objects and upstream_s
         # for the causes
-        "_source": sorted({f for f in SLOW_FIELDS.values() if not f.startswith("kvscope.engine.")}
-                          | {"kvscope.engine", "kvscope.gateway", "kvscope.upstream_s"}),
+        "_source": sorted(
+            {f for f in SLOW_FIELDS.values() if not f.startswith("kvscope.engine.")}
+            | {"kvscope.engine", "kvscope.gateway", "kvscope.upstream_s"}
+        ),
         "aggs": aggs,
     }
 
@@ -94,8 +105,12 @@ def _row(group: str | None, requests: int, aggs: dict[str, Any]) -> ReportRow:
         values = percentile_values(aggs[name])
         latency[name] = {p: values.get(float(p)) for p in PERCENTS}
     return ReportRow(
-        group=group, requests=requests, errors=int(aggs["errors"]["doc_count"]), latency=latency,
-        tokens_in=int(aggs["tokens_in"]["value"] or 0), tokens_out=int(aggs["tokens_out"]["value"] or 0),
+        group=group,
+        requests=requests,
+        errors=int(aggs["errors"]["doc_count"]),
+        latency=latency,
+        tokens_in=int(aggs["tokens_in"]["value"] or 0),
+        tokens_out=int(aggs["tokens_out"]["value"] or 0),
         batch_size_mean=aggs["batch_size_mean"]["value"],
         kv_usage_p95=percentile_values(aggs["kv_usage_p95"]).get(95.0),
         preemptions=int(aggs["preemptions"]["value"] or 0),
@@ -110,36 +125,70 @@ def total_hits(body: dict[str, Any]) -> int:
 def parse_report(body: dict[str, Any], by: str | None, source: str, since: str | None = None) -> Report:
     """A :class:`Report` from the response to :func:`report_query`."""
     aggs = body.get("aggregations", {})
-    groups = tuple(_row(str(b.get("key_as_string", b["key"])), int(b["doc_count"]), b)
-                   for b in aggs.get("groups", {}).get("buckets", []))
-    slowest = tuple(slow_request(h["_source"]) for h in body["hits"]["hits"]
-                    if dotted(h.get("_source"), "kvscope.e2e_s") is not None)
-    return Report(source=source, by=by, since=since, total=_row(None, total_hits(body), aggs), groups=groups,
-                  slowest=slowest, percentile_method=PERCENTILE_METHOD)
+    groups = tuple(
+        _row(str(b.get("key_as_string", b["key"])), int(b["doc_count"]), b)
+        for b in aggs.get("groups", {}).get("buckets", [])
+    )
+    slowest = tuple(
+        slow_request(h["_source"])
+        for h in body["hits"]["hits"]
+        if dotted(h.get("_source"), "kvscope.e2e_s") is not None
+    )
+    return Report(
+        source=source,
+        by=by,
+        since=since,
+        total=_row(None, total_hits(body), aggs),
+        groups=groups,
+        slowest=slowest,
+        percentile_method=PERCENTILE_METHOD,
+    )
 
 
 def search_query(query: str, since: datetime | None, limit: int = 20) -> dict[str, Any]:
     """``query_string`` search (Lucene syntax, e.g. ``kvscope.e2e_s:>5 AND gen_ai.request.model:smollm2*``)."""
     must = [{"query_string": {"query": query}}] if query.strip() else [{"match_all": {}}]
     filters = time_filter(since).get("bool", {}).get("filter", [])
-    return {"size": limit, "query": {"bool": {"must": must, "filter": filters}},
-            "sort": [{"@timestamp": {"order": "desc"}}]}
+    return {
+        "size": limit,
+        "query": {"bool": {"must": must, "filter": filters}},
+        "sort": [{"@timestamp": {"order": "desc"}}],
+    }
 
 
 def prelude_query(since: datetime | None) -> dict[str, Any]:
     """Time range and TTFT range, to size the plot's buckets and bins."""
-    return {"size": 0, "query": time_filter(since), "aggs": {
-        "t_min": {"min": {"field": "@timestamp"}}, "t_max": {"max": {"field": "@timestamp"}},
-        "ttft_min": {"min": {"field": LATENCY_FIELDS["ttft"]}},
-        "ttft_hi": {"percentiles": {"field": LATENCY_FIELDS["ttft"], "percents": [99.5]}}}}
+    return {
+        "size": 0,
+        "query": time_filter(since),
+        "aggs": {
+            "t_min": {"min": {"field": "@timestamp"}},
+            "t_max": {"max": {"field": "@timestamp"}},
+            "ttft_min": {"min": {"field": LATENCY_FIELDS["ttft"]}},
+            "ttft_hi": {"percentiles": {"field": LATENCY_FIELDS["ttft"], "percents": [99.5]}},
+        },
+    }
 
 
 def timeseries_query(since: datetime | None, bucket_s: int) -> dict[str, Any]:
-    pct = {name: {"percentiles": {"field": LATENCY_FIELDS[name], "percents": list(PERCENTS)}}
-           for name in ("ttft", "e2e")}
-    return {"size": 0, "query": time_filter(since), "aggs": {"t": {
-        "date_histogram": {"field": "@timestamp", "fixed_interval": f"{int(bucket_s)}s", "min_doc_count": 1},
-        "aggs": pct}}}
+    pct = {
+        name: {"percentiles": {"field": LATENCY_FIELDS[name], "percents": list(PERCENTS)}}
+        for name in ("ttft", "e2e")
+    }
+    return {
+        "size": 0,
+        "query": time_filter(since),
+        "aggs": {
+            "t": {
+                "date_histogram": {
+                    "field": "@timestamp",
+                    "fixed_interval": f"{int(bucket_s)}s",
+                    "min_doc_count": 1,
+                },
+                "aggs": pct,
+            }
+        },
+    }
 
 
 def parse_timeseries(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -154,8 +203,20 @@ def parse_timeseries(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def histogram_query(since: datetime | None, lo: float, width: float) -> dict[str, Any]:
-    return {"size": 0, "query": time_filter(since), "aggs": {"ttft": {"histogram": {
-        "field": LATENCY_FIELDS["ttft"], "interval": width, "offset": lo % width, "min_doc_count": 1}}}}
+    return {
+        "size": 0,
+        "query": time_filter(since),
+        "aggs": {
+            "ttft": {
+                "histogram": {
+                    "field": LATENCY_FIELDS["ttft"],
+                    "interval": width,
+                    "offset": lo % width,
+                    "min_doc_count": 1,
+                }
+            }
+        },
+    }
 
 
 class EsLogs:
@@ -168,8 +229,9 @@ class EsLogs:
         response = await self.client.search(index=self.index, body=body)
         return dict(response.body)
 
-    async def report(self, by: str | None = None, top: int = 10, max_groups: int = 50,
-                     since: str | None = None) -> Report:
+    async def report(
+        self, by: str | None = None, top: int = 10, max_groups: int = 50, since: str | None = None
+    ) -> Report:
         body = await self._search(report_query(by, self.since, top, max_groups))
         return parse_report(body, by, self.source, since)
 

@@ -14,9 +14,16 @@ from kvscope.gateway.analytics.report import Report, dotted, es_time
 
 FORMATS = ("table", "json", "csv")
 RECORD_COLUMNS = {
-    "time": "@timestamp", "request id": "http.request.id", "model": "gen_ai.request.model",
-    "status": "http.response.status_code", "e2e s": "kvscope.e2e_s", "ttft s": "kvscope.ttft_s",
-    "key": "user.id", "upstream": "server.address", "error": "error.type", "trace id": "trace.id",
+    "time": "@timestamp",
+    "request id": "http.request.id",
+    "model": "gen_ai.request.model",
+    "status": "http.response.status_code",
+    "e2e s": "kvscope.e2e_s",
+    "ttft s": "kvscope.ttft_s",
+    "key": "user.id",
+    "upstream": "server.address",
+    "error": "error.type",
+    "trace id": "trace.id",
 }
 
 
@@ -54,17 +61,37 @@ def render_report(report: Report, fmt: str, out: IO[str]) -> None:
         _csv(slow, out)
         return
     console = _console(out)
-    header = f"source {report.source}" + (f" · since {report.since}" if report.since else "") + \
-             (f" · by {report.by}" if report.by else "")
+    header = (
+        f"source {report.source}"
+        + (f" · since {report.since}" if report.since else "")
+        + (f" · by {report.by}" if report.by else "")
+    )
     console.print(f"[bold]{header}[/bold]\npercentiles: {report.percentile_method}")
     console.print(_rows_table(rows, report.by or "group"))
     for row in slow:
         row["time"] = str(row["timestamp"])[5:19].replace("T", " ")
-    console.print(_table("slowest requests (why was P99 slow?)", slow, {
-        "time (UTC)": "time", "request id": "request_id", "trace id": "trace_id", "model": "model",
-        "status": "status", "e2e s": "e2e_s", "ttft s": "ttft_s", "queue s": "queue_s",
-        "prefill s": "prefill_s", "decode s": "decode_s", "kv use": "kv_cache_usage",
-        "preempt": "num_preemptions", "slowest phase": "slowest_phase", "cause": "cause"}))
+    console.print(
+        _table(
+            "slowest requests (why was P99 slow?)",
+            slow,
+            {
+                "time (UTC)": "time",
+                "request id": "request_id",
+                "trace id": "trace_id",
+                "model": "model",
+                "status": "status",
+                "e2e s": "e2e_s",
+                "ttft s": "ttft_s",
+                "queue s": "queue_s",
+                "prefill s": "prefill_s",
+                "decode s": "decode_s",
+                "kv use": "kv_cache_usage",
+                "preempt": "num_preemptions",
+                "slowest phase": "slowest_phase",
+                "cause": "cause",
+            },
+        )
+    )
     for name, part in report.cause_breakdown().items():
         if part["requests"]:
             total = sum(part["causes"].values()) or 1.0
@@ -78,14 +105,33 @@ def render_report(report: Report, fmt: str, out: IO[str]) -> None:
 
 def _rows_table(rows: list[dict[str, Any]], group_title: str) -> Table:
     table = Table(title="requests", show_lines=False)
-    for title in (group_title, "requests", "errors", "TTFT p50/p95/p99 s", "TPOT p50/p95/p99 s",
-                  "e2e p50/p95/p99 s", "tokens in/out", "batch mean", "KV p95", "preempt"):
+    for title in (
+        group_title,
+        "requests",
+        "errors",
+        "TTFT p50/p95/p99 s",
+        "TPOT p50/p95/p99 s",
+        "e2e p50/p95/p99 s",
+        "tokens in/out",
+        "batch mean",
+        "KV p95",
+        "preempt",
+    ):
         table.add_column(title, justify="left" if title == group_title else "right")
     for r in rows:
         lat = {n: "/".join(_fmt(r[f"{n}_p{p}_s"]) for p in (50, 95, 99)) for n in ("ttft", "tpot", "e2e")}
-        table.add_row(str(r["group"]), str(r["requests"]), _fmt(r["error_rate"], "pct"), lat["ttft"],
-                      lat["tpot"], lat["e2e"], f"{r['tokens_in']}/{r['tokens_out']}",
-                      _fmt(r["batch_size_mean"]), _fmt(r["kv_usage_p95"]), str(r["preemptions"]))
+        table.add_row(
+            str(r["group"]),
+            str(r["requests"]),
+            _fmt(r["error_rate"], "pct"),
+            lat["ttft"],
+            lat["tpot"],
+            lat["e2e"],
+            f"{r['tokens_in']}/{r['tokens_out']}",
+            _fmt(r["batch_size_mean"]),
+            _fmt(r["kv_usage_p95"]),
+            str(r["preemptions"]),
+        )
     return table
 
 
@@ -134,4 +180,6 @@ def render_records(records: list[dict[str, Any]], fmt: str, out: IO[str]) -> Non
         return
     rows = [{k: dotted(r, path) for k, path in RECORD_COLUMNS.items()} for r in records]
     console = _console(out)
-    console.print(_table(f"{len(records)} matching requests (newest first)", rows, {k: k for k in RECORD_COLUMNS}))
+    console.print(
+        _table(f"{len(records)} matching requests (newest first)", rows, {k: k for k in RECORD_COLUMNS})
+    )

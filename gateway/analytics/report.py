@@ -83,14 +83,22 @@ class ReportRow:
 
     def flat(self) -> dict[str, Any]:
         """One level of columns, in display order (table, CSV and JSON use it)."""
-        out: dict[str, Any] = {"group": self.group if self.group is not None else "all",
-                               "requests": self.requests, "errors": self.errors, "error_rate": self.error_rate}
+        out: dict[str, Any] = {
+            "group": self.group if self.group is not None else "all",
+            "requests": self.requests,
+            "errors": self.errors,
+            "error_rate": self.error_rate,
+        }
         for name in LATENCY_FIELDS:
             for p in PERCENTS:
                 out[f"{name}_p{p}_s"] = self.latency[name][p]
-        out |= {"tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
-                "batch_size_mean": self.batch_size_mean, "kv_usage_p95": self.kv_usage_p95,
-                "preemptions": self.preemptions}
+        out |= {
+            "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out,
+            "batch_size_mean": self.batch_size_mean,
+            "kv_usage_p95": self.kv_usage_p95,
+            "preemptions": self.preemptions,
+        }
         return out
 
 
@@ -128,8 +136,12 @@ class SlowRequest:
         ``preempted`` when the engine preempted the request; ``?`` without engine stats."""
         if self.num_preemptions:
             return "preempted"
-        phases = {"queue": self.queue_s, "prefill": self.prefill_s, "decode": self.decode_s,
-                  "gateway": self.gateway_overhead_s}
+        phases = {
+            "queue": self.queue_s,
+            "prefill": self.prefill_s,
+            "decode": self.decode_s,
+            "gateway": self.gateway_overhead_s,
+        }
         known = {k: v for k, v in phases.items() if v is not None}
         return max(known, key=known.__getitem__) if len(known) > 1 else "?"
 
@@ -160,10 +172,16 @@ class Report:
         return {"slowest": _sum_causes(self.slowest), "p99": _sum_causes(at_p99)}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "by": self.by, "since": self.since,
-                "percentile_method": self.percentile_method, "total": self.total.flat(),
-                "groups": [g.flat() for g in self.groups], "slowest": [s.flat() for s in self.slowest],
-                "causes": self.cause_breakdown()}
+        return {
+            "source": self.source,
+            "by": self.by,
+            "since": self.since,
+            "percentile_method": self.percentile_method,
+            "total": self.total.flat(),
+            "groups": [g.flat() for g in self.groups],
+            "slowest": [s.flat() for s in self.slowest],
+            "causes": self.cause_breakdown(),
+        }
 
 
 def _sum_causes(requests: list[SlowRequest] | tuple[SlowRequest, ...]) -> dict[str, Any]:
@@ -186,12 +204,21 @@ def dotted(doc: dict[str, Any] | None, path: str) -> Any:
 
 
 SLOW_FIELDS = {
-    "timestamp": "@timestamp", "request_id": "http.request.id", "trace_id": "trace.id",
-    "model": "gen_ai.request.model", "status": "http.response.status_code", "e2e_s": "kvscope.e2e_s",
-    "ttft_s": "kvscope.ttft_s", "tpot_s": "kvscope.tpot_s", "gateway_overhead_s": "kvscope.gateway_overhead_s",
-    "queue_s": "kvscope.engine.queue_s", "prefill_s": "kvscope.engine.prefill_s",
-    "decode_s": "kvscope.engine.decode_s", "batch_size_max": "kvscope.engine.batch_size_max",
-    "kv_cache_usage": "kvscope.engine.kv_cache_usage", "num_preemptions": "kvscope.engine.num_preemptions",
+    "timestamp": "@timestamp",
+    "request_id": "http.request.id",
+    "trace_id": "trace.id",
+    "model": "gen_ai.request.model",
+    "status": "http.response.status_code",
+    "e2e_s": "kvscope.e2e_s",
+    "ttft_s": "kvscope.ttft_s",
+    "tpot_s": "kvscope.tpot_s",
+    "gateway_overhead_s": "kvscope.gateway_overhead_s",
+    "queue_s": "kvscope.engine.queue_s",
+    "prefill_s": "kvscope.engine.prefill_s",
+    "decode_s": "kvscope.engine.decode_s",
+    "batch_size_max": "kvscope.engine.batch_size_max",
+    "kv_cache_usage": "kvscope.engine.kv_cache_usage",
+    "num_preemptions": "kvscope.engine.num_preemptions",
     "upstream": "server.address",
 }
 """``SlowRequest`` attribute → record field."""

@@ -33,8 +33,13 @@ CAUSE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Engine causes → the ``kvscope.engine`` fields (seconds) they add up; ``batched decodes`` is the
 interference minus its ``other prefills`` part (the other requests' decode tokens in the same steps)."""
-GATEWAY_CAUSES = {"auth": "auth_s", "rate limit": "rate_limit_s", "tokenize": "tokenize_s", "retry": "retry_s",
-                  "gateway other": "other_s"}
+GATEWAY_CAUSES = {
+    "auth": "auth_s",
+    "rate limit": "rate_limit_s",
+    "tokenize": "tokenize_s",
+    "retry": "retry_s",
+    "gateway other": "other_s",
+}
 """Gateway causes → their ``kvscope.gateway`` field (seconds)."""
 
 
@@ -78,10 +83,14 @@ class Why:
     def to_dict(self) -> dict[str, Any]:
         """The ``--format json`` object."""
         total = sum(s for _, s in self.causes) or 1.0
-        return {"request_id": self.request_id, "trace_id": self.trace_id, "verdict": self.verdict,
-                "text": self.text,
-                "causes": [{"cause": c, "seconds": s, "share": s / total} for c, s in self.causes],
-                "engine": self.engine}
+        return {
+            "request_id": self.request_id,
+            "trace_id": self.trace_id,
+            "verdict": self.verdict,
+            "text": self.text,
+            "causes": [{"cause": c, "seconds": s, "share": s / total} for c, s in self.causes],
+            "engine": self.engine,
+        }
 
 
 def _dotted(record: dict[str, Any], *path: str) -> Any:
@@ -98,38 +107,61 @@ def _n(value: float | int | None) -> str:
 def _ttft_line(e: dict[str, Any], ttft: float | None) -> str:
     limit = e.get("queue_limit")
     held = f", {limit} reached" if limit else ""
-    prefill = (f"prefill {e.get('prefill_s') or 0:.3f} s over {_n(e.get('prefill_steps'))} steps shared with "
-               f"{_n(e.get('prefill_other_prefill_tokens'))} prompt and {_n(e.get('prefill_other_decode_tokens'))} "
-               f"decode tokens of up to {_n(e.get('prefill_other_requests_max'))} other requests (own "
-               f"{_n(e.get('prefill_tokens'))} tokens of a {_n(e.get('prompt_tokens'))}-token prompt, "
-               f"{_n(e.get('cached_tokens'))} from the prefix cache)")
-    return (f"TTFT {ttft if ttft is not None else 0:.3f} s: {e.get('queue_s') or 0:.3f} s queued "
-            f"({_n(e.get('queue_ahead'))} requests ahead, {_n(e.get('running_on_arrival'))} running{held}); "
-            f"{prefill}")
+    prefill = (
+        f"prefill {e.get('prefill_s') or 0:.3f} s over {_n(e.get('prefill_steps'))} steps shared with "
+        f"{_n(e.get('prefill_other_prefill_tokens'))} prompt and {_n(e.get('prefill_other_decode_tokens'))} "
+        f"decode tokens of up to {_n(e.get('prefill_other_requests_max'))} other requests (own "
+        f"{_n(e.get('prefill_tokens'))} tokens of a {_n(e.get('prompt_tokens'))}-token prompt, "
+        f"{_n(e.get('cached_tokens'))} from the prefix cache)"
+    )
+    return (
+        f"TTFT {ttft if ttft is not None else 0:.3f} s: {e.get('queue_s') or 0:.3f} s queued "
+        f"({_n(e.get('queue_ahead'))} requests ahead, {_n(e.get('running_on_arrival'))} running{held}); "
+        f"{prefill}"
+    )
 
 
 def _decode_line(e: dict[str, Any], tpot: float | None) -> str:
     steps = e.get("decode_steps") or 0
     per_token = f"{tpot * 1000:.1f} ms/token" if tpot else "-"
     batch = e.get("batch_size_mean")
-    return (f"decode {e.get('decode_s') or 0:.3f} s at {per_token} over {steps} steps in batches of "
-            f"{batch:.1f} (max {_n(e.get('batch_size_max'))}); other requests' prefill tokens in those steps: "
-            f"{_n(e.get('decode_other_prefill_tokens'))} ({e.get('decode_interference_prefill_s') or 0:.3f} s)"
-            if batch is not None else f"decode {e.get('decode_s') or 0:.3f} s")
+    return (
+        f"decode {e.get('decode_s') or 0:.3f} s at {per_token} over {steps} steps in batches of "
+        f"{batch:.1f} (max {_n(e.get('batch_size_max'))}); other requests' prefill tokens in those steps: "
+        f"{_n(e.get('decode_other_prefill_tokens'))} ({e.get('decode_interference_prefill_s') or 0:.3f} s)"
+        if batch is not None
+        else f"decode {e.get('decode_s') or 0:.3f} s"
+    )
 
 
 def _gateway_line(kv: dict[str, Any]) -> str:
     head = f"e2e {kv.get('e2e_s') or 0:.3f} s at the gateway: "
     p = kv.get("gateway")
     if not isinstance(p, dict):  # a record from before kvscope.gateway
-        return (head + f"{kv.get('gateway_overhead_s') or 0:.3f} s in the gateway (auth, limits, tokenize, connect, "
-                f"{_n(kv.get('attempts'))} attempt(s)), {kv.get('upstream_s') or 0:.3f} s upstream")
-    s = {k: p.get(k) or 0.0 for k in ("auth_s", "rate_limit_s", "tokenize_s", "retry_s", "upstream_connect_s",
-                                      "upstream_response_s", "other_s")}
-    return (head + f"auth {s['auth_s']:.3f} s, rate limit {s['rate_limit_s']:.3f} s, tokenize {s['tokenize_s']:.3f} s, "
-            f"retry {s['retry_s']:.3f} s ({_n(kv.get('attempts'))} attempt(s)), other {s['other_s']:.3f} s; "
-            f"the answering upstream {s['upstream_connect_s'] + s['upstream_response_s']:.3f} s "
-            f"({s['upstream_connect_s']:.3f} s to its response headers)")
+        return (
+            head
+            + f"{kv.get('gateway_overhead_s') or 0:.3f} s in the gateway (auth, limits, tokenize, connect, "
+            f"{_n(kv.get('attempts'))} attempt(s)), {kv.get('upstream_s') or 0:.3f} s upstream"
+        )
+    s = {
+        k: p.get(k) or 0.0
+        for k in (
+            "auth_s",
+            "rate_limit_s",
+            "tokenize_s",
+            "retry_s",
+            "upstream_connect_s",
+            "upstream_response_s",
+            "other_s",
+        )
+    }
+    return (
+        head
+        + f"auth {s['auth_s']:.3f} s, rate limit {s['rate_limit_s']:.3f} s, tokenize {s['tokenize_s']:.3f} s, "
+        f"retry {s['retry_s']:.3f} s ({_n(kv.get('attempts'))} attempt(s)), other {s['other_s']:.3f} s; "
+        f"the answering upstream {s['upstream_connect_s'] + s['upstream_response_s']:.3f} s "
+        f"({s['upstream_connect_s']:.3f} s to its response headers)"
+    )
 
 
 def explain(record: dict[str, Any]) -> Why:
@@ -138,19 +170,29 @@ def explain(record: dict[str, Any]) -> Why:
     kv = record.get("kvscope") or {}
     engine = kv.get("engine") or {}
     if engine.get("prefill_steps") is None:
-        raise ValueError("the record has no kvscope.engine attribution: the request was refused before the "
-                         "engine, the client left before the engine answered, or an older engine served it")
-    ttft = kv.get("ttft_s") if kv.get("ttft_s") is not None else engine.get("ttft_s")  # non-streamed: engine's
+        raise ValueError(
+            "the record has no kvscope.engine attribution: the request was refused before the "
+            "engine, the client left before the engine answered, or an older engine served it"
+        )
+    ttft = (
+        kv.get("ttft_s") if kv.get("ttft_s") is not None else engine.get("ttft_s")
+    )  # non-streamed: engine's
     lines = [_ttft_line(engine, ttft)]
     if engine.get("decode_steps"):
-        lines.append(_decode_line(engine, kv.get("tpot_s") if kv.get("tpot_s") is not None else engine.get("tpot_s")))
+        lines.append(
+            _decode_line(engine, kv.get("tpot_s") if kv.get("tpot_s") is not None else engine.get("tpot_s"))
+        )
     preempt = engine.get("num_preemptions") or 0
     if preempt:
-        lines.append(f"preempted {preempt}x for {(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
-                     f"{_n(engine.get('recomputed_tokens'))} tokens recomputed")
+        lines.append(
+            f"preempted {preempt}x for {(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
+            f"{_n(engine.get('recomputed_tokens'))} tokens recomputed"
+        )
     if engine.get("structured_mask_s") is not None:
-        lines.append(f"grammar masks {engine['structured_mask_s']:.3f} s (overlapped with the forward pass), "
-                     f"sampling waited {engine.get('structured_wait_s') or 0:.3f} s for them")
+        lines.append(
+            f"grammar masks {engine['structured_mask_s']:.3f} s (overlapped with the forward pass), "
+            f"sampling waited {engine.get('structured_wait_s') or 0:.3f} s for them"
+        )
     is_gateway = "gateway_overhead_s" in kv
     if is_gateway:
         lines.append(_gateway_line(kv))
@@ -158,9 +200,14 @@ def explain(record: dict[str, Any]) -> Why:
     total = sum(s for _, s in causes) or 1.0
     verdict = ", ".join(f"{c} {s:.3f} s ({s / total:.0%})" for c, s in causes[:4])
     lines.append(f"verdict: {verdict}")
-    return Why(request_id=_dotted(record, "http", "request", "id") or _dotted(record, "gen_ai", "response", "id"),
-               trace_id=_dotted(record, "trace", "id"), text="\n".join(lines), causes=causes,
-               verdict=causes[0][0] if causes else "?", engine=engine)
+    return Why(
+        request_id=_dotted(record, "http", "request", "id") or _dotted(record, "gen_ai", "response", "id"),
+        trace_id=_dotted(record, "trace", "id"),
+        text="\n".join(lines),
+        causes=causes,
+        verdict=causes[0][0] if causes else "?",
+        engine=engine,
+    )
 
 
 def why_query(request_or_trace_id: str, *, es: bool) -> str:
@@ -170,4 +217,4 @@ def why_query(request_or_trace_id: str, *, es: bool) -> str:
         raise ValueError("a request or trace id has no quote characters")
     if es:
         return f'http.request.id:"{request_or_trace_id}" OR trace.id:"{request_or_trace_id}"'
-    return f"\"http\".\"request\".\"id\" = '{request_or_trace_id}' OR \"trace\".\"id\" = '{request_or_trace_id}'"
+    return f'"http"."request"."id" = \'{request_or_trace_id}\' OR "trace"."id" = \'{request_or_trace_id}\''

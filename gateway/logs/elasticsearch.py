@@ -108,8 +108,13 @@ class ElasticsearchSink:
 
     name = "elasticsearch"
 
-    def __init__(self, config: ElasticsearchSinkConfig, metrics: SinkMetrics | None = None,
-                 *, client: AsyncElasticsearch | None = None) -> None:
+    def __init__(
+        self,
+        config: ElasticsearchSinkConfig,
+        metrics: SinkMetrics | None = None,
+        *,
+        client: AsyncElasticsearch | None = None,
+    ) -> None:
         self.config = config
         self.stats = SinkStats()
         self._metrics = metrics
@@ -174,7 +179,9 @@ class ElasticsearchSink:
         if self._spool is None:
             self._count("dropped", len(leftover))
             if leftover:
-                logger.error("elasticsearch log sink closed before it started; %d records dropped", len(leftover))
+                logger.error(
+                    "elasticsearch log sink closed before it started; %d records dropped", len(leftover)
+                )
         else:
             if leftover:
                 self._account_append(leftover, self._spool.append(leftover))
@@ -261,8 +268,12 @@ class ElasticsearchSink:
         except ApiError as exc:
             if exc.status_code in RETRY_STATUSES:
                 return self._failed_attempt(f"setup: {exc.status_code} {exc.message}")
-            logger.error("elasticsearch setup refused (%s %s); shipping anyway. Run `kvscope logs setup-es` "
-                         "with a key that may manage ILM and index templates.", exc.status_code, exc.message)
+            logger.error(
+                "elasticsearch setup refused (%s %s); shipping anyway. Run `kvscope logs setup-es` "
+                "with a key that may manage ILM and index templates.",
+                exc.status_code,
+                exc.message,
+            )
         except (TransportError, OSError) as exc:
             return self._failed_attempt(f"setup: {exc}")
         self._setup_ok = True
@@ -306,8 +317,12 @@ class ElasticsearchSink:
             records, reasons = zip(*result.rejected, strict=True)
             await asyncio.to_thread(self._spool.reject, records, reasons)  # type: ignore[union-attr]
             self._count("failed", len(records))
-            logger.error("elasticsearch refused %d log records for good (first: %s); kept in %s",
-                         len(records), reasons[0], self.config.spool.directory)
+            logger.error(
+                "elasticsearch refused %d log records for good (first: %s); kept in %s",
+                len(records),
+                reasons[0],
+                self.config.spool.directory,
+            )
         if result.shipped and not result.retry and not replayed:
             self._recovered()
 
@@ -342,8 +357,12 @@ class ElasticsearchSink:
         self._count("failed", result.invalid)
         if result.dropped:
             self._count("dropped", result.dropped)
-            self._drop_log.error(result.dropped, "log spool full (%d bytes cap at %s); dropping records",
-                                 self.config.spool.max_bytes, self.config.spool.directory)
+            self._drop_log.error(
+                result.dropped,
+                "log spool full (%d bytes cap at %s); dropping records",
+                self.config.spool.max_bytes,
+                self.config.spool.directory,
+            )
         self._report_spool_bytes()
 
     # ---- outage bookkeeping ------------------------------------------------------------------------
@@ -351,8 +370,12 @@ class ElasticsearchSink:
         now = time.monotonic()
         if self._outage is None or now - self._outage_logged >= 60.0:
             pending = self._spool.pending_records if self._spool else 0
-            logger.warning("elasticsearch unavailable (%s); %d log records spooled to %s",
-                           reason, pending, self.config.spool.directory)
+            logger.warning(
+                "elasticsearch unavailable (%s); %d log records spooled to %s",
+                reason,
+                pending,
+                self.config.spool.directory,
+            )
             self._outage_logged = now
         self._outage = reason
         self._next_try = time.monotonic() + self._backoff
@@ -364,8 +387,9 @@ class ElasticsearchSink:
         self._next_try = 0.0
         if self._outage is not None:
             pending = self._spool.pending_records if self._spool else 0
-            logger.warning("elasticsearch is back (was: %s); %d spooled records left to replay",
-                           self._outage, pending)
+            logger.warning(
+                "elasticsearch is back (was: %s); %d spooled records left to replay", self._outage, pending
+            )
             self._outage = None
 
     def _count(self, outcome: str, n: int) -> None:

@@ -45,19 +45,26 @@ class EsLogSettings(msgspec.Struct, **_STRUCT):
 
     def connection(self) -> EsConnectionConfig:
         basic = (self.username, self.password or "") if self.username else None
-        return EsConnectionConfig(hosts=self.hosts, api_key=self.api_key, basic_auth=basic,
-                                  ca_certs=self.ca_certs, verify_certs=self.verify_certs,
-                                  compat_major=self.compat_major)
+        return EsConnectionConfig(
+            hosts=self.hosts,
+            api_key=self.api_key,
+            basic_auth=basic,
+            ca_certs=self.ca_certs,
+            verify_certs=self.verify_certs,
+            compat_major=self.compat_major,
+        )
 
     def sink_config(self) -> ElasticsearchSinkConfig:
         """The sink's config; raises ValueError for invalid values."""
         return ElasticsearchSinkConfig(
-            spool=SpoolConfig(Path(self.spool_dir).expanduser(), max_bytes=self.spool_max_bytes,
-                              fsync=self.spool_fsync),  # type: ignore[arg-type]
+            spool=SpoolConfig(
+                Path(self.spool_dir).expanduser(), max_bytes=self.spool_max_bytes, fsync=self.spool_fsync
+            ),  # type: ignore[arg-type]
             connection=self.connection(),
             index=EsIndexConfig(data_stream=self.data_stream, delete_after=self.delete_after),
-            shipper=ShipperConfig(queue_size=self.queue_size, batch_size=self.batch_size,
-                                  flush_interval_s=self.flush_interval_s),
+            shipper=ShipperConfig(
+                queue_size=self.queue_size, batch_size=self.batch_size, flush_interval_s=self.flush_interval_s
+            ),
             setup_on_start=self.setup_on_start,
         )
 
@@ -83,8 +90,10 @@ class CliEnv:
 def cli_env(env: Mapping[str, str]) -> CliEnv:
     return CliEnv(
         source=env.get("KVSCOPE_LOGS_SOURCE") or env.get("KVSCOPE_GATEWAY_LOG_FILE") or _serve_log(env),
-        es_url=env.get("ELASTICSEARCH_URL"), api_key=env.get("ELASTICSEARCH_API_KEY"),
-        username=env.get("ELASTICSEARCH_USERNAME"), password=env.get("ELASTICSEARCH_PASSWORD"),
+        es_url=env.get("ELASTICSEARCH_URL"),
+        api_key=env.get("ELASTICSEARCH_API_KEY"),
+        username=env.get("ELASTICSEARCH_USERNAME"),
+        password=env.get("ELASTICSEARCH_PASSWORD"),
         ca_certs=env.get("ELASTICSEARCH_CA_CERTS"),
     )
 

@@ -93,21 +93,41 @@ _UNINDEXED = {"type": "object", "enabled": False}
 def attribution_properties() -> dict[str, Any]:
     """Mapping of the latency-attribution fields of ``kvscope.engine`` (docs/logs.md, "Why was this request
     slow?"; the engine's KvscopeStats, which tests/gateway/logs/test_why.py keeps in step with this)."""
-    longs = ["prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival", "queue_blocked_steps",
-             "recomputed_tokens"]
+    longs = [
+        "prompt_tokens",
+        "cached_tokens",
+        "queue_ahead",
+        "running_on_arrival",
+        "queue_blocked_steps",
+        "recomputed_tokens",
+    ]
     doubles: list[str] = ["structured_mask_s", "structured_wait_s"]
     for phase in ("prefill", "decode"):
-        longs += [f"{phase}_{f}" for f in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens",
-                                           "other_requests_max")]
-        doubles += [f"{phase}_{f}" for f in ("step_s_mean", "step_s_max", "own_s", "interference_s",
-                                             "interference_prefill_s", "preempted_s", "other_s")]
+        longs += [
+            f"{phase}_{f}"
+            for f in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens", "other_requests_max")
+        ]
+        doubles += [
+            f"{phase}_{f}"
+            for f in (
+                "step_s_mean",
+                "step_s_max",
+                "own_s",
+                "interference_s",
+                "interference_prefill_s",
+                "preempted_s",
+                "other_s",
+            )
+        ]
     return {"queue_limit": _kw()} | dict.fromkeys(longs, _LONG) | dict.fromkeys(doubles, _DOUBLE)
 
 
 def record_properties() -> dict[str, Any]:
     """Explicit mapping of every field of the request log record (docs/gateway.md, "Request log"), nested ECS objects."""
-    engine = {f: _DOUBLE for f in ("queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s",
-                                   "batch_size_mean", "kv_cache_usage")}
+    engine = {
+        f: _DOUBLE
+        for f in ("queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean", "kv_cache_usage")
+    }
     engine |= {f: _LONG for f in ("batch_size_max", "kv_blocks", "num_preemptions")}
     engine |= attribution_properties()
     # speculative decoding (issue 16; docs/logs.md): counts, and the mean acceptance length
@@ -120,8 +140,17 @@ def record_properties() -> dict[str, Any]:
         "ecs": _obj(version=_kw()),
         "log": _obj(level=_kw(), logger=_kw()),
         "message": _TEXT,
-        "event": _obj(id=_kw(), kind=_kw(), category=_kw(), type=_kw(), outcome=_kw(), dataset=_kw(), duration=_LONG,
-                      start=_DATE, end=_DATE),
+        "event": _obj(
+            id=_kw(),
+            kind=_kw(),
+            category=_kw(),
+            type=_kw(),
+            outcome=_kw(),
+            dataset=_kw(),
+            duration=_LONG,
+            start=_DATE,
+            end=_DATE,
+        ),
         "http": _obj(
             version=_kw(),
             request=_obj(id=_kw(), method=_kw(), body=_obj(bytes=_LONG)),
@@ -141,13 +170,24 @@ def record_properties() -> dict[str, Any]:
             request=_obj(model=_kw(), max_tokens=_LONG, temperature=_DOUBLE, stream=_BOOL),
             response=_obj(model=_kw(), finish_reasons=_kw()),
             usage=_obj(input_tokens=_LONG, output_tokens=_LONG, cache_read=_obj(input_tokens=_LONG)),
-            input=_UNINDEXED, output=_UNINDEXED,  # message content, only with log_content
+            input=_UNINDEXED,
+            output=_UNINDEXED,  # message content, only with log_content
         ),
         "kvscope": _obj(
-            route=_kw(), ttft_s=_DOUBLE, tpot_s=_DOUBLE, e2e_s=_DOUBLE, gateway_overhead_s=_DOUBLE,
-            upstream_s=_DOUBLE, gateway=_obj(**dict.fromkeys(GATEWAY_PHASES, _DOUBLE)), attempts=_LONG,
-            client_disconnected=_BOOL, disconnect_phase=_kw(),
-            rate_limited=_BOOL, rate_limit_reason=_kw(), stream_error=_kw(), prompt_tokens_counted=_LONG,
+            route=_kw(),
+            ttft_s=_DOUBLE,
+            tpot_s=_DOUBLE,
+            e2e_s=_DOUBLE,
+            gateway_overhead_s=_DOUBLE,
+            upstream_s=_DOUBLE,
+            gateway=_obj(**dict.fromkeys(GATEWAY_PHASES, _DOUBLE)),
+            attempts=_LONG,
+            client_disconnected=_BOOL,
+            disconnect_phase=_kw(),
+            rate_limited=_BOOL,
+            rate_limit_reason=_kw(),
+            stream_error=_kw(),
+            prompt_tokens_counted=_LONG,
             engine=_obj(**engine),
         ),
     }
@@ -155,8 +195,10 @@ def record_properties() -> dict[str, Any]:
 
 def ilm_policy_body(config: EsIndexConfig) -> dict[str, Any]:
     """Body of ``PUT _ilm/policy/{name}``."""
-    rollover = {"max_age": config.rollover_max_age,
-                "max_primary_shard_size": config.rollover_max_primary_shard_size}
+    rollover = {
+        "max_age": config.rollover_max_age,
+        "max_primary_shard_size": config.rollover_max_primary_shard_size,
+    }
     phases = {
         "hot": {"min_age": "0ms", "actions": {"rollover": rollover}},
         "delete": {"min_age": config.delete_after, "actions": {"delete": {}}},
@@ -194,7 +236,9 @@ def index_template_body(config: EsIndexConfig) -> dict[str, Any]:
     }
 
 
-async def ensure_setup(client: AsyncElasticsearch, config: EsIndexConfig, *, rollover: bool = False) -> list[str]:
+async def ensure_setup(
+    client: AsyncElasticsearch, config: EsIndexConfig, *, rollover: bool = False
+) -> list[str]:
     """Create or update the ILM policy, component templates and index template; return what was put.
 
     Idempotent (every call ``PUT``s the whole resource). Raises ``elasticsearch.ApiError`` when the
@@ -204,8 +248,10 @@ async def ensure_setup(client: AsyncElasticsearch, config: EsIndexConfig, *, rol
     done: list[str] = []
     await client.ilm.put_lifecycle(name=config.ilm_policy, body=ilm_policy_body(config))
     done.append(f"ilm policy {config.ilm_policy}")
-    for name, body in ((config.settings_template, settings_template_body(config)),
-                       (config.mappings_template, mappings_template_body(config))):
+    for name, body in (
+        (config.settings_template, settings_template_body(config)),
+        (config.mappings_template, mappings_template_body(config)),
+    ):
         await client.cluster.put_component_template(name=name, body=body)
         done.append(f"component template {name}")
     await client.indices.put_index_template(name=config.data_stream, body=index_template_body(config))

@@ -121,12 +121,21 @@ async def ship_batch(
         by_id.setdefault(record_id(record), deque()).append(record)
     result, answered = ShipResult(), set()
     try:
-        async for n, (_ok, item) in _aenumerate(async_streaming_bulk(
-            client, _actions(records, index), chunk_size=config.batch_size,
-            max_chunk_bytes=config.max_chunk_bytes, raise_on_error=False, raise_on_exception=False,
-            max_retries=config.max_retries, initial_backoff=config.initial_backoff_s,
-            max_backoff=config.max_backoff_s, retry_on_status=RETRY_STATUSES, yield_ok=True,
-        )):
+        async for n, (_ok, item) in _aenumerate(
+            async_streaming_bulk(
+                client,
+                _actions(records, index),
+                chunk_size=config.batch_size,
+                max_chunk_bytes=config.max_chunk_bytes,
+                raise_on_error=False,
+                raise_on_exception=False,
+                max_retries=config.max_retries,
+                initial_backoff=config.initial_backoff_s,
+                max_backoff=config.max_backoff_s,
+                retry_on_status=RETRY_STATUSES,
+                yield_ok=True,
+            )
+        ):
             if n % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)
             info = next(iter(item.values()))

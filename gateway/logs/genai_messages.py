@@ -31,8 +31,9 @@ def _content_parts(content: Any) -> list[dict[str, Any]]:
             parts.append(_text(part.get("text", "")))
         elif kind == "image_url":
             url = part.get("image_url")
-            parts.append({"type": "uri", "modality": "image",
-                          "uri": url.get("url") if isinstance(url, dict) else url})
+            parts.append(
+                {"type": "uri", "modality": "image", "uri": url.get("url") if isinstance(url, dict) else url}
+            )
         elif kind is not None:
             parts.append({"type": str(kind)})  # other modalities: the kind only, never raw payloads
         else:
@@ -45,14 +46,28 @@ def _chat_message(message: Any) -> dict[str, Any]:
         return {"role": "user", "parts": [_text(message)]}
     role = str(message.get("role") or "user")
     if role == "tool":
-        return {"role": "tool", "parts": [{"type": "tool_call_response", "id": message.get("tool_call_id"),
-                                           "response": message.get("content")}]}
+        return {
+            "role": "tool",
+            "parts": [
+                {
+                    "type": "tool_call_response",
+                    "id": message.get("tool_call_id"),
+                    "response": message.get("content"),
+                }
+            ],
+        }
     parts = _content_parts(message.get("content"))
     for call in message.get("tool_calls") or []:
         call = call if isinstance(call, dict) else {}
         function = call.get("function") if isinstance(call.get("function"), dict) else {}
-        parts.append({"type": "tool_call", "id": call.get("id"), "name": function.get("name"),
-                      "arguments": function.get("arguments")})
+        parts.append(
+            {
+                "type": "tool_call",
+                "id": call.get("id"),
+                "name": function.get("name"),
+                "arguments": function.get("arguments"),
+            }
+        )
     return {"role": role, "parts": parts}
 
 
@@ -67,11 +82,18 @@ def input_messages(raw: Any) -> list[dict[str, Any]] | None:
     return [{"role": "user", "parts": [_text(p)]} for p in prompts]
 
 
-def output_messages(texts: Sequence[str | None] | None, finish_reasons: Sequence[str]) -> list[dict[str, Any]] | None:
+def output_messages(
+    texts: Sequence[str | None] | None, finish_reasons: Sequence[str]
+) -> list[dict[str, Any]] | None:
     """``gen_ai.output.messages``: one assistant message per choice, with its finish reason (``None`` while
     unknown, e.g. a stream cut short)."""
     if texts is None:
         return None
-    return [{"role": "assistant", "parts": [] if text is None else [_text(text)],
-             "finish_reason": finish_reasons[i] if i < len(finish_reasons) else None}
-            for i, text in enumerate(texts)]
+    return [
+        {
+            "role": "assistant",
+            "parts": [] if text is None else [_text(text)],
+            "finish_reason": finish_reasons[i] if i < len(finish_reasons) else None,
+        }
+        for i, text in enumerate(texts)
+    ]

@@ -77,34 +77,59 @@ class RecordBuilder:
             "ecs": {"version": ECS_VERSION},
             "log": {"level": level(ctx), "logger": "kvscope.gateway.access"},
             "message": f"{ctx.method} {clip(ctx.path, MAX_LOGGED_PATH)} {status} {clip(ctx.request_model) or '-'} "
-                       f"{duration_s:.3f}s",
-            "event": {"id": ctx.event_id, "kind": "event", "category": ["web"],
-                      "type": ["access", "error"] if ctx.failed else ["access"], "outcome": outcome(ctx),
-                      "dataset": "kvscope.gateway", "duration": int(duration_s * 1e9),
-                      "start": iso(ctx.start_wall), "end": iso(end_wall)},
-            "http": {"version": ctx.http_version,
-                     "request": {"id": ctx.request_id, "method": ctx.method, "body": {"bytes": ctx.request_bytes}},
-                     "response": {"status_code": status, "body": {"bytes": ctx.response_bytes}}},
+            f"{duration_s:.3f}s",
+            "event": {
+                "id": ctx.event_id,
+                "kind": "event",
+                "category": ["web"],
+                "type": ["access", "error"] if ctx.failed else ["access"],
+                "outcome": outcome(ctx),
+                "dataset": "kvscope.gateway",
+                "duration": int(duration_s * 1e9),
+                "start": iso(ctx.start_wall),
+                "end": iso(end_wall),
+            },
+            "http": {
+                "version": ctx.http_version,
+                "request": {"id": ctx.request_id, "method": ctx.method, "body": {"bytes": ctx.request_bytes}},
+                "response": {"status_code": status, "body": {"bytes": ctx.response_bytes}},
+            },
             "url": {"path": clip(ctx.path, MAX_LOGGED_PATH)},
             "client": {"ip": ctx.client_ip},
             "user_agent": {"original": clip(ctx.user_agent, MAX_LOGGED_USER_AGENT)},
             "user": {"id": ctx.key_id},
             "server": {"address": ctx.upstream},
-            "service": {"name": self.service.name, "version": self.service.version,
-                        "node": {"name": self.service.node}},
+            "service": {
+                "name": self.service.name,
+                "version": self.service.version,
+                "node": {"name": self.service.node},
+            },
             "trace": {"id": ctx.trace_id},
             "span": {"id": ctx.span_id},
-            "error": {"type": ctx.error_type if ctx.failed or ctx.client_disconnected else None,
-                      "message": clip(ctx.error_message, MAX_LOGGED_ERROR) if ctx.failed or ctx.client_disconnected
-                      else None},
+            "error": {
+                "type": ctx.error_type if ctx.failed or ctx.client_disconnected else None,
+                "message": clip(ctx.error_message, MAX_LOGGED_ERROR)
+                if ctx.failed or ctx.client_disconnected
+                else None,
+            },
             "gen_ai": self._gen_ai(ctx),
-            "kvscope": {"route": ctx.route, "ttft_s": ctx.ttft_s, "tpot_s": ctx.tpot_s,
-                        "e2e_s": duration_s, "gateway_overhead_s": ctx.overhead_s,
-                        "upstream_s": ctx.upstream_s, "gateway": ctx.gateway_phases(duration_s).to_dict(),
-                        "engine": ctx.engine, "attempts": ctx.attempts,
-                        "client_disconnected": ctx.client_disconnected, "disconnect_phase": ctx.disconnect_phase,
-                        "rate_limited": ctx.rate_limited is not None, "rate_limit_reason": ctx.rate_limited,
-                        "stream_error": ctx.stream_error, "prompt_tokens_counted": ctx.prompt_tokens},
+            "kvscope": {
+                "route": ctx.route,
+                "ttft_s": ctx.ttft_s,
+                "tpot_s": ctx.tpot_s,
+                "e2e_s": duration_s,
+                "gateway_overhead_s": ctx.overhead_s,
+                "upstream_s": ctx.upstream_s,
+                "gateway": ctx.gateway_phases(duration_s).to_dict(),
+                "engine": ctx.engine,
+                "attempts": ctx.attempts,
+                "client_disconnected": ctx.client_disconnected,
+                "disconnect_phase": ctx.disconnect_phase,
+                "rate_limited": ctx.rate_limited is not None,
+                "rate_limit_reason": ctx.rate_limited,
+                "stream_error": ctx.stream_error,
+                "prompt_tokens_counted": ctx.prompt_tokens,
+            },
         }
 
     def _gen_ai(self, ctx: RequestContext) -> dict[str, Any]:
@@ -116,11 +141,18 @@ class RecordBuilder:
         input_tokens = usage.get("prompt_tokens", ctx.prompt_tokens if counted else None)
         out: dict[str, Any] = {
             "operation": {"name": ctx.operation},
-            "request": {"model": clip(ctx.request_model), "max_tokens": ctx.max_tokens,
-                        "temperature": ctx.temperature, "stream": ctx.stream},
+            "request": {
+                "model": clip(ctx.request_model),
+                "max_tokens": ctx.max_tokens,
+                "temperature": ctx.temperature,
+                "stream": ctx.stream,
+            },
             "response": {"model": ctx.response_model, "finish_reasons": ctx.finish_reasons or None},
-            "usage": {"input_tokens": input_tokens, "output_tokens": ctx.output_tokens,
-                      "cache_read": {"input_tokens": cached}},
+            "usage": {
+                "input_tokens": input_tokens,
+                "output_tokens": ctx.output_tokens,
+                "cache_read": {"input_tokens": cached},
+            },
         }
         if self.log_content:
             out["input"] = {"messages": input_messages(ctx.input_content)}

@@ -94,7 +94,9 @@ class StdoutSink(ThreadedLineSink):
 
     name = "stdout"
 
-    def __init__(self, metrics: GatewayMetrics, queue_size: int = 10_000, stream: BinaryIO | None = None) -> None:
+    def __init__(
+        self, metrics: GatewayMetrics, queue_size: int = 10_000, stream: BinaryIO | None = None
+    ) -> None:
         super().__init__(metrics, queue_size)
         self._stream = stream or sys.stdout.buffer
 
@@ -109,8 +111,14 @@ class JsonlFileSink(ThreadedLineSink):
 
     name = "file"
 
-    def __init__(self, metrics: GatewayMetrics, path: str | Path, max_bytes: int, backup_count: int,
-                 queue_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        path: str | Path,
+        max_bytes: int,
+        backup_count: int,
+        queue_size: int = 10_000,
+    ) -> None:
         super().__init__(metrics, queue_size)
         self.path = Path(path)
         self._max_bytes = max_bytes

@@ -116,7 +116,8 @@ class Spool:
         self._dirty = self._dir_dirty = False
         self._last_sync = time.monotonic()
         self._segments = [
-            _Segment(int(p.stem.split("-")[1]), p, p.stat().st_size) for p in sorted(self._dir.glob(_SEGMENT_GLOB))
+            _Segment(int(p.stem.split("-")[1]), p, p.stat().st_size)
+            for p in sorted(self._dir.glob(_SEGMENT_GLOB))
         ]
         self._next_seq = self._segments[-1].seq + 1 if self._segments else 1
         self._cursor = self._read_cursor()
@@ -126,7 +127,8 @@ class Spool:
         if self._pending_records:
             logger.warning(
                 "log spool %s holds %d unshipped records from a previous run; they will be replayed first",
-                self._dir, self._pending_records,
+                self._dir,
+                self._pending_records,
             )
 
     # ---- state -------------------------------------------------------------------------------------
@@ -235,7 +237,10 @@ class Spool:
         """True when :meth:`maybe_sync` would fsync now (cheap: no I/O, no lock)."""
         if self.config.fsync == "never" or not (self._dirty or self._unsynced or self._dir_dirty):
             return False
-        return self.config.fsync == "always" or time.monotonic() - self._last_sync >= self.config.fsync_interval_s
+        return (
+            self.config.fsync == "always"
+            or time.monotonic() - self._last_sync >= self.config.fsync_interval_s
+        )
 
     def maybe_sync(self) -> None:
         """fsync what was written if the policy says it is due (the sink calls this about once a second)."""
@@ -296,7 +301,9 @@ class Spool:
             batch.records.append(self._decoder.decode(line))
         except msgspec.DecodeError as exc:
             batch.corrupt += 1
-            logger.error("log spool %s: skipping a damaged line (%d bytes): %s", seg.path.name, len(line), exc)
+            logger.error(
+                "log spool %s: skipping a damaged line (%d bytes): %s", seg.path.name, len(line), exc
+            )
 
     def ack(self, batch: SpoolBatch) -> None:
         """Mark ``batch`` shipped: advance the cursor past it, delete segments fully behind the cursor.

@@ -54,8 +54,12 @@ if TYPE_CHECKING:
     from kvscope.gateway.state import GatewayState
 
 _log = logging.getLogger("kvscope.gateway")
-_STREAM_REASONS = {"upstream_timeout": "timeout", "stream_incomplete": "incomplete", "stream_aborted": "aborted",
-                   "upstream_disconnected": "upstream_disconnected"}
+_STREAM_REASONS = {
+    "upstream_timeout": "timeout",
+    "stream_incomplete": "incomplete",
+    "stream_aborted": "aborted",
+    "upstream_disconnected": "upstream_disconnected",
+}
 FORWARDED_HEADERS = frozenset({b"x-kvscope-fault"})
 """Client headers passed on to the upstream as they are: our engine's fault-injection hook (honoured only by
 an engine started with ``--enable-fault-injection``; docs/engine-server.md), so tests can fail a request
@@ -70,8 +74,11 @@ gateway's own ``x-ratelimit-*`` (a key with limits) replace the upstream's (gate
 def relayed_answer_headers(raw: list[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
     """The headers among an upstream answer's ``raw`` (name, value) pairs that the client gets too
     (:data:`RELAYED_ANSWER_HEADERS`, :data:`RELAYED_ANSWER_PREFIXES`), names lower-cased."""
-    return tuple((name.lower(), value) for name, value in raw
-                 if name.lower() in RELAYED_ANSWER_HEADERS or name.lower().startswith(RELAYED_ANSWER_PREFIXES))
+    return tuple(
+        (name.lower(), value)
+        for name, value in raw
+        if name.lower() in RELAYED_ANSWER_HEADERS or name.lower().startswith(RELAYED_ANSWER_PREFIXES)
+    )
 
 
 class ProxyCall:
@@ -95,22 +102,30 @@ class ProxyCall:
         self._forwarded: dict[str, str] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._forwarded = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
-                           if k.lower() in FORWARDED_HEADERS}
+        self._forwarded = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k.lower() in FORWARDED_HEADERS
+        }
         await self._serve(receive, send, scope.get("extensions", {}).get(BODY_CHUNK_EXTENSION))
 
     def _count_body(self, size: int) -> None:
         self.ctx.response_bytes += size
 
-    async def _serve(self, receive: Receive, send: Send, body_chunk: Callable[[bytes], bool] | None = None) -> None:
+    async def _serve(
+        self, receive: Receive, send: Send, body_chunk: Callable[[bytes], bool] | None = None
+    ) -> None:
         self.client = ClientResponse(send, body_chunk, self._count_body)
         task = asyncio.current_task()
         watcher = asyncio.create_task(self._watch_disconnect(receive, task))
         self.call_start = time.perf_counter()
         self.base_attrs = base_attributes(self.ctx, self.gw.settings.tracing.gen_ai_provider, self.plan.model)
         self.client_span = self.gw.tracer.start_client_span(
-            self.ctx.server_span, self.plan.operation, self.plan.model,
-            {**self.base_attrs, "gen_ai.request.stream": self.plan.stream})
+            self.ctx.server_span,
+            self.plan.operation,
+            self.plan.model,
+            {**self.base_attrs, "gen_ai.request.stream": self.plan.stream},
+        )
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -177,8 +192,11 @@ class ProxyCall:
         if failure is not None and failure.answer is not None:
             await self._relay_answer(failure.answer)
             return
-        error = failure.error if failure else UpstreamUnavailable(
-            f"No healthy upstream serves model '{self.plan.model}' right now.")
+        error = (
+            failure.error
+            if failure
+            else UpstreamUnavailable(f"No healthy upstream serves model '{self.plan.model}' right now.")
+        )
         if error.status == 503:
             error.headers.setdefault("retry-after", self.gw.pool.retry_after())
         await self.fail(error)
@@ -207,8 +225,12 @@ class ProxyCall:
                 await response.aclose()
 
     def _headers(self, replica: Replica) -> dict[str, str]:
-        headers = {**self._forwarded, "content-type": "application/json", "x-request-id": self.ctx.request_id,
-                   **replica.auth_headers()}
+        headers = {
+            **self._forwarded,
+            "content-type": "application/json",
+            "x-request-id": self.ctx.request_id,
+            **replica.auth_headers(),
+        }
         if self.ctx.key_id is not None:  # the engine's fairness tenant (a client's own is not in _forwarded)
             headers[TENANT_HEADER] = self.ctx.key_id
         if self.plan.stream:
@@ -221,22 +243,27 @@ class ProxyCall:
         """Send the request and wait for the upstream's status line (first-token/total deadline)."""
         t = self.gw.settings.timeouts
         limit = min(deadline, self.attempt_start + t.first_token_s) if self.plan.stream else deadline
-        request = self.gw.http.build_request("POST", replica.url + self.plan.path, content=self.plan.body,
-                                             headers=self._headers(replica))
+        request = self.gw.http.build_request(
+            "POST", replica.url + self.plan.path, content=self.plan.body, headers=self._headers(replica)
+        )
         pool = self.gw.pool
         try:
             async with asyncio.timeout(max(0.0, limit - time.perf_counter())):
                 return await self.gw.http.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             pool.report_failure(replica, "connect", eject=True)
-            raise RetryableFailure(UpstreamUnavailable(f"upstream {replica.label} is unreachable: {exc}")) from None
+            raise RetryableFailure(
+                UpstreamUnavailable(f"upstream {replica.label} is unreachable: {exc}")
+            ) from None
         except TimeoutError:
             pool.report_failure(replica, "timeout", passive=False)
             raise UpstreamTimeout(f"upstream {replica.label} did not answer in time") from None
         except httpx.HTTPError as exc:  # e.g. a pooled keep-alive connection the server had closed
             pool.report_failure(replica, "disconnect")
-            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} closed the connection: {exc!r}"),
-                                   same_replica_ok=True) from None
+            raise RetryableFailure(
+                UpstreamFailed(f"upstream {replica.label} closed the connection: {exc!r}"),
+                same_replica_ok=True,
+            ) from None
 
     async def read_body(self, replica: Replica, response: httpx.Response, deadline: float) -> bytes:
         try:
@@ -247,20 +274,27 @@ class ProxyCall:
             raise UpstreamTimeout(f"upstream {replica.label} did not finish in time") from None
         except httpx.HTTPError as exc:
             self.gw.pool.report_failure(replica, "disconnect", eject=True)
-            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} failed mid-response: {exc!r}")) from None
+            raise RetryableFailure(
+                UpstreamFailed(f"upstream {replica.label} failed mid-response: {exc!r}")
+            ) from None
         self.upstream_end = time.perf_counter()
         return body
 
     async def _relay_status(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
         body = await self.read_body(replica, response, deadline)
-        answer = UpstreamAnswer(response.status_code, response.headers.get("content-type", ""), body,
-                                relayed_answer_headers(response.headers.raw))
+        answer = UpstreamAnswer(
+            response.status_code,
+            response.headers.get("content-type", ""),
+            body,
+            relayed_answer_headers(response.headers.raw),
+        )
         if response.status_code >= 500:
             # a 5xx the client asked for (our engine's fault-injection header) says nothing about the
             # replica: counted, but never towards the consecutive-5xx ejection
             self.gw.pool.report_failure(replica, "status_5xx", passive=not self.client_caused_failure)
-            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} answered {response.status_code}"),
-                                   answer)
+            raise RetryableFailure(
+                UpstreamFailed(f"upstream {replica.label} answered {response.status_code}"), answer
+            )
         self.gw.pool.report_success(replica)
         await self._relay_answer(answer)
 
@@ -270,18 +304,31 @@ class ProxyCall:
         if (outcome := completion_outcome(body, self.gw.settings.logs.log_content)) is not None:
             self._take(outcome)
         content_type = response.headers.get("content-type", "application/json")
-        await self.client.start(200, [(b"content-type", content_type.encode()),
-                                      (b"content-length", str(len(body)).encode())])
+        await self.client.start(
+            200, [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+        )
         await self.client.body(body, final=True)
 
     async def _relay_stream(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
         """Relay the SSE stream, apply its outcome, then end the client's response (or raise the failure)."""
         t = self.gw.settings
-        relay = StreamRelay(self.client, response, replica, self.gw.pool, StreamTerms(
-            timeouts=t.timeouts, deadline=deadline, attempt_start=self.attempt_start, request_start=self.ctx.start,
-            first_token_at=self.ctx.first_token_at, expected_choices=self.plan.expected_choices,
-            include_usage=self.plan.include_usage, keep_text=t.logs.log_content,
-            client_fault=self.client_caused_failure))
+        relay = StreamRelay(
+            self.client,
+            response,
+            replica,
+            self.gw.pool,
+            StreamTerms(
+                timeouts=t.timeouts,
+                deadline=deadline,
+                attempt_start=self.attempt_start,
+                request_start=self.ctx.start,
+                first_token_at=self.ctx.first_token_at,
+                expected_choices=self.plan.expected_choices,
+                include_usage=self.plan.include_usage,
+                keep_text=t.logs.log_content,
+                client_fault=self.client_caused_failure,
+            ),
+        )
         try:
             outcome = await relay.run()
         except BaseException:  # cancelled (the client left) or a bug: log what was relayed so far
@@ -292,7 +339,9 @@ class ProxyCall:
             self._take(outcome)  # the request's numbers are final before the client sees the end
             if outcome.failure is not None:
                 raise outcome.failure
-            self.completed = True  # [DONE] (or the upstream's in-band error) went out: whatever the client does now
+            self.completed = (
+                True  # [DONE] (or the upstream's in-band error) went out: whatever the client does now
+            )
             drained = not outcome.drain or await relay.drain(DRAIN_BEFORE_END_S)
             await self.client.body(b"", final=True)
             if not drained:
@@ -308,7 +357,9 @@ class ProxyCall:
         ctx.finish_reasons = list(outcome.finish_reasons)
         ctx.output_events = outcome.token_events
         ctx.output_content = outcome.output_content
-        ctx.first_token_at = outcome.first_token_at if outcome.first_token_at is not None else ctx.first_token_at
+        ctx.first_token_at = (
+            outcome.first_token_at if outcome.first_token_at is not None else ctx.first_token_at
+        )
         self.last_token_at = outcome.last_token_at or self.last_token_at
         self.token_times = outcome.token_times or self.token_times
         self.upstream_end = outcome.upstream_end
@@ -323,9 +374,14 @@ class ProxyCall:
         error, native = upstream_error_object(answer.status, answer.body)
         body = answer.body if native else msgspec.json.encode({"error": error})
         self.ctx.set_error(upstream_gateway_error(error))
-        await self.client.start(answer.status, [(b"content-type", b"application/json"),
-                                                (b"content-length", str(len(body)).encode()),
-                                                *answer.headers])
+        await self.client.start(
+            answer.status,
+            [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *answer.headers,
+            ],
+        )
         await self.client.body(body, final=True)
 
     # --- ending ------------------------------------------------------------------------------------------
@@ -334,8 +390,11 @@ class ProxyCall:
         self.ctx.set_error(err)
         if not self.client.committed:
             body = error_json(err)
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       *((k.encode(), v.encode()) for k, v in err.headers.items())]
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *((k.encode(), v.encode()) for k, v in err.headers.items()),
+            ]
             await self.client.start(err.status, headers)
             await self.client.body(body, final=True)
             return
@@ -359,15 +418,21 @@ class ProxyCall:
         attrs: dict[str, Any] = {**end_attributes(ctx, self.call_start), "kvscope.attempts": ctx.attempts}
         span.set_attributes(attrs)
         usage = ctx.usage or {}
-        self.gw.genai.record({**self.base_attrs, **attrs}, time.perf_counter() - self.call_start,
-                             usage.get("prompt_tokens"), ctx.output_tokens,
-                             attrs.get("gen_ai.response.time_to_first_chunk"), self._output_chunk_gaps())
+        self.gw.genai.record(
+            {**self.base_attrs, **attrs},
+            time.perf_counter() - self.call_start,
+            usage.get("prompt_tokens"),
+            ctx.output_tokens,
+            attrs.get("gen_ai.response.time_to_first_chunk"),
+            self._output_chunk_gaps(),
+        )
         if "error.type" in attrs:
             span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
         if ctx.engine is None and ctx.first_token_at is not None:
             last = self.last_token_at or ctx.first_token_at
-            self.gw.tracer.record_phases(span, ctx.epoch_ns(self.attempt_start), ctx.epoch_ns(ctx.first_token_at),
-                                         ctx.epoch_ns(last))
+            self.gw.tracer.record_phases(
+                span, ctx.epoch_ns(self.attempt_start), ctx.epoch_ns(ctx.first_token_at), ctx.epoch_ns(last)
+            )
         span.end()
 
 

@@ -39,9 +39,13 @@ class ChunkedBodyTap:
             # the common read: exactly one whole chunk (a streamed token); the same checks as the loop below
             line_end = data.find(b"\r\n")
             size = data[:line_end].split(b";", 1)[0].strip(b" \t")
-            if 0 < len(size) <= 16 and not size.strip(b"0123456789abcdefABCDEF") and \
-                    line_end + 4 + int(size, 16) == len(data) and line_end + 2 < len(data) - 2:
-                self.accepting = self._deliver(data[line_end + 2:-2])
+            if (
+                0 < len(size) <= 16
+                and not size.strip(b"0123456789abcdefABCDEF")
+                and line_end + 4 + int(size, 16) == len(data)
+                and line_end + 2 < len(data) - 2
+            ):
+                self.accepting = self._deliver(data[line_end + 2 : -2])
                 return None
         buf = self._pending + data if self._pending else data
         self._pending = b""
@@ -50,7 +54,7 @@ class ChunkedBodyTap:
         while pos < end:
             if self._state == "data":
                 take = min(self._left, end - pos)
-                payload.append(buf[pos:pos + take])
+                payload.append(buf[pos : pos + take])
                 pos += take
                 self._left -= take
                 if self._left == 0:
@@ -60,7 +64,7 @@ class ChunkedBodyTap:
                 if end - pos < 2:
                     self._pending = buf[pos:]
                     break
-                if buf[pos:pos + 2] != b"\r\n":
+                if buf[pos : pos + 2] != b"\r\n":
                     return self._broken(payload, "chunk data not followed by CRLF")
                 pos += 2
                 self._state = "size"
@@ -94,8 +98,11 @@ class ChunkedBodyTap:
             return
         self.done = True
         if exc is None:
-            self._deliver(httpx.RemoteProtocolError("peer closed connection without sending complete message "
-                                                    "body: incomplete chunked read"))
+            self._deliver(
+                httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body: incomplete chunked read"
+                )
+            )
         else:
             self._deliver(httpx.ReadError(str(exc) or type(exc).__name__))
 

@@ -19,8 +19,12 @@ class ClientResponse:
     where ASGI ``send`` must write them instead. ``count``: told the size of each body written that way (the
     request log's response bytes, which ASGI ``send`` counts otherwise)."""
 
-    def __init__(self, send: Send, body_chunk: Callable[[bytes], bool] | None = None,
-                 count: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        send: Send,
+        body_chunk: Callable[[bytes], bool] | None = None,
+        count: Callable[[int], None] | None = None,
+    ) -> None:
         self._send = send
         self._body_chunk = body_chunk
         self._count = count

@@ -158,8 +158,9 @@ def _expire(waiter: asyncio.Future[None], exc: BaseException | type[BaseExceptio
         waiter.set_exception(exc)
 
 
-async def wait_future(waiter: asyncio.Future[None], timeout: float | None,
-                      on_timeout: BaseException | type[BaseException]) -> None:
+async def wait_future(
+    waiter: asyncio.Future[None], timeout: float | None, on_timeout: BaseException | type[BaseException]
+) -> None:
     """Await ``waiter`` at most ``timeout`` seconds (None: no limit; ≤ 0: expired, unless it is already done),
     then raise ``on_timeout``. One timer on the future's loop: ``asyncio.timeout`` would ask the running loop
     and the current task, a ``getpid()`` each on Python 3.11, per wait."""
@@ -263,7 +264,9 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if p.write_paused:
             p.drainer = p.loop.create_future()
             try:
-                await wait_future(p.drainer, timeout, httpcore.WriteTimeout("timed out writing to the upstream"))
+                await wait_future(
+                    p.drainer, timeout, httpcore.WriteTimeout("timed out writing to the upstream")
+                )
             finally:
                 p.drainer = None
             if p.write_paused or p.error is not None:
@@ -275,13 +278,19 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if self._transport.get_write_buffer_size():
             self._transport.abort()
 
-    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+    async def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.AsyncNetworkStream:
         """TLS over this connection (``https://`` upstreams); ConnectTimeout/ConnectError on failure."""
         p = self._protocol
         try:
-            new = await p.loop.start_tls(self._transport, p, ssl_context, server_hostname=server_hostname,
-                                         ssl_handshake_timeout=timeout)
+            new = await p.loop.start_tls(
+                self._transport,
+                p,
+                ssl_context,
+                server_hostname=server_hostname,
+                ssl_handshake_timeout=timeout,
+            )
         except TimeoutError as exc:
             self._transport.abort()
             raise httpcore.ConnectTimeout(str(exc)) from exc
@@ -296,32 +305,48 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if info == "is_readable":
             p = self._protocol
             return bool(p.chunks) or p.eof or self._transport.is_closing()
-        key = {"ssl_object": "ssl_object", "client_addr": "sockname", "server_addr": "peername",
-               "socket": "socket"}.get(info)
+        key = {
+            "ssl_object": "ssl_object",
+            "client_addr": "sockname",
+            "server_addr": "peername",
+            "socket": "socket",
+        }.get(info)
         return self._transport.get_extra_info(key) if key else None
 
 
 class AsyncioBackend(httpcore.AsyncNetworkBackend):
     """httpcore network backend on the running asyncio loop (module docstring)."""
 
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                          socket_options: Iterable[Any] | None = None) -> httpcore.AsyncNetworkStream:
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
         """A TCP connection (TCP_NODELAY, as asyncio sets it); ConnectTimeout/ConnectError on failure."""
         loop = asyncio.get_running_loop()
         local = (local_address, 0) if local_address else None
-        return await self._connect(loop.create_connection(lambda: _BufferedProtocol(loop), host, port,
-                                                          local_addr=local), timeout, socket_options)
+        return await self._connect(
+            loop.create_connection(lambda: _BufferedProtocol(loop), host, port, local_addr=local),
+            timeout,
+            socket_options,
+        )
 
-    async def connect_unix_socket(self, path: str, timeout: float | None = None,
-                                  socket_options: Iterable[Any] | None = None) -> httpcore.AsyncNetworkStream:
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.AsyncNetworkStream:
         """A Unix-socket connection; ConnectTimeout/ConnectError on failure."""
         loop = asyncio.get_running_loop()
-        return await self._connect(loop.create_unix_connection(lambda: _BufferedProtocol(loop), path),
-                                   timeout, socket_options)
+        return await self._connect(
+            loop.create_unix_connection(lambda: _BufferedProtocol(loop), path), timeout, socket_options
+        )
 
     @staticmethod
-    async def _connect(opening: Any, timeout: float | None,
-                       socket_options: Iterable[Any] | None) -> httpcore.AsyncNetworkStream:
+    async def _connect(
+        opening: Any, timeout: float | None, socket_options: Iterable[Any] | None
+    ) -> httpcore.AsyncNetworkStream:
         try:
             async with asyncio.timeout(timeout):
                 transport, protocol = await opening
@@ -356,14 +381,17 @@ class LinearPool(httpcore.AsyncConnectionPool):
             if connection.is_closed():
                 self._connections.remove(connection)
                 count -= 1
-            elif connection.has_expired() or (count > self._max_keepalive_connections and connection.is_idle()):
+            elif connection.has_expired() or (
+                count > self._max_keepalive_connections and connection.is_idle()
+            ):
                 self._connections.remove(connection)
                 count -= 1
                 closing.append(connection)
         for pool_request in [request for request in self._requests if request.is_queued()]:
             origin = pool_request.request.url.origin
-            available = next((c for c in self._connections if c.can_handle_request(origin) and c.is_available()),
-                             None)
+            available = next(
+                (c for c in self._connections if c.can_handle_request(origin) and c.is_available()), None
+            )
             if available is not None:
                 pool_request.assign_to_connection(available)
                 continue
@@ -386,7 +414,12 @@ def upstream_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
     transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
     pool_class = LinearPool if httpcore.__version__.startswith("1.0.") else httpcore.AsyncConnectionPool
     transport._pool = pool_class(
-        ssl_context=httpx.create_ssl_context(trust_env=False), max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
-        http1=True, http2=False, network_backend=AsyncioBackend())
+        ssl_context=httpx.create_ssl_context(trust_env=False),
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry,
+        http1=True,
+        http2=False,
+        network_backend=AsyncioBackend(),
+    )
     return transport

@@ -45,9 +45,23 @@ from kvscope.gateway.target import names_generation_api
 if TYPE_CHECKING:
     from kvscope.gateway.state import GatewayState
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-                        "proxy-authenticate", "proxy-authorization", "host", "authorization", "content-length",
-                        "accept-encoding", "content-encoding"})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "host",
+        "authorization",
+        "content-length",
+        "accept-encoding",
+        "content-encoding",
+    }
+)
 REQUEST_DROPPED = HOP_BY_HOP | {TENANT_HEADER}
 """Client request headers never forwarded: the tenant is the gateway's to set (the key's name), never the client's."""
 RESPONSE_DROPPED = HOP_BY_HOP | {"date", "server", "content-type", "x-request-id"}
@@ -66,8 +80,10 @@ def upstream_path(raw_path: str) -> str:
     if normal != decoded.rstrip("/") or not normal.startswith("/v1/") or "//" in decoded:
         raise NotFound(f"Unknown path {raw_path!r}.")
     if names_generation_api(decoded):
-        raise NotFound(f"Unknown path {raw_path!r}: generation is served only at POST /v1/chat/completions and "
-                       "POST /v1/completions.")
+        raise NotFound(
+            f"Unknown path {raw_path!r}: generation is served only at POST /v1/chat/completions and "
+            "POST /v1/completions."
+        )
     return raw_path
 
 
@@ -97,16 +113,22 @@ def _replicas_for(gw: GatewayState, principal: Principal, model: str | None) -> 
     only = None
     if model is not None:
         if not gw.pool.is_served(model):
-            raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
+            raise ModelNotFound(
+                f"The model '{clip(model)}' does not exist or is not served here.", param="model"
+            )
         gw.auth.check_model(principal, model)
     elif principal.models is not None:
         only = principal.models
         if not gw.pool.serving_only(only):
-            raise PermissionDenied("This API key may use only some models, and no upstream serves only those: "
-                                   "name one of its models in the request body's 'model'.", param="model")
+            raise PermissionDenied(
+                "This API key may use only some models, and no upstream serves only those: "
+                "name one of its models in the request body's 'model'.",
+                param="model",
+            )
     if not gw.pool.candidates(model, only=only):
-        raise UpstreamUnavailable("No healthy upstream is available right now.",
-                                  headers={"retry-after": gw.pool.retry_after()})
+        raise UpstreamUnavailable(
+            "No healthy upstream is available right now.", headers={"retry-after": gw.pool.retry_after()}
+        )
     return only
 
 
@@ -136,8 +158,9 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
             break
         tried.append(replica)
         url = replica.url + path + (f"?{request.url.query}" if request.url.query else "")
-        upstream = gw.http.build_request(request.method, url, content=body,
-                                         headers={**headers, **replica.auth_headers()})
+        upstream = gw.http.build_request(
+            request.method, url, content=body, headers={**headers, **replica.auth_headers()}
+        )
         ctx.attempts += 1
         ctx.upstream = replica.url
         start = time.perf_counter()
@@ -152,21 +175,27 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
         headers_at = time.perf_counter()
         gw.pool.acquire(replica)
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in RESPONSE_DROPPED}
-        return Stream(_relay(gw, replica, response, ctx, start, headers_at), status_code=response.status_code,
-                      headers=out_headers, media_type=response.headers.get("content-type"))
-    raise UpstreamUnavailable("No healthy upstream is available right now.",
-                              headers={"retry-after": gw.pool.retry_after()})
+        return Stream(
+            _relay(gw, replica, response, ctx, start, headers_at),
+            status_code=response.status_code,
+            headers=out_headers,
+            media_type=response.headers.get("content-type"),
+        )
+    raise UpstreamUnavailable(
+        "No healthy upstream is available right now.", headers={"retry-after": gw.pool.retry_after()}
+    )
 
 
-async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, ctx, start: float,
-                 headers_at: float) -> AsyncIterator[bytes]:
+async def _relay(
+    gw: GatewayState, replica: Replica, response: httpx.Response, ctx, start: float, headers_at: float
+) -> AsyncIterator[bytes]:
     """Relay the upstream's bytes as they come; an error answer's first bytes also fill the log record's
     ``error.type``/``error.message`` (as for the admitted routes)."""
     error_head = bytearray() if response.status_code >= 400 else None
     try:
         async for chunk in response.aiter_raw():
             if error_head is not None and len(error_head) < MAX_ERROR_BYTES:
-                error_head += chunk[:MAX_ERROR_BYTES - len(error_head)]
+                error_head += chunk[: MAX_ERROR_BYTES - len(error_head)]
             yield chunk
     finally:
         end = time.perf_counter()
@@ -174,4 +203,6 @@ async def _relay(gw: GatewayState, replica: Replica, response: httpx.Response, c
         gw.pool.release(replica)
         await response.aclose()
         if error_head is not None:
-            ctx.set_error(upstream_gateway_error(upstream_error_object(response.status_code, bytes(error_head))[0]))
+            ctx.set_error(
+                upstream_gateway_error(upstream_error_object(response.status_code, bytes(error_head))[0])
+            )

@@ -44,8 +44,11 @@ from kvscope.gateway.sse import (
     without_usage,
 )
 
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 DRAIN_BEFORE_END_S = 0.05
 """After ``[DONE]``, wait at most this long for the upstream's end of body before ending the client's response, so
 the connection is back in the pool before the client's next request (else the pool may open a second one)."""
@@ -137,18 +140,33 @@ def completion_outcome(body: bytes, keep_text: bool) -> RelayOutcome | None:
     return RelayOutcome(
         usage=obj.get("usage") if isinstance(obj.get("usage"), dict) else None,
         engine=obj.get("kvscope") if isinstance(obj.get("kvscope"), dict) else None,
-        response_model=obj.get("model"), response_id=obj.get("id") if isinstance(obj.get("id"), str) else None,
+        response_model=obj.get("model"),
+        response_id=obj.get("id") if isinstance(obj.get("id"), str) else None,
         finish_reasons=tuple(c.get("finish_reason") for c in choices if c.get("finish_reason")),
         output_content=[(c.get("message") or {}).get("content") or c.get("text") for c in choices]
-        if keep_text else None)
+        if keep_text
+        else None,
+    )
 
 
 class StreamRelay:
     """Relays one upstream SSE response to ``client``; reports replica failures to ``pool``."""
 
-    def __init__(self, client: ClientResponse, response: httpx.Response, replica: Replica, pool: UpstreamPool,
-                 terms: StreamTerms) -> None:
-        self.client, self.response, self.replica, self.pool, self.terms = client, response, replica, pool, terms
+    def __init__(
+        self,
+        client: ClientResponse,
+        response: httpx.Response,
+        replica: Replica,
+        pool: UpstreamPool,
+        terms: StreamTerms,
+    ) -> None:
+        self.client, self.response, self.replica, self.pool, self.terms = (
+            client,
+            response,
+            replica,
+            pool,
+            terms,
+        )
         self.state = StreamState(expected_choices=terms.expected_choices, keep_text=terms.keep_text)
         self.splitter = SSESplitter()
         self.queue = ChunkQueue(maxsize=64)
@@ -186,12 +204,21 @@ class StreamRelay:
         """What was relayed so far (also after a cancellation: the client left mid-stream)."""
         state = self.state
         return RelayOutcome(
-            usage=state.usage, engine=state.engine, response_model=state.model, response_id=state.response_id,
+            usage=state.usage,
+            engine=state.engine,
+            response_model=state.model,
+            response_id=state.response_id,
             finish_reasons=tuple(state.finish_reasons[i] for i in sorted(state.finish_reasons)),
-            token_events=state.token_events, output_content=state.output_text() if state.keep_text else None,
-            first_token_at=self.first_token_at, last_token_at=self.last_token_at, token_times=self.token_times,
+            token_events=state.token_events,
+            output_content=state.output_text() if state.keep_text else None,
+            first_token_at=self.first_token_at,
+            last_token_at=self.last_token_at,
+            token_times=self.token_times,
             upstream_end=self.upstream_end,
-            upstream_error=self.upstream_error, failure=failure, drain=self.done and failure is None)
+            upstream_error=self.upstream_error,
+            failure=failure,
+            drain=self.done and failure is None,
+        )
 
     async def drain(self, within_s: float) -> bool:
         """After ``[DONE]``: read the upstream's end of body for at most ``within_s`` seconds, so its connection
@@ -199,8 +226,9 @@ class StreamRelay:
         nothing more to wait for); False when ``within_s`` passed first: a later call waits on."""
         until = time.perf_counter() + within_s
         try:
-            while (item := await self.queue.get(until - time.perf_counter())) is not _EOF and \
-                    not isinstance(item, Exception):
+            while (item := await self.queue.get(until - time.perf_counter())) is not _EOF and not isinstance(
+                item, Exception
+            ):
                 pass
         except TimeoutError:
             return False
@@ -255,9 +283,15 @@ class StreamRelay:
         first), from the stream's state now."""
         t = self.terms.timeouts
         waiting_first = self.first_token_at is None
-        phase_end = (self.terms.attempt_start + t.first_token_s) if waiting_first else (self.last_chunk_at + t.idle_s)
-        return (min(phase_end, self.terms.deadline), self.last_sent_at + t.keepalive_s, waiting_first,
-                phase_end <= self.terms.deadline)
+        phase_end = (
+            (self.terms.attempt_start + t.first_token_s) if waiting_first else (self.last_chunk_at + t.idle_s)
+        )
+        return (
+            min(phase_end, self.terms.deadline),
+            self.last_sent_at + t.keepalive_s,
+            waiting_first,
+            phase_end <= self.terms.deadline,
+        )
 
     async def _next(self) -> bytes | object:
         """The next upstream chunk; sends keep-alives meanwhile; raises UpstreamTimeout at a deadline. While
@@ -324,8 +358,10 @@ class StreamRelay:
             self.pool.report_failure(self.replica, "stream_error", passive=False)
             return True
         if decision.end is _BAD_FINISH:
-            raise UpstreamFailed(f"the upstream ended the stream with finish_reason "
-                                 f"'{self.state.bad_finish_reason}'", code="stream_aborted")
+            raise UpstreamFailed(
+                f"the upstream ended the stream with finish_reason '{self.state.bad_finish_reason}'",
+                code="stream_aborted",
+            )
         if decision.send is not None:
             await self._send(decision.send)
         if decision.token:
@@ -349,8 +385,13 @@ class StreamRelay:
         chunk's events are relayed right here, in the connection's callback, through the server's direct body
         writer: no task switch and no timer per token. The first event that needs more (the end, an error,
         the client not reading) goes to the task with the rest, decided once."""
-        if self._parked and type(item) is bytes and not len(self.queue) and self.client.committed and \
-                self.client.direct:
+        if (
+            self._parked
+            and type(item) is bytes
+            and not len(self.queue)
+            and self.client.committed
+            and self.client.direct
+        ):
             try:
                 return self._relay_now(item)
             except Exception as bug:  # noqa: BLE001 - never in the connection's callback: the task raises it
@@ -370,7 +411,7 @@ class StreamRelay:
                 if decision.token:
                     self._token_sent()
                 continue
-            return self.queue.offer(_Handover(decision, events[i + 1:]))
+            return self.queue.offer(_Handover(decision, events[i + 1 :]))
         if waiting_first and self.first_token_at is not None:
             # the first token moves the deadline from first_token_s to idle_s, maybe earlier than the waiting
             # task's timer: it takes its deadlines anew (every other deadline only ever moves later)
@@ -387,20 +428,31 @@ class StreamRelay:
     def _check_complete(self) -> None:
         if not self.state.complete:
             self.pool.report_failure(self.replica, "stream_incomplete", passive=False)
-            raise UpstreamFailed("the upstream stream ended without a finish_reason for every choice",
-                                 code="stream_incomplete")
+            raise UpstreamFailed(
+                "the upstream stream ended without a finish_reason for every choice", code="stream_incomplete"
+            )
 
     async def _end(self, item: object) -> None:
         """End of the upstream body (``_EOF``) or a transport error, before any ``[DONE]``."""
         broken = isinstance(item, Exception)
         replica_fault = not self.terms.client_fault  # a fault the client injected ejects nothing
         if not self.client.committed and self.forwarded == 0:
-            self.pool.report_failure(self.replica, "stream_broken", eject=broken and replica_fault,
-                                     passive=replica_fault)
-            raise RetryableFailure(UpstreamFailed(f"upstream {self.replica.label} closed the stream before any "
-                                                  f"event: {item!r}" if broken else "empty stream"))
+            self.pool.report_failure(
+                self.replica, "stream_broken", eject=broken and replica_fault, passive=replica_fault
+            )
+            raise RetryableFailure(
+                UpstreamFailed(
+                    f"upstream {self.replica.label} closed the stream before any event: {item!r}"
+                    if broken
+                    else "empty stream"
+                )
+            )
         if broken:
-            self.pool.report_failure(self.replica, "stream_broken", eject=replica_fault, passive=replica_fault)
-            raise UpstreamFailed(f"the upstream connection broke mid-stream: {item!r}", code="upstream_disconnected")
+            self.pool.report_failure(
+                self.replica, "stream_broken", eject=replica_fault, passive=replica_fault
+            )
+            raise UpstreamFailed(
+                f"the upstream connection broke mid-stream: {item!r}", code="upstream_disconnected"
+            )
         self._check_complete()  # a complete stream without [DONE]: finish it properly
         await self._send(DONE_EVENT)

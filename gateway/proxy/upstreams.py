@@ -70,8 +70,13 @@ class Replica:
 class UpstreamPool:
     """All replicas; chooses one per attempt and keeps health and metrics up to date."""
 
-    def __init__(self, upstreams: Iterable[UpstreamConfig], models: Iterable[ModelConfig],
-                 routing: RoutingConfig, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        upstreams: Iterable[UpstreamConfig],
+        models: Iterable[ModelConfig],
+        routing: RoutingConfig,
+        metrics: GatewayMetrics,
+    ) -> None:
         self.replicas = [Replica(u) for u in upstreams]
         self._model_configs = {m.name: m for m in models}
         self._routing = routing
@@ -124,21 +129,28 @@ class UpstreamPool:
         return str(max(1, math.ceil(self._routing.health_interval_s)))
 
     # --- selection ----------------------------------------------------------------------------------------
-    def candidates(self, model: str | None, exclude: Iterable[Replica] = (),
-                   only: frozenset[str] | None = None) -> list[Replica]:
+    def candidates(
+        self, model: str | None, exclude: Iterable[Replica] = (), only: frozenset[str] | None = None
+    ) -> list[Replica]:
         """Healthy replicas serving ``model`` (any healthy replica for ``None``), minus ``exclude``; with
         ``only``, just those serving nothing but models in ``only`` (:meth:`Replica.serves_only`)."""
         skip = set(map(id, exclude))
-        return [r for r in self.replicas
-                if r.healthy and (model is None or r.serves(model)) and id(r) not in skip
-                and (only is None or r.serves_only(only))]
+        return [
+            r
+            for r in self.replicas
+            if r.healthy
+            and (model is None or r.serves(model))
+            and id(r) not in skip
+            and (only is None or r.serves_only(only))
+        ]
 
     def serving_only(self, only: frozenset[str]) -> list[Replica]:
         """Replicas, healthy or not, that serve nothing but models in ``only``."""
         return [r for r in self.replicas if r.serves_only(only)]
 
-    def pick(self, model: str | None, exclude: Iterable[Replica] = (),
-             only: frozenset[str] | None = None) -> Replica | None:
+    def pick(
+        self, model: str | None, exclude: Iterable[Replica] = (), only: frozenset[str] | None = None
+    ) -> Replica | None:
         """The healthy replica serving ``model`` (and, with ``only``, nothing but those models) with the fewest
         outstanding requests (ties round-robin)."""
         replicas = self.candidates(model, exclude, only)
@@ -160,7 +172,9 @@ class UpstreamPool:
     def report_success(self, replica: Replica) -> None:
         replica.consecutive_failures = 0
 
-    def report_failure(self, replica: Replica, reason: str, eject: bool = False, passive: bool = True) -> None:
+    def report_failure(
+        self, replica: Replica, reason: str, eject: bool = False, passive: bool = True
+    ) -> None:
         """Count a failed attempt (``reason``: connect, timeout, status_5xx, stream_broken …) in
         ``kvscope_gateway_upstream_errors_total``; eject when ``eject`` or after ``failure_threshold``
         consecutive ``passive`` failures. Timeouts are not passive failures: a slow replica is busy, not dead."""
@@ -188,12 +202,18 @@ class UpstreamPool:
             data = resp.json()["data"] if resp.status_code == 200 else None
             cards = {c["id"]: c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)}
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            if isinstance(exc, httpx.ReadTimeout):  # connected, no answer yet: busy until failure_threshold in a row
+            if isinstance(
+                exc, httpx.ReadTimeout
+            ):  # connected, no answer yet: busy until failure_threshold in a row
                 replica.probe_timeouts += 1
                 if replica.healthy and replica.probe_timeouts < self._routing.failure_threshold:
-                    _log.warning("upstream %s did not answer its health check within %gs (%d of %d before ejection)",
-                                 replica.label, self._routing.health_timeout_s, replica.probe_timeouts,
-                                 self._routing.failure_threshold)
+                    _log.warning(
+                        "upstream %s did not answer its health check within %gs (%d of %d before ejection)",
+                        replica.label,
+                        self._routing.health_timeout_s,
+                        replica.probe_timeouts,
+                        self._routing.failure_threshold,
+                    )
                     return True
             if replica.healthy:
                 _log.warning("upstream %s failed its health check: %r", replica.label, exc)
@@ -211,7 +231,11 @@ class UpstreamPool:
         keep-alive connections (uvicorn after 5 s, as long as httpx keeps them) can close the pooled one just as
         the probe reuses it ("Server disconnected without sending a response"), which says nothing about the
         upstream's health; the pool drops that connection and the second attempt opens a new one."""
-        url, headers, timeout = replica.url + "/v1/models", replica.auth_headers(), self._routing.health_timeout_s
+        url, headers, timeout = (
+            replica.url + "/v1/models",
+            replica.auth_headers(),
+            self._routing.health_timeout_s,
+        )
         try:
             return await client.get(url, headers=headers, timeout=timeout)
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):

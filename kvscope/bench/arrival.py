@@ -41,8 +41,12 @@ def arrival_offsets(gaps: Iterable[float]) -> list[float]:
     return offsets
 
 
-async def paced(items: Sequence[T], offsets: Sequence[float], clock: Callable[[], float],
-                sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> AsyncIterator[T]:
+async def paced(
+    items: Sequence[T],
+    offsets: Sequence[float],
+    clock: Callable[[], float],
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+) -> AsyncIterator[T]:
     """Yield ``items[i]`` once ``offsets[i]`` seconds have passed on ``clock`` since the first call.
 
     Sleeps to absolute deadlines, so lateness of one request does not shift the later ones.

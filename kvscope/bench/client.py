@@ -54,10 +54,10 @@ class RequestOutput:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
-    stream_tokens: int = 0                 # token chunks seen in the stream
+    stream_tokens: int = 0  # token chunks seen in the stream
     usage_output_tokens: int | None = None  # usage.completion_tokens, if the server sent usage
     usage_prompt_tokens: int | None = None
-    cached_tokens: int | None = None        # usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     generated_text: str = ""
     finish_reason: str | None = None
     error: str = ""
@@ -86,8 +86,13 @@ def build_body(cfg: EndpointConfig, sample: SampleRequest, max_tokens: int | Non
     """The JSON body: greedy unless ``temperature`` > 0, streamed with usage; with ``ignore_eos`` also
     ``min_tokens`` = ``max_tokens`` so servers that honour either produce exactly the expected length."""
     max_tokens = sample.expected_output_len if max_tokens is None else max_tokens
-    body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "temperature": cfg.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "max_tokens": max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": sample.prompt}]
     else:
@@ -99,14 +104,20 @@ def build_body(cfg: EndpointConfig, sample: SampleRequest, max_tokens: int | Non
     return body
 
 
-async def send_request(client: httpx.AsyncClient, cfg: EndpointConfig, sample: SampleRequest,
-                       clock: Callable[[], float] = time.perf_counter,
-                       max_tokens: int | None = None) -> RequestOutput:
+async def send_request(
+    client: httpx.AsyncClient,
+    cfg: EndpointConfig,
+    sample: SampleRequest,
+    clock: Callable[[], float] = time.perf_counter,
+    max_tokens: int | None = None,
+) -> RequestOutput:
     """Send one streamed request and time it. Never raises for a failed request: ``error_type`` says why
     (``http_<status>``, ``stream_error:<type>``, ``incomplete_stream``, ``no_output``, ``invalid_json``,
     ``timeout``, ``connect_error``, ``protocol_error``, ``http_error:<class>``)."""
-    out = RequestOutput(prompt_len=sample.prompt_len,
-                        expected_output_len=sample.expected_output_len if max_tokens is None else max_tokens)
+    out = RequestOutput(
+        prompt_len=sample.prompt_len,
+        expected_output_len=sample.expected_output_len if max_tokens is None else max_tokens,
+    )
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     body = build_body(cfg, sample, max_tokens)
     out.start_time = clock()
@@ -127,8 +138,9 @@ async def send_request(client: httpx.AsyncClient, cfg: EndpointConfig, sample: S
     return out
 
 
-async def _read_stream(out: RequestOutput, response: httpx.Response, endpoint: Endpoint,
-                       clock: Callable[[], float]) -> None:
+async def _read_stream(
+    out: RequestOutput, response: httpx.Response, endpoint: Endpoint, clock: Callable[[], float]
+) -> None:
     last_token_at = out.start_time
     done = False
     async for line in response.aiter_lines():
@@ -147,8 +159,11 @@ async def _read_stream(out: RequestOutput, response: httpx.Response, endpoint: E
             return
         if isinstance(data.get("error"), dict):
             error = data["error"]
-            _fail(out, f"stream_error:{error.get('type') or error.get('code') or 'unknown'}",
-                  str(error.get("message", "")))
+            _fail(
+                out,
+                f"stream_error:{error.get('type') or error.get('code') or 'unknown'}",
+                str(error.get("message", "")),
+            )
             return
         _read_usage(out, data.get("usage"))
         choices = data.get("choices") or [{}]

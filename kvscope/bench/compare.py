@@ -22,9 +22,17 @@ from kvscope.bench.runner import LoadConfig, RunResult, run_benchmark
 
 # figure → True when higher is better
 FIGURES: dict[str, bool] = {
-    "request_throughput": True, "output_throughput": True, "total_token_throughput": True,
-    "median_ttft_ms": False, "p99_ttft_ms": False, "median_tpot_ms": False, "p99_tpot_ms": False,
-    "median_itl_ms": False, "p99_itl_ms": False, "median_e2el_ms": False, "p99_e2el_ms": False,
+    "request_throughput": True,
+    "output_throughput": True,
+    "total_token_throughput": True,
+    "median_ttft_ms": False,
+    "p99_ttft_ms": False,
+    "median_tpot_ms": False,
+    "p99_tpot_ms": False,
+    "median_itl_ms": False,
+    "p99_itl_ms": False,
+    "median_e2el_ms": False,
+    "p99_e2el_ms": False,
 }
 
 
@@ -38,25 +46,35 @@ class Comparison:
 
     def figures(self, names: Sequence[str] = tuple(FIGURES)) -> dict[str, list[float]]:
         """Per figure: the median over rounds for each endpoint. Missing figures read as 0.0."""
-        return {name: [statistics.median(self._values(name, e)) for e in range(len(self.endpoints))]
-                for name in names}
+        return {
+            name: [statistics.median(self._values(name, e)) for e in range(len(self.endpoints))]
+            for name in names
+        }
 
     def ratios(self, names: Sequence[str] = tuple(FIGURES)) -> dict[str, list[float]]:
         """Per figure: for each endpoint after A, the median over rounds of its value / A's (nan if A's is 0)."""
         out = {}
         for name in names:
             base = self._values(name, 0)
-            out[name] = [statistics.median(_ratio(v, b) for v, b in zip(self._values(name, e), base, strict=True))
-                         for e in range(1, len(self.endpoints))]
+            out[name] = [
+                statistics.median(_ratio(v, b) for v, b in zip(self._values(name, e), base, strict=True))
+                for e in range(1, len(self.endpoints))
+            ]
         return out
 
     def _values(self, name: str, endpoint: int) -> list[float]:
         return [float(run[endpoint].metrics.as_dict().get(name, 0.0)) for run in self.runs]
 
 
-async def run_comparison(endpoints: Sequence[EndpointConfig], make_samples: Callable[[int], list[SampleRequest]],
-                         load: LoadConfig, rounds: int, *, progress: bool = True,
-                         on_run: Callable[[int, str, RunResult], None] | None = None) -> Comparison:
+async def run_comparison(
+    endpoints: Sequence[EndpointConfig],
+    make_samples: Callable[[int], list[SampleRequest]],
+    load: LoadConfig,
+    rounds: int,
+    *,
+    progress: bool = True,
+    on_run: Callable[[int, str, RunResult], None] | None = None,
+) -> Comparison:
     """Run ``rounds`` rounds; ``make_samples(r)`` gives round r's prompts (shared by every endpoint in it).
     Round r (from 0) runs the endpoints in the order r, r + 1, … (mod their number): A B C, B C A, C A B, ….
     ``on_run(round, label, result)`` is called after each run, in the order they ran. Raises ValueError if
@@ -70,8 +88,9 @@ async def run_comparison(endpoints: Sequence[EndpointConfig], make_samples: Call
         row: dict[int, RunResult] = {}
         for i in range(len(endpoints)):
             e = (r + i) % len(endpoints)
-            row[e] = await run_benchmark(endpoints[e], samples, load, progress=progress,
-                                         label=f"round {r + 1}/{rounds} {labels[e]}")
+            row[e] = await run_benchmark(
+                endpoints[e], samples, load, progress=progress, label=f"round {r + 1}/{rounds} {labels[e]}"
+            )
             if on_run:
                 on_run(r, labels[e], row[e])
         runs.append([row[e] for e in range(len(endpoints))])

@@ -63,8 +63,14 @@ def length_range(length: int, range_ratio: float) -> tuple[int, int]:
     return low, max(low, math.ceil(length * (1 + range_ratio)))
 
 
-def random_dataset(tokenizer: TextTokenizer, num_prompts: int, input_len: int, output_len: int,
-                   range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+def random_dataset(
+    tokenizer: TextTokenizer,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """``num_prompts`` random-text prompts of ``input_len`` tokens (± range) and output lengths, deterministic in
     ``seed``. Token ids are drawn from the vocabulary minus special/added tokens."""
     rng = random.Random(seed)
@@ -81,8 +87,9 @@ def random_dataset(tokenizer: TextTokenizer, num_prompts: int, input_len: int, o
     return samples
 
 
-def decode_to_target_len(tokenizer: TextTokenizer, ids: list[int], target: int, rng: random.Random,
-                         allowed: list[int]) -> tuple[str, int]:
+def decode_to_target_len(
+    tokenizer: TextTokenizer, ids: list[int], target: int, rng: random.Random, allowed: list[int]
+) -> tuple[str, int]:
     """Decode ``ids`` and re-encode until the text is ``target`` tokens long (truncate if longer, append random
     allowed ids if shorter), at most ``MAX_DECODE_RETRIES`` adjustments. Returns (text, re-encoded length).
     Source: vLLM ``gen_prompt_decode_to_target_len``."""
@@ -99,8 +106,9 @@ def decode_to_target_len(tokenizer: TextTokenizer, ids: list[int], target: int, 
         tries -= 1
 
 
-def jsonl_dataset(path: str | Path, num_prompts: int, output_len: int, tokenizer: TextTokenizer | None,
-                  seed: int = 0) -> list[SampleRequest]:
+def jsonl_dataset(
+    path: str | Path, num_prompts: int, output_len: int, tokenizer: TextTokenizer | None, seed: int = 0
+) -> list[SampleRequest]:
     """Prompts from a JSON-lines file: ``{"prompt": str, "output_len"?: int}`` per line (``max_tokens`` is
     accepted for ``output_len``). Lines are shuffled with ``seed`` and cycled to reach ``num_prompts``;
     ``prompt_len`` is counted with ``tokenizer`` (0 without one: the server's usage is used instead).

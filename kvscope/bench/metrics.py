@@ -75,20 +75,33 @@ class BenchmarkMetrics:
     total_token_throughput: float
     latencies: dict[str, LatencyStats]
     error_counts: dict[str, int] = field(default_factory=dict)
-    output_len_mismatches: int = 0    # completed requests whose output tokens ≠ the expected length
+    output_len_mismatches: int = 0  # completed requests whose output tokens ≠ the expected length
     stream_usage_mismatches: int = 0  # completed requests whose stream count ≠ usage.completion_tokens
-    missing_usage: int = 0            # completed requests without usage.completion_tokens
-    server_input_tokens: int = 0      # Σ usage.prompt_tokens (chat template / BOS included)
-    cached_tokens: int = 0            # Σ usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
+    missing_usage: int = 0  # completed requests without usage.completion_tokens
+    server_input_tokens: int = 0  # Σ usage.prompt_tokens (chat template / BOS included)
+    cached_tokens: int = 0  # Σ usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
 
     def as_dict(self) -> dict[str, float | int | dict[str, int]]:
         """Flat vLLM-style keys: ``mean_ttft_ms``, ``median_tpot_ms``, ``std_itl_ms``, ``p99_e2el_ms`` …"""
         flat: dict[str, float | int | dict[str, int]] = {
-            name: getattr(self, name) for name in (
-                "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
-                "request_throughput", "input_throughput", "output_throughput", "total_token_throughput",
-                "output_len_mismatches", "stream_usage_mismatches", "missing_usage", "server_input_tokens",
-                "cached_tokens")}
+            name: getattr(self, name)
+            for name in (
+                "duration",
+                "completed",
+                "failed",
+                "total_input_tokens",
+                "total_output_tokens",
+                "request_throughput",
+                "input_throughput",
+                "output_throughput",
+                "total_token_throughput",
+                "output_len_mismatches",
+                "stream_usage_mismatches",
+                "missing_usage",
+                "server_input_tokens",
+                "cached_tokens",
+            )
+        }
         flat["error_counts"] = dict(self.error_counts)
         for name, stats in self.latencies.items():
             flat[f"mean_{name}_ms"] = stats.mean
@@ -99,8 +112,9 @@ class BenchmarkMetrics:
         return flat
 
 
-def calculate_metrics(outputs: Sequence[RequestOutput], duration: float,
-                      percentiles: Sequence[float] = (50, 90, 99)) -> BenchmarkMetrics:
+def calculate_metrics(
+    outputs: Sequence[RequestOutput], duration: float, percentiles: Sequence[float] = (50, 90, 99)
+) -> BenchmarkMetrics:
     """Aggregate ``outputs`` of a run that took ``duration`` seconds. Raises ValueError if duration ≤ 0."""
     if duration <= 0:
         raise ValueError(f"duration must be > 0, got {duration}")
@@ -114,10 +128,15 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float,
         "e2el": [o.latency for o in done],
     }
     return BenchmarkMetrics(
-        duration=duration, completed=len(done), failed=len(outputs) - len(done),
-        total_input_tokens=total_in, total_output_tokens=total_out,
-        request_throughput=len(done) / duration, input_throughput=total_in / duration,
-        output_throughput=total_out / duration, total_token_throughput=(total_in + total_out) / duration,
+        duration=duration,
+        completed=len(done),
+        failed=len(outputs) - len(done),
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        request_throughput=len(done) / duration,
+        input_throughput=total_in / duration,
+        output_throughput=total_out / duration,
+        total_token_throughput=(total_in + total_out) / duration,
         latencies={name: LatencyStats.of(samples[name], percentiles) for name in LATENCIES},
         error_counts=dict(Counter(o.error_type for o in outputs if not o.success)),
         output_len_mismatches=sum(o.output_tokens != o.expected_output_len for o in done),

@@ -12,8 +12,12 @@ from typing import Any, TextIO
 from kvscope.bench.metrics import BenchmarkMetrics, q_label
 from kvscope.bench.runner import RunResult
 
-TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
-          "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+TITLES = {
+    "ttft": ("Time to First Token", "TTFT"),
+    "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+    "itl": ("Inter-token Latency", "ITL"),
+    "e2el": ("End-to-end Latency", "E2EL"),
+}
 
 
 def summary_lines(metrics: BenchmarkMetrics, title: str = "Serving Benchmark Result") -> list[str]:
@@ -52,13 +56,19 @@ def warning_lines(metrics: BenchmarkMetrics) -> list[str]:
     """Checks on the output lengths that make a comparison unfair when they fail."""
     warnings = []
     if metrics.output_len_mismatches:
-        warnings.append(f"WARNING: {metrics.output_len_mismatches} requests produced a different number of output "
-                        "tokens than requested (server ignores ignore_eos/min_tokens?)")
+        warnings.append(
+            f"WARNING: {metrics.output_len_mismatches} requests produced a different number of output "
+            "tokens than requested (server ignores ignore_eos/min_tokens?)"
+        )
     if metrics.stream_usage_mismatches:
-        warnings.append(f"NOTE: {metrics.stream_usage_mismatches} requests: token chunks in the stream ≠ "
-                        "usage.completion_tokens (a chunk carried several tokens, e.g. a multi-byte character; TPOT uses usage)")
+        warnings.append(
+            f"NOTE: {metrics.stream_usage_mismatches} requests: token chunks in the stream ≠ "
+            "usage.completion_tokens (a chunk carried several tokens, e.g. a multi-byte character; TPOT uses usage)"
+        )
     if metrics.missing_usage:
-        warnings.append(f"WARNING: {metrics.missing_usage} requests had no usage; tokens counted from the stream")
+        warnings.append(
+            f"WARNING: {metrics.missing_usage} requests had no usage; tokens counted from the stream"
+        )
     if metrics.cached_tokens:
         warnings.append(f"NOTE: {metrics.cached_tokens} prompt tokens were prefix-cache hits")
     return warnings
@@ -78,12 +88,19 @@ def run_to_json(result: RunResult, extra: dict[str, Any] | None = None) -> dict[
     load["request_rate"] = _json_float(load["request_rate"])
     outputs = result.outputs
     return {
-        "date": result.started_at, "base_url": result.endpoint.base_url, "model": result.endpoint.model,
-        "endpoint_type": result.endpoint.endpoint, "num_prompts": len(outputs),
-        "endpoint": endpoint, "load": load, **(extra or {}),
+        "date": result.started_at,
+        "base_url": result.endpoint.base_url,
+        "model": result.endpoint.model,
+        "endpoint_type": result.endpoint.endpoint,
+        "num_prompts": len(outputs),
+        "endpoint": endpoint,
+        "load": load,
+        **(extra or {}),
         **result.metrics.as_dict(),
-        "input_lens": [o.input_tokens for o in outputs], "output_lens": [o.output_tokens for o in outputs],
-        "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
+        "input_lens": [o.input_tokens for o in outputs],
+        "output_lens": [o.output_tokens for o in outputs],
+        "ttfts": [o.ttft for o in outputs],
+        "itls": [o.itl for o in outputs],
         "errors": [o.error for o in outputs],
         "requests": [_request_json(o) for o in outputs],
     }
@@ -96,8 +113,9 @@ def write_json(data: dict[str, Any], path: str | Path) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def comparison_lines(labels: Sequence[str], figures: dict[str, list[float]],
-                     ratios: dict[str, list[float]]) -> list[str]:
+def comparison_lines(
+    labels: Sequence[str], figures: dict[str, list[float]], ratios: dict[str, list[float]]
+) -> list[str]:
     """A table: one row per figure, one column per endpoint (median over rounds) and one ratio column per
     endpoint after the first (median of the per-round ratios to the first endpoint)."""
     ratio_names = [f"{label}/{labels[0]}" for label in labels[1:]]
@@ -114,12 +132,24 @@ def comparison_lines(labels: Sequence[str], figures: dict[str, list[float]],
 
 
 def _request_json(o) -> dict[str, Any]:
-    return {"success": o.success, "prompt_len": o.prompt_len, "expected_output_len": o.expected_output_len,
-            "output_tokens": o.output_tokens, "stream_tokens": o.stream_tokens,
-            "usage_output_tokens": o.usage_output_tokens, "usage_prompt_tokens": o.usage_prompt_tokens,
-            "cached_tokens": o.cached_tokens, "start_time": o.start_time, "ttft": o.ttft, "tpot": o.tpot,
-            "latency": o.latency, "itl": o.itl, "finish_reason": o.finish_reason,
-            "error_type": o.error_type, "error": o.error}
+    return {
+        "success": o.success,
+        "prompt_len": o.prompt_len,
+        "expected_output_len": o.expected_output_len,
+        "output_tokens": o.output_tokens,
+        "stream_tokens": o.stream_tokens,
+        "usage_output_tokens": o.usage_output_tokens,
+        "usage_prompt_tokens": o.usage_prompt_tokens,
+        "cached_tokens": o.cached_tokens,
+        "start_time": o.start_time,
+        "ttft": o.ttft,
+        "tpot": o.tpot,
+        "latency": o.latency,
+        "itl": o.itl,
+        "finish_reason": o.finish_reason,
+        "error_type": o.error_type,
+        "error": o.error,
+    }
 
 
 def _json_float(value: float) -> float | str:

@@ -24,7 +24,9 @@ from kvscope.bench.metrics import BenchmarkMetrics, calculate_metrics
 
 WARMUP_MAX_TOKENS = 16
 # not a dataset prompt, so warming up does not put any benchmark prompt into a prefix cache
-WARMUP_PROMPT = "This is a warm-up request of the kvscope serving benchmark. Please reply with a short greeting."
+WARMUP_PROMPT = (
+    "This is a warm-up request of the kvscope serving benchmark. Please reply with a short greeting."
+)
 
 
 class BenchmarkError(RuntimeError):
@@ -60,14 +62,23 @@ class RunResult:
 def make_client(load: LoadConfig) -> httpx.AsyncClient:
     """An HTTP client without a connection cap (httpx's default of 100 would silently cap concurrency) and
     without proxies from the environment (the benchmark measures the server, not a proxy)."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(load.request_timeout_s, connect=10.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             trust_env=False)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(load.request_timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        trust_env=False,
+    )
 
 
-async def run_benchmark(endpoint: EndpointConfig, samples: Sequence[SampleRequest], load: LoadConfig, *,
-                        client: httpx.AsyncClient | None = None, clock: Callable[[], float] = time.perf_counter,
-                        progress: bool = True, label: str = "") -> RunResult:
+async def run_benchmark(
+    endpoint: EndpointConfig,
+    samples: Sequence[SampleRequest],
+    load: LoadConfig,
+    *,
+    client: httpx.AsyncClient | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: bool = True,
+    label: str = "",
+) -> RunResult:
     """Run ``samples`` against ``endpoint`` under ``load``; returns per-request outputs and the metrics.
 
     Raises BenchmarkError if a warm-up request fails, ValueError on an empty ``samples``.
@@ -87,8 +98,13 @@ async def run_benchmark(endpoint: EndpointConfig, samples: Sequence[SampleReques
     return RunResult(endpoint, load, list(samples), outputs, metrics, started_at)
 
 
-async def _warm_up(client: httpx.AsyncClient, endpoint: EndpointConfig, samples: Sequence[SampleRequest],
-                   num: int, clock: Callable[[], float]) -> None:
+async def _warm_up(
+    client: httpx.AsyncClient,
+    endpoint: EndpointConfig,
+    samples: Sequence[SampleRequest],
+    num: int,
+    clock: Callable[[], float],
+) -> None:
     max_tokens = min(WARMUP_MAX_TOKENS, min(s.expected_output_len for s in samples))
     for i in range(num):
         sample = SampleRequest(f"{WARMUP_PROMPT} ({i})", 0, max_tokens)
@@ -97,15 +113,22 @@ async def _warm_up(client: httpx.AsyncClient, endpoint: EndpointConfig, samples:
             raise BenchmarkError(f"warm-up request to {endpoint.url} failed ({out.error_type}): {out.error}")
 
 
-async def _timed_run(client: httpx.AsyncClient, endpoint: EndpointConfig, samples: Sequence[SampleRequest],
-                     load: LoadConfig, clock: Callable[[], float], progress: bool,
-                     label: str) -> tuple[list[RequestOutput], float]:
+async def _timed_run(
+    client: httpx.AsyncClient,
+    endpoint: EndpointConfig,
+    samples: Sequence[SampleRequest],
+    load: LoadConfig,
+    clock: Callable[[], float],
+    progress: bool,
+    label: str,
+) -> tuple[list[RequestOutput], float]:
     from tqdm import tqdm
 
     gaps = inter_arrival_times(len(samples), load.request_rate, load.burstiness, load.seed)
     slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    bar = tqdm(total=len(samples), disable=not progress, file=sys.stderr, desc=label or None, unit="req",
-               leave=False)
+    bar = tqdm(
+        total=len(samples), disable=not progress, file=sys.stderr, desc=label or None, unit="req", leave=False
+    )
 
     async def one(sample: SampleRequest) -> RequestOutput:
         if slots is None:

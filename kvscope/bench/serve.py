@@ -26,20 +26,27 @@ from kvscope.bench.runner import BenchmarkError, LoadConfig, RunResult, run_benc
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments (names as ``vllm bench serve`` where it has them)."""
-    p = argparse.ArgumentParser(prog="kvscope bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvscope bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1/… is appended)")
-    p.add_argument("--model", default="smollm2-135m", help="model name sent in requests; also finds the tokenizer")
+    p.add_argument(
+        "--model", default="smollm2-135m", help="model name sent in requests; also finds the tokenizer"
+    )
     p.add_argument("--served-model-name", help="model field sent in requests (default: --model)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default inf)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    p.add_argument("--dataset", default="random", help="'random' or a JSONL file of {\"prompt\", \"output_len\"?}")
+    p.add_argument(
+        "--dataset", default="random", help='\'random\' or a JSONL file of {"prompt", "output_len"?}'
+    )
     p.add_argument("--input-len", type=int, default=128, help="random dataset: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (max_tokens)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random dataset: lengths uniform in len·(1±r)")
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="random dataset: lengths uniform in len·(1±r)"
+    )
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos and min_tokens = max_tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the model's cached hf folder)")
@@ -48,15 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--num-warmups", type=int, default=1, help="untimed requests before the run")
     p.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles to report")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a byte before giving up")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds without a byte before giving up"
+    )
     p.add_argument("--save-result", help="write every request's timings and the figures as JSON here")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    p.add_argument("--compare", action="append", default=[], metavar="URL",
-                   help="run the same workload against URL too, in rounds: A B, B A, … (repeatable)")
-    p.add_argument("--compare-model", action="append", default=[], metavar="NAME",
-                   help="model field for each --compare URL (default: the same as A)")
-    p.add_argument("--compare-rounds", type=int, default=3,
-                   help="rounds; each runs every endpoint once, in an order rotated by one each round (default 3)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="run the same workload against URL too, in rounds: A B, B A, … (repeatable)",
+    )
+    p.add_argument(
+        "--compare-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="model field for each --compare URL (default: the same as A)",
+    )
+    p.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=3,
+        help="rounds; each runs every endpoint once, in an order rotated by one each round (default 3)",
+    )
     p.add_argument("--label", action="append", default=[], help="names of A, B, … in output (repeatable)")
     return p
 
@@ -88,8 +111,12 @@ def _endpoints(args: argparse.Namespace) -> list[EndpointConfig]:
     models = [model, *args.compare_model] + [model] * (len(args.compare) - len(args.compare_model))
     if not isinstance(args.extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
-    return [EndpointConfig(url, m, args.endpoint, args.temperature, args.ignore_eos, args.api_key,
-                           dict(args.extra_body)) for url, m in zip(urls, models, strict=True)]
+    return [
+        EndpointConfig(
+            url, m, args.endpoint, args.temperature, args.ignore_eos, args.api_key, dict(args.extra_body)
+        )
+        for url, m in zip(urls, models, strict=True)
+    ]
 
 
 def _load(args: argparse.Namespace) -> LoadConfig:
@@ -98,8 +125,15 @@ def _load(args: argparse.Namespace) -> LoadConfig:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be ≥ 1")
     percentiles = tuple(float(q) for q in args.percentiles.split(",") if q.strip())
-    return LoadConfig(args.request_rate, args.burstiness, args.max_concurrency, args.seed, args.num_warmups,
-                      args.request_timeout, percentiles)
+    return LoadConfig(
+        args.request_rate,
+        args.burstiness,
+        args.max_concurrency,
+        args.seed,
+        args.num_warmups,
+        args.request_timeout,
+        percentiles,
+    )
 
 
 def _sampler(args: argparse.Namespace):
@@ -109,8 +143,9 @@ def _sampler(args: argparse.Namespace):
         if tokenizer_path is None:
             raise ValueError("the random dataset needs a tokenizer: pass --tokenizer PATH (tokenizer.json)")
         tokenizer = load_tokenizer(tokenizer_path)
-        return lambda r: random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                                        args.range_ratio, args.seed + r)
+        return lambda r: random_dataset(
+            tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed + r
+        )
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     return lambda r: jsonl_dataset(args.dataset, args.num_prompts, args.output_len, tokenizer, args.seed + r)
 
@@ -127,9 +162,16 @@ def _labels(args: argparse.Namespace, n: int) -> list[str]:
 
 
 def _config_json(args: argparse.Namespace) -> dict:
-    return {"dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
-            "range_ratio": args.range_ratio, "ignore_eos": args.ignore_eos, "seed": args.seed,
-            "tokenizer": args.tokenizer, "argv": sys.argv[1:]}
+    return {
+        "dataset": args.dataset,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+        "tokenizer": args.tokenizer,
+        "argv": sys.argv[1:],
+    }
 
 
 async def _single(args: argparse.Namespace, endpoint: EndpointConfig, make_samples, load: LoadConfig) -> int:
@@ -142,24 +184,31 @@ async def _single(args: argparse.Namespace, endpoint: EndpointConfig, make_sampl
     return 0 if result.metrics.completed else 1
 
 
-async def _compare(args: argparse.Namespace, endpoints: list[EndpointConfig], make_samples,
-                   load: LoadConfig) -> int:
+async def _compare(
+    args: argparse.Namespace, endpoints: list[EndpointConfig], make_samples, load: LoadConfig
+) -> int:
     labels = _labels(args, len(endpoints))
     _print_dataset(make_samples(0))
 
     def on_run(r: int, letter: str, result: RunResult) -> None:
         m = result.metrics
         name = labels[ord(letter) - ord("A")]
-        print(f"round {r + 1} {letter} {name:<14} {m.output_throughput:8.1f} out tok/s  "
-              f"TTFT p50 {m.latencies['ttft'].median:8.1f} ms  TPOT p50 {m.latencies['tpot'].median:7.2f} ms  "
-              f"ok {m.completed} failed {m.failed}", flush=True)
+        print(
+            f"round {r + 1} {letter} {name:<14} {m.output_throughput:8.1f} out tok/s  "
+            f"TTFT p50 {m.latencies['ttft'].median:8.1f} ms  TPOT p50 {m.latencies['tpot'].median:7.2f} ms  "
+            f"ok {m.completed} failed {m.failed}",
+            flush=True,
+        )
         for line in warning_lines(m):
             print("  " + line, flush=True)
 
-    comparison = await run_comparison(endpoints, make_samples, load, args.compare_rounds,
-                                      progress=not args.disable_tqdm, on_run=on_run)
+    comparison = await run_comparison(
+        endpoints, make_samples, load, args.compare_rounds, progress=not args.disable_tqdm, on_run=on_run
+    )
     figures, ratios = comparison.figures(), comparison.ratios()
-    print(f"\nMedians over {args.compare_rounds} rounds; ratios are medians of per-round ratios to {labels[0]}:")
+    print(
+        f"\nMedians over {args.compare_rounds} rounds; ratios are medians of per-round ratios to {labels[0]}:"
+    )
     for line in comparison_lines(labels, figures, ratios):
         print(line)
     if args.save_result:
@@ -169,19 +218,30 @@ async def _compare(args: argparse.Namespace, endpoints: list[EndpointConfig], ma
 
 def _comparison_json(args, labels, comparison: Comparison, figures, ratios) -> dict:
     config = _config_json(args)
-    return {"labels": labels, "endpoints": [e.base_url for e in comparison.endpoints], "config": config,
-            "rounds": args.compare_rounds, "figures": figures, "ratios": ratios,
-            "runs": [[run_to_json(run, {"label": labels[e], "round": r})
-                      for e, run in enumerate(row)] for r, row in enumerate(comparison.runs)]}
+    return {
+        "labels": labels,
+        "endpoints": [e.base_url for e in comparison.endpoints],
+        "config": config,
+        "rounds": args.compare_rounds,
+        "figures": figures,
+        "ratios": ratios,
+        "runs": [
+            [run_to_json(run, {"label": labels[e], "round": r}) for e, run in enumerate(row)]
+            for r, row in enumerate(comparison.runs)
+        ],
+    }
 
 
 def _print_dataset(samples: list[SampleRequest]) -> None:
     lens = [s.prompt_len for s in samples]
     mismatched = sum(1 for s in samples if s.token_mismatch)
-    print(f"{len(samples)} prompts, {min(lens)}–{max(lens)} prompt tokens, "
-          f"{min(s.expected_output_len for s in samples)}–{max(s.expected_output_len for s in samples)} output "
-          f"tokens" + (f" ({mismatched} prompts off their target length after re-encoding)" if mismatched else ""),
-          flush=True)
+    print(
+        f"{len(samples)} prompts, {min(lens)}–{max(lens)} prompt tokens, "
+        f"{min(s.expected_output_len for s in samples)}–{max(s.expected_output_len for s in samples)} output "
+        f"tokens"
+        + (f" ({mismatched} prompts off their target length after re-encoding)" if mismatched else ""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -12,15 +12,24 @@ import signal
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("kvscope.cli.supervisor:serve_main", "pull the model if needed, start engine + gateway, print the URL"),
+    "serve": (
+        "kvscope.cli.supervisor:serve_main",
+        "pull the model if needed, start engine + gateway, print the URL",
+    ),
     "engine": ("kvscope.engine.server.cli:engine_main", "run the engine's OpenAI-compatible server"),
     "gateway": ("kvscope.gateway.cli:gateway_main", "run the gateway in front of one or more upstreams"),
     "keys": ("kvscope.gateway.cli:keys_main", "create gateway API keys (stored as sha256 hashes)"),
     "pull": ("kvscope.cli.pull:pull_main", "download a registered model into the cache"),
-    "logs": ("kvscope.gateway.analytics.cli:logs_main", "request-log analytics: setup-es, report, search, plot"),
+    "logs": (
+        "kvscope.gateway.analytics.cli:logs_main",
+        "request-log analytics: setup-es, report, search, plot",
+    ),
     "bench": ("kvscope.cli.bench:bench_main", "serving benchmark (or --offline engine benchmark)"),
     "plan": ("kvscope.cli.plan:plan_main", "KV-cache capacity planner"),
-    "eval": ("kvscope.engine.eval.cli:eval_main", "quality of the weight formats: eval ppl (perplexity + greedy agreement)"),
+    "eval": (
+        "kvscope.engine.eval.cli:eval_main",
+        "quality of the weight formats: eval ppl (perplexity + greedy agreement)",
+    ),
 }
 
 
@@ -61,4 +70,3 @@ def _reader_left() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     return 128 + signal.SIGPIPE
-

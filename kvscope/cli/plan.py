@@ -24,19 +24,34 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvscope plan", description="KV-cache capacity planner: memory, concurrency, "
-                                "speed envelope and engine flags for a model on a device (docs/plan.md).")
+    p = argparse.ArgumentParser(
+        prog="kvscope plan",
+        description="KV-cache capacity planner: memory, concurrency, "
+        "speed envelope and engine flags for a model on a device (docs/plan.md).",
+    )
     p.add_argument("--model", default="smollm2-135m", help="registered name, HF folder, config.json or .gguf")
-    p.add_argument("--device", default=CPU, help="device table name (h100-80gb, a100-40gb, l4 …) or cpu "
-                   "(measured by a short probe); --list-devices shows them")
+    p.add_argument(
+        "--device",
+        default=CPU,
+        help="device table name (h100-80gb, a100-40gb, l4 …) or cpu "
+        "(measured by a short probe); --list-devices shows them",
+    )
     p.add_argument("--list-devices", action="store_true", help="print the device table and exit")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--quantization", default="none",
-                   choices=("none", "fp8", "int8", "int4", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"))
-    p.add_argument("--weights-format", choices=("float32", "bfloat16", "int8", "int4", "gguf"),
-                   help="the kvscope engine's CPU weight format: weights counted as the engine holds them "
-                        "(compact formats: --dtype is their dense dtype), flags name --dtype/--quantization")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "fp8"))
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8", "int8", "int4", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"),
+    )
+    p.add_argument(
+        "--weights-format",
+        choices=("float32", "bfloat16", "int8", "int4", "gguf"),
+        help="the kvscope engine's CPU weight format: weights counted as the engine holds them "
+        "(compact formats: --dtype is their dense dtype), flags name --dtype/--quantization",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "fp8")
+    )
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--concurrency", type=int, help="sequences that must fit at max_model_len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -44,31 +59,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128, help="workload prompt tokens (speed rows)")
     p.add_argument("--output-len", type=int, default=128, help="workload output tokens (speed rows)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help="the engine's prefill token budget per step (default: the engine's, %(default)s)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="the engine's prefill token budget per step (default: the engine's, %(default)s)",
+    )
     p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT SLO in seconds")
-    p.add_argument("--from-log", metavar="PATH_OR_URL",
-                   help="replay a gateway request log: JSONL file or folder, or an Elasticsearch URL")
+    p.add_argument(
+        "--from-log",
+        metavar="PATH_OR_URL",
+        help="replay a gateway request log: JSONL file or folder, or an Elasticsearch URL",
+    )
     es = p.add_argument_group("Elasticsearch (--from-log http(s)://…; defaults from ELASTICSEARCH_*)")
-    es.add_argument("--index", default="kvscope-requests", help="data stream / index (default kvscope-requests)")
+    es.add_argument(
+        "--index", default="kvscope-requests", help="data stream / index (default kvscope-requests)"
+    )
     es.add_argument("--api-key")
     es.add_argument("--user")
     es.add_argument("--password")
     es.add_argument("--ca-certs")
     es.add_argument("--insecure", action="store_true", help="do not verify TLS certificates")
-    p.add_argument("--probe-threads", type=int, help="cpu: torch threads of the probe (default: the engine's)")
-    p.add_argument("--probe-bytes", type=parse_size, default=1 << 30, help="cpu: bandwidth buffer (default 1GiB)")
+    p.add_argument(
+        "--probe-threads", type=int, help="cpu: torch threads of the probe (default: the engine's)"
+    )
+    p.add_argument(
+        "--probe-bytes", type=parse_size, default=1 << 30, help="cpu: bandwidth buffer (default 1GiB)"
+    )
     p.add_argument("--format", default="table", choices=("table", "json"))
     return p
 
 
 def _request(args: argparse.Namespace) -> PlanRequest:
-    return PlanRequest(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-                       concurrency=args.concurrency, gpu_memory_utilization=args.gpu_memory_utilization,
-                       kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, prompt_len=args.prompt_len,
-                       output_len=args.output_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                       ttft_slo_s=args.ttft_slo, weights_format=args.weights_format)
+    return PlanRequest(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        concurrency=args.concurrency,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        ttft_slo_s=args.ttft_slo,
+        weights_format=args.weights_format,
+    )
 
 
 def resolve_device(name: str, args: argparse.Namespace) -> Device:
@@ -118,9 +157,16 @@ async def _read_es(args: argparse.Namespace):
     env = es_env()
     user = args.user or env.username
     basic = (user, args.password or env.password or "") if user else None
-    client = make_client(EsConnectionConfig(hosts=(args.from_log,), api_key=args.api_key or env.api_key,
-                                            basic_auth=basic, ca_certs=args.ca_certs or env.ca_certs,
-                                            verify_certs=not args.insecure), max_retries=3)
+    client = make_client(
+        EsConnectionConfig(
+            hosts=(args.from_log,),
+            api_key=args.api_key or env.api_key,
+            basic_auth=basic,
+            ca_certs=args.ca_certs or env.ca_certs,
+            verify_certs=not args.insecure,
+        ),
+        max_retries=3,
+    )
     try:
         return await read_spans_es(client, args.index)
     except (TransportError, ApiError) as exc:

@@ -21,7 +21,6 @@ ORDER BY start_s
 _NOT_GENERATIONS_SQL = 'SELECT count(*) FROM requests WHERE "gen_ai"."usage"."input_tokens" IS NULL'
 
 
-
 def read_spans(source: str | Path) -> tuple[list[Span], dict[str, Any]]:
     """Spans of every record of a JSONL request log (the file with its rotated siblings, or a directory),
     read by DuckDB with the typed columns ``kvscope logs`` uses. Returns (spans, {"unparsed_lines": n,
@@ -36,6 +35,8 @@ def read_spans(source: str | Path) -> tuple[list[Span], dict[str, Any]]:
     except duckdb.Error as exc:  # a damaged .gz or an unreadable file: bad input, not a crash
         raise ValueError(f"cannot read the request log {source}: {exc}") from None
     rows = logs.con.execute(_SPAN_SQL).fetchall()
-    spans = [Span(float(a), float(b), int(i), int(o), None if t is None else float(t)) for a, b, i, o, t in rows]
+    spans = [
+        Span(float(a), float(b), int(i), int(o), None if t is None else float(t)) for a, b, i, o, t in rows
+    ]
     not_generations = logs.con.execute(_NOT_GENERATIONS_SQL).fetchone()[0]
     return spans, {"unparsed_lines": logs.unparsed_lines(), "not_generations": int(not_generations)}

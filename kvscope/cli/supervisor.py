@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=4000, help="gateway port")
     p.add_argument("--engine-port", type=int, default=0, help="engine port on 127.0.0.1 (0 = a free port)")
     p.add_argument("--log-file", type=Path, help="request log (default: <cache>/logs/requests.jsonl)")
-    p.add_argument("--engine-args", default="", help="extra `kvscope engine` options, e.g. '--max-model-len 4096'")
+    p.add_argument(
+        "--engine-args", default="", help="extra `kvscope engine` options, e.g. '--max-model-len 4096'"
+    )
     p.add_argument("--gateway-args", default="", help="extra `kvscope gateway` options")
     return p
 
@@ -60,9 +62,14 @@ def serve_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     settings = ModelSettings.from_env()
     options = ServeOptions(
-        model=args.model, host=args.host, port=args.port, engine_port=args.engine_port or _free_port(),
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        engine_port=args.engine_port or _free_port(),
         log_file=args.log_file or settings.cache_root / "logs" / "requests.jsonl",
-        engine_args=tuple(shlex.split(args.engine_args)), gateway_args=tuple(shlex.split(args.gateway_args)))
+        engine_args=tuple(shlex.split(args.engine_args)),
+        gateway_args=tuple(shlex.split(args.gateway_args)),
+    )
     if is_registered(options.model):
         from kvscope.common.models.pull import pull
 
@@ -103,12 +110,17 @@ class Supervisor:
         """The engine's ``--api-key`` (or ``$KVSCOPE_ENGINE_API_KEY``) would lock out the gateway started
         here, which calls it without a key: every health check would get 401 and serve would wait for a
         readiness that never comes. The engine listens on a private loopback port here, so say so at once."""
-        if "--api-key" in self.options.engine_args or any(
-                a.startswith("--api-key=") for a in self.options.engine_args) or os.environ.get(ENGINE_KEY_ENV):
-            raise _ChildFailed(f"an engine API key (--api-key or ${ENGINE_KEY_ENV}) is not supported by kvscope "
-                               "serve, whose engine listens only on a private loopback port behind the gateway; "
-                               f"unset it, or run `kvscope engine --api-key …` and `kvscope gateway` with the "
-                               "upstream's api_key in the gateway config (docs/engine-server.md)")
+        if (
+            "--api-key" in self.options.engine_args
+            or any(a.startswith("--api-key=") for a in self.options.engine_args)
+            or os.environ.get(ENGINE_KEY_ENV)
+        ):
+            raise _ChildFailed(
+                f"an engine API key (--api-key or ${ENGINE_KEY_ENV}) is not supported by kvscope "
+                "serve, whose engine listens only on a private loopback port behind the gateway; "
+                f"unset it, or run `kvscope engine --api-key …` and `kvscope gateway` with the "
+                "upstream's api_key in the gateway config (docs/engine-server.md)"
+            )
 
     def _check_ports_free(self) -> None:
         """Fail before loading anything when a port is taken: otherwise another server on the gateway's port
@@ -117,16 +129,32 @@ class Supervisor:
         for host, port, flag in ((o.host, o.port, "--port"), ("127.0.0.1", o.engine_port, "--engine-port")):
             problem = _bind_problem(host, port)
             if problem is not None:
-                raise _ChildFailed(f"cannot listen on {host}:{port} ({problem}); is another kvscope serve "
-                                   f"running? Stop it or pass {flag} with a free port")
+                raise _ChildFailed(
+                    f"cannot listen on {host}:{port} ({problem}); is another kvscope serve "
+                    f"running? Stop it or pass {flag} with a free port"
+                )
 
     def _start_engine(self) -> None:
         o = self.options
         # -P: no working folder on sys.path, so a `kvscope serve` run from the repository root imports Hugging
         # Face's top-level `kernels` (which transformers loads), not the repository's kernels/ folder.
-        cmd = [sys.executable, "-P", "-m", "kvscope.cli", "engine", "--model", o.model, "--host", "127.0.0.1",
-               "--port", str(o.engine_port), *o.engine_args]
-        print(f"starting engine: {shlex.join(cmd[3:])}  (its JSON request log: {self.engine_log})", flush=True)
+        cmd = [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvscope.cli",
+            "engine",
+            "--model",
+            o.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(o.engine_port),
+            *o.engine_args,
+        ]
+        print(
+            f"starting engine: {shlex.join(cmd[3:])}  (its JSON request log: {self.engine_log})", flush=True
+        )
         self.engine_log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.engine_log, "ab") as log:  # the child keeps its own descriptor
             child = self._spawn(cmd, stdout=log)
@@ -137,13 +165,28 @@ class Supervisor:
     def engine_log(self) -> Path:
         """Where the engine's stdout (one JSON line per request, engine/server/access_log.py) goes: beside the
         gateway's request log, so the terminal shows the banner and warnings, not a line per request."""
-        return self.options.log_file.with_name("engine.ndjson")  # not *.jsonl: `kvscope logs` on the folder reads gateway records only
+        return self.options.log_file.with_name(
+            "engine.ndjson"
+        )  # not *.jsonl: `kvscope logs` on the folder reads gateway records only
 
     def _start_gateway(self) -> None:
         o = self.options
         o.log_file.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-P", "-m", "kvscope.cli", "gateway", "--host", o.host, "--port", str(o.port),
-               "--upstream", f"http://127.0.0.1:{o.engine_port}", "--log-file", str(o.log_file)]
+        cmd = [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvscope.cli",
+            "gateway",
+            "--host",
+            o.host,
+            "--port",
+            str(o.port),
+            "--upstream",
+            f"http://127.0.0.1:{o.engine_port}",
+            "--log-file",
+            str(o.log_file),
+        ]
         tokenizer = _tokenizer_path(o.model)
         if tokenizer is not None:
             served = _served_name(o)
@@ -175,21 +218,26 @@ class Supervisor:
     def _print_banner(self) -> None:
         o = self.options
         base = f"http://{_client_host(o.host)}:{o.port}"
-        print(f"""
+        print(
+            f"""
 kvscope is serving {_served_name(o)} at {base}/v1  (metrics: {base}/metrics, request log: {o.log_file})
 
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{_served_name(o)}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
 Press Ctrl-C to stop.
-""", flush=True)
+""",
+            flush=True,
+        )
 
     def _wait(self) -> int:
         while True:
             self._check_stop()
             for child in self.children:
                 if child.poll() is not None:
-                    raise _ChildFailed(f"child {shlex.join(child.args[2:4])} exited with code {child.returncode}")
+                    raise _ChildFailed(
+                        f"child {shlex.join(child.args[2:4])} exited with code {child.returncode}"
+                    )
             time.sleep(0.2)
 
     def _check_stop(self) -> None:
@@ -232,9 +280,11 @@ def engine_format_line(card: dict[str, Any] | None) -> str:
     if not fmt:
         return "engine weight format: unknown (its /v1/models card has no kvscope field)"
     kernels = f", CPU kernels {fmt['cpu_kernels']}" if fmt.get("cpu_kernels") else ""
-    return (f"engine weight format: dtype {fmt['dtype']}, quantization {fmt['quantization']}, weights "
-            f"{fmt['weights_bytes'] / (1 << 20):.0f} MiB, process RSS {fmt['rss_bytes'] / (1 << 20):.0f} MiB "
-            f"({fmt['reason']}){kernels}; exact float32: --engine-args '--dtype float32'")
+    return (
+        f"engine weight format: dtype {fmt['dtype']}, quantization {fmt['quantization']}, weights "
+        f"{fmt['weights_bytes'] / (1 << 20):.0f} MiB, process RSS {fmt['rss_bytes'] / (1 << 20):.0f} MiB "
+        f"({fmt['reason']}){kernels}; exact float32: --engine-args '--dtype float32'"
+    )
 
 
 def _die_with_parent() -> None:
@@ -250,7 +300,9 @@ def _bind_problem(host: str, port: int) -> str | None:
     """None when ``host:port`` can be bound now, else the OS's reason (e.g. "Address already in use")."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is not "taken"
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as uvicorn does: TIME_WAIT is not "taken"
         try:
             sock.bind((host, port))
         except OSError as exc:
@@ -272,10 +324,14 @@ def _served_name(options: ServeOptions) -> str:
     args = list(options.engine_args)
     if "--served-model-name" in args:
         return args[args.index("--served-model-name") + 1]
-    return default_served_name(options.model)  # the engine's own default (a path is served by its file's name)
+    return default_served_name(
+        options.model
+    )  # the engine's own default (a path is served by its file's name)
 
 
 def _tokenizer_path(model: str) -> Path | None:
     """tokenizer.json of the served model, for exact prompt-length checks at the edge (None if unknown)."""
-    candidates = [hf_dir(model) / "tokenizer.json"] if is_registered(model) else [Path(model) / "tokenizer.json"]
+    candidates = (
+        [hf_dir(model) / "tokenizer.json"] if is_registered(model) else [Path(model) / "tokenizer.json"]
+    )
     return next((c for c in candidates if c.is_file()), None)

@@ -23,7 +23,15 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 """The ``tokenizer_config.json`` keys that become template variables (transformers'
 ``SPECIAL_TOKENS_ATTRIBUTES``)."""
 
@@ -42,8 +50,9 @@ def compile_chat_template(source: str) -> ChatRenderer:
     Raises jinja2.TemplateSyntaxError for a template that does not parse; rendering raises
     :class:`ChatTemplateError` (``"chat template error: …"``) for any jinja2 error, ``raise_exception`` included.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -51,7 +60,9 @@ def compile_chat_template(source: str) -> ChatRenderer:
 
     def render(messages: list[dict], add_generation_prompt: bool, variables: Mapping[str, Any]) -> str:
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
 
@@ -103,9 +114,16 @@ def _text_part(part: Any) -> str:
     raise ChatTemplateError(f"content part of type {kind!r} is not supported (text only)")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:

@@ -59,19 +59,23 @@ def invalid_json_message(detail: str) -> str:
     return f"The request body is not valid JSON: {detail}"
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None
-               ) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
     """The OpenAI error object ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def context_length_message(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None,
-                           what: str = "messages") -> str:
+def context_length_message(
+    max_model_len: int, num_prompt_tokens: int, max_tokens: int | None, what: str = "messages"
+) -> str:
     """OpenAI's ``context_length_exceeded`` message. ``what`` names the prompt field (``messages`` or
     ``prompt``). Without ``max_tokens``: "However, your messages resulted in N tokens"; with it: "However, you
     requested P + M tokens (P in the messages, M in the completion)" (both OpenAI's wording)."""
     head = f"This model's maximum context length is {max_model_len} tokens. However, "
     if max_tokens is None:
         return f"{head}your {what} resulted in {num_prompt_tokens} tokens. Please reduce the length of the {what}."
-    return (f"{head}you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, "
-            f"{max_tokens} in the completion). Please reduce the length of the {what} or completion.")
+    return (
+        f"{head}you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, "
+        f"{max_tokens} in the completion). Please reduce the length of the {what} or completion."
+    )

@@ -50,8 +50,11 @@ def protocol(signal: Signal, environ: Mapping[str, str] | None = None) -> Protoc
     """``OTEL_EXPORTER_OTLP_{SIGNAL}_PROTOCOL``, else ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``http/protobuf``.
     Raises ValueError for any other value (``http/json`` included: no Python exporter speaks it)."""
     env = os.environ if environ is None else environ
-    value = (env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-             or "http/protobuf").strip()
+    value = (
+        env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
     if value not in PROTOCOLS:
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be one of {', '.join(PROTOCOLS)}, got {value!r}")
     return value  # type: ignore[return-value]
@@ -63,8 +66,11 @@ def exports(signal: Signal, explicit: str | None, environ: Mapping[str, str] | N
     env = os.environ if environ is None else environ
     if sdk_disabled(env) or env.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower() == "none":
         return False
-    return bool(explicit or env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
-                or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(
+        explicit
+        or env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
 
 
 def signal_url(base: str, signal: Signal) -> str:
@@ -75,7 +81,9 @@ def signal_url(base: str, signal: Signal) -> str:
     return f"{url}/v1/{signal}"
 
 
-def span_exporter(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> SpanExporter | None:
+def span_exporter(
+    explicit: str | None = None, environ: Mapping[str, str] | None = None
+) -> SpanExporter | None:
     """The OTLP span exporter the configuration asks for, None when traces are not exported (see
     :func:`exports`). ``explicit``: the flag/config endpoint, overriding the environment. Raises ValueError on
     an unsupported protocol."""
@@ -91,7 +99,9 @@ def span_exporter(explicit: str | None = None, environ: Mapping[str, str] | None
     return OTLPSpanExporter(endpoint=signal_url(explicit, "traces") if explicit else None)
 
 
-def metric_exporter(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> MetricExporter | None:
+def metric_exporter(
+    explicit: str | None = None, environ: Mapping[str, str] | None = None
+) -> MetricExporter | None:
     """The OTLP metric exporter the configuration asks for, None when metrics are not exported (see
     :func:`exports`). Raises ValueError on an unsupported protocol."""
     env = os.environ if environ is None else environ
@@ -108,8 +118,9 @@ def metric_exporter(explicit: str | None = None, environ: Mapping[str, str] | No
     return OTLPMetricExporter(endpoint=signal_url(explicit, "metrics") if explicit else None)
 
 
-def metric_reader(explicit: str | None = None, interval_s: float | None = None,
-                  environ: Mapping[str, str] | None = None) -> MetricReader | None:
+def metric_reader(
+    explicit: str | None = None, interval_s: float | None = None, environ: Mapping[str, str] | None = None
+) -> MetricReader | None:
     """A periodic reader pushing to :func:`metric_exporter`, None when metrics are not exported.
     ``interval_s`` (the service's configuration) overrides ``OTEL_METRIC_EXPORT_INTERVAL``, which the SDK reads
     when no interval is passed; with neither, :data:`DEFAULT_EXPORT_INTERVAL_MS`."""

@@ -27,13 +27,58 @@ from opentelemetry.sdk.resources import Resource
 
 from kvscope.common.otel_env import metric_reader
 
-OPERATION_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96,
-                              81.92)
+OPERATION_DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
 """``gen_ai.client.operation.duration`` and ``gen_ai.server.request.duration`` (semconv ExplicitBucketBoundaries)."""
-TOKEN_USAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+TOKEN_USAGE_BUCKETS = (
+    1,
+    4,
+    16,
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1048576,
+    4194304,
+    16777216,
+    67108864,
+)
 """``gen_ai.client.token.usage``."""
-TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                               7.5, 10.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
 """``gen_ai.server.time_to_first_token``."""
 CHUNK_BUCKETS = OPERATION_DURATION_BUCKETS
 """``gen_ai.client.operation.time_to_first_chunk`` and ``…time_per_output_chunk``: the semconv gives them the
@@ -42,9 +87,12 @@ TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 
 """``gen_ai.server.time_per_output_token``."""
 
 
-def build_meter_provider(resource: Mapping[str, str], otlp_endpoint: str | None = None,
-                         readers: Sequence[MetricReader] = (),
-                         export_interval_s: float | None = None) -> MeterProvider:
+def build_meter_provider(
+    resource: Mapping[str, str],
+    otlp_endpoint: str | None = None,
+    readers: Sequence[MetricReader] = (),
+    export_interval_s: float | None = None,
+) -> MeterProvider:
     """A provider with ``readers`` plus, when metrics are exported (``otlp_endpoint`` or the OTLP environment;
     not with ``OTEL_SDK_DISABLED=true``), a periodic OTLP push every ``export_interval_s`` (None:
     ``OTEL_METRIC_EXPORT_INTERVAL``, else 15 s) with a final push at :meth:`MeterProvider.shutdown`.
@@ -64,23 +112,39 @@ class GenAiClientMetrics:
         meter = provider.get_meter("kvscope.gateway", version)
         self.provider = provider
         self.duration = meter.create_histogram(
-            "gen_ai.client.operation.duration", unit="s", description="GenAI operation duration.",
-            explicit_bucket_boundaries_advisory=OPERATION_DURATION_BUCKETS)
+            "gen_ai.client.operation.duration",
+            unit="s",
+            description="GenAI operation duration.",
+            explicit_bucket_boundaries_advisory=OPERATION_DURATION_BUCKETS,
+        )
         self.token_usage = meter.create_histogram(
-            "gen_ai.client.token.usage", unit="{token}", description="Number of input and output tokens used.",
-            explicit_bucket_boundaries_advisory=TOKEN_USAGE_BUCKETS)
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Number of input and output tokens used.",
+            explicit_bucket_boundaries_advisory=TOKEN_USAGE_BUCKETS,
+        )
         self.time_to_first_chunk = meter.create_histogram(
-            "gen_ai.client.operation.time_to_first_chunk", unit="s",
+            "gen_ai.client.operation.time_to_first_chunk",
+            unit="s",
             description="Time to receive the first chunk of a streamed response.",
-            explicit_bucket_boundaries_advisory=CHUNK_BUCKETS)
+            explicit_bucket_boundaries_advisory=CHUNK_BUCKETS,
+        )
         self.time_per_output_chunk = meter.create_histogram(
-            "gen_ai.client.operation.time_per_output_chunk", unit="s",
+            "gen_ai.client.operation.time_per_output_chunk",
+            unit="s",
             description="Time per output chunk after the first of a streamed response.",
-            explicit_bucket_boundaries_advisory=CHUNK_BUCKETS)
+            explicit_bucket_boundaries_advisory=CHUNK_BUCKETS,
+        )
 
-    def record(self, attributes: Mapping[str, Any], duration_s: float, input_tokens: int | None,
-               output_tokens: int | None, time_to_first_chunk_s: float | None,
-               output_chunk_gaps_s: Sequence[float] = ()) -> None:
+    def record(
+        self,
+        attributes: Mapping[str, Any],
+        duration_s: float,
+        input_tokens: int | None,
+        output_tokens: int | None,
+        time_to_first_chunk_s: float | None,
+        output_chunk_gaps_s: Sequence[float] = (),
+    ) -> None:
         """One upstream call; ``attributes`` as :mod:`kvscope.gateway.genai_attrs` builds them (only the metric
         attributes of the semconv are kept: operation, provider, models, server address/port, error.type).
         ``output_chunk_gaps_s``: the stream's gaps between consecutive chunks after the first (seconds), each
@@ -105,20 +169,27 @@ class GenAiServerMetrics:
         meter = provider.get_meter("kvscope.engine", version)
         self.provider = provider
         self.request_duration = meter.create_histogram(
-            "gen_ai.server.request.duration", unit="s",
+            "gen_ai.server.request.duration",
+            unit="s",
             description="Generative AI server request duration such as time-to-last byte or last output token.",
-            explicit_bucket_boundaries_advisory=OPERATION_DURATION_BUCKETS)
+            explicit_bucket_boundaries_advisory=OPERATION_DURATION_BUCKETS,
+        )
         self.time_to_first_token = meter.create_histogram(
-            "gen_ai.server.time_to_first_token", unit="s",
+            "gen_ai.server.time_to_first_token",
+            unit="s",
             description="Time to generate first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS)
+            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
         self.time_per_output_token = meter.create_histogram(
-            "gen_ai.server.time_per_output_token", unit="s",
+            "gen_ai.server.time_per_output_token",
+            unit="s",
             description="Time per output token generated after the first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TIME_PER_OUTPUT_TOKEN_BUCKETS)
+            explicit_bucket_boundaries_advisory=TIME_PER_OUTPUT_TOKEN_BUCKETS,
+        )
 
-    def record(self, attributes: Mapping[str, Any], duration_s: float, ttft_s: float | None,
-               tpot_s: float | None) -> None:
+    def record(
+        self, attributes: Mapping[str, Any], duration_s: float, ttft_s: float | None, tpot_s: float | None
+    ) -> None:
         """One request. TTFT and TPOT only for successful responses (no ``error.type``), as the semconv says."""
         attrs = {k: v for k, v in attributes.items() if k in _METRIC_ATTRIBUTES}
         self.request_duration.record(duration_s, attrs)
@@ -130,6 +201,15 @@ class GenAiServerMetrics:
             self.time_per_output_token.record(tpot_s, attrs)
 
 
-_METRIC_ATTRIBUTES = frozenset({"gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
-                                "gen_ai.response.model", "server.address", "server.port", "error.type"})
+_METRIC_ATTRIBUTES = frozenset(
+    {
+        "gen_ai.operation.name",
+        "gen_ai.provider.name",
+        "gen_ai.request.model",
+        "gen_ai.response.model",
+        "server.address",
+        "server.port",
+        "error.type",
+    }
+)
 """The attributes the GenAI metrics define (bounded): never ids, token counts or parameters."""

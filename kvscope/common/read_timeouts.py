@@ -157,11 +157,17 @@ class ReadTimeoutProtocol(H11Protocol):
     def write_timeout_response(self, message: str) -> int:
         """Write the 408 with ``Connection: close`` (h11 framing); returns the body's length. The caller closes."""
         body = timeout_body(message)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         try:
-            for event in (h11.Response(status_code=REQUEST_TIMEOUT, headers=headers, reason=b"Request Timeout"),
-                          h11.Data(data=body), h11.EndOfMessage()):
+            for event in (
+                h11.Response(status_code=REQUEST_TIMEOUT, headers=headers, reason=b"Request Timeout"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event) or b"")
         except h11.LocalProtocolError:  # h11 cannot answer in its state: the close alone says it
             pass

@@ -92,7 +92,9 @@ def flag_fields(cls: type, prefix: tuple[str, ...] = ()) -> list[_Field]:
     out: list[_Field] = []
     for name, default in _defaults(cls):
         hint = hints[name]
-        flags = [m for m in get_args(hint)[1:] if isinstance(m, Flag)] if get_origin(hint) is Annotated else []
+        flags = (
+            [m for m in get_args(hint)[1:] if isinstance(m, Flag)] if get_origin(hint) is Annotated else []
+        )
         kind = _bare(hint)
         if flags:
             choices = get_args(kind) if get_origin(kind) is Literal else None
@@ -111,7 +113,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> argparse.ArgumentPa
         if field.kind is bool and not field.flag.repeat:
             kwargs.update(action="store_const", const=not field.flag.negate)
         else:
-            metavar = field.flag.metavar or (None if field.choices else field.option[2:].replace("-", "_").upper())
+            metavar = field.flag.metavar or (
+                None if field.choices else field.option[2:].replace("-", "_").upper()
+            )
             kwargs.update(type=field.parse, metavar=metavar, choices=field.choices)
             if field.flag.repeat:
                 kwargs["action"] = "append"
@@ -177,10 +181,14 @@ def load(cls: type[T], *layers: Mapping[str, Any]) -> T:
 
 def _defaults(cls: type) -> list[tuple[str, Any]]:
     if dataclasses.is_dataclass(cls):
-        return [(f.name, f.default if f.default is not dataclasses.MISSING else None)
-                for f in dataclasses.fields(cls)]
-    return [(f.name, f.default if f.default is not msgspec.NODEFAULT else None)
-            for f in msgspec.structs.fields(cls)]
+        return [
+            (f.name, f.default if f.default is not dataclasses.MISSING else None)
+            for f in dataclasses.fields(cls)
+        ]
+    return [
+        (f.name, f.default if f.default is not msgspec.NODEFAULT else None)
+        for f in msgspec.structs.fields(cls)
+    ]
 
 
 def _bare(hint: Any) -> Any:

@@ -63,7 +63,7 @@ def measure_matmul_flops(n: int, dtype_name: str, repeats: int, clock: Clock = t
 
     dtype = getattr(torch, dtype_name)
     a, b = torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)
-    return 2.0 * n ** 3 / _best_seconds(lambda: a @ b, repeats, clock)
+    return 2.0 * n**3 / _best_seconds(lambda: a @ b, repeats, clock)
 
 
 def physical_memory_bytes() -> int:
@@ -81,11 +81,22 @@ def probe_cpu(config: ProbeConfig | None = None, clock: Clock = time.perf_counte
     torch.set_num_threads(threads)
     try:
         bandwidth = measure_bandwidth(config.buffer_bytes, config.repeats, clock)
-        flops = {fmt: measure_matmul_flops(config.matmul_n, dtype, config.repeats, clock)
-                 for fmt, dtype in (("fp32", "float32"), ("bf16", "bfloat16"))}
+        flops = {
+            fmt: measure_matmul_flops(config.matmul_n, dtype, config.repeats, clock)
+            for fmt, dtype in (("fp32", "float32"), ("bf16", "bfloat16"))
+        }
     finally:
         torch.set_num_threads(previous)
-    return Device(name=CPU, memory_bytes=physical_memory_bytes(), bandwidth=bandwidth,
-                  peak_flops=MappingProxyType(flops), source="measured on this machine (kvscope/plan/cpu_probe.py)",
-                  measured={"threads": threads, "buffer_bytes": config.buffer_bytes, "matmul_n": config.matmul_n,
-                            "repeats": config.repeats})
+    return Device(
+        name=CPU,
+        memory_bytes=physical_memory_bytes(),
+        bandwidth=bandwidth,
+        peak_flops=MappingProxyType(flops),
+        source="measured on this machine (kvscope/plan/cpu_probe.py)",
+        measured={
+            "threads": threads,
+            "buffer_bytes": config.buffer_bytes,
+            "matmul_n": config.matmul_n,
+            "repeats": config.repeats,
+        },
+    )

@@ -40,16 +40,21 @@ class Device:
         try:
             return self.peak_flops[fmt]
         except KeyError:
-            raise ValueError(f"device {self.name} has no {fmt} peak in the table; it has "
-                             f"{', '.join(self.peak_flops)}") from None
+            raise ValueError(
+                f"device {self.name} has no {fmt} peak in the table; it has {', '.join(self.peak_flops)}"
+            ) from None
 
 
 def _device(name: str, entry: dict[str, Any]) -> Device:
     return Device(
-        name=name, memory_bytes=int(float(entry["memory_gb"]) * (1 << 30)),
+        name=name,
+        memory_bytes=int(float(entry["memory_gb"]) * (1 << 30)),
         bandwidth=float(entry["bandwidth_gb_s"]) * 1e9,
         peak_flops=MappingProxyType({k: float(v) * 1e12 for k, v in entry["peak_tflops"].items()}),
-        source=str(entry["source"]), vendor=str(entry.get("vendor", "")), aliases=tuple(entry.get("aliases", ())))
+        source=str(entry["source"]),
+        vendor=str(entry.get("vendor", "")),
+        aliases=tuple(entry.get("aliases", ())),
+    )
 
 
 def load_devices() -> dict[str, Device]:
@@ -73,4 +78,6 @@ def get_device(name: str, devices: dict[str, Device] | None = None) -> Device:
     for device in devices.values():
         if wanted == device.name or wanted in device.aliases:
             return device
-    raise UnknownDeviceError(f"unknown device {name!r}; known devices: {', '.join(known_device_names(devices))}")
+    raise UnknownDeviceError(
+        f"unknown device {name!r}; known devices: {', '.join(known_device_names(devices))}"
+    )

@@ -27,10 +27,15 @@ from types import MappingProxyType
 from kvscope.plan import formulas as f
 from kvscope.plan.shape import ModelShape
 
-ENGINE_FORMATS = MappingProxyType({
-    "float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": (None, "int8"),
-    "int4": (None, "int4"), "gguf": (None, "gguf"),
-})
+ENGINE_FORMATS = MappingProxyType(
+    {
+        "float32": ("float32", "none"),
+        "bfloat16": ("bfloat16", "none"),
+        "int8": (None, "int8"),
+        "int4": (None, "int4"),
+        "gguf": (None, "gguf"),
+    }
+)
 """``--weights-format`` → (``--dtype`` it pins, None = the ``--dtype`` asked for; ``--quantization``)."""
 INT4_BYTES = 20 / 32
 """int4 groups of 32: 16 B of codes + a bfloat16 scale and zero (the GGUF Q4_1 block size)."""
@@ -51,11 +56,19 @@ def format_dtype(weights_format: str, dtype: str) -> str:
 def linear_rows(shape: ModelShape) -> int:
     """Output rows of every decoder projection (fused qkv, o, gate_up, down) over all layers."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    return shape.num_layers * (q + 2 * kv + shape.hidden_size + 2 * shape.intermediate_size + shape.hidden_size)
+    return shape.num_layers * (
+        q + 2 * kv + shape.hidden_size + 2 * shape.intermediate_size + shape.hidden_size
+    )
 
 
-def engine_weight_bytes(shape: ModelShape, weights_format: str, dtype: str = "bfloat16",
-                        dense_copy: bool = True, q8_head: bool = True, amx_copy: bool = False) -> int:
+def engine_weight_bytes(
+    shape: ModelShape,
+    weights_format: str,
+    dtype: str = "bfloat16",
+    dense_copy: bool = True,
+    q8_head: bool = True,
+    amx_copy: bool = False,
+) -> int:
     """Bytes of weights the engine holds for ``weights_format`` (module doc); ``dtype``: the dense dtype of the
     compact formats (the engine's ``--dtype auto``: bfloat16 where its probe finds it faster, else float32);
     ``q8_head``: int4/gguf with kvscope's CPU kernels (the engine's default where they build; False for
@@ -76,7 +89,9 @@ def engine_weight_bytes(shape: ModelShape, weights_format: str, dtype: str = "bf
         untied_embedding = counts.embedding  # the embedding stays dense beside the int8 LM head
     else:
         amx = INT4_BYTES if amx_copy else 0
-        matrices = (INT4_BYTES + copy + amx) * counts.linear + (2 * d + (Q8_HEAD_BYTES if q8_head else 0)) * head
+        matrices = (INT4_BYTES + copy + amx) * counts.linear + (
+            2 * d + (Q8_HEAD_BYTES if q8_head else 0)
+        ) * head
     return round(matrices + d * (untied_embedding + small))
 
 

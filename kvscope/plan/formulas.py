@@ -24,8 +24,16 @@ DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0}
 """Bytes per element of the activation/KV dtypes."""
 
 QUANT_BYTES = {
-    "none": None, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2 / 128,
-    "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_k": 176 / 256, "q4_k": 144 / 256, "q6_k": 210 / 256,
+    "none": None,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5 + 2 / 128,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+    "q5_k": 176 / 256,
+    "q4_k": 144 / 256,
+    "q6_k": 210 / 256,
 }
 """Bytes per weight of the linear layers by quantization (None: the model dtype). int4 is AWQ/GPTQ style,
 one fp16 scale per group of 128; the ``q*`` formats are GGML blocks (``gguf.constants.GGML_QUANT_SIZES``:
@@ -58,11 +66,20 @@ def param_counts(shape: ModelShape) -> ParamCounts:
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     attn = shape.hidden_size * (q + 2 * kv) + q * shape.hidden_size
     mlp = 3 * shape.hidden_size * shape.intermediate_size
-    extra = 2 * shape.hidden_size + ((q + 2 * kv) if shape.qkv_bias else 0) + (2 * shape.head_dim if shape.qk_norm else 0)
+    extra = (
+        2 * shape.hidden_size
+        + ((q + 2 * kv) if shape.qkv_bias else 0)
+        + (2 * shape.head_dim if shape.qk_norm else 0)
+    )
     embedding = shape.vocab_size * shape.hidden_size
-    return ParamCounts(embedding=embedding, per_layer=attn + mlp + extra, final_norm=shape.hidden_size,
-                       lm_head=0 if shape.tie_word_embeddings else embedding,
-                       linear=(attn + mlp) * shape.num_layers, num_layers=shape.num_layers)
+    return ParamCounts(
+        embedding=embedding,
+        per_layer=attn + mlp + extra,
+        final_norm=shape.hidden_size,
+        lm_head=0 if shape.tie_word_embeddings else embedding,
+        linear=(attn + mlp) * shape.num_layers,
+        num_layers=shape.num_layers,
+    )
 
 
 def weight_bytes(shape: ModelShape, dtype: str, quantization: str = "none") -> int:
@@ -152,15 +169,24 @@ class Roofline:
         return "memory" if self.memory_s >= self.compute_s else "compute"
 
 
-def decode_step(shape: ModelShape, batch: int, context: int, streamed_bytes: int, kv_dtype: str,
-                bandwidth: float, peak_flops: float) -> Roofline:
+def decode_step(
+    shape: ModelShape,
+    batch: int,
+    context: int,
+    streamed_bytes: int,
+    kv_dtype: str,
+    bandwidth: float,
+    peak_flops: float,
+) -> Roofline:
     """Decode step bound: ``(streamed weight bytes + batch × context × KV bytes/token) / bandwidth`` vs
     ``decode_flops / peak``."""
     kv_read = batch * context * kv_bytes_per_token(shape, kv_dtype)
     return Roofline(streamed_bytes + kv_read, decode_flops(shape, batch, context), bandwidth, peak_flops)
 
 
-def prefill(shape: ModelShape, tokens: int, streamed_bytes: int, bandwidth: float, peak_flops: float) -> Roofline:
+def prefill(
+    shape: ModelShape, tokens: int, streamed_bytes: int, bandwidth: float, peak_flops: float
+) -> Roofline:
     """Prefill bound (the TTFT of a request alone on the device): ``2 × params × tokens / peak`` (plus
     attention) vs one pass over the weights."""
     return Roofline(streamed_bytes, prefill_flops(shape, tokens), bandwidth, peak_flops)

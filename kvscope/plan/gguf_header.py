@@ -68,13 +68,20 @@ def _shape(reader: Any, path: Path, name: str) -> ModelShape:
     vocab = _field(reader, f"{arch}.vocab_size", None) or len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = _field(reader, f"{arch}.attention.key_length", None) or hidden // heads
     return ModelShape(
-        name=name or path.stem, num_layers=int(_field(reader, f"{arch}.block_count")), hidden_size=hidden,
-        num_heads=heads, num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(head_dim), intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        vocab_size=int(vocab), tie_word_embeddings="output.weight" not in tensors,
+        name=name or path.stem,
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        vocab_size=int(vocab),
+        tie_word_embeddings="output.weight" not in tensors,
         max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        source=str(path))
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        source=str(path),
+    )
 
 
 def _weights(reader: Any, path: Path) -> GgufWeights:

@@ -45,8 +45,10 @@ def read_model(name_or_path: str, root: Path | None = None) -> ModelFiles:
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
         return _from_gguf(ggufs[0], ggufs[0].stem)
-    raise ModelNotFoundError(f"unknown model {name_or_path!r}: not a registered name (known: "
-                             f"{', '.join(list_models())}), a HF folder or config.json, or a .gguf file")
+    raise ModelNotFoundError(
+        f"unknown model {name_or_path!r}: not a registered name (known: "
+        f"{', '.join(list_models())}), a HF folder or config.json, or a .gguf file"
+    )
 
 
 def _registered(name: str, root: Path | None) -> ModelFiles:
@@ -58,8 +60,10 @@ def _registered(name: str, root: Path | None) -> ModelFiles:
     gguf = model_dir(name, root) / get_model_spec(name).gguf_filename
     if gguf.is_file():
         return _from_gguf(gguf, name)
-    raise ModelNotFoundError(f"model {name!r} is registered but not in the cache ({model_dir(name, root)}); "
-                             f"run `kvscope pull {name}` first")
+    raise ModelNotFoundError(
+        f"model {name!r} is registered but not in the cache ({model_dir(name, root)}); "
+        f"run `kvscope pull {name}` first"
+    )
 
 
 def _from_hf_dir(folder: Path, config_path: Path, name: str) -> ModelFiles:

@@ -33,13 +33,19 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
 
 def _model(p: Plan) -> Table:
     m = p.model
-    return _kv_table(f"Model {m['name']} ({m['source']})", [
-        ("layers × hidden", f"{m['num_layers']} × {m['hidden_size']}"),
-        ("attention", f"{m['attention']}: {m['num_heads']} heads, {m['num_kv_heads']} KV heads, "
-                      f"head_dim {m['head_dim']}"),
-        ("vocab / tied embeddings", f"{m['vocab_size']} / {m['tie_word_embeddings']}"),
-        ("parameters", f"{m['parameters']:,}"),
-    ])
+    return _kv_table(
+        f"Model {m['name']} ({m['source']})",
+        [
+            ("layers × hidden", f"{m['num_layers']} × {m['hidden_size']}"),
+            (
+                "attention",
+                f"{m['attention']}: {m['num_heads']} heads, {m['num_kv_heads']} KV heads, "
+                f"head_dim {m['head_dim']}",
+            ),
+            ("vocab / tied embeddings", f"{m['vocab_size']} / {m['tie_word_embeddings']}"),
+            ("parameters", f"{m['parameters']:,}"),
+        ],
+    )
 
 
 def _weights(p: Plan) -> Table:
@@ -47,13 +53,17 @@ def _weights(p: Plan) -> Table:
     named = f"engine format {w['weights_format']}, " if w["weights_format"] else ""
     rows = [(f"weights ({named}{w['dtype']}, quantization {w['quantization']})", size(w["bytes"]))]
     rows += [(f"  as {fmt}", size(b)) for fmt, b in w["by_format"].items()]
-    rows += [(f"  kvscope engine in format {fmt} (plan --weights-format {fmt})", size(b))
-             for fmt, b in w["engine_by_format"].items()]
+    rows += [
+        (f"  kvscope engine in format {fmt} (plan --weights-format {fmt})", size(b))
+        for fmt, b in w["engine_by_format"].items()
+    ]
     if disk["safetensors"]:
         rows.append(("on disk: safetensors", size(disk["safetensors"]["file_bytes"])))
     gguf = disk["gguf"]
     if gguf and "tensor_bytes" in gguf:
-        rows.append(("on disk: gguf tensors / file", f"{size(gguf['tensor_bytes'])} / {size(gguf['file_bytes'])}"))
+        rows.append(
+            ("on disk: gguf tensors / file", f"{size(gguf['tensor_bytes'])} / {size(gguf['file_bytes'])}")
+        )
     elif gguf:
         rows.append(("on disk: gguf file", size(gguf["file_bytes"])))
     return _kv_table("Weights", rows)
@@ -61,27 +71,41 @@ def _weights(p: Plan) -> Table:
 
 def _kv(p: Plan) -> Table:
     kv, mem = p.kv_cache, p.memory
-    return _kv_table("KV cache", [
-        ("per token", f"{kv['bytes_per_token']:,} B  ({kv['formula']})"),
-        (f"per block ({kv['block_size']} tokens)", f"{kv['bytes_per_block']:,} B"),
-        (f"per sequence at {kv['max_model_len']} tokens", size(kv["bytes_per_sequence"])),
-        ("KV budget", f"{size(mem['kv_budget_bytes'])} = {mem['num_blocks']:,} blocks"),
-        (f"max concurrent sequences at {kv['max_model_len']}", mem["max_concurrent_sequences"]),
-        (f"… at the workload's {mem['workload_tokens']} tokens", mem["max_concurrent_sequences_at_workload"]),
-        ("fits --concurrency", mem["fits"]),
-    ])
+    return _kv_table(
+        "KV cache",
+        [
+            ("per token", f"{kv['bytes_per_token']:,} B  ({kv['formula']})"),
+            (f"per block ({kv['block_size']} tokens)", f"{kv['bytes_per_block']:,} B"),
+            (f"per sequence at {kv['max_model_len']} tokens", size(kv["bytes_per_sequence"])),
+            ("KV budget", f"{size(mem['kv_budget_bytes'])} = {mem['num_blocks']:,} blocks"),
+            (f"max concurrent sequences at {kv['max_model_len']}", mem["max_concurrent_sequences"]),
+            (
+                f"… at the workload's {mem['workload_tokens']} tokens",
+                mem["max_concurrent_sequences_at_workload"],
+            ),
+            ("fits --concurrency", mem["fits"]),
+        ],
+    )
 
 
 def _decode(p: Plan) -> Table:
     s = p.speed
-    table = Table(title=f"Decode envelope (context {s['decode_context_tokens']} tokens, {s['compute_format']}, "
-                        f"{s['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s, {s['peak_flops'] / 1e12:,.2f} TFLOP/s)",
-                  title_justify="left")
+    table = Table(
+        title=f"Decode envelope (context {s['decode_context_tokens']} tokens, {s['compute_format']}, "
+        f"{s['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s, {s['peak_flops'] / 1e12:,.2f} TFLOP/s)",
+        title_justify="left",
+    )
     for col in ("concurrency", "step ≥ ms", "memory ms", "compute ms", "bound", "output tok/s ≤"):
         table.add_column(col, justify="right")
     for r in s["decode"]:
-        table.add_row(str(r["concurrency"]), f"{r['step_ms']:.2f}", f"{r['memory_ms']:.2f}",
-                      f"{r['compute_ms']:.2f}", r["bound"], f"{r['output_tokens_per_s']:,.0f}")
+        table.add_row(
+            str(r["concurrency"]),
+            f"{r['step_ms']:.2f}",
+            f"{r['memory_ms']:.2f}",
+            f"{r['compute_ms']:.2f}",
+            r["bound"],
+            f"{r['output_tokens_per_s']:,.0f}",
+        )
     return table
 
 
@@ -90,26 +114,42 @@ def _ttft(p: Plan) -> Table:
     for col in ("prompt tokens", "TTFT ≥ ms", "memory ms", "compute ms", "bound"):
         table.add_column(col, justify="right")
     for r in p.speed["ttft"]:
-        table.add_row(str(r["prompt_tokens"]), f"{r['ttft_ms']:.2f}", f"{r['memory_ms']:.2f}",
-                      f"{r['compute_ms']:.2f}", r["bound"])
+        table.add_row(
+            str(r["prompt_tokens"]),
+            f"{r['ttft_ms']:.2f}",
+            f"{r['memory_ms']:.2f}",
+            f"{r['compute_ms']:.2f}",
+            r["bound"],
+        )
     return table
 
 
 def _log(p: Plan) -> Table:
     g = p.log or {}
     slo = g["ttft_slo"]
-    return _kv_table(f"Log replay ({g['source']}: {g['requests']} requests, {g['minutes']} minutes)", [
-        ("prompt tokens p50 / p99 / max", _triple(g["prompt_tokens"], "p50", "p99", "max")),
-        ("output tokens p50 / p99 / max", _triple(g["output_tokens"], "p50", "p99", "max")),
-        ("peak concurrency", f"{g['peak_concurrency']} at {g['peak_concurrency_at']}"),
-        ("peak KV", f"{size(g['peak_kv_bytes'])} ({g['peak_kv_blocks']} blocks)"),
-        ("KV of the p50 / p99 / max minute", " / ".join(size(g["minute_kv_bytes"][k]) for k in ("p50", "p99", "max"))),
-        ("would have queued", f"{g['would_queue']} ({g['queued_arrivals']} arrivals, "
-                              f"{g['seconds_over_capacity']:.1f} s over capacity)"),
-        (f"TTFT SLO {slo['ttft_slo_s']} s",
-         f"observed: {_breaks(slo['observed_breaks_at_concurrency'])}; bound (p99 prompt "
-         f"{slo['bound_prompt_tokens']}): {_breaks(slo['bound_breaks_at_concurrency'])}"),
-    ])
+    return _kv_table(
+        f"Log replay ({g['source']}: {g['requests']} requests, {g['minutes']} minutes)",
+        [
+            ("prompt tokens p50 / p99 / max", _triple(g["prompt_tokens"], "p50", "p99", "max")),
+            ("output tokens p50 / p99 / max", _triple(g["output_tokens"], "p50", "p99", "max")),
+            ("peak concurrency", f"{g['peak_concurrency']} at {g['peak_concurrency_at']}"),
+            ("peak KV", f"{size(g['peak_kv_bytes'])} ({g['peak_kv_blocks']} blocks)"),
+            (
+                "KV of the p50 / p99 / max minute",
+                " / ".join(size(g["minute_kv_bytes"][k]) for k in ("p50", "p99", "max")),
+            ),
+            (
+                "would have queued",
+                f"{g['would_queue']} ({g['queued_arrivals']} arrivals, "
+                f"{g['seconds_over_capacity']:.1f} s over capacity)",
+            ),
+            (
+                f"TTFT SLO {slo['ttft_slo_s']} s",
+                f"observed: {_breaks(slo['observed_breaks_at_concurrency'])}; bound (p99 prompt "
+                f"{slo['bound_prompt_tokens']}): {_breaks(slo['bound_breaks_at_concurrency'])}",
+            ),
+        ],
+    )
 
 
 def _breaks(concurrency: int | None) -> str:
@@ -127,8 +167,10 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     for table in (_model(p), _weights(p), _kv(p), _decode(p), _ttft(p)):
         console.print(table)
     slo = p.speed["ttft_slo"]
-    console.print(f"TTFT SLO {slo['ttft_slo_s']} s at {slo['prompt_tokens']}-token prompts: "
-                  f"{_breaks(slo['breaks_at_concurrency'])} ({slo['note']})")
+    console.print(
+        f"TTFT SLO {slo['ttft_slo_s']} s at {slo['prompt_tokens']}-token prompts: "
+        f"{_breaks(slo['breaks_at_concurrency'])} ({slo['note']})"
+    )
     if p.log is not None:
         console.print(_log(p))
     for warning in p.warnings:
@@ -143,12 +185,22 @@ def print_devices(console: Console | None = None) -> None:
         table.add_column(col)
     for d in load_devices().values():
         peaks = [f"{d.peak_flops[k] / 1e12:g}" if k in d.peak_flops else "-" for k in ("bf16", "fp8", "int8")]
-        table.add_row(d.name, ", ".join(d.aliases), size(d.memory_bytes), f"{d.bandwidth / 1e9:g}", *peaks, d.source)
+        table.add_row(
+            d.name, ", ".join(d.aliases), size(d.memory_bytes), f"{d.bandwidth / 1e9:g}", *peaks, d.source
+        )
     (console or Console()).print(table)
 
 
 def devices_json() -> dict[str, Any]:
     """The device table as JSON-ready dicts (bytes, bytes/s, operations/s)."""
-    return {d.name: {"aliases": list(d.aliases), "vendor": d.vendor, "memory_bytes": d.memory_bytes,
-                     "bandwidth_bytes_per_s": d.bandwidth, "peak_flops": dict(d.peak_flops), "source": d.source}
-            for d in load_devices().values()}
+    return {
+        d.name: {
+            "aliases": list(d.aliases),
+            "vendor": d.vendor,
+            "memory_bytes": d.memory_bytes,
+            "bandwidth_bytes_per_s": d.bandwidth,
+            "peak_flops": dict(d.peak_flops),
+            "source": d.source,
+        }
+        for d in load_devices().values()
+    }

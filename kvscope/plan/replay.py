@@ -112,8 +112,16 @@ def sweep(spans: list[Span], block_size: int, capacity: Capacity | None = None) 
         for minute in range(int(spans_first(spans) // MINUTE_S), math.ceil(prev_t / MINUTE_S)):
             minute_count.setdefault(minute, 0)
             minute_blocks.setdefault(minute, 0)
-    return Timeline(peak, peak_at, peak_blocks, dict(sorted(minute_count.items())),
-                    dict(sorted(minute_blocks.items())), tuple(at_arrival), int(queued), over_s)
+    return Timeline(
+        peak,
+        peak_at,
+        peak_blocks,
+        dict(sorted(minute_count.items())),
+        dict(sorted(minute_blocks.items())),
+        tuple(at_arrival),
+        int(queued),
+        over_s,
+    )
 
 
 def spans_first(spans: list[Span]) -> float:
@@ -136,5 +144,10 @@ def ttft_p99_by_concurrency(spans: list[Span], timeline: Timeline) -> dict[int, 
 def length_stats(values: list[int]) -> dict[str, float | None]:
     """p50/p90/p99/max/mean of a token-length list (None when empty)."""
     floats = [float(v) for v in values]
-    return {"p50": quantile(floats, 0.5), "p90": quantile(floats, 0.9), "p99": quantile(floats, 0.99),
-            "max": max(floats) if floats else None, "mean": statistics.fmean(floats) if floats else None}
+    return {
+        "p50": quantile(floats, 0.5),
+        "p90": quantile(floats, 0.9),
+        "p99": quantile(floats, 0.99),
+        "max": max(floats) if floats else None,
+        "mean": statistics.fmean(floats) if floats else None,
+    }

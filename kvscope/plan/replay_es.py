@@ -10,16 +10,28 @@ from typing import Any
 
 from kvscope.plan.replay import Span
 
-FIELDS = ["event.start", "event.end", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens", "kvscope.ttft_s",
-          "event.id"]
+FIELDS = [
+    "event.start",
+    "event.end",
+    "gen_ai.usage.input_tokens",
+    "gen_ai.usage.output_tokens",
+    "kvscope.ttft_s",
+    "event.id",
+]
 SORT = [{"event.start": {"order": "asc"}}, {"event.id": {"order": "asc"}}]
 
 
 def page_query(after: list[Any] | None, size: int) -> dict[str, Any]:
     """One page of records that have a start and an end, in (start, event.id) order."""
-    body: dict[str, Any] = {"size": size, "_source": FIELDS, "sort": SORT, "track_total_hits": False,
-                            "query": {"bool": {"filter": [{"exists": {"field": "event.start"}},
-                                                          {"exists": {"field": "event.end"}}]}}}
+    body: dict[str, Any] = {
+        "size": size,
+        "_source": FIELDS,
+        "sort": SORT,
+        "track_total_hits": False,
+        "query": {
+            "bool": {"filter": [{"exists": {"field": "event.start"}}, {"exists": {"field": "event.end"}}]}
+        },
+    }
     if after is not None:
         body["search_after"] = after
     return body
@@ -41,8 +53,13 @@ def span_of(doc: dict[str, Any]) -> Span | None:
     except (TypeError, ValueError):
         return None
     ttft = _get(doc, "kvscope.ttft_s")
-    return Span(start, end, int(_get(doc, "gen_ai.usage.input_tokens") or 0),
-                int(_get(doc, "gen_ai.usage.output_tokens") or 0), None if ttft is None else float(ttft))
+    return Span(
+        start,
+        end,
+        int(_get(doc, "gen_ai.usage.input_tokens") or 0),
+        int(_get(doc, "gen_ai.usage.output_tokens") or 0),
+        None if ttft is None else float(ttft),
+    )
 
 
 async def read_spans_es(client: Any, index: str, page_size: int = 5000) -> tuple[list[Span], dict[str, Any]]:

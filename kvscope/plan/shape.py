@@ -38,7 +38,9 @@ class ModelShape:
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be at least 1, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
     @property
     def attention_kind(self) -> str:
@@ -78,15 +80,22 @@ def shape_from_hf_config(config: dict[str, Any], name: str = "", source: str = "
     hidden = _count(config, "hidden_size", where)
     kv_heads = _count(config, "num_key_value_heads", where, default=heads)
     if heads % kv_heads:
-        raise ValueError(f"config {where}: num_attention_heads ({heads}) is not a multiple of "
-                         f"num_key_value_heads ({kv_heads})")
+        raise ValueError(
+            f"config {where}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
     return ModelShape(
         name=name or str(config.get("_name_or_path") or config.get("model_type") or "model"),
-        num_layers=_count(config, "num_hidden_layers", where), hidden_size=hidden, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=_count(config, "head_dim", where, default=max(1, hidden // heads)),
+        num_layers=_count(config, "num_hidden_layers", where),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_count(config, "head_dim", where, default=max(1, hidden // heads)),
         intermediate_size=_count(config, "intermediate_size", where),
         vocab_size=_count(config, "vocab_size", where),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=_count(config, "max_position_embeddings", where, default=2048),
         qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
-        qk_norm=config.get("model_type") == "qwen3", source=source)
+        qk_norm=config.get("model_type") == "qwen3",
+        source=source,
+    )

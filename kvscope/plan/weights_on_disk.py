@@ -31,14 +31,20 @@ def safetensors_summary(files: tuple[Path, ...]) -> dict[str, Any] | None:
                 for dim in tensor["shape"]:
                     count *= dim
                 by_dtype[tensor["dtype"]] = by_dtype.get(tensor["dtype"], 0) + count
-    return {"files": [str(p) for p in files], "file_bytes": file_bytes, "data_bytes": data_bytes,
-            "params_by_dtype": by_dtype}
+    return {
+        "files": [str(p) for p in files],
+        "file_bytes": file_bytes,
+        "data_bytes": data_bytes,
+        "params_by_dtype": by_dtype,
+    }
 
 
 def on_disk(files: ModelFiles) -> dict[str, Any]:
     """What the model's weight files hold: ``safetensors`` and/or ``gguf`` summaries (None when absent)."""
     gguf = None
-    if files.gguf is not None:  # tensor detail only when the model was read from the GGUF (parsing takes seconds)
+    if (
+        files.gguf is not None
+    ):  # tensor detail only when the model was read from the GGUF (parsing takes seconds)
         gguf = {"file": str(files.gguf), "file_bytes": files.gguf.stat().st_size}
         gguf |= asdict(files.gguf_weights) if files.gguf_weights is not None else {}
     return {"safetensors": safetensors_summary(files.safetensors), "gguf": gguf}

@@ -23,17 +23,25 @@ class FakeClock:
 
 
 def completion_chunk(text: str, finish_reason: str | None = None) -> dict[str, Any]:
-    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
+    return {
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}],
+    }
 
 
 def chat_chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
-                                                           "finish_reason": finish_reason}]}
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
 
 
 def usage_chunk(completion: int, prompt: int = 5, cached: int | None = None) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                             "total_tokens": prompt + completion}
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
     if cached is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return {"choices": [], "usage": usage}
@@ -73,7 +81,9 @@ class ScriptedServer:
         script = self.pick(body)
         if isinstance(script, tuple):
             return httpx.Response(script[0], json=script[1])
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_body(script, self.clock))
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=_body(script, self.clock)
+        )
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(self.handler))

@@ -20,15 +20,16 @@ def ks_statistic_exponential(samples: list[float], rate: float) -> float:
     """sup |F_n(x) − (1 − e^{−rate·x})| over the sample points."""
     ordered = sorted(samples)
     n = len(ordered)
-    return max(max((i + 1) / n - cdf, cdf - i / n)
-               for i, cdf in enumerate(1 - math.exp(-rate * x) for x in ordered))
+    return max(
+        max((i + 1) / n - cdf, cdf - i / n) for i, cdf in enumerate(1 - math.exp(-rate * x) for x in ordered)
+    )
 
 
 def test_poisson_gaps_have_the_expected_rate_and_shape():
     gaps = inter_arrival_times(N, RATE, seed=1234)
     mean = statistics.fmean(gaps)
     assert len(gaps) == N
-    assert mean == pytest.approx(1 / RATE, rel=0.02)          # standard error 1/√N = 0.7 %
+    assert mean == pytest.approx(1 / RATE, rel=0.02)  # standard error 1/√N = 0.7 %
     assert statistics.pstdev(gaps) / mean == pytest.approx(1.0, abs=0.03)
     assert ks_statistic_exponential(gaps, RATE) < KS_CRITICAL_5PCT
     assert arrival_offsets(gaps)[-1] == pytest.approx(N / RATE, rel=0.02)
@@ -67,7 +68,9 @@ async def test_paced_sleeps_to_absolute_deadlines():
         slept.append(seconds)
         now[0] += seconds + 0.125  # every sleep overshoots by 125 ms
 
-    got = [item async for item in paced(["a", "b", "c", "d"], [0.0, 0.5, 1.0, 1.125], lambda: now[0], fake_sleep)]
+    got = [
+        item async for item in paced(["a", "b", "c", "d"], [0.0, 0.5, 1.0, 1.125], lambda: now[0], fake_sleep)
+    ]
     assert got == ["a", "b", "c", "d"]
     # deadlines 10.5, 11.0, 11.125: the overshoot of one sleep shortens the next; a reached deadline does not sleep
     assert slept == pytest.approx([0.5, 0.375])

@@ -47,9 +47,13 @@ async def test_completion_stream_timings_are_the_event_times():
 
 async def test_chat_role_chunk_before_prefill_does_not_count_as_first_token():
     chat = EndpointConfig("http://server:8000", "m", endpoint="chat")
-    events = [(0.25, chat_chunk({"role": "assistant", "content": ""})),
-              (0.5, chat_chunk({"content": "Hi"})), (0.125, chat_chunk({"content": " there"})),
-              (0.0, chat_chunk({}, "stop")), (0.125, "data: [DONE]")]
+    events = [
+        (0.25, chat_chunk({"role": "assistant", "content": ""})),
+        (0.5, chat_chunk({"content": "Hi"})),
+        (0.125, chat_chunk({"content": " there"})),
+        (0.0, chat_chunk({}, "stop")),
+        (0.125, "data: [DONE]"),
+    ]
     out, server = await run_one(events, chat)
     assert out.success
     assert out.ttft == pytest.approx(0.75, abs=1e-12)
@@ -84,14 +88,24 @@ async def test_tokens_without_text_complete_with_their_output_at_the_end():
     assert out.tpot is None and out.itl == []
 
 
-@pytest.mark.parametrize(("script", "error_type", "message"), [
-    ((429, {"error": {"message": "slow down", "type": "rate_limit_error"}}), "http_429", "slow down"),
-    ([(0.5, completion_chunk("a")), (0.1, {"error": {"message": "boom", "type": "server_error"}})],
-     "stream_error:server_error", "boom"),
-    ([(0.5, completion_chunk("a"))], "incomplete_stream", "stream ended without [DONE] after 1 token chunks"),
-    ([(0.5, completion_chunk("")), (0.1, "data: [DONE]")], "no_output", "the stream carried no text"),
-    ([(0.5, "data: {not json")], "invalid_json", "{not json"),
-])
+@pytest.mark.parametrize(
+    ("script", "error_type", "message"),
+    [
+        ((429, {"error": {"message": "slow down", "type": "rate_limit_error"}}), "http_429", "slow down"),
+        (
+            [(0.5, completion_chunk("a")), (0.1, {"error": {"message": "boom", "type": "server_error"}})],
+            "stream_error:server_error",
+            "boom",
+        ),
+        (
+            [(0.5, completion_chunk("a"))],
+            "incomplete_stream",
+            "stream ended without [DONE] after 1 token chunks",
+        ),
+        ([(0.5, completion_chunk("")), (0.1, "data: [DONE]")], "no_output", "the stream carried no text"),
+        ([(0.5, "data: {not json")], "invalid_json", "{not json"),
+    ],
+)
 async def test_failures_are_typed(script, error_type, message):
     out, _ = await run_one(script)
     assert not out.success
@@ -99,12 +113,15 @@ async def test_failures_are_typed(script, error_type, message):
     assert out.tpot is None
 
 
-@pytest.mark.parametrize(("exc", "error_type"), [
-    (httpx.ConnectError("refused"), "connect_error"),
-    (httpx.ReadTimeout("slow"), "timeout"),
-    (httpx.RemoteProtocolError("bad"), "protocol_error"),
-    (httpx.ReadError("reset"), "http_error:ReadError"),
-])
+@pytest.mark.parametrize(
+    ("exc", "error_type"),
+    [
+        (httpx.ConnectError("refused"), "connect_error"),
+        (httpx.ReadTimeout("slow"), "timeout"),
+        (httpx.RemoteProtocolError("bad"), "protocol_error"),
+        (httpx.ReadError("reset"), "http_error:ReadError"),
+    ],
+)
 async def test_transport_errors_are_typed(exc, error_type):
     def handler(request: httpx.Request) -> httpx.Response:
         raise exc
@@ -115,10 +132,20 @@ async def test_transport_errors_are_typed(exc, error_type):
 
 
 def test_body_is_greedy_streamed_with_usage_and_equal_lengths():
-    cfg = EndpointConfig("http://x", "m", ignore_eos=True, extra_body={"cache_prompt": False, "temperature": 0.5})
+    cfg = EndpointConfig(
+        "http://x", "m", ignore_eos=True, extra_body={"cache_prompt": False, "temperature": 0.5}
+    )
     assert build_body(cfg, SAMPLE) == {
-        "model": "m", "prompt": "hello world", "max_tokens": 3, "temperature": 0.5, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": 3, "cache_prompt": False}
+        "model": "m",
+        "prompt": "hello world",
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "min_tokens": 3,
+        "cache_prompt": False,
+    }
     plain = build_body(EndpointConfig("http://x", "m"), SAMPLE, max_tokens=16)
     assert "ignore_eos" not in plain and "min_tokens" not in plain
     assert (plain["max_tokens"], plain["temperature"]) == (16, 0.0)

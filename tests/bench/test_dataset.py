@@ -75,8 +75,12 @@ def test_decode_to_target_len_extends_and_truncates():
 
 def test_jsonl_prompts_cycle_and_carry_output_lengths(tmp_path, tokenizer):
     path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"prompt": "alpha beta", "output_len": 7}) + "\n\n"
-                    + json.dumps({"prompt": "gamma", "max_tokens": 2}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "alpha beta", "output_len": 7})
+        + "\n\n"
+        + json.dumps({"prompt": "gamma", "max_tokens": 2})
+        + "\n"
+    )
     samples = jsonl_dataset(path, 5, output_len=3, tokenizer=tokenizer, seed=0)
     assert len(samples) == 5
     by_prompt = {s.prompt: (s.prompt_len, s.expected_output_len) for s in samples}

@@ -40,12 +40,25 @@ def test_latency_stats_in_ms_with_population_std():
 
 
 def test_counts_mismatches_errors_and_prompt_fallback():
-    good = RequestOutput(success=True, prompt_len=0, expected_output_len=3, ttft=0.5, latency=1.0,
-                         stream_tokens=2, usage_output_tokens=3, usage_prompt_tokens=9, cached_tokens=4)
-    no_usage = RequestOutput(success=True, prompt_len=5, expected_output_len=3, ttft=0.5, latency=1.5,
-                             stream_tokens=3)
-    failed = [RequestOutput(error_type="http_429"), RequestOutput(error_type="http_429"),
-              RequestOutput(error_type="timeout")]
+    good = RequestOutput(
+        success=True,
+        prompt_len=0,
+        expected_output_len=3,
+        ttft=0.5,
+        latency=1.0,
+        stream_tokens=2,
+        usage_output_tokens=3,
+        usage_prompt_tokens=9,
+        cached_tokens=4,
+    )
+    no_usage = RequestOutput(
+        success=True, prompt_len=5, expected_output_len=3, ttft=0.5, latency=1.5, stream_tokens=3
+    )
+    failed = [
+        RequestOutput(error_type="http_429"),
+        RequestOutput(error_type="http_429"),
+        RequestOutput(error_type="timeout"),
+    ]
     m = calculate_metrics([good, no_usage, *failed], duration=2.0)
     assert (m.completed, m.failed) == (2, 3)
     assert m.error_counts == {"http_429": 2, "timeout": 1}
@@ -59,9 +72,9 @@ def test_counts_mismatches_errors_and_prompt_fallback():
 
 STREAMS = {
     # prompt → (events, prompt_len): tokens at the given gaps, [DONE] after the last
-    "p1": (token_stream([0.5, 0.125, 0.25], done_after=0.125), 10),          # TTFT .5  e2e 1.0  3 tokens
-    "p2": (token_stream([0.25, 0.25, 0.25, 0.25], done_after=0.5), 20),      # TTFT .25 e2e 1.5  4 tokens
-    "p3": (token_stream([1.0], done_after=0.0), 30),                         # TTFT 1.0 e2e 1.0  1 token
+    "p1": (token_stream([0.5, 0.125, 0.25], done_after=0.125), 10),  # TTFT .5  e2e 1.0  3 tokens
+    "p2": (token_stream([0.25, 0.25, 0.25, 0.25], done_after=0.5), 20),  # TTFT .25 e2e 1.5  4 tokens
+    "p3": (token_stream([1.0], done_after=0.0), 30),  # TTFT 1.0 e2e 1.0  1 token
     "p4": ((500, {"error": {"message": "engine died", "type": "server_error"}}), 40),
 }
 
@@ -72,8 +85,9 @@ async def test_run_over_fake_streams_matches_hand_computed_figures():
     samples = [SampleRequest(p, STREAMS[p][1], 3) for p in STREAMS]
     load = LoadConfig(max_concurrency=1, num_warmups=0)
     async with server.client() as client:
-        result = await run_benchmark(EndpointConfig("http://fake", "m"), samples, load, client=client,
-                                     clock=clock, progress=False)
+        result = await run_benchmark(
+            EndpointConfig("http://fake", "m"), samples, load, client=client, clock=clock, progress=False
+        )
     m = result.metrics.as_dict()
     duration = 1.0 + 1.5 + 1.0
     assert m["duration"] == pytest.approx(duration)
@@ -85,15 +99,26 @@ async def test_run_over_fake_streams_matches_hand_computed_figures():
     assert m["total_token_throughput"] == pytest.approx(68 / duration)
     expected_ms = {
         # TTFT [500, 250, 1000]
-        "mean_ttft_ms": 1750 / 3, "median_ttft_ms": 500, "p90_ttft_ms": 900, "p99_ttft_ms": 990,
-        "std_ttft_ms": math.sqrt(((500 - 1750 / 3) ** 2 + (250 - 1750 / 3) ** 2 + (1000 - 1750 / 3) ** 2) / 3),
+        "mean_ttft_ms": 1750 / 3,
+        "median_ttft_ms": 500,
+        "p90_ttft_ms": 900,
+        "p99_ttft_ms": 990,
+        "std_ttft_ms": math.sqrt(
+            ((500 - 1750 / 3) ** 2 + (250 - 1750 / 3) ** 2 + (1000 - 1750 / 3) ** 2) / 3
+        ),
         # TPOT: p1 (1.0 − .5)/2 = 250, p2 (1.5 − .25)/3 = 416.67, p3 has one token → none
-        "mean_tpot_ms": (250 + 1250 / 3) / 2, "median_tpot_ms": (250 + 1250 / 3) / 2,
+        "mean_tpot_ms": (250 + 1250 / 3) / 2,
+        "median_tpot_ms": (250 + 1250 / 3) / 2,
         "p99_tpot_ms": 250 + 0.99 * (1250 / 3 - 250),
         # ITL pooled [125, 250, 250, 250, 250]
-        "mean_itl_ms": 225, "median_itl_ms": 250, "p90_itl_ms": 250,
+        "mean_itl_ms": 225,
+        "median_itl_ms": 250,
+        "p90_itl_ms": 250,
         # E2EL [1000, 1500, 1000]
-        "mean_e2el_ms": 3500 / 3, "median_e2el_ms": 1000, "p90_e2el_ms": 1400, "p99_e2el_ms": 1490,
+        "mean_e2el_ms": 3500 / 3,
+        "median_e2el_ms": 1000,
+        "p90_e2el_ms": 1400,
+        "p99_e2el_ms": 1490,
     }
     assert {k: m[k] for k in expected_ms} == pytest.approx(expected_ms)
     assert m["output_len_mismatches"] == 2  # p2 made 4 tokens and p3 1, 3 were expected
@@ -126,8 +151,12 @@ async def test_max_concurrency_caps_requests_in_flight():
         peak, target = 0, expected_peak
         crowded.clear()
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            result = await run_benchmark(EndpointConfig("http://fake", "m"), samples,
-                                         LoadConfig(max_concurrency=cap, num_warmups=0), client=client,
-                                         progress=False)
+            result = await run_benchmark(
+                EndpointConfig("http://fake", "m"),
+                samples,
+                LoadConfig(max_concurrency=cap, num_warmups=0),
+                client=client,
+                progress=False,
+            )
         assert result.metrics.completed == 9
         assert peak == expected_peak

@@ -18,8 +18,21 @@ def test_logs_search_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     log = tmp_path / "requests.jsonl"
     log.write_text("".join(json.dumps(make_record(i)) + "\n" for i in range(3000)))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-P", "-m", "kvscope.cli", "logs", "search", "--source", str(log), "--limit", "3000",
-           "--format", "json", "true"]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvscope.cli",
+        "logs",
+        "search",
+        "--source",
+        str(log),
+        "--limit",
+        "3000",
+        "--format",
+        "json",
+        "true",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
     first = proc.stdout.readline()
     proc.stdout.close()  # the reader leaves after one line, as `head -1` does

@@ -50,11 +50,20 @@ def test_unknown_loop_is_refused() -> None:
         resolve_event_loop("trio")
 
 
-@pytest.mark.parametrize(("choice", "loop"), [("auto", "uvloop"), ("asyncio", "asyncio"), ("uvloop", "uvloop")])
+@pytest.mark.parametrize(
+    ("choice", "loop"), [("auto", "uvloop"), ("asyncio", "asyncio"), ("uvloop", "uvloop")]
+)
 def test_the_servers_are_configured_with_the_resolved_loop(choice: str, loop: str) -> None:
     engine = engine_uvicorn_config(object(), ServerSettings(event_loop=choice, port=8123))
-    assert (engine.loop, engine.port, engine.access_log, engine.timeout_graceful_shutdown) == (loop, 8123, False, 5)
-    gateway = gateway_uvicorn_config(create_app(load_settings(None, {**UPSTREAM, "event_loop": choice})), "127.0.0.1", 4123)
+    assert (engine.loop, engine.port, engine.access_log, engine.timeout_graceful_shutdown) == (
+        loop,
+        8123,
+        False,
+        5,
+    )
+    gateway = gateway_uvicorn_config(
+        create_app(load_settings(None, {**UPSTREAM, "event_loop": choice})), "127.0.0.1", 4123
+    )
     assert (gateway.loop, gateway.port) == (loop, 4123)
 
 
@@ -65,8 +74,9 @@ def _uvloop_mapped(pid: int) -> bool:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(("env", "uvloop"), [({}, True), ({"KVSCOPE_GATEWAY_EVENT_LOOP": "asyncio"}, False)])
-def test_a_gateway_process_runs_the_chosen_loop_and_relays_a_stream(tmp_path: Path, env: dict[str, str],
-                                                                   uvloop: bool) -> None:
+def test_a_gateway_process_runs_the_chosen_loop_and_relays_a_stream(
+    tmp_path: Path, env: dict[str, str], uvloop: bool
+) -> None:
     import httpx
 
     fake = spawn_fake(tmp_path, "stub")
@@ -75,8 +85,12 @@ def test_a_gateway_process_runs_the_chosen_loop_and_relays_a_stream(tmp_path: Pa
         wait_http(fake.url + "/health", proc=fake.popen)
         gateway = spawn_gateway(tmp_path, "gateway", {"upstreams": [{"url": fake.url}]}, env=env)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
-        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                "stream": True}
+        body = {
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "stream": True,
+        }
         with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30) as resp:
             text = b"".join(resp.iter_raw()).decode()
         assert resp.status_code == 200

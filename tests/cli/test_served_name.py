@@ -16,22 +16,48 @@ def test_default_served_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     folder = tmp_path / "My-Model-1B"
     folder.mkdir()
     monkeypatch.chdir(tmp_path)
-    assert [default_served_name(m) for m in (
-        "smollm2-135m", "/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "local.Q8_0.gguf", str(folder),
-        f"{folder}/", "My-Model-1B", "./My-Model-1B",
-    )] == ["smollm2-135m", "SmolLM2-135M-Instruct.Q4_1", "local.Q8_0", "My-Model-1B", "My-Model-1B", "My-Model-1B",
-           "My-Model-1B"]
+    assert [
+        default_served_name(m)
+        for m in (
+            "smollm2-135m",
+            "/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "local.Q8_0.gguf",
+            str(folder),
+            f"{folder}/",
+            "My-Model-1B",
+            "./My-Model-1B",
+        )
+    ] == [
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct.Q4_1",
+        "local.Q8_0",
+        "My-Model-1B",
+        "My-Model-1B",
+        "My-Model-1B",
+        "My-Model-1B",
+    ]
 
 
-@pytest.mark.parametrize(("model", "engine_args", "served"), [
-    ("/m/SmolLM2-135M-Instruct.Q4_1.gguf", (), "SmolLM2-135M-Instruct.Q4_1"),
-    ("/m/SmolLM2-135M-Instruct.Q4_1.gguf", ("--served-model-name", "chat"), "chat"),
-    ("smollm2-135m", ("--dtype", "float32"), "smollm2-135m"),
-])
-def test_serve_announces_the_name_the_engine_serves(model: str, engine_args: tuple[str, ...], served: str,
-                                                   tmp_path: Path) -> None:
-    options = ServeOptions(model=model, host="127.0.0.1", port=1, engine_port=2, log_file=tmp_path / "r.jsonl",
-                           engine_args=engine_args, gateway_args=())
+@pytest.mark.parametrize(
+    ("model", "engine_args", "served"),
+    [
+        ("/m/SmolLM2-135M-Instruct.Q4_1.gguf", (), "SmolLM2-135M-Instruct.Q4_1"),
+        ("/m/SmolLM2-135M-Instruct.Q4_1.gguf", ("--served-model-name", "chat"), "chat"),
+        ("smollm2-135m", ("--dtype", "float32"), "smollm2-135m"),
+    ],
+)
+def test_serve_announces_the_name_the_engine_serves(
+    model: str, engine_args: tuple[str, ...], served: str, tmp_path: Path
+) -> None:
+    options = ServeOptions(
+        model=model,
+        host="127.0.0.1",
+        port=1,
+        engine_port=2,
+        log_file=tmp_path / "r.jsonl",
+        engine_args=engine_args,
+        gateway_args=(),
+    )
     assert _served_name(options) == served
 
 

@@ -89,15 +89,19 @@ def start_stack(tmp: Path, *engine_args: str, gateway_config: dict[str, Any] | N
     from kvscope.common.models.cache import hf_dir
 
     receiver = OTLPReceiver()
-    engine = start_engine(tmp, *ENGINE_BASE_ARGS, *engine_args, "--otlp-endpoint", receiver.url, env=FAST_EXPORT)
+    engine = start_engine(
+        tmp, *ENGINE_BASE_ARGS, *engine_args, "--otlp-endpoint", receiver.url, env=FAST_EXPORT
+    )
     log = tmp / "gateway.jsonl"
-    config = {"upstreams": [{"url": engine.url}],
-              "models": [{"name": MODEL, "tokenizer": str(hf_dir(MODEL))}],  # converted by the engine's start
-              "timeouts": {"keepalive_s": GATEWAY_KEEPALIVE_S},
-              "routing": {"health_interval_s": 2},
-              "logs": {"file": str(log)},
-              "tracing": {"otlp_endpoint": receiver.url},
-              **(gateway_config or {})}
+    config = {
+        "upstreams": [{"url": engine.url}],
+        "models": [{"name": MODEL, "tokenizer": str(hf_dir(MODEL))}],  # converted by the engine's start
+        "timeouts": {"keepalive_s": GATEWAY_KEEPALIVE_S},
+        "routing": {"health_interval_s": 2},
+        "logs": {"file": str(log)},
+        "tracing": {"otlp_endpoint": receiver.url},
+        **(gateway_config or {}),
+    }
     gateway = spawn_gateway(tmp, "gateway", config, env=FAST_EXPORT)
     try:
         wait_http(gateway.url + "/readyz", timeout=60, proc=gateway.popen)
@@ -124,8 +128,10 @@ def engine_generation_requests(samples: dict) -> float:
 
 def engine_gauges(samples: dict) -> tuple[float, float, float]:
     """(running requests, waiting requests, KV-cache usage ratio) of the engine."""
-    running, waiting, usage = (total(samples, f"kvscope_engine_{name}", **M)
-                               for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio"))
+    running, waiting, usage = (
+        total(samples, f"kvscope_engine_{name}", **M)
+        for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio")
+    )
     return running, waiting, usage
 
 
@@ -140,7 +146,7 @@ def token_times(result: TimedStream) -> list[float]:
     for t, event in result.events:
         if not event.startswith("data: {"):
             continue
-        chunk = json.loads(event[len("data: "):])
+        chunk = json.loads(event[len("data: ") :])
         choices = chunk.get("choices") or []
         if any((c.get("delta") or {}).get("content") or c.get("text") for c in choices):
             out.append(t)
@@ -149,5 +155,6 @@ def token_times(result: TimedStream) -> list[float]:
 
 def plain_chat(client: httpx.Client, max_tokens: int = 4) -> httpx.Response:
     """The cases' liveness probe: a plain chat request that must answer 200."""
-    return client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                   "max_tokens": max_tokens})
+    return client.post(
+        CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    )

@@ -172,11 +172,16 @@ class PrometheusServer(_ServerProcess):
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
-            "global": {"scrape_interval": self.scrape_interval, "scrape_timeout": self.scrape_interval,
-                       "evaluation_interval": "1s"},
+            "global": {
+                "scrape_interval": self.scrape_interval,
+                "scrape_timeout": self.scrape_interval,
+                "evaluation_interval": "1s",
+            },
             "rule_files": [str(p) for p in self.rule_files],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": hosts}]}
-                               for job, hosts in self.targets.items()],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": hosts}]}
+                for job, hosts in self.targets.items()
+            ],
         }
         if self.alertmanager:
             cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [self.alertmanager]}]}]}
@@ -186,11 +191,18 @@ class PrometheusServer(_ServerProcess):
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config(), sort_keys=False))
-        self._process = ManagedProcess([
-            self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
-            "--rules.alert.resend-delay=1s", "--log.level=warn",
-        ], self.workdir / "prometheus.log")
+        self._process = ManagedProcess(
+            [
+                self.binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+                "--rules.alert.resend-delay=1s",
+                "--log.level=warn",
+            ],
+            self.workdir / "prometheus.log",
+        )
         return self._await_ready(f"{self.url}/-/ready", timeout_s)
 
 
@@ -211,10 +223,17 @@ class AlertmanagerServer(_ServerProcess):
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "alertmanager.yml"
         config.write_text(self.config_text)
-        self._process = ManagedProcess([
-            self.binary, f"--config.file={config}", f"--storage.path={self.workdir / 'data'}",
-            f"--web.listen-address={self.address}", "--cluster.listen-address=", "--log.level=warn",
-        ], self.workdir / "alertmanager.log")
+        self._process = ManagedProcess(
+            [
+                self.binary,
+                f"--config.file={config}",
+                f"--storage.path={self.workdir / 'data'}",
+                f"--web.listen-address={self.address}",
+                "--cluster.listen-address=",
+                "--log.level=warn",
+            ],
+            self.workdir / "alertmanager.log",
+        )
         return self._await_ready(f"http://{self.address}/-/ready", timeout_s)
 
 

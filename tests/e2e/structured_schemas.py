@@ -73,5 +73,15 @@ class Event(BaseModel):
     attendees: list[Color] = Field(max_length=2)
 
 
-SCHEMAS: tuple[type[BaseModel], ...] = (Person, Customer, Tagged, Paint, Measurement, Profile, Scores, Product,
-                                        Team, Event)
+SCHEMAS: tuple[type[BaseModel], ...] = (
+    Person,
+    Customer,
+    Tagged,
+    Paint,
+    Measurement,
+    Profile,
+    Scores,
+    Product,
+    Team,
+    Event,
+)

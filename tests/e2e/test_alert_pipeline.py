@@ -54,25 +54,39 @@ def test_failures_page_through_alertmanager_with_inhibition(tmp_path: Path, expo
     require_tool("prometheus-alertmanager")
     metrics, address = exporter
     dead_engine = f"127.0.0.1:{free_port()}"
-    with WebhookReceiver() as receiver, \
-            AlertmanagerServer(tmp_path / "am", alertmanager_config(receiver.url)) as am, \
-            PrometheusServer(tmp_path / "prom", targets={"kvscope-gateway": [address],
-                                                         "kvscope-engine": [dead_engine]},
-                             rule_files=[fast_rules(tmp_path / "rules.yaml")], alertmanager=am.address) as prom:
+    with (
+        WebhookReceiver() as receiver,
+        AlertmanagerServer(tmp_path / "am", alertmanager_config(receiver.url)) as am,
+        PrometheusServer(
+            tmp_path / "prom",
+            targets={"kvscope-gateway": [address], "kvscope-engine": [dead_engine]},
+            rule_files=[fast_rules(tmp_path / "rules.yaml")],
+            alertmanager=am.address,
+        ) as prom,
+    ):
         wait_for_series(prom.api, "kvscope_gateway_requests_total", timeout_s=15)  # first scrape: zeros
         metrics.requests.labels(model="m", route="/v1/chat/completions", status="200").inc(10)
         metrics.requests.labels(model="m", route="/v1/chat/completions", status="502").inc(40)
-        expected_pages = {("KvscopeHighErrorRate", "critical", "m"), ("KvscopeNoHealthyUpstream", "critical", "")}
+        expected_pages = {
+            ("KvscopeHighErrorRate", "critical", "m"),
+            ("KvscopeNoHealthyUpstream", "critical", ""),
+        }
         assert receiver.wait_for(lambda r: expected_pages <= firing(r, "/pager"), timeout_s=40), (
-            firing(receiver, "/pager"), prom.api.alerts())
+            firing(receiver, "/pager"),
+            prom.api.alerts(),
+        )
         assert receiver.wait_for(lambda r: ("Watchdog", "none", "") in firing(r, "/watchdog"), timeout_s=10)
         time.sleep(3)  # let any (wrongly) uninhibited warning arrive
-        prometheus_side = {(a["labels"]["alertname"], a["labels"]["severity"]) for a in prom.api.alerts()
-                           if a["state"] == "firing"}
+        prometheus_side = {
+            (a["labels"]["alertname"], a["labels"]["severity"])
+            for a in prom.api.alerts()
+            if a["state"] == "firing"
+        }
         assert {("KvscopeHighErrorRate", "warning"), ("KvscopeUpstreamDown", "warning")} <= prometheus_side
         # the error-budget tickets and UpstreamDown are inhibited in Alertmanager; TargetDown is a warning
-        assert receiver.wait_for(lambda r: firing(r, "/team-chat") == {("KvscopeTargetDown", "warning", "")},
-                                 timeout_s=10), firing(receiver, "/team-chat")
+        assert receiver.wait_for(
+            lambda r: firing(r, "/team-chat") == {("KvscopeTargetDown", "warning", "")}, timeout_s=10
+        ), firing(receiver, "/team-chat")
         assert "KvscopeTargetDown" not in {a for a, _, _ in firing(receiver, "/pager")}
         rules = [r for g in prom.api.rules() for r in g["rules"]]
         assert len(rules) == 48

@@ -30,8 +30,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    process = start_engine(tmp_path_factory.mktemp("engine"), "--max-model-len", "2048", "--kv-cache-memory",
-                           "160M", "--max-num-seqs", "4", "--sse-keepalive-s", "0.25", "--enable-fault-injection")
+    process = start_engine(
+        tmp_path_factory.mktemp("engine"),
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "160M",
+        "--max-num-seqs",
+        "4",
+        "--sse-keepalive-s",
+        "0.25",
+        "--enable-fault-injection",
+    )
     yield process
     process.stop()
 
@@ -51,8 +61,11 @@ def engine_stays_alive(client):
 
 def test_s1_stream_is_not_buffered_and_ttft_agrees(engine, client):
     before = engine.metrics()
-    result = stream(client, CHAT, chat("Count from 1 to 100 separated by spaces.", max_tokens=48, temperature=0,
-                                       ignore_eos=True))
+    result = stream(
+        client,
+        CHAT,
+        chat("Count from 1 to 100 separated by spaces.", max_tokens=48, temperature=0, ignore_eos=True),
+    )
     assert result.headers["content-type"].startswith("text/event-stream")
     assert (result.headers["cache-control"], result.headers["x-accel-buffering"]) == ("no-cache", "no")
     assert "content-length" not in result.headers
@@ -65,13 +78,17 @@ def test_s1_stream_is_not_buffered_and_ttft_agrees(engine, client):
     assert line["gen_ai"]["usage"]["output_tokens"] == 48
     after = engine.metrics()
     # the engine stamps the first token before the client can read the next token's event (load only widens it)
-    second_token = [t for t, data in zip(times, result.parsed.data, strict=True)
-                    if data != "[DONE]" and data["choices"] and data["choices"][0]["delta"].get("content")][1]
+    second_token = [
+        t
+        for t, data in zip(times, result.parsed.data, strict=True)
+        if data != "[DONE]" and data["choices"] and data["choices"][0]["delta"].get("content")
+    ][1]
     assert 0 < line["kvscope"]["ttft_s"] < second_token
     m = {"model": "smollm2-135m"}
     assert delta(before, after, "kvscope_engine_time_to_first_token_seconds_count", **m) == 1
     assert delta(before, after, "kvscope_engine_time_to_first_token_seconds_sum", **m) == pytest.approx(
-        line["kvscope"]["ttft_s"], abs=1e-9)
+        line["kvscope"]["ttft_s"], abs=1e-9
+    )
 
 
 @pytest.mark.parametrize(("path", "body"), [
@@ -91,8 +108,12 @@ def test_s2_exactly_one_terminal_chunk(engine, client, path, body):
 
 def test_s3_failure_mid_stream_is_not_success(engine, client):
     before = engine.metrics()
-    result = stream(client, CHAT, chat("Tell me about the sea.", max_tokens=64, ignore_eos=True),
-                    headers={"x-kvscope-fault": "after_tokens=4"}).parsed
+    result = stream(
+        client,
+        CHAT,
+        chat("Tell me about the sea.", max_tokens=64, ignore_eos=True),
+        headers={"x-kvscope-fault": "after_tokens=4"},
+    ).parsed
     assert "[DONE]" not in result.data
     assert list(result.data[-1]) == ["error"] and "injected fault" in result.data[-1]["error"]["message"]
     assert {c["choices"][0]["finish_reason"] for c in result.chunks if "choices" in c} == {None}
@@ -100,8 +121,12 @@ def test_s3_failure_mid_stream_is_not_success(engine, client):
     assert (line["kvscope"]["outcome"], line["event"]["outcome"]) == ("error", "failure")
     assert "injected fault" in line["error"]["message"]
     after = wait_for(lambda: (m := engine.metrics()) and sample_used(m) == sample_used(before) and m)
-    assert delta(before, after, "kvscope_engine_request_success_total", model="smollm2-135m",
-                 finish_reason="error") == 1
+    assert (
+        delta(
+            before, after, "kvscope_engine_request_success_total", model="smollm2-135m", finish_reason="error"
+        )
+        == 1
+    )
 
 
 def sample_used(samples: dict) -> float:
@@ -143,8 +168,11 @@ def test_t1_no_broken_characters(client):
     body = chat("Repeat exactly: 你好，世界！🌶️🎉 ďábelské", temperature=0, logprobs=True, max_tokens=40)
     plain = client.post(CHAT, json=body).json()["choices"][0]
     content = plain["message"]["content"]
-    deltas = [c["choices"][0]["delta"].get("content", "") for c in stream(client, CHAT, body).parsed.chunks
-              if c["choices"]]
+    deltas = [
+        c["choices"][0]["delta"].get("content", "")
+        for c in stream(client, CHAT, body).parsed.chunks
+        if c["choices"]
+    ]
     assert "\ufffd" not in content and all("\ufffd" not in d for d in deltas)
     assert "".join(deltas).encode() == content.encode()
     assert any(len(ch.encode()) > 1 for ch in content), "the answer must exercise multi-byte characters"
@@ -153,8 +181,11 @@ def test_t1_no_broken_characters(client):
 
 def test_t1_token_prompt_ending_mid_character(client):
     ids = client.post("/tokenize", json={"prompt": "Repeat exactly: 你好🌶️"}).json()["tokens"]
-    cut = next(k for k in range(len(ids) - 1, 0, -1)
-               if client.post("/detokenize", json={"tokens": ids[:k]}).json()["prompt"].endswith("\ufffd"))
+    cut = next(
+        k
+        for k in range(len(ids) - 1, 0, -1)
+        if client.post("/detokenize", json={"tokens": ids[:k]}).json()["prompt"].endswith("\ufffd")
+    )
     chunks = stream(client, COMPLETIONS, completion(ids[:cut], max_tokens=6, temperature=0)).parsed.chunks
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert "Repeat" not in text and "\ufffd" not in text
@@ -171,7 +202,7 @@ def test_t2_stop_strings(client):
     reference = client.post(COMPLETIONS, json=completion(prompt, temperature=0, max_tokens=10)).json()
     ref_text = reference["choices"][0]["text"]
     assert "O P Q" in ref_text
-    expected = ref_text[:ref_text.index("O P Q")]
+    expected = ref_text[: ref_text.index("O P Q")]
     for stop in (["O P Q"], "O P Q"):
         plain, streamed = _texts(client, completion(prompt, temperature=0, max_tokens=10, stop=stop))
         assert (plain["finish_reason"], plain["stop_reason"]) == ("stop", "O P Q")
@@ -184,12 +215,13 @@ def test_t2_stop_strings(client):
 
 def test_t2_stop_string_prefix_of_a_token(client):
     prompt = "The capital of France is"
-    ref_text = client.post(COMPLETIONS, json=completion(prompt, temperature=0, max_tokens=6)).json()["choices"][0][
-        "text"]
+    ref_text = client.post(COMPLETIONS, json=completion(prompt, temperature=0, max_tokens=6)).json()[
+        "choices"
+    ][0]["text"]
     assert "Paris" in ref_text
     plain, streamed = _texts(client, completion(prompt, temperature=0, max_tokens=6, stop="Pari"))
     assert plain["finish_reason"] == "stop"
-    assert plain["text"] == streamed == ref_text[:ref_text.index("Pari")]
+    assert plain["text"] == streamed == ref_text[: ref_text.index("Pari")]
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -198,7 +230,10 @@ def test_t2_stop_string_prefix_of_a_token(client):
 def test_a1_empty_input_is_a_clear_400(client, path, body, param):
     response = client.post(path, json=body)
     assert response.status_code == 400 and response.headers["content-type"] == "application/json"
-    assert (response.json()["error"]["type"], response.json()["error"]["param"]) == ("invalid_request_error", param)
+    assert (response.json()["error"]["type"], response.json()["error"]["param"]) == (
+        "invalid_request_error",
+        param,
+    )
 
 
 def test_a2_logprobs(client):
@@ -220,16 +255,24 @@ def test_a2_logprobs(client):
 
 def test_a3_malformed_bodies(engine, client):
     before = engine.metrics()
-    cases = [b'{"model": "smollm2-135m", "messages": [', b'{"messages": "hi SECRET-MARKER"}',
-             b'{"messages": [{"role": "user", "content": "SECRET-MARKER"}], "max_tokens": "many"}']
+    cases = [
+        b'{"model": "smollm2-135m", "messages": [',
+        b'{"messages": "hi SECRET-MARKER"}',
+        b'{"messages": [{"role": "user", "content": "SECRET-MARKER"}], "max_tokens": "many"}',
+    ]
     for body in cases:
         response = client.post(CHAT, content=body, headers={"content-type": "application/json"})
         assert response.status_code == 400 and response.headers["content-type"] == "application/json"
         assert response.json()["error"]["type"] == "invalid_request_error"
     after = engine.metrics()
     assert delta(before, after, "kvscope_engine_http_requests_total", route=CHAT, status="400") == 3
-    lines = wait_for(lambda: [r for r in engine.log_records() if r["http"]["response"]["status_code"] == 400
-                              and r["url"]["path"] == CHAT][-3:])
+    lines = wait_for(
+        lambda: [
+            r
+            for r in engine.log_records()
+            if r["http"]["response"]["status_code"] == 400 and r["url"]["path"] == CHAT
+        ][-3:]
+    )
     assert all(r["error"]["type"] == "invalid_request_error" for r in lines)
     assert "SECRET-MARKER" not in engine.log_path.read_text()
 
@@ -239,7 +282,9 @@ def test_a4_unknown_models_are_bounded(engine, client):
     client.post(CHAT, json={**chat("hi"), "model": "warm-up-the-404-series"})
     series_before = len(engine.metrics())
     for i in range(1000):
-        error = client.post(CHAT, json={**chat("hi"), "model": f"unknown-{i}-{i * 7919 % 10007}"}).json()["error"]
+        error = client.post(CHAT, json={**chat("hi"), "model": f"unknown-{i}-{i * 7919 % 10007}"}).json()[
+            "error"
+        ]
         assert (error["code"], error["param"]) == ("model_not_found", "model")
     after = engine.metrics()
     assert len(after) == series_before
@@ -254,9 +299,11 @@ def test_k1_over_long_input(engine, client):
     long_prompt = completion([1000] * (limit + 100))
     short = chat("hi", max_tokens=limit - 3)
     prompt_len = client.post("/tokenize", json={"messages": short["messages"]}).json()["count"]
-    for path, body, numbers in ((COMPLETIONS, long_prompt, (limit, limit + 100, 16)),
-                                (CHAT, short, (limit, prompt_len, limit - 3)),
-                                (COMPLETIONS, {**long_prompt, "stream": True}, (limit, limit + 100, 16))):
+    for path, body, numbers in (
+        (COMPLETIONS, long_prompt, (limit, limit + 100, 16)),
+        (CHAT, short, (limit, prompt_len, limit - 3)),
+        (COMPLETIONS, {**long_prompt, "stream": True}, (limit, limit + 100, 16)),
+    ):
         response = client.post(path, json=body)
         assert response.status_code == 400 and response.headers["content-type"] == "application/json"
         error = response.json()["error"]
@@ -275,18 +322,34 @@ def test_n1_huge_per_request_lists_are_refused(engine, client):
     vocab = 49152  # SmolLM2's
     before = engine.metrics()
     attacks = (
-        (COMPLETIONS, completion("Hello", n=128, max_tokens=6, logit_bias={str(i): 0.5 for i in range(vocab)}),
-         "logit_bias", f"logit_bias may hold at most 300 entries, got {vocab}."),
-        (CHAT, chat("Hello", n=16, max_tokens=6, stop_token_ids=[5] * 500_000),
-         "stop_token_ids", "stop_token_ids may hold at most 1024 token ids, got 500000."),
-        (COMPLETIONS, completion("Hello", max_tokens=6, logit_bias={"1_0": 5}), "logit_bias",
-         "logit_bias keys must be token ids written in decimal digits (like \"50256\"), got '1_0'."),
+        (
+            COMPLETIONS,
+            completion("Hello", n=128, max_tokens=6, logit_bias={str(i): 0.5 for i in range(vocab)}),
+            "logit_bias",
+            f"logit_bias may hold at most 300 entries, got {vocab}.",
+        ),
+        (
+            CHAT,
+            chat("Hello", n=16, max_tokens=6, stop_token_ids=[5] * 500_000),
+            "stop_token_ids",
+            "stop_token_ids may hold at most 1024 token ids, got 500000.",
+        ),
+        (
+            COMPLETIONS,
+            completion("Hello", max_tokens=6, logit_bias={"1_0": 5}),
+            "logit_bias",
+            "logit_bias keys must be token ids written in decimal digits (like \"50256\"), got '1_0'.",
+        ),
     )
     for path, body, param, message in attacks:
         response = client.post(path, json=body)
         assert response.status_code == 400, response.text
-        assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
-                                            "code": "invalid_value"}
+        assert response.json()["error"] == {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "invalid_value",
+        }
     after = engine.metrics()
     for name in ("prompt_tokens_total", "generation_tokens_total"):
         assert delta(before, after, f"kvscope_engine_{name}", model="smollm2-135m") == 0
@@ -308,12 +371,19 @@ def test_n3_fan_out_is_capped_and_cannot_stall_a_plain_request(engine, client):
     assert len(response.request.content) > 6000
     assert response.json()["error"] == {
         "message": "This request asks for 25600 sequences (400 prompt(s) x n=64); the limit is 256 sequences per "
-                   "request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request.",
-        "type": "invalid_request_error", "param": "prompt", "code": "invalid_value"}
+        "request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request.",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "invalid_value",
+    }
     assert delta(before, engine.metrics(), "kvscope_engine_prompt_tokens_total", model="smollm2-135m") == 0
 
-    attacker = BackgroundStream(engine.url, COMPLETIONS, completion(
-        ["Once upon a time"] * 4, n=64, max_tokens=16, ignore_eos=True), "n3-attacker")
+    attacker = BackgroundStream(
+        engine.url,
+        COMPLETIONS,
+        completion(["Once upon a time"] * 4, n=64, max_tokens=16, ignore_eos=True),
+        "n3-attacker",
+    )
     try:
         wait_for(lambda: attacker.first_chunk is not None, timeout_s=120)
         finished_before = len(attacker.finish_times)
@@ -335,17 +405,23 @@ def _has_content(event: str) -> bool:
     """A chat chunk event carrying generated text."""
     if not event.startswith("data: {"):
         return False
-    choices = json.loads(event[len("data: "):])["choices"]
+    choices = json.loads(event[len("data: ") :])["choices"]
     return bool(choices and choices[0]["delta"].get("content"))
 
 
 def test_metrics_after_known_workload(engine, client):
     before = engine.metrics()
-    usages = [client.post(COMPLETIONS, json=completion(f"Workload {i}:", max_tokens=5, ignore_eos=True)).json()[
-        "usage"] for i in range(3)]
+    usages = [
+        client.post(COMPLETIONS, json=completion(f"Workload {i}:", max_tokens=5, ignore_eos=True)).json()[
+            "usage"
+        ]
+        for i in range(3)
+    ]
     after = engine.metrics()
     m = {"model": "smollm2-135m"}
-    assert delta(before, after, "kvscope_engine_prompt_tokens_total", **m) == sum(u["prompt_tokens"] for u in usages)
+    assert delta(before, after, "kvscope_engine_prompt_tokens_total", **m) == sum(
+        u["prompt_tokens"] for u in usages
+    )
     assert delta(before, after, "kvscope_engine_generation_tokens_total", **m) == 15
     assert delta(before, after, "kvscope_engine_request_success_total", finish_reason="length", **m) == 3
     for name in ("time_to_first_token", "e2e_request_latency", "time_per_output_token", "queue_time"):
@@ -366,13 +442,27 @@ def test_openai_sdk_sync_chat_and_completions(sdk):
     messages = [{"role": "user", "content": "Name three fruits."}]
     plain = sdk.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=6, temperature=0)
     assert (plain.choices[0].finish_reason, plain.usage.completion_tokens) == ("length", 6)
-    chunks = list(sdk.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=6, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    chunks = list(
+        sdk.chat.completions.create(
+            model="smollm2-135m",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == plain.choices[0].message.content
+    )
     assert chunks[-1].usage.completion_tokens == 6
-    text = sdk.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=5, temperature=0)
-    streamed = sdk.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=5, temperature=0,
-                                      stream=True)
+    text = sdk.completions.create(
+        model="smollm2-135m", prompt="Once upon a time", max_tokens=5, temperature=0
+    )
+    streamed = sdk.completions.create(
+        model="smollm2-135m", prompt="Once upon a time", max_tokens=5, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
     assert [m.id for m in sdk.models.list()] == ["smollm2-135m"]
 
@@ -384,9 +474,12 @@ def test_openai_sdk_async(engine):
 
     async def run() -> tuple[str, str]:
         client = openai.AsyncOpenAI(base_url=f"{engine.url}/v1", api_key="unused")
-        plain = await client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=4, temperature=0)
+        plain = await client.completions.create(
+            model="smollm2-135m", prompt="Hello", max_tokens=4, temperature=0
+        )
         stream_ = await client.chat.completions.create(
-            model="smollm2-135m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True)
+            model="smollm2-135m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
         content = "".join([c.choices[0].delta.content or "" async for c in stream_])
         await client.close()
         return plain.choices[0].text, content
@@ -405,11 +498,17 @@ def test_openai_sdk_typed_errors(sdk):
         sdk.completions.create(model="smollm2-135m", prompt="hi", max_tokens=5000)
     assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
-                                    top_logprobs=2)
+        sdk.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "hi"}], top_logprobs=2
+        )
     assert bad.value.param == "top_logprobs"
     with pytest.raises(openai.APIError, match="injected fault"):
-        for _ in sdk.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=30, extra_body={"ignore_eos": True}, stream=True,
-                                             extra_headers={"x-kvscope-fault": "after_tokens=2"}):
+        for _ in sdk.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=30,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            extra_headers={"x-kvscope-fault": "after_tokens=2"},
+        ):
             pass

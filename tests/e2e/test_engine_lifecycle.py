@@ -40,9 +40,22 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, receiver):
-    process = start_engine(tmp_path_factory.mktemp("engine"), "--max-model-len", "1024", "--kv-cache-memory", "96M",
-                           "--max-num-seqs", "2", "--max-num-batched-tokens", "128", "--sse-keepalive-s", "0.25",
-                           "--otlp-endpoint", receiver.url, env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    process = start_engine(
+        tmp_path_factory.mktemp("engine"),
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "96M",
+        "--max-num-seqs",
+        "2",
+        "--max-num-batched-tokens",
+        "128",
+        "--sse-keepalive-s",
+        "0.25",
+        "--otlp-endpoint",
+        receiver.url,
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+    )
     yield process
     process.stop()
 
@@ -61,9 +74,11 @@ def engine_stays_alive(client):
 
 
 def gauges(samples: dict) -> tuple[float, float, float]:
-    return (sample(samples, "kvscope_engine_requests_running", **M),
-            sample(samples, "kvscope_engine_requests_waiting", **M),
-            sample(samples, "kvscope_engine_kv_cache_usage_ratio", **M))
+    return (
+        sample(samples, "kvscope_engine_requests_running", **M),
+        sample(samples, "kvscope_engine_requests_waiting", **M),
+        sample(samples, "kvscope_engine_kv_cache_usage_ratio", **M),
+    )
 
 
 def back_to(engine, idle: tuple, timeout_s: float = 30.0) -> dict:
@@ -73,8 +88,9 @@ def back_to(engine, idle: tuple, timeout_s: float = 30.0) -> dict:
 def test_l1_stream_disconnect_frees_everything(engine, client):
     before = engine.metrics()
     idle = gauges(before)
-    result = stream(client, CHAT, chat("Tell me a very long story.", max_tokens=900, ignore_eos=True),
-                    stop_after_data=6)  # role chunk + 5 tokens, then the client leaves
+    result = stream(
+        client, CHAT, chat("Tell me a very long story.", max_tokens=900, ignore_eos=True), stop_after_data=6
+    )  # role chunk + 5 tokens, then the client leaves
     after = back_to(engine, idle)  # idle again: the 900-token request was aborted, not finished
     generated = delta(before, after, "kvscope_engine_generation_tokens_total", **M)
     line = log_line(engine, result.parsed.chunks[0]["id"])
@@ -83,7 +99,9 @@ def test_l1_stream_disconnect_frees_everything(engine, client):
     # a later request runs engine steps after the abort: a request still generating would add to the count
     admitted = client.post(CHAT, json=chat("hi", max_tokens=2, ignore_eos=True)).json()
     later = back_to(engine, idle)  # its last step is counted once the gauges are idle again
-    assert delta(before, later, "kvscope_engine_generation_tokens_total", **M) == generated + 2, "generation must stop"
+    assert delta(before, later, "kvscope_engine_generation_tokens_total", **M) == generated + 2, (
+        "generation must stop"
+    )
     # behind the 900-token request it would wait its remaining tokens at this engine's own pace
     k = line["kvscope"]
     per_token_s = (k["e2e_s"] - k["ttft_s"]) / (generated - 1)
@@ -94,8 +112,11 @@ def test_l2_non_streaming_client_killed_after_1s(engine):
     before = engine.metrics()
     idle = gauges(before)
     with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=engine.url, timeout=1.0) as short:
-        short.post(CHAT, json=chat("Tell me a very long story.", max_tokens=900, ignore_eos=True),
-                   headers={"x-request-id": "l2-non-streaming"})
+        short.post(
+            CHAT,
+            json=chat("Tell me a very long story.", max_tokens=900, ignore_eos=True),
+            headers={"x-request-id": "l2-non-streaming"},
+        )
     back_to(engine, idle)
     line = line_by_http_id(engine, "l2-non-streaming")
     assert (line["http"]["response"]["status_code"], line["kvscope"]["phase"]) == (499, "decode")
@@ -108,19 +129,28 @@ def test_l2_stream_aborted_during_prefill_of_near_context_prompt(engine, client)
     assert 900 < n_prompt <= 1016
     before = engine.metrics()
     idle = gauges(before)
+
     def prefilling(event: str) -> bool:  # a keep-alive arrived and the engine reports the request running
         return event.startswith(":") and gauges(engine.metrics())[0] == 1
 
-    result = stream(client, COMPLETIONS, completion(prompt, max_tokens=8), {"x-request-id": "l2-prefill"},
-                    until=prefilling)
+    result = stream(
+        client,
+        COMPLETIONS,
+        completion(prompt, max_tokens=8),
+        {"x-request-id": "l2-prefill"},
+        until=prefilling,
+    )
     assert result.parsed.data == []
     after = back_to(engine, idle)  # the abort lands before the next step
     step_tokens = sample(after, "kvscope_engine_step_tokens_sum", **M)
     # a later request's steps are the only ones after the abort: its uncached prompt, then one decode
-    probe = client.post("/v1/completions", json=completion("Count:", max_tokens=2, ignore_eos=True)).json()["usage"]
+    probe = client.post("/v1/completions", json=completion("Count:", max_tokens=2, ignore_eos=True)).json()[
+        "usage"
+    ]
     fresh = probe["prompt_tokens"] - ((probe.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     assert sample(back_to(engine, idle), "kvscope_engine_step_tokens_sum", **M) == step_tokens + fresh + 1, (
-        "engine must stop")
+        "engine must stop"
+    )
     assert delta(before, after, "kvscope_engine_prompt_tokens_total", **M) == 0
     assert step_tokens - sample(before, "kvscope_engine_step_tokens_sum", **M) < n_prompt
     line = line_by_http_id(engine, "l2-prefill")
@@ -138,7 +168,9 @@ def test_l2_m2_queued_request_and_kv_gauge(engine):
             wait_for(lambda i=i: streams[i].data_events >= 2, 30)
     busy = wait_for(lambda: (m := engine.metrics()) and gauges(m)[:2] == (2, 2) and m, 10)
     usage = sample(busy, "kvscope_engine_kv_cache_usage_ratio", **M)
-    blocks = [sample(busy, "kvscope_engine_kv_cache_blocks", state=s, **M) for s in ("used", "cached", "free")]
+    blocks = [
+        sample(busy, "kvscope_engine_kv_cache_blocks", state=s, **M) for s in ("used", "cached", "free")
+    ]
     assert idle[2] < usage <= 1.0 and usage == pytest.approx(blocks[0] / sum(blocks))
     streams[3].close()  # a queued request leaves
     wait_for(lambda: gauges(engine.metrics())[:2] == (2, 1))
@@ -171,17 +203,23 @@ def test_m1_latency_histograms_are_true(engine, client):
     ttft_sum = delta(before, after, "kvscope_engine_time_to_first_token_seconds_sum", **M)
     assert ttft_sum == pytest.approx(sum(line["kvscope"]["ttft_s"] for line in lines), abs=1e-6)
     # the engine stamps a first token before the client can read the next one (bounds that load only widens)
-    assert all(0 < line["kvscope"]["ttft_s"] < second for line, second in zip(lines, client_seconds, strict=True))
+    assert all(
+        0 < line["kvscope"]["ttft_s"] < second for line, second in zip(lines, client_seconds, strict=True)
+    )
     assert ttft_sum < sum(client_seconds)
     assert lines[4]["kvscope"]["ttft_s"] > 1.0
     assert delta(before, after, "kvscope_engine_time_to_first_token_seconds_bucket", le="1.0", **M) == sum(
-        line["kvscope"]["ttft_s"] <= 1.0 for line in lines)
+        line["kvscope"]["ttft_s"] <= 1.0 for line in lines
+    )
     e2e_sum = delta(before, after, "kvscope_engine_e2e_request_latency_seconds_sum", **M)
     assert e2e_sum == pytest.approx(sum(line["kvscope"]["e2e_s"] for line in lines), abs=1e-6)
     for line in lines:
         k, tokens = line["kvscope"], line["gen_ai"]["usage"]["output_tokens"]
         assert k["tpot_s"] == pytest.approx((k["e2e_s"] - k["ttft_s"]) / (tokens - 1), abs=0.02)
-    assert ("kvscope_engine_e2e_request_latency_seconds_bucket", (("le", "600.0"), ("model", "smollm2-135m"))) in after
+    assert (
+        "kvscope_engine_e2e_request_latency_seconds_bucket",
+        (("le", "600.0"), ("model", "smollm2-135m")),
+    ) in after
 
 
 def _span_tree(receiver, trace_hex: str) -> dict:
@@ -203,7 +241,10 @@ def test_m3_one_trace_per_request_over_otlp(engine, client, receiver):
     assert {e.name for e in named["prefill"].events} == {"prefill_chunk"}
     assert set(receiver.content_types) == {"application/x-protobuf"}
     line = log_line(engine, body["id"])
-    assert (line["trace"]["id"], line["span"]["id"]) == ("4bf92f3577b34da6a3ce929d0e0e4736", root.span_id.hex())
+    assert (line["trace"]["id"], line["span"]["id"]) == (
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+        root.span_id.hex(),
+    )
     plain = client.post(CHAT, json=chat("hi", max_tokens=2)).json()
     trace = log_line(engine, plain["id"])["trace"]["id"]
     tree = wait_for(lambda: _span_tree(receiver, trace), 10)

@@ -35,15 +35,23 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    process = start_engine(tmp_path_factory.mktemp("engine"), "--max-model-len", "128", "--num-blocks", "10",
-                           "--block-size", "16")
+    process = start_engine(
+        tmp_path_factory.mktemp("engine"),
+        "--max-model-len",
+        "128",
+        "--num-blocks",
+        "10",
+        "--block-size",
+        "16",
+    )
     yield process
     process.stop()
 
 
 def _body(i: int) -> dict:
-    return completion(f"Request {i}: list the numbers from 1 upward:", max_tokens=MAX_TOKENS, ignore_eos=True,
-                      temperature=0)
+    return completion(
+        f"Request {i}: list the numbers from 1 upward:", max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0
+    )
 
 
 def test_k2_preemption_is_invisible(engine):
@@ -51,13 +59,21 @@ def test_k2_preemption_is_invisible(engine):
     cached blocks) against the four prompts run two at a time."""
     with httpx.Client(base_url=engine.url, timeout=300) as client:
         with ThreadPoolExecutor(8) as pool:
-            unpreempted = [r for k in (0, 2)
-                           for r in pool.map(lambda i: client.post(COMPLETIONS, json=_body(i)).json(), (k, k + 1))]
+            unpreempted = [
+                r
+                for k in (0, 2)
+                for r in pool.map(lambda i: client.post(COMPLETIONS, json=_body(i)).json(), (k, k + 1))
+            ]
             assert [r["kvscope"]["num_preemptions"] for r in unpreempted] == [0] * 4
             before = engine.metrics()
             together = list(pool.map(lambda i: client.post(COMPLETIONS, json=_body(i % 4)).json(), range(8)))
-        after = wait_for(lambda: (m := engine.metrics()) and sample(
-            m, "kvscope_engine_kv_cache_blocks", state="used", **M) == 0 and m)
+        after = wait_for(
+            lambda: (
+                (m := engine.metrics())
+                and sample(m, "kvscope_engine_kv_cache_blocks", state="used", **M) == 0
+                and m
+            )
+        )
         for reference, batched in zip(unpreempted * 2, together, strict=True):
             choice = batched["choices"][0]
             assert (choice["finish_reason"], batched["usage"]["completion_tokens"]) == ("length", MAX_TOKENS)
@@ -66,21 +82,24 @@ def test_k2_preemption_is_invisible(engine):
         assert preemptions > 0
         lines = [log_line(engine, r["id"]) for r in together]
         assert sum(line["kvscope"]["num_preemptions"] for line in lines) == preemptions
-        assert all(r["kvscope"]["num_preemptions"] == line["kvscope"]["num_preemptions"]
-                   for r, line in zip(together, lines, strict=True))
+        assert all(
+            r["kvscope"]["num_preemptions"] == line["kvscope"]["num_preemptions"]
+            for r, line in zip(together, lines, strict=True)
+        )
         assert sample(after, "kvscope_engine_kv_cache_usage_ratio", **M) == 0.0
         assert client.post(CHAT, json=chat("hi", max_tokens=4)).status_code == 200
 
 
 def test_shutdown_fails_running_streams_in_band(engine):
     """SIGTERM while a stream runs: the client gets ``data: {"error": …}`` (engine shutting down), no [DONE]."""
-    run = BackgroundStream(engine.url, CHAT, chat("Tell me a long story.", max_tokens=60, ignore_eos=True),
-                           "shutdown-stream")
+    run = BackgroundStream(
+        engine.url, CHAT, chat("Tell me a long story.", max_tokens=60, ignore_eos=True), "shutdown-stream"
+    )
     wait_for(lambda: run.data_events >= 3, 60)
     engine.proc.terminate()
     run.join(30)
     assert run.last_data is not None and run.last_data != "data: [DONE]"
-    error = json.loads(run.last_data[len("data: "):])["error"]
+    error = json.loads(run.last_data[len("data: ") :])["error"]
     assert "engine shutting down" in error["message"] and error["code"] == "engine_shutdown"
     assert engine.proc.wait(30) in (0, -15)  # uvicorn re-raises the captured SIGTERM after a clean shutdown
     line = line_by_http_id(engine, "shutdown-stream")

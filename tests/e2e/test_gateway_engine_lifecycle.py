@@ -42,8 +42,15 @@ LONG_STORY = chat("Tell me a very long story.", max_tokens=900, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    running = start_stack(tmp_path_factory.mktemp("gw-lifecycle"), "--kv-cache-memory", "64M",
-                          "--max-num-seqs", "1", "--max-num-batched-tokens", "128")
+    running = start_stack(
+        tmp_path_factory.mktemp("gw-lifecycle"),
+        "--kv-cache-memory",
+        "64M",
+        "--max-num-seqs",
+        "1",
+        "--max-num-batched-tokens",
+        "128",
+    )
     yield running
     running.stop()
 
@@ -63,8 +70,10 @@ def engine_stays_alive(client):
 
 def gateway_idle(stack) -> bool:
     samples = stack.gateway_metrics()
-    return (total(samples, "kvscope_gateway_in_flight_requests"),
-            total(samples, "kvscope_gateway_upstream_outstanding_requests")) == (0, 0)
+    return (
+        total(samples, "kvscope_gateway_in_flight_requests"),
+        total(samples, "kvscope_gateway_upstream_outstanding_requests"),
+    ) == (0, 0)
 
 
 def test_l1_stream_disconnect_frees_everything(stack, client):
@@ -80,13 +89,17 @@ def test_l1_stream_disconnect_frees_everything(stack, client):
     client_tokens = len(token_times(result))
     assert 5 <= client_tokens <= line["gen_ai"]["usage"]["output_tokens"] <= generated
     engine_line = stack.engine_line("gw-l1")
-    assert (engine_line["kvscope"]["phase"], engine_line["gen_ai"]["usage"]["output_tokens"]) == ("decode", generated)
+    assert (engine_line["kvscope"]["phase"], engine_line["gen_ai"]["usage"]["output_tokens"]) == (
+        "decode",
+        generated,
+    )
     assert wait_for(lambda: gateway_idle(stack), 30)
     # a later request runs engine steps after the abort: a request still generating would add to the count
     admitted = client.post(CHAT, json=chat("hi", max_tokens=2, ignore_eos=True)).json()
     later = engine_back_to(stack, idle)  # its last step is counted once the gauges are idle again
     assert delta(before, later, "kvscope_engine_generation_tokens_total", **M) == generated + 2, (
-        "generation must stop")
+        "generation must stop"
+    )
     # behind the 900-token request (one sequence at a time) it would wait its remaining tokens at this pace
     k = engine_line["kvscope"]
     per_token_s = (k["e2e_s"] - k["ttft_s"]) / (generated - 1)
@@ -102,7 +115,10 @@ def test_l2_non_streaming_client_killed_after_1s(stack):
     assert (line["http"]["response"]["status_code"], line["kvscope"]["disconnect_phase"]) == (499, "response")
     assert line["kvscope"]["client_disconnected"] is True and line["event"]["outcome"] == "unknown"
     engine_line = stack.engine_line("gw-l2-json")
-    assert (engine_line["http"]["response"]["status_code"], engine_line["kvscope"]["phase"]) == (499, "decode")
+    assert (engine_line["http"]["response"]["status_code"], engine_line["kvscope"]["phase"]) == (
+        499,
+        "decode",
+    )
     assert engine_line["kvscope"]["outcome"] == "client_disconnected"
 
 
@@ -116,24 +132,36 @@ def test_l2_stream_aborted_during_prefill_of_near_context_prompt(stack, client):
     def prefilling(event: str) -> bool:  # a gateway keep-alive arrived and the engine runs the request
         return event.startswith(":") and engine_gauges(stack.engine_metrics())[0] == 1
 
-    result = stream(client, COMPLETIONS, completion(prompt, max_tokens=8), {"x-request-id": "gw-l2-prefill"},
-                    until=prefilling)
+    result = stream(
+        client,
+        COMPLETIONS,
+        completion(prompt, max_tokens=8),
+        {"x-request-id": "gw-l2-prefill"},
+        until=prefilling,
+    )
     assert result.status == 200 and result.parsed.data == []
     after = engine_back_to(stack, idle)  # the abort lands before the next step
     step_tokens = total(after, "kvscope_engine_step_tokens_sum", **M)
     # a later request's steps are the only ones after the abort: its uncached prompt, then one decode
     probe = client.post(COMPLETIONS, json=completion("Count:", max_tokens=2, ignore_eos=True)).json()["usage"]
     fresh = probe["prompt_tokens"] - ((probe.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    assert total(engine_back_to(stack, idle), "kvscope_engine_step_tokens_sum", **M) == step_tokens + fresh + 1, (
-        "engine must stop")
+    assert (
+        total(engine_back_to(stack, idle), "kvscope_engine_step_tokens_sum", **M) == step_tokens + fresh + 1
+    ), "engine must stop"
     assert delta(before, after, "kvscope_engine_prompt_tokens_total", **M) == 0
     assert step_tokens - total(before, "kvscope_engine_step_tokens_sum", **M) < n_prompt
     line = stack.gateway_line("gw-l2-prefill")
-    assert (line["kvscope"]["disconnect_phase"], line["kvscope"]["client_disconnected"]) == ("first_token", True)
+    assert (line["kvscope"]["disconnect_phase"], line["kvscope"]["client_disconnected"]) == (
+        "first_token",
+        True,
+    )
     assert (line["kvscope"]["ttft_s"], line["gen_ai"]["usage"]["output_tokens"]) == (None, 0)
     assert line["kvscope"]["prompt_tokens_counted"] == n_prompt
     engine_line = stack.engine_line("gw-l2-prefill")
-    assert (engine_line["kvscope"]["phase"], engine_line["kvscope"]["client_disconnected"]) == ("prefill", True)
+    assert (engine_line["kvscope"]["phase"], engine_line["kvscope"]["client_disconnected"]) == (
+        "prefill",
+        True,
+    )
 
 
 def test_l2_request_queued_behind_a_full_engine(stack):
@@ -146,7 +174,10 @@ def test_l2_request_queued_behind_a_full_engine(stack):
     queued.close()  # takes effect at the next gateway keep-alive
     wait_for(lambda: engine_gauges(stack.engine_metrics())[:2] == (1, 0))
     line = stack.gateway_line("gw-l2-queued")
-    assert (line["kvscope"]["disconnect_phase"], line["gen_ai"]["usage"]["output_tokens"]) == ("first_token", 0)
+    assert (line["kvscope"]["disconnect_phase"], line["gen_ai"]["usage"]["output_tokens"]) == (
+        "first_token",
+        0,
+    )
     engine_line = stack.engine_line("gw-l2-queued")
     assert (engine_line["kvscope"]["phase"], engine_line["gen_ai"]["usage"]["output_tokens"]) == ("queued", 0)
     running.close()
@@ -155,7 +186,9 @@ def test_l2_request_queued_behind_a_full_engine(stack):
     running_line = stack.engine_line("gw-l2-running")
     assert running_line["kvscope"]["phase"] == "decode"
     prompt_tokens = running_line["gen_ai"]["usage"]["input_tokens"]
-    assert delta(before, after, "kvscope_engine_prompt_tokens_total", **M) == prompt_tokens  # not the queued one
+    assert (
+        delta(before, after, "kvscope_engine_prompt_tokens_total", **M) == prompt_tokens
+    )  # not the queued one
 
 
 def test_m1_latency_histograms_are_true(stack, client):
@@ -167,9 +200,11 @@ def test_m1_latency_histograms_are_true(stack, client):
     first = before = stack.gateway_metrics()
     engine_before = stack.engine_metrics()
     client_seconds, lines = [], []  # client: send → the event of the second token arrived
-    hist = {"ttft_s": "kvscope_gateway_time_to_first_token_seconds_sum",
-            "tpot_s": "kvscope_gateway_time_per_output_token_seconds_sum",
-            "e2e_s": "kvscope_gateway_request_duration_seconds_sum"}
+    hist = {
+        "ttft_s": "kvscope_gateway_time_to_first_token_seconds_sum",
+        "tpot_s": "kvscope_gateway_time_per_output_token_seconds_sum",
+        "e2e_s": "kvscope_gateway_request_duration_seconds_sum",
+    }
     for i, body in enumerate(bodies):
         result = stream(client, COMPLETIONS, body, {"x-request-id": f"gw-m1-{i}"})
         client_seconds.append(token_times(result)[1])
@@ -177,7 +212,9 @@ def test_m1_latency_histograms_are_true(stack, client):
         after = stack.gateway_metrics()
         for field, name in hist.items():  # exactly the logged value went into each histogram
             labels = {"route": COMPLETIONS} if field == "e2e_s" else {}
-            assert delta(before, after, name, **labels, **M) == pytest.approx(line["kvscope"][field], abs=1e-9)
+            assert delta(before, after, name, **labels, **M) == pytest.approx(
+                line["kvscope"][field], abs=1e-9
+            )
         k, tokens = line["kvscope"], line["gen_ai"]["usage"]["output_tokens"]
         assert tokens == body["max_tokens"]
         assert k["tpot_s"] == pytest.approx((k["e2e_s"] - k["ttft_s"]) / (tokens - 1), rel=1e-9)
@@ -186,16 +223,23 @@ def test_m1_latency_histograms_are_true(stack, client):
         before = after
     assert delta(first, after, "kvscope_gateway_time_to_first_token_seconds_count", **M) == 5
     assert delta(first, after, "kvscope_gateway_time_per_output_token_seconds_count", **M) == 5
-    assert delta(engine_before, stack.engine_metrics(), "kvscope_engine_time_to_first_token_seconds_count", **M) == 5
+    assert (
+        delta(engine_before, stack.engine_metrics(), "kvscope_engine_time_to_first_token_seconds_count", **M)
+        == 5
+    )
     ttft_sum = delta(first, after, "kvscope_gateway_time_to_first_token_seconds_sum", **M)
     # the gateway stamps a first token before it forwards the next (bounds that load only widens)
     assert all(line["kvscope"]["ttft_s"] < second for line, second in zip(lines, client_seconds, strict=True))
     assert ttft_sum < sum(client_seconds)
     assert lines[3]["kvscope"]["ttft_s"] > 1.0
     assert delta(first, after, "kvscope_gateway_time_to_first_token_seconds_bucket", le="1.0", **M) == sum(
-        line["kvscope"]["ttft_s"] <= 1.0 for line in lines)
-    duration_bounds = {float(dict(labels)["le"]) for (name, labels), _ in after.items()
-                       if name == "kvscope_gateway_request_duration_seconds_bucket"}
+        line["kvscope"]["ttft_s"] <= 1.0 for line in lines
+    )
+    duration_bounds = {
+        float(dict(labels)["le"])
+        for (name, labels), _ in after.items()
+        if name == "kvscope_gateway_request_duration_seconds_bucket"
+    }
     assert {120.0, 300.0, 600.0} <= duration_bounds
 
 
@@ -220,12 +264,15 @@ def one_trace(stack, trace_id: str) -> dict:
     decode), checked to form one tree: server → client → engine server → llm_request → queue|prefill|decode.
     Returns them by role: ``gateway server``, ``client``, ``engine server``, ``llm_request``, the phases."""
     named = wait_for(lambda: (s := spans_by_trace(stack, trace_id)) and len(s) == 7 and s, 10)
-    assert set(named) == {("kvscope-gateway", n) for n in GATEWAY_SPANS} | {("kvscope-engine", n)
-                                                                            for n in ENGINE_SPANS}
-    span = {"gateway server": named[("kvscope-gateway", GATEWAY_SPANS[0])],
-            "client": named[("kvscope-gateway", GATEWAY_SPANS[1])],
-            "engine server": named[("kvscope-engine", ENGINE_SPANS[0])],
-            **{n: named[("kvscope-engine", n)] for n in ENGINE_SPANS[1:]}}
+    assert set(named) == {("kvscope-gateway", n) for n in GATEWAY_SPANS} | {
+        ("kvscope-engine", n) for n in ENGINE_SPANS
+    }
+    span = {
+        "gateway server": named[("kvscope-gateway", GATEWAY_SPANS[0])],
+        "client": named[("kvscope-gateway", GATEWAY_SPANS[1])],
+        "engine server": named[("kvscope-engine", ENGINE_SPANS[0])],
+        **{n: named[("kvscope-engine", n)] for n in ENGINE_SPANS[1:]},
+    }
     assert span["client"].parent_span_id == span["gateway server"].span_id
     assert span["engine server"].parent_span_id == span["client"].span_id
     assert span["llm_request"].parent_span_id == span["engine server"].span_id
@@ -234,8 +281,9 @@ def one_trace(stack, trace_id: str) -> dict:
 
 
 def test_m3_one_trace_through_gateway_and_engine(stack, client):
-    traced = client.post(CHAT, json=chat("hi", max_tokens=4), headers={"traceparent": TRACEPARENT,
-                                                                       "x-request-id": "gw-m3"})
+    traced = client.post(
+        CHAT, json=chat("hi", max_tokens=4), headers={"traceparent": TRACEPARENT, "x-request-id": "gw-m3"}
+    )
     assert traced.status_code == 200
     span = one_trace(stack, TRACE_ID)
     server = span["gateway server"]
@@ -243,7 +291,10 @@ def test_m3_one_trace_through_gateway_and_engine(stack, client):
     line = stack.gateway_line("gw-m3")
     assert (line["trace"]["id"], line["span"]["id"]) == (TRACE_ID, server.span_id.hex())
     engine_line = stack.engine_line("gw-m3")
-    assert (engine_line["trace"]["id"], engine_line["span"]["id"]) == (TRACE_ID, span["llm_request"].span_id.hex())
+    assert (engine_line["trace"]["id"], engine_line["span"]["id"]) == (
+        TRACE_ID,
+        span["llm_request"].span_id.hex(),
+    )
 
     plain = client.post(CHAT, json=chat("hi", max_tokens=2), headers={"x-request-id": "gw-m3-root"})
     trace_id = stack.gateway_line("gw-m3-root")["trace"]["id"]
@@ -251,9 +302,14 @@ def test_m3_one_trace_through_gateway_and_engine(stack, client):
     rooted = one_trace(stack, trace_id)
     assert rooted["gateway server"].parent_span_id == b""  # the gateway starts the trace
     assert stack.engine_line("gw-m3-root")["trace"]["id"] == trace_id
-    roots = [s for s in stack.receiver.spans()
-             if s.name == "llm_request" and _attr(s, "gen_ai.response.id") == plain.json()["id"]]
-    assert [s.trace_id.hex() for s in roots] == [trace_id], "one trace holds the engine's spans of the request"
+    roots = [
+        s
+        for s in stack.receiver.spans()
+        if s.name == "llm_request" and _attr(s, "gen_ai.response.id") == plain.json()["id"]
+    ]
+    assert [s.trace_id.hex() for s in roots] == [trace_id], (
+        "one trace holds the engine's spans of the request"
+    )
 
 
 def _attr(span, key: str) -> str | None:

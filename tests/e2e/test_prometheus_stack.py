@@ -42,7 +42,9 @@ from tests.e2e.prom import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL, FAKE_MODEL = "smollm2-135m", "fake-model"
 ARTIFACTS = REPO / "test-artifacts" / "dashboards"
-MAY_BE_EMPTY: dict[str, str] = {title: "GPU only: NVML/torch.cuda series are absent on CPU" for title in GPU_PANELS}
+MAY_BE_EMPTY: dict[str, str] = {
+    title: "GPU only: NVML/torch.cuda series are absent on CPU" for title in GPU_PANELS
+}
 """Panel title → why it may show no data on this machine (on CPU the engine still reports KV cache + weights as
 device memory on the overview)."""
 SCRAPE_S = 1.0
@@ -54,11 +56,16 @@ def python(*args: str) -> list[str]:
 
 def gateway_config(path: Path, port: int, engine: str, fake: str, keys: dict[str, str]) -> Path:
     config = {
-        "host": "127.0.0.1", "port": port,
-        "upstreams": [{"url": engine, "name": "engine", "models": [MODEL]},
-                      {"url": fake, "name": "fake", "models": [FAKE_MODEL]}],
-        "api_keys": [{"name": "main", "sha256": hash_key(keys["main"])},
-                     {"name": "limited", "sha256": hash_key(keys["limited"]), "limits": {"requests_per_minute": 1}}],
+        "host": "127.0.0.1",
+        "port": port,
+        "upstreams": [
+            {"url": engine, "name": "engine", "models": [MODEL]},
+            {"url": fake, "name": "fake", "models": [FAKE_MODEL]},
+        ],
+        "api_keys": [
+            {"name": "main", "sha256": hash_key(keys["main"])},
+            {"name": "limited", "sha256": hash_key(keys["limited"]), "limits": {"requests_per_minute": 1}},
+        ],
         "routing": {"health_interval_s": 1.0, "health_timeout_s": 1.0},
         "logs": {"file": str(path.parent / "requests.jsonl")},
         "metrics_public": True,  # Prometheus scrapes without a key (loopback only)
@@ -76,29 +83,72 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     ports = {name: free_port() for name in ("engine", "gateway", "fake")}
     keys = {"main": generate_key(), "limited": generate_key()}
     engine_url, fake_url = f"http://127.0.0.1:{ports['engine']}", f"http://127.0.0.1:{ports['fake']}"
-    fake = ManagedProcess(python("-m", "tests.gateway.fake_upstream", "--port", str(ports["fake"]), "--models",
-                                 FAKE_MODEL, "--status", "500"), tmp / "fake.log").start()
-    engine = ManagedProcess(python("-P", "-m", "kvscope.cli", "engine", "--model", MODEL, "--dtype", "float32",
-                                   "--speculative", "ngram",  # feeds the engine dashboard's speculative panels
-                                   "--host", "127.0.0.1", "--port", str(ports["engine"])), tmp / "engine.log").start()
+    fake = ManagedProcess(
+        python(
+            "-m",
+            "tests.gateway.fake_upstream",
+            "--port",
+            str(ports["fake"]),
+            "--models",
+            FAKE_MODEL,
+            "--status",
+            "500",
+        ),
+        tmp / "fake.log",
+    ).start()
+    engine = ManagedProcess(
+        python(
+            "-P",
+            "-m",
+            "kvscope.cli",
+            "engine",
+            "--model",
+            MODEL,
+            "--dtype",
+            "float32",
+            "--speculative",
+            "ngram",  # feeds the engine dashboard's speculative panels
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["engine"]),
+        ),
+        tmp / "engine.log",
+    ).start()
     config = gateway_config(tmp / "gateway.yaml", ports["gateway"], engine_url, fake_url, keys)
     processes = [fake, engine]
     try:
         wait_http_ok(f"{fake_url}/health", 30, fake.proc)
         wait_http_ok(f"{engine_url}/health", 300, engine.proc)
-        gateway = ManagedProcess(python("-P", "-m", "kvscope.cli", "gateway", "--config", str(config)),
-                                 tmp / "gateway.log").start()
+        gateway = ManagedProcess(
+            python("-P", "-m", "kvscope.cli", "gateway", "--config", str(config)), tmp / "gateway.log"
+        ).start()
         processes.append(gateway)
         wait_http_ok(f"http://127.0.0.1:{ports['gateway']}/healthz", 60, gateway.proc)
-        with WebhookReceiver() as receiver, \
-                AlertmanagerServer(tmp / "am", alertmanager_config(receiver.url)) as am, \
-                PrometheusServer(tmp / "prom", targets={"kvscope-engine": [f"127.0.0.1:{ports['engine']}"],
-                                                        "kvscope-gateway": [f"127.0.0.1:{ports['gateway']}"]},
-                                 rule_files=[fast_rules(tmp / "rules.yaml")], alertmanager=am.address,
-                                 scrape_interval=f"{SCRAPE_S:g}s") as prom:
+        with (
+            WebhookReceiver() as receiver,
+            AlertmanagerServer(tmp / "am", alertmanager_config(receiver.url)) as am,
+            PrometheusServer(
+                tmp / "prom",
+                targets={
+                    "kvscope-engine": [f"127.0.0.1:{ports['engine']}"],
+                    "kvscope-gateway": [f"127.0.0.1:{ports['gateway']}"],
+                },
+                rule_files=[fast_rules(tmp / "rules.yaml")],
+                alertmanager=am.address,
+                scrape_interval=f"{SCRAPE_S:g}s",
+            ) as prom,
+        ):
             wait_for_series(prom.api, 'up{job="kvscope-gateway"} == 1', 30)
-            yield {"prom": prom, "receiver": receiver, "engine": engine, "fake": fake, "keys": keys,
-                   "gateway": f"http://127.0.0.1:{ports['gateway']}", "tmp": tmp}
+            yield {
+                "prom": prom,
+                "receiver": receiver,
+                "engine": engine,
+                "fake": fake,
+                "keys": keys,
+                "gateway": f"http://127.0.0.1:{ports['gateway']}",
+                "tmp": tmp,
+            }
     except Exception:
         for process in processes:
             print(f"--- {process.log_path.name}\n{process.log()[-4000:]}")
@@ -109,16 +159,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
 
 
 def chat(client: httpx.Client, key: str, model: str, content: str, **extra) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 12,
-            "temperature": 0, **extra}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "temperature": 0,
+        **extra,
+    }
     return client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
 
 
 def stream(client: httpx.Client, key: str, model: str, content: str, **extra) -> int:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 12,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
-    with client.stream("POST", "/v1/chat/completions", json=body,
-                       headers={"Authorization": f"Bearer {key}"}) as response:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as response:
         return sum(1 for line in response.iter_lines() if line.startswith("data: "))
 
 
@@ -137,18 +200,27 @@ def workload_round(client: httpx.Client, pool: concurrent.futures.Executor, keys
     prompts = [f"{prefix} Question {i}: name a colour." for i in range(8)]
     plain = pool.map(lambda p: chat(client, keys["main"], MODEL, p).status_code, prompts)
     colours = ["red", "green", "blue"]  # structured output: feeds the engine dashboard's grammar panels
-    structured = pool.map(lambda p: chat(client, keys["main"], MODEL, p, guided_choice=colours).status_code,
-                          prompts[:2])
+    structured = pool.map(
+        lambda p: chat(client, keys["main"], MODEL, p, guided_choice=colours).status_code, prompts[:2]
+    )
     streamed = pool.map(lambda p: stream(client, keys["main"], MODEL, p), prompts[:4])
     words = " ".join(["alpha beta gamma delta epsilon"] * 6)
-    copying = pool.map(lambda i: chat(client, keys["main"], MODEL, f"Repeat exactly, {i}: {words}",
-                                      max_tokens=48).status_code, range(2))
+    copying = pool.map(
+        lambda i: (
+            chat(client, keys["main"], MODEL, f"Repeat exactly, {i}: {words}", max_tokens=48).status_code
+        ),
+        range(2),
+    )
     return {
-        "plain": list(plain), "stream_events": list(streamed), "structured": list(structured),
+        "plain": list(plain),
+        "stream_events": list(streamed),
+        "structured": list(structured),
         "copying": list(copying),
         "limited": [chat(client, keys["limited"], MODEL, "hi").status_code for _ in range(3)],
-        "stream_errors": [stream(client, keys["main"], FAKE_MODEL, "x",
-                                 fake={"status": 200, "error_after_tokens": 2}) for _ in range(2)],
+        "stream_errors": [
+            stream(client, keys["main"], FAKE_MODEL, "x", fake={"status": 200, "error_after_tokens": 2})
+            for _ in range(2)
+        ],
         "burst": [burst_request(client, keys["main"]) for _ in range(20)],
     }
 
@@ -180,12 +252,28 @@ def render_dashboards(prom: PrometheusServer, start: float) -> dict[str, list]:
     results = {}
     for path in sorted((REPO / "dashboards" / "json").glob("*.json")):
         dashboard = json.loads(path.read_text())
-        results[dashboard["uid"]] = render(dashboard, prom.api, window, ARTIFACTS / f"{dashboard['uid']}.png",
-                                           variables)
-    summary = {uid: [{"title": p.title, "queries": [{"ref": q.ref, "expr": q.expr, "series": len(q.series),
-                                                       "has_data": q.has_data, "error": q.error}
-                                                      for q in p.queries]} for p in panels]
-               for uid, panels in results.items()}
+        results[dashboard["uid"]] = render(
+            dashboard, prom.api, window, ARTIFACTS / f"{dashboard['uid']}.png", variables
+        )
+    summary = {
+        uid: [
+            {
+                "title": p.title,
+                "queries": [
+                    {
+                        "ref": q.ref,
+                        "expr": q.expr,
+                        "series": len(q.series),
+                        "has_data": q.has_data,
+                        "error": q.error,
+                    }
+                    for q in p.queries
+                ],
+            }
+            for p in panels
+        ]
+        for uid, panels in results.items()
+    }
     (ARTIFACTS / "queries.json").write_text(json.dumps(summary, indent=2))
     return results
 
@@ -201,7 +289,9 @@ def test_stack_metrics_dashboards_and_alerts(stack) -> None:
     assert (rounds[0]["limited"], rounds[1]["limited"]) == ([200, 429, 429], [429, 429, 429])
 
     assert receiver.wait_for(lambda r: ("KvscopeHighErrorRate", FAKE_MODEL) in pages(r), timeout_s=60), (
-        pages(receiver), prom.api.alerts())
+        pages(receiver),
+        prom.api.alerts(),
+    )
     time.sleep(3)
     chat_alerts = {(a["alertname"], a.get("model")) for a in receiver.firing("/team-chat")}
     assert ("KvscopeHighErrorRate", FAKE_MODEL) not in chat_alerts  # the warning twin is inhibited
@@ -210,15 +300,31 @@ def test_stack_metrics_dashboards_and_alerts(stack) -> None:
 
     stack["engine"].kill()
     stack["fake"].kill()
-    assert receiver.wait_for(lambda r: ("KvscopeNoHealthyUpstream", "kvscope-gateway") in pages(r), timeout_s=60), (
-        pages(receiver), prom.api.alerts())
-    assert receiver.wait_for(lambda r: ("KvscopeTargetDown", "kvscope-engine") in {
-        (a["alertname"], a.get("job")) for a in r.firing("/team-chat")}, timeout_s=60), prom.api.alerts()
+    assert receiver.wait_for(
+        lambda r: ("KvscopeNoHealthyUpstream", "kvscope-gateway") in pages(r), timeout_s=60
+    ), (pages(receiver), prom.api.alerts())
+    assert receiver.wait_for(
+        lambda r: (
+            ("KvscopeTargetDown", "kvscope-engine")
+            in {(a["alertname"], a.get("job")) for a in r.firing("/team-chat")}
+        ),
+        timeout_s=60,
+    ), prom.api.alerts()
 
     results = render_dashboards(prom, start)
-    errors = [(uid, p.title, q.ref, q.error) for uid, ps in results.items() for p in ps for q in p.queries
-              if q.error]
-    empty = [(uid, p.title, q.ref) for uid, ps in results.items() for p in ps for q in p.queries
-             if not q.has_data and p.title not in MAY_BE_EMPTY]
+    errors = [
+        (uid, p.title, q.ref, q.error)
+        for uid, ps in results.items()
+        for p in ps
+        for q in p.queries
+        if q.error
+    ]
+    empty = [
+        (uid, p.title, q.ref)
+        for uid, ps in results.items()
+        for p in ps
+        for q in p.queries
+        if not q.has_data and p.title not in MAY_BE_EMPTY
+    ]
     assert (errors, empty) == ([], []), "see test-artifacts/dashboards/queries.json"
     assert {"kvscope-engine.png", "kvscope-overview.png"} <= {p.name for p in ARTIFACTS.glob("*.png")}

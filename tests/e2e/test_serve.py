@@ -34,7 +34,7 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
     return fields[0], int(fields[1]), int(fields[19])
 
 
@@ -80,13 +80,16 @@ def serve(tmp_path) -> Iterator[Serve]:
     """``kvscope serve`` in its own process group, returned once its banner is printed."""
     port, output, log_file = free_port(), tmp_path / "serve.out", tmp_path / "requests.jsonl"
     with output.open("wb") as out:
-        proc = subprocess.Popen(_command(port, log_file), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            _command(port, log_file), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     running = Serve(proc, port, output, log_file, {})
     try:
         deadline = time.monotonic() + 240
         while BANNER not in output.read_text(errors="replace"):
-            assert proc.poll() is None, f"kvscope serve exited with {proc.returncode}:\n{output.read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"kvscope serve exited with {proc.returncode}:\n{output.read_text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, f"no banner after 240 s:\n{output.read_text()[-3000:]}"
             time.sleep(0.2)
         running.children = children_of(proc.pid)
@@ -101,7 +104,9 @@ def serve(tmp_path) -> Iterator[Serve]:
 
 
 def _check_children(running: Serve) -> None:
-    commands = sorted(" ".join(cmdline(pid)[1:5]) for pid in running.children)  # [python] -P -m kvscope.cli <cmd>
+    commands = sorted(
+        " ".join(cmdline(pid)[1:5]) for pid in running.children
+    )  # [python] -P -m kvscope.cli <cmd>
     assert len(commands) == 2 and "engine" in commands[0] and "gateway" in commands[1], commands
 
 
@@ -112,14 +117,21 @@ def _check_default_format(running: Serve) -> None:
     import re
 
     text = running.output.read_text(errors="replace")
-    engine_line = re.search(r"weights format: dtype (\w+), quantization (\w+) \((?:fastest verified format by |kvscope's "
-                            r"CPU kernels run gguf's decode step .*?)the start-up probe .*verified: float32, bfloat16, "
-                            r"int8, gguf \(kvscope eval ppl, 13,613 tokens", text)
+    engine_line = re.search(
+        r"weights format: dtype (\w+), quantization (\w+) \((?:fastest verified format by |kvscope's "
+        r"CPU kernels run gguf's decode step .*?)the start-up probe .*verified: float32, bfloat16, "
+        r"int8, gguf \(kvscope eval ppl, 13,613 tokens",
+        text,
+    )
     serve_line = re.search(r"engine weight format: dtype (\w+), quantization (\w+), weights \d+ MiB", text)
     assert engine_line is not None and serve_line is not None, text[-3000:]
     assert engine_line.groups() == serve_line.groups()
-    assert engine_line.groups() in {("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf"),
-                                    ("float32", "gguf")}
+    assert engine_line.groups() in {
+        ("float32", "none"),
+        ("bfloat16", "none"),
+        ("bfloat16", "gguf"),
+        ("float32", "gguf"),
+    }
 
 
 def _check_why(log_file: Path, prompt_tokens: int, record: dict) -> None:
@@ -137,13 +149,18 @@ def _check_why(log_file: Path, prompt_tokens: int, record: dict) -> None:
     answer = json.loads(out.getvalue())
     engine = answer["engine"]
     assert (answer["request_id"], engine["queue_ahead"], engine["running_on_arrival"]) == ("why-me", 0, 0)
-    assert (engine["prefill_steps"], engine["prefill_tokens"], engine["prompt_tokens"]) == (1, prompt_tokens,
-                                                                                         prompt_tokens)
+    assert (engine["prefill_steps"], engine["prefill_tokens"], engine["prompt_tokens"]) == (
+        1,
+        prompt_tokens,
+        prompt_tokens,
+    )
     assert (engine["decode_steps"], engine["decode_tokens"], engine["num_preemptions"]) == (3, 3, 0)
     assert sum(c["seconds"] for c in answer["causes"]) == pytest.approx(record["kvscope"]["e2e_s"], rel=0.05)
     assert record["kvscope"]["ttft_s"] is None  # not streamed: the gateway saw no first token, the engine did
-    assert answer["text"].startswith(f"TTFT {engine['ttft_s']:.3f} s: {engine['queue_s']:.3f} s queued "
-                                     "(0 requests ahead, 0 running); prefill ")
+    assert answer["text"].startswith(
+        f"TTFT {engine['ttft_s']:.3f} s: {engine['queue_s']:.3f} s queued "
+        "(0 requests ahead, 0 running); prefill "
+    )
 
 
 def test_serve_answers_through_the_openai_sdk_and_stops_cleanly_on_sigterm(serve):
@@ -152,12 +169,19 @@ def test_serve_answers_through_the_openai_sdk_and_stops_cleanly_on_sigterm(serve
     _check_children(serve)
     _check_default_format(serve)
     sdk = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
-    answer = sdk.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
-                                         max_tokens=4, temperature=0, extra_headers={"x-request-id": "why-me"})
+    answer = sdk.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        extra_headers={"x-request-id": "why-me"},
+    )
     assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 4)
     assert [m.id for m in sdk.models.list()] == ["smollm2-135m"]
     chats = wait_for(lambda: [r for r in read_log(serve.log_file, 0, 0) if r["url"]["path"] == CHAT], 5)
-    assert [(r["http"]["response"]["status_code"], r["gen_ai"]["usage"]["output_tokens"]) for r in chats] == [(200, 4)]
+    assert [(r["http"]["response"]["status_code"], r["gen_ai"]["usage"]["output_tokens"]) for r in chats] == [
+        (200, 4)
+    ]
     _check_why(serve.log_file, answer.usage.prompt_tokens, chats[0])
     # the engine's own request log goes beside it, not onto the terminal
     engine_log = serve.log_file.with_name("engine.ndjson")

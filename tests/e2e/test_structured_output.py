@@ -24,22 +24,49 @@ from tests.engine.server.e2e_support import delta
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 MODEL = "smollm2-135m"
 SEEDS = (11, 12, 13)
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Local time of a time zone",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
-                   "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}$"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time of a time zone",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}$"}},
+        },
+    },
+}
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    running = start_stack(tmp_path_factory.mktemp("structured"), "--max-model-len", "2048", "--kv-cache-memory",
-                          "256M", "--max-num-seqs", "64", "--num-threads", "2")
+    running = start_stack(
+        tmp_path_factory.mktemp("structured"),
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "256M",
+        "--max-num-seqs",
+        "64",
+        "--num-threads",
+        "2",
+    )
     yield running
     running.stop()
 
@@ -66,8 +93,13 @@ def test_parse_ten_schemas_at_temperature_is_always_valid(engine, client):
     def parse(job):
         model, seed = job
         return model, client.chat.completions.parse(
-            model=MODEL, messages=[{"role": "user", "content": f"Give me a {model.__name__} as JSON."}],
-            response_format=model, temperature=0.8, seed=seed, max_tokens=160)
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Give me a {model.__name__} as JSON."}],
+            response_format=model,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=160,
+        )
 
     results = _parallel(parse, [(m, s) for m in SCHEMAS for s in SEEDS])
     assert len(results) == 30
@@ -77,20 +109,37 @@ def test_parse_ten_schemas_at_temperature_is_always_valid(engine, client):
         assert isinstance(choice.message.parsed, model)
         jsonschema.validate(json.loads(choice.message.content), model.model_json_schema())
     after = engine.metrics()
-    assert delta(before, after, "kvscope_engine_structured_output_requests_total", model=MODEL, kind="json") == 30
+    assert (
+        delta(before, after, "kvscope_engine_structured_output_requests_total", model=MODEL, kind="json")
+        == 30
+    )
     assert delta(before, after, "kvscope_engine_structured_output_compile_seconds_count", model=MODEL) == 10
     assert delta(before, after, "kvscope_engine_structured_output_mask_seconds_count", model=MODEL) > 0
 
 
 def test_streamed_json_concatenates_to_the_same_valid_answer(client):
     def both(model):
-        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": f"A {model.__name__}, as JSON."}],
-                      temperature=0.8, seed=5, max_tokens=160,
-                      response_format={"type": "json_schema", "json_schema": {
-                          "name": model.__name__, "schema": to_strict_json_schema(model), "strict": True}})
+        kwargs = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"A {model.__name__}, as JSON."}],
+            temperature=0.8,
+            seed=5,
+            max_tokens=160,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": model.__name__,
+                    "schema": to_strict_json_schema(model),
+                    "strict": True,
+                },
+            },
+        )
         whole = client.chat.completions.create(**kwargs).choices[0].message.content
-        parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
-                 if c.choices]
+        parts = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(**kwargs, stream=True)
+            if c.choices
+        ]
         return model, whole, "".join(parts)
 
     for model, whole, streamed in _parallel(both, SCHEMAS[:3]):
@@ -99,8 +148,14 @@ def test_streamed_json_concatenates_to_the_same_valid_answer(client):
 
 
 def test_json_object_and_kvscope_kind(engine):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON object about a cat."}],
-            "response_format": {"type": "json_object"}, "temperature": 0.8, "seed": 3, "max_tokens": 6}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "A JSON object about a cat."}],
+        "response_format": {"type": "json_object"},
+        "temperature": 0.8,
+        "seed": 3,
+        "max_tokens": 6,
+    }
     answer = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=240).json()  # engine direct
     assert answer["choices"][0]["message"]["content"][0] == "{"  # a 135M model's free JSON object runs long
     assert answer["kvscope"]["structured_output"] == "json_object"
@@ -108,12 +163,25 @@ def test_json_object_and_kvscope_kind(engine):
 
 def test_regex_and_choice_hold_on_100_samples_each(client):
     regex = r"[A-Z][0-9]{3}-[a-z]{2}"
-    regex_out = client.completions.create(model=MODEL, prompt="Ticket id:", n=100, temperature=1.0, seed=1,
-                                          max_tokens=12, extra_body={"structured_outputs": {"regex": regex}})
+    regex_out = client.completions.create(
+        model=MODEL,
+        prompt="Ticket id:",
+        n=100,
+        temperature=1.0,
+        seed=1,
+        max_tokens=12,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )
     options = ["yes", "no", "maybe"]
     choice_out = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is the sky green?"}], n=100, temperature=1.0,
-        seed=2, max_tokens=8, extra_body={"guided_choice": options})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is the sky green?"}],
+        n=100,
+        temperature=1.0,
+        seed=2,
+        max_tokens=8,
+        extra_body={"guided_choice": options},
+    )
     assert len(regex_out.choices) == len(choice_out.choices) == 100
     assert all(re.fullmatch(regex, c.text) and c.finish_reason == "stop" for c in regex_out.choices)
     assert all(c.message.content in options and c.finish_reason == "stop" for c in choice_out.choices)
@@ -137,8 +205,15 @@ def test_bad_constraints_are_400_naming_the_field(client, extra, param, fragment
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_required_and_named_tool_calls_validate(client, tool_choice):
     def call(seed):
-        return client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                              tool_choice=tool_choice, temperature=0.8, seed=seed, max_tokens=80)
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=tool_choice,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=80,
+        )
 
     for completion in _parallel(call, range(6)):
         choice = completion.choices[0]
@@ -151,10 +226,19 @@ def test_required_and_named_tool_calls_validate(client, tool_choice):
             jsonschema.validate(json.loads(tool_call.function.arguments), PARAMETERS[tool_call.function.name])
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
 def test_streamed_tool_call_reassembles_to_the_non_streamed_one(stack, client, tool_choice):
-    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0.8,
-                  seed=7, max_tokens=80)
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        temperature=0.8,
+        seed=7,
+        max_tokens=80,
+    )
     rid = f"tools-{'required' if tool_choice == 'required' else 'named'}"
     whole = client.chat.completions.create(**kwargs, extra_headers={"x-request-id": rid}).choices[0]
     assert stack.gateway_line(rid)["gen_ai"]["response"]["finish_reasons"] == ["tool_calls"]
@@ -165,26 +249,47 @@ def test_streamed_tool_call_reassembles_to_the_non_streamed_one(stack, client, t
         for choice in chunk.choices:
             finish.append(choice.finish_reason)
             for part in choice.delta.tool_calls or ():
-                entry = calls.setdefault(part.index, {"id": part.id, "type": part.type,
-                                                      "name": part.function.name, "arguments": ""})
+                entry = calls.setdefault(
+                    part.index,
+                    {"id": part.id, "type": part.type, "name": part.function.name, "arguments": ""},
+                )
                 entry["arguments"] += part.function.arguments or ""
                 fragments[part.index] = fragments.get(part.index, 0) + bool(part.function.arguments)
     assert [f for f in finish if f] == ["tool_calls"]
     assert all(n > 1 for n in fragments.values()), fragments  # arguments stream as written, not in one piece
-    expected = [{"type": "function", "name": c.function.name, "arguments": c.function.arguments}
-                for c in whole.message.tool_calls]
+    expected = [
+        {"type": "function", "name": c.function.name, "arguments": c.function.arguments}
+        for c in whole.message.tool_calls
+    ]
     assert [{k: v for k, v in c.items() if k != "id"} for c in calls.values()] == expected
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) for c in calls.values())
 
 
 def test_tool_choice_none_and_tool_history_answer_text(client):
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
-        "id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                         "arguments": '{"city":"Paris","unit":"c"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
     for messages, choice in ((ASK, "none"), (history, "auto")):
-        completion = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
-                                                    tool_choice=choice, temperature=0, max_tokens=12)
+        completion = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            temperature=0,
+            max_tokens=12,
+        )
         answer = completion.choices[0]
         assert answer.message.tool_calls is None
         assert answer.finish_reason in ("stop", "length") and isinstance(answer.message.content, str)
@@ -192,13 +297,22 @@ def test_tool_choice_none_and_tool_history_answer_text(client):
 
 def test_unknown_named_tool_is_400(client):
     with pytest.raises(BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=4,
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            max_tokens=4,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert (caught.value.status_code, caught.value.body["param"]) == (400, "tool_choice")
 
 
-ANY_OF_3000 = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
-                         for i in range(3000)]}
+ANY_OF_3000 = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(3000)
+    ]
+}
 SELF_REFERENCE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 SELF_REF_TOOL = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
 
@@ -224,18 +338,32 @@ def test_a_matcher_error_mid_answer_is_an_error_never_a_stop(engine):
     item limit at the next token: the client's grammar beyond the matcher's limits. JSON: a 400 naming
     response_format and the cause; stream: an in-band invalid_request_error event and no [DONE] (serving case
     S3), never finish_reason stop on invalid JSON."""
-    schema = {"anyOf": [{"type": "integer"},
-                        {"type": "object", "properties": {"a": {"$ref": "#/anyOf/1"}}, "required": ["a"]}]}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON value:"}], "temperature": 0,
-            "max_tokens": 10, "logit_bias": {"39428": 100},  # 39428 = '{"' in SmolLM2's vocabulary
-            "response_format": {"type": "json_schema", "json_schema": {"name": "nest", "schema": schema}}}
-    error = {"message": "The json constraint exceeded the grammar matcher's limits while generating: parser "
-                        "error: Too many items (limit 50000; ff_tokens); try avoiding single-byte/short lexemes",
-             "type": "invalid_request_error", "param": "response_format", "code": "invalid_value"}
+    schema = {
+        "anyOf": [
+            {"type": "integer"},
+            {"type": "object", "properties": {"a": {"$ref": "#/anyOf/1"}}, "required": ["a"]},
+        ]
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "A JSON value:"}],
+        "temperature": 0,
+        "max_tokens": 10,
+        "logit_bias": {"39428": 100},  # 39428 = '{"' in SmolLM2's vocabulary
+        "response_format": {"type": "json_schema", "json_schema": {"name": "nest", "schema": schema}},
+    }
+    error = {
+        "message": "The json constraint exceeded the grammar matcher's limits while generating: parser "
+        "error: Too many items (limit 50000; ff_tokens); try avoiding single-byte/short lexemes",
+        "type": "invalid_request_error",
+        "param": "response_format",
+        "code": "invalid_value",
+    }
     answer = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=240)
     assert (answer.status_code, answer.json()["error"]) == (400, error)
-    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", json={**body, "stream": True},
-                      timeout=240) as streamed:
+    with httpx.stream(
+        "POST", f"{engine.url}/v1/chat/completions", json={**body, "stream": True}, timeout=240
+    ) as streamed:
         events = [line.removeprefix("data: ") for line in streamed.iter_lines() if line.startswith("data: ")]
     assert "[DONE]" not in events
     chunks = [json.loads(event) for event in events]

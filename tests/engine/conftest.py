@@ -11,7 +11,9 @@ import pytest
 @pytest.fixture(scope="session")
 def tokenizer_dir(model_dir: Path) -> Path:
     """A HF tokenizer folder of SmolLM2 (tokenizer.json, tokenizer_config.json, chat template)."""
-    assert (model_dir / "tokenizer.json").is_file(), f"the converted model at {model_dir} has no tokenizer.json"
+    assert (model_dir / "tokenizer.json").is_file(), (
+        f"the converted model at {model_dir} has no tokenizer.json"
+    )
     return model_dir
 
 

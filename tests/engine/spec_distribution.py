@@ -13,9 +13,20 @@ import torch
 import transformers
 
 VOCAB = 16
-CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 LM_HEAD_STD = 0.6
 """Spread of the output layer: peaked next-token distributions (a few likely tokens), so drafts copied from
 the model's own greedy continuation are often accepted and runs of 2-3 accepted tokens occur."""
@@ -66,14 +77,15 @@ def greedy_prompt(hf: transformers.PreTrainedModel, length: int) -> list[int]:
 
 
 @torch.inference_mode()
-def conditional_probs(hf: transformers.PreTrainedModel, prompt: Sequence[int], outputs: Sequence[Sequence[int]]
-                      ) -> torch.Tensor:
+def conditional_probs(
+    hf: transformers.PreTrainedModel, prompt: Sequence[int], outputs: Sequence[Sequence[int]]
+) -> torch.Tensor:
     """``[len(outputs), m, VOCAB]`` float64: the model's distribution (temperature 1) of output token ``j`` of
     each sequence given the prompt and that sequence's tokens before it (teacher forcing, one batched pass);
     all outputs have ``m`` tokens."""
     m = len(outputs[0])
     ids = torch.tensor([list(prompt) + list(o) for o in outputs])
-    logits = hf(ids).logits[:, len(prompt) - 1:len(prompt) - 1 + m].double()
+    logits = hf(ids).logits[:, len(prompt) - 1 : len(prompt) - 1 + m].double()
     return torch.softmax(logits, dim=-1)
 
 
@@ -91,6 +103,9 @@ def sequential_chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[fl
     cov = torch.diag(p.sum(0)) - p.T @ p
     stat = float(s @ torch.linalg.solve(cov, s))
     df = probs.shape[1] - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    p_value = float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
     return stat, p_value, df

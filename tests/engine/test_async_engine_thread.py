@@ -26,8 +26,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> P
 
 
 def _config(path: Path) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model=str(path), dtype="float32"), num_threads=1,
-                        cache=CacheConfig(block_size=16, num_blocks=64))
+    return EngineConfig(
+        model=ModelConfig(model=str(path), dtype="float32"),
+        num_threads=1,
+        cache=CacheConfig(block_size=16, num_blocks=64),
+    )
 
 
 async def _generate(engine: AsyncEngine) -> list[int]:
@@ -45,6 +48,7 @@ def test_build_warm_up_and_steps_run_on_the_engine_thread(tiny_dir: Path, monkey
         def wrapper(self, *args, **kwargs):
             seen[name].add(threading.current_thread().name)
             return original(self, *args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(EngineCore, "__init__", recording("build", EngineCore.__init__))
@@ -71,10 +75,12 @@ def test_a_failed_build_raises_in_the_caller(tmp_path: Path) -> None:
     assert "no-such-model" in str(caught.value)
 
 
-def test_an_error_in_a_call_is_raised_in_the_caller_and_the_engine_keeps_serving(tiny_dir: Path,
-                                                                                monkeypatch) -> None:
+def test_an_error_in_a_call_is_raised_in_the_caller_and_the_engine_keeps_serving(
+    tiny_dir: Path, monkeypatch
+) -> None:
     engine = AsyncEngine(_config(tiny_dir))
     try:
+
         def broken(self):
             raise RuntimeError("warm-up broke")
 

@@ -36,20 +36,28 @@ def allocate_blocks(seq_lens: list[int], block_size: int, rng: random.Random) ->
     rng.shuffle(ids)
     tables, at = [], 0
     for n in needed:
-        tables.append(ids[at: at + n])
+        tables.append(ids[at : at + n])
         at += n
     return tables, num_blocks
 
 
-def run_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
-             block_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def run_case(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache every request's K/V for positions < seq_len - q_len directly, write the new tokens through
     write_kv, attend; returns (backend output, naive output) for all packed queries."""
     gen = torch.Generator().manual_seed(seed)
     tables, num_blocks = allocate_blocks(seq_lens, block_size, random.Random(seed))
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)  # garbage elsewhere
+    kv_cache = torch.randn(
+        2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen
+    )  # garbage elsewhere
     backend = TorchAttentionBackend()
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     dense_k = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in seq_lens]
     dense_v = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in seq_lens]
     queries = [torch.randn(q, num_heads, HEAD_DIM, generator=gen) for q in query_lens]
@@ -58,11 +66,13 @@ def run_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_
             kv_cache[0, table[pos // block_size], pos % block_size] = k[pos]
             kv_cache[1, table[pos // block_size], pos % block_size] = v[pos]
     metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
-    new_k = torch.cat([k[k.shape[0] - q:] for k, q in zip(dense_k, query_lens, strict=True)])
-    new_v = torch.cat([v[v.shape[0] - q:] for v, q in zip(dense_v, query_lens, strict=True)])
+    new_k = torch.cat([k[k.shape[0] - q :] for k, q in zip(dense_k, query_lens, strict=True)])
+    new_v = torch.cat([v[v.shape[0] - q :] for v, q in zip(dense_v, query_lens, strict=True)])
     backend.write_kv(new_k, new_v, kv_cache, metadata.slot_mapping)
     out = backend.forward(torch.cat(queries), kv_cache, metadata, scale)
-    ref = torch.cat([naive_attention(q, k, v, scale) for q, k, v in zip(queries, dense_k, dense_v, strict=True)])
+    ref = torch.cat(
+        [naive_attention(q, k, v, scale) for q, k, v in zip(queries, dense_k, dense_v, strict=True)]
+    )
     return out, ref
 
 
@@ -78,7 +88,9 @@ def test_matches_naive_ragged_batch(block_size: int, num_heads: int, num_kv_head
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(("query_lens", "seq_lens"), [([12], [12]), ([4], [29]), ([1], [1]), ([1, 1, 1], [3, 64, 16])])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"), [([12], [12]), ([4], [29]), ([1], [1]), ([1, 1, 1], [3, 64, 16])]
+)
 def test_matches_naive_single_shapes(query_lens: list[int], seq_lens: list[int]) -> None:
     out, ref = run_case(query_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=4, seed=7)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)

@@ -79,8 +79,14 @@ def test_prepared_model_matches_hf(name: str) -> None:
 
 def _sampling(params: list[SamplingParams], vocab: int) -> SamplingMetadata:
     n = len(params)
-    return SamplingMetadata.build(params=params, prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
-                                  generators=[None] * n, eos_token_ids=[None] * n, vocab_size=vocab)
+    return SamplingMetadata.build(
+        params=params,
+        prompt_token_ids=[[]] * n,
+        output_token_ids=[[]] * n,
+        generators=[None] * n,
+        eos_token_ids=[None] * n,
+        vocab_size=vocab,
+    )
 
 
 def test_plain_greedy_fast_path_skips_logprobs() -> None:
@@ -116,7 +122,7 @@ def test_bfloat16_cache_attention(native_bf16: bool) -> None:
     query = torch.randn(sum(query_lens), heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
     backend = TorchAttentionBackend(native_bf16=native_bf16)
-    out = backend.forward(query, cache, meta, HEAD_DIM ** -0.5)
+    out = backend.forward(query, cache, meta, HEAD_DIM**-0.5)
     assert out.dtype == torch.bfloat16
     assert sorted(map(str, backend._buffers)) == sorted({"torch.bfloat16", str(expected_dtype)})
     refs, start = [], 0
@@ -124,14 +130,16 @@ def test_bfloat16_cache_attention(native_bf16: bool) -> None:
         slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
         keys = cache[0].reshape(-1, kv_heads, HEAD_DIM)[slots].float()
         values = cache[1].reshape(-1, kv_heads, HEAD_DIM)[slots].float()
-        refs.append(naive_attention(query[start: start + q_len].float(), keys, values, HEAD_DIM ** -0.5))
+        refs.append(naive_attention(query[start : start + q_len].float(), keys, values, HEAD_DIM**-0.5))
         start += q_len
-    atol, rtol = (2e-2, 2 ** -6) if native_bf16 else (1e-6, 2 ** -8)  # bf16 math / bf16 rounding of the output
+    atol, rtol = (2e-2, 2**-6) if native_bf16 else (1e-6, 2**-8)  # bf16 math / bf16 rounding of the output
     torch.testing.assert_close(out.float(), torch.cat(refs), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize(("cpus", "expected"), [({0}, 1), ({0, 1}, 1), (set(range(8)), 7)])
-def test_default_num_threads_leaves_one_cpu(monkeypatch: pytest.MonkeyPatch, cpus: set[int], expected: int) -> None:
+def test_default_num_threads_leaves_one_cpu(
+    monkeypatch: pytest.MonkeyPatch, cpus: set[int], expected: int
+) -> None:
     monkeypatch.setattr(engine_defaults.os, "sched_getaffinity", lambda pid: cpus)
     assert engine_defaults.default_num_threads() == expected
 
@@ -147,7 +155,9 @@ def test_gather_buffers_are_reused_and_large_ones_released(monkeypatch: pytest.M
     assert backend._buffers[torch.float32] is kept  # a smaller step reuses it
     monkeypatch.setattr(engine_attention, "MAX_RETAINED_GATHER_BYTES", 0)
     backend.forward(query[:1], cache, AttentionMetadata.build([1], [2], [[5]], 4), 1.0)
-    assert backend._buffers[torch.float32].shape == (2 * 1 * 4 * HEAD_DIM,)  # the large one dropped, a fitting one made
+    assert backend._buffers[torch.float32].shape == (
+        2 * 1 * 4 * HEAD_DIM,
+    )  # the large one dropped, a fitting one made
 
 
 @pytest.mark.slow
@@ -162,7 +172,9 @@ def test_bfloat16_engine_answers_like_float32(llm) -> None:
     [out] = bf16.chat(messages, params)
     [reference] = llm.chat(messages, params)
     assert out.outputs[0].text == "The capital of France is Paris."
-    assert out.outputs[0].token_ids == reference.outputs[0].token_ids == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+    assert (
+        out.outputs[0].token_ids == reference.outputs[0].token_ids == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

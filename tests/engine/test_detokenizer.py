@@ -22,8 +22,9 @@ STREAM_TEXTS = [
 ]
 
 
-def stream(tokenizer: Tokenizer, prompt: str | list[int], output_ids: list[int], **params) -> tuple[
-        IncrementalDetokenizer, list[str], str | None]:
+def stream(
+    tokenizer: Tokenizer, prompt: str | list[int], output_ids: list[int], **params
+) -> tuple[IncrementalDetokenizer, list[str], str | None]:
     """Feed ``output_ids`` one by one; return the detokenizer, the deltas (last one with finished=True) and the
     stop string that ended it (if any)."""
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -73,8 +74,9 @@ def test_prompt_text_sharing_the_split_characters_token_is_not_repeated(tokenize
 
 
 def test_complete_characters() -> None:
-    assert [complete_characters(b) for b in (b" \xf0\x9f", b"a\xe4", b"\xe4\xbd", "你".encode(), b"ab", b"")] == [
-        " ", "a", "", "你", "ab", ""]
+    assert [
+        complete_characters(b) for b in (b" \xf0\x9f", b"a\xe4", b"\xe4\xbd", "你".encode(), b"ab", b"")
+    ] == [" ", "a", "", "你", "ab", ""]
 
 
 def test_prime_starts_on_a_character_boundary(tokenizer: Tokenizer) -> None:
@@ -116,8 +118,9 @@ def test_stop_string_strict_prefix_of_a_token(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode(ids[:1]) == " Paris"
     detok, deltas, stop = stream(tokenizer, "The capital of France is", ids, stop=["Pari"])
     assert (stop, deltas, detok.output_text) == ("Pari", [" "], " ")
-    detok, deltas, stop = stream(tokenizer, "The capital of France is", ids, stop=["Pari"],
-                                 include_stop_str_in_output=True)
+    detok, deltas, stop = stream(
+        tokenizer, "The capital of France is", ids, stop=["Pari"], include_stop_str_in_output=True
+    )
     assert (stop, deltas, detok.output_text) == ("Pari", [" Pari"], " Pari")
 
 
@@ -133,12 +136,22 @@ def test_unmatched_stop_is_flushed_at_finish(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode(" L M N O P Q R")
     detok, deltas, stop = stream(tokenizer, "K", ids, stop=["XYZ", "Q R S"])
     assert stop is None
-    assert deltas == [" L", " M", " N", " O", " P", " ", "Q R"]  # "Q" held (it starts "Q R S"); the end flushes
+    assert deltas == [
+        " L",
+        " M",
+        " N",
+        " O",
+        " P",
+        " ",
+        "Q R",
+    ]  # "Q" held (it starts "Q R S"); the end flushes
     assert "".join(deltas) == detok.output_text == " L M N O P Q R"
 
 
 def test_hold_back_only_genuine_prefixes(tokenizer: Tokenizer) -> None:
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say"), SamplingParams(stop=["world peace", "lo x"]))
+    detok = IncrementalDetokenizer(
+        tokenizer, tokenizer.encode("Say"), SamplingParams(stop=["world peace", "lo x"])
+    )
     detok.update(tokenizer.encode(" Hello"))
     assert detok.held_back_length() == 2 and detok.get_next_output_text(False, True) == " Hel"
     detok.update(tokenizer.encode(" world"))
@@ -147,7 +160,14 @@ def test_hold_back_only_genuine_prefixes(tokenizer: Tokenizer) -> None:
     assert detok.get_next_output_text(False, delta=False) == " Hello "
     detok.update(tokenizer.encode("!"))
     assert detok.held_back_length() == 0 and detok.get_next_output_text(False, True) == "world!"
-    assert [longest_prefix_suffix(t, "abc") for t in ("xxab", "xxa", "xxb", "xxc", "abc", "")] == [2, 1, 0, 0, 0, 0]
+    assert [longest_prefix_suffix(t, "abc") for t in ("xxab", "xxa", "xxb", "xxc", "abc", "")] == [
+        2,
+        1,
+        0,
+        0,
+        0,
+        0,
+    ]
     assert longest_prefix_suffix("xaab", "aab c") == 3 and longest_prefix_suffix("aa", "aab") == 2
 
 

@@ -32,7 +32,7 @@ def hf_strided_perplexity(model, ids: torch.Tensor, context: int, stride: int) -
         end = min(begin + context, seq_len)
         input_ids = ids[:, begin:end]
         target = input_ids.clone()
-        target[:, :-(end - prev_end)] = -100
+        target[:, : -(end - prev_end)] = -100
         with torch.no_grad():
             loss = model(input_ids, labels=target).loss
         valid = int((target[:, 1:] != -100).sum())
@@ -61,11 +61,28 @@ def test_default_formats_meet_their_bounds_on_a_prefix(tmp_path: Path) -> None:
     −0.072 %, auto (= bfloat16 there) +0.006 % / +0.033 %: within 0.04 percentage points of each other and
     ≥ 0.5 points inside every bound, so the guard fails only for a real regression, not for the shorter text."""
     out = tmp_path / "ppl.json"
-    assert ppl_main(["--max-tokens", str(PREFIX), "--context", str(PREFIX), "--stride", str(PREFIX // 2),
-                     "--no-agreement", "--num-threads", "1", "--save-result", str(out)]) == 0
+    assert (
+        ppl_main(
+            [
+                "--max-tokens",
+                str(PREFIX),
+                "--context",
+                str(PREFIX),
+                "--stride",
+                str(PREFIX // 2),
+                "--no-agreement",
+                "--num-threads",
+                "1",
+                "--save-result",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     rows = {r["format"]: r for r in report["rows"]}
     assert list(rows) == list(DEFAULT_FORMATS)
     assert {name: (r["tokens_scored"], r["passed"]) for name, r in rows.items()} == {
-        name: (PREFIX - 1, True) for name in DEFAULT_FORMATS}
+        name: (PREFIX - 1, True) for name in DEFAULT_FORMATS
+    }
     assert set(get_model_spec("smollm2-135m").verified_formats) <= {n for n, r in rows.items() if r["passed"]}

@@ -38,7 +38,9 @@ def _fixed_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 def compact_llm():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "probe_cpu_kernels", lambda: FOUR_ROWS)
-        return LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=64 << 20, num_threads=2)
+        return LLM(
+            "smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=64 << 20, num_threads=2
+        )
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -67,12 +69,22 @@ def test_decode_steps_up_to_the_crossover_run_fused(compact_llm, monkeypatch: py
     assert calls == []
 
 
-def test_prompt_logprobs_and_drafts_keep_the_eager_decoder(compact_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prompt_logprobs_and_drafts_keep_the_eager_decoder(
+    compact_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = count_calls(monkeypatch)
-    out = compact_llm.generate(["def add(a, b):"], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1))
+    out = compact_llm.generate(
+        ["def add(a, b):"], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+    )
     assert len(out[0].outputs[0].token_ids) == 4 and calls == []
-    spec = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=64 << 20,
-               speculative="ngram", num_speculative_tokens=3)
+    spec = LLM(
+        "smollm2-135m",
+        dtype="bfloat16",
+        quantization="gguf",
+        kv_cache_memory=64 << 20,
+        speculative="ngram",
+        num_speculative_tokens=3,
+    )
     text = "a b c d e f a b c d e f a b c d e f"
     spec.generate([text], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert spec.engine.runner.fused is not None
@@ -83,7 +95,9 @@ def test_one_row_logits_come_from_the_decode_head(compact_llm) -> None:
     """One row's logits (a lone prompt's first token) are the Q8_0 ``decode_head``'s, as in the fused step; two
     or more rows (batched prefills, prompt logprobs) keep the dense head."""
     model = compact_llm.engine.model
-    hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(
+        torch.bfloat16
+    )
     with torch.inference_mode():
         one = model.compute_logits(hidden[1:])
         two = model.compute_logits(hidden)
@@ -94,8 +108,9 @@ def test_one_row_logits_come_from_the_decode_head(compact_llm) -> None:
 
 
 def test_torch_kernels_and_other_formats_have_no_fused_step() -> None:
-    torch_kernels = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=16 << 20,
-                        cpu_kernels="torch")
+    torch_kernels = LLM(
+        "smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=16 << 20, cpu_kernels="torch"
+    )
     assert torch_kernels.engine.runner.fused is None
     assert torch_kernels.engine.model.load_report.cpu_kernels is None
     int8 = LLM("smollm2-135m", dtype="bfloat16", quantization="int8", kv_cache_memory=16 << 20)
@@ -107,8 +122,12 @@ def test_fused_step_writes_the_kv_the_eager_decoder_writes(compact_llm) -> None:
     fused = compact_llm.engine.runner.fused
     c = model.config
     tokens = Tokenizer.from_dir(compact_llm.engine.info.model_dir).hf.encode("The quick brown fox jumps").ids
-    caches = [allocate_kv_caches(c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16,
-                                 torch.device("cpu")) for _ in range(2)]
+    caches = [
+        allocate_kv_caches(
+            c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device("cpu")
+        )
+        for _ in range(2)
+    ]
     backend = TorchAttentionBackend()
     table = [3, 1, 2, 0]  # blocks out of order: attention must follow the table
     with torch.inference_mode():
@@ -123,12 +142,16 @@ def test_fused_step_writes_the_kv_the_eager_decoder_writes(compact_llm) -> None:
         logits = fused(last, pos, step, caches[1])
     slot = step.slot_mapping.item()
     for eager_kv, fused_kv in zip(caches[0], caches[1], strict=True):
-        a, b = eager_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, slot].float(), \
-            fused_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, slot].float()
+        a, b = (
+            eager_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, slot].float(),
+            fused_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, slot].float(),
+        )
         # eager rounds q/k/v to bfloat16 after every op, fused keeps float32 and int8 activations in the GEMV
         assert (a - b).abs().max() <= 0.05 * a.abs().max()  # measured 2.6-3.2 % at the worst layer
-        assert torch.equal(eager_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, :slot],
-                           fused_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, :slot])  # nothing else moved
+        assert torch.equal(
+            eager_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, :slot],
+            fused_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, :slot],
+        )  # nothing else moved
     assert logits.shape == (1, c.vocab_size) and logits.dtype == torch.float32
     # both are a few % (relative L2) from float32 logits of the same weights, in different directions (measured
     # on three prompts with the int8 codes: fused 0.8-6.7 %, eager 1.1-5.8 %, 5-11 % from each other); a wrong
@@ -147,12 +170,19 @@ def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir) -> No
     model, fused = compact_llm.engine.model, compact_llm.engine.runner.fused
     ratios = []
     for start in (0, 2000, 5000):
-        tokens = text[start:start + 256]
+        tokens = text[start : start + 256]
         with torch.inference_mode():
             everything = AttentionMetadata.build([len(tokens)], [len(tokens)], [list(range(16))], 16)
             c = reference.config
-            kv = allocate_kv_caches(c.num_hidden_layers, 16, 16, c.num_key_value_heads, c.head_dim, torch.float32,
-                                    torch.device("cpu"))
+            kv = allocate_kv_caches(
+                c.num_hidden_layers,
+                16,
+                16,
+                c.num_key_value_heads,
+                c.head_dim,
+                torch.float32,
+                torch.device("cpu"),
+            )
             with set_forward_context(everything, kv, TorchAttentionBackend()):
                 logits = reference.compute_logits(reference(torch.tensor(tokens), torch.arange(len(tokens))))
         logprobs = torch.log_softmax(logits.double(), dim=-1)

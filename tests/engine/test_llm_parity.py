@@ -28,7 +28,10 @@ CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "请用一句话介绍一下长城。"}],
     [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
-    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three fruits."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three fruits."},
+    ],
     [{"role": "user", "content": "Translate to German: The weather is nice today."}],
     [{"role": "user", "content": f"Summarize in one sentence: {LONG_TEXT}"}],
 ]
@@ -48,10 +51,16 @@ def reference(hf_model, prompts, llm) -> list[list[int]]:
     outputs = []
     with torch.inference_mode():
         for ids in prompts:
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.0,
-                                    eos_token_id=llm.tokenizer.eos_token_id, pad_token_id=0)
-            outputs.append(out[0, len(ids):].tolist())
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                repetition_penalty=1.0,
+                eos_token_id=llm.tokenizer.eos_token_id,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(ids) :].tolist())
     return outputs
 
 
@@ -85,8 +94,12 @@ def run_batch(engine: LLM, prompts: list[list[int]]) -> tuple[list[RequestOutput
 @pytest.fixture(scope="module", params=[2048, 64], ids=["one-step-prefill", "chunked-64"])
 def cold_batch(request, prompts) -> tuple[int, list[RequestOutput], list]:
     """A fresh engine, prefix caching off, step budget ``request.param`` tokens; the batch run on it."""
-    engine = LLM("smollm2-135m", kv_cache_memory=256 << 20, enable_prefix_caching=False,
-                 max_num_batched_tokens=request.param)
+    engine = LLM(
+        "smollm2-135m",
+        kv_cache_memory=256 << 20,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=request.param,
+    )
     outputs, steps = run_batch(engine, prompts)
     del engine
     gc.collect()

@@ -25,6 +25,7 @@ def fake_convert(calls: list[tuple[Path, Path]]):
         (out_dir / "config.json").write_text("{}")
         (out_dir / "model.safetensors").write_bytes(b"")
         return out_dir
+
     return convert
 
 
@@ -66,7 +67,9 @@ def test_processes_starting_at_once_convert_once(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(loader, "convert_gguf_to_hf", lambda g, o: time.sleep(0.5) or convert(g, o))
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        found = list(pool.map(lambda _: loader._resolve(str(tmp_path / "m.gguf"), tmp_path / "cache"), range(2)))
+        found = list(
+            pool.map(lambda _: loader._resolve(str(tmp_path / "m.gguf"), tmp_path / "cache"), range(2))
+        )
     assert len(converts) == 1 and found[0][0] == found[1][0] == converts[0][1]
     assert sorted(converted for _, converted, _ in found) == [False, True]
 
@@ -103,9 +106,16 @@ def test_load_bfloat16(tiny_folder: tuple[Pair, Path]) -> None:
 
 
 def test_sliding_window_longer_than_context_is_refused(tmp_path: Path) -> None:
-    config = transformers.MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, sliding_window=32,
-                                        max_position_embeddings=128)
+    config = transformers.MistralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=32,
+        max_position_embeddings=128,
+    )
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="set max_model_len <= 32 \\(the window\\), got 128"):
         load_model(ModelConfig(model=str(tmp_path)), "cpu")
@@ -124,14 +134,19 @@ def test_smollm2_matches_transformers_gguf(tmp_path: Path, hf_model) -> None:
     first, _, model_dir = load_model(ModelConfig(model=str(gguf)), "cpu", root=tmp_path)
     second, _, _ = load_model(ModelConfig(model=str(gguf)), "cpu", root=tmp_path)
     assert (first.load_report.converted, second.load_report.converted) == (True, False)
-    print(f"\nfirst load (convert) {first.load_report.total_s:.2f}s, "
-          f"second load (safetensors) {second.load_report.total_s:.2f}s")
+    print(
+        f"\nfirst load (convert) {first.load_report.total_s:.2f}s, "
+        f"second load (safetensors) {second.load_report.total_s:.2f}s"
+    )
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = list(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
     gguf_tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    assert ids == list(gguf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False))
+    assert ids == list(
+        gguf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
     assert ids[:3] == [1, 9690, 198] and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|>system\n … assistant\n
     with torch.inference_mode():
         expected = hf_model(torch.tensor([ids])).logits[0].float()
@@ -144,13 +159,16 @@ def test_smollm2_matches_transformers_gguf(tmp_path: Path, hf_model) -> None:
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
     greedy = greedy_decode(second, caches, ids, logits[-1], steps=8)
     with torch.inference_mode():
-        reference = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+        reference = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
     print(f"greedy: {tok.decode(greedy)!r}")
     assert greedy == reference
 
 
-def greedy_decode(model, caches: list[torch.Tensor], ids: list[int], last_logits: torch.Tensor,
-                  steps: int) -> list[int]:
+def greedy_decode(
+    model, caches: list[torch.Tensor], ids: list[int], last_logits: torch.Tensor, steps: int
+) -> list[int]:
     """Paged single-token decode steps feeding the argmax (blocks as in the prefill above)."""
     tokens, out = list(ids), []
     blocks = [4, 1, 6, 0, 2, 7]
@@ -159,5 +177,7 @@ def greedy_decode(model, caches: list[torch.Tensor], ids: list[int], last_logits
         tokens.append(out[-1])
         meta = AttentionMetadata.build([1], [len(tokens)], [blocks[: -(-len(tokens) // 16)]], 16)
         with torch.inference_mode(), set_forward_context(meta, caches, TorchAttentionBackend()):
-            last_logits = model.compute_logits(model(torch.tensor(out[-1:]), torch.tensor([len(tokens) - 1])))[0]
+            last_logits = model.compute_logits(
+                model(torch.tensor(out[-1:]), torch.tensor([len(tokens) - 1]))
+            )[0]
     return out

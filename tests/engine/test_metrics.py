@@ -55,20 +55,35 @@ EXPECTED = {
     "kvscope_engine_spec_decode_num_accepted_tokens": ("counter", ("model",)),
     "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": ("counter", ("model", "position")),
     "kvscope_engine_spec_decode_acceptance_length": ("histogram", ("model",)),
-    "kvscope_engine_weights_bytes": ("gauge", ()),  # labelled model/dtype/quantization, set by the server at start
+    "kvscope_engine_weights_bytes": (
+        "gauge",
+        (),
+    ),  # labelled model/dtype/quantization, set by the server at start
     "kvscope_engine_build_info": ("gauge", ("python", "version")),
     # CUDA only, set by engine/server/gpu_telemetry.py: no series after initialize() (absent on CPU, not 0)
-    **{f"kvscope_engine_{name}": ("gauge", ()) for name in (
-        "gpu_memory_budget_bytes", "gpu_utilization_ratio", "gpu_temperature_celsius", "gpu_power_watts",
-        "gpu_power_limit_watts", "gpu_throttled", "torch_memory_reserved_bytes", "torch_memory_allocated_bytes")},
+    **{
+        f"kvscope_engine_{name}": ("gauge", ())
+        for name in (
+            "gpu_memory_budget_bytes",
+            "gpu_utilization_ratio",
+            "gpu_temperature_celsius",
+            "gpu_power_watts",
+            "gpu_power_limit_watts",
+            "gpu_throttled",
+            "torch_memory_reserved_bytes",
+            "torch_memory_allocated_bytes",
+        )
+    },
     "kvscope_engine_torch_alloc_retries": ("counter", ()),
     "kvscope_engine_torch_ooms": ("counter", ()),
 }
 
 
 def families(registry: CollectorRegistry) -> dict[str, tuple[str, tuple[str, ...]]]:
-    return {f.name: (f.type, tuple(sorted({k for s in f.samples for k in s.labels if k != "le"})))
-            for f in registry.collect()}
+    return {
+        f.name: (f.type, tuple(sorted({k for s in f.samples for k in s.labels if k != "le"})))
+        for f in registry.collect()
+    }
 
 
 def test_initialize_exposes_every_design_metric_with_its_labels() -> None:
@@ -94,8 +109,12 @@ def test_initialize_creates_each_label_value_at_zero() -> None:
 def test_build_info_is_one_with_the_versions() -> None:
     registry = CollectorRegistry()
     EngineMetrics(registry).initialize("m", "cpu")
-    assert registry.get_sample_value("kvscope_engine_build_info", {
-        "version": kvscope_version(), "python": platform.python_version()}) == 1.0
+    assert (
+        registry.get_sample_value(
+            "kvscope_engine_build_info", {"version": kvscope_version(), "python": platform.python_version()}
+        )
+        == 1.0
+    )
 
 
 def test_observations_land_in_the_right_buckets() -> None:
@@ -125,8 +144,13 @@ def test_default_buckets_meet_the_design() -> None:
 def test_custom_buckets_are_used() -> None:
     registry = CollectorRegistry()
     EngineMetrics(registry, MetricBuckets(batch_size=(1, 3, 9))).batch_size.labels(model="m").observe(2)
-    bounds = [s.labels["le"] for f in registry.collect() if f.name == "kvscope_engine_batch_size"
-              for s in f.samples if s.name.endswith("_bucket")]
+    bounds = [
+        s.labels["le"]
+        for f in registry.collect()
+        if f.name == "kvscope_engine_batch_size"
+        for s in f.samples
+        if s.name.endswith("_bucket")
+    ]
     assert bounds == ["1.0", "3.0", "9.0", "+Inf"]
 
 
@@ -151,23 +175,54 @@ def test_a_finished_sequence_adds_its_seconds_by_cause() -> None:
     from kvscope.engine.core.stats import KvscopeStats
     from kvscope.engine.server.stat_logger import SequenceTimings, ServerMetrics
 
-    stats = KvscopeStats(queue_s=2.0, prefill_steps=3, prefill_own_s=0.5, prefill_interference_s=1.25,
-                         prefill_interference_prefill_s=1.0, prefill_preempted_s=0.0, prefill_other_s=0.125,
-                         decode_steps=10, decode_own_s=0.25, decode_interference_s=0.75,
-                         decode_interference_prefill_s=0.5, decode_preempted_s=0.375, decode_other_s=0.0)
+    stats = KvscopeStats(
+        queue_s=2.0,
+        prefill_steps=3,
+        prefill_own_s=0.5,
+        prefill_interference_s=1.25,
+        prefill_interference_prefill_s=1.0,
+        prefill_preempted_s=0.0,
+        prefill_other_s=0.125,
+        decode_steps=10,
+        decode_own_s=0.25,
+        decode_interference_s=0.75,
+        decode_interference_prefill_s=0.5,
+        decode_preempted_s=0.375,
+        decode_other_s=0.0,
+    )
     causes = cause_seconds(stats)
-    assert causes == {("ttft", "queue"): 2.0, ("ttft", "own"): 0.5, ("ttft", "other_prefills"): 1.0,
-                      ("ttft", "batched_decodes"): 0.25, ("ttft", "preemption"): 0.0, ("ttft", "host"): 0.125,
-                      ("decode", "own"): 0.25, ("decode", "other_prefills"): 0.5,
-                      ("decode", "batched_decodes"): 0.25, ("decode", "preemption"): 0.375,
-                      ("decode", "host"): 0.0}
+    assert causes == {
+        ("ttft", "queue"): 2.0,
+        ("ttft", "own"): 0.5,
+        ("ttft", "other_prefills"): 1.0,
+        ("ttft", "batched_decodes"): 0.25,
+        ("ttft", "preemption"): 0.0,
+        ("ttft", "host"): 0.125,
+        ("decode", "own"): 0.25,
+        ("decode", "other_prefills"): 0.5,
+        ("decode", "batched_decodes"): 0.25,
+        ("decode", "preemption"): 0.375,
+        ("decode", "host"): 0.0,
+    }
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry, "m")
     for _ in range(2):
         metrics.on_sequence_finished(SequenceTimings("stop", 11, e2e_s=6.0, causes=causes))
     value = registry.get_sample_value
-    assert value("kvscope_engine_latency_cause_seconds_total", {"model": "m", "phase": "ttft", "cause": "queue"}) == 4.0
-    assert value("kvscope_engine_latency_cause_seconds_total",
-                 {"model": "m", "phase": "decode", "cause": "preemption"}) == 0.75
-    assert value("kvscope_engine_latency_cause_seconds_total",
-                 {"model": "m", "phase": "decode", "cause": "host"}) == 0.0
+    assert (
+        value("kvscope_engine_latency_cause_seconds_total", {"model": "m", "phase": "ttft", "cause": "queue"})
+        == 4.0
+    )
+    assert (
+        value(
+            "kvscope_engine_latency_cause_seconds_total",
+            {"model": "m", "phase": "decode", "cause": "preemption"},
+        )
+        == 0.75
+    )
+    assert (
+        value(
+            "kvscope_engine_latency_cause_seconds_total", {"model": "m", "phase": "decode", "cause": "host"}
+        )
+        == 0.0
+    )

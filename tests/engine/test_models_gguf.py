@@ -19,10 +19,17 @@ from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_
 
 # Written independently of engine/models/gguf.py: llama.cpp's names (gguf-py tensor_mapping.py).
 HF_TO_GGUF = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -40,8 +47,12 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF[part]}.{suffix}"
 
 
-def write_gguf(pair: Pair, arch: str, path: Path,
-               qtype: Callable[[str, np.ndarray], gguf.GGMLQuantizationType | None] = lambda name, w: None) -> None:
+def write_gguf(
+    pair: Pair,
+    arch: str,
+    path: Path,
+    qtype: Callable[[str, np.ndarray], gguf.GGMLQuantizationType | None] = lambda name, w: None,
+) -> None:
     """The tiny model as a llama.cpp GGUF (llama's q/k rows permuted as llama.cpp does); ``qtype(name, w)``
     picks a quantization per tensor (None: float32)."""
     cfg = pair.hf.config
@@ -85,7 +96,11 @@ def test_converted_gguf_matches_source_model(case: str, arch: str, tmp_path: Pat
     out = convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf", tokenizer=False)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [type(pair.hf).__name__]
-    assert (config["head_dim"], config["num_key_value_heads"], config["eos_token_id"]) == (pair.head_dim, 2, 2)
+    assert (config["head_dim"], config["num_key_value_heads"], config["eos_token_id"]) == (
+        pair.head_dim,
+        2,
+        2,
+    )
     assert config["tie_word_embeddings"] == pair.hf.config.tie_word_embeddings
     model, _, model_dir = load_model(ModelConfig(model=str(out)), "cpu")
     assert model_dir == out and model.load_report.converted is False
@@ -103,7 +118,10 @@ def test_reconversion_replaces_output(tmp_path: Path) -> None:
     (tmp_path / "hf" / "stale.txt").write_text("old")
     convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf", tokenizer=False)
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
 
 
 def test_reverse_permute_inverts_llama_cpp_permute() -> None:

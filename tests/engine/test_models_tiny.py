@@ -17,15 +17,30 @@ from kvscope.engine.models.llama import LlamaForCausalLM
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
 ATOL = 1e-4
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
     "llama3-rope-bias-tied": lambda: transformers.LlamaConfig(
-        **COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE),
+        **COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE
+    ),
     "mistral": lambda: transformers.MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
@@ -64,7 +79,9 @@ def new_caches(pair: Pair) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def paged_step(pair: Pair, caches: list[torch.Tensor], chunks: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
+def paged_step(
+    pair: Pair, caches: list[torch.Tensor], chunks: list[tuple[list[int], int, list[int]]]
+) -> list[torch.Tensor]:
     """One packed step; each chunk is (token_ids, num_computed_tokens, block_ids). Returns per-chunk logits."""
     q_lens = [len(tokens) for tokens, _, _ in chunks]
     seq_lens = [done + len(tokens) for tokens, done, _ in chunks]
@@ -84,7 +101,9 @@ def hf_logits(pair: Pair, tokens: list[int]) -> torch.Tensor:
 
 
 def prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(3, COMMON["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        3, COMMON["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -125,7 +144,9 @@ def test_packed_batch_matches_solo(pair: Pair) -> None:
     for _ in range(4):
         a.append(int(out_a[-1].argmax()))
         b.append(int(out_b[-1].argmax()))
-        out_a, out_b = paged_step(pair, caches, [(a[-1:], len(a) - 1, blocks_a), (b[-1:], len(b) - 1, blocks_b)])
+        out_a, out_b = paged_step(
+            pair, caches, [(a[-1:], len(a) - 1, blocks_a), (b[-1:], len(b) - 1, blocks_b)]
+        )
         torch.testing.assert_close(out_a[0], hf_logits(pair, a)[-1], atol=ATOL, rtol=0)
         torch.testing.assert_close(out_b[0], hf_logits(pair, b)[-1], atol=ATOL, rtol=0)
     assert (len(a), len(b)) == (16, 12)
@@ -143,7 +164,9 @@ def test_load_weights_reports_missing_and_unknown() -> None:
 
 
 def test_unsupported_configs_raise() -> None:
-    config = transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    config = transformers.LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    )
     with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
         LlamaForCausalLM(config.to_dict())
     with pytest.raises(ValueError, match="unsupported architecture"):

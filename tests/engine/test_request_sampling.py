@@ -41,8 +41,16 @@ def test_built_once_and_shared_by_n_children_on_every_step(llm: LLM, monkeypatch
     token, so the cached tensors are the ones applied."""
     spy = Spy(monkeypatch)
     token = llm.tokenizer.encode(" blue")[-1]
-    params = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=6, min_tokens=6, logit_bias={token: 100.0},
-                            stop_token_ids=[token + 1, 0, token + 1], repetition_penalty=1.1)
+    params = SamplingParams(
+        n=4,
+        temperature=0.8,
+        seed=3,
+        max_tokens=6,
+        min_tokens=6,
+        logit_bias={token: 100.0},
+        stop_token_ids=[token + 1, 0, token + 1],
+        repetition_penalty=1.1,
+    )
     children = llm.engine.add_request("once", llm.tokenizer.encode("The sky is"), params)
     outputs = []
     while llm.engine.has_unfinished_requests():
@@ -62,33 +70,56 @@ def test_built_once_and_shared_by_n_children_on_every_step(llm: LLM, monkeypatch
 def test_verification_rows_share_their_requests_tensors(llm: LLM, monkeypatch) -> None:
     """A request with a 2-token draft is verified on 3 rows: the batch's bias and bans repeat the request's one
     prepared tensors on each row, and nothing is built or checked at the step."""
-    params = SamplingParams(temperature=0.0, logit_bias={7: 2.0, 3: -1.0}, min_tokens=4, stop_token_ids=[9, 11])
+    params = SamplingParams(
+        temperature=0.0, logit_bias={7: 2.0, 3: -1.0}, min_tokens=4, stop_token_ids=[9, 11]
+    )
     admitted = llm.engine.input_processor.process([1, 2, 3], params)
     request = Request("verify", [1, 2, 3], params, 2, prepared_sampling=admitted.sampling)
     spy = Spy(monkeypatch)
-    metadata = llm.engine.runner._metadata([(request, []), (request, [5]), (request, [5, 6])], [None] * 3, None)
+    metadata = llm.engine.runner._metadata(
+        [(request, []), (request, [5]), (request, [5, 6])], [None] * 3, None
+    )
     assert spy.built == [] and spy.steps == [[admitted.sampling] * 3]
     bias = metadata.logit_bias
     assert (bias.rows.tolist(), bias.cols.tolist(), bias.values.tolist()) == (
-        [0, 0, 1, 1, 2, 2], [7, 3, 7, 3, 7, 3], [2.0, -1.0, 2.0, -1.0, 2.0, -1.0])
+        [0, 0, 1, 1, 2, 2],
+        [7, 3, 7, 3, 7, 3],
+        [2.0, -1.0, 2.0, -1.0, 2.0, -1.0],
+    )
     banned = sorted(zip(metadata.banned.rows.tolist(), metadata.banned.cols.tolist(), strict=True))
     assert banned == [(row, token) for row in range(3) for token in (2, 9, 11)]
 
 
 def test_request_sampling_holds_what_steps_need() -> None:
-    state = RequestSampling.build(SamplingParams(logit_bias={5: 1.5}, min_tokens=2, stop_token_ids=[4, 4, 1],
-                                                 repetition_penalty=1.2), [3, 1, 3, 2], vocab_size=10)
+    state = RequestSampling.build(
+        SamplingParams(logit_bias={5: 1.5}, min_tokens=2, stop_token_ids=[4, 4, 1], repetition_penalty=1.2),
+        [3, 1, 3, 2],
+        vocab_size=10,
+    )
     assert state.bias_ids.tolist() == [5] and state.bias_values.tolist() == [1.5] and state.num_bias == 1
     assert state.min_tokens_ban_ids.tolist() == [4, 1] and state.prompt_ids.tolist() == [1, 2, 3]
     plain = RequestSampling.build(SamplingParams(stop_token_ids=[4]), [3], vocab_size=10)
-    assert (plain.bias_ids, plain.min_tokens_ban_ids, plain.prompt_ids, plain.num_bias) == (None, None, None, 0)
+    assert (plain.bias_ids, plain.min_tokens_ban_ids, plain.prompt_ids, plain.num_bias) == (
+        None,
+        None,
+        None,
+        0,
+    )
 
 
 def test_from_requests_equals_build() -> None:
     """The per-step path over prepared rows gives the same processed logits as building from bare params."""
-    params = [SamplingParams(logit_bias={1: 3.0}, min_tokens=3, stop_token_ids=[2], repetition_penalty=1.3,
-                             temperature=0.0, logprobs=0),
-              SamplingParams(frequency_penalty=0.5, temperature=0.0, logprobs=0)]
+    params = [
+        SamplingParams(
+            logit_bias={1: 3.0},
+            min_tokens=3,
+            stop_token_ids=[2],
+            repetition_penalty=1.3,
+            temperature=0.0,
+            logprobs=0,
+        ),
+        SamplingParams(frequency_penalty=0.5, temperature=0.0, logprobs=0),
+    ]
     prompts, outputs, eos = [[0, 3], [4]], [[1], [4, 4]], [5, None]
     built = SamplingMetadata.build(params, prompts, outputs, [None, None], eos, vocab_size=6)
     prepared = [RequestSampling.build(p, prompt, 6) for p, prompt in zip(params, prompts, strict=True)]

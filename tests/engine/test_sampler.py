@@ -21,9 +21,15 @@ P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
 def build(params, vocab, outputs=None, prompts=None, generators=None, eos=None) -> SamplingMetadata:
     n = len(params)
-    return SamplingMetadata.build(params=params, prompt_token_ids=prompts or [[]] * n,
-                                  output_token_ids=outputs or [[]] * n, generators=generators or [None] * n,
-                                  eos_token_ids=eos or [None] * n, vocab_size=vocab, device="cpu")
+    return SamplingMetadata.build(
+        params=params,
+        prompt_token_ids=prompts or [[]] * n,
+        output_token_ids=outputs or [[]] * n,
+        generators=generators or [None] * n,
+        eos_token_ids=eos or [None] * n,
+        vocab_size=vocab,
+        device="cpu",
+    )
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -91,17 +97,24 @@ def test_top_p_and_top_k_masks_exact() -> None:
     top_k = torch.tensor([4, 4, 2, 4, 3])
     masked = apply_top_k_top_p(logits, top_k, top_p)
     kept = (masked > NEG_INF).tolist()
-    assert kept == [[True, True, False, False], [True, True, True, False], [True, True, False, False],
-                    [True, False, False, False], [True, True, True, False]]
+    assert kept == [
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, False, False],
+        [True, False, False, False],
+        [True, True, True, False],
+    ]
     assert torch.equal(masked[0, :2], logits[0, :2])  # kept logits are unchanged
 
 
 def test_top_p_and_min_p_through_the_sampler() -> None:
     logits = P4.log().unsqueeze(0)
-    cases = [(SamplingParams(top_p=0.75, seed=3), torch.tensor([0.5, 0.3, 0.0, 0.0])),
-             (SamplingParams(min_p=0.35, seed=3), torch.tensor([0.5, 0.3, 0.0, 0.0])),  # 0.15 < 0.35 * 0.5
-             (SamplingParams(min_p=0.29, seed=3), torch.tensor([0.5, 0.3, 0.15, 0.0])),
-             (SamplingParams(top_k=3, top_p=0.9, seed=3), torch.tensor([0.5, 0.3, 0.15, 0.0]))]
+    cases = [
+        (SamplingParams(top_p=0.75, seed=3), torch.tensor([0.5, 0.3, 0.0, 0.0])),
+        (SamplingParams(min_p=0.35, seed=3), torch.tensor([0.5, 0.3, 0.0, 0.0])),  # 0.15 < 0.35 * 0.5
+        (SamplingParams(min_p=0.29, seed=3), torch.tensor([0.5, 0.3, 0.15, 0.0])),
+        (SamplingParams(top_k=3, top_p=0.9, seed=3), torch.tensor([0.5, 0.3, 0.15, 0.0])),
+    ]
     for params, kept in cases:
         ref_gen, gen = seeded(3), seeded(3)
         expected = [race(kept / kept.sum(), ref_gen) for _ in range(40)]
@@ -120,8 +133,10 @@ def test_top_p_frequencies() -> None:
 
 def test_penalties_exact() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0]])
-    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-              SamplingParams()]
+    params = [
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(),
+    ]
     meta = build(params, 5, prompts=[[0, 1], [0, 1]], outputs=[[2, 2, 4], [2, 2, 4]])
     out = apply_penalties(logits, meta.penalties)
     # token 0: prompt, positive → /2; token 1: prompt, negative → *2; token 2: output ×2 → 0.5/2 - 2*0.5 - 0.25;
@@ -131,7 +146,9 @@ def test_penalties_exact() -> None:
 
 def test_presence_frequency_ignore_prompt_tokens() -> None:
     logits = torch.tensor([[1.0, 1.0, 1.0]])
-    meta = build([SamplingParams(presence_penalty=-1.0, frequency_penalty=1.5)], 3, prompts=[[0]], outputs=[[1]])
+    meta = build(
+        [SamplingParams(presence_penalty=-1.0, frequency_penalty=1.5)], 3, prompts=[[0]], outputs=[[1]]
+    )
     assert meta.penalties.prompt_mask is None
     assert apply_penalties(logits, meta.penalties).tolist() == [[1.0, 1.0 - 1.5 + 1.0, 1.0]]
 
@@ -145,8 +162,10 @@ def test_presence_penalty_changes_greedy_choice() -> None:
 
 def test_logit_bias() -> None:
     logits = torch.zeros(2, 6)
-    params = [SamplingParams(temperature=0.0, logit_bias={3: 5.0, 1: -100.0}),
-              SamplingParams(temperature=0.0, logit_bias={5: 0.5})]
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 5.0, 1: -100.0}),
+        SamplingParams(temperature=0.0, logit_bias={5: 0.5}),
+    ]
     meta = build(params, 6)
     biased = logits.clone()
     apply_logit_bias_(biased, meta.logit_bias)
@@ -156,10 +175,12 @@ def test_logit_bias() -> None:
 
 def test_min_tokens_bans_eos_and_stop_tokens() -> None:
     logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]] * 4)
-    params = [SamplingParams(temperature=0.0, min_tokens=2),
-              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),
-              SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),
-              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])]
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),
+    ]
     out = sample(logits, params, outputs=[[1], [1], [1], [1, 1]], eos=[2, 2, 2, 2])
     assert out.sampled_token_ids.tolist() == [3, 4, 2, 2]
     assert out.logprobs[0].item() == logits.log_softmax(-1)[0, 3].item()
@@ -189,9 +210,11 @@ def test_seed_reproducible_and_independent_of_batch() -> None:
 
 def test_logprobs_ranks_and_top_are_raw() -> None:
     logits = torch.randn(3, 40, generator=seeded(4))
-    params = [SamplingParams(temperature=0.5, logprobs=2, logit_bias={7: 30.0}),
-              SamplingParams(temperature=0.0, repetition_penalty=1.8),
-              SamplingParams(temperature=0.0, logprobs=5)]
+    params = [
+        SamplingParams(temperature=0.5, logprobs=2, logit_bias={7: 30.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.8),
+        SamplingParams(temperature=0.0, logprobs=5),
+    ]
     out = sample(logits, params, outputs=[[1], [int(logits[1].argmax())], []], prompts=[[0], [0], [0]])
     raw = logits.log_softmax(-1)
     sampled = out.sampled_token_ids
@@ -210,7 +233,9 @@ def test_compute_prompt_logprobs() -> None:
     lps, top_ids, top_lps, ranks = compute_prompt_logprobs(logits, targets, 3)
     raw = logits.log_softmax(-1)
     assert lps.tolist() == [raw[i, t].item() for i, t in enumerate(targets.tolist())]
-    assert top_ids.tolist() == raw.topk(3).indices.tolist() and top_lps.tolist() == raw.topk(3).values.tolist()
+    assert (
+        top_ids.tolist() == raw.topk(3).indices.tolist() and top_lps.tolist() == raw.topk(3).values.tolist()
+    )
     assert ranks.tolist() == [1 + int((raw[i] > raw[i, t]).sum()) for i, t in enumerate(targets.tolist())]
     assert compute_prompt_logprobs(logits, targets, 0)[1].shape == (4, 0)
     with pytest.raises(InvalidParameterError) as info:
@@ -218,18 +243,35 @@ def test_compute_prompt_logprobs() -> None:
     assert info.value.param == "target_ids"
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"generators": [None]}, "generators"),
-    ({"params": [SamplingParams(logit_bias={10: 1.0})] * 2}, "logit_bias"),
-    ({"params": [SamplingParams(stop_token_ids=[10])] * 2}, "stop_token_ids"),
-    ({"params": [SamplingParams(frequency_penalty=1.0)] * 2, "output_token_ids": [[1], [12]]}, "output_token_ids"),
-    ({"params": [SamplingParams(repetition_penalty=1.2)] * 2, "prompt_token_ids": [[-1], [2]]}, "prompt_token_ids"),
-    ({"params": [SamplingParams(min_tokens=1)] * 2, "eos_token_ids": [2, 10]}, "eos_token_ids"),
-    ({"vocab_size": 0}, "vocab_size"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"generators": [None]}, "generators"),
+        ({"params": [SamplingParams(logit_bias={10: 1.0})] * 2}, "logit_bias"),
+        ({"params": [SamplingParams(stop_token_ids=[10])] * 2}, "stop_token_ids"),
+        (
+            {"params": [SamplingParams(frequency_penalty=1.0)] * 2, "output_token_ids": [[1], [12]]},
+            "output_token_ids",
+        ),
+        (
+            {"params": [SamplingParams(repetition_penalty=1.2)] * 2, "prompt_token_ids": [[-1], [2]]},
+            "prompt_token_ids",
+        ),
+        ({"params": [SamplingParams(min_tokens=1)] * 2, "eos_token_ids": [2, 10]}, "eos_token_ids"),
+        ({"vocab_size": 0}, "vocab_size"),
+    ],
+)
 def test_invalid_metadata_names_the_parameter(kwargs: dict, param: str) -> None:
-    args = {"params": [SamplingParams()] * 2, "prompt_token_ids": [[1], [2]], "output_token_ids": [[], []],
-            "generators": [None, None], "eos_token_ids": [2, 2], "vocab_size": 10, "device": "cpu", **kwargs}
+    args = {
+        "params": [SamplingParams()] * 2,
+        "prompt_token_ids": [[1], [2]],
+        "output_token_ids": [[], []],
+        "generators": [None, None],
+        "eos_token_ids": [2, 2],
+        "vocab_size": 10,
+        "device": "cpu",
+        **kwargs,
+    }
     with pytest.raises(ValueError) as info:
         SamplingMetadata.build(**args)
     assert info.value.param == param
@@ -244,18 +286,35 @@ def test_logits_shape_checked() -> None:
 def test_openai_logprob_entries(tokenizer) -> None:
     ni = tokenizer.encode("你")  # two tokens, b"\xe4\xbd" + b"\xa0"
     hi = tokenizer.encode(" hi")[0]
-    entries = [TokenLogprob(ni[0], -0.5, 1, [(ni[0], -0.5), (hi, -1.25)]), TokenLogprob(ni[1], NEG_INF, 7, [])]
-    assert token_text(tokenizer, ni[0]) == ("bytes:\\xe4\\xbd", b"\xe4\xbd") and token_text(tokenizer, hi)[0] == " hi"
-    chat = msgspec.to_builtins(chat_logprobs(tokenizer, [TokenLogprob(ni[0], -0.5, 1, [(ni[0], -0.5)]), entries[1]]))
+    entries = [
+        TokenLogprob(ni[0], -0.5, 1, [(ni[0], -0.5), (hi, -1.25)]),
+        TokenLogprob(ni[1], NEG_INF, 7, []),
+    ]
+    assert (
+        token_text(tokenizer, ni[0]) == ("bytes:\\xe4\\xbd", b"\xe4\xbd")
+        and token_text(tokenizer, hi)[0] == " hi"
+    )
+    chat = msgspec.to_builtins(
+        chat_logprobs(tokenizer, [TokenLogprob(ni[0], -0.5, 1, [(ni[0], -0.5)]), entries[1]])
+    )
     assert chat["content"] == [
-        {"token": "bytes:\\xe4\\xbd", "logprob": -0.5, "bytes": [0xE4, 0xBD],
-         "top_logprobs": [{"token": "bytes:\\xe4\\xbd", "logprob": -0.5, "bytes": [0xE4, 0xBD]}]},
-        {"token": "bytes:\\xa0", "logprob": LOGPROB_FLOOR, "bytes": [0xA0], "top_logprobs": []}]
-    legacy = msgspec.to_builtins(LegacyLogprobs(tokenizer, start_offset=10).build([hi, *ni], [None, *entries]))
-    assert legacy == {"tokens": [" hi", "bytes:\\xe4\\xbd", "bytes:\\xa0"],
-                      "token_logprobs": [None, -0.5, LOGPROB_FLOOR],
-                      "top_logprobs": [None, {"bytes:\\xe4\\xbd": -0.5, " hi": -1.25}, {"bytes:\\xa0": LOGPROB_FLOOR}],
-                      "text_offset": [10, 13, 13]}
+        {
+            "token": "bytes:\\xe4\\xbd",
+            "logprob": -0.5,
+            "bytes": [0xE4, 0xBD],
+            "top_logprobs": [{"token": "bytes:\\xe4\\xbd", "logprob": -0.5, "bytes": [0xE4, 0xBD]}],
+        },
+        {"token": "bytes:\\xa0", "logprob": LOGPROB_FLOOR, "bytes": [0xA0], "top_logprobs": []},
+    ]
+    legacy = msgspec.to_builtins(
+        LegacyLogprobs(tokenizer, start_offset=10).build([hi, *ni], [None, *entries])
+    )
+    assert legacy == {
+        "tokens": [" hi", "bytes:\\xe4\\xbd", "bytes:\\xa0"],
+        "token_logprobs": [None, -0.5, LOGPROB_FLOOR],
+        "top_logprobs": [None, {"bytes:\\xe4\\xbd": -0.5, " hi": -1.25}, {"bytes:\\xa0": LOGPROB_FLOOR}],
+        "text_offset": [10, 13, 13],
+    }
     assert math.isfinite(legacy["token_logprobs"][2])
 
 

@@ -24,9 +24,14 @@ def test_a_request_in_its_first_prefill_is_running_before_the_step_ends(llm) -> 
         if result.scheduled_only:  # the model has not run yet: no token sampled
             assert core.scheduler.requests["gauges-1"].output_token_ids == []
         # what a scrape during the model's forward pass would read
-        seen.append((result.scheduled_only, registry.get_sample_value("kvscope_engine_requests_running", {"model": "m"}),
-                     registry.get_sample_value("kvscope_engine_requests_waiting", {"model": "m"}),
-                     len(result.outputs)))
+        seen.append(
+            (
+                result.scheduled_only,
+                registry.get_sample_value("kvscope_engine_requests_running", {"model": "m"}),
+                registry.get_sample_value("kvscope_engine_requests_waiting", {"model": "m"}),
+                len(result.outputs),
+            )
+        )
 
     prompt = llm.tokenizer.encode("A long prompt about caches. " * 20)
     core.add_request("gauges-1", prompt, SamplingParams(temperature=0.0, max_tokens=2))

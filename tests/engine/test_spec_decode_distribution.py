@@ -46,12 +46,22 @@ def prompt(tiny: TinyModel) -> list[int]:
 def spec_llm(tiny: TinyModel) -> LLM:
     """Speculation always on: lookup from 1 token (every token occurs in the prompt, so every decode step with
     room for a draft proposes one), no adaptivity (a random model's low acceptance would pause it)."""
-    speculative = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
-                                    adaptive=False, measure_batch_cost=False)
-    return LLM(config=EngineConfig(model=ModelConfig(model=str(tiny.path), dtype="float32"), num_threads=1,
-                                   cache=CacheConfig(block_size=16, num_blocks=2048),
-                                   scheduler=SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=8192),
-                                   speculative=speculative))
+    speculative = SpeculativeConfig(
+        num_speculative_tokens=4,
+        prompt_lookup_min=1,
+        prompt_lookup_max=3,
+        adaptive=False,
+        measure_batch_cost=False,
+    )
+    return LLM(
+        config=EngineConfig(
+            model=ModelConfig(model=str(tiny.path), dtype="float32"),
+            num_threads=1,
+            cache=CacheConfig(block_size=16, num_blocks=2048),
+            scheduler=SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=8192),
+            speculative=speculative,
+        )
+    )
 
 
 def sample_fit(tiny: TinyModel, prompt: list[int], num_requests: int) -> tuple[float, list]:
@@ -59,9 +69,12 @@ def sample_fit(tiny: TinyModel, prompt: list[int], num_requests: int) -> tuple[f
     return the chi-square p-value of all of them against the exact conditionals, and the outputs."""
     llm = spec_llm(tiny)
     torch.manual_seed(0)
-    outputs = [o.outputs[0] for o in llm.generate([prompt] * num_requests,
-                                                  SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS,
-                                                                 ignore_eos=True))]
+    outputs = [
+        o.outputs[0]
+        for o in llm.generate(
+            [prompt] * num_requests, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
+    ]
     sequences = [o.token_ids for o in outputs]
     probs = conditional_probs(tiny.hf, prompt, sequences).reshape(-1, VOCAB)
     _, p_value, _ = sequential_chi_square(torch.tensor(sequences).reshape(-1), probs)
@@ -76,8 +89,13 @@ def test_the_statistic_is_pearsons_with_one_distribution() -> None:
     pearson = float(((observed - 3000 * probs) ** 2 / (3000 * probs)).sum())
     stat, p_value, df = sequential_chi_square(tokens, probs.expand(3000, VOCAB))
     assert (stat, df) == (pytest.approx(pearson, rel=1e-9), VOCAB - 1)
-    assert p_value == pytest.approx(float(torch.special.gammaincc(torch.tensor(7.5, dtype=torch.float64),
-                                                                   torch.tensor(pearson / 2, dtype=torch.float64))))
+    assert p_value == pytest.approx(
+        float(
+            torch.special.gammaincc(
+                torch.tensor(7.5, dtype=torch.float64), torch.tensor(pearson / 2, dtype=torch.float64)
+            )
+        )
+    )
 
 
 def test_sampled_tokens_fit_the_exact_distribution(tiny: TinyModel, prompt: list[int]) -> None:
@@ -89,15 +107,21 @@ def test_sampled_tokens_fit_the_exact_distribution(tiny: TinyModel, prompt: list
     # steps is the 15 tokens after the first one for every request
     assert sorted({(s.spec_accepted_tokens or 0) + s.decode_steps for s in stats}) == [MAX_TOKENS - 1]
     assert sum(s.spec_drafts is not None for s in stats) == NUM_REQUESTS
-    accepted, proposed = (sum(getattr(s, f) for s in stats) for f in ("spec_accepted_tokens", "spec_draft_tokens"))
+    accepted, proposed = (
+        sum(getattr(s, f) for s in stats) for f in ("spec_accepted_tokens", "spec_draft_tokens")
+    )
     assert 0.05 < accepted / proposed < 0.5  # drafts are verified and some accepted, not all (a real test)
 
 
-def test_a_wrong_acceptance_rule_fails_the_test(tiny: TinyModel, prompt: list[int],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_acceptance_rule_fails_the_test(
+    tiny: TinyModel, prompt: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Accept a draft token with probability p(t) but, on a rejection, sample from p instead of the residual
     (p without t): the draft token is then emitted with probability p + (1 − p)·p."""
-    def resample_from_p(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None = None) -> list[int]:
+
+    def resample_from_p(
+        probs: torch.Tensor, draft: list[int], generator: torch.Generator | None = None
+    ) -> list[int]:
         emitted = []
         for i in range(probs.shape[0]):
             if i < len(draft) and torch.rand((), generator=generator) < probs[i, draft[i]]:
@@ -120,8 +144,9 @@ def test_a_seeded_request_gives_the_same_tokens_twice(tiny: TinyModel, prompt: l
     batched = llm.generate([prompt] * 3, [others, seeded, others])[1].outputs[0]
     assert alone.stats.spec_drafts is not None and alone.stats.spec_drafts > 0
     assert (batched.token_ids, batched.text) == (alone.token_ids, alone.text)
-    other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True,
-                                                       seed=4321))[0].outputs[0]
+    other_seed = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=4321)
+    )[0].outputs[0]
     assert other_seed.token_ids != alone.token_ids
 
 
@@ -145,13 +170,21 @@ def test_step_metrics_add_up_to_the_requests_totals(tiny: TinyModel, prompt: lis
         metrics.on_step(result)
         finished += [c.stats for o in result.outputs for c in o.outputs if c.stats is not None]
     assert len(finished) == 24
-    totals = [sum(getattr(s, f) for s in finished)
-              for f in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")]
+    totals = [
+        sum(getattr(s, f) for s in finished)
+        for f in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+    ]
     value = registry.get_sample_value
     m = {"model": "tiny"}
     sd = "kvscope_engine_spec_decode_"
-    assert [value(f"{sd}{n}_total", m) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] == totals
+    assert [
+        value(f"{sd}{n}_total", m) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    ] == totals
     assert (value(f"{sd}acceptance_length_count", m), value(f"{sd}acceptance_length_sum", m)) == (
-        totals[0], totals[0] + totals[2])
-    per_position = [value(f"{sd}num_accepted_tokens_per_pos_total", {**m, "position": str(p)}) for p in range(4)]
+        totals[0],
+        totals[0] + totals[2],
+    )
+    per_position = [
+        value(f"{sd}num_accepted_tokens_per_pos_total", {**m, "position": str(p)}) for p in range(4)
+    ]
     assert sum(per_position) == totals[2] and per_position == sorted(per_position, reverse=True)

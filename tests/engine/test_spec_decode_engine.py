@@ -15,8 +15,10 @@ from kvscope.engine.structured.params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
-CODE = "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n" \
-       "    return 2 * (width + height)\n"
+CODE = (
+    "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n"
+    "    return 2 * (width + height)\n"
+)
 REPETITIVE = [
     f"Copy the code exactly.\n{CODE}\nCopy:\n",
     "Repeat the list: apples, pears, plums, figs, dates, limes.\nRepeated: apples, pears,",
@@ -136,14 +138,16 @@ def test_stop_string_and_stop_token_inside_an_accepted_run(pair):
         for j in range(1, len(group) - 1):
             pos = offset + j
             before = on.tokenizer.decode(tokens[:pos])
-            piece = on.tokenizer.decode(tokens[:pos + 1])[len(before):].strip()
+            piece = on.tokenizer.decode(tokens[: pos + 1])[len(before) :].strip()
             if found is None and len(piece) >= 2 and piece not in before and tokens[pos] not in tokens[:pos]:
                 found = (pos, piece, tokens[pos])
         offset += len(group)
     assert found is not None, groups
     pos, piece, token = found
-    for stop in (SamplingParams(temperature=0.0, max_tokens=30, stop=[piece]),
-                 SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[token])):
+    for stop in (
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[piece]),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[token]),
+    ):
         ref = off.generate(prompt, stop)[0].outputs[0]
         got = on.generate(prompt, stop)[0].outputs[0]
         assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, "stop")
@@ -152,7 +156,7 @@ def test_stop_string_and_stop_token_inside_an_accepted_run(pair):
     # max_tokens inside that run: drafts are cut so the step ends exactly at max_tokens
     capped = SamplingParams(temperature=0.0, max_tokens=pos + 1)
     got = on.generate(prompt, capped)[0].outputs[0]
-    assert got.token_ids == tokens[:pos + 1] and got.finish_reason == "length"
+    assert got.token_ids == tokens[: pos + 1] and got.finish_reason == "length"
 
 
 def test_n2_logprobs_and_json_schema_are_identical(pair):
@@ -167,11 +171,15 @@ def test_n2_logprobs_and_json_schema_are_identical(pair):
         assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
         assert abs(a.logprob - b.logprob) < 1e-3
 
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "colors": {
-        "type": "array", "items": {"type": "string"}}}, "required": ["name", "colors"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "colors": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "colors"],
+    }
     example = '{"name": "flag", "colors": ["red", "green", "red", "green", "red", "green"]}'
-    params = SamplingParams(temperature=0.0, max_tokens=40,
-                            structured_outputs=StructuredOutputsParams("json", json.dumps(schema)))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams("json", json.dumps(schema))
+    )
     prompt = f"Copy this JSON exactly: {example}\nCopy: "
     on_steps.spec.clear()
     ref, got = off.generate(prompt, params)[0].outputs[0], on.generate(prompt, params)[0].outputs[0]

@@ -15,9 +15,12 @@ SD = "kvscope_engine_spec_decode_"
 
 
 def _spec(*drafts: tuple[int, int]) -> SpecDecodingStats:
-    return SpecDecodingStats(num_drafts=len(drafts), num_draft_tokens=sum(k for k, _ in drafts),
-                             num_accepted_tokens=sum(a for _, a in drafts),
-                             accepted_per_draft=tuple(a for _, a in drafts))
+    return SpecDecodingStats(
+        num_drafts=len(drafts),
+        num_draft_tokens=sum(k for k, _ in drafts),
+        num_accepted_tokens=sum(a for _, a in drafts),
+        accepted_per_draft=tuple(a for _, a in drafts),
+    )
 
 
 def test_counters_positions_and_lengths_after_known_steps() -> None:
@@ -28,14 +31,19 @@ def test_counters_positions_and_lengths_after_known_steps() -> None:
     metrics.on_step(StepResult(batch_size=3, spec_decoding=_spec((2, 1), (3, 2), (1, 1))))
     value = registry.get_sample_value
     m = {"model": "m"}
-    assert [value(f"{SD}{n}_total", m) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] \
-        == [5.0, 12.0, 7.0]
+    assert [
+        value(f"{SD}{n}_total", m) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    ] == [5.0, 12.0, 7.0]
     # accepted runs 3, 0, 1, 2, 1: position 0 accepted in 4 drafts, position 1 in 2, position 2 in 1
-    assert [value(f"{SD}num_accepted_tokens_per_pos_total", {**m, "position": str(p)}) for p in range(3)] \
-        == [4.0, 2.0, 1.0]
+    assert [value(f"{SD}num_accepted_tokens_per_pos_total", {**m, "position": str(p)}) for p in range(3)] == [
+        4.0,
+        2.0,
+        1.0,
+    ]
     # lengths 1 + a = 4, 1, 2, 3, 2 into buckets 1, 2, 3, 4 (cumulative)
-    assert [value(f"{SD}acceptance_length_bucket", {**m, "le": le}) for le in ("1.0", "2.0", "3.0", "4.0", "+Inf")] \
-        == [1.0, 3.0, 4.0, 5.0, 5.0]
+    assert [
+        value(f"{SD}acceptance_length_bucket", {**m, "le": le}) for le in ("1.0", "2.0", "3.0", "4.0", "+Inf")
+    ] == [1.0, 3.0, 4.0, 5.0, 5.0]
     assert (value(f"{SD}acceptance_length_sum", m), value(f"{SD}acceptance_length_count", m)) == (12.0, 5.0)
     # the histogram mean is vLLM's mean acceptance length 1 + accepted / drafts
     assert value(f"{SD}acceptance_length_sum", m) / value(f"{SD}acceptance_length_count", m) == 1 + 7 / 5
@@ -49,15 +57,22 @@ def test_speculation_off_exports_the_counters_at_zero_and_no_positions() -> None
         assert f'{SD}{name}_total{{model="m"}} 0.0' in text.splitlines()
     assert f'{SD}acceptance_length_bucket{{le="1.0",model="m"}} 0.0' in text.splitlines()
     assert f'{SD}acceptance_length_count{{model="m"}} 0.0' in text.splitlines()
-    assert [line for line in text.splitlines() if line.startswith(f"{SD}num_accepted_tokens_per_pos_total")] == []
+    assert [
+        line for line in text.splitlines() if line.startswith(f"{SD}num_accepted_tokens_per_pos_total")
+    ] == []
 
 
 def test_per_position_series_start_at_zero_for_each_draft_slot() -> None:
     registry = CollectorRegistry()
     EngineMetrics(registry, num_speculative_tokens=4).initialize("m", "cpu")
-    lines = [line for line in generate_latest(registry).decode().splitlines()
-             if line.startswith(f"{SD}num_accepted_tokens_per_pos_total")]
-    assert lines == [f'{SD}num_accepted_tokens_per_pos_total{{model="m",position="{p}"}} 0.0' for p in range(4)]
+    lines = [
+        line
+        for line in generate_latest(registry).decode().splitlines()
+        if line.startswith(f"{SD}num_accepted_tokens_per_pos_total")
+    ]
+    assert lines == [
+        f'{SD}num_accepted_tokens_per_pos_total{{model="m",position="{p}"}} 0.0' for p in range(4)
+    ]
 
 
 def test_acceptance_length_buckets_are_one_to_k_plus_one() -> None:

@@ -38,35 +38,48 @@ def test_low_precision_rms_norm_is_bit_identical_to_hf(dtype: torch.dtype, shape
     assert torch.equal(out, hf_rms_norm(x, norm.weight, 1e-5))
 
 
-def reference_decode(query: torch.Tensor, cache: torch.Tensor, tables: list[list[int]], seq_lens: list[int],
-                     compute_dtype: torch.dtype, scale: float) -> torch.Tensor:
+def reference_decode(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: list[list[int]],
+    seq_lens: list[int],
+    compute_dtype: torch.dtype,
+    scale: float,
+) -> torch.Tensor:
     """The decode path as it was: gather each request's blocks (padded to the longest), bool key mask."""
     n, block_size = len(seq_lens), cache.shape[2]
     longest = max(seq_lens)
     num_blocks = -(-longest // block_size)
-    blocks = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]).reshape(-1)
+    blocks = torch.tensor(
+        [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
+    ).reshape(-1)
     both = cache.index_select(1, blocks).to(compute_dtype).flatten(1, 2)
     k = both[0].view(n, num_blocks * block_size, *cache.shape[3:])[:, :longest].transpose(1, 2)
     v = both[1].view(n, num_blocks * block_size, *cache.shape[3:])[:, :longest].transpose(1, 2)
     mask = None
     if n > 1:
         mask = (torch.arange(longest)[None, :] < torch.tensor(seq_lens)[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(query.to(compute_dtype)[:, :, None, :], k, v, attn_mask=mask, scale=scale,
-                                       enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        query.to(compute_dtype)[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return o[:, :, 0, :].to(query.dtype)
 
 
-@pytest.mark.parametrize(("dtype", "native_bf16"), [(torch.float32, False), (torch.bfloat16, True),
-                                                    (torch.bfloat16, False)])
+@pytest.mark.parametrize(
+    ("dtype", "native_bf16"), [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
 @pytest.mark.parametrize("seq_lens", [[9], [9, 30, 4]])
 def test_decode_views_are_shared_by_layers_and_match_the_per_layer_gather(
-        dtype: torch.dtype, native_bf16: bool, seq_lens: list[int]) -> None:
+    dtype: torch.dtype, native_bf16: bool, seq_lens: list[int]
+) -> None:
     """Three layers (three caches) of two steps: every layer's output equals its own gather + SDPA, bit for bit,
     though all read through the views built on the first layer of the step."""
-    block_size, heads, kv_heads, scale = 4, 6, 2, HEAD_DIM ** -0.5
+    block_size, heads, kv_heads, scale = 4, 6, 2, HEAD_DIM**-0.5
     tables, num_blocks = allocate_blocks([s + 1 for s in seq_lens], block_size, random.Random(len(seq_lens)))
     gen = torch.Generator().manual_seed(11)
-    caches = [torch.randn(2, num_blocks, block_size, kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(3)]
+    caches = [
+        torch.randn(2, num_blocks, block_size, kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(3)
+    ]
     backend = TorchAttentionBackend(native_bf16=native_bf16)
     compute_dtype = attention_compute_dtype(caches[0], native_bf16)
     for step in range(2):
@@ -77,7 +90,9 @@ def test_decode_views_are_shared_by_layers_and_match_the_per_layer_gather(
             out = backend.forward(query, cache, meta, scale)
             assert out.dtype == dtype
             assert torch.equal(out, reference_decode(query, cache, tables, lens, compute_dtype, scale))
-        assert backend._views is not None and backend._views[0][0] is backend._plan  # rebuilt for the new step
+        assert (
+            backend._views is not None and backend._views[0][0] is backend._plan
+        )  # rebuilt for the new step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -90,18 +105,22 @@ def test_compact_kernel_output_does_not_depend_on_the_skipped_casts(dtype: torch
     x = torch.randn(3, 64, generator=gen).to(dtype)
     out = kernel(x)
     assert out.dtype == dtype
-    expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), kernel.compact.packed, 32,
-                                                          kernel.compact.scales_and_zeros) + bias.to(torch.bfloat16)
+    expected = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), kernel.compact.packed, 32, kernel.compact.scales_and_zeros
+    ) + bias.to(torch.bfloat16)
     assert torch.equal(out, expected.to(dtype))
 
 
-@pytest.mark.parametrize(("dtype", "native_bf16"), [(torch.float32, False), (torch.bfloat16, True),
-                                                    (torch.bfloat16, False)])
-def test_resident_decode_kv_updates_in_place_and_equals_a_full_gather(dtype: torch.dtype, native_bf16: bool) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "native_bf16"), [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_resident_decode_kv_updates_in_place_and_equals_a_full_gather(
+    dtype: torch.dtype, native_bf16: bool
+) -> None:
     """12 decode steps over 2 layers: rows cross block boundaries, a row joins (the batch changes), the longest
     row outgrows the padded width. Each step writes the new tokens' K/V first, as the model does; every output
     equals a fresh gather + SDPA bit for bit, and only steady steps update in place."""
-    block_size, heads, kv_heads, scale = 4, 4, 2, HEAD_DIM ** -0.5
+    block_size, heads, kv_heads, scale = 4, 4, 2, HEAD_DIM**-0.5
     num_blocks = 40
     order = list(range(num_blocks))
     random.Random(2).shuffle(order)
@@ -109,7 +128,9 @@ def test_resident_decode_kv_updates_in_place_and_equals_a_full_gather(dtype: tor
     tables = [[next(free) for _ in range(3)], [next(free) for _ in range(2)]]  # room for 12 and 8 tokens
     lens = [9, 5]
     gen = torch.Generator().manual_seed(4)
-    caches = [torch.randn(2, num_blocks, block_size, kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(2)]
+    caches = [
+        torch.randn(2, num_blocks, block_size, kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(2)
+    ]
     backend = TorchAttentionBackend(native_bf16=native_bf16)
     backend.resident = ResidentDecodeKV(max_bytes=1 << 30, min_bytes=0)
     compute_dtype = attention_compute_dtype(caches[0], native_bf16)
@@ -134,8 +155,20 @@ def test_resident_decode_kv_updates_in_place_and_equals_a_full_gather(dtype: tor
         kinds.append("full" if full else "in place")
         assert full + backend.resident.incremental_updates - before[1] == 2
     # step 0: first; 3: the longest row (13 tokens) needs a 4th block; 5: a row joins; 7: 17 tokens, 5th block
-    assert kinds == ["full", "in place", "in place", "full", "in place", "full", "in place", "full",
-                     "in place", "in place", "in place", "full"]
+    assert kinds == [
+        "full",
+        "in place",
+        "in place",
+        "full",
+        "in place",
+        "full",
+        "in place",
+        "full",
+        "in place",
+        "in place",
+        "in place",
+        "full",
+    ]
 
 
 def test_resident_decode_kv_respects_its_byte_bounds() -> None:
@@ -157,10 +190,16 @@ def test_a_step_continues_the_previous_one_only_one_token_longer_on_the_same_blo
     from kvscope.engine.attention.resident_kv import _continues, _StepState
 
     prev = _StepState(step=1, tables=torch.tensor([[3, 4, 0], [5, 6, 7]]), seq_lens=torch.tensor([8, 10]))
-    assert _continues(prev, torch.tensor([[3, 4, 9], [5, 6, 7]]), torch.tensor([9, 11]), 4)  # row 0: new block
+    assert _continues(
+        prev, torch.tensor([[3, 4, 9], [5, 6, 7]]), torch.tensor([9, 11]), 4
+    )  # row 0: new block
     assert not _continues(prev, torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([10, 12]), 4)  # +2
-    assert not _continues(prev, torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([8, 10]), 4)  # same lengths
-    assert not _continues(prev, torch.tensor([[3, 2, 0], [5, 6, 7]]), torch.tensor([9, 11]), 4)  # a held block moved
+    assert not _continues(
+        prev, torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([8, 10]), 4
+    )  # same lengths
+    assert not _continues(
+        prev, torch.tensor([[3, 2, 0], [5, 6, 7]]), torch.tensor([9, 11]), 4
+    )  # a held block moved
     assert not _continues(prev, torch.tensor([[3, 4], [5, 6]]), torch.tensor([9, 11]), 4)  # another width
 
 
@@ -182,4 +221,6 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_resident_decode_kv(l
     finally:
         backend.resident = ResidentDecodeKV()
     assert kept == gathered
-    assert resident.incremental_updates >= 30 * 10  # most of the 19 decode steps updated all 30 layers in place
+    assert (
+        resident.incremental_updates >= 30 * 10
+    )  # most of the 19 decode steps updated all 30 layers in place

@@ -32,7 +32,7 @@ def test_matcher_equals_the_reference_search_and_hold_back(seed: int) -> None:
     done = 0
     report_from = rng.randint(0, 60)  # before it, matches are passed over (min_tokens)
     while done < len(text):
-        chunk = text[done:done + rng.randint(1, 5)]
+        chunk = text[done : done + rng.randint(1, 5)]
         done += len(chunk)
         report = done > report_from
         found = matcher.feed(chunk, report=report)
@@ -61,7 +61,7 @@ def test_per_step_work_is_bounded_by_the_new_text_not_the_output() -> None:
     output at most 2 per character per stop string: O(new text x stops), flat as the output grows. The old
     hold-back compared O(min(output, stop length)^2) characters per step (test fails there: no matcher)."""
     stop = "a" * (MAX_STOP_STRING_CHARS - 1) + "b"
-    stops = [stop[:MAX_STOP_STRING_CHARS - i] + "b" * i for i in range(MAX_STOP_STRINGS)]
+    stops = [stop[: MAX_STOP_STRING_CHARS - i] + "b" * i for i in range(MAX_STOP_STRINGS)]
     assert all(len(s) == MAX_STOP_STRING_CHARS for s in stops)
     matcher = StopMatcher(StopStrings.compile(stops))
     period = 301
@@ -73,7 +73,7 @@ def test_per_step_work_is_bounded_by_the_new_text_not_the_output() -> None:
         per_step.append(matcher.comparisons - before)
     assert max(per_step) <= MAX_STOP_STRINGS * (2 + MAX_STOP_STRING_CHARS - 1)
     assert matcher.comparisons <= MAX_STOP_STRINGS * 2 * len(text)
-    early, late = per_step[2 * period:5 * period], per_step[15 * period:18 * period]
+    early, late = per_step[2 * period : 5 * period], per_step[15 * period : 18 * period]
     assert early == late  # the 17th run of the pattern costs exactly what the 3rd did
 
 

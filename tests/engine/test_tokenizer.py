@@ -14,7 +14,13 @@ from kvscope.engine.errors import InvalidParameterError
 from kvscope.engine.text.tokenizer import Tokenizer, bytes_to_unicode
 
 MIXED = "你好，世界！🌶️🎉 ďábelské"
-TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", MIXED, "👨‍👩‍👧 family", "<|im_start|>user"]
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\n\nnewlines",
+    MIXED,
+    "👨‍👩‍👧 family",
+    "<|im_start|>user",
+]
 CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is 2+2?"},
@@ -57,24 +63,32 @@ def test_chat_template_matches_transformers(tokenizer: Tokenizer, hf_tokenizer) 
     for messages in (CHAT, CHAT[1:], CHAT[:3]):
         for add_generation_prompt in (True, False):
             expected = _hf_chat(hf_tokenizer, messages, add_generation_prompt=add_generation_prompt)
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
             assert text == expected
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
             assert ids == hf_tokenizer.encode(expected, add_special_tokens=False)
     assert tokenizer.apply_chat_template(CHAT[1:2], tokenize=False) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_text_parts_are_joined_with_newlines(tokenizer: Tokenizer, hf_tokenizer) -> None:
-    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-             {"role": "user", "content": [{"type": "text", "text": "Line one"}, {"type": "text", "text": "two"}]},
-             {"role": "assistant", "content": "ok", "name": None}]
-    joined = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Line one\ntwo"},
-              {"role": "assistant", "content": "ok"}]
-    assert tokenizer.apply_chat_template(parts, tokenize=False) == _hf_chat(hf_tokenizer, joined,
-                                                                            add_generation_prompt=True)
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Line one"}, {"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": "ok", "name": None},
+    ]
+    joined = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Line one\ntwo"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    assert tokenizer.apply_chat_template(parts, tokenize=False) == _hf_chat(
+        hf_tokenizer, joined, add_generation_prompt=True
+    )
     with pytest.raises(InvalidParameterError) as info:
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     assert info.value.param == "messages"
@@ -93,16 +107,26 @@ TOOLY_TEMPLATE = (
 
 
 def test_template_environment_matches_transformers(tokenizer: Tokenizer, hf_tokenizer) -> None:
-    custom = Tokenizer(tokenizer.hf, TOOLY_TEMPLATE, tokenizer.special_tokens, tokenizer.eos_token_ids,
-                       tokenizer.bos_token_id)
-    messages = [{"role": "user", "content": "  <b>é</b> \"q\"  "}, {"role": "assistant", "content": "中"}]
+    custom = Tokenizer(
+        tokenizer.hf,
+        TOOLY_TEMPLATE,
+        tokenizer.special_tokens,
+        tokenizer.eos_token_ids,
+        tokenizer.bos_token_id,
+    )
+    messages = [{"role": "user", "content": '  <b>é</b> "q"  '}, {"role": "assistant", "content": "中"}]
     for add_generation_prompt in (True, False):
-        expected = hf_tokenizer.apply_chat_template(messages, chat_template=TOOLY_TEMPLATE, tokenize=False,
-                                                    add_generation_prompt=add_generation_prompt)
+        expected = hf_tokenizer.apply_chat_template(
+            messages,
+            chat_template=TOOLY_TEMPLATE,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
         assert custom.apply_chat_template(messages, add_generation_prompt, tokenize=False) == expected
     assert custom.apply_chat_template(messages[:1], tokenize=False) == (
         '<|im_start|>[USER] <b>é</b> "q" {"role": "user", "content": "  <b>é</b> \\"q\\"  "}\n'
-        "<|im_end|>[ASSISTANT]")
+        "<|im_end|>[ASSISTANT]"
+    )
     with pytest.raises(InvalidParameterError, match="bad role tool") as info:
         custom.apply_chat_template([{"role": "tool", "content": "x"}])
     assert info.value.param == "messages"
@@ -128,8 +152,9 @@ def test_bytes_to_unicode_is_gpt2_table() -> None:
 def test_sentencepiece_byte_fallback_bytes() -> None:
     vocab = {"<unk>": 0, "<0xE4>": 1, "<0xBD>": 2, "<0xA0>": 3, "▁Hi": 4, "!": 5}
     hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok = Tokenizer(hf, None, {})
     assert [tok.token_bytes(i) for i in range(1, 6)] == [b"\xe4", b"\xbd", b"\xa0", b" Hi", b"!"]
     assert tok.decode([4, 1, 2, 3]) == "Hi你"
@@ -141,8 +166,10 @@ def test_sentencepiece_byte_fallback_bytes() -> None:
 def test_from_dir_reads_generation_config_and_template_key(tokenizer_dir: Path, tmp_path: Path) -> None:
     shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = [{"name": "default", "template": "{{ messages[0]['content'] }}|"},
-                               {"name": "tool_use", "template": "tools"}]
+    config["chat_template"] = [
+        {"name": "default", "template": "{{ messages[0]['content'] }}|"},
+        {"name": "tool_use", "template": "tools"},
+    ]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5, "bos_token_id": 1}))

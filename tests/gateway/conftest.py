@@ -34,7 +34,9 @@ class Stack:
         return self.gateway.url
 
     def client(self, key: str = "alice", **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {KEYS[key]}"}, timeout=10, **kw)
+        return httpx.Client(
+            base_url=self.url, headers={"authorization": f"Bearer {KEYS[key]}"}, timeout=10, **kw
+        )
 
     def metrics(self) -> str:
         """The gateway's /metrics, read with alice's key (keys are configured: it needs one that may use every
@@ -49,16 +51,26 @@ def loop() -> Iterator[LoopThread]:
     loop.stop()
 
 
-def build_stack(loop: LoopThread, tmp: Path, **overrides: Any) -> tuple[GatewayThread, dict, InMemorySpanExporter]:
-    fakes = {"main": start_fake_thread(loop, ("fake-model",)),
-             "tok": start_fake_thread(loop, ("tok-model",), max_model_len=CONTEXT_LEN),
-             "broken": start_fake_thread(loop, ("broken-model",), status=500)}
+def build_stack(
+    loop: LoopThread, tmp: Path, **overrides: Any
+) -> tuple[GatewayThread, dict, InMemorySpanExporter]:
+    fakes = {
+        "main": start_fake_thread(loop, ("fake-model",)),
+        "tok": start_fake_thread(loop, ("tok-model",), max_model_len=CONTEXT_LEN),
+        "broken": start_fake_thread(loop, ("broken-model",), status=500),
+    }
     config = {
         "upstreams": [{"url": f.url} for f in fakes.values()],
         "models": [{"name": "tok-model", "tokenizer": str(make_tokenizer_dir(tmp))}],
-        "api_keys": [{"name": "alice", "sha256": hash_key(KEYS["alice"])},
-                     {"name": "limited", "sha256": hash_key(KEYS["limited"]), "models": ["fake-model"],
-                      "limits": {"max_tokens": 10}}],
+        "api_keys": [
+            {"name": "alice", "sha256": hash_key(KEYS["alice"])},
+            {
+                "name": "limited",
+                "sha256": hash_key(KEYS["limited"]),
+                "models": ["fake-model"],
+                "limits": {"max_tokens": 10},
+            },
+        ],
         "timeouts": {"keepalive_s": 0.3},
         "routing": {"health_interval_s": 60},
         "logs": {"file": str(tmp / "requests.jsonl")},

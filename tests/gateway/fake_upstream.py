@@ -68,10 +68,22 @@ class Knobs:
         return replace(self, **{k: v for k, v in (overrides or {}).items() if k in names})
 
 
-ENGINE_STATS = {"queue_s": 0.001, "ttft_s": 0.002, "prefill_s": 0.001, "decode_s": 0.01, "tpot_s": 0.001,
-                "batch_size_mean": 1.0, "batch_size_max": 1, "kv_blocks": 2, "kv_cache_usage": 0.01,
-                "num_preemptions": 0, "spec_drafts": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 6,
-                "spec_mean_accepted_length": 2.5}
+ENGINE_STATS = {
+    "queue_s": 0.001,
+    "ttft_s": 0.002,
+    "prefill_s": 0.001,
+    "decode_s": 0.01,
+    "tpot_s": 0.001,
+    "batch_size_mean": 1.0,
+    "batch_size_max": 1,
+    "kv_blocks": 2,
+    "kv_cache_usage": 0.01,
+    "num_preemptions": 0,
+    "spec_drafts": 4,
+    "spec_draft_tokens": 12,
+    "spec_accepted_tokens": 6,
+    "spec_mean_accepted_length": 2.5,
+}
 
 
 @dataclass
@@ -160,23 +172,51 @@ class FakeUpstream:
             self.gate(str(rec.body["name"])).set()
             return await _json(writer, 200, {"ok": True})
         if rec.path in ("/health", "/v1/models"):
-            data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake", "max_model_len": self.max_model_len}
-                    for m in self.models]
-            return await _json(writer, 200, {"object": "list", "data": data} if rec.path == "/v1/models" else {})
+            data = [
+                {
+                    "id": m,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "fake",
+                    "max_model_len": self.max_model_len,
+                }
+                for m in self.models
+            ]
+            return await _json(
+                writer, 200, {"object": "list", "data": data} if rec.path == "/v1/models" else {}
+            )
         if rec.path in ("/v1/chat/completions", "/v1/completions") and isinstance(rec.body, dict):
             knobs = self.knobs.merged(rec.body.get("fake"))
             if knobs.headers_delay_s:
                 await asyncio.sleep(knobs.headers_delay_s)
             if knobs.status != 200:
-                extra = [tuple(h.strip() for h in item.split(":", 1)) for item in knobs.error_headers.split(",")
-                         if item.strip()]
-                return await _json(writer, knobs.status, {"error": {"message": f"fake {knobs.status}",
-                                                                    "type": "server_error", "param": None,
-                                                                    "code": knobs.error_code or None}},
-                                   headers=extra)
+                extra = [
+                    tuple(h.strip() for h in item.split(":", 1))
+                    for item in knobs.error_headers.split(",")
+                    if item.strip()
+                ]
+                return await _json(
+                    writer,
+                    knobs.status,
+                    {
+                        "error": {
+                            "message": f"fake {knobs.status}",
+                            "type": "server_error",
+                            "param": None,
+                            "code": knobs.error_code or None,
+                        }
+                    },
+                    headers=extra,
+                )
             gone = asyncio.Event()  # set when the client disconnects: ends a gate wait
-            gen = Generation(rec, knobs, chat=rec.path.endswith("chat/completions"), gate=self.gate, gone=gone,
-                             max_model_len=self.max_model_len)
+            gen = Generation(
+                rec,
+                knobs,
+                chat=rec.path.endswith("chat/completions"),
+                gate=self.gate,
+                gone=gone,
+                max_model_len=self.max_model_len,
+            )
             watcher = asyncio.create_task(_watch_eof(reader, rec, gone))
             try:
                 if rec.body.get("stream"):
@@ -189,8 +229,18 @@ class FakeUpstream:
                 await asyncio.wait({watcher})
             return None
         if rec.path == "/v1/missing":  # an upstream's own OpenAI-shaped 404 for a passed-through path
-            return await _json(writer, 404, {"error": {"message": "Unknown path /v1/missing.",
-                                                       "type": "not_found_error", "param": None, "code": "not_found"}})
+            return await _json(
+                writer,
+                404,
+                {
+                    "error": {
+                        "message": "Unknown path /v1/missing.",
+                        "type": "not_found_error",
+                        "param": None,
+                        "code": "not_found",
+                    }
+                },
+            )
         return await _json(writer, 200, {"echo": rec.path, "method": rec.method, "body": rec.body})
 
 
@@ -203,12 +253,16 @@ async def _watch_eof(reader: asyncio.StreamReader, rec: Record, gone: asyncio.Ev
             gone.set()
 
 
-async def _json(writer: asyncio.StreamWriter, status: int, obj: Any, headers: list[tuple[str, ...]] | None = None
-                ) -> None:
+async def _json(
+    writer: asyncio.StreamWriter, status: int, obj: Any, headers: list[tuple[str, ...]] | None = None
+) -> None:
     body = msgspec.json.encode(obj)
     extra = "".join(f"{name}: {value}\r\n" for name, value in headers or ())
-    writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-                 f"{extra}\r\n".encode() + body)
+    writer.write(
+        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"{extra}\r\n".encode()
+        + body
+    )
     await writer.drain()
 
 
@@ -216,15 +270,25 @@ def prompt_words(body: dict[str, Any]) -> int:
     if "messages" in body:
         return sum(len(str(m.get("content") or "").split()) for m in body["messages"])
     prompt = body.get("prompt", "")
-    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else len(str(prompt).split())
+    return (
+        len(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+        else len(str(prompt).split())
+    )
 
 
 class Generation:
     """One completion request's deterministic output."""
 
-    def __init__(self, rec: Record, knobs: Knobs, chat: bool,
-                 gate: Callable[[str], asyncio.Event] | None = None, gone: asyncio.Event | None = None,
-                 max_model_len: int = 2048) -> None:
+    def __init__(
+        self,
+        rec: Record,
+        knobs: Knobs,
+        chat: bool,
+        gate: Callable[[str], asyncio.Event] | None = None,
+        gone: asyncio.Event | None = None,
+        max_model_len: int = 2048,
+    ) -> None:
         self.rec, self.knobs, self.chat, self.body = rec, knobs, chat, rec.body
         self._gate, self._gone = gate, gone or asyncio.Event()
         self.n = self.body.get("n") or 1
@@ -242,8 +306,12 @@ class Generation:
     def usage(self) -> dict[str, Any]:
         prompt = prompt_words(self.body)
         completion = self.num_tokens * self.n
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.knobs.cached_tokens}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.knobs.cached_tokens},
+        }
 
     def _alive(self) -> bool:
         return self.rec.disconnected_at is None
@@ -264,26 +332,47 @@ class Generation:
         if not self._alive():
             return
         texts = ["".join(self.token(c, i) for i in range(self.num_tokens)) for c in range(self.n)]
-        choices = [{"index": c, "finish_reason": self.finish, "logprobs": None,
-                    **({"message": {"role": "assistant", "content": t}} if self.chat else {"text": t})}
-                   for c, t in enumerate(texts)]
-        obj = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": 1,
-               "model": self.model, "choices": choices, "usage": self.usage()}
+        choices = [
+            {
+                "index": c,
+                "finish_reason": self.finish,
+                "logprobs": None,
+                **({"message": {"role": "assistant", "content": t}} if self.chat else {"text": t}),
+            }
+            for c, t in enumerate(texts)
+        ]
+        obj = {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": 1,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
         if self.knobs.kvscope_stats:
             obj["kvscope"] = ENGINE_STATS
         await _json(writer, 200, obj)
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": 1, "model": self.model, "choices": choices, **extra}
+        obj = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": 1,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
         if (self.body.get("stream_options") or {}).get("include_usage"):
             obj.setdefault("usage", None)  # as OpenAI, vLLM and our engine: null on every chunk but the last
         return obj
 
     def choice(self, c: int, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-                {"content": text} if text is not None else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({"content": text} if text is not None else {})
+            )
             return {"index": c, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": c, "text": text or "", "logprobs": None, "finish_reason": finish}
 
@@ -300,8 +389,16 @@ class Generation:
                 writer.transport.abort()
                 return
             if i == self.knobs.error_after_tokens:
-                await out.event({"error": {"message": "fake engine failure", "type": "server_error",
-                                           "param": None, "code": "engine_error"}})
+                await out.event(
+                    {
+                        "error": {
+                            "message": "fake engine failure",
+                            "type": "server_error",
+                            "param": None,
+                            "code": "engine_error",
+                        }
+                    }
+                )
                 await out.event("[DONE]")
                 return await out.end()
             if i:
@@ -312,7 +409,9 @@ class Generation:
             await out.event(self.chunk([self.choice(c, self.token(c, i), None) for c in range(self.n)]))
         if self.knobs.omit_finish:
             return await out.end()
-        await out.event(self.chunk([self.choice(c, None if self.chat else "", self.finish) for c in range(self.n)]))
+        await out.event(
+            self.chunk([self.choice(c, None if self.chat else "", self.finish) for c in range(self.n)])
+        )
         if (self.body.get("stream_options") or {}).get("include_usage"):
             extra = {"kvscope": ENGINE_STATS} if self.knobs.kvscope_stats else {}
             await out.event(self.chunk([], usage=self.usage(), **extra))
@@ -330,8 +429,10 @@ class SSEWriter:
         self.pending = b""
 
     async def start(self) -> None:
-        self.writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                          b"transfer-encoding: chunked\r\n\r\n")
+        self.writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
         await self.writer.drain()
 
     async def event(self, obj: Any) -> None:
@@ -371,11 +472,17 @@ def main() -> None:
         kind = int if isinstance(f.default, bool) else type(f.default)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = parser.parse_args()
-    knobs = Knobs(**{f.name: (bool(getattr(args, f.name)) if isinstance(f.default, bool) else getattr(args, f.name))
-                     for f in fields(Knobs)})
+    knobs = Knobs(
+        **{
+            f.name: (bool(getattr(args, f.name)) if isinstance(f.default, bool) else getattr(args, f.name))
+            for f in fields(Knobs)
+        }
+    )
 
     async def serve() -> None:
-        fake = await FakeUpstream(tuple(args.models.split(",")), args.max_model_len, knobs).start(port=args.port)
+        fake = await FakeUpstream(tuple(args.models.split(",")), args.max_model_len, knobs).start(
+            port=args.port
+        )
         print(f"READY {fake.port}", flush=True)
         await asyncio.Event().wait()
 

@@ -33,7 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float = 30.0, status: int = 200, proc: subprocess.Popen | None = None) -> None:
+def wait_http(
+    url: str, timeout: float = 30.0, status: int = 200, proc: subprocess.Popen | None = None
+) -> None:
     """Poll ``url`` until it answers ``status``; raises if ``proc`` exits or time runs out."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -74,7 +76,9 @@ class Proc:
                 self.kill()
 
 
-def spawn(args: list[str], port: int, log: Path, pythonpath: str = "", env: dict[str, str] | None = None) -> Proc:
+def spawn(
+    args: list[str], port: int, log: Path, pythonpath: str = "", env: dict[str, str] | None = None
+) -> Proc:
     """Start ``args`` in the repo with stdout+stderr to ``log``; ``env`` adds to the inherited environment."""
     path = os.pathsep.join(p for p in (str(REPO), pythonpath) if p)
     env = {**os.environ, **(env or {}), "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
@@ -91,21 +95,38 @@ def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -
     return spawn(args, port, tmp / f"{name}.log")
 
 
-def spawn_gateway(tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "",
-                  env: dict[str, str] | None = None) -> Proc:
+def spawn_gateway(
+    tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "", env: dict[str, str] | None = None
+) -> Proc:
     """``python -m kvscope.gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the repo,
     ``env`` added to the inherited environment."""
     port = free_port()
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))
-    return spawn([sys.executable, "-P", "-m", "kvscope.gateway", "--config", str(path), "--log-level", "warning"], port,
-                 tmp / f"{name}.out", pythonpath, env)
+    return spawn(
+        [sys.executable, "-P", "-m", "kvscope.gateway", "--config", str(path), "--log-level", "warning"],
+        port,
+        tmp / f"{name}.out",
+        pythonpath,
+        env,
+    )
 
 
 def spawn_redis(tmp: Path) -> Proc:
     port = free_port()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(tmp)]
+    args = [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(tmp),
+    ]
     return spawn(args, port, tmp / "redis.log")
 
 
@@ -139,8 +160,9 @@ def raw_http(port: int, data: bytes, timeout: float = 20.0, source: str | None =
     conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))  # lets h11 expect a response
     conn.send(h11.EndOfMessage())
     status, headers, body = 0, {}, b""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
-                                  source_address=(source, 0) if source else None) as sock:
+    with socket.create_connection(
+        ("127.0.0.1", port), timeout=timeout, source_address=(source, 0) if source else None
+    ) as sock:
         sock.sendall(data)
         while True:
             event = conn.next_event()
@@ -180,8 +202,9 @@ class LoopThread:
         self.loop.close()
 
 
-def start_fake_thread(loop: LoopThread, models: tuple[str, ...] = ("fake-model",), max_model_len: int = 2048,
-                      **knobs: Any) -> FakeUpstream:
+def start_fake_thread(
+    loop: LoopThread, models: tuple[str, ...] = ("fake-model",), max_model_len: int = 2048, **knobs: Any
+) -> FakeUpstream:
     return loop.run(FakeUpstream(models, max_model_len, Knobs(**knobs)).start())
 
 
@@ -270,8 +293,10 @@ def records_by_id(path: Path, ids: Iterable[str], timeout: float = 30.0) -> dict
 
 
 # --- a tiny real tokenizer --------------------------------------------------------------------------------
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def make_tokenizer_dir(tmp: Path) -> Path:
@@ -279,7 +304,18 @@ def make_tokenizer_dir(tmp: Path) -> Path:
     prompts) with a ChatML template: exact, predictable token counts."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    words = ["[UNK]", "<s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "hello", "world", "hi"]
+    words = [
+        "[UNK]",
+        "<s>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "user",
+        "assistant",
+        "system",
+        "hello",
+        "world",
+        "hi",
+    ]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<s>", "<|im_start|>", "<|im_end|>"])
@@ -287,5 +323,7 @@ def make_tokenizer_dir(tmp: Path) -> Path:
     folder = tmp / "tok"
     folder.mkdir(exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>"})
+    )
     return folder

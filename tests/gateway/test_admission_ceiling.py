@@ -21,15 +21,18 @@ def completion(**extra) -> CompletionRequest:
     return msgspec.convert({"model": "m", "prompt": "hi", **extra}, CompletionRequest)
 
 
-@pytest.mark.parametrize(("ceiling", "request_", "op", "max_len", "counts", "expected"), [
-    (4096, completion(), COMPLETION, 8192, [5], 16),  # OpenAI's completions default, not the ceiling
-    (10, completion(), COMPLETION, 8192, [5], 10),
-    (4096, chat(), CHAT, 8192, [5000], 3192),  # the rest of the context: a 5000-token prompt still fits
-    (100, chat(), CHAT, 8192, [5000], 100),
-    (4096, chat(), CHAT, None, None, 4096),  # no tokenizer / unknown context: the ceiling
-    (4096, chat(n=2), CHAT, 8192, [30, 8000], 192),  # the longest prompt bounds every choice
-    (4096, chat(max_tokens=7), CHAT, 8192, [5], None),  # the client asked: nothing injected
-    (None, chat(), CHAT, 8192, [5], None),  # no ceiling: nothing injected
-])
+@pytest.mark.parametrize(
+    ("ceiling", "request_", "op", "max_len", "counts", "expected"),
+    [
+        (4096, completion(), COMPLETION, 8192, [5], 16),  # OpenAI's completions default, not the ceiling
+        (10, completion(), COMPLETION, 8192, [5], 10),
+        (4096, chat(), CHAT, 8192, [5000], 3192),  # the rest of the context: a 5000-token prompt still fits
+        (100, chat(), CHAT, 8192, [5000], 100),
+        (4096, chat(), CHAT, None, None, 4096),  # no tokenizer / unknown context: the ceiling
+        (4096, chat(n=2), CHAT, 8192, [30, 8000], 192),  # the longest prompt bounds every choice
+        (4096, chat(max_tokens=7), CHAT, 8192, [5], None),  # the client asked: nothing injected
+        (None, chat(), CHAT, 8192, [5], None),  # no ceiling: nothing injected
+    ],
+)
 def test_injected_max_tokens(ceiling, request_, op, max_len, counts, expected) -> None:
     assert _injected_max_tokens(ceiling, request_, op, max_len, counts) == expected

@@ -23,8 +23,14 @@ def sdk(stack: Stack, key: str = "alice") -> openai.OpenAI:
 def test_openai_sdk_chat_completion_and_models(stack: Stack) -> None:
     with sdk(stack) as client, sdk(stack, "limited") as limited:
         reply = client.chat.completions.create(model="fake-model", messages=HI, max_tokens=4)
-        assert reply.choices[0].message.content == "t0 t1 t2 t3 " and reply.choices[0].finish_reason == "length"
-        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (1, 4, 5)
+        assert (
+            reply.choices[0].message.content == "t0 t1 t2 t3 " and reply.choices[0].finish_reason == "length"
+        )
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+            1,
+            4,
+            5,
+        )
         models = {m.id: m.model_extra.get("max_model_len") for m in client.models.list().data}
         assert models == {"fake-model": 2048, "tok-model": CONTEXT_LEN, "broken-model": 2048}
         assert [m.id for m in limited.models.list().data] == ["fake-model"]
@@ -43,11 +49,20 @@ def test_usage_chunk_only_when_asked_and_equal_to_non_streaming_usage(stack: Sta
     """S5, also with n=2 (completion tokens summed over choices, the prompt counted once)."""
     with stack.client() as c:
         for n in (1, 2):
-            body = {"model": "fake-model", "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 5, "n": n}
+            body = {
+                "model": "fake-model",
+                "messages": [{"role": "user", "content": "a b c"}],
+                "max_tokens": 5,
+                "n": n,
+            }
             usage = c.post("/v1/chat/completions", json=body).json()["usage"]
             assert usage["prompt_tokens"] == 3 and usage["completion_tokens"] == 5 * n
-            asked = sse_events(c.post("/v1/chat/completions",
-                                      json={**body, "stream": True, "stream_options": {"include_usage": True}}).content)
+            asked = sse_events(
+                c.post(
+                    "/v1/chat/completions",
+                    json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                ).content
+            )
             chunks = [json.loads(e) for e in asked[:-1]]
             usage_chunks = [ch for ch in chunks if ch.get("usage")]
             assert asked[-1] == "[DONE]" and usage_chunks == [chunks[-1]]
@@ -56,7 +71,8 @@ def test_usage_chunk_only_when_asked_and_equal_to_non_streaming_usage(stack: Sta
             assert plain[-1] == "[DONE]"
             # the same chunks, without the "usage": null the upstream adds once usage is asked for
             assert [_no_id(e) for e in plain[:-1]] == [
-                {k: v for k, v in _no_id(e).items() if k != "usage"} for e in asked[:-2]]
+                {k: v for k, v in _no_id(e).items() if k != "usage"} for e in asked[:-2]
+            ]
             assert all("usage" not in json.loads(e) for e in plain[:-1])
     sent = [r.body for r in stack.fakes["main"].records[-2:]]
     assert [b["stream_options"] for b in sent] == [{"include_usage": True}, {"include_usage": True}]
@@ -65,10 +81,16 @@ def test_usage_chunk_only_when_asked_and_equal_to_non_streaming_usage(stack: Sta
 def test_terminal_events_and_log_line(stack: Stack) -> None:
     """S2: one finish_reason per choice on the last chunk, then exactly ``data: [DONE]``."""
     with stack.client() as c:
-        for path, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "Once upon a time"})):
+        for path, body in (
+            ("/v1/chat/completions", {"messages": HI}),
+            ("/v1/completions", {"prompt": "Once upon a time"}),
+        ):
             rid = f"s2-{path.rsplit('/', 1)[1]}"
-            resp = c.post(path, json={"model": "fake-model", "max_tokens": 16, "stream": True, **body},
-                          headers={"x-request-id": rid})
+            resp = c.post(
+                path,
+                json={"model": "fake-model", "max_tokens": 16, "stream": True, **body},
+                headers={"x-request-id": rid},
+            )
             events = sse_events(resp.content)
             assert events[-1] == "[DONE]"
             reasons = [ch["finish_reason"] for e in events[:-1] for ch in json.loads(e)["choices"]]
@@ -76,30 +98,59 @@ def test_terminal_events_and_log_line(stack: Stack) -> None:
             record = records_by_id(stack.log, [rid])[rid][0]
             assert record["gen_ai"]["response"]["finish_reasons"] == ["length"]
             assert record["gen_ai"]["usage"]["output_tokens"] == 16
-            assert record["http"]["response"]["status_code"] == 200 and record["event"]["outcome"] == "success"
+            assert (
+                record["http"]["response"]["status_code"] == 200 and record["event"]["outcome"] == "success"
+            )
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    (b"{not json", None), (b"[1, 2]", None), (b'{"model": "fake-model", "messages": "hi"}', "messages"),
-    (b'{"model": "fake-model"}', "messages"), (b'{"model": 5, "messages": []}', "model"),
-    (b'{"model": "fake-model", "messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
-    (b'{"model": "fake-model", "messages": [], "max_tokens": "4"}', "max_tokens"),
-    (b'{"model": "fake-model", "messages": [], "max_tokens": 0}', "max_tokens"),
-    (b'{"model": "fake-model", "messages": [], "temperature": 7}', "temperature"),
-    (b'{"model": "fake-model", "messages": [], "stream": "yes"}', "stream"),
-    (b'{"model": "fake-model", "messages": [{"role": "user", "content": "a\xff\xfeb"}]}', None),  # bad UTF-8
-    (b'{"model": "fake-model", "messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),  # nesting
-])
-def test_malformed_bodies_are_openai_400s_logged_and_counted(stack: Stack, body: bytes, param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"model": "fake-model", "messages": "hi"}', "messages"),
+        (b'{"model": "fake-model"}', "messages"),
+        (b'{"model": 5, "messages": []}', "model"),
+        (b'{"model": "fake-model", "messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+        (b'{"model": "fake-model", "messages": [], "max_tokens": "4"}', "max_tokens"),
+        (b'{"model": "fake-model", "messages": [], "max_tokens": 0}', "max_tokens"),
+        (b'{"model": "fake-model", "messages": [], "temperature": 7}', "temperature"),
+        (b'{"model": "fake-model", "messages": [], "stream": "yes"}', "stream"),
+        (
+            b'{"model": "fake-model", "messages": [{"role": "user", "content": "a\xff\xfeb"}]}',
+            None,
+        ),  # bad UTF-8
+        (
+            b'{"model": "fake-model", "messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            None,
+        ),  # nesting
+    ],
+)
+def test_malformed_bodies_are_openai_400s_logged_and_counted(
+    stack: Stack, body: bytes, param: str | None
+) -> None:
     """A3: 400 JSON with the OpenAI error body, never 500/plain text; log and counter under 400."""
-    before = sample(metric_samples(stack.metrics()), "kvscope_gateway_requests_total", model="unknown",
-                    route="/v1/chat/completions", status="400")
-    before += sample(metric_samples(stack.metrics()), "kvscope_gateway_requests_total", model="fake-model",
-                     route="/v1/chat/completions", status="400")
+    before = sample(
+        metric_samples(stack.metrics()),
+        "kvscope_gateway_requests_total",
+        model="unknown",
+        route="/v1/chat/completions",
+        status="400",
+    )
+    before += sample(
+        metric_samples(stack.metrics()),
+        "kvscope_gateway_requests_total",
+        model="fake-model",
+        route="/v1/chat/completions",
+        status="400",
+    )
     rid = f"a3-{abs(hash(body))}"
     with stack.client() as c:
-        resp = c.post("/v1/chat/completions", content=body,
-                      headers={"content-type": "application/json", "x-request-id": rid})
+        resp = c.post(
+            "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json", "x-request-id": rid},
+        )
     assert resp.status_code == 400 and resp.headers["content-type"] == "application/json"
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -112,8 +163,10 @@ def test_malformed_bodies_are_openai_400s_logged_and_counted(stack: Stack, body:
     assert record[0]["gen_ai"]["request"]["model"] == named
     assert body.decode(errors="replace") not in json.dumps(record[0])
     samples = metric_samples(stack.metrics())
-    after = sum(sample(samples, "kvscope_gateway_requests_total", model=m, route="/v1/chat/completions",
-                       status="400") for m in ("unknown", "fake-model"))
+    after = sum(
+        sample(samples, "kvscope_gateway_requests_total", model=m, route="/v1/chat/completions", status="400")
+        for m in ("unknown", "fake-model")
+    )
     assert after == before + 1
 
 
@@ -140,39 +193,74 @@ def test_unknown_models_map_to_one_label(stack: Stack) -> None:
         c.post("/v1/chat/completions", json={"model": "warm-up-unknown", "messages": HI})
         series = len(metric_samples(stack.metrics()))
         for i in range(1000):
-            resp = c.post("/v1/chat/completions", json={"model": f"random-{i}-{time.time_ns()}", "messages": HI})
+            resp = c.post(
+                "/v1/chat/completions", json={"model": f"random-{i}-{time.time_ns()}", "messages": HI}
+            )
             assert resp.status_code == 404
-            assert resp.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
-                                                            "param": "model", "code": "model_not_found"}
+            assert resp.json()["error"] | {"message": ""} == {
+                "message": "",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
     samples = metric_samples(stack.metrics())
     assert len(samples) == series
-    assert sample(samples, "kvscope_gateway_requests_total", model="unknown", route="/v1/chat/completions",
-                  status="404") >= 1001
+    assert (
+        sample(
+            samples,
+            "kvscope_gateway_requests_total",
+            model="unknown",
+            route="/v1/chat/completions",
+            status="404",
+        )
+        >= 1001
+    )
     assert len(stack.fakes["main"].records) == before_requests
 
 
 def test_context_length_is_checked_with_the_model_tokenizer(stack: Stack) -> None:
     """K1: L+100 prompt tokens, a short prompt with max_tokens L-3, and the first streamed: 400 before any
     upstream call, stating L, the prompt length and the requested tokens."""
-    long_messages = [{"role": "user", "content": "hello " * (CONTEXT_LEN + 100 - 5)}]  # template adds 5 tokens
-    cases = [({"messages": long_messages}, f"maximum context length is {CONTEXT_LEN} tokens. However, your messages "
-                                           f"resulted in {CONTEXT_LEN + 100} tokens"),
-             ({"messages": HI, "max_tokens": CONTEXT_LEN - 3},
-              f"you requested {CONTEXT_LEN + 3} tokens (6 in the messages, {CONTEXT_LEN - 3} in the completion)"),
-             ({"messages": long_messages, "stream": True}, f"resulted in {CONTEXT_LEN + 100} tokens")]
+    long_messages = [
+        {"role": "user", "content": "hello " * (CONTEXT_LEN + 100 - 5)}
+    ]  # template adds 5 tokens
+    cases = [
+        (
+            {"messages": long_messages},
+            f"maximum context length is {CONTEXT_LEN} tokens. However, your messages "
+            f"resulted in {CONTEXT_LEN + 100} tokens",
+        ),
+        (
+            {"messages": HI, "max_tokens": CONTEXT_LEN - 3},
+            f"you requested {CONTEXT_LEN + 3} tokens (6 in the messages, {CONTEXT_LEN - 3} in the completion)",
+        ),
+        ({"messages": long_messages, "stream": True}, f"resulted in {CONTEXT_LEN + 100} tokens"),
+    ]
     with stack.client() as c:
         for body, text in cases:
             resp = c.post("/v1/chat/completions", json={"model": "tok-model", **body})
             assert resp.status_code == 400 and resp.headers["content-type"] == "application/json"
             error = resp.json()["error"]
             assert text in error["message"], error["message"]
-            assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "messages",
-                                                                      "context_length_exceeded")
-        prompt = c.post("/v1/completions", json={"model": "tok-model", "prompt": "hello " * 60, "max_tokens": 10})
-        assert "you requested 71 tokens (61 in the prompt, 10 in the completion)" in prompt.json()["error"]["message"]
-        ok = c.post("/v1/chat/completions", json={"model": "tok-model", "messages": HI, "max_tokens": CONTEXT_LEN - 6})
+            assert (error["type"], error["param"], error["code"]) == (
+                "invalid_request_error",
+                "messages",
+                "context_length_exceeded",
+            )
+        prompt = c.post(
+            "/v1/completions", json={"model": "tok-model", "prompt": "hello " * 60, "max_tokens": 10}
+        )
+        assert (
+            "you requested 71 tokens (61 in the prompt, 10 in the completion)"
+            in prompt.json()["error"]["message"]
+        )
+        ok = c.post(
+            "/v1/chat/completions", json={"model": "tok-model", "messages": HI, "max_tokens": CONTEXT_LEN - 6}
+        )
         assert ok.status_code == 200
-    assert [r.body["max_tokens"] for r in stack.fakes["tok"].records if r.method == "POST"] == [CONTEXT_LEN - 6]
+    assert [r.body["max_tokens"] for r in stack.fakes["tok"].records if r.method == "POST"] == [
+        CONTEXT_LEN - 6
+    ]
 
 
 def test_tool_prompts_are_left_to_the_engine_to_count(stack: Stack) -> None:
@@ -180,19 +268,36 @@ def test_tool_prompts_are_left_to_the_engine_to_count(stack: Stack) -> None:
     template would undercount them, so it counts nothing (as without a tokenizer) and relays; without tools,
     or with tool_choice none, it counts as usual."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    cases = {"gw-tools": {"tools": [tool]}, "gw-tools-none": {"tools": [tool], "tool_choice": "none"},
-             "gw-tool-turn": {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [
-                 {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "42"}]},
-             "gw-plain": {}}
+    cases = {
+        "gw-tools": {"tools": [tool]},
+        "gw-tools-none": {"tools": [tool], "tool_choice": "none"},
+        "gw-tool-turn": {
+            "messages": [
+                *HI,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+            ]
+        },
+        "gw-plain": {},
+    }
     with stack.client() as c:
         for rid, extra in cases.items():
             body = {"model": "tok-model", "messages": HI, "max_tokens": 4, **extra}
             assert c.post("/v1/chat/completions", json=body, headers={"x-request-id": rid}).status_code == 200
     records = records_by_id(stack.log, cases)
     counted = {rid: records[rid][0]["kvscope"]["prompt_tokens_counted"] for rid in cases}
-    assert counted == {"gw-tools": None, "gw-tools-none": counted["gw-plain"], "gw-tool-turn": None,
-                       "gw-plain": counted["gw-plain"]}
+    assert counted == {
+        "gw-tools": None,
+        "gw-tools-none": counted["gw-plain"],
+        "gw-tool-turn": None,
+        "gw-plain": counted["gw-plain"],
+    }
     assert counted["gw-plain"] == 6
 
 
@@ -208,19 +313,27 @@ def test_per_key_models_and_max_tokens_ceiling(stack: Stack) -> None:
         assert denied.status_code == 403 and denied.json()["error"]["code"] == "model_not_allowed"
     with sdk(stack, "limited") as limited, pytest.raises(openai.PermissionDeniedError):
         limited.chat.completions.create(model="tok-model", messages=HI)
-    with openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0) as wrong, \
-            pytest.raises(openai.AuthenticationError):
+    with (
+        openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0) as wrong,
+        pytest.raises(openai.AuthenticationError),
+    ):
         wrong.models.list()
 
 
 def test_request_id_is_kept_or_generated_and_sent_upstream(stack: Stack) -> None:
     with stack.client() as c:
-        kept = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI},
-                      headers={"x-request-id": "req-abc.1"})
+        kept = c.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": HI},
+            headers={"x-request-id": "req-abc.1"},
+        )
         assert kept.headers["x-request-id"] == "req-abc.1"
         assert stack.fakes["main"].records[-1].headers["x-request-id"] == "req-abc.1"
-        fresh = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI},
-                       headers={"x-request-id": "bad id with spaces"})
+        fresh = c.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": HI},
+            headers={"x-request-id": "bad id with spaces"},
+        )
         rid = fresh.headers["x-request-id"]
         assert len(rid) == 32 and int(rid, 16) >= 0
         assert stack.fakes["main"].records[-1].headers["x-request-id"] == rid
@@ -229,7 +342,11 @@ def test_request_id_is_kept_or_generated_and_sent_upstream(stack: Stack) -> None
 def test_other_v1_paths_pass_through(stack: Stack) -> None:
     with stack.client() as c:
         emb = c.post("/v1/embeddings?x=1", json={"model": "fake-model", "input": "hi"})
-        assert emb.json() == {"echo": "/v1/embeddings", "method": "POST", "body": {"model": "fake-model", "input": "hi"}}
+        assert emb.json() == {
+            "echo": "/v1/embeddings",
+            "method": "POST",
+            "body": {"model": "fake-model", "input": "hi"},
+        }
         assert c.get("/v1/files").json()["echo"] == "/v1/files"
         assert c.post("/v1/embeddings", json={"model": "zzz", "input": "x"}).status_code == 404
     assert httpx.get(stack.url + "/v1/files").status_code == 401
@@ -244,8 +361,9 @@ def test_a_passed_through_upstream_error_fills_the_log_error_fields(stack: Stack
     assert record["error"] == {"type": "not_found", "message": "Unknown path /v1/missing."}
 
 
-@pytest.mark.parametrize("path", ["/v1/../metrics", "/v1/%2e%2e/health", "/v1/./files", "/v1//files",
-                                  "/v1/files/../../tokenize"])
+@pytest.mark.parametrize(
+    "path", ["/v1/../metrics", "/v1/%2e%2e/health", "/v1/./files", "/v1//files", "/v1/files/../../tokenize"]
+)
 def test_passthrough_never_leaves_v1(stack: Stack, path: str) -> None:
     """Dot and empty segments (plain or percent-encoded) are refused before routing (gateway/target.py), so
     they never reach the upstream's private routes."""
@@ -269,15 +387,17 @@ def test_probes(stack: Stack) -> None:
     assert ready.json()["models"] == {"tok-model": True, "fake-model": True, "broken-model": True}
 
 
-
 def test_upstream_5xx_is_relayed_then_the_replica_is_ejected(own_stack: Stack) -> None:
     """Three consecutive 5xx (failure_threshold) eject the only replica of broken-model."""
     stack = own_stack
     with stack.client() as c:
         statuses = []
         for i in range(4):
-            resp = c.post("/v1/chat/completions", json={"model": "broken-model", "messages": HI},
-                          headers={"x-request-id": f"five-hundred-{i}"})
+            resp = c.post(
+                "/v1/chat/completions",
+                json={"model": "broken-model", "messages": HI},
+                headers={"x-request-id": f"five-hundred-{i}"},
+            )
             statuses.append(resp.status_code)
             if i == 0:
                 assert resp.json()["error"]["message"] == "fake 500"
@@ -294,10 +414,16 @@ def test_upstream_5xx_is_relayed_then_the_replica_is_ejected(own_stack: Stack) -
 
 
 def test_huge_model_names_and_user_agents_are_clipped_in_errors_and_logs(stack: Stack) -> None:
-    name, agent = "m" * 200_000, "ua/" + "x" * 12_000  # the head stays under the 16 KiB limit (a 400 above it)
+    name, agent = (
+        "m" * 200_000,
+        "ua/" + "x" * 12_000,
+    )  # the head stays under the 16 KiB limit (a 400 above it)
     with stack.client() as c:
-        resp = c.post("/v1/chat/completions", json={"model": name, "messages": HI},
-                      headers={"x-request-id": "huge-name", "user-agent": agent})
+        resp = c.post(
+            "/v1/chat/completions",
+            json={"model": name, "messages": HI},
+            headers={"x-request-id": "huge-name", "user-agent": agent},
+        )
     assert resp.status_code == 404
     message = resp.json()["error"]["message"]
     assert message == f"The model '{'m' * 256}…[+199744 chars]' does not exist or is not served here."

@@ -24,8 +24,12 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 def stream(c: httpx.Client, body: dict, rid: str) -> tuple[httpx.Response, list[tuple[float, bytes]]]:
     """POST a stream; returns the response and (arrival time, bytes) of every received piece."""
     pieces = []
-    with c.stream("POST", "/v1/chat/completions", json={"model": "fake-model", "messages": HI, "stream": True,
-                                                       **body}, headers={"x-request-id": rid}) as resp:
+    with c.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "fake-model", "messages": HI, "stream": True, **body},
+        headers={"x-request-id": rid},
+    ) as resp:
         for piece in resp.iter_raw():
             pieces.append((time.monotonic(), piece))
     return resp, pieces
@@ -53,10 +57,23 @@ def test_stream_headers_and_events_spread_over_time(quiet: Stack) -> None:
     keep-alives here, so one that held back any event would stall the stream until the client's 30 s read
     timeout."""
     fake, released, seen = quiet.fakes["main"], 0, b""
-    with httpx.Client(base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30) as c, \
-            c.stream("POST", "/v1/chat/completions", headers={"x-request-id": "s1"},
-                     json={"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 10,
-                           "fake": {"hold": "s1"}}) as resp:
+    with (
+        httpx.Client(
+            base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30
+        ) as c,
+        c.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers={"x-request-id": "s1"},
+            json={
+                "model": "fake-model",
+                "messages": HI,
+                "stream": True,
+                "max_tokens": 10,
+                "fake": {"hold": "s1"},
+            },
+        ) as resp,
+    ):
         for piece in resp.iter_raw():
             seen += piece
             if released < 10 and b'"role":"assistant"' in seen and _tokens(seen) == released:
@@ -73,7 +90,9 @@ def test_an_upstream_slow_to_end_its_body_does_not_hold_the_client(quiet: Stack)
     while the upstream's has not (the gateway waits ``DRAIN_BEFORE_END_S``, then ends the client's and drains
     the upstream in the background), and the answer is whole."""
     fake = quiet.fakes["main"]
-    with httpx.Client(base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30) as c:
+    with httpx.Client(
+        base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30
+    ) as c:
         resp, pieces = stream(c, {"max_tokens": 5, "fake": {"end_delay_s": 5.0}}, "late-end")
         [record] = [r for r in fake.records if r.headers.get("x-request-id", "").startswith("late-end")]
         assert not record.completed  # the upstream is still in its 5 s before the end of its body
@@ -96,7 +115,9 @@ def test_streams_reuse_the_upstream_connection(quiet: Stack, end_delay_s: float)
     and then, and the pool opened a second connection: seen once in test-fresh)."""
     assert end_delay_s < DRAIN_BEFORE_END_S / 2
     fake = quiet.fakes["main"]
-    with httpx.Client(base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30) as c:
+    with httpx.Client(
+        base_url=quiet.url, headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=30
+    ) as c:
         stream(c, {"max_tokens": 3}, "reuse-warm")
         before = fake.connections
         for i in range(3):
@@ -104,8 +125,12 @@ def test_streams_reuse_the_upstream_connection(quiet: Stack, end_delay_s: float)
             events = sse_events(b"".join(p for _, p in pieces))
             assert resp.status_code == 200 and _tokens(b"".join(p for _, p in pieces)) == 40
             assert events[-1] == "[DONE]"
-            assert c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI,
-                                                        "max_tokens": 2}).status_code == 200
+            assert (
+                c.post(
+                    "/v1/chat/completions", json={"model": "fake-model", "messages": HI, "max_tokens": 2}
+                ).status_code
+                == 200
+            )
     assert fake.connections == before
 
 
@@ -120,9 +145,18 @@ def test_keepalive_comments_while_waiting_for_the_first_token(stack: Stack) -> N
     fake, body, comments, marks = stack.fakes["main"], b"", [], {}
     with stack.client() as c:
         sent_at = time.monotonic()
-        with c.stream("POST", "/v1/chat/completions", headers={"x-request-id": "s4"},
-                      json={"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 2,
-                            "fake": {"hold": "s4"}}) as resp:
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers={"x-request-id": "s4"},
+            json={
+                "model": "fake-model",
+                "messages": HI,
+                "stream": True,
+                "max_tokens": 2,
+                "fake": {"hold": "s4"},
+            },
+        ) as resp:
             headers_at = time.monotonic()
             for piece in resp.iter_raw():
                 now = time.monotonic()
@@ -136,28 +170,43 @@ def test_keepalive_comments_while_waiting_for_the_first_token(stack: Stack) -> N
                     fake.release("s4/1")
                 if _tokens(body) >= 2 and "token1" not in marks:
                     marks["token1"] = now
-    before_token = body[:body.index(b'"content":"t0')]
+    before_token = body[: body.index(b'"content":"t0')]
     assert before_token.count(KEEPALIVE) >= 3 and b"event:" not in body
-    for k, arrived in enumerate(comments[:before_token.count(KEEPALIVE)], start=1):
+    for k, arrived in enumerate(comments[: before_token.count(KEEPALIVE)], start=1):
         assert arrived - sent_at >= 0.3 * k - 1e-3, (k, arrived - sent_at)  # 1 ms: timer/float rounding
     ttft = records_by_id(stack.log, ["s4"])["s4"][0]["kvscope"]["ttft_s"]
     assert marks["release"] - headers_at <= ttft < marks["token1"] - sent_at
     with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEYS["alice"], max_retries=0) as client:
-        chunks = list(client.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, stream=True,
-                                                     extra_body={"fake": {"first_token_delay_s": 0.7}}))
+        chunks = list(
+            client.chat.completions.create(
+                model="fake-model",
+                messages=HI,
+                max_tokens=2,
+                stream=True,
+                extra_body={"fake": {"first_token_delay_s": 0.7}},
+            )
+        )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "t0 t1 "
 
 
-@pytest.mark.parametrize(("knobs", "code", "reason", "tokens"), [
-    ({"error_after_tokens": 2}, "engine_error", "upstream_error", 2),
-    ({"omit_finish": True}, "stream_incomplete", "incomplete", 4),
-    ({"finish_reason": "abort"}, "stream_aborted", "aborted", 4),
-])
-def test_failures_after_the_200_are_in_band_errors(stack: Stack, knobs: dict, code: str, reason: str,
-                                                   tokens: int) -> None:
+@pytest.mark.parametrize(
+    ("knobs", "code", "reason", "tokens"),
+    [
+        ({"error_after_tokens": 2}, "engine_error", "upstream_error", 2),
+        ({"omit_finish": True}, "stream_incomplete", "incomplete", 4),
+        ({"finish_reason": "abort"}, "stream_aborted", "aborted", 4),
+    ],
+)
+def test_failures_after_the_200_are_in_band_errors(
+    stack: Stack, knobs: dict, code: str, reason: str, tokens: int
+) -> None:
     """S2/S3: ``data: {"error": …}``, no [DONE], no invalid finish_reason; logged and counted as errors."""
-    before = sample(metric_samples(stack.metrics()), "kvscope_gateway_stream_errors_total", model="fake-model",
-                    reason=reason)
+    before = sample(
+        metric_samples(stack.metrics()),
+        "kvscope_gateway_stream_errors_total",
+        model="fake-model",
+        reason=reason,
+    )
     rid = f"inband-{reason}"
     with stack.client() as c:
         resp, pieces = stream(c, {"max_tokens": 4, "fake": knobs}, rid)
@@ -171,13 +220,19 @@ def test_failures_after_the_200_are_in_band_errors(stack: Stack, knobs: dict, co
     assert record["event"]["outcome"] == "failure" and record["log"]["level"] == "error"
     assert record["kvscope"]["stream_error"] == reason and record["error"]["type"] == code
     assert record["gen_ai"]["usage"]["output_tokens"] == tokens
-    after = sample(metric_samples(stack.metrics()), "kvscope_gateway_stream_errors_total", model="fake-model",
-                   reason=reason)
+    after = sample(
+        metric_samples(stack.metrics()),
+        "kvscope_gateway_stream_errors_total",
+        model="fake-model",
+        reason=reason,
+    )
     assert after == before + 1
 
 
 @pytest.mark.parametrize("knobs", [{"error_after_tokens": 2}, {"die_after_tokens": 2}])
-def test_a_stream_failing_after_its_first_token_logs_the_counted_prompt_tokens(stack: Stack, knobs: dict) -> None:
+def test_a_stream_failing_after_its_first_token_logs_the_counted_prompt_tokens(
+    stack: Stack, knobs: dict
+) -> None:
     """No usage chunk came, but the upstream read the prompt: the log's input tokens are the gateway's own count,
     not null (a break-it run found null beside prompt_tokens_counted)."""
     rid = f"counted-{next(iter(knobs))}"
@@ -191,8 +246,11 @@ def test_a_stream_failing_after_its_first_token_logs_the_counted_prompt_tokens(s
 
 def test_engine_stats_reach_the_log(stack: Stack) -> None:
     with stack.client() as c:
-        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "fake": {"kvscope_stats": True}},
-               headers={"x-request-id": "engine-json"})
+        c.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": HI, "fake": {"kvscope_stats": True}},
+            headers={"x-request-id": "engine-json"},
+        )
         stream(c, {"fake": {"kvscope_stats": True}}, "engine-sse")
     records = records_by_id(stack.log, ["engine-json", "engine-sse"])
     for rid in ("engine-json", "engine-sse"):
@@ -200,7 +258,11 @@ def test_engine_stats_reach_the_log(stack: Stack) -> None:
         assert engine["kv_blocks"] == 2 and engine["num_preemptions"] == 0 and engine["ttft_s"] == 0.002
         # speculative decoding (issue 16): the engine's totals land in kvscope.engine unchanged
         assert {k: engine[k] for k in engine if k.startswith("spec_")} == {
-            "spec_drafts": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 6, "spec_mean_accepted_length": 2.5}
+            "spec_drafts": 4,
+            "spec_draft_tokens": 12,
+            "spec_accepted_tokens": 6,
+            "spec_mean_accepted_length": 2.5,
+        }
 
 
 def _spans(stack: Stack, trace_id: int) -> dict[str, object]:
@@ -218,16 +280,22 @@ def test_one_trace_per_request_with_and_without_traceparent(stack: Stack) -> Non
     """M3: the client's trace continues through the gateway to the upstream; without a header the gateway
     roots a new trace. The log line carries the server span's ids."""
     with stack.client() as c:
-        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 3},
-               headers={"traceparent": TRACEPARENT, "x-request-id": "m3-a"})
+        c.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 3},
+            headers={"traceparent": TRACEPARENT, "x-request-id": "m3-a"},
+        )
         sent = stack.fakes["main"].records[-1].headers["traceparent"]
-        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI, "max_tokens": 3},
-               headers={"x-request-id": "m3-b"})
+        c.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": HI, "max_tokens": 3},
+            headers={"x-request-id": "m3-b"},
+        )
         sent_b = stack.fakes["main"].records[-1].headers["traceparent"]
-    spans = _spans(stack, 0x4bf92f3577b34da6a3ce929d0e0e4736)
+    spans = _spans(stack, 0x4BF92F3577B34DA6A3CE929D0E0E4736)
     assert set(spans) == {"POST /v1/chat/completions", "chat fake-model", "prefill", "decode"}
     server, client = spans["POST /v1/chat/completions"], spans["chat fake-model"]
-    assert server.kind is SpanKind.SERVER and server.parent.span_id == 0x00f067aa0ba902b7
+    assert server.kind is SpanKind.SERVER and server.parent.span_id == 0x00F067AA0BA902B7
     assert client.kind is SpanKind.CLIENT and client.parent.span_id == server.context.span_id
     assert spans["prefill"].parent.span_id == client.context.span_id == spans["decode"].parent.span_id
     assert sent == f"00-4bf92f3577b34da6a3ce929d0e0e4736-{client.context.span_id:016x}-01"
@@ -239,7 +307,10 @@ def test_one_trace_per_request_with_and_without_traceparent(stack: Stack) -> Non
     assert records["m3-a"][0]["span"]["id"] == f"{server.context.span_id:016x}"
     trace_b = int(records["m3-b"][0]["trace"]["id"], 16)
     spans_b = _spans(stack, trace_b)
-    assert set(spans_b) == {"POST /v1/chat/completions", "chat fake-model"}  # no token timing without a stream
+    assert set(spans_b) == {
+        "POST /v1/chat/completions",
+        "chat fake-model",
+    }  # no token timing without a stream
     assert spans_b["POST /v1/chat/completions"].parent is None
     assert sent_b.split("-")[1] == records["m3-b"][0]["trace"]["id"]
 
@@ -249,9 +320,12 @@ def strict(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """A gateway with short timeouts (first token 0.6 s, idle 0.5 s, total 2 s, keep-alive 10 s) that also
     logs prompts and completions."""
     tmp: Path = tmp_path_factory.mktemp("strict")
-    gateway, fakes, exporter = build_stack(loop, tmp, timeouts={"first_token_s": 0.6, "idle_s": 0.5,
-                                                                "total_s": 2.0, "keepalive_s": 10},
-                                           logs={"file": str(tmp / "requests.jsonl"), "log_content": True})
+    gateway, fakes, exporter = build_stack(
+        loop,
+        tmp,
+        timeouts={"first_token_s": 0.6, "idle_s": 0.5, "total_s": 2.0, "keepalive_s": 10},
+        logs={"file": str(tmp / "requests.jsonl"), "log_content": True},
+    )
     with gateway:
         yield Stack(gateway, fakes, exporter, tmp / "requests.jsonl")
     for fake in fakes.values():
@@ -262,8 +336,11 @@ def test_timeouts_before_the_response_are_504_json(strict: Stack) -> None:
     """The upstream holds its tokens for good (gates never released), so each timeout must fire; the total
     one no earlier than its 2 s and no later than the client saw the request's log record."""
     with strict.client() as c:
-        first = c.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "stream": True,
-                                                "fake": {"hold": "t1"}}, headers={"x-request-id": "t1"})
+        first = c.post(
+            "/v1/completions",
+            json={"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"hold": "t1"}},
+            headers={"x-request-id": "t1"},
+        )
         assert first.status_code == 504 and first.json()["error"]["code"] == "upstream_timeout"
         assert "no first token from the upstream within 0.6s" in first.json()["error"]["message"]
         # a chat stream starts with the role chunk, so the same timeout arrives in-band
@@ -272,8 +349,11 @@ def test_timeouts_before_the_response_are_504_json(strict: Stack) -> None:
         assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert json.loads(events[-1])["error"]["code"] == "upstream_timeout" and len(events) == 2
         t2_sent = time.monotonic()
-        total = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI,
-                                                     "fake": {"hold": "t2"}}, headers={"x-request-id": "t2"})
+        total = c.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": HI, "fake": {"hold": "t2"}},
+            headers={"x-request-id": "t2"},
+        )
         assert total.status_code == 504
     records = records_by_id(strict.log, ["t1", "t2"])
     t2_logged = time.monotonic()
@@ -297,14 +377,20 @@ def test_log_content_only_when_switched_on(stack: Stack, strict: Stack) -> None:
     for target in (stack, strict):
         with target.client() as c:
             stream(c, {"max_tokens": 2}, "content-sse")
-            c.post("/v1/completions", json={"model": "fake-model", "prompt": "hello", "max_tokens": 3},
-                   headers={"x-request-id": "content-json"})
+            c.post(
+                "/v1/completions",
+                json={"model": "fake-model", "prompt": "hello", "max_tokens": 3},
+                headers={"x-request-id": "content-json"},
+            )
     for rid, text, role in (("content-sse", "t0 t1 ", "user"), ("content-json", "t0 t1 t2 ", "user")):
         on = records_by_id(strict.log, [rid])[rid][0]["gen_ai"]
         prompt = "hi" if rid == "content-sse" else "hello"
         # OTel GenAI input/output message schema: role + parts, finish_reason per output message
         assert on["input"] == {"messages": [{"role": role, "parts": [{"type": "text", "content": prompt}]}]}
-        assert on["output"] == {"messages": [{"role": "assistant", "parts": [{"type": "text", "content": text}],
-                                              "finish_reason": "length"}]}
+        assert on["output"] == {
+            "messages": [
+                {"role": "assistant", "parts": [{"type": "text", "content": text}], "finish_reason": "length"}
+            ]
+        }
         off = records_by_id(stack.log, [rid])[rid][0]["gen_ai"]
         assert "input" not in off and "output" not in off

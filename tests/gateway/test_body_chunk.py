@@ -38,11 +38,16 @@ class Cycle:
     response_complete: bool = False
 
 
-def started(method: bytes = b"POST", version: bytes = b"1.1",
-            headers: tuple[tuple[bytes, bytes], ...] = ((b"content-type", b"text/event-stream"),)) -> Cycle:
+def started(
+    method: bytes = b"POST",
+    version: bytes = b"1.1",
+    headers: tuple[tuple[bytes, bytes], ...] = ((b"content-type", b"text/event-stream"),),
+) -> Cycle:
     """A server connection that received a request and sent its response head (as uvicorn does)."""
     conn = h11.Connection(h11.SERVER)
-    conn.receive_data(b"%s /v1/chat/completions HTTP/%s\r\nhost: x\r\ncontent-length: 0\r\n\r\n" % (method, version))
+    conn.receive_data(
+        b"%s /v1/chat/completions HTTP/%s\r\nhost: x\r\ncontent-length: 0\r\n\r\n" % (method, version)
+    )
     assert isinstance(conn.next_event(), h11.Request)
     cycle = Cycle(conn)
     cycle.transport.write(conn.send(h11.Response(status_code=200, headers=list(headers))))
@@ -52,7 +57,7 @@ def started(method: bytes = b"POST", version: bytes = b"1.1",
 
 def test_events_are_chunks_of_the_body_h11_started() -> None:
     cycle = started()
-    events = [b"data: {\"a\": 1}\n\n", b": keep-alive\n\n", b"x" * 70000]
+    events = [b'data: {"a": 1}\n\n', b": keep-alive\n\n", b"x" * 70000]
     assert all(write_body_chunk(cycle, e) for e in events)  # type: ignore[arg-type]
     cycle.transport.write(cycle.conn.send(h11.EndOfMessage()))  # the end goes through h11 (ASGI send)
     client = h11.Connection(h11.CLIENT)
@@ -66,11 +71,16 @@ def test_events_are_chunks_of_the_body_h11_started() -> None:
     assert body == b"".join(events)
 
 
-@pytest.mark.parametrize("case", ["empty", "not started", "complete", "disconnected", "paused", "http/1.0", "head",
-                                  "content-length"])
+@pytest.mark.parametrize(
+    "case",
+    ["empty", "not started", "complete", "disconnected", "paused", "http/1.0", "head", "content-length"],
+)
 def test_refused_where_send_must_write(case: str) -> None:
-    cycle = {"http/1.0": lambda: started(version=b"1.0"), "head": lambda: started(method=b"HEAD"),
-             "content-length": lambda: started(headers=((b"content-length", b"5"),))}.get(case, started)()
+    cycle = {
+        "http/1.0": lambda: started(version=b"1.0"),
+        "head": lambda: started(method=b"HEAD"),
+        "content-length": lambda: started(headers=((b"content-length", b"5"),)),
+    }.get(case, started)()
     if case == "not started":
         cycle.response_started = False
     cycle.response_complete = case == "complete"

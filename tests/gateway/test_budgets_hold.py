@@ -24,8 +24,14 @@ from tests.gateway.harness import (
     start_fake_thread,
 )
 
-KEYS = {"tpm": "sk-tpm-1000", "only-a": "sk-only-a", "only-ab": "sk-only-ab", "only-tok": "sk-only-tok",
-        "rpm": "sk-rpm-2", "all": "sk-all"}
+KEYS = {
+    "tpm": "sk-tpm-1000",
+    "only-a": "sk-only-a",
+    "only-ab": "sk-only-ab",
+    "only-tok": "sk-only-tok",
+    "rpm": "sk-rpm-2",
+    "all": "sk-all",
+}
 TPM = 1000
 CONTEXT = 2048
 """The fake upstream's context: a request without max_tokens and with ignore_eos runs to its end."""
@@ -45,20 +51,26 @@ def budgets(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Itera
     from kvscope.gateway.settings import load_settings
 
     tmp = tmp_path_factory.mktemp("budgets")
-    fakes = {"a": start_fake_thread(loop, ("tok-model", "model-a"), max_model_len=CONTEXT),
-             "b": start_fake_thread(loop, ("model-b",)),
-             "ab": start_fake_thread(loop, ("model-a", "model-b"))}
+    fakes = {
+        "a": start_fake_thread(loop, ("tok-model", "model-a"), max_model_len=CONTEXT),
+        "b": start_fake_thread(loop, ("model-b",)),
+        "ab": start_fake_thread(loop, ("model-a", "model-b")),
+    }
     config = {
-        "upstreams": [{"url": fakes["a"].url, "models": ["tok-model", "model-a"]},
-                      {"url": fakes["b"].url, "models": ["model-b"]},
-                      {"url": fakes["ab"].url, "models": ["model-a", "model-b"]}],
+        "upstreams": [
+            {"url": fakes["a"].url, "models": ["tok-model", "model-a"]},
+            {"url": fakes["b"].url, "models": ["model-b"]},
+            {"url": fakes["ab"].url, "models": ["model-a", "model-b"]},
+        ],
         "models": [{"name": "tok-model", "tokenizer": str(make_tokenizer_dir(tmp))}],
-        "api_keys": [{"name": "tpm", "sha256": hash_key(KEYS["tpm"]), "limits": {"tokens_per_minute": TPM}},
-                     {"name": "only-a", "sha256": hash_key(KEYS["only-a"]), "models": ["tok-model", "model-a"]},
-                     {"name": "only-ab", "sha256": hash_key(KEYS["only-ab"]), "models": ["model-a", "model-b"]},
-                     {"name": "only-tok", "sha256": hash_key(KEYS["only-tok"]), "models": ["tok-model"]},
-                     {"name": "rpm", "sha256": hash_key(KEYS["rpm"]), "limits": {"requests_per_minute": 2}},
-                     {"name": "all", "sha256": hash_key(KEYS["all"])}],
+        "api_keys": [
+            {"name": "tpm", "sha256": hash_key(KEYS["tpm"]), "limits": {"tokens_per_minute": TPM}},
+            {"name": "only-a", "sha256": hash_key(KEYS["only-a"]), "models": ["tok-model", "model-a"]},
+            {"name": "only-ab", "sha256": hash_key(KEYS["only-ab"]), "models": ["model-a", "model-b"]},
+            {"name": "only-tok", "sha256": hash_key(KEYS["only-tok"]), "models": ["tok-model"]},
+            {"name": "rpm", "sha256": hash_key(KEYS["rpm"]), "limits": {"requests_per_minute": 2}},
+            {"name": "all", "sha256": hash_key(KEYS["all"])},
+        ],
         "routing": {"health_interval_s": 60},
         "logs": {"file": str(tmp / "requests.jsonl")},
     }
@@ -85,8 +97,9 @@ def test_n4_a_tpm_key_without_max_tokens_generates_at_most_its_budget(budgets: S
     body = {"model": "tok-model", "messages": HI, "stream": True, "ignore_eos": True}
 
     async def one(i: int) -> int:
-        async with httpx.AsyncClient(base_url=budgets.url, timeout=120,
-                                     headers={"authorization": f"Bearer {KEYS['tpm']}"}) as c:
+        async with httpx.AsyncClient(
+            base_url=budgets.url, timeout=120, headers={"authorization": f"Bearer {KEYS['tpm']}"}
+        ) as c:
             resp = await c.post("/v1/chat/completions", json=body, headers={"x-request-id": f"n4-tpm-{i}"})
             return resp.status_code
 
@@ -104,13 +117,16 @@ def test_n4_a_tpm_key_without_max_tokens_generates_at_most_its_budget(budgets: S
     assert record["gen_ai"]["request"]["max_tokens"] == TPM - prompt
 
 
-@pytest.mark.parametrize(("tpm", "prompt", "choices", "expected"), [
-    (None, 10, 1, None),  # no TPM limit: no cap
-    (1000, 10, 1, 990),
-    (1000, 10, 3, 330),  # every choice generates: the budget is shared
-    (1000, 1000, 1, 1),  # the prompt fills the budget: the limiter refuses the request as too large
-    (1000, 5000, 2, 1),
-])
+@pytest.mark.parametrize(
+    ("tpm", "prompt", "choices", "expected"),
+    [
+        (None, 10, 1, None),  # no TPM limit: no cap
+        (1000, 10, 1, 990),
+        (1000, 10, 3, 330),  # every choice generates: the budget is shared
+        (1000, 1000, 1, 1),  # the prompt fills the budget: the limiter refuses the request as too large
+        (1000, 5000, 2, 1),
+    ],
+)
 def test_tpm_output_cap(tpm, prompt, choices, expected) -> None:
     assert tpm_output_cap(tpm, prompt, choices) == expected
 
@@ -125,7 +141,7 @@ def test_n4_a_model_restricted_key_never_reaches_another_models_upstream(budgets
     with _client(budgets, "only-a") as c:
         answers = [c.post("/v1/embeddings", json={"input": "x"}) for _ in range(6)]
     assert [a.status_code for a in answers] == [200] * 6
-    reached = {name: [r.path for r in fake.records[counts[name]:]] for name, fake in budgets.fakes.items()}
+    reached = {name: [r.path for r in fake.records[counts[name] :]] for name, fake in budgets.fakes.items()}
     assert reached == {"a": ["/v1/embeddings"] * 6, "b": [], "ab": []}
 
 
@@ -143,8 +159,11 @@ def test_a_restricted_key_reaches_only_replicas_serving_its_models_else_403(budg
     assert (refused.status_code, refused.json()["error"]["code"]) == (403, "model_not_allowed")
     assert refused.json()["error"]["param"] == "model"
     assert named.status_code == 200  # naming its model routes to a replica serving it
-    assert {name: len(fake.records) - counts[name] for name, fake in budgets.fakes.items()} == {"a": 1, "b": 2,
-                                                                                              "ab": 2}
+    assert {name: len(fake.records) - counts[name] for name, fake in budgets.fakes.items()} == {
+        "a": 1,
+        "b": 2,
+        "ab": 2,
+    }
     with _client(budgets, "only-a") as c:  # naming a model it may not use: as admission answers it
         other = c.post("/v1/embeddings", json={"model": "model-b", "input": "x"})
         chat = c.post("/v1/chat/completions", json={"model": "model-b", "messages": HI})
@@ -162,7 +181,14 @@ def test_n4_pass_through_requests_are_charged_to_the_keys_rpm(budgets: Stack) ->
         answers += [c.get("/v1/files") for _ in range(3)]
         answers.append(c.post("/v1/chat/completions", json={"model": "model-a", "messages": HI}))
     assert [a.status_code for a in answers] == [200, 200, 429, 429, 429, 429]
-    assert [a.headers.get("x-ratelimit-remaining-requests") for a in answers] == ["1", "0", "0", "0", "0", "0"]
+    assert [a.headers.get("x-ratelimit-remaining-requests") for a in answers] == [
+        "1",
+        "0",
+        "0",
+        "0",
+        "0",
+        "0",
+    ]
     refused = answers[2]
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1 and refused.headers["x-ratelimit-limit-requests"] == "2"
@@ -205,8 +231,12 @@ def test_metrics_public_opens_metrics_to_scrapers(loop: LoopThread, tmp_path: Pa
     from kvscope.gateway.settings import load_settings
 
     fake = start_fake_thread(loop, ("fake-model",))
-    config = {"upstreams": [{"url": fake.url}], "metrics_public": True, "routing": {"health_interval_s": 60},
-              "api_keys": [{"name": "all", "sha256": hash_key(KEYS["all"])}]}
+    config = {
+        "upstreams": [{"url": fake.url}],
+        "metrics_public": True,
+        "routing": {"health_interval_s": 60},
+        "api_keys": [{"name": "all", "sha256": hash_key(KEYS["all"])}],
+    }
     try:
         with GatewayThread(create_app(load_settings(None, config, env={}))) as gateway:
             scraped = httpx.get(gateway.url + "/metrics")

@@ -33,9 +33,19 @@ def test_n5_a_client_closing_right_after_done_is_logged_as_completed(drained: St
     still draining it when the client, having read ``data: [DONE]``, closes the connection. The stream reached
     its end: the record says 200, success, no disconnect, no error. Before, the close cancelled the drain and
     the record said ``client_disconnected`` (14 of 68 completed streams in the probe)."""
-    body = {"model": "fake-model", "messages": HI, "max_tokens": 3, "stream": True, "fake": {"end_delay_s": 5}}
-    with drained.client() as c, c.stream("POST", "/v1/chat/completions", json=body,
-                                         headers={"x-request-id": "n5-done-close"}) as resp:
+    body = {
+        "model": "fake-model",
+        "messages": HI,
+        "max_tokens": 3,
+        "stream": True,
+        "fake": {"end_delay_s": 5},
+    }
+    with (
+        drained.client() as c,
+        c.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"x-request-id": "n5-done-close"}
+        ) as resp,
+    ):
         assert resp.status_code == 200
         lines = []
         for line in resp.iter_lines():

@@ -23,19 +23,33 @@ from tests.gateway.harness import LoopThread, RawResponse, raw_http, records_by_
 
 EDGE_KEYS = {**KEYS, "empty": "sk-empty-bucket", "tpm": "sk-tpm"}
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
-BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi",
-        "max_tokens": 300, "ignore_eos": True}
+BODY = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "prompt": "hi",
+    "max_tokens": 300,
+    "ignore_eos": True,
+}
 
 
 @pytest.fixture(scope="module")
 def edge(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("edge")
-    keys = [{"name": "alice", "sha256": hash_key(KEYS["alice"])},
-            {"name": "limited", "sha256": hash_key(KEYS["limited"]), "models": ["fake-model"],
-             "limits": {"max_tokens": 10}},
-            {"name": "empty", "sha256": hash_key(EDGE_KEYS["empty"]), "limits": {"requests_per_minute": 1}},
-            {"name": "tpm", "sha256": hash_key(EDGE_KEYS["tpm"]),
-             "limits": {"max_tokens": 4, "tokens_per_minute": 200}}]
+    keys = [
+        {"name": "alice", "sha256": hash_key(KEYS["alice"])},
+        {
+            "name": "limited",
+            "sha256": hash_key(KEYS["limited"]),
+            "models": ["fake-model"],
+            "limits": {"max_tokens": 10},
+        },
+        {"name": "empty", "sha256": hash_key(EDGE_KEYS["empty"]), "limits": {"requests_per_minute": 1}},
+        {
+            "name": "tpm",
+            "sha256": hash_key(EDGE_KEYS["tpm"]),
+            "limits": {"max_tokens": 4, "tokens_per_minute": 200},
+        },
+    ]
     gateway, fakes, exporter = build_stack(loop, tmp, api_keys=keys)
     with gateway:
         yield Stack(gateway, fakes, exporter, tmp / "requests.jsonl")
@@ -45,9 +59,18 @@ def edge(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def post(stack: Stack, target: bytes, key: str, rid: str, body: dict | None = None) -> RawResponse:
     payload = json.dumps(body or BODY).encode()
-    head = (b"POST " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + EDGE_KEYS[key].encode() + b"\r\nX-Request-Id: " + rid.encode() +
-            b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n")
+    head = (
+        b"POST "
+        + target
+        + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer "
+        + EDGE_KEYS[key].encode()
+        + b"\r\nX-Request-Id: "
+        + rid.encode()
+        + b"\r\nContent-Length: "
+        + str(len(payload)).encode()
+        + b"\r\n\r\n"
+    )
     return raw_http(stack.gateway.port, head + payload)
 
 
@@ -92,17 +115,46 @@ def spellings(draw: st.DrawFn) -> str:
     route = draw(st.sampled_from(GENERATION_ROUTES))
     chars = []
     for ch in route:
-        how = draw(st.sampled_from(["keep"] * 18 + ["case"] * 3 + ["pct", "pct-lower"]))  # often still canonical
-        chars.append(ch.swapcase() if how == "case" else _pct(ch, how == "pct-lower") if how.startswith("pct")
-                     else ch)
+        how = draw(
+            st.sampled_from(["keep"] * 18 + ["case"] * 3 + ["pct", "pct-lower"])
+        )  # often still canonical
+        chars.append(
+            ch.swapcase() if how == "case" else _pct(ch, how == "pct-lower") if how.startswith("pct") else ch
+        )
     path = "".join(chars)
     slashes = [i for i, ch in enumerate(path) if ch == "/"]
     for _ in range(draw(st.integers(0, 2)) if slashes else 0):
         at = draw(st.sampled_from(slashes))
         piece = draw(st.sampled_from(["/.", "/x/..", "/", "/%2e", "/%2E%2E", "/v1/..", "/;x"]))
         path = path[:at] + piece + path[at:]
-    suffix = draw(st.lists(st.sampled_from(["/", "/.", "#", "#x", "%23x", "?x=1", "?a#b", ";x", "%3Bx", "%00", "%20",
-                                            "%09", "/render", ".json", "%2F", "\\", "%5C", "~", "%7E"]), max_size=2))
+    suffix = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "/",
+                    "/.",
+                    "#",
+                    "#x",
+                    "%23x",
+                    "?x=1",
+                    "?a#b",
+                    ";x",
+                    "%3Bx",
+                    "%00",
+                    "%20",
+                    "%09",
+                    "/render",
+                    ".json",
+                    "%2F",
+                    "\\",
+                    "%5C",
+                    "~",
+                    "%7E",
+                ]
+            ),
+            max_size=2,
+        )
+    )
     prefix = draw(st.sampled_from(["", "", "", "http://127.0.0.1", "//", "/./", "/v1/.."]))
     return prefix + path + "".join(suffix)
 
@@ -123,8 +175,12 @@ def test_no_spelling_of_a_generation_route_skips_admission(edge: Stack, target: 
     resp = post(edge, target.encode("ascii"), "limited", rid)
     error = resp.json()["error"]
     outcome = (resp.status, error["code"], error["param"] if error["code"] == "invalid_value" else None)
-    assert outcome in {(400, "invalid_request_target", None), (400, "invalid_value", "max_tokens"),
-                       (404, "not_found", None), (405, "method_not_allowed", None)}, (target, outcome)
+    assert outcome in {
+        (400, "invalid_request_target", None),
+        (400, "invalid_value", "max_tokens"),
+        (404, "not_found", None),
+        (405, "method_not_allowed", None),
+    }, (target, outcome)
     assert generations(edge) == before, target
     assert len(records_by_id(edge.log, [rid])[rid]) == 1
 
@@ -134,19 +190,44 @@ def test_admitted_spellings_are_exactly_the_canonical_routes() -> None:
     assert target_problem(b"/v1/chat/completions", b"x=1", "/v1/chat/completions") is None
     assert target_problem(b"/v1/models/org%2Fm", b"", "/v1/models/org/m") is None  # the openai SDK's encoding
     assert target_problem(b"/v1/models/org%2Fchat-v2", b"", "/v1/models/org/chat-v2") is None
-    for raw in (b"/v1/chat/completions#x", b"/v1/chat/%63ompletions", b"/v1//completions", b"/v1/completions/",
-                b"/v1/./completions", b"/v1/%2e%2e/completions", b"v1/completions", b"/v1/completions%zz",
-                b"/v1/completions%00", b"/v1/completions%5C", b"/v1/completions%23x", b"/v1/completions%3Fa=1",
-                b"/v1/chat%2Fcompletions", b"/v1%2Fchat%2Fcompletions", b"/v1%2fcompletions"):
+    for raw in (
+        b"/v1/chat/completions#x",
+        b"/v1/chat/%63ompletions",
+        b"/v1//completions",
+        b"/v1/completions/",
+        b"/v1/./completions",
+        b"/v1/%2e%2e/completions",
+        b"v1/completions",
+        b"/v1/completions%zz",
+        b"/v1/completions%00",
+        b"/v1/completions%5C",
+        b"/v1/completions%23x",
+        b"/v1/completions%3Fa=1",
+        b"/v1/chat%2Fcompletions",
+        b"/v1%2Fchat%2Fcompletions",
+        b"/v1%2fcompletions",
+    ):
         from urllib.parse import unquote
 
         assert target_problem(raw, b"", unquote(raw.decode())) is not None, raw
 
 
-@pytest.mark.parametrize("path", ["/v1/Chat/Completions", "/v1/completions;x", "/v1/chat/completions/render",
-                                  "/v1/responses", "/v1/messages", "/v1/engines/x/completions", "/v1/COMPLETIONS",
-                                  "/v1/chat%2Fcompletions", "/v1/completions%23x", "/v1/completions.json",
-                                  "/v1/x/Completions~"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/Chat/Completions",
+        "/v1/completions;x",
+        "/v1/chat/completions/render",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/engines/x/completions",
+        "/v1/COMPLETIONS",
+        "/v1/chat%2Fcompletions",
+        "/v1/completions%23x",
+        "/v1/completions.json",
+        "/v1/x/Completions~",
+    ],
+)
 def test_passthrough_never_forwards_a_generation_route(path: str) -> None:
     assert names_generation_api(path)
     with pytest.raises(NotFound):
@@ -155,7 +236,10 @@ def test_passthrough_never_forwards_a_generation_route(path: str) -> None:
 
 def test_passthrough_still_forwards_other_v1_routes() -> None:
     assert [upstream_path(p) for p in ("/v1/embeddings", "/v1/files/file-1", "/v1/models/a%2Fb")] == [
-        "/v1/embeddings", "/v1/files/file-1", "/v1/models/a%2Fb"]
+        "/v1/embeddings",
+        "/v1/files/file-1",
+        "/v1/models/a%2Fb",
+    ]
 
 
 def test_forwarded_headers_are_ignored_from_untrusted_peers() -> None:
@@ -166,22 +250,28 @@ def test_forwarded_headers_are_ignored_from_untrusted_peers() -> None:
     assert other.resolve("127.0.0.1", [(b"x-forwarded-for", b"9.9.9.9")]) == "127.0.0.1"
 
 
-@pytest.mark.parametrize(("headers", "client"), [
-    ([(b"x-forwarded-for", b"9.9.9.9")], "9.9.9.9"),
-    ([(b"x-forwarded-for", b"9.9.9.9, 10.1.2.3")], "9.9.9.9"),  # 10.1.2.3 is a trusted hop
-    ([(b"x-forwarded-for", b"6.6.6.6, 9.9.9.9")], "9.9.9.9"),  # the rightmost untrusted hop, not the spoofable first
-    ([(b"x-forwarded-for", b"1.1.1.1"), (b"x-forwarded-for", b"2.2.2.2")], "2.2.2.2"),
-    ([(b"x-forwarded-for", b"not-an-ip")], "10.0.0.5"),
-    ([(b"x-forwarded-for", b"1.1.1.1\n{\"a\":1}")], "10.0.0.5"),
-    ([(b"x-forwarded-for", b"1" * 10_000)], "10.0.0.5"),
-    ([(b"x-forwarded-for", b"9.9.9.9:443")], "9.9.9.9"),
-    ([(b"forwarded", b'for=192.0.2.60;proto=http;by=203.0.113.43')], "192.0.2.60"),
-    ([(b"forwarded", b'for="[2001:db8:cafe::17]:4711"')], "2001:db8:cafe::17"),
-    ([(b"forwarded", b"for=unknown")], "10.0.0.5"),
-    ([(b"forwarded", b"for=_hidden, for=10.0.0.9")], "10.0.0.5"),
-    ([(b"forwarded", b"for=192.0.2.1"), (b"x-forwarded-for", b"9.9.9.9")], "192.0.2.1"),  # Forwarded wins
-    ([], "10.0.0.5"),
-])
+@pytest.mark.parametrize(
+    ("headers", "client"),
+    [
+        ([(b"x-forwarded-for", b"9.9.9.9")], "9.9.9.9"),
+        ([(b"x-forwarded-for", b"9.9.9.9, 10.1.2.3")], "9.9.9.9"),  # 10.1.2.3 is a trusted hop
+        (
+            [(b"x-forwarded-for", b"6.6.6.6, 9.9.9.9")],
+            "9.9.9.9",
+        ),  # the rightmost untrusted hop, not the spoofable first
+        ([(b"x-forwarded-for", b"1.1.1.1"), (b"x-forwarded-for", b"2.2.2.2")], "2.2.2.2"),
+        ([(b"x-forwarded-for", b"not-an-ip")], "10.0.0.5"),
+        ([(b"x-forwarded-for", b'1.1.1.1\n{"a":1}')], "10.0.0.5"),
+        ([(b"x-forwarded-for", b"1" * 10_000)], "10.0.0.5"),
+        ([(b"x-forwarded-for", b"9.9.9.9:443")], "9.9.9.9"),
+        ([(b"forwarded", b"for=192.0.2.60;proto=http;by=203.0.113.43")], "192.0.2.60"),
+        ([(b"forwarded", b'for="[2001:db8:cafe::17]:4711"')], "2001:db8:cafe::17"),
+        ([(b"forwarded", b"for=unknown")], "10.0.0.5"),
+        ([(b"forwarded", b"for=_hidden, for=10.0.0.9")], "10.0.0.5"),
+        ([(b"forwarded", b"for=192.0.2.1"), (b"x-forwarded-for", b"9.9.9.9")], "192.0.2.1"),  # Forwarded wins
+        ([], "10.0.0.5"),
+    ],
+)
 def test_forwarded_headers_from_a_trusted_proxy_are_validated(headers: list, client: str) -> None:
     resolver = ClientAddressResolver(parse_networks(["10.0.0.0/8"]))
     assert resolver.resolve("10.0.0.5", headers) == client
@@ -189,25 +279,36 @@ def test_forwarded_headers_from_a_trusted_proxy_are_validated(headers: list, cli
 
 def test_forwarded_parsing_helpers() -> None:
     assert forwarded_for('for=a;by=b, by=c, for="[::1]:1";proto=https') == ["a", "", '"[::1]:1"']
-    assert [str(parse_node(v)) for v in ("1.2.3.4", "[::1]", "::1", "1.2.3.4:80")] == ["1.2.3.4", "::1", "::1",
-                                                                                        "1.2.3.4"]
+    assert [str(parse_node(v)) for v in ("1.2.3.4", "[::1]", "::1", "1.2.3.4:80")] == [
+        "1.2.3.4",
+        "::1",
+        "::1",
+        "1.2.3.4",
+    ]
     assert [parse_node(v) for v in ("", "1.2.3.4:x", "[::1", "fe80::1%eth0", "999.1.1.1")] == [None] * 5
     with pytest.raises(ValueError, match="'nope' is not an IP"):
         parse_networks(["nope"])
 
 
 def test_edge_app_uses_the_peer_when_no_proxy_is_trusted(edge: Stack, tmp_path: Path) -> None:
-    head = (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nX-Forwarded-For: 9.9.9.9\r\n"
-            b"Forwarded: for=8.8.8.8\r\nX-Request-Id: xff-untrusted\r\nAuthorization: Bearer sk-alice\r\n\r\n")
+    head = (
+        b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nX-Forwarded-For: 9.9.9.9\r\n"
+        b"Forwarded: for=8.8.8.8\r\nX-Request-Id: xff-untrusted\r\nAuthorization: Bearer sk-alice\r\n\r\n"
+    )
     assert raw_http(edge.gateway.port, head).status == 200
     assert records_by_id(edge.log, ["xff-untrusted"])["xff-untrusted"][0]["client"] == {"ip": "127.0.0.1"}
 
 
-@pytest.mark.parametrize(("target", "status"), [(b"/metrics", 200), (b"/%6detrics", 400), (b"/healthz#x", 400)])
+@pytest.mark.parametrize(
+    ("target", "status"), [(b"/metrics", 200), (b"/%6detrics", 400), (b"/healthz#x", 400)]
+)
 def test_probes_are_unobserved_only_when_spelled_exactly(edge: Stack, target: bytes, status: int) -> None:
     rid = f"probe-{abs(hash(target))}"
-    resp = raw_http(edge.gateway.port, b"GET " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
-                    b"Authorization: Bearer sk-alice\r\nX-Request-Id: " + rid.encode() + b"\r\n\r\n")
+    resp = raw_http(
+        edge.gateway.port,
+        b"GET " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"Authorization: Bearer sk-alice\r\nX-Request-Id: " + rid.encode() + b"\r\n\r\n",
+    )
     assert resp.status == status
     fence = f"fence-{rid}"
     post(edge, b"/v1/models", "alice", fence)

@@ -49,8 +49,13 @@ def _edge_stack(tmp: Path, **config: object) -> Iterator[Edge]:
     procs = [fake]
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
-        config = {"upstreams": [{"url": fake.url}], "api_keys": [{"name": "edge", "sha256": hash_key(KEY)}],
-                  "routing": {"health_interval_s": 60}, "logs": {"file": str(tmp / "requests.jsonl")}, **config}
+        config = {
+            "upstreams": [{"url": fake.url}],
+            "api_keys": [{"name": "edge", "sha256": hash_key(KEY)}],
+            "routing": {"health_interval_s": 60},
+            "logs": {"file": str(tmp / "requests.jsonl")},
+            **config,
+        }
         gateway = spawn_gateway(tmp, "gateway", config)
         procs.append(gateway)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
@@ -64,32 +69,49 @@ def _request(method: bytes, target: bytes, extra: bytes = b"") -> bytes:
     return method + b" " + target + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n" + AUTH + extra + b"\r\n"
 
 
-ODD_METHODS = [(m, r) for m in (b"TRACE", b"CONNECT", b"PROPFIND", b"MKCOL", b"LOCK", b"COPY")
-               for r in (b"/v1/chat/completions", b"/v1/completions", b"/v1/models", b"/v1/embeddings")]
+ODD_METHODS = [
+    (m, r)
+    for m in (b"TRACE", b"CONNECT", b"PROPFIND", b"MKCOL", b"LOCK", b"COPY")
+    for r in (b"/v1/chat/completions", b"/v1/completions", b"/v1/models", b"/v1/embeddings")
+]
 MODEL_METHODS = [(m, b"/v1/models/fake-model") for m in (b"POST", b"PUT", b"PATCH", b"DELETE")]
 PARSER_ERRORS = {  # name: (raw request, method and path the log can still name)
     "header-without-colon": (b"GET /v1/models HTTP/1.1\r\nHost gw\r\n\r\n", ("GET", "/v1/models")),
     "missing-host": (b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n", ("GET", "/v1/models")),
     "space-before-colon": (b"GET /v1/models HTTP/1.1\r\nHost : gw\r\n\r\n", ("GET", "/v1/models")),
-    "two-lengths": (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n"
-                    b"Content-Length: 3\r\n\r\n{}", ("POST", "/v1/completions")),
-    "bad-content-length": (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: abc\r\n\r\n",
-                           ("POST", "/v1/completions")),
+    "two-lengths": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        ("POST", "/v1/completions"),
+    ),
+    "bad-content-length": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: abc\r\n\r\n",
+        ("POST", "/v1/completions"),
+    ),
     "non-ascii-target": (b"GET /v1/mod\xc3\xa9ls HTTP/1.1\r\nHost: gw\r\n\r\n", ("GET", "")),
     "bad-header-name": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX(A): b\r\n\r\n", ("GET", "/v1/models")),
     "no-version": (b"GET /v1/models\r\nHost: gw\r\n\r\n", ("GET", "/v1/models")),
     "nul-in-header": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: a\x00b\r\n\r\n", ("GET", "/v1/models")),
-    "unfinished-head-over-16k": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: " + b"a" * 20_000,
-                                 ("GET", "/v1/models")),  # h11's max_incomplete_event_size
+    "unfinished-head-over-16k": (
+        b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: " + b"a" * 20_000,
+        ("GET", "/v1/models"),
+    ),  # h11's max_incomplete_event_size
     "garbage-line": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", ("_OTHER", "")),  # a TLS hello
-    "length-and-chunked": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Length: 4\r\n"
-                           b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\nGET /healthz HTTP/1.1\r\n"
-                           b"Host: gw\r\n\r\n", ("POST", "/v1/chat/completions")),  # smuggling: RFC 9112 §6.1
-    "complete-head-over-16k": (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: " + b"a" * 17_000 + b"\r\n\r\n",
-                               ("GET", "/v1/models")),  # one write: h11 bounds only an incomplete head
-    "bad-chunk-size": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH +
-                       b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
-                       ("POST", "/v1/chat/completions")),
+    "length-and-chunked": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Length: 4\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\nGET /healthz HTTP/1.1\r\n"
+        b"Host: gw\r\n\r\n",
+        ("POST", "/v1/chat/completions"),
+    ),  # smuggling: RFC 9112 §6.1
+    "complete-head-over-16k": (
+        b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-A: " + b"a" * 17_000 + b"\r\n\r\n",
+        ("GET", "/v1/models"),
+    ),  # one write: h11 bounds only an incomplete head
+    "bad-chunk-size": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+        + AUTH
+        + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
+        ("POST", "/v1/chat/completions"),
+    ),
 }
 
 
@@ -97,8 +119,12 @@ def _one_new_record(edge: Edge, data: bytes, fence: str, source: str | None = No
     """Send ``data``, then a fence request; returns (response, the one record logged in between)."""
     before = len(read_log(edge.log, 0, 0))
     resp = raw_http(edge.gateway.port, data, source=source)
-    assert raw_http(edge.gateway.port, _request(b"GET", b"/v1/models", b"X-Request-Id: " + fence.encode() +
-                                                b"\r\n")).status == 200
+    assert (
+        raw_http(
+            edge.gateway.port, _request(b"GET", b"/v1/models", b"X-Request-Id: " + fence.encode() + b"\r\n")
+        ).status
+        == 200
+    )
     records_by_id(edge.log, [fence], timeout=20)
     new = read_log(edge.log, 0, 0)[before:]
     fences = [r for r in new if r["http"]["request"]["id"] == fence]
@@ -117,8 +143,11 @@ def _assert_openai_error(resp, status: int, code: str) -> None:
 @pytest.mark.parametrize(("method", "route"), ODD_METHODS + MODEL_METHODS)
 def test_unusual_methods_get_one_record_and_a_json_405(edge: Edge, method: bytes, route: bytes) -> None:
     rid = f"m-{method.decode()}-{route.decode().replace('/', '_')}"
-    resp, record = _one_new_record(edge, _request(method, route, b"Content-Length: 0\r\nX-Request-Id: " +
-                                                  rid.encode() + b"\r\n"), rid + "-fence")
+    resp, record = _one_new_record(
+        edge,
+        _request(method, route, b"Content-Length: 0\r\nX-Request-Id: " + rid.encode() + b"\r\n"),
+        rid + "-fence",
+    )
     _assert_openai_error(resp, 405, "method_not_allowed")
     assert record["http"]["request"]["id"] == rid
     assert (record["http"]["request"]["method"], record["url"]["path"]) == (method.decode(), route.decode())
@@ -130,24 +159,36 @@ def test_parser_errors_get_one_record_and_a_json_400(edge: Edge, name: str) -> N
     data, (method, path) = PARSER_ERRORS[name]
     resp, record = _one_new_record(edge, data, f"p-{name}-fence")
     _assert_openai_error(resp, 400, "invalid_http_request")
-    assert (record["http"]["response"]["status_code"], record["error"]["type"]) == (400, "invalid_http_request")
+    assert (record["http"]["response"]["status_code"], record["error"]["type"]) == (
+        400,
+        "invalid_http_request",
+    )
     assert (record["http"]["request"]["method"], record["url"]["path"]) == (method, path)
     assert record["client"]["ip"] == "127.0.0.1" and record["event"]["outcome"] == "failure"
 
 
-@pytest.mark.parametrize(("source", "headers", "client"), [
-    ("127.0.0.1", b"X-Forwarded-For: 9.9.9.9\r\n", "127.0.0.1"),  # loopback but not a trusted proxy
-    ("127.0.0.1", b"Forwarded: for=9.9.9.9\r\n", "127.0.0.1"),
-    (TRUSTED_PROXY, b"X-Forwarded-For: 9.9.9.9\r\n", "9.9.9.9"),
-    (TRUSTED_PROXY, b"Forwarded: for=\"[2001:db8::17]:4711\";proto=https\r\n", "2001:db8::17"),
-    (TRUSTED_PROXY, b"X-Forwarded-For: not-an-ip\r\n", TRUSTED_PROXY),
-    (TRUSTED_PROXY, b"X-Forwarded-For: " + b"7" * 10_000 + b"\r\n", TRUSTED_PROXY),
-    (TRUSTED_PROXY, b"X-Forwarded-For: 1.1.1.1\\n{\"a\":1}\r\n", TRUSTED_PROXY),
-])
-def test_client_ip_trusts_only_configured_proxies(edge: Edge, source: str, headers: bytes, client: str) -> None:
+@pytest.mark.parametrize(
+    ("source", "headers", "client"),
+    [
+        ("127.0.0.1", b"X-Forwarded-For: 9.9.9.9\r\n", "127.0.0.1"),  # loopback but not a trusted proxy
+        ("127.0.0.1", b"Forwarded: for=9.9.9.9\r\n", "127.0.0.1"),
+        (TRUSTED_PROXY, b"X-Forwarded-For: 9.9.9.9\r\n", "9.9.9.9"),
+        (TRUSTED_PROXY, b'Forwarded: for="[2001:db8::17]:4711";proto=https\r\n', "2001:db8::17"),
+        (TRUSTED_PROXY, b"X-Forwarded-For: not-an-ip\r\n", TRUSTED_PROXY),
+        (TRUSTED_PROXY, b"X-Forwarded-For: " + b"7" * 10_000 + b"\r\n", TRUSTED_PROXY),
+        (TRUSTED_PROXY, b'X-Forwarded-For: 1.1.1.1\\n{"a":1}\r\n', TRUSTED_PROXY),
+    ],
+)
+def test_client_ip_trusts_only_configured_proxies(
+    edge: Edge, source: str, headers: bytes, client: str
+) -> None:
     rid = f"ip-{abs(hash((source, headers)))}"
-    resp, record = _one_new_record(edge, _request(b"GET", b"/v1/models", headers + b"X-Request-Id: " +
-                                                  rid.encode() + b"\r\n"), rid + "-fence", source=source)
+    resp, record = _one_new_record(
+        edge,
+        _request(b"GET", b"/v1/models", headers + b"X-Request-Id: " + rid.encode() + b"\r\n"),
+        rid + "-fence",
+        source=source,
+    )
     assert resp.status == 200
     assert record["client"]["ip"] == client
 
@@ -185,7 +226,9 @@ def test_a_malformed_request_after_a_good_one_on_a_keep_alive_connection_gets_it
     while len(new := read_log(edge.log, 0, 0)[before:]) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sorted((r["http"]["response"]["status_code"], r["error"]["type"]) for r in new) == [
-        (200, None), (400, "invalid_http_request")]
+        (200, None),
+        (400, "invalid_http_request"),
+    ]
 
 
 # --- read timeouts (serving case N5; kvscope/common/read_timeouts.py) ---------------------------------------------
@@ -198,8 +241,10 @@ BROKEN_RUN_S = 20.0
 @pytest.fixture(scope="module")
 def slow_clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     """A gateway process with 0.5 s request head and body timeouts."""
-    yield from _edge_stack(tmp_path_factory.mktemp("read-timeouts"),
-                           timeouts={"request_head_s": READ_TIMEOUT_S, "request_body_s": READ_TIMEOUT_S})
+    yield from _edge_stack(
+        tmp_path_factory.mktemp("read-timeouts"),
+        timeouts={"request_head_s": READ_TIMEOUT_S, "request_body_s": READ_TIMEOUT_S},
+    )
 
 
 def _until_closed(port: int, data: bytes) -> bytes:
@@ -217,8 +262,12 @@ def _records_meanwhile(edge: Edge, action, fence: str) -> tuple[object, list[dic
     """(what ``action()`` returned, the records other than a fence request's logged while and after it ran)."""
     before = len(read_log(edge.log, 0, 0))
     result = action()
-    assert raw_http(edge.gateway.port, _request(b"GET", b"/v1/models", b"X-Request-Id: " + fence.encode() +
-                                                b"\r\n")).status == 200
+    assert (
+        raw_http(
+            edge.gateway.port, _request(b"GET", b"/v1/models", b"X-Request-Id: " + fence.encode() + b"\r\n")
+        ).status
+        == 200
+    )
     records_by_id(edge.log, [fence], timeout=20)
     return result, [r for r in read_log(edge.log, 0, 0)[before:] if r["http"]["request"]["id"] != fence]
 
@@ -236,8 +285,9 @@ def test_n5_half_a_request_head_is_closed_after_the_head_timeout(slow_clients: E
     after ``request_head_s``, with one log record naming what could be read (method, path). Before, uvicorn
     kept it open for as long as the client liked (2,000 such connections stayed 40 s in the probe)."""
     half = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH
-    raw, others = _records_meanwhile(slow_clients, lambda: _until_closed(slow_clients.gateway.port, half),
-                                     "head-fence")
+    raw, others = _records_meanwhile(
+        slow_clients, lambda: _until_closed(slow_clients.gateway.port, half), "head-fence"
+    )
     error = _timeout_answer(raw)
     assert error["message"] == f"The request head was not received within {READ_TIMEOUT_S:g} s."
     [record] = others
@@ -248,18 +298,22 @@ def test_n5_half_a_request_head_is_closed_after_the_head_timeout(slow_clients: E
 def test_an_idle_connection_is_closed_without_an_answer_or_a_record(slow_clients: Edge) -> None:
     """A connection that sends nothing is closed after the head timeout, silently (as uvicorn's keep-alive
     timeout closes an idle keep-alive connection): there was no request to answer or log."""
-    raw, others = _records_meanwhile(slow_clients, lambda: _until_closed(slow_clients.gateway.port, b""),
-                                     "idle-fence")
+    raw, others = _records_meanwhile(
+        slow_clients, lambda: _until_closed(slow_clients.gateway.port, b""), "idle-fence"
+    )
     assert (raw, others) == (b"", [])
 
 
 def test_n5_a_stalled_body_is_answered_408_and_logged_once(slow_clients: Edge) -> None:
     """A body that stops arriving for ``request_body_s`` gets a JSON 408 and the close; the request's one log
     record (the app held it, waiting for the body) says 408 ``request_timeout``, not a disconnect."""
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Type: application/json\r\n"
-            b"Content-Length: 100\r\nX-Request-Id: stalled-body\r\n\r\n{\"model\": ")
-    raw, others = _records_meanwhile(slow_clients, lambda: _until_closed(slow_clients.gateway.port, head),
-                                     "body-fence")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Type: application/json\r\n"
+        b'Content-Length: 100\r\nX-Request-Id: stalled-body\r\n\r\n{"model": '
+    )
+    raw, others = _records_meanwhile(
+        slow_clients, lambda: _until_closed(slow_clients.gateway.port, head), "body-fence"
+    )
     error = _timeout_answer(raw)
     assert error["message"] == f"The request body stalled: nothing of it arrived for {READ_TIMEOUT_S:g} s."
     [record] = others

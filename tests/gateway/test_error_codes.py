@@ -15,18 +15,30 @@ from kvscope.gateway.schemas import EMPTY_PROMPT, EMPTY_PROMPT_LIST
 from tests.gateway.conftest import Stack
 
 
-@pytest.mark.parametrize(("prompt", "message"), [
-    ([[]], EMPTY_PROMPT),
-    ([[1, 2], []], EMPTY_PROMPT),
-    ([], EMPTY_PROMPT_LIST),
-], ids=["empty-ids", "second-ids-empty", "empty-list"])
-def test_empty_prompts_are_400_invalid_value_in_the_engines_words(stack: Stack, prompt: list, message: str) -> None:
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([[]], EMPTY_PROMPT),
+        ([[1, 2], []], EMPTY_PROMPT),
+        ([], EMPTY_PROMPT_LIST),
+    ],
+    ids=["empty-ids", "second-ids-empty", "empty-list"],
+)
+def test_empty_prompts_are_400_invalid_value_in_the_engines_words(
+    stack: Stack, prompt: list, message: str
+) -> None:
     before = len(stack.fakes["main"].records)
     with stack.client() as c:
         resp = c.post("/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 2})
     assert resp.status_code == 400
-    assert resp.json() == {"error": {"message": message, "type": "invalid_request_error", "param": "prompt",
-                                     "code": "invalid_value"}}
+    assert resp.json() == {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "invalid_value",
+        }
+    }
     assert len(stack.fakes["main"].records) == before  # refused at the edge
 
 
@@ -49,13 +61,16 @@ MALFORMED = [
     ("/v1/completions", b'{"model": "fake-model", "prompt": {"a": 1}}'),
     ("/v1/completions", b'{"model": "fake-model"}'),
     ("/v1/completions", b'{"prompt": "hi"}'),
-    ("/v1/completions", b'[1, 2]'),
+    ("/v1/completions", b"[1, 2]"),
     ("/v1/completions", b'{"model": "fake-model", "prompt": "hi", "n": 0}'),
     ("/v1/chat/completions", b'{"model": "fake-model", "messages": "hi"}'),
     ("/v1/chat/completions", b'{"model": "fake-model", "messages": [], "temperature": 9}'),
     ("/v1/chat/completions", b'{"model": "fake-model", "messages": [{"content": "hi"}]}'),
     ("/v1/chat/completions", b'{"model": '),
-    ("/v1/chat/completions", b'{"model": "fake-model", "messages": [], "max_tokens": 11}'),  # the key's ceiling
+    (
+        "/v1/chat/completions",
+        b'{"model": "fake-model", "messages": [], "max_tokens": 11}',
+    ),  # the key's ceiling
 ]
 
 

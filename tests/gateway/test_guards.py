@@ -10,21 +10,30 @@ from tests.gateway.conftest import Stack
 from tests.gateway.harness import records_by_id
 
 
-@pytest.mark.parametrize(("method", "path", "status", "code", "operation"), [
-    ("GET", "/v1/chat/completions", 405, "method_not_allowed", None),
-    ("POST", "/v1/chat/completions", 401, "invalid_api_key", "chat"),
-    ("POST", "/v1/completions", 401, "invalid_api_key", "text_completion"),
-    ("POST", "/v1/models", 405, "method_not_allowed", None),
-    ("GET", "/v1/models", 401, "invalid_api_key", None),
-    ("GET", "/v1/models/fake-model", 401, "invalid_api_key", None),
-    ("POST", "/v1/Chat/Completions", 404, "not_found", None),
-    ("POST", "/v1/embeddings", 401, "invalid_api_key", None),
-])
-def test_guard_order_without_a_key(stack: Stack, method: str, path: str, status: int, code: str,
-                                   operation: str | None) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code", "operation"),
+    [
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed", None),
+        ("POST", "/v1/chat/completions", 401, "invalid_api_key", "chat"),
+        ("POST", "/v1/completions", 401, "invalid_api_key", "text_completion"),
+        ("POST", "/v1/models", 405, "method_not_allowed", None),
+        ("GET", "/v1/models", 401, "invalid_api_key", None),
+        ("GET", "/v1/models/fake-model", 401, "invalid_api_key", None),
+        ("POST", "/v1/Chat/Completions", 404, "not_found", None),
+        ("POST", "/v1/embeddings", 401, "invalid_api_key", None),
+    ],
+)
+def test_guard_order_without_a_key(
+    stack: Stack, method: str, path: str, status: int, code: str, operation: str | None
+) -> None:
     rid = f"guard-{method}-{path.replace('/', '_')}"
-    resp = httpx.request(method, stack.url + path, json={"model": "fake-model", "prompt": "hi"},
-                         headers={"x-request-id": rid}, timeout=10)
+    resp = httpx.request(
+        method,
+        stack.url + path,
+        json={"model": "fake-model", "prompt": "hi"},
+        headers={"x-request-id": rid},
+        timeout=10,
+    )
     assert (resp.status_code, resp.json()["error"]["code"]) == (status, code)
     record = records_by_id(stack.log, [rid])[rid][0]
     assert record["gen_ai"]["operation"]["name"] == operation

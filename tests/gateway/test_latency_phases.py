@@ -40,8 +40,12 @@ class Phased:
     log: Path
 
     def post(self, rid: str, key: str = "sk-alice", **body) -> httpx.Response:
-        return httpx.post(self.url + "/v1/chat/completions", json={"messages": HI, **body}, timeout=10,
-                          headers={"authorization": f"Bearer {key}", "x-request-id": rid})
+        return httpx.post(
+            self.url + "/v1/chat/completions",
+            json={"messages": HI, **body},
+            timeout=10,
+            headers={"authorization": f"Bearer {key}", "x-request-id": rid},
+        )
 
     def record(self, rid: str) -> dict:
         return records_by_id(self.log, [rid])[rid][0]
@@ -57,13 +61,17 @@ def phased(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     config = {
         "upstreams": [{"url": failing.url}, {"url": healthy.url}],
         "models": [{"name": "retry-model", "tokenizer": str(make_tokenizer_dir(tmp))}],
-        "api_keys": [{"name": "alice", "sha256": hash_key("sk-alice")},
-                     {"name": "one", "sha256": hash_key("sk-one"), "limits": {"requests_per_minute": 1}}],
+        "api_keys": [
+            {"name": "alice", "sha256": hash_key("sk-alice")},
+            {"name": "one", "sha256": hash_key("sk-one"), "limits": {"requests_per_minute": 1}},
+        ],
         "routing": {"health_interval_s": 60},
         "logs": {"file": str(tmp / "requests.jsonl")},
     }
     with GatewayThread(create_app(load_settings(None, config, env={}))) as gateway:
-        deadline = time.monotonic() + 30  # both replicas health-checked, so round robin reaches the failing one
+        deadline = (
+            time.monotonic() + 30
+        )  # both replicas health-checked, so round robin reaches the failing one
         while not all(r.healthy for r in gateway.state.pool.replicas) and time.monotonic() < deadline:
             time.sleep(0.02)
         yield Phased(gateway.url, tmp / "requests.jsonl")
@@ -98,14 +106,19 @@ def test_a_retried_request_has_its_failed_attempt_in_retry_and_the_answer_apart(
 
 
 def test_a_stream_spends_the_engine_time_after_the_response_headers(phased: Phased) -> None:
-    resp = phased.post("streamed", model="fake-model", stream=True, fake={"first_token_delay_s": ANSWER_DELAY_S})
+    resp = phased.post(
+        "streamed", model="fake-model", stream=True, fake={"first_token_delay_s": ANSWER_DELAY_S}
+    )
     assert resp.status_code == 200
     record = phased.record("streamed")
     p = _phases(record)
     assert record["kvscope"]["attempts"] == 1 and p["retry_s"] == 0.0
-    assert p["upstream_response_s"] >= ANSWER_DELAY_S - HEADERS_SEEN_LATE_S  # the fake sent its headers, then waited
-    assert p["upstream_connect_s"] + p["upstream_response_s"] == pytest.approx(record["kvscope"]["upstream_s"],
-                                                                             abs=1e-9)
+    assert (
+        p["upstream_response_s"] >= ANSWER_DELAY_S - HEADERS_SEEN_LATE_S
+    )  # the fake sent its headers, then waited
+    assert p["upstream_connect_s"] + p["upstream_response_s"] == pytest.approx(
+        record["kvscope"]["upstream_s"], abs=1e-9
+    )
 
 
 def test_a_request_refused_at_auth_has_only_auth_and_other(phased: Phased) -> None:
@@ -113,7 +126,10 @@ def test_a_request_refused_at_auth_has_only_auth_and_other(phased: Phased) -> No
     assert resp.status_code == 401
     p = _phases(phased.record("bad-key"))
     assert {k: p[k] for k in ("rate_limit_s", "tokenize_s", *ZERO_UPSTREAM)} == {
-        "rate_limit_s": 0.0, "tokenize_s": 0.0, **ZERO_UPSTREAM}
+        "rate_limit_s": 0.0,
+        "tokenize_s": 0.0,
+        **ZERO_UPSTREAM,
+    }
     assert p["auth_s"] > 0.0
 
 
@@ -130,8 +146,14 @@ def test_a_rate_limited_request_has_its_rate_limit_time(phased: Phased) -> None:
 
 
 def _ctx() -> RequestContext:
-    return RequestContext(request_id="r", method="POST", path="/v1/chat/completions", route="/v1/chat/completions",
-                          start=100.0, start_wall=time.time())
+    return RequestContext(
+        request_id="r",
+        method="POST",
+        path="/v1/chat/completions",
+        route="/v1/chat/completions",
+        start=100.0,
+        start_wall=time.time(),
+    )
 
 
 def test_the_phases_partition_the_e2e_exactly() -> None:
@@ -141,8 +163,15 @@ def test_the_phases_partition_the_e2e_exactly() -> None:
     ctx.attempt_ended(102.5, 103.0, 105.0)  # the answer
     ctx.end_at = 106.0
     phases = ctx.gateway_phases(6.0)
-    assert phases.to_dict() == {"auth_s": 0.25, "rate_limit_s": 0.5, "tokenize_s": 0.125, "retry_s": 1.5,
-                                "upstream_connect_s": 0.5, "upstream_response_s": 2.0, "other_s": 1.125}
+    assert phases.to_dict() == {
+        "auth_s": 0.25,
+        "rate_limit_s": 0.5,
+        "tokenize_s": 0.125,
+        "retry_s": 1.5,
+        "upstream_connect_s": 0.5,
+        "upstream_response_s": 2.0,
+        "other_s": 1.125,
+    }
     assert phases.total_s == 6.0
 
 
@@ -150,9 +179,15 @@ def test_an_attempt_ending_after_the_response_counts_up_to_the_end() -> None:
     ctx = _ctx()
     ctx.end_at = 104.0
     ctx.attempt_ended(101.0, 102.0, 104.5)  # the upstream's last byte read after the client's response ended
-    assert ctx.gateway_phases(4.0).to_dict() == {"auth_s": 0.0, "rate_limit_s": 0.0, "tokenize_s": 0.0,
-                                                 "retry_s": 0.0, "upstream_connect_s": 1.0,
-                                                 "upstream_response_s": 2.0, "other_s": 1.0}
+    assert ctx.gateway_phases(4.0).to_dict() == {
+        "auth_s": 0.0,
+        "rate_limit_s": 0.0,
+        "tokenize_s": 0.0,
+        "retry_s": 0.0,
+        "upstream_connect_s": 1.0,
+        "upstream_response_s": 2.0,
+        "other_s": 1.0,
+    }
 
 
 def test_upstream_s_counts_attempts_up_to_the_requests_end_as_the_phases_do() -> None:
@@ -173,5 +208,12 @@ def test_the_record_and_the_mapping_list_the_same_phases() -> None:
     record = RecordBuilder(ServiceInfo("kvscope-gateway", "0.1.0", "gw")).build(ctx)
     mapped = record_properties()["kvscope"]["properties"]["gateway"]["properties"]
     assert mapped == dict.fromkeys(GATEWAY_PHASES, {"type": "double"})
-    assert record["kvscope"]["gateway"] == {"auth_s": 0.0, "rate_limit_s": 0.0, "tokenize_s": 0.0, "retry_s": 0.0,
-                                            "upstream_connect_s": 0.0, "upstream_response_s": 0.0, "other_s": 0.5}
+    assert record["kvscope"]["gateway"] == {
+        "auth_s": 0.0,
+        "rate_limit_s": 0.0,
+        "tokenize_s": 0.0,
+        "retry_s": 0.0,
+        "upstream_connect_s": 0.0,
+        "upstream_response_s": 0.0,
+        "other_s": 0.5,
+    }

@@ -35,8 +35,15 @@ def test_default_buckets_reach_the_total_timeout() -> None:
 def test_buckets_ending_below_the_total_timeout_are_refused() -> None:
     with pytest.raises(ValueError, match=r"metrics.duration_buckets must reach timeouts.total_s \(1800 s\)"):
         load_settings(None, {**UPSTREAM, "metrics": {"duration_buckets": [1.0, 600.0]}}, env={})
-    ok = load_settings(None, {**UPSTREAM, "metrics": {"duration_buckets": [1.0, 600.0], "ttft_buckets": [1.0, 60.0]},
-                              "timeouts": {"total_s": 60.0}}, env={})
+    ok = load_settings(
+        None,
+        {
+            **UPSTREAM,
+            "metrics": {"duration_buckets": [1.0, 600.0], "ttft_buckets": [1.0, 60.0]},
+            "timeouts": {"total_s": 60.0},
+        },
+        env={},
+    )
     assert ok.metrics == MetricsConfig(duration_buckets=(1.0, 600.0), ttft_buckets=(1.0, 60.0))
 
 
@@ -44,8 +51,12 @@ def test_token_types_add_up_and_cached_tokens_have_their_own_counter(stack: Stac
     """sum by (type) of kvscope_gateway_tokens_total == input + output: cached prompt tokens are a subset
     of input and are counted in kvscope_gateway_cached_tokens_total, never as a type."""
     before = metric_samples(stack.metrics())
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hello world hi"}], "max_tokens": 5,
-            "fake": {"cached_tokens": 2}}
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hello world hi"}],
+        "max_tokens": 5,
+        "fake": {"cached_tokens": 2},
+    }
     with stack.client() as c:
         assert c.post("/v1/chat/completions", json=body).status_code == 200
     after = metric_samples(stack.metrics())
@@ -53,8 +64,11 @@ def test_token_types_add_up_and_cached_tokens_have_their_own_counter(stack: Stac
     def delta(name: str, **labels: str) -> float:
         return sample(after, name, **labels) - sample(before, name, **labels)
 
-    tokens = {labels: v - before.get((name, labels), 0.0) for (name, labels), v in after.items()
-              if name == "kvscope_gateway_tokens_total" and dict(labels)["model"] == "fake-model"}
+    tokens = {
+        labels: v - before.get((name, labels), 0.0)
+        for (name, labels), v in after.items()
+        if name == "kvscope_gateway_tokens_total" and dict(labels)["model"] == "fake-model"
+    }
     by_type = {dict(labels)["type"]: v for labels, v in tokens.items()}
     assert by_type == {"input": 3.0, "output": 5.0}
     assert sum(by_type.values()) == 3.0 + 5.0
@@ -70,8 +84,14 @@ def test_known_label_sets_export_zero_before_the_first_event(stack: Stack) -> No
         assert ("kvscope_gateway_cached_tokens_total", (("model", model),)) in samples
     assert ("kvscope_gateway_tokens_total", (("model", "broken-model"), ("type", "output"))) in samples
     upstream = stack.fakes["tok"].url.removeprefix("http://")
-    assert sample(samples, "kvscope_gateway_upstream_errors_total", reason="connect", upstream=upstream) == 0.0
+    assert (
+        sample(samples, "kvscope_gateway_upstream_errors_total", reason="connect", upstream=upstream) == 0.0
+    )
     assert sample(samples, "kvscope_gateway_log_records_total", outcome="dropped", sink="file") == 0.0
     assert sample(samples, "kvscope_gateway_log_records_spooled_total", sink="file") == 0.0
-    assert not [k for k in samples if k[0] == "kvscope_gateway_log_records_total"
-                and dict(k[1])["outcome"] not in ("shipped", "failed", "dropped")]
+    assert not [
+        k
+        for k in samples
+        if k[0] == "kvscope_gateway_log_records_total"
+        and dict(k[1])["outcome"] not in ("shipped", "failed", "dropped")
+    ]

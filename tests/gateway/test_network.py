@@ -59,7 +59,7 @@ async def test_bytes_arrive_exactly_then_eof() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = await reader.readexactly(5)
         for i in range(0, len(payload), 1000):
-            writer.write(payload[i:i + 1000])
+            writer.write(payload[i : i + 1000])
             await writer.drain()
         writer.write(request)
         writer.close()
@@ -136,7 +136,9 @@ async def test_read_timeout_and_reset_after_data() -> None:
 
 
 async def test_backpressure_pauses_reading_above_the_high_water_mark() -> None:
-    total = 4 * HIGH_WATER  # an asyncio read takes at most 256 KiB: paused, at most 2 x HIGH_WATER is buffered
+    total = (
+        4 * HIGH_WATER
+    )  # an asyncio read takes at most 256 KiB: paused, at most 2 x HIGH_WATER is buffered
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"x" * total)
@@ -204,7 +206,10 @@ async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None
                 writer.close()
                 return
 
-    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+    async with (
+        server(handler) as port,
+        httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client,
+    ):
         base = f"http://127.0.0.1:{port}"
         async with client.stream("GET", base + "/stream") as resp:
             body = b"".join([chunk async for chunk in resp.aiter_raw()])
@@ -223,7 +228,10 @@ async def test_httpx_read_timeout_is_httpx_read_timeout() -> None:
         await reader.readuntil(b"\r\n\r\n")
         await asyncio.sleep(5)
 
-    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+    async with (
+        server(handler) as port,
+        httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client,
+    ):
         with pytest.raises(httpx.ReadTimeout):
             await client.get(f"http://127.0.0.1:{port}/", timeout=httpx.Timeout(5, read=0.1))
 
@@ -249,12 +257,16 @@ async def test_the_gateway_client_keeps_no_upstream_cookie() -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 seen.append(await reader.readuntil(b"\r\n\r\n"))
-                writer.write(b"HTTP/1.1 200 OK\r\nset-cookie: session=alice; Path=/\r\n"
-                             b"set-cookie: lb=node1\r\ncontent-length: 2\r\n\r\n{}")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nset-cookie: session=alice; Path=/\r\n"
+                    b"set-cookie: lb=node1\r\ncontent-length: 2\r\n\r\n{}"
+                )
                 await writer.drain()
 
     async with server(handler) as port:
-        client = new_http_client(load_settings(None, {"upstreams": [{"url": f"http://127.0.0.1:{port}"}]}, env={}))
+        client = new_http_client(
+            load_settings(None, {"upstreams": [{"url": f"http://127.0.0.1:{port}"}]}, env={})
+        )
         try:
             for _ in range(2):
                 response = await client.get(f"http://127.0.0.1:{port}/v1/models")
@@ -280,8 +292,10 @@ async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(len(connections))
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                     % (len(body), body))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
         await writer.drain()
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             await reader.readuntil(b"\r\n\r\n")  # the second request on this connection: no answer
@@ -289,7 +303,9 @@ async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_
 
     async with server(handler) as port:
         settings = load_settings(None, {"upstreams": [{"url": f"http://127.0.0.1:{port}"}]}, env={})
-        pool = UpstreamPool(settings.upstreams, settings.models, settings.routing, GatewayMetrics(CollectorRegistry()))
+        pool = UpstreamPool(
+            settings.upstreams, settings.models, settings.routing, GatewayMetrics(CollectorRegistry())
+        )
         client = new_http_client(settings)
         try:
             replica = pool.replicas[0]
@@ -321,15 +337,27 @@ async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> 
                 if action == "late":
                     await reader.read()  # until the client gives up and closes
                     return
-                status, payload = (b"200 OK", body) if action == "ok" else (b"500 Internal Server Error", b"{}")
-                writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (status, len(payload), payload))
+                status, payload = (
+                    (b"200 OK", body) if action == "ok" else (b"500 Internal Server Error", b"{}")
+                )
+                writer.write(
+                    b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (status, len(payload), payload)
+                )
                 await writer.drain()
 
     async with server(handler) as port:
-        settings = load_settings(None, {"upstreams": [{"url": f"http://127.0.0.1:{port}"}],
-                                        "routing": {"health_timeout_s": 0.2, "failure_threshold": 3}}, env={})
-        pool = UpstreamPool(settings.upstreams, settings.models, settings.routing, GatewayMetrics(CollectorRegistry()))
+        settings = load_settings(
+            None,
+            {
+                "upstreams": [{"url": f"http://127.0.0.1:{port}"}],
+                "routing": {"health_timeout_s": 0.2, "failure_threshold": 3},
+            },
+            env={},
+        )
+        pool = UpstreamPool(
+            settings.upstreams, settings.models, settings.routing, GatewayMetrics(CollectorRegistry())
+        )
         client = new_http_client(settings)
         replica = pool.replicas[0]
 
@@ -340,11 +368,19 @@ async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> 
             return kept, replica.healthy, replica.probe_timeouts
 
         try:
-            assert await probe("late") == (False, False, 1)  # not yet healthy: a late first answer does not admit it
+            assert await probe("late") == (
+                False,
+                False,
+                1,
+            )  # not yet healthy: a late first answer does not admit it
             assert await probe("ok") == (True, True, 0)
             assert [await probe("late") for _ in range(2)] == [(True, True, 1), (True, True, 2)]
             assert await probe("ok") == (True, True, 0)  # an answer resets the count
-            assert [await probe("late") for _ in range(3)] == [(True, True, 1), (True, True, 2), (False, False, 3)]
+            assert [await probe("late") for _ in range(3)] == [
+                (True, True, 1),
+                (True, True, 2),
+                (False, False, 3),
+            ]
             assert await probe("late") == (False, False, 4)  # an ejected replica stays out while silent
             assert await probe("ok") == (True, True, 0)
             assert await probe("500") == (False, False, 0)  # an error status ejects at once
@@ -355,11 +391,13 @@ async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> 
         assert (await pool.check(replica, client), replica.healthy) == (False, False)
 
 
-CHUNKED_BODY = (b"5\r\nhello\r\n"
-                b"1a;name=value\r\n" + b"data: {\"a\": 1}\n\n" + b"0123456789"[:26 - 16] + b"\r\n"
-                b"3 \r\n\n\n\n\r\n"
-                b"0\r\nx-trailer: 1\r\n\r\n")
-CHUNKED_PAYLOAD = b"hello" + b"data: {\"a\": 1}\n\n" + b"0123456789"[:26 - 16] + b"\n\n\n"
+CHUNKED_BODY = (
+    b"5\r\nhello\r\n"
+    b"1a;name=value\r\n" + b'data: {"a": 1}\n\n' + b"0123456789"[: 26 - 16] + b"\r\n"
+    b"3 \r\n\n\n\n\r\n"
+    b"0\r\nx-trailer: 1\r\n\r\n"
+)
+CHUNKED_PAYLOAD = b"hello" + b'data: {"a": 1}\n\n' + b"0123456789"[: 26 - 16] + b"\n\n\n"
 
 
 def _tap_collect() -> tuple[ChunkedBodyTap, list[object]]:
@@ -381,44 +419,64 @@ def test_the_tap_decodes_chunked_framing_split_anywhere() -> None:
         assert _payload(got) == CHUNKED_PAYLOAD and got[-1] is None and after == b"NEXT", cut
         assert tap.done and not tap.broken
     tap, got = _tap_collect()
-    ends = [tap.feed(CHUNKED_BODY[i:i + 1]) for i in range(len(CHUNKED_BODY))]
+    ends = [tap.feed(CHUNKED_BODY[i : i + 1]) for i in range(len(CHUNKED_BODY))]
     assert ends[:-1] == [None] * (len(CHUNKED_BODY) - 1) and ends[-1] == b""
     assert _payload(got) == CHUNKED_PAYLOAD and got[-1] is None
 
 
-@pytest.mark.parametrize("read", [
-    b"5\r\nhello\r\n", b"A;ext=1\r\n0123456789\r\n", b"a \t\r\n0123456789\r\n",  # one whole chunk: the shortcut
-    b"3\r\nhello\r\n",  # shorter than its data: broken
-    b"9\r\nhello\r\n",  # longer: the rest comes in the next read
-    b"0x5\r\nhello\r\n", b"+5\r\nhello\r\n", b"5_\r\nhello\r\n",  # what int(s, 16) takes, RFC 9112 does not
-    b"0\r\n\r\n", b"2\r\nok\r\n0\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "read",
+    [
+        b"5\r\nhello\r\n",
+        b"A;ext=1\r\n0123456789\r\n",
+        b"a \t\r\n0123456789\r\n",  # one whole chunk: the shortcut
+        b"3\r\nhello\r\n",  # shorter than its data: broken
+        b"9\r\nhello\r\n",  # longer: the rest comes in the next read
+        b"0x5\r\nhello\r\n",
+        b"+5\r\nhello\r\n",
+        b"5_\r\nhello\r\n",  # what int(s, 16) takes, RFC 9112 does not
+        b"0\r\n\r\n",
+        b"2\r\nok\r\n0\r\n\r\n",
+    ],
+)
 def test_a_read_of_one_whole_chunk_decodes_as_byte_by_byte_reads_do(read: bytes) -> None:
     """A read holding exactly one chunk (a streamed token) takes a shortcut (gateway/proxy/chunked.py); every
     read gives the payload, end, errors and state that one byte at a time gives."""
     whole, got_whole = _tap_collect()
     bytewise, got_bytewise = _tap_collect()
     after_whole = whole.feed(read)
-    after_bytewise = [bytewise.feed(read[i:i + 1]) for i in range(len(read))]
+    after_bytewise = [bytewise.feed(read[i : i + 1]) for i in range(len(read))]
     assert after_whole == next((a for a in after_bytewise if a is not None), None)
     assert _payload(got_whole) == _payload(got_bytewise)
-    assert [type(x) for x in got_whole if not isinstance(x, bytes)] == \
-        [type(x) for x in got_bytewise if not isinstance(x, bytes)]
-    assert (whole.done, whole.broken, whole._state, whole._left) == \
-        (bytewise.done, bytewise.broken, bytewise._state, bytewise._left)
+    assert [type(x) for x in got_whole if not isinstance(x, bytes)] == [
+        type(x) for x in got_bytewise if not isinstance(x, bytes)
+    ]
+    assert (whole.done, whole.broken, whole._state, whole._left) == (
+        bytewise.done,
+        bytewise.broken,
+        bytewise._state,
+        bytewise._left,
+    )
 
 
-@pytest.mark.parametrize(("body", "why"), [
-    (b"zz\r\nhello\r\n", "bad chunk-size line"),
-    (b"\r\n", "bad chunk-size line"),
-    (b"-5\r\nhello\r\n", "bad chunk-size line"),
-    (b"5\r\nhelloXX", "not followed by CRLF"),
-    (b"1" * (MAX_CHUNK_LINE + 1), "too long"),
-])
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"zz\r\nhello\r\n", "bad chunk-size line"),
+        (b"\r\n", "bad chunk-size line"),
+        (b"-5\r\nhello\r\n", "bad chunk-size line"),
+        (b"5\r\nhelloXX", "not followed by CRLF"),
+        (b"1" * (MAX_CHUNK_LINE + 1), "too long"),
+    ],
+)
 def test_bad_chunked_framing_is_a_remote_protocol_error(body: bytes, why: str) -> None:
     tap, got = _tap_collect()
     assert tap.feed(b"2\r\nok\r\n" + body) == b""
-    assert _payload(got).startswith(b"ok") and isinstance(got[-1], httpx.RemoteProtocolError) and why in str(got[-1])
+    assert (
+        _payload(got).startswith(b"ok")
+        and isinstance(got[-1], httpx.RemoteProtocolError)
+        and why in str(got[-1])
+    )
     assert tap.done and tap.broken
 
 
@@ -426,8 +484,11 @@ def test_a_connection_that_ends_mid_body_is_an_httpx_error() -> None:
     tap, got = _tap_collect()
     tap.feed(b"5\r\nhel")
     tap.connection_ended(None)
-    assert got[0] == b"hel" and isinstance(got[1], httpx.RemoteProtocolError) and "incomplete chunked read" in \
-        str(got[1])
+    assert (
+        got[0] == b"hel"
+        and isinstance(got[1], httpx.RemoteProtocolError)
+        and "incomplete chunked read" in str(got[1])
+    )
     tap, got = _tap_collect()
     tap.connection_ended(ConnectionResetError("reset by peer"))
     assert isinstance(got[0], httpx.ReadError) and "reset by peer" in str(got[0])
@@ -435,8 +496,9 @@ def test_a_connection_that_ends_mid_body_is_an_httpx_error() -> None:
     assert len(got) == 1
 
 
-async def _tapped_stream(client: httpx.AsyncClient, url: str) -> tuple[httpx.Response, list[object], asyncio.Event,
-                                                                      AsyncioStream, bool]:
+async def _tapped_stream(
+    client: httpx.AsyncClient, url: str
+) -> tuple[httpx.Response, list[object], asyncio.Event, AsyncioStream, bool]:
     response = await client.send(client.build_request("GET", url), stream=True)
     stream = response.extensions["network_stream"]
     assert isinstance(stream, AsyncioStream)
@@ -475,9 +537,12 @@ async def test_a_tapped_body_arrives_whole_and_its_connection_is_reused() -> Non
             for i in range(first, len(raw), 7):
                 await writer.drain()
                 await asyncio.sleep(0.001)
-                writer.write(raw[i:i + 7])
+                writer.write(raw[i : i + 7])
 
-    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+    async with (
+        server(handler) as port,
+        httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client,
+    ):
         base = f"http://127.0.0.1:{port}"
         response, got, ended, _, tapped = await _tapped_stream(client, base + "/stream")
         assert tapped
@@ -505,7 +570,10 @@ async def test_a_body_left_before_its_end_closes_the_connection() -> None:
         await reader.read(1)  # b"" at EOF
         seen_eof.set()
 
-    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+    async with (
+        server(handler) as port,
+        httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client,
+    ):
         base = f"http://127.0.0.1:{port}"
         response, got, _, stream, tapped = await _tapped_stream(client, base + "/stream")
         assert tapped
@@ -524,7 +592,10 @@ async def test_no_tap_after_an_interim_answer_and_the_normal_path_still_works() 
         await writer.drain()
         await reader.read(1)
 
-    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+    async with (
+        server(handler) as port,
+        httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client,
+    ):
         response, got, _, _, tapped = await _tapped_stream(client, f"http://127.0.0.1:{port}/stream")
         assert not tapped and got == []
         assert b"".join([chunk async for chunk in response.aiter_raw()]) == b"data: 1\n\n"
@@ -545,7 +616,10 @@ async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -
         await writer.drain()
         await reader.read(1)
 
-    async with server(handler) as port, httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client:
+    async with (
+        server(handler) as port,
+        httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client,
+    ):
         response = await client.send(client.build_request("GET", f"http://127.0.0.1:{port}/s"), stream=True)
         stream = response.extensions["network_stream"]
         queue = ChunkQueue(maxsize=4)
@@ -592,6 +666,7 @@ async def test_the_pool_cleanup_pass_is_linear_and_decides_as_httpcores() -> Non
                         nonlocal calls
                         calls += 1
                         return original()
+
                     connection.is_idle = counted  # type: ignore[method-assign]
                 await pool.request("GET", url)  # one pass when queued, one when closed
                 results[cls.__name__] = (kept, len(pool.connections), calls)

@@ -52,10 +52,13 @@ def wait_for_metrics(rx: OtlpReceiver | GrpcOtlpReceiver, since: float) -> None:
 
 def test_gateway_exports_to_the_otel_environment_over_http(tmp_path: Path, upstream: Proc) -> None:
     with OtlpReceiver() as rx:
-        env = {"OTEL_SERVICE_NAME": "gateway-from-env", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.url + "/collector/traces",
-               "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": rx.url + "/vendor/api/metrics",
-               "OTEL_METRIC_EXPORT_INTERVAL": "2000"}
+        env = {
+            "OTEL_SERVICE_NAME": "gateway-from-env",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.url + "/collector/traces",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": rx.url + "/vendor/api/metrics",
+            "OTEL_METRIC_EXPORT_INTERVAL": "2000",
+        }
         gateway, sent = run_gateway(tmp_path, upstream, env)
         try:
             wait_for_metrics(rx, sent)
@@ -71,8 +74,11 @@ def test_gateway_exports_to_the_otel_environment_over_http(tmp_path: Path, upstr
 
 def test_gateway_exports_over_grpc_to_the_generic_endpoint(tmp_path: Path, upstream: Proc) -> None:
     with GrpcOtlpReceiver() as rx:
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-               "OTEL_METRIC_EXPORT_INTERVAL": "2000"}
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_METRIC_EXPORT_INTERVAL": "2000",
+        }
         gateway, sent = run_gateway(tmp_path, upstream, env, streams=True)
         try:
             wait_for_metrics(rx, sent)
@@ -86,8 +92,11 @@ def test_gateway_exports_over_grpc_to_the_generic_endpoint(tmp_path: Path, upstr
 
 def test_sdk_disabled_exports_nothing(tmp_path: Path, upstream: Proc) -> None:
     with OtlpReceiver() as rx:
-        env = {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url,
-               "OTEL_METRIC_EXPORT_INTERVAL": "200"}
+        env = {
+            "OTEL_SDK_DISABLED": "true",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url,
+            "OTEL_METRIC_EXPORT_INTERVAL": "200",
+        }
         gateway, _ = run_gateway(tmp_path, upstream, env)
         gateway.stop()  # a shutdown would push the last metrics and flush the spans
         assert (rx.paths, rx.metrics, rx.traces) == ([], [], [])

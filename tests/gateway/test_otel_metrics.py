@@ -21,15 +21,25 @@ TOKEN_DELAY_S = 0.05
 def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
     loop = LoopThread()
     with OtlpReceiver() as rx:
-        gateway, fakes, _ = build_stack(loop, tmp_path, tracing={"otlp_endpoint": rx.url,
-                                                                 "metrics_export_interval_s": 3600})
+        gateway, fakes, _ = build_stack(
+            loop, tmp_path, tracing={"otlp_endpoint": rx.url, "metrics_export_interval_s": 3600}
+        )
         headers = {"authorization": f"Bearer {KEYS['alice']}"}
         with gateway:
             for stream in (False, True):
                 started = time.perf_counter()
-                resp = httpx.post(gateway.url + "/v1/chat/completions", headers=headers, timeout=10,
-                                  json={"model": "fake-model", "messages": HI, "max_tokens": 3, "stream": stream,
-                                        "fake": {"token_delay_s": TOKEN_DELAY_S}})
+                resp = httpx.post(
+                    gateway.url + "/v1/chat/completions",
+                    headers=headers,
+                    timeout=10,
+                    json={
+                        "model": "fake-model",
+                        "messages": HI,
+                        "max_tokens": 3,
+                        "stream": stream,
+                        "fake": {"token_delay_s": TOKEN_DELAY_S},
+                    },
+                )
                 stream_s = time.perf_counter() - started
                 assert resp.status_code == 200
         # leaving the gateway shut its MeterProvider down: the final push has arrived
@@ -39,22 +49,31 @@ def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
         loop.run(fake.close())
     loop.stop()
 
-    assert {"gen_ai.client.operation.duration", "gen_ai.client.token.usage",
-            "gen_ai.client.operation.time_to_first_chunk", "gen_ai.client.operation.time_per_output_chunk"} <= set(points)
-    base = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "kvscope",
-            "gen_ai.request.model": "fake-model", "gen_ai.response.model": "fake-model",
-            "server.address": "127.0.0.1", "server.port": fakes["main"].port}
-    (attrs, duration), = points["gen_ai.client.operation.duration"]
+    assert {
+        "gen_ai.client.operation.duration",
+        "gen_ai.client.token.usage",
+        "gen_ai.client.operation.time_to_first_chunk",
+        "gen_ai.client.operation.time_per_output_chunk",
+    } <= set(points)
+    base = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "kvscope",
+        "gen_ai.request.model": "fake-model",
+        "gen_ai.response.model": "fake-model",
+        "server.address": "127.0.0.1",
+        "server.port": fakes["main"].port,
+    }
+    ((attrs, duration),) = points["gen_ai.client.operation.duration"]
     assert attrs == base and duration.count == 2
     assert list(duration.explicit_bounds) == list(OPERATION_DURATION_BUCKETS)
     usage = {a["gen_ai.token.type"]: p for a, p in points["gen_ai.client.token.usage"]}
     assert (usage["input"].count, usage["input"].sum) == (2, 4)  # "hello world" twice (fake: words)
     assert (usage["output"].count, usage["output"].sum) == (2, 6)
     assert list(usage["input"].explicit_bounds) == [float(b) for b in TOKEN_USAGE_BUCKETS]
-    (attrs, ttfc), = points["gen_ai.client.operation.time_to_first_chunk"]
+    ((attrs, ttfc),) = points["gen_ai.client.operation.time_to_first_chunk"]
     assert attrs == base and ttfc.count == 1  # the stream only
     assert list(ttfc.explicit_bounds) == list(CHUNK_BUCKETS) == [0.01 * 2**i for i in range(14)]  # semconv
-    (attrs, tpoc), = points["gen_ai.client.operation.time_per_output_chunk"]
+    ((attrs, tpoc),) = points["gen_ai.client.operation.time_per_output_chunk"]
     # one observation per chunk after the first (semconv): the stream's 3 token chunks give 2 gaps, which add
     # up to the time from its first to its last chunk: at least the upstream's 2 token delays less one (the
     # first chunk may arrive late, never early), at most the whole stream as the client saw it

@@ -42,8 +42,9 @@ class Cluster:
     log: Path
 
     def client(self, key: str = "alice", **kw: object) -> httpx.Client:
-        return httpx.Client(base_url=self.gateway.url, headers={"authorization": f"Bearer {KEYS[key]}"},
-                            timeout=10, **kw)
+        return httpx.Client(
+            base_url=self.gateway.url, headers={"authorization": f"Bearer {KEYS[key]}"}, timeout=10, **kw
+        )
 
     def upstream_record(self, request_id: str) -> dict:
         for fake in (self.a, self.b, self.victim):
@@ -66,15 +67,21 @@ def _start_cluster(tmp: Path) -> Iterator[Cluster]:
     try:
         for fake in procs:
             wait_http(fake.url + "/health", proc=fake.popen)
-        config = {"upstreams": [{"url": p.url, "name": name} for p, name in ((a, "a"), (b, "b"), (victim, "victim"))],
-                  "api_keys": [{"name": "alice", "sha256": hash_key(KEYS["alice"])},
-                               {"name": "limited", "sha256": hash_key(KEYS["limited"]), "models": ["fake-model"]},
-                               {"name": "capped", "sha256": hash_key(KEYS["capped"]),
-                                "limits": {"requests_per_minute": 2}},
-                               {"name": "burst", "sha256": hash_key(KEYS["burst"]),
-                                "limits": {"requests_per_minute": 1}}],
-                  "max_body_bytes": 4096, "timeouts": {"first_token_s": 1.0},
-                  "routing": {"health_interval_s": 60}, "logs": {"file": str(tmp / "requests.jsonl")}}
+        config = {
+            "upstreams": [
+                {"url": p.url, "name": name} for p, name in ((a, "a"), (b, "b"), (victim, "victim"))
+            ],
+            "api_keys": [
+                {"name": "alice", "sha256": hash_key(KEYS["alice"])},
+                {"name": "limited", "sha256": hash_key(KEYS["limited"]), "models": ["fake-model"]},
+                {"name": "capped", "sha256": hash_key(KEYS["capped"]), "limits": {"requests_per_minute": 2}},
+                {"name": "burst", "sha256": hash_key(KEYS["burst"]), "limits": {"requests_per_minute": 1}},
+            ],
+            "max_body_bytes": 4096,
+            "timeouts": {"first_token_s": 1.0},
+            "routing": {"health_interval_s": 60},
+            "logs": {"file": str(tmp / "requests.jsonl")},
+        }
         gateway = spawn_gateway(tmp, "gateway", config)
         procs.append(gateway)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
@@ -108,19 +115,32 @@ def _without_usage_event(sse: bytes) -> bytes:
         if obj is None or "usage" not in obj:
             keep.append(raw)  # exact bytes
         elif obj.get("choices") != []:  # "usage": null removed, the chunk re-encoded; the usage chunk dropped
-            keep.append(b"data: " + msgspec.json.encode({k: v for k, v in obj.items() if k != "usage"}) + b"\n\n")
+            keep.append(
+                b"data: " + msgspec.json.encode({k: v for k, v in obj.items() if k != "usage"}) + b"\n\n"
+            )
     return b"".join(keep)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("include_usage", [False, True])
-def test_sse_bytes_equal_the_upstream_under_random_rechunking(cluster: Cluster, seed: int, include_usage: bool) -> None:
+def test_sse_bytes_equal_the_upstream_under_random_rechunking(
+    cluster: Cluster, seed: int, include_usage: bool
+) -> None:
     rid = f"bytes-{seed}-{include_usage}"
-    body = {"model": "fake-model", "messages": HI, "stream": True, "max_tokens": 12, "n": 2,
-            "fake": {"rechunk_seed": seed, "crlf": seed == 3}}
+    body = {
+        "model": "fake-model",
+        "messages": HI,
+        "stream": True,
+        "max_tokens": 12,
+        "n": 2,
+        "fake": {"rechunk_seed": seed, "crlf": seed == 3},
+    }
     if include_usage:
         body["stream_options"] = {"include_usage": True}
-    with cluster.client() as c, c.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": rid}) as r:
+    with (
+        cluster.client() as c,
+        c.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": rid}) as r,
+    ):
         received = b"".join(r.iter_raw())
     upstream = cluster.upstream_record(rid)["sse"].encode("latin-1")
     assert len(upstream) > 1000
@@ -156,9 +176,18 @@ def test_client_disconnect_reaches_the_upstream(cluster: Cluster) -> None:
     for i in range(5):
         httpx.post(cluster.victim.url + "/_fake/release", json={"name": f"dc-stream/{i}"}).raise_for_status()
     with cluster.client() as c:
-        with c.stream("POST", "/v1/chat/completions", headers={"x-request-id": "dc-stream"},
-                      json={"model": "victim-model", "messages": HI, "stream": True, "max_tokens": 4000,
-                            "fake": {"hold": "dc-stream"}}) as resp:
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers={"x-request-id": "dc-stream"},
+            json={
+                "model": "victim-model",
+                "messages": HI,
+                "stream": True,
+                "max_tokens": 4000,
+                "fake": {"hold": "dc-stream"},
+            },
+        ) as resp:
             seen = b""
             for piece in resp.iter_raw():
                 seen += piece
@@ -169,8 +198,12 @@ def test_client_disconnect_reaches_the_upstream(cluster: Cluster) -> None:
                     break
         sent_at = time.monotonic()
         with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/chat/completions", headers={"x-request-id": "dc-json"}, timeout=0.5,
-                   json={"model": "fake-model", "messages": HI, "fake": {"hold": "dc-json"}})
+            c.post(
+                "/v1/chat/completions",
+                headers={"x-request-id": "dc-json"},
+                timeout=0.5,
+                json={"model": "fake-model", "messages": HI, "fake": {"hold": "dc-json"}},
+            )
     # the stream is closed after closing_at (the 5th token's arrival); the read timeout cannot give up before
     # sent_at + 0.5 s (1 ms: rounding)
     for rid, left_at in (("dc-stream", closing_at), ("dc-json", sent_at + 0.5 - 1e-3)):
@@ -180,9 +213,15 @@ def test_client_disconnect_reaches_the_upstream(cluster: Cluster) -> None:
     records = records_by_id(cluster.log, ["dc-stream", "dc-json"])
     stream_rec, json_rec = records["dc-stream"], records["dc-json"]
     assert len(stream_rec) == 1 and len(json_rec) == 1, records
-    assert stream_rec[0]["kvscope"]["client_disconnected"] and stream_rec[0]["kvscope"]["disconnect_phase"] == "decode"
+    assert (
+        stream_rec[0]["kvscope"]["client_disconnected"]
+        and stream_rec[0]["kvscope"]["disconnect_phase"] == "decode"
+    )
     assert stream_rec[0]["gen_ai"]["usage"]["output_tokens"] == 5
-    assert stream_rec[0]["http"]["response"]["status_code"] == 200 and stream_rec[0]["event"]["outcome"] == "unknown"
+    assert (
+        stream_rec[0]["http"]["response"]["status_code"] == 200
+        and stream_rec[0]["event"]["outcome"] == "unknown"
+    )
     assert json_rec[0]["kvscope"]["disconnect_phase"] == "response"
     assert json_rec[0]["http"]["response"]["status_code"] == 499
     assert json_rec[0]["error"]["type"] == "client_disconnected"
@@ -191,20 +230,29 @@ def test_client_disconnect_reaches_the_upstream(cluster: Cluster) -> None:
 def test_auth_and_limit_errors(cluster: Cluster) -> None:
     base = cluster.gateway.url + "/v1"
     limited_before = sample(cluster.metrics(), "kvscope_gateway_rate_limited_total", reason="requests")
-    with openai.OpenAI(base_url=base, api_key="sk-nope", max_retries=0) as nope, \
-            pytest.raises(openai.AuthenticationError) as unauth:
+    with (
+        openai.OpenAI(base_url=base, api_key="sk-nope", max_retries=0) as nope,
+        pytest.raises(openai.AuthenticationError) as unauth,
+    ):
         nope.chat.completions.create(model="fake-model", messages=HI)
     assert unauth.value.status_code == 401 and unauth.value.body["code"] == "invalid_api_key"
-    with openai.OpenAI(base_url=base, api_key=KEYS["limited"], max_retries=0) as limited, \
-            pytest.raises(openai.PermissionDeniedError) as denied:
+    with (
+        openai.OpenAI(base_url=base, api_key=KEYS["limited"], max_retries=0) as limited,
+        pytest.raises(openai.PermissionDeniedError) as denied,
+    ):
         limited.chat.completions.create(model="victim-model", messages=HI)
     assert denied.value.body["param"] == "model"
     with cluster.client() as c:
-        big = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": [{"role": "user",
-                                                                                       "content": "x" * 5000}]})
+        big = c.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": [{"role": "user", "content": "x" * 5000}]},
+        )
         assert big.status_code == 413 and big.json()["error"]["message"].endswith("the limit is 4096 bytes.")
     with openai.OpenAI(base_url=base, api_key=KEYS["capped"], max_retries=0) as capped:
-        ok = [capped.chat.completions.with_raw_response.create(model="fake-model", messages=HI) for _ in range(2)]
+        ok = [
+            capped.chat.completions.with_raw_response.create(model="fake-model", messages=HI)
+            for _ in range(2)
+        ]
         assert [r.headers["x-ratelimit-remaining-requests"] for r in ok] == ["1", "0"]
         with pytest.raises(openai.RateLimitError) as limited_err:
             capped.chat.completions.create(model="fake-model", messages=HI)
@@ -212,7 +260,10 @@ def test_auth_and_limit_errors(cluster: Cluster) -> None:
     assert 1 <= int(headers["retry-after"]) <= 30 and headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "0"
     assert limited_err.value.body["type"] == "rate_limit_error"
-    assert sample(cluster.metrics(), "kvscope_gateway_rate_limited_total", reason="requests") == limited_before + 1
+    assert (
+        sample(cluster.metrics(), "kvscope_gateway_rate_limited_total", reason="requests")
+        == limited_before + 1
+    )
 
 
 FIRST_TOKEN_DELAY_S = 0.2
@@ -223,9 +274,18 @@ def _measure_stream(c: httpx.Client, rid: str, tokens: int) -> dict[str, float]:
     """One stream to the victim (0.1 s between tokens), timed by the client: ``start`` (before sending),
     ``token1`` (the piece holding the second token arrived), ``tokens``."""
     start, token1 = time.monotonic(), None
-    with c.stream("POST", "/v1/chat/completions", headers={"x-request-id": rid},
-                  json={"model": "victim-model", "messages": HI, "stream": True, "max_tokens": tokens,
-                        "fake": {"first_token_delay_s": FIRST_TOKEN_DELAY_S}}) as r:
+    with c.stream(
+        "POST",
+        "/v1/chat/completions",
+        headers={"x-request-id": rid},
+        json={
+            "model": "victim-model",
+            "messages": HI,
+            "stream": True,
+            "max_tokens": tokens,
+            "fake": {"first_token_delay_s": FIRST_TOKEN_DELAY_S},
+        },
+    ) as r:
         seen = b""
         for piece in r.iter_raw():
             seen += piece
@@ -248,7 +308,10 @@ def test_log_lines_match_client_measurements_and_metrics(cluster: Cluster) -> No
     send → second token (the gateway stamps the first token before it forwards the next); e2e is at least the
     imposed delays (first token + 0.1 s per later token) and at most the client's send → log line found."""
     with cluster.client("burst") as burst:  # its one request per minute, so the next one is refused
-        assert burst.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI}).status_code == 200
+        assert (
+            burst.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI}).status_code
+            == 200
+        )
     before = cluster.metrics()
     measured: dict[str, dict[str, float]] = {}
     with cluster.client() as c, cluster.client("burst") as burst:
@@ -258,21 +321,35 @@ def test_log_lines_match_client_measurements_and_metrics(cluster: Cluster) -> No
             measured[rid] = _measure_stream(c, rid, 3 + i)
             measured[rid]["logged"] = _logged(cluster, rid)[1]
         start = time.monotonic()
-        c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI,
-                                             "fake": {"first_token_delay_s": FIRST_TOKEN_DELAY_S}},
-               headers={"x-request-id": "log-json"})
+        c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "fake-model",
+                "messages": HI,
+                "fake": {"first_token_delay_s": FIRST_TOKEN_DELAY_S},
+            },
+            headers={"x-request-id": "log-json"},
+        )
         measured["log-json"] = {"start": start, "logged": _logged(cluster, "log-json")[1]}
         outcomes = {
             "log-400": (c, {"model": "fake-model", "messages": "hi"}, 400),
             "log-404": (c, {"model": "nope", "messages": HI}, 404),
             "log-429": (burst, {"model": "fake-model", "messages": HI}, 429),
-            "log-504": (c, {"model": "fake-model", "prompt": "x", "stream": True, "fake": {"hold": "log-504"}}, 504),
+            "log-504": (
+                c,
+                {"model": "fake-model", "prompt": "x", "stream": True, "fake": {"hold": "log-504"}},
+                504,
+            ),
         }
         for rid, (client, body, status) in outcomes.items():
             path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
             assert client.post(path, json=body, headers={"x-request-id": rid}).status_code == status
-        assert httpx.post(cluster.gateway.url + "/v1/chat/completions", json={},
-                          headers={"x-request-id": "log-401"}).status_code == 401
+        assert (
+            httpx.post(
+                cluster.gateway.url + "/v1/chat/completions", json={}, headers={"x-request-id": "log-401"}
+            ).status_code
+            == 401
+        )
     ids = [*measured, *outcomes, "log-401"]
     records = records_by_id(cluster.log, ids)
     assert {rid: len(records[rid]) for rid in ids} == dict.fromkeys(ids, 1)
@@ -280,7 +357,12 @@ def test_log_lines_match_client_measurements_and_metrics(cluster: Cluster) -> No
     for rid in ids:
         assert _key_paths(records[rid][0]) == shape, rid
     assert {rid: records[rid][0]["http"]["response"]["status_code"] for rid in [*outcomes, "log-401"]} == {
-        "log-400": 400, "log-404": 404, "log-429": 429, "log-504": 504, "log-401": 401}
+        "log-400": 400,
+        "log-404": 404,
+        "log-429": 429,
+        "log-504": 504,
+        "log-401": 401,
+    }
     assert records["log-429"][0]["kvscope"]["rate_limited"] is True
     assert records["log-401"][0]["user"]["id"] is None and records["log-json"][0]["user"]["id"] == "alice"
     streams = [records[rid][0] for rid in measured if rid.startswith("log-stream")]
@@ -303,17 +385,25 @@ def test_log_lines_match_client_measurements_and_metrics(cluster: Cluster) -> No
     victim, chat = {"model": "victim-model"}, {"route": "/v1/chat/completions"}
     assert delta("kvscope_gateway_time_to_first_token_seconds_count", **victim) == len(streams)
     assert delta("kvscope_gateway_time_to_first_token_seconds_sum", **victim) == pytest.approx(
-        sum(s["kvscope"]["ttft_s"] for s in streams), abs=1e-9)
+        sum(s["kvscope"]["ttft_s"] for s in streams), abs=1e-9
+    )
     assert delta("kvscope_gateway_time_per_output_token_seconds_sum", **victim) == pytest.approx(
-        sum(s["kvscope"]["tpot_s"] for s in streams), abs=1e-9)
+        sum(s["kvscope"]["tpot_s"] for s in streams), abs=1e-9
+    )
     assert delta("kvscope_gateway_request_duration_seconds_sum", **victim, **chat) == pytest.approx(
-        sum(s["kvscope"]["e2e_s"] for s in streams), abs=1e-9)
+        sum(s["kvscope"]["e2e_s"] for s in streams), abs=1e-9
+    )
     assert delta("kvscope_gateway_requests_total", **victim, **chat, status="200") == len(streams)
     assert delta("kvscope_gateway_tokens_total", **victim, type="output") == sum(
-        s["gen_ai"]["usage"]["output_tokens"] for s in streams)
-    for status, model, route in (("400", "unknown", "/v1/chat/completions"), ("404", "unknown", "/v1/chat/completions"),
-                                 ("429", "fake-model", "/v1/chat/completions"), ("504", "fake-model", "/v1/completions"),
-                                 ("401", "unknown", "/v1/chat/completions")):
+        s["gen_ai"]["usage"]["output_tokens"] for s in streams
+    )
+    for status, model, route in (
+        ("400", "unknown", "/v1/chat/completions"),
+        ("404", "unknown", "/v1/chat/completions"),
+        ("429", "fake-model", "/v1/chat/completions"),
+        ("504", "fake-model", "/v1/completions"),
+        ("401", "unknown", "/v1/chat/completions"),
+    ):
         assert delta("kvscope_gateway_requests_total", model=model, route=route, status=status) == 1, status
 
 
@@ -328,9 +418,15 @@ def _key_paths(obj: dict, prefix: str = "") -> set[str]:
 def test_upstream_killed_mid_stream(own_cluster: Cluster) -> None:
     """S3 at the gateway: the client gets an in-band error and no [DONE]; the log says why."""
     cluster = own_cluster
-    with cluster.client() as c, c.stream("POST", "/v1/chat/completions", headers={"x-request-id": "killed"},
-                                         json={"model": "victim-model", "messages": HI, "stream": True,
-                                               "max_tokens": 1000}) as resp:
+    with (
+        cluster.client() as c,
+        c.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers={"x-request-id": "killed"},
+            json={"model": "victim-model", "messages": HI, "stream": True, "max_tokens": 1000},
+        ) as resp,
+    ):
         seen = b""
         for piece in resp.iter_raw():
             seen += piece
@@ -340,11 +436,21 @@ def test_upstream_killed_mid_stream(own_cluster: Cluster) -> None:
     assert b"[DONE]" not in seen and _token_events(seen) == 3
     assert json.loads(events[-1][6:])["error"]["code"] == "upstream_disconnected"
     record = records_by_id(cluster.log, ["killed"])["killed"][0]
-    assert record["event"]["outcome"] == "failure" and record["kvscope"]["stream_error"] == "upstream_disconnected"
+    assert (
+        record["event"]["outcome"] == "failure"
+        and record["kvscope"]["stream_error"] == "upstream_disconnected"
+    )
     assert record["gen_ai"]["usage"]["output_tokens"] == 3 and record["log"]["level"] == "error"
     assert record["kvscope"]["attempts"] == 1  # no retry once bytes reached the client
-    assert sample(cluster.metrics(), "kvscope_gateway_stream_errors_total", model="victim-model",
-                  reason="upstream_disconnected") == 1
+    assert (
+        sample(
+            cluster.metrics(),
+            "kvscope_gateway_stream_errors_total",
+            model="victim-model",
+            reason="upstream_disconnected",
+        )
+        == 1
+    )
 
 
 def test_one_replica_down_then_both(own_cluster: Cluster) -> None:
@@ -353,8 +459,15 @@ def test_one_replica_down_then_both(own_cluster: Cluster) -> None:
     with cluster.client() as c:
         ids = [f"failover-{i}" for i in range(8)]
         for rid in ids:
-            r = c.post("/v1/chat/completions", json={"model": "fake-model", "messages": HI}, headers={"x-request-id": rid})
-            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "t0 t1 t2 t3 t4 t5 t6 t7 "
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": "fake-model", "messages": HI},
+                headers={"x-request-id": rid},
+            )
+            assert (
+                r.status_code == 200
+                and r.json()["choices"][0]["message"]["content"] == "t0 t1 t2 t3 t4 t5 t6 t7 "
+            )
         records = records_by_id(cluster.log, ids)
         assert {records[rid][0]["server"]["address"] for rid in ids} == {cluster.a.url}
         # the health check is slow (60 s): the one request that tried b first was retried on a
@@ -370,7 +483,9 @@ def test_one_replica_down_then_both(own_cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize("keepalive_s", [0.25, 10.0])
-def test_keepalives_and_the_idle_timeout_after_tokens_relayed_directly(tmp_path: Path, keepalive_s: float) -> None:
+def test_keepalives_and_the_idle_timeout_after_tokens_relayed_directly(
+    tmp_path: Path, keepalive_s: float
+) -> None:
     """Through a real uvicorn the relay writes token events from the upstream connection's callback
     (gateway/proxy/relay.py ``_offer``), with one timer per quiet spell instead of one per chunk: fifteen
     tokens 0.1 s apart (1.5 s, longer than the idle timeout: a deadline taken before they came must not end
@@ -381,17 +496,34 @@ def test_keepalives_and_the_idle_timeout_after_tokens_relayed_directly(tmp_path:
     procs = [fake]
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
-        gateway = spawn_gateway(tmp_path, "gateway", {
-            "upstreams": [{"url": fake.url}], "logs": {"file": str(tmp_path / "requests.jsonl")},
-            "timeouts": {"first_token_s": 5.0, "idle_s": 0.8, "keepalive_s": keepalive_s}})
+        gateway = spawn_gateway(
+            tmp_path,
+            "gateway",
+            {
+                "upstreams": [{"url": fake.url}],
+                "logs": {"file": str(tmp_path / "requests.jsonl")},
+                "timeouts": {"first_token_s": 5.0, "idle_s": 0.8, "keepalive_s": keepalive_s},
+            },
+        )
         procs.append(gateway)
         wait_http(gateway.url + "/readyz", proc=gateway.popen)
         for i in range(15):  # fifteen tokens; the next is held for good
             httpx.post(fake.url + "/_fake/release", json={"name": f"idle/{i}"}).raise_for_status()
         arrivals: list[tuple[float, bytes]] = []
-        with httpx.Client(base_url=gateway.url, timeout=30) as c, \
-                c.stream("POST", "/v1/chat/completions", json={"model": "fake-model", "messages": HI, "stream": True,
-                                                               "max_tokens": 50, "fake": {"hold": "idle"}}) as r:
+        with (
+            httpx.Client(base_url=gateway.url, timeout=30) as c,
+            c.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": "fake-model",
+                    "messages": HI,
+                    "stream": True,
+                    "max_tokens": 50,
+                    "fake": {"hold": "idle"},
+                },
+            ) as r,
+        ):
             buffer = b""
             for piece in r.iter_raw():
                 buffer += piece
@@ -400,11 +532,13 @@ def test_keepalives_and_the_idle_timeout_after_tokens_relayed_directly(tmp_path:
                     arrivals.append((time.monotonic(), event))
         tokens = [t for t, e in arrivals if b'"content":"t' in e]
         keepalives = [t for t, e in arrivals if e == b": keep-alive" and t > tokens[-1]]
-        error = json.loads(arrivals[-1][1][len(b"data: "):])["error"]
+        error = json.loads(arrivals[-1][1][len(b"data: ") :])["error"]
         assert len(tokens) == 15 and error["code"] == "upstream_timeout"
         assert error["message"] == "upstream sent nothing for 0.8s"
         if keepalive_s < 1:
-            assert 2 <= len(keepalives) <= 4  # at 0.25, 0.5, 0.75 s after the last token (scheduling may merge)
+            assert (
+                2 <= len(keepalives) <= 4
+            )  # at 0.25, 0.5, 0.75 s after the last token (scheduling may merge)
         else:
             assert keepalives == []
         assert 0.8 - 0.01 <= arrivals[-1][0] - tokens[-1] < 3.0

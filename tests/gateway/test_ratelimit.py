@@ -26,8 +26,11 @@ async def test_requests_per_minute_bucket_refills_continuously() -> None:
     limits = KeyLimits(requests_per_minute=3)
     decisions = [await limiter.acquire("k", limits, 0, f"r{i}") for i in range(4)]
     assert [d.allowed for d in decisions] == [True, True, True, False]
-    assert decisions[2].headers == {"x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "0",
-                                    "x-ratelimit-reset-requests": "60s"}
+    assert decisions[2].headers == {
+        "x-ratelimit-limit-requests": "3",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "60s",
+    }
     refused = decisions[3]
     assert refused.reason == "requests" and refused.retry_after_s == pytest.approx(20.0)
     clock.now += 19.9
@@ -54,7 +57,9 @@ async def test_tokens_per_minute_charge_settle_and_too_large() -> None:
     await limiter.release("k", limits, "b", -250)  # 250 more than estimated: the bucket goes negative
     clock.now += 1
     refused = await limiter.acquire("k", limits, 1, "d")
-    assert refused.headers["x-ratelimit-remaining-tokens"] == "0" and refused.retry_after_s == pytest.approx(4.1)  # level -40, needs 1
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "0" and refused.retry_after_s == pytest.approx(
+        4.1
+    )  # level -40, needs 1
 
 
 async def test_concurrency_cap_frees_on_release() -> None:
@@ -68,11 +73,18 @@ async def test_concurrency_cap_frees_on_release() -> None:
 
 
 def test_header_formatting() -> None:
-    assert format_duration(0.25) == "250ms" and format_duration(6.0) == "6s" and format_duration(1.5) == "1.5s"
+    assert (
+        format_duration(0.25) == "250ms" and format_duration(6.0) == "6s" and format_duration(1.5) == "1.5s"
+    )
     headers = limit_headers(KeyLimits(requests_per_minute=60, tokens_per_minute=1000), 59.5, -20.0)
-    assert headers == {"x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59",
-                       "x-ratelimit-reset-requests": "500ms", "x-ratelimit-limit-tokens": "1000",
-                       "x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "61.2s"}
+    assert headers == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "59",
+        "x-ratelimit-reset-requests": "500ms",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "0",
+        "x-ratelimit-reset-tokens": "61.2s",
+    }
 
 
 @pytest.fixture(scope="module")

@@ -46,11 +46,18 @@ class RecordingLimiter:
 
 
 @pytest.fixture(scope="module")
-def metered(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, RecordingLimiter]]:
+def metered(
+    loop: LoopThread, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Stack, RecordingLimiter]]:
     tmp = tmp_path_factory.mktemp("metered")
-    keys = [{"name": "metered", "sha256": hash_key(KEYS["metered"]),
-             "limits": {"tokens_per_minute": 100_000, "max_concurrent": 8}},
-            {"name": "tiny", "sha256": hash_key(KEYS["tiny"]), "limits": {"tokens_per_minute": 5}}]
+    keys = [
+        {
+            "name": "metered",
+            "sha256": hash_key(KEYS["metered"]),
+            "limits": {"tokens_per_minute": 100_000, "max_concurrent": 8},
+        },
+        {"name": "tiny", "sha256": hash_key(KEYS["tiny"]), "limits": {"tokens_per_minute": 5}},
+    ]
     gateway, fakes, exporter = build_stack(loop, tmp, api_keys=keys)
     limiter = RecordingLimiter()
     gateway.state.limiter = limiter
@@ -70,8 +77,12 @@ def _event_id(stack: Stack, rid: str) -> tuple[str, dict]:
 
 
 def _body(**extra: object) -> dict:
-    return {"model": "fake-model", "messages": [{"role": "user", "content": "one two three"}],
-            "max_tokens": MAX_TOKENS, **extra}
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "one two three"}],
+        "max_tokens": MAX_TOKENS,
+        **extra,
+    }
 
 
 def test_a_json_answer_is_settled_once_with_its_usage(metered: tuple[Stack, RecordingLimiter]) -> None:
@@ -97,8 +108,10 @@ def test_a_client_leaving_mid_stream_is_settled_once(metered: tuple[Stack, Recor
     """No usage arrived: the actual tokens are the prompt estimate (charge − max_tokens) + the tokens sent."""
     stack, limiter = metered
     body = _body(stream=True, max_tokens=200, fake={"token_delay_s": 0.05})
-    with _client(stack, "metered") as c, c.stream("POST", "/v1/chat/completions", json=body,
-                                                   headers={"x-request-id": "settle-left"}) as resp:
+    with (
+        _client(stack, "metered") as c,
+        c.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": "settle-left"}) as resp,
+    ):
         lines = resp.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
@@ -111,8 +124,11 @@ def test_a_client_leaving_mid_stream_is_settled_once(metered: tuple[Stack, Recor
 def test_an_upstream_5xx_is_settled_once_at_the_estimate(metered: tuple[Stack, RecordingLimiter]) -> None:
     stack, limiter = metered
     with _client(stack, "metered") as c:
-        resp = c.post("/v1/chat/completions", json=_body(fake={"status": 500}),
-                      headers={"x-request-id": "settle-5xx", "x-kvscope-fault": "status=500"})
+        resp = c.post(
+            "/v1/chat/completions",
+            json=_body(fake={"status": 500}),
+            headers={"x-request-id": "settle-5xx", "x-kvscope-fault": "status=500"},
+        )
     assert resp.status_code == 500
     lease, _ = _event_id(stack, "settle-5xx")
     assert limiter.released[lease] == [0]
@@ -122,8 +138,11 @@ def test_a_stream_the_upstream_breaks_is_settled_once(metered: tuple[Stack, Reco
     stack, limiter = metered
     body = _body(stream=True, fake={"die_after_tokens": 2})
     with _client(stack, "metered") as c:
-        resp = c.post("/v1/chat/completions", json=body, headers={"x-request-id": "settle-broken",
-                                                                  "x-kvscope-fault": "die_after_tokens=2"})
+        resp = c.post(
+            "/v1/chat/completions",
+            json=body,
+            headers={"x-request-id": "settle-broken", "x-kvscope-fault": "die_after_tokens=2"},
+        )
     assert resp.status_code == 200
     lease, record = _event_id(stack, "settle-broken")
     assert record["kvscope"]["stream_error"] == "upstream_disconnected"

@@ -16,8 +16,12 @@ from kvscope.gateway.settings import load_settings
 
 
 def _count(metrics: GatewayMetrics, sink: str, outcome: str) -> float:
-    return metrics.registry.get_sample_value("kvscope_gateway_log_records_total",
-                                             {"sink": sink, "outcome": outcome}) or 0.0
+    return (
+        metrics.registry.get_sample_value(
+            "kvscope_gateway_log_records_total", {"sink": sink, "outcome": outcome}
+        )
+        or 0.0
+    )
 
 
 async def test_file_sink_rotates_and_counts(tmp_path: Path) -> None:
@@ -49,17 +53,30 @@ async def test_full_queue_drops_and_counts() -> None:
 
 
 def test_settings_choose_the_sinks(tmp_path: Path) -> None:
-    raw = {"upstreams": [{"url": "http://a"}],
-           "logs": {"file": str(tmp_path / "r.jsonl"), "stdout": True,
-                    "elasticsearch": {"hosts": ["http://es:9200"], "spool_dir": str(tmp_path / "spool")}}}
+    raw = {
+        "upstreams": [{"url": "http://a"}],
+        "logs": {
+            "file": str(tmp_path / "r.jsonl"),
+            "stdout": True,
+            "elasticsearch": {"hosts": ["http://es:9200"], "spool_dir": str(tmp_path / "spool")},
+        },
+    }
     state = build_state(load_settings(None, raw, env={}))
     assert [s.name for s in state.sinks] == ["file", "stdout", "elasticsearch"]
     es = state.sinks[2]
     es._metrics.on_outcome("spooled", 3)
     es._metrics.on_spool_bytes(1234)
     # spooled is a transit state with its own counter, never an outcome summed with shipped/failed/dropped
-    assert state.metrics.registry.get_sample_value("kvscope_gateway_log_records_spooled_total",
-                                                   {"sink": "elasticsearch"}) == 3
-    assert state.metrics.registry.get_sample_value("kvscope_gateway_log_records_total",
-                                                   {"sink": "elasticsearch", "outcome": "spooled"}) is None
+    assert (
+        state.metrics.registry.get_sample_value(
+            "kvscope_gateway_log_records_spooled_total", {"sink": "elasticsearch"}
+        )
+        == 3
+    )
+    assert (
+        state.metrics.registry.get_sample_value(
+            "kvscope_gateway_log_records_total", {"sink": "elasticsearch", "outcome": "spooled"}
+        )
+        is None
+    )
     assert state.metrics.registry.get_sample_value("kvscope_gateway_log_spool_bytes") == 1234

@@ -30,14 +30,20 @@ def _calls(client: httpx.Client, headers: dict[str, str]) -> Iterator[str]:
     chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert client.post("/v1/chat/completions", json=chat, headers=headers).status_code == 200
     yield "/v1/chat/completions"
-    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}, headers=headers) as resp:
+    with client.stream(
+        "POST", "/v1/chat/completions", json={**chat, "stream": True}, headers=headers
+    ) as resp:
         assert resp.status_code == 200 and resp.read().endswith(b"data: [DONE]\n\n")
     yield "/v1/chat/completions"
     body = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
     assert client.post("/v1/completions", json=body, headers=headers).status_code == 200
     yield "/v1/completions"
-    assert client.post("/v1/embeddings", json={"model": "fake-model", "input": "hi"}, headers=headers
-                       ).status_code == 200
+    assert (
+        client.post(
+            "/v1/embeddings", json={"model": "fake-model", "input": "hi"}, headers=headers
+        ).status_code
+        == 200
+    )
     yield "/v1/embeddings"
 
 

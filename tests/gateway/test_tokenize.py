@@ -21,8 +21,12 @@ def test_chat_prompt_is_rendered_with_the_template_then_counted(counter: PromptC
     # <|im_start|> user hello world <|im_end|> <|im_start|> assistant
     assert counter.chat("m", [{"role": "user", "content": "hello world"}]) == 7
     parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world hi"}]
-    assert counter.chat("m", [{"role": "system", "content": "hi", "name": None},
-                              {"role": "user", "content": parts}]) == 4 + 6 + 2
+    assert (
+        counter.chat(
+            "m", [{"role": "system", "content": "hi", "name": None}, {"role": "user", "content": parts}]
+        )
+        == 4 + 6 + 2
+    )
 
 
 def test_completion_prompts_add_bos_and_token_ids_count_as_given(counter: PromptCounter) -> None:
@@ -32,7 +36,9 @@ def test_completion_prompts_add_bos_and_token_ids_count_as_given(counter: Prompt
     assert counter.completion("m", [[5, 6], [7]]) == [2, 1]
 
 
-def test_models_without_tokenizer_or_unrenderable_input_are_left_to_the_upstream(counter: PromptCounter) -> None:
+def test_models_without_tokenizer_or_unrenderable_input_are_left_to_the_upstream(
+    counter: PromptCounter,
+) -> None:
     assert counter.chat("bare", [{"role": "user", "content": "hi"}]) is None
     assert counter.completion("bare", "hello") is None
     assert counter.completion("bare", [1, 2]) == [2]  # token ids need no tokenizer

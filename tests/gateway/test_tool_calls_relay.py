@@ -15,8 +15,13 @@ from tests.gateway.test_semconv_spans import HI, client_span, server_span
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_calls_finish_reason_is_logged_and_traced(stack: Stack, stream: bool) -> None:
     rid = f"tools-{stream}"
-    body = {"model": "fake-model", "messages": HI, "max_tokens": 2, "stream": stream,
-            "fake": {"finish_reason": "tool_calls"}}
+    body = {
+        "model": "fake-model",
+        "messages": HI,
+        "max_tokens": 2,
+        "stream": stream,
+        "fake": {"finish_reason": "tool_calls"},
+    }
     with stack.client() as c:
         response = c.post("/v1/chat/completions", json=body, headers={"x-request-id": rid})
     assert response.status_code == 200

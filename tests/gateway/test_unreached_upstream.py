@@ -15,21 +15,34 @@ BODY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]
 
 
 def _post(upstreams: list[dict], tmp_path) -> httpx.Response:
-    config = {"upstreams": upstreams, "api_keys": [{"name": "a", "sha256": hash_key("sk-a")}],
-              "routing": {"health_interval_s": 60}, "logs": {"file": str(tmp_path / "requests.jsonl")}}
+    config = {
+        "upstreams": upstreams,
+        "api_keys": [{"name": "a", "sha256": hash_key("sk-a")}],
+        "routing": {"health_interval_s": 60},
+        "logs": {"file": str(tmp_path / "requests.jsonl")},
+    }
     with GatewayThread(create_app(load_settings(None, config, env={}))) as gateway:
-        return httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=30,
-                          headers={"authorization": "Bearer sk-a"})
+        return httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json=BODY,
+            timeout=30,
+            headers={"authorization": "Bearer sk-a"},
+        )
 
 
 def test_a_model_of_an_upstream_never_reached_is_a_503_with_retry_after(tmp_path) -> None:
     response = _post([{"url": f"http://127.0.0.1:{free_port()}"}], tmp_path)
     error = response.json()["error"]
     assert (response.status_code, error["type"], error["code"], error["param"]) == (
-        503, "server_error", "upstream_unavailable", None)
+        503,
+        "server_error",
+        "upstream_unavailable",
+        None,
+    )
     assert response.headers["retry-after"] == "60"
-    assert error["message"] == ("No upstream has answered yet to say whether it serves model 'smollm2-135m'; "
-                                "retry shortly.")
+    assert error["message"] == (
+        "No upstream has answered yet to say whether it serves model 'smollm2-135m'; retry shortly."
+    )
 
 
 def test_a_model_no_configured_upstream_lists_is_still_a_404(tmp_path) -> None:

@@ -14,8 +14,11 @@ from kvscope.gateway.auth import hash_key
 from tests.gateway.conftest import KEYS, Stack, build_stack
 from tests.gateway.harness import LoopThread
 
-BUSY = {"status": 429, "error_code": "grammar_compile_busy",
-        "error_headers": "Retry-After: 1, x-ratelimit-remaining-requests: 7"}
+BUSY = {
+    "status": 429,
+    "error_code": "grammar_compile_busy",
+    "error_headers": "Retry-After: 1, x-ratelimit-remaining-requests: 7",
+}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -36,7 +39,11 @@ def test_upstream_429_keeps_retry_after(stack: Stack, path: str, stream: bool) -
 
 
 def test_upstream_headers_of_other_kinds_are_not_relayed(stack: Stack) -> None:
-    fake = {"status": 400, "error_code": "invalid_value", "error_headers": "x-upstream-secret: s, Retry-After: 3"}
+    fake = {
+        "status": 400,
+        "error_code": "invalid_value",
+        "error_headers": "x-upstream-secret: s, Retry-After: 3",
+    }
     with stack.client() as c:
         resp = c.post("/v1/chat/completions", json={**CHAT, "fake": fake})
     assert resp.status_code == 400 and resp.headers.get_list("retry-after") == ["3"]
@@ -58,6 +65,10 @@ def test_gateway_limits_replace_the_upstreams_x_ratelimit(limited_stack: Stack) 
     with limited_stack.client() as c:
         resp = c.post("/v1/chat/completions", json={**CHAT, "fake": BUSY})
     assert resp.status_code == 429 and json.loads(resp.content)["error"]["code"] == "grammar_compile_busy"
-    assert resp.headers.get_list("retry-after") == ["1"]  # the upstream's hint: the gateway's limiter set none
+    assert resp.headers.get_list("retry-after") == [
+        "1"
+    ]  # the upstream's hint: the gateway's limiter set none
     assert resp.headers.get_list("x-ratelimit-limit-requests") == ["100"]
-    assert resp.headers.get_list("x-ratelimit-remaining-requests") == ["99"]  # the key's, not the upstream's 7
+    assert resp.headers.get_list("x-ratelimit-remaining-requests") == [
+        "99"
+    ]  # the key's, not the upstream's 7

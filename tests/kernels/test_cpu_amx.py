@@ -43,7 +43,12 @@ def reference(x: torch.Tensor, weights: TileBlocks) -> torch.Tensor:
 def test_tile_layout_keeps_every_weight(rows: int, cols: int) -> None:
     pairs = random_pairs(rows, cols, seed=rows)
     tiles = TileBlocks.from_pair_blocks(pairs)
-    assert tiles.codes.shape == (rows // 16, cols // 32, 256) and tiles.dm.shape == (rows // 16, cols // 32, 2, 16)
+    assert tiles.codes.shape == (rows // 16, cols // 32, 256) and tiles.dm.shape == (
+        rows // 16,
+        cols // 32,
+        2,
+        16,
+    )
     assert tiles.out_features == rows and tiles.nbytes == pairs.nbytes  # 4 bits + a float16 d and m per 32
     assert torch.equal(tiles.dequantize(), pairs.dequantize())
 
@@ -68,7 +73,7 @@ def test_matches_the_exact_model(loaded: None, m: int, rows: int, cols: int) -> 
     assert out.dtype == torch.float32 and out.shape == (m, rows)
     assert torch.isfinite(out).all()
     scale = expected.abs().max().item()
-    assert (out.double() - expected).abs().max().item() <= 2e-6 * scale * cols ** 0.5
+    assert (out.double() - expected).abs().max().item() <= 2e-6 * scale * cols**0.5
     bf16 = tiles.matmul(x.to(torch.bfloat16))  # same sums, rounded once to bfloat16 (nearest even)
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, out.to(torch.bfloat16))
 
@@ -90,21 +95,32 @@ def test_compact_layers_route_rows_between_the_limits(loaded: None) -> None:
     dense_weight = pairs.dequantize().to(torch.bfloat16)
     dense = packed_linear_kernel(dense_weight, None)
     tiles = TileBlocks.from_pair_blocks(pairs)
-    kernel = CompactLinearKernel(compact=pairs, bias=None, dense=dense, dense_dtype=torch.bfloat16,
-                                 max_compact_rows=4, batched=tiles, max_batched_rows=32)
+    kernel = CompactLinearKernel(
+        compact=pairs,
+        bias=None,
+        dense=dense,
+        dense_dtype=torch.bfloat16,
+        max_compact_rows=4,
+        batched=tiles,
+        max_batched_rows=32,
+    )
     gen = torch.Generator().manual_seed(0)
     for rows, path in ((4, pairs.matmul), (5, tiles.matmul), (32, tiles.matmul), (33, dense)):
         x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
         expected = path(x)
-        assert torch.equal(kernel(x), expected if expected.dtype == torch.bfloat16 else expected.to(torch.bfloat16))
+        assert torch.equal(
+            kernel(x), expected if expected.dtype == torch.bfloat16 else expected.to(torch.bfloat16)
+        )
         assert uses_packed_dense(kernel, rows) == (rows > 32)
     assert kernel.nbytes == pairs.nbytes + tiles.nbytes + dense.nbytes
 
 
 def test_probe_picks_the_rows_where_amx_is_not_slower() -> None:
     def timings(amx: dict[int, float]) -> dict[str, float]:
-        return {**{f"bfloat16@{n}": 1.0 for n in BATCHED_PROBE_ROWS},
-                **{f"int4_amx@{n}": amx.get(n, 0.5) for n in BATCHED_PROBE_ROWS}}
+        return {
+            **{f"bfloat16@{n}": 1.0 for n in BATCHED_PROBE_ROWS},
+            **{f"int4_amx@{n}": amx.get(n, 0.5) for n in BATCHED_PROBE_ROWS},
+        }
 
     assert BATCHED_PROBE_ROWS[-1] == 64
     assert amx_rows(timings({}), compact_rows=4) == 64  # never slower: capped at the largest probed size

@@ -31,8 +31,17 @@ def cpu_kernels():
     return result
 
 
-def paged_inputs(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 cache_dtype: torch.dtype, query_dtype: torch.dtype, seed: int, fill: float = float("nan")):
+def paged_inputs(
+    seq_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    query_dtype: torch.dtype,
+    seed: int,
+    fill: float = float("nan"),
+):
     """Shuffled block tables (padding entries point at block 0) over a cache whose every slot that no request
     holds, block 0 included, is ``fill`` (NaN: a read past a request's context would poison its output)."""
     rng = random.Random(seed)
@@ -46,10 +55,12 @@ def paged_inputs(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, 
     cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), fill)
     at = 0
     for row, (n, k) in enumerate(zip(seq_lens, needed, strict=True)):
-        tables[row, :k] = torch.tensor(ids[at: at + k], dtype=torch.int32)
+        tables[row, :k] = torch.tensor(ids[at : at + k], dtype=torch.int32)
         at += k
         for t in range(n):
-            cache[:, tables[row, t // block_size], t % block_size] = torch.randn(2, kv_heads, head_dim, generator=gen)
+            cache[:, tables[row, t // block_size], t % block_size] = torch.randn(
+                2, kv_heads, head_dim, generator=gen
+            )
     query = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
     return query.to(query_dtype), cache.to(cache_dtype), tables, torch.tensor(seq_lens, dtype=torch.int32)
 
@@ -62,7 +73,9 @@ def sdpa_reference(query, cache, tables, seq_lens, scale) -> torch.Tensor:
         slots = [int(tables[row, t // block_size]) * block_size + t % block_size for t in range(n)]
         kv = cache.flatten(1, 2)[:, slots].double().transpose(1, 2)  # [2, KVH, S, d]
         q = query[row].double()[None, :, None]  # [1, H, 1, d]
-        rows.append(F.scaled_dot_product_attention(q, kv[0][None], kv[1][None], scale=scale, enable_gqa=True)[0, :, 0])
+        rows.append(
+            F.scaled_dot_product_attention(q, kv[0][None], kv[1][None], scale=scale, enable_gqa=True)[0, :, 0]
+        )
     return torch.stack(rows)
 
 
@@ -74,14 +87,25 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 64), (8, 2, 128), (2, 1, 16)])
-@pytest.mark.parametrize(("cache_dtype", "query_dtype"), [(torch.bfloat16, torch.bfloat16),
-                                                          (torch.bfloat16, torch.float32),
-                                                          (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 64), (8, 2, 128), (2, 1, 16)]
+)
+@pytest.mark.parametrize(
+    ("cache_dtype", "query_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)],
+)
 def test_matches_sdpa_on_ragged_paged_caches(block_size, heads, kv_heads, head_dim, cache_dtype, query_dtype):
     seq_lens = [1, 15, 16, 17, 33, 130, 257]  # one key, tile and block edges, several tiles
-    query, cache, tables, lens = paged_inputs(seq_lens, heads, kv_heads, head_dim, block_size, cache_dtype,
-                                              query_dtype, seed=block_size * 100 + heads + head_dim)
+    query, cache, tables, lens = paged_inputs(
+        seq_lens,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        cache_dtype,
+        query_dtype,
+        seed=block_size * 100 + heads + head_dim,
+    )
     scale = head_dim**-0.5
     out = torch.ops.kvscope_cpu.paged_decode_attention(query, cache, tables, lens, scale)
     assert out.dtype == query_dtype
@@ -111,7 +135,9 @@ def test_bad_tables_are_errors():
     with pytest.raises(RuntimeError, match="block id out of range in row 0"):
         torch.ops.kvscope_cpu.paged_decode_attention(query, cache, bad, lens, 0.125)
     with pytest.raises(RuntimeError, match="head_dim must be 16, 32, 64 or 128"):
-        torch.ops.kvscope_cpu.paged_decode_attention(query[..., :48], cache[..., :48].contiguous(), tables, lens, 0.1)
+        torch.ops.kvscope_cpu.paged_decode_attention(
+            query[..., :48], cache[..., :48].contiguous(), tables, lens, 0.1
+        )
 
 
 def backend_step(backend: TorchAttentionBackend, cache_dtype: torch.dtype, query_lens: list[int]):
@@ -119,9 +145,11 @@ def backend_step(backend: TorchAttentionBackend, cache_dtype: torch.dtype, query
     seq_lens = [70, 19, 141]
     # SDPA reads the padded batch's masked slots too (NaN there would be NaN · 0); 100 would still dominate
     # the op's softmax if it read one
-    query, cache, tables, lens = paged_inputs(seq_lens, 9, 3, 64, 16, cache_dtype, cache_dtype, seed=11, fill=100.0)
+    query, cache, tables, lens = paged_inputs(
+        seq_lens, 9, 3, 64, 16, cache_dtype, cache_dtype, seed=11, fill=100.0
+    )
     metadata = AttentionMetadata.build(query_lens, seq_lens, [row[row > 0].tolist() for row in tables], 16)
-    packed = torch.cat([query[r: r + 1].expand(q, -1, -1) for r, q in enumerate(query_lens)])
+    packed = torch.cat([query[r : r + 1].expand(q, -1, -1) for r, q in enumerate(query_lens)])
     return backend.forward(packed, cache, metadata, 0.125), (query, cache, tables, lens)
 
 
@@ -142,7 +170,9 @@ def test_backend_decode_rows_use_the_paged_op_on_bfloat16(query_lens):
     decode_rows = [r for r, q in enumerate(query_lens) if q == 1]
     expected = sdpa_reference(query[decode_rows], cache, tables[decode_rows], lens[decode_rows], 0.125)
     assert_close_to_reference(out[ends[decode_rows]], expected)
-    torch.testing.assert_close(out[ends[decode_rows]].double(), ref[ends[decode_rows]].double(), rtol=0, atol=2**-7)
+    torch.testing.assert_close(
+        out[ends[decode_rows]].double(), ref[ends[decode_rows]].double(), rtol=0, atol=2**-7
+    )
     prefill = torch.ones(out.shape[0], dtype=torch.bool)
     prefill[ends[decode_rows]] = False
     assert torch.equal(out[prefill], ref[prefill])
@@ -159,7 +189,9 @@ def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
     a float32 query, the query rounded to bfloat16) it is up to 8.8e-3 from float64 on these inputs (measured on a
     Sapphire Rapids; the op differs from float64 by 7.8e-3 at most, a float32 query's by 7.2e-7)."""
     seq_lens = [70, 19, 141]
-    _, cache, tables, _ = paged_inputs(seq_lens, 9, 3, 64, 16, torch.bfloat16, query_dtype, seed=5, fill=100.0)
+    _, cache, tables, _ = paged_inputs(
+        seq_lens, 9, 3, 64, 16, torch.bfloat16, query_dtype, seed=5, fill=100.0
+    )
     metadata = AttentionMetadata.build(query_lens, seq_lens, [row[row > 0].tolist() for row in tables], 16)
     packed = torch.randn(sum(query_lens), 9, 64, generator=torch.Generator().manual_seed(6)).to(query_dtype)
     paged, sdpa = TorchAttentionBackend(paged_prefill=True), TorchAttentionBackend(paged_decode=False)
@@ -169,7 +201,10 @@ def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
     rows = torch.repeat_interleave(torch.arange(3), torch.tensor(query_lens))
     positions = torch.cat([torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)])
     assert paged._plan.token_rows.seq_lens.tolist() == (positions + 1).tolist()
-    assert paged._plan.token_rows.tables.shape == (sum(query_lens), -(-max(seq_lens) // 16))  # no padding columns
+    assert paged._plan.token_rows.tables.shape == (
+        sum(query_lens),
+        -(-max(seq_lens) // 16),
+    )  # no padding columns
     expected = sdpa_reference(packed, cache, tables[rows], (positions + 1).to(torch.int32), 0.125)
     assert_close_to_reference(out, expected)
     torch.testing.assert_close(out.double(), ref.double(), rtol=2**-7, atol=2**-7)
@@ -238,7 +273,10 @@ def test_backend_write_kv_and_a_fresh_prefill_read_the_same_values(monkeypatch):
     tokens = 40
     qkv = torch.randn(tokens, 960, generator=gen).bfloat16()
     roped = torch.randn(tokens, 12, 64, generator=gen).bfloat16()
-    key, value = roped[:, 9:], qkv[:, 768:].view(tokens, 3, 64)  # as Attention.forward hands them: strided rows
+    key, value = (
+        roped[:, 9:],
+        qkv[:, 768:].view(tokens, 3, 64),
+    )  # as Attention.forward hands them: strided rows
     metadata = AttentionMetadata.build([tokens], [tokens], [[3, 1, 4]], 16)
     calls = []
     real = torch.ops.kvscope_cpu.write_kv

@@ -27,7 +27,9 @@ def loaded() -> None:
     assert result.ok, result.detail
 
 
-def random_blocks(rows: int, cols: int, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_blocks(
+    rows: int, cols: int, bits: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (rows, cols), generator=gen, dtype=torch.uint8)
     d = (torch.rand(rows, cols // 32, generator=gen) * 0.02).half().float()
@@ -72,12 +74,16 @@ def reference_qgemv(x: torch.Tensor, weights: PairBlocks) -> torch.Tensor:
     s = weights.scales.double()
     dw, mw = s[:, :, :2].reshape(rows, -1), s[:, :, 2:].reshape(rows, -1)
     dots = torch.einsum("rbj,nbj->nrb", u, q.double())  # [n, rows, blocks]
-    return (dots * dw[None] * dx.double()[:, None, :] + mw[None] * (dx.double() * q.double().sum(-1))[:, None, :]).sum(-1)
+    return (
+        dots * dw[None] * dx.double()[:, None, :] + mw[None] * (dx.double() * q.double().sum(-1))[:, None, :]
+    ).sum(-1)
 
 
 @pytest.mark.vnni
-@pytest.mark.parametrize(("bits", "rows", "cols", "n"), [(4, 70, 64, 1), (4, 960, 576, 3), (4, 576, 1536, 5),
-                                                          (8, 131, 576, 1), (8, 64, 128, 9)])
+@pytest.mark.parametrize(
+    ("bits", "rows", "cols", "n"),
+    [(4, 70, 64, 1), (4, 960, 576, 3), (4, 576, 1536, 5), (8, 131, 576, 1), (8, 64, 128, 9)],
+)
 def test_qgemv_is_the_block_quantized_dot_product(loaded, bits: int, rows: int, cols: int, n: int) -> None:
     codes, d, m = random_blocks(rows, cols, bits, seed=rows)
     weights = PairBlocks.pack(codes, d, m, bits)
@@ -112,10 +118,14 @@ def test_q8_blocks_from_float_are_gguf_q8_0() -> None:
 
 
 def test_build_reports_a_missing_compiler_and_a_cpu_without_vnni(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: avx512f avx512bw avx512dq avx512_vnni f16c")
+    monkeypatch.setattr(
+        cpu_decode, "_cpu_flags", lambda: "flags\t: avx512f avx512bw avx512dq avx512_vnni f16c"
+    )
     assert cpu_decode.cpu_supports()
     result = build(tmp_path / "a", compiler=str(tmp_path / "no-such-g++"))
-    assert (result.ok, result.library) == (False, None) and result.detail.startswith("C++ compiler unavailable")
+    assert (result.ok, result.library) == (False, None) and result.detail.startswith(
+        "C++ compiler unavailable"
+    )
     monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: fpu sse2 avx2")
     result = build(tmp_path / "b")
     assert (result.ok, result.detail) == (False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
@@ -138,7 +148,9 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(loaded, tmp_path: Path
     the library the session already built (a real build is ~40 s; test_a_compile_error… runs the real compiler)."""
     real = library_path(cache_root() / CPU_KERNELS_DIR)
     monkeypatch.setattr(cpu_decode, "_compile_command", lambda source, obj, compiler: ["touch", str(obj)])
-    monkeypatch.setattr(cpu_decode, "_link_command", lambda objects, out, compiler: ["cp", str(real), str(out)])
+    monkeypatch.setattr(
+        cpu_decode, "_link_command", lambda objects, out, compiler: ["cp", str(real), str(out)]
+    )
     built = build(tmp_path)
     assert built.ok and built.detail.startswith("built ") and built.library is not None
     library = built.library
@@ -155,12 +167,20 @@ def test_processes_starting_at_once_build_the_library_once(tmp_path: Path, monke
     """Two engines starting together on a fresh machine (``kvscope serve``'s replicas, two pytest workers): the
     first takes ``.build.lock`` and compiles, the second waits and loads that library. The "compiler" sleeps
     0.3 s per source and logs each run, so without the lock both would have compiled (10 runs, not 5)."""
-    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: avx512f avx512bw avx512dq avx512_vnni f16c")
+    monkeypatch.setattr(
+        cpu_decode, "_cpu_flags", lambda: "flags\t: avx512f avx512bw avx512dq avx512_vnni f16c"
+    )
     log = tmp_path / "compiler.log"
-    monkeypatch.setattr(cpu_decode, "_compile_command", lambda source, obj, compiler: [
-        "sh", "-c", f'sleep 0.3; echo compile >> "{log}"; touch "{obj}"'])
-    monkeypatch.setattr(cpu_decode, "_link_command", lambda objects, out, compiler: [
-        "sh", "-c", f'echo link >> "{log}"; echo library > "{out}"'])
+    monkeypatch.setattr(
+        cpu_decode,
+        "_compile_command",
+        lambda source, obj, compiler: ["sh", "-c", f'sleep 0.3; echo compile >> "{log}"; touch "{obj}"'],
+    )
+    monkeypatch.setattr(
+        cpu_decode,
+        "_link_command",
+        lambda objects, out, compiler: ["sh", "-c", f'echo link >> "{log}"; echo library > "{out}"'],
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: build(tmp_path / "cache"), range(2)))
     assert log.read_text().split() == ["compile"] * len(cpu_decode.SOURCES) + ["link"]

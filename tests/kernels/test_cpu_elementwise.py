@@ -53,7 +53,9 @@ def test_rms_norm_and_the_fused_residual_add(rows: int) -> None:
     total, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(total, x + residual)
     tiny = torch.full((rows, 576), 1e-39).bfloat16()  # float32 denormals: rounded as c10 does, not flushed
-    assert torch.equal(ops.add_rms_norm(tiny, tiny, weight, 1e-5)[0], tiny + tiny) and (tiny + tiny).ne(0).all()
+    assert (
+        torch.equal(ops.add_rms_norm(tiny, tiny, weight, 1e-5)[0], tiny + tiny) and (tiny + tiny).ne(0).all()
+    )
     assert_near_torch(normed, F.rms_norm(x + residual, (576,), None, 1e-5) * weight)
 
 
@@ -68,7 +70,12 @@ def test_silu_and_mul_over_every_bfloat16_gate() -> None:
     """All 65,536 bfloat16 bit patterns as the gate (the lookup's whole table, its last entry included; denormal
     products, which VCVTNEPS2BF16 alone would flush to zero), times random up values: the same bits as torch's,
     NaN where torch's is NaN (the 254 NaN patterns and silu(-inf) = -inf · 0)."""
-    gate = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(-1, 1024)
+    gate = (
+        torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32)
+        .to(torch.int16)
+        .view(torch.bfloat16)
+        .view(-1, 1024)
+    )
     up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(7)).bfloat16()
     got = torch.ops.kvscope_cpu.silu_and_mul(torch.cat((gate, up), dim=1))
     ref = F.silu(gate) * up
@@ -100,7 +107,9 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds() -> None:
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.silu_and_mul(torch.randn(4, 6144).bfloat16()[:, ::2])
     with pytest.raises(RuntimeError, match="tables"):
-        ops.rope(x[:, :512].reshape(4, 8, 64), torch.ones(3, 1, 64).bfloat16(), torch.ones(4, 1, 64).bfloat16())
+        ops.rope(
+            x[:, :512].reshape(4, 8, 64), torch.ones(3, 1, 64).bfloat16(), torch.ones(4, 1, 64).bfloat16()
+        )
 
 
 def _flags(llm: LLM) -> set[bool]:
@@ -120,8 +129,14 @@ def test_the_default_format_uses_them_and_its_tokens_match_torchs_ops() -> None:
     Q8_0 LM head, kernels chosen by the start-up probe), and on the 2-vCPU AMD EPYC two runs of the old test
     disagreed at the sixth greedy token, where the top token leads the next two by 0.125. Prefix caching off:
     a cached block has no prompt logprobs."""
-    llm = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=32 << 20, num_threads=2,
-              enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m",
+        dtype="bfloat16",
+        quantization="gguf",
+        kv_cache_memory=32 << 20,
+        num_threads=2,
+        enable_prefix_caching=False,
+    )
     assert _flags(llm) == {True}
     model = llm.engine.model
     prompt = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
@@ -142,6 +157,15 @@ def test_the_default_format_uses_them_and_its_tokens_match_torchs_ops() -> None:
 
 
 def test_torch_kernels_and_float32_keep_torchs_ops() -> None:
-    assert _flags(LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=16 << 20,
-                      cpu_kernels="torch")) == {False}
-    assert _flags(LLM("smollm2-135m", dtype="float32", quantization="none", kv_cache_memory=16 << 20)) == {False}
+    assert _flags(
+        LLM(
+            "smollm2-135m",
+            dtype="bfloat16",
+            quantization="gguf",
+            kv_cache_memory=16 << 20,
+            cpu_kernels="torch",
+        )
+    ) == {False}
+    assert _flags(LLM("smollm2-135m", dtype="float32", quantization="none", kv_cache_memory=16 << 20)) == {
+        False
+    }

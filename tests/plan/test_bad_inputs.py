@@ -11,8 +11,16 @@ import pytest
 
 from kvscope.cli.plan import plan_main
 
-GOOD = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256}
+GOOD = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+    "max_position_embeddings": 256,
+}
 
 
 def _config(tmp_path: Path, config) -> str:
@@ -21,19 +29,32 @@ def _config(tmp_path: Path, config) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ([1, 2], "must be a JSON object, got list"),
-    (None, "must be a JSON object, got NoneType"),
-    ({**GOOD, "max_position_embeddings": -1}, "max_position_embeddings must be between 1 and"),
-    ({**GOOD, "vocab_size": None}, "has no 'vocab_size'"),
-    ({**GOOD, "num_key_value_heads": True}, "num_key_value_heads must be a whole number, got True"),
-    ({**GOOD, "num_key_value_heads": 3}, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
-    ({**GOOD, "num_hidden_layers": 1e30}, "num_hidden_layers must be between 1 and"),
-    ({**GOOD, "hidden_size": 1.5}, "hidden_size must be a whole number, got 1.5"),
-    ({**GOOD, "head_dim": 0}, "head_dim must be between 1 and"),
-    ({"architectures": ["MambaForCausalLM"], "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50280},
-     "has no 'num_attention_heads'"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ([1, 2], "must be a JSON object, got list"),
+        (None, "must be a JSON object, got NoneType"),
+        ({**GOOD, "max_position_embeddings": -1}, "max_position_embeddings must be between 1 and"),
+        ({**GOOD, "vocab_size": None}, "has no 'vocab_size'"),
+        ({**GOOD, "num_key_value_heads": True}, "num_key_value_heads must be a whole number, got True"),
+        (
+            {**GOOD, "num_key_value_heads": 3},
+            "num_attention_heads (4) is not a multiple of num_key_value_heads (3)",
+        ),
+        ({**GOOD, "num_hidden_layers": 1e30}, "num_hidden_layers must be between 1 and"),
+        ({**GOOD, "hidden_size": 1.5}, "hidden_size must be a whole number, got 1.5"),
+        ({**GOOD, "head_dim": 0}, "head_dim must be between 1 and"),
+        (
+            {
+                "architectures": ["MambaForCausalLM"],
+                "hidden_size": 768,
+                "num_hidden_layers": 24,
+                "vocab_size": 50280,
+            },
+            "has no 'num_attention_heads'",
+        ),
+    ],
+)
 def test_bad_configs_exit_2_with_the_field(tmp_path, capsys, config, message) -> None:
     assert plan_main(["--model", _config(tmp_path, config), "--device", "h100"]) == 2
     err = capsys.readouterr().err

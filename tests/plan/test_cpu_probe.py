@@ -26,21 +26,22 @@ def test_bandwidth_is_buffer_bytes_over_the_best_time():
 
 
 def test_matmul_flops_are_two_n_cubed_over_the_best_time():
-    assert measure_matmul_flops(64, "float32", repeats=2, clock=ticking(1.0)) == 2.0 * 64 ** 3
-    assert measure_matmul_flops(32, "bfloat16", repeats=2, clock=ticking(0.25)) == 8.0 * 32 ** 3
+    assert measure_matmul_flops(64, "float32", repeats=2, clock=ticking(1.0)) == 2.0 * 64**3
+    assert measure_matmul_flops(32, "bfloat16", repeats=2, clock=ticking(0.25)) == 8.0 * 32**3
 
 
 def test_probe_cpu_builds_the_cpu_device_and_restores_torch_threads():
     import torch
 
     before = torch.get_num_threads()
-    device = probe_cpu(ProbeConfig(threads=1, buffer_bytes=1 << 16, matmul_n=32, repeats=1), clock=ticking(1.0))
+    device = probe_cpu(
+        ProbeConfig(threads=1, buffer_bytes=1 << 16, matmul_n=32, repeats=1), clock=ticking(1.0)
+    )
     assert device.name == "cpu"
     assert device.bandwidth == float(1 << 16)
-    assert dict(device.peak_flops) == {"fp32": 2.0 * 32 ** 3, "bf16": 2.0 * 32 ** 3}
+    assert dict(device.peak_flops) == {"fp32": 2.0 * 32**3, "bf16": 2.0 * 32**3}
     assert device.measured == {"threads": 1, "buffer_bytes": 1 << 16, "matmul_n": 32, "repeats": 1}
     assert torch.get_num_threads() == before
-
 
 
 def test_probe_config_refuses_tiny_sizes():

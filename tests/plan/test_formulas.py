@@ -8,12 +8,34 @@ from kvscope.plan import formulas as f
 from kvscope.plan.shape import ModelShape, shape_from_hf_config
 
 
-def tiny(layers: int, heads: int, kv_heads: int, head_dim: int, *, hidden: int = 32, inter: int = 64,
-         vocab: int = 100, tied: bool = False, model_type: str = "llama") -> dict:
-    return {"architectures": [], "model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-            "intermediate_size": inter, "vocab_size": vocab, "tie_word_embeddings": tied,
-            "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}
+def tiny(
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    hidden: int = 32,
+    inter: int = 64,
+    vocab: int = 100,
+    tied: bool = False,
+    model_type: str = "llama",
+) -> dict:
+    return {
+        "architectures": [],
+        "model_type": model_type,
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+    }
 
 
 MHA = tiny(2, 4, 4, 8)
@@ -21,12 +43,15 @@ GQA = tiny(3, 8, 2, 16, hidden=128)
 MQA = tiny(5, 8, 1, 32, hidden=256)
 
 
-@pytest.mark.parametrize(("config", "kind", "dtype", "per_token"), [
-    (MHA, "MHA", "float32", 2 * 2 * 4 * 8 * 4),     # 512 B
-    (GQA, "GQA", "bfloat16", 2 * 3 * 2 * 16 * 2),   # 384 B
-    (MQA, "MQA", "float16", 2 * 5 * 1 * 32 * 2),    # 640 B
-    (MQA, "MQA", "fp8", 2 * 5 * 1 * 32 * 1),        # 320 B
-])
+@pytest.mark.parametrize(
+    ("config", "kind", "dtype", "per_token"),
+    [
+        (MHA, "MHA", "float32", 2 * 2 * 4 * 8 * 4),  # 512 B
+        (GQA, "GQA", "bfloat16", 2 * 3 * 2 * 16 * 2),  # 384 B
+        (MQA, "MQA", "float16", 2 * 5 * 1 * 32 * 2),  # 640 B
+        (MQA, "MQA", "fp8", 2 * 5 * 1 * 32 * 1),  # 320 B
+    ],
+)
 def test_kv_bytes_per_token_by_attention_kind(config, kind, dtype, per_token):
     shape = shape_from_hf_config(config)
     assert shape.attention_kind == kind
@@ -55,7 +80,9 @@ def test_kv_bytes_agree_with_the_engines_allocator():
     for config in (MHA, GQA, MQA):
         shape = shape_from_hf_config(config)
         for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            engine = kv_cache_bytes_per_block(shape.num_layers, 16, shape.num_kv_heads, shape.head_dim, torch_dtype)
+            engine = kv_cache_bytes_per_block(
+                shape.num_layers, 16, shape.num_kv_heads, shape.head_dim, torch_dtype
+            )
             assert f.kv_bytes_per_token(shape, dtype) * 16 == engine
 
 
@@ -66,11 +93,22 @@ def test_parameter_count_by_hand_for_the_mha_config():
     assert (counts.embedding, counts.lm_head, counts.final_norm) == (3200, 3200, 32)
     assert counts.total == 2 * 10_304 + 3200 + 3200 + 32 == 27_040
     assert f.weight_bytes(shape_from_hf_config(MHA), "float32") == 27_040 * 4
-    assert f.weight_bytes(shape_from_hf_config(MHA), "bfloat16", "int8") == 2 * (4096 + 6144) + 2 * (27_040 - 20_480)
+    assert f.weight_bytes(shape_from_hf_config(MHA), "bfloat16", "int8") == 2 * (4096 + 6144) + 2 * (
+        27_040 - 20_480
+    )
 
 
-@pytest.mark.parametrize("config", [MHA, GQA, MQA, tiny(2, 4, 2, 8, tied=True),
-                                    tiny(2, 4, 2, 8, model_type="qwen2"), tiny(2, 4, 2, 8, model_type="qwen3")])
+@pytest.mark.parametrize(
+    "config",
+    [
+        MHA,
+        GQA,
+        MQA,
+        tiny(2, 4, 2, 8, tied=True),
+        tiny(2, 4, 2, 8, model_type="qwen2"),
+        tiny(2, 4, 2, 8, model_type="qwen3"),
+    ],
+)
 def test_parameter_count_equals_the_engines_model(config):
     import torch
 
@@ -87,7 +125,11 @@ def test_smollm2_parameters_and_flops(model_dir):
     shape = shape_from_hf_config(json.loads((model_dir / "config.json").read_text()))
     counts = f.param_counts(shape)
     # embedding 49152×576; per layer q 576² + k,v 2×576×192 + o 576² + MLP 3×576×1536 + 2×576; final norm 576
-    assert counts.total == 28_311_552 + 30 * (331_776 + 221_184 + 331_776 + 2_654_208 + 1152) + 576 == 134_515_008
+    assert (
+        counts.total
+        == 28_311_552 + 30 * (331_776 + 221_184 + 331_776 + 2_654_208 + 1152) + 576
+        == 134_515_008
+    )
     assert f.weight_bytes(shape, "float32") == 4 * 134_515_008
     # decode: 2 × (linear + lm_head) FLOPs per token + attention 4 × layers × heads × head_dim × context
     assert f.matmul_params(shape) == 106_168_320 + 28_311_552
@@ -96,8 +138,9 @@ def test_smollm2_parameters_and_flops(model_dir):
 
 def test_roofline_takes_the_slower_of_memory_and_compute():
     shape = shape_from_hf_config(MHA)
-    bound = f.decode_step(shape, batch=4, context=10, streamed_bytes=1000, kv_dtype="float32",
-                          bandwidth=1000.0, peak_flops=1e12)
+    bound = f.decode_step(
+        shape, batch=4, context=10, streamed_bytes=1000, kv_dtype="float32", bandwidth=1000.0, peak_flops=1e12
+    )
     assert bound.bytes == 1000 + 4 * 10 * 512
     assert (bound.memory_s, bound.bound) == (21.48, "memory")
     fast_memory = f.decode_step(shape, 4, 10, 1000, "float32", bandwidth=1e15, peak_flops=1.0)

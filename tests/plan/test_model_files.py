@@ -22,9 +22,15 @@ def gguf_files(model_dir):
 def test_registered_name_reads_the_cached_conversion(model_dir):
     files = read_model("smollm2-135m", root=model_dir.parent.parent.parent)
     assert files.shape.source == str(model_dir / "config.json")
-    assert (files.shape.num_layers, files.shape.num_heads, files.shape.num_kv_heads, files.shape.head_dim,
-            files.shape.hidden_size, files.shape.vocab_size, files.shape.tie_word_embeddings) == (
-        30, 9, 3, 64, 576, 49152, True)
+    assert (
+        files.shape.num_layers,
+        files.shape.num_heads,
+        files.shape.num_kv_heads,
+        files.shape.head_dim,
+        files.shape.hidden_size,
+        files.shape.vocab_size,
+        files.shape.tie_word_embeddings,
+    ) == (30, 9, 3, 64, 576, 49152, True)
     assert files.safetensors == (model_dir / "model.safetensors",)
     assert files.gguf == model_dir.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -56,8 +62,11 @@ def test_gguf_weight_bytes_from_tensor_types_equal_the_tensor_data_on_disk(gguf_
     gguf, weights, shape = gguf_files.gguf, gguf_files.gguf_weights, gguf_files.shape
     counts = f.param_counts(shape)
     # llama.cpp's Q4_1 file type: linear layers Q4_1 (20 B / 32), token embedding Q8_0 (34 B / 32), norms F32
-    assert weights.params_by_type == {"Q4_1": counts.linear, "Q8_0": counts.embedding,
-                                      "F32": counts.total - counts.linear - counts.embedding}
+    assert weights.params_by_type == {
+        "Q4_1": counts.linear,
+        "Q8_0": counts.embedding,
+        "F32": counts.total - counts.linear - counts.embedding,
+    }
     by_formula = counts.linear * 20 // 32 + counts.embedding * 34 // 32 + (weights.params_by_type["F32"]) * 4
     assert weights.tensor_bytes == by_formula == 96_576_768
     assert weights.file_bytes == gguf.stat().st_size == 98_362_432
@@ -69,8 +78,10 @@ def test_gguf_weight_bytes_from_tensor_types_equal_the_tensor_data_on_disk(gguf_
 def test_unknown_model_names_the_registered_ones(tmp_path):
     with pytest.raises(ModelNotFoundError) as info:
         read_model(str(tmp_path / "nope"))
-    assert str(info.value) == (f"unknown model '{tmp_path / 'nope'}': not a registered name (known: smollm2-135m), "
-                               "a HF folder or config.json, or a .gguf file")
+    assert str(info.value) == (
+        f"unknown model '{tmp_path / 'nope'}': not a registered name (known: smollm2-135m), "
+        "a HF folder or config.json, or a .gguf file"
+    )
 
 
 def test_registered_model_missing_from_the_cache_says_pull(tmp_path):

@@ -28,10 +28,29 @@ def staircase_and_burst() -> list[dict]:
         records.append(make_record(i, ts=T0 + timedelta(seconds=102), e2e_s=2.0))
     records.append(make_record(17, ts=T0 + timedelta(seconds=103), e2e_s=1.0, ttft_s=3.0))
     # not generations (no usage: held no KV), in flight during the burst: the replay must leave them out
-    records.append(make_record(18, ts=T0 + timedelta(seconds=102), e2e_s=1.5, status=401, input_tokens=None,
-                               output_tokens=None, ttft_s=None, tpot_s=None, finish=None))
-    models = make_record(19, ts=T0 + timedelta(seconds=101), e2e_s=0.5, input_tokens=None, output_tokens=None,
-                         ttft_s=None, tpot_s=None, finish=None)
+    records.append(
+        make_record(
+            18,
+            ts=T0 + timedelta(seconds=102),
+            e2e_s=1.5,
+            status=401,
+            input_tokens=None,
+            output_tokens=None,
+            ttft_s=None,
+            tpot_s=None,
+            finish=None,
+        )
+    )
+    models = make_record(
+        19,
+        ts=T0 + timedelta(seconds=101),
+        e2e_s=0.5,
+        input_tokens=None,
+        output_tokens=None,
+        ttft_s=None,
+        tpot_s=None,
+        finish=None,
+    )
     models["url"]["path"], models["http"]["request"]["method"] = "/v1/models", "GET"
     records.append(models)
     return records
@@ -86,8 +105,24 @@ def test_quantile_is_type_7():
 
 
 def test_cli_from_log_reports_the_peak_queueing_and_slo(log_file, model_dir, capsys):
-    code = plan_main(["--model", str(model_dir), "--device", "h100", "--max-model-len", "1024",
-                      "--concurrency", "6", "--ttft-slo", "1.0", "--from-log", str(log_file), "--format", "json"])
+    code = plan_main(
+        [
+            "--model",
+            str(model_dir),
+            "--device",
+            "h100",
+            "--max-model-len",
+            "1024",
+            "--concurrency",
+            "6",
+            "--ttft-slo",
+            "1.0",
+            "--from-log",
+            str(log_file),
+            "--format",
+            "json",
+        ]
+    )
     assert code == 0
     log = json.loads(capsys.readouterr().out)["log"]
     assert log["requests"] == 18
@@ -97,38 +132,66 @@ def test_cli_from_log_reports_the_peak_queueing_and_slo(log_file, model_dir, cap
     assert log["peak_kv_blocks"] == 28
     assert log["peak_kv_bytes"] == 28 * 16 * 46_080
     assert log["minutes"] == 2
-    assert log["minute_kv_bytes"] == {"p50": 24 * 737_280, "p99": pytest.approx(27.92 * 737_280), "max": 28 * 737_280}
+    assert log["minute_kv_bytes"] == {
+        "p50": 24 * 737_280,
+        "p99": pytest.approx(27.92 * 737_280),
+        "max": 28 * 737_280,
+    }
     assert log["capacity"]["max_num_seqs"] == 6
     assert (log["would_queue"], log["queued_arrivals"], log["seconds_over_capacity"]) == (True, 1, 2.0)
     assert log["prompt_tokens"]["p99"] == 20.0
     slo = log["ttft_slo"]
     # concurrency 1: TTFTs 0.05, 0.05, 3.0 → p99 = 0.05 + 0.98 × 2.95 (type 7)
-    assert slo["observed_p99_by_concurrency"] == {"1": pytest.approx(0.05 + 0.98 * 2.95), "2": 0.05,
-                                                  "3": 0.05, "4": 0.05, "5": 0.05, "6": 0.05, "7": 0.05}
+    assert slo["observed_p99_by_concurrency"] == {
+        "1": pytest.approx(0.05 + 0.98 * 2.95),
+        "2": 0.05,
+        "3": 0.05,
+        "4": 0.05,
+        "5": 0.05,
+        "6": 0.05,
+        "7": 0.05,
+    }
     assert slo["observed_breaks_at_concurrency"] == 1
     assert slo["bound_breaks_at_concurrency"] is None  # an H100 prefills 20 tokens of a 135M model in µs
 
 
 def test_cli_missing_log_is_exit_2(tmp_path, model_dir, capsys):
-    code = plan_main(["--model", str(model_dir), "--device", "h100", "--from-log", str(tmp_path / "none.jsonl")])
+    code = plan_main(
+        ["--model", str(model_dir), "--device", "h100", "--from-log", str(tmp_path / "none.jsonl")]
+    )
     assert code == 2
-    assert capsys.readouterr().err == f"kvscope plan: error: no request log files at {tmp_path / 'none.jsonl'}\n"
+    assert (
+        capsys.readouterr().err == f"kvscope plan: error: no request log files at {tmp_path / 'none.jsonl'}\n"
+    )
 
 
 def brute_force_peak(spans: list[Span], block_size: int) -> tuple[int, int]:
     """Most requests (and KV blocks) in flight at any arrival instant, by checking every span at every start."""
+
     def alive(t: float) -> list[Span]:
         return [s for s in spans if s.start_s <= t < max(s.end_s, s.start_s + 1e-6)]
 
-    counts = [(len(alive(s.start_s)), sum(-(-(a.input_tokens + a.output_tokens) // block_size)
-                                          for a in alive(s.start_s))) for s in spans]
+    counts = [
+        (
+            len(alive(s.start_s)),
+            sum(-(-(a.input_tokens + a.output_tokens) // block_size) for a in alive(s.start_s)),
+        )
+        for s in spans
+    ]
     return max(c for c, _ in counts), max(b for _, b in counts)
 
 
-@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20), st.integers(1, 40), st.integers(0, 40)),
-                min_size=1, max_size=30))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 50), st.integers(0, 20), st.integers(1, 40), st.integers(0, 40)),
+        min_size=1,
+        max_size=30,
+    )
+)
 @settings(max_examples=200, deadline=None)
 def test_sweep_peak_equals_brute_force(raw):
-    spans = [Span(float(start), float(start + length), prompt, output) for start, length, prompt, output in raw]
+    spans = [
+        Span(float(start), float(start + length), prompt, output) for start, length, prompt, output in raw
+    ]
     timeline = sweep(spans, block_size=8)
     assert (timeline.peak_concurrency, timeline.peak_blocks) == brute_force_peak(spans, 8)

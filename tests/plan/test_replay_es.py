@@ -17,6 +17,7 @@ from tests.plan.test_replay import staircase_and_burst
 def paging_handler(records: list[dict], queries: list[dict]):
     """A _search answer with ES's sort/search_after semantics over ``records`` (sort: start ms, then the sort
     field the query names last)."""
+
     def key(record: dict, tiebreak: str) -> list:
         start = datetime.fromisoformat(record["event"]["start"]).timestamp()
         section, name = tiebreak.split(".")
@@ -28,8 +29,10 @@ def paging_handler(records: list[dict], queries: list[dict]):
         ordered = sorted(records, key=lambda r: key(r, tiebreak))
         after = body.get("search_after")
         page = [r for r in ordered if after is None or key(r, tiebreak) > after][: body["size"]]
-        hits = [{"_index": index, "_id": r["event"]["id"], "_score": None, "_source": r, "sort": key(r, tiebreak)}
-                for r in page]
+        hits = [
+            {"_index": index, "_id": r["event"]["id"], "_score": None, "_source": r, "sort": key(r, tiebreak)}
+            for r in page
+        ]
         return 200, {"took": 1, "timed_out": False, "hits": {"hits": hits}}
 
     return handler
@@ -53,8 +56,10 @@ async def test_es_pages_give_the_same_spans_as_the_jsonl_file(tmp_path):
     assert spans == read_spans(path)[0]
     assert len(queries) == 5  # 20 records in pages of 5: 5, 5, 5, 5, then an empty page
     assert "search_after" not in queries[0]
-    assert queries[1]["search_after"] == [int(round(datetime.fromisoformat(records[4]["event"]["start"])
-                                                    .timestamp() * 1000)), "evt-000004"]
+    assert queries[1]["search_after"] == [
+        int(round(datetime.fromisoformat(records[4]["event"]["start"]).timestamp() * 1000)),
+        "evt-000004",
+    ]
     assert queries[0]["sort"] == [{"event.start": {"order": "asc"}}, {"event.id": {"order": "asc"}}]
 
 
@@ -62,17 +67,38 @@ async def test_cli_from_es_reports_the_known_peak(model_dir, capsys):
     records = staircase_and_burst()
     async with EsDouble(major=9) as es:
         es.search_handler = paging_handler(records, [])
-        code = await asyncio.to_thread(plan_main, ["--model", str(model_dir), "--device", "h100",
-                                                   "--max-model-len", "1024", "--concurrency", "6",
-                                                   "--from-log", es.url, "--format", "json"])
+        code = await asyncio.to_thread(
+            plan_main,
+            [
+                "--model",
+                str(model_dir),
+                "--device",
+                "h100",
+                "--max-model-len",
+                "1024",
+                "--concurrency",
+                "6",
+                "--from-log",
+                es.url,
+                "--format",
+                "json",
+            ],
+        )
     assert code == 0
     log = json.loads(capsys.readouterr().out)["log"]
-    assert (log["requests"], log["peak_concurrency"], log["peak_kv_blocks"], log["queued_arrivals"]) == (18, 7, 28, 1)
+    assert (log["requests"], log["peak_concurrency"], log["peak_kv_blocks"], log["queued_arrivals"]) == (
+        18,
+        7,
+        28,
+        1,
+    )
 
 
 async def test_cli_unreachable_es_is_exit_1(model_dir, capsys):
     async with EsDouble(major=9) as es:
         url = es.url
-    code = await asyncio.to_thread(plan_main, ["--model", str(model_dir), "--device", "h100", "--from-log", url])
+    code = await asyncio.to_thread(
+        plan_main, ["--model", str(model_dir), "--device", "h100", "--from-log", url]
+    )
     assert code == 1
     assert capsys.readouterr().err.startswith(f"kvscope plan: error: cannot read kvscope-requests at {url}: ")

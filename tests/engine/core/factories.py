@@ -23,29 +23,58 @@ class FakeClock:
         return self.now
 
 
-def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: int = 16, eos_token_id: int | None = 2,
-                 arrival_time: float = 0.0, parent_id: str | None = None, **params: object) -> Request:
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    *,
+    max_tokens: int = 16,
+    eos_token_id: int | None = 2,
+    arrival_time: float = 0.0,
+    parent_id: str | None = None,
+    **params: object,
+) -> Request:
     """A Request with SamplingParams(**params); ``max_tokens`` is the resolved budget; ``parent_id`` makes it
     a choice of an n > 1 request."""
-    return Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=max_tokens, **params),
-                   eos_token_id=eos_token_id, arrival_time=arrival_time, max_tokens=max_tokens, parent_id=parent_id)
-
-
-def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                   max_num_seqs: int = 64, long_prefill_token_threshold: int = 0, max_model_len: int = 256,
-                   enable_caching: bool = True, clock: FakeClock | None = None) -> Scheduler:
-    pool = BlockPool(num_blocks, enable_caching=enable_caching)
-    kv = KVCacheManager(pool, block_size, enable_caching=enable_caching)
-    return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        long_prefill_token_threshold=long_prefill_token_threshold),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_caching),
-        kv, max_model_len, clock=clock or FakeClock(),
+    return Request(
+        request_id,
+        list(prompt_token_ids),
+        SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_id=eos_token_id,
+        arrival_time=arrival_time,
+        max_tokens=max_tokens,
+        parent_id=parent_id,
     )
 
 
-def step(scheduler: Scheduler, tokens: dict[str, int] | None = None,
-         default_token: int = 5) -> tuple[SchedulerOutput, list[Request]]:
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+    long_prefill_token_threshold: int = 0,
+    max_model_len: int = 256,
+    enable_caching: bool = True,
+    clock: FakeClock | None = None,
+) -> Scheduler:
+    pool = BlockPool(num_blocks, enable_caching=enable_caching)
+    kv = KVCacheManager(pool, block_size, enable_caching=enable_caching)
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        ),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_caching),
+        kv,
+        max_model_len,
+        clock=clock or FakeClock(),
+    )
+
+
+def step(
+    scheduler: Scheduler, tokens: dict[str, int] | None = None, default_token: int = 5
+) -> tuple[SchedulerOutput, list[Request]]:
     """schedule() then update_from_output(), sampling ``tokens[id]`` (else ``default_token``) for every
     request whose chunk asks for a sample."""
     out = scheduler.schedule()

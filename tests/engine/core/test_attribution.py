@@ -33,8 +33,13 @@ class Run:
     """Request id → start of the step that preempted it."""
 
     def add(self, request_id: str, num_prompt: int, max_tokens: int, start: int = 0) -> None:
-        request = make_request(request_id, prompt(1000 + start, num_prompt), max_tokens=max_tokens,
-                               eos_token_id=None, arrival_time=self.clock.now)
+        request = make_request(
+            request_id,
+            prompt(1000 + start, num_prompt),
+            max_tokens=max_tokens,
+            eos_token_id=None,
+            arrival_time=self.clock.now,
+        )
         self.arrivals[request_id] = self.clock.now
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -67,7 +72,9 @@ class Run:
         s = self.stats(request_id)
         ttft = self.first_token[request_id] - self.arrivals[request_id]
         e2e = self.finished[request_id] - self.arrivals[request_id]
-        ttft_parts = s["queue_s"] + s["prefill_own_s"] + s["prefill_interference_s"] + s["prefill_preempted_s"]
+        ttft_parts = (
+            s["queue_s"] + s["prefill_own_s"] + s["prefill_interference_s"] + s["prefill_preempted_s"]
+        )
         e2e_parts = ttft_parts + s["decode_own_s"] + s["decode_interference_s"] + s["decode_preempted_s"]
         assert ttft_parts == pytest.approx(ttft, rel=0.05)
         assert e2e_parts == pytest.approx(e2e, rel=0.05)
@@ -77,7 +84,9 @@ class Run:
 
 def test_long_prompt_arriving_while_8_streams_decode() -> None:
     clock = FakeClock()
-    run = Run(make_scheduler(num_blocks=256, max_num_batched_tokens=256, max_model_len=2048, clock=clock), clock)
+    run = Run(
+        make_scheduler(num_blocks=256, max_num_batched_tokens=256, max_model_len=2048, clock=clock), clock
+    )
     for i in range(8):
         run.add(f"short{i}", 16, max_tokens=40, start=100 * i)
     for _ in range(3):
@@ -93,15 +102,20 @@ def test_long_prompt_arriving_while_8_streams_decode() -> None:
     assert rank_causes(long)[0][0] == "own prefill"
     for i in range(8):
         short = run.check_adds_up(f"short{i}")
-        assert (short["decode_steps"], short["decode_tokens"], short["decode_other_prefill_tokens"]) == (39, 39, 1000)
+        assert (short["decode_steps"], short["decode_tokens"], short["decode_other_prefill_tokens"]) == (
+            39,
+            39,
+            1000,
+        )
         # the long prompt's share of the decode steps it shared with this stream: 4 chunks of 248 of 256
         # tokens (10 ms + 25.6 ms each), then 8 of 16 tokens (10 ms + 1.6 ms) ...
         joined = 4 * (STEP_BASE_S + 256 * TOKEN_S) * 248 / 256 + (STEP_BASE_S + 16 * TOKEN_S) * 8 / 16
         assert short["decode_interference_prefill_s"] == pytest.approx(joined, abs=1e-9)
         # ... plus the 7 other short prompts in its own prefill step (112 of 128 tokens, 10 ms + 12.8 ms)
         causes = dict(rank_causes(short))
-        assert causes["other prefills"] == pytest.approx(joined + (STEP_BASE_S + 128 * TOKEN_S) * 112 / 128,
-                                                         abs=1e-9)
+        assert causes["other prefills"] == pytest.approx(
+            joined + (STEP_BASE_S + 128 * TOKEN_S) * 112 / 128, abs=1e-9
+        )
         assert [c for c, _ in rank_causes(short)][:2] == ["batched decodes", "other prefills"]
 
 
@@ -137,7 +151,6 @@ def test_kv_budget_forces_preemption() -> None:
     assert rank_causes(b)[0][0] == "preemption"
 
 
-
 def test_the_choices_of_one_request_are_not_each_others_interference() -> None:
     """n > 1: siblings (Request.parent_id) share every step; each counts the group's tokens as its own, and the
     merged kvscope object takes one choice's attribution (the last to finish) instead of adding them up."""
@@ -146,19 +159,36 @@ def test_the_choices_of_one_request_are_not_each_others_interference() -> None:
     clock = FakeClock()
     run = Run(make_scheduler(num_blocks=64, enable_caching=False, clock=clock), clock)
     for i in range(2):
-        request = make_request(f"req-{i}", prompt(1000, 40), max_tokens=3, eos_token_id=None, parent_id="req",
-                               arrival_time=clock.now)
+        request = make_request(
+            f"req-{i}",
+            prompt(1000, 40),
+            max_tokens=3,
+            eos_token_id=None,
+            parent_id="req",
+            arrival_time=clock.now,
+        )
         run.arrivals[request.request_id], run.requests[request.request_id] = clock.now, request
         run.scheduler.add_request(request)
     run.add("stranger", 24, max_tokens=3, start=500)
     run.until_done()
     first = run.check_adds_up("req-0")
-    assert (first["prefill_tokens"], first["prefill_other_prefill_tokens"], first["prefill_other_requests_max"],
-            first["decode_tokens"], first["decode_other_decode_tokens"]) == (80, 24, 1, 4, 2)
+    assert (
+        first["prefill_tokens"],
+        first["prefill_other_prefill_tokens"],
+        first["prefill_other_requests_max"],
+        first["decode_tokens"],
+        first["decode_other_decode_tokens"],
+    ) == (80, 24, 1, 4, 2)
     stranger = run.stats("stranger")
-    assert (stranger["prefill_tokens"], stranger["prefill_other_prefill_tokens"],
-            stranger["prefill_other_requests_max"]) == (24, 80, 2)
+    assert (
+        stranger["prefill_tokens"],
+        stranger["prefill_other_prefill_tokens"],
+        stranger["prefill_other_requests_max"],
+    ) == (24, 80, 2)
     summaries = [run.requests[f"req-{i}"].stats.summary(3) for i in range(2)]
     merged = KvscopeStats.merge(summaries)
     assert (merged.prefill_tokens, merged.decode_tokens, merged.prefill_own_s) == (
-        80, 4, summaries[1].prefill_own_s)
+        80,
+        4,
+        summaries[1].prefill_own_s,
+    )

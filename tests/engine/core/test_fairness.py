@@ -10,15 +10,21 @@ from kvscope.engine.core.scheduler import Scheduler
 from tests.engine.core.factories import make_request, make_scheduler, prompt, step
 
 
-def _fan_out(sched: Scheduler, group: str, count: int, *, num_prompts: int = 1, length: int = 8,
-             max_tokens: int = 8) -> list[Request]:
+def _fan_out(
+    sched: Scheduler, group: str, count: int, *, num_prompts: int = 1, length: int = 8, max_tokens: int = 8
+) -> list[Request]:
     """``count`` sequences of one client request: ``num_prompts`` prompts with ``count // num_prompts`` choices
     each (``parent_id`` per prompt, ``fairness_group`` = the client request, as the server sets them)."""
     requests = []
     for i in range(count):
         k = i % num_prompts
-        request = make_request(f"{group}-{i}", prompt(1000 * (k + 1), length), max_tokens=max_tokens,
-                               eos_token_id=None, parent_id=f"{group}-p{k}")
+        request = make_request(
+            f"{group}-{i}",
+            prompt(1000 * (k + 1), length),
+            max_tokens=max_tokens,
+            eos_token_id=None,
+            parent_id=f"{group}-p{k}",
+        )
         request.fairness_group = group
         sched.add_request(request)
         requests.append(request)
@@ -96,11 +102,17 @@ def test_running_sequences_share_the_token_budget_round_robin_across_groups() ->
     sched.add_request(make_request("solo", prompt(5000, 16), max_tokens=4, eos_token_id=None))
     out, _ = step(sched)
     assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [
-        ("fan-0", 4), ("fan-1", 4), ("solo", 2)]
+        ("fan-0", 4),
+        ("fan-1", 4),
+        ("solo", 2),
+    ]
     out, _ = step(sched)
     # rule 3: every group's first running sequence, then the second: solo's chunk before fan-1's
     assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [
-        ("fan-0", 4), ("solo", 4), ("fan-1", 2)]
+        ("fan-0", 4),
+        ("solo", 4),
+        ("fan-1", 2),
+    ]
 
 
 def test_out_of_blocks_preempts_the_group_over_its_share_not_the_newest_request() -> None:

@@ -32,8 +32,10 @@ def test_allocate_prompt_caches_only_full_blocks() -> None:
     req = make_request("a", prompt(100, 40))
     assert kv.allocate_slots(req, 40) == [0, 1, 2]
     assert kv.get_block_ids("a") == [0, 1, 2]
-    assert req.block_hashes == [hash_block_tokens(None, prompt(100, 16)),
-                                hash_block_tokens(req.block_hashes[0], prompt(116, 16))]
+    assert req.block_hashes == [
+        hash_block_tokens(None, prompt(100, 16)),
+        hash_block_tokens(req.block_hashes[0], prompt(116, 16)),
+    ]
     blocks = kv.req_to_blocks["a"]
     assert [b.block_hash for b in blocks] == [*req.block_hashes, None]
     assert kv.usage == 0.375 and kv.num_free_blocks == 5

@@ -14,7 +14,10 @@ from tests.engine.core.factories import make_request, make_scheduler, prompt, st
 
 def summary(out: SchedulerOutput) -> list[tuple[str, int, int, bool, bool]]:
     """(request_id, num_computed_tokens, num_scheduled_tokens, sample, is_new) per scheduled request."""
-    return [(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample, s.is_new) for s in out.scheduled]
+    return [
+        (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample, s.is_new)
+        for s in out.scheduled
+    ]
 
 
 def test_long_prompt_is_chunked_by_the_token_budget() -> None:
@@ -27,9 +30,15 @@ def test_long_prompt_is_chunked_by_the_token_budget() -> None:
         assert finished == []
         chunks += summary(out)
         tables.append(out.scheduled[0].block_ids)
-        assert out.scheduled[0].token_ids == req.prompt_token_ids[chunks[-1][1]:chunks[-1][1] + chunks[-1][2]]
-    assert chunks == [("a", 0, 32, False, True), ("a", 32, 32, False, False),
-                      ("a", 64, 32, False, False), ("a", 96, 4, True, False)]
+        assert (
+            out.scheduled[0].token_ids == req.prompt_token_ids[chunks[-1][1] : chunks[-1][1] + chunks[-1][2]]
+        )
+    assert chunks == [
+        ("a", 0, 32, False, True),
+        ("a", 32, 32, False, False),
+        ("a", 64, 32, False, False),
+        ("a", 96, 4, True, False),
+    ]
     assert tables == [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6]]
     assert req.output_token_ids == [5] and req.num_computed_tokens == 100
     out, _ = step(sched)
@@ -91,10 +100,14 @@ def test_waiting_queue_is_fcfs_without_overtaking() -> None:
 
 
 def _preemption_scheduler(enable_caching: bool):
-    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=2,
-                           enable_caching=enable_caching)
-    reqs = [make_request("a", prompt(0, 6), max_tokens=5), make_request("b", prompt(100, 6), max_tokens=5),
-            make_request("c", prompt(200, 4), max_tokens=1)]
+    sched = make_scheduler(
+        num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=2, enable_caching=enable_caching
+    )
+    reqs = [
+        make_request("a", prompt(0, 6), max_tokens=5),
+        make_request("b", prompt(100, 6), max_tokens=5),
+        make_request("c", prompt(200, 4), max_tokens=1),
+    ]
     for req in reqs:
         sched.add_request(req)
     return sched, reqs
@@ -142,8 +155,9 @@ def test_preempted_request_resumes_from_its_surviving_cached_blocks() -> None:
 
 
 def test_no_request_is_admitted_in_a_step_that_preempted() -> None:
-    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, long_prefill_token_threshold=4,
-                           enable_caching=False)
+    sched = make_scheduler(
+        num_blocks=4, block_size=4, max_model_len=16, long_prefill_token_threshold=4, enable_caching=False
+    )
     for rid, start in (("a", 0), ("b", 100)):
         sched.add_request(make_request(rid, prompt(start, 6), max_tokens=8))
     for _ in range(4):

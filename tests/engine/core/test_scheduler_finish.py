@@ -31,7 +31,11 @@ def assert_pool_empty(sched: Scheduler) -> None:
 def test_eos_is_ignored_before_min_tokens() -> None:
     req = make_request("a", prompt(10, 4), eos_token_id=2, min_tokens=3)
     trace = run_tokens(make_scheduler(), req, [2, 2, 2, 2])
-    assert trace == [(1, RequestStatus.RUNNING), (2, RequestStatus.RUNNING), (3, RequestStatus.FINISHED_STOPPED)]
+    assert trace == [
+        (1, RequestStatus.RUNNING),
+        (2, RequestStatus.RUNNING),
+        (3, RequestStatus.FINISHED_STOPPED),
+    ]
     assert req.stop_reason is None and req.output_token_ids == [2, 2, 2]
 
 
@@ -147,7 +151,12 @@ def test_request_stats_follow_the_clock() -> None:
     assert finished == [req]
     stats = req.stats
     assert (stats.first_scheduled_time, stats.first_token_time, stats.last_token_time) == (10.0, 10.0, 12.5)
-    assert (stats.finished_time, stats.num_steps, stats.batch_size_sum, stats.batch_size_max) == (12.5, 2, 3, 2)
+    assert (stats.finished_time, stats.num_steps, stats.batch_size_sum, stats.batch_size_max) == (
+        12.5,
+        2,
+        3,
+        2,
+    )
     assert (stats.kv_blocks_peak, stats.kv_cache_usage) == (2, 0.25)
     assert stats.to_dict(req.num_output_tokens)["queue_s"] == 1.0
 
@@ -158,10 +167,21 @@ def test_scheduler_stats_partition_the_pool_and_count_prefix_hits() -> None:
         sched.add_request(make_request(rid, prompt(0, 40), max_tokens=2))
     out, _ = step(sched)  # a computes 40; b and c hit a's 2 full blocks and compute 8 each
     assert [(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens) for s in out.scheduled] == [
-        ("a", 0, 40), ("b", 32, 8), ("c", 32, 8)]
+        ("a", 0, 40),
+        ("b", 32, 8),
+        ("c", 32, 8),
+    ]
     assert sched.get_stats() == SchedulerStats(
-        num_running=3, num_waiting=0, kv_cache_usage=0.625, num_used_blocks=5, num_cached_blocks=0,
-        num_free_blocks=3, num_preemptions_total=0, prefix_cache_queries=120, prefix_cache_hits=64)
+        num_running=3,
+        num_waiting=0,
+        kv_cache_usage=0.625,
+        num_used_blocks=5,
+        num_cached_blocks=0,
+        num_free_blocks=3,
+        num_preemptions_total=0,
+        prefix_cache_queries=120,
+        prefix_cache_hits=64,
+    )
     while sched.has_unfinished_requests():
         step(sched)
     stats = sched.get_stats()

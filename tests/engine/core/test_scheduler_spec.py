@@ -37,8 +37,14 @@ class ScriptedDrafter:
 
 def scheduler(drafter, *, num_blocks=64, block_size=4, budget=2048, max_model_len=64) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=True), block_size, enable_caching=True)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), CacheConfig(block_size=block_size),
-                     kv, max_model_len, clock=FakeClock(), drafter=drafter)
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget),
+        CacheConfig(block_size=block_size),
+        kv,
+        max_model_len,
+        clock=FakeClock(),
+        drafter=drafter,
+    )
 
 
 def prefill(sched, request, first_token=50):
@@ -55,7 +61,9 @@ def test_a_decode_with_a_draft_is_scheduled_with_its_draft_and_rolled_back_past_
     out = sched.schedule()
     (item,) = out.scheduled
     assert item.token_ids == [50, 60, 61, 62] and item.spec_token_ids == [60, 61, 62]
-    assert item.num_computed_tokens == 6 and out.total_num_scheduled_tokens == 4 and out.num_decode_tokens == 4
+    assert (
+        item.num_computed_tokens == 6 and out.total_num_scheduled_tokens == 4 and out.num_decode_tokens == 4
+    )
     assert a.num_computed_tokens == 10 and len(sched.kv_cache_manager.get_block_ids("a")) == 3
     sampled = {"a": [60, 77]}  # first draft token accepted, then the target's own token
     sched.update_from_output(out, sampled)
@@ -63,7 +71,11 @@ def test_a_decode_with_a_draft_is_scheduled_with_its_draft_and_rolled_back_past_
     assert a.num_computed_tokens == 8  # positions 8, 9 held rejected drafts: recomputed next step
     assert len(sched.kv_cache_manager.get_block_ids("a")) == 3  # 9 tokens need 3 blocks of 4
     assert drafter.verified == [("a", 3, 1)]
-    assert (a.stats.spec_num_drafts, a.stats.spec_num_draft_tokens, a.stats.spec_num_accepted_tokens) == (1, 3, 1)
+    assert (a.stats.spec_num_drafts, a.stats.spec_num_draft_tokens, a.stats.spec_num_accepted_tokens) == (
+        1,
+        3,
+        1,
+    )
     out = sched.schedule()
     assert out.scheduled[0].token_ids == [77, 60, 61, 62] and out.scheduled[0].num_computed_tokens == 8
 
@@ -94,7 +106,10 @@ def test_drafts_are_capped_by_max_tokens_max_model_len_and_the_budget():
     sched2 = scheduler(ScriptedDrafter([60, 61, 62, 63, 64, 65, 66, 67]), max_model_len=10)
     b = make_request("b", list(range(10, 16)), max_tokens=40)
     prefill(sched2, b)
-    assert sched2.schedule().scheduled[0].spec_token_ids == [60, 61]  # 7 tokens known + 1 + 2 = max_model_len 10
+    assert sched2.schedule().scheduled[0].spec_token_ids == [
+        60,
+        61,
+    ]  # 7 tokens known + 1 + 2 = max_model_len 10
     sched3 = scheduler(ScriptedDrafter([60, 61, 62, 63]), budget=5)
     c, d = make_request("c", [10, 11], max_tokens=40), make_request("d", [12, 13], max_tokens=40)
     sched3.add_request(c)

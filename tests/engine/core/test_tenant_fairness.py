@@ -13,14 +13,20 @@ from kvscope.engine.core.scheduler import Scheduler
 from tests.engine.core.factories import make_request, make_scheduler, prompt, step
 
 
-def _send(sched: Scheduler, tenant: str | None, group: str, count: int, *, max_tokens: int = 8,
-          length: int = 8) -> list[Request]:
+def _send(
+    sched: Scheduler, tenant: str | None, group: str, count: int, *, max_tokens: int = 8, length: int = 8
+) -> list[Request]:
     """One client request of ``tenant`` asking for ``count`` sequences (its choices: ``{group}-{i}``), with
     ``fairness_group`` and ``fairness_tenant`` as the engine server sets them."""
     requests = []
     for i in range(count):
-        request = make_request(f"{group}-{i}", prompt(100 * len(sched.requests), length), max_tokens=max_tokens,
-                               eos_token_id=None, parent_id=group if count > 1 else None)
+        request = make_request(
+            f"{group}-{i}",
+            prompt(100 * len(sched.requests), length),
+            max_tokens=max_tokens,
+            eos_token_id=None,
+            parent_id=group if count > 1 else None,
+        )
         request.fairness_group = group
         request.fairness_tenant = tenant
         sched.add_request(request)
@@ -43,15 +49,30 @@ def test_one_tenants_fan_outs_split_its_share_and_another_tenants_request_runs_i
     _send(sched, "key-b", "b1", 1, max_tokens=2)
     out, _ = step(sched)
     # rule 1: tenant key-b runs fewer than key-a once a0-0 is in, so b1 is second, not fifth (after every a-group)
-    assert [s.request_id for s in out.scheduled] == ["a0-0", "b1-0", "a1-0", "a2-0", "a3-0", "a0-1", "a1-1", "a2-1"]
+    assert [s.request_id for s in out.scheduled] == [
+        "a0-0",
+        "b1-0",
+        "a1-0",
+        "a2-0",
+        "a3-0",
+        "a0-1",
+        "a1-1",
+        "a2-1",
+    ]
     assert _per_group(sched) == {"a0": 2, "a1": 2, "a2": 2, "a3": 1, "b1": 1}
     _send(sched, "key-b", "b2", 8)
     out, _ = step(sched)
     # tenant share 8 // 2 = 4; key-b's groups get 4 // 2 = 2 each: b2 claims 2, key-a (7, 3 over) gives up its
     # newest sequences of the groups over their share 4 // 4 = 1
     assert out.preempted_req_ids == {"a2-1", "a1-1"}
-    assert Counter(s.request.fairness_key for s in out.scheduled) == {"a0": 2, "a1": 1, "a2": 1, "a3": 1, "b1": 1,
-                                                                      "b2": 2}
+    assert Counter(s.request.fairness_key for s in out.scheduled) == {
+        "a0": 2,
+        "a1": 1,
+        "a2": 1,
+        "a3": 1,
+        "b1": 1,
+        "b2": 2,
+    }
     assert "b1-0" not in sched.requests  # b1's 2 tokens are done: key-b has one group left, b2 now claims 4
     out, _ = step(sched)
     assert out.preempted_req_ids == {"a0-1"}
@@ -116,12 +137,18 @@ def test_running_sequences_share_the_token_budget_round_robin_across_tenants_fir
     _send(sched, "key-b", "b0", 1, length=16)
     out, _ = step(sched)
     assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [
-        ("a0-0", 4), ("a1-0", 4), ("b0-0", 2)]
+        ("a0-0", 4),
+        ("a1-0", 4),
+        ("b0-0", 2),
+    ]
     out, _ = step(sched)
     # rule 3: every tenant's first running sequence (a0-0, b0-0), then key-a's second (a1-0, a request of its
     # own: per request alone it would come before b0-0)
     assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [
-        ("a0-0", 4), ("b0-0", 4), ("a1-0", 2)]
+        ("a0-0", 4),
+        ("b0-0", 4),
+        ("a1-0", 2),
+    ]
 
 
 def test_a_group_belongs_to_one_tenant() -> None:
@@ -129,6 +156,8 @@ def test_a_group_belongs_to_one_tenant() -> None:
     _send(sched, "key-a", "g", 1)
     other = make_request("g-other", prompt(0, 8))
     other.fairness_group, other.fairness_tenant = "g", "key-b"
-    with pytest.raises(ValueError, match="fairness group 'g' belongs to tenant 'tenant:key-a', not 'tenant:key-b'"):
+    with pytest.raises(
+        ValueError, match="fairness group 'g' belongs to tenant 'tenant:key-a', not 'tenant:key-b'"
+    ):
         sched.add_request(other)
     assert len(sched.requests) == 1 and len(sched.waiting) == 1

@@ -30,8 +30,12 @@ def settings() -> ServerSettings:
 
 @pytest.fixture
 def app(fake_engine: FakeEngine, spans: InMemorySpanExporter, settings: ServerSettings):
-    return create_app(settings, engine=fake_engine, tracing=Tracing("test", spans, batch=False),
-                      registry=CollectorRegistry())
+    return create_app(
+        settings,
+        engine=fake_engine,
+        tracing=Tracing("test", spans, batch=False),
+        registry=CollectorRegistry(),
+    )
 
 
 @pytest.fixture

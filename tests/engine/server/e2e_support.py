@@ -35,8 +35,14 @@ class TimedStream:
         return [t for t, event in self.events if event.startswith("data: ")]
 
 
-def stream(client: httpx.Client, path: str, body: dict, headers: dict | None = None,
-           stop_after_data: int | None = None, until: Callable[[str], bool] | None = None) -> TimedStream:
+def stream(
+    client: httpx.Client,
+    path: str,
+    body: dict,
+    headers: dict | None = None,
+    stop_after_data: int | None = None,
+    until: Callable[[str], bool] | None = None,
+) -> TimedStream:
     """POST with ``stream: true`` and read events with arrival times; close (a client disconnect) after
     ``stop_after_data`` data events, or as soon as ``until(event)`` is true, when given."""
     start = time.monotonic()
@@ -74,6 +80,7 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: 
 
 def line_by_http_id(engine: EngineProcess, http_id: str, timeout_s: float = 30.0) -> dict:
     """The single log line whose ``http.request.id`` is ``http_id``."""
+
     def find() -> list[dict]:
         return [r for r in engine.log_records() if r["http"]["request"]["id"] == http_id]
 
@@ -110,8 +117,10 @@ class OTLPReceiver:
         self.metric_requests: list[Any] = []
         self.content_types: list[str] = []
         receiver = self
-        signals = {"/v1/traces": (ExportTraceServiceRequest, self.requests),
-                   "/v1/metrics": (ExportMetricsServiceRequest, self.metric_requests)}
+        signals = {
+            "/v1/traces": (ExportTraceServiceRequest, self.requests),
+            "/v1/metrics": (ExportMetricsServiceRequest, self.metric_requests),
+        }
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server API
@@ -140,8 +149,13 @@ class OTLPReceiver:
         self._thread.start()
 
     def spans(self) -> list[Any]:
-        return [span for request in self.requests for rs in request.resource_spans for ss in rs.scope_spans
-                for span in ss.spans]
+        return [
+            span
+            for request in self.requests
+            for rs in request.resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -154,8 +168,6 @@ def chat(content: str, **extra: Any) -> dict:
 
 def completion(prompt: Any, **extra: Any) -> dict:
     return {"model": "smollm2-135m", "prompt": prompt, **extra}
-
-
 
 
 class BackgroundStream:
@@ -176,12 +188,16 @@ class BackgroundStream:
         self._thread.start()
 
     def _run(self, base_url: str, path: str, body: dict) -> None:
-        with httpx.Client(base_url=base_url, timeout=300) as client, client.stream(
-                "POST", path, json={**body, "stream": True}, headers={"x-request-id": self.http_id}) as response:
+        with (
+            httpx.Client(base_url=base_url, timeout=300) as client,
+            client.stream(
+                "POST", path, json={**body, "stream": True}, headers={"x-request-id": self.http_id}
+            ) as response,
+        ):
             for line in response.iter_lines():
                 self.lines += 1
                 if line.startswith("data: {") and self.first_chunk is None:
-                    self.first_chunk = json.loads(line[len("data: "):])
+                    self.first_chunk = json.loads(line[len("data: ") :])
                 if line.startswith("data: "):
                     self.data_events += 1
                     self.last_data = line

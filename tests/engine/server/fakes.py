@@ -76,9 +76,17 @@ class FakeScheduler:
     def get_stats(self) -> SchedulerStats:
         running = sum(r.status == RequestStatus.RUNNING for r in self.requests.values())
         used = len(self.requests)
-        return SchedulerStats(num_running=running, num_waiting=used - running, kv_cache_usage=used / 10,
-                              num_used_blocks=used, num_cached_blocks=0, num_free_blocks=10 - used,
-                              num_preemptions_total=0, prefix_cache_queries=0, prefix_cache_hits=0)
+        return SchedulerStats(
+            num_running=running,
+            num_waiting=used - running,
+            kv_cache_usage=used / 10,
+            num_used_blocks=used,
+            num_cached_blocks=0,
+            num_free_blocks=10 - used,
+            num_preemptions_total=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+        )
 
 
 class FakeCore:
@@ -136,16 +144,31 @@ class FakeEngine:
     def process_inputs(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
         return self.core.input_processor.process(prompt_token_ids, params)
 
-    async def generate(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
-                       trace_context: object | None = None):
+    async def generate(
+        self,
+        request_id: str,
+        request: EngineRequest,
+        arrival_time: float | None = None,
+        trace_context: object | None = None,
+    ):
         if not self.is_running:
             raise EngineDeadError("fake engine stopped")
         prompt_token_ids, params = request.prompt_token_ids, request.params
         self.started.append(request_id)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        children = [Request(cid, list(prompt_token_ids), params, EOS, arrival_time=arrival,
-                            max_tokens=params.max_tokens or 64, trace_context=trace_context) for cid in ids]
+        children = [
+            Request(
+                cid,
+                list(prompt_token_ids),
+                params,
+                EOS,
+                arrival_time=arrival,
+                max_tokens=params.max_tokens or 64,
+                trace_context=trace_context,
+            )
+            for cid in ids
+        ]
         finished = False
         try:
             async for output in self._run(request_id, children):
@@ -178,7 +201,9 @@ class FakeEngine:
                 await self._sleep(self.token_s, request_id)
             else:
                 await self._sleep(0, request_id)
-            outputs = [self._advance(c, i, script, decoders[i]) for i, c in enumerate(children) if not c.is_finished]
+            outputs = [
+                self._advance(c, i, script, decoders[i]) for i, c in enumerate(children) if not c.is_finished
+            ]
             step += 1
             done = all(c.is_finished for c in children)
             yield RequestOutput(request_id, children[0].prompt_token_ids, outputs, finished=done)
@@ -194,13 +219,19 @@ class FakeEngine:
         child.append_output_token_ids([token])
         child.stats.on_token(now)
         text = "" if token == EOS else decoder.decode(bytes([token]))
-        out = CompletionOutput(index=index, text=text, token_ids=[token], num_output_tokens=child.num_output_tokens)
+        out = CompletionOutput(
+            index=index, text=text, token_ids=[token], num_output_tokens=child.num_output_tokens
+        )
         if params.logprobs is not None:
             top = [(token, -0.5)] + [((token + j) % 256, -1.0 - j) for j in range(1, params.logprobs)]
-            out.logprobs = [TokenLogprob(token, -0.5, 1, top[:params.logprobs])]
-        reason = "stop" if token == EOS else ("length" if child.num_output_tokens >= child.max_tokens else None)
+            out.logprobs = [TokenLogprob(token, -0.5, 1, top[: params.logprobs])]
+        reason = (
+            "stop" if token == EOS else ("length" if child.num_output_tokens >= child.max_tokens else None)
+        )
         if reason is not None:
-            child.status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+            child.status = (
+                RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+            )
             out.text += decoder.decode(b"", final=True)
             out.finish_reason = reason
             out.stats = child.stats.summary(child.num_output_tokens)
@@ -210,11 +241,19 @@ class FakeEngine:
         await asyncio.sleep(seconds)  # always yield to the loop, as waiting on the engine thread does
         reason = self._failures.pop(request_id, None)
         if reason is not None and reason != "abort":  # the grammar's reasons map as AsyncEngine maps them
-            raise (GrammarLimitError if reason.startswith(ERROR_PREFIX) else RequestFailedError)(request_id, reason)
+            raise (GrammarLimitError if reason.startswith(ERROR_PREFIX) else RequestFailedError)(
+                request_id, reason
+            )
 
     def _notify(self) -> None:
         if self.listener is not None:
             stats = self.core.scheduler.get_stats()
-            self.listener(StepResult(num_running=stats.num_running, num_waiting=stats.num_waiting,
-                                     kv_cache_usage=stats.kv_cache_usage, batch_size=stats.num_running,
-                                     num_scheduled_tokens=stats.num_running))
+            self.listener(
+                StepResult(
+                    num_running=stats.num_running,
+                    num_waiting=stats.num_waiting,
+                    kv_cache_usage=stats.kv_cache_usage,
+                    batch_size=stats.num_running,
+                    num_scheduled_tokens=stats.num_running,
+                )
+            )

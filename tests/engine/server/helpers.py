@@ -48,7 +48,7 @@ def parse_sse(text: str) -> SSEStream:
             if line.startswith(":"):
                 stream.comments.append(line)
             elif line.startswith("data: "):
-                payload = line[len("data: "):]
+                payload = line[len("data: ") :]
                 stream.data.append(payload if payload == "[DONE]" else json.loads(payload))
             else:
                 stream.other.append(line)
@@ -81,7 +81,9 @@ def serve_in_thread(app: Any) -> Iterator[str]:
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -109,7 +111,9 @@ class EngineProcess:
         return read_records(self.log_path)  # the line the engine is still writing is not a record yet
 
     def records_for(self, response_id: str) -> list[dict]:
-        return [r for r in self.log_records() if r.get("gen_ai", {}).get("response", {}).get("id") == response_id]
+        return [
+            r for r in self.log_records() if r.get("gen_ai", {}).get("response", {}).get("id") == response_id
+        ]
 
     def metrics(self) -> dict:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
@@ -125,18 +129,36 @@ class EngineProcess:
                 self.proc.wait(5)
 
 
-def start_engine(tmp_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 timeout_s: float = 240, pin_float32: bool = True) -> EngineProcess:
+def start_engine(
+    tmp_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 240,
+    pin_float32: bool = True,
+) -> EngineProcess:
     """Start the engine server on a free port with ``args`` and wait until /health answers 200.
     ``pin_float32``: pass ``--dtype float32`` (exact, batch-independent greedy text as the tests expect) unless
     ``args`` name a ``--dtype``/``--quantization``; False serves the server's default format (auto)."""
     port = free_port()
     log_path, err_path = tmp_dir / "engine.jsonl", tmp_dir / "engine.err"
     pinned = pin_float32 and not any(a.split("=")[0] in ("--dtype", "--quantization") for a in args)
-    command = [sys.executable, "-P", "-m", "kvscope.engine.server", "--port", str(port), *(("--dtype", "float32") if pinned else ()),
-               *args]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=log_path.open("w"), stderr=err_path.open("w"),
-                            env={**os.environ, **(env or {})})
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvscope.engine.server",
+        "--port",
+        str(port),
+        *(("--dtype", "float32") if pinned else ()),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=log_path.open("w"),
+        stderr=err_path.open("w"),
+        env={**os.environ, **(env or {})},
+    )
     engine = EngineProcess(f"http://127.0.0.1:{port}", proc, log_path, err_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

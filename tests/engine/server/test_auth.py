@@ -23,27 +23,41 @@ KEY = "engine-secret"
 
 @pytest.fixture
 def keyed(spans) -> TestClient:
-    app = create_app(ServerSettings(api_key=KEY), engine=FakeEngine(), tracing=Tracing("test", spans, batch=False),
-                     registry=CollectorRegistry())
+    app = create_app(
+        ServerSettings(api_key=KEY),
+        engine=FakeEngine(),
+        tracing=Tracing("test", spans, batch=False),
+        registry=CollectorRegistry(),
+    )
     with TestClient(app) as client:
         yield client
 
 
-ROUTES = [("POST", "/v1/chat/completions", chat_body()), ("POST", "/v1/completions", {"model": "fake-model",
-                                                                                      "prompt": "hi"}),
-          ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
-          ("GET", "/metrics", None), ("GET", "/schema/openapi.json", None)]
+ROUTES = [
+    ("POST", "/v1/chat/completions", chat_body()),
+    ("POST", "/v1/completions", {"model": "fake-model", "prompt": "hi"}),
+    ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1]}),
+    ("GET", "/metrics", None),
+    ("GET", "/schema/openapi.json", None),
+]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES)
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", "Bearer ", KEY])
-def test_every_route_but_health_needs_the_key(keyed: TestClient, method: str, path: str, body: dict | None,
-                                              authorization: str | None) -> None:
+def test_every_route_but_health_needs_the_key(
+    keyed: TestClient, method: str, path: str, body: dict | None, authorization: str | None
+) -> None:
     headers = {"authorization": authorization} if authorization is not None else {}
     resp = keyed.request(method, path, json=body, headers=headers)
     assert resp.status_code == 401 and resp.headers["content-type"].startswith("application/json")
-    assert resp.json()["error"] | {"message": ""} == {"message": "", "type": "authentication_error", "param": None,
-                                                      "code": "invalid_api_key"}
+    assert resp.json()["error"] | {"message": ""} == {
+        "message": "",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES)
@@ -71,20 +85,30 @@ def test_api_key_from_flag_or_env() -> None:
         ServerSettings(api_key=" ")
 
 
-@pytest.mark.parametrize(("argv", "warned"), [
-    (["--host", "0.0.0.0"], True), (["--host", "10.1.2.3"], True), (["--host", "::"], True),
-    (["--host", "0.0.0.0", "--api-key", KEY], False), (["--host", "127.0.0.1"], False),
-    (["--host", "localhost"], False), (["--host", "::1"], False),
-])
-def test_non_loopback_bind_without_key_warns_loudly(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-                                                     argv: list[str], warned: bool) -> None:
+@pytest.mark.parametrize(
+    ("argv", "warned"),
+    [
+        (["--host", "0.0.0.0"], True),
+        (["--host", "10.1.2.3"], True),
+        (["--host", "::"], True),
+        (["--host", "0.0.0.0", "--api-key", KEY], False),
+        (["--host", "127.0.0.1"], False),
+        (["--host", "localhost"], False),
+        (["--host", "::1"], False),
+    ],
+)
+def test_non_loopback_bind_without_key_warns_loudly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, argv: list[str], warned: bool
+) -> None:
     served = []
     monkeypatch.delenv("KVSCOPE_ENGINE_API_KEY", raising=False)
     monkeypatch.setattr(cli, "configure_logging", lambda level: None)
     monkeypatch.setattr(cli, "_serve", lambda settings, config: served.append(settings) or 0)
     with caplog.at_level(logging.WARNING, logger="kvscope.engine"):
         assert cli.engine_main(["--model", "smollm2-135m", *argv]) == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "kvscope.engine" and r.levelno == logging.WARNING]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.name == "kvscope.engine" and r.levelno == logging.WARNING
+    ]
     assert len(warnings) == (1 if warned else 0)
     if warned:
         assert "WITHOUT an API key" in warnings[0] and "bypassing the gateway's API keys" in warnings[0]

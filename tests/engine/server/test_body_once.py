@@ -27,13 +27,21 @@ def test_each_body_is_decoded_once(client, monkeypatch) -> None:
     assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
     assert client.post("/v1/completions", json=completion).status_code == 200
     assert client.post("/tokenize", json={"prompt": "hi"}).json()["count"] == 2
-    assert client.post("/detokenize", content=msgspec.json.encode({"tokens": [104]})).json() == {"prompt": "h"}
+    assert client.post("/detokenize", content=msgspec.json.encode({"tokens": [104]})).json() == {
+        "prompt": "h"
+    }
     assert decoded == ["ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest"]
 
 
 def test_an_empty_body_is_invalid_json(client) -> None:
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
         response = client.post(path, content=b"")
-        assert (response.status_code, response.json()["error"]) == (400, {
-            "message": "The request body is not valid JSON: Input data was truncated",
-            "type": "invalid_request_error", "param": None, "code": "invalid_json"})
+        assert (response.status_code, response.json()["error"]) == (
+            400,
+            {
+                "message": "The request body is not valid JSON: Input data was truncated",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_json",
+            },
+        )

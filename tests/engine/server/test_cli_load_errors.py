@@ -15,16 +15,29 @@ from kvscope.engine.engine_core import resolve_device
 
 
 def _engine(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-P", "-m", "kvscope.engine.server", "--port", "1", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "kvscope.engine.server", "--port", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("--model", "/nonexistent/model"), "kvscope engine: model '/nonexistent/model' is not a registered name"),
-    (("--device", "cuda:999"), "kvscope engine: device 'cuda:999': torch"),
-    (("--max-model-len", "1024", "--num-blocks", "1"),
-     "kvscope engine: max_model_len 1024 needs more KV cache than the budget holds (16 tokens)"),
-], ids=["no-such-model", "no-such-device", "too-few-blocks"])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--model", "/nonexistent/model"),
+            "kvscope engine: model '/nonexistent/model' is not a registered name",
+        ),
+        (("--device", "cuda:999"), "kvscope engine: device 'cuda:999': torch"),
+        (
+            ("--max-model-len", "1024", "--num-blocks", "1"),
+            "kvscope engine: max_model_len 1024 needs more KV cache than the budget holds (16 tokens)",
+        ),
+    ],
+    ids=["no-such-model", "no-such-device", "too-few-blocks"],
+)
 def test_a_load_time_configuration_error_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
     done = _engine(*args)
     assert done.returncode == 2, done.stderr[-2000:]
@@ -36,8 +49,9 @@ def test_gguf_quantization_of_a_hf_folder_is_refused_with_exit_2(model_dir: Path
     done = _engine("--model", str(model_dir), "--quantization", "gguf")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
-    assert done.stderr.splitlines()[-1] == ("kvscope engine: quantization 'gguf' needs a GGUF model (a registry name "
-                                            "or a .gguf file)")
+    assert done.stderr.splitlines()[-1] == (
+        "kvscope engine: quantization 'gguf' needs a GGUF model (a registry name or a .gguf file)"
+    )
 
 
 def test_resolve_device() -> None:

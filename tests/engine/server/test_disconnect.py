@@ -34,12 +34,15 @@ def _wait(predicate, what: str, timeout_s: float = 30.0):
 
 
 def _wait_aborted(fake_engine, request_id: str) -> None:
-    _wait(lambda: (request_id, "abort") in fake_engine.aborted, f"{request_id} aborted: {fake_engine.aborted}")
+    _wait(
+        lambda: (request_id, "abort") in fake_engine.aborted, f"{request_id} aborted: {fake_engine.aborted}"
+    )
 
 
 def _wait_phase(fake_engine, started_before: int, phase: str) -> str:
     """The id of the next request once it is in ``phase`` (queued: waiting; prefill: running, no token yet;
     decode: a token out)."""
+
     def reached():
         if len(fake_engine.started) <= started_before:
             return None
@@ -61,8 +64,9 @@ def _access_lines(caplog) -> list[dict]:
 
 @pytest.mark.parametrize(("phase", "queue_s", "prefill_s", "chunks_before_close"), [
     ("queued", 60.0, 0.0, 0), ("prefill", 0.0, 60.0, 0), ("decode", 0.0, 0.0, 5)])  # fmt: skip
-def test_stream_disconnect_aborts_in_every_phase(live, fake_engine, caplog, phase, queue_s, prefill_s,
-                                                  chunks_before_close):
+def test_stream_disconnect_aborts_in_every_phase(
+    live, fake_engine, caplog, phase, queue_s, prefill_s, chunks_before_close
+):
     """The client closes once the request is in ``phase`` (a 60 s queue or prefill, or 100 tokens 0.2 s apart
     that would take 20 s), so only the disconnect can end it: an abort, not a finish."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
@@ -82,7 +86,10 @@ def test_stream_disconnect_aborts_in_every_phase(live, fake_engine, caplog, phas
         assert fake_engine.core.scheduler.requests == {}
         samples = metric_samples(client.get("/metrics").text)
         assert sample(samples, "kvscope_engine_requests_running", model="fake-model") == 0
-        assert sample(samples, "kvscope_engine_request_success_total", model="fake-model", finish_reason="abort") == 1
+        assert (
+            sample(samples, "kvscope_engine_request_success_total", model="fake-model", finish_reason="abort")
+            == 1
+        )
         fake_engine.queue_s = fake_engine.prefill_s = 0.0
         assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
     lines = [line for line in _access_lines(caplog) if line["gen_ai"]["response"]["id"] == request_id]
@@ -91,7 +98,9 @@ def test_stream_disconnect_aborts_in_every_phase(live, fake_engine, caplog, phas
     assert lines[0]["kvscope"]["phase"] == phase
     assert lines[0]["event"]["outcome"] == "failure"
     assert lines[0]["http"]["response"]["status_code"] == 200
-    assert lines[0]["gen_ai"]["usage"]["output_tokens"] >= chunks_before_close - 1  # role chunk is one of them
+    assert (
+        lines[0]["gen_ai"]["usage"]["output_tokens"] >= chunks_before_close - 1
+    )  # role chunk is one of them
 
 
 @pytest.mark.parametrize(("phase", "queue_s", "prefill_s"), [
@@ -105,8 +114,12 @@ def test_non_streaming_disconnect_aborts(live, fake_engine, caplog, phase, queue
     started_before = len(fake_engine.started)
     url = urlsplit(live)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(chat_body(max_tokens=100)),
-                 headers={"content-type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps(chat_body(max_tokens=100)),
+        headers={"content-type": "application/json"},
+    )
     request_id = _wait_phase(fake_engine, started_before, phase)
     conn.close()
     _wait_aborted(fake_engine, request_id)
@@ -115,8 +128,10 @@ def test_non_streaming_disconnect_aborts(live, fake_engine, caplog, phase, queue
     with httpx.Client(base_url=live, timeout=30) as client:
         samples = metric_samples(client.get("/metrics").text)
         later = client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).json()["id"]
-        _wait(lambda: any(line["gen_ai"]["response"]["id"] == later for line in _access_lines(caplog)),
-              "the later request's access line")
+        _wait(
+            lambda: any(line["gen_ai"]["response"]["id"] == later for line in _access_lines(caplog)),
+            "the later request's access line",
+        )
     lines = [line for line in _access_lines(caplog) if line["gen_ai"]["response"]["id"] == request_id]
     assert len(lines) == 1
     assert lines[0]["http"]["response"]["status_code"] == 499

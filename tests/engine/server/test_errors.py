@@ -64,7 +64,9 @@ def test_completions_bad_prompts_and_fields(client, fake_engine, body, param):
 
 @pytest.mark.parametrize("extra", [{"best_of": 1}, {"n": 2, "best_of": 2}, {"suffix": ""}, {"suffix": None}])
 def test_best_of_equal_to_n_and_an_empty_suffix_are_accepted(client, extra):
-    response = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2, **extra})
+    response = client.post(
+        "/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2, **extra}
+    )
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == extra.get("n", 1)
 
@@ -73,22 +75,31 @@ def test_invalid_json_is_400_json_and_counted(client):
     error = _error(client.post("/v1/chat/completions", content=b'{"model": "fake-model", "messages": ['), 400)
     assert (error["param"], error["code"]) == (None, "invalid_json")
     samples = metric_samples(client.get("/metrics").text)
-    assert sample(samples, "kvscope_engine_http_requests_total", route="/v1/chat/completions", status="400") == 1
+    assert (
+        sample(samples, "kvscope_engine_http_requests_total", route="/v1/chat/completions", status="400") == 1
+    )
 
 
-@pytest.mark.parametrize("body", [
-    b'{"model": "fake-model", "messages": [{"role": "user", "content": "a\xff\xfeb"}]}',
-    b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "x": '
-    + b"[" * 100_000 + b"]" * 100_000 + b"}",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "fake-model", "messages": [{"role": "user", "content": "a\xff\xfeb"}]}',
+        b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "x": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}",
+    ],
+)
 def test_invalid_utf8_and_deep_nesting_are_400_invalid_json(client, body):
     error = _error(client.post("/v1/chat/completions", content=body), 400)
     assert (error["param"], error["code"]) == (None, "invalid_json")
 
 
 def test_unknown_fields_are_ignored(client):
-    response = client.post("/v1/chat/completions", json=chat_body(max_tokens=3, frobnicate={"x": 1},
-                                                                  response_format={"type": "text"}))
+    response = client.post(
+        "/v1/chat/completions",
+        json=chat_body(max_tokens=3, frobnicate={"x": 1}, response_format={"type": "text"}),
+    )
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == "Hel"
 
@@ -97,27 +108,38 @@ def test_unknown_model_is_404_model_not_found_with_bounded_series(client, fake_e
     before = len(metric_samples(client.get("/metrics").text))
     for i in range(50):
         error = _error(client.post("/v1/chat/completions", json={**chat_body(), "model": f"nope-{i}"}), 404)
-        assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+        assert (error["code"], error["param"], error["type"]) == (
+            "model_not_found",
+            "model",
+            "invalid_request_error",
+        )
     samples = metric_samples(client.get("/metrics").text)
     # one new series pair (total + created) for {route, status=404}, plus /metrics' own 200
     assert len(samples) - before == 4
-    assert sample(samples, "kvscope_engine_http_requests_total", route="/v1/chat/completions", status="404") == 50
+    assert (
+        sample(samples, "kvscope_engine_http_requests_total", route="/v1/chat/completions", status="404")
+        == 50
+    )
     assert fake_engine.started == ["warmup"]
 
 
 def test_routing_errors_are_openai_json(client):
     assert _error(client.get("/v1/nothing"), 404)["code"] == "not_found"
     assert _error(client.get("/v1/chat/completions"), 405)["code"] == "method_not_allowed"
-    assert _error(client.post("/v1/completions", content=b"x" * (11 << 20)), 413)["code"] == "request_too_large"
+    assert (
+        _error(client.post("/v1/completions", content=b"x" * (11 << 20)), 413)["code"] == "request_too_large"
+    )
 
 
 def test_over_long_prompt_is_400_with_real_numbers(client, fake_engine):
     # fake context length 128; the chat template adds 18 tokens around "hi"
     error = _error(client.post("/v1/completions", json={"model": "fake-model", "prompt": [65] * 228}), 400)
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
-    assert error["message"] == ("This model's maximum context length is 128 tokens. However, you requested 244 "
-                                "tokens (228 in the prompt, 16 in the completion). Please reduce the length of "
-                                "the prompt or completion.")
+    assert error["message"] == (
+        "This model's maximum context length is 128 tokens. However, you requested 244 "
+        "tokens (228 in the prompt, 16 in the completion). Please reduce the length of "
+        "the prompt or completion."
+    )
     error = _error(client.post("/v1/chat/completions", json=chat_body(max_completion_tokens=125)), 400)
     assert error["param"] == "messages"  # as OpenAI and the gateway name it (one vocabulary, issue 12)
     assert "maximum context length is 128 tokens" in error["message"]
@@ -142,8 +164,12 @@ def test_concurrency_limit_is_429(fake_engine, spans):
     from kvscope.engine.server.settings import ServerSettings
     from kvscope.engine.server.tracing import Tracing
 
-    app = create_app(ServerSettings(max_concurrent_requests=1), engine=fake_engine,
-                     tracing=Tracing("t", spans, batch=False), registry=CollectorRegistry())
+    app = create_app(
+        ServerSettings(max_concurrent_requests=1),
+        engine=fake_engine,
+        tracing=Tracing("t", spans, batch=False),
+        registry=CollectorRegistry(),
+    )
     with TestClient(app) as client:
         app.state.server.in_flight = 1
         error = _error(client.post("/v1/chat/completions", json=chat_body()), 429)

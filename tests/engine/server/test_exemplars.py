@@ -16,8 +16,15 @@ from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine
 
 OPENMETRICS = {"accept": "application/openmetrics-text; version=1.0.0"}
-LATENCY = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "queue_time_seconds", "prefill_time_seconds",
-           "decode_time_seconds", "time_per_output_token_seconds", "request_inference_time_seconds")
+LATENCY = (
+    "time_to_first_token_seconds",
+    "e2e_request_latency_seconds",
+    "queue_time_seconds",
+    "prefill_time_seconds",
+    "decode_time_seconds",
+    "time_per_output_token_seconds",
+    "request_inference_time_seconds",
+)
 UNSAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
 
 
@@ -33,11 +40,18 @@ def exemplar_trace_ids(text: str) -> dict[str, set[str]]:
 
 def test_latency_buckets_carry_the_trace_id_of_a_sampled_request() -> None:
     exporter = InMemorySpanExporter()
-    app = create_app(ServerSettings(warmup=False), engine=FakeEngine(), registry=CollectorRegistry(),
-                     tracing=Tracing("t", exporter, batch=False))
+    app = create_app(
+        ServerSettings(warmup=False),
+        engine=FakeEngine(),
+        registry=CollectorRegistry(),
+        tracing=Tracing("t", exporter, batch=False),
+    )
     with TestClient(app) as client:
         body = chat_body(max_tokens=4)
-        assert client.post("/v1/chat/completions", json=body, headers={"traceparent": UNSAMPLED}).status_code == 200
+        assert (
+            client.post("/v1/chat/completions", json=body, headers={"traceparent": UNSAMPLED}).status_code
+            == 200
+        )
         unsampled = exemplar_trace_ids(client.get("/metrics", headers=OPENMETRICS).text)
         assert client.post("/v1/chat/completions", json=body).status_code == 200
         sampled = exemplar_trace_ids(client.get("/metrics", headers=OPENMETRICS).text)

@@ -30,22 +30,27 @@ def _error(response) -> dict:
     (4, 128, "n", 512),
     (3, 86, "n", 258),
 ])  # fmt: skip
-def test_over_the_limit_is_a_400_naming_it_and_nothing_is_queued(client, fake_engine, num_prompts, n, param,
-                                                                  total):
+def test_over_the_limit_is_a_400_naming_it_and_nothing_is_queued(
+    client, fake_engine, num_prompts, n, param, total
+):
     body = {"model": "fake-model", "prompt": ["Say hi"] * num_prompts, "n": n, "max_tokens": 4}
     error = _error(client.post("/v1/completions", json=body))
     assert error["param"] == param
     assert error["message"] == (
         f"This request asks for {total} sequences ({num_prompts} prompt(s) x n={n}); the limit is 256 sequences "
-        "per request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request.")
+        "per request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request."
+    )
     assert fake_engine.started == ["warmup"]  # the start-up generation only
 
 
 def test_token_id_prompts_count_as_lists(client, fake_engine):
-    error = _error(client.post("/v1/completions", json={"model": "fake-model", "prompt": [[1, 2]] * 129, "n": 2}))
+    error = _error(
+        client.post("/v1/completions", json={"model": "fake-model", "prompt": [[1, 2]] * 129, "n": 2})
+    )
     assert (error["param"], fake_engine.started) == ("n", ["warmup"])
-    response = client.post("/v1/completions", json={"model": "fake-model", "prompt": [1, 2] * 50, "n": 3,
-                                                     "max_tokens": 1})
+    response = client.post(
+        "/v1/completions", json={"model": "fake-model", "prompt": [1, 2] * 50, "n": 3, "max_tokens": 1}
+    )
     assert response.status_code == 200, response.text  # one prompt of 100 token ids, not 100 prompts x n 3
 
 
@@ -75,8 +80,12 @@ def test_every_engine_request_of_one_http_request_shares_its_fairness_group(clie
 
 def test_the_limit_is_a_setting_and_chat_names_n():
     settings = ServerSettings(max_sequences_per_request=4)
-    app = create_app(settings, engine=FakeEngine(), tracing=Tracing("test", InMemorySpanExporter(), batch=False),
-                     registry=CollectorRegistry())
+    app = create_app(
+        settings,
+        engine=FakeEngine(),
+        tracing=Tracing("test", InMemorySpanExporter(), batch=False),
+        registry=CollectorRegistry(),
+    )
     with TestClient(app) as client:
         error = _error(client.post("/v1/chat/completions", json=chat_body(n=5, max_tokens=1)))
         assert error["param"] == "n" and "the limit is 4 sequences per request" in error["message"]

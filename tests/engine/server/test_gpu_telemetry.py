@@ -71,7 +71,9 @@ def fake_pynvml(gpu: FakeGpu) -> types.ModuleType:
 
     nvml.nvmlDeviceGetHandleByUUID = by_uuid
     nvml.nvmlDeviceGetHandleByIndex = by_index
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: SimpleNamespace(used=gpu.used, total=gpu.total, free=gpu.total - gpu.used)
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: SimpleNamespace(
+        used=gpu.used, total=gpu.total, free=gpu.total - gpu.used
+    )
     nvml.nvmlDeviceGetUtilizationRates = lambda h: SimpleNamespace(gpu=gpu.util_percent, memory=10)
     nvml.nvmlDeviceGetTemperature = lambda h, sensor: gpu.temperature
     nvml.nvmlDeviceGetPowerUsage = power
@@ -81,9 +83,15 @@ def fake_pynvml(gpu: FakeGpu) -> types.ModuleType:
 
 
 def fake_cuda(gpu: FakeGpu) -> TorchCuda:
-    return TorchCuda(lambda: {"reserved_bytes.all.current": gpu.reserved, "allocated_bytes.all.current": gpu.allocated,
-                              "num_alloc_retries": gpu.retries, "num_ooms": gpu.ooms},
-                     lambda: (gpu.total - gpu.used, gpu.total))
+    return TorchCuda(
+        lambda: {
+            "reserved_bytes.all.current": gpu.reserved,
+            "allocated_bytes.all.current": gpu.allocated,
+            "num_alloc_retries": gpu.retries,
+            "num_ooms": gpu.ooms,
+        },
+        lambda: (gpu.total - gpu.used, gpu.total),
+    )
 
 
 def gpu_samples(registry: CollectorRegistry) -> dict[str, float]:
@@ -91,7 +99,9 @@ def gpu_samples(registry: CollectorRegistry) -> dict[str, float]:
     out = {}
     for family in registry.collect():
         for s in family.samples:
-            if any(k in s.name for k in ("gpu_", "torch_", "device_memory")) and not s.name.endswith("_created"):
+            if any(k in s.name for k in ("gpu_", "torch_", "device_memory")) and not s.name.endswith(
+                "_created"
+            ):
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}"] = s.value
     return out
@@ -110,8 +120,10 @@ def test_every_series_follows_the_device_from_sample_to_sample(gpu: FakeGpu) -> 
     assert telemetry is not None
     telemetry.sample()
     first = gpu_samples(registry)
-    reasons = {f'kvscope_engine_gpu_throttled{{device=cuda:1,reason={r}}}': float(r == "sw_power_cap")
-               for r in GPU_THROTTLE_REASONS}
+    reasons = {
+        f"kvscope_engine_gpu_throttled{{device=cuda:1,reason={r}}}": float(r == "sw_power_cap")
+        for r in GPU_THROTTLE_REASONS
+    }
     assert first == {
         "kvscope_engine_device_memory_used_bytes{device=cuda:1}": 73e9,
         "kvscope_engine_device_memory_total_bytes{device=cuda:1}": 80e9,
@@ -157,7 +169,9 @@ def test_an_unsupported_query_leaves_its_series_unset(gpu: FakeGpu) -> None:
     assert {"kvscope_engine_gpu_power_limit_watts", "kvscope_engine_gpu_temperature_celsius"} <= names
 
 
-def test_without_nvml_the_allocator_and_device_memory_are_still_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_nvml_the_allocator_and_device_memory_are_still_sampled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gpu = FakeGpu(used=10 * GB)
     nvml = fake_pynvml(gpu)
 
@@ -177,9 +191,11 @@ def test_without_nvml_the_allocator_and_device_memory_are_still_sampled(monkeypa
 
 def test_a_cpu_engine_exports_no_gpu_series(gpu: FakeGpu) -> None:
     assert GpuTelemetry.for_engine(EngineMetrics(CollectorRegistry()), "cpu", None) is None
-    with TestClient(create_app(ServerSettings(), engine=FakeEngine(), registry=CollectorRegistry())) as client:
+    with TestClient(
+        create_app(ServerSettings(), engine=FakeEngine(), registry=CollectorRegistry())
+    ) as client:
         text = client.get("/metrics").text
-    assert "kvscope_engine_device_memory_used_bytes{device=\"cpu\"}" in text
+    assert 'kvscope_engine_device_memory_used_bytes{device="cpu"}' in text
     series = [line for line in text.splitlines() if not line.startswith("#")]
     assert [line for line in series if "_gpu_" in line or "_torch_" in line] == []  # absent, not 0
     assert gpu.calls == []  # NVML never opened
@@ -196,13 +212,27 @@ def test_the_server_samples_the_gpu_on_its_clock(gpu: FakeGpu, monkeypatch: pyte
         first = metric_samples(client.get("/metrics").text)
         gpu.used, gpu.temperature = 78 * GB, 88
         deadline = time.monotonic() + 10
-        while sample(metric_samples(client.get("/metrics").text), "kvscope_engine_gpu_temperature_celsius",
-                     device="cuda:0") != 88 and time.monotonic() < deadline:
+        while (
+            sample(
+                metric_samples(client.get("/metrics").text),
+                "kvscope_engine_gpu_temperature_celsius",
+                device="cuda:0",
+            )
+            != 88
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         last = metric_samples(client.get("/metrics").text)
-    assert [sample(first, n, device="cuda:0") for n in (
-        "kvscope_engine_device_memory_used_bytes", "kvscope_engine_gpu_memory_budget_bytes",
-        "kvscope_engine_gpu_temperature_celsius")] == [73e9, 72e9, 66]
-    assert [sample(last, n, device="cuda:0") for n in (
-        "kvscope_engine_device_memory_used_bytes", "kvscope_engine_gpu_temperature_celsius")] == [78e9, 88]
+    assert [
+        sample(first, n, device="cuda:0")
+        for n in (
+            "kvscope_engine_device_memory_used_bytes",
+            "kvscope_engine_gpu_memory_budget_bytes",
+            "kvscope_engine_gpu_temperature_celsius",
+        )
+    ] == [73e9, 72e9, 66]
+    assert [
+        sample(last, n, device="cuda:0")
+        for n in ("kvscope_engine_device_memory_used_bytes", "kvscope_engine_gpu_temperature_celsius")
+    ] == [78e9, 88]
     assert gpu.calls[0] == "init" and gpu.calls[-1] == "shutdown"  # closed with the server

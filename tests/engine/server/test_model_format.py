@@ -12,11 +12,21 @@ from tests.engine.server.helpers import metric_samples, sample
 def test_model_card_carries_the_format_and_keeps_the_openai_fields(client) -> None:
     card = client.get("/v1/models").json()["data"][0]
     assert sorted(card) == ["created", "id", "kvscope", "max_model_len", "object", "owned_by", "root"]
-    assert (card["id"], card["object"], card["owned_by"], card["root"]) == ("fake-model", "model", "kvscope",
-                                                                            "/models/fake")
-    assert card["kvscope"] == {"dtype": "bfloat16", "quantization": "gguf", "weights_bytes": 2000,
-                               "kv_cache_bytes": 1000, "rss_bytes": 5000, "reason": "fake: fastest verified format",
-                               "cpu_kernels": "kvscope (fused decode up to 2 rows)"}
+    assert (card["id"], card["object"], card["owned_by"], card["root"]) == (
+        "fake-model",
+        "model",
+        "kvscope",
+        "/models/fake",
+    )
+    assert card["kvscope"] == {
+        "dtype": "bfloat16",
+        "quantization": "gguf",
+        "weights_bytes": 2000,
+        "kv_cache_bytes": 1000,
+        "rss_bytes": 5000,
+        "reason": "fake: fastest verified format",
+        "cpu_kernels": "kvscope (fused decode up to 2 rows)",
+    }
 
 
 def test_weights_metric_is_labelled_with_the_format(client) -> None:

@@ -29,7 +29,11 @@ PROCESSOR = InputProcessor(max_model_len=16, vocab_size=100)
 def test_invalid_requests_name_the_param(prompt, params, param, message) -> None:
     with pytest.raises(InvalidParameterError) as caught:
         PROCESSOR.process(prompt, params)
-    assert (type(caught.value), caught.value.param, str(caught.value)) == (InvalidParameterError, param, message)
+    assert (type(caught.value), caught.value.param, str(caught.value)) == (
+        InvalidParameterError,
+        param,
+        message,
+    )
 
 
 @pytest.mark.parametrize(("num_prompt", "max_tokens"), [(16, None), (10, 7), (17, 1)])
@@ -37,7 +41,10 @@ def test_too_long_requests(num_prompt: int, max_tokens: int | None) -> None:
     with pytest.raises(PromptTooLongError) as caught:
         PROCESSOR.process([1] * num_prompt, SamplingParams(max_tokens=max_tokens))
     assert (caught.value.max_model_len, caught.value.num_prompt_tokens, caught.value.max_tokens) == (
-        16, num_prompt, max_tokens)
+        16,
+        num_prompt,
+        max_tokens,
+    )
 
 
 def test_max_tokens_is_resolved() -> None:
@@ -58,7 +65,11 @@ def test_an_http_request_is_validated_once_per_prompt(client, fake_engine, monke
     body = {"model": "fake-model", "prompt": ["ab", "abc"], "max_tokens": 2, "n": 2}
     assert client.post("/v1/completions", json=body).status_code == 200
     assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2, stream=True)).status_code == 200
-    assert calls == [2, 3, len(fake_engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))]
+    assert calls == [
+        2,
+        3,
+        len(fake_engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])),
+    ]
 
 
 def _members(cls: type) -> dict[str, inspect.Signature | str]:
@@ -67,8 +78,11 @@ def _members(cls: type) -> dict[str, inspect.Signature | str]:
         if name == "__annotations__":
             continue
         value = inspect.getattr_static(cls, name, None)
-        found[name] = "property" if isinstance(value, property) else (
-            inspect.signature(value) if callable(value) else "missing")
+        found[name] = (
+            "property"
+            if isinstance(value, property)
+            else (inspect.signature(value) if callable(value) else "missing")
+        )
     return found
 
 
@@ -83,5 +97,6 @@ def test_the_engines_satisfy_engine_client(engine: type) -> None:
             continue
         assert list(got[name].parameters) == list(signature.parameters), name  # type: ignore[union-attr]
         assert [p.default for p in got[name].parameters.values()] == [  # type: ignore[union-attr]
-            p.default for p in signature.parameters.values()], name
+            p.default for p in signature.parameters.values()
+        ], name
     assert set(EngineClient.__annotations__) == {"info", "tokenizer", "device", "structured", "speculative"}

@@ -19,8 +19,11 @@ from tests.otlp_receiver import GrpcOtlpReceiver, OtlpReceiver
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0}
 PUSH_WITHIN_S = 8.0
 """OTEL_METRIC_EXPORT_INTERVAL=2000 must bring the first gen_ai push within this (the default is 15 s)."""
-ENGINE_METRICS = {"gen_ai.server.request.duration", "gen_ai.server.time_to_first_token",
-                  "gen_ai.server.time_per_output_token"}
+ENGINE_METRICS = {
+    "gen_ai.server.request.duration",
+    "gen_ai.server.time_to_first_token",
+    "gen_ai.server.time_per_output_token",
+}
 
 
 def wait_for_metrics(rx: OtlpReceiver | GrpcOtlpReceiver, since: float) -> float:
@@ -35,9 +38,13 @@ def wait_for_metrics(rx: OtlpReceiver | GrpcOtlpReceiver, since: float) -> float
 def start_fake_engine(tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = (tmp / "fake-engine.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.engine.server.fake_engine_server", "--port", str(port)],
-                            cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **env}, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.server.fake_engine_server", "--port", str(port)],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -58,10 +65,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 def test_engine_exports_to_the_otel_environment_over_http(tmp_path: Path) -> None:
     with OtlpReceiver() as rx:
-        env = {"OTEL_SERVICE_NAME": "engine-from-env", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.url + "/collector/traces",
-               "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": rx.url + "/vendor/api/metrics",
-               "OTEL_METRIC_EXPORT_INTERVAL": "2000"}
+        env = {
+            "OTEL_SERVICE_NAME": "engine-from-env",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.url + "/collector/traces",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": rx.url + "/vendor/api/metrics",
+            "OTEL_METRIC_EXPORT_INTERVAL": "2000",
+        }
         engine = start_engine(tmp_path, "--max-model-len", "512", env=env)
         try:
             sent = time.monotonic()
@@ -79,12 +89,18 @@ def test_engine_exports_to_the_otel_environment_over_http(tmp_path: Path) -> Non
 
 def test_engine_exports_over_grpc_to_the_generic_endpoint(tmp_path: Path) -> None:
     with GrpcOtlpReceiver() as rx:
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-               "OTEL_METRIC_EXPORT_INTERVAL": "2000"}
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_METRIC_EXPORT_INTERVAL": "2000",
+        }
         proc, url = start_fake_engine(tmp_path, env)
         try:
             sent = time.monotonic()
-            assert httpx.post(url + "/v1/chat/completions", json={"model": "fake-model", **CHAT}).status_code == 200
+            assert (
+                httpx.post(url + "/v1/chat/completions", json={"model": "fake-model", **CHAT}).status_code
+                == 200
+            )
             wait_for_metrics(rx, sent)
         finally:
             stop(proc)
@@ -95,8 +111,11 @@ def test_engine_exports_over_grpc_to_the_generic_endpoint(tmp_path: Path) -> Non
 
 def test_sdk_disabled_exports_nothing(tmp_path: Path) -> None:
     with OtlpReceiver() as rx:
-        env = {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url,
-               "OTEL_METRIC_EXPORT_INTERVAL": "200"}
+        env = {
+            "OTEL_SDK_DISABLED": "true",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url,
+            "OTEL_METRIC_EXPORT_INTERVAL": "200",
+        }
         proc, url = start_fake_engine(tmp_path, env)
         try:
             response = httpx.post(url + "/v1/chat/completions", json={"model": "fake-model", **CHAT})
@@ -109,9 +128,16 @@ def test_sdk_disabled_exports_nothing(tmp_path: Path) -> None:
 
 
 def test_an_unsupported_protocol_stops_the_process_with_one_line(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "tests.engine.server.fake_engine_server"], cwd=REPO,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
-                                 "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, capture_output=True, text=True,
-                            timeout=60)
-    assert (result.returncode, result.stderr) == (2, "fake engine server: OTEL_EXPORTER_OTLP_PROTOCOL must be one "
-                                                     "of http/protobuf, grpc, got 'http/json'\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.engine.server.fake_engine_server"],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        "fake engine server: OTEL_EXPORTER_OTLP_PROTOCOL must be one "
+        "of http/protobuf, grpc, got 'http/json'\n",
+    )

@@ -37,10 +37,18 @@ def engine_server(fake_engine) -> Iterator[int]:
     """The app under ``kvscope engine``'s own uvicorn config (0.5 s read timeouts), in a thread; yields its port."""
     import uvicorn
 
-    settings = ServerSettings(port=free_port(), sse_keepalive_s=0.05, request_head_timeout_s=READ_TIMEOUT_S,
-                              request_body_timeout_s=READ_TIMEOUT_S)
-    app = create_app(settings, engine=fake_engine, tracing=Tracing("test", InMemorySpanExporter(), batch=False),
-                     registry=CollectorRegistry())
+    settings = ServerSettings(
+        port=free_port(),
+        sse_keepalive_s=0.05,
+        request_head_timeout_s=READ_TIMEOUT_S,
+        request_body_timeout_s=READ_TIMEOUT_S,
+    )
+    app = create_app(
+        settings,
+        engine=fake_engine,
+        tracing=Tracing("test", InMemorySpanExporter(), batch=False),
+        registry=CollectorRegistry(),
+    )
     server = uvicorn.Server(uvicorn_config(app, settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -74,8 +82,10 @@ def _access_line(caplog, request_id: str) -> dict:
 
 
 def _head(request_id: str, length: int = 200) -> bytes:
-    return (f"POST {ROUTE} HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\nX-Request-Id: {request_id}\r\n\r\n").encode()
+    return (
+        f"POST {ROUTE} HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nX-Request-Id: {request_id}\r\n\r\n"
+    ).encode()
 
 
 def _until_closed(port: int, data: bytes) -> bytes:
@@ -101,8 +111,11 @@ def test_n5_a_client_leaving_mid_body_is_logged_and_counted_as_499(port, caplog)
         sock.sendall(_head("left-mid-body") + b'{"model": "fake-model", "messages": [')
     line = _access_line(caplog, "left-mid-body")
     assert line["http"]["response"]["status_code"] == 499
-    assert line["error"] == {"type": "client_closed_request", "code": "client_disconnected",
-                             "message": "the client closed the connection while sending the request body"}
+    assert line["error"] == {
+        "type": "client_closed_request",
+        "code": "client_disconnected",
+        "message": "the client closed the connection while sending the request body",
+    }
     assert (line["log"]["level"], line["event"]["outcome"]) == ("warning", "failure")
     assert (_http_requests(port, "499"), _http_requests(port, "500")) == (1, 0)
 
@@ -112,9 +125,14 @@ def test_n5_half_a_request_head_is_answered_408_and_closed(port) -> None:
     raw = _until_closed(port, f"POST {ROUTE} HTTP/1.1\r\nHost: engine\r\n".encode())
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
-    assert json.loads(body) == {"error": {
-        "message": f"The request head was not received within {READ_TIMEOUT_S:g} s.", "type": "timeout_error",
-        "param": None, "code": "request_timeout"}}
+    assert json.loads(body) == {
+        "error": {
+            "message": f"The request head was not received within {READ_TIMEOUT_S:g} s.",
+            "type": "timeout_error",
+            "param": None,
+            "code": "request_timeout",
+        }
+    }
 
 
 def test_a_stalled_body_is_answered_408_and_logged_as_408(port, caplog) -> None:

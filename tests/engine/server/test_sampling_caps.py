@@ -24,7 +24,12 @@ def completion(**fields) -> dict:
 
 
 def test_the_caps_are_the_stated_values() -> None:
-    assert (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (300, 1024, 16, 256)
+    assert (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (
+        300,
+        1024,
+        16,
+        256,
+    )
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
@@ -45,13 +50,18 @@ def test_the_caps_are_the_stated_values() -> None:
      "stop strings may be at most 256 characters long, got one of 257."),
 ])  # fmt: skip
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-def test_over_cap_and_malformed_lists_are_a_400_naming_the_field(client, fake_engine, route, fields, param,
-                                                                  message) -> None:
+def test_over_cap_and_malformed_lists_are_a_400_naming_the_field(
+    client, fake_engine, route, fields, param, message
+) -> None:
     body = completion(**fields) if route == "/v1/completions" else chat_body(max_tokens=2, **fields)
     response = client.post(route, json=body)
     assert response.status_code == 400, response.text
-    assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
-                                        "code": "invalid_value"}
+    assert response.json()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "invalid_value",
+    }
     assert fake_engine.started == ["warmup"], "nothing may reach the engine"
 
 
@@ -97,8 +107,11 @@ def test_sampling_params_enforce_the_caps_for_every_client(kwargs, param) -> Non
 
 
 def test_sampling_params_accept_the_caps() -> None:
-    params = SamplingParams(logit_bias={i: 0.5 for i in range(MAX_LOGIT_BIAS)}, stop_token_ids=range(MAX_STOP_TOKEN_IDS),
-                            stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)
+    params = SamplingParams(
+        logit_bias={i: 0.5 for i in range(MAX_LOGIT_BIAS)},
+        stop_token_ids=range(MAX_STOP_TOKEN_IDS),
+        stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+    )
     assert (len(params.logit_bias), len(params.stop_token_ids), len(params.stop)) == (300, 1024, 16)
 
 

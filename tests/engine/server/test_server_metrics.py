@@ -29,8 +29,14 @@ def test_counters_and_histograms_match_the_workload(client):
     assert sample(s, "kvscope_engine_generation_tokens_total", **M) == 3 * 4 + 2 * 3
     assert sample(s, "kvscope_engine_request_success_total", finish_reason="length", **M) == 5
     assert sample(s, "kvscope_engine_request_success_total", finish_reason="stop", **M) == 0
-    for name in ("time_to_first_token", "e2e_request_latency", "time_per_output_token", "queue_time",
-                 "prefill_time", "decode_time"):
+    for name in (
+        "time_to_first_token",
+        "e2e_request_latency",
+        "time_per_output_token",
+        "queue_time",
+        "prefill_time",
+        "decode_time",
+    ):
         assert sample(s, f"kvscope_engine_{name}_seconds_count", **M) == 5, name
     assert sample(s, "kvscope_engine_inter_token_latency_seconds_count", **M) == 3 * 3 + 2 * 2
     assert sample(s, "kvscope_engine_request_generation_tokens_sum", **M) == 18
@@ -62,28 +68,57 @@ def test_buckets_are_configurable():
     app = create_app(settings, engine=FakeEngine(), registry=CollectorRegistry())
     with TestClient(app) as client:
         text = client.get("/metrics").text
-    les = [line.split('le="')[1].split('"')[0] for line in text.splitlines()
-           if line.startswith("kvscope_engine_time_to_first_token_seconds_bucket")]
+    les = [
+        line.split('le="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("kvscope_engine_time_to_first_token_seconds_bucket")
+    ]
     assert les == ["0.5", "1.0", "2.0", "+Inf"]
 
 
 def test_step_listener_sets_gauges_and_counts_deltas():
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry, "m")
-    stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_used_blocks=5, num_cached_blocks=2,
-                           num_free_blocks=13, num_preemptions_total=1, prefix_cache_queries=100,
-                           prefix_cache_hits=32)
-    metrics.on_step(StepResult(num_running=3, num_waiting=2, kv_cache_usage=0.25, batch_size=3,
-                               num_scheduled_tokens=40, num_preemptions=1), stats)
-    later = SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_used_blocks=0, num_cached_blocks=7,
-                           num_free_blocks=13, num_preemptions_total=1, prefix_cache_queries=150,
-                           prefix_cache_hits=48)
+    stats = SchedulerStats(
+        num_running=3,
+        num_waiting=2,
+        kv_cache_usage=0.25,
+        num_used_blocks=5,
+        num_cached_blocks=2,
+        num_free_blocks=13,
+        num_preemptions_total=1,
+        prefix_cache_queries=100,
+        prefix_cache_hits=32,
+    )
+    metrics.on_step(
+        StepResult(
+            num_running=3,
+            num_waiting=2,
+            kv_cache_usage=0.25,
+            batch_size=3,
+            num_scheduled_tokens=40,
+            num_preemptions=1,
+        ),
+        stats,
+    )
+    later = SchedulerStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        num_used_blocks=0,
+        num_cached_blocks=7,
+        num_free_blocks=13,
+        num_preemptions_total=1,
+        prefix_cache_queries=150,
+        prefix_cache_hits=48,
+    )
     metrics.on_step(StepResult(), later)  # an abort notification: gauges only
     s = metric_samples(generate_latest(registry).decode())
     assert sample(s, "kvscope_engine_requests_running", model="m") == 0
     assert sample(s, "kvscope_engine_kv_cache_usage_ratio", model="m") == 0.0
-    assert [sample(s, "kvscope_engine_kv_cache_blocks", model="m", state=x) for x in ("used", "cached", "free")] == [
-        0, 7, 13]
+    assert [
+        sample(s, "kvscope_engine_kv_cache_blocks", model="m", state=x) for x in ("used", "cached", "free")
+    ] == [0, 7, 13]
     assert sample(s, "kvscope_engine_prefix_cache_queries_total", model="m") == 150
     assert sample(s, "kvscope_engine_prefix_cache_hits_total", model="m") == 48
     assert sample(s, "kvscope_engine_preemptions_total", model="m") == 1
@@ -96,5 +131,6 @@ def test_metrics_content_types_name_the_charset_once(client) -> None:
     assert plain.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     scraped = client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
     assert scraped.headers["content-type"] == (
-        "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores")
+        "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"
+    )
     assert scraped.text.rstrip().endswith("# EOF")

@@ -24,15 +24,21 @@ def test_sse_headers_and_framing(client):
     assert response.text.endswith("data: [DONE]\n\n")
     assert stream.other == [] and stream.data[-1] == "[DONE]"
     deltas = [c["choices"][0]["delta"] for c in stream.chunks]
-    assert deltas == [{"role": "assistant", "content": ""}, {"content": "H"}, {"content": "e"}, {"content": "l"},
-                      {"content": "l"}]
+    assert deltas == [
+        {"role": "assistant", "content": ""},
+        {"content": "H"},
+        {"content": "e"},
+        {"content": "l"},
+        {"content": "l"},
+    ]
     assert [c["choices"][0]["finish_reason"] for c in stream.chunks] == [None, None, None, None, "length"]
     assert all("usage" not in c for c in stream.chunks)
 
 
 def test_natural_end_is_stop_and_completions_terminal_chunk(client):
-    _, stream = _stream(client, "/v1/completions", {"model": "fake-model", "prompt": "Once upon a time",
-                                                      "max_tokens": 50})
+    _, stream = _stream(
+        client, "/v1/completions", {"model": "fake-model", "prompt": "Once upon a time", "max_tokens": 50}
+    )
     texts = [c["choices"][0]["text"] for c in stream.chunks]
     reasons = [c["choices"][0]["finish_reason"] for c in stream.chunks]
     assert "".join(texts) == "Hello world"
@@ -48,21 +54,70 @@ def test_usage_chunk_equals_non_streaming_usage_with_n2(client):
     usage_chunks = [c for c in stream.chunks if c.get("usage")]
     assert usage_chunks == [stream.chunks[-1]]
     assert stream.chunks[-1]["choices"] == []
-    assert stream.chunks[-1]["usage"] == plain["usage"] == {
-        "prompt_tokens": 20, "completion_tokens": 8, "total_tokens": 28, "prompt_tokens_details": {"cached_tokens": 0}}
-    assert set(stream.chunks[-1]["kvscope"]) == set(plain["kvscope"]) == {
-        "queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean", "batch_size_max", "kv_blocks",
-        "kv_cache_usage", "num_preemptions", "prompt_tokens", "cached_tokens", "queue_ahead", "running_on_arrival",
-        "queue_limit", "queue_blocked_steps", "recomputed_tokens", "structured_mask_s", "structured_wait_s",
-        "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_mean_accepted_length",
-        *(f"{phase}_{name}" for phase in ("prefill", "decode")
-          for name in ("steps", "tokens", "other_prefill_tokens", "other_decode_tokens", "other_requests_max",
-                       "step_s_mean", "step_s_max", "own_s", "interference_s", "interference_prefill_s",
-                       "preempted_s", "other_s"))}
+    assert (
+        stream.chunks[-1]["usage"]
+        == plain["usage"]
+        == {
+            "prompt_tokens": 20,
+            "completion_tokens": 8,
+            "total_tokens": 28,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+    )
+    assert (
+        set(stream.chunks[-1]["kvscope"])
+        == set(plain["kvscope"])
+        == {
+            "queue_s",
+            "ttft_s",
+            "prefill_s",
+            "decode_s",
+            "tpot_s",
+            "batch_size_mean",
+            "batch_size_max",
+            "kv_blocks",
+            "kv_cache_usage",
+            "num_preemptions",
+            "prompt_tokens",
+            "cached_tokens",
+            "queue_ahead",
+            "running_on_arrival",
+            "queue_limit",
+            "queue_blocked_steps",
+            "recomputed_tokens",
+            "structured_mask_s",
+            "structured_wait_s",
+            "spec_drafts",
+            "spec_draft_tokens",
+            "spec_accepted_tokens",
+            "spec_mean_accepted_length",
+            *(
+                f"{phase}_{name}"
+                for phase in ("prefill", "decode")
+                for name in (
+                    "steps",
+                    "tokens",
+                    "other_prefill_tokens",
+                    "other_decode_tokens",
+                    "other_requests_max",
+                    "step_s_mean",
+                    "step_s_max",
+                    "own_s",
+                    "interference_s",
+                    "interference_prefill_s",
+                    "preempted_s",
+                    "other_s",
+                )
+            ),
+        }
+    )
     assert all(c["usage"] is None for c in stream.chunks[:-1])
     for index in (0, 1):
-        reasons = [c["choices"][0]["finish_reason"] for c in stream.chunks if c["choices"]
-                   and c["choices"][0]["index"] == index]
+        reasons = [
+            c["choices"][0]["finish_reason"]
+            for c in stream.chunks
+            if c["choices"] and c["choices"][0]["index"] == index
+        ]
         assert reasons == [None] * 4 + ["length"]
 
 
@@ -93,8 +148,9 @@ def test_no_broken_characters_and_stream_equals_json(client, fake_engine):
 
 
 def test_top_logprobs_count_and_order(client):
-    choice = client.post("/v1/chat/completions", json=chat_body(max_tokens=3, logprobs=True, top_logprobs=3)
-                         ).json()["choices"][0]
+    choice = client.post(
+        "/v1/chat/completions", json=chat_body(max_tokens=3, logprobs=True, top_logprobs=3)
+    ).json()["choices"][0]
     entries = choice["logprobs"]["content"]
     assert [e["token"] for e in entries] == ["H", "e", "l"]
     for entry in entries:
@@ -102,25 +158,38 @@ def test_top_logprobs_count_and_order(client):
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry["logprob"] == tops[0] <= 0
     plain = client.post("/v1/chat/completions", json=chat_body(max_tokens=1, logprobs=True)).json()
     assert plain["choices"][0]["logprobs"]["content"] == [
-        {"token": "H", "logprob": -0.5, "bytes": [72], "top_logprobs": []}]
+        {"token": "H", "logprob": -0.5, "bytes": [72], "top_logprobs": []}
+    ]
 
 
 def test_completions_prompt_list_and_legacy_logprobs(client):
-    body = {"model": "fake-model", "prompt": ["ab", "c"], "max_tokens": 2, "n": 2, "logprobs": 1, "echo": True}
+    body = {
+        "model": "fake-model",
+        "prompt": ["ab", "c"],
+        "max_tokens": 2,
+        "n": 2,
+        "logprobs": 1,
+        "echo": True,
+    }
     result = client.post("/v1/completions", json=body).json()
     assert [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in result["choices"]] == ["abHe", "abHe", "cHe", "cHe"]
     assert result["usage"]["prompt_tokens"] == 3 and result["usage"]["completion_tokens"] == 8
     lp = result["choices"][2]["logprobs"]
-    assert lp == {"tokens": ["c", "H", "e"], "token_logprobs": [None, -0.5, -0.5],
-                  "top_logprobs": [None, {"H": -0.5}, {"e": -0.5}], "text_offset": [0, 1, 2]}
+    assert lp == {
+        "tokens": ["c", "H", "e"],
+        "token_logprobs": [None, -0.5, -0.5],
+        "top_logprobs": [None, {"H": -0.5}, {"e": -0.5}],
+        "text_offset": [0, 1, 2],
+    }
 
 
 def test_injected_fault_mid_stream_is_in_band_error(client, fake_engine):
     fake_engine.token_s = 0.01
     before = metric_samples(client.get("/metrics").text)
-    response, stream = _stream(client, "/v1/chat/completions", chat_body(max_tokens=50),
-                               **{"x-kvscope-fault": "after_tokens=3"})
+    response, stream = _stream(
+        client, "/v1/chat/completions", chat_body(max_tokens=50), **{"x-kvscope-fault": "after_tokens=3"}
+    )
     assert "[DONE]" not in stream.data
     assert list(stream.data[-1]) == ["error"]
     assert stream.data[-1]["error"]["type"] == "server_error"
@@ -130,15 +199,23 @@ def test_injected_fault_mid_stream_is_in_band_error(client, fake_engine):
     assert (request_id, "injected fault") in fake_engine.aborted
     after = metric_samples(client.get("/metrics").text)
     name = "kvscope_engine_request_success_total"
-    assert sample(after, name, model="fake-model", finish_reason="error") - sample(
-        before, name, model="fake-model", finish_reason="error") == 1
+    assert (
+        sample(after, name, model="fake-model", finish_reason="error")
+        - sample(before, name, model="fake-model", finish_reason="error")
+        == 1
+    )
     # the availability SLO sees the broken stream although its status stays 200 (alerts/kvscope.rules.yaml)
     assert _stream_errors(after) - _stream_errors(before) == {"injected_fault": 1}
 
 
 def _stream_errors(samples: dict) -> Counter:
-    return Counter({labels[1][1]: value for (name, labels), value in samples.items()
-                    if name == "kvscope_engine_stream_errors_total" and labels[0] == ("model", "fake-model")})
+    return Counter(
+        {
+            labels[1][1]: value
+            for (name, labels), value in samples.items()
+            if name == "kvscope_engine_stream_errors_total" and labels[0] == ("model", "fake-model")
+        }
+    )
 
 
 def test_stream_error_reasons_are_bounded_and_skip_client_errors():
@@ -159,8 +236,9 @@ def test_stream_error_reasons_are_bounded_and_skip_client_errors():
 
 
 def test_injected_fault_non_streaming_is_500_json(client):
-    response = client.post("/v1/chat/completions", json=chat_body(max_tokens=50),
-                           headers={"x-kvscope-fault": "after_tokens=0"})
+    response = client.post(
+        "/v1/chat/completions", json=chat_body(max_tokens=50), headers={"x-kvscope-fault": "after_tokens=0"}
+    )
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "request_failed"
     assert client.post("/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200

@@ -41,8 +41,11 @@ def fake_engine(grammar_manager) -> FakeEngine:
 
 def _schema_body(i: int) -> dict:
     schema = {"title": f"{MARKER}-{i}", "type": "object", "properties": PROPERTIES}
-    return chat_body(f"form {i}", max_tokens=4, response_format={
-        "type": "json_schema", "json_schema": {"name": f"form{i}", "schema": schema}})
+    return chat_body(
+        f"form {i}",
+        max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": f"form{i}", "schema": schema}},
+    )
 
 
 def _until(condition) -> None:
@@ -55,13 +58,20 @@ def _until(condition) -> None:
 
 def test_plain_and_cached_requests_never_wait_for_grammar_compiles(client, grammar_manager, spy) -> None:
     json_object = chat_body("a cat", max_tokens=4, response_format={"type": "json_object"})
-    assert client.post(CHAT, json=json_object).status_code == 200  # compiled and cached (and the tokenizer built)
+    assert (
+        client.post(CHAT, json=json_object).status_code == 200
+    )  # compiled and cached (and the tokenizer built)
     pool = ThreadPoolExecutor(12)
     try:
         schemas = [pool.submit(client.post, CHAT, json=_schema_body(i)) for i in range(10)]
         assert spy.entered.wait(60)
-        _until(lambda: grammar_manager.num_pending == 10)  # one holds the compile thread, nine queue behind it
-        quick = [pool.submit(client.post, CHAT, json=json_object), pool.submit(client.post, CHAT, json=chat_body())]
+        _until(
+            lambda: grammar_manager.num_pending == 10
+        )  # one holds the compile thread, nine queue behind it
+        quick = [
+            pool.submit(client.post, CHAT, json=json_object),
+            pool.submit(client.post, CHAT, json=chat_body()),
+        ]
         answers = [future.result(timeout=60) for future in quick]
         assert [a.status_code for a in answers] == [200, 200]
         assert answers[1].json()["choices"][0]["message"]["content"] == "Hello world"
@@ -74,9 +84,15 @@ def test_plain_and_cached_requests_never_wait_for_grammar_compiles(client, gramm
     for answer in refused:
         error = answer.json()["error"]
         assert (answer.status_code, error["param"], error["type"], error["message"]) == (
-            400, "response_format", "invalid_request_error", "The json constraint is too large to compile: its "
-            "grammar has more than 20000 symbols (the engine's --structured-output-max-grammar-size).")
-    assert spy.compile_threads == ["grammar-compile_0"] * 11  # the json_object and the ten, on their own thread
+            400,
+            "response_format",
+            "invalid_request_error",
+            "The json constraint is too large to compile: its "
+            "grammar has more than 20000 symbols (the engine's --structured-output-max-grammar-size).",
+        )
+    assert (
+        spy.compile_threads == ["grammar-compile_0"] * 11
+    )  # the json_object and the ten, on their own thread
 
 
 def test_a_full_compile_queue_is_a_429(client, grammar_manager, spy) -> None:
@@ -93,9 +109,15 @@ def test_a_full_compile_queue_is_a_429(client, grammar_manager, spy) -> None:
         pool.shutdown(wait=True)
     error = busy.json()["error"]
     assert (busy.status_code, busy.headers["retry-after"], error["code"], error["type"]) == (
-        429, "1", "grammar_compile_busy", "rate_limit_error")
-    assert error["message"] == ("Too many new grammars are compiling: 1 new grammars are already waiting to compile "
-                                "(limit 1); retry later.")
+        429,
+        "1",
+        "grammar_compile_busy",
+        "rate_limit_error",
+    )
+    assert error["message"] == (
+        "Too many new grammars are compiling: 1 new grammars are already waiting to compile "
+        "(limit 1); retry later."
+    )
 
 
 GRAMMAR_LIMIT = ERROR_PREFIX + "Parser Error: Current row has 2007 items; max is 2000"
@@ -111,16 +133,28 @@ def test_a_matcher_limit_mid_answer_is_the_clients_400_never_an_engine_5xx(clien
     fault = {"x-kvscope-fault": "after_tokens=2"}
     before = metric_samples(client.get("/metrics").text)
     answer = client.post(CHAT, json=body, headers=fault)
-    message = ("The json_object constraint exceeded the grammar matcher's limits while generating: Parser Error: "
-               "Current row has 2007 items; max is 2000")
+    message = (
+        "The json_object constraint exceeded the grammar matcher's limits while generating: Parser Error: "
+        "Current row has 2007 items; max is 2000"
+    )
     assert answer.status_code == 400
-    assert answer.json()["error"] == {"message": message, "type": "invalid_request_error",
-                                      "param": "response_format", "code": "invalid_value"}
+    assert answer.json()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": "response_format",
+        "code": "invalid_value",
+    }
     streamed = client.post(CHAT, json={**body, "stream": True}, headers=fault)
     events = parse_sse(streamed.text)
     assert streamed.status_code == 200 and "[DONE]" not in events.data
-    assert events.data[-1] == {"error": {"message": message, "type": "invalid_request_error",
-                                         "param": "response_format", "code": "invalid_value"}}
+    assert events.data[-1] == {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "response_format",
+            "code": "invalid_value",
+        }
+    }
     after = metric_samples(client.get("/metrics").text)
     http = "kvscope_engine_http_requests_total"
     assert sample(after, http, route=CHAT, status="400") - sample(before, http, route=CHAT, status="400") == 1

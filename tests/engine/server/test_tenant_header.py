@@ -52,10 +52,15 @@ def test_the_header_is_the_tenant_of_every_prompt_and_user_is_not(client, fake_e
     assert seen == [(response.json()["id"], response.json()["id"], None)]  # no header: its own tenant
 
 
-@pytest.mark.parametrize("value", ["", "-starts-with-dash", "has space", "a" * 65, "tenant:x", "k\xe9y".encode("latin-1")])
+@pytest.mark.parametrize(
+    "value", ["", "-starts-with-dash", "has space", "a" * 65, "tenant:x", "k\xe9y".encode("latin-1")]
+)
 def test_a_malformed_tenant_is_a_400_naming_the_header_and_nothing_is_queued(client, fake_engine, value):
-    response = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 1},
-                           headers={TENANT_HEADER: value})
+    response = client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": "hi", "max_tokens": 1},
+        headers={TENANT_HEADER: value},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", TENANT_HEADER)
@@ -67,9 +72,16 @@ def _tiny_model(out: Path, tokenizer_dir: Path) -> Path:
     """Random weights, one layer, the test model's tokenizer and vocabulary (the server's start-up generation
     sends text): an engine that loads in a moment."""
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=256,
-                                      tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
@@ -77,8 +89,9 @@ def _tiny_model(out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-def test_the_header_reaches_the_schedulers_requests_of_the_real_engine(tmp_path: Path, tokenizer_dir: Path,
-                                                                      monkeypatch) -> None:
+def test_the_header_reaches_the_schedulers_requests_of_the_real_engine(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch
+) -> None:
     tiny = _tiny_model(tmp_path / "tiny", tokenizer_dir)
     queued: list[Request] = []
     add_request = Scheduler.add_request
@@ -88,18 +101,26 @@ def test_the_header_reaches_the_schedulers_requests_of_the_real_engine(tmp_path:
         add_request(self, request)
 
     monkeypatch.setattr(Scheduler, "add_request", recording)
-    config = EngineConfig(model=ModelConfig(model=str(tiny), dtype="float32"), num_threads=1,
-                          cache=CacheConfig(block_size=16, num_blocks=64))
-    app = create_app(ServerSettings(), config, tracing=Tracing("test", InMemorySpanExporter(), batch=False),
-                     registry=CollectorRegistry())
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny), dtype="float32"),
+        num_threads=1,
+        cache=CacheConfig(block_size=16, num_blocks=64),
+    )
+    app = create_app(
+        ServerSettings(),
+        config,
+        tracing=Tracing("test", InMemorySpanExporter(), batch=False),
+        registry=CollectorRegistry(),
+    )
     with TestClient(app) as client:
         queued.clear()  # the start-up generation
         body = {"prompt": ["Hi", "Ho"], "n": 2, "max_tokens": 2}
         response = client.post("/v1/completions", json=body, headers={TENANT_HEADER: "key-a"})
         assert response.status_code == 200, response.text
         rid = response.json()["id"]
-        assert [(r.request_id, r.fairness_group, r.fairness_tenant, r.fairness_tenant_key) for r in queued] == [
-            (f"{rid}-p{p}-{c}", rid, "key-a", "tenant:key-a") for p in range(2) for c in range(2)]
+        assert [
+            (r.request_id, r.fairness_group, r.fairness_tenant, r.fairness_tenant_key) for r in queued
+        ] == [(f"{rid}-p{p}-{c}", rid, "key-a", "tenant:key-a") for p in range(2) for c in range(2)]
         queued.clear()
         response = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         assert response.status_code == 200, response.text

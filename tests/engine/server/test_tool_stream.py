@@ -14,17 +14,22 @@ from tests.engine.server.fakes import FakeEngine, FakeInfo
 from tests.engine.server.helpers import parse_sse
 
 TRICKY = {"q": 'a "quoted" {brace} [bracket] \\ back', "city": "Zürich ☃", "n": [1, {"deep": "}"}], "e": {}}
-REQUIRED_TWO = ('[{"name": "get_weather", "arguments": ' + json.dumps(TRICKY, ensure_ascii=False)
-                + '}, {"name": "get_time", "arguments": {"tz": "UTC"}}]')
-AUTO = ('Let me check {that}.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"<tool_call>\\""}}'
-        '\n</tool_call>\nDone < soon.')
+REQUIRED_TWO = (
+    '[{"name": "get_weather", "arguments": '
+    + json.dumps(TRICKY, ensure_ascii=False)
+    + '}, {"name": "get_time", "arguments": {"tz": "UTC"}}]'
+)
+AUTO = (
+    'Let me check {that}.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"<tool_call>\\""}}'
+    "\n</tool_call>\nDone < soon."
+)
 
 
 def _chunked(text: str, seed: int) -> list[str]:
     rng, pieces, at = random.Random(seed), [], 0
     while at < len(text):
         step = rng.randint(1, 5)
-        pieces.append(text[at:at + step])
+        pieces.append(text[at : at + step])
         at += step
     return pieces
 
@@ -54,16 +59,48 @@ def _reassembled(events: list) -> tuple[list[tuple[str, str]], str, list[int]]:
     return list(zip(names, args, strict=True)), content, ends
 
 
-@pytest.mark.parametrize(("mode", "text", "calls", "content"), [
-    ("required", REQUIRED_TWO, [("get_weather", json.dumps(TRICKY, ensure_ascii=False)),
-                                ("get_time", '{"tz": "UTC"}')], ""),
-    ("auto", AUTO, [("get_weather", '{"city": "Paris \\"<tool_call>\\""}')], "Let me check {that}.Done < soon."),
-    ("auto", "a <tool_c b <tool_call>x</tool_call> <tool_call", [], "a <tool_c b <tool_call>x</tool_call> <tool_call"),
-    ("auto", '<tool_call>{"arguments": {"a": 1}, "name": "late"}</tool_call>', [("late", '{"a": 1}')], ""),
-    ("auto", '<tool_call>{"name": "f"}</tool_call>ok', [("f", "{}")], "ok"),
-    ("auto", '<tool_call>{"name": "f", "arguments": "{\\"s\\": 1}"}</tool_call>', [("f", '{"s": 1}')], ""),
-    ("auto", '<tool_call>{"arguments": {}}</tool_call> plain', [], '<tool_call>{"arguments": {}}</tool_call> plain'),
-])
+@pytest.mark.parametrize(
+    ("mode", "text", "calls", "content"),
+    [
+        (
+            "required",
+            REQUIRED_TWO,
+            [("get_weather", json.dumps(TRICKY, ensure_ascii=False)), ("get_time", '{"tz": "UTC"}')],
+            "",
+        ),
+        (
+            "auto",
+            AUTO,
+            [("get_weather", '{"city": "Paris \\"<tool_call>\\""}')],
+            "Let me check {that}.Done < soon.",
+        ),
+        (
+            "auto",
+            "a <tool_c b <tool_call>x</tool_call> <tool_call",
+            [],
+            "a <tool_c b <tool_call>x</tool_call> <tool_call",
+        ),
+        (
+            "auto",
+            '<tool_call>{"arguments": {"a": 1}, "name": "late"}</tool_call>',
+            [("late", '{"a": 1}')],
+            "",
+        ),
+        ("auto", '<tool_call>{"name": "f"}</tool_call>ok', [("f", "{}")], "ok"),
+        (
+            "auto",
+            '<tool_call>{"name": "f", "arguments": "{\\"s\\": 1}"}</tool_call>',
+            [("f", '{"s": 1}')],
+            "",
+        ),
+        (
+            "auto",
+            '<tool_call>{"arguments": {}}</tool_call> plain',
+            [],
+            '<tool_call>{"arguments": {}}</tool_call> plain',
+        ),
+    ],
+)
 def test_every_chunking_gives_the_same_events_and_calls(mode, text, calls, content) -> None:
     whole = _run(mode, [text])
     assert _reassembled(whole) == (calls, content, list(range(len(calls))))
@@ -79,7 +116,12 @@ def test_arguments_stream_piece_by_piece_and_end_at_the_closing_brace() -> None:
     assert scanner.feed('ather", "argu') == [CallStart(0, "get_weather")]
     assert scanner.feed('ments": {"city": "Pa') == [Arguments(0, '{"city": "Pa')]
     assert scanner.feed('ris"}}, {"name": "g", "arguments": {}}]') == [
-        Arguments(0, 'ris"}'), CallEnd(0), CallStart(1, "g"), Arguments(1, "{}"), CallEnd(1)]
+        Arguments(0, 'ris"}'),
+        CallEnd(0),
+        CallStart(1, "g"),
+        Arguments(1, "{}"),
+        CallEnd(1),
+    ]
     assert scanner.finish() == []
 
 
@@ -89,31 +131,50 @@ def test_auto_streams_text_and_holds_only_a_tag_prefix() -> None:
     assert scanner.feed("box> ok  ") == [Content(" <toolbox> ok")]
     assert scanner.feed("\n<tool_call>\n") == []
     assert scanner.feed('{"name": "f", "arguments": {"a": "<"}}\n</tool_call>  \nbye') == [
-        CallStart(0, "f"), Arguments(0, '{"a": "<"}'), CallEnd(0), Content("bye")]
+        CallStart(0, "f"),
+        Arguments(0, '{"a": "<"}'),
+        CallEnd(0),
+        Content("bye"),
+    ]
     assert scanner.finish() == []
     unfinished = ToolCallScanner("auto")
-    assert unfinished.feed("x <tool_call> {\"na") == [Content("x")]
+    assert unfinished.feed('x <tool_call> {"na') == [Content("x")]
     assert unfinished.finish() == [Content(' <tool_call> {"na')]
 
 
 def test_parse_tool_calls_keeps_the_models_own_arguments_text() -> None:
-    assert parse_tool_calls(ToolMode("required"), REQUIRED_TWO) == ([
-        ParsedCall("get_weather", json.dumps(TRICKY, ensure_ascii=False)), ParsedCall("get_time", '{"tz": "UTC"}')],
-        None)
+    assert parse_tool_calls(ToolMode("required"), REQUIRED_TWO) == (
+        [
+            ParsedCall("get_weather", json.dumps(TRICKY, ensure_ascii=False)),
+            ParsedCall("get_time", '{"tz": "UTC"}'),
+        ],
+        None,
+    )
     assert parse_tool_calls(ToolMode("auto"), AUTO) == (
-        [ParsedCall("get_weather", '{"city": "Paris \\"<tool_call>\\""}')], "Let me check {that}.Done < soon.")
+        [ParsedCall("get_weather", '{"city": "Paris \\"<tool_call>\\""}')],
+        "Let me check {that}.Done < soon.",
+    )
     assert parse_tool_calls(ToolMode("required"), '[{"name": "f", "arguments": {"a": ') is None
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
 @pytest.fixture
 def fake_engine() -> FakeEngine:
     """The Hermes tool prompt is ~1000 byte-tokens: a context that holds it."""
     return FakeEngine(info=FakeInfo(max_model_len=4096))
 
 
-HERMES_REPLY = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich {x}"}}\n</tool_call>'
+HERMES_REPLY = (
+    'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich {x}"}}\n</tool_call>'
+)
 
 
 def test_auto_streams_through_the_server_and_reassembles_to_the_json_answer(client, fake_engine) -> None:
@@ -124,7 +185,8 @@ def test_auto_streams_through_the_server_and_reassembles_to_the_json_answer(clie
     assert whole["finish_reason"] == "tool_calls"
     assert whole["message"]["content"] == "Sure."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == [
-        ("get_weather", '{"city": "Zürich {x}"}')]
+        ("get_weather", '{"city": "Zürich {x}"}')
+    ]
     stream = parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
     deltas = [c["choices"][0]["delta"] for c in stream.chunks]
     content = "".join(d.get("content") or "" for d in deltas)
@@ -136,7 +198,8 @@ def test_auto_streams_through_the_server_and_reassembles_to_the_json_answer(clie
     assert "".join(fragments) == whole["message"]["tool_calls"][0]["function"]["arguments"]
     assert len(fragments) > 10  # one per token (UTF-8 bytes of "ü" held together by the detokenizer)
     assert [c["choices"][0]["finish_reason"] for c in stream.chunks if c["choices"][0]["finish_reason"]] == [
-        "tool_calls"]
+        "tool_calls"
+    ]
 
 
 def test_auto_without_a_call_streams_the_whole_text_as_content(client, fake_engine) -> None:

@@ -86,10 +86,16 @@ def test_engine_flags_build_the_speculative_config():
     from kvscope.engine.llm import build_engine_config
     from kvscope.engine.server.cli import build_parser, engine_config_kwargs
 
-    args = build_parser().parse_args(["--speculative", "ngram", "--num-speculative-tokens", "3",
-                                      "--prompt-lookup-max", "5"])
+    args = build_parser().parse_args(
+        ["--speculative", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-max", "5"]
+    )
     config = build_engine_config("smollm2-135m", **engine_config_kwargs(args))
-    assert config.speculative == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=5)
-    assert build_engine_config("smollm2-135m", **engine_config_kwargs(build_parser().parse_args([]))).speculative is None
+    assert config.speculative == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=5
+    )
+    assert (
+        build_engine_config("smollm2-135m", **engine_config_kwargs(build_parser().parse_args([]))).speculative
+        is None
+    )
     with pytest.raises(ValueError, match=r"prompt_lookup_max \(1\) must be at least prompt_lookup_min \(2\)"):
         build_engine_config("smollm2-135m", speculative="ngram", prompt_lookup_max=1)

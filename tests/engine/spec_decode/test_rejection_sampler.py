@@ -52,8 +52,10 @@ def test_emitted_tokens_follow_the_target_distribution_at_each_position():
     # acceptance of the first draft token happens with probability p_0(draft[0])
     accepted = sum(len(e) > 1 for e in emitted)
     expected = sum(float(probs[0, d[0]]) for d in drafts)
-    assert abs(accepted - expected) < 4 * expected ** 0.5
-    assert all(len(e) <= 3 for e in emitted) and all(e[:-1] == d[:len(e) - 1] for e, d in zip(emitted, drafts, strict=True))
+    assert abs(accepted - expected) < 4 * expected**0.5
+    assert all(len(e) <= 3 for e in emitted) and all(
+        e[:-1] == d[: len(e) - 1] for e, d in zip(emitted, drafts, strict=True)
+    )
 
 
 def test_a_rejected_token_is_never_emitted_in_its_place():
@@ -69,8 +71,10 @@ def test_a_rejected_token_is_never_emitted_in_its_place():
 def test_same_seed_same_draws_and_the_samplers_own_stream():
     probs = _rows()
     drafts = [[2, 3], [0, 0], [5, 1]] * 20
-    run = [[rejection_sample(probs, d, g) for d in drafts] for g in (torch.Generator().manual_seed(7),
-                                                                      torch.Generator().manual_seed(7))]
+    run = [
+        [rejection_sample(probs, d, g) for d in drafts]
+        for g in (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))
+    ]
     assert run[0] == run[1]
     other = [rejection_sample(probs, d, torch.Generator().manual_seed(8)) for d in drafts]
     assert other != run[0]
@@ -79,8 +83,15 @@ def test_same_seed_same_draws_and_the_samplers_own_stream():
     meta_gen, race_gen = torch.Generator().manual_seed(99), torch.Generator().manual_seed(99)
     params = [SamplingParams(temperature=1.0, seed=99)]
     for _ in range(30):
-        meta = SamplingMetadata.build(params=params, prompt_token_ids=[[1]], output_token_ids=[[]],
-                                      generators=[meta_gen], eos_token_ids=[None], vocab_size=VOCAB, device="cpu")
+        meta = SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=[[1]],
+            output_token_ids=[[]],
+            generators=[meta_gen],
+            eos_token_ids=[None],
+            vocab_size=VOCAB,
+            device="cpu",
+        )
         expected = int(Sampler()(logits, meta).sampled_token_ids[0])
         assert rejection_sample(torch.softmax(logits, -1), [], race_gen) == [expected]
 

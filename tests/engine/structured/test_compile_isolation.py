@@ -37,8 +37,9 @@ def _manager(tokenizer, grammar_tokenizer, limits: CompileLimits | None = None) 
 
 def _held(i: int = 0, param: str = "response_format") -> StructuredOutputsParams:
     """A small schema whose compile the spy holds until the test opens the gate."""
-    return StructuredOutputsParams.json_schema({"title": f"{MARKER}-{i}", "type": "object",
-                                                "properties": {"a": {"type": "integer"}}}, param)
+    return StructuredOutputsParams.json_schema(
+        {"title": f"{MARKER}-{i}", "type": "object", "properties": {"a": {"type": "integer"}}}, param
+    )
 
 
 def _json_object() -> StructuredOutputsParams:
@@ -96,8 +97,9 @@ def test_concurrent_requests_for_one_grammar_share_one_compile(tokenizer, gramma
     assert len({id(params.pin.grammar) for params in requests}) == 1  # each request holds the same grammar
 
 
-def test_a_running_compile_is_pending_before_its_submitter_resumes(tokenizer, grammar_tokenizer, spy,
-                                                                     monkeypatch) -> None:
+def test_a_running_compile_is_pending_before_its_submitter_resumes(
+    tokenizer, grammar_tokenizer, spy, monkeypatch
+) -> None:
     # The interleaving of a loaded machine, forced: the submitting thread is paused right after handing the
     # job to the compile thread (the compile is running) and before it records the job as in flight. A reader
     # of num_pending must still see it (it waits for the submitter), never 0 while a compile runs.
@@ -148,33 +150,50 @@ async def test_a_cancelled_wait_leaves_the_shared_compile_to_the_others(tokenize
     assert left.cancelled() and manager.num_compiles == 1
 
 
-SEVEN_THOUSAND = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 5} for i in range(7000)}}
+SEVEN_THOUSAND = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "maxLength": 5} for i in range(7000)},
+}
 
 
-def test_a_grammar_above_the_size_limit_is_a_400_and_its_refusal_is_cached(tokenizer, grammar_tokenizer,
-                                                                             spy) -> None:
+def test_a_grammar_above_the_size_limit_is_a_400_and_its_refusal_is_cached(
+    tokenizer, grammar_tokenizer, spy
+) -> None:
     """The probe's schema: 7,000 optional string properties took 4.4 s to compile (56k grammar symbols)."""
     manager = _manager(tokenizer, grammar_tokenizer)
     for param in ("response_format", "tools"):
         with pytest.raises(InvalidParameterError) as caught:
             manager.compile(StructuredOutputsParams.json_schema(SEVEN_THOUSAND, param))
-        assert (caught.value.param, str(caught.value)) == (param, (
-            "The json constraint is too large to compile: its grammar has more than 20000 symbols (the engine's "
-            "--structured-output-max-grammar-size)."))
+        assert (caught.value.param, str(caught.value)) == (
+            param,
+            (
+                "The json constraint is too large to compile: its grammar has more than 20000 symbols (the engine's "
+                "--structured-output-max-grammar-size)."
+            ),
+        )
     assert manager.num_compiles == 1  # the second request got the cached refusal
 
 
 def _tool(parameters: dict, tool_choice) -> StructuredOutputsParams:
     """The constraint engine/server/tools.py builds for one tool ``f`` with these parameters."""
-    request = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                               "tool_choice": tool_choice,
-                               "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]},
-                              ChatCompletionRequest)
+    request = msgspec.convert(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": tool_choice,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        },
+        ChatCompletionRequest,
+    )
     return tool_constraint(request, tool_mode(request))
 
 
-ANY_OF_3000 = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
-                         for i in range(3000)]}
+ANY_OF_3000 = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(3000)
+    ]
+}
 SELF_REFERENCE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 
 
@@ -194,8 +213,9 @@ SELF_REFERENCE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "require
     (StructuredOutputsParams("regex", "a{0}", "structured_outputs"), None,
      "The regex constraint only allows an empty answer."),
 ])  # fmt: skip
-def test_constraints_the_matcher_cannot_serve_are_a_400_at_admission(tokenizer, grammar_tokenizer, constraint,
-                                                                     limits, message) -> None:
+def test_constraints_the_matcher_cannot_serve_are_a_400_at_admission(
+    tokenizer, grammar_tokenizer, constraint, limits, message
+) -> None:
     """Serving case N2's three: each answered ``{"`` or ``[`` with finish_reason stop before."""
     with pytest.raises(InvalidParameterError) as caught:
         _manager(tokenizer, grammar_tokenizer, limits).compile(constraint)

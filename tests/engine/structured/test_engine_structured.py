@@ -37,8 +37,14 @@ def test_constrained_requests_survive_preemption(llm):
 
 
 def test_n_children_and_stop_strings_keep_the_constraint(llm):
-    params = SamplingParams(n=6, temperature=1.0, seed=4, max_tokens=20, stop=["7"],
-                            structured_outputs=StructuredOutputsParams("regex", "[1-9]{2}-[a-c]{3}"))
+    params = SamplingParams(
+        n=6,
+        temperature=1.0,
+        seed=4,
+        max_tokens=20,
+        stop=["7"],
+        structured_outputs=StructuredOutputsParams("regex", "[1-9]{2}-[a-c]{3}"),
+    )
     choices = llm.generate("Code:", params)[0].outputs
     assert len(choices) == 6
     for choice in choices:
@@ -55,8 +61,9 @@ def test_constrained_requests_carry_their_grammar_mask_seconds(llm):
     manager = llm.engine.runner.matchers.manager
     previous, manager.mask_observer = manager.mask_observer, steps.append
     try:
-        constrained = SamplingParams(temperature=0.0, max_tokens=8,
-                                     structured_outputs=StructuredOutputsParams("regex", "[0-9]{6}"))
+        constrained = SamplingParams(
+            temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams("regex", "[0-9]{6}")
+        )
         free = SamplingParams(temperature=0.0, max_tokens=8)
         prompt = llm.tokenizer.encode("A number:")
         with_grammar, without = (r.outputs[0] for r in llm.generate([prompt, prompt], [constrained, free]))
@@ -73,16 +80,26 @@ def test_a_matcher_error_mid_answer_fails_the_request_instead_of_stopping(llm):
     """An integer or an object whose required ``a`` is the same object again: admission passes (the first token
     is a choice), the answer ``{"`` (forced by logit_bias) breaks llguidance's item limit at the next token.
     Before, the error state's EOS-only mask ended the answer ``{"`` with finish_reason ``stop``."""
-    schema = {"anyOf": [{"type": "integer"},
-                        {"type": "object", "properties": {"a": {"$ref": "#/anyOf/1"}}, "required": ["a"]}]}
+    schema = {
+        "anyOf": [
+            {"type": "integer"},
+            {"type": "object", "properties": {"a": {"$ref": "#/anyOf/1"}}, "required": ["a"]},
+        ]
+    }
     brace = llm.tokenizer.encode('{"', add_special_tokens=False)
-    params = SamplingParams(temperature=0.0, max_tokens=10, logit_bias={brace[0]: 100.0},
-                            structured_outputs=StructuredOutputsParams.json_schema(schema, "response_format"))
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        logit_bias={brace[0]: 100.0},
+        structured_outputs=StructuredOutputsParams.json_schema(schema, "response_format"),
+    )
     free_blocks = llm.engine.kv_cache_manager.num_free_blocks
     choice = llm.generate(["A JSON value:"], params)[0].outputs[0]
     assert (choice.text, choice.token_ids) == ('{"', brace)  # the token the matcher failed on is dropped
-    assert choice.finish_reason == ("structured output failed: parser error: Too many items (limit 50000; "
-                                    "ff_tokens); try avoiding single-byte/short lexemes")
+    assert choice.finish_reason == (
+        "structured output failed: parser error: Too many items (limit 50000; "
+        "ff_tokens); try avoiding single-byte/short lexemes"
+    )
     assert llm.engine.kv_cache_manager.num_free_blocks == free_blocks
     assert not llm.engine.has_unfinished_requests()
 

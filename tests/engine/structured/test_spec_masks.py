@@ -22,7 +22,9 @@ def test_draft_masks_follow_the_draft_and_roll_back(llm):
     rows = allocate_bitmask(len(draft) + 1, manager.vocab_size)
     matcher.fill_bitmasks(rows, draft)
     assert [_allowed(rows[j], digit) for j in range(3)] == [True, True, True]
-    assert not _allowed(rows[2], letter)  # row 2: after two digits; the letter is forbidden, so it is rejected
+    assert not _allowed(
+        rows[2], letter
+    )  # row 2: after two digits; the letter is forbidden, so it is rejected
     assert torch.equal(rows[3], rows[2]) and torch.equal(rows[4], rows[2])  # never reached
     assert matcher.num_consumed == 0
     single = allocate_bitmask(1, manager.vocab_size)

@@ -34,10 +34,16 @@ def test_sampler_masks_only_the_constrained_row() -> None:
     mask = allocate_bitmask(1, vocab)
     mask.zero_()
     mask[0, 1] = 1 << (33 - 32)  # only token 33 allowed
-    meta = SamplingMetadata.build([SamplingParams(temperature=0)] * 2, [[1], [1]], [[], []], [None, None],
-                                  [None, None], vocab)
-    meta = type(meta)(**{**{f: getattr(meta, f) for f in meta.__slots__},
-                         "bitmask_rows": torch.tensor([1]), "token_bitmask": mask})
+    meta = SamplingMetadata.build(
+        [SamplingParams(temperature=0)] * 2, [[1], [1]], [[], []], [None, None], [None, None], vocab
+    )
+    meta = type(meta)(
+        **{
+            **{f: getattr(meta, f) for f in meta.__slots__},
+            "bitmask_rows": torch.tensor([1]),
+            "token_bitmask": mask,
+        }
+    )
     assert Sampler()(logits, meta).sampled_token_ids.tolist() == [7, 33]
     assert allowed_tokens(mask, vocab)[0].nonzero().flatten().tolist() == [33]
     assert logits[1, 7] == 5.0  # the caller's logits are not modified
@@ -52,20 +58,30 @@ def test_compile_cache_and_unsupported_keyword(manager) -> None:
     assert caught.value.param == "response_format" and 'Unimplemented keys: ["if"]' in str(caught.value)
 
 
-@pytest.mark.parametrize(("kind", "spec"), [
-    ("json", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
-    ("json", json.dumps({"$ref": "#"})),
-    ("json", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}})),
-    ("regex", "[^\\s\\S]"),
-    ("grammar", "start: a\na: a"),
-])
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        ("json", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
+        ("json", json.dumps({"$ref": "#"})),
+        (
+            "json",
+            json.dumps(
+                {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+            ),
+        ),
+        ("regex", "[^\\s\\S]"),
+        ("grammar", "start: a\na: a"),
+    ],
+)
 def test_a_constraint_no_output_can_satisfy_is_a_400(manager, kind, spec) -> None:
     """llguidance compiles these and only fails at the first mask: answering would be an empty 200."""
     with pytest.raises(InvalidParameterError) as caught:
         manager.compile(StructuredOutputsParams(kind, spec, "structured_outputs"))
     assert caught.value.param == "structured_outputs"
     assert str(caught.value).startswith(f"The {kind} constraint can never be satisfied: no output matches it")
-    assert manager.compile(StructuredOutputsParams("regex", "a*", "structured_outputs")) >= 0.0  # may match ""
+    assert (
+        manager.compile(StructuredOutputsParams("regex", "a*", "structured_outputs")) >= 0.0
+    )  # may match ""
 
 
 def test_matcher_follows_the_output_tokens_and_ends_with_eos(manager, tokenizer) -> None:
@@ -91,7 +107,9 @@ def test_parse_tool_calls_per_mode() -> None:
     assert parse_tool_calls(ToolMode("named", "g"), '{"y":2}') == ([ParsedCall("g", '{"y":2}')], None)
     items = json.dumps([{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}])
     assert parse_tool_calls(ToolMode("required"), items) == (
-        [ParsedCall("f", '{"x": 1}'), ParsedCall("g", "{}")], None)  # the model's own text
+        [ParsedCall("f", '{"x": 1}'), ParsedCall("g", "{}")],
+        None,
+    )  # the model's own text
     assert parse_tool_calls(ToolMode("required"), '[{"name": "f"') is None
 
 
@@ -106,11 +124,20 @@ def test_a_tool_choice_constraint_and_a_guided_field_together_are_a_400() -> Non
     with pytest.raises(OpenAIError) as caught:
         chat_sampling_params(req, tool)
     assert (caught.value.status, caught.value.param, caught.value.message) == (
-        400, "guided_regex", "tool_choice required or a named function cannot be combined with guided_regex.")
-    assert chat_sampling_params(req).structured_outputs == StructuredOutputsParams("regex", "a+", "guided_regex")
+        400,
+        "guided_regex",
+        "tool_choice required or a named function cannot be combined with guided_regex.",
+    )
+    assert chat_sampling_params(req).structured_outputs == StructuredOutputsParams(
+        "regex", "a+", "guided_regex"
+    )
     del body["guided_regex"]
-    assert chat_sampling_params(decode_body(json.dumps(body).encode(), ChatCompletionRequest), tool
-                                ).structured_outputs is tool
+    assert (
+        chat_sampling_params(
+            decode_body(json.dumps(body).encode(), ChatCompletionRequest), tool
+        ).structured_outputs
+        is tool
+    )
 
 
 def _optional(count: int, kind: str) -> dict:
@@ -128,13 +155,17 @@ def test_a_row_past_the_matchers_limit_after_the_start_is_a_400_at_admission(man
     with pytest.raises(InvalidParameterError) as caught:
         manager.compile(StructuredOutputsParams.json_schema(schema, "response_format"))
     assert caught.value.param == "response_format"
-    assert str(caught.value) == (f"The json constraint cannot be served: the grammar matcher exceeds its limits "
-                                 f"after {prefix} (Parser Error: Current row has 2007 items; max is 2000; consider "
-                                 "making your grammar left-recursive if it's right-recursive)")
+    assert str(caught.value) == (
+        f"The json constraint cannot be served: the grammar matcher exceeds its limits "
+        f"after {prefix} (Parser Error: Current row has 2007 items; max is 2000; consider "
+        "making your grammar left-recursive if it's right-recursive)"
+    )
 
 
 def test_the_most_optional_string_properties_served(manager) -> None:
     """docs/engine-server.md's boundary: 498 optional string properties are served, 499 are a 400."""
-    assert manager.compile(StructuredOutputsParams.json_schema(_optional(498, "string"), "response_format")) > 0
+    assert (
+        manager.compile(StructuredOutputsParams.json_schema(_optional(498, "string"), "response_format")) > 0
+    )
     with pytest.raises(InvalidParameterError):
         manager.compile(StructuredOutputsParams.json_schema(_optional(499, "string"), "response_format"))

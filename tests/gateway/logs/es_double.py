@@ -130,8 +130,11 @@ class EsDouble:
                 status, body, compat = self._answer(request)
                 if self.faults.delay_s:
                     await asyncio.sleep(self.faults.delay_s)
-                writer.write(_response(status, body, compat, head=request.method == "HEAD",
-                                       product=self.product_header))
+                writer.write(
+                    _response(
+                        status, body, compat, head=request.method == "HEAD", product=self.product_header
+                    )
+                )
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
@@ -161,10 +164,15 @@ class EsDouble:
         both = found["accept"] is not None and found["ctype"] is not None
         if len(versions) > 1 or not versions <= {self.major, self.major - 1} or (request.body and not both):
             return None, es_error(
-                400, "media_type_header_exception", "Invalid media-type value on headers [Content-Type, Accept]",
-                caused_by={"type": "status_exception", "reason": "A compatible version is required on both "
-                           f"Content-Type and Accept headers if either one has requested a compatible version. "
-                           f"Accept={accept or None}, Content-Type={ctype or None}"},
+                400,
+                "media_type_header_exception",
+                "Invalid media-type value on headers [Content-Type, Accept]",
+                caused_by={
+                    "type": "status_exception",
+                    "reason": "A compatible version is required on both "
+                    f"Content-Type and Accept headers if either one has requested a compatible version. "
+                    f"Accept={accept or None}, Content-Type={ctype or None}",
+                },
             )
         return versions.pop(), None
 
@@ -190,10 +198,15 @@ class EsDouble:
 
     def _info(self) -> dict[str, Any]:
         return {
-            "name": "es-double", "cluster_name": "kvscope-test", "cluster_uuid": "dOuBlE",
-            "version": {"number": f"{self.major}.1.0", "build_flavor": "default",
-                        "minimum_wire_compatibility_version": f"{self.major - 1}.19.0",
-                        "minimum_index_compatibility_version": f"{self.major - 1}.0.0"},
+            "name": "es-double",
+            "cluster_name": "kvscope-test",
+            "cluster_uuid": "dOuBlE",
+            "version": {
+                "number": f"{self.major}.1.0",
+                "build_flavor": "default",
+                "minimum_wire_compatibility_version": f"{self.major - 1}.19.0",
+                "minimum_index_compatibility_version": f"{self.major - 1}.0.0",
+            },
             "tagline": "You Know, for Search",
         }
 
@@ -208,12 +221,19 @@ class EsDouble:
         if store is self.index_templates:
             missing = [c for c in body.get("composed_of", []) if c not in self.component_templates]
             if missing or not body.get("index_patterns"):
-                return es_error(400, "invalid_index_template_exception",
-                                f"index_template [{name}] invalid, cause [index template [{name}] specifies "
-                                f"component templates {missing} that do not exist]")
+                return es_error(
+                    400,
+                    "invalid_index_template_exception",
+                    f"index_template [{name}] invalid, cause [index template [{name}] specifies "
+                    f"component templates {missing} that do not exist]",
+                )
             if "data_stream" in body and not self._timestamp_ok(body):
-                return es_error(400, "illegal_argument_exception", "data stream timestamp field [@timestamp] "
-                                "has disallowed [ignore_malformed] attribute specified")
+                return es_error(
+                    400,
+                    "illegal_argument_exception",
+                    "data stream timestamp field [@timestamp] "
+                    "has disallowed [ignore_malformed] attribute specified",
+                )
         store[name] = body
         return ACK
 
@@ -245,33 +265,53 @@ class EsDouble:
             return es_error(400, "illegal_argument_exception", f"rollover target [{name}] does not exist")
         old = ds.write_index.name
         ds.roll_over()
-        return 200, {"acknowledged": True, "shards_acknowledged": True, "old_index": old,
-                     "new_index": ds.write_index.name, "rolled_over": True, "dry_run": False, "conditions": {}}
+        return 200, {
+            "acknowledged": True,
+            "shards_acknowledged": True,
+            "old_index": old,
+            "new_index": ds.write_index.name,
+            "rolled_over": True,
+            "dry_run": False,
+            "conditions": {},
+        }
 
     def _search(self, index: str, body: Any) -> Answer:
         if self.search_handler is not None:
             return self.search_handler(index, body)
-        hits = [{"_index": i.name, "_id": k, "_score": 1.0, "_source": v}
-                for ds in self.data_streams.values() if ds.name.startswith(index.rstrip("*"))
-                for i in ds.indices for k, v in i.docs.items()]
+        hits = [
+            {"_index": i.name, "_id": k, "_score": 1.0, "_source": v}
+            for ds in self.data_streams.values()
+            if ds.name.startswith(index.rstrip("*"))
+            for i in ds.indices
+            for k, v in i.docs.items()
+        ]
         size = (body or {}).get("size", 10)
-        return 200, {"took": 1, "timed_out": False,
-                     "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
-                     "hits": {"total": {"value": len(hits), "relation": "eq"}, "max_score": 1.0,
-                              "hits": hits[:size]}}
+        return 200, {
+            "took": 1,
+            "timed_out": False,
+            "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
+            "hits": {"total": {"value": len(hits), "relation": "eq"}, "max_score": 1.0, "hits": hits[:size]},
+        }
 
     # ---- _bulk -------------------------------------------------------------------------------------
     def _bulk(self, r: Request, default_index: str | None) -> Answer:
         if self.faults.bulk_statuses:
             status = self.faults.bulk_statuses.pop(0)
             if status == 429:
-                return es_error(429, "es_rejected_execution_exception",
-                                "rejected execution of coordinating operation [coordinating_and_primary_bytes="
-                                "104857600, replica_bytes=0, all_bytes=104857600, coordinating_operation_bytes="
-                                "1024, max_coordinating_and_primary_bytes=104857600]")
-            return es_error(status, "unavailable_shards_exception", "[.ds-kvscope][0] primary shard is not active")
+                return es_error(
+                    429,
+                    "es_rejected_execution_exception",
+                    "rejected execution of coordinating operation [coordinating_and_primary_bytes="
+                    "104857600, replica_bytes=0, all_bytes=104857600, coordinating_operation_bytes="
+                    "1024, max_coordinating_and_primary_bytes=104857600]",
+                )
+            return es_error(
+                status, "unavailable_shards_exception", "[.ds-kvscope][0] primary shard is not active"
+            )
         if not r.body.endswith(b"\n"):
-            return es_error(400, "illegal_argument_exception", "The bulk request must be terminated by a newline [\\n]")
+            return es_error(
+                400, "illegal_argument_exception", "The bulk request must be terminated by a newline [\\n]"
+            )
         started = time.perf_counter()
         lines = r.body.decode().split("\n")[:-1]
         items: list[dict[str, Any]] = []
@@ -287,46 +327,86 @@ class EsDouble:
         errors = any("error" in next(iter(item.values())) for item in items)
         return 200, {"errors": errors, "took": int((time.perf_counter() - started) * 1000), "items": items}
 
-    def _bulk_item(self, op: str, meta: dict[str, Any], source: Any, default_index: str | None) -> dict[str, Any]:
+    def _bulk_item(
+        self, op: str, meta: dict[str, Any], source: Any, default_index: str | None
+    ) -> dict[str, Any]:
         target = meta.get("_index", default_index)
         doc_id = meta.get("_id") or f"auto-{self.rng.getrandbits(64):016x}"
         roll = self.rng.random()
         if roll < self.faults.item_429_rate:
-            return {"_index": target, "_id": doc_id, "status": 429, "error": {
-                "type": "es_rejected_execution_exception",
-                "reason": "rejected execution of primary operation [shard_detail=[.ds-kvscope][0]]"}}
+            return {
+                "_index": target,
+                "_id": doc_id,
+                "status": 429,
+                "error": {
+                    "type": "es_rejected_execution_exception",
+                    "reason": "rejected execution of primary operation [shard_detail=[.ds-kvscope][0]]",
+                },
+            }
         if roll < self.faults.item_429_rate + self.faults.item_503_rate:
-            return {"_index": target, "_id": doc_id, "status": 503, "error": {
-                "type": "unavailable_shards_exception", "reason": "primary shard is not active"}}
+            return {
+                "_index": target,
+                "_id": doc_id,
+                "status": 503,
+                "error": {"type": "unavailable_shards_exception", "reason": "primary shard is not active"},
+            }
         ds = self._data_stream_for(target)
         if ds is None:
-            return {"_index": target, "_id": doc_id, "status": 404, "error": {
-                "type": "index_not_found_exception", "reason": f"no such index [{target}]"}}
+            return {
+                "_index": target,
+                "_id": doc_id,
+                "status": 404,
+                "error": {"type": "index_not_found_exception", "reason": f"no such index [{target}]"},
+            }
         if op != "create":
-            return {"_index": target, "_id": doc_id, "status": 400, "error": {
-                "type": "illegal_argument_exception",
-                "reason": "only write ops with an op_type of create are allowed in data streams"}}
+            return {
+                "_index": target,
+                "_id": doc_id,
+                "status": 400,
+                "error": {
+                    "type": "illegal_argument_exception",
+                    "reason": "only write ops with an op_type of create are allowed in data streams",
+                },
+            }
         index = ds.write_index
         problem = validate_doc(source, ds.mappings, ds.settings)
         if problem is not None:
             return {"_index": index.name, "_id": doc_id, "status": 400, "error": problem}
         if doc_id in index.docs:
-            return {"_index": index.name, "_id": doc_id, "status": 409, "error": {
-                "type": "version_conflict_engine_exception",
-                "reason": f"[{doc_id}]: version conflict, document already exists (current version [1])",
-                "index_uuid": index.uuid, "shard": "0", "index": index.name}}
+            return {
+                "_index": index.name,
+                "_id": doc_id,
+                "status": 409,
+                "error": {
+                    "type": "version_conflict_engine_exception",
+                    "reason": f"[{doc_id}]: version conflict, document already exists (current version [1])",
+                    "index_uuid": index.uuid,
+                    "shard": "0",
+                    "index": index.name,
+                },
+            }
         index.docs[doc_id] = source
         self.created[doc_id] += 1
-        return {"_index": index.name, "_id": doc_id, "_version": 1, "result": "created",
-                "_shards": {"total": 2, "successful": 1, "failed": 0},
-                "_seq_no": len(index.docs) - 1, "_primary_term": 1, "status": 201}
+        return {
+            "_index": index.name,
+            "_id": doc_id,
+            "_version": 1,
+            "result": "created",
+            "_shards": {"total": 2, "successful": 1, "failed": 0},
+            "_seq_no": len(index.docs) - 1,
+            "_primary_term": 1,
+            "status": 201,
+        }
 
     def _data_stream_for(self, name: str) -> DataStream | None:
         if name in self.data_streams:
             return self.data_streams[name]
-        matches = [(t.get("priority", 0), n, t) for n, t in self.index_templates.items()
-                   if "data_stream" in t and any(re.fullmatch(p.replace("*", ".*"), name)
-                                                 for p in t["index_patterns"])]
+        matches = [
+            (t.get("priority", 0), n, t)
+            for n, t in self.index_templates.items()
+            if "data_stream" in t
+            and any(re.fullmatch(p.replace("*", ".*"), name) for p in t["index_patterns"])
+        ]
         if not matches:
             return None
         _, template_name, template = max(matches, key=lambda m: m[0])
@@ -353,14 +433,28 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
 def _response(status: int, body: JsonBody, compat: int | None, *, head: bool, product: bool = True) -> bytes:
     payload = b"" if body is None else json.dumps(body).encode()
     ctype = f"application/vnd.elasticsearch+json;compatible-with={compat}" if compat else "application/json"
-    head_lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}",
-                  *(["X-Elastic-Product: Elasticsearch"] if product else []),
-                  f"content-type: {ctype}", f"content-length: {len(payload)}", "", ""]
+    head_lines = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}",
+        *(["X-Elastic-Product: Elasticsearch"] if product else []),
+        f"content-type: {ctype}",
+        f"content-length: {len(payload)}",
+        "",
+        "",
+    ]
     return "\r\n".join(head_lines).encode() + (b"" if head else payload)
 
 
-_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            409: "Conflict", 429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    201: "Created",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 async def _serve_forever(port: int) -> None:

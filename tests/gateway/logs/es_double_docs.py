@@ -47,10 +47,15 @@ class DataStream:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "name": self.name, "timestamp_field": {"name": "@timestamp"},
+            "name": self.name,
+            "timestamp_field": {"name": "@timestamp"},
             "indices": [{"index_name": i.name, "index_uuid": i.uuid} for i in self.indices],
-            "generation": len(self.indices), "status": "GREEN", "template": self.template,
-            "ilm_policy": self.settings.get("index.lifecycle.name"), "hidden": False, "system": False,
+            "generation": len(self.indices),
+            "status": "GREEN",
+            "template": self.template,
+            "ilm_policy": self.settings.get("index.lifecycle.name"),
+            "hidden": False,
+            "system": False,
         }
 
 
@@ -76,29 +81,39 @@ def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def validate_doc(doc: Any, mappings: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any] | None:
     """The per-item error Elasticsearch would answer for ``doc`` in a data stream, or None if it indexes."""
     if not isinstance(doc, dict) or "@timestamp" not in doc:
-        return {"type": "document_parsing_exception",
-                "reason": "[1:2] failed to parse: data stream timestamp field [@timestamp] is missing"}
+        return {
+            "type": "document_parsing_exception",
+            "reason": "[1:2] failed to parse: data stream timestamp field [@timestamp] is missing",
+        }
     ignore_malformed = bool(settings.get("index.mapping.ignore_malformed", False))
-    return _walk(doc, mappings.get("properties", {}), "", str(mappings.get("dynamic", "true")), ignore_malformed)
+    return _walk(
+        doc, mappings.get("properties", {}), "", str(mappings.get("dynamic", "true")), ignore_malformed
+    )
 
 
-def _walk(obj: dict[str, Any], props: dict[str, Any], path: str, dynamic: str, lenient: bool) -> dict[str, Any] | None:
+def _walk(
+    obj: dict[str, Any], props: dict[str, Any], path: str, dynamic: str, lenient: bool
+) -> dict[str, Any] | None:
     for key, value in obj.items():
         mapping = props.get(key)
         if mapping is None:
             if dynamic == "strict":
-                return {"type": "strict_dynamic_mapping_exception",
-                        "reason": f"[1:2] mapping set to strict, dynamic introduction of [{key}] within "
-                                  f"[{path.rstrip('.') or '_doc'}] is not allowed"}
+                return {
+                    "type": "strict_dynamic_mapping_exception",
+                    "reason": f"[1:2] mapping set to strict, dynamic introduction of [{key}] within "
+                    f"[{path.rstrip('.') or '_doc'}] is not allowed",
+                }
             continue
         if value is None or mapping.get("enabled") is False:
             continue
         sub = mapping.get("properties")
         if sub is not None or mapping.get("type") == "object":
             if not isinstance(value, dict):
-                return {"type": "document_parsing_exception",
-                        "reason": f"[1:2] object mapping for [{path}{key}] tried to parse field [{key}] as "
-                                  "object, but found a concrete value"}
+                return {
+                    "type": "document_parsing_exception",
+                    "reason": f"[1:2] object mapping for [{path}{key}] tried to parse field [{key}] as "
+                    "object, but found a concrete value",
+                }
             problem = _walk(value, sub or {}, f"{path}{key}.", str(mapping.get("dynamic", dynamic)), lenient)
         else:
             problem = _check_leaf(value, mapping["type"], path + key, lenient)
@@ -110,8 +125,10 @@ def _walk(obj: dict[str, Any], props: dict[str, Any], path: str, dynamic: str, l
 def _check_leaf(value: Any, ftype: str, path: str, lenient: bool) -> dict[str, Any] | None:
     for item in value if isinstance(value, list) else (value,):
         if item is not None and not _fits(item, ftype) and not (lenient and ftype in _MALFORMED_OK):
-            return {"type": "document_parsing_exception",
-                    "reason": f"[1:2] failed to parse field [{path}] of type [{ftype}]"}
+            return {
+                "type": "document_parsing_exception",
+                "reason": f"[1:2] failed to parse field [{path}] of type [{ftype}]",
+            }
     return None
 
 

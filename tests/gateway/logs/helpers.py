@@ -26,17 +26,37 @@ class RecordingMetrics:
         self.spool_bytes.append(n)
 
 
-def fast_config(spool_dir: Path, url: str, *, timeout_s: float = 2.0, spool_max_bytes: int = 1 << 30,
-                queue_size: int = 10_000, batch_size: int = 500, compat: int = 8,
-                setup: bool = True) -> ElasticsearchSinkConfig:
+def fast_config(
+    spool_dir: Path,
+    url: str,
+    *,
+    timeout_s: float = 2.0,
+    spool_max_bytes: int = 1 << 30,
+    queue_size: int = 10_000,
+    batch_size: int = 500,
+    compat: int = 8,
+    setup: bool = True,
+) -> ElasticsearchSinkConfig:
     """Millisecond-scale intervals and backoffs; the double's strict mapping catches unmapped fields."""
     return ElasticsearchSinkConfig(
-        spool=SpoolConfig(spool_dir, max_bytes=spool_max_bytes, segment_bytes=256 << 10, fsync="interval",
-                          fsync_interval_s=0.05),
+        spool=SpoolConfig(
+            spool_dir,
+            max_bytes=spool_max_bytes,
+            segment_bytes=256 << 10,
+            fsync="interval",
+            fsync_interval_s=0.05,
+        ),
         connection=EsConnectionConfig(hosts=(url,), request_timeout_s=timeout_s, compat_major=compat),
         index=EsIndexConfig(dynamic="strict"),
-        shipper=ShipperConfig(queue_size=queue_size, batch_size=batch_size, flush_interval_s=0.02,
-                              max_retries=3, initial_backoff_s=0.01, max_backoff_s=0.1, close_timeout_s=3.0),
+        shipper=ShipperConfig(
+            queue_size=queue_size,
+            batch_size=batch_size,
+            flush_interval_s=0.02,
+            max_retries=3,
+            initial_backoff_s=0.01,
+            max_backoff_s=0.1,
+            close_timeout_s=3.0,
+        ),
         setup_on_start=setup,
     )
 

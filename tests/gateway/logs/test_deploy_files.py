@@ -22,7 +22,9 @@ def mapped(path: str) -> bool:
 
 
 def test_kibana_ndjson_data_view_and_slow_failed_search():
-    objects = [json.loads(line) for line in (DEPLOY / "kibana" / "saved_objects.ndjson").read_text().splitlines()]
+    objects = [
+        json.loads(line) for line in (DEPLOY / "kibana" / "saved_objects.ndjson").read_text().splitlines()
+    ]
     by_type = {o["type"]: o for o in objects if o["id"] != "kvscope-latency-attribution"}
     assert sorted(by_type) == ["index-pattern", "search"]
     view = by_type["index-pattern"]
@@ -34,8 +36,11 @@ def test_kibana_ndjson_data_view_and_slow_failed_search():
     search = by_type["search"]
     attrs = search["attributes"]
     source = json.loads(attrs["kibanaSavedObjectMeta"]["searchSourceJSON"])
-    assert source["query"] == {"query": "kvscope.e2e_s >= 10 or http.response.status_code >= 500 or "
-                                        "kvscope.engine.num_preemptions > 0", "language": "kuery"}
+    assert source["query"] == {
+        "query": "kvscope.e2e_s >= 10 or http.response.status_code >= 500 or "
+        "kvscope.engine.num_preemptions > 0",
+        "language": "kuery",
+    }
     ref = {r["name"]: r for r in search["references"]}[source["indexRefName"]]
     assert (ref["type"], ref["id"]) == ("index-pattern", view["id"])
     assert attrs["sort"] == [["kvscope.e2e_s", "desc"]]
@@ -44,17 +49,26 @@ def test_kibana_ndjson_data_view_and_slow_failed_search():
 
 
 def test_kibana_latency_attribution_search_shows_mapped_cause_fields():
-    objects = {json.loads(line)["id"]: json.loads(line)
-               for line in (DEPLOY / "kibana" / "saved_objects.ndjson").read_text().splitlines()}
+    objects = {
+        json.loads(line)["id"]: json.loads(line)
+        for line in (DEPLOY / "kibana" / "saved_objects.ndjson").read_text().splitlines()
+    }
     attrs = objects["kvscope-latency-attribution"]["attributes"]
     source = json.loads(attrs["kibanaSavedObjectMeta"]["searchSourceJSON"])
     assert source["query"] == {"query": "kvscope.engine.prefill_steps >= 1", "language": "kuery"}
     assert [c for c in attrs["columns"] if not mapped(c)] == []
-    assert {"kvscope.engine.queue_ahead", "kvscope.engine.prefill_interference_s",
-            "kvscope.engine.decode_preempted_s"} <= set(attrs["columns"])
+    assert {
+        "kvscope.engine.queue_ahead",
+        "kvscope.engine.prefill_interference_s",
+        "kvscope.engine.decode_preempted_s",
+    } <= set(attrs["columns"])
     assert [c for c in attrs["columns"] if c.startswith("kvscope.gateway.")] == [
-        "kvscope.gateway.retry_s", "kvscope.gateway.rate_limit_s", "kvscope.gateway.tokenize_s",
-        "kvscope.gateway.auth_s", "kvscope.gateway.other_s"]
+        "kvscope.gateway.retry_s",
+        "kvscope.gateway.rate_limit_s",
+        "kvscope.gateway.tokenize_s",
+        "kvscope.gateway.auth_s",
+        "kvscope.gateway.other_s",
+    ]
     assert attrs["sort"] == [["kvscope.e2e_s", "desc"]]
 
 

@@ -23,12 +23,20 @@ pytestmark = pytest.mark.skipif(not URL, reason="set ELASTICSEARCH_URL to run ag
 async def test_ship_report_and_clean_up(tmp_path):
     run = uuid.uuid4().hex[:8]
     index = EsIndexConfig(data_stream=f"kvscope-livetest-{run}", dynamic="strict")
-    conn = EsConnectionConfig(hosts=(URL,), api_key=os.environ.get("ELASTICSEARCH_API_KEY"),
-                              ca_certs=os.environ.get("ELASTICSEARCH_CA_CERTS"),
-                              compat_major=int(os.environ.get("ELASTICSEARCH_COMPAT", "8")))
-    sink = ElasticsearchSink(ElasticsearchSinkConfig(
-        spool=SpoolConfig(tmp_path), connection=conn, index=index,
-        shipper=ShipperConfig(flush_interval_s=0.05, initial_backoff_s=0.1)))
+    conn = EsConnectionConfig(
+        hosts=(URL,),
+        api_key=os.environ.get("ELASTICSEARCH_API_KEY"),
+        ca_certs=os.environ.get("ELASTICSEARCH_CA_CERTS"),
+        compat_major=int(os.environ.get("ELASTICSEARCH_COMPAT", "8")),
+    )
+    sink = ElasticsearchSink(
+        ElasticsearchSinkConfig(
+            spool=SpoolConfig(tmp_path),
+            connection=conn,
+            index=index,
+            shipper=ShipperConfig(flush_interval_s=0.05, initial_backoff_s=0.1),
+        )
+    )
     await sink.start()
     for i in range(200):
         record = make_record(i, e2e_s=(i + 1) / 100, engine=engine_stats(0.01, 0.02, 0.03))

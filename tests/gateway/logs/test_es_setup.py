@@ -27,18 +27,26 @@ async def test_setup_puts_policy_templates_and_is_idempotent(es):
         second = await ensure_setup(client, EsIndexConfig())
     finally:
         await client.close()
-    assert first == second == [
-        "ilm policy kvscope-requests-ilm",
-        "component template kvscope-requests@settings",
-        "component template kvscope-requests@mappings",
-        "index template kvscope-requests (priority 500)",
-    ]
+    assert (
+        first
+        == second
+        == [
+            "ilm policy kvscope-requests-ilm",
+            "component template kvscope-requests@settings",
+            "component template kvscope-requests@mappings",
+            "index template kvscope-requests (priority 500)",
+        ]
+    )
     assert json.dumps([es.ilm_policies, es.component_templates, es.index_templates], sort_keys=True) == stored
     phases = es.ilm_policies["kvscope-requests-ilm"]["policy"]["phases"]
     assert phases["hot"]["actions"]["rollover"] == {"max_age": "1d", "max_primary_shard_size": "50gb"}
     assert phases["delete"] == {"min_age": "30d", "actions": {"delete": {}}}
     template = es.index_templates["kvscope-requests"]
-    assert (template["index_patterns"], template["data_stream"], template["priority"]) == (["kvscope-requests*"], {}, 500)
+    assert (template["index_patterns"], template["data_stream"], template["priority"]) == (
+        ["kvscope-requests*"],
+        {},
+        500,
+    )
     assert template["composed_of"] == ["kvscope-requests@settings", "kvscope-requests@mappings"]
     settings = es.component_templates["kvscope-requests@settings"]["template"]["settings"]
     assert settings["index.lifecycle.name"] == "kvscope-requests-ilm"
@@ -84,8 +92,15 @@ def test_every_field_of_a_full_record_is_mapped():
     assert unmapped(record, record_properties()) == []
 
 
-@pytest.mark.parametrize("kwargs", [{"data_stream": "logs-kvscope-default"}, {"data_stream": "Kvscope"},
-                                    {"priority": 100}, {"dynamic": "true"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"data_stream": "logs-kvscope-default"},
+        {"data_stream": "Kvscope"},
+        {"priority": 100},
+        {"dynamic": "true"},
+    ],
+)
 def test_invalid_index_config_is_refused(kwargs):
     with pytest.raises(ValueError):
         EsIndexConfig(**kwargs)
@@ -131,17 +146,30 @@ async def test_bulk_answers_per_item_with_the_errors_flag(es):
     await ensure_setup(client, EsIndexConfig(dynamic="strict"))
     no_ts = make_record(2)
     del no_ts["@timestamp"]
-    ops = [{"create": {"_index": "kvscope-requests", "_id": "a"}}, make_record(0),
-           {"create": {"_index": "kvscope-requests", "_id": "a"}}, make_record(0),
-           {"index": {"_index": "kvscope-requests", "_id": "b"}}, make_record(1),
-           {"create": {"_index": "kvscope-requests", "_id": "c"}}, no_ts]
+    ops = [
+        {"create": {"_index": "kvscope-requests", "_id": "a"}},
+        make_record(0),
+        {"create": {"_index": "kvscope-requests", "_id": "a"}},
+        make_record(0),
+        {"index": {"_index": "kvscope-requests", "_id": "b"}},
+        make_record(1),
+        {"create": {"_index": "kvscope-requests", "_id": "c"}},
+        no_ts,
+    ]
     response = await client.bulk(operations=ops)
     await client.close()
     assert response.body["errors"] is True
-    got = [(op, item["status"], item.get("error", {}).get("type")) for entry in response.body["items"]
-           for op, item in entry.items()]
-    assert got == [("create", 201, None), ("create", 409, "version_conflict_engine_exception"),
-                   ("index", 400, "illegal_argument_exception"), ("create", 400, "document_parsing_exception")]
+    got = [
+        (op, item["status"], item.get("error", {}).get("type"))
+        for entry in response.body["items"]
+        for op, item in entry.items()
+    ]
+    assert got == [
+        ("create", 201, None),
+        ("create", 409, "version_conflict_engine_exception"),
+        ("index", 400, "illegal_argument_exception"),
+        ("create", 400, "document_parsing_exception"),
+    ]
 
 
 def test_cli_setup_es_against_the_double_and_print(capsys):
@@ -156,9 +184,16 @@ def test_cli_setup_es_against_the_double_and_print(capsys):
     assert policies["kvscope-requests-ilm"]["policy"]["phases"]["delete"]["min_age"] == "7d"
     assert logs_main(["setup-es", "--print", "--dynamic", "strict"]) == 0
     bodies = json.loads(capsys.readouterr().out)
-    assert list(bodies) == ["PUT _ilm/policy/kvscope-requests-ilm", "PUT _component_template/kvscope-requests@settings",
-                            "PUT _component_template/kvscope-requests@mappings", "PUT _index_template/kvscope-requests"]
-    assert bodies["PUT _component_template/kvscope-requests@mappings"]["template"]["mappings"]["dynamic"] == "strict"
+    assert list(bodies) == [
+        "PUT _ilm/policy/kvscope-requests-ilm",
+        "PUT _component_template/kvscope-requests@settings",
+        "PUT _component_template/kvscope-requests@mappings",
+        "PUT _index_template/kvscope-requests",
+    ]
+    assert (
+        bodies["PUT _component_template/kvscope-requests@mappings"]["template"]["mappings"]["dynamic"]
+        == "strict"
+    )
 
 
 def test_gateway_config_struct_builds_the_sink_config(tmp_path):
@@ -166,15 +201,27 @@ def test_gateway_config_struct_builds_the_sink_config(tmp_path):
 
     from kvscope.gateway.logs.es_settings import EsLogSettings, cli_env
 
-    raw = {"hosts": ["https://es:9200"], "username": "u", "password": "p", "spool_dir": str(tmp_path),
-           "compat_major": 9, "data_stream": "kvscope-x", "spool_fsync": "always"}
+    raw = {
+        "hosts": ["https://es:9200"],
+        "username": "u",
+        "password": "p",
+        "spool_dir": str(tmp_path),
+        "compat_major": 9,
+        "data_stream": "kvscope-x",
+        "spool_fsync": "always",
+    }
     cfg = msgspec.convert(raw, EsLogSettings).sink_config()
     assert (cfg.connection.hosts, cfg.connection.basic_auth, cfg.connection.compat_major) == (
-        ("https://es:9200",), ("u", "p"), 9)
+        ("https://es:9200",),
+        ("u", "p"),
+        9,
+    )
     assert (cfg.index.data_stream, cfg.spool.directory, cfg.spool.fsync) == ("kvscope-x", tmp_path, "always")
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"hostz": ["x"]}, EsLogSettings)
     with pytest.raises(ValueError):
         msgspec.convert({"spool_fsync": "sometimes"}, EsLogSettings).sink_config()
-    env = cli_env({"KVSCOPE_GATEWAY_LOG_FILE": "/var/log/kvscope/requests.jsonl", "ELASTICSEARCH_API_KEY": "k"})
+    env = cli_env(
+        {"KVSCOPE_GATEWAY_LOG_FILE": "/var/log/kvscope/requests.jsonl", "ELASTICSEARCH_API_KEY": "k"}
+    )
     assert (env.source, env.api_key, env.es_url) == ("/var/log/kvscope/requests.jsonl", "k", None)

@@ -209,4 +209,3 @@ async def test_records_without_an_event_id_get_a_stable_content_id(tmp_path, es)
     (doc_id,) = es.docs()
     assert doc_id.startswith("sha1-") and len(doc_id) == 45
     assert (sink.stats.shipped, sink.stats.duplicates) == (2, 1)
-

@@ -44,17 +44,23 @@ def wait_docs(loop: LoopThread, es: EsDouble, n: int, timeout_s: float = 20.0) -
     return got
 
 
-def test_reused_request_id_gives_two_documents_and_a_replay_none_extra(tmp_path: Path, loop: LoopThread) -> None:
+def test_reused_request_id_gives_two_documents_and_a_replay_none_extra(
+    tmp_path: Path, loop: LoopThread
+) -> None:
     es = loop.run(EsDouble(major=9).__aenter__())
-    logs = {"file": str(tmp_path / "requests.jsonl"),
-            "elasticsearch": {"hosts": [es.url], "spool_dir": str(tmp_path / "spool"), "flush_interval_s": 0.02}}
+    logs = {
+        "file": str(tmp_path / "requests.jsonl"),
+        "elasticsearch": {"hosts": [es.url], "spool_dir": str(tmp_path / "spool"), "flush_interval_s": 0.02},
+    }
     gateway, fakes, _ = build_stack(loop, tmp_path, logs=logs)
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     headers = {"authorization": f"Bearer {KEYS['alice']}", "x-request-id": "same-id-1"}
     try:
         with gateway:
             for _ in range(2):
-                resp = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+                resp = httpx.post(
+                    gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=10
+                )
                 assert resp.status_code == 200 and resp.headers["x-request-id"] == "same-id-1"
             indexed = wait_docs(loop, es, 2)
         records = read_log(tmp_path / "requests.jsonl", 2)

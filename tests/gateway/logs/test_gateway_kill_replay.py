@@ -70,8 +70,12 @@ def request_ids(phase: str) -> list[str]:
 
 
 async def _one(client: httpx.AsyncClient, rid: str, stream: bool) -> None:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": f"hello {rid}"}], "max_tokens": 4,
-            "stream": stream}
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": f"hello {rid}"}],
+        "max_tokens": 4,
+        "stream": stream,
+    }
     headers = {"x-request-id": rid}
     if not stream:
         resp = await client.post("/v1/chat/completions", json=body, headers=headers)
@@ -90,7 +94,10 @@ async def send_all(base: str, ids: list[str], over_s: float = 0.0) -> dict[str, 
     todo = list(enumerate(ids))
     done: dict[str, float] = {}
     start = time.monotonic()
-    async with httpx.AsyncClient(base_url=base, timeout=20, limits=httpx.Limits(max_connections=CONCURRENCY)) as c:
+    async with httpx.AsyncClient(
+        base_url=base, timeout=20, limits=httpx.Limits(max_connections=CONCURRENCY)
+    ) as c:
+
         async def worker() -> None:
             while todo:
                 i, rid = todo.pop(0)
@@ -105,7 +112,9 @@ async def send_all(base: str, ids: list[str], over_s: float = 0.0) -> dict[str, 
 def sink_metrics(gateway: Proc) -> dict[str, float]:
     """The Elasticsearch sink's outcome counters and the spool-bytes gauge of ``gateway``."""
     samples = metric_samples(httpx.get(gateway.url + "/metrics", timeout=5).text)
-    out = {o: sample(samples, RECORDS, sink="elasticsearch", outcome=o) for o in ("shipped", "failed", "dropped")}
+    out = {
+        o: sample(samples, RECORDS, sink="elasticsearch", outcome=o) for o in ("shipped", "failed", "dropped")
+    }
     out["spooled"] = sample(samples, "kvscope_gateway_log_records_spooled_total", sink="elasticsearch")
     out["spool_bytes"] = sample(samples, "kvscope_gateway_log_spool_bytes")
     return out
@@ -133,6 +142,7 @@ def read_spool(spool: Path) -> tuple[list[str], int, int]:
 def es_state(loop: LoopThread, es: EsDouble) -> tuple[set[str], Counter[str], Counter[int]]:
     """(``http.request.id`` of the indexed documents, successful creates per ``_id``, bulk item statuses),
     read on the double's loop."""
+
     async def snapshot() -> tuple[set[str], Counter[str], Counter[int]]:
         indexed = {doc["http"]["request"]["id"] for doc in es.docs().values()}
         return indexed, Counter(es.created), Counter(es.item_statuses)
@@ -149,8 +159,11 @@ def wait_indexed(loop: LoopThread, es: EsDouble, ids: set[str], timeout_s: float
 
 def gateway_config(upstream: str, es_url: str, spool: Path) -> dict[str, Any]:
     """Production sink settings (1 s flush, 500-record batches, 0.5 → 30 s backoff); only where it ships."""
-    return {"upstreams": [{"url": upstream}], "routing": {"health_interval_s": 60},
-            "logs": {"elasticsearch": {"hosts": [es_url], "spool_dir": str(spool)}}}
+    return {
+        "upstreams": [{"url": upstream}],
+        "routing": {"health_interval_s": 60},
+        "logs": {"elasticsearch": {"hosts": [es_url], "spool_dir": str(spool)}},
+    }
 
 
 def test_gateway_sigkilled_mid_outage_replays_every_record_once(tmp_path: Path, es_loop: LoopThread) -> None:
@@ -166,8 +179,13 @@ def test_gateway_sigkilled_mid_outage_replays_every_record_once(tmp_path: Path, 
 
         asyncio.run(send_all(first.url, up))  # 1. cluster up
         assert wait_indexed(es_loop, es, set(up), 10) == set(up)
-        assert wait_metric(first, "shipped", N, 5) == {"shipped": N, "failed": 0, "spooled": 0, "dropped": 0,
-                                                       "spool_bytes": 0}
+        assert wait_metric(first, "shipped", N, 5) == {
+            "shipped": N,
+            "failed": 0,
+            "spooled": 0,
+            "dropped": 0,
+            "spool_bytes": 0,
+        }
 
         es_loop.run(es.go_down())  # 2. cluster down, SIGKILL right after the last response
         done = asyncio.run(send_all(first.url, down, over_s=OUTAGE_S))
@@ -192,9 +210,11 @@ def test_gateway_sigkilled_mid_outage_replays_every_record_once(tmp_path: Path, 
 
     lost = set(down) - set(on_disk)
     recent = {rid for rid, t in done.items() if t > killed_at - LOSS_WINDOW_S}
-    print(f"\nSIGKILL mid-outage: {len(lost)} of {N} outage records lost (in memory), {len(recent)} responses "
-          f"in the last {LOSS_WINDOW_S:.2f} s; {N - at_scrape['spooled']:.0f} in memory at the last scrape; "
-          f"{len(on_disk)} on disk, {cut} line cut short")
+    print(
+        f"\nSIGKILL mid-outage: {len(lost)} of {N} outage records lost (in memory), {len(recent)} responses "
+        f"in the last {LOSS_WINDOW_S:.2f} s; {N - at_scrape['spooled']:.0f} in memory at the last scrape; "
+        f"{len(on_disk)} on disk, {cut} line cut short"
+    )
     # the first gateway: phase 1 shipped; each outage record on disk at most once
     assert at_scrape["shipped"] == N and at_scrape["failed"] == at_scrape["dropped"] == 0
     assert at_scrape["spooled"] <= len(on_disk) and at_scrape["spool_bytes"] <= spool_bytes
@@ -208,5 +228,10 @@ def test_gateway_sigkilled_mid_outage_replays_every_record_once(tmp_path: Path, 
     assert statuses == Counter({201: 3 * N - len(lost)})
     assert segment_files(spool) == []
     # the second gateway: replayed every complete spooled line plus its own N; a line cut short is `failed`
-    assert (final["shipped"], final["failed"], final["dropped"], final["spool_bytes"]) == (len(on_disk) + N, cut, 0, 0)
+    assert (final["shipped"], final["failed"], final["dropped"], final["spool_bytes"]) == (
+        len(on_disk) + N,
+        cut,
+        0,
+        0,
+    )
     assert final["spooled"] <= N  # its own records that arrived during the replay went through the spool

@@ -13,8 +13,15 @@ from kvscope.gateway.logs.record import ECS_VERSION, LOG_LEVELS, RecordBuilder, 
 
 def ctx(status: int, **kw) -> RequestContext:
     now = time.perf_counter()
-    c = RequestContext(request_id="r", method="POST", path="/v1/chat/completions", route="/v1/chat/completions",
-                       start=now, start_wall=time.time(), **kw)
+    c = RequestContext(
+        request_id="r",
+        method="POST",
+        path="/v1/chat/completions",
+        route="/v1/chat/completions",
+        start=now,
+        start_wall=time.time(),
+        **kw,
+    )
     c.status, c.end_at = status, now + 0.01
     return c
 
@@ -50,10 +57,20 @@ def test_one_log_level_vocabulary_for_gateway_and_engine() -> None:
 def test_log_content_follows_the_otel_genai_message_schema() -> None:
     messages = [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                     {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "look", "arguments": "{}"}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "a cat"},
     ]
     c = ctx(200, input_content=messages, output_content=["A cat.", "Cat"])
@@ -61,9 +78,17 @@ def test_log_content_follows_the_otel_genai_message_schema() -> None:
     gen_ai = build(c, log_content=True)["gen_ai"]
     assert gen_ai["input"]["messages"] == [
         {"role": "system", "parts": [{"type": "text", "content": "be brief"}]},
-        {"role": "user", "parts": [{"type": "text", "content": "what is this?"},
-                                   {"type": "uri", "modality": "image", "uri": "https://x/cat.png"}]},
-        {"role": "assistant", "parts": [{"type": "tool_call", "id": "call_1", "name": "look", "arguments": "{}"}]},
+        {
+            "role": "user",
+            "parts": [
+                {"type": "text", "content": "what is this?"},
+                {"type": "uri", "modality": "image", "uri": "https://x/cat.png"},
+            ],
+        },
+        {
+            "role": "assistant",
+            "parts": [{"type": "tool_call", "id": "call_1", "name": "look", "arguments": "{}"}],
+        },
         {"role": "tool", "parts": [{"type": "tool_call_response", "id": "call_1", "response": "a cat"}]},
     ]
     assert gen_ai["output"]["messages"] == [
@@ -74,9 +99,14 @@ def test_log_content_follows_the_otel_genai_message_schema() -> None:
 
 def test_completion_prompts_become_user_messages() -> None:
     assert input_messages("hello") == [{"role": "user", "parts": [{"type": "text", "content": "hello"}]}]
-    assert input_messages(["a", "b"]) == [{"role": "user", "parts": [{"type": "text", "content": "a"}]},
-                                          {"role": "user", "parts": [{"type": "text", "content": "b"}]}]
-    assert input_messages([1, 2, 3]) == [{"role": "user", "parts": [{"type": "text", "content": "[1, 2, 3]"}]}]
-    assert output_messages(["x"], []) == [{"role": "assistant", "parts": [{"type": "text", "content": "x"}],
-                                           "finish_reason": None}]
+    assert input_messages(["a", "b"]) == [
+        {"role": "user", "parts": [{"type": "text", "content": "a"}]},
+        {"role": "user", "parts": [{"type": "text", "content": "b"}]},
+    ]
+    assert input_messages([1, 2, 3]) == [
+        {"role": "user", "parts": [{"type": "text", "content": "[1, 2, 3]"}]}
+    ]
+    assert output_messages(["x"], []) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": "x"}], "finish_reason": None}
+    ]
     assert input_messages(None) is None and output_messages(None, []) is None

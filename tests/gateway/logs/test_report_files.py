@@ -39,15 +39,34 @@ def known_records() -> list[dict]:
         status = rng.choice([200] * 17 + [429, 500, 503])
         ok = status < 400
         e2e = round(rng.lognormvariate(0, 0.8), 6)
-        engine = (engine_stats(rng.random() / 10, rng.random() / 5, e2e / 2, batch_mean=rng.uniform(1, 16),
-                               kv_usage=rng.random(), preemptions=rng.choice([0, 0, 0, 1, 2]))
-                  if ok and i % 3 else None)
+        engine = (
+            engine_stats(
+                rng.random() / 10,
+                rng.random() / 5,
+                e2e / 2,
+                batch_mean=rng.uniform(1, 16),
+                kv_usage=rng.random(),
+                preemptions=rng.choice([0, 0, 0, 1, 2]),
+            )
+            if ok and i % 3
+            else None
+        )
         finish = rng.choice(["stop", "length", None]) if ok else None
         record = make_record(
-            i, ts=T0 + timedelta(seconds=i), model=MODELS[i % 2] if i % 5 else "llama-3-8b", status=status,
-            ttft_s=round(rng.uniform(0.01, 2.0), 6) if ok else None, tpot_s=round(rng.uniform(0.005, 0.1), 6) if ok else None,
-            e2e_s=e2e, user=KEYS[i % 3], upstream=UPSTREAMS[i % 2], finish=finish,
-            input_tokens=rng.randint(1, 500), output_tokens=rng.randint(0, 300) if ok else 0, engine=engine)
+            i,
+            ts=T0 + timedelta(seconds=i),
+            model=MODELS[i % 2] if i % 5 else "llama-3-8b",
+            status=status,
+            ttft_s=round(rng.uniform(0.01, 2.0), 6) if ok else None,
+            tpot_s=round(rng.uniform(0.005, 0.1), 6) if ok else None,
+            e2e_s=e2e,
+            user=KEYS[i % 3],
+            upstream=UPSTREAMS[i % 2],
+            finish=finish,
+            input_tokens=rng.randint(1, 500),
+            output_tokens=rng.randint(0, 300) if ok else 0,
+            engine=engine,
+        )
         if i % 50 == 7 and ok:
             record["gen_ai"]["response"]["finish_reasons"] = ["stop", "length"]  # n=2 choices
         if i % 50 == 11 and ok:  # a stream that broke after its 200: an error too
@@ -80,9 +99,15 @@ def col(records: list[dict], path: str) -> list:
 
 
 def expected_row(records: list[dict]) -> dict:
-    row = {"requests": len(records),
-           "errors": sum(s >= 400 or o == "failure" for s, o in zip(col(records, "http.response.status_code"),
-                                                                     col(records, "event.outcome"), strict=True))}
+    row = {
+        "requests": len(records),
+        "errors": sum(
+            s >= 400 or o == "failure"
+            for s, o in zip(
+                col(records, "http.response.status_code"), col(records, "event.outcome"), strict=True
+            )
+        ),
+    }
     row["error_rate"] = row["errors"] / row["requests"]
     for name, path in (("ttft", "kvscope.ttft_s"), ("tpot", "kvscope.tpot_s"), ("e2e", "kvscope.e2e_s")):
         values = [v for v in col(records, path) if v is not None]
@@ -113,15 +138,22 @@ def report(log_dir, **kwargs):
 def test_reference_percentile_is_type_7():
     xs = [0.3, 1.0, 2.5, 4.0, 10.0, 11.5, 30.0]
     cuts = statistics.quantiles(xs, n=100, method="inclusive")
-    assert [type7(xs, p / 100) for p in (50, 95, 99)] == pytest.approx([cuts[49], cuts[94], cuts[98]], rel=1e-12)
+    assert [type7(xs, p / 100) for p in (50, 95, 99)] == pytest.approx(
+        [cuts[49], cuts[94], cuts[98]], rel=1e-12
+    )
 
 
 def test_totals_equal_independent_computation_over_rotated_files(log_dir):
     rep = report(log_dir)
     recs = known_records()
-    assert sum(r["event"]["outcome"] == "failure" and r["http"]["response"]["status_code"] < 400 for r in recs) == 6
+    assert (
+        sum(r["event"]["outcome"] == "failure" and r["http"]["response"]["status_code"] < 400 for r in recs)
+        == 6
+    )
     assert_row(rep.total.flat(), expected_row(recs))
-    assert rep.extra["unparsed_lines"] == 1  # "not json at all"; the torn last line is a record still in flight
+    assert (
+        rep.extra["unparsed_lines"] == 1
+    )  # "not json at all"; the torn last line is a record still in flight
     assert rep.total.requests == 400 and rep.total.flat()["group"] == "all"
 
 
@@ -200,10 +232,17 @@ def test_cli_report_table_names_the_slowest_trace(log_dir, capsys):
 
 def test_search_sql_condition_newest_first(log_dir, capsys):
     cond = "http.response.status_code >= 500 AND gen_ai.request.model = 'qwen3-0.6b'"
-    want = [r["http"]["request"]["id"] for r in reversed(known_records())
-            if r["http"]["response"]["status_code"] >= 500 and r["gen_ai"]["request"]["model"] == "qwen3-0.6b"][:4]
-    assert logs_main(["search", cond, "--source", str(log_dir / "requests.jsonl"), "--limit", "4",
-                      "--format", "json"]) == 0
+    want = [
+        r["http"]["request"]["id"]
+        for r in reversed(known_records())
+        if r["http"]["response"]["status_code"] >= 500 and r["gen_ai"]["request"]["model"] == "qwen3-0.6b"
+    ][:4]
+    assert (
+        logs_main(
+            ["search", cond, "--source", str(log_dir / "requests.jsonl"), "--limit", "4", "--format", "json"]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["http"]["request"]["id"] for r in lines] == want and len(want) == 4
     assert lines[0]["@timestamp"].endswith("Z") and "ttft_s" not in lines[0]["kvscope"]  # nulls dropped
@@ -245,8 +284,10 @@ def png_size(path) -> tuple[int, int]:
 
 def test_plot_writes_two_pngs(log_dir, tmp_path, capsys):
     assert logs_main(["plot", "--source", str(log_dir), "--out", str(tmp_path), "--bucket", "1m"]) == 0
-    assert capsys.readouterr().out.splitlines() == [f"wrote {tmp_path}/latency_percentiles.png",
-                                                    f"wrote {tmp_path}/ttft_histogram.png"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {tmp_path}/latency_percentiles.png",
+        f"wrote {tmp_path}/ttft_histogram.png",
+    ]
     assert png_size(tmp_path / "latency_percentiles.png") == (1100, 700)
     assert png_size(tmp_path / "ttft_histogram.png") == (1100, 500)
 

@@ -21,8 +21,17 @@ REPO = Path(__file__).resolve().parents[3]
 async def start_driver(mode: str, url: str, spool: Path) -> asyncio.subprocess.Process:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.gateway.logs.sink_driver", mode, url, str(spool),
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "tests.gateway.logs.sink_driver",
+        mode,
+        url,
+        str(spool),
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
 
 
 async def read_durable_until(proc: asyncio.subprocess.Process, at_least: int) -> int:

@@ -30,10 +30,17 @@ def drain(spool: Spool, batch: int) -> list[list[int]]:
 def test_replays_in_order_batch_by_batch_and_deletes_consumed_segments(tmp_path):
     spool = Spool(SpoolConfig(tmp_path, segment_bytes=3 * LINE))
     assert spool.append([rec(i) for i in range(8)]).appended == 8
-    assert segment_files(tmp_path) == ["seg-000000000001.jsonl", "seg-000000000002.jsonl", "seg-000000000003.jsonl"]
+    assert segment_files(tmp_path) == [
+        "seg-000000000001.jsonl",
+        "seg-000000000002.jsonl",
+        "seg-000000000003.jsonl",
+    ]
     assert spool.pending_records == 8 and spool.pending_bytes == 8 * LINE
     first = spool.read_batch(2)
-    assert [r["i"] for r in first.records] == [0, 1] and spool.pending_records == 8  # reading consumes nothing
+    assert [r["i"] for r in first.records] == [
+        0,
+        1,
+    ] and spool.pending_records == 8  # reading consumes nothing
     spool.ack(first)
     assert spool.pending_bytes == 6 * LINE
     # batches stop at segment ends: [2] closes segment 1, then 3..5, then 6..7
@@ -116,8 +123,9 @@ def test_fsync_always_and_sync_due(tmp_path):
     assert lazy.sync_due() is False
 
 
-@pytest.mark.parametrize("kwargs", [{"fsync": "sometimes"}, {"max_bytes": 0}, {"segment_bytes": 0},
-                                    {"fsync_interval_s": -1}])
+@pytest.mark.parametrize(
+    "kwargs", [{"fsync": "sometimes"}, {"max_bytes": 0}, {"segment_bytes": 0}, {"fsync_interval_s": -1}]
+)
 def test_invalid_config_is_refused(tmp_path, kwargs):
     with pytest.raises(ValueError):
         SpoolConfig(tmp_path, **kwargs)

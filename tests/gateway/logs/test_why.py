@@ -22,8 +22,9 @@ def test_the_log_mapping_has_every_kvscope_stats_field() -> None:
     mapped = record_properties()["kvscope"]["properties"]["engine"]["properties"]
     assert sorted(mapped) == sorted(KvscopeStats.__struct_fields__)
     assert attribution_properties()["queue_limit"] == {"type": "keyword", "ignore_above": 1024}
-    assert [mapped[f"spec_{f}"] for f in ("drafts", "draft_tokens", "accepted_tokens", "mean_accepted_length")] \
-        == [{"type": "long"}] * 3 + [{"type": "double"}]
+    assert [
+        mapped[f"spec_{f}"] for f in ("drafts", "draft_tokens", "accepted_tokens", "mean_accepted_length")
+    ] == [{"type": "long"}] * 3 + [{"type": "double"}]
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +66,25 @@ def _record(engine: dict, phases: dict | None = None) -> dict:
 def test_explain_names_the_queue_and_its_limit(queued) -> None:
     why = explain(_record(queued, None))
     first = why.text.splitlines()[0]
-    assert first.startswith(f"TTFT {queued['ttft_s'] + 0.004:.3f} s: {queued['queue_s']:.3f} s queued "
-                            "(31 requests ahead, 0 running, max_num_seqs reached); prefill")
-    assert "over 1 steps shared with 448 prompt and 0 decode tokens of up to 7 other requests (own 64 tokens" \
+    assert first.startswith(
+        f"TTFT {queued['ttft_s'] + 0.004:.3f} s: {queued['queue_s']:.3f} s queued "
+        "(31 requests ahead, 0 running, max_num_seqs reached); prefill"
+    )
+    assert (
+        "over 1 steps shared with 448 prompt and 0 decode tokens of up to 7 other requests (own 64 tokens"
         in first
+    )
     assert why.verdict == "queue"
     causes = dict(why.causes)
     assert causes["queue"] == pytest.approx(queued["queue_s"])
     assert causes["gateway"] == pytest.approx(0.004)  # an older record: one gateway cause
     assert causes["upstream transfer"] == pytest.approx(TRANSFER)
-    assert why.text.splitlines()[-2] == (f"e2e {_record(queued, None)['kvscope']['e2e_s']:.3f} s at the gateway: "
-                                         "0.004 s in the gateway (auth, limits, tokenize, connect, 1 attempt(s)), "
-                                         f"{queued['queue_s'] + queued['prefill_s'] + queued['decode_s'] + TRANSFER:.3f}"
-                                         " s upstream")
+    assert why.text.splitlines()[-2] == (
+        f"e2e {_record(queued, None)['kvscope']['e2e_s']:.3f} s at the gateway: "
+        "0.004 s in the gateway (auth, limits, tokenize, connect, 1 attempt(s)), "
+        f"{queued['queue_s'] + queued['prefill_s'] + queued['decode_s'] + TRANSFER:.3f}"
+        " s upstream"
+    )
     e2e = queued["queue_s"] + queued["prefill_s"] + queued["decode_s"] + 0.005
     assert sum(causes.values()) == pytest.approx(e2e, rel=0.05)
 
@@ -88,18 +95,29 @@ def test_explain_ranks_the_gateway_phases_among_the_causes(queued) -> None:
     causes = dict(why.causes)
     assert "gateway" not in causes
     assert {c: causes[c] for c in ("auth", "rate limit", "tokenize", "retry", "gateway other")} == {
-        "auth": 0.0006, "rate limit": 0.0012, "tokenize": 0.0008, "retry": 0.25, "gateway other": 0.0016}
+        "auth": 0.0006,
+        "rate limit": 0.0012,
+        "tokenize": 0.0008,
+        "retry": 0.25,
+        "gateway other": 0.0016,
+    }
     assert causes["upstream transfer"] == pytest.approx(TRANSFER)
     # every second of the client's e2e is in exactly one cause: engine + gateway phases + transfer
     assert sum(causes.values()) == pytest.approx(record["kvscope"]["e2e_s"], abs=1e-9)
     names = [c for c, _ in why.causes]
-    assert names.index("retry") < names.index("gateway other") < names.index("rate limit") < names.index("tokenize") \
+    assert (
+        names.index("retry")
+        < names.index("gateway other")
+        < names.index("rate limit")
+        < names.index("tokenize")
         < names.index("auth")
+    )
     assert why.text.splitlines()[-2] == (
         f"e2e {record['kvscope']['e2e_s']:.3f} s at the gateway: auth 0.001 s, rate limit 0.001 s, tokenize 0.001 s, "
         f"retry 0.250 s (2 attempt(s)), other 0.002 s; the answering upstream "
         f"{queued['queue_s'] + queued['prefill_s'] + queued['decode_s'] + TRANSFER:.3f} s (0.002 s to its response "
-        "headers)")
+        "headers)"
+    )
 
 
 def test_rank_causes_is_largest_first(queued) -> None:
@@ -123,7 +141,9 @@ def test_why_reads_the_jsonl_log_by_request_or_trace_id(queued, tmp_path) -> Non
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert logs_main(["why", "nope", "--source", str(log)], env={}) == 1
-    assert err.getvalue() == "kvscope logs why: no request-log record with http.request.id or trace.id 'nope'\n"
+    assert (
+        err.getvalue() == "kvscope logs why: no request-log record with http.request.id or trace.id 'nope'\n"
+    )
 
 
 def test_why_query_refuses_quotes() -> None:
@@ -157,7 +177,8 @@ def test_report_breaks_the_slowest_and_p99_down_by_cause(tmp_path) -> None:
     assert breakdown["slowest"]["requests"] == 8
     assert next(iter(breakdown["slowest"]["causes"])) == "queue"
     assert breakdown["slowest"]["causes"]["queue"] == pytest.approx(
-        sum(run.stats(f"r{i}")["queue_s"] for i in range(24, 32)))
+        sum(run.stats(f"r{i}")["queue_s"] for i in range(24, 32))
+    )
     p99 = report.total.latency["e2e"][99]
     at_p99 = [r for r in records if r["kvscope"]["e2e_s"] >= p99]
     assert breakdown["p99"]["requests"] == len(at_p99) == 8
@@ -167,6 +188,10 @@ def test_report_breaks_the_slowest_and_p99_down_by_cause(tmp_path) -> None:
 
 def test_explain_names_the_grammar_mask_time_of_a_constrained_request(queued) -> None:
     why = explain(_record({**queued, "structured_mask_s": 0.0123, "structured_wait_s": 0.0046}, None))
-    assert "grammar masks 0.012 s (overlapped with the forward pass), sampling waited 0.005 s for them" \
+    assert (
+        "grammar masks 0.012 s (overlapped with the forward pass), sampling waited 0.005 s for them"
         in why.text.splitlines()
-    assert not any(line.startswith("grammar masks") for line in explain(_record(queued, None)).text.splitlines())
+    )
+    assert not any(
+        line.startswith("grammar masks") for line in explain(_record(queued, None)).text.splitlines()
+    )
