@@ -1,7 +1,7 @@
-"""Decode attention, in process: kvscope's C++ paged op (``torch.ops.kvscope_cpu.paged_decode_attention``, read
-from the paged cache in place) against torch SDPA over K/V already gathered (the resident copy's best case) and
-SDPA plus the full per-layer gather, at SmolLM2-135M's shapes (9 query / 3 KV heads, head_dim 64, block 16).
-Alternates the three every repeat; prints min and median wall ms per call. A benchmark, not a test
+"""Decode attention, in process: kvscope's C++ paged op (``torch.ops.kvscope_cpu.paged_decode_attention``,
+read from the paged cache in place) against torch SDPA over K/V already gathered (the resident copy's best
+case) and SDPA plus the full per-layer gather, at SmolLM2-135M's shapes (9 query / 3 KV heads, head_dim 64,
+block 16). Alternates the three every repeat; prints min and median wall ms per call. A benchmark, not a test
 (docs/benchmarks.md "Batched decode", issue 13).
 
 Usage: python bench/decode_attention_ab.py [--threads 2] [--batch 1 8 32] [--context 128 256 512 1024]
@@ -32,7 +32,8 @@ def paged_case(
     block_size: int = 16,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """A random paged cache holding ``batch`` contexts of ``context`` tokens in shuffled blocks, one query each."""
+    """A random paged cache holding ``batch`` contexts of ``context`` tokens in shuffled blocks, one query
+    each."""
     gen = torch.Generator().manual_seed(seed)
     per_req = -(-context // block_size)
     num_blocks = batch * per_req + 1

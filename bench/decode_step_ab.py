@@ -1,7 +1,7 @@
-"""In-process A/B of the decode attention: one engine (``--dtype auto --quantization gguf``), kvscope's C++ paged
-decode attention (``TorchAttentionBackend.paged_decode``) switched on and off every 5 steps (the first step
-after a switch untimed), 4 timed steps per switch, 10 switches each way; wall seconds of ``EngineCore.step``.
-A benchmark, not a test (docs/benchmarks.md "Batched decode", issue 13).
+"""In-process A/B of the decode attention: one engine (``--dtype auto --quantization gguf``), kvscope's C++
+paged decode attention (``TorchAttentionBackend.paged_decode``) switched on and off every 5 steps (the first
+step after a switch untimed), 4 timed steps per switch, 10 switches each way; wall seconds of
+``EngineCore.step``. A benchmark, not a test (docs/benchmarks.md "Batched decode", issue 13).
 
 Usage: python bench/decode_step_ab.py [--batch 32] [--threads 2] [--input-len 128] [--rounds 10]
 """

@@ -3,8 +3,8 @@ engine thread and C++ elementwise ops"). A benchmark, not a test.
 
 One engine in the default format (``--dtype auto --quantization auto``), warmed up as the server does; prompts
 of ``--input-len`` random tokens one at a time, alternating every prompt between the C++ ops and torch's
-(``cpu_op`` of every RMSNorm, MLP and Attention module toggled on the same model); wall ms from ``add_request``
-to the end of the step that returns the first token.
+(``cpu_op`` of every RMSNorm, MLP and Attention module toggled on the same model); wall ms from
+``add_request`` to the end of the step that returns the first token.
 
 Usage: python bench/elementwise_ab.py [--threads 2] [--runs 30] [--input-len 128]
 """

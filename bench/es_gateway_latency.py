@@ -2,17 +2,17 @@
 (cluster up) vs spooling to disk (cluster down), next to a gateway without the sink.
 
 Starts the stub upstream (tests/gateway/fake_upstream.py, no delays, 16 tokens), the Elasticsearch double
-(tests/gateway/logs/es_double.py) in its own process, taken down (connection refused) and brought back
-through its stdin, and two gateway processes in front of the stub: one with the production sink settings
+(tests/gateway/logs/es_double.py) in its own process, taken down (connection refused) and brought back through
+its stdin, and two gateway processes in front of the stub: one with the production sink settings
 (``logs.elasticsearch``: 1 s flush, 500-record batches, spool fsync every second) and one without any
 request-log sink. One client process measures, at ``--concurrency``: non-streaming latency (request → full
-body) and streaming TTFT (request → first token event), in ``--rounds`` interleaved rounds of
-``--requests / --rounds`` per cell. Cells: ``no sink`` (the second gateway), ``ES up`` (measured once the
-spool left by the previous outage is replayed), ``ES down`` (measured once the sink has noticed the outage
-and spools). Failed requests are counted, not timed. Also reported per cell: the mean of the gateway's own
-``kvscope_gateway_overhead_seconds`` (e2e at the gateway minus time waiting on the stub), and at the end, after
-a last replay, the sink's ``kvscope_gateway_log_records_total{sink="elasticsearch"}``, checked against the
-requests it served (every record shipped, none failed or dropped).
+body) and streaming TTFT (request → first token event), in ``--rounds`` interleaved rounds of ``--requests /
+--rounds`` per cell. Cells: ``no sink`` (the second gateway), ``ES up`` (measured once the spool left by the
+previous outage is replayed), ``ES down`` (measured once the sink has noticed the outage and spools). Failed
+requests are counted, not timed. Also reported per cell: the mean of the gateway's own
+``kvscope_gateway_overhead_seconds`` (e2e at the gateway minus time waiting on the stub), and at the end,
+after a last replay, the sink's ``kvscope_gateway_log_records_total{sink="elasticsearch"}``, checked against
+the requests it served (every record shipped, none failed or dropped).
 
 The double parses every bulk in Python on the same machine, so "ES up" also pays for the cluster's CPU;
 on a shared 2-core machine the spread between rounds is larger than the differences measured.

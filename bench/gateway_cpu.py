@@ -57,7 +57,8 @@ async def load(url: str, concurrency: int, tokens: int) -> int:
 
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    """The load's flags (streams, tokens per stream, the stub's pace, rounds), shared with bench/relay_floor.py."""
+    """The load's flags (streams, tokens per stream, the stub's pace, rounds), shared with
+    bench/relay_floor.py."""
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
     parser.add_argument("--token-delay", type=float, default=0.03, help="stub's seconds between tokens")

@@ -1,9 +1,10 @@
-"""Why the served engine runs all torch work on one thread (engine/async_engine.py; docs/benchmarks.md "The engine
-thread and C++ elementwise ops"). A benchmark, not a test.
+"""Why the served engine runs all torch work on one thread (engine/async_engine.py; docs/benchmarks.md "The
+engine thread and C++ elementwise ops"). A benchmark, not a test.
 
-Times small parallel torch ops (bfloat16 ``a + a`` of 32 × 3,072, ``F.linear`` 32 × 576 → 3,072, ``F.silu``) on the
-main thread, on a fresh thread while the main thread has never run a parallel region, and on a fresh thread after
-it has: with GNU OpenMP the last is several times slower once the process holds more OpenMP threads than CPUs.
+Times small parallel torch ops (bfloat16 ``a + a`` of 32 × 3,072, ``F.linear`` 32 × 576 → 3,072, ``F.silu``)
+on the main thread, on a fresh thread while the main thread has never run a parallel region, and on a fresh
+thread after it has: with GNU OpenMP the last is several times slower once the process holds more OpenMP
+threads than CPUs.
 
 Usage: python bench/omp_thread_probe.py [--threads 2]
 """

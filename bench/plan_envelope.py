@@ -1,11 +1,11 @@
-"""The "engine vs its own bound" row of docs/plan.md: `kvscope plan --device cpu` (probe) vs the engine's measured
-decode ms/step (engine/bench.py ``--step-bench``), same model, dtype, thread count and context.
+"""The "engine vs its own bound" row of docs/plan.md: `kvscope plan --device cpu` (probe) vs the engine's
+measured decode ms/step (engine/bench.py ``--step-bench``), same model, dtype, thread count and context.
 
     python bench/plan_envelope.py [--concurrency 1 32] [--rounds 3] [--out results.json]
 
-Per round: probe the CPU (the plan's envelope), time the engine's decode steps at each concurrency, probe again.
-Reports the median over rounds of measured ms/step, the bound, and bound / measured (1.0 = the engine is at
-the roofline; 0.5 = it takes twice the bound). A benchmark, not a test: it asserts nothing.
+Per round: probe the CPU (the plan's envelope), time the engine's decode steps at each concurrency, probe
+again. Reports the median over rounds of measured ms/step, the bound, and bound / measured (1.0 = the engine
+is at the roofline; 0.5 = it takes twice the bound). A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""In-process A/B of issue 13 round 11's prefill changes: the code before them (main at 991f556, copied below as
-``old_*``) patched in and out of one engine, alternating every prompt, so that the machine's drift (idle TTFT of
-the same tree moved 65 → 88 ms between minutes on a shared 2-vCPU host) falls on both sides alike. Each sample
-is one 128-token prefill step (a fresh prompt, prefix caching off), engine-thread CPU seconds with 1 thread and
-wall seconds with more. A benchmark, not a test.
+"""In-process A/B of issue 13 round 11's prefill changes: the code before them (main at 991f556, copied below
+as ``old_*``) patched in and out of one engine, alternating every prompt, so that the machine's drift (idle
+TTFT of the same tree moved 65 → 88 ms between minutes on a shared 2-vCPU host) falls on both sides alike.
+Each sample is one 128-token prefill step (a fresh prompt, prefix caching off), engine-thread CPU seconds with
+1 thread and wall seconds with more. A benchmark, not a test.
 
-Switched: ``write_kv`` (torch.stack + index_copy_ against kvscope_cpu.write_kv), the residual stream (the MLP's
-add in the layer and the final norm separate, against fused into the next add_rms_norm) and the attention output
-(SDPA's output copied into a preallocated tensor, against returned as it is). Not switched: SwiGLU's table
-lookup, which replaced the kernel's own exp + division inside the C++ library (bench it with
+Switched: ``write_kv`` (torch.stack + index_copy_ against kvscope_cpu.write_kv), the residual stream (the
+MLP's add in the layer and the final norm separate, against fused into the next add_rms_norm) and the
+attention output (SDPA's output copied into a preallocated tensor, against returned as it is). Not switched:
+SwiGLU's table lookup, which replaced the kernel's own exp + division inside the C++ library (bench it with
 ``python bench/prefill_ab.py --silu``: the op alone at the model's shapes).
 
 Usage: python bench/prefill_ab.py [--threads N] [--rounds R] [--silu]

@@ -1,11 +1,14 @@
-"""Prefill attention on CPU: kvscope's C++ paged op (every prompt token a one-token query at its own position, K/V
-read from the paged bfloat16 cache in place) against the torch backend's SDPA path (gather or slice the K/V,
-upcast to its compute dtype — float32, or bfloat16 where the CPU has AMX — then causal SDPA). A benchmark, not a test (docs/benchmarks.md "Prefill attention").
+"""Prefill attention on CPU: kvscope's C++ paged op (every prompt token a one-token query at its own position,
+K/V read from the paged bfloat16 cache in place) against the torch backend's SDPA path (gather or slice the
+K/V, upcast to its compute dtype — float32, or bfloat16 where the CPU has AMX — then causal SDPA). A
+benchmark, not a test (docs/benchmarks.md "Prefill attention").
 
 Two parts:
 1. the attention of one layer alone at SmolLM2's shapes (9 query / 3 KV heads, head_dim 64, 16-token blocks),
-   whole prompts and chunks after cached tokens: median µs of ``--reps`` calls each, and the largest difference;
-2. in one engine (``--dtype auto --quantization auto``, the default format, after the server's prefill warm-up),
+   whole prompts and chunks after cached tokens: median µs of ``--reps`` calls each, and the largest
+   difference;
+2. in one engine (``--dtype auto --quantization auto``, the default format, after the server's prefill
+warm-up),
    the idle TTFT of single ``--input-len`` prompts, alternating every run between the two paths
    (``TorchAttentionBackend.paged_prefill``), wall ms of the first step.
 

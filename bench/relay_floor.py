@@ -1,5 +1,5 @@
-"""The floor under the gateway's CPU per relayed token: the kvscope gateway and a minimal asyncio relay side by
-side, on the same stub upstream (tests/gateway/fake_upstream.py) and the same load as bench/gateway_cpu.py
+"""The floor under the gateway's CPU per relayed token: the kvscope gateway and a minimal asyncio relay side
+by side, on the same stub upstream (tests/gateway/fake_upstream.py) and the same load as bench/gateway_cpu.py
 (``--concurrency`` streams × ``--tokens`` tokens), alternating rounds; each process's user + system CPU
 seconds (/proc/PID/stat) over a round divided by the tokens the client received. A benchmark, not a test
 (docs/gateway.md "CPU per relayed token").
@@ -31,7 +31,8 @@ from tests.gateway.harness import free_port, spawn_fake, spawn_gateway, wait_htt
 
 
 class _UpstreamSide(asyncio.Protocol):
-    """The upstream connection of one client connection: its answers re-framed event by event to the client."""
+    """The upstream connection of one client connection: its answers re-framed event by event to the
+    client."""
 
     def __init__(self, client: asyncio.Transport) -> None:
         self.client = client
@@ -68,7 +69,8 @@ class _UpstreamSide(asyncio.Protocol):
 
 
 class _ClientSide(asyncio.Protocol):
-    """One client connection: each request (Content-Length bodies only) forwarded on one upstream connection."""
+    """One client connection: each request (Content-Length bodies only) forwarded on one upstream
+    connection."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream_address = upstream

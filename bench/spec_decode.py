@@ -4,14 +4,15 @@ that ships in this repository) and on random-token prompts, at concurrency 1 and
 figures (accepted / proposed draft tokens, vLLM's mean acceptance length 1 + accepted / drafts); and on
 open-ended stories, where there is little to copy.
 
-Offline (kvscope.engine.llm.LLM, no HTTP), greedy (``open`` stories: temperature 0.8 with a seed per prompt), chat
-template for the chat prompts. c=1 runs its prompts one after the other (single stream); c=8 submits 8 at
+Offline (kvscope.engine.llm.LLM, no HTTP), greedy (``open`` stories: temperature 0.8 with a seed per prompt),
+chat template for the chat prompts. c=1 runs its prompts one after the other (single stream); c=8 submits 8 at
 once (continuous batching, ``max_num_seqs`` 8). Output tok/s = generated tokens / wall time (prefill
 included); decode tok/s per stream = the mean over requests of (tokens − 1) / (last token − first token), from
 the requests' ``kvscope`` stats (prefill and queueing excluded: the issue's single-stream decode rate at c=1,
-and what each of 8 streams sees at c=8). Each cell is the best of ``--repeats`` (the least disturbed by other load on a shared machine);
-"same tokens" says whether the speculative run's tokens equal the plain run's (greedy identity). Prints the machine (CPU model, flags,
-threads, load average before and after) and a markdown table. A benchmark, not a test: it asserts nothing.
+and what each of 8 streams sees at c=8). Each cell is the best of ``--repeats`` (the least disturbed by other
+load on a shared machine); "same tokens" says whether the speculative run's tokens equal the plain run's
+(greedy identity). Prints the machine (CPU model, flags, threads, load average before and after) and a
+markdown table. A benchmark, not a test: it asserts nothing.
 
     python bench/spec_decode.py [--max-tokens 128] [--repeats 2] [--num-speculative-tokens 4]
                                 [--dtype auto] [--quantization auto] [--workloads code,list,random,open]
@@ -145,7 +146,8 @@ SAMPLED = {"open"}
 
 def workloads(llm: LLM, names: list[str], count: int, seed: int) -> dict[str, list[list[int]]]:
     """Token-id prompts per workload: ``code`` and ``list`` (chat template applied), ``random`` (128 random
-    ids, kvscope.engine.bench.random_prompts; a small model tends to loop on them) and ``open`` (short stories)."""
+    ids, kvscope.engine.bench.random_prompts; a small model tends to loop on them) and ``open`` (short
+    stories)."""
     out: dict[str, list[list[int]]] = {}
     template = llm.tokenizer.apply_chat_template
     if "code" in names:

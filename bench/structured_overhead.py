@@ -1,9 +1,10 @@
 """Structured-output overhead (issue 14): decode tok/s of a batch of 32 where half the requests are
 grammar-constrained vs the same batch unconstrained, plus the compile time of a typical JSON schema.
 
-Offline (kvscope.engine.llm.LLM, no HTTP). Unconstrained rows use ``ignore_eos``; constrained rows use a regex that
-cannot complete within ``--max-tokens`` (so both runs decode exactly the same number of tokens). Runs are
-interleaved ``--repeats`` times and the best tok/s of each kind is reported (the least disturbed by other load).
+Offline (kvscope.engine.llm.LLM, no HTTP). Unconstrained rows use ``ignore_eos``; constrained rows use a regex
+that cannot complete within ``--max-tokens`` (so both runs decode exactly the same number of tokens). Runs are
+interleaved ``--repeats`` times and the best tok/s of each kind is reported (the least disturbed by other
+load).
 
     python bench/structured_overhead.py [--constraint json|regex] [--batch 32] [--max-tokens 64] [--repeats 3]
                                         [--json out.json]

@@ -1,12 +1,13 @@
-"""The transformers row of docs/benchmarks.md: ``generate`` on the same weights, one static batch per concurrency,
-timed with engine/bench.py's ``bench_transformers`` (greedy, min = max new tokens, no padding).
+"""The transformers row of docs/benchmarks.md: ``generate`` on the same weights, one static batch per
+concurrency, timed with engine/bench.py's ``bench_transformers`` (greedy, min = max new tokens, no padding).
 
-A static batch starts and ends together, so every request has the same TTFT and TPOT (p50 = p99):
-TTFT = wall time of a 1-new-token ``generate`` (prefill of the whole batch + the first token);
-TPOT = (wall time of the full ``generate`` − TTFT) / (output_len − 1); output tok/s = batch · output_len / wall time.
-Medians over ``--rounds`` repetitions (each loads the model once per measured call; loading is not timed).
+A static batch starts and ends together, so every request has the same TTFT and TPOT (p50 = p99): TTFT = wall
+time of a 1-new-token ``generate`` (prefill of the whole batch + the first token); TPOT = (wall time of the
+full ``generate`` − TTFT) / (output_len − 1); output tok/s = batch · output_len / wall time. Medians over
+``--rounds`` repetitions (each loads the model once per measured call; loading is not timed).
 
-    python bench/transformers_row.py --model-dir ~/.cache/kvscope/common/models/smollm2-135m/hf --concurrency 1 8 32
+    python bench/transformers_row.py --model-dir ~/.cache/kvscope/models/smollm2-135m/hf --concurrency
+    1 8 32
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from kvscope.engine.bench import bench_transformers, random_prompts  # noqa: E40
 def measure(
     model_dir: str, concurrency: int, input_len: int, output_len: int, dtype: torch.dtype, seed: int
 ) -> dict[str, float]:
-    """One round at one concurrency: output tok/s, TTFT and TPOT in ms. Raises ValueError if output_len < 2."""
+    """One round at one concurrency: output tok/s, TTFT and TPOT in ms. Raises ValueError if output_len <
+    2."""
     if output_len < 2:
         raise ValueError("output_len must be ≥ 2 to define TPOT")
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

@@ -1,4 +1,5 @@
-"""Where the idle TTFT of one prompt goes (docs/benchmarks.md "Idle TTFT, issue-13t"). A benchmark, not a test.
+"""Where the idle TTFT of one prompt goes (docs/benchmarks.md "Idle TTFT, issue-13t"). A benchmark, not a
+test.
 
 Loads the default format (``--dtype auto --quantization auto``), runs the server's warm-up, then times the
 first step of ``--runs`` single prompts on an idle engine (wall ms, the sequence and min/median), profiles 5
@@ -37,7 +38,8 @@ def first_step_ms(llm: LLM, ids: list[int], tag: str) -> float:
 
 
 def matmul_floor(llm: LLM, rows: int) -> str:
-    """Each distinct projection of layer 0 alone (its CPU kernel: the dense packed copy above the crossover)."""
+    """Each distinct projection of layer 0 alone (its CPU kernel: the dense packed copy above the
+    crossover)."""
     layer = llm.engine.model.model.layers[0]
     dtype = llm.engine.model.model.embed_tokens.weight.dtype
     parts, total = [], 0.0

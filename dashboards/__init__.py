@@ -1,4 +1,5 @@
-"""Grafana dashboards of kvscope, generated from the metric catalog (``python -m kvscope.dashboards.generate``).
+"""Grafana dashboards of kvscope, generated from the metric catalog (``python -m
+kvscope.dashboards.generate``).
 
 ``catalog`` discovers the metrics the code defines, ``promql``/``grafana`` build queries and panels,
 ``overview``/``engine_detail`` list the panels, ``generate`` writes ``dashboards/json/*.json`` and

@@ -1,9 +1,10 @@
 """The metric catalog: every metric the code defines, discovered from the collector classes themselves.
 
-``discover()`` instantiates ``kvscope.engine.server.metrics.EngineMetrics`` and ``kvscope.gateway.metrics.GatewayMetrics`` on a fresh
-``CollectorRegistry``, creates one child per labelled metric (so that label names and histogram bounds show
-up as samples) and reads ``registry.collect()``. Dashboards, alert rules and docs/metrics.md are checked
-against this catalog, so a renamed metric breaks the build instead of a dashboard.
+``discover()`` instantiates ``kvscope.engine.server.metrics.EngineMetrics`` and
+``kvscope.gateway.metrics.GatewayMetrics`` on a fresh ``CollectorRegistry``, creates one child per labelled
+metric (so that label names and histogram bounds show up as samples) and reads ``registry.collect()``.
+Dashboards, alert rules and docs/metrics.md are checked against this catalog, so a renamed metric breaks the
+build instead of a dashboard.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class MetricInfo:
     labels: tuple[str, ...]
     """Label names, ``le`` excluded."""
     series: tuple[str, ...]
-    """Exposed series names, e.g. ``x_total`` or ``x_bucket``/``x_count``/``x_sum`` (``_created`` excluded)."""
+    """Exposed series names, e.g. ``x_total`` or ``x_bucket``/``x_count``/``x_sum`` (``_created``
+    excluded)."""
     buckets: tuple[float, ...]
     """Histogram upper bounds without ``+Inf``; empty for other types."""
     component: str

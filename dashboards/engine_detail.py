@@ -253,7 +253,8 @@ GPU_PANELS = (
     "GPU throttle reasons",
     "Allocator OOMs and retries",
 )
-"""Panels of NVML/torch.cuda series, which exist only while the engine runs on a CUDA device (empty on CPU)."""
+"""Panels of NVML/torch.cuda series, which exist only while the engine runs on a CUDA device (empty on
+CPU)."""
 
 
 def _gpu(q: PromQL) -> list[Json]:

@@ -1,7 +1,7 @@
 """Generate the Grafana dashboards and docs/metrics.md from the metric catalog.
 
-    python -m kvscope.dashboards.generate           # write dashboards/json/*.json and docs/metrics.md
-    python -m kvscope.dashboards.generate --check   # exit 1 if a committed file differs from what would be written
+    python -m kvscope.dashboards.generate           # write dashboards/json/*.json and docs/metrics.md python
+    -m kvscope.dashboards.generate --check   # exit 1 if a committed file differs from what would be written
 
 Exit status 2 when the catalog is incomplete (a metrics module is missing), since the output would differ.
 """

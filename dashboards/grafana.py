@@ -26,7 +26,8 @@ class Target:
     heatmap: bool = False
     """Query in Grafana's heatmap format (one series per ``le`` bucket, de-cumulated by Grafana)."""
     exemplar: bool = False
-    """Also fetch the series' exemplars (trace ids of sampled requests; linked to Jaeger by the datasource)."""
+    """Also fetch the series' exemplars (trace ids of sampled requests; linked to Jaeger by the
+    datasource)."""
 
 
 def _targets(targets: list[Target]) -> list[Json]:

@@ -31,8 +31,9 @@ BURN_RATE_WINDOWS = (
     ("1d", "2h", 3.0, "warning"),
     ("3d", "6h", 1.0, "warning"),
 )
-"""(long window, short window, burn rate, severity) of the error-budget alerts: Google SRE workbook, "Alerting
-on SLOs", multiwindow multi-burn-rate; each fires above burn rate x (1 - AVAILABILITY_SLO) over both windows."""
+"""(long window, short window, burn rate, severity) of the error-budget alerts: Google SRE workbook,
+"Alerting on SLOs", multiwindow multi-burn-rate; each fires above burn rate x (1 - AVAILABILITY_SLO) over
+both windows."""
 MIN_SLO_REQUESTS = 100
 """The error-budget alerts need at least this many generation requests in their long window (a minimum-traffic
 guard: 1 failure in 20 requests is noise, not a burn)."""
@@ -60,8 +61,8 @@ EXEMPLAR_HISTOGRAMS = frozenset(
         ),
     }
 )
-"""Histograms observed with an exemplar (the trace id of a sampled request): the gateway's (gateway/observe.py)
-and the engine's latency histograms (engine/server/request_state.py)."""
+"""Histograms observed with an exemplar (the trace id of a sampled request): the gateway's
+(gateway/observe.py) and the engine's latency histograms (engine/server/request_state.py)."""
 
 
 def latency_targets(q: PromQL, hist: str) -> list[Target]:
@@ -80,9 +81,9 @@ GENERATION_ROUTES = 'route=~"/v1/chat/completions|/v1/completions"'
 
 def slo_failures(q: PromQL, requests: str, broken_streams: str, window: str = RATE) -> str:
     """Failed generation requests per second, as the SLO's recording rules count them: 5xx answers of
-    ``requests`` plus ``broken_streams`` (streams broken after their 200). Joined with ``or`` inside the sum (the
-    two families' label sets differ, so both sides stay): with ``+`` the sum would be empty, "No data", until the
-    first 5xx creates its series."""
+    ``requests`` plus ``broken_streams`` (streams broken after their 200). Joined with ``or`` inside the
+    sum (the two families' label sets differ, so both sides stay): with ``+`` the sum would be empty, "No
+    data", until the first 5xx creates its series."""
     fivexx = q.sel(requests, GENERATION_ROUTES, 'status=~"5.."')
     return f"sum(rate({fivexx}[{window}]) or rate({q.sel(broken_streams)}[{window}]))"
 

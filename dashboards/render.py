@@ -4,7 +4,8 @@ The figure keeps Grafana's grid (24 columns; rows of 1 unit): timeseries as line
 value, heatmaps as bucket counts over time. Panels without data say so in red, so a reviewer sees what the
 on-call engineer would see, gaps included.
 
-    python -m kvscope.dashboards.render --prometheus http://127.0.0.1:9090 --minutes 10 --out test-artifacts/dashboards
+    python -m kvscope.dashboards.render --prometheus http://127.0.0.1:9090 --minutes 10 --out
+    test-artifacts/dashboards
 """
 
 from __future__ import annotations

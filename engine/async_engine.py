@@ -1,8 +1,8 @@
 """AsyncEngine: the EngineCore step loop in its own thread, with per-request asyncio output streams.
 
 The server's event loop never runs model code: requests and aborts go to the engine thread through a queue,
-outputs come back with ``loop.call_soon_threadsafe``, one call per step for all of its outputs. A failing step fails the requests it touched (error
-outputs) and the loop keeps serving: no input may leave the engine dead.
+outputs come back with ``loop.call_soon_threadsafe``, one call per step for all of its outputs. A failing step
+fails the requests it touched (error outputs) and the loop keeps serving: no input may leave the engine dead.
 
 All of the engine's torch work runs on that one thread: building the EngineCore (weights, the kernel probe),
 the prefill warm-up and every step. Why: GNU OpenMP (torch's CPU runtime) keeps a worker pool per thread that
@@ -68,12 +68,14 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Thread-backed engine (the server's ``EngineClient``, engine/server/engine_client.py). ``process_inputs``
-    validates a request, ``generate`` yields its delta RequestOutputs; cancelling it aborts the request."""
+    """Thread-backed engine (the server's ``EngineClient``, engine/server/engine_client.py).
+    ``process_inputs`` validates a request, ``generate`` yields its delta RequestOutputs; cancelling it
+    aborts the request."""
 
     def __init__(self, config: EngineConfig, step_listener: StepListener | None = None) -> None:
         """Start the engine thread and build the EngineCore on it; returns once the model is loaded. Raises
-        what ``EngineCore(config)`` raises (the thread then exits). Requests are served after :meth:`start`."""
+        what ``EngineCore(config)`` raises (the thread then exits). Requests are served after
+        :meth:`start`."""
         self._listener = step_listener
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -101,8 +103,8 @@ class AsyncEngine:
         self._wake.set()
 
     def warm_up_prefill(self) -> int:
-        """``EngineCore.warm_up_prefill``, run on the engine thread (the caller blocks until it is done; call it
-        before :meth:`start`, from any thread but the engine's)."""
+        """``EngineCore.warm_up_prefill``, run on the engine thread (the caller blocks until it is done;
+        call it before :meth:`start`, from any thread but the engine's)."""
         return self._call(EngineCore.warm_up_prefill)
 
     def _call(self, fn: Callable[[EngineCore], _T]) -> _T:

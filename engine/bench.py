@@ -1,12 +1,13 @@
-"""Offline throughput benchmark: kvscope's engine vs transformers ``generate`` (static batching), same weights.
+"""Offline throughput benchmark: kvscope's engine vs transformers ``generate`` (static batching), same
+weights.
 
-Run: ``kvscope bench --offline`` or ``python -m kvscope.engine.bench``. Prints output tokens/s for each concurrency
-(128 prompt / 128 output tokens by default, greedy, ignore_eos) and the median TTFT. ``--step-bench`` instead
-times single engine steps: decode ms/step at each concurrency (all prompts prefilled first), the first step of
-each concurrency (its prefill), and the idle TTFT: ``--ttft-runs`` single prompts of ``--input-len`` tokens,
-each on an idle engine, from ``add_request`` to the step that returns its first token (median and min; the
-first of them is also reported alone: the first prompt of that length pays oneDNN's per-shape set-up unless
-the engine warmed it up). A benchmark, not a test: it asserts nothing.
+Run: ``kvscope bench --offline`` or ``python -m kvscope.engine.bench``. Prints output tokens/s for each
+concurrency (128 prompt / 128 output tokens by default, greedy, ignore_eos) and the median TTFT.
+``--step-bench`` instead times single engine steps: decode ms/step at each concurrency (all prompts prefilled
+first), the first step of each concurrency (its prefill), and the idle TTFT: ``--ttft-runs`` single prompts of
+``--input-len`` tokens, each on an idle engine, from ``add_request`` to the step that returns its first token
+(median and min; the first of them is also reported alone: the first prompt of that length pays oneDNN's
+per-shape set-up unless the engine warmed it up). A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def bench_idle_ttft(llm: LLM, input_len: int, runs: int, seed: int) -> IdleTtftR
 def bench_transformers(
     model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype
 ) -> BenchResult:
-    """transformers ``generate(do_sample=False)`` on one static batch (all prompts the same length: no padding)."""
+    """transformers ``generate(do_sample=False)`` on one static batch (all prompts the same length: no
+    padding)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()

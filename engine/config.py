@@ -12,17 +12,19 @@ DEFAULT_MODEL = "smollm2-135m"
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str = DEFAULT_MODEL
-    """Registry name (``smollm2-135m``), a HF folder (config.json + safetensors + tokenizer) or a .gguf file."""
+    """Registry name (``smollm2-135m``), a HF folder (config.json + safetensors + tokenizer) or a .gguf
+    file."""
     dtype: str = "float32"
-    """Weights/activations dtype: float32 (CPU default, exact parity), bfloat16, float16, or auto: on CPU the
-    faster of float32/bfloat16 by a start-up probe (``kvscope.engine.models.kernel_probe``: bfloat16 where oneDNN runs it
-    on AMX/AVX512_BF16), bfloat16 on CUDA."""
+    """Weights/activations dtype: float32 (CPU default, exact parity), bfloat16, float16, or auto: on CPU
+    the faster of float32/bfloat16 by a start-up probe (``kvscope.engine.models.kernel_probe``: bfloat16
+    where oneDNN runs it on AMX/AVX512_BF16), bfloat16 on CUDA."""
     quantization: str = "none"
     """Linear-layer weights (vLLM's ``--quantization``): none, int8 (weight-only, per output channel), int4
-    (groups of 32; a Q4_0/Q4_1 GGUF's own blocks), gguf (the GGUF's Q4 tensors as int4, the rest dense). CPU
-    only; see ``kvscope.engine.models.compact``. auto: the fastest format the model's registry entry lists as verified,
-    by the start-up probe (``kvscope.engine.models.format_choice``; with an explicit dtype: none). The library keeps
-    none/float32 as defaults (exact parity); ``kvscope engine``/``serve`` default to auto/auto."""
+    (groups of 32; a Q4_0/Q4_1 GGUF's own blocks), gguf (the GGUF's Q4 tensors as int4, the rest dense).
+    CPU only; see ``kvscope.engine.models.compact``. auto: the fastest format the model's registry entry
+    lists as verified, by the start-up probe (``kvscope.engine.models.format_choice``; with an explicit
+    dtype: none). The library keeps none/float32 as defaults (exact parity); ``kvscope engine``/``serve``
+    default to auto/auto."""
     cpu_kernels: str = "auto"
     """CPU kernels for compact weights: auto = kvscope's own (kernels/cpu_decode.py: AVX-512 VNNI GEMVs and a
     whole decode step in one call), built once per machine with the system C++ compiler, falling back to
@@ -30,8 +32,8 @@ class ModelConfig:
     max_model_len: int | None = None
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None
-    """Name reported by /v1/models; None: the registry name, a .gguf file's name without .gguf, or the HF folder's name
-    (``kvscope.common.models.registry.default_served_name``)."""
+    """Name reported by /v1/models; None: the registry name, a .gguf file's name without .gguf, or the HF
+    folder's name (``kvscope.common.models.registry.default_served_name``)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -101,9 +103,9 @@ SPECULATIVE_METHODS = ("ngram",)
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``speculative_config`` names). ``ngram``: prompt-lookup drafts, proposed by
-    matching the last ``prompt_lookup_max`` … ``prompt_lookup_min`` tokens against the prompt and the output so
-    far (engine/spec_decode/ngram.py), verified by the target model in one forward pass."""
+    """Speculative decoding (vLLM's ``speculative_config`` names). ``ngram``: prompt-lookup drafts,
+    proposed by matching the last ``prompt_lookup_max`` … ``prompt_lookup_min`` tokens against the prompt
+    and the output so far (engine/spec_decode/ngram.py), verified by the target model in one forward pass."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -146,10 +148,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``auto`` (Triton on CUDA, torch reference on CPU), ``torch`` or ``triton``."""
     num_threads: int | None = None
-    """torch intra-op threads on CPU; None = auto: one fewer than the CPUs this process may run on, at least 1
-    (``kvscope.engine.engine_core.default_num_threads``, which documents the measurements). On a 2-core machine that
-    is 1: a second OpenMP thread gains 1.4-1.8x on batched steps when the machine is idle, but makes steps
-    2.5-5x slower as soon as another process wants a core. Override with ``--num-threads``."""
+    """torch intra-op threads on CPU; None = auto: one fewer than the CPUs this process may run on, at
+    least 1 (``kvscope.engine.engine_core.default_num_threads``, which documents the measurements). On a
+    2-core machine that is 1: a second OpenMP thread gains 1.4-1.8x on batched steps when the machine is
+    idle, but makes steps 2.5-5x slower as soon as another process wants a core. Override with
+    ``--num-threads``."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -60,8 +60,8 @@ class ModelInfo:
     format_reason: str = ""
     """Why this format (kvscope.engine.models.format_choice)."""
     cpu_kernels: str = ""
-    """The CPU kernels of the compact weights: ``kvscope (fused decode up to N rows)`` (kernels/cpu_decode.py),
-    ``torch`` (and why not kvscope's), or empty off CPU / for dense formats."""
+    """The CPU kernels of the compact weights: ``kvscope (fused decode up to N rows)``
+    (kernels/cpu_decode.py), ``torch`` (and why not kvscope's), or empty off CPU / for dense formats."""
     rss_bytes: int = 0
     """Process resident set size once the engine is built (weights + KV cache + runtime)."""
     peak_rss_bytes: int = 0
@@ -97,9 +97,9 @@ class StepResult:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The torch device of ``--device`` (``cpu``, ``cuda`` or ``cuda:N``). Raises ValueError for another name, or
-    for a CUDA device this torch build or machine does not have (torch would fail later with an AssertionError
-    or a CUDA error at the first allocation)."""
+    """The torch device of ``--device`` (``cpu``, ``cuda`` or ``cuda:N``). Raises ValueError for another
+    name, or for a CUDA device this torch build or machine does not have (torch would fail later with an
+    AssertionError or a CUDA error at the first allocation)."""
     try:
         device = torch.device(name)
     except RuntimeError as exc:
@@ -214,9 +214,10 @@ class EngineCore:
         return limit
 
     def warm_up_prefill(self) -> int:
-        """Build the prefill matmuls' oneDNN primitives for every padded size up to the token budget now, not in
-        the first prefill of each prompt length (``LlamaForCausalLM.warm_up``; ~1.5–3 s on 2 cores). Call
-        before the step loop starts. Returns the matmuls run (0 off the CPU or for a model without it)."""
+        """Build the prefill matmuls' oneDNN primitives for every padded size up to the token budget now,
+        not in the first prefill of each prompt length (``LlamaForCausalLM.warm_up``; ~1.5–3 s on 2 cores).
+        Call before the step loop starts. Returns the matmuls run (0 off the CPU or for a model without
+        it)."""
         warm = getattr(self.model, "warm_up", None)
         if warm is None or self.device.type != "cpu":
             return 0
@@ -235,14 +236,16 @@ class EngineCore:
         arrival_time: float | None = None,
         trace_context: object | None = None,
     ) -> list[Request]:
-        """Validate (:class:`~kvscope.engine.input_processor.InputProcessor`) and queue a request (``n`` children for
-        ``params.n > 1``). Raises InvalidParameterError / PromptTooLongError before any work is done."""
+        """Validate (:class:`~kvscope.engine.input_processor.InputProcessor`) and queue a request (``n``
+        children for ``params.n > 1``). Raises InvalidParameterError / PromptTooLongError before any work
+        is done."""
         return self.add_engine_request(
             request_id, self.input_processor.process(prompt_token_ids, params), arrival_time, trace_context
         )
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """The resolved max_tokens of a request, or the errors of :meth:`add_request`; queues nothing (the same
+        """The resolved max_tokens of a request, or the errors of :meth:`add_request`; queues nothing (the
+        same
         :class:`~kvscope.engine.input_processor.InputProcessor` check)."""
         return self.input_processor.process(prompt_token_ids, params).max_tokens
 
@@ -378,9 +381,9 @@ class EngineCore:
         return failed
 
     def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Feed a decode-only step's seconds to the drafter's cost model (engine/spec_decode/adaptive.py): this
-        thread's CPU seconds (``time.thread_time``, blind to other processes taking the core) with one torch
-        thread, wall seconds with more (the OpenMP workers' CPU time is not this thread's)."""
+        """Feed a decode-only step's seconds to the drafter's cost model (engine/spec_decode/adaptive.py):
+        this thread's CPU seconds (``time.thread_time``, blind to other processes taking the core) with one
+        torch thread, wall seconds with more (the OpenMP workers' CPU time is not this thread's)."""
         if self.drafter is None or not scheduler_output.scheduled or scheduler_output.num_prefill_tokens:
             return
         num_draft = sum(len(item.spec_token_ids) for item in scheduler_output.scheduled)
@@ -417,7 +420,8 @@ def format_line(info: ModelInfo) -> str:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sibling ``index`` of an n > 1 request: n = 1 and, when seeded, seed + index (vLLM v1 parallel sampling)."""
+    """Sibling ``index`` of an n > 1 request: n = 1 and, when seeded, seed + index (vLLM v1 parallel
+    sampling)."""
     from dataclasses import replace
 
     seed = None if params.seed is None else params.seed + index

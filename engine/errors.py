@@ -14,9 +14,9 @@ class InvalidParameterError(ValueError):
 
 
 class PromptTooLongError(InvalidParameterError):
-    """Prompt tokens (+ requested completion tokens) exceed the context length actually enforced. The message is
-    OpenAI's (:func:`kvscope.common.openai_errors.context_length_message`); the server words it again with the
-    request's field name (``messages`` or ``prompt``)."""
+    """Prompt tokens (+ requested completion tokens) exceed the context length actually enforced. The
+    message is OpenAI's (:func:`kvscope.common.openai_errors.context_length_message`); the server words it
+    again with the request's field name (``messages`` or ``prompt``)."""
 
     def __init__(self, *, max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
         msg = context_length_message(max_model_len, num_prompt_tokens, max_tokens)

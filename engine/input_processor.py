@@ -1,11 +1,11 @@
 """The one validation point of an engine request, where it enters the engine (vLLM v1's ``InputProcessor``,
 vllm/v1/engine/input_processor.py).
 
-A prompt and its :class:`~kvscope.engine.sampling_params.SamplingParams` (which checked their own ranges when built) are
-checked here against the loaded model: token ids in the vocabulary, prompt + ``max_tokens`` within the context.
-What passes is an :class:`EngineRequest`; the engine queues nothing else, so no layer below checks again (the
-scheduler only asserts its own invariants). Callers: ``AsyncEngine.process_inputs`` (the server, for every
-prompt before any of them starts) and ``EngineCore.add_request`` (the offline LLM).
+A prompt and its :class:`~kvscope.engine.sampling_params.SamplingParams` (which checked their own ranges when
+built) are checked here against the loaded model: token ids in the vocabulary, prompt + ``max_tokens`` within
+the context. What passes is an :class:`EngineRequest`; the engine queues nothing else, so no layer below
+checks again (the scheduler only asserts its own invariants). Callers: ``AsyncEngine.process_inputs`` (the
+server, for every prompt before any of them starts) and ``EngineCore.add_request`` (the offline LLM).
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ class EngineRequest:
     """The request's constant sampling tensors (logit_bias, stop ids, prompt ids), built here once and shared
     by every step and every one of its ``n`` children (kvscope.engine.worker.sampler)."""
     fairness_group: str | None = None
-    """The client request it belongs to (the server sets its response id, shared by all the request's prompts);
-    the scheduler shares slots and tokens between such groups (engine/core/fairness.py). None: its own id."""
+    """The client request it belongs to (the server sets its response id, shared by all the request's
+    prompts); the scheduler shares slots and tokens between such groups (engine/core/fairness.py). None:
+    its own id."""
     fairness_tenant: str | None = None
-    """Who sent it: the gateway's API key name (the server reads the ``x-kvscope-tenant`` header); the scheduler
-    shares slots between tenants first, then between each tenant's groups. None: its group is its own tenant."""
+    """Who sent it: the gateway's API key name (the server reads the ``x-kvscope-tenant`` header); the
+    scheduler shares slots between tenants first, then between each tenant's groups. None: its group is its
+    own tenant."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +46,10 @@ class InputProcessor:
     max_model_len: int
     vocab_size: int
     compile_constraint: Callable[..., float] | None = None
-    """Compiles (and caches) a structured-output constraint on the grammar compiler's thread and pins it to the
-    constraint the request carries (a no-op when the server already did, StructuredOutputsParams.pin), so no
-    engine step compiles; raises InvalidParameterError naming the field for an unsupported schema keyword, a bad
-    regex/grammar, a grammar above the size limit or one the matcher cannot serve
+    """Compiles (and caches) a structured-output constraint on the grammar compiler's thread and pins it to
+    the constraint the request carries (a no-op when the server already did, StructuredOutputsParams.pin),
+    so no engine step compiles; raises InvalidParameterError naming the field for an unsupported schema
+    keyword, a bad regex/grammar, a grammar above the size limit or one the matcher cannot serve
     (kvscope.engine.structured.backend.StructuredOutputManager.compile)."""
 
     def process(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:

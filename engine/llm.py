@@ -46,7 +46,8 @@ def build_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
 def _speculative_config(kwargs: dict) -> SpeculativeConfig | None:
     """Pop the flat speculative options (``speculative`` = none/ngram, ``num_speculative_tokens``,
     ``prompt_lookup_min``, ``prompt_lookup_max``) from ``kwargs`` (the lookup options are ignored with
-    ``speculative`` none). Raises ValueError for an unknown method or an invalid option (SpeculativeConfig)."""
+    ``speculative`` none). Raises ValueError for an unknown method or an invalid option
+    (SpeculativeConfig)."""
     method = kwargs.pop("speculative", None) or "none"
     names = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
     options = {name: kwargs.pop(name) for name in names if kwargs.get(name) is not None}
@@ -58,7 +59,8 @@ def _speculative_config(kwargs: dict) -> SpeculativeConfig | None:
 
 
 class LLM:
-    """Generate for a list of prompts with continuous batching; returns one RequestOutput per prompt, in order."""
+    """Generate for a list of prompts with continuous batching; returns one RequestOutput per prompt, in
+    order."""
 
     def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **kwargs) -> None:
         self.engine = EngineCore(config or build_engine_config(model, **kwargs))
@@ -116,7 +118,8 @@ class LLM:
 
 
 def merge_output(merged: dict[str, RequestOutput], delta: RequestOutput) -> None:
-    """Accumulate a delta RequestOutput into ``merged`` (text, token ids and logprobs concatenated per choice)."""
+    """Accumulate a delta RequestOutput into ``merged`` (text, token ids and logprobs concatenated per
+    choice)."""
     current = merged.get(delta.request_id)
     if current is None:
         current = RequestOutput(delta.request_id, delta.prompt_token_ids, [])

@@ -9,9 +9,9 @@ from kvscope.engine.config import CacheConfig
 
 
 def cpu_kv_budget(cache: CacheConfig, weights_bytes: int) -> int:
-    """KV-cache bytes on CPU: ``cache.memory_budget − weights_bytes`` when a total budget is set (weights of the
-    loaded format: packed int4/int8 plus any dense copy kept for batched rows), else ``cache.kv_cache_memory``.
-    Raises ValueError when the weights alone fill the total budget."""
+    """KV-cache bytes on CPU: ``cache.memory_budget − weights_bytes`` when a total budget is set (weights
+    of the loaded format: packed int4/int8 plus any dense copy kept for batched rows), else
+    ``cache.kv_cache_memory``. Raises ValueError when the weights alone fill the total budget."""
     if cache.memory_budget is None:
         return cache.kv_cache_memory
     left = cache.memory_budget - weights_bytes
@@ -24,7 +24,8 @@ def cpu_kv_budget(cache: CacheConfig, weights_bytes: int) -> int:
 
 
 def with_kv_budget(cache: CacheConfig, weights_bytes: int) -> CacheConfig:
-    """``cache`` with ``kv_cache_memory`` = :func:`cpu_kv_budget` (what ``budget_num_blocks`` reads on CPU)."""
+    """``cache`` with ``kv_cache_memory`` = :func:`cpu_kv_budget` (what ``budget_num_blocks`` reads on
+    CPU)."""
     return replace(cache, kv_cache_memory=cpu_kv_budget(cache, weights_bytes))
 
 

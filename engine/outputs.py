@@ -11,8 +11,8 @@ from kvscope.engine.core.stats import KvscopeStats
 class TokenLogprob:
     """Logprob detail of one position: the chosen token and the ``top`` most likely alternatives.
 
-    ``logprob`` is the raw model log-probability (log_softmax of the logits, before penalties and temperature).
-    ``top`` is sorted by logprob, descending; ``rank`` is the chosen token's 1-based rank.
+    ``logprob`` is the raw model log-probability (log_softmax of the logits, before penalties and
+    temperature). ``top`` is sorted by logprob, descending; ``rank`` is the chosen token's 1-based rank.
     """
 
     token_id: int

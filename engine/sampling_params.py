@@ -1,7 +1,7 @@
 """Per-request sampling parameters (OpenAI + vLLM vocabulary).
 
-Validation raises :class:`kvscope.engine.errors.InvalidParameterError` (a ``ValueError``) whose ``param`` names the
-offending field, so the server can answer 400 with OpenAI's ``param``.
+Validation raises :class:`kvscope.engine.errors.InvalidParameterError` (a ``ValueError``) whose ``param``
+names the offending field, so the server can answer 400 with OpenAI's ``param``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class SamplingParams:
     """Same for the prompt tokens (used by completions ``echo`` with ``logprobs``)."""
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
-    """Grammar constraint (JSON schema, regex, choice, grammar) enforced by a token mask (engine/structured)."""
+    """Grammar constraint (JSON schema, regex, choice, grammar) enforced by a token mask
+    (engine/structured)."""
     extra: dict = field(default_factory=dict)
     """Free-form per-request annotations (e.g. the OpenAI ``user``); never used by sampling."""
     stop_token_id_set: frozenset[int] = field(init=False, repr=False, compare=False)

@@ -1,14 +1,16 @@
 """Edge checks of a generation request, in order, before any upstream sees it:
 
-auth (401, the route's guard: gateway/guards.py) → body size (413) → JSON + schema (400) → unknown model (404 ``model_not_found``) → key's
-models (403) → key's ``max_tokens`` ceiling (400) → context length with the model's tokenizer (400
-``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429, the lease of gateway/ratelimit_middleware.py). What
-passes becomes a :class:`~kvscope.gateway.proxy.plan.ProxyPlan`.
+auth (401, the route's guard: gateway/guards.py) → body size (413) → JSON + schema (400) → unknown model (404
+``model_not_found``) → key's models (403) → key's ``max_tokens`` ceiling (400) → context length with the
+model's tokenizer (400 ``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429, the
+lease of gateway/ratelimit_middleware.py). What passes becomes a
+:class:`~kvscope.gateway.proxy.plan.ProxyPlan`.
 
 A request without ``max_tokens`` gets one injected when its key has a ``max_tokens`` ceiling or a
 tokens-per-minute limit: the upstream's own default (16 for completions, the rest of the context for chat)
 capped at the ceiling and at what one minute's token budget leaves after the prompt (:func:`tpm_output_cap`).
-The rate-limit charge is the prompt + that max_tokens per choice, so what a key may generate is bounded up front.
+The rate-limit charge is the prompt + that max_tokens per choice, so what a key may generate is bounded up
+front.
 """
 
 from __future__ import annotations
@@ -223,8 +225,8 @@ def _prompt_estimate(raw: dict[str, Any], counts: list[int] | None) -> int:
 
 def tpm_output_cap(tokens_per_minute: int | None, prompt_tokens: int, choices: int) -> int | None:
     """The most completion tokens per choice a request may generate within one minute's token budget:
-    ``(tokens_per_minute - prompt_tokens) // choices``, at least 1 (a prompt that alone fills the budget is then
-    refused by the limiter as larger than the limit); None when the key has no tokens-per-minute limit.
+    ``(tokens_per_minute - prompt_tokens) // choices``, at least 1 (a prompt that alone fills the budget is
+    then refused by the limiter as larger than the limit); None when the key has no tokens-per-minute limit.
 
     Why: a request without ``max_tokens`` may generate up to the rest of the context (8,192 tokens for
     SmolLM2), so charging it only its prompt let a TPM-1000 key run any number of concurrent streams to the
@@ -244,10 +246,10 @@ def _lowest(*bounds: int | None) -> int | None:
 def _token_estimate(
     req: ChatCompletionRequest | CompletionRequest, prompt: int, max_tokens: int | None
 ) -> int:
-    """Tokens charged up front: the prompt + max_tokens per choice (completions: 16 when absent); settled with
-    the real usage at the end. A chat request reaches here without max_tokens only when its key has neither a
-    tokens-per-minute limit nor a max_tokens ceiling (otherwise admission injected one), so the tokens bucket it
-    would be charged to does not exist."""
+    """Tokens charged up front: the prompt + max_tokens per choice (completions: 16 when absent); settled
+    with the real usage at the end. A chat request reaches here without max_tokens only when its key has
+    neither a tokens-per-minute limit nor a max_tokens ceiling (otherwise admission injected one), so the
+    tokens bucket it would be charged to does not exist."""
     if max_tokens is None and isinstance(req, CompletionRequest):
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     return prompt + (max_tokens or 0) * req.num_choices()

@@ -26,9 +26,9 @@ from kvscope.gateway.settings import GatewaySettings
 
 
 class GatewayApp(Litestar):
-    """The Litestar app with :func:`kvscope.gateway.observe.observe` around it, outside the router: a request no
-    route or method matches is still observed (one log record, metrics, a span), and a non-canonical
-    request target is refused before routing."""
+    """The Litestar app with :func:`kvscope.gateway.observe.observe` around it, outside the router: a
+    request no route or method matches is still observed (one log record, metrics, a span), and a
+    non-canonical request target is refused before routing."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         if scope["type"] != "http" or _plain_probe(scope):

@@ -2,7 +2,8 @@
 
 A key is ``sk-kvs-`` + 43 url-safe characters (256 random bits from :mod:`secrets`). The config holds
 ``sha256(key)``; a presented key is hashed and compared against every configured digest with
-:func:`hmac.compare_digest`, visiting all of them, so the time taken does not depend on which (if any) matched.
+:func:`hmac.compare_digest`, visiting all of them, so the time taken does not depend on which (if any)
+matched.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from kvscope.gateway.settings import ApiKeyConfig, KeyLimits
 KEY_PREFIX = "sk-kvs-"
 ANONYMOUS = "anonymous"
 TENANT_HEADER = "x-kvscope-tenant"
-"""Set on the upstream request of a keyed caller to its key's name (``user.id``; never the key itself): the engine
-scheduler's tenant, whose share its requests split (docs/engine-server.md). Without keys it is not sent, and a
-client's own header of that name is never forwarded."""
+"""Set on the upstream request of a keyed caller to its key's name (``user.id``; never the key itself): the
+engine scheduler's tenant, whose share its requests split (docs/engine-server.md). Without keys it is not
+sent, and a client's own header of that name is never forwarded."""
 
 
 def generate_key() -> str:

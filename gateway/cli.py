@@ -37,8 +37,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted, under :func:`kvscope.gateway.server.uvicorn_config` (JSON 400s
-    for parser errors, no uvicorn proxy-header rewriting, no access log: the gateway writes its own)."""
+    """Serve ``app`` with uvicorn until interrupted, under :func:`kvscope.gateway.server.uvicorn_config`
+    (JSON 400s for parser errors, no uvicorn proxy-header rewriting, no access log: the gateway writes its
+    own)."""
     import uvicorn
 
     from kvscope.gateway.server import uvicorn_config
@@ -79,10 +80,10 @@ def _keys_parser() -> argparse.ArgumentParser:
 
 def keys_main(argv: list[str]) -> int:
     """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b]`` prints the key (first line,
-    shown only now) and the config entry holding its sha256 (one JSON flow mapping, valid YAML, that carries
-    every restriction). The ``--api-key-hash NAME:SHA256`` alternative is offered only for a key without a
-    model restriction, since that flag cannot carry one. Returns 2 for an invalid name or an empty ``--models``
-    list."""
+    shown only now) and the config entry holding its sha256 (one JSON flow mapping, valid YAML, that
+    carries every restriction). The ``--api-key-hash NAME:SHA256`` alternative is offered only for a key
+    without a model restriction, since that flag cannot carry one. Returns 2 for an invalid name or an
+    empty ``--models`` list."""
     args = _keys_parser().parse_args(argv)
     try:
         check_key_name(args.name)

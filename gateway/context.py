@@ -103,7 +103,8 @@ class RequestContext:
     auth_s: float = 0.0
     """Seconds in the auth guard (gateway/guards.py)."""
     rate_limit_s: float = 0.0
-    """Seconds acquiring the rate-limit lease (gateway/ratelimit_middleware.py; Redis round trips included)."""
+    """Seconds acquiring the rate-limit lease (gateway/ratelimit_middleware.py; Redis round trips
+    included)."""
     tokenize_s: float = 0.0
     """Seconds counting the prompt's tokens for the context-length check (gateway/admission.py)."""
     first_attempt_at: float | None = None
@@ -181,10 +182,10 @@ class RequestContext:
 
     def attempt_ended(self, start: float, headers_at: float | None, end: float) -> float:
         """Account one upstream attempt (perf_counter times: its start, its response headers or None, the
-        upstream's last byte) in the retry/upstream phases and ``upstream_s``; the latest attempt is the one that
-        answered. An end after the request's own end counts up to the request's end (the phases and
-        ``upstream_s`` alike, so a failed attempt's share of ``upstream_s`` stays within ``retry_s``). Returns the
-        end it counted."""
+        upstream's last byte) in the retry/upstream phases and ``upstream_s``; the latest attempt is the
+        one that answered. An end after the request's own end counts up to the request's end (the phases
+        and ``upstream_s`` alike, so a failed attempt's share of ``upstream_s`` stays within ``retry_s``).
+        Returns the end it counted."""
         if self.end_at is not None:
             end = min(end, self.end_at)
         self.upstream_s += end - start

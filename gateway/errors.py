@@ -23,7 +23,8 @@ _log = logging.getLogger("kvscope.gateway")
 
 class GatewayError(Exception):
     """An error with an HTTP status and an OpenAI error body. ``headers`` go on the response. Its ``type``
-    follows from the status (:func:`kvscope.common.openai_errors.error_type`, the vocabulary the engine speaks too)."""
+    follows from the status (:func:`kvscope.common.openai_errors.error_type`, the vocabulary the engine
+    speaks too)."""
 
     status = 500
     code: str | None = "internal_error"
@@ -154,8 +155,8 @@ MAX_ECHOED_CHARS = 256
 
 
 def clip(value: str | None, limit: int = MAX_ECHOED_CHARS) -> str | None:
-    """``value`` cut to ``limit`` characters (marked with ``…[+N chars]``), so a client cannot make one log line
-    or error body megabytes long by sending a huge model name or User-Agent."""
+    """``value`` cut to ``limit`` characters (marked with ``…[+N chars]``), so a client cannot make one log
+    line or error body megabytes long by sending a huge model name or User-Agent."""
     if value is None or len(value) <= limit:
         return value
     return f"{value[:limit]}…[+{len(value) - limit} chars]"
@@ -176,7 +177,8 @@ def upstream_error_object(status: int, body: bytes) -> tuple[dict[str, Any], boo
 
 
 def upstream_gateway_error(error: dict[str, Any]) -> GatewayError:
-    """The GatewayError an upstream's error object stands for in the log (``error.type`` = its code or type)."""
+    """The GatewayError an upstream's error object stands for in the log (``error.type`` = its code or
+    type)."""
     return GatewayError(str(error.get("message")), code=error.get("code") or error.get("type"))
 
 
@@ -185,7 +187,8 @@ def error_json(err: GatewayError) -> bytes:
 
 
 def from_http_exception(exc: HTTPException) -> GatewayError:
-    """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status; its code is
+    """Litestar's HTTPException (404, 405, 413, validation …) as a GatewayError of the same status; its code
+    is
     :func:`kvscope.common.openai_errors.default_code` (never null), as the engine's."""
     err = GatewayError(str(exc.detail))
     err.status = exc.status_code

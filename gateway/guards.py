@@ -3,9 +3,9 @@ the method it accepts (405), the generation operation it serves, and the caller'
 
 Authentication happens here and nowhere else: :func:`authenticated` checks ``Authorization: Bearer <key>``
 (gateway/auth.py), records ``user.id`` in the request context and leaves the
-:class:`~kvscope.gateway.auth.Principal` in ``scope["user"]`` (Litestar's place for it: ``request.user``), which the
-handlers read through :func:`principal_of`. Guard errors are GatewayErrors, answered as OpenAI JSON by the
-app's exception handlers.
+:class:`~kvscope.gateway.auth.Principal` in ``scope["user"]`` (Litestar's place for it: ``request.user``),
+which the handlers read through :func:`principal_of`. Guard errors are GatewayErrors, answered as OpenAI JSON
+by the app's exception handlers.
 """
 
 from __future__ import annotations

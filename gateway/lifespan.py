@@ -1,4 +1,5 @@
-"""Building and running the gateway's long-lived parts (:class:`kvscope.gateway.state.GatewayState`): startup/shutdown.
+"""Building and running the gateway's long-lived parts (:class:`kvscope.gateway.state.GatewayState`):
+startup/shutdown.
 
 :func:`build_state` wires objects without I/O (tokenizers are loaded here so a bad path fails at startup);
 :func:`gateway_lifespan` opens the upstream HTTP client, starts the log sinks, probes every upstream once,

@@ -1,6 +1,6 @@
-"""HTTP routes. Generation routes return a :class:`~kvscope.gateway.proxy.call.ProxyCall` (an ASGI app that owns the
-exchange); the others are small. Every path lands on some route (catch-alls raise OpenAI-shaped 404/405);
-methods no route declares get Litestar's 405, mapped to the same JSON. The observation wrapper
+"""HTTP routes. Generation routes return a :class:`~kvscope.gateway.proxy.call.ProxyCall` (an ASGI app that
+owns the exchange); the others are small. Every path lands on some route (catch-alls raise OpenAI-shaped
+404/405); methods no route declares get Litestar's 405, mapped to the same JSON. The observation wrapper
 (gateway/observe.py) sits outside the router, so every request is logged either way.
 
 What each route requires is declared on it: guards (gateway/guards.py: the method, the operation, the API
@@ -106,10 +106,10 @@ async def readyz(request: Request) -> Response:
 
 
 def _readiness_models(gw: GatewayState, request: Request, models: dict[str, bool]) -> dict[str, bool] | None:
-    """The per-model readiness map a caller of ``/readyz`` may see: all of it without API keys; with keys, only
-    to a caller presenting a valid key, filtered by that key's models (as ``/v1/models``); None (no map) for
-    anyone else. Readiness probes send no key: they get the status alone, never a 401, and unauthenticated
-    callers learn no model name."""
+    """The per-model readiness map a caller of ``/readyz`` may see: all of it without API keys; with keys,
+    only to a caller presenting a valid key, filtered by that key's models (as ``/v1/models``); None (no
+    map) for anyone else. Readiness probes send no key: they get the status alone, never a 401, and
+    unauthenticated callers learn no model name."""
     if not gw.settings.auth_enabled:
         return models
     try:
@@ -121,8 +121,8 @@ def _readiness_models(gw: GatewayState, request: Request, models: dict[str, bool
 
 def _check_metrics_access(gw: GatewayState, request: Request) -> None:
     """With API keys configured and ``metrics_public`` off, ``/metrics`` (whose series name every served
-    model and upstream) needs a key that may use every model: 401 without a valid key, 403 for a key restricted
-    to some models. Without keys, or with ``metrics_public``, anyone may scrape."""
+    model and upstream) needs a key that may use every model: 401 without a valid key, 403 for a key
+    restricted to some models. Without keys, or with ``metrics_public``, anyone may scrape."""
     settings = gw.settings
     if not settings.auth_enabled or settings.metrics_public:
         return

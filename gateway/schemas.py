@@ -93,11 +93,11 @@ EMPTY_PROMPT = "The prompt is empty: it encodes to zero tokens."
 
 
 def check_prompt(prompt: str | list[Any]) -> None:
-    """A prompt is a string, a list of strings, a list of token ids or a list of such lists, none of them empty.
-    Raises InvalidRequest (400 ``invalid_value``, param ``prompt``) worded as the engine answers the same
-    mistake: an empty list (``[]``), an empty token-id array (``[[]]``, ``[[1], []]``), a mix of kinds. An
-    empty string (``""``, ``[""]``) is the upstream's to judge (whether it encodes to zero tokens is its
-    tokenizer's business; kvscope's engine answers 400 ``invalid_value`` with :data:`EMPTY_PROMPT`)."""
+    """A prompt is a string, a list of strings, a list of token ids or a list of such lists, none of them
+    empty. Raises InvalidRequest (400 ``invalid_value``, param ``prompt``) worded as the engine answers the
+    same mistake: an empty list (``[]``), an empty token-id array (``[[]]``, ``[[1], []]``), a mix of
+    kinds. An empty string (``""``, ``[""]``) is the upstream's to judge (whether it encodes to zero tokens
+    is its tokenizer's business; kvscope's engine answers 400 ``invalid_value`` with :data:`EMPTY_PROMPT`)."""
     if isinstance(prompt, str) or _is_ids(prompt):
         return
     if not prompt:

@@ -1,23 +1,24 @@
 """How the gateway runs under uvicorn: one :func:`uvicorn_config` for the CLI and the tests.
 
 - ``http``: :class:`GatewayH11Protocol`, uvicorn's h11 protocol with the read timeouts of
-  kvscope/common/read_timeouts.py (``timeouts.request_head_s``: a request head not complete in time gets a JSON 408
-  and its connection closed, an idle one is closed; ``timeouts.request_body_s``: a body that stalls that long
-  gets a 408 and a close), each 408 with its log record like the parser's 400s, and one more change: a request the HTTP parser
-  refuses (bad request line or header, missing Host, conflicting framing, a head over 16 KiB …) is answered
-  with an OpenAI-shaped JSON 400 and gets its one log record, metrics and span
-  (:func:`kvscope.gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees. Two checks
-  h11 leaves to the server are added (:func:`head_problem`): a request with both ``Content-Length`` and
+  kvscope/common/read_timeouts.py (``timeouts.request_head_s``: a request head not complete in time gets a
+  JSON 408 and its connection closed, an idle one is closed; ``timeouts.request_body_s``: a body that stalls
+  that long gets a 408 and a close), each 408 with its log record like the parser's 400s, and one more change:
+  a request the HTTP parser refuses (bad request line or header, missing Host, conflicting framing, a head
+  over 16 KiB …) is answered with an OpenAI-shaped JSON 400 and gets its one log record, metrics and span
+  (:func:`kvscope.gateway.observe.record_refused`), instead of uvicorn's plain-text 400 that no app sees. Two
+  checks h11 leaves to the server are added (:func:`head_problem`): a request with both ``Content-Length`` and
   ``Transfer-Encoding`` is refused and its connection closed (RFC 9112 §6.1 allows refusing it and requires
-  the close: a proxy in front that reads the other header would see a different request, "request
-  smuggling"), and the 16 KiB head limit holds for a head that arrives in one piece too (h11 bounds only an
-  incomplete head).
+  the close: a proxy in front that reads the other header would see a different request, "request smuggling"),
+  and the 16 KiB head limit holds for a head that arrives in one piece too (h11 bounds only an incomplete
+  head).
 - ``proxy_headers=False``: uvicorn would otherwise rewrite the client address from ``X-Forwarded-For`` for
   any loopback peer; the gateway trusts only ``trusted_proxies`` (gateway/forwarded.py).
 - ``loop``: uvloop unless the settings' ``event_loop`` says ``asyncio`` (kvscope/common/event_loop.py).
 - ``ws="none"``: no WebSocket routes, so an ``Upgrade`` request is a plain HTTP request for the app.
 - no access log, no ``Server`` header (the gateway writes its own request log).
-- ``scope["extensions"]["kvscope.body_chunk"]``: :func:`write_body_chunk` for the request, the relay's way to write
+- ``scope["extensions"]["kvscope.body_chunk"]``: :func:`write_body_chunk` for the request, the relay's way to
+write
   a streamed event to the client without the ASGI send chain.
 """
 
@@ -59,7 +60,8 @@ class InvalidHttpRequest(InvalidRequest):
 
 
 class RequestTimedOut(GatewayError):
-    """The server's 408: a request head or body that did not arrive in time (kvscope/common/read_timeouts.py)."""
+    """The server's 408: a request head or body that did not arrive in time
+    (kvscope/common/read_timeouts.py)."""
 
     status, code = 408, "request_timeout"
 
@@ -144,9 +146,9 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         )
 
     def read_timed_out(self, stage: str, message: str) -> None:
-        """A head or body that did not arrive in time (kvscope/common/read_timeouts.py): a JSON 408 and the close, and
-        its log record: the app's own when it holds the request (a stalled body), else a record of its own (a
-        partial head, as for the parser's 400s)."""
+        """A head or body that did not arrive in time (kvscope/common/read_timeouts.py): a JSON 408 and the
+        close, and its log record: the app's own when it holds the request (a stalled body), else a record
+        of its own (a partial head, as for the parser's 400s)."""
         in_progress = stage == "body" and self.cycle is not None and not self.cycle.response_complete
         if in_progress:
             self.cycle.scope["state"][READ_TIMEOUT_KEY] = 408  # type: ignore[index]
@@ -156,8 +158,9 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         self._refuse(RequestTimedOut(message), in_progress)
 
     def _refuse(self, err: GatewayError, in_progress: bool) -> None:
-        """Answer ``err`` (400 or 408) as JSON with ``Connection: close``, close, and see that the request gets
-        its one log record: through the app when it holds (or will hold) the request, ``in_progress``, else
+        """Answer ``err`` (400 or 408) as JSON with ``Connection: close``, close, and see that the request
+        gets its one log record: through the app when it holds (or will hold) the request, ``in_progress``,
+        else
         :func:`kvscope.gateway.observe.record_refused` with the method and path read so far."""
         from kvscope.gateway.observe import CTX_KEY, REFUSED_KEY, record_refused
 
@@ -196,12 +199,13 @@ def write_body_chunk(cycle: RequestResponseCycle, data: bytes) -> bool:
     """Write ``data`` as one chunk of the started response body straight to the client's transport, in the
     chunked framing h11 chose for it (RFC 9112 §7.1), and return True; False, having written nothing, where
     the caller must use ASGI ``send`` instead: empty data (an empty chunk would end the body), a response not
-    started or complete, a client gone or not reading (``send`` waits for its drain), or a body that h11 frames
-    otherwise (HTTP/1.0 clients, HEAD, a Content-Length).
+    started or complete, a client gone or not reading (``send`` waits for its drain), or a body that h11
+    frames otherwise (HTTP/1.0 clients, HEAD, a Content-Length).
 
     Why: a streamed token went through Litestar's send wrappers, uvicorn's ``send`` and h11's state machine
-    before its one ``transport.write``; the relay writes each SSE event here instead (gateway/proxy/client.py;
-    docs/gateway.md "CPU per relayed token"). The start, the end and every other message keep the ASGI path."""
+    before its one ``transport.write``; the relay writes each SSE event here instead
+    (gateway/proxy/client.py; docs/gateway.md "CPU per relayed token"). The start, the end and every other
+    message keep the ASGI path."""
     if (
         not data
         or ChunkedWriter is None
@@ -219,9 +223,10 @@ def write_body_chunk(cycle: RequestResponseCycle, data: bytes) -> bool:
 def uvicorn_config(
     app: GatewayApp, host: str, port: int, log_level: str = "info", **extra: Any
 ) -> uvicorn.Config:
-    """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options. The event
-    loop is the settings' ``event_loop`` resolved (kvscope/common/event_loop.py: uvloop where installed); the read
-    timeouts are the settings' ``timeouts.request_head_s`` and ``timeouts.request_body_s``."""
+    """The uvicorn settings the gateway runs under (module docstring); ``extra`` adds uvicorn options. The
+    event loop is the settings' ``event_loop`` resolved (kvscope/common/event_loop.py: uvloop where
+    installed); the read timeouts are the settings' ``timeouts.request_head_s`` and
+    ``timeouts.request_body_s``."""
     settings = app.state.gateway.settings
     protocol = functools.partial(
         GatewayH11Protocol,

@@ -1,10 +1,10 @@
 """Gateway configuration: frozen msgspec Structs, loaded from a YAML/TOML file, then env, then CLI overrides.
 
 This is the only module of the gateway that reads the environment (besides the OpenTelemetry SDK, which reads
-its own ``OTEL_*`` variables: kvscope/common/otel_env.py). Precedence (later wins): built-in defaults < config file <
-``KVSCOPE_GATEWAY_*`` env vars < CLI flags; for ``OTEL_SERVICE_NAME`` and the ``OTEL_EXPORTER_OTLP_*`` endpoints
-the config file and flags override the environment (OTel's variables are the defaults).
-Every struct forbids unknown keys, so a typo in the config file is an error, not a silent default.
+its own ``OTEL_*`` variables: kvscope/common/otel_env.py). Precedence (later wins): built-in defaults < config
+file < ``KVSCOPE_GATEWAY_*`` env vars < CLI flags; for ``OTEL_SERVICE_NAME`` and the ``OTEL_EXPORTER_OTLP_*``
+endpoints the config file and flags override the environment (OTel's variables are the defaults). Every struct
+forbids unknown keys, so a typo in the config file is an error, not a silent default.
 
 Defaults are written once, on the fields. A field that a flag or an environment variable sets says so with
 ``Annotated[..., Flag(...)]``; :mod:`kvscope.common.settings_cli` (shared with the engine server) derives the
@@ -163,7 +163,8 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
 
     name: str
     tokenizer: str | None = None
-    """``tokenizer.json`` or a model folder holding it (+ ``tokenizer_config.json``/``chat_template.jinja``)."""
+    """``tokenizer.json`` or a model folder holding it (+
+    ``tokenizer_config.json``/``chat_template.jinja``)."""
     max_model_len: int | None = None
     """Context length in tokens; overrides ``max_model_len`` from the upstream's ``/v1/models``."""
 
@@ -195,8 +196,8 @@ class KeyLimits(msgspec.Struct, **_STRUCT):
 
 
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
-"""An API key's name: 1-64 of letters, digits, ``.``, ``_``, ``@``, ``-`` (a safe ``user.id`` and rate-limit key;
-no ``:``, which ``--api-key-hash NAME:SHA256`` uses as its separator)."""
+"""An API key's name: 1-64 of letters, digits, ``.``, ``_``, ``@``, ``-`` (a safe ``user.id`` and
+rate-limit key; no ``:``, which ``--api-key-hash NAME:SHA256`` uses as its separator)."""
 
 
 def check_key_name(name: str) -> None:
@@ -236,8 +237,9 @@ class TimeoutConfig(msgspec.Struct, **_STRUCT):
             metavar="S",
         ),
     ] = HEAD_TIMEOUT_S
-    """A request head must be complete within this of the connection opening or the previous response ending:
-    else a JSON 408 and the connection closed (an idle connection is closed silently). kvscope/common/read_timeouts.py."""
+    """A request head must be complete within this of the connection opening or the previous response
+    ending: else a JSON 408 and the connection closed (an idle connection is closed silently).
+    kvscope/common/read_timeouts.py."""
     request_body_s: Annotated[
         float,
         Flag(
@@ -260,7 +262,8 @@ class TimeoutConfig(msgspec.Struct, **_STRUCT):
     )
     """Whole request, all attempts."""
     keepalive_s: Annotated[float, Flag("SSE keep-alive interval", name="--keepalive", metavar="S")] = 15.0
-    """Send ``: keep-alive`` to a stream's client after this much silence (keep below proxies' idle timeouts)."""
+    """Send ``: keep-alive`` to a stream's client after this much silence (keep below proxies' idle
+    timeouts)."""
 
     def __post_init__(self) -> None:
         _positive(self)
@@ -320,11 +323,11 @@ class TracingConfig(msgspec.Struct, **_STRUCT):
         Flag("OTLP endpoint for traces and metrics (http://127.0.0.1:4318; default: $OTEL_EXPORTER_OTLP_*)"),
     ] = None
     """OTLP base URL, e.g. ``http://127.0.0.1:4318`` (OTLP/HTTP: spans to ``/v1/traces``, metrics to
-    ``/v1/metrics``; gRPC: used as is). None: the ``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT`` environment,
-    read by the OTel SDK (kvscope/common/otel_env.py)."""
+    ``/v1/metrics``; gRPC: used as is). None: the ``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT``
+    environment, read by the OTel SDK (kvscope/common/otel_env.py)."""
     metrics_export_interval_s: float | None = None
-    """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed; None: ``$OTEL_METRIC_EXPORT_INTERVAL``
-    (ms), else 15 s."""
+    """How often the OTel GenAI metrics (``gen_ai.client.*``) are pushed; None:
+    ``$OTEL_METRIC_EXPORT_INTERVAL`` (ms), else 15 s."""
     gen_ai_provider: str = "kvscope"
     """``gen_ai.provider.name`` of the gen_ai CLIENT span and metrics (OTel GenAI semconv: required; a
     custom value where no well-known one applies). Set e.g. ``openai`` when the upstreams are OpenAI's."""
@@ -389,9 +392,9 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
             env="KVSCOPE_GATEWAY_METRICS_PUBLIC",
         ),
     ] = False
-    """With ``api_keys``, ``/metrics`` (its series name every served model and upstream) needs a key that may use
-    every model; set this for a Prometheus that scrapes without one (on a network only it can reach). Without
-    keys ``/metrics`` is public anyway."""
+    """With ``api_keys``, ``/metrics`` (its series name every served model and upstream) needs a key that
+    may use every model; set this for a Prometheus that scrapes without one (on a network only it can
+    reach). Without keys ``/metrics`` is public anyway."""
     default_limits: KeyLimits = KeyLimits()
     """Limits for keys that do not set their own, and for anonymous clients when auth is off."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -430,7 +433,8 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     ] = "auto"
     """uvicorn's event loop (kvscope/common/event_loop.py: 10-15 % less CPU per relayed token on uvloop)."""
     service_name: str = "kvscope-gateway"
-    """OTel ``service.name`` of spans, metrics and logs; default ``$OTEL_SERVICE_NAME``, else ``kvscope-gateway``."""
+    """OTel ``service.name`` of spans, metrics and logs; default ``$OTEL_SERVICE_NAME``, else
+    ``kvscope-gateway``."""
     node_name: str | None = None
     """``service.node.name`` in logs and traces; defaults to the host name."""
 

@@ -2,7 +2,8 @@
 OpenAI chunks say (tokens, finish reasons, usage, the ``kvscope`` engine stats, in-band errors).
 
 Event framing follows the WHATWG HTML spec (§9.2.6): lines end in CRLF, LF or CR; a blank line ends an event;
-``data:`` lines (one optional space after the colon) join with ``\\n``; lines starting with ``:`` are comments.
+``data:`` lines (one optional space after the colon) join with ``\\n``; lines starting with ``:`` are
+comments.
 """
 
 from __future__ import annotations

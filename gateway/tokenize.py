@@ -1,9 +1,9 @@
 """Prompt token counting at the edge with the model's own tokenizer (HF ``tokenizers``).
 
 Per model, configure ``tokenizer:`` (a ``tokenizer.json`` or a model folder). Chat prompts are rendered with
-the model's chat template by :mod:`kvscope.common.chat_template`, the module our engine uses too (the environment of
-transformers' ``chat_template_utils``), the text tokenized without adding special tokens. Completions prompts
-are tokenized with special tokens (BOS).
+the model's chat template by :mod:`kvscope.common.chat_template`, the module our engine uses too (the
+environment of transformers' ``chat_template_utils``), the text tokenized without adding special tokens.
+Completions prompts are tokenized with special tokens (BOS).
 
 When a model has no tokenizer or when its template cannot render a request, the count is ``None``: the
 gateway then does not check the context length and leaves it to the upstream (which answers 400 itself), and

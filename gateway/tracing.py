@@ -1,4 +1,5 @@
-"""OpenTelemetry traces of the gateway (docs/gateway.md, "Metrics and traces"): W3C ``traceparent`` in, OTLP out.
+"""OpenTelemetry traces of the gateway (docs/gateway.md, "Metrics and traces"): W3C ``traceparent`` in, OTLP
+out.
 
 Per request: a SERVER span ``POST /v1/chat/completions`` (parent: the client's ``traceparent``, if any) →
 a CLIENT span ``chat {model}`` / ``text_completion {model}`` with gen_ai attributes, whose context goes to the
@@ -33,9 +34,10 @@ def build_tracer_provider(
 ) -> TracerProvider:
     """A provider exporting to ``exporter`` (synchronously; for tests) and/or over OTLP (batched) to
     ``tracing.otlp_endpoint`` (an OTLP/HTTP base URL, spans to ``/v1/traces``, or a gRPC endpoint) or, when
-    unset, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (:func:`kvscope.common.otel_env.span_exporter`; the SDK
-    reads it). Without either, spans are still made (ids for the log); ``OTEL_SDK_DISABLED=true`` makes the
-    provider no-op and exports nothing. Raises ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
+    unset, to what the ``OTEL_EXPORTER_OTLP_*`` environment names
+    (:func:`kvscope.common.otel_env.span_exporter`; the SDK reads it). Without either, spans are still made
+    (ids for the log); ``OTEL_SDK_DISABLED=true`` makes the provider no-op and exports nothing. Raises
+    ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
     resource = Resource.create(
         {"service.name": service_name, "service.version": service_version, "service.instance.id": node}
     )

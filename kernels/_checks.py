@@ -2,7 +2,8 @@
 
 A Triton kernel reads raw pointers: a wrong dtype, device, layout or shape shows up as garbage or an illegal
 memory access, far from its cause. Every launcher therefore validates its arguments here first and raises
-``TypeError`` (wrong dtype) or ``ValueError`` (wrong shape, device, layout) with a message naming the argument.
+``TypeError`` (wrong dtype) or ``ValueError`` (wrong shape, device, layout) with a message naming the
+argument.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``python -m kvscope.kernels.bench [--quick] [--save-path DIR]``: achieved bandwidth and FLOP/s of the kernels on CUDA.
+"""``python -m kvscope.kernels.bench [--quick] [--save-path DIR]``: achieved bandwidth and FLOP/s of the
+kernels on CUDA.
 
 For each kernel and workload (pure decode batches, one prefill chunk behind a cached prefix, KV writes) over
 context lengths and batch sizes, it times (``triton.testing.do_bench``, median) and reports:
@@ -7,11 +8,12 @@ context lengths and batch sizes, it times (``triton.testing.do_bench``, median) 
   reshape_and_cache reads and writes the new K/V.
 - ``TFLOP/s``: ``4 * num_heads * head_dim * sum(visible keys per query)`` / time (QK^T and PV, causal).
 
-next to PyTorch: ``sdpa`` is ``F.scaled_dot_product_attention`` on K/V already gathered into dense tensors (the
-dense upper bound), ``gather+sdpa`` includes the gather from the paged cache (what a plain torch backend does),
-``torch`` for writes is ``index_copy_``. ``triton-nosplit`` forces ``num_segments=1`` to show what split-KV buys.
-The grid is declared as ``triton.testing.Benchmark`` objects and run with ``triton.testing.perf_report``
-(tables, CSV and plots need pandas + matplotlib); without pandas the same grid prints as plain tables.
+next to PyTorch: ``sdpa`` is ``F.scaled_dot_product_attention`` on K/V already gathered into dense tensors
+(the dense upper bound), ``gather+sdpa`` includes the gather from the paged cache (what a plain torch backend
+does), ``torch`` for writes is ``index_copy_``. ``triton-nosplit`` forces ``num_segments=1`` to show what
+split-KV buys. The grid is declared as ``triton.testing.Benchmark`` objects and run with
+``triton.testing.perf_report`` (tables, CSV and plots need pandas + matplotlib); without pandas the same grid
+prints as plain tables.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ SHAPES = {s.name: s for s in (HeadShape("smollm2-135m", 9, 3, 64), HeadShape("ll
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """``num_reqs`` requests of ``seq_len`` tokens, the last ``q_len`` of them new, in a shuffled paged cache."""
+    """``num_reqs`` requests of ``seq_len`` tokens, the last ``q_len`` of them new, in a shuffled paged
+    cache."""
 
     query: torch.Tensor
     kv_cache: torch.Tensor

@@ -1,8 +1,8 @@
-"""Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV on AVX-512
-VNNI, one whole decode step of a Llama-family decoder in one call, paged decode attention, the elementwise ops
-of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE; issue 13: per-step cost near the matmul floor)
-and, on CPUs with AMX, the int4 matmul of batched decode steps (cpu_amx.cpp). Also the weight packings they read
-("pair blocks" and "tile blocks", described in the C++ files).
+"""Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV
+on AVX-512 VNNI, one whole decode step of a Llama-family decoder in one call, paged decode attention, the
+elementwise ops of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE; issue 13: per-step cost near
+the matmul floor) and, on CPUs with AMX, the int4 matmul of batched decode steps (cpu_amx.cpp). Also the
+weight packings they read ("pair blocks" and "tile blocks", described in the C++ files).
 
 The shared library is compiled once per machine with the system C++ compiler against the installed torch
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
@@ -193,9 +193,9 @@ def _sha256(path: Path) -> str:
 
 
 def _intact(library: Path) -> bool:
-    """Whether a cached library is byte for byte what its build wrote (its ``.sha256`` beside it): a truncated
-    or overwritten shared library can crash the process inside ``dlopen`` (SIGBUS) before Python sees an error,
-    so it is checked before loading and rebuilt when it differs."""
+    """Whether a cached library is byte for byte what its build wrote (its ``.sha256`` beside it): a
+    truncated or overwritten shared library can crash the process inside ``dlopen`` (SIGBUS) before Python
+    sees an error, so it is checked before loading and rebuilt when it differs."""
     try:
         return _digest_path(library).read_text().strip() == _sha256(library)
     except OSError:
@@ -203,7 +203,8 @@ def _intact(library: Path) -> bool:
 
 
 def cpu_supports() -> bool:
-    """Whether this CPU has the instructions the kernels use (AVX-512 F/BW/DQ/VNNI, F16C), by /proc/cpuinfo."""
+    """Whether this CPU has the instructions the kernels use (AVX-512 F/BW/DQ/VNNI, F16C), by
+    /proc/cpuinfo."""
     flags = _cpu_flags().split()
     return (
         all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c"))
@@ -213,8 +214,8 @@ def cpu_supports() -> bool:
 
 
 def cpu_supports_amx() -> bool:
-    """Whether this CPU has what ``int4_gemm_amx`` needs besides :func:`cpu_supports` (AMX tiles with bfloat16,
-    AVX512-BF16), by /proc/cpuinfo."""
+    """Whether this CPU has what ``int4_gemm_amx`` needs besides :func:`cpu_supports` (AMX tiles with
+    bfloat16, AVX512-BF16), by /proc/cpuinfo."""
     flags = _cpu_flags().split()
     return cpu_supports() and all(f in flags for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
 
@@ -308,7 +309,8 @@ class PairBlocks:
         return cls.pack(codes, d, -128.0 * d, 8)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The inverse of :meth:`pack`: codes uint8 ``[N, K]`` in weight order, d and m float16 ``[N, K/32]``."""
+        """The inverse of :meth:`pack`: codes uint8 ``[N, K]`` in weight order, d and m float16 ``[N,
+        K/32]``."""
         rows = self.codes.shape[0]
         pairs = self.scales.shape[1]
         lanes = self.codes.view(rows, pairs, -1)
@@ -330,8 +332,8 @@ class PairBlocks:
         return (blocks * d.float()[..., None] + m.float()[..., None]).view(rows, -1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32 to 16-bit
-        codes, d = max|x| / 32767). Needs :func:`load`."""
+        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32
+        to 16-bit codes, d = max|x| / 32767). Needs :func:`load`."""
         return torch.ops.kvscope_cpu.qgemv(x, self.codes, self.scales)
 
 
@@ -350,8 +352,8 @@ class TileBlocks:
     ``int4_gemm_amx`` (kernels/csrc/cpu_amx.cpp): the batched matmul of decode steps above the GEMV's rows."""
 
     codes: torch.Tensor
-    """uint8 ``[N/16, K/32, 256]``: byte ``16 r + 2 n + j`` (n < 8) of block (t, b) = u[16t + n, 32b + 2r + j] |
-    u[16t + 8 + n, 32b + 2r + j] << 4 (kernels/csrc/cpu_amx.cpp)."""
+    """uint8 ``[N/16, K/32, 256]``: byte ``16 r + 2 n + j`` (n < 8) of block (t, b) = u[16t + n, 32b + 2r +
+    j] | u[16t + 8 + n, 32b + 2r + j] << 4 (kernels/csrc/cpu_amx.cpp)."""
     dm: torch.Tensor
     """float16 ``[N/16, K/32, 2, 16]``: the 16 rows' d, then their m."""
 
@@ -389,6 +391,6 @@ class TileBlocks:
         return (u * dm[..., :1] + dm[..., 1:]).view(tiles * TILE, blocks * BLOCK)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[M, K]`` (float32 or bfloat16; the tiles multiply it rounded to bfloat16) → ``[M, N]`` in x's dtype
-        (float32 sums). Needs :func:`amx_loaded`; RuntimeError for mismatched shapes."""
+        """x ``[M, K]`` (float32 or bfloat16; the tiles multiply it rounded to bfloat16) → ``[M, N]`` in
+        x's dtype (float32 sums). Needs :func:`amx_loaded`; RuntimeError for mismatched shapes."""
         return torch.ops.kvscope_cpu.int4_gemm_amx(x, self.codes, self.dm)

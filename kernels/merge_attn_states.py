@@ -1,8 +1,8 @@
 """merge_attn_states: combine split-KV partial attention results (the second pass of flash-decoding).
 
-With ``num_segments`` > 1, :mod:`kvscope.kernels.paged_attention` splits each query's keys into segments and writes,
-per (token, head, segment), the running softmax state of FlashAttention-2's online softmax: the row max ``m``
-(in log2 units, i.e. ``max_j s_j * log2(e)``), the sum ``l = sum_j 2**(s_j*log2(e) - m)`` and the
+With ``num_segments`` > 1, :mod:`kvscope.kernels.paged_attention` splits each query's keys into segments and
+writes, per (token, head, segment), the running softmax state of FlashAttention-2's online softmax: the row
+max ``m`` (in log2 units, i.e. ``max_j s_j * log2(e)``), the sum ``l = sum_j 2**(s_j*log2(e) - m)`` and the
 unnormalised output ``acc = sum_j 2**(...) v_j``. Merging them is exact:
 
     M = max_s m_s;  w_s = 2**(m_s - M);  out = (sum_s w_s acc_s) / (sum_s w_s l_s)

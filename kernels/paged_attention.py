@@ -15,8 +15,9 @@ FlashAttention-2's online softmax in fp32 (base-2 exponent, scale folded into ``
 ``num_segments`` > 1 (flash-decoding) each program covers one slice of the keys and writes its partial state;
 :func:`kvscope.kernels.merge_attn_states.merge_attn_states` combines them.
 
-Sources: Tri Dao, "FlashAttention-2" (2023), Algorithm 1; vLLM ``vllm/attention/ops/triton_unified_attention.py``
-(q-block indexing, GQA row packing, 3D split-KV variant); Triton tutorial 06 "Fused Attention".
+Sources: Tri Dao, "FlashAttention-2" (2023), Algorithm 1; vLLM
+``vllm/attention/ops/triton_unified_attention.py`` (q-block indexing, GQA row packing, 3D split-KV variant);
+Triton tutorial 06 "Fused Attention".
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def _check_scale(scale: float) -> None:
 
 
 def choose_block_m(group: int, max_query_len: int) -> int:
-    """Rows per program: 16 for decode-like batches, 64 once prefill chunks give rows to fill; >= ``group``."""
+    """Rows per program: 16 for decode-like batches, 64 once prefill chunks give rows to fill; >=
+    ``group``."""
     rows = 16 if max_query_len * group <= 16 else 64
     return max(rows, next_power_of_2(group))
 
@@ -290,13 +292,12 @@ def paged_attention(
         query: ``[num_tokens, num_heads, head_dim]`` fp16/bf16/fp32, tokens packed request after request.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, same dtype and device; K/V of the
             new tokens must already be written (:func:`kvscope.kernels.reshape_and_cache.reshape_and_cache`).
-        query_start_loc: int32 ``[num_reqs + 1]`` cumulative query lengths (``[0] == 0``).
-        seq_lens: int32 ``[num_reqs]`` context length after this step (cached + new), >= the query length.
-        block_tables: int32 ``[num_reqs, max_blocks]``; entries past ``cdiv(seq_len, block_size)`` are never read.
-        scale: softmax scale (usually ``head_dim ** -0.5``).
-        max_query_len, max_seq_len: host-side maxima (from AttentionMetadata); computed (a sync) when None.
-        num_segments: split-KV segments (power of two <= 16); None picks :func:`choose_num_segments`.
-        out: optional output buffer shaped like ``query``.
+        query_start_loc: int32 ``[num_reqs + 1]`` cumulative query lengths (``[0] == 0``). seq_lens: int32
+        ``[num_reqs]`` context length after this step (cached + new), >= the query length. block_tables: int32
+        ``[num_reqs, max_blocks]``; entries past ``cdiv(seq_len, block_size)`` are never read. scale: softmax
+        scale (usually ``head_dim ** -0.5``). max_query_len, max_seq_len: host-side maxima (from
+        AttentionMetadata); computed (a sync) when None. num_segments: split-KV segments (power of two <= 16);
+        None picks :func:`choose_num_segments`. out: optional output buffer shaped like ``query``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given).

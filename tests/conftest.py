@@ -13,10 +13,11 @@ import pytest
 
 
 def _drop_the_repository_root_from_sys_path() -> None:
-    """Remove the repository root from sys.path (``python -m pytest`` run there puts it first, as ``''`` or its
-    path). Its layer folders would shadow top-level packages that are not ours: ``kernels/`` shadows Hugging
-    Face's ``kernels``, which transformers imports. The tests need no root on sys.path: the project is imported as
-    ``kvscope.*`` (installed) and ``tests.*`` is registered by pytest's importlib import mode."""
+    """Remove the repository root from sys.path (``python -m pytest`` run there puts it first, as ``''`` or
+    its path). Its layer folders would shadow top-level packages that are not ours: ``kernels/`` shadows
+    Hugging Face's ``kernels``, which transformers imports. The tests need no root on sys.path: the project
+    is imported as ``kvscope.*`` (installed) and ``tests.*`` is registered by pytest's importlib import
+    mode."""
     root = Path(__file__).resolve().parents[1]
     sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != root]
 

@@ -84,8 +84,8 @@ def test_promtool_unit_tests_pass() -> None:
 
 
 def test_promtool_unit_tests_catch_a_wrong_threshold(tmp_path: Path) -> None:
-    # The gateway's 1-day ticket raised from 3x the budget (1.5 %) to 50 %: the slow burn of 2 % must no longer
-    # fire it. Only the slow-burn case runs (the normal day alone takes promtool ~20 s).
+    # The gateway's 1-day ticket raised from 3x the budget (1.5 %) to 50 %: the slow burn of 2 % must no
+    # longer fire it. Only the slow-burn case runs (the normal day alone takes promtool ~20 s).
     rules = RULES.read_text()
     assert rules.count("kvscope:gateway_slo_error_ratio:rate1d > 0.015\n") == 1
     (tmp_path / "kvscope.rules.yaml").write_text(
@@ -184,7 +184,8 @@ def test_slo_alerts_use_the_dashboard_thresholds() -> None:
 
 def test_error_budget_alerts_are_multiwindow_multi_burn_rate() -> None:
     # SRE workbook table: 14.4x over 1h & 5m and 6x over 6h & 30m page, 3x over 1d & 2h and 1x over 3d & 6h
-    # are tickets; thresholds are burn x the budget of dashboards/overview.py; every one has the traffic guard.
+    # are tickets; thresholds are burn x the budget of dashboards/overview.py; every one has the traffic
+    # guard.
     budget = 1 - overview.AVAILABILITY_SLO
     for name, prefix in (
         ("KvscopeHighErrorRate", "kvscope:gateway_slo"),

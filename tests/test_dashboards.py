@@ -298,8 +298,8 @@ def test_render_draws_every_panel_and_reports_missing_data(
 
 
 def test_threshold_lines_are_the_alert_thresholds() -> None:
-    # Generated from alerts/kvscope.rules.yaml (kvscope.dashboards.alert_thresholds): the page's burn-rate ratio, the
-    # p99 latency limits, KV-cache pressure and the preemption rate.
+    # Generated from alerts/kvscope.rules.yaml (kvscope.dashboards.alert_thresholds): the page's burn-rate
+    # ratio, the p99 latency limits, KV-cache pressure and the preemption rate.
     lines = {
         p["title"]: p["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"]
         for d in DASHBOARDS.values()

@@ -1,4 +1,5 @@
-"""Docstrings and docs cite what a reader can open: repository paths that exist, never the out-of-repo design.md."""
+"""Docstrings and docs cite what a reader can open: repository paths that exist, never the out-of-repo
+design.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""No module of kvscope (its engine, gateway, kernels and dashboards included) imports another that imports it back, directly or through
-others, counting imports under ``if TYPE_CHECKING:`` too (issue 12): every strongly connected component of
-the module import graph (grimp, the graph import-linter checks its contracts on) is a single module."""
+"""No module of kvscope (its engine, gateway, kernels and dashboards included) imports another that imports
+it back, directly or through others, counting imports under ``if TYPE_CHECKING:`` too (issue 12): every
+strongly connected component of the module import graph (grimp, the graph import-linter checks its
+contracts on) is a single module."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """kvscope's layers are imported as ``kvscope.engine``, ``kvscope.gateway``, ``kvscope.kernels`` and
-``kvscope.dashboards`` (symlinks in kvscope/, installed through src/kvscope): no generic top-level import name is
-ours. Top-level ``kernels`` is Hugging Face's package, which transformers >= 5.25 imports; the repository's
-``kernels/`` folder must never be what ``import kernels`` finds — neither in the test process nor in a
-``python -P`` process started from the repository root (what the Makefile and the supervisor run)."""
+``kvscope.dashboards`` (symlinks in kvscope/, installed through src/kvscope): no generic top-level import
+name is ours. Top-level ``kernels`` is Hugging Face's package, which transformers >= 5.25 imports; the
+repository's ``kernels/`` folder must never be what ``import kernels`` finds — neither in the test process
+nor in a ``python -P`` process started from the repository root (what the Makefile and the supervisor run)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def test_the_layers_are_kvscope_subpackages_from_the_repository_folders() -> Non
 
 
 def test_transformers_model_code_imports_beside_hugging_faces_kernels() -> None:
-    """What broke with transformers 5.25 while our folder was top-level ``kernels``: LlamaConfig's module imports
-    transformers' activations, which import ``kernels`` when its distribution is present."""
+    """What broke with transformers 5.25 while our folder was top-level ``kernels``: LlamaConfig's module
+    imports transformers' activations, which import ``kernels`` when its distribution is present."""
     from transformers import LlamaConfig
 
     assert LlamaConfig().model_type == "llama"

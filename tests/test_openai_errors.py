@@ -1,5 +1,5 @@
-"""One OpenAI error vocabulary (kvscope/common/openai_errors.py): the engine server and the gateway answer the same
-``type`` for the same status, and word the context-length error with one function."""
+"""One OpenAI error vocabulary (kvscope/common/openai_errors.py): the engine server and the gateway answer
+the same ``type`` for the same status, and word the context-length error with one function."""
 
 from __future__ import annotations
 

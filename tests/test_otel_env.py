@@ -1,5 +1,5 @@
-"""kvscope/common/otel_env.py: which OTLP exporters the OpenTelemetry environment and a flag/config endpoint give
-(the process tests, tests/{engine/server,gateway}/test_otel_env.py, check what arrives)."""
+"""kvscope/common/otel_env.py: which OTLP exporters the OpenTelemetry environment and a flag/config
+endpoint give (the process tests, tests/{engine/server,gateway}/test_otel_env.py, check what arrives)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The attention contract: per-step :class:`AttentionMetadata` and the :class:`AttentionBackend` protocol that the
-torch reference (engine/attention/torch_backend.py) and the Triton kernels (engine/attention/triton_backend.py)
-implement. engine/attention/selector.py picks one.
+"""The attention contract: per-step :class:`AttentionMetadata` and the :class:`AttentionBackend` protocol that
+the torch reference (engine/attention/torch_backend.py) and the Triton kernels
+(engine/attention/triton_backend.py) implement. engine/attention/selector.py picks one.
 
 KV cache layout (docs/architecture.md "KV cache layout"): one tensor per layer
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; slot ``s = block_id * block_size + offset``.

@@ -1,14 +1,14 @@
 """Decode K/V kept gathered across steps (issue 13 item 2: no per-layer K/V gather copy per step).
 
-The torch backend attends a decode batch over K/V gathered from the paged cache into a padded
-``[2, n · max_blocks, block_size, KVH, d]`` layout. From one decode-only step to the next, a steady batch
-(the same requests in the same order, each one token longer, the same padded width) changes that layout in
-exactly one position per request: the new token. :class:`ResidentDecodeKV` keeps one such gathered copy per
-layer and, when the step continues the previous one, copies only the new tokens' K/V from the cache (one
-``index_select`` of n slots + one ``index_copy_``) instead of re-gathering every block. Anything else (a request
-added, finished or preempted, a row crossing into a block beyond the padded width, a step with prefill or
-multi-token rows, a cache it has not seen) re-gathers in full. The copy holds values read from the cache only,
-so padding positions (masked) are cache values too, never uninitialised memory.
+The torch backend attends a decode batch over K/V gathered from the paged cache into a padded ``[2, n ·
+max_blocks, block_size, KVH, d]`` layout. From one decode-only step to the next, a steady batch (the same
+requests in the same order, each one token longer, the same padded width) changes that layout in exactly one
+position per request: the new token. :class:`ResidentDecodeKV` keeps one such gathered copy per layer and,
+when the step continues the previous one, copies only the new tokens' K/V from the cache (one ``index_select``
+of n slots + one ``index_copy_``) instead of re-gathering every block. Anything else (a request added,
+finished or preempted, a row crossing into a block beyond the padded width, a step with prefill or multi-token
+rows, a cache it has not seen) re-gathers in full. The copy holds values read from the cache only, so padding
+positions (masked) are cache values too, never uninitialised memory.
 
 Memory: one copy per layer, at most ``max_bytes`` in all (layers beyond it gather per step as before); used
 only where one layer's gather is at least ``min_bytes`` (below that a full gather costs about what the
@@ -47,8 +47,8 @@ class _Layer:
 
 
 class ResidentDecodeKV:
-    """Per-layer gathered decode K/V, updated in place from step to step (module doc). Not thread-safe: one per
-    backend, used by one engine thread."""
+    """Per-layer gathered decode K/V, updated in place from step to step (module doc). Not thread-safe: one
+    per backend, used by one engine thread."""
 
     def __init__(self, max_bytes: int = MAX_RESIDENT_BYTES, min_bytes: int = MIN_RESIDENT_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -61,7 +61,8 @@ class ResidentDecodeKV:
         self._positions: torch.Tensor | None = None
         self._blocks: torch.Tensor | None = None
         self.full_gathers = 0
-        """Layer gathers of every block (for tests and profiles); ``incremental_updates`` counts the others."""
+        """Layer gathers of every block (for tests and profiles); ``incremental_updates`` counts the
+        others."""
         self.incremental_updates = 0
 
     def begin_step(
@@ -71,9 +72,9 @@ class ResidentDecodeKV:
         slots: torch.Tensor | None,
         block_size: int,
     ) -> None:
-        """Start a step. For a decode-only step pass its padded tables (int64 [n, num_blocks]), seq_lens (after
-        the step) and the new tokens' cache slots (int64 [n]); for any other step pass None (the next decode
-        step then gathers in full)."""
+        """Start a step. For a decode-only step pass its padded tables (int64 [n, num_blocks]), seq_lens
+        (after the step) and the new tokens' cache slots (int64 [n]); for any other step pass None (the
+        next decode step then gathers in full)."""
         self._step += 1
         if tables is None or seq_lens is None or slots is None:
             self._prev = None
@@ -95,9 +96,9 @@ class ResidentDecodeKV:
         self._prev = _StepState(step=self._step, tables=tables, seq_lens=seq_lens)
 
     def gathered(self, kv_cache: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor | None:
-        """This layer's gathered K/V ``[2, n · num_blocks, block_size, KVH, d]`` in ``compute_dtype``, up to date
-        for this step (the new tokens must already be written to ``kv_cache``); None where this layer does not
-        keep a resident copy (too small, over the cap, or not a decode-only step)."""
+        """This layer's gathered K/V ``[2, n · num_blocks, block_size, KVH, d]`` in ``compute_dtype``, up
+        to date for this step (the new tokens must already be written to ``kv_cache``); None where this
+        layer does not keep a resident copy (too small, over the cap, or not a decode-only step)."""
         if self._blocks is None or self._prev is None or self._prev.step != self._step:
             return None
         m = self._blocks.shape[0]
@@ -151,8 +152,8 @@ class ResidentDecodeKV:
 
 
 def _continues(prev: _StepState, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> bool:
-    """Whether this decode step extends ``prev`` by one token per row: same rows and padded width, every row one
-    longer, and the blocks holding each row's previous tokens unchanged."""
+    """Whether this decode step extends ``prev`` by one token per row: same rows and padded width, every
+    row one longer, and the blocks holding each row's previous tokens unchanged."""
     if tables.shape != prev.tables.shape or not torch.equal(seq_lens, prev.seq_lens + 1):
         return False
     held = -(-prev.seq_lens // block_size)  # blocks that held tokens last step, per row

@@ -1,9 +1,9 @@
 """The PyTorch reference paged-attention backend (any device; the CPU default): a per-step plan that gathers
 each request's K/V blocks into reused buffers and runs torch's scaled_dot_product_attention. On CPU with a
-bfloat16 cache and kvscope's CPU kernels loaded, decode tokens instead run kvscope's C++ paged decode attention
-(kernels/csrc/cpu_attention.cpp), which reads K/V from the paged cache in place (no gather, no resident copy), and
-so do prefill tokens: each as a one-token query at its own position (its context: the tokens up to it), all tokens
-of a step in one call per layer.
+bfloat16 cache and kvscope's CPU kernels loaded, decode tokens instead run kvscope's C++ paged decode
+attention (kernels/csrc/cpu_attention.cpp), which reads K/V from the paged cache in place (no gather, no
+resident copy), and so do prefill tokens: each as a one-token query at its own position (its context: the
+tokens up to it), all tokens of a step in one call per layer.
 
 KV cache layout: engine/attention/backend.py.
 """
@@ -26,7 +26,8 @@ MAX_RETAINED_GATHER_BYTES = 64 << 20
 
 @dataclass(frozen=True, slots=True)
 class _DecodeViews:
-    """Where one step's decode gather lands and what SDPA reads (see ``TorchAttentionBackend._decode_views_for``)."""
+    """Where one step's decode gather lands and what SDPA reads (see
+    ``TorchAttentionBackend._decode_views_for``)."""
 
     gathered: torch.Tensor
     """[2, n * max_blocks, block_size, KVH, d] in the cache dtype: the ``index_select`` target."""
@@ -55,7 +56,8 @@ def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
 
 
 def _rows_ok(x: torch.Tensor, head_dim: int) -> bool:
-    """x [T, KVH, d] holds each token's heads contiguously (what ``kvscope_cpu.write_kv`` copies per token)."""
+    """x [T, KVH, d] holds each token's heads contiguously (what ``kvscope_cpu.write_kv`` copies per
+    token)."""
     return x.dim() == 3 and x.stride(2) == 1 and (x.stride(1) == head_dim or x.shape[1] == 1)
 
 
@@ -69,8 +71,8 @@ def cpu_has_amx() -> bool:
 
 
 def attention_compute_dtype(kv_cache: torch.Tensor, native_bf16: bool = False) -> torch.dtype:
-    """dtype the torch backend attends in: the cache's dtype, except on CPU for float16 always and for bfloat16
-    unless ``native_bf16``, which attend in float32.
+    """dtype the torch backend attends in: the cache's dtype, except on CPU for float16 always and for
+    bfloat16 unless ``native_bf16``, which attend in float32.
 
     Measured (SmolLM2 shapes, 9 query / 3 KV heads, head_dim 64, one thread, CPU time of one decode
     attention at batch 32, context 192): on a Xeon with AMX, bfloat16 0.84 ms, float32 1.45 ms, bfloat16
@@ -85,24 +87,24 @@ def attention_compute_dtype(kv_cache: torch.Tensor, native_bf16: bool = False) -
 class TorchAttentionBackend:
     """Reference paged attention in plain PyTorch (any device; the CPU default).
 
-    Prefill chunks (query_len > 1) run one request at a time; decode tokens of all requests run as one
-    batch padded to the longest sequence. K/V are gathered a whole block at a time (``index_select`` over the
-    block dimension, into buffers reused by every layer and step), then ``F.scaled_dot_product_attention``
-    runs with ``enable_gqa`` (query head h uses KV head ``h // (num_heads // num_kv_heads)``, as HF
-    ``repeat_kv``). The per-step plan (block lists, masks) is built on the first layer and reused by the others.
-    On CPU, float16 caches are attended in float32, bfloat16 ones too unless ``native_bf16`` (default: where the
-    CPU has AMX; see :func:`attention_compute_dtype`). Decode tokens over a CPU bfloat16 cache run kvscope's C++
-    paged decode attention instead where :func:`paged_decode_applies` (``paged_decode=False`` keeps SDPA), and so
-    do prefill tokens (``paged_prefill``; default: where SDPA would attend in float32, i.e. no AMX): the whole step
-    in one call per layer, each token a one-token query over the keys up to its position, read from the cache
-    after :meth:`write_kv`.
+    Prefill chunks (query_len > 1) run one request at a time; decode tokens of all requests run as one batch
+    padded to the longest sequence. K/V are gathered a whole block at a time (``index_select`` over the block
+    dimension, into buffers reused by every layer and step), then ``F.scaled_dot_product_attention`` runs with
+    ``enable_gqa`` (query head h uses KV head ``h // (num_heads // num_kv_heads)``, as HF ``repeat_kv``). The
+    per-step plan (block lists, masks) is built on the first layer and reused by the others. On CPU, float16
+    caches are attended in float32, bfloat16 ones too unless ``native_bf16`` (default: where the CPU has AMX;
+    see :func:`attention_compute_dtype`). Decode tokens over a CPU bfloat16 cache run kvscope's C++ paged
+    decode attention instead where :func:`paged_decode_applies` (``paged_decode=False`` keeps SDPA), and so do
+    prefill tokens (``paged_prefill``; default: where SDPA would attend in float32, i.e. no AMX): the whole
+    step in one call per layer, each token a one-token query over the keys up to its position, read from the
+    cache after :meth:`write_kv`.
 
-    Why prefill too: bench/prefill_attention_ab.py, SmolLM2 shapes (9 query / 3 KV heads, head_dim 64), 2 threads,
-    AMD EPYC (AVX512_BF16, no AMX), median µs of one layer's attention, the op vs this backend's SDPA path (the
-    float32 upcast of the bfloat16 K/V, then causal SDPA): 128-token prompt 190 vs 439, 1,024-token prompt 8,276 vs
-    13,107, a 128-token chunk after 896 cached tokens 1,701 vs 2,843; outputs within 1.0e-6; idle TTFT of a
-    128-token prompt 67.7 vs 79.5 ms (median of 16 alternating runs). Not measured against AMX's bfloat16 SDPA
-    (``native_bf16``), which therefore keeps SDPA for prefill rows.
+    Why prefill too: bench/prefill_attention_ab.py, SmolLM2 shapes (9 query / 3 KV heads, head_dim 64), 2
+    threads, AMD EPYC (AVX512_BF16, no AMX), median µs of one layer's attention, the op vs this backend's SDPA
+    path (the float32 upcast of the bfloat16 K/V, then causal SDPA): 128-token prompt 190 vs 439, 1,024-token
+    prompt 8,276 vs 13,107, a 128-token chunk after 896 cached tokens 1,701 vs 2,843; outputs within 1.0e-6;
+    idle TTFT of a 128-token prompt 67.7 vs 79.5 ms (median of 16 alternating runs). Not measured against
+    AMX's bfloat16 SDPA (``native_bf16``), which therefore keeps SDPA for prefill rows.
     """
 
     name = "torch"
@@ -128,10 +130,11 @@ class TorchAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Scatter key/value [num_tokens, num_kv_heads, head_dim] to the cache slots ``slot_mapping`` (int64
-        [num_tokens]): with kvscope's CPU kernels, one ``torch.ops.kvscope_cpu.write_kv`` (a row copy per token,
-        no temporary) where key and value already have the cache's dtype and each token's heads are contiguous;
-        otherwise one ``index_copy_`` of K and V stacked. Either way the cache holds the same bits."""
+        """Scatter key/value [num_tokens, num_kv_heads, head_dim] to the cache slots ``slot_mapping``
+        (int64 [num_tokens]): with kvscope's CPU kernels, one ``torch.ops.kvscope_cpu.write_kv`` (a row
+        copy per token, no temporary) where key and value already have the cache's dtype and each token's
+        heads are contiguous; otherwise one ``index_copy_`` of K and V stacked. Either way the cache holds
+        the same bits."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         if (
             kv_cache.device.type == "cpu"
@@ -242,9 +245,10 @@ class TorchAttentionBackend:
         self.resident.begin_step(None, None, None, 0)
 
     def _decode_views_for(self, kv_cache: torch.Tensor, batch: DecodeBatch, plan: Plan) -> _DecodeViews:
-        """The gather target and the K/V views SDPA reads for this step's decode batch, built on the first layer
-        and reused by the others: every layer gathers into the same buffer (sized for the step on its first
-        use), so ~12 view/slice/transpose calls per layer become one ``index_select`` (and one upcast copy)."""
+        """The gather target and the K/V views SDPA reads for this step's decode batch, built on the first
+        layer and reused by the others: every layer gathers into the same buffer (sized for the step on its
+        first use), so ~12 view/slice/transpose calls per layer become one ``index_select`` (and one upcast
+        copy)."""
         key = (plan, kv_cache.dtype, kv_cache.shape[1:])
         cached = self._views
         if cached is not None and cached[0][0] is plan and cached[0][1:] == key[1:]:
@@ -283,9 +287,9 @@ class TorchAttentionBackend:
     def _fresh(
         keys: torch.Tensor, values: torch.Tensor, item: Prefill, compute_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [query_len, KVH, d] of a prefill with no cached prefix (query_len == seq_len), sliced from
-        what :meth:`write_kv` stored (in the cache's dtype, so the same values :meth:`_gather` would read back;
-        upcast like it where the compute dtype differs)."""
+        """K and V [query_len, KVH, d] of a prefill with no cached prefix (query_len == seq_len), sliced
+        from what :meth:`write_kv` stored (in the cache's dtype, so the same values :meth:`_gather` would
+        read back; upcast like it where the compute dtype differs)."""
         rows = slice(item.start, item.start + item.query_len)
         keys, values = keys[rows], values[rows]
         if keys.dtype != compute_dtype:
@@ -311,8 +315,8 @@ class TorchAttentionBackend:
         return both[0], both[1]
 
     def _get_buffer(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_blocks: int) -> torch.Tensor:
-        """A flat ``dtype`` buffer on the cache's device for K and V of >= ``num_blocks`` blocks, reused across
-        layers and steps (no allocation and page faults per layer); grown (x1.5) on demand."""
+        """A flat ``dtype`` buffer on the cache's device for K and V of >= ``num_blocks`` blocks, reused
+        across layers and steps (no allocation and page faults per layer); grown (x1.5) on demand."""
         buffer = self._buffers.get(dtype)
         needed = 2 * num_blocks * kv_cache.shape[2:].numel()
         if buffer is None or buffer.numel() < needed or buffer.device != kv_cache.device:

@@ -1,7 +1,7 @@
-"""The per-step plan of :class:`kvscope.engine.attention.torch_backend.TorchAttentionBackend`: which rows are solo prefills
-(their blocks, causal masks), which form the padded decode batch, or — when kvscope's C++ paged op runs every token —
-each token's block table and context length. Built once per step (on the first layer) from the step's
-``AttentionMetadata``; the backend only reads it.
+"""The per-step plan of :class:`kvscope.engine.attention.torch_backend.TorchAttentionBackend`: which rows are
+solo prefills (their blocks, causal masks), which form the padded decode batch, or — when kvscope's C++ paged
+op runs every token — each token's block table and context length. Built once per step (on the first layer)
+from the step's ``AttentionMetadata``; the backend only reads it.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ class DecodeBatch:
     seq_len: int
     """Longest context; keys past it are not gathered."""
     mask: torch.Tensor | None
-    """bool [n, 1, 1, seq_len]: True where the key position is < the request's seq_len; None for one request."""
+    """bool [n, 1, 1, seq_len]: True where the key position is < the request's seq_len; None for one
+    request."""
     tables: torch.Tensor
-    """int32 [n, max_num_blocks_per_req]: the decode rows' block tables (the paged op reads them as they are)."""
+    """int32 [n, max_num_blocks_per_req]: the decode rows' block tables (the paged op reads them as they
+    are)."""
     seq_lens: torch.Tensor
     """int32 [n]: the decode rows' context lengths."""
 
@@ -61,7 +63,8 @@ class Plan:
     max_gathered_blocks: int
     """Largest number of blocks one gather of this step copies (sizes the reusable K/V buffers)."""
     paged_decode: bool = False
-    """Decode rows run kvscope's C++ paged decode attention (no gather; see ``torch_backend.paged_decode_applies``)."""
+    """Decode rows run kvscope's C++ paged decode attention (no gather; see
+    ``torch_backend.paged_decode_applies``)."""
     token_rows: TokenRows | None = None
     """Set when every token of a step with prefill rows runs that op (``paged_prefill``; then ``prefills`` and
     ``decodes`` are empty): one call per layer."""
@@ -72,8 +75,8 @@ class TokenRows:
     """Every query token of a step as a one-token query at its own position, for the paged op."""
 
     tables: torch.Tensor
-    """int32 [num_tokens, ceil(max_seq_len / block_size)]: each token's request's block table, the columns this
-    step can read."""
+    """int32 [num_tokens, ceil(max_seq_len / block_size)]: each token's request's block table, the columns
+    this step can read."""
     seq_lens: torch.Tensor
     """int32 [num_tokens]: each token's position + 1 (it attends keys 0 … its own position, causal)."""
 
@@ -97,9 +100,9 @@ def token_rows(metadata: AttentionMetadata, block_size: int) -> TokenRows:
 def build_plan(
     metadata: AttentionMetadata, block_size: int, paged_decode: bool = False, paged_prefill: bool = False
 ) -> Plan:
-    """Split requests into solo prefills and one padded decode batch; precompute block lists and masks. With
-    ``paged_decode`` and ``paged_prefill``, a step with prefill rows gets only the per-token rows of the paged op
-    (it runs every token; nothing is gathered)."""
+    """Split requests into solo prefills and one padded decode batch; precompute block lists and masks.
+    With ``paged_decode`` and ``paged_prefill``, a step with prefill rows gets only the per-token rows of
+    the paged op (it runs every token; nothing is gathered)."""
     if paged_decode and paged_prefill and metadata.max_query_len > 1:
         return Plan(
             prefills=(),

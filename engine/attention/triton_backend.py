@@ -1,10 +1,11 @@
-"""TritonAttentionBackend: the AttentionBackend protocol (engine/attention/backend.py) on the Triton kernels of kernels/.
+"""TritonAttentionBackend: the AttentionBackend protocol (engine/attention/backend.py) on the Triton kernels
+of kernels/.
 
 ``write_kv`` is :func:`kvscope.kernels.reshape_and_cache.reshape_and_cache`; ``forward`` is one launch of
-:func:`kvscope.kernels.paged_attention.paged_attention` for the whole step (prefill chunks and decodes mixed), plus the
-split-KV merge when the launcher splits a pure-decode step. Importing this module is cheap and safe without
-CUDA or triton: the kernels are imported when the backend is constructed (get_attention_backend does so only
-on CUDA).
+:func:`kvscope.kernels.paged_attention.paged_attention` for the whole step (prefill chunks and decodes mixed),
+plus the split-KV merge when the launcher splits a pure-decode step. Importing this module is cheap and safe
+without CUDA or triton: the kernels are imported when the backend is constructed (get_attention_backend does
+so only on CUDA).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class TritonAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """key/value ``[num_tokens, num_kv_heads, head_dim]`` -> ``kv_cache[0|1]`` at ``slot_mapping`` (int64).
+        """key/value ``[num_tokens, num_kv_heads, head_dim]`` -> ``kv_cache[0|1]`` at ``slot_mapping``
+        (int64).
 
         Raises TypeError/ValueError from the launcher on a dtype, shape, device or layout mismatch.
         """
@@ -62,7 +64,8 @@ class TritonAttentionBackend:
         """Causal GQA attention: query ``[num_tokens, num_heads, head_dim]`` -> same shape and dtype.
 
         Reads ``query_start_loc``, ``seq_lens``, ``block_tables``, ``max_query_len`` and ``max_seq_len`` of
-        ``metadata`` (docs/architecture.md, "AttentionMetadata"). Raises TypeError/ValueError from the launcher.
+        ``metadata`` (docs/architecture.md, "AttentionMetadata"). Raises TypeError/ValueError from the
+        launcher.
         """
         return self._paged_attention(
             query,

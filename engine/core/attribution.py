@@ -1,10 +1,10 @@
 """Per-request latency attribution from the scheduler's own step records (issue 18). Pure Python.
 
 Every step the scheduler already knows, for each request it scheduled, the request's own tokens, the step's
-prefill and decode token totals, the number of requests in it, and (from its own clock, read once when the step
-is scheduled and once when its output is applied) the step's duration. :class:`StepAttribution` sums those
-per request — a few integer and float adds per scheduled request per step, no sampling and no second clock —
-and :meth:`StepAttribution.fields` turns them into the attribution fields of
+prefill and decode token totals, the number of requests in it, and (from its own clock, read once when the
+step is scheduled and once when its output is applied) the step's duration. :class:`StepAttribution` sums
+those per request — a few integer and float adds per scheduled request per step, no sampling and no second
+clock — and :meth:`StepAttribution.fields` turns them into the attribution fields of
 :class:`~kvscope.engine.core.stats.KvscopeStats`.
 
 The split of one step's seconds between its requests is token-proportional: a request that scheduled ``own``
@@ -25,16 +25,18 @@ if TYPE_CHECKING:
     from kvscope.engine.core.stats import KvscopeStats
 
 QUEUE_LIMITS: tuple[str, ...] = ("max_num_seqs", "kv_cache", "token_budget", "preemption")
-"""Why a step admitted no further waiting request (``queue_limit``), indexed as in ``Scheduler._blocked_steps``:
-the running list held ``max_num_seqs``; the head of the queue got no KV blocks; the step's
-``max_num_batched_tokens`` were spent; the step preempted (vLLM v1 admits nobody in such a step)."""
+"""Why a step admitted no further waiting request (``queue_limit``), indexed as in
+``Scheduler._blocked_steps``: the running list held ``max_num_seqs``; the head of the queue got no KV
+blocks; the step's ``max_num_batched_tokens`` were spent; the step preempted (vLLM v1 admits nobody in such
+a step)."""
 
 
 LATENCY_CAUSES: dict[str, tuple[str, ...]] = {
     "ttft": ("queue", "own", "other_prefills", "batched_decodes", "preemption", "host"),
     "decode": ("own", "other_prefills", "batched_decodes", "preemption", "host"),
 }
-"""Phase → causes of ``kvscope_engine_latency_cause_seconds_total`` (docs/metrics.md; :func:`cause_seconds`)."""
+"""Phase → causes of ``kvscope_engine_latency_cause_seconds_total`` (docs/metrics.md;
+:func:`cause_seconds`)."""
 
 
 def cause_seconds(stats: KvscopeStats) -> dict[tuple[str, str], float]:
@@ -91,7 +93,8 @@ class _Phase:
         self.interference_prefill_s += share * other_prefill
 
     def fields(self, prefix: str, wall_s: float | None) -> dict[str, Any]:
-        """The phase's KvscopeStats fields; ``wall_s`` is the phase's measured wall time (None: not reached)."""
+        """The phase's KvscopeStats fields; ``wall_s`` is the phase's measured wall time (None: not
+        reached)."""
         explained = self.own_s + self.interference_s + self.preempted_s
         return {
             f"{prefix}_steps": self.steps,

@@ -9,8 +9,8 @@ from kvscope.engine.core.request import Request
 
 
 class Drafter(Protocol):
-    """Where speculative drafts come from (kvscope.engine.spec_decode.drafter.NgramDrafter); injected so this module
-    stays pure Python."""
+    """Where speculative drafts come from (kvscope.engine.spec_decode.drafter.NgramDrafter); injected so
+    this module stays pure Python."""
 
     def propose(self, request: Request, max_draft: int) -> list[int]:
         """Up to ``max_draft`` draft tokens continuing ``request`` (possibly none)."""

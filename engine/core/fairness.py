@@ -3,11 +3,11 @@ sequences cannot starve a one-sequence request, and one key's many requests cann
 Pure Python (kvscope.engine.core).
 
 A *fairness group* is every sequence one client request asked for: all its prompts and all ``n`` choices of
-each (``Request.fairness_key``: the HTTP request's id, set by the server; else the ``n > 1`` parent id; else the
-sequence's own id). A *tenant* is whoever sent it (``Request.fairness_tenant_key``): the gateway's API key name,
-which the gateway sends the engine in the ``x-kvscope-tenant`` header; without that header (a client talking
-to the engine directly, or the gateway without keys) every group is its own tenant. The OpenAI body's ``user``
-field is never a tenant: the client picks it. All sequences of a group have one tenant.
+each (``Request.fairness_key``: the HTTP request's id, set by the server; else the ``n > 1`` parent id; else
+the sequence's own id). A *tenant* is whoever sent it (``Request.fairness_tenant_key``): the gateway's API key
+name, which the gateway sends the engine in the ``x-kvscope-tenant`` header; without that header (a client
+talking to the engine directly, or the gateway without keys) every group is its own tenant. The OpenAI body's
+``user`` field is never a tenant: the client picks it. All sequences of a group have one tenant.
 
 Shares. With ``T`` tenants holding unfinished sequences, a tenant's share of the running slots is
 ``max(1, max_num_seqs // T)``; inside a tenant with ``G`` such groups, a group's share is
@@ -274,9 +274,9 @@ def fairness_victim(
     claimants: Collection[str] | None = None,
 ) -> Request | None:
     """The preemption victim of rules 2 and 4: the newest running sequence (last in ``running``, admission
-    order) whose id is in ``candidates`` (None: any) with the largest (tenant excess, group excess), among those
-    whose tenant runs over its share or whose group runs over its group share (rule 2: a group of one of the
-    ``claimants`` tenants; None: any). None when there is no such sequence."""
+    order) whose id is in ``candidates`` (None: any) with the largest (tenant excess, group excess), among
+    those whose tenant runs over its share or whose group runs over its group share (rule 2: a group of one
+    of the ``claimants`` tenants; None: any). None when there is no such sequence."""
     tenant_share = shares.tenant_share()
     victim, worst = None, (0, 0)
     for request in reversed(running):

@@ -61,9 +61,9 @@ class KVCacheManager:
         return hashes
 
     def reads_prefix_cache(self, request: Request) -> bool:
-        """Whether ``request`` looks its prompt up in the prefix cache: caching is on and it asks for no prompt
-        logprobs (a cached position has no logits to score; vLLM v1's ``Request.skip_reading_prefix_cache``).
-        Its blocks are cached either way."""
+        """Whether ``request`` looks its prompt up in the prefix cache: caching is on and it asks for no
+        prompt logprobs (a cached position has no logits to score; vLLM v1's
+        ``Request.skip_reading_prefix_cache``). Its blocks are cached either way."""
         return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -91,10 +91,10 @@ class KVCacheManager:
         """Grow the request's block table to hold ``num_new_tokens`` more tokens after its computed ones.
 
         ``new_computed_blocks`` are prefix-cache hits from :meth:`get_computed_blocks` (they count as computed
-        on top of ``request.num_computed_tokens``); they are touched and prepended. Full blocks after this step
-        are registered in the prefix cache. Returns the ids of the freshly allocated blocks (possibly empty),
-        or None — with nothing allocated or touched — when the pool cannot supply them (free hit blocks count
-        against the free blocks because touching takes them out of the free queue).
+        on top of ``request.num_computed_tokens``); they are touched and prepended. Full blocks after this
+        step are registered in the prefix cache. Returns the ids of the freshly allocated blocks (possibly
+        empty), or None — with nothing allocated or touched — when the pool cannot supply them (free hit
+        blocks count against the free blocks because touching takes them out of the free queue).
         """
         hits = new_computed_blocks or []
         if hits and not self.enable_caching:

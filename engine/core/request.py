@@ -68,7 +68,8 @@ class RequestStats:
     structured_mask_s: float | None = None
     """Seconds computing its grammar masks (structured output only; ModelRunnerOutput.structured_mask_s)."""
     structured_wait_s: float | None = None
-    """Seconds its sampling waited for those masks after the forward pass (ModelRunnerOutput.structured_wait_s)."""
+    """Seconds its sampling waited for those masks after the forward pass
+    (ModelRunnerOutput.structured_wait_s)."""
     spec_num_drafts: int = 0
     """Speculative decoding: drafts of this request verified (one per verification step that had a draft)."""
     spec_num_draft_tokens: int = 0
@@ -198,8 +199,9 @@ class Request:
     reads); None: its fairness group is its own tenant. The scheduler shares its slots between tenants first,
     then between each tenant's groups (engine/core/fairness.py)."""
     prepared_sampling: object | None = None
-    """Opaque to the core: the worker's per-request sampling tensors (kvscope.engine.worker.sampler.RequestSampling),
-    built once at admission and shared by an ``n > 1`` request's children."""
+    """Opaque to the core: the worker's per-request sampling tensors
+    (kvscope.engine.worker.sampler.RequestSampling), built once at admission and shared by an ``n > 1``
+    request's children."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -209,7 +211,8 @@ class Request:
 
     @property
     def fairness_key(self) -> str:
-        """The fairness group of engine/core/fairness.py: ``fairness_group``, else ``parent_id``, else the id."""
+        """The fairness group of engine/core/fairness.py: ``fairness_group``, else ``parent_id``, else the
+        id."""
         return self.fairness_group or self.parent_id or self.request_id
 
     @property

@@ -14,8 +14,8 @@ groups of one API key (``Request.fairness_tenant_key``; else each group alone) a
 "Admission order" above is round-robin across tenants, then groups, "FCFS" is FCFS inside a group with the
 tenant, then the group, running the fewest sequences going first, a step starts by preempting the newest
 sequences of tenants (groups) over their share when others under it wait for slots, and the KV victim is taken
-from the tenant, then the group, furthest over its share first. With one sequence per tenant all of this is the
-plain order above: nothing is preempted for fairness.
+from the tenant, then the group, furthest over its share first. With one sequence per tenant all of this is
+the plain order above: nothing is preempted for fairness.
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (status WAITING). Raises ValueError for a duplicate id, an empty prompt or a fairness
-        group already queued under another tenant, and PromptTooLongError when the prompt exceeds ``max_model_len``: invariants, not user-facing checks (the
-        engine's InputProcessor rejected such requests before they became Requests)."""
+        """Queue a request (status WAITING). Raises ValueError for a duplicate id, an empty prompt or a
+        fairness group already queued under another tenant, and PromptTooLongError when the prompt exceeds
+        ``max_model_len``: invariants, not user-facing checks (the engine's InputProcessor rejected such
+        requests before they became Requests)."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the scheduler")
         if request.num_tokens == 0:
@@ -133,9 +134,10 @@ class Scheduler:
         self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
     ) -> Request | None:
         """Finish a request from outside (stop string matched, client gone) in any state: it leaves its
-        queue and its blocks are freed. ``num_output_tokens``: keep only that many output tokens (a stop string
-        ended inside a run of accepted draft tokens; the later ones are dropped). Returns the request, or None
-        for an unknown or finished id. Raises ValueError when ``status`` is not a finished status."""
+        queue and its blocks are freed. ``num_output_tokens``: keep only that many output tokens (a stop
+        string ended inside a run of accepted draft tokens; the later ones are dropped). Returns the
+        request, or None for an unknown or finished id. Raises ValueError when ``status`` is not a finished
+        status."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
         request = self.requests.get(request_id)
@@ -161,8 +163,8 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: the fairness preemptions, running requests, then waiting ones (skipped in a step that
-        preempted for KV blocks).
+        """Plan one step: the fairness preemptions, running requests, then waiting ones (skipped in a step
+        that preempted for KV blocks).
 
         Advances each scheduled request's ``num_computed_tokens`` by its scheduled tokens (vLLM v1
         ``_update_after_schedule``): the runner must compute them before the next call.
@@ -182,14 +184,14 @@ class Scheduler:
         """Append each request's emitted tokens (``sampled``: request_id → token ids, one or, after a verified
         draft, the accepted draft tokens then the target's token) one by one, with the stop checks after each.
 
-        Only requests scheduled with ``sample=True`` take tokens; requests finished meanwhile (aborted
-        during the step) are skipped. Stop checks, in order: ``stop_token_ids`` (FINISHED_STOPPED,
-        ``stop_reason`` = the id) and EOS unless ``ignore_eos`` (FINISHED_STOPPED), both only once
-        ``num_output_tokens >= min_tokens``; then ``max_tokens`` and ``max_model_len`` (FINISHED_LENGTH).
-        The tokens after the one that finished a request are dropped: ``sampled[request_id]`` is shortened in
-        place. A request with drafts gets ``num_computed_tokens`` rolled back past its rejected draft positions
-        (their KV is overwritten next step) and its blocks wholly past its tokens freed.
-        Returns the requests finished by this step, in scheduling order; their blocks are freed.
+        Only requests scheduled with ``sample=True`` take tokens; requests finished meanwhile (aborted during
+        the step) are skipped. Stop checks, in order: ``stop_token_ids`` (FINISHED_STOPPED, ``stop_reason`` =
+        the id) and EOS unless ``ignore_eos`` (FINISHED_STOPPED), both only once ``num_output_tokens >=
+        min_tokens``; then ``max_tokens`` and ``max_model_len`` (FINISHED_LENGTH). The tokens after the one
+        that finished a request are dropped: ``sampled[request_id]`` is shortened in place. A request with
+        drafts gets ``num_computed_tokens`` rolled back past its rejected draft positions (their KV is
+        overwritten next step) and its blocks wholly past its tokens freed. Returns the requests finished by
+        this step, in scheduling order; their blocks are freed.
         """
         now = self.clock()
         self._attribute_step(scheduler_output, now - scheduler_output.scheduled_time)
@@ -226,9 +228,9 @@ class Scheduler:
             self.kv_cache_manager.trim(request, request.num_tokens)
 
     def _attribute_step(self, out: SchedulerOutput, dt: float) -> None:
-        """Add the step to each scheduled request's step records (engine/core/attribution.py): a few adds per
-        scheduled request, its phase by whether its first token was sampled.
-        The choices of one ``n > 1`` request (``Request.parent_id``) count each other's tokens as their own."""
+        """Add the step to each scheduled request's step records (engine/core/attribution.py): a few adds
+        per scheduled request, its phase by whether its first token was sampled. The choices of one ``n >
+        1`` request (``Request.parent_id``) count each other's tokens as their own."""
         prefill, decode, count = out.num_prefill_tokens, out.num_decode_tokens, len(out.scheduled)
         share = dt / max(prefill + decode, 1)
         groups: dict[
@@ -342,9 +344,9 @@ class Scheduler:
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan, pending: set[str]
     ) -> bool:
-        """Allocate, preempting until it fits (rule 4 of engine/core/fairness.py: the newest not-yet-scheduled
-        request, ``pending`` or ``request`` itself, of the tenant, then the group, furthest over its share, else
-        the newest of them); False if ``request`` itself went."""
+        """Allocate, preempting until it fits (rule 4 of engine/core/fairness.py: the newest
+        not-yet-scheduled request, ``pending`` or ``request`` itself, of the tenant, then the group,
+        furthest over its share, else the newest of them); False if ``request`` itself went."""
         while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
             candidates = pending | {request.request_id}
             victim = fairness_victim(self.running, self._shares, candidates) or next(
@@ -359,8 +361,9 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, plan: _StepPlan, excluded_groups: set[str]) -> None:
-        """Admit waiting requests in rule 1's order (engine/core/fairness.py) until a limit stops the one whose
-        turn it is: nobody overtakes it. ``excluded_groups`` (preempted for fairness this step) admit nobody."""
+        """Admit waiting requests in rule 1's order (engine/core/fairness.py) until a limit stops the one
+        whose turn it is: nobody overtakes it. ``excluded_groups`` (preempted for fairness this step) admit
+        nobody."""
         max_num_seqs = self.scheduler_config.max_num_seqs
         order: AdmissionOrder | None = None  # built once a request can be admitted (a full engine skips it)
         while self.waiting:
@@ -404,7 +407,8 @@ class Scheduler:
                 self._prefix_cache_hits += num_hit_tokens
 
     def _preempt(self, request: Request) -> None:
-        """Preempt by recompute a request the caller took out of ``running``: blocks freed, front of the queue."""
+        """Preempt by recompute a request the caller took out of ``running``: blocks freed, front of the
+        queue."""
         self._shares.stopped_running(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -495,8 +499,8 @@ class Scheduler:
 
 
 def _is_decode(item: ScheduledRequest) -> bool:
-    """A decode feeds back exactly one generated token (plus its draft tokens, if any); everything else (prompt
-    chunks, recomputation of generated tokens after preemption) counts as prefill."""
+    """A decode feeds back exactly one generated token (plus its draft tokens, if any); everything else
+    (prompt chunks, recomputation of generated tokens after preemption) counts as prefill."""
     return (
         item.num_scheduled_tokens - len(item.spec_token_ids) == 1
         and item.num_computed_tokens >= item.request.num_prompt_tokens

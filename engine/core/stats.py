@@ -39,10 +39,11 @@ class SchedulerStats:
 
 
 class KvscopeStats(msgspec.Struct, frozen=True):
-    """One request's ``kvscope`` object (docs/engine-server.md, "The kvscope object"): where its time went and
-    what it held, in seconds, requests, blocks and a 0–1 ratio. The field names are the JSON keys of the
-    response's ``kvscope`` object and of the request log's ``kvscope.engine``; ``stats["ttft_s"]`` reads a field
-    by that name and iterating it gives the keys. None: not reached (e.g. no first token yet)."""
+    """One request's ``kvscope`` object (docs/engine-server.md, "The kvscope object"): where its time went
+    and what it held, in seconds, requests, blocks and a 0–1 ratio. The field names are the JSON keys of
+    the response's ``kvscope`` object and of the request log's ``kvscope.engine``; ``stats["ttft_s"]``
+    reads a field by that name and iterating it gives the keys. None: not reached (e.g. no first token
+    yet)."""
 
     queue_s: float | None = None
     """Arrival → first scheduled."""
@@ -112,8 +113,9 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     recomputed_tokens: int | None = None
     """Tokens whose KV a preemption threw away (computed again on re-admission)."""
     structured_mask_s: float | None = None
-    """Structured output only: seconds computing this request's grammar token masks (engine/structured/batch.py;
-    on a helper thread, overlapped with the forward pass). None for unconstrained requests."""
+    """Structured output only: seconds computing this request's grammar token masks
+    (engine/structured/batch.py; on a helper thread, overlapped with the forward pass). None for
+    unconstrained requests."""
     structured_wait_s: float | None = None
     """Structured output only: seconds its steps' sampling waited for the masks after the forward pass had
     finished (the latency the grammar added). None for unconstrained requests."""
@@ -144,13 +146,13 @@ class KvscopeStats(msgspec.Struct, frozen=True):
 
     @classmethod
     def merge(cls, stats: Sequence[KvscopeStats]) -> KvscopeStats:
-        """One object for several choices (n > 1, several prompts): the one itself when there is one; else the
-        min of the start-up times, the max of decode time, batch max and KV usage, the sum of blocks and
-        preemptions, the mean of tpot and batch mean (each over the choices that have the field); the speculation
-        counts are summed and the mean acceptance length recomputed from the sums. The latency
-        attribution (prompt_tokens … structured_wait_s) is the one of the choice that finished last, so that
-        its parts add up to the request's end to end time and are not counted once per choice (``n > 1``
-        choices count each other's tokens as their own: engine/core/scheduler.py ``_attribute_step``)."""
+        """One object for several choices (n > 1, several prompts): the one itself when there is one; else
+        the min of the start-up times, the max of decode time, batch max and KV usage, the sum of blocks
+        and preemptions, the mean of tpot and batch mean (each over the choices that have the field); the
+        speculation counts are summed and the mean acceptance length recomputed from the sums. The latency
+        attribution (prompt_tokens … structured_wait_s) is the one of the choice that finished last, so
+        that its parts add up to the request's end to end time and are not counted once per choice (``n >
+        1`` choices count each other's tokens as their own: engine/core/scheduler.py ``_attribute_step``)."""
         if len(stats) == 1:
             return stats[0]
         if not stats:
@@ -171,7 +173,8 @@ class KvscopeStats(msgspec.Struct, frozen=True):
 
 def spec_summary(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, int | float]:
     """The speculative-decoding fields of a kvscope object from the sums over its verified drafts; the mean
-    acceptance length is vLLM's ``1 + accepted / drafts`` (vllm/v1/spec_decode/metrics.py). ``num_drafts`` > 0."""
+    acceptance length is vLLM's ``1 + accepted / drafts`` (vllm/v1/spec_decode/metrics.py). ``num_drafts``
+    > 0."""
     return {
         "spec_drafts": num_drafts,
         "spec_draft_tokens": num_draft_tokens,
@@ -189,5 +192,5 @@ _REDUCE: dict[str, Callable[[list[Any]], Any]] = {
     "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean, "batch_size_mean": _mean,
     "spec_drafts": sum, "spec_draft_tokens": sum, "spec_accepted_tokens": sum, "spec_mean_accepted_length": max,
 }  # fmt: skip
-"""How the timing and speculation fields merge over choices (the mean acceptance length is then recomputed from
-the sums); every other field (the attribution) comes from one choice."""
+"""How the timing and speculation fields merge over choices (the mean acceptance length is then recomputed
+from the sums); every other field (the attribution) comes from one choice."""

@@ -1,12 +1,12 @@
 """Teacher-forced perplexity through the engine's decode path (issue 13 item 4 for the fused CPU decode step).
 
-``kvscope eval ppl`` scores text through ``prompt_logprobs``, i.e. prefill: many rows per matmul, so the compact
-layers run their dense copies and the decode kernels (kernels/cpu_decode.py, engine/models/fused_decode.py:
-int4 GEMVs with int8 activations, a Q8_0 LM head, attention read from the paged cache) are never exercised.
-Here each token of the text is fed as a one-token decode step over the paged KV cache of the tokens before it,
-and the log-probability of the next token is read from that step's logits: the numbers a served request's
-tokens are sampled from. The NLL is summed in float64; perplexity = exp(mean NLL) over ``len(tokens) - 1``
-tokens, comparable with the prefill perplexity of the same tokens in one window.
+``kvscope eval ppl`` scores text through ``prompt_logprobs``, i.e. prefill: many rows per matmul, so the
+compact layers run their dense copies and the decode kernels (kernels/cpu_decode.py,
+engine/models/fused_decode.py: int4 GEMVs with int8 activations, a Q8_0 LM head, attention read from the paged
+cache) are never exercised. Here each token of the text is fed as a one-token decode step over the paged KV
+cache of the tokens before it, and the log-probability of the next token is read from that step's logits: the
+numbers a served request's tokens are sampled from. The NLL is summed in float64; perplexity = exp(mean NLL)
+over ``len(tokens) - 1`` tokens, comparable with the prefill perplexity of the same tokens in one window.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ NAMED_FORMATS: dict[str, tuple[str, str]] = {
     "gguf": ("float32", "gguf"),
     "auto": ("auto", "auto"),
 }
-"""Format name → (``--dtype``, ``--quantization``) as the engine takes them; ``auto`` is what ``kvscope serve`` and
-``kvscope engine`` load by default (the fastest verified format by the start-up probe,
+"""Format name → (``--dtype``, ``--quantization``) as the engine takes them; ``auto`` is what ``kvscope
+serve`` and ``kvscope engine`` load by default (the fastest verified format by the start-up probe,
 engine/models/format_choice.py). ``DTYPE/QUANTIZATION`` (e.g. ``bfloat16/gguf``, ``auto/none``) names any
 other pair."""
 DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "gguf", "auto")
@@ -50,13 +50,14 @@ class FormatSpec:
 
     @property
     def verified_name(self) -> str | None:
-        """The name ``kvscope.common.models.registry.ModelSpec.verified_formats`` uses for it (float32, bfloat16,
-        int8, gguf), or None for another pair."""
+        """The name ``kvscope.common.models.registry.ModelSpec.verified_formats`` uses for it (float32,
+        bfloat16, int8, gguf), or None for another pair."""
         return self.name if self.name in ("float32", "bfloat16", "int8", "gguf") else None
 
 
 def parse_format(text: str) -> FormatSpec:
-    """A format name (:data:`NAMED_FORMATS`) or ``DTYPE/QUANTIZATION``. Raises FormatError listing the choices."""
+    """A format name (:data:`NAMED_FORMATS`) or ``DTYPE/QUANTIZATION``. Raises FormatError listing the
+    choices."""
     name = text.strip()
     if name in NAMED_FORMATS:
         return FormatSpec(name, *NAMED_FORMATS[name])

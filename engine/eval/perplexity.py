@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 PromptLogprobs = Callable[[list[int]], Sequence[float]]
-"""``f(tokens)`` → the log-probability (natural log) of ``tokens[i]`` given ``tokens[:i]``, for i = 1 … n-1."""
+"""``f(tokens)`` → the log-probability (natural log) of ``tokens[i]`` given ``tokens[:i]``, for i = 1 …
+n-1."""
 
 
 @dataclass(frozen=True, slots=True)

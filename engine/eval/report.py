@@ -123,7 +123,8 @@ class EvalReport:
 
 
 def build_rows(runs: Sequence[FormatRun]) -> tuple[FormatRow, ...]:
-    """Rows of ``runs`` (the first is float32, the reference): Δ = ppl / ppl(float32) − 1, pass = Δ ≤ bound."""
+    """Rows of ``runs`` (the first is float32, the reference): Δ = ppl / ppl(float32) − 1, pass = Δ ≤
+    bound."""
     reference = runs[0]
     if reference.spec.name != REFERENCE:
         raise ValueError(f"the first run must be {REFERENCE}, got {reference.spec.name}")

@@ -1,5 +1,5 @@
-"""Run one weight format through the engine (``kvscope.engine.llm.LLM``, the serving path): prompt log-probabilities
-per window for perplexity and greedy continuations for agreement.
+"""Run one weight format through the engine (``kvscope.engine.llm.LLM``, the serving path): prompt
+log-probabilities per window for perplexity and greedy continuations for agreement.
 
 The prompt log-probabilities are the engine's ``prompt_logprobs`` (what completions ``echo`` returns): the
 same ModelRunner step, paged KV cache, attention backend and per-format linear kernels as a served request
@@ -46,7 +46,8 @@ class FormatRun:
     dtype: str
     """``--dtype`` as resolved by the engine (float32 / bfloat16)."""
     dense_dtype: str | None
-    """Dtype of the dense copies the compact kernels switch to above the probe's crossover (quantized only)."""
+    """Dtype of the dense copies the compact kernels switch to above the probe's crossover (quantized
+    only)."""
     weights_bytes: int
     perplexity: PerplexityResult
     greedy: tuple[tuple[int, ...], ...]
@@ -55,7 +56,8 @@ class FormatRun:
     """Wall time of load + perplexity + greedy."""
     ppl_seconds: float
     kernels: str = "served"
-    """``compact`` (compact kernels at every row count) or ``served`` (the engine's dense switch): module doc."""
+    """``compact`` (compact kernels at every row count) or ``served`` (the engine's dense switch): module
+    doc."""
     quantization: str | None = None
     """``--quantization`` as resolved by the engine (``auto`` → what it loaded); None: the spec's own."""
 

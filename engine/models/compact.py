@@ -7,12 +7,13 @@
   quantized from the float weights with llama.cpp's Q4_1 quantizer (``gguf.quants``).
 - ``gguf``: the GGUF's Q4_0/Q4_1 tensors as int4, all other tensors dense (refuses a model that is not a
   GGUF). For a Q4 GGUF this is the same model as ``int4``.
-Every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stays dense in ``--dtype``, and so does the LM
-head under int4/gguf. With kvscope's own CPU kernels (``pair_kernels``, kernels/cpu_decode.py) the int4 layers are
-stored in those kernels' layout (the same codes, d and min) and the model gets ``decode_head``, an 8-bit Q8_0 copy
-of the LM head (blocks of 32, llama.cpp's type for SmolLM2's tied ``token_embd``) that the fused decode step and
-every one-row logits computation read; logits of more rows (batched decode, prompt logprobs) keep the dense head.
-Each compact layer keeps a dense oneDNN-packed copy for batches above the crossover
+Every tensor the GGUF stores in another type (Q8_0/Q6_K/F16/F32) stays dense in ``--dtype``, and so does the
+LM head under int4/gguf. With kvscope's own CPU kernels (``pair_kernels``, kernels/cpu_decode.py) the int4
+layers are stored in those kernels' layout (the same codes, d and min) and the model gets ``decode_head``, an
+8-bit Q8_0 copy of the LM head (blocks of 32, llama.cpp's type for SmolLM2's tied ``token_embd``) that the
+fused decode step and every one-row logits computation read; logits of more rows (batched decode, prompt
+logprobs) keep the dense head. Each compact layer keeps a dense oneDNN-packed copy for batches above the
+crossover
 :func:`kvscope.engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
 """
 
@@ -79,10 +80,10 @@ def quantize_model(
 ) -> QuantReport:
     """Replace the dense weights of ``model`` (loaded, on CPU) by compact kernels, in place (module doc).
 
-    ``gguf_path``: the GGUF the model came from (None: a HF folder); ``cache_dir`` holds the int4 block
-    cache (``kvscope.engine.models.gguf.INT4_CACHE_FILE``); ``pair_kernels``: kvscope's CPU kernels are loaded
-    (``kvscope.kernels.cpu_decode.load``), so int4 layers use their layout and the LM head gets a Q8_0 copy. Raises
-    ValueError for an unknown quantization, or ``gguf`` without a GGUF.
+    ``gguf_path``: the GGUF the model came from (None: a HF folder); ``cache_dir`` holds the int4 block cache
+    (``kvscope.engine.models.gguf.INT4_CACHE_FILE``); ``pair_kernels``: kvscope's CPU kernels are loaded
+    (``kvscope.kernels.cpu_decode.load``), so int4 layers use their layout and the LM head gets a Q8_0 copy.
+    Raises ValueError for an unknown quantization, or ``gguf`` without a GGUF.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -107,8 +108,8 @@ def quantize_model(
         model.logits_kernel = _kernel(Int8Weight.from_float(embed), embed, None, choice)
         counts["quantized"] += 1
     elif pair_kernels and quantization in ("int4", "gguf") and model.config.hidden_size % PAIR == 0:
-        # the Q8_0 LM head of the fused decode step (engine/models/fused_decode.py) and of one-row logits; prompt
-        # logprobs and batched decode keep the dense head (compute_logits), as with torch's kernels
+        # the Q8_0 LM head of the fused decode step (engine/models/fused_decode.py) and of one-row logits;
+        # prompt logprobs and batched decode keep the dense head (compute_logits), as with torch's kernels
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         model.decode_head = PairBlocks.q8_from_float(head)
     report = QuantReport(quantization, **counts)
@@ -154,7 +155,8 @@ def _compact_weight(
 def _kernel(
     compact: Int4Weight | Int8Weight, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice
 ) -> CompactLinearKernel:
-    # kvscope's pair-block kernels (4- and 8-bit alike) are what the probe timed as "int4" when they are loaded
+    # kvscope's pair-block kernels (4- and 8-bit alike) are what the probe timed as "int4" when they are
+    # loaded
     fmt = "int4" if isinstance(compact, Int4Weight | PairBlocks) else "int8"
     max_rows = choice.max_rows[fmt]
     dense = None

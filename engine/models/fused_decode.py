@@ -56,7 +56,8 @@ class FusedDecoder:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> FusedDecoder | None:
-        """The fused decoder of a loaded, quantized CPU model, or None where it does not apply (module doc)."""
+        """The fused decoder of a loaded, quantized CPU model, or None where it does not apply (module
+        doc)."""
         if not is_loaded() or not isinstance(model, LlamaForCausalLM):
             return None
         c = model.config
@@ -108,7 +109,8 @@ class FusedDecoder:
         )
 
     def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether this step can run fused: decode-only, at most ``max_rows`` requests, a float32/bfloat16 cache."""
+        """Whether this step can run fused: decode-only, at most ``max_rows`` requests, a float32/bfloat16
+        cache."""
         return (
             metadata.max_query_len == 1
             and metadata.num_reqs <= self.max_rows

@@ -1,4 +1,5 @@
-"""Convert a llama.cpp GGUF file into a HF folder (config.json, model.safetensors, tokenizer, generation config).
+"""Convert a llama.cpp GGUF file into a HF folder (config.json, model.safetensors, tokenizer, generation
+config).
 
 Every tensor is dequantized once to float32 with ``gguf.quants.dequantize``; the result is cached as
 safetensors so later starts skip the slow dequantization. Tensor names follow llama.cpp's

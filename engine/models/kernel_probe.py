@@ -132,10 +132,10 @@ def probe_cpu_kernels(
     batched_rows: Sequence[int] = BATCHED_PROBE_ROWS,
 ) -> KernelChoice:
     """Time dense float32/bfloat16 (oneDNN packed) and compact int4/int8 matmuls of a random
-    ``[out_features, in_features]`` weight at each row count, and kvscope's AMX int4 matmul against the dense
-    bfloat16 one at each of ``batched_rows`` where it is built; returns the KernelChoice. Times one thread's CPU
-    time (``time.thread_time``, torch set to 1 thread for the probe, restored after): robust to other processes
-    on the machine. Raises RuntimeError when this torch build lacks oneDNN."""
+    ``[out_features, in_features]`` weight at each row count, and kvscope's AMX int4 matmul against the
+    dense bfloat16 one at each of ``batched_rows`` where it is built; returns the KernelChoice. Times one
+    thread's CPU time (``time.thread_time``, torch set to 1 thread for the probe, restored after): robust
+    to other processes on the machine. Raises RuntimeError when this torch build lacks oneDNN."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.02
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -169,9 +169,9 @@ def probe_cpu_kernels(
             x = inputs[torch.bfloat16, n]
             fns[f"int4_amx@{n}"] = lambda x=x: amx(x)
             fns.setdefault(f"bfloat16@{n}", lambda x=x: kernels["bfloat16"](x))
-    # one thread's CPU time, not wall time: on a loaded machine a preempted OpenMP thread stretches wall times at
-    # random (a start-up next to a test run once picked float32, 0.4x the speed, from wall times); the CPU cost
-    # of each kernel on one core ranks them the same way on an idle machine and is robust to the load
+    # one thread's CPU time, not wall time: on a loaded machine a preempted OpenMP thread stretches wall times
+    # at random (a start-up next to a test run once picked float32, 0.4x the speed, from wall times); the CPU
+    # cost of each kernel on one core ranks them the same way on an idle machine and is robust to the load
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -209,8 +209,8 @@ def amx_rows(
     timings_ms: dict[str, float], compact_rows: int, probed: Sequence[int] = BATCHED_PROBE_ROWS
 ) -> int:
     """Up to how many rows the AMX int4 matmul (``int4_amx@n``) is not slower than the dense bfloat16 copy
-    (``bfloat16@n``) at every ``probed`` size above ``compact_rows`` (where the GEMV hands over), capped at the
-    largest probed size; 0 when it loses at the first of them."""
+    (``bfloat16@n``) at every ``probed`` size above ``compact_rows`` (where the GEMV hands over), capped at
+    the largest probed size; 0 when it loses at the first of them."""
     above = [n for n in probed if n > compact_rows]
     if not above:
         return 0
@@ -252,10 +252,10 @@ def decode_matmul_ms(
     """Best time (ms) of one decode step's matmuls ``shapes`` (``[N, K]`` each, in order, e.g.
     :func:`model_linear_shapes`) at ``rows`` rows in format ``fmt``: float32/bfloat16 (dense, as
     ``Linear.prepare_for_cpu``) or int4/int8 (compact kernels switching to dense above ``choice.max_rows``;
-    the last shape, the LM head, stays dense under int4 as in ``kvscope.engine.models.compact``), optionally with the
-    model dtype, e.g. ``int4:bfloat16`` (activations and the dense LM head; default float32). ``clock``:
-    ``time.process_time`` measures CPU time instead of wall time, which on one thread and a busy shared
-    machine is close to the idle wall time (waiting for a core is not counted)."""
+    the last shape, the LM head, stays dense under int4 as in ``kvscope.engine.models.compact``),
+    optionally with the model dtype, e.g. ``int4:bfloat16`` (activations and the dense LM head; default
+    float32). ``clock``: ``time.process_time`` measures CPU time instead of wall time, which on one thread
+    and a busy shared machine is close to the idle wall time (waiting for a core is not counted)."""
     from kvscope.engine.models.layers import cpu_linear_kernel
     from kvscope.engine.models.quant import CompactLinearKernel
 

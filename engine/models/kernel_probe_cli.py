@@ -1,6 +1,7 @@
-"""``python -m kvscope.engine.models.kernel_probe_cli``: the start-up kernel probe (:mod:`kvscope.engine.models.kernel_probe`) and
-ms per decode step of a model's matmuls per weight format, rows and threads (see docs/engine-server.md, Weight
-formats). A separate module so that the probe stays below the loader (no import circle)."""
+"""``python -m kvscope.engine.models.kernel_probe_cli``: the start-up kernel probe
+(:mod:`kvscope.engine.models.kernel_probe`) and ms per decode step of a model's matmuls per weight format,
+rows and threads (see docs/engine-server.md, Weight formats). A separate module so that the probe stays
+below the loader (no import circle)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from kvscope.engine.models.loader import read_hf_config, resolve_model_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvscope.engine.models.kernel_probe_cli [--model M] [--threads 1 2] [--rows 1 32]``: run the probe, then
-    print ms per decode step of the model's matmuls per format and thread count (wall time, and on one
-    thread also CPU time: see :func:`decode_matmul_ms`)."""
+    """``python -m kvscope.engine.models.kernel_probe_cli [--model M] [--threads 1 2] [--rows 1 32]``: run
+    the probe, then print ms per decode step of the model's matmuls per format and thread count (wall time,
+    and on one thread also CPU time: see :func:`decode_matmul_ms`)."""
     p = argparse.ArgumentParser(
         prog="python -m kvscope.engine.models.kernel_probe_cli", description=main.__doc__
     )

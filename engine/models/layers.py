@@ -27,7 +27,8 @@ ALIGN_MIN_ROWS = 64
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x², -1) + eps), computed in float32 (Zhang & Sennrich 2019; HF LlamaRMSNorm)."""
+    """y = weight * x / sqrt(mean(x², -1) + eps), computed in float32 (Zhang & Sennrich 2019; HF
+    LlamaRMSNorm)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -64,8 +65,8 @@ class CpuLinearKernel:
       (``weight.t().contiguous().t()``): MKL's GEMV over the row-major ``[out, in]`` layout runs at about
       half the memory bandwidth (SmolLM2-135M: ~36 ms vs ~57 ms per token for its 121 matmuls).
     - everything else: oneDNN's matmul on a weight pre-packed once into its blocked layout
-      (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU freezing pass uses): ~2x MKL's
-      SGEMM at 8–32 rows and ~1.2x at prefill sizes; for bfloat16 it wins at every size.
+      (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU freezing pass uses): ~2x
+      MKL's SGEMM at 8–32 rows and ~1.2x at prefill sizes; for bfloat16 it wins at every size.
     Results equal ``F.linear`` up to float rounding (a different summation order).
     """
 
@@ -115,8 +116,8 @@ def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLin
 
 
 def packed_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLinearKernel | None:
-    """Only the oneDNN-packed copy of ``weight`` (no column-major one): the dense path of a compact layer, used
-    for batched rows. None when oneDNN is unavailable or refuses the weight."""
+    """Only the oneDNN-packed copy of ``weight`` (no column-major one): the dense path of a compact layer,
+    used for batched rows. None when oneDNN is unavailable or refuses the weight."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if not torch.backends.mkldnn.is_available():
@@ -129,17 +130,17 @@ def packed_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Cpu
 
 
 def aligned_rows(rows: int) -> int:
-    """Rows a packed oneDNN matmul of ``rows`` input rows runs with: ``rows`` up to :data:`ALIGN_MIN_ROWS`, else
-    rounded up to a multiple of :data:`ROW_ALIGN`.
+    """Rows a packed oneDNN matmul of ``rows`` input rows runs with: ``rows`` up to :data:`ALIGN_MIN_ROWS`,
+    else rounded up to a multiple of :data:`ROW_ALIGN`.
 
-    Why: oneDNN builds (JIT-compiles) a primitive per input shape on its first use and caches it; on the AMX
-    Xeon that costs 4–20 ms per shape at one thread, 15–65 ms for a decoder's 4 matmul shapes, paid by the
-    first prefill of every new prompt length (docs/benchmarks.md "Idle TTFT"). Padding bounds the shapes to
-    ``max_num_batched_tokens / 16`` per matrix (warmed at start-up by ``LlamaForCausalLM.warm_up``) for at most
-    15 wasted rows. Rows are independent: above 64 rows the padded float32 result was bit-identical to the
-    unpadded one for every size tested; in bfloat16 oneDNN may block the padded size differently (another
-    float32 summation order), so an output can be one bfloat16 rounding step away
-    (tests/engine/test_prefill_fast_paths.py)."""
+    Why: oneDNN builds (JIT-compiles) a primitive per input shape on its first use and caches it; on the
+    AMX Xeon that costs 4–20 ms per shape at one thread, 15–65 ms for a decoder's 4 matmul shapes, paid by
+    the first prefill of every new prompt length (docs/benchmarks.md "Idle TTFT"). Padding bounds the
+    shapes to ``max_num_batched_tokens / 16`` per matrix (warmed at start-up by
+    ``LlamaForCausalLM.warm_up``) for at most 15 wasted rows. Rows are independent: above 64 rows the
+    padded float32 result was bit-identical to the unpadded one for every size tested; in bfloat16 oneDNN
+    may block the padded size differently (another float32 summation order), so an output can be one
+    bfloat16 rounding step away (tests/engine/test_prefill_fast_paths.py)."""
     return rows if rows <= ALIGN_MIN_ROWS else -(-rows // ROW_ALIGN) * ROW_ALIGN
 
 
@@ -165,8 +166,8 @@ def uses_packed_dense(kernel: object, rows: int) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same HF weight names) that can switch to :class:`CpuLinearKernel`, or to
-    compact weights (:meth:`use_compact`, ``kvscope.engine.models.quant``).
+    """``nn.Linear`` (same parameters, same HF weight names) that can switch to :class:`CpuLinearKernel`, or
+    to compact weights (:meth:`use_compact`, ``kvscope.engine.models.quant``).
 
     Until :meth:`prepare_for_cpu` or :meth:`use_compact` is called it is exactly ``nn.Linear``.
     """
@@ -211,9 +212,9 @@ class Linear(nn.Linear):
 
 
 def silu_and_mul(gate_up: torch.Tensor, cpu_op: bool = False) -> torch.Tensor:
-    """SwiGLU (Shazeer 2020): [..., 2·I] laid out [gate | up] → silu(gate) * up [..., I]. ``cpu_op``: bfloat16
-    rows go through ``torch.ops.kvscope_cpu.silu_and_mul`` (kernels/csrc/cpu_elementwise.cpp; torch's roundings
-    in one pass)."""
+    """SwiGLU (Shazeer 2020): [..., 2·I] laid out [gate | up] → silu(gate) * up [..., I]. ``cpu_op``:
+    bfloat16 rows go through ``torch.ops.kvscope_cpu.silu_and_mul`` (kernels/csrc/cpu_elementwise.cpp;
+    torch's roundings in one pass)."""
     if cpu_op and cpu_op_applies(gate_up):
         return torch.ops.kvscope_cpu.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -235,8 +236,8 @@ def cpu_op_applies(x: torch.Tensor) -> bool:
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, norm(residual + x)) for x, residual [T, hidden_size]: one pass of kvscope's C++
-    ``add_rms_norm`` where the norm uses the CPU kernels (the add bit for bit torch's bfloat16 add), else torch's
-    add and the norm's own forward."""
+    ``add_rms_norm`` where the norm uses the CPU kernels (the add bit for bit torch's bfloat16 add), else
+    torch's add and the norm's own forward."""
     if norm.cpu_op and cpu_op_applies(x) and cpu_op_applies(residual) and norm.weight.dtype == torch.bfloat16:
         return torch.ops.kvscope_cpu.add_rms_norm(x, residual, norm.weight, norm.eps)
     total = residual + x
@@ -245,7 +246,8 @@ def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[to
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding parameters, read from HF ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling`` (v4)."""
+    """Rotary embedding parameters, read from HF ``rope_parameters`` (v5) or
+    ``rope_theta``/``rope_scaling`` (v4)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -329,14 +331,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim] → (cos, signed sin), each [T, 1, head_dim], for :func:`apply_rope`: built once per
-    step and shared by every layer. The signed sin is ``[-sin₁ | sin₂]`` (halves of the last dim)."""
+    """cos/sin [T, head_dim] → (cos, signed sin), each [T, 1, head_dim], for :func:`apply_rope`: built once
+    per step and shared by every layer. The signed sin is ``[-sin₁ | sin₂]`` (halves of the last dim)."""
     half = sin.shape[-1] // 2
     return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, NeoX "rotate half" layout (HF ``apply_rotary_pos_emb``): x [T, heads, head_dim] with the tables of
+    """RoPE, NeoX "rotate half" layout (HF ``apply_rotary_pos_emb``): x [T, heads, head_dim] with the tables
+    of
     :func:`rope_tables` → ``x·cos + rotate_half(x)·sin`` in 4 ops, bit for bit: ``rotate_half(x)·sin`` =
     ``[-x₂·sin₁ | x₁·sin₂]`` = ``roll(x, half)·[-sin₁ | sin₂]`` (a negation is exact)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

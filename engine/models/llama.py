@@ -103,7 +103,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.cpu_op = False
-        """RoPE through kvscope's C++ kernel (``torch.ops.kvscope_cpu.rope``); see ``use_cpu_elementwise_ops``."""
+        """RoPE through kvscope's C++ kernel (``torch.ops.kvscope_cpu.rope``); see
+        ``use_cpu_elementwise_ops``."""
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size], cos/sin [T, 1, head_dim] from :func:`rope_tables` → [T, hidden_size]."""
@@ -155,9 +156,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)) (same operation order as HF). The second residual add
-    is left to the next norm (:meth:`forward` returns the MLP output beside the residual stream, as vLLM's layers
-    do), so that with kvscope's CPU kernels every add runs fused with the norm after it."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)) (same operation order as HF). The second
+    residual add is left to the next norm (:meth:`forward` returns the MLP output beside the residual
+    stream, as vLLM's layers do), so that with kvscope's CPU kernels every add runs fused with the norm
+    after it."""
 
     def __init__(self, config: ArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -169,12 +171,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden_size]: the previous layer's MLP output, or the embeddings when ``residual`` is None
-        (the first layer); residual [T, hidden_size]: the stream before that output was added. Returns (this
-        layer's MLP output, the stream before it): the caller adds them, fused into the next norm
+        """hidden [T, hidden_size]: the previous layer's MLP output, or the embeddings when ``residual`` is
+        None (the first layer); residual [T, hidden_size]: the stream before that output was added. Returns
+        (this layer's MLP output, the stream before it): the caller adds them, fused into the next norm
         (:func:`add_norm`)."""
         # children's ``forward`` called directly inside the decoder (here, in Attention and MLP): nn.Module's
-        # ``__call__`` (hooks, tracing state) costs ~2-3 µs a call, 9 calls per layer, and nothing registers hooks
+        # ``__call__`` (hooks, tracing state) costs ~2-3 µs a call, 9 calls per layer, and nothing registers
+        # hooks
         if residual is None:
             residual, normed = hidden, self.input_layernorm.forward(hidden)
         else:
@@ -187,8 +190,9 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
-        # nn.Embedding's own normal_ init on the meta device (build_model) goes through torch._refs, whose first
-        # use imports torch._dynamo: 3.8 s of a 4.5-s float32 load (torch 2.13). Same init, skipped only on meta.
+        # nn.Embedding's own normal_ init on the meta device (build_model) goes through torch._refs, whose
+        # first use imports torch._dynamo: 3.8 s of a 4.5-s float32 load (torch 2.13). Same init, skipped only
+        # on meta.
         weight = torch.empty(config.vocab_size, config.hidden_size)
         if weight.device.type != "meta":
             nn.init.normal_(weight)
@@ -230,8 +234,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.decode_head = None
-        """An 8-bit copy of the LM head (kvscope.kernels.cpu_decode.PairBlocks) for the fused CPU decode step
-        (engine/models/fused_decode.py), set by kvscope.engine.models.compact with kvscope's CPU kernels; None otherwise."""
+        """An 8-bit copy of the LM head (kvscope.kernels.cpu_decode.PairBlocks) for the fused CPU decode
+        step (engine/models/fused_decode.py), set by kvscope.engine.models.compact with kvscope's CPU
+        kernels; None otherwise."""
         self.logits_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         """CPU kernel of the LM head: a CpuLinearKernel, or a compact one (kvscope.engine.models.compact)."""
 
@@ -251,10 +256,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] → logits float32 [N, vocab_size] (tied: the embedding matrix). One row goes
-        through the 8-bit ``decode_head`` where there is one, as in the fused decode step: the first token of a
-        lone prompt comes from the same head as the tokens after it, in 0.6 instead of 1.6 ms (SmolLM2's 49,152 ×
-        576 head, 2 threads, AMD EPYC: a GEMV reads the weights once, 28 instead of 57 MB)."""
+        """hidden [N, hidden_size] → logits float32 [N, vocab_size] (tied: the embedding matrix). One row
+        goes through the 8-bit ``decode_head`` where there is one, as in the fused decode step: the first
+        token of a lone prompt comes from the same head as the tokens after it, in 0.6 instead of 1.6 ms
+        (SmolLM2's 49,152 × 576 head, 2 threads, AMD EPYC: a GEMV reads the weights once, 28 instead of 57
+        MB)."""
         if (
             self.decode_head is not None
             and hidden.shape[0] == 1
@@ -270,12 +276,12 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_elementwise_ops(self) -> int:
         """Route the bfloat16 RMSNorms, residual-add + norm pairs, SwiGLUs and RoPEs of every step through
-        kvscope's C++ elementwise kernels (kernels/csrc/cpu_elementwise.cpp; call once ``torch.ops.kvscope_cpu`` is
-        loaded, on a bfloat16 CPU model; inputs the kernels do not take keep torch's ops). One pass over memory
-        instead of torch's 2-7 ops, the same roundings (the add and RoPE bit for bit, RMSNorm and SwiGLU up to a
-        rare one-ulp bfloat16 difference; tests/kernels/test_cpu_elementwise.py). Measured on 2 Xeon cores, 128
-        rows: RMSNorm 87 → 19 µs, add + RMSNorm 91 → 28 µs, SwiGLU 97 → 63 µs, RoPE 62 → 25 µs. Returns the
-        number of modules switched."""
+        kvscope's C++ elementwise kernels (kernels/csrc/cpu_elementwise.cpp; call once
+        ``torch.ops.kvscope_cpu`` is loaded, on a bfloat16 CPU model; inputs the kernels do not take keep
+        torch's ops). One pass over memory instead of torch's 2-7 ops, the same roundings (the add and RoPE
+        bit for bit, RMSNorm and SwiGLU up to a rare one-ulp bfloat16 difference;
+        tests/kernels/test_cpu_elementwise.py). Measured on 2 Xeon cores, 128 rows: RMSNorm 87 → 19 µs, add
+        + RMSNorm 91 → 28 µs, SwiGLU 97 → 63 µs, RoPE 62 → 25 µs. Returns the number of modules switched."""
         switched = 0
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):
@@ -306,11 +312,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int) -> int:
-        """Run every distinct projection shape once at each padded prefill size up to ``max_num_tokens`` rows
-        (``layers.aligned_rows``: 80, 96, … rows), so that oneDNN builds its primitives now instead of during the
-        first prefill of each new prompt length (4–20 ms per shape on an AMX Xeon, docs/benchmarks.md "Idle
-        TTFT"). Call after :meth:`prepare_for_cpu`; does nothing for layers without a CPU kernel. Returns the
-        number of matmuls run."""
+        """Run every distinct projection shape once at each padded prefill size up to ``max_num_tokens``
+        rows (``layers.aligned_rows``: 80, 96, … rows), so that oneDNN builds its primitives now instead of
+        during the first prefill of each new prompt length (4–20 ms per shape on an AMX Xeon,
+        docs/benchmarks.md "Idle TTFT"). Call after :meth:`prepare_for_cpu`; does nothing for layers
+        without a CPU kernel. Returns the number of matmuls run."""
         dtype = self.model.embed_tokens.weight.dtype
         shapes: dict[tuple[int, int, type], Linear] = {}
         for (

@@ -109,9 +109,10 @@ def gguf_conversion_dir(gguf_path: Path, root: Path | None = None) -> Path:
 
 
 def _ensure_converted(gguf_path: Path, out_dir: Path) -> tuple[Path, bool]:
-    """(``out_dir``, converted now): the GGUF's HF folder, converted on first use. Processes that start at once
-    (``kvscope serve``'s replicas on a fresh machine) convert once: the first holds ``<out_dir>.lock``, the
-    others wait and then find the folder (renamed into place whole: :func:`convert_gguf_to_hf`)."""
+    """(``out_dir``, converted now): the GGUF's HF folder, converted on first use. Processes that start at
+    once (``kvscope serve``'s replicas on a fresh machine) convert once: the first holds
+    ``<out_dir>.lock``, the others wait and then find the folder (renamed into place whole:
+    :func:`convert_gguf_to_hf`)."""
     if _converted(out_dir):
         return out_dir, False
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -174,8 +175,8 @@ def load_model(
             f"quantization {model_config.quantization!r} runs on CPU only (torch's packed CPU "
             f"kernels); use --quantization none on {device}"
         )
-    # the kernels' build folder is the configured cache root's even when ``root`` moves the models elsewhere (a
-    # test's tmp folder): one compile per machine, not per model folder
+    # the kernels' build folder is the configured cache root's even when ``root`` moves the models elsewhere
+    # (a test's tmp folder): one compile per machine, not per model folder
     cpu_kernels = (
         load_cpu_kernels(cache_root())
         if device.type == "cpu"
@@ -263,9 +264,9 @@ def resolve_format(
     cpu_kernels: bool = False,
 ) -> FormatChoice:
     """The weight format to load: ``--quantization auto`` with ``--dtype auto`` asks
-    :func:`kvscope.engine.models.format_choice.choose_format` (the model's verified formats, the probe, whether
-    kvscope's CPU kernels loaded: ``cpu_kernels``); an explicit ``--dtype`` with ``auto`` pins dense weights in
-    it; explicit flags are kept as given (dtype auto resolved).
+    :func:`kvscope.engine.models.format_choice.choose_format` (the model's verified formats, the probe,
+    whether kvscope's CPU kernels loaded: ``cpu_kernels``); an explicit ``--dtype`` with ``auto`` pins dense
+    weights in it; explicit flags are kept as given (dtype auto resolved).
     """
     if model_config.quantization == "auto" and model_config.dtype == "auto":
         verified, source = verified_formats(model_config.model)
@@ -288,8 +289,8 @@ def resolve_format(
 
 
 def resolve_dtype(name: str, device: torch.device, kernels: KernelChoice | None) -> torch.dtype:
-    """The torch dtype for ``--dtype name``: ``auto`` is the probe's faster dense dtype on CPU (float32 when no
-    probe ran) and bfloat16 elsewhere. Raises KeyError for an unknown name."""
+    """The torch dtype for ``--dtype name``: ``auto`` is the probe's faster dense dtype on CPU (float32
+    when no probe ran) and bfloat16 elsewhere. Raises KeyError for an unknown name."""
     if name != "auto":
         return DTYPES[name]
     if device.type != "cpu":

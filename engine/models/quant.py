@@ -112,14 +112,15 @@ def int4_blocks_from_float(
 
 
 def pair_blocks_from_int4(blocks: Int4Blocks) -> PairBlocks:
-    """The same 4-bit weights in kvscope's CPU kernel layout (``w = d·u + m`` with d = scale, m = zero − 8·scale:
-    a GGUF Q4_1 block's own d and min, exact in float16). Raises ValueError when K is not a multiple of 64."""
+    """The same 4-bit weights in kvscope's CPU kernel layout (``w = d·u + m`` with d = scale, m = zero −
+    8·scale: a GGUF Q4_1 block's own d and min, exact in float16). Raises ValueError when K is not a
+    multiple of 64."""
     return PairBlocks.pack(blocks.codes, blocks.scale, blocks.zero - 8.0 * blocks.scale, 4)
 
 
 def int4_weight(blocks: Int4Blocks, pair_layout: bool) -> Int4Weight | PairBlocks:
-    """The int4 weight the engine runs: kvscope's pair-block layout (``pair_layout``: its CPU kernels are loaded and
-    K is a multiple of 64) or torch's int4pack one."""
+    """The int4 weight the engine runs: kvscope's pair-block layout (``pair_layout``: its CPU kernels are
+    loaded and K is a multiple of 64) or torch's int4pack one."""
     return pair_blocks_from_int4(blocks) if pair_layout else Int4Weight.from_blocks(blocks)
 
 
@@ -190,21 +191,23 @@ class Int8Weight:
 
 @dataclass(frozen=True, slots=True)
 class CompactLinearKernel:
-    """``y = x @ Wᵀ + bias`` from compact weights for up to ``max_compact_rows`` rows, else through ``dense``
-    (a oneDNN-packed copy, see ``kvscope.engine.models.layers.packed_linear_kernel``) when there is one. The output
-    has x's dtype."""
+    """``y = x @ Wᵀ + bias`` from compact weights for up to ``max_compact_rows`` rows, else through
+    ``dense`` (a oneDNN-packed copy, see ``kvscope.engine.models.layers.packed_linear_kernel``) when there
+    is one. The output has x's dtype."""
 
     compact: Int4Weight | Int8Weight | PairBlocks
     """torch's packed int4/int8 weights, or kvscope's own pair blocks (kernels/cpu_decode.py: 4-bit from the
     same GGUF blocks, 8-bit Q8_0 for an LM head) where those kernels are built."""
     bias: torch.Tensor | None
     dense: object | None = None
-    """A callable ``x [M, K] → [M, N]`` (a ``CpuLinearKernel``) used above ``max_compact_rows``; None = never."""
+    """A callable ``x [M, K] → [M, N]`` (a ``CpuLinearKernel``) used above ``max_compact_rows``; None =
+    never."""
     dense_dtype: torch.dtype | None = None
     max_compact_rows: int = 1 << 62
     batched: TileBlocks | None = None
-    """The same 4-bit weights for kvscope's AMX matmul (kernels/csrc/cpu_amx.cpp), used instead of ``dense``
-    from ``max_compact_rows + 1`` up to ``max_batched_rows`` rows (batched decode, short prefills); None = never."""
+    """The same 4-bit weights for kvscope's AMX matmul (kernels/csrc/cpu_amx.cpp), used instead of
+    ``dense`` from ``max_compact_rows + 1`` up to ``max_batched_rows`` rows (batched decode, short
+    prefills); None = never."""
     max_batched_rows: int = 0
 
     @property

@@ -1,9 +1,10 @@
 """One JSON log line per API request, and the ``kvscope_engine_http_requests_total{route,status}`` counter.
 
 The middleware puts an :class:`AccessRecord` into the ASGI scope (``scope["kvscope.access"]``); exception
-handlers add the error type, the serving code adds the gen_ai / kvscope fields (docs/engine-server.md, "Request log"), and the
-line is written when the response is over (after the last SSE event, or when the client left). Field names
-follow ECS (``http.response.status_code``, ``event.outcome`` …); never the body, never prompt or output text.
+handlers add the error type, the serving code adds the gen_ai / kvscope fields (docs/engine-server.md,
+"Request log"), and the line is written when the response is over (after the last SSE event, or when the
+client left). Field names follow ECS (``http.response.status_code``, ``event.outcome`` …); never the body,
+never prompt or output text.
 
 A client that leaves before its request body ended is logged (and counted) as 499 ``client_disconnected``,
 nginx's "client closed request" as the gateway logs it, not as the 500 Litestar's body reader raises for it (a
@@ -30,7 +31,8 @@ QUIET_ROUTES = ("/health", "/metrics", "/schema", "/v1/models")
 check and docs would drown the log)."""
 
 
-"""Status logged for a client that left before its request body ended (nginx's convention, the gateway's too)."""
+"""Status logged for a client that left before its request body ended (nginx's convention, the gateway's
+too)."""
 ECS_VERSION = "9.1.0"
 """ECS 9.1 is the first with the ``gen_ai.*`` field set these records use (same as the gateway's record)."""
 
@@ -185,8 +187,9 @@ class _BodyWatch:
 
 
 def _body_outcome(record: AccessRecord, body: _BodyWatch, scope: dict[str, Any]) -> None:
-    """A request whose body never ended: 408 when the server timed its body out (``READ_TIMEOUT_KEY``), else
-    499 ``client_disconnected`` (module docstring), replacing the 500 the body reader's error was answered with."""
+    """A request whose body never ended: 408 when the server timed its body out (``READ_TIMEOUT_KEY``),
+    else 499 ``client_disconnected`` (module docstring), replacing the 500 the body reader's error was
+    answered with."""
     if not body.left_mid_body:
         return
     if (scope.get("state") or {}).get(READ_TIMEOUT_KEY) is not None:

@@ -183,9 +183,9 @@ async def warm_up(engine: EngineClient) -> None:
 
 
 def _observe_mask_time(state: ServerState) -> None:
-    """Feed the structured-output mask time of each step (engine thread) into its histogram, and give the grammar
-    compiler the server's limits (``--structured-output-max-grammar-size``, ``--structured-output-max-pending-
-    compiles``)."""
+    """Feed the structured-output mask time of each step (engine thread) into its histogram, and give the
+    grammar compiler the server's limits (``--structured-output-max-grammar-size``,
+    ``--structured-output-max-pending- compiles``)."""
     structured = getattr(state.engine, "structured", None)  # the server tests' fake engines have none
     if structured is not None:
         settings = state.settings
@@ -201,8 +201,8 @@ def _observe_mask_time(state: ServerState) -> None:
 
 
 def _set_device_memory(state: ServerState) -> None:
-    """CPU: KV cache + weights bytes of host memory (``kvscope_engine_device_memory_*``, docs/metrics.md; fixed
-    once loaded). CUDA: left to the GPU telemetry, which refreshes the device's used/total memory."""
+    """CPU: KV cache + weights bytes of host memory (``kvscope_engine_device_memory_*``, docs/metrics.md;
+    fixed once loaded). CUDA: left to the GPU telemetry, which refreshes the device's used/total memory."""
     device = state.engine.device
     info = state.engine.info
     state.metrics.set_weights(info.dtype, info.quantization, info.weights_bytes)
@@ -221,10 +221,10 @@ def create_app(
     metric_readers: Sequence[MetricReader] = (),
 ) -> Litestar:
     """The engine server app. Give ``engine_config`` (the app builds an AsyncEngine at start-up) or an
-    ``engine`` (an :class:`~kvscope.engine.server.engine_client.EngineClient`, e.g. the tests' FakeEngine). ``tracing`` overrides the exporter chosen by settings
-    (e.g. an in-memory exporter); ``registry`` the Prometheus registry; ``metric_readers`` also read the OTel
-    ``gen_ai.server.*`` metrics (pushed over OTLP when ``otlp_endpoint`` is set). Raises ValueError without
-    an engine.
+    ``engine`` (an :class:`~kvscope.engine.server.engine_client.EngineClient`, e.g. the tests' FakeEngine).
+    ``tracing`` overrides the exporter chosen by settings (e.g. an in-memory exporter); ``registry`` the
+    Prometheus registry; ``metric_readers`` also read the OTel ``gen_ai.server.*`` metrics (pushed over OTLP
+    when ``otlp_endpoint`` is set). Raises ValueError without an engine.
     """
     settings = settings or ServerSettings()
     context = AppContext(settings, engine_config, engine, tracing, registry, metric_readers)

@@ -1,11 +1,13 @@
-"""``kvscope engine …`` / ``python -m kvscope.engine.server …``: serve one model over the OpenAI API with uvicorn.
+"""``kvscope engine …`` / ``python -m kvscope.engine.server …``: serve one model over the OpenAI API with
+uvicorn.
 
 ``engine_main(argv) -> int`` parses the flags (derived from the fields of EngineOptions and ServerSettings,
-engine/server/settings.py) into an EngineConfig (kvscope.engine.llm.build_engine_config) and ServerSettings, warns
-loudly when it binds a non-loopback address without ``--api-key``, configures logging (request lines as JSON
-on stdout, everything else on stderr) and runs
-uvicorn (on uvloop unless ``--event-loop asyncio``: kvscope/common/event_loop.py) until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine shutting down"
-(streams receive an in-band error event) instead of hanging until the graceful-shutdown timeout.
+engine/server/settings.py) into an EngineConfig (kvscope.engine.llm.build_engine_config) and ServerSettings,
+warns loudly when it binds a non-loopback address without ``--api-key``, configures logging (request lines as
+JSON on stdout, everything else on stderr) and runs uvicorn (on uvloop unless ``--event-loop asyncio``:
+kvscope/common/event_loop.py) until SIGINT/SIGTERM. On shutdown in-flight requests fail at once with "engine
+shutting down" (streams receive an in-band error event) instead of hanging until the graceful-shutdown
+timeout.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def configure_logging(level: str) -> None:
 
 
 def engine_main(argv: Sequence[str] | None = None) -> int:
-    """Run the server; returns the process exit code (2 for invalid flags or configuration, including what only
-    loading the model can judge: :func:`load_engine`)."""
+    """Run the server; returns the process exit code (2 for invalid flags or configuration, including what
+    only loading the model can judge: :func:`load_engine`)."""
     args = build_parser().parse_args(argv)
     try:
         settings = server_settings(args)
@@ -70,10 +72,11 @@ def engine_main(argv: Sequence[str] | None = None) -> int:
 
 
 def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
-    """The ``uvicorn.Config`` the engine serves ``app`` under: no access log of uvicorn's (the engine writes its
-    own), 5 s graceful shutdown, the event loop ``settings.event_loop`` resolved (uvloop where installed), and
-    uvicorn's h11 protocol with the request head and body read timeouts (kvscope/common/read_timeouts.py:
-    ``--request-head-timeout``, ``--request-body-timeout``; a stalled head or body gets a JSON 408 and a close)."""
+    """The ``uvicorn.Config`` the engine serves ``app`` under: no access log of uvicorn's (the engine
+    writes its own), 5 s graceful shutdown, the event loop ``settings.event_loop`` resolved (uvloop where
+    installed), and uvicorn's h11 protocol with the request head and body read timeouts
+    (kvscope/common/read_timeouts.py: ``--request-head-timeout``, ``--request-body-timeout``; a stalled
+    head or body gets a JSON 408 and a close)."""
     import functools
 
     import uvicorn
@@ -98,11 +101,12 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
 
 
 def load_engine(config: Any) -> Any:
-    """The AsyncEngine of ``config``, loaded before the server starts (model, formats, KV cache, kernels), so that a
-    configuration only the load can judge — a model that does not exist or cannot be pulled, ``--quantization
-    gguf`` without a GGUF, a memory budget below the weights, too few KV blocks for ``max_model_len``, a device
-    this machine lacks — ends the command with one line and exit status 2, not a start-up traceback. Returns
-    None after printing that line; other exceptions propagate (a defect, with its traceback)."""
+    """The AsyncEngine of ``config``, loaded before the server starts (model, formats, KV cache, kernels),
+    so that a configuration only the load can judge — a model that does not exist or cannot be pulled,
+    ``--quantization gguf`` without a GGUF, a memory budget below the weights, too few KV blocks for
+    ``max_model_len``, a device this machine lacks — ends the command with one line and exit status 2, not
+    a start-up traceback. Returns None after printing that line; other exceptions propagate (a defect, with
+    its traceback)."""
     from kvscope.common.models.pull import PullError
     from kvscope.engine.async_engine import AsyncEngine
 

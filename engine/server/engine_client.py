@@ -1,7 +1,8 @@
-"""``EngineClient``: everything the server asks of the engine (vLLM's ``EngineClient``, vllm/engine/protocol.py).
+"""``EngineClient``: everything the server asks of the engine (vLLM's ``EngineClient``,
+vllm/engine/protocol.py).
 
-:class:`kvscope.engine.async_engine.AsyncEngine` satisfies it; the server tests' scripted FakeEngine does too. The
-server holds the engine only through this protocol, never through ``AsyncEngine``'s internals.
+:class:`kvscope.engine.async_engine.AsyncEngine` satisfies it; the server tests' scripted FakeEngine does too.
+The server holds the engine only through this protocol, never through ``AsyncEngine``'s internals.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class EngineClient(Protocol):
         arrival_time: float | None = None,
         trace_context: object | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of a validated request until the finished one; closing it early aborts the request."""
+        """Delta outputs of a validated request until the finished one; closing it early aborts the
+        request."""
         ...
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

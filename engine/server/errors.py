@@ -1,9 +1,9 @@
 """Typed errors → OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}`` at the HTTP edge.
 
 Every failure path answers JSON with the proper status: our own :class:`OpenAIError`, engine errors
-(:class:`kvscope.engine.errors.InvalidParameterError`, ``PromptTooLongError``, ``EngineDeadError``), msgspec decode
-errors, and Litestar's own exceptions (404 route, 405 method, 413 body size, validation). Unknown exceptions
-are a 500 ``server_error`` JSON body, never plain text.
+(:class:`kvscope.engine.errors.InvalidParameterError`, ``PromptTooLongError``, ``EngineDeadError``), msgspec
+decode errors, and Litestar's own exceptions (404 route, 405 method, 413 body size, validation). Unknown
+exceptions are a 500 ``server_error`` JSON body, never plain text.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
 class OpenAIError(Exception):
-    """An error answered as OpenAI error JSON with ``status``; raised by the serving code. Its ``type`` follows
-    from the status (:func:`kvscope.common.openai_errors.error_type`, the vocabulary the gateway speaks too)."""
+    """An error answered as OpenAI error JSON with ``status``; raised by the serving code. Its ``type``
+    follows from the status (:func:`kvscope.common.openai_errors.error_type`, the vocabulary the gateway
+    speaks too)."""
 
     def __init__(
         self,
@@ -87,9 +88,9 @@ def from_engine(
     exc: Exception, *, prompt_param: str = "messages", renames: dict[str, str] | None = None
 ) -> OpenAIError:
     """Map engine exceptions: PromptTooLongError → 400 ``context_length_exceeded`` with the real numbers,
-    InvalidParameterError → 400 with its ``param`` (renamed to the request's field name), EngineDeadError → 503.
-    The over-long ``param`` is always the prompt field (``messages``/``prompt``), as OpenAI and the gateway
-    name it (kvscope.common.openai_errors.context_length_message words the numbers)."""
+    InvalidParameterError → 400 with its ``param`` (renamed to the request's field name), EngineDeadError →
+    503. The over-long ``param`` is always the prompt field (``messages``/``prompt``), as OpenAI and the
+    gateway name it (kvscope.common.openai_errors.context_length_message words the numbers)."""
     if isinstance(exc, PromptTooLongError):
         message = context_length_message(
             exc.max_model_len,

@@ -44,7 +44,8 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) 
 
 
 class GenerationRun:
-    """The engine side of one HTTP request: one validated engine request per prompt, sharing SamplingParams."""
+    """The engine side of one HTTP request: one validated engine request per prompt, sharing
+    SamplingParams."""
 
     def __init__(
         self,
@@ -93,9 +94,9 @@ class GenerationRun:
     async def next(
         self, timeout: float | None = None, disconnect: asyncio.Future | None = None
     ) -> tuple[int, RequestOutput] | object:
-        """The next ``(prompt index, delta RequestOutput)``, KEEPALIVE after ``timeout`` seconds without one,
-        or DONE. Raises the engine's exception for a failed request (RequestFailedError, EngineDeadError …) and
-        ClientDisconnected when ``disconnect`` completes first."""
+        """The next ``(prompt index, delta RequestOutput)``, KEEPALIVE after ``timeout`` seconds without
+        one, or DONE. Raises the engine's exception for a failed request (RequestFailedError,
+        EngineDeadError …) and ClientDisconnected when ``disconnect`` completes first."""
         while self._open or not self._queue.empty():
             item = await self._get(timeout, disconnect)
             if item is KEEPALIVE:
@@ -135,8 +136,8 @@ class GenerationRun:
                 self.engine.abort(engine_id, reason=FAULT_REASON)
 
     def phase(self) -> str:
-        """Where the request is now: ``decode`` (tokens arrived), ``prefill`` (scheduled, computing its prompt)
-        or ``queued`` (waiting, never scheduled or preempted back to the queue)."""
+        """Where the request is now: ``decode`` (tokens arrived), ``prefill`` (scheduled, computing its
+        prompt) or ``queued`` (waiting, never scheduled or preempted back to the queue)."""
         if self.num_tokens:
             return "decode"
         if any(request.num_computed_tokens > 0 for request in self.engine_requests().values()):
@@ -144,8 +145,8 @@ class GenerationRun:
         return "queued"
 
     def snapshots(self) -> dict[int, KvscopeStats]:
-        """Choice index → the engine's live stats (the ``kvscope`` object, docs/engine-server.md) of choices still
-        in the engine."""
+        """Choice index → the engine's live stats (the ``kvscope`` object, docs/engine-server.md) of
+        choices still in the engine."""
         return {
             index: request.stats.summary(request.num_output_tokens)
             for index, request in self.engine_requests().items()
@@ -164,8 +165,8 @@ class GenerationRun:
         return found
 
     def close(self) -> None:
-        """Cancel the pumps (aborting unfinished engine requests). Synchronous: safe in ``finally`` blocks of a
-        cancelled task."""
+        """Cancel the pumps (aborting unfinished engine requests). Synchronous: safe in ``finally`` blocks
+        of a cancelled task."""
         for task in self._tasks:
             if not task.done():
                 task.cancel()

@@ -1,8 +1,9 @@
-"""GPU telemetry of the engine's CUDA device: NVML and torch's allocator, sampled on the engine server's clock.
+"""GPU telemetry of the engine's CUDA device: NVML and torch's allocator, sampled on the engine server's
+clock.
 
 While the engine runs on ``cuda:N``, :func:`sample_every` calls :meth:`GpuTelemetry.sample` every
-``--gpu-telemetry-interval`` seconds (on a worker thread: NVML calls block for a few milliseconds) and sets the
-``kvscope_engine_gpu_*``, ``kvscope_engine_torch_*`` and ``kvscope_engine_device_memory_*`` series of
+``--gpu-telemetry-interval`` seconds (on a worker thread: NVML calls block for a few milliseconds) and sets
+the ``kvscope_engine_gpu_*``, ``kvscope_engine_torch_*`` and ``kvscope_engine_device_memory_*`` series of
 docs/metrics.md:
 
 - NVML (the maintained ``nvidia-ml-py`` bindings, module ``pynvml``): utilisation, memory used/total,
@@ -167,7 +168,8 @@ class GpuTelemetry:
         return memory.total
 
     def _read(self, query: Callable[[], Any], name: str) -> Any:
-        """``query()``, None when NVML fails it (logged once per query: e.g. power on a board without sensor)."""
+        """``query()``, None when NVML fails it (logged once per query: e.g. power on a board without
+        sensor)."""
         try:
             return query()
         except self.nvml.NVMLError as exc:
@@ -184,7 +186,8 @@ class GpuTelemetry:
 
 
 def _throttle_reasons(nvml: Any, handle: Any) -> int:
-    """NVML's clocks event reasons bitmask (``…ClocksEventReasons``; ``…ClocksThrottleReasons`` before R535)."""
+    """NVML's clocks event reasons bitmask (``…ClocksEventReasons``; ``…ClocksThrottleReasons`` before
+    R535)."""
     query = (
         getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
         or nvml.nvmlDeviceGetCurrentClocksThrottleReasons

@@ -1,12 +1,12 @@
 """Engine logprobs (:class:`kvscope.engine.outputs.TokenLogprob`) in OpenAI's two formats.
 
-Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` where ``bytes`` are the token's raw
-bytes (``Tokenizer.token_bytes``) and ``token`` their UTF-8 text, or ``bytes:\\xNN…`` when the token is only part
-of a character (OpenAI's convention). Completions (legacy): parallel lists ``tokens``, ``token_logprobs``,
-``top_logprobs`` (dicts holding the top-k and the sampled token, so up to k+1 entries, as the OpenAI reference
-documents) and ``text_offset`` (character offset of each token in the choice's text). ``-inf`` (a masked
-token among the alternatives) is reported as ``-9999.0``: JSON has no infinity, and OpenAI and vLLM use the same
-floor.
+Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` where ``bytes`` are the token's
+raw bytes (``Tokenizer.token_bytes``) and ``token`` their UTF-8 text, or ``bytes:\\xNN…`` when the token is
+only part of a character (OpenAI's convention). Completions (legacy): parallel lists ``tokens``,
+``token_logprobs``, ``top_logprobs`` (dicts holding the top-k and the sampled token, so up to k+1 entries, as
+the OpenAI reference documents) and ``text_offset`` (character offset of each token in the choice's text).
+``-inf`` (a masked token among the alternatives) is reported as ``-9999.0``: JSON has no infinity, and OpenAI
+and vLLM use the same floor.
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@ This module only *defines* the metrics. The server creates one :class:`EngineMet
 ``CollectorRegistry`` and calls ``.labels(...).observe/inc/set`` on the attributes; nothing here is global.
 
 Naming follows the Prometheus conventions (app prefix, base units: seconds, bytes, ratios 0–1, ``_total``
-counters). Labels are bounded: ``model`` (served model name), ``finish_reason`` (``stop``/``length``/``abort``/
-``error``), ``state`` (``used``/``cached``/``free``), ``device`` (``cpu``, ``cuda:0`` …), ``reason`` (NVML
-throttle reasons, :data:`GPU_THROTTLE_REASONS`; of ``stream_errors``: :data:`STREAM_ERROR_REASONS`). The mapping to vLLM's ``vllm:*`` names is in docs/metrics.md.
-The GPU series (``gpu_*``, ``torch_*``) are only created while a CUDA device is in use (absent on CPU).
+counters). Labels are bounded: ``model`` (served model name), ``finish_reason``
+(``stop``/``length``/``abort``/ ``error``), ``state`` (``used``/``cached``/``free``), ``device`` (``cpu``,
+``cuda:0`` …), ``reason`` (NVML throttle reasons, :data:`GPU_THROTTLE_REASONS`; of ``stream_errors``:
+:data:`STREAM_ERROR_REASONS`). The mapping to vLLM's ``vllm:*`` names is in docs/metrics.md. The GPU series
+(``gpu_*``, ``torch_*``) are only created while a CUDA device is in use (absent on CPU).
 
-Default buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` with finer low ends (a 135M model on a GPU
-emits a token in a few milliseconds) and durations that reach 3600 s (TTFT 1800 s). They must keep the SLO thresholds the
-alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (tests check this).
+Default buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` with finer low ends (a 135M model on a GPU emits
+a token in a few milliseconds) and durations that reach 3600 s (TTFT 1800 s). They must keep the SLO
+thresholds the alert rules and dashboards use as exact bucket bounds: TTFT 1.0 s, TPOT 0.1 s (tests check
+this).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ STREAM_ERROR_REASONS = (
     "injected_fault",
     "internal_error",
 )
-"""Values of the ``reason`` label of ``stream_errors``: why a stream ended with an in-band error after its 200 —
-the engine stopping (``engine_shutdown``) or dead (``engine_unavailable``), the engine failing the request
-(``request_failed``: a failed step, an engine abort), ``--enable-fault-injection``'s ``x-kvscope-fault``
-(``injected_fault``), anything else (``internal_error``). Client disconnects and the client's own errors (4xx,
-``invalid_request_error``) are never counted."""
+"""Values of the ``reason`` label of ``stream_errors``: why a stream ended with an in-band error after its
+200 — the engine stopping (``engine_shutdown``) or dead (``engine_unavailable``), the engine failing the
+request (``request_failed``: a failed step, an engine abort), ``--enable-fault-injection``'s
+``x-kvscope-fault`` (``injected_fault``), anything else (``internal_error``). Client disconnects and the
+client's own errors (4xx, ``invalid_request_error``) are never counted."""
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 """``route`` values of ``http_requests`` created at zero by :meth:`EngineMetrics.initialize`."""
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
@@ -58,7 +60,8 @@ GPU_THROTTLE_REASONS = (
     "hw_power_brake_slowdown",
     "display_clock_setting",
 )
-"""Values of the ``reason`` label of ``gpu_throttled``: NVML's clocks event (throttle) reasons, in bit order."""
+"""Values of the ``reason`` label of ``gpu_throttled``: NVML's clocks event (throttle) reasons, in bit
+order."""
 
 
 STRUCTURED_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -134,8 +137,8 @@ class EngineMetrics:
         buckets: MetricBuckets | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
-        """``num_speculative_tokens`` (k, 0 = speculation off) sets the ``position`` values of the per-position
-        acceptance counter (0 … k-1) and the acceptance-length buckets (1 … k+1)."""
+        """``num_speculative_tokens`` (k, 0 = speculation off) sets the ``position`` values of the
+        per-position acceptance counter (0 … k-1) and the acceptance-length buckets (1 … k+1)."""
         b = buckets if buckets is not None else MetricBuckets()
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
@@ -331,8 +334,8 @@ class EngineMetrics:
         )
 
     def _init_gpu(self, r: CollectorRegistry) -> None:
-        # Sampled by kvscope.engine.server.gpu_telemetry while a CUDA device is in use; never created on CPU (absent,
-        # not zero), so `initialize` leaves them alone.
+        # Sampled by kvscope.engine.server.gpu_telemetry while a CUDA device is in use; never created on CPU
+        # (absent, not zero), so `initialize` leaves them alone.
         self.gpu_memory_budget = Gauge(
             "kvscope_engine_gpu_memory_budget_bytes",
             "Device memory the engine may use by design: "

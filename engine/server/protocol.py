@@ -1,10 +1,10 @@
 """OpenAI request/response bodies as msgspec Structs (the HTTP boundary).
 
-Requests are decoded strictly (:func:`decode_body`): unknown fields are ignored, wrong types and values outside
-the ``Meta`` ranges raise :class:`msgspec.ValidationError`, which the server answers with 400 naming ``param``.
-Field names and ranges follow the OpenAI API reference, plus vLLM's sampling extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``).
+Requests are decoded strictly (:func:`decode_body`): unknown fields are ignored, wrong types and values
+outside the ``Meta`` ranges raise :class:`msgspec.ValidationError`, which the server answers with 400 naming
+``param``. Field names and ranges follow the OpenAI API reference, plus vLLM's sampling extensions (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class ResponseFormat(Struct):
 
 
 class StructuredOutputsField(Struct):
-    """vLLM's ``structured_outputs`` (one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
+    """vLLM's ``structured_outputs`` (one of ``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -158,14 +159,15 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids or a list of token-id lists.
-    ``max_tokens`` defaults to 16 as in the OpenAI API."""
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids or a list of token-id
+    lists. ``max_tokens`` defaults to 16 as in the OpenAI API."""
 
     prompt: str | list[str | int | list[int]]
     logprobs: NumLogprobs | None = None
     echo: bool | None = False
     best_of: int | None = None
-    """Refused above ``n`` (server-side best-of-n is not implemented; vLLM v1 refuses it too), never ignored."""
+    """Refused above ``n`` (server-side best-of-n is not implemented; vLLM v1 refuses it too), never
+    ignored."""
     suffix: str | None = None
     """Refused when non-empty (insertion after a suffix is not implemented), never ignored."""
 

@@ -2,9 +2,9 @@
 (histograms, spans, the access-log fields), with one set of numbers for all three.
 
 Choice ``i`` of prompt ``k`` is OpenAI choice ``k * n + i``. Timings come from the engine's per-request stats
-(:class:`kvscope.engine.core.stats.KvscopeStats`, the ``kvscope`` object of docs/engine-server.md) when the engine
-finished the sequence; when the client left or the engine failed it, from the engine's live Request stats
-snapshot, else from the server's own timestamps of the deltas it received.
+(:class:`kvscope.engine.core.stats.KvscopeStats`, the ``kvscope`` object of docs/engine-server.md) when the
+engine finished the sequence; when the client left or the engine failed it, from the engine's live Request
+stats snapshot, else from the server's own timestamps of the deltas it received.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class Outcome:
 
 class StructuredKvscopeStats(KvscopeStats, frozen=True, kw_only=True):
     """The ``kvscope`` object of a structured-output request: the usual fields plus ``structured_output``,
-    the constraint kind (json, json_object, regex, choice, grammar); other requests keep the plain field set."""
+    the constraint kind (json, json_object, regex, choice, grammar); other requests keep the plain field
+    set."""
 
     structured_output: str
 

@@ -45,9 +45,10 @@ T = TypeVar("T", bound=msgspec.Struct)
 
 
 class StrictBody(AbstractDTO[T]):
-    """Litestar DTO that decodes the body once with :func:`~kvscope.engine.server.protocol.decode_body` (strict msgspec,
-    bytes → Struct) and answers a bad body with the 400 of :func:`~kvscope.engine.server.errors.from_msgspec`. It has
-    no transfer model: the OpenAPI schema is the Struct's own."""
+    """Litestar DTO that decodes the body once with :func:`~kvscope.engine.server.protocol.decode_body`
+    (strict msgspec, bytes → Struct) and answers a bad body with the 400 of
+    :func:`~kvscope.engine.server.errors.from_msgspec`. It has no transfer model: the OpenAPI schema is the
+    Struct's own."""
 
     @classmethod
     def generate_field_definitions(cls, model_type: type[Any]) -> Generator[DTOFieldDefinition, None, None]:

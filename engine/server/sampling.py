@@ -2,8 +2,8 @@
 
 Defaults follow the OpenAI API: temperature 1, top_p 1, completions ``max_tokens`` 16, chat without a limit
 (the rest of the context). Range errors raised by SamplingParams come back as 400 naming the request's field,
-including its size caps (``logit_bias`` 300 entries, ``stop_token_ids`` 1024, ``stop`` 16 strings of at most 256
-characters: engine/sampling_params.py).
+including its size caps (``logit_bias`` 300 entries, ``stop_token_ids`` 1024, ``stop`` 16 strings of at most
+256 characters: engine/sampling_params.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from kvscope.engine.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
-"""A token id as a ``logit_bias`` key: ASCII decimal digits, no sign, spaces, underscores or leading zeros, at
-most 10 digits (larger than any vocabulary; ``int()`` refuses strings of over 4,300 digits with a ValueError)."""
+"""A token id as a ``logit_bias`` key: ASCII decimal digits, no sign, spaces, underscores or leading zeros,
+at most 10 digits (larger than any vocabulary; ``int()`` refuses strings of over 4,300 digits with a
+ValueError)."""
 
 
 def chat_sampling_params(
@@ -110,10 +111,11 @@ def _build(
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys (strings). At most MAX_LOGIT_BIAS entries (OpenAI's limit,
-    checked before any key is read); each key is a token id in canonical decimal — ``int()`` would also read
-    "1_0" as 10, " 1" and "+1" as 1 and other scripts' digits, so those are refused rather than guessed.
-    Raises OpenAIError 400 ``param: logit_bias``; values are range-checked by the protocol and SamplingParams."""
+    """OpenAI sends token ids as JSON object keys (strings). At most MAX_LOGIT_BIAS entries (OpenAI's
+    limit, checked before any key is read); each key is a token id in canonical decimal — ``int()`` would
+    also read "1_0" as 10, " 1" and "+1" as 1 and other scripts' digits, so those are refused rather than
+    guessed. Raises OpenAIError 400 ``param: logit_bias``; values are range-checked by the protocol and
+    SamplingParams."""
     if not bias:
         return None
     if len(bias) > MAX_LOGIT_BIAS:

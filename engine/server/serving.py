@@ -2,9 +2,10 @@
 
 Everything that can be rejected is rejected before the engine sees the request and before any stream starts
 (400 / 404 / 429 / 503 JSON): every prompt goes through the engine's one validation
-(``EngineClient.process_inputs``) before any of them is queued. A non-streaming answer races the generation against the client's
-``http.disconnect``; a streaming answer aborts when its generator is cancelled or closed. Either way the
-engine request is aborted before its next step, and exactly one outcome is recorded (metrics, spans, log).
+(``EngineClient.process_inputs``) before any of them is queued. A non-streaming answer races the generation
+against the client's ``http.disconnect``; a streaming answer aborts when its generator is cancelled or closed.
+Either way the engine request is aborted before its next step, and exactly one outcome is recorded (metrics,
+spans, log).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from kvscope.engine.server.state import ServerState
 logger = logging.getLogger(__name__)
 FAULT_HEADER = "x-kvscope-fault"
 TENANT_HEADER = "x-kvscope-tenant"
-"""The tenant of a request (engine/core/fairness.py): the gateway sets it to the caller's API key name and drops
-a client's own (gateway/auth.py TENANT_HEADER). Without it the request is its own tenant."""
+"""The tenant of a request (engine/core/fairness.py): the gateway sets it to the caller's API key name and
+drops a client's own (gateway/auth.py TENANT_HEADER). Without it the request is its own tenant."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 """A tenant name: what the gateway's key names are (1-64 of letters, digits, ``.``, ``_``, ``@``, ``-``)."""
 
@@ -92,9 +93,10 @@ def admit(state: ServerState) -> None:
 
 
 def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: str = "prompt") -> None:
-    """400 when one request asks for more sequences (``num_prompts`` x ``n``) than ``--max-sequences-per-request``
-    (ServerSettings.max_sequences_per_request), before anything is tokenized further or queued: ``param`` is
-    ``prompt_param`` when the prompts alone exceed the limit, else ``n``. Raises OpenAIError."""
+    """400 when one request asks for more sequences (``num_prompts`` x ``n``) than
+    ``--max-sequences-per-request`` (ServerSettings.max_sequences_per_request), before anything is
+    tokenized further or queued: ``param`` is ``prompt_param`` when the prompts alone exceed the limit,
+    else ``n``. Raises OpenAIError."""
     limit = state.settings.max_sequences_per_request
     total = num_prompts * n
     if total <= limit:
@@ -110,8 +112,9 @@ def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: st
 def process_prompts(
     state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str
 ) -> list[EngineRequest]:
-    """Every prompt through the engine's validation (empty prompt, token ids, context length), or the 400 of
-    the first one that fails, naming the request's own fields; first the fan-out limit (:func:`check_fan_out`)."""
+    """Every prompt through the engine's validation (empty prompt, token ids, context length), or the 400
+    of the first one that fails, naming the request's own fields; first the fan-out limit
+    (:func:`check_fan_out`)."""
     check_fan_out(state, len(prompts), params.n, prompt_param)
     try:
         return [state.engine.process_inputs(prompt, params) for prompt in prompts]
@@ -122,9 +125,10 @@ def process_prompts(
 def start_job(
     state: ServerState, request: Request, operation: str, requests: list[EngineRequest], stream: bool
 ) -> Job:
-    """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`), as one fairness
-    group of the scheduler (EngineRequest.fairness_group = the response id; engine/core/fairness.py) of the
-    tenant :func:`tenant_of` names. Raises OpenAIError (400) for a malformed tenant header, before queueing."""
+    """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`), as one
+    fairness group of the scheduler (EngineRequest.fairness_group = the response id;
+    engine/core/fairness.py) of the tenant :func:`tenant_of` names. Raises OpenAIError (400) for a
+    malformed tenant header, before queueing."""
     tenant = tenant_of(request)
     prefix = "chatcmpl" if operation == "chat" else "cmpl"
     prompts = [r.prompt_token_ids for r in requests]
@@ -153,10 +157,11 @@ def start_job(
 
 
 def tenant_of(request: Request) -> str | None:
-    """The request's tenant for the scheduler's fairness: the ``x-kvscope-tenant`` header (the gateway's API key
-    name), None without one. The body's ``user`` field is never used: the client picks it. The engine trusts the
-    header from whoever reaches it, so only the gateway should (the engine's ``--api-key``). Raises OpenAIError
-    (400, ``param`` the header) when it is not 1-64 of letters, digits, ``.``, ``_``, ``@``, ``-``."""
+    """The request's tenant for the scheduler's fairness: the ``x-kvscope-tenant`` header (the gateway's
+    API key name), None without one. The body's ``user`` field is never used: the client picks it. The
+    engine trusts the header from whoever reaches it, so only the gateway should (the engine's
+    ``--api-key``). Raises OpenAIError (400, ``param`` the header) when it is not 1-64 of letters, digits,
+    ``.``, ``_``, ``@``, ``-``."""
     value = request.headers.get(TENANT_HEADER)
     if value is None:
         return None
@@ -194,9 +199,10 @@ def finish_job(job: Job, outcome: Outcome) -> None:
 
 
 def failure_error(exc: BaseException, params: SamplingParams | None = None) -> OpenAIError:
-    """What a request the engine failed answers: 400 naming the constraint's field when its grammar exceeded the
-    matcher's limits while generating (``params`` is the request's SamplingParams: the client's grammar, not an
-    engine fault, so never a 5xx that would eject a healthy replica), 503 for shutdown / dead engine, else 500."""
+    """What a request the engine failed answers: 400 naming the constraint's field when its grammar
+    exceeded the matcher's limits while generating (``params`` is the request's SamplingParams: the
+    client's grammar, not an engine fault, so never a 5xx that would eject a healthy replica), 503 for
+    shutdown / dead engine, else 500."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, GrammarLimitError):
@@ -220,10 +226,10 @@ def failure_error(exc: BaseException, params: SamplingParams | None = None) -> O
 
 
 def stream_error_reason(exc: BaseException, error: OpenAIError) -> str | None:
-    """The ``reason`` label (kvscope.engine.server.metrics.STREAM_ERROR_REASONS) of a stream that ``exc`` broke after
-    its 200, ``error`` being :func:`failure_error` of it: None for the client's own error (a 4xx such as
-    ``invalid_request_error``: not the engine's failure), ``injected_fault`` for ``x-kvscope-fault``, else the
-    error's code when it is a known reason, else ``internal_error``."""
+    """The ``reason`` label (kvscope.engine.server.metrics.STREAM_ERROR_REASONS) of a stream that ``exc``
+    broke after its 200, ``error`` being :func:`failure_error` of it: None for the client's own error (a
+    4xx such as ``invalid_request_error``: not the engine's failure), ``injected_fault`` for
+    ``x-kvscope-fault``, else the error's code when it is a known reason, else ``internal_error``."""
     if error.status < 500:
         return None
     if isinstance(exc, RequestFailedError) and exc.reason == FAULT_REASON:

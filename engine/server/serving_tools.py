@@ -36,8 +36,8 @@ TOOL_CALLS = "tool_calls"
 
 
 class ToolChatFormatter:
-    """Wraps a chat formatter (kvscope.engine.server.serving_chat.ChatFormatter: its chunks, accumulated text and
-    request state) and turns the answer of a tool-using request into tool calls."""
+    """Wraps a chat formatter (kvscope.engine.server.serving_chat.ChatFormatter: its chunks, accumulated
+    text and request state) and turns the answer of a tool-using request into tool calls."""
 
     def __init__(self, inner, mode: ToolMode) -> None:
         self.inner = inner

@@ -1,15 +1,16 @@
-"""Settings of the engine HTTP server. The only module of ``kvscope.engine.server`` that reads the environment.
+"""Settings of the engine HTTP server. The only module of ``kvscope.engine.server`` that reads the
+environment.
 
 Two msgspec Structs hold every default once: :class:`EngineOptions` (the engine flags; their defaults are
-:class:`kvscope.engine.config.EngineConfig`'s) and :class:`ServerSettings`. The command line is derived from their
-fields by :mod:`kvscope.common.settings_cli` (the gateway's settings use the same helper); precedence: defaults <
-environment < flags.
+:class:`kvscope.engine.config.EngineConfig`'s) and :class:`ServerSettings`. The command line is derived from
+their fields by :mod:`kvscope.common.settings_cli` (the gateway's settings use the same helper); precedence:
+defaults < environment < flags.
 
 Environment variables: ``OTEL_SERVICE_NAME`` names the service (default ``kvscope-engine``);
 ``KVSCOPE_ENGINE_API_KEY`` is the API key when ``--api-key`` is not given (a flag is visible in ``ps``, the
 environment is not). The OpenTelemetry SDK reads its own ``OTEL_*`` variables (endpoints, protocol, export
-interval, ``OTEL_SDK_DISABLED``; kvscope/common/otel_env.py); ``--otlp-endpoint`` overrides their endpoints and an
-unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL`` is rejected here.
+interval, ``OTEL_SDK_DISABLED``; kvscope/common/otel_env.py); ``--otlp-endpoint`` overrides their endpoints
+and an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL`` is rejected here.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def _api_key_from_env(environ: Mapping[str, str]) -> str | None:
 
 
 class EngineOptions(msgspec.Struct, **_STRUCT):
-    """The engine options of ``kvscope engine`` (kvscope.engine.llm.build_engine_config keywords). None: the default
-    of :class:`kvscope.engine.config.EngineConfig` (engine/config.py holds those defaults, once). The server's own
-    defaults differ in one place: ``dtype``/``quantization`` are ``auto`` (the fastest verified weight format,
-    engine/models/format_choice.py), where the library keeps float32 for exact parity."""
+    """The engine options of ``kvscope engine`` (kvscope.engine.llm.build_engine_config keywords). None:
+    the default of :class:`kvscope.engine.config.EngineConfig` (engine/config.py holds those defaults,
+    once). The server's own defaults differ in one place: ``dtype``/``quantization`` are ``auto`` (the
+    fastest verified weight format, engine/models/format_choice.py), where the library keeps float32 for
+    exact parity."""
 
     model: Annotated[str, Flag("registry name, HF folder or .gguf file")] = DEFAULT_MODEL
     served_model_name: Annotated[
@@ -141,7 +143,8 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
 
 
 class ServerSettings(msgspec.Struct, **_STRUCT):
-    """How the HTTP server behaves (the engine itself is configured by :class:`kvscope.engine.config.EngineConfig`)."""
+    """How the HTTP server behaves (the engine itself is configured by
+    :class:`kvscope.engine.config.EngineConfig`)."""
 
     host: Annotated[str, Flag("bind address")] = "127.0.0.1"
     port: Annotated[int, Flag("port")] = 8000
@@ -150,17 +153,19 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     enable_fault_injection: Annotated[
         bool, Flag("honour the x-kvscope-fault: after_tokens=N header (tests only)")
     ] = False
-    """Honour the ``x-kvscope-fault`` request header (tests of mid-stream failure, case S3). Off in production."""
+    """Honour the ``x-kvscope-fault`` request header (tests of mid-stream failure, case S3). Off in
+    production."""
     max_concurrent_requests: Annotated[int, Flag("429 above this many; 0 = unlimited")] = 0
     """Generation requests in flight before new ones get 429; 0 = unlimited."""
     max_sequences_per_request: Annotated[
         int, Flag("most sequences (prompts x n) one request may ask for; more is a 400 (default 256)")
     ] = 256
-    """Sequences (prompts x ``n``) one generation request may queue; more is a 400 naming ``prompt`` or ``n``
-    before anything is queued. 256: one prompt at OpenAI's largest ``n`` (128) fits twice, and it is four full
-    steps at the default ``max_num_seqs`` (64). Each sequence holds an engine request, a detokenizer and KV blocks
-    for its prompt; the probe's 400 prompts x n 64 (25,600 from a 6 KB body) made a plain request wait 122 s.
-    The scheduler's fairness (engine/core/fairness.py) keeps requests under the cap from starving others."""
+    """Sequences (prompts x ``n``) one generation request may queue; more is a 400 naming ``prompt`` or
+    ``n`` before anything is queued. 256: one prompt at OpenAI's largest ``n`` (128) fits twice, and it is
+    four full steps at the default ``max_num_seqs`` (64). Each sequence holds an engine request, a
+    detokenizer and KV blocks for its prompt; the probe's 400 prompts x n 64 (25,600 from a 6 KB body) made
+    a plain request wait 122 s. The scheduler's fairness (engine/core/fairness.py) keeps requests under the
+    cap from starving others."""
     structured_output_max_grammar_size: Annotated[
         int,
         Flag(
@@ -168,15 +173,15 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             "naming the field (default 20000)"
         ),
     ] = CompileLimits().max_grammar_size
-    """llguidance's ``max_grammar_size``: a bigger grammar is refused in milliseconds, before the expensive part of
-    its compile (engine/structured/params.py CompileLimits says why 20,000: ~0.6 s of compile at most; the probe's
-    7,000 optional properties, 56k symbols, took 4.4 s)."""
+    """llguidance's ``max_grammar_size``: a bigger grammar is refused in milliseconds, before the expensive
+    part of its compile (engine/structured/params.py CompileLimits says why 20,000: ~0.6 s of compile at
+    most; the probe's 7,000 optional properties, 56k symbols, took 4.4 s)."""
     structured_output_max_pending_compiles: Annotated[
         int,
         Flag("new grammars queued or compiling at once (one compile thread); one more is a 429 (default 16)"),
     ] = CompileLimits().max_pending
-    """Distinct grammars waiting for or in the one compile thread; a request with yet another new grammar gets a
-    429 with ``Retry-After: 1`` (requests with a cached grammar, or none, never wait for compiles)."""
+    """Distinct grammars waiting for or in the one compile thread; a request with yet another new grammar
+    gets a 429 with ``Retry-After: 1`` (requests with a cached grammar, or none, never wait for compiles)."""
     otlp_endpoint: Annotated[
         str | None,
         Flag(
@@ -184,13 +189,15 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             "OTEL_EXPORTER_OTLP_PROTOCOL=grpc); default: $OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT, else no export"
         ),
     ] = None
-    """OTLP endpoint overriding the ``OTEL_EXPORTER_OTLP_*`` environment (OTLP/HTTP: spans to ``/v1/traces``,
-    metrics to ``/v1/metrics``); None = what the environment names, read by the OTel SDK (kvscope/common/otel_env.py)."""
+    """OTLP endpoint overriding the ``OTEL_EXPORTER_OTLP_*`` environment (OTLP/HTTP: spans to
+    ``/v1/traces``, metrics to ``/v1/metrics``); None = what the environment names, read by the OTel SDK
+    (kvscope/common/otel_env.py)."""
     service_name: Annotated[
         str, Flag("OTel service.name (default $OTEL_SERVICE_NAME or kvscope-engine)", env="OTEL_SERVICE_NAME")
     ] = DEFAULT_SERVICE_NAME
     buckets: MetricBuckets = msgspec.field(default_factory=MetricBuckets)
-    """Histogram buckets of the ``kvscope_engine_*`` metrics (``--ttft-buckets`` …, engine/server/metrics.py)."""
+    """Histogram buckets of the ``kvscope_engine_*`` metrics (``--ttft-buckets`` …,
+    engine/server/metrics.py)."""
     gpu_telemetry_interval_s: Annotated[
         float,
         Flag(
@@ -198,8 +205,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             name="--gpu-telemetry-interval",
         ),
     ] = 5.0
-    """Seconds between GPU telemetry samples (engine/server/gpu_telemetry.py): the Prometheus scrape interval of
-    the compose stack; a sample costs a few NVML calls (milliseconds, off the event loop)."""
+    """Seconds between GPU telemetry samples (engine/server/gpu_telemetry.py): the Prometheus scrape
+    interval of the compose stack; a sample costs a few NVML calls (milliseconds, off the event loop)."""
     warmup: Annotated[bool, Flag("skip the warm-up generation", negate=True)] = True
     """Run one short generation before reporting healthy (first-call costs are paid before traffic)."""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], Flag()] = "info"
@@ -210,7 +217,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             "dependency), else asyncio"
         ),
     ] = "auto"
-    """uvicorn's event loop (kvscope/common/event_loop.py: uvloop took 17 % more tokens/s at 32 streams on 2 cores)."""
+    """uvicorn's event loop (kvscope/common/event_loop.py: uvloop took 17 % more tokens/s at 32 streams on
+    2 cores)."""
     request_head_timeout_s: Annotated[
         float,
         Flag(
@@ -219,7 +227,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             name="--request-head-timeout",
         ),
     ] = HEAD_TIMEOUT_S
-    """Seconds for a whole request head; then a JSON 408 and the connection closed (kvscope/common/read_timeouts.py)."""
+    """Seconds for a whole request head; then a JSON 408 and the connection closed
+    (kvscope/common/read_timeouts.py)."""
     request_body_timeout_s: Annotated[
         float,
         Flag(
@@ -273,8 +282,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of :class:`EngineOptions` and :class:`ServerSettings` (kvscope.common.settings_cli derives them from
-    the fields: ``--max-model-len``, ``--no-warmup`` …). Returns ``parser``."""
+    """The flags of :class:`EngineOptions` and :class:`ServerSettings` (kvscope.common.settings_cli derives
+    them from the fields: ``--max-model-len``, ``--no-warmup`` …). Returns ``parser``."""
     return add_flags(add_flags(parser, EngineOptions), ServerSettings)
 
 

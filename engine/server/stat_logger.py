@@ -6,7 +6,8 @@ Two sources, as in vLLM v1's ``StatLoggers``:
   per-step histograms (batch size, scheduled tokens), preemptions, prefix-cache and speculative-decoding
   counters (``StepResult.spec_decoding``). AsyncEngine also
   calls it after aborts, so the gauges return to baseline when a client leaves.
-* the serving code (event loop), per request: prompt tokens (once per prompt, when its prefill completed, so an
+* the serving code (event loop), per request: prompt tokens (once per prompt, when its prefill completed, so
+an
   abandoned prefill counts nothing), generated tokens and inter-token latency as they stream, and at the end
   the latency / length histograms and ``request_success{finish_reason}``, with the same numbers that go into
   the request's log line.
@@ -69,7 +70,8 @@ class ServerMetrics:
         self._prefix_queries_seen = 0
         self._prefix_hits_seen = 0
 
-    # --- engine thread ----------------------------------------------------------------------------------------
+    # --- engine thread
+    # ----------------------------------------------------------------------------------------
 
     def on_step(self, result: StepResult, stats: SchedulerStats | None = None) -> None:
         """Scheduler gauges and per-step histograms. ``batch_size`` 0 marks a notification without a step
@@ -90,7 +92,8 @@ class ServerMetrics:
 
     def _on_spec_decoding(self, spec: SpecDecodingStats) -> None:
         """One step's verified drafts: the vLLM counters, accepted tokens per draft position (a draft with
-        ``a`` accepted tokens counts once at positions 0 … a-1) and 1 + a per draft into the length histogram."""
+        ``a`` accepted tokens counts once at positions 0 … a-1) and 1 + a per draft into the length
+        histogram."""
         m, model = self.engine, self.model
         m.spec_decode_num_drafts.labels(model=model).inc(spec.num_drafts)
         m.spec_decode_num_draft_tokens.labels(model=model).inc(spec.num_draft_tokens)
@@ -138,8 +141,8 @@ class ServerMetrics:
 
     def on_sequence_finished(self, t: SequenceTimings, exemplar: dict[str, str] | None = None) -> None:
         """Latency and length histograms of one finished sequence plus ``request_success{finish_reason}``.
-        ``exemplar`` (``{"trace_id": …}`` of the request's sampled trace) goes on the latency observations, so a
-        slow bucket links to its trace (OpenMetrics exemplars, as the gateway's)."""
+        ``exemplar`` (``{"trace_id": …}`` of the request's sampled trace) goes on the latency observations,
+        so a slow bucket links to its trace (OpenMetrics exemplars, as the gateway's)."""
         m, model = self.engine, self.model
         m.request_success.labels(model=model, finish_reason=t.finish_reason).inc()
         m.e2e_request_latency.labels(model=model).observe(t.e2e_s, exemplar)
@@ -161,7 +164,8 @@ class ServerMetrics:
 
     def on_request_done(self, operation: str, timings: list[SequenceTimings], error_type: str | None) -> None:
         """The OTel GenAI server metrics of one request (semconv 1.41): duration = the longest choice's
-        e2e, TTFT = the first choice's first token, TPOT = the mean over choices; TTFT/TPOT only on success."""
+        e2e, TTFT = the first choice's first token, TPOT = the mean over choices; TTFT/TPOT only on
+        success."""
         if self.genai is None or not timings:
             return
         attrs = {
@@ -188,8 +192,9 @@ class ServerMetrics:
             self.engine.request_params_max_tokens.labels(model=self.model).observe(max_tokens)
 
     def on_stream_error(self, reason: str) -> None:
-        """One stream that failed after its 200 (``kvscope_engine_stream_errors_total``); ``reason`` is one of
-        kvscope.engine.server.metrics.STREAM_ERROR_REASONS (the caller maps anything else to ``internal_error``)."""
+        """One stream that failed after its 200 (``kvscope_engine_stream_errors_total``); ``reason`` is one
+        of kvscope.engine.server.metrics.STREAM_ERROR_REASONS (the caller maps anything else to
+        ``internal_error``)."""
         self.engine.stream_errors.labels(model=self.model, reason=reason).inc()
 
     def on_http_request(self, route: str, status: int) -> None:
@@ -200,7 +205,8 @@ class ServerMetrics:
         self.engine.device_memory_total.labels(device=device).set(total_bytes)
 
     def set_weights(self, dtype: str, quantization: str, weights_bytes: int) -> None:
-        """``kvscope_engine_weights_bytes{model, dtype, quantization}``: the served weight format and its bytes."""
+        """``kvscope_engine_weights_bytes{model, dtype, quantization}``: the served weight format and its
+        bytes."""
         self.engine.weights_bytes.labels(model=self.model, dtype=dtype, quantization=quantization).set(
             weights_bytes
         )

@@ -2,8 +2,8 @@
 ``structured_outputs`` and legacy ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``.
 
 At most one constraint per request (400 naming the second field otherwise). Whether the schema/grammar is
-supported is decided by the engine's grammar compiler (engine/structured/backend.py): an unsupported JSON-schema
-keyword is a 400 naming the keyword, never a silently unconstrained answer.
+supported is decided by the engine's grammar compiler (engine/structured/backend.py): an unsupported
+JSON-schema keyword is a 400 naming the keyword, never a silently unconstrained answer.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from kvscope.engine.structured.params import StructuredOutputsParams
 
 
 async def prepare_constraint(state: ServerState, params: SamplingParams) -> None:
-    """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at once;
-    the first compile also builds the grammar tokenizer, ~0.3-1.5 s), pin it to the request, count it by kind
-    and observe its compile time. Nothing of it runs on asyncio's default executor, so requests without a
+    """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at
+    once; the first compile also builds the grammar tokenizer, ~0.3-1.5 s), pin it to the request, count it by
+    kind and observe its compile time. Nothing of it runs on asyncio's default executor, so requests without a
     constraint never wait for a compile.
 
     Raises OpenAIError 400 naming the field (``response_format``, ``tools``, ``structured_outputs``,
-    ``guided_*``) for an unsupported schema keyword, an invalid regex/grammar, a grammar above the size limit or
-    one the matcher cannot serve; 429 (``Retry-After: 1``) when the compile queue is full: the server is busy,
-    the schema is not wrong, and a 5xx would count against a healthy replica in the gateway."""
+    ``guided_*``) for an unsupported schema keyword, an invalid regex/grammar, a grammar above the size
+    limit or one the matcher cannot serve; 429 (``Retry-After: 1``) when the compile queue is full: the
+    server is busy, the schema is not wrong, and a 5xx would count against a healthy replica in the
+    gateway."""
     constraint = params.structured_outputs
     if constraint is None:
         return

@@ -63,7 +63,8 @@ Event = Content | CallStart | Arguments | CallEnd
 
 
 class _Item:
-    """One ``{"name": ..., "arguments": ...}`` object, fed after its opening brace, one character at a time."""
+    """One ``{"name": ..., "arguments": ...}`` object, fed after its opening brace, one character at a
+    time."""
 
     def __init__(self) -> None:
         self.depth = 1
@@ -324,7 +325,8 @@ class ToolCallScanner:
 
 
 def scan(mode: str, text: str) -> tuple[list[tuple[str, str]], str]:
-    """(calls as (name, arguments text), content) of a finished answer: the scanner run over it in one piece."""
+    """(calls as (name, arguments text), content) of a finished answer: the scanner run over it in one
+    piece."""
     scanner = ToolCallScanner(mode)
     names: list[str] = []
     args: list[str] = []

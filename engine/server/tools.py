@@ -2,9 +2,9 @@
 
 Rendering: a model whose chat template mentions ``tools`` gets them as the ``tools`` template variable (the
 transformers convention). Otherwise (SmolLM2's template has no tool support) kvscope writes the Hermes format
-(NousResearch Hermes-2-Pro function calling, also what Qwen2.5 templates use) into the system message:
-the signatures as JSON lines inside ``<tools></tools>``, calls as ``<tool_call>{"name", "arguments"}</tool_call>``,
-results as ``<tool_response>`` in ``role: tool`` turns.
+(NousResearch Hermes-2-Pro function calling, also what Qwen2.5 templates use) into the system message: the
+signatures as JSON lines inside ``<tools></tools>``, calls as ``<tool_call>{"name",
+"arguments"}</tool_call>``, results as ``<tool_response>`` in ``role: tool`` turns.
 
 tool_choice: ``none`` (tools not rendered, plain answer), ``auto`` (rendered; ``<tool_call>`` blocks in the
 answer are parsed), ``required`` (output constrained to a JSON array of ``{"name", "arguments"}`` whose
@@ -58,8 +58,8 @@ class ParsedCall:
 
 
 def tool_mode(req: ChatCompletionRequest) -> ToolMode:
-    """The request's tool mode. Raises OpenAIError 400 (``tool_choice``) for a choice without tools, an unknown
-    function name, or tools combined with a constraining response_format."""
+    """The request's tool mode. Raises OpenAIError 400 (``tool_choice``) for a choice without tools, an
+    unknown function name, or tools combined with a constraining response_format."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -161,9 +161,10 @@ def _text(content: Any) -> str:
 def parse_tool_calls(mode: ToolMode, text: str) -> tuple[list[ParsedCall], str | None] | None:
     """(calls, remaining content) from a finished answer, or None when it holds no (valid) call.
 
-    ``required``/``auto`` take the calls from kvscope.engine.server.tool_stream's scanner (the streaming path's
-    parser), so ``arguments`` is the model's own text of the arguments object, byte for byte what a stream
-    of the same answer sends; ``required`` must also be a JSON array of objects with ``name``/``arguments``.
+    ``required``/``auto`` take the calls from kvscope.engine.server.tool_stream's scanner (the streaming
+    path's parser), so ``arguments`` is the model's own text of the arguments object, byte for byte what a
+    stream of the same answer sends; ``required`` must also be a JSON array of objects with
+    ``name``/``arguments``.
     """
     try:
         if mode.kind == "named":

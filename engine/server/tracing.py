@@ -2,23 +2,25 @@
 (INTERNAL, the generation) → ``queue``, ``prefill``, ``decode``.
 
 The HTTP SERVER span follows the OTel semconv 1.41 HTTP server span (``http.request.method``, ``url.path``,
-``url.scheme``, ``network.protocol.version``, ``client.address``, ``user_agent.original``, then ``http.route``,
-``http.response.status_code`` and, for a 5xx only, ``error.type`` with status ERROR): the access-log middleware
-opens it for every API request (probes and scrapes excepted: :data:`UNTRACED_ROUTES`), so a request refused before
-admission (400, 429, 503) has its span too. A client that disconnects is not an error of the server: its
-``llm_request`` keeps an unset status and says ``kvscope.outcome = client_disconnected``.
+``url.scheme``, ``network.protocol.version``, ``client.address``, ``user_agent.original``, then
+``http.route``, ``http.response.status_code`` and, for a 5xx only, ``error.type`` with status ERROR): the
+access-log middleware opens it for every API request (probes and scrapes excepted: :data:`UNTRACED_ROUTES`),
+so a request refused before admission (400, 429, 503) has its span too. A client that disconnects is not an
+error of the server: its ``llm_request`` keeps an unset status and says ``kvscope.outcome =
+client_disconnected``.
 
 Spans are built retrospectively when a request ends, with explicit start/end times taken from the request's
-monotonic timestamps (arrival, first scheduled, first token, last token) mapped onto the wall clock at arrival.
-This records the engine's real phases without touching the step loop. Prefill chunks and preemptions are
-events collected by :class:`RequestTimeline` from the step listener (engine thread); speculative decoding's
-accepted runs are totals on the ``decode`` span (:func:`spec_decode_attributes`).
+monotonic timestamps (arrival, first scheduled, first token, last token) mapped onto the wall clock at
+arrival. This records the engine's real phases without touching the step loop. Prefill chunks and preemptions
+are events collected by :class:`RequestTimeline` from the step listener (engine thread); speculative
+decoding's accepted runs are totals on the ``decode`` span (:func:`spec_decode_attributes`).
 
 The trace continues an incoming W3C ``traceparent`` (the gateway's span becomes the parent of
 ``llm_request``). Export: OTLP (HTTP protobuf or gRPC) when ``--otlp-endpoint`` or the standard
-``OTEL_EXPORTER_OTLP_*`` environment configures it (:mod:`kvscope.common.otel_env`; none with ``OTEL_SDK_DISABLED=true``),
-an injected exporter in tests (e.g. ``InMemorySpanExporter``), nothing otherwise. Each :class:`Tracing` owns its TracerProvider; the global
-OTel provider is never set. Attribute names follow the OTel GenAI semantic conventions (``gen_ai.*``).
+``OTEL_EXPORTER_OTLP_*`` environment configures it (:mod:`kvscope.common.otel_env`; none with
+``OTEL_SDK_DISABLED=true``), an injected exporter in tests (e.g. ``InMemorySpanExporter``), nothing otherwise.
+Each :class:`Tracing` owns its TracerProvider; the global OTel provider is never set. Attribute names follow
+the OTel GenAI semantic conventions (``gen_ai.*``).
 """
 
 from __future__ import annotations
@@ -202,10 +204,11 @@ class Tracing:
 
     @classmethod
     def otlp(cls, service_name: str, endpoint: str | None) -> Tracing:
-        """OTLP export to ``endpoint`` (the ``--otlp-endpoint`` flag: an OTLP/HTTP base or ``…/v1/traces`` URL,
-        or a gRPC endpoint) or, when None, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (the SDK reads
-        it); no export when neither is set or ``OTEL_SDK_DISABLED=true`` (:func:`kvscope.common.otel_env.span_exporter`).
-        Raises ValueError on an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
+        """OTLP export to ``endpoint`` (the ``--otlp-endpoint`` flag: an OTLP/HTTP base or ``…/v1/traces``
+        URL, or a gRPC endpoint) or, when None, to what the ``OTEL_EXPORTER_OTLP_*`` environment names (the
+        SDK reads it); no export when neither is set or ``OTEL_SDK_DISABLED=true``
+        (:func:`kvscope.common.otel_env.span_exporter`). Raises ValueError on an unsupported
+        ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
         return cls(service_name, span_exporter(endpoint))
 
     def extract(self, headers: Mapping[str, str]) -> Context | None:
@@ -255,9 +258,10 @@ class Tracing:
         span.end()
 
     def record(self, spans: RequestSpans, server_span: Span | None = None) -> RecordedSpan:
-        """Emit ``llm_request`` (INTERNAL, under ``server_span``, the request's HTTP SERVER span, else under the
-        incoming ``traceparent``) with children ``queue``, ``prefill`` (chunk/preemption events) and ``decode``.
-        Returns the trace id and span id of ``llm_request`` (lowercase hex) and whether it is sampled."""
+        """Emit ``llm_request`` (INTERNAL, under ``server_span``, the request's HTTP SERVER span, else
+        under the incoming ``traceparent``) with children ``queue``, ``prefill`` (chunk/preemption events)
+        and ``decode``. Returns the trace id and span id of ``llm_request`` (lowercase hex) and whether it
+        is sampled."""
 
         def wall(mono: float) -> int:
             return spans.arrival_wall_ns + int((mono - spans.arrival) * 1e9)

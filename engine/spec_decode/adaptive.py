@@ -1,4 +1,5 @@
-"""When drafting pays: per request (its acceptance rate) and per step (measured step times at this batch size).
+"""When drafting pays: per request (its acceptance rate) and per step (measured step times at this batch
+size).
 
 Per request (:class:`AcceptanceTracker`): an exponential moving average of the accepted fraction of each
 verified draft; once it stays below ``LOW_ACCEPTANCE`` the request stops proposing for ``backoff`` decode
@@ -87,14 +88,15 @@ class _Bucket:
 
 
 class StepCostModel:
-    """Measured decode-step cost per batch-size bucket, and the decision whether drafts pay (module docstring)."""
+    """Measured decode-step cost per batch-size bucket, and the decision whether drafts pay (module
+    docstring)."""
 
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
 
     def record(self, num_rows: int, num_draft_tokens: int, seconds: float) -> None:
-        """One decode-only step over ``num_rows`` requests with ``num_draft_tokens`` draft tokens in total took
-        ``seconds`` (wall or CPU; only ratios matter)."""
+        """One decode-only step over ``num_rows`` requests with ``num_draft_tokens`` draft tokens in total
+        took ``seconds`` (wall or CPU; only ratios matter)."""
         bucket = self._buckets.setdefault(rows_bucket(num_rows), _Bucket())
         if num_draft_tokens == 0:
             bucket.t0 = seconds if bucket.t0 is None else (1 - TIME_ALPHA) * bucket.t0 + TIME_ALPHA * seconds

@@ -1,5 +1,5 @@
-"""The scheduler's draft source (``kvscope.engine.core.scheduler.Drafter``): n-gram proposals, gated per request by
-its acceptance and per step by the measured step cost (engine/spec_decode/adaptive.py)."""
+"""The scheduler's draft source (``kvscope.engine.core.scheduler.Drafter``): n-gram proposals, gated per
+request by its acceptance and per step by the measured step cost (engine/spec_decode/adaptive.py)."""
 
 from __future__ import annotations
 

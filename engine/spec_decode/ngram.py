@@ -2,10 +2,10 @@
 
 The method of vLLM v1's ``NgramProposer`` (``vllm/v1/spec_decode/ngram_proposer.py``), llama.cpp's lookup
 decoding (``examples/lookup``) and Apoorv Saxena's prompt-lookup-decoding (github.com/apoorvumang/
-prompt-lookup-decoding, 2023): no draft model; for the last ``n`` tokens (``n`` from ``prompt_lookup_max`` down
-to ``prompt_lookup_min``) find an earlier occurrence in prompt + output and propose the (up to ``k``) tokens
-that followed it. Copy-heavy outputs (edits, quotes, extraction, repeated lists) are then verified several
-tokens per forward pass.
+prompt-lookup-decoding, 2023): no draft model; for the last ``n`` tokens (``n`` from ``prompt_lookup_max``
+down to ``prompt_lookup_min``) find an earlier occurrence in prompt + output and propose the (up to ``k``)
+tokens that followed it. Copy-heavy outputs (edits, quotes, extraction, repeated lists) are then verified
+several tokens per forward pass.
 
 Choice of match: the most recent earlier occurrence (vLLM takes the earliest): in generated text that repeats
 itself the latest copy is the one being continued. Cost: one vectorised comparison over a window of the last

@@ -64,8 +64,9 @@ def greedy_verify(target_token_ids: Sequence[int], draft_token_ids: Sequence[int
 
 
 def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs`` (``[vocab]``) as ``argmax(probs / e)``, ``e ~ Exp(1)`` (kvscope.engine.worker.sampler's
-    exponential race: the same ``vocab`` draws from ``generator`` as one step of the Sampler)."""
+    """One draw from ``probs`` (``[vocab]``) as ``argmax(probs / e)``, ``e ~ Exp(1)``
+    (kvscope.engine.worker.sampler's exponential race: the same ``vocab`` draws from ``generator`` as one
+    step of the Sampler)."""
     noise = (
         torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
     )

@@ -9,10 +9,11 @@ on the request path of every new schema; the mask time is ~0.1 % of a CPU decode
 
 No request waits for another's compile (serving case N2): the cache is looked up first, under a lock that is
 never held during a compile; a grammar not in the cache compiles on the manager's own thread (one worker, at
-most ``CompileLimits.max_pending`` distinct grammars queued or running, beyond that :class:`CompileBusyError`),
-and concurrent requests for one grammar share that compile (single flight). llguidance's ``max_grammar_size``
-refuses oversized grammars in milliseconds. The compiled grammar is pinned to the request
-(:class:`~kvscope.engine.structured.params.GrammarPin`), so the engine step never compiles (:meth:`matcher_for`).
+most ``CompileLimits.max_pending`` distinct grammars queued or running, beyond that
+:class:`CompileBusyError`), and concurrent requests for one grammar share that compile (single flight).
+llguidance's ``max_grammar_size`` refuses oversized grammars in milliseconds. The compiled grammar is pinned
+to the request (:class:`~kvscope.engine.structured.params.GrammarPin`), so the engine step never compiles
+(:meth:`matcher_for`).
 """
 
 from __future__ import annotations
@@ -39,18 +40,19 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 whitespace, and the output is what ``json.dumps(separators=(",", ":"))`` writes."""
 ANY_JSON_OBJECT = '{"type":"object"}'
 FORCED_ROUNDS = 4
-"""Admission follows the grammar's forced tokens (``compute_ff_tokens``) at most this many times: a schema whose
-only possible start already breaks the matcher (a required self-reference, an ``anyOf`` wider than llguidance's
-row limit) is a 400 instead of an error after the first token."""
+"""Admission follows the grammar's forced tokens (``compute_ff_tokens``) at most this many times: a schema
+whose only possible start already breaks the matcher (a required self-reference, an ``anyOf`` wider than
+llguidance's row limit) is a 400 instead of an error after the first token."""
 BRANCH_TOKENS = 16
-"""At the first position that is not forced, admission tries up to this many allowed tokens (each on its own
-copy of the matcher) and computes the mask after it: a grammar whose next row already breaks llguidance's
-limits (an object of 500 optional properties: ``{`` is not forced, since ``{}`` and ``{"`` are tokens too, and
-the row after ``{`` holds 2,007 items, above ``max_items_in_row`` 2,000) is a 400 at admission, not a failure
-while generating. Tokens that open a string or a key (``"``…) go first, then those with ``{`` or ``[``, then the
-rest by id. Measured on SmolLM2's tokenizer (2-core dev Xeon, median of 7): +4.5 ms on a 4-property schema
-whose first free position is a string (compile 7 ms), +1 ms on the 500-property one (compile ~46 ms), once per
-grammar (cached); ranking the vocabulary costs ~0.13 s once per engine, on the compile thread."""
+"""At the first position that is not forced, admission tries up to this many allowed tokens (each on its
+own copy of the matcher) and computes the mask after it: a grammar whose next row already breaks
+llguidance's limits (an object of 500 optional properties: ``{`` is not forced, since ``{}`` and ``{"`` are
+tokens too, and the row after ``{`` holds 2,007 items, above ``max_items_in_row`` 2,000) is a 400 at
+admission, not a failure while generating. Tokens that open a string or a key (``"``…) go first, then those
+with ``{`` or ``[``, then the rest by id. Measured on SmolLM2's tokenizer (2-core dev Xeon, median of 7):
++4.5 ms on a 4-property schema whose first free position is a string (compile 7 ms), +1 ms on the
+500-property one (compile ~46 ms), once per grammar (cached); ranking the vocabulary costs ~0.13 s once per
+engine, on the compile thread."""
 _GRAMMAR_SIZE = "grammar size (number of symbols) too big"
 
 
@@ -75,7 +77,8 @@ class _Refused(Exception):
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet validated). Raises InvalidParameterError naming
-    ``params.param`` for text llguidance cannot even parse (malformed JSON, a GBNF grammar it cannot convert)."""
+    ``params.param`` for text llguidance cannot even parse (malformed JSON, a GBNF grammar it cannot
+    convert)."""
     try:
         if params.kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema(params.spec, defaults=JSON_OPTIONS)
@@ -115,7 +118,8 @@ class StructuredOutputManager:
         self.cache_size = cache_size
         self.limits = limits or CompileLimits()
         self._lock = threading.Lock()
-        """Guards ``_cache`` and ``_inflight``; held for dictionary operations only, never during a compile."""
+        """Guards ``_cache`` and ``_inflight``; held for dictionary operations only, never during a
+        compile."""
         self._tokenizer_lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, CompiledGrammar | str] = OrderedDict()
@@ -127,14 +131,14 @@ class StructuredOutputManager:
         self.num_compiles = 0
         """Compiles run so far (cache hits and shared compiles not counted)."""
         self._branch_rank: torch.Tensor | None = None
-        """int64 ``[vocab_size]``: each token's rank for the admission probe (:meth:`_try_branches`), built on the
-        compile thread at the first probe."""
+        """int64 ``[vocab_size]``: each token's rank for the admission probe (:meth:`_try_branches`), built
+        on the compile thread at the first probe."""
         self.mask_observer: Callable[[float], None] | None = None
         """Called with the seconds one step spent filling masks (the server points it at a histogram)."""
 
     def set_limits(self, limits: CompileLimits) -> None:
-        """Use ``limits`` for the compiles from now on (the server's settings, at start-up); forgets the cached
-        grammars and refusals, which were judged under the old limits."""
+        """Use ``limits`` for the compiles from now on (the server's settings, at start-up); forgets the
+        cached grammars and refusals, which were judged under the old limits."""
         with self._lock:
             self.limits = limits
             self._cache.clear()
@@ -272,12 +276,12 @@ class StructuredOutputManager:
         return CompiledGrammar(template, time.perf_counter() - start)
 
     def _check_servable(self, probe: llguidance.LLMatcher, params: StructuredOutputsParams) -> None:
-        """Raise InvalidParameterError for a grammar the matcher cannot serve: one that no output satisfies (a
-        schema that only refers to itself, a regex that matches nothing: llguidance compiles these and only
-        fails at the first mask), one that only allows the empty answer, one whose forced start (the tokens
-        every answer begins with) already breaks the matcher's limits, and one whose row right after the forced
-        start breaks them (:meth:`_try_branches`). Each would otherwise answer an empty or truncated 200, or
-        fail while generating."""
+        """Raise InvalidParameterError for a grammar the matcher cannot serve: one that no output satisfies
+        (a schema that only refers to itself, a regex that matches nothing: llguidance compiles these and
+        only fails at the first mask), one that only allows the empty answer, one whose forced start (the
+        tokens every answer begins with) already breaks the matcher's limits, and one whose row right after
+        the forced start breaks them (:meth:`_try_branches`). Each would otherwise answer an empty or
+        truncated 200, or fail while generating."""
         row = allocate_bitmask(1, self.vocab_size)[0]
         start: list[int] = []
         for round_ in range(FORCED_ROUNDS):
@@ -345,8 +349,8 @@ class StructuredOutputManager:
                 )
 
     def _token_rank(self) -> torch.Tensor:
-        """int64 ``[vocab_size]``: 0 for tokens that begin with ``"`` (they open a string or a key), 1 for those
-        holding ``"``, ``{`` or ``[``, 2 for the rest (:meth:`_try_branches` tries the lowest first)."""
+        """int64 ``[vocab_size]``: 0 for tokens that begin with ``"`` (they open a string or a key), 1 for
+        those holding ``"``, ``{`` or ``[``, 2 for the rest (:meth:`_try_branches` tries the lowest first)."""
         if self._branch_rank is None:
             rank = torch.full((self.vocab_size,), 2, dtype=torch.int64)
             tokenizer = self.tokenizer

@@ -23,7 +23,8 @@ from kvscope.engine.structured.matcher import RequestMatcher
 ERROR_PREFIX = "structured output failed: "
 """Start of the reason a request fails with when its grammar matcher fails (RequestFailedError.reason): the
 client's grammar hit one of llguidance's limits while generating (the server answers a 400 naming the
-constraint's field, kvscope.engine.async_engine.GrammarLimitError), the rest of the reason being llguidance's error."""
+constraint's field, kvscope.engine.async_engine.GrammarLimitError), the rest of the reason being
+llguidance's error."""
 UNAVAILABLE_PREFIX = "structured output unavailable: "
 """Start of the reason a request fails with when it has no usable grammar (none pinned at admission): the
 engine's fault, a 500."""
@@ -66,12 +67,12 @@ class MatcherTable:
     def bitmask(
         self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None
     ) -> StepMasks | None:
-        """The step's masks (:class:`StepMasks`: rows int64 ``[k]``, bitmask int32 ``[k, words]``, seconds per
-        request id) of the constrained requests among ``requests`` (engine Requests), or None when none is
-        constrained. Without ``drafts`` request i owns logits row i; with them (speculative decoding, one draft
-        per request, possibly empty) it owns ``1 + len(drafts[i])`` consecutive rows, row j masked for the state
-        after the output and ``drafts[i][:j]``. Each matcher is first synced to the request's kept output tokens
-        (preemption, recompute, tokens dropped after a stop)."""
+        """The step's masks (:class:`StepMasks`: rows int64 ``[k]``, bitmask int32 ``[k, words]``, seconds
+        per request id) of the constrained requests among ``requests`` (engine Requests), or None when none
+        is constrained. Without ``drafts`` request i owns logits row i; with them (speculative decoding,
+        one draft per request, possibly empty) it owns ``1 + len(drafts[i])`` consecutive rows, row j
+        masked for the state after the output and ``drafts[i][:j]``. Each matcher is first synced to the
+        request's kept output tokens (preemption, recompute, tokens dropped after a stop)."""
         counts = [1] * len(requests) if drafts is None else [1 + len(d) for d in drafts]
         starts = [sum(counts[:i]) for i in range(len(requests))]
         constrained = [i for i, r in enumerate(requests) if r.sampling_params.structured_outputs is not None]
@@ -112,9 +113,9 @@ class MatcherTable:
                     break
 
     def take_errors(self) -> dict[str, str]:
-        """request_id → reason (``structured output failed: <llguidance's error in one line>``) of each request
-        whose matcher failed since the last call; the engine fails these requests and drops this step's tokens
-        of them (engine_core.EngineCore.step)."""
+        """request_id → reason (``structured output failed: <llguidance's error in one line>``) of each
+        request whose matcher failed since the last call; the engine fails these requests and drops this
+        step's tokens of them (engine_core.EngineCore.step)."""
         errors, self._errors = self._errors, {}
         return errors
 

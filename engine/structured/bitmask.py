@@ -26,9 +26,10 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` (``[num_reqs, vocab]`` float) with ``-inf`` on the tokens ``bitmask`` (``[len(rows), words]``
-    int32) forbids in the given ``rows`` (int64). Out of place: the caller's tensor is not modified; rows not
-    listed are untouched (an unconstrained request pays nothing but the copy of its row)."""
+    """``logits`` (``[num_reqs, vocab]`` float) with ``-inf`` on the tokens ``bitmask`` (``[len(rows),
+    words]`` int32) forbids in the given ``rows`` (int64). Out of place: the caller's tensor is not
+    modified; rows not listed are untouched (an unconstrained request pays nothing but the copy of its
+    row)."""
     allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
     out = logits.clone()
     out[rows] = out[rows].masked_fill(~allowed, float("-inf"))

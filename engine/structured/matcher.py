@@ -14,9 +14,10 @@ MAX_ERROR_CHARS = 300
 
 
 def one_line(message: str) -> str:
-    """llguidance's error ``message`` in one line of at most MAX_ERROR_CHARS characters: its parser-state dump
-    (``<state>…``), the ``<non-verbose/>`` marker, the grammar-source echo and caret lines dropped, the rest
-    joined with spaces (``unknown name: "foo"``, ``regex parse error: [a-z error: unclosed character class``)."""
+    """llguidance's error ``message`` in one line of at most MAX_ERROR_CHARS characters: its parser-state
+    dump (``<state>…``), the ``<non-verbose/>`` marker, the grammar-source echo and caret lines dropped,
+    the rest joined with spaces (``unknown name: "foo"``, ``regex parse error: [a-z error: unclosed
+    character class``)."""
     head = message.split("<state>", 1)[0]
     kept = [line.strip() for line in head.splitlines()]
     kept = [
@@ -29,8 +30,9 @@ def one_line(message: str) -> str:
 
 
 class RequestMatcher:
-    """Wraps an ``llguidance.LLMatcher``; :meth:`sync` realigns it with the output tokens the scheduler kept
-    (after a preemption by recompute the tokens stay, so it is a no-op; anything else rolls back or replays)."""
+    """Wraps an ``llguidance.LLMatcher``; :meth:`sync` realigns it with the output tokens the scheduler
+    kept (after a preemption by recompute the tokens stay, so it is a no-op; anything else rolls back or
+    replays)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int | None) -> None:
         self._matcher = matcher
@@ -53,10 +55,10 @@ class RequestMatcher:
         self.num_consumed = num
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Write the allowed next tokens into ``row`` (int32 ``[words]``, contiguous, CPU). A matcher in its error
-        state (a limit of llguidance hit while computing the mask or consuming a token) gets a row allowing only
-        EOS (token 0 without one), so the sampler still has a token to draw; the engine fails the request
-        (MatcherTable.take_errors) and drops that token."""
+        """Write the allowed next tokens into ``row`` (int32 ``[words]``, contiguous, CPU). A matcher in
+        its error state (a limit of llguidance hit while computing the mask or consuming a token) gets a
+        row allowing only EOS (token 0 without one), so the sampler still has a token to draw; the engine
+        fails the request (MatcherTable.take_errors) and drops that token."""
         if not self._matcher.is_error():
             self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self._matcher.is_error():
@@ -84,7 +86,8 @@ class RequestMatcher:
             self._matcher.rollback(consumed)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by the sampled token; False when the grammar rejects it (the matcher enters its error state)."""
+        """Advance by the sampled token; False when the grammar rejects it (the matcher enters its error
+        state)."""
         self.num_consumed += 1
         return self._matcher.consume_token(token_id)
 

@@ -45,11 +45,12 @@ class CompileLimits:
 @dataclass(slots=True, eq=False)
 class GrammarPin:
     """The compiled grammar a request was admitted with, set once by the compiler
-    (:meth:`kvscope.engine.structured.backend.StructuredOutputManager.compile`). The request holds it, so the grammar
-    cache may evict the grammar while the request waits: the engine step never compiles."""
+    (:meth:`kvscope.engine.structured.backend.StructuredOutputManager.compile`). The request holds it, so
+    the grammar cache may evict the grammar while the request waits: the engine step never compiles."""
 
     grammar: object | None = None
-    """kvscope.engine.structured.backend.CompiledGrammar (opaque here: this module stays free of llguidance)."""
+    """kvscope.engine.structured.backend.CompiledGrammar (opaque here: this module stays free of
+    llguidance)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +58,16 @@ class StructuredOutputsParams:
     """One constraint for one request (vLLM ``StructuredOutputsParams``, one field set at a time).
 
     ``spec`` is the JSON schema as a JSON string (``json``), a regular expression (``regex``), a JSON list of
-    strings (``choice``), a Lark or GBNF grammar (``grammar``), or ``""`` for ``json_object`` (any JSON object).
-    ``param`` is the request field it came from, named in 400 errors.
+    strings (``choice``), a Lark or GBNF grammar (``grammar``), or ``""`` for ``json_object`` (any JSON
+    object). ``param`` is the request field it came from, named in 400 errors.
     """
 
     kind: StructuredKind
     spec: str = ""
     param: str = "structured_outputs"
     pin: GrammarPin = field(default_factory=GrammarPin, compare=False, repr=False)
-    """Filled at admission with the compiled grammar; ``n > 1`` children share it (their SamplingParams are copies
-    that keep this object)."""
+    """Filled at admission with the compiled grammar; ``n > 1`` children share it (their SamplingParams are
+    copies that keep this object)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings (vLLM v1 ``FastIncrementalDetokenizer`` + ``check_stop_strings``).
+"""Incremental detokenization with stop strings (vLLM v1 ``FastIncrementalDetokenizer`` +
+``check_stop_strings``).
 
 Text comes from ``tokenizers.decoders.DecodeStream``, which only yields text once it is valid UTF-8: a
 character split over several tokens is emitted whole with the token that completes it, never as U+FFFD.
@@ -11,9 +12,9 @@ from the first delta).
 
 Stop strings are matched incrementally (:class:`StopMatcher`, Knuth–Morris–Pratt): each request keeps, per
 stop string, the length of the longest prefix of it that the output ends with. A step reads only its new text
-(comparisons per stop string ≤ 2 × new characters + the longest stop's length − 1, and ≤ 2 × the output over the
-whole request), and that state is the hold-back too. Nothing rescans the output, so a step costs
-O(new text × stop strings), never O(output × stop length). The prefix functions are built once per request
+(comparisons per stop string ≤ 2 × new characters + the longest stop's length − 1, and ≤ 2 × the output over
+the whole request), and that state is the hold-back too. Nothing rescans the output, so a step costs O(new
+text × stop strings), never O(output × stop length). The prefix functions are built once per request
 (:class:`StopStrings`) and shared by its ``n`` children.
 """
 
@@ -67,16 +68,18 @@ class IncrementalDetokenizer:
             pending = b"" if self._step(token_id) is not None else pending + tokenizer.token_bytes(token_id)
         self._prompt_pending = complete_characters(pending)
         """Prompt text the stream still holds with a partial character after it (" " of a last prompt token
-        b" \\xf0\\x9f"): the first text it yields starts with it, and that part is the prompt's, not output."""
+        b" \\xf0\\x9f"): the first text it yields starts with it, and that part is the prompt's, not
+        output."""
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Append newly sampled tokens; return the stop string they completed, or None.
 
         Stop strings are looked for only in the new text (the matcher carries what the text before it ends
         with), and a match counts only once more than ``min_tokens`` tokens were generated (as vLLM does). The
-        earliest match wins (ties: the stop listed first). On a match ``output_text`` is cut right before the stop
-        string (after it with ``include_stop_str_in_output``) and later updates are ignored. ``stop_terminated``:
-        the last id is EOS/a stop token; its text is dropped unless ``include_stop_str_in_output``.
+        earliest match wins (ties: the stop listed first). On a match ``output_text`` is cut right before the
+        stop string (after it with ``include_stop_str_in_output``) and later updates are ignored.
+        ``stop_terminated``: the last id is EOS/a stop token; its text is dropped unless
+        ``include_stop_str_in_output``.
         """
         if self.stop_reason is not None:
             return None
@@ -104,9 +107,9 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text ready to send: the new part since the last call (``delta``) or all of it.
 
-        While not ``finished``, the longest tail of ``output_text`` that is a proper prefix of some stop string is
-        held back (it may still become a stop string); nothing else is. ``finished`` flushes everything.
-        Text once returned is never taken back.
+        While not ``finished``, the longest tail of ``output_text`` that is a proper prefix of some stop
+        string is held back (it may still become a stop string); nothing else is. ``finished`` flushes
+        everything. Text once returned is never taken back.
         """
         hold = 0 if finished or self.stop_reason is not None else self.held_back_length()
         end = max(self._sent, len(self.output_text) - hold)
@@ -116,7 +119,8 @@ class IncrementalDetokenizer:
 
     def held_back_length(self) -> int:
         """Characters at the end of ``output_text`` that match a proper prefix of a stop string (0 with
-        ``include_stop_str_in_output``: a stop string is sent anyway). O(stop strings): the matcher's state."""
+        ``include_stop_str_in_output``: a stop string is sent anyway). O(stop strings): the matcher's
+        state."""
         if self.include_stop_str_in_output or self.stop_matcher is None:
             return 0
         return self.stop_matcher.longest_partial()
@@ -140,7 +144,8 @@ class StopStrings:
 
     strings: tuple[str, ...]
     borders: tuple[tuple[int, ...], ...]
-    """``borders[i][k]``: length of the longest proper prefix of ``strings[i][:k + 1]`` that is also its suffix."""
+    """``borders[i][k]``: length of the longest proper prefix of ``strings[i][:k + 1]`` that is also its
+    suffix."""
 
     @classmethod
     def compile(cls, stop: Sequence[str]) -> StopStrings:
@@ -153,8 +158,8 @@ class StopMatcher:
 
     ``matched[i]``: length of the longest proper prefix of stop string i that the text fed so far ends with
     (the invariant of the KMP automaton). :meth:`feed` reads each new character once per stop string, plus one
-    comparison per fallback; fallbacks never exceed the characters read, so a feed of ``c`` characters makes at
-    most ``2c + len(stop) - 1`` comparisons per stop string and a whole request at most ``2 ×`` its output.
+    comparison per fallback; fallbacks never exceed the characters read, so a feed of ``c`` characters makes
+    at most ``2c + len(stop) - 1`` comparisons per stop string and a whole request at most ``2 ×`` its output.
     ``comparisons`` counts them (tests bound the per-step work with it; it is not a timing).
     """
 
@@ -167,11 +172,11 @@ class StopMatcher:
 
     def feed(self, text: str, report: bool = True) -> tuple[str, int] | None:
         """Advance over ``text``, the characters appended to the output. With ``report``: the earliest stop
-        string occurrence that ends inside ``text`` as ``(stop_string, start)``, ``start`` relative to the first
-        character of ``text`` (negative when the occurrence began in earlier text); ties go to the stop listed
-        first; None when none ends here. Without ``report`` (``min_tokens`` not reached yet) occurrences are
-        passed over and None is returned. After a reported match the state is no longer meaningful (the
-        request ends there)."""
+        string occurrence that ends inside ``text`` as ``(stop_string, start)``, ``start`` relative to the
+        first character of ``text`` (negative when the occurrence began in earlier text); ties go to the
+        stop listed first; None when none ends here. Without ``report`` (``min_tokens`` not reached yet)
+        occurrences are passed over and None is returned. After a reported match the state is no longer
+        meaningful (the request ends there)."""
         best: tuple[int, int] | None = None
         comparisons = 0
         for i, (stop, border) in enumerate(zip(self.stops.strings, self.stops.borders, strict=True)):
@@ -217,9 +222,9 @@ def _prefix_function(stop: str) -> tuple[int, ...]:
 def find_stop_string(text: str, new_chars: int, stop: Sequence[str]) -> tuple[str, int] | None:
     """Earliest occurrence of a stop string that ends inside the last ``new_chars`` characters of ``text``.
 
-    The reference definition :class:`StopMatcher` keeps (tests compare them): searches from
-    ``len(text) - new_chars - len(s) + 1`` for each stop string ``s`` (a match ending earlier was already looked
-    for). Returns ``(stop_string, start_index)``; ties go to the stop listed first.
+    The reference definition :class:`StopMatcher` keeps (tests compare them): searches from ``len(text) -
+    new_chars - len(s) + 1`` for each stop string ``s`` (a match ending earlier was already looked for).
+    Returns ``(stop_string, start_index)``; ties go to the stop listed first.
     """
     best: tuple[str, int] | None = None
     for s in stop:
@@ -230,9 +235,9 @@ def find_stop_string(text: str, new_chars: int, stop: Sequence[str]) -> tuple[st
 
 
 def longest_prefix_suffix(text: str, stop: str) -> int:
-    """Length of the longest proper prefix of ``stop`` that ``text`` ends with (0 if none): the definition of one
-    stop string's hold-back, O(len(stop)^2); :class:`StopMatcher` keeps the same number incrementally (tests hold
-    it against this reference, as against :func:`find_stop_string`)."""
+    """Length of the longest proper prefix of ``stop`` that ``text`` ends with (0 if none): the definition
+    of one stop string's hold-back, O(len(stop)^2); :class:`StopMatcher` keeps the same number
+    incrementally (tests hold it against this reference, as against :func:`find_stop_string`)."""
     for k in range(min(len(stop) - 1, len(text)), 0, -1):
         if text.endswith(stop[:k]):
             return k
@@ -255,8 +260,8 @@ def complete_characters(data: bytes) -> str:
 
 
 def _prime_ids(tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> Sequence[int]:
-    """The last ``PRIME_TOKENS`` prompt ids, moved back (up to ``MAX_PRIME_EXTEND``) while the first one starts
-    with a UTF-8 continuation byte (0b10xxxxxx), so the primed text starts on a character boundary."""
+    """The last ``PRIME_TOKENS`` prompt ids, moved back (up to ``MAX_PRIME_EXTEND``) while the first one
+    starts with a UTF-8 continuation byte (0b10xxxxxx), so the primed text starts on a character boundary."""
     start = max(0, len(prompt_token_ids) - PRIME_TOKENS)
     limit = max(0, start - MAX_PRIME_EXTEND)
     while start > limit and _starts_mid_character(tokenizer, prompt_token_ids[start]):

@@ -93,7 +93,8 @@ class OutputProcessor:
 
     def detokenize(self, runner_output: ModelRunnerOutput) -> DetokenizedStep:
         """Advance the detokenizer of every request that produced a token this step (call it after the
-        scheduler's ``update_from_output``, so a stop-token finish is known) and collect stop-string matches."""
+        scheduler's ``update_from_output``, so a stop-token finish is known) and collect stop-string
+        matches."""
         for request_id, entries in runner_output.prompt_logprobs.items():
             state = self._children.get(request_id)
             if state is not None:

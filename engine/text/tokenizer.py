@@ -121,8 +121,8 @@ class Tokenizer:
         """The raw bytes one token contributes to the text.
 
         Added/special tokens: their UTF-8 text. Byte-level BPE: vocabulary characters mapped back through
-        :func:`bytes_to_unicode`. SentencePiece-style vocabularies: ``<0xNN>`` byte-fallback tokens are the byte
-        NN, other tokens their UTF-8 text with ``▁`` as a space. Raises ValueError for an unknown id.
+        :func:`bytes_to_unicode`. SentencePiece-style vocabularies: ``<0xNN>`` byte-fallback tokens are the
+        byte NN, other tokens their UTF-8 text with ``▁`` as a space. Raises ValueError for an unknown id.
         """
         if token_id in self._added_text:
             return self._added_text[token_id].encode()
@@ -185,6 +185,7 @@ def _as_ids(value: int | Sequence[int] | None) -> tuple[int, ...]:
 
 
 def _token_kind(decoder: Mapping) -> str:
-    """``byte_level`` when the decoder (or one of a Sequence's decoders) is ByteLevel, else ``sentencepiece``."""
+    """``byte_level`` when the decoder (or one of a Sequence's decoders) is ByteLevel, else
+    ``sentencepiece``."""
     decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     return "byte_level" if any(d.get("type") == "ByteLevel" for d in decoders) else "sentencepiece"

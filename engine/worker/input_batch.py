@@ -26,7 +26,8 @@ class ModelInputs:
     sampled_rows: list[int]
     """Index into ``scheduler_output.scheduled`` of each sampled request."""
     num_logits: list[int]
-    """Per sampled request (aligned with sampled_rows): its rows in logits_indices, 1 + len(spec_token_ids)."""
+    """Per sampled request (aligned with sampled_rows): its rows in logits_indices, 1 +
+    len(spec_token_ids)."""
 
     @property
     def has_drafts(self) -> bool:
@@ -38,8 +39,8 @@ def build_model_inputs(
 ) -> ModelInputs:
     """Pack the scheduled chunks into flat tensors.
 
-    slot of token at position p = block_ids[p // block_size] * block_size + p % block_size (docs/architecture.md, "KV cache layout").
-    Raises ValueError when the output schedules nothing.
+    slot of token at position p = block_ids[p // block_size] * block_size + p % block_size
+    (docs/architecture.md, "KV cache layout"). Raises ValueError when the output schedules nothing.
     """
     scheduled = scheduler_output.scheduled
     if not scheduled:

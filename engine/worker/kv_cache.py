@@ -12,7 +12,8 @@ from kvscope.engine.config import CacheConfig
 def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    """Bytes of one KV block over all layers: 2 (K and V) × layers × block_size × kv_heads × head_dim × bytes."""
+    """Bytes of one KV block over all layers: 2 (K and V) × layers × block_size × kv_heads × head_dim ×
+    bytes."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 

@@ -1,4 +1,5 @@
-"""Batched logits transforms used by :class:`kvscope.engine.worker.sampler.Sampler`, in the order vLLM v1 applies them.
+"""Batched logits transforms used by :class:`kvscope.engine.worker.sampler.Sampler`, in the order vLLM v1
+applies them.
 
 Every function takes ``logits`` of shape ``[num_reqs, vocab]`` (float32, one row per request) and per-row
 parameter tensors of shape ``[num_reqs]``; rows whose parameter is neutral are left unchanged. Functions

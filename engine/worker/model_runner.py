@@ -57,7 +57,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.matchers: MatcherTable | None = None
-        """Grammar matchers of constrained requests (set by EngineCore; None: structured output unavailable)."""
+        """Grammar matchers of constrained requests (set by EngineCore; None: structured output
+        unavailable)."""
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

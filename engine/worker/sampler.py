@@ -7,17 +7,18 @@ Order of operations (vLLM v1 ``Sampler.forward``):
    were generated); repetition penalty; frequency/presence penalties;
 3. greedy rows (temperature < 1e-5): argmax of the processed logits;
 4. random rows: temperature, ``min_p``, ``top_k``, ``top_p``, then the exponential race
-   ``argmax(probs / q)`` with ``q ~ Exp(1)`` — a draw from ``probs`` (it is the Gumbel-max trick:
-   ``argmax(log p - log q)`` with ``-log q`` Gumbel-distributed). A row with a seed draws its ``q`` from its own
+   ``argmax(probs / q)`` with ``q ~ Exp(1)`` — a draw from ``probs`` (it is the Gumbel-max trick: ``argmax(log
+   p - log q)`` with ``-log q`` Gumbel-distributed). A row with a seed draws its ``q`` from its own
    ``torch.Generator``, so its samples do not depend on the other rows of the batch.
 
-Per-request work happens once: a request's ``logit_bias``, ``stop_token_ids`` (for ``min_tokens``) and distinct
-prompt ids become a :class:`RequestSampling` when it is admitted, checked against the vocabulary there; every
-step's :class:`SamplingMetadata` only concatenates those tensors (shared by a request's ``n`` children and its
-speculative verification rows) and reads the scalars and the output so far.
+Per-request work happens once: a request's ``logit_bias``, ``stop_token_ids`` (for ``min_tokens``) and
+distinct prompt ids become a :class:`RequestSampling` when it is admitted, checked against the vocabulary
+there; every step's :class:`SamplingMetadata` only concatenates those tensors (shared by a request's ``n``
+children and its speculative verification rows) and reads the scalars and the output so far.
 
 Fast path: when every row is greedy with no bias, bans or penalties and no row asked for logprobs
-(``SamplingMetadata.is_plain_greedy``), only the argmax is taken (``SamplerOutput.logprobs``/``ranks`` are None).
+(``SamplingMetadata.is_plain_greedy``), only the argmax is taken (``SamplerOutput.logprobs``/``ranks`` are
+None).
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ class RequestSampling:
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> RequestSampling:
-        """Check the token ids in ``params`` (and the prompt's, when a repetition penalty needs them) against the
-        vocabulary ``[0, vocab_size)`` and build the tensors. Raises InvalidParameterError naming ``vocab_size``,
-        ``logit_bias`` or ``stop_token_ids`` ("… token ids must be in [0, last]."), or ``prompt_token_ids``."""
+        """Check the token ids in ``params`` (and the prompt's, when a repetition penalty needs them)
+        against the vocabulary ``[0, vocab_size)`` and build the tensors. Raises InvalidParameterError
+        naming ``vocab_size``, ``logit_bias`` or ``stop_token_ids`` ("… token ids must be in [0, last]."),
+        or ``prompt_token_ids``."""
         if vocab_size < 1:
             raise InvalidParameterError("vocab_size", f"vocab_size must be at least 1, got {vocab_size}")
         bias = params.logit_bias or {}
@@ -256,8 +258,8 @@ class SamplerOutput:
     top_logprobs: torch.Tensor
     """float32 ``[num_reqs, max_num_logprobs]``: their raw logprobs."""
     ranks: torch.Tensor | None
-    """int64 ``[num_reqs]``: 1-based rank of the sampled token (tokens with logprob ≥ its logprob); None on the
-    plain-greedy fast path."""
+    """int64 ``[num_reqs]``: 1-based rank of the sampled token (tokens with logprob ≥ its logprob); None on
+    the plain-greedy fast path."""
 
 
 class Sampler:
@@ -376,7 +378,8 @@ def compute_prompt_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt logprobs (completions ``echo``): ``logits[i]`` (``[n, vocab]``) scores ``target_ids[i]``
     (``[n]`` int64, the next prompt token). Returns (logprobs ``[n]``, top ids ``[n, k]``, top logprobs
-    ``[n, k]``, ranks ``[n]``) of ``log_softmax(logits)``. Raises ValueError naming ``target_ids`` or ``k``."""
+    ``[n, k]``, ranks ``[n]``) of ``log_softmax(logits)``. Raises ValueError naming ``target_ids`` or
+    ``k``."""
     if target_ids.shape != logits.shape[:1]:
         raise InvalidParameterError(
             "target_ids", f"need {logits.shape[0]} target ids, got {tuple(target_ids.shape)}"
@@ -412,7 +415,8 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 
 def final_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The sampling distribution (float32 ``[n, vocab]``) of processed logits: temperature, min_p, top_k, top_p."""
+    """The sampling distribution (float32 ``[n, vocab]``) of processed logits: temperature, min_p, top_k,
+    top_p."""
     logits = logits / meta.temperature.unsqueeze(1)
     if meta.min_p is not None:
         apply_min_p_(logits, meta.min_p)
@@ -422,9 +426,9 @@ def final_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """``q ~ Exp(1)`` shaped like ``probs``: seeded rows from their generator (``vocab`` draws per step, so the
-    stream depends only on the request), the rest from torch's default generator. Clamped away from 0 so that
-    a masked token (p = 0) never gives 0/0."""
+    """``q ~ Exp(1)`` shaped like ``probs``: seeded rows from their generator (``vocab`` draws per step, so
+    the stream depends only on the request), the rest from torch's default generator. Clamped away from 0
+    so that a masked token (p = 0) never gives 0/0."""
     q = torch.empty_like(probs)
     if any(g is None for g in generators):
         q.exponential_()
@@ -538,9 +542,9 @@ def _min_tokens_bans(
     vocab_size: int,
     device: torch.device | str,
 ) -> SparseLogits | None:
-    """While ``len(output) < min_tokens``: ban ``stop_token_ids`` and EOS (unless ``ignore_eos``, where EOS does
-    not stop generation anyway), like vLLM's MinTokensLogitsProcessor. A (row, token) pair may repeat (EOS
-    also a stop id): setting -inf twice is the same ban."""
+    """While ``len(output) < min_tokens``: ban ``stop_token_ids`` and EOS (unless ``ignore_eos``, where EOS
+    does not stop generation anyway), like vLLM's MinTokensLogitsProcessor. A (row, token) pair may repeat
+    (EOS also a stop id): setting -inf twice is the same ban."""
     eos_rows: list[int] = []
     eos_cols: list[int] = []
     ban_rows: list[int] = []

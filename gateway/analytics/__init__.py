@@ -2,7 +2,8 @@
 from importing it).
 
 - cli.py: the ``setup-es|report|search|plot`` commands (argparse, exit codes).
-- commands.py: a :class:`~kvscope.gateway.analytics.commands.LogSource` (JSONL file/dir or Elasticsearch URL) and the
+- commands.py: a :class:`~kvscope.gateway.analytics.commands.LogSource` (JSONL file/dir or Elasticsearch URL)
+and the
   report/search/plot commands over it.
 - report.py: the report's rows and definitions (percentiles, error rates), shared by both back ends.
 - duckdb_logs.py: JSONL files through DuckDB; es_logs.py: the same through Elasticsearch aggregations.

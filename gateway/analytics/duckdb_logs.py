@@ -1,12 +1,12 @@
 """The report, search and plot data over JSONL request logs, computed by DuckDB (no server needed).
 
 Files: ``--source`` names the current log file (``requests.jsonl``: its rotated siblings ``requests.jsonl.1``,
-``.2`` … and ``.gz`` variants are read too) or a directory (every ``*.jsonl`` family in it).
-Columns are read with explicit types derived from the Elasticsearch mapping
-(:func:`kvscope.gateway.logs.es_setup.record_properties`), so both back ends agree on every field's type. A line
-that is not valid JSON or does not fit the types (a line torn by a crash) is skipped and counted in
-``Report.extra["unparsed_lines"]``. The files are read once, when :class:`DuckDBLogs` is built (every query
-of one report sees the same snapshot); a last line without its newline is a record still being written and is
+``.2`` … and ``.gz`` variants are read too) or a directory (every ``*.jsonl`` family in it). Columns are read
+with explicit types derived from the Elasticsearch mapping
+(:func:`kvscope.gateway.logs.es_setup.record_properties`), so both back ends agree on every field's type. A
+line that is not valid JSON or does not fit the types (a line torn by a crash) is skipped and counted in
+``Report.extra["unparsed_lines"]``. The files are read once, when :class:`DuckDBLogs` is built (every query of
+one report sees the same snapshot); a last line without its newline is a record still being written and is
 left out (gateway/logs/jsonl.py), never counted as unparsable.
 """
 
@@ -70,7 +70,8 @@ def col(path: str) -> str:
 
 
 def log_files(source: str | Path) -> list[str]:
-    """The log file and its rotated siblings (or every JSONL family in a directory). Raises FileNotFoundError."""
+    """The log file and its rotated siblings (or every JSONL family in a directory). Raises
+    FileNotFoundError."""
     path = Path(source).expanduser()
     if path.is_dir():
         pattern, folder = re.compile(r".+\.jsonl" + _ROTATED), path

@@ -146,7 +146,8 @@ def parse_report(body: dict[str, Any], by: str | None, source: str, since: str |
 
 
 def search_query(query: str, since: datetime | None, limit: int = 20) -> dict[str, Any]:
-    """``query_string`` search (Lucene syntax, e.g. ``kvscope.e2e_s:>5 AND gen_ai.request.model:smollm2*``)."""
+    """``query_string`` search (Lucene syntax, e.g. ``kvscope.e2e_s:>5 AND
+    gen_ai.request.model:smollm2*``)."""
     must = [{"query_string": {"query": query}}] if query.strip() else [{"match_all": {}}]
     filters = time_filter(since).get("bool", {}).get("filter", [])
     return {

@@ -1,4 +1,5 @@
-"""What ``kvscope logs report`` computes, independent of where the records live (DuckDB files or Elasticsearch).
+"""What ``kvscope logs report`` computes, independent of where the records live (DuckDB files or
+Elasticsearch).
 
 Definitions (the same for both back ends):
 

@@ -3,18 +3,18 @@
 own timings (``kvscope.gateway``, the phases of gateway/context.py's GatewayPhases; older records:
 ``kvscope.gateway_overhead_s``, ``kvscope.upstream_s``).
 
-Causes, in seconds (each a sum of record fields, so the ranking is reproducible from the record):
-``queue`` (arrival → first scheduled), ``own prefill`` / ``own decode`` (the token-proportional share of the
-steps that computed the request's own tokens), ``other prefills`` / ``batched decodes`` (the share of those
-steps spent on other requests' prefill tokens / decode tokens), ``preemption`` (time preempted), ``engine host time`` (what
-the phases' wall time leaves: work between steps, steps that did not schedule it), the gateway's own phases
-``auth``, ``rate limit``, ``tokenize``, ``retry`` (failed attempts before the one that answered) and
+Causes, in seconds (each a sum of record fields, so the ranking is reproducible from the record): ``queue``
+(arrival → first scheduled), ``own prefill`` / ``own decode`` (the token-proportional share of the steps that
+computed the request's own tokens), ``other prefills`` / ``batched decodes`` (the share of those steps spent
+on other requests' prefill tokens / decode tokens), ``preemption`` (time preempted), ``engine host time``
+(what the phases' wall time leaves: work between steps, steps that did not schedule it), the gateway's own
+phases ``auth``, ``rate limit``, ``tokenize``, ``retry`` (failed attempts before the one that answered) and
 ``gateway other`` (the rest of the gateway's time) — one ``gateway`` cause (``gateway_overhead_s``) for
 records older than ``kvscope.gateway`` — and ``upstream transfer``: the answering attempt's time
 (``upstream_connect_s + upstream_response_s``; older records: ``upstream_s``) the engine did not account for
-(connect, HTTP, network, output streaming). The answering attempt's time to response headers is not a cause
-of its own: the engine's queue, prefill and decode lie inside that attempt (a non-streamed answer's headers
-come after the whole generation), so it is printed, and ranked only as part of ``upstream transfer``.
+(connect, HTTP, network, output streaming). The answering attempt's time to response headers is not a cause of
+its own: the engine's queue, prefill and decode lie inside that attempt (a non-streamed answer's headers come
+after the whole generation), so it is printed, and ranked only as part of ``upstream transfer``.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ Two modes:
   take (unreachable, timeouts, 429/5xx after per-item retries) are appended to the spool, which switches
   to…
 - **spooled**: new records are moved from memory to the spool every ``SPOOLED_HANDOFF_S`` (so replay
-  order is arrival order, and a killed process loses only the last few dozen milliseconds of records, not
-  a flush interval's worth) and the spool is replayed batch by batch, oldest first. While the cluster keeps failing, replay is probed
-  with exponential backoff (``initial_backoff_s`` doubling to ``max_backoff_s``). When the spool is empty
-  again the sink returns to direct mode. A spool left by a previous process is replayed at start.
+  order is arrival order, and a killed process loses only the last few dozen milliseconds of records, not a
+  flush interval's worth) and the spool is replayed batch by batch, oldest first. While the cluster keeps
+  failing, replay is probed with exponential backoff (``initial_backoff_s`` doubling to ``max_backoff_s``).
+  When the spool is empty again the sink returns to direct mode. A spool left by a previous process is
+  replayed at start.
 
 If the memory queue is full (cluster slow), ``emit`` appends the record to the spool itself (one
 buffered write; the fsync is left to the background task). Records are dropped only when the spool is
@@ -104,7 +105,8 @@ class _Throttled:
 
 
 class ElasticsearchSink:
-    """:class:`kvscope.gateway.logs.sink.LogSink` that ships to an Elasticsearch data stream (module docstring)."""
+    """:class:`kvscope.gateway.logs.sink.LogSink` that ships to an Elasticsearch data stream (module
+    docstring)."""
 
     name = "elasticsearch"
 

@@ -33,7 +33,8 @@ class EsConnectionConfig:
     basic_auth: tuple[str, str] | None = None
     """(user, password); ignored when ``api_key`` is set."""
     ca_certs: str | None = None
-    """Path to a PEM CA bundle that signed the cluster's certificate (ES 8 security auto-config's http_ca.crt)."""
+    """Path to a PEM CA bundle that signed the cluster's certificate (ES 8 security auto-config's
+    http_ca.crt)."""
     verify_certs: bool = True
     """Verify TLS certificates (only switch off on a throwaway test cluster)."""
     request_timeout_s: float = 10.0
@@ -41,7 +42,8 @@ class EsConnectionConfig:
     compat_major: int = 8
     """REST compatibility version sent in Accept/Content-Type: 8 (ES 8.x and 9.x) or 9 (ES 9.x only)."""
     node_class: str = "httpxasync"
-    """elastic-transport HTTP node: ``httpxasync`` (httpx, a gateway dependency) or ``aiohttp`` (needs aiohttp)."""
+    """elastic-transport HTTP node: ``httpxasync`` (httpx, a gateway dependency) or ``aiohttp`` (needs
+    aiohttp)."""
 
     def __post_init__(self) -> None:
         if not self.hosts:

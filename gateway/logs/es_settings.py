@@ -1,4 +1,5 @@
-"""Settings for the Elasticsearch log sink and the ``kvscope logs`` CLI (the only env reads of kvscope.gateway.logs).
+"""Settings for the Elasticsearch log sink and the ``kvscope logs`` CLI (the only env reads of
+kvscope.gateway.logs).
 
 :class:`EsLogSettings` is a msgspec Struct in the gateway's config style, meant to sit in the gateway's
 ``logs`` config as ``elasticsearch:``; :meth:`EsLogSettings.sink_config` turns it into the sink's config.

@@ -10,7 +10,8 @@ template, whose priority-100 ``logs`` template would otherwise apply ECS dynamic
 - ILM policy ``{stream}-ilm``: hot rollover at ``rollover_max_age`` or ``rollover_max_primary_shard_size``,
   delete ``delete_after`` after rollover.
 - component templates ``{stream}@settings`` (ILM, 1 shard, ``auto_expand_replicas 0-1``,
-  ``index.mapping.ignore_malformed``) and ``{stream}@mappings`` (every field of docs/gateway.md "Request log", explicit).
+  ``index.mapping.ignore_malformed``) and ``{stream}@mappings`` (every field of docs/gateway.md "Request log",
+  explicit).
 - index template ``{stream}`` at priority 500 with ``data_stream: {}``.
 
 ``dynamic: false`` (default) keeps an unknown field in ``_source`` but unindexed, so a new field in the
@@ -123,7 +124,8 @@ def attribution_properties() -> dict[str, Any]:
 
 
 def record_properties() -> dict[str, Any]:
-    """Explicit mapping of every field of the request log record (docs/gateway.md, "Request log"), nested ECS objects."""
+    """Explicit mapping of every field of the request log record (docs/gateway.md, "Request log"), nested
+    ECS objects."""
     engine = {
         f: _DOUBLE
         for f in ("queue_s", "ttft_s", "prefill_s", "decode_s", "tpot_s", "batch_size_mean", "kv_cache_usage")

@@ -1,4 +1,5 @@
-"""One bulk round: send a batch of log records with ``async_streaming_bulk`` and sort every record into an outcome.
+"""One bulk round: send a batch of log records with ``async_streaming_bulk`` and sort every record into an
+outcome.
 
 Each record becomes ``{"create": {"_index": <data stream>, "_id": <event.id>}}`` + the record, so a
 record sent twice (a retry after a timeout, a spool replayed after a crash) is refused by Elasticsearch with
@@ -155,7 +156,8 @@ async def ship_batch(
 
 async def _actions(records: Sequence[dict[str, Any]], index: str) -> AsyncIterator[dict[str, Any]]:
     """Bulk ``create`` actions; lets the event loop run every ``YIELD_EVERY`` records while the client
-    serializes the body, so one batch never stalls the gateway's requests for more than a millisecond or so."""
+    serializes the body, so one batch never stalls the gateway's requests for more than a millisecond or
+    so."""
     for n, record in enumerate(records):
         if n % YIELD_EVERY == YIELD_EVERY - 1:
             await asyncio.sleep(0)

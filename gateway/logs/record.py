@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 ECS_VERSION = "9.1.0"
 MAX_LOGGED_USER_AGENT = 1024
-"""Characters of ``user_agent.original`` kept (the ES template's keyword ``ignore_above`` is of this order)."""
+"""Characters of ``user_agent.original`` kept (the ES template's keyword ``ignore_above`` is of this
+order)."""
 MAX_LOGGED_PATH = 2048
 MAX_LOGGED_ERROR = 2048
 LOG_LEVELS = ("info", "warning", "error")
@@ -135,8 +136,8 @@ class RecordBuilder:
     def _gen_ai(self, ctx: RequestContext) -> dict[str, Any]:
         usage = ctx.usage or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        # without the upstream's usage (the client left, or the stream failed after its first token: the prompt
-        # was read), the gateway's own prompt count stands in
+        # without the upstream's usage (the client left, or the stream failed after its first token: the
+        # prompt was read), the gateway's own prompt count stands in
         counted = ctx.client_disconnected or ctx.first_token_at is not None
         input_tokens = usage.get("prompt_tokens", ctx.prompt_tokens if counted else None)
         out: dict[str, Any] = {

@@ -1,8 +1,9 @@
 """The request-log sink interface: every sink (JSONL file, stdout, Elasticsearch) implements it.
 
-A record is one request's log line as a nested JSON-able dict (ECS style; fields in docs/gateway.md, "Request log"). The request path
-only calls :meth:`LogSink.emit`, which must never block and never raise; sinks do their I/O off the request path
-and account for every record in ``kvscope_gateway_log_records_total{sink,outcome}``.
+A record is one request's log line as a nested JSON-able dict (ECS style; fields in docs/gateway.md, "Request
+log"). The request path only calls :meth:`LogSink.emit`, which must never block and never raise; sinks do
+their I/O off the request path and account for every record in
+``kvscope_gateway_log_records_total{sink,outcome}``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Request-log sinks that write JSON lines: a size-rotated JSONL file and stdout.
 
-Both implement :class:`kvscope.gateway.logs.sink.LogSink`. ``emit`` only puts the record on a bounded queue (a full
-queue drops the record and counts ``outcome="dropped"``); a writer thread encodes (msgspec) and writes
+Both implement :class:`kvscope.gateway.logs.sink.LogSink`. ``emit`` only puts the record on a bounded queue (a
+full queue drops the record and counts ``outcome="dropped"``); a writer thread encodes (msgspec) and writes
 batches, so neither JSON encoding nor disk I/O runs on the event loop. Written records count as
 ``outcome="shipped"``, write errors as ``"failed"``.
 """

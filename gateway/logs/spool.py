@@ -2,15 +2,15 @@
 
 Layout of ``directory``::
 
-    seg-000000000001.jsonl   one JSON record per line, appended only, never rewritten
-    seg-000000000002.jsonl   a new segment starts at ``segment_bytes`` and at every open (old ones are immutable)
-    cursor.json              {"segment": 1, "offset": 4096}: everything before it has been shipped
-    rejected.jsonl           records Elasticsearch refused for good (4xx): kept for a human, never replayed
+    seg-000000000001.jsonl   one JSON record per line, appended only, never rewritten seg-000000000002.jsonl
+    a new segment starts at ``segment_bytes`` and at every open (old ones are immutable) cursor.json
+    {"segment": 1, "offset": 4096}: everything before it has been shipped rejected.jsonl           records
+    Elasticsearch refused for good (4xx): kept for a human, never replayed
 
 Durability (``fsync`` policy): ``always`` fsyncs the segment after every append (a machine crash loses
 nothing that was appended); ``interval`` (default) fsyncs at most every ``fsync_interval_s`` when
-:meth:`Spool.maybe_sync` runs, like Redis ``appendfsync everysec`` (a machine crash loses at most that
-window; a killed process loses nothing, the page cache survives it); ``never`` leaves it to the OS. The cursor is
+:meth:`Spool.maybe_sync` runs, like Redis ``appendfsync everysec`` (a machine crash loses at most that window;
+a killed process loses nothing, the page cache survives it); ``never`` leaves it to the OS. The cursor is
 replaced atomically (write, fsync, rename) so a crash replays a batch at most twice, never skips one; the
 Elasticsearch sink makes the replay idempotent (``create`` with ``_id``).
 

@@ -1,6 +1,7 @@
 """The upstream exchange of an admitted request, top to bottom.
 
-- plan.py: :class:`~kvscope.gateway.proxy.plan.ProxyPlan`, what admission decided (where, what, how to read it).
+- plan.py: :class:`~kvscope.gateway.proxy.plan.ProxyPlan`, what admission decided (where, what, how to read
+it).
 - call.py: :class:`~kvscope.gateway.proxy.call.ProxyCall`, the ASGI app that runs one plan: replicas, retries,
   deadlines, the client's disconnect, errors; it applies what the relay returns to the request context.
 - relay.py: reads one upstream answer (an SSE stream event by event, or a JSON completion) and returns a

@@ -4,9 +4,10 @@
 cancels everything, closing the upstream connection at once, so the engine aborts), picks replicas
 (least outstanding), retries on another replica while nothing has reached the client yet, enforces the
 timeouts, and relays the answer: JSON as the upstream's exact bytes, streams through
-:class:`kvscope.gateway.proxy.relay.StreamRelay`. What the relay returns (a :class:`~kvscope.gateway.proxy.relay.RelayOutcome`)
-is applied to the request context here, before the client's response ends. Errors before the response started
-are JSON with their status; after it started they go in-band (``data: {"error": …}``, no ``[DONE]``).
+:class:`kvscope.gateway.proxy.relay.StreamRelay`. What the relay returns (a
+:class:`~kvscope.gateway.proxy.relay.RelayOutcome`) is applied to the request context here, before the
+client's response ends. Errors before the response started are JSON with their status; after it started they
+go in-band (``data: {"error": …}``, no ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ RELAYED_ANSWER_HEADERS = frozenset({b"retry-after"})
 RELAYED_ANSWER_PREFIXES = (b"x-ratelimit-",)
 """Headers of an upstream's non-200 answer the client gets with its body: the back-off hint of a 429/503
 (``Retry-After``, e.g. the engine's ``grammar_compile_busy``) and the upstream's ``x-ratelimit-*``. The
-gateway's own ``x-ratelimit-*`` (a key with limits) replace the upstream's (gateway/ratelimit_middleware.py)."""
+gateway's own ``x-ratelimit-*`` (a key with limits) replace the upstream's
+(gateway/ratelimit_middleware.py)."""
 
 
 def relayed_answer_headers(raw: list[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
@@ -95,7 +97,8 @@ class ProxyCall:
         self.upstream_end: float | None = None
         self.last_token_at: float | None = None
         self.token_times: list[float] = []
-        """When each token event reached the client (perf_counter s), from the relay (RelayOutcome.token_times)."""
+        """When each token event reached the client (perf_counter s), from the relay
+        (RelayOutcome.token_times)."""
         self.client_span: Span | None = None
         self.call_start = 0.0
         self.base_attrs: dict[str, Any] = {}
@@ -159,8 +162,8 @@ class ProxyCall:
         return "first_token" if self.ctx.first_token_at is None else "decode"
 
     async def _watch_disconnect(self, receive: Receive, task: asyncio.Task | None) -> None:
-        """Cancel the call when the client leaves before its answer ended. A client that closes once it has the
-        stream's end (``data: [DONE]``) while the gateway still drains the upstream's end of body
+        """Cancel the call when the client leaves before its answer ended. A client that closes once it has
+        the stream's end (``data: [DONE]``) while the gateway still drains the upstream's end of body
         (DRAIN_BEFORE_END_S) has not left early: the call finishes, logged as completed."""
         while True:
             message = await receive()
@@ -369,8 +372,8 @@ class ProxyCall:
             ctx.error_message = str(error.get("message", ""))
 
     async def _relay_answer(self, answer: UpstreamAnswer) -> None:
-        """An upstream's non-200 answer with its status and its back-off headers (:data:`RELAYED_ANSWER_HEADERS`);
-        non-JSON bodies are wrapped in an OpenAI error."""
+        """An upstream's non-200 answer with its status and its back-off headers
+        (:data:`RELAYED_ANSWER_HEADERS`); non-JSON bodies are wrapped in an OpenAI error."""
         error, native = upstream_error_object(answer.status, answer.body)
         body = answer.body if native else msgspec.json.encode({"error": error})
         self.ctx.set_error(upstream_gateway_error(error))

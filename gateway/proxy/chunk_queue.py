@@ -11,9 +11,10 @@ from kvscope.gateway.proxy.network import wait_future
 
 
 class ChunkQueue:
-    """The pump's chunks for the relay: a bounded FIFO with one producer and one consumer, bound to the loop
-    it was made on. :meth:`get` waits with a deadline through one future and one timer
-    (:func:`kvscope.gateway.proxy.network.wait_future`; ``asyncio.Queue`` asks the running loop per wait too)."""
+    """The pump's chunks for the relay: a bounded FIFO with one producer and one consumer, bound to the
+    loop it was made on. :meth:`get` waits with a deadline through one future and one timer
+    (:func:`kvscope.gateway.proxy.network.wait_future`; ``asyncio.Queue`` asks the running loop per wait
+    too)."""
 
     def __init__(self, maxsize: int = 64) -> None:
         self._loop = asyncio.get_running_loop()

@@ -14,12 +14,13 @@ MAX_CHUNK_LINE = 4096
 
 
 class ChunkedBodyTap:
-    """Decodes an HTTP/1.1 chunked body (RFC 9112 §7.1: size line with optional extensions, data, CRLF; a zero
-    chunk, optional trailer lines and a blank line end it) from the connection's reads as they come, and hands
-    the payload of each read to ``deliver`` in one piece (chunk boundaries carry no meaning). At the body's end
-    ``deliver(None)``; on a broken body the httpx error httpx would have raised for it: ``RemoteProtocolError``
-    for bad framing or a connection closed before the end, ``ReadError`` for a connection reset. ``deliver``
-    returns whether it takes more (False: the protocol pauses reading until told, backpressure)."""
+    """Decodes an HTTP/1.1 chunked body (RFC 9112 §7.1: size line with optional extensions, data, CRLF; a
+    zero chunk, optional trailer lines and a blank line end it) from the connection's reads as they come,
+    and hands the payload of each read to ``deliver`` in one piece (chunk boundaries carry no meaning). At
+    the body's end ``deliver(None)``; on a broken body the httpx error httpx would have raised for it:
+    ``RemoteProtocolError`` for bad framing or a connection closed before the end, ``ReadError`` for a
+    connection reset. ``deliver`` returns whether it takes more (False: the protocol pauses reading until
+    told, backpressure)."""
 
     def __init__(self, deliver: Callable[[bytes | Exception | None], bool]) -> None:
         self._deliver = deliver

@@ -8,16 +8,17 @@ from litestar.types import Send
 
 BODY_CHUNK_EXTENSION = "kvscope.body_chunk"
 """ASGI scope extension (``scope["extensions"]``) the server sets per request (gateway/server.py
-``write_body_chunk``): write one chunk of the started response body to the client, or say it cannot (False)."""
+``write_body_chunk``): write one chunk of the started response body to the client, or say it cannot
+(False)."""
 
 
 class ClientResponse:
     """Writes the response to the client; the call and the relay both write through it.
 
-    ``body_chunk``: the server's direct writer of one body chunk (gateway/server.py ``write_body_chunk``, the
-    ``kvscope.body_chunk`` scope extension), used for body bytes that do not end the response; it returns False
-    where ASGI ``send`` must write them instead. ``count``: told the size of each body written that way (the
-    request log's response bytes, which ASGI ``send`` counts otherwise)."""
+    ``body_chunk``: the server's direct writer of one body chunk (gateway/server.py ``write_body_chunk``,
+    the ``kvscope.body_chunk`` scope extension), used for body bytes that do not end the response; it
+    returns False where ASGI ``send`` must write them instead. ``count``: told the size of each body
+    written that way (the request log's response bytes, which ASGI ``send`` counts otherwise)."""
 
     def __init__(
         self,
@@ -44,9 +45,9 @@ class ClientResponse:
         return self._body_chunk is not None
 
     def write_now(self, data: bytes) -> bool:
-        """Write ``data`` (body bytes that do not end the response) through the server's direct writer, without
-        waiting; False, having written nothing, where :meth:`body` must (no direct writer, the client not
-        reading, not started …)."""
+        """Write ``data`` (body bytes that do not end the response) through the server's direct writer,
+        without waiting; False, having written nothing, where :meth:`body` must (no direct writer, the
+        client not reading, not started …)."""
         if self._body_chunk is None or not self._body_chunk(data):
             return False
         if self._count is not None:

@@ -4,9 +4,9 @@ httpx reaches the upstreams through httpcore, whose only asyncio backend goes th
 streamed answer that backend costs, on Python 3.11: a cancel scope (``anyio.fail_after``, which asks
 ``asyncio.current_task`` and so ``getpid()`` twice), ``pause_reading``/``resume_reading`` of the transport (an
 ``epoll_ctl`` each: anyio's socket stream stops reading whenever nobody waits), and for every
-``get_extra_info("is_readable")`` of the pool's expiry checks a ``getpeername()`` plus a ``select()``. Relaying
-a token costs one read, so at 32 streams these syscalls were a fifth of the gateway's CPU (py-spy, 2-vCPU Xeon;
-docs/benchmarks.md "The gateway's CPU per relayed token").
+``get_extra_info("is_readable")`` of the pool's expiry checks a ``getpeername()`` plus a ``select()``.
+Relaying a token costs one read, so at 32 streams these syscalls were a fifth of the gateway's CPU (py-spy,
+2-vCPU Xeon; docs/benchmarks.md "The gateway's CPU per relayed token").
 
 :class:`AsyncioBackend` is the same contract (httpcore's ``AsyncNetworkBackend``: ``read``/``write`` with
 timeouts, ``start_tls``, ``get_extra_info``, the same httpcore exceptions) over an :class:`asyncio.Protocol`
@@ -51,7 +51,8 @@ class _BufferedProtocol(asyncio.Protocol):
         self.write_paused = False
         self.drainer: asyncio.Future[None] | None = None
         self.head_pending = False
-        """A request went out and its response head has not been handed to httpcore yet (reads stop at its end)."""
+        """A request went out and its response head has not been handed to httpcore yet (reads stop at its
+        end)."""
         self.head_tail = b""
         """The last bytes handed over while the head was pending (its blank line can straddle two reads)."""
         self.clean_head = False
@@ -218,10 +219,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         return data[:cut]
 
     def tap_body(self, deliver: Callable[[bytes | Exception | None], bool]) -> bool:
-        """Take the response body being received off httpcore's hands: decode its chunked framing as it arrives
-        (:class:`ChunkedBodyTap`) and hand each read's payload to ``deliver`` (then None at the end, or the
-        httpx error that a broken body raises from httpx). False, and nothing changes, when the body is not all
-        still here (httpcore read past the head: an interim 1xx answer or a read after the head).
+        """Take the response body being received off httpcore's hands: decode its chunked framing as it
+        arrives (:class:`ChunkedBodyTap`) and hand each read's payload to ``deliver`` (then None at the end,
+        or the httpx error that a broken body raises from httpx). False, and nothing changes, when the body is
+        not all still here (httpcore read past the head: an interim 1xx answer or a read after the head).
 
         At the body's end the connection gets a zero-chunk body for httpcore to read
         (:meth:`StreamRelay.drain`), so it goes back to the pool as after any complete answer; a body left
@@ -367,12 +368,13 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
 class LinearPool(httpcore.AsyncConnectionPool):
     """httpcore 1.0's connection pool with its clean-up pass made linear. httpcore 1.0.9 evaluates
     ``len([c.is_idle() for c in connections])`` once for every idle connection, O(n²) per request and per
-    response closed: with the 32 keep-alive connections of 32 streams that was a third of the gateway's httpx
-    time per request (py-spy, docs/gateway.md "CPU per relayed token"; encode/httpcore#1035). Same decisions
-    as httpcore's own (an idle connection is dropped while the pool holds more connections than
-    ``max_keepalive_connections``, closed and expired ones are removed), the count kept as it goes (and asked
-    first, so an idle check runs only where it can matter); the assignment of queued requests is httpcore's,
-    stopping at the first available connection (httpcore builds the list of all of them and takes the first)."""
+    response closed: with the 32 keep-alive connections of 32 streams that was a third of the gateway's
+    httpx time per request (py-spy, docs/gateway.md "CPU per relayed token"; encode/httpcore#1035). Same
+    decisions as httpcore's own (an idle connection is dropped while the pool holds more connections than
+    ``max_keepalive_connections``, closed and expired ones are removed), the count kept as it goes (and
+    asked first, so an idle check runs only where it can matter); the assignment of queued requests is
+    httpcore's, stopping at the first available connection (httpcore builds the list of all of them and
+    takes the first)."""
 
     def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
         closing: list[httpcore.AsyncConnectionInterface] = []

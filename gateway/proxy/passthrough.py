@@ -63,7 +63,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 REQUEST_DROPPED = HOP_BY_HOP | {TENANT_HEADER}
-"""Client request headers never forwarded: the tenant is the gateway's to set (the key's name), never the client's."""
+"""Client request headers never forwarded: the tenant is the gateway's to set (the key's name), never the
+client's."""
 RESPONSE_DROPPED = HOP_BY_HOP | {"date", "server", "content-type", "x-request-id"}
 """Upstream response headers the gateway sets itself (no duplicated Date/Server/Content-Type/id)."""
 MAX_ERROR_BYTES = 64 << 10
@@ -106,10 +107,10 @@ def _model_of(body: bytes) -> str | None:
 
 
 def _replicas_for(gw: GatewayState, principal: Principal, model: str | None) -> frozenset[str] | None:
-    """Which replicas may take a request naming ``model`` (None: any healthy one serving it), checked in the
-    order of admission: 404 ``model_not_found`` for a model no upstream serves, 403 when the key may not use it;
-    for a body naming no model from a key restricted to some models, the models a replica may serve (403 when
-    no replica serves only those); 503 when no such replica is healthy now."""
+    """Which replicas may take a request naming ``model`` (None: any healthy one serving it), checked in
+    the order of admission: 404 ``model_not_found`` for a model no upstream serves, 403 when the key may
+    not use it; for a body naming no model from a key restricted to some models, the models a replica may
+    serve (403 when no replica serves only those); 503 when no such replica is healthy now."""
     only = None
     if model is not None:
         if not gw.pool.is_served(model):

@@ -1,4 +1,5 @@
-"""What admission (gateway/admission.py) hands the proxy: a leaf module, so admission never imports the call."""
+"""What admission (gateway/admission.py) hands the proxy: a leaf module, so admission never imports the
+call."""
 
 from __future__ import annotations
 

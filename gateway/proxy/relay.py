@@ -50,10 +50,12 @@ SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 DRAIN_BEFORE_END_S = 0.05
-"""After ``[DONE]``, wait at most this long for the upstream's end of body before ending the client's response, so
-the connection is back in the pool before the client's next request (else the pool may open a second one)."""
+"""After ``[DONE]``, wait at most this long for the upstream's end of body before ending the client's
+response, so the connection is back in the pool before the client's next request (else the pool may open a
+second one)."""
 DRAIN_AFTER_DONE_S = 1.0
-"""Then, the client's response ended, wait at most this long more for it (so the connection can still be reused)."""
+"""Then, the client's response ended, wait at most this long more for it (so the connection can still be
+reused)."""
 _EOF = object()
 _REARM = object()
 _DONE, _ERROR, _BAD_FINISH = "done", "error", "bad_finish"
@@ -98,8 +100,9 @@ class RelayOutcome:
     first_token_at: float | None = None
     last_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
-    """When each token event was sent to the client (perf_counter seconds), in order: the gaps after the first
-    are ``gen_ai.client.operation.time_per_output_chunk`` (one append per token: nothing heavier per chunk)."""
+    """When each token event was sent to the client (perf_counter seconds), in order: the gaps after the
+    first are ``gen_ai.client.operation.time_per_output_chunk`` (one append per token: nothing heavier per
+    chunk)."""
     upstream_end: float | None = None
     """When the upstream's answer ended (``[DONE]``, end of body or a broken connection); None: it did not."""
     upstream_error: dict[str, Any] | None = None
@@ -107,7 +110,8 @@ class RelayOutcome:
     failure: GatewayError | RetryableFailure | None = None
     """Why the relay stopped short (a timeout, a broken or incomplete stream); raised by the call."""
     drain: bool = False
-    """``[DONE]`` was relayed: read the upstream's end of body (:meth:`StreamRelay.drain`) after the client's."""
+    """``[DONE]`` was relayed: read the upstream's end of body (:meth:`StreamRelay.drain`) after the
+    client's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,9 +225,10 @@ class StreamRelay:
         )
 
     async def drain(self, within_s: float) -> bool:
-        """After ``[DONE]``: read the upstream's end of body for at most ``within_s`` seconds, so its connection
-        goes back to the pool instead of being closed. True when the drain is over (the body ended, or broke:
-        nothing more to wait for); False when ``within_s`` passed first: a later call waits on."""
+        """After ``[DONE]``: read the upstream's end of body for at most ``within_s`` seconds, so its
+        connection goes back to the pool instead of being closed. True when the drain is over (the body
+        ended, or broke: nothing more to wait for); False when ``within_s`` passed first: a later call
+        waits on."""
         until = time.perf_counter() + within_s
         try:
             while (item := await self.queue.get(until - time.perf_counter())) is not _EOF and not isinstance(

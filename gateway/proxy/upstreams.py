@@ -4,10 +4,11 @@ Active health check: ``GET {url}/v1/models`` every ``health_interval_s`` (univer
 servers, and it refreshes each replica's model cards, including ``max_model_len``). Passive ejection: a
 connection error or timeout ejects a replica at once, ``failure_threshold`` consecutive 5xx answers eject it;
 an ejected replica returns at its next good health check. A health probe that gets no answer within
-``health_timeout_s`` ejects only as the ``failure_threshold``-th in a row (a replica whose event loop is slow in
-a long step is busy, not dead: Kubernetes' readiness ``failureThreshold``, Envoy's ``unhealthy_threshold``); a
-refused or timed-out connection, an error status or a malformed answer ejects at once. Selection: among
-healthy replicas serving the model, the one with the fewest requests in flight; ties go round-robin.
+``health_timeout_s`` ejects only as the ``failure_threshold``-th in a row (a replica whose event loop is slow
+in a long step is busy, not dead: Kubernetes' readiness ``failureThreshold``, Envoy's
+``unhealthy_threshold``); a refused or timed-out connection, an error status or a malformed answer ejects at
+once. Selection: among healthy replicas serving the model, the one with the fewest requests in flight; ties go
+round-robin.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class Replica:
 
     @property
     def models(self) -> tuple[str, ...]:
-        """The models it serves: configured, else as its ``/v1/models`` last listed them (empty: not known)."""
+        """The models it serves: configured, else as its ``/v1/models`` last listed them (empty: not
+        known)."""
         return self.config.models or tuple(self.cards)
 
     def serves_only(self, allowed: frozenset[str]) -> bool:
@@ -103,7 +105,8 @@ class UpstreamPool:
         return any(not r.config.models and not r.cards and not r.healthy for r in self.replicas)
 
     def model_card(self, model: str) -> dict[str, Any]:
-        """The ``/v1/models`` entry: the upstream's (from a healthy replica first) with configured overrides."""
+        """The ``/v1/models`` entry: the upstream's (from a healthy replica first) with configured
+        overrides."""
         card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvscope"}
         for replica in sorted(self.replicas, key=lambda r: not r.healthy):
             if model in replica.cards:
@@ -151,8 +154,8 @@ class UpstreamPool:
     def pick(
         self, model: str | None, exclude: Iterable[Replica] = (), only: frozenset[str] | None = None
     ) -> Replica | None:
-        """The healthy replica serving ``model`` (and, with ``only``, nothing but those models) with the fewest
-        outstanding requests (ties round-robin)."""
+        """The healthy replica serving ``model`` (and, with ``only``, nothing but those models) with the
+        fewest outstanding requests (ties round-robin)."""
         replicas = self.candidates(model, exclude, only)
         if not replicas:
             return None
@@ -177,7 +180,8 @@ class UpstreamPool:
     ) -> None:
         """Count a failed attempt (``reason``: connect, timeout, status_5xx, stream_broken …) in
         ``kvscope_gateway_upstream_errors_total``; eject when ``eject`` or after ``failure_threshold``
-        consecutive ``passive`` failures. Timeouts are not passive failures: a slow replica is busy, not dead."""
+        consecutive ``passive`` failures. Timeouts are not passive failures: a slow replica is busy, not
+        dead."""
         self._metrics.upstream_errors.labels(replica.label, reason).inc()
         if not passive:
             return
@@ -194,9 +198,9 @@ class UpstreamPool:
     # --- active health ------------------------------------------------------------------------------------
     async def check(self, replica: Replica, client: httpx.AsyncClient) -> bool:
         """One health probe: ``GET /v1/models`` (once more on a fresh connection when a reused keep-alive
-        connection turns out closed, :meth:`_probe`); updates the replica's cards and health and returns whether
-        the replica stays in rotation (a healthy replica keeps it through ``failure_threshold`` - 1 probes in a
-        row without an answer, see the module docstring)."""
+        connection turns out closed, :meth:`_probe`); updates the replica's cards and health and returns
+        whether the replica stays in rotation (a healthy replica keeps it through ``failure_threshold`` - 1
+        probes in a row without an answer, see the module docstring)."""
         try:
             resp = await self._probe(replica, client)
             data = resp.json()["data"] if resp.status_code == 200 else None
@@ -227,10 +231,11 @@ class UpstreamPool:
         return True
 
     async def _probe(self, replica: Replica, client: httpx.AsyncClient) -> httpx.Response:
-        """``GET /v1/models``, retried once when the connection failed under it: an upstream that closes idle
-        keep-alive connections (uvicorn after 5 s, as long as httpx keeps them) can close the pooled one just as
-        the probe reuses it ("Server disconnected without sending a response"), which says nothing about the
-        upstream's health; the pool drops that connection and the second attempt opens a new one."""
+        """``GET /v1/models``, retried once when the connection failed under it: an upstream that closes
+        idle keep-alive connections (uvicorn after 5 s, as long as httpx keeps them) can close the pooled
+        one just as the probe reuses it ("Server disconnected without sending a response"), which says
+        nothing about the upstream's health; the pool drops that connection and the second attempt opens a
+        new one."""
         url, headers, timeout = (
             replica.url + "/v1/models",
             replica.auth_headers(),

@@ -1,8 +1,9 @@
-"""Request arrival times: a Poisson process (burstiness 1) or a gamma renewal process, as ``vllm bench serve``.
+"""Request arrival times: a Poisson process (burstiness 1) or a gamma renewal process, as ``vllm bench
+serve``.
 
-Inter-arrival gaps are i.i.d. Gamma(shape=b, scale=1/(R·b)) seconds (vllm/benchmarks/serve.py ``get_request``):
-mean 1/R for every burstiness b, coefficient of variation 1/√b; b = 1 is the exponential distribution, i.e.
-Poisson arrivals at rate R. R = inf sends every request at time 0.
+Inter-arrival gaps are i.i.d. Gamma(shape=b, scale=1/(R·b)) seconds (vllm/benchmarks/serve.py
+``get_request``): mean 1/R for every burstiness b, coefficient of variation 1/√b; b = 1 is the exponential
+distribution, i.e. Poisson arrivals at rate R. R = inf sends every request at time 0.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One streamed OpenAI-compatible request, timed on the client side (httpx, asyncio).
 
-Timing follows ``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.py): the clock starts just before
-the request is sent; a *token chunk* is an SSE event whose first choice carries non-empty ``text``
-(completions) or ``delta.content`` / ``delta.reasoning_content`` (chat). TTFT = first token chunk − start;
-ITL = gaps between consecutive token chunks; e2e latency = end of the stream (``[DONE]``) − start. Output
-tokens are counted from the stream (token chunks) and cross-checked against ``usage.completion_tokens``
+Timing follows ``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.py): the clock starts just
+before the request is sent; a *token chunk* is an SSE event whose first choice carries non-empty ``text``
+(completions) or ``delta.content`` / ``delta.reasoning_content`` (chat). TTFT = first token chunk − start; ITL
+= gaps between consecutive token chunks; e2e latency = end of the stream (``[DONE]``) − start. Output tokens
+are counted from the stream (token chunks) and cross-checked against ``usage.completion_tokens``
 (``stream_options.include_usage``), which wins when present, as in vLLM. Unlike vLLM, empty chunks (a bare
 role delta, a final ``finish_reason`` chunk) are not token chunks, so a server that sends a role chunk before
 prefill does not get a tiny TTFT.
@@ -184,8 +184,9 @@ async def _read_stream(
     else:
         if out.stream_tokens == 0:
             # tokens the server generated and counted, none of them text: byte tokens that never formed a
-            # character (the detokenizer holds them back, as vLLM's does) or skipped special tokens. The request
-            # completed; its output reached the client only with the end, so that is its TTFT (no TPOT, no ITL)
+            # character (the detokenizer holds them back, as vLLM's does) or skipped special tokens. The
+            # request completed; its output reached the client only with the end, so that is its TTFT (no
+            # TPOT, no ITL)
             out.ttft = out.latency
         out.success = True
 

@@ -52,7 +52,8 @@ class Comparison:
         }
 
     def ratios(self, names: Sequence[str] = tuple(FIGURES)) -> dict[str, list[float]]:
-        """Per figure: for each endpoint after A, the median over rounds of its value / A's (nan if A's is 0)."""
+        """Per figure: for each endpoint after A, the median over rounds of its value / A's (nan if A's is
+        0)."""
         out = {}
         for name in names:
             base = self._values(name, 0)

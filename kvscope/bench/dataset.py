@@ -56,7 +56,8 @@ def load_tokenizer(path: str | Path):
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
-    """Inclusive ``[floor(length·(1−r)), ceil(length·(1+r))]`` (vLLM), at least 1. Raises ValueError if r ∉ [0, 1)."""
+    """Inclusive ``[floor(length·(1−r)), ceil(length·(1+r))]`` (vLLM), at least 1. Raises ValueError if r ∉
+    [0, 1)."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     low = max(1, math.floor(length * (1 - range_ratio)))
@@ -71,8 +72,8 @@ def random_dataset(
     range_ratio: float = 0.0,
     seed: int = 0,
 ) -> list[SampleRequest]:
-    """``num_prompts`` random-text prompts of ``input_len`` tokens (± range) and output lengths, deterministic in
-    ``seed``. Token ids are drawn from the vocabulary minus special/added tokens."""
+    """``num_prompts`` random-text prompts of ``input_len`` tokens (± range) and output lengths,
+    deterministic in ``seed``. Token ids are drawn from the vocabulary minus special/added tokens."""
     rng = random.Random(seed)
     allowed = _allowed_token_ids(tokenizer)
     in_low, in_high = length_range(input_len, range_ratio)
@@ -90,9 +91,9 @@ def random_dataset(
 def decode_to_target_len(
     tokenizer: TextTokenizer, ids: list[int], target: int, rng: random.Random, allowed: list[int]
 ) -> tuple[str, int]:
-    """Decode ``ids`` and re-encode until the text is ``target`` tokens long (truncate if longer, append random
-    allowed ids if shorter), at most ``MAX_DECODE_RETRIES`` adjustments. Returns (text, re-encoded length).
-    Source: vLLM ``gen_prompt_decode_to_target_len``."""
+    """Decode ``ids`` and re-encode until the text is ``target`` tokens long (truncate if longer, append
+    random allowed ids if shorter), at most ``MAX_DECODE_RETRIES`` adjustments. Returns (text, re-encoded
+    length). Source: vLLM ``gen_prompt_decode_to_target_len``."""
     tries = MAX_DECODE_RETRIES
     while True:
         text = tokenizer.decode(ids, skip_special_tokens=False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def bench_main(argv: list[str]) -> int:
-    """Dispatch to kvscope.engine.bench (offline) or kvscope.bench.serve (against an OpenAI-compatible URL)."""
+    """Dispatch to kvscope.engine.bench (offline) or kvscope.bench.serve (against an OpenAI-compatible
+    URL)."""
     if "--offline" in argv:
         from kvscope.engine.bench import main
 

@@ -1,4 +1,5 @@
-"""``kvscope plan``: argument parsing, error mapping (exit 2 with the known names) and output (rich or JSON)."""
+"""``kvscope plan``: argument parsing, error mapping (exit 2 with the known names) and output (rich or
+JSON)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``"536870912"``, ``"512M"``, ``"1GiB"`` (binary units, as ``kvscope engine --kv-cache-memory``)."""
+    """Bytes from ``"536870912"``, ``"512M"``, ``"1GiB"`` (binary units, as ``kvscope engine
+    --kv-cache-memory``)."""
     match = _SIZE.match(text)
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 268435456, 256M, 1GiB)")
@@ -111,7 +113,8 @@ def _request(args: argparse.Namespace) -> PlanRequest:
 
 
 def resolve_device(name: str, args: argparse.Namespace) -> Device:
-    """The table entry, or this machine's CPU measured now. Raises UnknownDeviceError naming the known ones."""
+    """The table entry, or this machine's CPU measured now. Raises UnknownDeviceError naming the known
+    ones."""
     if name.lower() != CPU:
         return get_device(name)
     from kvscope.plan.cpu_probe import ProbeConfig, probe_cpu

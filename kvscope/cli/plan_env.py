@@ -8,5 +8,6 @@ from kvscope.gateway.logs.es_settings import CliEnv, cli_env
 
 
 def es_env() -> CliEnv:
-    """Elasticsearch credentials for ``--from-log URL`` from ``ELASTICSEARCH_*`` (as ``kvscope logs``), at call time."""
+    """Elasticsearch credentials for ``--from-log URL`` from ``ELASTICSEARCH_*`` (as ``kvscope logs``), at
+    call time."""
     return cli_env(os.environ)

@@ -1,6 +1,6 @@
 """The joint of ``kvscope plan --from-log FILE`` and the gateway's request log: spans read by the gateway's
-DuckDB log reader (kvscope.gateway.analytics), for the planner's replay (kvscope.plan.replay), which imports no
-gateway code."""
+DuckDB log reader (kvscope.gateway.analytics), for the planner's replay (kvscope.plan.replay), which
+imports no gateway code."""
 
 from __future__ import annotations
 

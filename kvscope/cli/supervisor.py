@@ -123,8 +123,9 @@ class Supervisor:
             )
 
     def _check_ports_free(self) -> None:
-        """Fail before loading anything when a port is taken: otherwise another server on the gateway's port
-        would answer the readiness probe and the banner would point at it (uvicorn's bind error comes later)."""
+        """Fail before loading anything when a port is taken: otherwise another server on the gateway's
+        port would answer the readiness probe and the banner would point at it (uvicorn's bind error comes
+        later)."""
         o = self.options
         for host, port, flag in ((o.host, o.port, "--port"), ("127.0.0.1", o.engine_port, "--engine-port")):
             problem = _bind_problem(host, port)

@@ -1,13 +1,14 @@
-"""The model's chat template, rendered the way Hugging Face transformers does it (torch-free; engine and gateway).
+"""The model's chat template, rendered the way Hugging Face transformers does it (torch-free; engine and
+gateway).
 
 transformers renders chat templates in ``transformers/utils/chat_template_utils.py``
-(``_compile_jinja_template``, https://github.com/huggingface/transformers/blob/main/src/transformers/utils/chat_template_utils.py):
-a jinja2 ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the loop-controls
-extension, a ``{% generation %}`` block, a ``tojson`` filter without HTML escaping, and the globals
-``raise_exception`` and ``strftime_now``; the special tokens (``bos_token``, …) are template variables and the
-rendered text is tokenized without adding special tokens. This module is that environment, once, plus where a
-model folder keeps its template. engine/text/tokenizer.py and gateway/tokenize.py both use it; neither
-keeps its own copy.
+(``_compile_jinja_template``,
+https://github.com/huggingface/transformers/blob/main/src/transformers/utils/chat_template_utils.py): a jinja2
+``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the loop-controls extension, a
+``{% generation %}`` block, a ``tojson`` filter without HTML escaping, and the globals ``raise_exception`` and
+``strftime_now``; the special tokens (``bos_token``, …) are template variables and the rendered text is
+tokenized without adding special tokens. This module is that environment, once, plus where a model folder
+keeps its template. engine/text/tokenizer.py and gateway/tokenize.py both use it; neither keeps its own copy.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ class ChatTemplateError(ValueError):
 
 
 def compile_chat_template(source: str) -> ChatRenderer:
-    """Compile a HF chat template (jinja2 source); returns ``render(messages, add_generation_prompt, variables)``.
+    """Compile a HF chat template (jinja2 source); returns ``render(messages, add_generation_prompt,
+    variables)``.
 
     Raises jinja2.TemplateSyntaxError for a template that does not parse; rendering raises
-    :class:`ChatTemplateError` (``"chat template error: …"``) for any jinja2 error, ``raise_exception`` included.
+    :class:`ChatTemplateError` (``"chat template error: …"``) for any jinja2 error, ``raise_exception``
+    included.
     """
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
@@ -131,7 +134,8 @@ def _raise_exception(message: str) -> None:
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}…{% endgeneration %}`` renders its body (transformers uses it for assistant masks)."""
+    """``{% generation %}…{% endgeneration %}`` renders its body (transformers uses it for assistant
+    masks)."""
 
     tags = {"generation"}
 

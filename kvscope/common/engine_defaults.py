@@ -23,12 +23,12 @@ MAX_NUM_BATCHED_TOKENS = 1024
 
 
 def default_num_threads() -> int:
-    """torch threads of the engine when ``EngineConfig.num_threads`` is None: the CPUs this process may use minus
-    one (left for the server loop, the tokenizer and the OS), at least 1.
+    """torch threads of the engine when ``EngineConfig.num_threads`` is None: the CPUs this process may use
+    minus one (left for the server loop, the tokenizer and the OS), at least 1.
 
-    Why not all of them: OpenMP threads spin at every barrier, so when another process or the server's own thread
-    takes a core, every parallel op waits for a descheduled thread (docs/benchmarks.md "CPU threads"). A
-    deployment that sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads can pass ``num_threads`` = all CPUs.
+    Why not all of them: OpenMP threads spin at every barrier, so when another process or the server's own
+    thread takes a core, every parallel op waits for a descheduled thread (docs/benchmarks.md "CPU threads").
+    A deployment that sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads can pass ``num_threads`` = all CPUs.
     """
     try:
         cpus = len(os.sched_getaffinity(0))

@@ -40,14 +40,15 @@ def error_type(status: int) -> str:
 
 
 def default_code(status: int) -> str:
-    """The ``code`` of an error with HTTP ``status`` that names no code itself, in both servers: the status's
-    own (``not_found``, ``request_too_large`` …), ``invalid_value`` for a 400, else the status's ``type``. Never
-    null: docs/gateway.md and docs/engine-server.md say ``code`` always names the error."""
+    """The ``code`` of an error with HTTP ``status`` that names no code itself, in both servers: the
+    status's own (``not_found``, ``request_too_large`` …), ``invalid_value`` for a 400, else the status's
+    ``type``. Never null: docs/gateway.md and docs/engine-server.md say ``code`` always names the error."""
     return _CODES.get(status) or (INVALID_VALUE if status == 400 else error_type(status))
 
 
 CLIENT_CLOSED_REQUEST = 499
-"""The status both servers log (and the engine answers) for a client that left before its answer (nginx's 499)."""
+"""The status both servers log (and the engine answers) for a client that left before its answer (nginx's
+499)."""
 INVALID_VALUE = "invalid_value"
 """The ``code`` of a 400 whose body is JSON but a field is wrong (both servers)."""
 INVALID_JSON = "invalid_json"

@@ -122,8 +122,8 @@ def metric_reader(
     explicit: str | None = None, interval_s: float | None = None, environ: Mapping[str, str] | None = None
 ) -> MetricReader | None:
     """A periodic reader pushing to :func:`metric_exporter`, None when metrics are not exported.
-    ``interval_s`` (the service's configuration) overrides ``OTEL_METRIC_EXPORT_INTERVAL``, which the SDK reads
-    when no interval is passed; with neither, :data:`DEFAULT_EXPORT_INTERVAL_MS`."""
+    ``interval_s`` (the service's configuration) overrides ``OTEL_METRIC_EXPORT_INTERVAL``, which the SDK
+    reads when no interval is passed; with neither, :data:`DEFAULT_EXPORT_INTERVAL_MS`."""
     env = os.environ if environ is None else environ
     exporter = metric_exporter(explicit, env)
     if exporter is None:

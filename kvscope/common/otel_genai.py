@@ -12,8 +12,8 @@ conventions for generative AI metrics":
 
 Each :class:`MeterProvider` is built here and owned by its service (the global provider is never set). With
 an OTLP endpoint (the service's flag/config or the standard ``OTEL_EXPORTER_OTLP_*`` environment,
-:mod:`kvscope.common.otel_env`) a periodic reader pushes over OTLP/HTTP or gRPC; tests pass their own reader (e.g.
-``InMemoryMetricReader``). Without either, instruments record into nothing.
+:mod:`kvscope.common.otel_env`) a periodic reader pushes over OTLP/HTTP or gRPC; tests pass their own reader
+(e.g. ``InMemoryMetricReader``). Without either, instruments record into nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ OPERATION_DURATION_BUCKETS = (
     40.96,
     81.92,
 )
-"""``gen_ai.client.operation.duration`` and ``gen_ai.server.request.duration`` (semconv ExplicitBucketBoundaries)."""
+"""``gen_ai.client.operation.duration`` and ``gen_ai.server.request.duration`` (semconv
+ExplicitBucketBoundaries)."""
 TOKEN_USAGE_BUCKETS = (
     1,
     4,
@@ -145,12 +146,13 @@ class GenAiClientMetrics:
         time_to_first_chunk_s: float | None,
         output_chunk_gaps_s: Sequence[float] = (),
     ) -> None:
-        """One upstream call; ``attributes`` as :mod:`kvscope.gateway.genai_attrs` builds them (only the metric
-        attributes of the semconv are kept: operation, provider, models, server address/port, error.type).
-        ``output_chunk_gaps_s``: the stream's gaps between consecutive chunks after the first (seconds), each
-        recorded as one ``time_per_output_chunk`` observation, as the semconv asks (one per chunk after the
-        first). The relay only collects the chunk times (a list append per token); the histogram records all
-        of them here, once the call ended, which keeps OTel out of the per-chunk path."""
+        """One upstream call; ``attributes`` as :mod:`kvscope.gateway.genai_attrs` builds them (only the
+        metric attributes of the semconv are kept: operation, provider, models, server address/port,
+        error.type). ``output_chunk_gaps_s``: the stream's gaps between consecutive chunks after the first
+        (seconds), each recorded as one ``time_per_output_chunk`` observation, as the semconv asks (one per
+        chunk after the first). The relay only collects the chunk times (a list append per token); the
+        histogram records all of them here, once the call ended, which keeps OTel out of the per-chunk
+        path."""
         attrs = {k: v for k, v in attributes.items() if k in _METRIC_ATTRIBUTES}
         self.duration.record(duration_s, attrs)
         for kind, value in (("input", input_tokens), ("output", output_tokens)):
@@ -190,7 +192,8 @@ class GenAiServerMetrics:
     def record(
         self, attributes: Mapping[str, Any], duration_s: float, ttft_s: float | None, tpot_s: float | None
     ) -> None:
-        """One request. TTFT and TPOT only for successful responses (no ``error.type``), as the semconv says."""
+        """One request. TTFT and TPOT only for successful responses (no ``error.type``), as the semconv
+        says."""
         attrs = {k: v for k, v in attributes.items() if k in _METRIC_ATTRIBUTES}
         self.request_duration.record(duration_s, attrs)
         if "error.type" in attrs:

@@ -15,8 +15,8 @@ timers, closes them:
   ``body_s`` without a byte of it (nginx ``client_body_timeout``: the time between two reads, not the whole
   body). Then the connection gets a JSON 408 when no response has started (else it is only closed) and is
   closed; the app reading the body sees the client leave (``http.disconnect``), and
-  ``scope["state"][READ_TIMEOUT_KEY]`` says the server answered 408, for the app's request log. While the server
-  itself paused reading (the app has not taken what arrived) the clock does not run.
+  ``scope["state"][READ_TIMEOUT_KEY]`` says the server answered 408, for the app's request log. While the
+  server itself paused reading (the app has not taken what arrived) the clock does not run.
 
 A leaf module (uvicorn and h11 only): the gateway (gateway/server.py) and the engine server
 (engine/server/cli.py) both serve through it.
@@ -98,11 +98,12 @@ class ReadTimeoutProtocol(H11Protocol):
         super().on_response_complete()
         self._follow_reads()
 
-    # --- the timers -------------------------------------------------------------------------------------------
+    # --- the timers
+    # -------------------------------------------------------------------------------------------
     def _follow_reads(self, read: bool = False) -> None:
-        """Arm the timer the connection's state calls for: the head timer while a request head is awaited (armed
-        once: the whole head counts), the body timer while a body is being received (re-armed by each ``read``),
-        none otherwise (the app holds a whole request, or the connection is closing)."""
+        """Arm the timer the connection's state calls for: the head timer while a request head is awaited
+        (armed once: the whole head counts), the body timer while a body is being received (re-armed by
+        each ``read``), none otherwise (the app holds a whole request, or the connection is closing)."""
         if self.transport is None or self.transport.is_closing():
             self._disarm()
             return
@@ -155,7 +156,8 @@ class ReadTimeoutProtocol(H11Protocol):
         self._close()
 
     def write_timeout_response(self, message: str) -> int:
-        """Write the 408 with ``Connection: close`` (h11 framing); returns the body's length. The caller closes."""
+        """Write the 408 with ``Connection: close`` (h11 framing); returns the body's length. The caller
+        closes."""
         body = timeout_body(message)
         headers = [
             (b"content-type", b"application/json"),
@@ -174,7 +176,8 @@ class ReadTimeoutProtocol(H11Protocol):
         return len(body)
 
     def _close(self) -> None:
-        """Close the connection; a request in progress sees ``http.disconnect`` (uvicorn's connection_lost)."""
+        """Close the connection; a request in progress sees ``http.disconnect`` (uvicorn's
+        connection_lost)."""
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()

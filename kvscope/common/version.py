@@ -1,5 +1,5 @@
-"""The version both services report (OTel ``service.version``, the ``build_info`` metrics): one leaf, imported by
-the engine and the gateway."""
+"""The version both services report (OTel ``service.version``, the ``build_info`` metrics): one leaf,
+imported by the engine and the gateway."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 - Bandwidth: the best of ``repeats`` timed ``tensor.sum()`` over a float32 buffer of ``buffer_bytes``
   (default 1 GiB, beyond any last-level cache), i.e. streaming read bandwidth, the traffic of a decode step.
-- Peak FLOP/s: the best of ``repeats`` timed ``n × n`` matmuls (``2 n³`` FLOPs each) in fp32 and bf16.
-Both run with the torch thread count the engine would use (``kvscope.common.engine_defaults.default_num_threads``: the
-CPUs this process may use minus one, at least 1), so the bound is the engine's own ceiling on this machine.
-About 2 s on a 2-core VM.
+- Peak FLOP/s: the best of ``repeats`` timed ``n × n`` matmuls (``2 n³`` FLOPs each) in fp32 and bf16. Both
+run with the torch thread count the engine would use (``kvscope.common.engine_defaults.default_num_threads``:
+the CPUs this process may use minus one, at least 1), so the bound is the engine's own ceiling on this
+machine. About 2 s on a 2-core VM.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ def known_device_names(devices: dict[str, Device] | None = None) -> list[str]:
 
 
 def get_device(name: str, devices: dict[str, Device] | None = None) -> Device:
-    """The table entry named ``name`` or one of its aliases (case-insensitive); ``cpu`` is not here (probe it).
+    """The table entry named ``name`` or one of its aliases (case-insensitive); ``cpu`` is not here (probe
+    it).
 
     Raises UnknownDeviceError naming the known devices.
     """

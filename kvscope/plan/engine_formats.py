@@ -1,15 +1,18 @@
 """Bytes the kvscope engine holds per weight format on CPU (``kvscope plan --weights-format``), exactly as
-engine/models/{layers,compact,quant}.py build them (``kvscope.engine.models.compact.model_weight_bytes`` measures the
-same count; tests/plan/test_engine_formats.py checks it against the loaded SmolLM2-135M).
+engine/models/{layers,compact,quant}.py build them (``kvscope.engine.models.compact.model_weight_bytes``
+measures the same count; tests/plan/test_engine_formats.py checks it against the loaded SmolLM2-135M).
 
-Per matrix weight of the linear layers and the LM head (``d`` = bytes of the dense dtype, 4 float32 / 2 bfloat16):
+Per matrix weight of the linear layers and the LM head (``d`` = bytes of the dense dtype, 4 float32 / 2
+bfloat16):
 
 - ``float32``/``bfloat16``: ``2·d`` — the weight re-pointed at its column-major copy plus oneDNN's packed copy
   (``Linear.prepare_for_cpu``); a tied embedding is that column-major copy, so it costs nothing more.
-- ``int8``: ``1 + d`` plus 2 B (a bfloat16 scale) per output row — the int8 matrix and the dense packed copy used
+- ``int8``: ``1 + d`` plus 2 B (a bfloat16 scale) per output row — the int8 matrix and the dense packed copy
+used
   above the probe's crossover (``CompactLinearKernel``); the LM head too (tied: an int8 copy beside the
   embedding, which stays dense for lookups).
-- ``int4``/``gguf``: ``0.625 + d`` for the decoder projections — 4-bit codes plus a bfloat16 scale and zero per
+- ``int4``/``gguf``: ``0.625 + d`` for the decoder projections — 4-bit codes plus a bfloat16 scale and zero
+per
   group of 32 (the GGUF's Q4_0/Q4_1 block, 20 B / 32 weights) and the dense copy; the LM head stays dense
   (``2·d``) and, with kvscope's CPU kernels (kernels/cpu_decode.py, CPUs with AVX-512 VNNI: ``q8_head``), also
   gets a Q8_0-style copy (32 codes + a float16 scale and min per block: 36 B / 32 weights) for decode rows.
@@ -69,12 +72,12 @@ def engine_weight_bytes(
     q8_head: bool = True,
     amx_copy: bool = False,
 ) -> int:
-    """Bytes of weights the engine holds for ``weights_format`` (module doc); ``dtype``: the dense dtype of the
-    compact formats (the engine's ``--dtype auto``: bfloat16 where its probe finds it faster, else float32);
-    ``q8_head``: int4/gguf with kvscope's CPU kernels (the engine's default where they build; False for
-    ``--cpu-kernels torch`` or a CPU without AVX-512 VNNI); ``amx_copy``: int4/gguf layers also hold the 4-bit
-    copy of kvscope's AMX matmul (a CPU with AMX-BF16 whose start-up probe found it faster than the dense copy
-    for batched rows). Raises KeyError for an unknown format or dtype."""
+    """Bytes of weights the engine holds for ``weights_format`` (module doc); ``dtype``: the dense dtype of
+    the compact formats (the engine's ``--dtype auto``: bfloat16 where its probe finds it faster, else
+    float32); ``q8_head``: int4/gguf with kvscope's CPU kernels (the engine's default where they build;
+    False for ``--cpu-kernels torch`` or a CPU without AVX-512 VNNI); ``amx_copy``: int4/gguf layers also
+    hold the 4-bit copy of kvscope's AMX matmul (a CPU with AMX-BF16 whose start-up probe found it faster
+    than the dense copy for batched rows). Raises KeyError for an unknown format or dtype."""
     quantization = ENGINE_FORMATS[weights_format][1]
     d = f.DTYPE_BYTES[format_dtype(weights_format, dtype)]
     counts = f.param_counts(shape)

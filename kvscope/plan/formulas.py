@@ -62,7 +62,8 @@ class ParamCounts:
 
 
 def param_counts(shape: ModelShape) -> ParamCounts:
-    """Parameters of ``shape`` by part (exact for Llama/Mistral/Qwen2/Qwen3 as engine/models/llama.py builds them)."""
+    """Parameters of ``shape`` by part (exact for Llama/Mistral/Qwen2/Qwen3 as engine/models/llama.py
+    builds them)."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     attn = shape.hidden_size * (q + 2 * kv) + q * shape.hidden_size
     mlp = 3 * shape.hidden_size * shape.intermediate_size
@@ -105,7 +106,8 @@ def matmul_params(shape: ModelShape) -> int:
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
-    """``2 × num_layers × num_kv_heads × head_dim × bytes(kv_dtype)`` (bytes). Raises KeyError for a bad dtype."""
+    """``2 × num_layers × num_kv_heads × head_dim × bytes(kv_dtype)`` (bytes). Raises KeyError for a bad
+    dtype."""
     return int(2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[kv_dtype])
 
 

@@ -1,5 +1,5 @@
-"""Finding a model's shape and weight files: a HF ``config.json`` (a file, a folder holding one, or a registered
-model's cached conversion), or a GGUF header (``gguf`` package, metadata keys of llama.cpp's
+"""Finding a model's shape and weight files: a HF ``config.json`` (a file, a folder holding one, or a
+registered model's cached conversion), or a GGUF header (``gguf`` package, metadata keys of llama.cpp's
 ``gguf-py/gguf/constants.py`` ``Keys.LLM``/``Keys.Attention``). Nothing is downloaded: a registered model that
 is not in the cache yet is read from its ``.gguf`` after ``kvscope pull NAME``.
 """

@@ -1,9 +1,10 @@
 """``plan()``: model shape + device + workload → memory, capacity, speed envelope and engine flags.
 
-The memory model is the engine's own (engine/worker/kv_cache.py ``budget_num_blocks``): on CUDA the KV cache gets
-``memory × gpu_memory_utilization − weights − CUDA context`` (the engine measures free memory after loading
-the weights; activations come out of the ``1 − utilization`` headroom); on CPU it gets ``--kv-cache-memory``.
-Every figure is in bytes, seconds or tokens; see formulas.py for the formulas and their sources.
+The memory model is the engine's own (engine/worker/kv_cache.py ``budget_num_blocks``): on CUDA the KV cache
+gets ``memory × gpu_memory_utilization − weights − CUDA context`` (the engine measures free memory after
+loading the weights; activations come out of the ``1 − utilization`` headroom); on CPU it gets
+``--kv-cache-memory``. Every figure is in bytes, seconds or tokens; see formulas.py for the formulas and their
+sources.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from kvscope.plan.model_files import ModelFiles
 from kvscope.plan.weights_on_disk import on_disk
 
 CUDA_CONTEXT_BYTES = 512 << 20
-"""CUDA context + cuBLAS workspace that the engine's free-memory budget loses (estimate: ~500 MiB with torch 2.x)."""
+"""CUDA context + cuBLAS workspace that the engine's free-memory budget loses (estimate: ~500 MiB with
+torch 2.x)."""
 MAX_SEQS_CAP = 256
 """Largest --max-num-seqs recommended when no --concurrency is asked for."""
 CONCURRENCY_ROWS = (1, 8, 32, 64, 128, 256)
@@ -51,10 +53,10 @@ class PlanRequest:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     ttft_slo_s: float = 1.0
     weights_format: str | None = None
-    """The kvscope engine's CPU weight format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``): weights are
-    counted as the engine holds them (kvscope/plan/engine_formats.py, compact formats with ``dtype`` as their
-    dense dtype) and the recommended flags name ``--dtype``/``--quantization``. None: ``dtype``/``quantization``
-    as a generic format (formulas.weight_bytes)."""
+    """The kvscope engine's CPU weight format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``):
+    weights are counted as the engine holds them (kvscope/plan/engine_formats.py, compact formats with
+    ``dtype`` as their dense dtype) and the recommended flags name ``--dtype``/``--quantization``. None:
+    ``dtype``/``quantization`` as a generic format (formulas.weight_bytes)."""
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -84,7 +86,8 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The answer, section by section (JSON-ready dicts; ``kvscope plan --format json`` prints ``to_dict()``)."""
+    """The answer, section by section (JSON-ready dicts; ``kvscope plan --format json`` prints
+    ``to_dict()``)."""
 
     request: dict[str, Any]
     model: dict[str, Any]

@@ -63,8 +63,9 @@ def span_of(doc: dict[str, Any]) -> Span | None:
 
 
 async def read_spans_es(client: Any, index: str, page_size: int = 5000) -> tuple[list[Span], dict[str, Any]]:
-    """Every generation of ``index`` as Spans (start order) and {"unparsed_lines": records without valid times,
-    "not_generations": records without ``gen_ai.usage.input_tokens`` (they held no KV: kvscope/plan/replay.py)}."""
+    """Every generation of ``index`` as Spans (start order) and {"unparsed_lines": records without valid
+    times, "not_generations": records without ``gen_ai.usage.input_tokens`` (they held no KV:
+    kvscope/plan/replay.py)}."""
     spans: list[Span] = []
     unparsed, not_generations, after = 0, 0, None
     while True:

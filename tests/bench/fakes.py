@@ -1,5 +1,5 @@
-"""Test doubles for the benchmark client: a manual clock and an httpx MockTransport serving scripted SSE streams
-whose events advance the clock by known amounts before they are delivered."""
+"""Test doubles for the benchmark client: a manual clock and an httpx MockTransport serving scripted SSE
+streams whose events advance the clock by known amounts before they are delivered."""
 
 from __future__ import annotations
 

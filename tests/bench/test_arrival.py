@@ -72,5 +72,6 @@ async def test_paced_sleeps_to_absolute_deadlines():
         item async for item in paced(["a", "b", "c", "d"], [0.0, 0.5, 1.0, 1.125], lambda: now[0], fake_sleep)
     ]
     assert got == ["a", "b", "c", "d"]
-    # deadlines 10.5, 11.0, 11.125: the overshoot of one sleep shortens the next; a reached deadline does not sleep
+    # deadlines 10.5, 11.0, 11.125: the overshoot of one sleep shortens the next; a reached deadline does not
+    # sleep
     assert slept == pytest.approx([0.5, 0.375])

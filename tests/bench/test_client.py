@@ -77,9 +77,9 @@ async def test_single_token_has_no_tpot():
 
 
 async def test_tokens_without_text_complete_with_their_output_at_the_end():
-    """A stream whose 128 tokens are all byte tokens that never form a character (SmolLM2 does this for some
-    random prompts with ignore_eos): usage says 128, no chunk carries text. Completed, as in vLLM's client; the
-    output reached the client only with the end, so TTFT is the e2e latency; no TPOT, no ITL."""
+    """A stream whose 128 tokens are all byte tokens that never form a character (SmolLM2 does this for
+    some random prompts with ignore_eos): usage says 128, no chunk carries text. Completed, as in vLLM's
+    client; the output reached the client only with the end, so TTFT is the e2e latency; no TPOT, no ITL."""
     events = [(0.5, completion_chunk("", "length")), (0.0, usage_chunk(128)), (0.25, "data: [DONE]")]
     out, _ = await run_one(events)
     assert out.success and out.error_type == ""

@@ -1,5 +1,5 @@
-"""`kvscope logs … | head`: when the reader closes the pipe early, kvscope exits quietly with 141 (as a process
-killed by SIGPIPE would), with no traceback and no "BrokenPipeError" line."""
+"""`kvscope logs … | head`: when the reader closes the pipe early, kvscope exits quietly with 141 (as a
+process killed by SIGPIPE would), with no traceback and no "BrokenPipeError" line."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The event loop the engine's and the gateway's uvicorn servers run on (kvscope/common/event_loop.py): uvloop by
-default, asyncio on request, a clear error for uvloop where it is missing; and a gateway process really runs
-the loop it was given (its memory map holds uvloop's extension only when it does)."""
+"""The event loop the engine's and the gateway's uvicorn servers run on (kvscope/common/event_loop.py):
+uvloop by default, asyncio on request, a clear error for uvloop where it is missing; and a gateway process
+really runs the loop it was given (its memory map holds uvloop's extension only when it does)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def test_the_servers_are_configured_with_the_resolved_loop(choice: str, loop: st
 
 
 def _uvloop_mapped(pid: int) -> bool:
-    """Whether process ``pid`` has uvloop's compiled loop module mapped (uvicorn imports it only to run it)."""
+    """Whether process ``pid`` has uvloop's compiled loop module mapped (uvicorn imports it only to run
+    it)."""
     return bool(re.search(r"uvloop/loop\.cpython", Path(f"/proc/{pid}/maps").read_text()))
 
 

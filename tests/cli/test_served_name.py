@@ -1,6 +1,7 @@
-"""The name a model is served under without ``--served-model-name``: one rule for the engine's /v1/models and for
-``kvscope serve``'s banner and gateway tokenizer key (kvscope/common/models/registry.py ``default_served_name``; a break-it
-run found a .gguf path served as ``hf``, the name of the folder it is converted into)."""
+"""The name a model is served under without ``--served-model-name``: one rule for the engine's /v1/models
+and for ``kvscope serve``'s banner and gateway tokenizer key (kvscope/common/models/registry.py
+``default_served_name``; a break-it run found a .gguf path served as ``hf``, the name of the folder it is
+converted into)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""kvscope.common.settings_cli: flags and environment variables derived from settings fields (engine and gateway)."""
+"""kvscope.common.settings_cli: flags and environment variables derived from settings fields (engine and
+gateway)."""
 
 from __future__ import annotations
 
@@ -167,7 +168,8 @@ def test_engine_defaults_env_and_flags() -> None:
     }
     args = build_parser().parse_args([])
     options, settings = engine_options(args), server_settings(args, env)
-    # the servers' one default of their own: the fastest verified weight format (engine/models/format_choice.py)
+    # the servers' one default of their own: the fastest verified weight format
+    # (engine/models/format_choice.py)
     assert (
         options.config_kwargs() == {"dtype": "auto", "quantization": "auto"}
         and options.model == "smollm2-135m"

@@ -68,9 +68,10 @@ def wait_for_series(api: PrometheusAPI, expr: str, timeout_s: float) -> list[dic
 
 
 def fast_rules(dest: Path, for_duration: str = "1s", src: Path = RULES, min_slo_requests: int = 10) -> Path:
-    """Copy the project's rules with every ``for:`` set to ``for_duration`` (15 s for the absent() rules, which
-    would fire before the first scrape) and the error-budget alerts' minimum-traffic guard (``MIN_SLO_REQUESTS`` requests in the long window) lowered to ``min_slo_requests``
-    (the e2e test's "test copy": seconds of traffic instead of hours)."""
+    """Copy the project's rules with every ``for:`` set to ``for_duration`` (15 s for the absent() rules,
+    which would fire before the first scrape) and the error-budget alerts' minimum-traffic guard
+    (``MIN_SLO_REQUESTS`` requests in the long window) lowered to ``min_slo_requests`` (the e2e test's
+    "test copy": seconds of traffic instead of hours)."""
     doc = yaml.safe_load(src.read_text())
     guard = f">= {MIN_SLO_REQUESTS}"
     for group in doc["groups"]:

@@ -1,9 +1,10 @@
 """The project's rules in a real Prometheus, through a real Alertmanager, into a webhook — without the engine.
 
 A prometheus_client exporter serves the gateway's real collectors with a failure scripted into them (5xx
-burst, every upstream down) and one target is dead. Checks routing (critical → pager, warning → team-chat, Watchdog → watchdog),
-inhibition (critical silences the same warning; no-healthy-upstream silences upstream-down) and that every
-rule evaluates without error. Runs in ~10 s; the engine + gateway version is test_prometheus_stack.py.
+burst, every upstream down) and one target is dead. Checks routing (critical → pager, warning → team-chat,
+Watchdog → watchdog), inhibition (critical silences the same warning; no-healthy-upstream silences
+upstream-down) and that every rule evaluates without error. Runs in ~10 s; the engine + gateway version is
+test_prometheus_stack.py.
 """
 
 from __future__ import annotations

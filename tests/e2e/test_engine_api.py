@@ -77,7 +77,8 @@ def test_s1_stream_is_not_buffered_and_ttft_agrees(engine, client):
     line = log_line(engine, result.parsed.chunks[0]["id"])
     assert line["gen_ai"]["usage"]["output_tokens"] == 48
     after = engine.metrics()
-    # the engine stamps the first token before the client can read the next token's event (load only widens it)
+    # the engine stamps the first token before the client can read the next token's event (load only widens
+    # it)
     second_token = [
         t
         for t, data in zip(times, result.parsed.data, strict=True)
@@ -316,9 +317,10 @@ def test_k1_over_long_input(engine, client):
 
 
 def test_n1_huge_per_request_lists_are_refused(engine, client):
-    """Serving case N1 (issue 35): a logit_bias naming every token of the vocabulary (0.5 each) with n 128 and
-    max_tokens 6, and stop_token_ids of 500,000 entries with n 16, are each a 400 naming the field (caps 300 and
-    1024, engine/sampling_params.py) before any engine work; a plain request right after is served."""
+    """Serving case N1 (issue 35): a logit_bias naming every token of the vocabulary (0.5 each) with n 128
+    and max_tokens 6, and stop_token_ids of 500,000 entries with n 16, are each a 400 naming the field
+    (caps 300 and 1024, engine/sampling_params.py) before any engine work; a plain request right after is
+    served."""
     vocab = 49152  # SmolLM2's
     before = engine.metrics()
     attacks = (
@@ -358,12 +360,13 @@ def test_n1_huge_per_request_lists_are_refused(engine, client):
 
 
 def test_n3_fan_out_is_capped_and_cannot_stall_a_plain_request(engine, client):
-    """Serving case N3 (issue 35): /v1/completions with 400 prompts and n 64 (a 6 KB body, 25,600 sequences) is a
-    400 naming the limit (--max-sequences-per-request, 256) before any engine work. A request at the limit (4
-    prompts x n 64, 64 times this engine's --max-num-seqs 4) streaming while a plain streamed request arrives
-    does not hold it back (engine/core/fairness.py): the plain request is admitted in the first step after it
-    arrives (its kvscope ``queue_blocked_steps`` is 0) and its first token comes before more than one batch
-    (max_num_seqs) of the attacker's sequences has finished. Under FCFS it waited for 252 of them."""
+    """Serving case N3 (issue 35): /v1/completions with 400 prompts and n 64 (a 6 KB body, 25,600
+    sequences) is a 400 naming the limit (--max-sequences-per-request, 256) before any engine work. A
+    request at the limit (4 prompts x n 64, 64 times this engine's --max-num-seqs 4) streaming while a
+    plain streamed request arrives does not hold it back (engine/core/fairness.py): the plain request is
+    admitted in the first step after it arrives (its kvscope ``queue_blocked_steps`` is 0) and its first
+    token comes before more than one batch (max_num_seqs) of the attacker's sequences has finished. Under
+    FCFS it waited for 252 of them."""
     before = engine.metrics()
     body = completion(["Tell a joke."] * 400, n=64, max_tokens=16)
     response = client.post(COMPLETIONS, json=body)

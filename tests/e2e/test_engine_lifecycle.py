@@ -189,8 +189,8 @@ def test_l2_m2_queued_request_and_kv_gauge(engine):
 def test_m1_latency_histograms_are_true(engine, client):
     before = engine.metrics()
     bodies = [completion(f"Item {i}:", max_tokens=8, ignore_eos=True) for i in range(4)]
-    # 961 prompt tokens in eight 128-token chunks: TTFT ~1.5 s on a 2-vCPU EPYC (~600 tokens took 0.99 s there,
-    # under the 1-s bucket bound this needs to straddle)
+    # 961 prompt tokens in eight 128-token chunks: TTFT ~1.5 s on a 2-vCPU EPYC (~600 tokens took 0.99 s
+    # there, under the 1-s bucket bound this needs to straddle)
     bodies.append(completion("The history of the ocean. " * 160, max_tokens=8, ignore_eos=True))
     bodies.append(completion("A long one:", max_tokens=40, ignore_eos=True))
     client_seconds, lines = [], []  # client: send → the event of the second token arrived

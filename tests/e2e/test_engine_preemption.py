@@ -91,7 +91,8 @@ def test_k2_preemption_is_invisible(engine):
 
 
 def test_shutdown_fails_running_streams_in_band(engine):
-    """SIGTERM while a stream runs: the client gets ``data: {"error": …}`` (engine shutting down), no [DONE]."""
+    """SIGTERM while a stream runs: the client gets ``data: {"error": …}`` (engine shutting down), no
+    [DONE]."""
     run = BackgroundStream(
         engine.url, CHAT, chat("Tell me a long story.", max_tokens=60, ignore_eos=True), "shutdown-stream"
     )

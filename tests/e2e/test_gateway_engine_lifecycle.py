@@ -193,8 +193,8 @@ def test_l2_request_queued_behind_a_full_engine(stack):
 
 def test_m1_latency_histograms_are_true(stack, client):
     bodies = [completion(f"Item {i}:", max_tokens=6, ignore_eos=True) for i in range(3)]
-    # 961 prompt tokens in eight 128-token chunks on one thread: TTFT 1.5 s on the 2-vCPU EPYC with the default
-    # gguf (~600 tokens took 0.98 s there, under the 1-s bucket bound this needs to straddle)
+    # 961 prompt tokens in eight 128-token chunks on one thread: TTFT 1.5 s on the 2-vCPU EPYC with the
+    # default gguf (~600 tokens took 0.98 s there, under the 1-s bucket bound this needs to straddle)
     bodies.append(completion("The history of the ocean. " * 160, max_tokens=6, ignore_eos=True))
     bodies.append(completion("A long one:", max_tokens=24, ignore_eos=True))
     first = before = stack.gateway_metrics()

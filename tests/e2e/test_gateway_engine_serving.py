@@ -2,9 +2,10 @@
 engine subprocess, SmolLM2 on CPU), checked on both sides: the client's bytes, the gateway's log line and
 metrics, and the engine's log line and metrics for the same ``x-request-id``.
 
-Scaled for 2 shared CPU cores: S1 streams 32 tokens (not 200; ~10 tokens/s here); the context is 1024 tokens, so K1's prompt has
-1124 tokens and its short request asks for 1021. S4's wait is a ~900-token prefill (seconds on this CPU)
-against a gateway keep-alive interval of 0.5 s. After every test a plain chat request must answer 200.
+Scaled for 2 shared CPU cores: S1 streams 32 tokens (not 200; ~10 tokens/s here); the context is 1024 tokens,
+so K1's prompt has 1124 tokens and its short request asks for 1021. S4's wait is a ~900-token prefill (seconds
+on this CPU) against a gateway keep-alive interval of 0.5 s. After every test a plain chat request must answer
+200.
 """
 
 from __future__ import annotations

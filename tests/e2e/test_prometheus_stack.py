@@ -45,8 +45,8 @@ ARTIFACTS = REPO / "test-artifacts" / "dashboards"
 MAY_BE_EMPTY: dict[str, str] = {
     title: "GPU only: NVML/torch.cuda series are absent on CPU" for title in GPU_PANELS
 }
-"""Panel title → why it may show no data on this machine (on CPU the engine still reports KV cache + weights as
-device memory on the overview)."""
+"""Panel title → why it may show no data on this machine (on CPU the engine still reports KV cache +
+weights as device memory on the overview)."""
 SCRAPE_S = 1.0
 
 
@@ -193,9 +193,9 @@ def burst_request(client: httpx.Client, key: str) -> int:
 
 
 def workload_round(client: httpx.Client, pool: concurrent.futures.Executor, keys: dict[str, str]) -> dict:
-    """Plain and streamed chats (4 at a time, shared prefixes), 2 choice-constrained chats, 2 copying chats (n-gram
-    drafts for the speculative panels), 3 calls of a key limited to 1 request/min,
-    2 streams that fail in-band, then a 5 s burst of 20 requests to the always-500 fake upstream."""
+    """Plain and streamed chats (4 at a time, shared prefixes), 2 choice-constrained chats, 2 copying chats
+    (n-gram drafts for the speculative panels), 3 calls of a key limited to 1 request/min, 2 streams that
+    fail in-band, then a 5 s burst of 20 requests to the always-500 fake upstream."""
     prefix = "You are a terse assistant. Answer in one short sentence. " * 8
     prompts = [f"{prefix} Question {i}: name a colour." for i in range(8)]
     plain = pool.map(lambda p: chat(client, keys["main"], MODEL, p).status_code, prompts)
@@ -227,7 +227,8 @@ def workload_round(client: httpx.Client, pool: concurrent.futures.Executor, keys
 
 def drive_workload(base: str, keys: dict[str, str]) -> list[dict]:
     """Two rounds, two scrapes apart: a series born inside one scrape interval shows no increase to rate(),
-    so the first round creates the series (labelled children appear on first use) and the second moves them."""
+    so the first round creates the series (labelled children appear on first use) and the second moves
+    them."""
     with httpx.Client(base_url=base, timeout=120) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
         first = workload_round(client, pool, keys)
         time.sleep(2 * SCRAPE_S)

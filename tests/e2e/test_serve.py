@@ -111,9 +111,9 @@ def _check_children(running: Serve) -> None:
 
 
 def _check_default_format(running: Serve) -> None:
-    """No --dtype/--quantization: the engine picks the fastest verified format (smollm2-135m: float32, bfloat16,
-    int8 or gguf by its start-up probe; gguf where kvscope's CPU kernels run its decode step), logs why, and serve
-    prints the same format from the engine's card."""
+    """No --dtype/--quantization: the engine picks the fastest verified format (smollm2-135m: float32,
+    bfloat16, int8 or gguf by its start-up probe; gguf where kvscope's CPU kernels run its decode step),
+    logs why, and serve prints the same format from the engine's card."""
     import re
 
     text = running.output.read_text(errors="replace")

@@ -334,10 +334,10 @@ def test_schemas_the_matcher_cannot_serve_are_400_at_admission(client, extra, pa
 
 
 def test_a_matcher_error_mid_answer_is_an_error_never_a_stop(engine):
-    """An integer or a self-nesting object: admission passes, the answer ``{"`` (logit_bias) breaks llguidance's
-    item limit at the next token: the client's grammar beyond the matcher's limits. JSON: a 400 naming
-    response_format and the cause; stream: an in-band invalid_request_error event and no [DONE] (serving case
-    S3), never finish_reason stop on invalid JSON."""
+    """An integer or a self-nesting object: admission passes, the answer ``{"`` (logit_bias) breaks
+    llguidance's item limit at the next token: the client's grammar beyond the matcher's limits. JSON: a
+    400 naming response_format and the cause; stream: an in-band invalid_request_error event and no [DONE]
+    (serving case S3), never finish_reason stop on invalid JSON."""
     schema = {
         "anyOf": [
             {"type": "integer"},

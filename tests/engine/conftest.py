@@ -1,5 +1,6 @@
-"""Engine test fixtures. The tokenizer folder is the converted default model (tests/conftest.py ``model_dir``):
-the same files the engine serves, pulled into the model cache by the suite itself, never a fixed path."""
+"""Engine test fixtures. The tokenizer folder is the converted default model (tests/conftest.py
+``model_dir``): the same files the engine serves, pulled into the model cache by the suite itself, never a
+fixed path."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def tokenizer(tokenizer_dir: Path):
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch):
-    """kvscope.engine.structured.backend's llguidance replaced by an LLGuidanceSpy that records every compile and
-    holds those of grammars containing ``HOLD_MARKER`` (tests/engine/structured/llguidance_spy.py) until the test
-    opens the gate; opened again at teardown so no compile thread stays blocked."""
+    """kvscope.engine.structured.backend's llguidance replaced by an LLGuidanceSpy that records every
+    compile and holds those of grammars containing ``HOLD_MARKER``
+    (tests/engine/structured/llguidance_spy.py) until the test opens the gate; opened again at teardown so
+    no compile thread stays blocked."""
     import kvscope.engine.structured.backend as backend
     from tests.engine.structured.llguidance_spy import HOLD_MARKER, LLGuidanceSpy
 

@@ -1,6 +1,7 @@
-"""Harness of the speculative-sampling distribution test (tests/engine/test_spec_decode_distribution.py): a tiny
-random-weight Llama with a 16-token vocabulary saved as a model folder, its exact conditional probabilities of
-sampled tokens (HF transformers, teacher forcing) and a chi-square goodness-of-fit p-value."""
+"""Harness of the speculative-sampling distribution test (tests/engine/test_spec_decode_distribution.py): a
+tiny random-weight Llama with a 16-token vocabulary saved as a model folder, its exact conditional
+probabilities of sampled tokens (HF transformers, teacher forcing) and a chi-square goodness-of-fit
+p-value."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def next_token_probs(hf: transformers.PreTrainedModel, contexts: Sequence[Sequen
 
 
 def greedy_prompt(hf: transformers.PreTrainedModel, length: int) -> list[int]:
-    """Every token once (so that the n-gram lookup always finds the last token earlier), then the model's greedy
-    continuation up to ``length`` tokens: drafts copied from it are what the model tends to say."""
+    """Every token once (so that the n-gram lookup always finds the last token earlier), then the model's
+    greedy continuation up to ``length`` tokens: drafts copied from it are what the model tends to say."""
     tokens = list(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1)).tolist())
     while len(tokens) < length:
         tokens.append(int(next_token_probs(hf, [tokens])[0].argmax()))

@@ -179,7 +179,8 @@ def test_bfloat16_engine_answers_like_float32(llm) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_rope_is_bit_identical_to_rotate_half(dtype: torch.dtype) -> None:
-    """The 4-op RoPE (roll + signed sin, tables built once per step) gives exactly HF's x·cos + rotate_half(x)·sin."""
+    """The 4-op RoPE (roll + signed sin, tables built once per step) gives exactly HF's x·cos +
+    rotate_half(x)·sin."""
     from kvscope.engine.models.layers import (
         RopeConfig,
         RotaryEmbedding,

@@ -1,4 +1,5 @@
-"""kvscope.engine.text.detokenizer with the real SmolLM2 tokenizer: UTF-8 safe streaming, stop strings, hold-back."""
+"""kvscope.engine.text.detokenizer with the real SmolLM2 tokenizer: UTF-8 safe streaming, stop strings,
+hold-back."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ STREAM_TEXTS = [
 def stream(
     tokenizer: Tokenizer, prompt: str | list[int], output_ids: list[int], **params
 ) -> tuple[IncrementalDetokenizer, list[str], str | None]:
-    """Feed ``output_ids`` one by one; return the detokenizer, the deltas (last one with finished=True) and the
-    stop string that ended it (if any)."""
+    """Feed ``output_ids`` one by one; return the detokenizer, the deltas (last one with finished=True) and
+    the stop string that ended it (if any)."""
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams(**params))
     deltas, stop = [], None
@@ -64,8 +65,8 @@ def test_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
 
 
 def test_prompt_text_sharing_the_split_characters_token_is_not_repeated(tokenizer: Tokenizer) -> None:
-    """serving case T1: SmolLM2's token "ĠðŁ" is a space and the first half of 🌶; a prompt ending with it must not
-    make the first delta start with that space (found by a break-it run: ' 🌶' came back)."""
+    """serving case T1: SmolLM2's token "ĠðŁ" is a space and the first half of 🌶; a prompt ending with it
+    must not make the first delta start with that space (found by a break-it run: ' 🌶' came back)."""
     ids = tokenizer.encode("The dish is 🌶️!")
     assert ids[:4] == [504, 8626, 314, 15107] and tokenizer.token_bytes(15107) == b" \xf0\x9f"
     _, deltas, _ = stream(tokenizer, ids[:4], ids[4:])

@@ -1,5 +1,5 @@
-"""``kvscope eval ppl`` on the real model: the float32 engine's perplexity equals transformers', and the default
-formats meet their issue-13 bounds on a 2k-token prefix of the shipped text (the CI guard)."""
+"""``kvscope eval ppl`` on the real model: the float32 engine's perplexity equals transformers', and the
+default formats meet their issue-13 bounds on a 2k-token prefix of the shipped text (the CI guard)."""
 
 from __future__ import annotations
 
@@ -57,9 +57,10 @@ def test_default_formats_meet_their_bounds_on_a_prefix(tmp_path: Path) -> None:
     """CI guard: the first PREFIX tokens in one window, compact kernels at every row, no greedy generation,
     each default format against float32 with the full run's bounds (50 s on the loaded 2-vCPU AMX Xeon).
     Measured 2026-12-01 there, Δ vs float32 on this prefix / on the full 13,613 tokens (docs/benchmarks.md
-    "Quality of the weight formats"): bfloat16 +0.006 % / +0.033 %, int8 +0.093 % / +0.094 %, gguf −0.109 % /
-    −0.072 %, auto (= bfloat16 there) +0.006 % / +0.033 %: within 0.04 percentage points of each other and
-    ≥ 0.5 points inside every bound, so the guard fails only for a real regression, not for the shorter text."""
+    "Quality of the weight formats"): bfloat16 +0.006 % / +0.033 %, int8 +0.093 % / +0.094 %, gguf −0.109 %
+    / −0.072 %, auto (= bfloat16 there) +0.006 % / +0.033 %: within 0.04 percentage points of each other
+    and ≥ 0.5 points inside every bound, so the guard fails only for a real regression, not for the shorter
+    text."""
     out = tmp_path / "ppl.json"
     assert (
         ppl_main(

@@ -108,9 +108,9 @@ def test_scores_are_the_geometric_mean_of_the_kernel_each_format_runs() -> None:
 
 
 def test_gguf_is_scored_on_the_amx_matmul_where_the_engine_runs_it() -> None:
-    # the 2-vCPU Xeon's probe of 2026-12-02 (rounded): the GEMVs hand over at 2 (int4) and 4 (int8) rows, the AMX
-    # int4 matmul beats the dense copy up to 32 rows. Without the AMX rows gguf scored 0.40 and int8 0.43, and
-    # start-up noise picked int8 on some starts.
+    # the 2-vCPU Xeon's probe of 2026-12-02 (rounded): the GEMVs hand over at 2 (int4) and 4 (int8) rows, the
+    # AMX int4 matmul beats the dense copy up to 32 rows. Without the AMX rows gguf scored 0.40 and int8 0.43,
+    # and start-up noise picked int8 on some starts.
     timings = {
         f"{k}@{n}": t
         for k, ts in {
@@ -144,8 +144,8 @@ def test_gguf_is_scored_on_the_amx_matmul_where_the_engine_runs_it() -> None:
     assert choose_format(SMOLLM2, no_amx).scores["gguf"] == 0.4038
 
 
-# The 2-vCPU AMD EPYC (AVX-512 + AVX512_BF16, no AMX) of 2026-12-02, its start-up probe as logged: int4 and int8
-# beat bfloat16 at 1-2 rows and hand over to the same dense copy above, so the matmul scores tie at 0.49.
+# The 2-vCPU AMD EPYC (AVX-512 + AVX512_BF16, no AMX) of 2026-12-02, its start-up probe as logged: int4 and
+# int8 beat bfloat16 at 1-2 rows and hand over to the same dense copy above, so the matmul scores tie at 0.49.
 EPYC_2026_12_02 = probe(
     torch.bfloat16,
     {"int4": 2, "int8": 2},
@@ -280,8 +280,8 @@ def test_start_up_line_names_format_reason_and_bytes() -> None:
 
 @pytest.mark.amx
 def test_the_amx_copy_is_counted_and_planned(monkeypatch: pytest.MonkeyPatch, model_dir) -> None:
-    """A probe that keeps kvscope's AMX int4 matmul up to 32 rows: every int4 layer holds its tile copy, counted
-    in the weights bytes as `kvscope plan` counts it with amx_copy, and runs 5-32 rows on it."""
+    """A probe that keeps kvscope's AMX int4 matmul up to 32 rows: every int4 layer holds its tile copy,
+    counted in the weights bytes as `kvscope plan` counts it with amx_copy, and runs 5-32 rows on it."""
     from dataclasses import replace
 
     from kvscope.engine.llm import LLM

@@ -92,8 +92,8 @@ def test_prompt_logprobs_and_drafts_keep_the_eager_decoder(
 
 
 def test_one_row_logits_come_from_the_decode_head(compact_llm) -> None:
-    """One row's logits (a lone prompt's first token) are the Q8_0 ``decode_head``'s, as in the fused step; two
-    or more rows (batched prefills, prompt logprobs) keep the dense head."""
+    """One row's logits (a lone prompt's first token) are the Q8_0 ``decode_head``'s, as in the fused step;
+    two or more rows (batched prefills, prompt logprobs) keep the dense head."""
     model = compact_llm.engine.model
     hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(
         torch.bfloat16
@@ -153,18 +153,18 @@ def test_fused_step_writes_the_kv_the_eager_decoder_writes(compact_llm) -> None:
             fused_kv.view(2, -1, c.num_key_value_heads, c.head_dim)[:, :slot],
         )  # nothing else moved
     assert logits.shape == (1, c.vocab_size) and logits.dtype == torch.float32
-    # both are a few % (relative L2) from float32 logits of the same weights, in different directions (measured
-    # on three prompts with the int8 codes: fused 0.8-6.7 %, eager 1.1-5.8 %, 5-11 % from each other); a wrong
-    # kernel is ~100 % off
+    # both are a few % (relative L2) from float32 logits of the same weights, in different directions
+    # (measured on three prompts with the int8 codes: fused 0.8-6.7 %, eager 1.1-5.8 %, 5-11 % from each
+    # other); a wrong kernel is ~100 % off
     assert ((logits - eager).norm() / eager.norm()).item() < 0.2
     assert len(set(logits[0].topk(5).indices.tolist()) & set(eager[0].topk(5).indices.tolist())) >= 3
 
 
 def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir) -> None:
-    """Three 256-token windows of the shipped eval text, teacher-forced through the fused step, against float32's
-    prefill perplexity of the same tokens (the same GGUF weights, dequantized). Measured with the 16-bit
-    activation codes: +0.04 / −0.03 / +0.11 % (int8 codes were +0.78 / +0.55 / +0.69 %: the bound catches them);
-    a broken kernel is tens of percent off."""
+    """Three 256-token windows of the shipped eval text, teacher-forced through the fused step, against
+    float32's prefill perplexity of the same tokens (the same GGUF weights, dequantized). Measured with the
+    16-bit activation codes: +0.04 / −0.03 / +0.11 % (int8 codes were +0.78 / +0.55 / +0.69 %: the bound
+    catches them); a broken kernel is tens of percent off."""
     text = Tokenizer.from_dir(model_dir).hf.encode(load_text().text).ids
     reference, _, _ = load_model(ModelConfig(), "cpu")
     model, fused = compact_llm.engine.model, compact_llm.engine.runner.fused

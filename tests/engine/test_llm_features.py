@@ -73,8 +73,9 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_output(llm):
 
 
 def test_prompt_logprobs_are_computed_past_the_prefix_cache(llm):
-    """A request asking for prompt logprobs reads no cached prefix (vLLM v1's rule): every prompt position but
-    the first is scored, the same values as the first time, while a request without them still hits the cache."""
+    """A request asking for prompt logprobs reads no cached prefix (vLLM v1's rule): every prompt position
+    but the first is scored, the same values as the first time, while a request without them still hits the
+    cache."""
     prompt = llm.tokenizer.encode(
         "A paged KV cache stores keys and values in fixed-size blocks of tokens, " * 3
     )

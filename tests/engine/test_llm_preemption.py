@@ -1,7 +1,7 @@
-"""Preemption by recompute is invisible: with KV room for about two requests, eight concurrent greedy requests
-produce exactly the outputs they have when all eight run together without preemption (float32 greedy text does
-not depend on the batch: tests/engine/test_llm_parity.py holds it to transformers alone and batched), the engine
-preempts, and every block is free afterwards (case K2 at the engine level)."""
+"""Preemption by recompute is invisible: with KV room for about two requests, eight concurrent greedy
+requests produce exactly the outputs they have when all eight run together without preemption (float32
+greedy text does not depend on the batch: tests/engine/test_llm_parity.py holds it to transformers alone
+and batched), the engine preempts, and every block is free afterwards (case K2 at the engine level)."""
 
 from __future__ import annotations
 

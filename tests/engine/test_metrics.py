@@ -1,5 +1,5 @@
-"""kvscope.engine.server.metrics: the exact kvscope_engine_* names, types and labels of docs/metrics.md, bucket defaults and
-validation, and exposition after initialize()."""
+"""kvscope.engine.server.metrics: the exact kvscope_engine_* names, types and labels of docs/metrics.md,
+bucket defaults and validation, and exposition after initialize()."""
 
 from __future__ import annotations
 

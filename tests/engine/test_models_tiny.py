@@ -82,7 +82,8 @@ def new_caches(pair: Pair) -> list[torch.Tensor]:
 def paged_step(
     pair: Pair, caches: list[torch.Tensor], chunks: list[tuple[list[int], int, list[int]]]
 ) -> list[torch.Tensor]:
-    """One packed step; each chunk is (token_ids, num_computed_tokens, block_ids). Returns per-chunk logits."""
+    """One packed step; each chunk is (token_ids, num_computed_tokens, block_ids). Returns per-chunk
+    logits."""
     q_lens = [len(tokens) for tokens, _, _ in chunks]
     seq_lens = [done + len(tokens) for tokens, done, _ in chunks]
     meta = AttentionMetadata.build(q_lens, seq_lens, [blocks for _, _, blocks in chunks], BLOCK_SIZE)

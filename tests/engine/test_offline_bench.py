@@ -1,4 +1,5 @@
-"""``kvscope bench --offline --step-bench`` (engine/bench.py): a saved result names what it was measured with."""
+"""``kvscope bench --offline --step-bench`` (engine/bench.py): a saved result names what it was measured
+with."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_a_saved_step_bench_names_its_weights_lengths_and_threads(tmp_path, mode
     assert sorted(ttft["idle_ttft"]) == ["first_ms", "input_len", "median_ms", "min_ms", "runs"]
     assert (ttft["idle_ttft"]["input_len"], ttft["idle_ttft"]["runs"], ttft["num_threads"]) == (8, 3, 1)
     assert 0 < ttft["idle_ttft"]["min_ms"] <= ttft["idle_ttft"]["median_ms"]
-    # the served engine's warm-up ran first: SmolLM2's 4 projection shapes x 60 padded sizes (80, 96, … 1024 rows)
+    # the served engine's warm-up ran first: SmolLM2's 4 projection shapes x 60 padded sizes (80, 96, … 1024
+    # rows)
     assert [
         r.getMessage().split(" in ")[0] for r in caplog.records if "prefill shapes" in r.getMessage()
     ] == ["prefill shapes warmed: 240 matmuls"]

@@ -1,6 +1,7 @@
-"""Issue 13 (idle TTFT): the prefill paths give exactly the numbers of the paths they replace — packed matmuls
-run with their rows padded to a multiple of 16 (bounded oneDNN shapes, warmed by ``LlamaForCausalLM.warm_up``),
-and a fresh prefill attends the K/V it just wrote instead of gathering them back from the cache."""
+"""Issue 13 (idle TTFT): the prefill paths give exactly the numbers of the paths they replace — packed
+matmuls run with their rows padded to a multiple of 16 (bounded oneDNN shapes, warmed by
+``LlamaForCausalLM.warm_up``), and a fresh prefill attends the K/V it just wrote instead of gathering them
+back from the cache."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_linear_pads_rows_of_the_dense_path_and_slices_them_off() -> None:
 
 
 def _padded_and_plain(dtype: torch.dtype, out_features: int, in_features: int):
-    """(padded, unpadded) outputs of a packed SmolLM2-shaped matmul for every padded row count 65…300 (step 9)."""
+    """(padded, unpadded) outputs of a packed SmolLM2-shaped matmul for every padded row count 65…300 (step
+    9)."""
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
     kernel = cpu_linear_kernel(weight, None)
@@ -80,8 +82,8 @@ SHAPES = [(960, 576), (3072, 576), (576, 1536)]
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_padded_float32_matmul_is_bit_identical(out_features: int, in_features: int) -> None:
-    """Rows of a matmul are independent; above 64 rows oneDNN's float32 result for a row does not depend on how
-    many rows come with it (SmolLM2's projection shapes): the float32 path keeps its exact numbers."""
+    """Rows of a matmul are independent; above 64 rows oneDNN's float32 result for a row does not depend on
+    how many rows come with it (SmolLM2's projection shapes): the float32 path keeps its exact numbers."""
     for rows, padded, plain in _padded_and_plain(torch.float32, out_features, in_features):
         assert torch.equal(padded, plain), rows
 
@@ -90,9 +92,9 @@ def test_padded_float32_matmul_is_bit_identical(out_features: int, in_features: 
 def test_padded_bfloat16_matmul_differs_by_at_most_one_rounding(out_features: int, in_features: int) -> None:
     """bfloat16: oneDNN may pick another blocking for the padded row count (seen at 245 → 256 rows of
     576×1536), i.e. another float32 summation order before the one rounding to bfloat16, so an output may
-    land on the neighbouring bfloat16 value: at most one bfloat16 step (2⁻⁷ relative) apart, plus 2⁻¹⁶ absolute
-    for outputs near zero, where the float32 reordering error (~K·2⁻²⁴ of the terms' magnitude, seen: 6e-8 at
-    7e-7) exceeds the output's own step. Outputs here are O(1)…O(10)."""
+    land on the neighbouring bfloat16 value: at most one bfloat16 step (2⁻⁷ relative) apart, plus 2⁻¹⁶
+    absolute for outputs near zero, where the float32 reordering error (~K·2⁻²⁴ of the terms' magnitude,
+    seen: 6e-8 at 7e-7) exceeds the output's own step. Outputs here are O(1)…O(10)."""
     for rows, padded, plain in _padded_and_plain(torch.bfloat16, out_features, in_features):
         a, b = padded.float(), plain.float()
         bound = torch.maximum(a.abs(), b.abs()) * 2.0**-7 + 2.0**-16
@@ -135,7 +137,8 @@ def _metadata_and_caches(
 def test_fresh_prefill_attention_equals_the_gathered_path(
     cache_dtype: torch.dtype, native_bf16: bool
 ) -> None:
-    """A step with two fresh prefills, one prefill after a cached prefix (masked: still gathered) and a decode."""
+    """A step with two fresh prefills, one prefill after a cached prefix (masked: still gathered) and a
+    decode."""
     query_lens, seq_lens = [37, 5, 1, 12], [37, 21, 9, 12]
     metadata, cache = _metadata_and_caches(query_lens, seq_lens, cache_dtype)
     gen = torch.Generator().manual_seed(5)

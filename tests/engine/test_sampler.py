@@ -1,4 +1,5 @@
-"""kvscope.engine.worker.sampler / kvscope.engine.worker.logits_processors / kvscope.engine.server.logprobs: exact values on hand-made logits."""
+"""kvscope.engine.worker.sampler / kvscope.engine.worker.logits_processors /
+kvscope.engine.server.logprobs: exact values on hand-made logits."""
 
 from __future__ import annotations
 
@@ -139,8 +140,8 @@ def test_penalties_exact() -> None:
     ]
     meta = build(params, 5, prompts=[[0, 1], [0, 1]], outputs=[[2, 2, 4], [2, 2, 4]])
     out = apply_penalties(logits, meta.penalties)
-    # token 0: prompt, positive → /2; token 1: prompt, negative → *2; token 2: output ×2 → 0.5/2 - 2*0.5 - 0.25;
-    # token 3: unseen; token 4: output ×1 → -2*2 - 0.5 - 0.25.
+    # token 0: prompt, positive → /2; token 1: prompt, negative → *2; token 2: output ×2 → 0.5/2 - 2*0.5 -
+    # 0.25; token 3: unseen; token 4: output ×1 → -2*2 - 0.5 - 0.25.
     assert out.tolist() == [[1.0, -2.0, -1.0, 3.0, -4.75], logits[1].tolist()]
 
 

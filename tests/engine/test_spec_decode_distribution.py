@@ -151,9 +151,9 @@ def test_a_seeded_request_gives_the_same_tokens_twice(tiny: TinyModel, prompt: l
 
 
 def test_step_metrics_add_up_to_the_requests_totals(tiny: TinyModel, prompt: list[int]) -> None:
-    """The real engine's StepResult.spec_decoding feeds the counters (engine/server/stat_logger.py): over a run,
-    they equal the sums of the requests' kvscope fields, and the length histogram has one observation per
-    draft with sum = drafts + accepted tokens."""
+    """The real engine's StepResult.spec_decoding feeds the counters (engine/server/stat_logger.py): over a
+    run, they equal the sums of the requests' kvscope fields, and the length histogram has one observation
+    per draft with sum = drafts + accepted tokens."""
     from prometheus_client import CollectorRegistry
 
     from kvscope.engine.server.stat_logger import ServerMetrics

@@ -72,8 +72,8 @@ def reference_decode(
 def test_decode_views_are_shared_by_layers_and_match_the_per_layer_gather(
     dtype: torch.dtype, native_bf16: bool, seq_lens: list[int]
 ) -> None:
-    """Three layers (three caches) of two steps: every layer's output equals its own gather + SDPA, bit for bit,
-    though all read through the views built on the first layer of the step."""
+    """Three layers (three caches) of two steps: every layer's output equals its own gather + SDPA, bit for
+    bit, though all read through the views built on the first layer of the step."""
     block_size, heads, kv_heads, scale = 4, 6, 2, HEAD_DIM**-0.5
     tables, num_blocks = allocate_blocks([s + 1 for s in seq_lens], block_size, random.Random(len(seq_lens)))
     gen = torch.Generator().manual_seed(11)
@@ -117,9 +117,9 @@ def test_compact_kernel_output_does_not_depend_on_the_skipped_casts(dtype: torch
 def test_resident_decode_kv_updates_in_place_and_equals_a_full_gather(
     dtype: torch.dtype, native_bf16: bool
 ) -> None:
-    """12 decode steps over 2 layers: rows cross block boundaries, a row joins (the batch changes), the longest
-    row outgrows the padded width. Each step writes the new tokens' K/V first, as the model does; every output
-    equals a fresh gather + SDPA bit for bit, and only steady steps update in place."""
+    """12 decode steps over 2 layers: rows cross block boundaries, a row joins (the batch changes), the
+    longest row outgrows the padded width. Each step writes the new tokens' K/V first, as the model does;
+    every output equals a fresh gather + SDPA bit for bit, and only steady steps update in place."""
     block_size, heads, kv_heads, scale = 4, 4, 2, HEAD_DIM**-0.5
     num_blocks = 40
     order = list(range(num_blocks))
@@ -205,8 +205,8 @@ def test_a_step_continues_the_previous_one_only_one_token_longer_on_the_same_blo
 
 @pytest.mark.slow
 def test_engine_greedy_tokens_are_the_same_with_and_without_resident_decode_kv(llm) -> None:
-    """SmolLM2 float32, 24 prompts decoding together (~5 MB of K/V per layer: resident): the same greedy tokens
-    as with every layer gathering every step."""
+    """SmolLM2 float32, 24 prompts decoding together (~5 MB of K/V per layer: resident): the same greedy
+    tokens as with every layer gathering every step."""
     from kvscope.engine.bench import random_prompts
     from kvscope.engine.sampling_params import SamplingParams
 

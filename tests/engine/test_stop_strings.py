@@ -1,6 +1,6 @@
-"""kvscope.engine.text.detokenizer's incremental stop-string matcher (issue 35): the same matches and hold-back as the
-reference definitions, a per-step work bound counted in comparisons (not time), and one compiled table per
-request shared by its n children."""
+"""kvscope.engine.text.detokenizer's incremental stop-string matcher (issue 35): the same matches and
+hold-back as the reference definitions, a per-step work bound counted in comparisons (not time), and one
+compiled table per request shared by its n children."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from kvscope.engine.text.tokenizer import Tokenizer
 
 @pytest.mark.parametrize("seed", range(40))
 def test_matcher_equals_the_reference_search_and_hold_back(seed: int) -> None:
-    """Random texts over a 3-letter alphabet (many overlaps and borders), random stops and chunkings: each feed
-    reports exactly find_stop_string's match and leaves exactly longest_prefix_suffix's hold-back."""
+    """Random texts over a 3-letter alphabet (many overlaps and borders), random stops and chunkings: each
+    feed reports exactly find_stop_string's match and leaves exactly longest_prefix_suffix's hold-back."""
     rng = random.Random(seed)
     stops = ["".join(rng.choice("aab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
     text = "".join(rng.choice("abc") for _ in range(200))
@@ -57,9 +57,10 @@ def test_stop_examples_match_the_reference() -> None:
 
 def test_per_step_work_is_bounded_by_the_new_text_not_the_output() -> None:
     """16 stop strings of 256 characters built to make KMP fall back the most ("a" * 255 + "b", fed runs of
-    "a" broken by "c"): each one-character step costs at most 2 + 255 comparisons per stop string, and the whole
-    output at most 2 per character per stop string: O(new text x stops), flat as the output grows. The old
-    hold-back compared O(min(output, stop length)^2) characters per step (test fails there: no matcher)."""
+    "a" broken by "c"): each one-character step costs at most 2 + 255 comparisons per stop string, and the
+    whole output at most 2 per character per stop string: O(new text x stops), flat as the output grows.
+    The old hold-back compared O(min(output, stop length)^2) characters per step (test fails there: no
+    matcher)."""
     stop = "a" * (MAX_STOP_STRING_CHARS - 1) + "b"
     stops = [stop[: MAX_STOP_STRING_CHARS - i] + "b" * i for i in range(MAX_STOP_STRINGS)]
     assert all(len(s) == MAX_STOP_STRING_CHARS for s in stops)

@@ -2,9 +2,9 @@
 in-process (:class:`FakeUpstream`) or as a subprocess (``python -m tests.gateway.fake_upstream --port P``).
 
 Output is deterministic: completion token ``i`` of choice ``c`` is ``"t{i} "`` (choice 0) / ``"c{c}t{i} "``;
-``max_tokens`` tokens (default 8; with ``ignore_eos``, up to the context: ``max_model_len`` − prompt words) then
-finish_reason ``length`` (``stop`` when max_tokens is absent).
-``prompt_tokens`` = whitespace-separated words of the prompt / message contents.
+``max_tokens`` tokens (default 8; with ``ignore_eos``, up to the context: ``max_model_len`` − prompt words)
+then finish_reason ``length`` (``stop`` when max_tokens is absent). ``prompt_tokens`` = whitespace-separated
+words of the prompt / message contents.
 
 Knobs (server defaults via :class:`Knobs`/CLI flags, per request via a ``"fake": {...}`` body field, which the
 gateway forwards untouched): ``token_delay_s``, ``first_token_delay_s``, ``status`` (answer every request with

@@ -98,8 +98,8 @@ def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -
 def spawn_gateway(
     tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "", env: dict[str, str] | None = None
 ) -> Proc:
-    """``python -m kvscope.gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the repo,
-    ``env`` added to the inherited environment."""
+    """``python -m kvscope.gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the
+    repo, ``env`` added to the inherited environment."""
     port = free_port()
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))

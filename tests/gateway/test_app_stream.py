@@ -106,13 +106,13 @@ KEEPALIVE = b": keep-alive\n\n"
 @pytest.mark.parametrize("end_delay_s", [0.0, 0.01])
 def test_streams_reuse_the_upstream_connection(quiet: Stack, end_delay_s: float) -> None:
     """The relay reads a stream's body off the connection itself (gateway/proxy/network.py ``tap_body``) and
-    leaves httpcore the body's end: a stream's connection goes back to the pool, so sequential streams (and the
-    JSON request between them) share one upstream connection, and each stream arrives whole and in order.
+    leaves httpcore the body's end: a stream's connection goes back to the pool, so sequential streams (and
+    the JSON request between them) share one upstream connection, and each stream arrives whole and in order.
 
     The gateway waits for the upstream's end of body (up to ``DRAIN_BEFORE_END_S``) before it ends the
-    client's response, so a client that sends its next request at once still finds the connection in the pool,
-    even from an upstream that ends its body 10 ms after ``[DONE]`` (before, the client was the quicker one now
-    and then, and the pool opened a second connection: seen once in test-fresh)."""
+    client's response, so a client that sends its next request at once still finds the connection in the
+    pool, even from an upstream that ends its body 10 ms after ``[DONE]`` (before, the client was the
+    quicker one now and then, and the pool opened a second connection: seen once in test-fresh)."""
     assert end_delay_s < DRAIN_BEFORE_END_S / 2
     fake = quiet.fakes["main"]
     with httpx.Client(
@@ -233,8 +233,8 @@ def test_failures_after_the_200_are_in_band_errors(
 def test_a_stream_failing_after_its_first_token_logs_the_counted_prompt_tokens(
     stack: Stack, knobs: dict
 ) -> None:
-    """No usage chunk came, but the upstream read the prompt: the log's input tokens are the gateway's own count,
-    not null (a break-it run found null beside prompt_tokens_counted)."""
+    """No usage chunk came, but the upstream read the prompt: the log's input tokens are the gateway's own
+    count, not null (a break-it run found null beside prompt_tokens_counted)."""
     rid = f"counted-{next(iter(knobs))}"
     with stack.client() as c:
         resp, pieces = stream(c, {"model": "tok-model", "max_tokens": 4, "fake": knobs}, rid)

@@ -1,7 +1,8 @@
-"""Serving case N4, "Budgets hold" (../shared/cases/serving-cases.md): a key's tokens-per-minute budget bounds
-what its requests may generate when they name no ``max_tokens``, and the pass-through routes (``/v1/*`` the
-gateway does not interpret) are held to the key's model restriction and rate limits like generation requests.
-Through the in-process gateway; tests/gateway/test_redis_shared.py runs the budget against shared Redis limits."""
+"""Serving case N4, "Budgets hold" (../shared/cases/serving-cases.md): a key's tokens-per-minute budget
+bounds what its requests may generate when they name no ``max_tokens``, and the pass-through routes
+(``/v1/*`` the gateway does not interpret) are held to the key's model restriction and rate limits like
+generation requests. Through the in-process gateway; tests/gateway/test_redis_shared.py runs the budget
+against shared Redis limits."""
 
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def _client(stack: Stack, key: str) -> httpx.Client:
 def test_n4_a_tpm_key_without_max_tokens_generates_at_most_its_budget(budgets: Stack) -> None:
     """Serving case N4: a key with ``tokens_per_minute: 1000`` sends 10 concurrent streams without
     ``max_tokens`` (``ignore_eos``: each would run to the 2,048-token context). One is admitted with the
-    budget's worth injected as max_tokens (1,000 − its prompt), the other nine get 429 (the bucket is empty for
-    the next minute), so the upstream generates 1,000 − prompt tokens in all. Before, every stream was charged
-    its prompt alone: all ten ran to the end of the context (10 × 2,042 tokens)."""
+    budget's worth injected as max_tokens (1,000 − its prompt), the other nine get 429 (the bucket is empty
+    for the next minute), so the upstream generates 1,000 − prompt tokens in all. Before, every stream was
+    charged its prompt alone: all ten ran to the end of the context (10 × 2,042 tokens)."""
     fake = budgets.fakes["a"]
     before = len(fake.records)
     body = {"model": "tok-model", "messages": HI, "stream": True, "ignore_eos": True}
@@ -146,9 +147,9 @@ def test_n4_a_model_restricted_key_never_reaches_another_models_upstream(budgets
 
 
 def test_a_restricted_key_reaches_only_replicas_serving_its_models_else_403(budgets: Stack) -> None:
-    """A key for model-a and model-b: the replicas serving nothing else (``b``, ``ab``) share its requests, not
-    ``a`` (it serves tok-model too). A key whose models no replica serves alone (tok-model: ``a`` serves
-    model-a beside it) is refused with 403 before any upstream call."""
+    """A key for model-a and model-b: the replicas serving nothing else (``b``, ``ab``) share its requests,
+    not ``a`` (it serves tok-model too). A key whose models no replica serves alone (tok-model: ``a``
+    serves model-a beside it) is refused with 403 before any upstream call."""
     counts = {name: len(fake.records) for name, fake in budgets.fakes.items()}
     with _client(budgets, "only-ab") as c:
         answers = [c.post("/v1/embeddings", json={"input": "x"}).status_code for _ in range(4)]

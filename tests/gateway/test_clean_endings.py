@@ -1,6 +1,6 @@
-"""Serving case N5, "Clean endings" (../shared/cases/serving-cases.md), in the gateway: a stream that reached its
-end is logged as completed whatever the client does after it. (A client leaving before the end stays a
-disconnect: tests/gateway/test_ratelimit_settlement.py; leaving mid-body is a 499:
+"""Serving case N5, "Clean endings" (../shared/cases/serving-cases.md), in the gateway: a stream that
+reached its end is logged as completed whatever the client does after it. (A client leaving before the end
+stays a disconnect: tests/gateway/test_ratelimit_settlement.py; leaving mid-body is a 499:
 tests/gateway/test_client_faults.py; the read timeouts: tests/gateway/test_edge_processes.py.)"""
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def generations(stack: Stack) -> int:
 
 
 def test_fragment_reproduction_is_a_400_for_both_key_kinds(edge: Stack) -> None:
-    """Issue 19 point 1: ``/v1/chat/completions#x`` with the empty-RPM key and with the max_tokens 4 /
-    200 TPM key: 400 before any upstream call, one log record each; the canonical spelling applies the limits."""
+    """Issue 19 point 1: ``/v1/chat/completions#x`` with the empty-RPM key and with the max_tokens 4 / 200
+    TPM key: 400 before any upstream call, one log record each; the canonical spelling applies the limits."""
     before = generations(edge)
     assert post(edge, b"/v1/chat/completions", "empty", "rpm-first", {**BODY, "max_tokens": 4}).status == 200
     for key in ("empty", "tpm"):

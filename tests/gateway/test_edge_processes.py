@@ -1,7 +1,7 @@
-"""Issue 19 against a real ``python -m kvscope.gateway`` process, over raw sockets: every request the gateway answers
-(405s for unusual methods, non-GET on /v1/models/{id}, the HTTP parser's own 400s) has exactly one log line
-and an OpenAI-shaped JSON error, and client.ip trusts forwarding headers only from ``trusted_proxies``
-(uvicorn's own proxy_headers handling, which trusts any loopback peer, is off)."""
+"""Issue 19 against a real ``python -m kvscope.gateway`` process, over raw sockets: every request the
+gateway answers (405s for unusual methods, non-GET on /v1/models/{id}, the HTTP parser's own 400s) has
+exactly one log line and an OpenAI-shaped JSON error, and client.ip trusts forwarding headers only from
+``trusted_proxies`` (uvicorn's own proxy_headers handling, which trusts any loopback peer, is off)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
 
 
 def _edge_stack(tmp: Path, **config: object) -> Iterator[Edge]:
-    """A fake upstream and a keyed gateway in front of it (``config`` adds gateway settings), stopped after."""
+    """A fake upstream and a keyed gateway in front of it (``config`` adds gateway settings), stopped
+    after."""
     fake = spawn_fake(tmp, "fake")
     procs = [fake]
     try:
@@ -231,11 +232,13 @@ def test_a_malformed_request_after_a_good_one_on_a_keep_alive_connection_gets_it
     ]
 
 
-# --- read timeouts (serving case N5; kvscope/common/read_timeouts.py) ---------------------------------------------
+# --- read timeouts (serving case N5; kvscope/common/read_timeouts.py)
+# ---------------------------------------------
 READ_TIMEOUT_S = 0.5
 """``timeouts.request_head_s`` and ``request_body_s`` of the :func:`slow_clients` gateway."""
 BROKEN_RUN_S = 20.0
-"""How long a test waits for the server to close before it calls the run broken (the old code never closed)."""
+"""How long a test waits for the server to close before it calls the run broken (the old code never
+closed)."""
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +262,8 @@ def _until_closed(port: int, data: bytes) -> bytes:
 
 
 def _records_meanwhile(edge: Edge, action, fence: str) -> tuple[object, list[dict]]:
-    """(what ``action()`` returned, the records other than a fence request's logged while and after it ran)."""
+    """(what ``action()`` returned, the records other than a fence request's logged while and after it
+    ran)."""
     before = len(read_log(edge.log, 0, 0))
     result = action()
     assert (

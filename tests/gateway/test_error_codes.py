@@ -1,6 +1,6 @@
-"""Every gateway 400 names its error in ``code`` (break-it finding F4): ``prompt: [[]]`` answered ``code: null``
-with a wrong message, where the engine says ``invalid_value`` "The prompt is empty". Empty prompts get the
-engine's own words (serving case A1: a 400 ``invalid_request_error`` with a clear message)."""
+"""Every gateway 400 names its error in ``code`` (break-it finding F4): ``prompt: [[]]`` answered ``code:
+null`` with a wrong message, where the engine says ``invalid_value`` "The prompt is empty". Empty prompts
+get the engine's own words (serving case A1: a 400 ``invalid_request_error`` with a clear message)."""
 
 from __future__ import annotations
 

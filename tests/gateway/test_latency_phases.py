@@ -27,9 +27,10 @@ REFUSE_DELAY_S = 0.2
 ANSWER_DELAY_S = 0.1
 """Per-request delay of the answering replica before its first token (``fake.first_token_delay_s``)."""
 HEADERS_SEEN_LATE_S = 0.01
-"""A phase that starts when the gateway reads the upstream's headers starts after the fake sent them, by as much
-as the gateway's thread waits to run (fake and gateway share this process): 0.3 ms of such a wait once made a
-streamed answer's ``upstream_response_s`` 0.0997 s against the fake's 0.1 s. Bounds on such phases allow this."""
+"""A phase that starts when the gateway reads the upstream's headers starts after the fake sent them, by as
+much as the gateway's thread waits to run (fake and gateway share this process): 0.3 ms of such a wait once
+made a streamed answer's ``upstream_response_s`` 0.0997 s against the fake's 0.1 s. Bounds on such phases
+allow this."""
 HI = [{"role": "user", "content": "hi there"}]
 ZERO_UPSTREAM = {"retry_s": 0.0, "upstream_connect_s": 0.0, "upstream_response_s": 0.0}
 

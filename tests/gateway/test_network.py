@@ -74,8 +74,8 @@ async def test_bytes_arrive_exactly_then_eof() -> None:
 
 
 class DuckTransport:
-    """A transport with asyncio's methods that does not subclass ``asyncio.Transport``, as uvloop's do (uvicorn
-    runs the gateway on uvloop whenever it is installed)."""
+    """A transport with asyncio's methods that does not subclass ``asyncio.Transport``, as uvloop's do
+    (uvicorn runs the gateway on uvloop whenever it is installed)."""
 
     def __init__(self) -> None:
         self.written: list[bytes] = []
@@ -278,9 +278,10 @@ async def test_the_gateway_client_keeps_no_upstream_cookie() -> None:
 
 
 async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_failure() -> None:
-    """The upstream answers the first request of each connection and drops the connection at the second (what an
-    idle keep-alive timeout does when it fires as the pool reuses the connection): the replica stays healthy,
-    because the probe is retried once on a new connection (break-it finding: one such race marked it down)."""
+    """The upstream answers the first request of each connection and drops the connection at the second
+    (what an idle keep-alive timeout does when it fires as the pool reuses the connection): the replica
+    stays healthy, because the probe is retried once on a new connection (break-it finding: one such race
+    marked it down)."""
     from prometheus_client import CollectorRegistry
 
     from kvscope.gateway.metrics import GatewayMetrics
@@ -317,10 +318,11 @@ async def test_a_health_check_on_a_connection_the_upstream_just_closed_is_not_a_
 
 
 async def test_health_probes_without_an_answer_eject_only_at_the_threshold() -> None:
-    """A replica that accepts the probe's connection but answers late (an engine in a long step) stays in rotation
-    through failure_threshold - 1 unanswered probes in a row, leaves at the failure_threshold-th, returns at the
-    next answer; an answer in between resets the count; a refused connection and an error status eject at once
-    (break-it finding: one 1-s probe timeout on a 2-core host turned every request into a 503 for a second)."""
+    """A replica that accepts the probe's connection but answers late (an engine in a long step) stays in
+    rotation through failure_threshold - 1 unanswered probes in a row, leaves at the failure_threshold-th,
+    returns at the next answer; an answer in between resets the count; a refused connection and an error
+    status eject at once (break-it finding: one 1-s probe timeout on a 2-core host turned every request
+    into a 503 for a second)."""
     from prometheus_client import CollectorRegistry
 
     from kvscope.gateway.metrics import GatewayMetrics
@@ -603,9 +605,9 @@ async def test_no_tap_after_an_interim_answer_and_the_normal_path_still_works() 
 
 
 async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -> None:
-    """The relay's queue (gateway/proxy/chunk_queue.py ChunkQueue, 4 items here) fills while its reader does not
-    read: the connection stops reading; once the reader takes items again it reads on, and the whole body
-    arrives (a resume that waited for the next delivery's answer never came: the stream hung)."""
+    """The relay's queue (gateway/proxy/chunk_queue.py ChunkQueue, 4 items here) fills while its reader
+    does not read: the connection stops reading; once the reader takes items again it reads on, and the
+    whole body arrives (a resume that waited for the next delivery's answer never came: the stream hung)."""
     from kvscope.gateway.proxy.chunk_queue import ChunkQueue
 
     total = 4000  # 4 MB: more than one read, so reading pauses with the rest still in the socket

@@ -1,7 +1,7 @@
 """The OpenTelemetry SDK environment, honoured by the gateway process (issue 39): OTEL_SERVICE_NAME,
 OTEL_EXPORTER_OTLP_{TRACES_,METRICS_,}ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf and grpc),
-OTEL_METRIC_EXPORT_INTERVAL and OTEL_SDK_DISABLED, each set on a real ``python -m kvscope.gateway`` in front of a
-fake upstream."""
+OTEL_METRIC_EXPORT_INTERVAL and OTEL_SDK_DISABLED, each set on a real ``python -m kvscope.gateway`` in
+front of a fake upstream."""
 
 from __future__ import annotations
 

@@ -107,10 +107,10 @@ def test_concurrency_cap_is_shared(cluster: tuple[Proc, list[Proc]]) -> None:
 def test_n4_tokens_per_minute_holds_without_max_tokens_across_gateways(
     cluster: tuple[Proc, list[Proc]],
 ) -> None:
-    """Serving case N4 on shared Redis limits: a TPM-1000 key sends 10 concurrent streams without max_tokens
-    (``ignore_eos``: each would run to the fake's 2,048-token context) through both gateways. One is admitted,
-    with the rest of the minute's budget after its prompt injected as max_tokens; nine get 429. Before, each was
-    charged its prompt alone and all ten ran to the end of the context."""
+    """Serving case N4 on shared Redis limits: a TPM-1000 key sends 10 concurrent streams without
+    max_tokens (``ignore_eos``: each would run to the fake's 2,048-token context) through both gateways.
+    One is admitted, with the rest of the minute's budget after its prompt injected as max_tokens; nine get
+    429. Before, each was charged its prompt alone and all ten ran to the end of the context."""
     fake, gateways = cluster
     httpx.post(fake.url + "/_fake/reset")
     body = {"model": "fake-model", "messages": HI, "stream": True, "ignore_eos": True}

@@ -38,7 +38,8 @@ def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
     }
     args = _gateway_parser().parse_args(["--port", "9200", "--keepalive", "2", "--tokenizer", "m=/tok"])
     s = load_settings(path, _overrides(args), env=env)
-    # OTEL_EXPORTER_OTLP_ENDPOINT is read by the OTel SDK (kvscope/common/otel_env.py); OTEL_SERVICE_NAME is the default
+    # OTEL_EXPORTER_OTLP_ENDPOINT is read by the OTel SDK (kvscope/common/otel_env.py); OTEL_SERVICE_NAME is
+    # the default
     assert (s.host, s.port, s.redis_url, s.tracing.otlp_endpoint) == (
         "127.0.0.1",
         9200,

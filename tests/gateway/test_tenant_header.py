@@ -1,7 +1,7 @@
-"""The engine's fairness tenant (issue 35, engine/core/fairness.py): the gateway tells the upstream who is calling
-in ``x-kvscope-tenant``, the API key's name (``user.id``, never the key), so one key's many requests share one
-slot share. Without keys it sends none (every request its own tenant), and a client never picks its tenant: a
-header of that name sent by the client is never forwarded as it is."""
+"""The engine's fairness tenant (issue 35, engine/core/fairness.py): the gateway tells the upstream who is
+calling in ``x-kvscope-tenant``, the API key's name (``user.id``, never the key), so one key's many
+requests share one slot share. Without keys it sends none (every request its own tenant), and a client
+never picks its tenant: a header of that name sent by the client is never forwarded as it is."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""An upstream's error answer keeps its back-off headers through the gateway (break-it finding F3): the engine's
-429 ``grammar_compile_busy`` says ``Retry-After: 1``, and the SDK's back-off needs it. The upstream's
-``x-ratelimit-*`` are relayed too, except where the gateway's own limits for the key replace them."""
+"""An upstream's error answer keeps its back-off headers through the gateway (break-it finding F3): the
+engine's 429 ``grammar_compile_busy`` says ``Retry-After: 1``, and the SDK's back-off needs it. The
+upstream's ``x-ratelimit-*`` are relayed too, except where the gateway's own limits for the key replace
+them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, kernels/cpu_decode.py TileBlocks): the tile layout keeps
-every code and scale, the kernel equals an exact float64 model of what it computes (weights expanded to
-bfloat16(fma(d, u, m)), x rounded to bfloat16, float32 sums) at row counts across its tile and pass edges, a
-bfloat16 output is that float32 result rounded once, and the engine's compact layers route rows to it only
-between the GEMV's and the probe's limits."""
+"""kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, kernels/cpu_decode.py TileBlocks): the tile layout
+keeps every code and scale, the kernel equals an exact float64 model of what it computes (weights expanded
+to bfloat16(fma(d, u, m)), x rounded to bfloat16, float32 sums) at row counts across its tile and pass
+edges, a bfloat16 output is that float32 result rounded once, and the engine's compact layers route rows to
+it only between the GEMV's and the probe's limits."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def random_pairs(rows: int, cols: int, seed: int) -> PairBlocks:
 
 
 def reference(x: torch.Tensor, weights: TileBlocks) -> torch.Tensor:
-    """float64 sums of bfloat16(x) · bfloat16(d·u + m), the fma computed exactly then rounded once (as the kernel's
-    float32 fma: d·u + m of float16 d, m and u < 16 is exact in float32 before the bfloat16 rounding)."""
+    """float64 sums of bfloat16(x) · bfloat16(d·u + m), the fma computed exactly then rounded once (as the
+    kernel's float32 fma: d·u + m of float16 d, m and u < 16 is exact in float32 before the bfloat16
+    rounding)."""
     w = weights.dequantize().to(torch.bfloat16).double()
     return x.to(torch.bfloat16).double() @ w.T
 
@@ -65,7 +66,8 @@ def test_tile_layout_refuses_what_it_cannot_hold() -> None:
 @pytest.mark.parametrize("m", [1, 15, 16, 17, 32, 33, 48, 64, 65, 130])
 @pytest.mark.parametrize(("rows", "cols"), [(48, 64), (960, 576), (576, 1536)])
 def test_matches_the_exact_model(loaded: None, m: int, rows: int, cols: int) -> None:
-    """Row counts on both sides of the 16-row tiles and the 64-row passes; 48 output rows = an odd column tile."""
+    """Row counts on both sides of the 16-row tiles and the 64-row passes; 48 output rows = an odd column
+    tile."""
     tiles = TileBlocks.from_pair_blocks(random_pairs(rows, cols, seed=m + rows))
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
     expected = reference(x, tiles)

@@ -1,6 +1,6 @@
-"""kvscope's C++ paged decode attention (kernels/csrc/cpu_attention.cpp) against SDPA on random paged caches, and
-its use by the torch backend's decode path (engine/attention/torch_backend.py); its K/V cache write against
-``index_copy_``.
+"""kvscope's C++ paged decode attention (kernels/csrc/cpu_attention.cpp) against SDPA on random paged caches,
+and its use by the torch backend's decode path (engine/attention/torch_backend.py); its K/V cache write
+against ``index_copy_``.
 
 Tolerances: the reference is SDPA in float64 over the same (bfloat16-rounded where the inputs are) values, so
 the only differences are the op's float32 arithmetic (summation order, the polynomial exp: relative error
@@ -25,7 +25,8 @@ from kvscope.engine.models.loader import load_cpu_kernels
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels():
-    """kvscope's CPU kernels, built (first run on a machine) and loaded from the model cache's cpu-kernels/."""
+    """kvscope's CPU kernels, built (first run on a machine) and loaded from the model cache's
+    cpu-kernels/."""
     result = load_cpu_kernels(cache_root())
     assert result.ok, result.detail
     return result
@@ -141,7 +142,8 @@ def test_bad_tables_are_errors():
 
 
 def backend_step(backend: TorchAttentionBackend, cache_dtype: torch.dtype, query_lens: list[int]):
-    """One step of three requests (prefill rows where query_len > 1) through ``backend`` at SmolLM2's shapes."""
+    """One step of three requests (prefill rows where query_len > 1) through ``backend`` at SmolLM2's
+    shapes."""
     seq_lens = [70, 19, 141]
     # SDPA reads the padded batch's masked slots too (NaN there would be NaN · 0); 100 would still dominate
     # the op's softmax if it read one
@@ -155,10 +157,10 @@ def backend_step(backend: TorchAttentionBackend, cache_dtype: torch.dtype, query
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 19, 1]])
 def test_backend_decode_rows_use_the_paged_op_on_bfloat16(query_lens):
-    """With ``paged_prefill=False``: decode rows of a decode-only and of a mixed step run the op (no gather: no
-    resident copy), prefill rows stay on SDPA (identical to the SDPA-only backend's); the decode rows are within
-    one bfloat16 ulp of float64 and within 2^-7 of SDPA's path (outputs |x| < 1 here: SDPA's bfloat16 path on
-    AMX rounds its probabilities to bfloat16, measured 1.5e-3 from the op at most)."""
+    """With ``paged_prefill=False``: decode rows of a decode-only and of a mixed step run the op (no
+    gather: no resident copy), prefill rows stay on SDPA (identical to the SDPA-only backend's); the decode
+    rows are within one bfloat16 ulp of float64 and within 2^-7 of SDPA's path (outputs |x| < 1 here:
+    SDPA's bfloat16 path on AMX rounds its probabilities to bfloat16, measured 1.5e-3 from the op at most)."""
     paged = TorchAttentionBackend(paged_decode=True, paged_prefill=False)
     sdpa = TorchAttentionBackend(paged_decode=False)
     out, (query, cache, tables, lens) = backend_step(paged, torch.bfloat16, query_lens)
@@ -181,13 +183,14 @@ def test_backend_decode_rows_use_the_paged_op_on_bfloat16(query_lens):
 @pytest.mark.parametrize("query_lens", [[1, 19, 1], [70, 19, 141], [5, 1, 33]])
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
 def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
-    """With ``paged_prefill`` every token of a step with prefill rows (whole prompts, chunks after cached tokens, decode rows
-    beside them) runs the op in one call: each token within one bfloat16 ulp (float32 query: 2e-5) of float64
-    SDPA over the keys up to its own position, within 2^-7 + 2^-7·|x| of the SDPA backend's path, no gather, and
-    the output in the query's dtype. The relative part is the op's own rounding to bfloat16 (outputs reach |x| ≈ 3
-    here, where one ulp is 2^-6); the absolute part is SDPA's: where AMX runs it in bfloat16 (probabilities and, for
-    a float32 query, the query rounded to bfloat16) it is up to 8.8e-3 from float64 on these inputs (measured on a
-    Sapphire Rapids; the op differs from float64 by 7.8e-3 at most, a float32 query's by 7.2e-7)."""
+    """With ``paged_prefill`` every token of a step with prefill rows (whole prompts, chunks after cached
+    tokens, decode rows beside them) runs the op in one call: each token within one bfloat16 ulp (float32
+    query: 2e-5) of float64 SDPA over the keys up to its own position, within 2^-7 + 2^-7·|x| of the SDPA
+    backend's path, no gather, and the output in the query's dtype. The relative part is the op's own
+    rounding to bfloat16 (outputs reach |x| ≈ 3 here, where one ulp is 2^-6); the absolute part is SDPA's:
+    where AMX runs it in bfloat16 (probabilities and, for a float32 query, the query rounded to bfloat16)
+    it is up to 8.8e-3 from float64 on these inputs (measured on a Sapphire Rapids; the op differs from
+    float64 by 7.8e-3 at most, a float32 query's by 7.2e-7)."""
     seq_lens = [70, 19, 141]
     _, cache, tables, _ = paged_inputs(
         seq_lens, 9, 3, 64, 16, torch.bfloat16, query_dtype, seed=5, fill=100.0
@@ -213,9 +216,9 @@ def test_backend_prefill_rows_use_the_paged_op(query_lens, query_dtype):
 
 
 def test_prefill_rows_default_to_the_op_where_sdpa_would_upcast():
-    """The default follows the measurement (bench/prefill_attention_ab.py, docs/benchmarks.md): the op where SDPA
-    attends in float32 (no AMX), SDPA where AMX's bfloat16 SDPA runs (0.80× the op's time at 128 tokens, 0.25× at
-    1,024 on a Sapphire Rapids)."""
+    """The default follows the measurement (bench/prefill_attention_ab.py, docs/benchmarks.md): the op
+    where SDPA attends in float32 (no AMX), SDPA where AMX's bfloat16 SDPA runs (0.80× the op's time at 128
+    tokens, 0.25× at 1,024 on a Sapphire Rapids)."""
     assert TorchAttentionBackend(native_bf16=False).paged_prefill is True
     assert TorchAttentionBackend(native_bf16=True).paged_prefill is False
     assert TorchAttentionBackend(native_bf16=False, paged_prefill=False).paged_prefill is False
@@ -235,8 +238,8 @@ def test_float32_caches_keep_sdpa():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_kv_puts_every_row_where_index_copy_would(dtype):
-    """K and V as the model hands them (views of the fused qkv output: rows 960 apart) land in shuffled slots of
-    both planes exactly as ``index_copy_`` puts them; no other slot changes."""
+    """K and V as the model hands them (views of the fused qkv output: rows 960 apart) land in shuffled
+    slots of both planes exactly as ``index_copy_`` puts them; no other slot changes."""
     gen = torch.Generator().manual_seed(9)
     tokens, slots = 37, 7 * 16
     qkv = torch.randn(tokens, 960, generator=gen).to(dtype)
@@ -267,8 +270,8 @@ def test_write_kv_rejects_what_it_cannot_copy_in_place():
 
 
 def test_backend_write_kv_and_a_fresh_prefill_read_the_same_values(monkeypatch):
-    """The backend writes through the op where it applies, else stack + index_copy_: the same cache bits, and a
-    fresh prompt's attention (SDPA over the K/V just written, no gather) is the same either way."""
+    """The backend writes through the op where it applies, else stack + index_copy_: the same cache bits,
+    and a fresh prompt's attention (SDPA over the K/V just written, no gather) is the same either way."""
     gen = torch.Generator().manual_seed(4)
     tokens = 40
     qkv = torch.randn(tokens, 960, generator=gen).bfloat16()

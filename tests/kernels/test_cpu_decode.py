@@ -1,5 +1,6 @@
-"""kvscope's CPU decode kernels (kernels/cpu_decode.py, kernels/csrc/cpu_decode.cpp): the pair-block layout, the
-VNNI GEMV against an exact float64 model of what it computes, and the clean fallback where it cannot build.
+"""kvscope's CPU decode kernels (kernels/cpu_decode.py, kernels/csrc/cpu_decode.cpp): the pair-block layout,
+the VNNI GEMV against an exact float64 model of what it computes, and the clean fallback where it cannot
+build.
 
 The GEMV quantizes its input per block of 32 to 16-bit codes (the form of llama.cpp's Q8_1, 16-bit): the
 reference below does the same float32 steps (d = max|x| / 32767, q = round-half-even(x · (1 / d))) and sums in
@@ -58,7 +59,8 @@ def test_pack_refuses_what_the_layout_cannot_hold() -> None:
 
 
 def reference_qgemv(x: torch.Tensor, weights: PairBlocks) -> torch.Tensor:
-    """float64 y = Σ_b d·d_x·Σ u·q + m·d_x·Σ q over blocks of 32, with the kernel's float32 quantization of x."""
+    """float64 y = Σ_b d·d_x·Σ u·q + m·d_x·Σ q over blocks of 32, with the kernel's float32 quantization of
+    x."""
     n, k = x.shape
     blocks = x.float().view(n, k // 32, 32)
     dx = blocks.abs().amax(dim=-1) / 32767.0  # float32, as the kernel
@@ -143,9 +145,10 @@ def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> 
 
 @pytest.mark.vnni
 def test_a_truncated_cached_library_is_rebuilt_not_loaded(loaded, tmp_path: Path, monkeypatch) -> None:
-    """A cut-off .so in the cache crashed the process in dlopen (SIGBUS, break-it finding): the build checks the
-    cached file against the digest it wrote and rebuilds when it differs or is missing. The "linker" here copies
-    the library the session already built (a real build is ~40 s; test_a_compile_error… runs the real compiler)."""
+    """A cut-off .so in the cache crashed the process in dlopen (SIGBUS, break-it finding): the build
+    checks the cached file against the digest it wrote and rebuilds when it differs or is missing. The
+    "linker" here copies the library the session already built (a real build is ~40 s;
+    test_a_compile_error… runs the real compiler)."""
     real = library_path(cache_root() / CPU_KERNELS_DIR)
     monkeypatch.setattr(cpu_decode, "_compile_command", lambda source, obj, compiler: ["touch", str(obj)])
     monkeypatch.setattr(
@@ -164,9 +167,10 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(loaded, tmp_path: Path
 
 
 def test_processes_starting_at_once_build_the_library_once(tmp_path: Path, monkeypatch) -> None:
-    """Two engines starting together on a fresh machine (``kvscope serve``'s replicas, two pytest workers): the
-    first takes ``.build.lock`` and compiles, the second waits and loads that library. The "compiler" sleeps
-    0.3 s per source and logs each run, so without the lock both would have compiled (10 runs, not 5)."""
+    """Two engines starting together on a fresh machine (``kvscope serve``'s replicas, two pytest workers):
+    the first takes ``.build.lock`` and compiles, the second waits and loads that library. The "compiler"
+    sleeps 0.3 s per source and logs each run, so without the lock both would have compiled (10 runs, not
+    5)."""
     monkeypatch.setattr(
         cpu_decode, "_cpu_flags", lambda: "flags\t: avx512f avx512bw avx512dq avx512_vnni f16c"
     )

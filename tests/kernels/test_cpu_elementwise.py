@@ -1,9 +1,10 @@
-"""kvscope's C++ elementwise kernels for bfloat16 activations (kernels/csrc/cpu_elementwise.cpp) against the torch
-ops they replace (engine/models/layers.py, engine/models/llama.py), and where the model uses them.
+"""kvscope's C++ elementwise kernels for bfloat16 activations (kernels/csrc/cpu_elementwise.cpp) against the
+torch ops they replace (engine/models/layers.py, engine/models/llama.py), and where the model uses them.
 
 Exactness: the residual add and RoPE round exactly where torch's ops do, and SwiGLU looks F.silu up in a table
 that torch computed, so they are bit-identical; RMSNorm sums x² in another order, so a rare element may differ
-from torch's by the rounding of one bfloat16 step: at most 2 units in the last place, ≥ 99.9 % of elements equal.
+from torch's by the rounding of one bfloat16 step: at most 2 units in the last place, ≥ 99.9 % of elements
+equal.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def cpu_kernels():
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance of two bfloat16 tensors in units in the last place (same-sign values: bit patterns differ by it)."""
+    """Distance of two bfloat16 tensors in units in the last place (same-sign values: bit patterns differ
+    by it)."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
@@ -67,9 +69,9 @@ def test_silu_and_mul_is_torchs_bit_for_bit(rows: int) -> None:
 
 
 def test_silu_and_mul_over_every_bfloat16_gate() -> None:
-    """All 65,536 bfloat16 bit patterns as the gate (the lookup's whole table, its last entry included; denormal
-    products, which VCVTNEPS2BF16 alone would flush to zero), times random up values: the same bits as torch's,
-    NaN where torch's is NaN (the 254 NaN patterns and silu(-inf) = -inf · 0)."""
+    """All 65,536 bfloat16 bit patterns as the gate (the lookup's whole table, its last entry included;
+    denormal products, which VCVTNEPS2BF16 alone would flush to zero), times random up values: the same
+    bits as torch's, NaN where torch's is NaN (the 254 NaN patterns and silu(-inf) = -inf · 0)."""
     gate = (
         torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32)
         .to(torch.int16)
@@ -122,8 +124,8 @@ NOISE = 0.05
 
 def test_the_default_format_uses_them_and_its_tokens_match_torchs_ops() -> None:
     """bfloat16/gguf with kvscope's kernels turns the ops on. Teacher-forced over the prompt and a greedy
-    continuation, the same model with the ops switched off gives every token a logprob within :data:`NOISE`, and
-    the same top token at every position unless torch's top two are within :data:`NOISE` (a near-tie).
+    continuation, the same model with the ops switched off gives every token a logprob within :data:`NOISE`,
+    and the same top token at every position unless torch's top two are within :data:`NOISE` (a near-tie).
 
     Teacher-forced, not two greedy generations compared: generation decodes through the fused decode step (its
     Q8_0 LM head, kernels chosen by the start-up probe), and on the 2-vCPU AMD EPYC two runs of the old test

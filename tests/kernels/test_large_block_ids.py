@@ -27,7 +27,8 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux value; Python < 
 
 
 def _sparse_cpu_cache() -> torch.Tensor:
-    """Reserves (does not commit) ~8.6 GiB of address space: Linux MAP_NORESERVE. An OSError here fails the test."""
+    """Reserves (does not commit) ~8.6 GiB of address space: Linux MAP_NORESERVE. An OSError here fails the
+    test."""
     numel, guard = 2 * NUM_BLOCKS * BLOCK_ELEMS, 2**32  # guard: 2**31 fp16 elements, where int32 would wrap
     buf = mmap.mmap(-1, guard + numel * 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     cache = torch.frombuffer(buf, dtype=SHAPE.dtype, offset=guard, count=numel)

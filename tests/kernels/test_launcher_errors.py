@@ -1,4 +1,5 @@
-"""Launchers reject bad arguments before launching, with TypeError (dtype) or ValueError and a clear message."""
+"""Launchers reject bad arguments before launching, with TypeError (dtype) or ValueError and a clear
+message."""
 
 from __future__ import annotations
 

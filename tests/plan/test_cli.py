@@ -1,4 +1,5 @@
-"""``kvscope plan`` end to end in-process: JSON and table output, flags, errors (exit 2, naming what is known)."""
+"""``kvscope plan`` end to end in-process: JSON and table output, flags, errors (exit 2, naming what is
+known)."""
 
 from __future__ import annotations
 

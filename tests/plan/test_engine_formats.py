@@ -46,7 +46,8 @@ def test_compact_formats_without_a_dense_copy(model_dir) -> None:
     assert engine_weight_bytes(shape, "int8", dense_copy=False) == MEASURED["int8"] - 2 * (
         linear + 49152 * 576
     )
-    # the 4-bit tile copy of kvscope's AMX matmul: 0.625 B a decoder weight (4 bits + a float16 d and m per 32)
+    # the 4-bit tile copy of kvscope's AMX matmul: 0.625 B a decoder weight (4 bits + a float16 d and m per
+    # 32)
     assert engine_weight_bytes(shape, "gguf", amx_copy=True) == MEASURED["gguf"] + 66_355_200 == 490_214_016
 
 

@@ -166,7 +166,8 @@ def test_cli_missing_log_is_exit_2(tmp_path, model_dir, capsys):
 
 
 def brute_force_peak(spans: list[Span], block_size: int) -> tuple[int, int]:
-    """Most requests (and KV blocks) in flight at any arrival instant, by checking every span at every start."""
+    """Most requests (and KV blocks) in flight at any arrival instant, by checking every span at every
+    start."""
 
     def alive(t: float) -> list[Span]:
         return [s for s in spans if s.start_s <= t < max(s.end_s, s.start_s + 1e-6)]

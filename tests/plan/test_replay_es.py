@@ -1,4 +1,5 @@
-"""``--from-log http://…``: the same synthetic log served by the Elasticsearch double, paged with search_after."""
+"""``--from-log http://…``: the same synthetic log served by the Elasticsearch double, paged with
+search_after."""
 
 from __future__ import annotations
 

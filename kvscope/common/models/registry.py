@@ -26,11 +26,12 @@ class ModelSpec:
     served_model_name: str
     """Name reported by ``/v1/models``."""
     verified_formats: tuple[str, ...] = ("float32",)
-    """Weight formats that met their issue-13 quality bound on this model in the full ``kvscope eval ppl`` run
-    (docs/benchmarks.md "Quality of the weight formats"): names among ``float32``, ``bfloat16``, ``int8``,
-    ``gguf`` (engine/eval/formats.py: bfloat16 = ``--dtype bfloat16``; int8/gguf = ``--quantization int8/gguf``
-    with ``--dtype float32``), perplexity within +1 % (bfloat16, int8) / +0.5 % (gguf) of float32's.
-    ``kvscope serve`` and ``kvscope engine`` default to the fastest of them (engine/models/format_choice.py)."""
+    """Weight formats that met their issue-13 quality bound on this model in the full ``kvscope eval ppl``
+    run (docs/benchmarks.md "Quality of the weight formats"): names among ``float32``, ``bfloat16``,
+    ``int8``, ``gguf`` (engine/eval/formats.py: bfloat16 = ``--dtype bfloat16``; int8/gguf =
+    ``--quantization int8/gguf`` with ``--dtype float32``), perplexity within +1 % (bfloat16, int8) / +0.5
+    % (gguf) of float32's. ``kvscope serve`` and ``kvscope engine`` default to the fastest of them
+    (engine/models/format_choice.py)."""
     verified_by: str = ""
     """Where ``verified_formats`` comes from (logged at start-up with the choice)."""
 
@@ -71,10 +72,10 @@ def is_registered(name: str) -> bool:
 
 
 def default_served_name(model: str) -> str:
-    """The name a server reports in /v1/models for ``--model model`` without ``--served-model-name``: a registry name
-    as given, a ``.gguf`` file's name without ``.gguf`` (``SmolLM2-135M-Instruct.Q4_1``, not the name of the folder
-    it is converted into), an HF folder's name. The engine and ``kvscope serve`` (which prints it and keys the
-    gateway's tokenizer by it) share this rule."""
+    """The name a server reports in /v1/models for ``--model model`` without ``--served-model-name``: a
+    registry name as given, a ``.gguf`` file's name without ``.gguf`` (``SmolLM2-135M-Instruct.Q4_1``, not
+    the name of the folder it is converted into), an HF folder's name. The engine and ``kvscope serve``
+    (which prints it and keys the gateway's tokenizer by it) share this rule."""
     if model in MODELS:
         return model
     if model.endswith(".gguf"):

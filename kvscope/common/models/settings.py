@@ -1,4 +1,5 @@
-"""Environment settings of the model cache. The only module of ``kvscope.common.models`` that reads the environment."""
+"""Environment settings of the model cache. The only module of ``kvscope.common.models`` that reads the
+environment."""
 
 from __future__ import annotations
 

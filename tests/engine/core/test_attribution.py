@@ -152,8 +152,9 @@ def test_kv_budget_forces_preemption() -> None:
 
 
 def test_the_choices_of_one_request_are_not_each_others_interference() -> None:
-    """n > 1: siblings (Request.parent_id) share every step; each counts the group's tokens as its own, and the
-    merged kvscope object takes one choice's attribution (the last to finish) instead of adding them up."""
+    """n > 1: siblings (Request.parent_id) share every step; each counts the group's tokens as its own, and
+    the merged kvscope object takes one choice's attribution (the last to finish) instead of adding them
+    up."""
     from kvscope.engine.core.stats import KvscopeStats
 
     clock = FakeClock()

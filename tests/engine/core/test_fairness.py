@@ -1,5 +1,6 @@
-"""Fairness between client requests in the scheduler (engine/core/fairness.py, issue 35 case N3): one request's
-many sequences cannot starve a one-sequence request. Exact steps and slot counts, scheduler factories only."""
+"""Fairness between client requests in the scheduler (engine/core/fairness.py, issue 35 case N3): one
+request's many sequences cannot starve a one-sequence request. Exact steps and slot counts, scheduler
+factories only."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from tests.engine.core.factories import make_request, make_scheduler, prompt, st
 def _fan_out(
     sched: Scheduler, group: str, count: int, *, num_prompts: int = 1, length: int = 8, max_tokens: int = 8
 ) -> list[Request]:
-    """``count`` sequences of one client request: ``num_prompts`` prompts with ``count // num_prompts`` choices
-    each (``parent_id`` per prompt, ``fairness_group`` = the client request, as the server sets them)."""
+    """``count`` sequences of one client request: ``num_prompts`` prompts with ``count // num_prompts``
+    choices each (``parent_id`` per prompt, ``fairness_group`` = the client request, as the server sets
+    them)."""
     requests = []
     for i in range(count):
         k = i % num_prompts
@@ -125,8 +127,8 @@ def test_out_of_blocks_preempts_the_group_over_its_share_not_the_newest_request(
     assert [s.request_id for s in out.scheduled] == ["big-0", "big-1", "big-2", "small"]
     out, _ = step(sched)
     # rule 4, share 4 // 2 = 2: small (the newest request) needs a block; big runs 3, over its share, so its
-    # newest unscheduled sequence gives it up; then big-1 finds none and, nobody being over the share any more,
-    # preempts itself as before
+    # newest unscheduled sequence gives it up; then big-1 finds none and, nobody being over the share any
+    # more, preempts itself as before
     assert [s.request_id for s in out.scheduled] == ["big-0", "small"]
     assert out.preempted_req_ids == {"big-1", "big-2"}
     assert small.stats.num_preemptions == 0

@@ -1,6 +1,6 @@
-"""Fairness between tenants (API keys) above the fairness between requests (engine/core/fairness.py, issue 35):
-a tenant's share is max(1, max_num_seqs // tenants), its requests split it, so one key's many requests cannot
-starve another key's one. Exact steps and slot counts, scheduler factories only."""
+"""Fairness between tenants (API keys) above the fairness between requests (engine/core/fairness.py, issue
+35): a tenant's share is max(1, max_num_seqs // tenants), its requests split it, so one key's many requests
+cannot starve another key's one. Exact steps and slot counts, scheduler factories only."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_one_tenants_fan_outs_split_its_share_and_another_tenants_request_runs_i
         _send(sched, "key-a", f"a{k}", 8)
     _send(sched, "key-b", "b1", 1, max_tokens=2)
     out, _ = step(sched)
-    # rule 1: tenant key-b runs fewer than key-a once a0-0 is in, so b1 is second, not fifth (after every a-group)
+    # rule 1: tenant key-b runs fewer than key-a once a0-0 is in, so b1 is second, not fifth (after every
+    # a-group)
     assert [s.request_id for s in out.scheduled] == [
         "a0-0",
         "b1-0",

@@ -106,8 +106,8 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
 
 class OTLPReceiver:
     """A local OTLP/HTTP receiver: keeps every decoded ExportTraceServiceRequest (POST /v1/traces) and
-    ExportMetricsServiceRequest (POST /v1/metrics); any other path is answered 404, as a collector without that
-    signal's receiver does."""
+    ExportMetricsServiceRequest (POST /v1/metrics); any other path is answered 404, as a collector without
+    that signal's receiver does."""
 
     def __init__(self) -> None:
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest

@@ -100,7 +100,8 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 
 @dataclass
 class EngineProcess:
-    """``python -m kvscope.engine.server`` as a subprocess; stdout (the JSON request log) goes to ``log_path``."""
+    """``python -m kvscope.engine.server`` as a subprocess; stdout (the JSON request log) goes to
+    ``log_path``."""
 
     url: str
     proc: subprocess.Popen
@@ -137,8 +138,8 @@ def start_engine(
     pin_float32: bool = True,
 ) -> EngineProcess:
     """Start the engine server on a free port with ``args`` and wait until /health answers 200.
-    ``pin_float32``: pass ``--dtype float32`` (exact, batch-independent greedy text as the tests expect) unless
-    ``args`` name a ``--dtype``/``--quantization``; False serves the server's default format (auto)."""
+    ``pin_float32``: pass ``--dtype float32`` (exact, batch-independent greedy text as the tests expect)
+    unless ``args`` name a ``--dtype``/``--quantization``; False serves the server's default format (auto)."""
     port = free_port()
     log_path, err_path = tmp_dir / "engine.jsonl", tmp_dir / "engine.err"
     pinned = pin_float32 and not any(a.split("=")[0] in ("--dtype", "--quantization") for a in args)

@@ -1,6 +1,6 @@
-"""A configuration only loading the model can judge ends ``kvscope engine`` with one line and exit status 2, not a
-start-up traceback (engine/server/cli.py ``load_engine``; found by a break-it run: exit 3 and an 80-line exception
-group from the app's lifespan)."""
+"""A configuration only loading the model can judge ends ``kvscope engine`` with one line and exit status
+2, not a start-up traceback (engine/server/cli.py ``load_engine``; found by a break-it run: exit 3 and an
+80-line exception group from the app's lifespan)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A GenerationRun whose reader is cancelled (the client left while it waited for the next output) leaves no
-pending ``Queue.get`` task behind: asyncio would log "Task was destroyed but it is pending!" at ERROR later."""
+"""A GenerationRun whose reader is cancelled (the client left while it waited for the next output) leaves
+no pending ``Queue.get`` task behind: asyncio would log "Task was destroyed but it is pending!" at ERROR
+later."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The ``kvscope`` object is one typed Struct (kvscope.engine.core.stats.KvscopeStats): the response's ``kvscope``, the
-request log's ``kvscope.engine`` and the span attributes carry the same keys and values."""
+"""The ``kvscope`` object is one typed Struct (kvscope.engine.core.stats.KvscopeStats): the response's
+``kvscope``, the request log's ``kvscope.engine`` and the span attributes carry the same keys and values."""
 
 from __future__ import annotations
 

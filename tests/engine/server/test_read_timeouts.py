@@ -1,8 +1,8 @@
-"""Serving case N5, "Clean endings", in the engine server (../shared/cases/serving-cases.md): a client that leaves
-in the middle of its request body is logged and counted as 499 (not a 500 feeding the error alerts), and the
-server ``kvscope engine`` runs (engine/server/cli.py ``uvicorn_config``) closes a half-sent head or a stalled
-body after its read timeout with a JSON 408 (kvscope/common/read_timeouts.py). A real uvicorn in a thread, the
-FakeEngine behind it."""
+"""Serving case N5, "Clean endings", in the engine server (../shared/cases/serving-cases.md): a client that
+leaves in the middle of its request body is logged and counted as 499 (not a 500 feeding the error alerts),
+and the server ``kvscope engine`` runs (engine/server/cli.py ``uvicorn_config``) closes a half-sent head or
+a stalled body after its read timeout with a JSON 408 (kvscope/common/read_timeouts.py). A real uvicorn in
+a thread, the FakeEngine behind it."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ ROUTE = "/v1/chat/completions"
 
 @contextmanager
 def engine_server(fake_engine) -> Iterator[int]:
-    """The app under ``kvscope engine``'s own uvicorn config (0.5 s read timeouts), in a thread; yields its port."""
+    """The app under ``kvscope engine``'s own uvicorn config (0.5 s read timeouts), in a thread; yields its
+    port."""
     import uvicorn
 
     settings = ServerSettings(
@@ -104,8 +105,8 @@ def _http_requests(port: int, status: str) -> float:
 
 def test_n5_a_client_leaving_mid_body_is_logged_and_counted_as_499(port, caplog) -> None:
     """Serving case N5: the client sends the head and half its body, then closes. The access line and
-    ``kvscope_engine_http_requests_total`` say 499 ``client_disconnected`` (as the gateway logs it); before, the
-    body reader's "client disconnected prematurely" made them a 500."""
+    ``kvscope_engine_http_requests_total`` say 499 ``client_disconnected`` (as the gateway logs it);
+    before, the body reader's "client disconnected prematurely" made them a 500."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     with socket.create_connection(("127.0.0.1", port), timeout=BROKEN_RUN_S) as sock:
         sock.sendall(_head("left-mid-body") + b'{"model": "fake-model", "messages": [')

@@ -1,6 +1,7 @@
 """Size caps on per-request sampling lists (issue 35, serving case N1): logit_bias (300 entries, canonical
-decimal keys), stop_token_ids (1024, de-duplicated), stop strings (16 of at most 256 characters). Each over-cap
-or malformed value is a 400 naming the field before anything reaches the engine; the cap itself is accepted."""
+decimal keys), stop_token_ids (1024, de-duplicated), stop strings (16 of at most 256 characters). Each
+over-cap or malformed value is a 400 naming the field before anything reaches the engine; the cap itself is
+accepted."""
 
 from __future__ import annotations
 

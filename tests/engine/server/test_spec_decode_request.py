@@ -1,5 +1,5 @@
-"""Speculative decoding per request (issue 16): the response's ``kvscope`` object, the engine's access-log line
-and the spans carry the request's drafts, proposed/accepted tokens and mean acceptance length."""
+"""Speculative decoding per request (issue 16): the response's ``kvscope`` object, the engine's access-log
+line and the spans carry the request's drafts, proposed/accepted tokens and mean acceptance length."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Serving case N2 through the HTTP server: ten concurrent requests with distinct 7,000-property schemas, one
 ``json_object`` request and one plain chat. The plain chat and the cached ``json_object`` request are answered
 while the compiles still hold the compile thread (the spy keeps them there until the test opens its gate); the
-ten are a 400 naming ``response_format`` (their grammars exceed the size limit); a full compile queue is a 429.
+ten are a 400 naming ``response_format`` (their grammars exceed the size limit); a full compile queue is a
+429.
 
 The scripted FakeEngine generates; the grammar compiler is the real one (engine/structured/backend.py) on
 SmolLM2's tokenizer."""
@@ -124,10 +125,10 @@ GRAMMAR_LIMIT = ERROR_PREFIX + "Parser Error: Current row has 2007 items; max is
 
 
 def test_a_matcher_limit_mid_answer_is_the_clients_400_never_an_engine_5xx(client, monkeypatch) -> None:
-    """The grammar matcher failing while generating (AsyncEngine's GrammarLimitError, injected here after two
-    tokens) is the client's constraint beyond llguidance's limits: a 400 naming ``response_format``, an in-band
-    ``invalid_request_error`` when streamed (no [DONE]); the engine counts no 5xx (the gateway ejects a replica
-    on 5xx) and no broken stream. Before: a 500 ``request_failed``."""
+    """The grammar matcher failing while generating (AsyncEngine's GrammarLimitError, injected here after
+    two tokens) is the client's constraint beyond llguidance's limits: a 400 naming ``response_format``, an
+    in-band ``invalid_request_error`` when streamed (no [DONE]); the engine counts no 5xx (the gateway
+    ejects a replica on 5xx) and no broken stream. Before: a 500 ``request_failed``."""
     monkeypatch.setattr(generation, "FAULT_REASON", GRAMMAR_LIMIT)
     body = chat_body("Give JSON.", max_tokens=10, response_format={"type": "json_object"})
     fault = {"x-kvscope-fault": "after_tokens=2"}

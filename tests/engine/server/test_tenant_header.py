@@ -1,6 +1,7 @@
-"""The tenant of a request (issue 35, engine/core/fairness.py): the ``x-kvscope-tenant`` header the gateway sets
-to the caller's API key name reaches every sequence of the request (``Request.fairness_tenant``); without it the
-request is its own tenant, and the body's ``user`` field (the client's pick) is never a tenant."""
+"""The tenant of a request (issue 35, engine/core/fairness.py): the ``x-kvscope-tenant`` header the gateway
+sets to the caller's API key name reaches every sequence of the request (``Request.fairness_tenant``);
+without it the request is its own tenant, and the body's ``user`` field (the client's pick) is never a
+tenant."""
 
 from __future__ import annotations
 

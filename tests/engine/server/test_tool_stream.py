@@ -178,7 +178,8 @@ HERMES_REPLY = (
 
 
 def test_auto_streams_through_the_server_and_reassembles_to_the_json_answer(client, fake_engine) -> None:
-    """The FakeEngine writes the Hermes answer one byte per token: content first, then the call incrementally."""
+    """The FakeEngine writes the Hermes answer one byte per token: content first, then the call
+    incrementally."""
     fake_engine.reply = HERMES_REPLY.encode()
     body = chat_body(max_tokens=120, tools=[WEATHER])
     whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]

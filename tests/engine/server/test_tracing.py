@@ -1,6 +1,6 @@
 """Spans of a request (case M3) with the in-memory exporter, and the engine timeline → span events: an HTTP
-SERVER span (HTTP semconv) around the INTERNAL ``llm_request``, a span for a refused request, a disconnect that
-is no error (issue 39)."""
+SERVER span (HTTP semconv) around the INTERNAL ``llm_request``, a span for a refused request, a disconnect
+that is no error (issue 39)."""
 
 from __future__ import annotations
 

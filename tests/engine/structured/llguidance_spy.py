@@ -1,6 +1,6 @@
-"""A stand-in for the ``llguidance`` module of engine/structured/backend.py that records every grammar compile
-(``LLMatcher(tokenizer, grammar, ...)``: the thread it ran on) and can hold the compiles of grammars containing
-a marker until the test opens its gate. Everything else is the real llguidance."""
+"""A stand-in for the ``llguidance`` module of engine/structured/backend.py that records every grammar
+compile (``LLMatcher(tokenizer, grammar, ...)``: the thread it ran on) and can hold the compiles of
+grammars containing a marker until the test opens its gate. Everything else is the real llguidance."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import llguidance
 
 HOLD_MARKER = "held-compile"
-"""The marker of the ``spy`` fixture (tests/engine/conftest.py): a grammar containing it compiles only once the
-test opens the gate."""
+"""The marker of the ``spy`` fixture (tests/engine/conftest.py): a grammar containing it compiles only once
+the test opens the gate."""
 
 
 class LLGuidanceSpy:

@@ -1,6 +1,7 @@
-"""Grammar compiles never stall other requests (serving case N2, engine/structured/backend.py): the cache is read
-before anything waits, concurrent requests for one grammar share one compile, the compile queue is bounded,
-oversized grammars and grammars the matcher cannot serve are refused at admission, errors are one line."""
+"""Grammar compiles never stall other requests (serving case N2, engine/structured/backend.py): the cache
+is read before anything waits, concurrent requests for one grammar share one compile, the compile queue is
+bounded, oversized grammars and grammars the matcher cannot serve are refused at admission, errors are one
+line."""
 
 from __future__ import annotations
 

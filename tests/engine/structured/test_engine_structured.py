@@ -55,8 +55,9 @@ def test_n_children_and_stop_strings_keep_the_constraint(llm):
 
 
 def test_constrained_requests_carry_their_grammar_mask_seconds(llm):
-    """Latency attribution (issue 18) for structured output: the mask seconds a constrained request is charged
-    are the per-request shares of the step totals the mask histogram observed; unconstrained ones carry None."""
+    """Latency attribution (issue 18) for structured output: the mask seconds a constrained request is
+    charged are the per-request shares of the step totals the mask histogram observed; unconstrained ones
+    carry None."""
     steps: list[float] = []
     manager = llm.engine.runner.matchers.manager
     previous, manager.mask_observer = manager.mask_observer, steps.append
@@ -77,9 +78,9 @@ def test_constrained_requests_carry_their_grammar_mask_seconds(llm):
 
 
 def test_a_matcher_error_mid_answer_fails_the_request_instead_of_stopping(llm):
-    """An integer or an object whose required ``a`` is the same object again: admission passes (the first token
-    is a choice), the answer ``{"`` (forced by logit_bias) breaks llguidance's item limit at the next token.
-    Before, the error state's EOS-only mask ended the answer ``{"`` with finish_reason ``stop``."""
+    """An integer or an object whose required ``a`` is the same object again: admission passes (the first
+    token is a choice), the answer ``{"`` (forced by logit_bias) breaks llguidance's item limit at the next
+    token. Before, the error state's EOS-only mask ended the answer ``{"`` with finish_reason ``stop``."""
     schema = {
         "anyOf": [
             {"type": "integer"},

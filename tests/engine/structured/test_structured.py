@@ -149,9 +149,9 @@ def _optional(count: int, kind: str) -> dict:
     ({"type": "array", "items": _optional(500, "integer")}, "'[{'"),
 ])  # fmt: skip
 def test_a_row_past_the_matchers_limit_after_the_start_is_a_400_at_admission(manager, schema, prefix) -> None:
-    """500 optional properties: ``{`` is not forced (``{}`` and ``{"`` are tokens too), and the row after it
-    holds 2,007 items, above llguidance's 2,000. The probe tries the tokens after the forced start, so this is a
-    400 at admission; before, it compiled and every request failed at its second token (a 500)."""
+    """500 optional properties: ``{`` is not forced (``{}`` and ``{"`` are tokens too), and the row after
+    it holds 2,007 items, above llguidance's 2,000. The probe tries the tokens after the forced start, so
+    this is a 400 at admission; before, it compiled and every request failed at its second token (a 500)."""
     with pytest.raises(InvalidParameterError) as caught:
         manager.compile(StructuredOutputsParams.json_schema(schema, "response_format"))
     assert caught.value.param == "response_format"

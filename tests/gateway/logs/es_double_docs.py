@@ -28,7 +28,8 @@ class DataStream:
 
     @classmethod
     def create(cls, name: str, template: str, parts: list[dict[str, Any]]) -> DataStream:
-        """Compose ``template`` parts in order (later wins), as an index template with ``composed_of`` does."""
+        """Compose ``template`` parts in order (later wins), as an index template with ``composed_of``
+        does."""
         mappings: dict[str, Any] = {"properties": {}}
         settings: dict[str, Any] = {}
         for part in parts:

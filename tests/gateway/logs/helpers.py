@@ -13,7 +13,8 @@ from kvscope.gateway.logs.spool import SpoolConfig
 
 
 class RecordingMetrics:
-    """Implements kvscope.gateway.logs.elasticsearch.SinkMetrics; keeps totals and every spool-bytes report."""
+    """Implements kvscope.gateway.logs.elasticsearch.SinkMetrics; keeps totals and every spool-bytes
+    report."""
 
     def __init__(self) -> None:
         self.outcomes: Counter[str] = Counter()

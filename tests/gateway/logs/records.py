@@ -1,4 +1,5 @@
-"""Request log records for tests, built independently of the gateway's record builder, per docs/gateway.md "Request log"."""
+"""Request log records for tests, built independently of the gateway's record builder, per docs/gateway.md
+"Request log"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Kibana saved objects and the Grafana Elasticsearch datasource: well-formed and consistent with the mapping."""
+"""Kibana saved objects and the Grafana Elasticsearch datasource: well-formed and consistent with the
+mapping."""
 
 from __future__ import annotations
 

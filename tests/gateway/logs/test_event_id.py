@@ -1,4 +1,5 @@
-"""The Elasticsearch ``_id`` is the gateway's own ``event.id``, not the client's ``x-request-id`` (issue 15.1).
+"""The Elasticsearch ``_id`` is the gateway's own ``event.id``, not the client's ``x-request-id`` (issue
+15.1).
 
 Two requests with the same ``x-request-id`` through the in-process gateway yield two documents in the
 Elasticsearch double, both with that ``http.request.id``; replaying the same records from a spool (a crash

@@ -90,7 +90,8 @@ async def _one(client: httpx.AsyncClient, rid: str, stream: bool) -> None:
 
 async def send_all(base: str, ids: list[str], over_s: float = 0.0) -> dict[str, float]:
     """One request per id (odd positions streamed), ``CONCURRENCY`` at a time; request ``i`` starts no
-    earlier than ``i/len(ids)·over_s`` after the first. Returns id → ``time.monotonic()`` at its response end."""
+    earlier than ``i/len(ids)·over_s`` after the first. Returns id → ``time.monotonic()`` at its response
+    end."""
     todo = list(enumerate(ids))
     done: dict[str, float] = {}
     start = time.monotonic()
