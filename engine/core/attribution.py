@@ -1,10 +1,11 @@
-"""Per-request latency attribution from the scheduler's own step records (issue 18). Pure Python.
+"""Per-request latency attribution from the scheduler's own step records. Pure Python.
 
 Every step the scheduler already knows, for each request it scheduled, the request's own tokens, the step's
 prefill and decode token totals, the number of requests in it, and (from its own clock, read once when the
 step is scheduled and once when its output is applied) the step's duration. :class:`StepAttribution` sums
 those per request — a few integer and float adds per scheduled request per step, no sampling and no second
-clock — and :meth:`StepAttribution.fields` turns them into the attribution fields of
+clock — and :meth:`StepAttribution.summary` turns them into a :class:`RequestAttribution`, whose fields
+:meth:`kvscope.engine.core.request.RequestStats.summary` copies into
 :class:`~kvscope.engine.core.stats.KvscopeStats`.
 
 The split of one step's seconds between its requests is token-proportional: a request that scheduled ``own``
@@ -18,17 +19,55 @@ preempted time (host work between steps, steps that did not schedule it) is ``*_
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvscope.engine.core.stats import PhaseAttribution
 
 if TYPE_CHECKING:
     from kvscope.engine.core.stats import KvscopeStats
 
-QUEUE_LIMITS: tuple[str, ...] = ("max_num_seqs", "kv_cache", "token_budget", "preemption")
-"""Why a step admitted no further waiting request (``queue_limit``), indexed as in
-``Scheduler._blocked_steps``: the running list held ``max_num_seqs``; the head of the queue got no KV
-blocks; the step's ``max_num_batched_tokens`` were spent; the step preempted (vLLM v1 admits nobody in such
-a step)."""
+
+class QueueLimit(enum.StrEnum):
+    """Why a step admitted no further waiting request; the value is the ``queue_limit`` field's. Declared in
+    tie-break order (:meth:`BlockedSteps.most`)."""
+
+    MAX_NUM_SEQS = "max_num_seqs"
+    """The running list held ``max_num_seqs`` (or only groups that gave up a slot this step were left)."""
+    KV_CACHE = "kv_cache"
+    """The head of the queue got no KV blocks."""
+    TOKEN_BUDGET = "token_budget"
+    """The step's ``max_num_batched_tokens`` were spent."""
+    PREEMPTION = "preemption"
+    """The step preempted for KV blocks (vLLM v1 admits nobody in such a step)."""
+
+
+@dataclass(slots=True)
+class BlockedSteps:
+    """Steps that left requests waiting, counted per :class:`QueueLimit` (the scheduler holds one running
+    count; a request keeps a copy from its arrival)."""
+
+    counts: dict[QueueLimit, int] = field(default_factory=lambda: dict.fromkeys(QueueLimit, 0))
+
+    def count(self, limit: QueueLimit) -> None:
+        """One more step held by ``limit``."""
+        self.counts[limit] += 1
+
+    def copy(self) -> BlockedSteps:
+        return BlockedSteps(dict(self.counts))
+
+    def since(self, earlier: BlockedSteps) -> BlockedSteps:
+        """The steps counted after ``earlier`` (a copy of this count taken before)."""
+        return BlockedSteps({limit: n - earlier.counts[limit] for limit, n in self.counts.items()})
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def most(self) -> QueueLimit | None:
+        """The limit that held the most steps (the first in declaration order on a tie); None: no step."""
+        limit = max(QueueLimit, key=self.counts.__getitem__)
+        return limit if self.counts[limit] > 0 else None
 
 
 LATENCY_CAUSES: dict[str, tuple[str, ...]] = {
@@ -47,19 +86,19 @@ def cause_seconds(stats: KvscopeStats) -> dict[tuple[str, str], float]:
     if stats.prefill_steps is None:
         return {}
     out: dict[tuple[str, str], float] = {("ttft", "queue"): stats.queue_s or 0.0}
-    for phase, prefix in (("ttft", "prefill"), ("decode", "decode")):
-        interference = getattr(stats, f"{prefix}_interference_s") or 0.0
-        by_prefill = getattr(stats, f"{prefix}_interference_prefill_s") or 0.0
-        out[(phase, "own")] = getattr(stats, f"{prefix}_own_s") or 0.0
-        out[(phase, "other_prefills")] = by_prefill
-        out[(phase, "batched_decodes")] = max(interference - by_prefill, 0.0)
-        out[(phase, "preemption")] = getattr(stats, f"{prefix}_preempted_s") or 0.0
-        out[(phase, "host")] = getattr(stats, f"{prefix}_other_s") or 0.0
+    for label, phase in (("ttft", stats.prefill_phase), ("decode", stats.decode_phase)):
+        interference = phase.interference_s or 0.0
+        by_prefill = phase.interference_prefill_s or 0.0
+        out[(label, "own")] = phase.own_s or 0.0
+        out[(label, "other_prefills")] = by_prefill
+        out[(label, "batched_decodes")] = max(interference - by_prefill, 0.0)
+        out[(label, "preemption")] = phase.preempted_s or 0.0
+        out[(label, "host")] = phase.other_s or 0.0
     return out
 
 
 @dataclass(slots=True)
-class _Phase:
+class PhaseSteps:
     """Sums over the steps of one phase (prefill or decode) that scheduled the request."""
 
     steps: int = 0
@@ -92,24 +131,36 @@ class _Phase:
         self.interference_s += share * (other_prefill + other_decode)
         self.interference_prefill_s += share * other_prefill
 
-    def fields(self, prefix: str, wall_s: float | None) -> dict[str, Any]:
-        """The phase's KvscopeStats fields; ``wall_s`` is the phase's measured wall time (None: not
-        reached)."""
+    def summary(self, wall_s: float | None) -> PhaseAttribution:
+        """The phase's attribution; ``wall_s`` is the phase's measured wall time (None: not reached)."""
         explained = self.own_s + self.interference_s + self.preempted_s
-        return {
-            f"{prefix}_steps": self.steps,
-            f"{prefix}_tokens": self.own_tokens,
-            f"{prefix}_other_prefill_tokens": self.other_prefill_tokens,
-            f"{prefix}_other_decode_tokens": self.other_decode_tokens,
-            f"{prefix}_other_requests_max": self.other_requests_max,
-            f"{prefix}_step_s_mean": self.step_s_sum / self.steps if self.steps else None,
-            f"{prefix}_step_s_max": self.step_s_max if self.steps else None,
-            f"{prefix}_own_s": self.own_s,
-            f"{prefix}_interference_s": self.interference_s,
-            f"{prefix}_interference_prefill_s": self.interference_prefill_s,
-            f"{prefix}_preempted_s": self.preempted_s,
-            f"{prefix}_other_s": None if wall_s is None else max(wall_s - explained, 0.0),
-        }
+        return PhaseAttribution(
+            steps=self.steps,
+            tokens=self.own_tokens,
+            other_prefill_tokens=self.other_prefill_tokens,
+            other_decode_tokens=self.other_decode_tokens,
+            other_requests_max=self.other_requests_max,
+            step_s_mean=self.step_s_sum / self.steps if self.steps else None,
+            step_s_max=self.step_s_max if self.steps else None,
+            own_s=self.own_s,
+            interference_s=self.interference_s,
+            interference_prefill_s=self.interference_prefill_s,
+            preempted_s=self.preempted_s,
+            other_s=None if wall_s is None else max(wall_s - explained, 0.0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAttribution:
+    """One request's attribution (the KvscopeStats fields of the same names; units documented there)."""
+
+    queue_ahead: int
+    running_on_arrival: int
+    queue_limit: QueueLimit | None
+    queue_blocked_steps: int
+    prefill: PhaseAttribution
+    decode: PhaseAttribution
+    recomputed_tokens: int
 
 
 @dataclass(slots=True)
@@ -119,39 +170,36 @@ class StepAttribution:
     queue_ahead: int = 0
     """Requests waiting ahead of it when it arrived."""
     running_on_arrival: int = 0
-    blocked_at_arrival: list[int] = field(default_factory=list)
-    """The scheduler's per-limit blocked-step counters when the request arrived (see QUEUE_LIMITS)."""
-    blocked_while_queued: list[int] = field(default_factory=list)
+    blocked_at_arrival: BlockedSteps = field(default_factory=BlockedSteps)
+    """The scheduler's blocked-step counts when the request arrived."""
+    blocked_while_queued: BlockedSteps = field(default_factory=BlockedSteps)
     """Steps, per limit, that admitted nobody else while the request first waited."""
-    prefill: _Phase = field(default_factory=_Phase)
-    decode: _Phase = field(default_factory=_Phase)
+    prefill: PhaseSteps = field(default_factory=PhaseSteps)
+    decode: PhaseSteps = field(default_factory=PhaseSteps)
     preempted_at: float | None = None
     recomputed_tokens: int = 0
 
-    def on_arrival(self, queue_ahead: int, running: int, blocked_steps: list[int]) -> None:
+    def on_arrival(self, queue_ahead: int, running: int, blocked_steps: BlockedSteps) -> None:
         self.queue_ahead, self.running_on_arrival = queue_ahead, running
-        self.blocked_at_arrival = list(blocked_steps)
+        self.blocked_at_arrival = blocked_steps.copy()
 
-    def on_first_admission(self, blocked_steps: list[int]) -> None:
-        self.blocked_while_queued = [
-            now - then for now, then in zip(blocked_steps, self.blocked_at_arrival, strict=True)
-        ]
+    def on_first_admission(self, blocked_steps: BlockedSteps) -> None:
+        self.blocked_while_queued = blocked_steps.since(self.blocked_at_arrival)
 
     def on_readmitted(self, now: float, before_first_token: bool) -> None:
         if self.preempted_at is not None:
             (self.prefill if before_first_token else self.decode).preempted_s += now - self.preempted_at
             self.preempted_at = None
 
-    def fields(self, prefill_wall_s: float | None, decode_wall_s: float | None) -> dict[str, Any]:
-        """The attribution fields of KvscopeStats (names and units documented there)."""
-        blocked = self.blocked_while_queued
-        worst = max(range(len(blocked)), key=blocked.__getitem__) if blocked and max(blocked) > 0 else None
-        return {
-            "queue_ahead": self.queue_ahead,
-            "running_on_arrival": self.running_on_arrival,
-            "queue_limit": None if worst is None else QUEUE_LIMITS[worst],
-            "queue_blocked_steps": sum(blocked),
-            **self.prefill.fields("prefill", prefill_wall_s),
-            **self.decode.fields("decode", decode_wall_s),
-            "recomputed_tokens": self.recomputed_tokens,
-        }
+    def summary(self, prefill_wall_s: float | None, decode_wall_s: float | None) -> RequestAttribution:
+        """The request's attribution; the wall times are its measured prefill and decode seconds (None: not
+        reached)."""
+        return RequestAttribution(
+            queue_ahead=self.queue_ahead,
+            running_on_arrival=self.running_on_arrival,
+            queue_limit=self.blocked_while_queued.most(),
+            queue_blocked_steps=self.blocked_while_queued.total(),
+            prefill=self.prefill.summary(prefill_wall_s),
+            decode=self.decode.summary(decode_wall_s),
+            recomputed_tokens=self.recomputed_tokens,
+        )

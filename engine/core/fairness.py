@@ -47,6 +47,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
+from typing import NamedTuple
 
 from kvscope.engine.core.request import Request
 
@@ -211,6 +212,17 @@ def claims(queue: WaitingQueue, shares: FairShares) -> tuple[int, set[str]]:
     return sum(min(want, room[tenant]) for tenant, want in wanted.items()), set(wanted)
 
 
+class _Candidate(NamedTuple):
+    """A heap entry of :class:`AdmissionOrder`: compared as a tuple, fewest running first, then queue order."""
+
+    running: int
+    """Sequences the tenant (group) runs."""
+    position: int
+    """Queue position of its head sequence."""
+    key: str
+    """The tenant (group) key."""
+
+
 class AdmissionOrder:
     """Rule 1 for one step: a heap of (running sequences, candidate head's queue position, tenant) over the
     tenants with waiting sequences, each with a heap of (running sequences, head's queue position, group) over
@@ -220,31 +232,36 @@ class AdmissionOrder:
     def __init__(self, queue: WaitingQueue, shares: FairShares, excluded: Collection[str] = ()) -> None:
         self._queue = queue
         self._shares = shares
-        self._groups: dict[str, list[tuple[int, int, str]]] = {}
+        self._groups: dict[str, list[_Candidate]] = {}
         for key, group in queue.groups():
             if key not in excluded:
                 self._groups.setdefault(shares.tenant_of(key), []).append(
-                    (shares.running(key), queue.position(group[0]), key)
+                    _Candidate(shares.running(key), queue.position(group[0]), key)
                 )
         for heap in self._groups.values():
             heapq.heapify(heap)
         self._tenants = [
-            (shares.tenant_running(tenant), heap[0][1], tenant) for tenant, heap in self._groups.items()
+            _Candidate(shares.tenant_running(tenant), heap[0].position, tenant)
+            for tenant, heap in self._groups.items()
         ]
         heapq.heapify(self._tenants)
 
     def peek(self) -> Request | None:
-        return self._queue.head(self._groups[self._tenants[0][2]][0][2]) if self._tenants else None
+        if not self._tenants:
+            return None
+        return self._queue.head(self._groups[self._tenants[0].key][0].key)
 
     def admitted(self, request: Request) -> None:
-        tenant = heapq.heappop(self._tenants)[2]
+        tenant = heapq.heappop(self._tenants).key
         groups = self._groups[tenant]
-        key = heapq.heappop(groups)[2]
+        key = heapq.heappop(groups).key
         head = self._queue.head(key)
         if head is not None:
-            heapq.heappush(groups, (self._shares.running(key), self._queue.position(head), key))
+            heapq.heappush(groups, _Candidate(self._shares.running(key), self._queue.position(head), key))
         if groups:
-            heapq.heappush(self._tenants, (self._shares.tenant_running(tenant), groups[0][1], tenant))
+            heapq.heappush(
+                self._tenants, _Candidate(self._shares.tenant_running(tenant), groups[0].position, tenant)
+            )
 
 
 def round_robin(running: Sequence[Request]) -> list[Request]:
@@ -284,12 +301,11 @@ def fairness_victim(
             continue
         group = request.fairness_key
         tenant = shares.tenant_of(group)
-        excess = (
-            shares.tenant_running(tenant) - tenant_share,
-            shares.running(group) - shares.group_share(group),
-        )
-        if excess[0] <= 0 and (excess[1] <= 0 or (claimants is not None and tenant not in claimants)):
+        tenant_excess = shares.tenant_running(tenant) - tenant_share
+        group_excess = shares.running(group) - shares.group_share(group)
+        if tenant_excess <= 0 and (group_excess <= 0 or (claimants is not None and tenant not in claimants)):
             continue
+        excess = (tenant_excess, group_excess)
         if victim is None or excess > worst:
             victim, worst = request, excess
     return victim

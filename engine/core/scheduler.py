@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvscope.engine.config import CacheConfig, SchedulerConfig
-from kvscope.engine.core.attribution import QUEUE_LIMITS
+from kvscope.engine.core.attribution import BlockedSteps, QueueLimit
 from kvscope.engine.core.drafter import Drafter
 from kvscope.engine.core.fairness import (
     AdmissionOrder,
@@ -105,7 +105,7 @@ class Scheduler:
         self._num_preemptions_total = 0
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
-        self._blocked_steps = [0] * len(QUEUE_LIMITS)
+        self._blocked_steps = BlockedSteps()
         """Steps that left requests waiting, per limit (attribution; engine/core/attribution.py)."""
 
     # ---- request lifecycle -------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class Scheduler:
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan, rebalanced_groups)
         elif self.waiting:
-            self._blocked_steps[3] += 1  # QUEUE_LIMITS: "preemption"
+            self._blocked_steps.count(QueueLimit.PREEMPTION)
         return self._build_output(plan)
 
     def update_from_output(
@@ -233,28 +233,23 @@ class Scheduler:
         1`` request (``Request.parent_id``) count each other's tokens as their own."""
         prefill, decode, count = out.num_prefill_tokens, out.num_decode_tokens, len(out.scheduled)
         share = dt / max(prefill + decode, 1)
-        groups: dict[
-            str, list[int]
-        ] = {}  # parent id -> [prefill tokens, decode tokens, requests] in this step
+        groups: dict[str, _GroupTokens] = {}  # parent id -> its choices' tokens in this step
         for item in out.scheduled:
             if item.request.parent_id is not None:
-                group = groups.setdefault(item.request.parent_id, [0, 0, 0])
-                group[1 if _is_decode(item) else 0] += len(item.token_ids)
-                group[2] += 1
+                groups.setdefault(item.request.parent_id, _GroupTokens()).add(item)
         for item in out.scheduled:
             stats = item.request.stats
             attribution = stats.attribution
             phase = attribution.prefill if stats.first_token_time is None else attribution.decode
             group = groups.get(item.request.parent_id) if item.request.parent_id is not None else None
             if group is None:
-                own = len(item.token_ids)
-                group = [0, own, 1] if _is_decode(item) else [own, 0, 1]
-            own_prefill, own_decode, members = group
+                group = _GroupTokens()
+                group.add(item)
             phase.add(
-                own_prefill + own_decode,
-                prefill - own_prefill,
-                decode - own_decode,
-                count - members,
+                group.prefill + group.decode,
+                prefill - group.prefill,
+                decode - group.decode,
+                count - group.requests,
                 dt,
                 share,
             )
@@ -368,18 +363,19 @@ class Scheduler:
         order: AdmissionOrder | None = None  # built once a request can be admitted (a full engine skips it)
         while self.waiting:
             if plan.token_budget <= 0 or len(self.running) >= max_num_seqs:
-                self._blocked_steps[0 if plan.token_budget > 0 else 2] += 1  # QUEUE_LIMITS order
+                limit = QueueLimit.MAX_NUM_SEQS if plan.token_budget > 0 else QueueLimit.TOKEN_BUDGET
+                self._blocked_steps.count(limit)
                 break
             if order is None:
                 order = AdmissionOrder(self.waiting, self._shares, excluded_groups)
             request = order.peek()
             if request is None:  # only groups that gave up a slot this step are left
-                self._blocked_steps[0] += 1
+                self._blocked_steps.count(QueueLimit.MAX_NUM_SEQS)
                 break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_hit_tokens, plan.token_budget)
             if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
-                self._blocked_steps[2 if num_new <= 0 else 1] += 1
+                self._blocked_steps.count(QueueLimit.TOKEN_BUDGET if num_new <= 0 else QueueLimit.KV_CACHE)
                 break  # nobody overtakes the request whose turn it is
             self.waiting.remove(request)
             self._admit(request, num_hit_tokens)
@@ -496,6 +492,22 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
         if self.drafter is not None:
             self.drafter.drop(request.request_id)
+
+
+@dataclass(slots=True)
+class _GroupTokens:
+    """One request's tokens in a step, summed over its ``n > 1`` choices (``Request.parent_id``)."""
+
+    prefill: int = 0
+    decode: int = 0
+    requests: int = 0
+
+    def add(self, item: ScheduledRequest) -> None:
+        if _is_decode(item):
+            self.decode += len(item.token_ids)
+        else:
+            self.prefill += len(item.token_ids)
+        self.requests += 1
 
 
 def _is_decode(item: ScheduledRequest) -> bool:

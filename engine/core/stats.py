@@ -38,6 +38,27 @@ class SchedulerStats:
     """Of those, tokens served from the prefix cache (counter)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PhaseAttribution:
+    """One phase's latency attribution: the :class:`KvscopeStats` fields ``prefill_*`` (before the first token)
+    or ``decode_*`` (after it) without their prefix (meanings and units documented there; None: not
+    reached). Built by engine/core/attribution.py; read back with :attr:`KvscopeStats.prefill_phase` and
+    :attr:`KvscopeStats.decode_phase`."""
+
+    steps: int | None = None
+    tokens: int | None = None
+    other_prefill_tokens: int | None = None
+    other_decode_tokens: int | None = None
+    other_requests_max: int | None = None
+    step_s_mean: float | None = None
+    step_s_max: float | None = None
+    own_s: float | None = None
+    interference_s: float | None = None
+    interference_prefill_s: float | None = None
+    preempted_s: float | None = None
+    other_s: float | None = None
+
+
 class KvscopeStats(msgspec.Struct, frozen=True):
     """One request's ``kvscope`` object (docs/engine-server.md, "The kvscope object"): where its time went
     and what it held, in seconds, requests, blocks and a 0–1 ratio. The field names are the JSON keys of
@@ -119,7 +140,7 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     structured_wait_s: float | None = None
     """Structured output only: seconds its steps' sampling waited for the masks after the forward pass had
     finished (the latency the grammar added). None for unconstrained requests."""
-    # --- speculative decoding (issue 16; vLLM's SpecDecodingStats per request). None: it never speculated --
+    # --- speculative decoding (vLLM's SpecDecodingStats per request). None: it never speculated -------------
     spec_drafts: int | None = None
     """Drafts verified (one per verification step in which it had proposed tokens)."""
     spec_draft_tokens: int | None = None
@@ -129,6 +150,42 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     spec_mean_accepted_length: float | None = None
     """vLLM's "mean acceptance length": 1 + spec_accepted_tokens / spec_drafts, the tokens emitted per
     verification step (1: nothing accepted; k + 1: every draft fully accepted)."""
+
+    @property
+    def prefill_phase(self) -> PhaseAttribution:
+        """The ``prefill_*`` fields as one typed value."""
+        return PhaseAttribution(
+            steps=self.prefill_steps,
+            tokens=self.prefill_tokens,
+            other_prefill_tokens=self.prefill_other_prefill_tokens,
+            other_decode_tokens=self.prefill_other_decode_tokens,
+            other_requests_max=self.prefill_other_requests_max,
+            step_s_mean=self.prefill_step_s_mean,
+            step_s_max=self.prefill_step_s_max,
+            own_s=self.prefill_own_s,
+            interference_s=self.prefill_interference_s,
+            interference_prefill_s=self.prefill_interference_prefill_s,
+            preempted_s=self.prefill_preempted_s,
+            other_s=self.prefill_other_s,
+        )
+
+    @property
+    def decode_phase(self) -> PhaseAttribution:
+        """The ``decode_*`` fields as one typed value."""
+        return PhaseAttribution(
+            steps=self.decode_steps,
+            tokens=self.decode_tokens,
+            other_prefill_tokens=self.decode_other_prefill_tokens,
+            other_decode_tokens=self.decode_other_decode_tokens,
+            other_requests_max=self.decode_other_requests_max,
+            step_s_mean=self.decode_step_s_mean,
+            step_s_max=self.decode_step_s_max,
+            own_s=self.decode_own_s,
+            interference_s=self.decode_interference_s,
+            interference_prefill_s=self.decode_interference_prefill_s,
+            preempted_s=self.decode_preempted_s,
+            other_s=self.decode_other_s,
+        )
 
     def __getitem__(self, name: str) -> Any:
         """The field called ``name`` (a JSON key above); KeyError for any other name."""

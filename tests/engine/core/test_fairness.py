@@ -68,7 +68,7 @@ def test_a_one_sequence_request_arriving_while_a_fan_out_holds_every_slot_runs_i
     assert out.preempted_req_ids == {"fan-3"}
     assert [r.request_id for r in sched.waiting][0] == "fan-3"  # back at the front of its group
     assert _running_per_group(sched) == {"fan": 3, "solo": 1}
-    assert solo.stats.attribution.fields(None, None)["queue_blocked_steps"] == 0
+    assert solo.stats.attribution.summary(None, None).queue_blocked_steps == 0
     out, _ = step(sched)
     assert out.preempted_req_ids == set() and len(out.scheduled) == 4  # stable: solo asks for no more
     assert _first_step_with(sched, "fan-3") == 2  # fan-3 returns once solo's 4 tokens are done
