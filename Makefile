@@ -30,8 +30,14 @@ run: $(STAMP)
 pull: $(STAMP)
 	$(VENV)/bin/kvscope pull
 
+# The formatter's check, the linter (line length included), the type checker (paths and mode in pyproject.toml
+# [tool.pyright]), the dashboards' generated JSON, the import contracts. .pre-commit-config.yaml runs the same.
+LINT_PATHS := engine gateway kernels kvscope dashboards bench tests
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check engine gateway kernels kvscope dashboards bench tests
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/pyright
 	$(PY) -P -m kvscope.dashboards.generate --check
 	$(VENV)/bin/lint-imports
 
