@@ -72,8 +72,8 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
             _count_prompt, gw, raw, req
         )  # a huge prompt must not stall the loop
     finally:
-        ctx.tokenize_s += time.perf_counter() - started  # kvscope.gateway.tokenize_s
-    ctx.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
+        ctx.request.tokenize_s += time.perf_counter() - started  # kvscope.gateway.tokenize_s
+    ctx.request.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
     max_len = gw.pool.max_model_len(req.model)
     _check_context(max_len, prompt_counts, _completion_budget(req.requested_max_tokens, op), op)
     prompt_estimate = _prompt_estimate(raw, prompt_counts)
@@ -81,7 +81,7 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
         ceiling, tpm_output_cap(principal.limits.tokens_per_minute, prompt_estimate, req.num_choices())
     )
     injected = _injected_max_tokens(ceiling, req, op, max_len, prompt_counts)
-    ctx.max_tokens = max_tokens = req.requested_max_tokens or injected
+    ctx.request.max_tokens = max_tokens = req.requested_max_tokens or injected
     _check_replica(gw, req.model)
     estimate = _token_estimate(req, prompt_estimate, max_tokens)
     await lease_of(request).acquire(gw.limiter, principal, ctx, prompt_estimate, estimate)
@@ -101,14 +101,16 @@ def _parse(
 ) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
     raw = decode_object(body)
     model = raw.get("model")
-    ctx.request_model = model if isinstance(model, str) else None  # logged even when validation fails
+    ctx.request.model = model if isinstance(model, str) else None  # logged even when validation fails
     req = validate_body(raw, op.schema)
-    ctx.request_model, ctx.stream = req.model, req.streaming
-    ctx.max_tokens, ctx.temperature = req.requested_max_tokens, req.temperature
+    ctx.request.model, ctx.request.stream = req.model, req.streaming
+    ctx.request.max_tokens, ctx.request.temperature = req.requested_max_tokens, req.temperature
     top_p = raw.get("top_p")
-    ctx.top_p = float(top_p) if isinstance(top_p, int | float) and not isinstance(top_p, bool) else None
+    ctx.request.top_p = (
+        float(top_p) if isinstance(top_p, int | float) and not isinstance(top_p, bool) else None
+    )
     if gw.settings.logs.log_content:
-        ctx.input_content = raw.get("messages", raw.get("prompt"))
+        ctx.request.input_content = raw.get("messages", raw.get("prompt"))
     return raw, req
 
 
@@ -124,7 +126,7 @@ def _check_model(gw: GatewayState, ctx: RequestContext, principal: Principal, mo
                 headers={"retry-after": gw.pool.retry_after()},
             )
         raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")
-    ctx.model_served = True
+    ctx.request.model_served = True
     gw.auth.check_model(principal, model)
 
 

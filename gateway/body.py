@@ -20,7 +20,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     try:
         body = await request.body()
     except InternalServerException:  # Litestar's "client disconnected prematurely" (http.disconnect)
-        ctx.mark_disconnected("request_body")
+        ctx.outcome.mark_disconnected("request_body")
         raise ClientClosedRequest("client closed the connection while sending the request body") from None
-    ctx.request_bytes = len(body)
+    ctx.request.body_bytes = len(body)
     return body

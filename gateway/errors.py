@@ -199,7 +199,7 @@ def from_http_exception(exc: HTTPException) -> GatewayError:
 def _record(request: Request, err: GatewayError) -> None:
     ctx = request.scope.get("state", {}).get("kvscope_ctx")
     if ctx is not None:
-        ctx.set_error(err)
+        ctx.outcome.set_error(err)
 
 
 def gateway_error_handler(request: Request, exc: GatewayError) -> Response:

@@ -38,14 +38,14 @@ def server_host_port(url: str | None) -> tuple[str, int] | None:
 def base_attributes(ctx: RequestContext, provider: str, model: str) -> dict[str, Any]:
     """The attributes a call has from its start: operation, provider, request model and parameters."""
     attrs: dict[str, Any] = {
-        "gen_ai.operation.name": ctx.operation or "chat",
+        "gen_ai.operation.name": ctx.edge.operation or "chat",
         "gen_ai.provider.name": provider,
         "gen_ai.request.model": model,
     }
     for key, value in (
-        ("gen_ai.request.max_tokens", ctx.max_tokens),
-        ("gen_ai.request.temperature", ctx.temperature),
-        ("gen_ai.request.top_p", ctx.top_p),
+        ("gen_ai.request.max_tokens", ctx.request.max_tokens),
+        ("gen_ai.request.temperature", ctx.request.temperature),
+        ("gen_ai.request.top_p", ctx.request.top_p),
     ):
         if value is not None:
             attrs[key] = value
@@ -55,30 +55,30 @@ def base_attributes(ctx: RequestContext, provider: str, model: str) -> dict[str,
 def call_error_type(ctx: RequestContext) -> str | None:
     """``error.type`` of the call: the upstream's error code, a stream error reason or the status code;
     ``None`` for a success or when the client left (the call was cancelled, not failed)."""
-    if ctx.client_disconnected and not ctx.stream_error:
+    if ctx.outcome.client_disconnected and not ctx.outcome.stream_error:
         return None
-    if ctx.stream_error:
-        return ctx.error_type or ctx.stream_error
-    status = ctx.status or 500
-    return (ctx.error_type or str(status)) if status >= 400 else None
+    if ctx.outcome.stream_error:
+        return ctx.outcome.error_type or ctx.outcome.stream_error
+    status = ctx.outcome.status or 500
+    return (ctx.outcome.error_type or str(status)) if status >= 400 else None
 
 
 def server_attributes(ctx: RequestContext) -> dict[str, Any]:
     """``server.address`` (host) and ``server.port`` of the last upstream tried, if any."""
-    hp = server_host_port(ctx.upstream)
+    hp = server_host_port(ctx.upstream.address)
     return {} if hp is None else {"server.address": hp[0], "server.port": hp[1]}
 
 
 def end_attributes(ctx: RequestContext, call_start: float) -> dict[str, Any]:
     """What the call learnt by its end (``call_start``: ``perf_counter`` seconds when it began)."""
     attrs = server_attributes(ctx)
-    if ctx.response_id:
-        attrs["gen_ai.response.id"] = ctx.response_id
-    if ctx.response_model:
-        attrs["gen_ai.response.model"] = ctx.response_model
-    if ctx.finish_reasons:
-        attrs["gen_ai.response.finish_reasons"] = list(ctx.finish_reasons)
-    usage = ctx.usage or {}
+    if ctx.answer.response_id:
+        attrs["gen_ai.response.id"] = ctx.answer.response_id
+    if ctx.answer.response_model:
+        attrs["gen_ai.response.model"] = ctx.answer.response_model
+    if ctx.answer.finish_reasons:
+        attrs["gen_ai.response.finish_reasons"] = list(ctx.answer.finish_reasons)
+    usage = ctx.answer.usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for key, value in (
         ("gen_ai.usage.input_tokens", usage.get("prompt_tokens")),
@@ -88,8 +88,8 @@ def end_attributes(ctx: RequestContext, call_start: float) -> dict[str, Any]:
             attrs[key] = value
     if isinstance(cached, int) and cached > 0:
         attrs["gen_ai.usage.cache_read.input_tokens"] = cached
-    if ctx.first_token_at is not None:
-        attrs["gen_ai.response.time_to_first_chunk"] = max(0.0, ctx.first_token_at - call_start)
+    if ctx.answer.first_token_at is not None:
+        attrs["gen_ai.response.time_to_first_chunk"] = max(0.0, ctx.answer.first_token_at - call_start)
     error_type = call_error_type(ctx)
     if error_type is not None:
         attrs["error.type"] = error_type

@@ -43,7 +43,7 @@ def names_operation(operation: str) -> Guard:
     before authentication, so a generation request refused with 401 is logged with its operation."""
 
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-        context_of(connection).operation = operation
+        context_of(connection).edge.operation = operation
 
     return guard
 
@@ -55,8 +55,8 @@ async def authenticated(connection: ASGIConnection, _: BaseRouteHandler) -> None
     try:
         principal = state_of(connection).auth.authenticate(connection.headers.get("authorization"))
     finally:
-        ctx.auth_s += time.perf_counter() - started  # kvscope.gateway.auth_s
-    ctx.key_id = principal.key_id if principal.authenticated else None
+        ctx.edge.auth_s += time.perf_counter() - started  # kvscope.gateway.auth_s
+    ctx.edge.key_id = principal.key_id if principal.authenticated else None
     connection.scope["user"] = principal
 
 

@@ -45,28 +45,28 @@ def begin(gw: GatewayState, scope: Scope) -> RequestContext:
         http_version=scope.get("http_version", "1.1"),
     )
     name = f"{method} {route}" if route != "other" else method
-    ctx.server_span = gw.tracer.start_server_span(
+    ctx.trace.span = gw.tracer.start_server_span(
         name, headers, ctx.epoch_ns(ctx.start), server_span_attributes(ctx, scope)
     )
-    ctx.trace_id, ctx.span_id = span_ids(ctx.server_span)
+    ctx.trace.trace_id, ctx.trace.span_id = span_ids(ctx.trace.span)
     gw.metrics.in_flight.inc()
     return ctx
 
 
 async def finish(gw: GatewayState, ctx: RequestContext) -> None:
     """Metrics, span end, the log record."""
-    ctx.end_at = ctx.end_at or time.perf_counter()
-    e2e = ctx.end_at - ctx.start
+    ctx.outcome.end_at = ctx.outcome.end_at or time.perf_counter()
+    e2e = ctx.outcome.end_at - ctx.start
     m = gw.metrics
-    model = m.model_label(ctx.request_model, ctx.model_served)
+    model = m.model_label(ctx.request.model, ctx.request.model_served)
     m.in_flight.dec()
-    m.requests.labels(model, ctx.route, str(ctx.status or 500)).inc()
+    m.requests.labels(model, ctx.route, str(ctx.outcome.status or 500)).inc()
     m.request_duration.labels(model, ctx.route).observe(e2e, exemplar(ctx))
     m.overhead.labels(ctx.route).observe(ctx.overhead_s)
-    if ctx.rate_limited:
-        m.rate_limited.labels(ctx.rate_limited).inc()
-    if ctx.stream_error:
-        m.stream_errors.labels(model, ctx.stream_error).inc()
+    if ctx.outcome.rate_limited:
+        m.rate_limited.labels(ctx.outcome.rate_limited).inc()
+    if ctx.outcome.stream_error:
+        m.stream_errors.labels(model, ctx.outcome.stream_error).inc()
     _observe_tokens(ctx, model, gw)
     _end_server_span(ctx)
     record = gw.record_builder.build(ctx)
@@ -77,10 +77,10 @@ async def finish(gw: GatewayState, ctx: RequestContext) -> None:
 def exemplar(ctx: RequestContext) -> dict[str, str] | None:
     """``{"trace_id": …}`` for a histogram observation when the request's trace is sampled (so the trace
     exists in the backend), else None. OpenMetrics 1.0 exemplars; Grafana links ``trace_id`` to Jaeger."""
-    span = ctx.server_span
-    if span is None or ctx.trace_id is None or not span.get_span_context().trace_flags.sampled:
+    span = ctx.trace.span
+    if span is None or ctx.trace.trace_id is None or not span.get_span_context().trace_flags.sampled:
         return None
-    return {"trace_id": ctx.trace_id}
+    return {"trace_id": ctx.trace.trace_id}
 
 
 def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
@@ -89,7 +89,7 @@ def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
         m.ttft.labels(model).observe(ctx.ttft_s, exemplar(ctx))
     if ctx.tpot_s is not None:
         m.tpot.labels(model).observe(ctx.tpot_s, exemplar(ctx))
-    usage = ctx.usage or {}
+    usage = ctx.answer.usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for kind, value in (("input", usage.get("prompt_tokens")), ("output", ctx.output_tokens)):
         if isinstance(value, int) and value > 0:
@@ -123,24 +123,24 @@ def server_span_error(ctx: RequestContext) -> str | None:
     "Status": a server span MUST leave the status unset for 4xx (the client's fault) and set Error for
     5xx, with ``error.type`` the status code as a string. A stream that failed after its 200 is an error
     too (``error.type`` = the stream error reason); a client that left (499) is not the server's error."""
-    status = ctx.status or 500
+    status = ctx.outcome.status or 500
     if status >= 500:
         return str(status)
-    if ctx.stream_error and not ctx.client_disconnected:
-        return ctx.stream_error
+    if ctx.outcome.stream_error and not ctx.outcome.client_disconnected:
+        return ctx.outcome.stream_error
     return None
 
 
 def _end_server_span(ctx: RequestContext) -> None:
-    span = ctx.server_span
+    span = ctx.trace.span
     if span is None:
         return
-    span.set_attribute("http.response.status_code", ctx.status or 500)
+    span.set_attribute("http.response.status_code", ctx.outcome.status or 500)
     error_type = server_span_error(ctx)
     if error_type is not None:
-        span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
+        span.set_status(Status(StatusCode.ERROR, ctx.outcome.error_message or ""))
         span.set_attribute("error.type", error_type)
-    span.end(end_time=ctx.epoch_ns(ctx.end_at or time.perf_counter()))
+    span.end(end_time=ctx.epoch_ns(ctx.outcome.end_at or time.perf_counter()))
 
 
 async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, app: ASGIApp) -> None:
@@ -150,12 +150,12 @@ async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, 
     ctx = begin(gw, scope)
     scope.setdefault("state", {})[CTX_KEY] = ctx
     if (refused := scope["state"].get(REFUSED_KEY)) is not None:  # the parser answered before the app started
-        ctx.refused_by_parser(*refused)
+        ctx.outcome.refused_by_parser(*refused)
 
     async def observed_send(message: Message) -> None:
         if message["type"] == "http.response.start":
-            if not ctx.answered_by_server:
-                ctx.status = message["status"]
+            if not ctx.outcome.answered_by_server:
+                ctx.outcome.status = message["status"]
             message = {
                 **message,
                 "headers": [*message.get("headers", ()), (b"x-request-id", ctx.request_id.encode())],
@@ -164,9 +164,9 @@ async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, 
             return
         await send(message)
         if message["type"] == "http.response.body":
-            ctx.response_bytes += len(message.get("body", b""))
+            ctx.outcome.response_bytes += len(message.get("body", b""))
             if not message.get("more_body", False):
-                ctx.end_at = time.perf_counter()
+                ctx.outcome.end_at = time.perf_counter()
 
     try:
         try:
@@ -176,7 +176,7 @@ async def observe(gw: GatewayState, scope: Scope, receive: Receive, send: Send, 
                 scope["path"],
             )
         except GatewayError as err:
-            ctx.set_error(err)
+            ctx.outcome.set_error(err)
             await send_error(observed_send, err)
             return
         await app(scope, receive, observed_send)
@@ -197,8 +197,12 @@ async def record_refused(
         "http_version": "1.1",
     }
     ctx = begin(gw, scope)  # type: ignore[arg-type]
-    ctx.set_error(err)
-    ctx.status, ctx.response_bytes, ctx.end_at = err.status, response_bytes, time.perf_counter()
+    ctx.outcome.set_error(err)
+    ctx.outcome.status, ctx.outcome.response_bytes, ctx.outcome.end_at = (
+        err.status,
+        response_bytes,
+        time.perf_counter(),
+    )
     await finish(gw, ctx)
 
 

@@ -67,7 +67,7 @@ class RateLimitLease:
         try:
             decision = await limiter.acquire(principal.key_id, limits, estimate, ctx.event_id)
         finally:
-            ctx.rate_limit_s += time.perf_counter() - started  # kvscope.gateway.rate_limit_s
+            ctx.edge.rate_limit_s += time.perf_counter() - started  # kvscope.gateway.rate_limit_s
         if not decision.allowed:
             retry = max(1, math.ceil(decision.retry_after_s))
             raise RateLimited(
@@ -84,7 +84,7 @@ class RateLimitLease:
         charge, self._charge = self._charge, None
         if charge is None:
             return
-        actual = (ctx.usage or {}).get("total_tokens")
+        actual = (ctx.answer.usage or {}).get("total_tokens")
         if not isinstance(actual, int):
             actual = (
                 charge.estimate if ctx.output_tokens is None else charge.prompt_estimate + ctx.output_tokens

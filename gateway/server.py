@@ -183,7 +183,7 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
             state = self.cycle.scope["state"]
             state[REFUSED_KEY] = (err, len(body))  # picked up by observe() if the app has not started yet
             if (owner := state.get(CTX_KEY)) is not None:
-                owner.refused_by_parser(err, len(body))  # the app's own record reports this 400
+                owner.outcome.refused_by_parser(err, len(body))  # the app's own record reports this 400
             return
         method, path = request_line(self._head or self.conn.trailing_data[0])
         self._head = b""

@@ -48,17 +48,17 @@ def iso(epoch_s: float, timespec: str = "microseconds") -> str:
 
 def outcome(ctx: RequestContext) -> str:
     """ECS ``event.outcome``: ``unknown`` for a client disconnect, else failure/success."""
-    if ctx.client_disconnected:
+    if ctx.outcome.client_disconnected:
         return "unknown"
     return "failure" if ctx.failed else "success"
 
 
 def level(ctx: RequestContext) -> str:
     """``error`` for 5xx and broken streams, ``warning`` for 4xx and clients that left, else ``info``."""
-    status = ctx.status or 500
-    if status >= 500 or ctx.stream_error:
+    status = ctx.outcome.status or 500
+    if status >= 500 or ctx.outcome.stream_error:
         return "error"
-    return "warning" if status >= 400 or ctx.client_disconnected else "info"
+    return "warning" if status >= 400 or ctx.outcome.client_disconnected else "info"
 
 
 class RecordBuilder:
@@ -69,16 +69,16 @@ class RecordBuilder:
         self.log_content = log_content
 
     def build(self, ctx: RequestContext) -> LogRecord:
-        end = ctx.end_at if ctx.end_at is not None else ctx.start
+        end = ctx.outcome.end_at if ctx.outcome.end_at is not None else ctx.start
         duration_s = end - ctx.start
         end_wall = ctx.start_wall + duration_s
-        status = ctx.status or 500
+        status = ctx.outcome.status or 500
         return {
             "@timestamp": iso(end_wall, "milliseconds"),
             "ecs": {"version": ECS_VERSION},
             "log": {"level": level(ctx), "logger": "kvscope.gateway.access"},
-            "message": f"{ctx.method} {clip(ctx.path, MAX_LOGGED_PATH)} {status} {clip(ctx.request_model) or '-'} "
-            f"{duration_s:.3f}s",
+            "message": f"{ctx.method} {clip(ctx.path, MAX_LOGGED_PATH)} {status} "
+            f"{clip(ctx.request.model) or '-'} {duration_s:.3f}s",
             "event": {
                 "id": ctx.event_id,
                 "kind": "event",
@@ -92,25 +92,29 @@ class RecordBuilder:
             },
             "http": {
                 "version": ctx.http_version,
-                "request": {"id": ctx.request_id, "method": ctx.method, "body": {"bytes": ctx.request_bytes}},
-                "response": {"status_code": status, "body": {"bytes": ctx.response_bytes}},
+                "request": {
+                    "id": ctx.request_id,
+                    "method": ctx.method,
+                    "body": {"bytes": ctx.request.body_bytes},
+                },
+                "response": {"status_code": status, "body": {"bytes": ctx.outcome.response_bytes}},
             },
             "url": {"path": clip(ctx.path, MAX_LOGGED_PATH)},
             "client": {"ip": ctx.client_ip},
             "user_agent": {"original": clip(ctx.user_agent, MAX_LOGGED_USER_AGENT)},
-            "user": {"id": ctx.key_id},
-            "server": {"address": ctx.upstream},
+            "user": {"id": ctx.edge.key_id},
+            "server": {"address": ctx.upstream.address},
             "service": {
                 "name": self.service.name,
                 "version": self.service.version,
                 "node": {"name": self.service.node},
             },
-            "trace": {"id": ctx.trace_id},
-            "span": {"id": ctx.span_id},
+            "trace": {"id": ctx.trace.trace_id},
+            "span": {"id": ctx.trace.span_id},
             "error": {
-                "type": ctx.error_type if ctx.failed or ctx.client_disconnected else None,
-                "message": clip(ctx.error_message, MAX_LOGGED_ERROR)
-                if ctx.failed or ctx.client_disconnected
+                "type": ctx.outcome.error_type if ctx.failed or ctx.outcome.client_disconnected else None,
+                "message": clip(ctx.outcome.error_message, MAX_LOGGED_ERROR)
+                if ctx.failed or ctx.outcome.client_disconnected
                 else None,
             },
             "gen_ai": self._gen_ai(ctx),
@@ -120,35 +124,38 @@ class RecordBuilder:
                 "tpot_s": ctx.tpot_s,
                 "e2e_s": duration_s,
                 "gateway_overhead_s": ctx.overhead_s,
-                "upstream_s": ctx.upstream_s,
+                "upstream_s": ctx.upstream.total_s,
                 "gateway": ctx.gateway_phases(duration_s).to_dict(),
-                "engine": ctx.engine,
-                "attempts": ctx.attempts,
-                "client_disconnected": ctx.client_disconnected,
-                "disconnect_phase": ctx.disconnect_phase,
-                "rate_limited": ctx.rate_limited is not None,
-                "rate_limit_reason": ctx.rate_limited,
-                "stream_error": ctx.stream_error,
-                "prompt_tokens_counted": ctx.prompt_tokens,
+                "engine": ctx.answer.engine,
+                "attempts": ctx.upstream.attempts,
+                "client_disconnected": ctx.outcome.client_disconnected,
+                "disconnect_phase": ctx.outcome.disconnect_phase,
+                "rate_limited": ctx.outcome.rate_limited is not None,
+                "rate_limit_reason": ctx.outcome.rate_limited,
+                "stream_error": ctx.outcome.stream_error,
+                "prompt_tokens_counted": ctx.request.prompt_tokens,
             },
         }
 
     def _gen_ai(self, ctx: RequestContext) -> dict[str, Any]:
-        usage = ctx.usage or {}
+        usage = ctx.answer.usage or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         # without the upstream's usage (the client left, or the stream failed after its first token: the
         # prompt was read), the gateway's own prompt count stands in
-        counted = ctx.client_disconnected or ctx.first_token_at is not None
-        input_tokens = usage.get("prompt_tokens", ctx.prompt_tokens if counted else None)
+        counted = ctx.outcome.client_disconnected or ctx.answer.first_token_at is not None
+        input_tokens = usage.get("prompt_tokens", ctx.request.prompt_tokens if counted else None)
         out: dict[str, Any] = {
-            "operation": {"name": ctx.operation},
+            "operation": {"name": ctx.edge.operation},
             "request": {
-                "model": clip(ctx.request_model),
-                "max_tokens": ctx.max_tokens,
-                "temperature": ctx.temperature,
-                "stream": ctx.stream,
+                "model": clip(ctx.request.model),
+                "max_tokens": ctx.request.max_tokens,
+                "temperature": ctx.request.temperature,
+                "stream": ctx.request.stream,
             },
-            "response": {"model": ctx.response_model, "finish_reasons": ctx.finish_reasons or None},
+            "response": {
+                "model": ctx.answer.response_model,
+                "finish_reasons": ctx.answer.finish_reasons or None,
+            },
             "usage": {
                 "input_tokens": input_tokens,
                 "output_tokens": ctx.output_tokens,
@@ -156,6 +163,8 @@ class RecordBuilder:
             },
         }
         if self.log_content:
-            out["input"] = {"messages": input_messages(ctx.input_content)}
-            out["output"] = {"messages": output_messages(ctx.output_content, ctx.finish_reasons)}
+            out["input"] = {"messages": input_messages(ctx.request.input_content)}
+            out["output"] = {
+                "messages": output_messages(ctx.answer.output_content, ctx.answer.finish_reasons)
+            }
         return out

@@ -113,7 +113,7 @@ class ProxyCall:
         await self._serve(receive, send, scope.get("extensions", {}).get(BODY_CHUNK_EXTENSION))
 
     def _count_body(self, size: int) -> None:
-        self.ctx.response_bytes += size
+        self.ctx.outcome.response_bytes += size
 
     async def _serve(
         self, receive: Receive, send: Send, body_chunk: Callable[[bytes], bool] | None = None
@@ -124,7 +124,7 @@ class ProxyCall:
         self.call_start = time.perf_counter()
         self.base_attrs = base_attributes(self.ctx, self.gw.settings.tracing.gen_ai_provider, self.plan.model)
         self.client_span = self.gw.tracer.start_client_span(
-            self.ctx.server_span,
+            self.ctx.trace.span,
             self.plan.operation,
             self.plan.model,
             {**self.base_attrs, "gen_ai.request.stream": self.plan.stream},
@@ -137,9 +137,9 @@ class ProxyCall:
             task.uncancel()
             if self.completed:  # the client left inside the drain window, after the stream's end
                 return
-            self.ctx.mark_disconnected(self.phase())
+            self.ctx.outcome.mark_disconnected(self.phase())
             if not self.client.committed:
-                self.ctx.status = CLIENT_CLOSED_REQUEST
+                self.ctx.outcome.status = CLIENT_CLOSED_REQUEST
         except Exception as exc:  # a bug must still end the response properly (and be logged)
             _log.exception("proxy error on request %s", self.ctx.request_id)
             if not self.client.finished:
@@ -159,7 +159,7 @@ class ProxyCall:
         ``first_token`` (stream, no token yet: queued or in prefill) or ``decode``."""
         if not self.plan.stream:
             return "response"
-        return "first_token" if self.ctx.first_token_at is None else "decode"
+        return "first_token" if self.ctx.answer.first_token_at is None else "decode"
 
     async def _watch_disconnect(self, receive: Receive, task: asyncio.Task | None) -> None:
         """Cancel the call when the client leaves before its answer ended. A client that closes once it has
@@ -205,8 +205,7 @@ class ProxyCall:
         await self.fail(error)
 
     async def _attempt(self, replica: Replica, deadline: float) -> None:
-        self.ctx.attempts += 1
-        self.ctx.upstream = replica.url
+        self.ctx.upstream.started(replica.url)
         self.gw.pool.acquire(replica)
         self.attempt_start, self.upstream_end = time.perf_counter(), None
         response: httpx.Response | None = None
@@ -234,8 +233,10 @@ class ProxyCall:
             "x-request-id": self.ctx.request_id,
             **replica.auth_headers(),
         }
-        if self.ctx.key_id is not None:  # the engine's fairness tenant (a client's own is not in _forwarded)
-            headers[TENANT_HEADER] = self.ctx.key_id
+        if (
+            self.ctx.edge.key_id is not None
+        ):  # the engine's fairness tenant (a client's own is not in _forwarded)
+            headers[TENANT_HEADER] = self.ctx.edge.key_id
         if self.plan.stream:
             headers["accept"] = "text/event-stream"
         if self.client_span is not None:
@@ -325,7 +326,7 @@ class ProxyCall:
                 deadline=deadline,
                 attempt_start=self.attempt_start,
                 request_start=self.ctx.start,
-                first_token_at=self.ctx.first_token_at,
+                first_token_at=self.ctx.answer.first_token_at,
                 expected_choices=self.plan.expected_choices,
                 include_usage=self.plan.include_usage,
                 keep_text=t.logs.log_content,
@@ -354,29 +355,30 @@ class ProxyCall:
 
     def _take(self, outcome: RelayOutcome) -> None:
         """Apply a relay's outcome to the request context (the log record, spans and metrics read it)."""
-        ctx = self.ctx
-        ctx.usage, ctx.engine = outcome.usage, outcome.engine
-        ctx.response_model, ctx.response_id = outcome.response_model, outcome.response_id
-        ctx.finish_reasons = list(outcome.finish_reasons)
-        ctx.output_events = outcome.token_events
-        ctx.output_content = outcome.output_content
-        ctx.first_token_at = (
-            outcome.first_token_at if outcome.first_token_at is not None else ctx.first_token_at
-        )
+        ctx, answer = self.ctx, self.ctx.answer
+        answer.usage, answer.engine = outcome.usage, outcome.engine
+        answer.response_model, answer.response_id = outcome.response_model, outcome.response_id
+        answer.finish_reasons = list(outcome.finish_reasons)
+        answer.output_events = outcome.token_events
+        answer.output_content = outcome.output_content
+        if outcome.first_token_at is not None:
+            answer.first_token_at = outcome.first_token_at
         self.last_token_at = outcome.last_token_at or self.last_token_at
         self.token_times = outcome.token_times or self.token_times
         self.upstream_end = outcome.upstream_end
         if (error := outcome.upstream_error) is not None:
-            ctx.stream_error = "upstream_error"
-            ctx.error_type = str(error.get("code") or error.get("type") or "upstream_error")
-            ctx.error_message = str(error.get("message", ""))
+            ctx.outcome.stream_failed(
+                "upstream_error",
+                str(error.get("code") or error.get("type") or "upstream_error"),
+                str(error.get("message", "")),
+            )
 
     async def _relay_answer(self, answer: UpstreamAnswer) -> None:
         """An upstream's non-200 answer with its status and its back-off headers
         (:data:`RELAYED_ANSWER_HEADERS`); non-JSON bodies are wrapped in an OpenAI error."""
         error, native = upstream_error_object(answer.status, answer.body)
         body = answer.body if native else msgspec.json.encode({"error": error})
-        self.ctx.set_error(upstream_gateway_error(error))
+        self.ctx.outcome.set_error(upstream_gateway_error(error))
         await self.client.start(
             answer.status,
             [
@@ -390,7 +392,7 @@ class ProxyCall:
     # --- ending ------------------------------------------------------------------------------------------
     async def fail(self, err: GatewayError) -> None:
         """End with ``err``: a JSON error response, or in-band (SSE error event) once the stream started."""
-        self.ctx.set_error(err)
+        self.ctx.outcome.set_error(err)
         if not self.client.committed:
             body = error_json(err)
             headers = [
@@ -401,7 +403,7 @@ class ProxyCall:
             await self.client.start(err.status, headers)
             await self.client.body(body, final=True)
             return
-        self.ctx.stream_error = _STREAM_REASONS.get(err.code or "", "upstream_error")
+        self.ctx.outcome.stream_failed(_STREAM_REASONS.get(err.code or "", "upstream_error"))
         await self.client.body(data_event(err.body()))
         await self.client.body(b"", final=True)
 
@@ -410,7 +412,7 @@ class ProxyCall:
         first, as ``gen_ai.client.operation.time_per_output_chunk`` records them; empty for a non-streamed
         answer or a stream with fewer than 2 token chunks. Computed once, at the end of the call."""
         times = self.token_times
-        if not self.ctx.stream or len(times) < 2:
+        if not self.ctx.request.stream or len(times) < 2:
             return []
         return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
 
@@ -418,9 +420,12 @@ class ProxyCall:
         span, ctx = self.client_span, self.ctx
         if span is None:
             return
-        attrs: dict[str, Any] = {**end_attributes(ctx, self.call_start), "kvscope.attempts": ctx.attempts}
+        attrs: dict[str, Any] = {
+            **end_attributes(ctx, self.call_start),
+            "kvscope.attempts": ctx.upstream.attempts,
+        }
         span.set_attributes(attrs)
-        usage = ctx.usage or {}
+        usage = ctx.answer.usage or {}
         self.gw.genai.record(
             {**self.base_attrs, **attrs},
             time.perf_counter() - self.call_start,
@@ -430,11 +435,14 @@ class ProxyCall:
             self._output_chunk_gaps(),
         )
         if "error.type" in attrs:
-            span.set_status(Status(StatusCode.ERROR, ctx.error_message or ""))
-        if ctx.engine is None and ctx.first_token_at is not None:
-            last = self.last_token_at or ctx.first_token_at
+            span.set_status(Status(StatusCode.ERROR, ctx.outcome.error_message or ""))
+        if ctx.answer.engine is None and ctx.answer.first_token_at is not None:
+            last = self.last_token_at or ctx.answer.first_token_at
             self.gw.tracer.record_phases(
-                span, ctx.epoch_ns(self.attempt_start), ctx.epoch_ns(ctx.first_token_at), ctx.epoch_ns(last)
+                span,
+                ctx.epoch_ns(self.attempt_start),
+                ctx.epoch_ns(ctx.answer.first_token_at),
+                ctx.epoch_ns(last),
             )
         span.end()
 

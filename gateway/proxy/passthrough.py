@@ -142,16 +142,16 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
     body = await read_body(request, gw.settings.max_body_bytes)
     model = _model_of(body)
     if model is not None:
-        ctx.request_model = model
-        ctx.model_served = gw.pool.is_served(model)
+        ctx.request.model = model
+        ctx.request.model_served = gw.pool.is_served(model)
     only = _replicas_for(gw, principal, model)
     await lease_of(request).acquire(gw.limiter, principal, ctx, 0, 0)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in REQUEST_DROPPED}
     headers["x-request-id"] = ctx.request_id
-    if ctx.key_id is not None:
-        headers[TENANT_HEADER] = ctx.key_id
-    if ctx.server_span is not None:
-        gw.tracer.inject(ctx.server_span, headers)
+    if ctx.edge.key_id is not None:
+        headers[TENANT_HEADER] = ctx.edge.key_id
+    if ctx.trace.span is not None:
+        gw.tracer.inject(ctx.trace.span, headers)
     tried: list[Replica] = []
     for _ in range(gw.settings.routing.max_attempts):
         replica = gw.pool.pick(model, exclude=tried, only=only)
@@ -162,8 +162,7 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
         upstream = gw.http.build_request(
             request.method, url, content=body, headers={**headers, **replica.auth_headers()}
         )
-        ctx.attempts += 1
-        ctx.upstream = replica.url
+        ctx.upstream.started(replica.url)
         start = time.perf_counter()
         try:
             response = await gw.http.send(upstream, stream=True)
@@ -204,6 +203,6 @@ async def _relay(
         gw.pool.release(replica)
         await response.aclose()
         if error_head is not None:
-            ctx.set_error(
+            ctx.outcome.set_error(
                 upstream_gateway_error(upstream_error_object(response.status_code, bytes(error_head))[0])
             )

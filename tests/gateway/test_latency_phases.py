@@ -159,10 +159,10 @@ def _ctx() -> RequestContext:
 
 def test_the_phases_partition_the_e2e_exactly() -> None:
     ctx = _ctx()
-    ctx.auth_s, ctx.rate_limit_s, ctx.tokenize_s = 0.25, 0.5, 0.125
+    ctx.edge.auth_s, ctx.edge.rate_limit_s, ctx.request.tokenize_s = 0.25, 0.5, 0.125
     ctx.attempt_ended(101.0, None, 102.0)  # a connect failure: no headers
     ctx.attempt_ended(102.5, 103.0, 105.0)  # the answer
-    ctx.end_at = 106.0
+    ctx.outcome.end_at = 106.0
     phases = ctx.gateway_phases(6.0)
     assert phases.to_dict() == {
         "auth_s": 0.25,
@@ -178,7 +178,7 @@ def test_the_phases_partition_the_e2e_exactly() -> None:
 
 def test_an_attempt_ending_after_the_response_counts_up_to_the_end() -> None:
     ctx = _ctx()
-    ctx.end_at = 104.0
+    ctx.outcome.end_at = 104.0
     ctx.attempt_ended(101.0, 102.0, 104.5)  # the upstream's last byte read after the client's response ended
     assert ctx.gateway_phases(4.0).to_dict() == {
         "auth_s": 0.0,
@@ -196,16 +196,20 @@ def test_upstream_s_counts_attempts_up_to_the_requests_end_as_the_phases_do() ->
     answer's phases is exactly the failed attempt, within retry_s (an unclamped end inflated it, CI flake)."""
     ctx = _ctx()
     ctx.attempt_ended(101.0, None, 101.25)  # a 503: 0.25 s
-    ctx.end_at = 104.0
+    ctx.outcome.end_at = 104.0
     assert ctx.attempt_ended(101.5, 102.0, 104.5) == 104.0
     phases = ctx.gateway_phases(4.0)
-    assert ctx.upstream_s == 2.75
-    assert ctx.upstream_s - phases.upstream_connect_s - phases.upstream_response_s == 0.25 <= phases.retry_s
+    assert ctx.upstream.total_s == 2.75
+    assert (
+        ctx.upstream.total_s - phases.upstream_connect_s - phases.upstream_response_s
+        == 0.25
+        <= phases.retry_s
+    )
 
 
 def test_the_record_and_the_mapping_list_the_same_phases() -> None:
     ctx = _ctx()
-    ctx.status, ctx.end_at = 200, 100.5
+    ctx.outcome.status, ctx.outcome.end_at = 200, 100.5
     record = RecordBuilder(ServiceInfo("kvscope-gateway", "0.1.0", "gw")).build(ctx)
     mapped = record_properties()["kvscope"]["properties"]["gateway"]["properties"]
     assert mapped == dict.fromkeys(GATEWAY_PHASES, {"type": "double"})

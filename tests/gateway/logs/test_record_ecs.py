@@ -11,7 +11,7 @@ from kvscope.gateway.logs.genai_messages import input_messages, output_messages
 from kvscope.gateway.logs.record import ECS_VERSION, LOG_LEVELS, RecordBuilder, ServiceInfo
 
 
-def ctx(status: int, **kw) -> RequestContext:
+def ctx(status: int, input_content: object = None, output_content: list[str] | None = None) -> RequestContext:
     now = time.perf_counter()
     c = RequestContext(
         request_id="r",
@@ -20,9 +20,9 @@ def ctx(status: int, **kw) -> RequestContext:
         route="/v1/chat/completions",
         start=now,
         start_wall=time.time(),
-        **kw,
     )
-    c.status, c.end_at = status, now + 0.01
+    c.request.input_content, c.answer.output_content = input_content, output_content
+    c.outcome.status, c.outcome.end_at = status, now + 0.01
     return c
 
 
@@ -50,7 +50,7 @@ def test_one_log_level_vocabulary_for_gateway_and_engine() -> None:
     assert gateway == engine == {200: "info", 400: "warning", 429: "warning", 500: "error", 503: "error"}
     assert set(gateway.values()) == set(LOG_LEVELS)
     left = ctx(499)
-    left.mark_disconnected("first_token")
+    left.outcome.mark_disconnected("first_token")
     assert build(left)["log"]["level"] == "warning"
 
 
@@ -74,7 +74,7 @@ def test_log_content_follows_the_otel_genai_message_schema() -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "a cat"},
     ]
     c = ctx(200, input_content=messages, output_content=["A cat.", "Cat"])
-    c.finish_reasons = ["stop", "length"]
+    c.answer.finish_reasons = ["stop", "length"]
     gen_ai = build(c, log_content=True)["gen_ai"]
     assert gen_ai["input"]["messages"] == [
         {"role": "system", "parts": [{"type": "text", "content": "be brief"}]},
