@@ -1,5 +1,5 @@
-"""Idle TTFT A/B of kvscope's C++ elementwise ops (kernels/csrc/cpu_elementwise.cpp; docs/benchmarks.md "The
-engine thread and C++ elementwise ops"). A benchmark, not a test.
+"""Idle TTFT A/B of kvscope's C++ elementwise ops (kernels/csrc/cpu_elementwise.cpp; docs/benchmarks.md "C++
+elementwise ops for prefill"). A benchmark, not a test.
 
 One engine in the default format (``--dtype auto --quantization auto``), warmed up as the server does; prompts
 of ``--input-len`` random tokens one at a time, alternating every prompt between the C++ ops and torch's

@@ -1,5 +1,5 @@
-"""Why the served engine runs all torch work on one thread (engine/async_engine.py; docs/benchmarks.md "The
-engine thread and C++ elementwise ops"). A benchmark, not a test.
+"""Why the served engine runs all torch work on one thread (engine/async_engine.py; docs/benchmarks.md "CPU
+threads"). A benchmark, not a test.
 
 Times small parallel torch ops (bfloat16 ``a + a`` of 32 × 3,072, ``F.linear`` 32 × 576 → 3,072, ``F.silu``)
 on the main thread, on a fresh thread while the main thread has never run a parallel region, and on a fresh

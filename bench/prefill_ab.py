@@ -1,6 +1,6 @@
 """In-process A/B of issue 13 round 11's prefill changes: the code before them (main at 991f556, copied below
-as ``old_*``) patched in and out of one engine, alternating every prompt, so that the machine's drift (idle
-TTFT of the same tree moved 65 → 88 ms between minutes on a shared 2-vCPU host) falls on both sides alike.
+as ``old_*``) patched in and out of one engine, alternating every prompt, so that the machine's drift (larger
+than the change between minutes on a shared 2-vCPU host) falls on both sides alike.
 Each sample is one 128-token prefill step (a fresh prompt, prefix caching off), engine-thread CPU seconds with
 1 thread and wall seconds with more. A benchmark, not a test.
 
@@ -105,7 +105,8 @@ def silu(threads: int) -> None:
             fn()
             samples.append(time.perf_counter() - start)
         print(
-            f"{name} [128, 3072] bf16, {threads} thread(s): median {1e6 * statistics.median(samples):.1f} µs, "
+            f"{name} [128, 3072] bf16, {threads} thread(s): "
+            f"median {1e6 * statistics.median(samples):.1f} µs, "
             f"min {1e6 * min(samples):.1f}"
         )
 
@@ -146,7 +147,8 @@ def main() -> None:
     old, new = times["old"], times["new"]
     print(
         f"128-token prefill step, {args.threads} thread(s), {len(old)}+{len(new)} samples "
-        f"({'CPU' if args.threads == 1 else 'wall'} ms): before median {1e3 * statistics.median(old):.1f} min "
+        f"({'CPU' if args.threads == 1 else 'wall'} ms): "
+        f"before median {1e3 * statistics.median(old):.1f} min "
         f"{1e3 * min(old):.1f} | after median {1e3 * statistics.median(new):.1f} min {1e3 * min(new):.1f} "
         f"| after ÷ before {statistics.median(new) / statistics.median(old):.3f}"
     )

@@ -2,10 +2,9 @@
 the engine's prefill runs on AMX/AVX512_BF16), ``torch._int_mm`` (int8 x int8 -> int32, weights not
 pre-packed), and oneDNN's int8 linear with pre-packed weights and the dequantization fused
 (``onednn.qlinear_pointwise``, the op torch's x86 inductor quantizer emits). Median ms of 30 calls and
-GFLOP/s, SmolLM2-135M's shapes by default. A benchmark, not a test (docs/benchmarks.md "Where issue 13
-stands"): it answers whether int8 activations (W8A8) would bring the idle TTFT under a target at this hour's
-matmul speed; their quality cost is measured separately (docs/benchmarks.md "Prefill attention through the
-paged op": +2.1 % perplexity).
+GFLOP/s, SmolLM2-135M's shapes by default. A benchmark, not a test: it answers whether int8 activations
+(W8A8) would bring the idle TTFT under a target at this hour's matmul speed; their quality cost is measured
+separately (both in docs/benchmarks.md "Int8 activations (W8A8) for prefill").
 
     python bench/prefill_matmul_formats.py [--rows 128] [--threads 2] [--hidden 576] [--intermediate 1536]
 """

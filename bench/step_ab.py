@@ -1,7 +1,7 @@
 """In-process A/B of issue-13p's per-step changes: the implementations before them (main at 45a43b8, copied
 below as ``old_*``) patched in and out of one engine every 5 steps, 40 timed decode steps each, CPU seconds of
 the engine thread. Process-to-process runs on a shared 2-core box disagree by more than the change; this
-does not (docs/benchmarks.md "Per-step cost, issue-13p"). A benchmark, not a test.
+does not (docs/benchmarks.md "Per-step cost of the eager decoder"). A benchmark, not a test.
 
 Usage: python bench/step_ab.py BATCH GROUPS [THREADS]   (GROUPS: comma-separated of rms, compact, calls, attn;
        THREADS > 1 times wall seconds)
@@ -153,7 +153,8 @@ def main() -> None:
     old, new = times["old"], times["new"]
     print(
         f"batch {batch}, switched {groups}: main's code median {1e3 * statistics.median(old):.1f} min "
-        f"{1e3 * min(old):.1f} | this branch median {1e3 * statistics.median(new):.1f} min {1e3 * min(new):.1f} "
+        f"{1e3 * min(old):.1f} | this branch median {1e3 * statistics.median(new):.1f} "
+        f"min {1e3 * min(new):.1f} "
         f"ms {'CPU' if threads == 1 else 'wall'} per step, {threads} thread(s)"
     )
 

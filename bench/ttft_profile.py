@@ -1,5 +1,4 @@
-"""Where the idle TTFT of one prompt goes (docs/benchmarks.md "Idle TTFT, issue-13t"). A benchmark, not a
-test.
+"""Where the idle TTFT of one prompt goes (docs/benchmarks.md "Idle TTFT"). A benchmark, not a test.
 
 Loads the default format (``--dtype auto --quantization auto``), runs the server's warm-up, then times the
 first step of ``--runs`` single prompts on an idle engine (wall ms, the sequence and min/median), profiles 5

@@ -66,3 +66,26 @@ def test_a_name_cited_beside_a_file_is_defined_in_it() -> None:
         }
     )
     assert stale == []
+
+
+def test_every_cited_benchmarks_heading_exists() -> None:
+    """``docs/benchmarks.md "Heading"``: a heading of docs/benchmarks.md starts with the quoted text (a
+    citation may shorten it). The measurements live there, and docstrings point at them by heading."""
+    headings = [
+        line.lstrip("#").strip()
+        for line in (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("#")
+    ]
+    texts = _texts((*CODE, "docs"), (".py", ".md", ".sh", ".cpp", ".yaml"))
+    texts["README.md"] = (REPO / "README.md").read_text(encoding="utf-8")
+    cite = re.compile(r'docs/benchmarks\.md "([^"]+)"')
+    missing = sorted(
+        {
+            (m.group(1), name)
+            for name, text in texts.items()
+            if name != "docs/benchmarks.md"
+            for m in cite.finditer(re.sub(r"\s*\n\s*(?:#+|//)?\s*", " ", text))
+            if not any(h.startswith(m.group(1)) for h in headings)
+        }
+    )
+    assert missing == []
