@@ -431,7 +431,8 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
             env="KVSCOPE_GATEWAY_EVENT_LOOP",
         ),
     ] = "auto"
-    """uvicorn's event loop (kvscope/common/event_loop.py: 10-15 % less CPU per relayed token on uvloop)."""
+    """uvicorn's event loop (kvscope/common/event_loop.py says why uvloop; docs/benchmarks.md "uvloop under
+    the engine's and the gateway's servers")."""
     service_name: str = "kvscope-gateway"
     """OTel ``service.name`` of spans, metrics and logs; default ``$OTEL_SERVICE_NAME``, else
     ``kvscope-gateway``."""

@@ -1,8 +1,9 @@
 """Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV
 on AVX-512 VNNI, one whole decode step of a Llama-family decoder in one call, paged decode attention, the
-elementwise ops of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE; issue 13: per-step cost near
-the matmul floor) and, on CPUs with AMX, the int4 matmul of batched decode steps (cpu_amx.cpp). Also the
-weight packings they read ("pair blocks" and "tile blocks", described in the C++ files).
+elementwise ops of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE: one pass each instead of a
+chain of torch ops, so a step's cost comes near its matmuls') and, on CPUs with AMX, the int4 matmul of
+batched decode steps (cpu_amx.cpp). Also the weight packings they read ("pair blocks" and "tile blocks",
+described in the C++ files).
 
 The shared library is compiled once per machine with the system C++ compiler against the installed torch
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
@@ -105,7 +106,8 @@ def _run_all(commands: list[list[str]], jobs: int) -> subprocess.CompletedProces
 
 
 def _build_jobs() -> int:
-    """Compilers run at once: the CPUs this process may use (the sources compile in 15–25 s each at -O3)."""
+    """Compilers run at once: the CPUs this process may use (each source is a long -O3 compile; times in
+    docs/benchmarks.md "Engine start-up")."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -166,7 +168,7 @@ def _build_locked(target: Path, compiler: str | None) -> BuildResult:
         out = Path(tmp) / target.name
         cxx = compiler or default_compiler()
         objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
-        try:  # the sources in parallel (one library, ~70 s of compiling on one core), then one link
+        try:  # the sources in parallel (one library), then one link
             failed = _run_all(
                 [_compile_command(src, obj, cxx) for src, obj in zip(SOURCES, objects, strict=True)],
                 _build_jobs(),

@@ -70,7 +70,8 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     served_model_name: Annotated[
         str | None,
         Flag(
-            "name in /v1/models and the `model` field (default: the registry name, the .gguf file's name without "
+            "name in /v1/models and the `model` field (default: the registry name, the .gguf file's name "
+            "without "
             ".gguf, or the HF folder's name)"
         ),
     ] = None
@@ -84,7 +85,8 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     memory_budget: Annotated[
         int | None,
         Flag(
-            "CPU: bytes for weights + KV cache (e.g. 2GiB); the KV cache gets it minus the loaded format's weights "
+            "CPU: bytes for weights + KV cache (e.g. 2GiB); the KV cache gets it minus the loaded format's "
+            "weights "
             "(overrides --kv-cache-memory)",
             parse=parse_size,
         ),
@@ -98,21 +100,24 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
         Flag(
-            "weights/activations (default auto: with --quantization auto the chosen format's, else bfloat16 where "
+            "weights/activations (default auto: with --quantization auto the chosen format's, else bfloat16 "
+            "where "
             "the CPU probe measures it faster; float32 for exact parity with transformers)"
         ),
     ] = "auto"
     quantization: Annotated[
         Literal["auto", "none", "int8", "int4", "gguf"],
         Flag(
-            "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf; default auto: the "
+            "linear-layer weights on CPU: int8 weight-only, int4 (a Q4 GGUF's own blocks), gguf; default "
+            "auto: the "
             "fastest format verified for the model, by the start-up probe (--dtype float32 alone: none)"
         ),
     ] = "auto"
     cpu_kernels: Annotated[
         Literal["auto", "torch"] | None,
         Flag(
-            "CPU kernels of compact weights: auto = kvscope's own AVX-512 VNNI kernels and one-call decode step "
+            "CPU kernels of compact weights: auto = kvscope's own AVX-512 VNNI kernels and one-call decode "
+            "step "
             "(built once with the system C++ compiler; torch's where they cannot build), torch = torch's only"
         ),
     ] = None
@@ -120,7 +125,7 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
     attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None
     num_threads: Annotated[int | None, Flag("torch intra-op threads on CPU")] = None
-    # speculative decoding (issue 16, engine/spec_decode): kvscope.engine.config.SpeculativeConfig's fields
+    # speculative decoding (engine/spec_decode): kvscope.engine.config.SpeculativeConfig's fields
     speculative: Annotated[
         Literal["none", "ngram"] | None,
         Flag(
@@ -163,19 +168,20 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
     """Sequences (prompts x ``n``) one generation request may queue; more is a 400 naming ``prompt`` or
     ``n`` before anything is queued. 256: one prompt at OpenAI's largest ``n`` (128) fits twice, and it is
     four full steps at the default ``max_num_seqs`` (64). Each sequence holds an engine request, a
-    detokenizer and KV blocks for its prompt; the probe's 400 prompts x n 64 (25,600 from a 6 KB body) made
-    a plain request wait 122 s. The scheduler's fairness (engine/core/fairness.py) keeps requests under the
-    cap from starving others."""
+    detokenizer and KV blocks for its prompt; a small body that asks for tens of thousands made a plain
+    request wait minutes (docs/benchmarks.md "What the per-request limits cost and buy"). The scheduler's
+    fairness (engine/core/fairness.py) keeps requests under the cap from starving others."""
     structured_output_max_grammar_size: Annotated[
         int,
         Flag(
-            "largest grammar (llguidance symbols) a structured-output constraint may compile to; more is a 400 "
+            "largest grammar (llguidance symbols) a structured-output constraint may compile to; more is a "
+            "400 "
             "naming the field (default 20000)"
         ),
     ] = CompileLimits().max_grammar_size
     """llguidance's ``max_grammar_size``: a bigger grammar is refused in milliseconds, before the expensive
-    part of its compile (engine/structured/params.py CompileLimits says why 20,000: ~0.6 s of compile at
-    most; the probe's 7,000 optional properties, 56k symbols, took 4.4 s)."""
+    part of its compile (engine/structured/params.py CompileLimits says why 20,000; the compile times in
+    docs/benchmarks.md "What the per-request limits cost and buy")."""
     structured_output_max_pending_compiles: Annotated[
         int,
         Flag("new grammars queued or compiling at once (one compile thread); one more is a 429 (default 16)"),
@@ -186,7 +192,8 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
         str | None,
         Flag(
             "OTLP collector for traces and metrics (OTLP/HTTP base URL or …/v1/traces; a gRPC endpoint with "
-            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc); default: $OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT, else no export"
+            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc); default: $OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT, "
+            "else no export"
         ),
     ] = None
     """OTLP endpoint overriding the ``OTEL_EXPORTER_OTLP_*`` environment (OTLP/HTTP: spans to
@@ -217,12 +224,13 @@ class ServerSettings(msgspec.Struct, **_STRUCT):
             "dependency), else asyncio"
         ),
     ] = "auto"
-    """uvicorn's event loop (kvscope/common/event_loop.py: uvloop took 17 % more tokens/s at 32 streams on
-    2 cores)."""
+    """uvicorn's event loop (kvscope/common/event_loop.py says why uvloop; docs/benchmarks.md "uvloop under
+    the engine's and the gateway's servers")."""
     request_head_timeout_s: Annotated[
         float,
         Flag(
-            "a request head must be complete this long after the connection opened or the previous response ended "
+            "a request head must be complete this long after the connection opened or the previous response "
+            "ended "
             "(else 408 and close)",
             name="--request-head-timeout",
         ),

@@ -22,9 +22,9 @@ from kvscope.engine.structured.params import StructuredOutputsParams
 
 async def prepare_constraint(state: ServerState, params: SamplingParams) -> None:
     """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at
-    once; the first compile also builds the grammar tokenizer, ~0.3-1.5 s), pin it to the request, count it by
-    kind and observe its compile time. Nothing of it runs on asyncio's default executor, so requests without a
-    constraint never wait for a compile.
+    once; the first compile also builds the grammar tokenizer, about a second), pin it to the request, count
+    it by kind and observe its compile time. Nothing of it runs on asyncio's default executor, so requests
+    without a constraint never wait for a compile.
 
     Raises OpenAIError 400 naming the field (``response_format``, ``tools``, ``structured_outputs``,
     ``guided_*``) for an unsupported schema keyword, an invalid regex/grammar, a grammar above the size

@@ -9,7 +9,7 @@ several tokens per forward pass.
 
 Choice of match: the most recent earlier occurrence (vLLM takes the earliest): in generated text that repeats
 itself the latest copy is the one being continued. Cost: one vectorised comparison over a window of the last
-``window`` tokens per n tried (numpy), ~20-60 µs for a 2k-token context.
+``window`` tokens per n tried (numpy), O(window) per n (docs/benchmarks.md "Speculative decoding").
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The llguidance grammar backend: one LLTokenizer per engine, compiled grammars cached by constraint hash.
 
-Why llguidance (measured on SmolLM2-135M's tokenizer, 49152 tokens, 2-core Xeon, a 4-property schema with
-nested object, enum array, bounded integer and a string pattern; docs/engine-server.md has the table):
-compile 12-15 ms (xgrammar 45-80 ms, outlines-core 450-680 ms), mask 33 µs/step median (xgrammar 4 µs,
-outlines-core 1 µs for the token list), a 3 MB wheel with no dependencies (xgrammar pulls torch, transformers,
-triton and apache-tvm-ffi; outlines-core needs the vocabulary rebuilt from byte-level tokens). Compile time is
-on the request path of every new schema; the mask time is ~0.1 % of a CPU decode step.
+Why llguidance (docs/benchmarks.md "Structured outputs: the grammar backend" has the measurements against
+xgrammar and outlines-core): compiles several times faster than xgrammar and two orders of magnitude faster
+than outlines-core, and compile time is on the request path of every new schema; its per-step mask is a
+negligible share of a CPU decode step; a small wheel with no dependencies (xgrammar pulls torch,
+transformers, triton and apache-tvm-ffi; outlines-core needs the vocabulary rebuilt from byte-level tokens).
 
 No request waits for another's compile (serving case N2): the cache is looked up first, under a lock that is
 never held during a compile; a grammar not in the cache compiles on the manager's own thread (one worker, at
@@ -49,10 +48,8 @@ own copy of the matcher) and computes the mask after it: a grammar whose next ro
 llguidance's limits (an object of 500 optional properties: ``{`` is not forced, since ``{}`` and ``{"`` are
 tokens too, and the row after ``{`` holds 2,007 items, above ``max_items_in_row`` 2,000) is a 400 at
 admission, not a failure while generating. Tokens that open a string or a key (``"``…) go first, then those
-with ``{`` or ``[``, then the rest by id. Measured on SmolLM2's tokenizer (2-core dev Xeon, median of 7):
-+4.5 ms on a 4-property schema whose first free position is a string (compile 7 ms), +1 ms on the
-500-property one (compile ~46 ms), once per grammar (cached); ranking the vocabulary costs ~0.13 s once per
-engine, on the compile thread."""
+with ``{`` or ``[``, then the rest by id. Paid once per grammar (cached); ranking the vocabulary once per
+engine, on the compile thread (costs: docs/benchmarks.md "Structured outputs: the grammar backend")."""
 _GRAMMAR_SIZE = "grammar size (number of symbols) too big"
 
 
@@ -99,8 +96,8 @@ class StructuredOutputManager:
     """Compiles constraints on its own thread (cached, LRU of ``cache_size``), pins them to their requests and
     hands each request its own matcher.
 
-    Thread-safe: the server compiles while the engine thread creates matchers. The LLTokenizer (~0.3-1.5 s to
-    build for a 49k vocabulary) is built on the compile thread at the first compile, so unconstrained
+    Thread-safe: the server compiles while the engine thread creates matchers. The LLTokenizer (about a second
+    to build for a 49k vocabulary) is built on the compile thread at the first compile, so unconstrained
     deployments never pay for it.
     """
 

@@ -23,13 +23,13 @@ class CompileLimits:
 
     ``max_grammar_size`` is llguidance's own ``LLParserLimits.max_grammar_size`` (symbols in the grammar's
     productions), checked before the expensive part of a compile, so a grammar above it is refused in
-    milliseconds with a 400. 20,000 symbols is ~0.6 s of compile on one core of the 2-core dev Xeon in the
-    worst shape measured (2,400 optional string properties: llguidance's compile time grows with the square of
-    an object's optional properties) and 0.4 s for 4,990 required ones (OpenAI's own cap is 5,000 properties);
-    the probe's 7,000 optional properties (56k symbols) took 4.4 s (a request waited 11.6 s behind
-    10,000).
+    milliseconds with a 400. 20,000 symbols bounds a compile to well under a second in the worst shape
+    measured (many optional string properties: llguidance's compile time grows with the square of an object's
+    optional properties) and admits about 5,000 required properties (OpenAI's own cap); the compile times
+    behind it: docs/benchmarks.md "What the per-request limits cost and buy".
     ``max_pending`` bounds the distinct grammars queued or compiling on the one compile thread; a request that
-    would be one more is refused with a 429 (worst wait behind the queue ~ max_pending x 0.6 s)."""
+    would be one more is refused with a 429 (worst wait behind the queue: ``max_pending`` x the longest
+    compile)."""
 
     max_grammar_size: int = 20_000
     max_pending: int = 16

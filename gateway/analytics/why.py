@@ -156,8 +156,8 @@ def _gateway_line(kv: dict[str, Any]) -> str:
         )
     }
     return (
-        head
-        + f"auth {s['auth_s']:.3f} s, rate limit {s['rate_limit_s']:.3f} s, tokenize {s['tokenize_s']:.3f} s, "
+        head + f"auth {s['auth_s']:.3f} s, rate limit {s['rate_limit_s']:.3f} s, "
+        f"tokenize {s['tokenize_s']:.3f} s, "
         f"retry {s['retry_s']:.3f} s ({_n(kv.get('attempts'))} attempt(s)), other {s['other_s']:.3f} s; "
         f"the answering upstream {s['upstream_connect_s'] + s['upstream_response_s']:.3f} s "
         f"({s['upstream_connect_s']:.3f} s to its response headers)"
@@ -166,7 +166,8 @@ def _gateway_line(kv: dict[str, Any]) -> str:
 
 def explain(record: dict[str, Any]) -> Why:
     """The answer for one request-log record (the gateway's or the engine's line). Raises ValueError when the
-    record carries no ``kvscope.engine`` attribution (an engine older than issue 18, or a refused request)."""
+    record carries no ``kvscope.engine`` attribution (an engine that does not attribute its requests, or a
+    refused request)."""
     kv = record.get("kvscope") or {}
     engine = kv.get("engine") or {}
     if engine.get("prefill_steps") is None:
@@ -185,7 +186,8 @@ def explain(record: dict[str, Any]) -> Why:
     preempt = engine.get("num_preemptions") or 0
     if preempt:
         lines.append(
-            f"preempted {preempt}x for {(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
+            f"preempted {preempt}x for "
+            f"{(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
             f"{_n(engine.get('recomputed_tokens'))} tokens recomputed"
         )
     if engine.get("structured_mask_s") is not None:

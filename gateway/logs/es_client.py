@@ -72,8 +72,9 @@ class Compat8Transport(AsyncTransport):
 
 
 class MsgspecJsonSerializer(JsonSerializer):
-    """The client's JSON (de)serializer on msgspec: ~6x faster than the stdlib ``json`` it uses by default,
-    which matters because a 500-record bulk body is encoded on the event loop (35 µs → 5 µs a record here)."""
+    """The client's JSON (de)serializer on msgspec instead of the stdlib ``json`` it uses by default: a bulk
+    body is encoded on the event loop, so its cost per record is the gateway's (docs/benchmarks.md "The
+    gateway's CPU per relayed token")."""
 
     def __init__(self) -> None:
         self._encoder = msgspec.json.Encoder(decimal_format="number")

@@ -132,7 +132,7 @@ def record_properties() -> dict[str, Any]:
     }
     engine |= {f: _LONG for f in ("batch_size_max", "kv_blocks", "num_preemptions")}
     engine |= attribution_properties()
-    # speculative decoding (issue 16; docs/logs.md): counts, and the mean acceptance length
+    # speculative decoding (docs/logs.md): counts, and the mean acceptance length
     engine |= dict.fromkeys(("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"), _LONG)
     engine |= {"spec_mean_accepted_length": _DOUBLE}
     return {

@@ -6,7 +6,7 @@
 // y = x · Wᵀ with W[n, k] = d[n, b] · u[n, k] + m[n, b] for the 4-bit code u of block b = k / 32 (a GGUF Q4_1
 // block's own d and min, as PairBlocks). What it is for: a decode step of 5–64 requests. There the engine used
 // oneDNN's bfloat16 AMX matmul on a dense copy of the weights, which is bound by reading 2 bytes a weight
-// (~11 GB/s at 32 rows on a 2-vCPU Xeon, 24 ms a SmolLM2 step); this kernel reads the 4-bit codes (0.625 bytes a
+// (docs/benchmarks.md "AMX int4 matmul"); this kernel reads the 4-bit codes (0.625 bytes a
 // weight with the scales) and expands each 16×32 block to bfloat16 in L1 right before the tile multiply, so
 // the same AMX arithmetic runs on 3.2x fewer bytes from memory.
 //

@@ -1,4 +1,4 @@
-// kvscope CPU decode kernels (issue 13): block-quantized GEMV with AVX-512 VNNI, and one decode step of a
+// kvscope CPU decode kernels: block-quantized GEMV with AVX-512 VNNI, and one decode step of a
 // Llama-family decoder (RMSNorm, RoPE, paged attention read in place, SwiGLU) in one call.
 //
 // Weight format ("pair blocks"): a row of K weights is K/64 pairs of 32-weight blocks (GGUF Q4_1 / Q8_0
@@ -13,8 +13,8 @@
 // Q8_1 with 16-bit codes: ggml-quants.c quantize_row_q8_1, vec_dot_q4_1_q8_1):
 //   Σ_j w_j x_j = d·d_x·Σ u_j q_j + m·(d_x·Σ q_j)
 // The integer dot products run on vpdpwssd (16-bit weight codes × 16-bit activations, pairs summed per 32-bit
-// lane). int8 activations (vpdpbusd, as llama.cpp) cost +0.5 % perplexity on SmolLM2-135M (2,048 tokens of the
-// eval text, against −0.1 % for torch's kernel on bfloat16 activations); 16-bit codes make the activation
+// lane). int8 activations (vpdpbusd, as llama.cpp) failed the int4 format's perplexity bound on SmolLM2-135M
+// (docs/benchmarks.md "Fused CPU decode step"); 16-bit codes make the activation
 // rounding ~1e-5 relative, at ~1.5x the instructions per weight (the GEMVs stay close to memory-bound).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -120,7 +120,7 @@ inline void gemv_block(const uint8_t* W, const uint16_t* S, int64_t P, const Qua
     __m128 wm[RB];
     for (int b = 0; b < RB; ++b) {
       // software prefetch kPrefetchRows rows ahead: the hardware prefetcher alone left these GEMVs at about
-      // half of the DRAM bandwidth (measured: 10 vs 23 GB/s on 2 cores)
+      // half of the DRAM bandwidth (docs/benchmarks.md "Fused CPU decode step")
       _mm_prefetch(reinterpret_cast<const char*>(W + (r + b + kPrefetchRows) * P * kPairBytes + p * kPairBytes),
                    _MM_HINT_T1);
       if (p % 8 == 0) {
@@ -299,7 +299,7 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
                    const std::vector<at::Tensor>& norms, const std::vector<PairWeight>& mats,
                    const std::vector<at::Tensor>& caches, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                    const int64_t* slots) {
-  // kvscope_cpu::paged_decode_attention (cpu_attention.cpp), through the dispatcher: ~1 µs a call, 1 per layer
+  // kvscope_cpu::paged_decode_attention (cpu_attention.cpp), through the dispatcher (one call per layer)
   static const auto attention_op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("kvscope_cpu::paged_decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();

@@ -1,5 +1,5 @@
-// kvscope CPU elementwise kernels for bfloat16 activations (issue 13: prefill and batched decode steps near the
-// matmul floor). Each replaces a chain of torch ops (one pass over memory instead of 2-7, no temporaries) and
+// kvscope CPU elementwise kernels for bfloat16 activations (so that prefill and batched decode steps come near
+// their matmuls' cost). Each replaces a chain of torch ops (one pass over memory instead of 2-7, no temporaries) and
 // rounds to bfloat16 where torch's chain rounds, so results equal torch's up to the order of one float32 sum
 // in RMSNorm (a rare one-ulp bfloat16 difference):
 //
@@ -69,7 +69,7 @@ inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16, as float32
 
 // F.silu of every bfloat16 value (65,536 entries, 128 KiB, computed once by at::silu itself, so a lookup equals
 // torch's SwiGLU bit for bit), plus one padding entry for the 32-bit gather of the last one. A gather per 16
-// lanes replaced exp + vdivps (~45 cycles a vector; silu_and_mul 2× faster, issue 13 round 11).
+// lanes replaced exp + vdivps (docs/benchmarks.md "C++ elementwise ops for prefill").
 const uint16_t* silu_table() {
   static const std::vector<uint16_t> table = [] {
     std::vector<uint16_t> bits(65536 + 1, 0);

@@ -4,9 +4,9 @@
 ``gateway`` extras, as with ``uvicorn[standard]``) wherever it imports, else asyncio's own loop; ``uvloop``
 and ``asyncio`` force one. Why uvloop: on the 2-core machines kvscope serves from, the server's event-loop
 thread shares the cores with the engine's two OpenMP threads, and every microsecond it spends per streamed
-token is taken from a decode step. Measured on a 2-vCPU Xeon (docs/benchmarks.md "uvloop under the engine's
-and the gateway's servers"): at 32 streams the engine's output tok/s rose 17 % on uvloop (4 of 4
-counterbalanced rounds), the gateway's CPU per relayed token fell 10-15 % (bench/gateway_cpu.py).
+token is taken from a decode step; uvloop spends less of it per callback (the engine's throughput at 32
+streams and the gateway's CPU per relayed token, asyncio against uvloop: docs/benchmarks.md "uvloop under the
+engine's and the gateway's servers").
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 uvicorn (0.55) bounds only the silence between requests on a keep-alive connection (``timeout_keep_alive``,
 5 s): a connection that sends half a request head, or a head and then part of its body, stays open for as long
-as the client likes (a slow-loris client holds a socket, and in the body case an app task, per connection;
-2,000 such connections stayed 40 s and more). :class:`ReadTimeoutProtocol`, uvicorn's ``H11Protocol`` with two
+as the client likes (a slow-loris client holds a socket, and in the body case an app task, per connection).
+:class:`ReadTimeoutProtocol`, uvicorn's ``H11Protocol`` with two
 timers, closes them:
 
 - **head** (``head_s``, default :data:`HEAD_TIMEOUT_S`): a request head must be complete within ``head_s`` of

@@ -5,7 +5,7 @@
 - Peak FLOP/s: the best of ``repeats`` timed ``n × n`` matmuls (``2 n³`` FLOPs each) in fp32 and bf16. Both
 run with the torch thread count the engine would use (``kvscope.common.engine_defaults.default_num_threads``:
 the CPUs this process may use minus one, at least 1), so the bound is the engine's own ceiling on this
-machine. About 2 s on a 2-core VM.
+machine. A few seconds: it runs at start of ``kvscope plan --device cpu`` only.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class ModelSpec:
     served_model_name: str
     """Name reported by ``/v1/models``."""
     verified_formats: tuple[str, ...] = ("float32",)
-    """Weight formats that met their issue-13 quality bound on this model in the full ``kvscope eval ppl``
+    """Weight formats that met their quality bound on this model in the full ``kvscope eval ppl``
     run (docs/benchmarks.md "Quality of the weight formats"): names among ``float32``, ``bfloat16``,
     ``int8``, ``gguf`` (engine/eval/formats.py: bfloat16 = ``--dtype bfloat16``; int8/gguf =
     ``--quantization int8/gguf`` with ``--dtype float32``), perplexity within +1 % (bfloat16, int8) / +0.5
