@@ -31,7 +31,7 @@ from kvscope.common.models.cache import cache_root
 from kvscope.engine.attention.torch_backend import attention_compute_dtype, cpu_has_amx
 from kvscope.engine.bench import random_prompts
 from kvscope.engine.llm import LLM
-from kvscope.engine.models.loader import load_cpu_kernels
+from kvscope.engine.platform.cpu import load_cpu_kernels
 
 sys.path.append(
     str(Path(__file__).resolve().parents[1])

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {after['torch']} with {after['torch_threads']} engine threads; load average "
         f"{before['load_average']} before, {after['load_average']} after"
     )
-    report = engines[False].engine.model.load_report
+    report = engines[False].engine.load_report
     fmt = report.weight_format
     served = (
         f"{fmt.dtype} {fmt.quantization}" if fmt is not None else str(report.dtype).removeprefix("torch.")

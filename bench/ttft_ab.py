@@ -24,6 +24,7 @@ import kvscope.engine.models.layers as L
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 from kvscope.engine.bench import random_prompts
 from kvscope.engine.llm import LLM
+from kvscope.engine.platform.cpu import warm_up_prefill
 from kvscope.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -81,7 +82,7 @@ def main() -> None:
     lo, hi = args.new_lengths
     align_min = L.ALIGN_MIN_ROWS
     begin = time.perf_counter()
-    calls = engine.model.warm_up(engine.config.scheduler.max_num_batched_tokens)
+    calls = warm_up_prefill(engine.model, engine.config.scheduler.max_num_batched_tokens)
     print(f"warm_up: {calls} matmuls in {time.perf_counter() - begin:.2f} s wall", flush=True)
     cold, padded = [], []
     for i, n in enumerate(n for n in range(lo, hi + 1) if n % 2):  # odd lengths: never a warmed shape

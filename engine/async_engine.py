@@ -102,6 +102,10 @@ class AsyncEngine:
         self._serving = True
         self._wake.set()
 
+    def gpu_memory_utilization(self) -> float | None:
+        """``--gpu-memory-utilization`` (the server's GPU telemetry reads it on CUDA)."""
+        return self.core.config.cache.gpu_memory_utilization
+
     def warm_up_prefill(self) -> int:
         """``EngineCore.warm_up_prefill``, run on the engine thread (the caller blocks until it is done;
         call it before :meth:`start`, from any thread but the engine's)."""

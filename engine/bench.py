@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    args.dtype = str(llm.engine.model.load_report.dtype).removeprefix("torch.")  # auto resolved
+    args.dtype = str(llm.engine.load_report.dtype).removeprefix("torch.")  # auto resolved
     args.quantization = llm.engine.info.quantization  # auto resolved
     if args.step_bench:
         return _run_step_bench(llm, args)

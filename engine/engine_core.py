@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvscope.common.engine_defaults import default_num_threads
 from kvscope.common.models.registry import default_served_name
 from kvscope.engine.attention.selector import get_attention_backend
 from kvscope.engine.config import EngineConfig
@@ -25,16 +24,16 @@ from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.input_processor import EngineRequest, InputProcessor
 from kvscope.engine.memory import process_memory_bytes, with_kv_budget
 from kvscope.engine.models.compact import model_weight_bytes
-from kvscope.engine.models.loader import load_model
 from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.platform.cpu import configure_threads, prepare_for_cpu, warm_up_prefill
+from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.spec_decode.drafter import NgramDrafter
 from kvscope.engine.spec_decode.stats import SpecDecodingStats
 from kvscope.engine.structured.backend import StructuredOutputManager
-from kvscope.engine.structured.batch import MatcherTable
 from kvscope.engine.text.output_processor import OutputProcessor
 from kvscope.engine.text.tokenizer import Tokenizer
-from kvscope.engine.worker.kv_cache import allocate_kv_caches, budget_num_blocks, kv_cache_bytes_per_block
+from kvscope.engine.worker.kv_cache import KVCacheSpec, budget_num_blocks
 from kvscope.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -127,33 +126,35 @@ class EngineCore:
         start = time.perf_counter()
         self.config = config
         self.device = resolve_device(config.device)
+        configure_threads(self.device, config.num_threads)
+        self.model, hf_config, model_dir, self.load_report = load_model(config.model, self.device)
+        """The loaded model and what its load did (LoadReport: format, CPU kernels, timings)."""
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or default_num_threads())
-        elif config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.model, hf_config, model_dir = load_model(config.model, self.device)
-        dtype = self.model.load_report.dtype  # --dtype auto resolved by the loader
+            prepare_for_cpu(self.model)  # packed/column-major weights (models/layers.py CpuLinearKernel)
+        dtype = self.load_report.dtype  # --dtype auto resolved by the loader
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        num_layers = hf_config["num_hidden_layers"]
-        num_kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
-        head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
         block_size = config.cache.block_size
-        per_block = kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        kv_spec = KVCacheSpec.from_hf_config(hf_config, block_size, dtype)
+        per_block = kv_spec.bytes_per_block
         backend = get_attention_backend(config.attention_backend, self.device)
         self.vocab_size = hf_config["vocab_size"]
-        self.runner = ModelRunner(self.model, [], backend, block_size, self.vocab_size, self.device)
-        weights = model_weight_bytes(self.model)  # after the runner packed them: compact and packed copies
+        weights = model_weight_bytes(self.model)  # after packing: compact and packed copies
         cache = with_kv_budget(config.cache, weights) if self.device.type == "cpu" else config.cache
         num_blocks = config.cache.num_blocks or budget_num_blocks(cache, self.device, per_block)
         self.max_model_len = self._max_model_len(hf_config, num_blocks * block_size)
-        self.runner.kv_caches = allocate_kv_caches(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device
-        )
         self.structured = StructuredOutputManager(
             self.tokenizer.hf.to_str, self.vocab_size, self.tokenizer.eos_token_id
         )
         """Grammar compile cache for structured outputs (engine/structured); the runner's matchers use it."""
-        self.runner.matchers = MatcherTable(self.structured)
+        self.runner = ModelRunner(
+            self.model,
+            backend,
+            kv_spec,
+            num_blocks,
+            self.vocab_size,
+            self.device,
+            structured=self.structured,
+        )
         self.kv_cache_manager = KVCacheManager(
             BlockPool(num_blocks, config.cache.enable_prefix_caching),
             block_size,
@@ -166,7 +167,7 @@ class EngineCore:
         )
         self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
-        fmt = self.model.load_report.weight_format
+        fmt = self.load_report.weight_format
         rss, peak_rss = process_memory_bytes()
         self.info = ModelInfo(
             name=config.model.served_model_name or default_served_name(config.model.model),
@@ -189,12 +190,12 @@ class EngineCore:
         logger.info("engine ready: %s", self.info)
 
     def _cpu_kernels_line(self) -> str:
-        fused, built = self.runner.fused, self.model.load_report.cpu_kernels
+        fused, built = self.runner.fused, self.load_report.cpu_kernels
         if fused is not None:
             return f"kvscope (fused decode up to {fused.max_rows} rows)"
         if built is not None and not built.ok:
             return f"torch ({built.detail})"
-        quantization = self.model.load_report.quantization
+        quantization = self.load_report.quantization
         return "torch" if quantization is not None and quantization.quantization != "none" else ""
 
     def _max_model_len(self, hf_config: dict, capacity_tokens: int) -> int:
@@ -215,14 +216,12 @@ class EngineCore:
 
     def warm_up_prefill(self) -> int:
         """Build the prefill matmuls' oneDNN primitives for every padded size up to the token budget now,
-        not in the first prefill of each prompt length (``LlamaForCausalLM.warm_up``; ~1.5–3 s on 2 cores).
-        Call before the step loop starts. Returns the matmuls run (0 off the CPU or for a model without
-        it)."""
-        warm = getattr(self.model, "warm_up", None)
-        if warm is None or self.device.type != "cpu":
+        not in the first prefill of each prompt length (kvscope.engine.platform.cpu.warm_up_prefill). Call
+        before the step loop starts. Returns the matmuls run (0 off the CPU)."""
+        if self.device.type != "cpu":
             return 0
         start = time.perf_counter()
-        calls = warm(self.config.scheduler.max_num_batched_tokens)
+        calls = warm_up_prefill(self.model, self.config.scheduler.max_num_batched_tokens)
         logger.info("prefill shapes warmed: %d matmuls in %.2f s", calls, time.perf_counter() - start)
         return calls
 
@@ -413,7 +412,8 @@ def format_line(info: ModelInfo) -> str:
     """The start-up line naming the weight format: dtype, quantization, why, weights bytes, KV bytes, RSS."""
     kernels = f", CPU kernels {info.cpu_kernels}" if info.cpu_kernels else ""
     return (
-        f"weights format: dtype {info.dtype}, quantization {info.quantization} ({info.format_reason}){kernels}; "
+        f"weights format: dtype {info.dtype}, quantization {info.quantization} "
+        f"({info.format_reason}){kernels}; "
         f"weights {info.weights_bytes} B, KV cache {info.kv_cache_bytes} B ({info.num_blocks} blocks), "
         f"process RSS {info.rss_bytes} B (peak {info.peak_rss_bytes} B)"
     )

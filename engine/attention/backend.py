@@ -1,6 +1,7 @@
-"""The attention contract: per-step :class:`AttentionMetadata` and the :class:`AttentionBackend` protocol that
-the torch reference (engine/attention/torch_backend.py) and the Triton kernels
-(engine/attention/triton_backend.py) implement. engine/attention/selector.py picks one.
+"""The attention contract: per-step :class:`AttentionMetadata` and the :class:`AttentionBackend` protocol.
+Implemented by the torch backend (engine/attention/torch_backend.py: SDPA over gathered K/V, and kvscope's
+C++ paged attention on CPU where it applies) and the Triton kernels (engine/attention/triton_backend.py);
+engine/attention/selector.py picks one.
 
 KV cache layout (docs/architecture.md "KV cache layout"): one tensor per layer
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; slot ``s = block_id * block_size + offset``.
@@ -78,7 +79,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    """What the model's attention layers and the model runner call on a backend."""
+
     name: str
+    """The ``--attention-backend`` name that selects it (``torch``, ``triton``)."""
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -90,4 +94,9 @@ class AttentionBackend(Protocol):
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim] → [num_tokens, num_heads, head_dim]; GQA by head groups."""
+        ...
+
+    def skip_step(self) -> None:
+        """A step ran without this backend (the fused CPU decode step wrote the KV cache itself): drop any
+        state carried from one step to the next. The model runner calls it after such a step."""
         ...

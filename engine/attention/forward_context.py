@@ -46,6 +46,7 @@ def get_forward_context() -> ForwardContext:
     context = _forward_context.get()
     if context is None:
         raise RuntimeError(
-            "no forward context: run the model inside kvscope.engine.attention.forward_context.set_forward_context()"
+            "no forward context: run the model inside "
+            "kvscope.engine.attention.forward_context.set_forward_context()"
         )
     return context

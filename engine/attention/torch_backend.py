@@ -1,9 +1,10 @@
-"""The PyTorch reference paged-attention backend (any device; the CPU default): a per-step plan that gathers
-each request's K/V blocks into reused buffers and runs torch's scaled_dot_product_attention. On CPU with a
-bfloat16 cache and kvscope's CPU kernels loaded, decode tokens instead run kvscope's C++ paged decode
-attention (kernels/csrc/cpu_attention.cpp), which reads K/V from the paged cache in place (no gather, no
-resident copy), and so do prefill tokens: each as a one-token query at its own position (its context: the
-tokens up to it), all tokens of a step in one call per layer.
+"""The torch attention backend (``--attention-backend torch``; any device, the CPU default). Not a
+plain-PyTorch reference: it runs torch's scaled_dot_product_attention over each request's K/V blocks gathered
+into reused buffers (a per-step plan), and on CPU, with a bfloat16 cache and kvscope's CPU kernels loaded, it
+dispatches to kvscope's C++ ops (kernels/csrc/cpu_attention.cpp): the K/V cache write, and the paged decode
+attention, which reads K/V from the paged cache in place (no gather, no resident copy), for decode tokens and
+prefill tokens (each as a one-token query at its own position, its context the tokens up to it), all tokens
+of a step in one call per layer.
 
 KV cache layout: engine/attention/backend.py.
 """
@@ -44,9 +45,9 @@ def paged_decode_applies(kv_cache: torch.Tensor) -> bool:
     """Whether decode tokens over ``kv_cache`` run ``torch.ops.kvscope_cpu.paged_decode_attention``: a CPU
     bfloat16 cache, head_dim 16, 32, 64 or 128, and kvscope's CPU kernels loaded (kernels/cpu_decode.py).
 
-    Measured against SDPA in process (bench/decode_attention_ab.py, SmolLM2 shapes, docs/benchmarks.md
-    "Batched decode"): faster at every batch 1…32 and context 128…1024 tried. float32 caches keep SDPA: the
-    op sums in another order than SDPA, and the float32 path stays token-identical to transformers."""
+    Chosen where it was faster than SDPA (bench/decode_attention_ab.py; docs/benchmarks.md "Batched decode").
+    float32 caches keep SDPA: the op sums in another order than SDPA, and the float32 path stays
+    token-identical to transformers."""
     return (
         kv_cache.device.type == "cpu"
         and kv_cache.dtype == torch.bfloat16
@@ -74,18 +75,17 @@ def attention_compute_dtype(kv_cache: torch.Tensor, native_bf16: bool = False) -
     """dtype the torch backend attends in: the cache's dtype, except on CPU for float16 always and for
     bfloat16 unless ``native_bf16``, which attend in float32.
 
-    Measured (SmolLM2 shapes, 9 query / 3 KV heads, head_dim 64, one thread, CPU time of one decode
-    attention at batch 32, context 192): on a Xeon with AMX, bfloat16 0.84 ms, float32 1.45 ms, bfloat16
-    upcast to float32 first 2.99 ms, so :class:`TorchAttentionBackend` sets ``native_bf16`` where
-    :func:`cpu_has_amx`; on an AMD EPYC with AVX512_BF16 but no AMX, torch's bfloat16 CPU flash-attention
-    was ~3x slower than float32 (200 vs 73 ms per decode step at batch 32), so it upcasts there."""
+    Why: with AMX tiles torch's bfloat16 CPU attention beats float32, without them (AVX512_BF16 only) it is
+    slower than float32, so :class:`TorchAttentionBackend` sets ``native_bf16`` where :func:`cpu_has_amx`
+    and upcasts elsewhere (docs/benchmarks.md)."""
     if kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float16):
         return torch.bfloat16 if kv_cache.dtype == torch.bfloat16 and native_bf16 else torch.float32
     return kv_cache.dtype
 
 
 class TorchAttentionBackend:
-    """Reference paged attention in plain PyTorch (any device; the CPU default).
+    """Paged attention through torch's SDPA, with kvscope's C++ CPU ops where they apply (any device; the CPU
+    default; the name users pass is ``torch``).
 
     Prefill chunks (query_len > 1) run one request at a time; decode tokens of all requests run as one batch
     padded to the longest sequence. K/V are gathered a whole block at a time (``index_select`` over the block
@@ -99,12 +99,9 @@ class TorchAttentionBackend:
     step in one call per layer, each token a one-token query over the keys up to its position, read from the
     cache after :meth:`write_kv`.
 
-    Why prefill too: bench/prefill_attention_ab.py, SmolLM2 shapes (9 query / 3 KV heads, head_dim 64), 2
-    threads, AMD EPYC (AVX512_BF16, no AMX), median µs of one layer's attention, the op vs this backend's SDPA
-    path (the float32 upcast of the bfloat16 K/V, then causal SDPA): 128-token prompt 190 vs 439, 1,024-token
-    prompt 8,276 vs 13,107, a 128-token chunk after 896 cached tokens 1,701 vs 2,843; outputs within 1.0e-6;
-    idle TTFT of a 128-token prompt 67.7 vs 79.5 ms (median of 16 alternating runs). Not measured against
-    AMX's bfloat16 SDPA (``native_bf16``), which therefore keeps SDPA for prefill rows.
+    Why prefill too: where SDPA would attend in float32 (no AMX), the op was faster than the float32 upcast
+    and SDPA at every prompt and chunk size tried (bench/prefill_attention_ab.py; docs/benchmarks.md). Not
+    compared with AMX's bfloat16 SDPA (``native_bf16``), which therefore keeps SDPA for prefill rows.
     """
 
     name = "torch"

@@ -78,3 +78,6 @@ class TritonAttentionBackend:
             max_seq_len=metadata.max_seq_len,
             num_segments=self._num_segments,
         )
+
+    def skip_step(self) -> None:
+        """Nothing to drop: this backend keeps no state between steps (AttentionBackend protocol)."""

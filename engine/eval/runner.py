@@ -130,7 +130,7 @@ def run_format(
     llm = build_llm(model, spec, num_threads)
     try:
         engine_model = llm.engine.model
-        report = engine_model.load_report
+        report = llm.engine.load_report
         weights_bytes = model_weight_bytes(engine_model)  # as served, dense copies included
         if kernels == "compact":
             force_compact_kernels(engine_model)

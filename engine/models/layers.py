@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvscope.engine.memory import tensor_nbytes
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed weight layout for (decode batches of 2…64 all gain, see CpuLinearKernel)."""
@@ -37,7 +39,7 @@ class RMSNorm(nn.Module):
         self.cpu_op = False
         """Run bfloat16 rows through kvscope's C++ kernel (``torch.ops.kvscope_cpu.rms_norm``,
         kernels/csrc/cpu_elementwise.cpp: torch's roundings in one pass); set by
-        ``LlamaForCausalLM.use_cpu_elementwise_ops`` when the library is loaded."""
+        ``kvscope.engine.platform.cpu.use_cpu_elementwise_ops`` when the library is loaded."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., size] → [..., size] in x's dtype."""
@@ -88,12 +90,7 @@ class CpuLinearKernel:
     @property
     def nbytes(self) -> int:
         """Bytes held: the packed copy, the column-major copy (it replaces the parameter) and the bias."""
-        return sum(_nbytes(t) for t in (self.column_major, self.packed, self.bias) if t is not None)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (also for opaque oneDNN tensors, which have no storage to ask)."""
-    return math.prod(t.shape) * t.element_size()
+        return sum(tensor_nbytes(t) for t in (self.column_major, self.packed, self.bias) if t is not None)
 
 
 def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLinearKernel | None:
@@ -224,7 +221,7 @@ def silu_and_mul(gate_up: torch.Tensor, cpu_op: bool = False) -> torch.Tensor:
 def cpu_op_applies(x: torch.Tensor) -> bool:
     """Whether ``x`` suits kvscope's C++ elementwise kernels (kernels/csrc/cpu_elementwise.cpp): contiguous
     bfloat16 rows [R, H], H a multiple of 32, outside autograd (the ops have no backward). The device is not
-    checked: only a CPU model turns the ops on (``LlamaForCausalLM.use_cpu_elementwise_ops``)."""
+    checked: only a CPU model turns the ops on (``kvscope.engine.platform.cpu.use_cpu_elementwise_ops``)."""
     return (
         x.dtype == torch.bfloat16
         and x.dim() == 2

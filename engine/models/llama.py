@@ -21,15 +21,12 @@ from torch import nn
 
 from kvscope.engine.attention.forward_context import get_forward_context
 from kvscope.engine.models.layers import (
-    ALIGN_MIN_ROWS,
-    ROW_ALIGN,
     Linear,
     RMSNorm,
     RopeConfig,
     RotaryEmbedding,
     add_norm,
     apply_rope,
-    cpu_linear_kernel,
     rope_tables,
     silu_and_mul,
 )
@@ -103,8 +100,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.cpu_op = False
-        """RoPE through kvscope's C++ kernel (``torch.ops.kvscope_cpu.rope``); see
-        ``use_cpu_elementwise_ops``."""
+        """RoPE through kvscope's C++ kernel (``torch.ops.kvscope_cpu.rope``); set by
+        ``kvscope.engine.platform.cpu.use_cpu_elementwise_ops``."""
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size], cos/sin [T, 1, head_dim] from :func:`rope_tables` → [T, hidden_size]."""
@@ -149,7 +146,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.cpu_op = False
-        """SwiGLU through kvscope's C++ kernel (:func:`silu_and_mul`); see ``use_cpu_elementwise_ops``."""
+        """SwiGLU through kvscope's C++ kernel (:func:`silu_and_mul`); set by
+        ``kvscope.engine.platform.cpu.use_cpu_elementwise_ops``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x), self.cpu_op))
@@ -238,7 +236,8 @@ class LlamaForCausalLM(nn.Module):
         step (engine/models/fused_decode.py), set by kvscope.engine.models.compact with kvscope's CPU
         kernels; None otherwise."""
         self.logits_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
-        """CPU kernel of the LM head: a CpuLinearKernel, or a compact one (kvscope.engine.models.compact)."""
+        """CPU kernel of the LM head: a CpuLinearKernel (set by kvscope.engine.platform.cpu.prepare_for_cpu),
+        or a compact one (kvscope.engine.models.compact)."""
 
     @classmethod
     def arch_config(cls, cfg: Mapping[str, Any]) -> ArchConfig:
@@ -258,9 +257,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] → logits float32 [N, vocab_size] (tied: the embedding matrix). One row
         goes through the 8-bit ``decode_head`` where there is one, as in the fused decode step: the first
-        token of a lone prompt comes from the same head as the tokens after it, in 0.6 instead of 1.6 ms
-        (SmolLM2's 49,152 × 576 head, 2 threads, AMD EPYC: a GEMV reads the weights once, 28 instead of 57
-        MB)."""
+        token of a lone prompt comes from the same head as the tokens after it (a GEMV reading the 8-bit
+        weights once; docs/benchmarks.md)."""
         if (
             self.decode_head is not None
             and hidden.shape[0] == 1
@@ -273,63 +271,6 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             return self.lm_head.forward(hidden).float()  # a compact lm_head has no dense weight
         return F.linear(hidden, self.model.embed_tokens.weight).float()
-
-    def use_cpu_elementwise_ops(self) -> int:
-        """Route the bfloat16 RMSNorms, residual-add + norm pairs, SwiGLUs and RoPEs of every step through
-        kvscope's C++ elementwise kernels (kernels/csrc/cpu_elementwise.cpp; call once
-        ``torch.ops.kvscope_cpu`` is loaded, on a bfloat16 CPU model; inputs the kernels do not take keep
-        torch's ops). One pass over memory instead of torch's 2-7 ops, the same roundings (the add and RoPE
-        bit for bit, RMSNorm and SwiGLU up to a rare one-ulp bfloat16 difference;
-        tests/kernels/test_cpu_elementwise.py). Measured on 2 Xeon cores, 128 rows: RMSNorm 87 → 19 µs, add
-        + RMSNorm 91 → 28 µs, SwiGLU 97 → 63 µs, RoPE 62 → 25 µs. Returns the number of modules switched."""
-        switched = 0
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP, Attention)):
-                module.cpu_op = True
-                switched += 1
-        return switched
-
-    def prepare_for_cpu(self) -> int:
-        """Switch every projection and the LM head to :class:`CpuLinearKernel` (call once, after
-        ``load_weights``, on a CPU model). A tied float32 embedding is re-pointed at its column-major copy
-        (embedding lookups then gather strided rows: ~20 ms per 2048 prompt tokens). Costs one packed copy
-        of the weights in memory. Returns the number of matrices switched (0 when oneDNN is unavailable)."""
-        switched = sum(m.prepare_for_cpu() for m in self.modules() if isinstance(m, Linear))
-        if not self.config.tie_word_embeddings:
-            self.logits_kernel = self.lm_head.cpu_kernel
-            return switched
-        if (
-            getattr(self.logits_kernel, "compact", None) is not None
-        ):  # int8 logits (kvscope.engine.models.compact)
-            return switched + 1
-        embed = self.model.embed_tokens
-        self.logits_kernel = cpu_linear_kernel(embed.weight, None)
-        if self.logits_kernel is None:
-            return switched
-        if self.logits_kernel.column_major is not None:
-            embed.weight.data = self.logits_kernel.column_major
-        return switched + 1
-
-    @torch.inference_mode()
-    def warm_up(self, max_num_tokens: int) -> int:
-        """Run every distinct projection shape once at each padded prefill size up to ``max_num_tokens``
-        rows (``layers.aligned_rows``: 80, 96, … rows), so that oneDNN builds its primitives now instead of
-        during the first prefill of each new prompt length (4–20 ms per shape on an AMX Xeon,
-        docs/benchmarks.md "Idle TTFT"). Call after :meth:`prepare_for_cpu`; does nothing for layers
-        without a CPU kernel. Returns the number of matmuls run."""
-        dtype = self.model.embed_tokens.weight.dtype
-        shapes: dict[tuple[int, int, type], Linear] = {}
-        for (
-            module
-        ) in self.model.modules():  # the decoder's projections (the LM head runs on sampled rows only)
-            if isinstance(module, Linear) and module.cpu_kernel is not None:
-                shapes.setdefault((module.in_features, module.out_features, type(module.cpu_kernel)), module)
-        calls = 0
-        for rows in range(ALIGN_MIN_ROWS + ROW_ALIGN, max_num_tokens + ROW_ALIGN, ROW_ALIGN):
-            for (in_features, _, _), module in shapes.items():
-                module.forward(torch.zeros(rows, in_features, dtype=dtype))
-                calls += 1
-        return calls
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the HF names used.

@@ -87,11 +87,8 @@ class AppContext:
             from kvscope.engine.async_engine import AsyncEngine
 
             engine = await asyncio.to_thread(AsyncEngine, self._engine_config)
-        warm_prefill = getattr(engine, "warm_up_prefill", None)  # the server tests' fake engines have none
-        if self.settings.warmup and warm_prefill is not None:
-            await asyncio.to_thread(
-                warm_prefill
-            )  # oneDNN shapes of every prefill size (before the step loop)
+        if self.settings.warmup:  # oneDNN shapes of every prefill size (before the step loop)
+            await asyncio.to_thread(engine.warm_up_prefill)
         engine.start()
         if self.settings.warmup:
             await warm_up(engine)
@@ -133,9 +130,7 @@ class AppContext:
     def _start_gpu_telemetry(self, engine: EngineClient, metrics: ServerMetrics) -> None:
         """On CUDA: sample NVML and the torch allocator now and every ``gpu_telemetry_interval_s``
         (engine/server/gpu_telemetry.py); on CPU nothing (the GPU series stay absent)."""
-        config = getattr(getattr(engine, "core", None), "config", None)  # the EngineCore's EngineConfig
-        utilization = config.cache.gpu_memory_utilization if config is not None else None
-        self._gpu = GpuTelemetry.for_engine(metrics.engine, engine.device, utilization)
+        self._gpu = GpuTelemetry.for_engine(metrics.engine, engine.device, engine.gpu_memory_utilization())
         if self._gpu is not None:
             self._gpu.sample()  # the series exist from the first scrape
             self._gpu_task = asyncio.create_task(
@@ -186,18 +181,17 @@ def _observe_mask_time(state: ServerState) -> None:
     """Feed the structured-output mask time of each step (engine thread) into its histogram, and give the
     grammar compiler the server's limits (``--structured-output-max-grammar-size``,
     ``--structured-output-max-pending- compiles``)."""
-    structured = getattr(state.engine, "structured", None)  # the server tests' fake engines have none
-    if structured is not None:
-        settings = state.settings
-        structured.set_limits(
-            CompileLimits(
-                max_grammar_size=settings.structured_output_max_grammar_size,
-                max_pending=settings.structured_output_max_pending_compiles,
-            )
+    structured = state.engine.structured
+    settings = state.settings
+    structured.set_limits(
+        CompileLimits(
+            max_grammar_size=settings.structured_output_max_grammar_size,
+            max_pending=settings.structured_output_max_pending_compiles,
         )
-        structured.mask_observer = state.metrics.engine.structured_output_mask_time.labels(
-            model=state.metrics.model
-        ).observe
+    )
+    structured.mask_observer = state.metrics.engine.structured_output_mask_time.labels(
+        model=state.metrics.model
+    ).observe
 
 
 def _set_device_memory(state: ServerState) -> None:

@@ -39,6 +39,16 @@ class EngineClient(Protocol):
         """True while the step loop runs and no shutdown began."""
         ...
 
+    def gpu_memory_utilization(self) -> float | None:
+        """The share of GPU memory the engine may use (``--gpu-memory-utilization``: the GPU telemetry's
+        budget series); None where the engine does not say."""
+        ...
+
+    def warm_up_prefill(self) -> int:
+        """Build the prefill kernels' shapes before serving (call before :meth:`start`); returns the matmuls
+        run (0 where there is nothing to warm)."""
+        ...
+
     def start(self) -> None: ...
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model, the paged KV caches and per-request RNGs; runs one step on the device."""
+"""ModelRunner: owns the paged KV caches, the grammar matchers and per-request RNGs; runs one step on the
+device."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.core.request import Request
 from kvscope.engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvscope.engine.models.fused_decode import FusedDecoder
+from kvscope.engine.models.llama import LlamaForCausalLM
 from kvscope.engine.outputs import TokenLogprob
 from kvscope.engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from kvscope.engine.structured.backend import StructuredOutputManager
 from kvscope.engine.structured.batch import MatcherTable, StepMasks
 from kvscope.engine.worker.input_batch import ModelInputs, build_model_inputs
+from kvscope.engine.worker.kv_cache import KVCacheSpec
 from kvscope.engine.worker.sampler import (
     RequestSampling,
     Sampler,
@@ -32,33 +36,38 @@ PROMPT_LOGPROBS_SLICE = 256
 
 
 class ModelRunner:
-    """Executes SchedulerOutputs: packs inputs, runs the model under a forward context, samples."""
+    """Executes SchedulerOutputs: packs inputs, runs the model under a forward context, samples.
+
+    Owns the paged KV caches (allocated here from ``kv_cache_spec`` and ``num_blocks``), the grammar matchers
+    of constrained requests (a :class:`MatcherTable` over ``structured``; None without it) and the per-request
+    generators. The model comes ready to run (CPU packing: kvscope.engine.platform.cpu); the runner never
+    changes it.
+    """
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        kv_caches: list[torch.Tensor],
+        model: LlamaForCausalLM,
         backend: AttentionBackend,
-        block_size: int,
+        kv_cache_spec: KVCacheSpec,
+        num_blocks: int,
         vocab_size: int,
         device: torch.device,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
-        if device.type == "cpu" and hasattr(model, "prepare_for_cpu"):
-            model.prepare_for_cpu()  # packed/column-major weights: see kvscope.engine.models.layers.CpuLinearKernel
         self.fused = FusedDecoder.from_model(model) if device.type == "cpu" else None
         """The one-call C++ decode step (engine/models/fused_decode.py) for decode-only steps; None where the
         model's weights or the CPU do not allow it."""
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
+        """One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         self.backend = backend
-        self.block_size = block_size
+        self.block_size = kv_cache_spec.block_size
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        self.matchers: MatcherTable | None = None
-        """Grammar matchers of constrained requests (set by EngineCore; None: structured output
-        unavailable)."""
+        self.matchers = MatcherTable(structured) if structured is not None else None
+        """Grammar matchers of constrained requests (None: structured output unavailable)."""
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -74,9 +83,7 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if self._fused_applies(scheduler_output, inputs):
             logits = self.fused(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
-            skip = getattr(self.backend, "skip_step", None)
-            if skip is not None:
-                skip()  # the backend's per-step state (resident decode K/V) did not see this step
+            self.backend.skip_step()  # its per-step state (resident decode K/V) did not see this step
             if inputs.sampled_rows:
                 self._sample(scheduler_output, inputs, logits[inputs.logits_indices], output, masks)
             return output

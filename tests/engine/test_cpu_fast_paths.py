@@ -14,6 +14,7 @@ from kvscope.common import engine_defaults
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
 from kvscope.engine.models.layers import Linear, cpu_linear_kernel
+from kvscope.engine.platform.cpu import prepare_for_cpu
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.sampler import Sampler, SamplingMetadata
 from tests.engine.test_attention_ref import HEAD_DIM, allocate_blocks, naive_attention
@@ -59,7 +60,7 @@ def test_prepared_model_matches_hf(name: str) -> None:
     """After prepare_for_cpu: a packed prefill (two prompts), a one-row decode (column-major GEMV) and a
     two-row decode (packed) all give HF's logits."""
     pair = make_pair(name)
-    assert pair.ours.prepare_for_cpu() == COMMON["num_hidden_layers"] * 4 + 1
+    assert prepare_for_cpu(pair.ours) == COMMON["num_hidden_layers"] * 4 + 1
     assert pair.ours.model.layers[1].mlp.down_proj.weight.stride() == (1, COMMON["hidden_size"])
     caches = new_caches(pair)
     blocks_a, blocks_b = [5, 2, 7, 0], [1, 4]

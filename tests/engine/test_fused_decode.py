@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvscope.engine.models.loader as loader
+import kvscope.engine.platform.loader as loader
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
@@ -17,7 +17,7 @@ from kvscope.engine.eval.text import load_text
 from kvscope.engine.llm import LLM
 from kvscope.engine.models.fused_decode import FusedDecoder
 from kvscope.engine.models.kernel_probe import KernelChoice
-from kvscope.engine.models.loader import load_model
+from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.text.tokenizer import Tokenizer
 from kvscope.engine.worker.kv_cache import allocate_kv_caches
@@ -112,7 +112,7 @@ def test_torch_kernels_and_other_formats_have_no_fused_step() -> None:
         "smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=16 << 20, cpu_kernels="torch"
     )
     assert torch_kernels.engine.runner.fused is None
-    assert torch_kernels.engine.model.load_report.cpu_kernels is None
+    assert torch_kernels.engine.load_report.cpu_kernels is None
     int8 = LLM("smollm2-135m", dtype="bfloat16", quantization="int8", kv_cache_memory=16 << 20)
     assert int8.engine.runner.fused is None  # torch's int8 layers: not the pair-block layout
 
@@ -166,7 +166,7 @@ def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir) -> No
     16-bit activation codes: +0.04 / −0.03 / +0.11 % (int8 codes were +0.78 / +0.55 / +0.69 %: the bound
     catches them); a broken kernel is tens of percent off."""
     text = Tokenizer.from_dir(model_dir).hf.encode(load_text().text).ids
-    reference, _, _ = load_model(ModelConfig(), "cpu")
+    reference, _, _, _ = load_model(ModelConfig(), "cpu")
     model, fused = compact_llm.engine.model, compact_llm.engine.runner.fused
     ratios = []
     for start in (0, 2000, 5000):

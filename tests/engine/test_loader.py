@@ -14,7 +14,8 @@ from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 from kvscope.engine.config import ModelConfig
 from kvscope.engine.models import loader
-from kvscope.engine.models.loader import load_model, resolve_model_dir
+from kvscope.engine.models.loader import resolve_model_dir
+from kvscope.engine.platform.loader import load_model
 from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_caches, paged_step, prompt
 
 
@@ -68,7 +69,9 @@ def test_processes_starting_at_once_convert_once(tmp_path: Path, monkeypatch: py
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         found = list(
-            pool.map(lambda _: loader._resolve(str(tmp_path / "m.gguf"), tmp_path / "cache"), range(2))
+            pool.map(
+                lambda _: loader.resolve_model_files(str(tmp_path / "m.gguf"), tmp_path / "cache"), range(2)
+            )
         )
     assert len(converts) == 1 and found[0][0] == found[1][0] == converts[0][1]
     assert sorted(converted for _, converted, _ in found) == [False, True]
@@ -91,9 +94,9 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pair, Path]:
 
 def test_load_hf_folder(tiny_folder: tuple[Pair, Path]) -> None:
     pair, folder = tiny_folder
-    model, hf_config, model_dir = load_model(ModelConfig(model=str(folder)), "cpu")
+    model, hf_config, model_dir, model_report = load_model(ModelConfig(model=str(folder)), "cpu")
     assert (model_dir, hf_config["head_dim"], type(model).__name__) == (folder, 32, "Qwen3ForCausalLM")
-    assert model.load_report.converted is False and model.load_report.weights_s > 0
+    assert model_report.converted is False and model_report.weights_s > 0
     tokens = prompt(9, 9)
     (logits,) = paged_step(Pair(pair.hf, model, 2, 32), new_caches(pair), [(tokens, 0, [2, 0, 1])])
     torch.testing.assert_close(logits, hf_logits(pair, tokens), atol=ATOL, rtol=0)
@@ -101,7 +104,7 @@ def test_load_hf_folder(tiny_folder: tuple[Pair, Path]) -> None:
 
 def test_load_bfloat16(tiny_folder: tuple[Pair, Path]) -> None:
     _, folder = tiny_folder
-    model, _, _ = load_model(ModelConfig(model=str(folder), dtype="bfloat16"), "cpu")
+    model, _, _, model_report = load_model(ModelConfig(model=str(folder), dtype="bfloat16"), "cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -119,7 +122,7 @@ def test_sliding_window_longer_than_context_is_refused(tmp_path: Path) -> None:
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="set max_model_len <= 32 \\(the window\\), got 128"):
         load_model(ModelConfig(model=str(tmp_path)), "cpu")
-    model, _, _ = load_model(ModelConfig(model=str(tmp_path), max_model_len=32), "cpu")
+    model, _, _, model_report = load_model(ModelConfig(model=str(tmp_path), max_model_len=32), "cpu")
     assert model.config.sliding_window == 32
 
 
@@ -131,12 +134,12 @@ def test_smollm2_matches_transformers_gguf(tmp_path: Path, hf_model) -> None:
     from kvscope.common.models.pull import pull
 
     gguf = pull("smollm2-135m", progress=False)  # no-op when the verified file is cached
-    first, _, model_dir = load_model(ModelConfig(model=str(gguf)), "cpu", root=tmp_path)
-    second, _, _ = load_model(ModelConfig(model=str(gguf)), "cpu", root=tmp_path)
-    assert (first.load_report.converted, second.load_report.converted) == (True, False)
+    first, _, model_dir, first_report = load_model(ModelConfig(model=str(gguf)), "cpu", root=tmp_path)
+    second, _, _, second_report = load_model(ModelConfig(model=str(gguf)), "cpu", root=tmp_path)
+    assert (first_report.converted, second_report.converted) == (True, False)
     print(
-        f"\nfirst load (convert) {first.load_report.total_s:.2f}s, "
-        f"second load (safetensors) {second.load_report.total_s:.2f}s"
+        f"\nfirst load (convert) {first_report.total_s:.2f}s, "
+        f"second load (safetensors) {second_report.total_s:.2f}s"
     )
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

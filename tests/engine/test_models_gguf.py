@@ -14,7 +14,7 @@ import torch
 
 from kvscope.engine.config import ModelConfig
 from kvscope.engine.models.gguf import convert_gguf_to_hf, hf_tensor_name, reverse_permute
-from kvscope.engine.models.loader import load_model
+from kvscope.engine.platform.loader import load_model
 from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_caches, paged_step, prompt
 
 # Written independently of engine/models/gguf.py: llama.cpp's names (gguf-py tensor_mapping.py).
@@ -102,8 +102,8 @@ def test_converted_gguf_matches_source_model(case: str, arch: str, tmp_path: Pat
         2,
     )
     assert config["tie_word_embeddings"] == pair.hf.config.tie_word_embeddings
-    model, _, model_dir = load_model(ModelConfig(model=str(out)), "cpu")
-    assert model_dir == out and model.load_report.converted is False
+    model, _, model_dir, model_report = load_model(ModelConfig(model=str(out)), "cpu")
+    assert model_dir == out and model_report.converted is False
     loaded = Pair(pair.hf, model, pair.num_kv_heads, pair.head_dim)
     tokens = prompt(5, 10)
     (logits,) = paged_step(loaded, new_caches(loaded), [(tokens, 0, [3, 1, 0])])

@@ -16,6 +16,7 @@ from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 from kvscope.engine.models.layers import Linear, aligned_rows, cpu_linear_kernel, packed_linear_kernel
 from kvscope.engine.models.quant import CompactLinearKernel, Int8Weight
+from kvscope.engine.platform.cpu import prepare_for_cpu, warm_up_prefill
 from tests.engine.test_attention_ref import allocate_blocks
 from tests.engine.test_models_tiny import make_pair
 
@@ -181,7 +182,7 @@ def test_tiny_model_prefill_of_100_tokens_is_bit_identical_padded(
     written K/V) gives the same hidden states as the unpadded, gathering path (at these tiny shapes oneDNN's
     bfloat16 blocking does not change with the row count either)."""
     model = make_pair("llama").ours.to(dtype)
-    model.prepare_for_cpu()
+    prepare_for_cpu(model)
     config = model.config
     metadata, _ = _metadata_and_caches([100], [100], dtype)
     num_blocks = int(metadata.block_tables.max()) + 1
@@ -217,8 +218,8 @@ def _write_without_record(backend: TorchAttentionBackend):
 
 def test_warm_up_runs_each_distinct_projection_shape_at_each_padded_size() -> None:
     model = make_pair("llama").ours.to(torch.bfloat16)
-    model.prepare_for_cpu()
+    prepare_for_cpu(model)
     # 4 shapes (qkv 64→128, o 64→64, gate_up 64→192, down 96→64; the LM head is not a prefill matmul)
     # × 9 sizes (80, 96, …, 208 = aligned_rows(200))
-    assert model.warm_up(200) == 4 * 9
-    assert model.warm_up(64) == 0
+    assert warm_up_prefill(model, 200) == 4 * 9
+    assert warm_up_prefill(model, 64) == 0

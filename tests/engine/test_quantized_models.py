@@ -12,14 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import kvscope.engine.models.loader as loader
+import kvscope.engine.platform.loader as loader
 from kvscope.engine.config import ModelConfig
 from kvscope.engine.models.compact import model_weight_bytes, source_names
 from kvscope.engine.models.gguf import INT4_CACHE_FILE, cached_gguf_int4_blocks, convert_gguf_to_hf
 from kvscope.engine.models.kernel_probe import KernelChoice
 from kvscope.engine.models.layers import Linear
-from kvscope.engine.models.loader import gguf_conversion_dir, load_model
+from kvscope.engine.models.loader import gguf_conversion_dir
 from kvscope.engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
+from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.kernels.cpu_decode import PairBlocks
 from tests.engine.test_models_gguf import write_gguf
@@ -60,16 +61,16 @@ def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pair, Path, Path]
 
 def test_int4_layers_hold_exactly_the_gguf_blocks(tiny_q4: tuple[Pair, Path, Path]) -> None:
     pair, path, root = tiny_q4
-    model, _, model_dir = load_model(
+    model, _, model_dir, model_report = load_model(
         ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu", root=root
     )
-    report = model.load_report.quantization
+    report = model_report.quantization
     assert (report.from_gguf, report.quantized, report.dense) == (
         8,
         0,
         1,
     )  # 2 layers x 4; lm_head stays dense
-    assert model.load_report.gguf_path == path and model.load_report.cpu_kernels is None
+    assert model_report.gguf_path == path and model_report.cpu_kernels is None
     assert isinstance(model.model.layers[0].self_attn.qkv_proj.cpu_kernel.compact, Int4Weight)
     assert model.model.layers[0].self_attn.qkv_proj.weight is None and model.lm_head.weight is not None
     converted = load_file(str(model_dir / "model.safetensors"))  # gguf.quants.dequantize of every tensor
@@ -84,14 +85,16 @@ def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(
     tiny_q4: tuple[Pair, Path, Path],
 ) -> None:
     _, path, root = tiny_q4
-    torch_model, _, _ = load_model(
+    torch_model, _, _, _ = load_model(
         ModelConfig(model=str(path), quantization="int4", cpu_kernels="torch"), "cpu", root=root
     )
-    model, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
-    assert model.load_report.cpu_kernels.ok, model.load_report.cpu_kernels.detail  # this CPU: AVX-512 VNNI
-    report = model.load_report.quantization
+    model, _, _, model_report = load_model(
+        ModelConfig(model=str(path), quantization="int4"), "cpu", root=root
+    )
+    assert model_report.cpu_kernels.ok, model_report.cpu_kernels.detail  # this CPU: AVX-512 VNNI
+    report = model_report.quantization
     assert (report.from_gguf, report.quantized, report.dense) == (8, 0, 1)  # the lm_head stays dense
-    blocks = cached_gguf_int4_blocks(path, model.load_report.gguf_path.parent)
+    blocks = cached_gguf_int4_blocks(path, model_report.gguf_path.parent)
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":  # the GGUF's blocks in the kernels' own layout
             mine = module.cpu_kernel.compact
@@ -114,8 +117,8 @@ def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(
     tiny_q4: tuple[Pair, Path, Path],
 ) -> None:
     pair, path, root = tiny_q4
-    dense, _, _ = load_model(ModelConfig(model=str(path)), "cpu", root=root)
-    compact, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
+    dense, _, _, _ = load_model(ModelConfig(model=str(path)), "cpu", root=root)
+    compact, _, _, _ = load_model(ModelConfig(model=str(path), quantization="int4"), "cpu", root=root)
     tokens = prompt(3, 10)
     with torch.inference_mode():
         pairs = [Pair(pair.hf, m, pair.num_kv_heads, pair.head_dim) for m in (dense, compact)]
@@ -126,10 +129,10 @@ def test_int4_tiny_model_stays_within_bfloat16_of_its_dequantized_weights(
 
 def test_gguf_needs_a_gguf_and_quantization_needs_a_cpu(tiny_q4: tuple[Pair, Path, Path]) -> None:
     _, path, root = tiny_q4
-    model, _, model_dir = load_model(
+    model, _, model_dir, model_report = load_model(
         ModelConfig(model=str(path), quantization="gguf", cpu_kernels="torch"), "cpu", root=root
     )
-    assert (model.load_report.quantization.from_gguf, model.load_report.quantization.dense) == (8, 1)
+    assert (model_report.quantization.from_gguf, model_report.quantization.dense) == (8, 1)
     with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
         load_model(ModelConfig(model=str(model_dir), quantization="gguf"), "cpu")
     with pytest.raises(ValueError, match="runs on CPU only"):
@@ -142,13 +145,13 @@ def test_int4_from_a_float_folder_and_int8_quantize_every_projection(
     tiny_q4: tuple[Pair, Path, Path],
 ) -> None:
     _, path, root = tiny_q4
-    _, _, model_dir = load_model(ModelConfig(model=str(path)), "cpu", root=root)
-    int4, _, _ = load_model(
+    _, _, model_dir, _ = load_model(ModelConfig(model=str(path)), "cpu", root=root)
+    int4, _, _, int4_report = load_model(
         ModelConfig(model=str(model_dir), quantization="int4", cpu_kernels="torch"), "cpu"
     )
-    assert (int4.load_report.quantization.from_gguf, int4.load_report.quantization.quantized) == (0, 8)
-    int8, _, _ = load_model(ModelConfig(model=str(model_dir), quantization="int8"), "cpu")
-    assert (int8.load_report.quantization.quantized, int8.load_report.quantization.dense) == (
+    assert (int4_report.quantization.from_gguf, int4_report.quantization.quantized) == (0, 8)
+    int8, _, _, int8_report = load_model(ModelConfig(model=str(model_dir), quantization="int8"), "cpu")
+    assert (int8_report.quantization.quantized, int8_report.quantization.dense) == (
         9,
         0,
     )  # + lm_head
@@ -169,7 +172,7 @@ def int4_llm():
 
 
 def test_smollm2_int4_is_the_gguf_q4_1_and_deterministic(int4_llm, llm) -> None:
-    report = int4_llm.engine.model.load_report
+    report = int4_llm.engine.load_report
     assert (report.quantization.from_gguf, report.quantization.dense, report.dtype) == (120, 0, torch.float32)
     first, second = greedy(int4_llm), greedy(int4_llm)
     assert first == second and [len(t) for t in first] == [16] * len(PROMPTS)
@@ -186,10 +189,10 @@ def test_smollm2_bfloat16_int8_is_deterministic() -> None:
     from kvscope.engine.llm import LLM
 
     int8 = LLM("smollm2-135m", dtype="bfloat16", quantization="int8", kv_cache_memory=64 << 20)
-    model = int8.engine.model
-    assert model.load_report.quantization.quantized == 121  # 4 x 30 (fused) projections + the LM head
+    model, model_report = int8.engine.model, int8.engine.load_report
+    assert model_report.quantization.quantized == 121  # 4 x 30 (fused) projections + the LM head
     assert isinstance(model.logits_kernel, CompactLinearKernel) and model.logits_kernel.fmt == "int8"
-    assert (model.load_report.dtype, model.model.embed_tokens.weight.dtype) == (
+    assert (model_report.dtype, model.model.embed_tokens.weight.dtype) == (
         torch.bfloat16,
         torch.bfloat16,
     )

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kvscope.common.models.cache import cache_root
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend, paged_decode_applies
-from kvscope.engine.models.loader import load_cpu_kernels
+from kvscope.engine.platform.cpu import load_cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)

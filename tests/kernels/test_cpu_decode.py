@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvscope.common.models.cache import cache_root
-from kvscope.engine.models.loader import CPU_KERNELS_DIR
+from kvscope.engine.platform.cpu import CPU_KERNELS_DIR
 from kvscope.kernels import cpu_decode
 from kvscope.kernels.cpu_decode import PAIR, PairBlocks, build, library_path, load
 

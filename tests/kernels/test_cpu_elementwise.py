@@ -17,7 +17,7 @@ from kvscope.common.models.cache import cache_root
 from kvscope.engine.llm import LLM
 from kvscope.engine.models.layers import RMSNorm, apply_rope, rope_tables
 from kvscope.engine.models.llama import MLP, Attention
-from kvscope.engine.models.loader import load_cpu_kernels
+from kvscope.engine.platform.cpu import load_cpu_kernels
 from kvscope.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.vnni

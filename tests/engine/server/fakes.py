@@ -22,9 +22,14 @@ from kvscope.engine.errors import EngineDeadError
 from kvscope.engine.input_processor import EngineRequest, InputProcessor
 from kvscope.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.backend import StructuredOutputManager
 from kvscope.engine.structured.batch import ERROR_PREFIX
 
 EOS = 0
+
+
+def _no_tokenizer_json() -> str:
+    raise RuntimeError("the fake engine has no tokenizer JSON (a test compiling grammars sets .structured)")
 
 
 class FakeTokenizer:
@@ -111,13 +116,24 @@ class FakeEngine:
     """Speculative decoding settings the server reads (EngineClient.speculative)."""
     """(proposed, accepted) of the speculative drafts each choice verifies (RequestStats.on_spec_verify)."""
 
+    gpu_share: float | None = None
+    """What ``gpu_memory_utilization()`` answers (EngineClient.gpu_memory_utilization)."""
+
     def __post_init__(self) -> None:
         self.tokenizer = FakeTokenizer()
         self.core = FakeCore(self.info)
         self.device = "cpu"
+        self.structured = StructuredOutputManager(_no_tokenizer_json, FakeTokenizer.vocab_size, EOS)
+        """EngineClient.structured: the grammar compiler (no grammar compiles without a tokenizer JSON)."""
         self.is_running = False
         self.listener = None
         self._failures: dict[str, str] = {}
+
+    def gpu_memory_utilization(self) -> float | None:
+        return self.gpu_share
+
+    def warm_up_prefill(self) -> int:
+        return 0
 
     def start(self) -> None:
         self.is_running = True

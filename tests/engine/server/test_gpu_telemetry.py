@@ -206,7 +206,7 @@ def test_the_server_samples_the_gpu_on_its_clock(gpu: FakeGpu, monkeypatch: pyte
     monkeypatch.setattr(app_module, "host_memory_bytes", lambda: 1)  # not asked on CUDA
     engine = FakeEngine()
     engine.device = "cuda:0"
-    engine.core.config = SimpleNamespace(cache=SimpleNamespace(gpu_memory_utilization=0.9))
+    engine.gpu_share = 0.9
     settings = ServerSettings(gpu_telemetry_interval_s=0.05)
     with TestClient(create_app(settings, engine=engine, registry=CollectorRegistry())) as client:
         first = metric_samples(client.get("/metrics").text)
