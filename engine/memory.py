@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvscope.engine.config import CacheConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements: elements (the product of its shape) × element size. From the shape, so
+    it also holds for opaque oneDNN tensors, which have no storage to ask."""
+    return math.prod(t.shape) * t.element_size()
 
 
 def cpu_kv_budget(cache: CacheConfig, weights_bytes: int) -> int:

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvscope.common.weight_formats import VERIFIABLE_FORMATS, WEIGHT_FORMATS, format_flags
+
 DTYPES = ("float32", "bfloat16", "auto")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
+REFERENCE = "float32"
 NAMED_FORMATS: dict[str, tuple[str, str]] = {
-    "float32": ("float32", "none"),
-    "bfloat16": ("bfloat16", "none"),
-    "int8": ("float32", "int8"),
-    "int4": ("float32", "int4"),
-    "gguf": ("float32", "gguf"),
+    **{name: format_flags(name, REFERENCE) for name in WEIGHT_FORMATS},
     "auto": ("auto", "auto"),
 }
-"""Format name → (``--dtype``, ``--quantization``) as the engine takes them; ``auto`` is what ``kvscope
-serve`` and ``kvscope engine`` load by default (the fastest verified format by the start-up probe,
-engine/models/format_choice.py). ``DTYPE/QUANTIZATION`` (e.g. ``bfloat16/gguf``, ``auto/none``) names any
-other pair."""
+"""Format name → (``--dtype``, ``--quantization``) as the engine takes them: the engine's weight formats
+(``kvscope.common.weight_formats``), compact ones with float32 activations (the reference, so a bound
+measures the weights' quantization alone); ``auto`` is what ``kvscope serve`` and ``kvscope engine`` load by
+default (the fastest verified format by the start-up probe, engine/models/format_choice.py).
+``DTYPE/QUANTIZATION`` (e.g. ``bfloat16/gguf``, ``auto/none``) names any other pair."""
 DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "gguf", "auto")
-REFERENCE = "float32"
 
 BOUND_PCT = {"bfloat16": 1.0, "int8": 1.0, "int4": 0.5, "gguf": 0.5, "float32": 0.0}
 """Largest perplexity increase over float32 (percent) each part of a format may add: bfloat16 and int8
@@ -52,7 +51,7 @@ class FormatSpec:
     def verified_name(self) -> str | None:
         """The name ``kvscope.common.models.registry.ModelSpec.verified_formats`` uses for it (float32,
         bfloat16, int8, gguf), or None for another pair."""
-        return self.name if self.name in ("float32", "bfloat16", "int8", "gguf") else None
+        return self.name if self.name in VERIFIABLE_FORMATS else None
 
 
 def parse_format(text: str) -> FormatSpec:

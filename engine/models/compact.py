@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvscope.engine.memory import tensor_nbytes
 from kvscope.engine.models.gguf import cached_gguf_int4_blocks
 from kvscope.engine.models.kernel_probe import NO_DENSE, KernelChoice
 from kvscope.engine.models.layers import CpuLinearKernel, Linear, packed_linear_kernel
@@ -194,19 +195,8 @@ def model_weight_bytes(model: nn.Module) -> int:
         if key in seen and tensor.layout == torch.strided and tensor.numel():
             continue
         seen.add(key)
-        total += (
-            tensor.numel() * tensor.element_size()
-            if tensor.layout == torch.strided
-            else _opaque_nbytes(tensor)
-        )
+        total += tensor_nbytes(tensor)
     return total
-
-
-def _opaque_nbytes(tensor: torch.Tensor) -> int:
-    n = 1
-    for d in tensor.shape:
-        n *= d
-    return n * tensor.element_size()
 
 
 def _weight_tensors(model: nn.Module) -> Iterator[torch.Tensor]:

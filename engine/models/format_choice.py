@@ -36,20 +36,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
+from kvscope.common.weight_formats import VERIFIABLE_FORMATS, format_flags
 from kvscope.engine.models.kernel_probe import KernelChoice
 
-FORMATS = MappingProxyType(
-    {
-        "float32": ("float32", "none"),
-        "bfloat16": ("bfloat16", "none"),
-        "int8": ("auto", "int8"),
-        "gguf": ("auto", "gguf"),
-    }
-)
-"""Weight-format name → (``--dtype``, ``--quantization``) it runs as. Compact formats run with ``--dtype
-auto`` (the probe's dense dtype for activations, the LM head and the dense copy used for batched rows)."""
+FORMATS = VERIFIABLE_FORMATS
+"""The candidates, highest precision first; each runs with the flags of
+``kvscope.common.weight_formats.format_flags``, compact formats (int8, gguf) in the probe's dense dtype (for
+activations, the LM head and the dense copy used for batched rows: ``--dtype auto``)."""
 _KERNEL = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "gguf": "int4"}
 
 
@@ -138,9 +132,7 @@ def choose_format(
         )
     else:
         reason = f"fastest verified format by {probe}"
-    dtype, quantization = FORMATS[best]
-    if dtype == "auto":
-        dtype = str(choice.dense_dtype).removeprefix("torch.")
+    dtype, quantization = format_flags(best, str(choice.dense_dtype).removeprefix("torch."))
     reason += f"; verified: {', '.join(verified)}{f' ({source})' if source else ''}"
     return FormatChoice(best, dtype, quantization, reason, scores)
 

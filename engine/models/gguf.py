@@ -23,6 +23,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from kvscope.common.gguf_fields import gguf_field, gguf_scalar
 from kvscope.engine.models.quant import GGUF_INT4_TYPES, Int4Blocks, int4_blocks_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,6 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_MISSING = object()
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -71,39 +71,21 @@ def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata has no {key!r}")
-        return default
-    return field.contents()
-
-
-def _uniform(value: Any, key: str) -> int:
-    """Per-layer metadata arrays (e.g. head_count_kv) must be uniform here."""
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise ValueError(f"per-layer {key} {value} is not supported")
-        return int(value[0])
-    return int(value)
-
-
 def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     """HF config dict (LlamaConfig-style fields) from GGUF metadata. Raises ValueError for other archs."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
         )
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
+    if arch == "llama" and "mistral" in str(gguf_field(reader, "general.name", "")).lower():
         hf_arch, model_type = GGUF_ARCHITECTURES["mistral"]
-    heads = _uniform(_field(reader, f"{arch}.attention.head_count"), "head_count")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(gguf_scalar(reader, f"{arch}.attention.head_count"))
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
     head_dim = (
-        _field(reader, f"{arch}.attention.key_length", None)
-        or _field(reader, f"{arch}.rope.dimension_count", None)
+        gguf_field(reader, f"{arch}.attention.key_length", None)
+        or gguf_field(reader, f"{arch}.rope.dimension_count", None)
         or hidden // heads
     )
     tensor_names = {t.name for t in reader.tensors}
@@ -111,20 +93,18 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": int(
-            _field(reader, f"{arch}.vocab_size", None) or len(reader.fields["tokenizer.ggml.tokens"].data)
+            gguf_field(reader, f"{arch}.vocab_size", None) or len(reader.fields["tokenizer.ggml.tokens"].data)
         ),
         "hidden_size": hidden,
-        "intermediate_size": _uniform(_field(reader, f"{arch}.feed_forward_length"), "feed_forward_length"),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(gguf_scalar(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(gguf_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": _uniform(
-            _field(reader, f"{arch}.attention.head_count_kv", heads), "head_count_kv"
-        ),
+        "num_key_value_heads": int(gguf_scalar(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(head_dim),
         "hidden_act": "silu",
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
+        "rms_norm_eps": float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(gguf_field(reader, f"{arch}.context_length")),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": False,
         "torch_dtype": "float32",
@@ -138,7 +118,7 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
     """Linear RoPE scaling carries over; llama3 (``rope_freqs``) and yarn raise ValueError."""
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF with rope_freqs (llama3 rope scaling) is not supported; load the HF folder")
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return {}
     if kind != "linear":
@@ -146,20 +126,20 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
     return {
         "rope_scaling": {
             "rope_type": "linear",
-            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+            "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor")),
         }
     }
 
 
 def _special_tokens(reader: GGUFReader) -> dict[str, int]:
     names = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
-    found = {key: _field(reader, f"tokenizer.ggml.{name}_token_id", None) for key, name in names.items()}
+    found = {key: gguf_field(reader, f"tokenizer.ggml.{name}_token_id", None) for key, name in names.items()}
     return {key: int(value) for key, value in found.items() if value is not None}
 
 
 def gguf_state_dict(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to float32 [out, in] under its HF name (q/k un-permuted for ``llama``)."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -194,7 +174,7 @@ def convert_gguf_to_hf(gguf_path: Path | str, out_dir: Path | str, *, tokenizer:
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(config))
         if tokenizer:
-            _write_tokenizer(gguf_path, tmp, _field(reader, "tokenizer.chat_template", None))
+            _write_tokenizer(gguf_path, tmp, gguf_field(reader, "tokenizer.chat_template", None))
         del reader
         _replace_dir(tmp, out_dir)
     finally:
@@ -241,7 +221,7 @@ def gguf_int4_blocks(gguf_path: Path | str) -> dict[str, Int4Blocks]:
     other types are not included."""
     reader = GGUFReader(gguf_path)
     config = gguf_hf_config(reader)
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     heads = {
         ".self_attn.q_proj.": config["num_attention_heads"],
         ".self_attn.k_proj.": config["num_key_value_heads"],

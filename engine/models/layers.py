@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvscope.engine.memory import tensor_nbytes
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed weight layout for (decode batches of 2…64 all gain, see CpuLinearKernel)."""
@@ -88,12 +90,7 @@ class CpuLinearKernel:
     @property
     def nbytes(self) -> int:
         """Bytes held: the packed copy, the column-major copy (it replaces the parameter) and the bias."""
-        return sum(_nbytes(t) for t in (self.column_major, self.packed, self.bias) if t is not None)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (also for opaque oneDNN tensors, which have no storage to ask)."""
-    return math.prod(t.shape) * t.element_size()
+        return sum(tensor_nbytes(t) for t in (self.column_major, self.packed, self.bias) if t is not None)
 
 
 def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> CpuLinearKernel | None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from kvscope.engine.memory import tensor_nbytes
 from kvscope.kernels.cpu_decode import PairBlocks, TileBlocks
 
 INT4_GROUP = 32
@@ -151,7 +152,7 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.scales_and_zeros)
+        return tensor_nbytes(self.packed) + tensor_nbytes(self.scales_and_zeros)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,7 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.weight) + _nbytes(self.scales)
+        return tensor_nbytes(self.weight) + tensor_nbytes(self.scales)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,9 +253,4 @@ class CompactLinearKernel:
         """Bytes held: compact weights, bias, the dense copy and the AMX copy."""
         dense = getattr(self.dense, "nbytes", 0) if self.dense is not None else 0
         batched = 0 if self.batched is None else self.batched.nbytes
-        return self.compact.nbytes + (0 if self.bias is None else _nbytes(self.bias)) + dense + batched
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (also for opaque oneDNN tensors, which have no storage to ask)."""
-    return int(np.prod(t.shape, dtype=np.int64)) * t.element_size()
+        return self.compact.nbytes + (0 if self.bias is None else tensor_nbytes(self.bias)) + dense + batched

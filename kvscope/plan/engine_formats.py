@@ -27,19 +27,13 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from kvscope.common.weight_formats import WEIGHT_FORMATS, format_flags
 from kvscope.plan import formulas as f
 from kvscope.plan.shape import ModelShape
 
-ENGINE_FORMATS = MappingProxyType(
-    {
-        "float32": ("float32", "none"),
-        "bfloat16": ("bfloat16", "none"),
-        "int8": (None, "int8"),
-        "int4": (None, "int4"),
-        "gguf": (None, "gguf"),
-    }
-)
-"""``--weights-format`` → (``--dtype`` it pins, None = the ``--dtype`` asked for; ``--quantization``)."""
+ENGINE_FORMATS = WEIGHT_FORMATS
+"""``--weights-format`` → (``--dtype`` it pins, None = the ``--dtype`` asked for; ``--quantization``): the
+engine's own table, ``kvscope.common.weight_formats``."""
 INT4_BYTES = 20 / 32
 """int4 groups of 32: 16 B of codes + a bfloat16 scale and zero (the GGUF Q4_1 block size)."""
 SCALE_BYTES = 2
@@ -53,7 +47,7 @@ Q4_1 is the engine's int4 byte for byte; Q8_0 (34 B / 32) stands in for int8 (1 
 
 def format_dtype(weights_format: str, dtype: str) -> str:
     """The dense dtype the engine runs ``weights_format`` in: its own for float32/bfloat16, else ``dtype``."""
-    return ENGINE_FORMATS[weights_format][0] or dtype
+    return format_flags(weights_format, dtype)[0]
 
 
 def linear_rows(shape: ModelShape) -> int:

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvscope.common.gguf_fields import gguf_scalar
 from kvscope.plan.shape import ModelShape
-
-_MISSING = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,20 +25,6 @@ class GgufWeights:
     """The whole file: header (metadata, tokenizer vocabulary) + tensor data."""
     params_by_type: dict[str, int]
     """GGML type name (Q4_1, Q8_0, F32 …) → parameters stored in it."""
-
-
-def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata has no {key!r}")
-        return default
-    value = field.contents()
-    if isinstance(value, list):  # per-layer arrays (head_count_kv …): the planner needs them uniform
-        if len(set(value)) != 1:
-            raise ValueError(f"per-layer {key} {value} is not supported")
-        return value[0]
-    return value
 
 
 def _reader(path: Path) -> Any:
@@ -61,23 +46,25 @@ def read_gguf(path: Path, name: str = "") -> tuple[ModelShape, GgufWeights]:
 
 
 def _shape(reader: Any, path: Path, name: str) -> ModelShape:
-    arch = _field(reader, "general.architecture")
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    arch = gguf_scalar(reader, "general.architecture")
+    heads = int(gguf_scalar(reader, f"{arch}.attention.head_count"))
+    hidden = int(gguf_scalar(reader, f"{arch}.embedding_length"))
     tensors = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size", None) or len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = _field(reader, f"{arch}.attention.key_length", None) or hidden // heads
+    vocab = gguf_scalar(reader, f"{arch}.vocab_size", None) or len(
+        reader.fields["tokenizer.ggml.tokens"].data
+    )
+    head_dim = gguf_scalar(reader, f"{arch}.attention.key_length", None) or hidden // heads
     return ModelShape(
         name=name or path.stem,
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=int(gguf_scalar(reader, f"{arch}.block_count")),
         hidden_size=hidden,
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=int(gguf_scalar(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(head_dim),
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=int(gguf_scalar(reader, f"{arch}.feed_forward_length")),
         vocab_size=int(vocab),
         tie_word_embeddings="output.weight" not in tensors,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        max_position_embeddings=int(gguf_scalar(reader, f"{arch}.context_length")),
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         source=str(path),
