@@ -58,8 +58,8 @@ def run_burst(llm: LLM, budget: int, threshold: int, clients: int, num_prompts: 
     tpot = [(done[r] - first[r]) / max(1, output_len - 1) for r in arrive]
     return (
         f"budget={budget} threshold={threshold}: TTFT p50 {quantile(ttft, 0.5) * 1e3:.0f} ms, p99 "
-        f"{quantile(ttft, 0.99) * 1e3:.0f} ms; TPOT p50 {quantile(tpot, 0.5) * 1e3:.1f} ms; {clock:.1f} CPU s, "
-        f"{steps} steps"
+        f"{quantile(ttft, 0.99) * 1e3:.0f} ms; TPOT p50 {quantile(tpot, 0.5) * 1e3:.1f} ms; {clock:.1f} CPU "
+        f"s, {steps} steps"
     )
 
 
@@ -85,7 +85,8 @@ def main() -> None:
         budget, threshold = (int(v) for v in spec.split(":"))
         line = run_burst(llm, budget, threshold, args.clients, args.num_prompts, args.output_len)
         print(
-            f"{args.dtype}/{args.quantization} c={args.clients} n={args.num_prompts} out={args.output_len} {line}",
+            f"{args.dtype}/{args.quantization} c={args.clients} n={args.num_prompts} out={args.output_len} "
+            f"{line}",
             flush=True,
         )
 

@@ -109,7 +109,8 @@ def main() -> None:
         raise SystemExit(f"kvscope CPU kernels unavailable: {result.detail}")
     dtype = getattr(torch, args.dtype)
     print(
-        f"{args.dtype}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; min / median ms per call"
+        f"{args.dtype}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; min / median ms "
+        "per call"
     )
     print("| batch | context | paged op | SDPA (gathered) | gather + SDPA | max abs diff |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -57,9 +57,9 @@ def main() -> None:
     context = args.input_len + max_tokens // 2
     cells = {k: f"median {1e3 * statistics.median(v):.1f} min {1e3 * min(v):.1f}" for k, v in times.items()}
     print(
-        f"batch {args.batch}, {args.threads} thread(s), contexts {args.input_len}-{args.input_len + max_tokens}"
-        f" (~{context}): SDPA {cells[False]} | paged op {cells[True]} ms wall per decode step; load "
-        f"{os.getloadavg()[0]:.2f}"
+        f"batch {args.batch}, {args.threads} thread(s), contexts "
+        f"{args.input_len}-{args.input_len + max_tokens} (~{context}): SDPA {cells[False]} | paged op "
+        f"{cells[True]} ms wall per decode step; load {os.getloadavg()[0]:.2f}"
     )
 
 

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one(args.one, args.model)))
         return 0
     print(
-        "| format | dtype / quantization | weights | KV cache | RSS after start | peak RSS | RSS before load |"
+        "| format | dtype / quantization | weights | KV cache | RSS after start | peak RSS | RSS before load "
+        "|"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in FORMATS:
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         r = json.loads(out.strip().splitlines()[-1])
         mib = {k: f"{r[k] / (1 << 20):.0f} MiB" for k in r if k.endswith("_bytes")}
         print(
-            f"| {name} | {r['dtype']} / {r['quantization']} | {mib['weights_bytes']} ({r['weights_bytes']:,} B) | "
-            f"{mib['kv_cache_bytes']} | {mib['rss_bytes']} | {mib['peak_rss_bytes']} | "
+            f"| {name} | {r['dtype']} / {r['quantization']} | {mib['weights_bytes']} ({r['weights_bytes']:,} "
+            f"B) | {mib['kv_cache_bytes']} | {mib['rss_bytes']} | {mib['peak_rss_bytes']} | "
             f"{mib['rss_before_load_bytes']} |"
         )
     return 0

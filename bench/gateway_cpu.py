@@ -115,8 +115,8 @@ def main() -> None:
             received = asyncio.run(load(url, args.concurrency, args.tokens))
             wall, used = time.perf_counter() - start, cpu_seconds(gateway.popen.pid) - before
             print(
-                f"concurrency {args.concurrency}: {received} tokens in {wall:.2f} s, gateway CPU {used:.2f} s, "
-                f"{used / max(1, received) * 1e6:.0f} us per token",
+                f"concurrency {args.concurrency}: {received} tokens in {wall:.2f} s, gateway CPU {used:.2f} "
+                f"s, {used / max(1, received) * 1e6:.0f} us per token",
                 flush=True,
             )
         if spy is not None:

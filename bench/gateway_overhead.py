@@ -152,8 +152,8 @@ def main() -> None:
         errors = sum(r[k]["errors"] for k in ("direct", "gateway", "direct2"))
         print(
             f"{r['mode']:<14}{r['concurrency']:>5}  {d['p50_ms']:>8.2f} / {d['p99_ms']:<8.2f}  "
-            f"{g['p50_ms']:>8.2f} / {g['p99_ms']:<8.2f}  {r['added_p50_ms']:>7.2f} / {r['added_p99_ms']:<7.2f}  "
-            f"{r['self_overhead_mean_ms']:>7.3f}  {errors}"
+            f"{g['p50_ms']:>8.2f} / {g['p99_ms']:<8.2f}  {r['added_p50_ms']:>7.2f} / "
+            f"{r['added_p99_ms']:<7.2f}  {r['self_overhead_mean_ms']:>7.3f}  {errors}"
         )
     print(
         "direct: best of two runs bracketing the gateway run; self: mean kvscope_gateway_overhead_seconds "

@@ -98,13 +98,14 @@ def main() -> int:
             "peak_fp32_gflops": statistics.median(x["bound_before"][c]["peak_fp32"] for x in rounds) / 1e9,
         }
     print(
-        f"{platform.processor() or platform.machine()}, {threads} torch threads, fp32, prompt {args.input_len}, "
-        f"{args.steps} decode steps, {args.rounds} rounds"
+        f"{platform.processor() or platform.machine()}, {threads} torch threads, fp32, prompt "
+        f"{args.input_len}, {args.steps} decode steps, {args.rounds} rounds"
     )
     for c, s in summary.items():
         print(
-            f"concurrency {c:3d}: measured {s['measured_ms_per_step']:7.1f} ms/step, bound {s['bound_ms_per_step']:6.1f} "
-            f"ms ({s['bound_kind']}), bound/measured {s['bound_over_measured']:.2f}; probe {s['bandwidth_gb_s']:.1f} GB/s, "
+            f"concurrency {c:3d}: measured {s['measured_ms_per_step']:7.1f} ms/step, bound "
+            f"{s['bound_ms_per_step']:6.1f} ms ({s['bound_kind']}), bound/measured "
+            f"{s['bound_over_measured']:.2f}; probe {s['bandwidth_gb_s']:.1f} GB/s, "
             f"{s['peak_fp32_gflops']:.0f} GFLOP/s fp32"
         )
     if args.out:

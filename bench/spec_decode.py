@@ -253,8 +253,8 @@ def machine() -> dict[str, object]:
 def table(best: dict[tuple[str, int, bool], Run]) -> str:
     """Markdown: one row per workload and concurrency, speculation off vs on."""
     rows = [
-        "| workload | c | off tok/s | on tok/s | speedup | decode tok/s per stream off → on | decode speedup | "
-        "acceptance rate | mean acceptance length | drafts | same tokens |",
+        "| workload | c | off tok/s | on tok/s | speedup | decode tok/s per stream off → on | decode speedup "
+        "| acceptance rate | mean acceptance length | drafts | same tokens |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for (workload, c, spec), on in best.items():

@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(
-            f"{row['system']} c={concurrency}: {row['output_throughput']:.1f} out tok/s, TTFT {row['ttft_ms']:.1f} ms, "
-            f"TPOT {row['tpot_ms']:.2f} ms",
+            f"{row['system']} c={concurrency}: {row['output_throughput']:.1f} out tok/s, TTFT "
+            f"{row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms",
             flush=True,
         )
     if args.save_result:

@@ -121,8 +121,8 @@ def _slo_tiles(q: PromQL) -> list[Json]:
         ),
         stat(
             "Availability",
-            f"Share of generation requests that succeeded over the dashboard range: no 5xx and no "
-            f"stream broken after its 200 (the error-budget alerts' ratio). Objective {AVAILABILITY_SLO:.1%}.",
+            "Share of generation requests that succeeded over the dashboard range: no 5xx and no stream "
+            f"broken after its 200 (the error-budget alerts' ratio). Objective {AVAILABILITY_SLO:.1%}.",
             [
                 Target(
                     f"1 - {q.ratio(failed, q.sum_rate(req, generation, window='$__range'))}", "availability"

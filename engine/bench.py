@@ -238,7 +238,8 @@ def _threads() -> str:
 
 
 def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
-    llm.engine.warm_up_prefill()  # the served engine's warm-up (engine/server/app.py): prefill shapes, a generation
+    # the served engine's warm-up (engine/server/app.py): prefill shapes, a generation
+    llm.engine.warm_up_prefill()
     llm.generate([[1000] * 8], SamplingParams(temperature=0.0, max_tokens=2))
     results = []
     for concurrency in args.concurrency:
@@ -246,8 +247,8 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
         results.append(bench_steps(llm, prompts, args.steps))
         print(
             f"kvscope {args.dtype}/{args.quantization}, {_threads()}, concurrency {concurrency:3d}: decode "
-            f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x {args.input_len} "
-            f"tokens) {results[-1].prefill_ms:8.1f} ms",
+            f"{results[-1].decode_ms_per_step:7.1f} ms/step; first step (prefill of {concurrency} x "
+            f"{args.input_len} tokens) {results[-1].prefill_ms:8.1f} ms",
             flush=True,
         )
     saved = [asdict(r) | _setup(args) for r in results]
@@ -269,8 +270,8 @@ def _run_step_bench(llm: LLM, args: argparse.Namespace) -> int:
 def _print(result: BenchResult) -> None:
     ttft = "" if result.ttft_s is None else f", median TTFT {result.ttft_s * 1000:.0f} ms"
     print(
-        f"{result.system:40s} concurrency {result.concurrency:3d}: {result.output_tokens_per_s:8.1f} output tok/s "
-        f"({result.output_tokens} tokens in {result.seconds:.2f} s{ttft})",
+        f"{result.system:40s} concurrency {result.concurrency:3d}: {result.output_tokens_per_s:8.1f} output "
+        f"tok/s ({result.output_tokens} tokens in {result.seconds:.2f} s{ttft})",
         flush=True,
     )
 
@@ -281,8 +282,8 @@ def _print_table(results: list[BenchResult], args: argparse.Namespace) -> None:
 
     table = Table(
         title=f"Offline output tokens/s — {args.input_len} prompt / {args.output_len} output tokens, "
-        f"greedy, {args.dtype}, quantization {args.quantization}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads"
+        f"greedy, {args.dtype}, quantization {args.quantization}, "
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     )
     table.add_column("system")
     for concurrency in args.concurrency:

@@ -71,7 +71,8 @@ def check_head_dim(head_dim: int) -> None:
     """head_dim must be a power of two in [16, 256] (tl.arange and tl.dot tile sizes). Raises ValueError."""
     if head_dim < MIN_HEAD_DIM or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
         raise ValueError(
-            f"head_dim must be a power of two in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (e.g. 64 or 128), got {head_dim}"
+            f"head_dim must be a power of two in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (e.g. 64 or 128), got "
+            f"{head_dim}"
         )
 
 

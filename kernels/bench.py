@@ -227,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-path", default="", help="folder for perf_report CSV/PNG (needs pandas)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kvscope.kernels.bench measures CUDA kernels, and torch sees no CUDA device here; nothing to run.",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "kvscope.kernels.bench measures CUDA kernels, and torch sees no CUDA device here; "
+            "nothing to run.",
+            file=sys.stderr,
+        )
         return 2
     suite = Suite(torch.device("cuda"), args.quick)
     marks = suite.benchmarks()

@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 # by design (tests/conftest.py), so the inner conftest puts it there itself.
 CONFTEST = (
     f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
-    "from tests.conftest import pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary\n"
+    "from tests.conftest import pytest_collection_modifyitems, pytest_sessionfinish, "
+    "pytest_terminal_summary\n"
 )
 INI = "[pytest]\nasyncio_default_fixture_loop_scope = function\nmarkers =\n    gpu: needs a CUDA device\n"
 ALLOWED = """

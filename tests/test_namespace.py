@@ -53,7 +53,10 @@ def test_top_level_kernels_is_not_ours_in_a_safe_path_process_at_the_root() -> N
 
 
 def test_no_layer_is_importable_by_its_bare_name_outside_the_root(tmp_path: Path) -> None:
-    code = f"import importlib.util, json; print(json.dumps([n for n in {LAYERS!r} if importlib.util.find_spec(n)]))"
+    code = (
+        "import importlib.util, json; "
+        f"print(json.dumps([n for n in {LAYERS!r} if importlib.util.find_spec(n)]))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )

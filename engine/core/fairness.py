@@ -213,7 +213,8 @@ def claims(queue: WaitingQueue, shares: FairShares) -> tuple[int, set[str]]:
 
 
 class _Candidate(NamedTuple):
-    """A heap entry of :class:`AdmissionOrder`: compared as a tuple, fewest running first, then queue order."""
+    """A heap entry of :class:`AdmissionOrder`: compared as a tuple, fewest running first, then queue
+    order."""
 
     running: int
     """Sequences the tenant (group) runs."""

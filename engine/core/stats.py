@@ -40,8 +40,8 @@ class SchedulerStats:
 
 @dataclass(frozen=True, slots=True)
 class PhaseAttribution:
-    """One phase's latency attribution: the :class:`KvscopeStats` fields ``prefill_*`` (before the first token)
-    or ``decode_*`` (after it) without their prefix (meanings and units documented there; None: not
+    """One phase's latency attribution: the :class:`KvscopeStats` fields ``prefill_*`` (before the first
+    token) or ``decode_*`` (after it) without their prefix (meanings and units documented there; None: not
     reached). Built by engine/core/attribution.py; read back with :attr:`KvscopeStats.prefill_phase` and
     :attr:`KvscopeStats.decode_phase`."""
 
@@ -246,8 +246,10 @@ def _mean(values: list[float]) -> float:
 
 _REDUCE: dict[str, Callable[[list[Any]], Any]] = {
     "queue_s": min, "ttft_s": min, "prefill_s": min, "decode_s": max, "batch_size_max": max,
-    "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean, "batch_size_mean": _mean,
-    "spec_drafts": sum, "spec_draft_tokens": sum, "spec_accepted_tokens": sum, "spec_mean_accepted_length": max,
+    "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean,
+    "batch_size_mean": _mean,
+    "spec_drafts": sum, "spec_draft_tokens": sum, "spec_accepted_tokens": sum,
+    "spec_mean_accepted_length": max,
 }  # fmt: skip
 """How the timing and speculation fields merge over choices (the mean acceptance length is then recomputed
 from the sums); every other field (the attribution) comes from one choice."""

@@ -25,9 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvscope eval ppl",
         description=(
-            "Perplexity (sliding windows, Hugging Face's strided method) of the shipped English text and greedy "
-            "agreement (8 prompts x 64 tokens) of each weight format against float32 of the same model, through the "
-            "engine's own forward. Exit 0 when every format meets its bound, 1 when one does not, 2 on bad arguments."
+            "Perplexity (sliding windows, Hugging Face's strided method) of the shipped English text and "
+            "greedy agreement (8 prompts x 64 tokens) of each weight format against float32 of the same "
+            "model, through the engine's own forward. Exit 0 when every format meets its bound, 1 when one "
+            "does not, 2 on bad arguments."
         ),
     )
     parser.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF folder")

@@ -31,9 +31,9 @@ def decode_path_nll(
 ) -> list[float]:
     """NLL (nats) of ``tokens[i + 1]`` after decode steps over ``tokens[: i + 1]``, for i = 0 … n − 2.
 
-    ``model``: a loaded CPU model (``kvscope.engine.platform.cpu.prepare_for_cpu`` done); ``dtype``: its KV-cache dtype; ``fused``: the
-    fused decode step to use (None: the eager decoder with the torch attention backend). Raises ValueError for
-    fewer than 2 tokens."""
+    ``model``: a loaded CPU model (``kvscope.engine.platform.cpu.prepare_for_cpu`` done); ``dtype``: its
+    KV-cache dtype; ``fused``: the fused decode step to use (None: the eager decoder with the torch attention
+    backend). Raises ValueError for fewer than 2 tokens."""
     if len(tokens) < 2:
         raise ValueError("need at least 2 tokens to score")
     c = model.config

@@ -228,7 +228,8 @@ def _amx_kernel(blocks: Int4Blocks) -> Callable[[torch.Tensor], torch.Tensor] | 
     pairs = int4_weight(blocks, pair_layout=True)
     assert isinstance(pairs, cpu_decode.PairBlocks)
     tiles = cpu_decode.TileBlocks.from_pair_blocks(pairs)
-    try:  # the kernel asks Linux for the AMX tile state on its first call: a kernel that refuses it → not used
+    # the kernel asks Linux for the AMX tile state on its first call: a kernel that refuses it → not used
+    try:
         tiles.matmul(torch.zeros(1, in_features, dtype=torch.bfloat16))
     except RuntimeError as exc:
         logger.warning("kvscope's AMX int4 matmul is not used: %s", exc)

@@ -141,5 +141,6 @@ def _serve(settings: ServerSettings, config: Any) -> int:
     try:
         server.run()
     finally:
-        engine.stop()  # already stopped by the drain unless the server never started (e.g. the port was taken)
+        # already stopped by the drain unless the server never started (e.g. the port was taken)
+        engine.stop()
     return 0 if server.started else 1

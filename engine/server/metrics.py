@@ -90,8 +90,8 @@ class MetricBuckets:
     """Histogram bucket upper bounds (``+Inf`` is added by prometheus_client). Raises ValueError when a tuple
     is empty, not positive or not strictly increasing."""
 
-    ttft_s: Annotated[tuple[float, ...], Flag("comma-separated TTFT histogram bounds (s)", name="--ttft-buckets",
-                                              parse=parse_buckets)] = (
+    ttft_s: Annotated[tuple[float, ...], Flag("comma-separated TTFT histogram bounds (s)",
+                                              name="--ttft-buckets", parse=parse_buckets)] = (
         0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 1200.0, 1800.0,
     )  # fmt: skip
@@ -102,8 +102,8 @@ class MetricBuckets:
         0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
     )  # fmt: skip
     """Time per output token and inter-token latency (seconds)."""
-    duration_s: Annotated[tuple[float, ...], Flag("e2e/queue/prefill/decode bounds (s)", name="--duration-buckets",
-                                                  parse=parse_buckets)] = (
+    duration_s: Annotated[tuple[float, ...], Flag("e2e/queue/prefill/decode bounds (s)",
+                                                  name="--duration-buckets", parse=parse_buckets)] = (
         0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
         120.0, 240.0, 480.0, 600.0, 900.0, 1200.0, 1800.0, 3600.0,
     )  # fmt: skip
@@ -173,7 +173,8 @@ class EngineMetrics:
         )
         self.kv_cache_blocks = Gauge(
             "kvscope_engine_kv_cache_blocks",
-            "KV-cache blocks by state: used (held by requests), cached (free, reusable prefix), free (empty).",
+            "KV-cache blocks by state: used (held by requests), cached (free, reusable prefix), free "
+            "(empty).",
             ["model", "state"],
             registry=r,
         )
@@ -236,8 +237,8 @@ class EngineMetrics:
         self.decode_time = hist("decode_time", "First token to last token (decode).", b.duration_s)
         self.latency_cause = Counter(
             "kvscope_engine_latency_cause_seconds",
-            "Seconds of finished requests' TTFT (queue + prefill) and "
-            'decode by cause, from the scheduler\'s step records (docs/logs.md, "Why was this request slow?").',
+            "Seconds of finished requests' TTFT (queue + prefill) and decode by cause, from the "
+            'scheduler\'s step records (docs/logs.md, "Why was this request slow?").',
             ["model", "phase", "cause"],
             registry=r,
         )
@@ -298,9 +299,8 @@ class EngineMetrics:
         )
         self.stream_errors = Counter(
             "kvscope_engine_stream_errors",
-            "Streams that failed after their 200 (an in-band error event, no "
-            "[DONE]; the status stays 200), by reason (STREAM_ERROR_REASONS). Client disconnects and client errors "
-            "are not counted.",
+            "Streams that failed after their 200 (an in-band error event, no [DONE]; the status stays 200), "
+            "by reason (STREAM_ERROR_REASONS). Client disconnects and client errors are not counted.",
             ["model", "reason"],
             registry=r,
         )
@@ -320,15 +320,15 @@ class EngineMetrics:
         )
         self.build_info = Gauge(
             "kvscope_engine_build_info",
-            "Always 1, labelled with the kvscope version and the Python version the "
-            "engine runs (the Prometheus build_info convention: join on it, count versions during a rollout).",
+            "Always 1, labelled with the kvscope version and the Python version the engine runs (the "
+            "Prometheus build_info convention: join on it, count versions during a rollout).",
             ["version", "python"],
             registry=r,
         )
         self.weights_bytes = Gauge(
             "kvscope_engine_weights_bytes",
-            "Bytes of model weights held (compact int4/int8 and dense packed copies), labelled with the weight "
-            "format served: dtype and quantization (--quantization auto resolved).",
+            "Bytes of model weights held (compact int4/int8 and dense packed copies), labelled with the "
+            "weight format served: dtype and quantization (--quantization auto resolved).",
             ["model", "dtype", "quantization"],
             registry=r,
         )

@@ -28,9 +28,10 @@ from kvscope.engine.structured.params import StructuredOutputsParams
 
 HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
-    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
-    "what values to plug into functions. Here are the available tools:\n<tools>\n{tools}\n</tools>\n"
-    "For each function call return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+    "about what values to plug into functions. Here are the available tools:\n<tools>\n{tools}\n</tools>\n"
+    "For each function call return a json object with function name and arguments within "
+    "<tool_call></tool_call> "
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}

@@ -184,8 +184,8 @@ class DuckDBLogs:
         """Per time bucket: ``{"t": datetime, "requests": n, "ttft": [p50, p95, p99], "e2e": [...]}``."""
         q = _percent_list()
         sql = (
-            f"SELECT time_bucket(INTERVAL '{int(bucket_s)} seconds', \"@timestamp\") AS t, count(*) AS requests, "
-            f"quantile_cont({col(LATENCY_FIELDS['ttft'])}, {q}) AS ttft, "
+            f"SELECT time_bucket(INTERVAL '{int(bucket_s)} seconds', \"@timestamp\") AS t, count(*) AS "
+            f"requests, quantile_cont({col(LATENCY_FIELDS['ttft'])}, {q}) AS ttft, "
             f"quantile_cont({col(LATENCY_FIELDS['e2e'])}, {q}) AS e2e FROM requests GROUP BY t ORDER BY t"
         )
         cursor = self.con.execute(sql)

@@ -63,7 +63,8 @@ def warning_lines(metrics: BenchmarkMetrics) -> list[str]:
     if metrics.stream_usage_mismatches:
         warnings.append(
             f"NOTE: {metrics.stream_usage_mismatches} requests: token chunks in the stream ≠ "
-            "usage.completion_tokens (a chunk carried several tokens, e.g. a multi-byte character; TPOT uses usage)"
+            "usage.completion_tokens (a chunk carried several tokens, e.g. a multi-byte character; TPOT uses "
+            "usage)"
         )
     if metrics.missing_usage:
         warnings.append(

@@ -224,7 +224,8 @@ class Supervisor:
 kvscope is serving {_served_name(o)} at {base}/v1  (metrics: {base}/metrics, request log: {o.log_file})
 
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{_served_name(o)}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+    -d '{{"model": "{_served_name(o)}", "max_tokens": 32,
+         "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
 Press Ctrl-C to stop.
 """,

@@ -75,7 +75,10 @@ def context_length_message(
     requested P + M tokens (P in the messages, M in the completion)" (both OpenAI's wording)."""
     head = f"This model's maximum context length is {max_model_len} tokens. However, "
     if max_tokens is None:
-        return f"{head}your {what} resulted in {num_prompt_tokens} tokens. Please reduce the length of the {what}."
+        return (
+            f"{head}your {what} resulted in {num_prompt_tokens} tokens. "
+            f"Please reduce the length of the {what}."
+        )
     return (
         f"{head}you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, "
         f"{max_tokens} in the completion). Please reduce the length of the {what} or completion."

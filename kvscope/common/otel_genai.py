@@ -173,7 +173,9 @@ class GenAiServerMetrics:
         self.request_duration = meter.create_histogram(
             "gen_ai.server.request.duration",
             unit="s",
-            description="Generative AI server request duration such as time-to-last byte or last output token.",
+            description=(
+                "Generative AI server request duration such as time-to-last byte or last output token."
+            ),
             explicit_bucket_boundaries_advisory=OPERATION_DURATION_BUCKETS,
         )
         self.time_to_first_token = meter.create_histogram(

@@ -80,7 +80,9 @@ def with_log(
             "bound_prompt_tokens": prompt_p99,
             "bound_breaks_at_concurrency": bound_at,
         },
-        "kv_formula": f"ceil((input_tokens + output_tokens) / {req.block_size}) blocks × {block_bytes} B per request "
-        "in flight",
+        "kv_formula": (
+            f"ceil((input_tokens + output_tokens) / {req.block_size}) blocks × {block_bytes} B per request "
+            "in flight"
+        ),
     }
     return replace(result, log=section)

@@ -397,8 +397,10 @@ def _kv_section(req: PlanRequest, shape, max_len: int) -> dict[str, Any]:
         "bytes_per_block": per_token * req.block_size,
         "max_model_len": max_len,
         "bytes_per_sequence": f.kv_bytes_per_sequence(shape, req.kv_dtype, max_len, req.block_size),
-        "formula": f"2 × {shape.num_layers} layers × {shape.num_kv_heads} kv_heads × {shape.head_dim} head_dim"
-        f" × {f.DTYPE_BYTES[req.kv_dtype]:g} B = {per_token} B/token",
+        "formula": (
+            f"2 × {shape.num_layers} layers × {shape.num_kv_heads} kv_heads × {shape.head_dim} head_dim"
+            f" × {f.DTYPE_BYTES[req.kv_dtype]:g} B = {per_token} B/token"
+        ),
     }
 
 

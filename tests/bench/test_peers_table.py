@@ -127,6 +127,6 @@ def test_idle_ttft_line_after_the_ratios(tmp_path, capsys):
     assert load_script().main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[-2:] == [
         "",
-        "Idle TTFT (offline engine, one 128-token prompt, 20 runs, 2 threads, bfloat16/gguf): median 54.3 ms, "
-        "min 52.0 ms",
+        "Idle TTFT (offline engine, one 128-token prompt, 20 runs, 2 threads, bfloat16/gguf): median 54.3 "
+        "ms, min 52.0 ms",
     ]

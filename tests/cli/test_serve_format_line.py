@@ -24,8 +24,8 @@ def test_the_serve_line_names_the_engine_format_and_the_float32_flag() -> None:
     card["kvscope"]["cpu_kernels"] = "kvscope (fused decode up to 2 rows)"
     assert engine_format_line(card) == (
         "engine weight format: dtype bfloat16, quantization gguf, weights 392 MiB, process RSS 1100 MiB "
-        "(fastest verified format), CPU kernels kvscope (fused decode up to 2 rows); exact float32: --engine-args "
-        "'--dtype float32'"
+        "(fastest verified format), CPU kernels kvscope (fused decode up to 2 rows); exact float32: "
+        "--engine-args '--dtype float32'"
     )
     assert (
         engine_format_line({"id": "x"})

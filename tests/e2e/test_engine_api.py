@@ -373,8 +373,10 @@ def test_n3_fan_out_is_capped_and_cannot_stall_a_plain_request(engine, client):
     assert response.status_code == 400, response.text
     assert len(response.request.content) > 6000
     assert response.json()["error"] == {
-        "message": "This request asks for 25600 sequences (400 prompt(s) x n=64); the limit is 256 sequences per "
-        "request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request.",
+        "message": (
+            "This request asks for 25600 sequences (400 prompt(s) x n=64); the limit is 256 sequences per "
+            "request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request."
+        ),
         "type": "invalid_request_error",
         "param": "prompt",
         "code": "invalid_value",

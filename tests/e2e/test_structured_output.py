@@ -192,7 +192,8 @@ def test_regex_and_choice_hold_on_100_samples_each(client):
     ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs", "unclosed character class"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "if": {"type": "string"}}}}}, "response_format", 'Unimplemented keys: ["if"]'),
-    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "Only one structured-output constraint"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice",
+     "Only one structured-output constraint"),
 ])  # fmt: skip
 def test_bad_constraints_are_400_naming_the_field(client, extra, param, fragment):
     with pytest.raises(BadRequestError) as caught:

@@ -254,8 +254,8 @@ def test_rows_and_table_columns() -> None:
     )
     assert (
         lines[3]
-        == "| gguf | float32 / gguf (compact kernel at all rows) | 1,000 | 10.0400 | +0.400 | ≤ +0.5 % | PASS | "
-        "7/8 prompts, 31/32 tokens | 1.2 |"
+        == "| gguf | float32 / gguf (compact kernel at all rows) | 1,000 | 10.0400 | +0.400 | ≤ +0.5 % | "
+        "PASS | 7/8 prompts, 31/32 tokens | 1.2 |"
     )
     assert lines[4].split(" | ")[4:7] == ["+2.000", "≤ +1 %", "FAIL"]
     assert lines[6].endswith(

@@ -96,7 +96,8 @@ def test_text_parts_are_joined_with_newlines(tokenizer: Tokenizer, hf_tokenizer)
 
 TOOLY_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}\n"
-    "  {% if m['role'] not in ['user', 'assistant', 'system'] %}{{ raise_exception('bad role ' + m['role']) }}"
+    "  {% if m['role'] not in ['user', 'assistant', 'system'] %}"
+    "{{ raise_exception('bad role ' + m['role']) }}"
     "{% endif %}\n"
     "  {%- if loop.index0 > 5 %}{% break %}{% endif %}\n"
     "[{{ m['role'] | upper }}] {{ m['content'] | trim }} {{ m | tojson }}\n"

@@ -232,7 +232,8 @@ def test_context_length_is_checked_with_the_model_tokenizer(stack: Stack) -> Non
         ),
         (
             {"messages": HI, "max_tokens": CONTEXT_LEN - 3},
-            f"you requested {CONTEXT_LEN + 3} tokens (6 in the messages, {CONTEXT_LEN - 3} in the completion)",
+            f"you requested {CONTEXT_LEN + 3} tokens (6 in the messages, {CONTEXT_LEN - 3} in the "
+            "completion)",
         ),
         ({"messages": long_messages, "stream": True}, f"resulted in {CONTEXT_LEN + 100} tokens"),
     ]

@@ -83,7 +83,10 @@ def _attention_variants():
         args = paged_attention_args(
             query, query, cache, qsl, seq_lens, tables, 0.125, (part, part, part), block_m, segments
         )
-        label = f"{dtype} d={head_dim} h={heads}/{kv_heads} bs={block_size} M={block_m} seg={segments} reqs={num_reqs}"
+        label = (
+            f"{dtype} d={head_dim} h={heads}/{kv_heads} bs={block_size} M={block_m} seg={segments} "
+            f"reqs={num_reqs}"
+        )
         yield label, args, choose_num_warps(block_m, head_dim, dtype)
 
 
@@ -100,7 +103,8 @@ def main(capability: int) -> None:
             kv, kv, torch.empty(2, 8, 16, 3, 64, dtype=dtype), torch.zeros(4).long()
         )
         print(f"ok reshape_and_cache {dtype}: {_compile(_reshape_and_cache_kernel, args, target, 1)} B")
-        merge = dict(out_ptr=kv, part_acc_ptr=torch.empty(1), part_m_ptr=torch.empty(1), part_l_ptr=torch.empty(1),
+        merge = dict(out_ptr=kv, part_acc_ptr=torch.empty(1), part_m_ptr=torch.empty(1),
+                     part_l_ptr=torch.empty(1),
                      stride_o_t=192, stride_o_h=64, NUM_HEADS=3, NUM_SEGMENTS=8, HEAD_DIM=64)  # fmt: skip
         print(f"ok merge_attn_states {dtype}: {_compile(_merge_attn_states_kernel, merge, target, 2)} B")
 

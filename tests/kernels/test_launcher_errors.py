@@ -122,12 +122,16 @@ def _cache_args(**overrides) -> dict:
 
 
 @pytest.mark.parametrize(("overrides", "error", "message"), [
-    ({"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)}, TypeError, "slot_mapping must be torch.int64"),
-    ({"value": torch.zeros(3, 2, 64, dtype=torch.bfloat16, device=DEVICE)}, TypeError, "dtypes must all be equal"),
-    ({"slot_mapping": torch.tensor([0, 1], device=DEVICE)}, ValueError, "slot_mapping has 2 entries for 3 tokens"),
+    ({"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)}, TypeError,
+     "slot_mapping must be torch.int64"),
+    ({"value": torch.zeros(3, 2, 64, dtype=torch.bfloat16, device=DEVICE)}, TypeError,
+     "dtypes must all be equal"),
+    ({"slot_mapping": torch.tensor([0, 1], device=DEVICE)}, ValueError,
+     "slot_mapping has 2 entries for 3 tokens"),
     ({"value": torch.zeros(3, 2, 32, device=DEVICE)}, ValueError, "key and value must both be"),
     ({"kv_cache": torch.zeros(2, 4, 16, 3, 64, device=DEVICE)}, ValueError, "kv_cache must be"),
-    ({"key": torch.zeros(3, 64, 2, device=DEVICE).transpose(1, 2)}, ValueError, "key must be contiguous in its last dim"),
+    ({"key": torch.zeros(3, 64, 2, device=DEVICE).transpose(1, 2)}, ValueError,
+     "key must be contiguous in its last dim"),
     ({"slot_mapping": torch.tensor([0, 1, 2], device="meta")}, ValueError, "one device"),
 ])  # fmt: skip
 def test_reshape_and_cache_rejects(overrides: dict, error: type, message: str) -> None:

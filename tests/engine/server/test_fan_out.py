@@ -37,8 +37,9 @@ def test_over_the_limit_is_a_400_naming_it_and_nothing_is_queued(
     error = _error(client.post("/v1/completions", json=body))
     assert error["param"] == param
     assert error["message"] == (
-        f"This request asks for {total} sequences ({num_prompts} prompt(s) x n={n}); the limit is 256 sequences "
-        "per request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split the request."
+        f"This request asks for {total} sequences ({num_prompts} prompt(s) x n={n}); the limit is 256 "
+        "sequences per request (--max-sequences-per-request). Send fewer prompts or a smaller n, or split "
+        "the request."
     )
     assert fake_engine.started == ["warmup"]  # the start-up generation only
 

@@ -22,7 +22,8 @@ PROCESSOR = InputProcessor(max_model_len=16, vocab_size=100)
     ([], SamplingParams(), "prompt", "The prompt is empty: it encodes to zero tokens."),
     ([1, 100], SamplingParams(), "prompt", "Token ids must be in [0, 99]."),
     ([1], SamplingParams(logit_bias={100: 1.0}), "logit_bias", "logit_bias token ids must be in [0, 99]."),
-    ([1], SamplingParams(stop_token_ids=(100,)), "stop_token_ids", "stop_token_ids token ids must be in [0, 99]."),
+    ([1], SamplingParams(stop_token_ids=(100,)), "stop_token_ids",
+     "stop_token_ids token ids must be in [0, 99]."),
     ([1] * 10, SamplingParams(max_tokens=None, min_tokens=7), "min_tokens",
      "min_tokens (7) exceeds the 6 tokens left in the context (16 - 10 prompt tokens)."),
 ])  # fmt: skip

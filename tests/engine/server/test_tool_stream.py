@@ -20,7 +20,8 @@ REQUIRED_TWO = (
     + '}, {"name": "get_time", "arguments": {"tz": "UTC"}}]'
 )
 AUTO = (
-    'Let me check {that}.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"<tool_call>\\""}}'
+    'Let me check {that}.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris '
+    '\\"<tool_call>\\""}}'
     "\n</tool_call>\nDone < soon."
 )
 

@@ -168,8 +168,8 @@ def test_a_grammar_above_the_size_limit_is_a_400_and_its_refusal_is_cached(
         assert (caught.value.param, str(caught.value)) == (
             param,
             (
-                "The json constraint is too large to compile: its grammar has more than 20000 symbols (the engine's "
-                "--structured-output-max-grammar-size)."
+                "The json constraint is too large to compile: its grammar has more than 20000 symbols (the "
+                "engine's --structured-output-max-grammar-size)."
             ),
         )
     assert manager.num_compiles == 1  # the second request got the cached refusal
@@ -202,11 +202,11 @@ SELF_REFERENCE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "require
     (StructuredOutputsParams.json_schema(ANY_OF_3000), None,
      "The json constraint is too large to compile: its grammar has more than 20000 symbols"),
     (StructuredOutputsParams.json_schema(ANY_OF_3000), CompileLimits(max_grammar_size=100_000),
-     "The json constraint cannot be served: the grammar matcher fails after the forced start '{\"k' (Parser Error: "
-     "Current row has 3000 items; max is 2000;"),
+     "The json constraint cannot be served: the grammar matcher fails after the forced start '{\"k' (Parser "
+     "Error: Current row has 3000 items; max is 2000;"),
     (StructuredOutputsParams.json_schema(SELF_REFERENCE), None,
-     "The json constraint cannot be served: the grammar matcher fails after the forced start '{\"a\":{\"a\":{\"a' "
-     "(parser error: Too many items (limit 50000; ff_tokens)"),
+     "The json constraint cannot be served: the grammar matcher fails after the forced start "
+     "'{\"a\":{\"a\":{\"a' (parser error: Too many items (limit 50000; ff_tokens)"),
     (_tool({"$ref": "#"}, "required"), None,
      "The json constraint cannot be served: the grammar matcher fails after the forced start "),
     (_tool({"$ref": "#"}, {"type": "function", "function": {"name": "f"}}), None,
@@ -226,8 +226,8 @@ def test_constraints_the_matcher_cannot_serve_are_a_400_at_admission(
 
 @pytest.mark.parametrize(("kind", "spec", "message"), [
     ("grammar", "start: foo |", 'Unsupported or invalid grammar constraint: at 1(8): unknown name: "foo"'),
-    ("regex", "[a-z", 'Unsupported or invalid regex constraint: at 1(8): invalid regex "[a-z" (in regex): regex '
-                      "parse error: [a-z error: unclosed character class"),
+    ("regex", "[a-z", 'Unsupported or invalid regex constraint: at 1(8): invalid regex "[a-z" (in regex): '
+                      "regex parse error: [a-z error: unclosed character class"),
     ("json", json.dumps({"$ref": "#"}), "The json constraint can never be satisfied: no output matches it "
                                         "(NoExtensionBias)"),
 ])  # fmt: skip

@@ -113,10 +113,10 @@ def test_explain_ranks_the_gateway_phases_among_the_causes(queued) -> None:
         < names.index("auth")
     )
     assert why.text.splitlines()[-2] == (
-        f"e2e {record['kvscope']['e2e_s']:.3f} s at the gateway: auth 0.001 s, rate limit 0.001 s, tokenize 0.001 s, "
-        f"retry 0.250 s (2 attempt(s)), other 0.002 s; the answering upstream "
-        f"{queued['queue_s'] + queued['prefill_s'] + queued['decode_s'] + TRANSFER:.3f} s (0.002 s to its response "
-        "headers)"
+        f"e2e {record['kvscope']['e2e_s']:.3f} s at the gateway: auth 0.001 s, rate limit 0.001 s, tokenize "
+        "0.001 s, retry 0.250 s (2 attempt(s)), other 0.002 s; the answering upstream "
+        f"{queued['queue_s'] + queued['prefill_s'] + queued['decode_s'] + TRANSFER:.3f} s (0.002 s to its "
+        "response headers)"
     )
 
 
