@@ -8,9 +8,7 @@ All of the engine's torch work runs on that one thread: building the EngineCore 
 the prefill warm-up and every step. Why: GNU OpenMP (torch's CPU runtime) keeps a worker pool per thread that
 ever ran a parallel region, and once the process holds more OpenMP threads than CPUs, every worker stops
 spinning between parallel regions (libgomp's throttled spin count, ``GOMP_SPINCOUNT`` docs) and each op then
-pays a futex wake-up. Measured on a 2-core Xeon, 2 torch threads: a bfloat16 ``a + a`` of 32 × 3,072 16 µs on
-the only pool's thread, 77–89 µs once a second thread had run one; a batch-32 decode step 57.6 → 78.4 ms
-(median); the model loaded on an executor thread and stepped on this one cost the served engine that 36 %.
+pays a futex wake-up (docs/benchmarks.md; docs/architecture.md "Engine threads (CPU)").
 """
 
 from __future__ import annotations

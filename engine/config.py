@@ -83,11 +83,9 @@ class SchedulerConfig:
     max_num_seqs: int = engine_defaults.MAX_NUM_SEQS
     """Most requests in one step."""
     max_num_batched_tokens: int = engine_defaults.MAX_NUM_BATCHED_TOKENS
-    """Token budget of one step (prefill chunks + decodes). 1024 measured best for a burst of 32 arriving
-    128-token prompts (closed loop on the engine, SmolLM2-135M fp32, one thread, CPU seconds): TTFT p50/p99
-    8.5/11.7 s and TPOT p50 478 ms, against 13.6/13.9 s and 753 ms at 2048 (every prompt then waits for a
-    16-prompt step), 7.9/13.2 s at 512 and 6.9/14.5 s at 256 (more steps, each re-reading the weights and
-    re-running the decodes). docs/benchmarks.md "Scheduler defaults"."""
+    """Token budget of one step (prefill chunks + decodes). A larger budget makes arriving prompts wait for
+    bigger steps, a smaller one runs more steps, each re-reading the weights and re-running the decodes; the
+    default is the measured best for a burst of short prompts (docs/benchmarks.md "Scheduler defaults")."""
     long_prefill_token_threshold: int = 0
     """When > 0, cap one request's prefill chunk at this many tokens so decodes are not starved."""
 
@@ -146,13 +144,13 @@ class EngineConfig:
     device: str = "cpu"
     """``cpu`` or ``cuda[:N]``."""
     attention_backend: str = "auto"
-    """``auto`` (Triton on CUDA, torch reference on CPU), ``torch`` or ``triton``."""
+    """``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None = auto: one fewer than the CPUs this process may run on, at
-    least 1 (``kvscope.engine.engine_core.default_num_threads``, which documents the measurements). On a
-    2-core machine that is 1: a second OpenMP thread gains 1.4-1.8x on batched steps when the machine is
-    idle, but makes steps 2.5-5x slower as soon as another process wants a core. Override with
-    ``--num-threads``."""
+    least 1 (``kvscope.common.engine_defaults.default_num_threads``, applied by
+    ``kvscope.engine.platform.cpu.configure_threads``): an OpenMP thread per CPU gains on batched steps when
+    the machine is idle but slows every step as soon as another process wants a core (docs/benchmarks.md).
+    Override with ``--num-threads``."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -319,7 +319,7 @@ def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPat
             read_model(str(model_dir)).shape,
             "gguf",
             "bfloat16",  # kvscope plan --weights-format gguf counts the same
-            q8_head=engine.model_report.cpu_kernels.ok,
+            q8_head=engine.load_report.cpu_kernels.ok,
         )
     )  # (+ the Q8 LM head of kvscope's CPU kernels where they run)
     per_block = 30 * 2 * 16 * 3 * 64 * 2  # bf16 KV: layers x (K, V) x block x kv_heads x head_dim x 2 B
@@ -331,6 +331,6 @@ def test_engine_with_auto_format_and_memory_budget(monkeypatch: pytest.MonkeyPat
             SMOLLM2,
             XEON_AMX,
             source=verified_formats("smollm2-135m")[1],
-            cpu_kernels=engine.model_report.cpu_kernels.ok,
+            cpu_kernels=engine.load_report.cpu_kernels.ok,
         ).reason
     )
