@@ -134,7 +134,7 @@ def aligned_rows(rows: int) -> int:
     AMX Xeon that costs 4–20 ms per shape at one thread, 15–65 ms for a decoder's 4 matmul shapes, paid by
     the first prefill of every new prompt length (docs/benchmarks.md "Idle TTFT"). Padding bounds the
     shapes to ``max_num_batched_tokens / 16`` per matrix (warmed at start-up by
-    ``LlamaForCausalLM.warm_up``) for at most 15 wasted rows. Rows are independent: above 64 rows the
+    ``platform.cpu.warm_up_prefill``) for at most 15 wasted rows. Rows are independent: above 64 rows the
     padded float32 result was bit-identical to the unpadded one for every size tested; in bfloat16 oneDNN
     may block the padded size differently (another float32 summation order), so an output can be one
     bfloat16 rounding step away (tests/engine/test_prefill_fast_paths.py)."""
