@@ -64,7 +64,14 @@ class Comparison:
         return out
 
     def _values(self, name: str, endpoint: int) -> list[float]:
-        return [float(run[endpoint].metrics.as_dict().get(name, 0.0)) for run in self.runs]
+        return [_number(run[endpoint].metrics.as_dict().get(name, 0.0), name) for run in self.runs]
+
+
+def _number(value: float | int | dict[str, int], name: str) -> float:
+    """``value`` as a float. Raises TypeError for a figure that is not a number (a per-status count)."""
+    if isinstance(value, dict):
+        raise TypeError(f"{name} is not a number")
+    return float(value)
 
 
 async def run_comparison(

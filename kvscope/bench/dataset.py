@@ -19,10 +19,17 @@ from typing import Protocol
 MAX_DECODE_RETRIES = 10
 
 
+class TokenIds(Protocol):
+    """What the benchmark reads of a ``tokenizers.Encoding``."""
+
+    @property
+    def ids(self) -> list[int]: ...
+
+
 class TextTokenizer(Protocol):
     """The part of a ``tokenizers.Tokenizer`` the benchmark uses."""
 
-    def encode(self, text: str, add_special_tokens: bool = ...): ...  # returns an object with ``.ids``
+    def encode(self, text: str, /, *, add_special_tokens: bool = ...) -> TokenIds: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 

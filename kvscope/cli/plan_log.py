@@ -38,5 +38,6 @@ def read_spans(source: str | Path) -> tuple[list[Span], dict[str, Any]]:
     spans = [
         Span(float(a), float(b), int(i), int(o), None if t is None else float(t)) for a, b, i, o, t in rows
     ]
-    not_generations = logs.con.execute(_NOT_GENERATIONS_SQL).fetchone()[0]
+    row = logs.con.execute(_NOT_GENERATIONS_SQL).fetchone()
+    not_generations = row[0] if row is not None else 0  # a count(*) answers one row
     return spans, {"unparsed_lines": logs.unparsed_lines(), "not_generations": int(not_generations)}

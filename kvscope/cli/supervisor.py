@@ -44,7 +44,7 @@ class ServeOptions:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvscope serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvscope serve", description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="registry name, HF folder or .gguf file")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (auth is off only on loopback)")
     p.add_argument("--port", type=int, default=4000, help="gateway port")
@@ -237,8 +237,9 @@ Press Ctrl-C to stop.
             self._check_stop()
             for child in self.children:
                 if child.poll() is not None:
+                    cmd = child.args if isinstance(child.args, list) else [child.args]
                     raise _ChildFailed(
-                        f"child {shlex.join(child.args[2:4])} exited with code {child.returncode}"
+                        f"child {shlex.join(map(str, cmd[2:4]))} exited with code {child.returncode}"
                     )
             time.sleep(0.2)
 

@@ -57,7 +57,7 @@ def protocol(signal: Signal, environ: Mapping[str, str] | None = None) -> Protoc
     ).strip()
     if value not in PROTOCOLS:
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be one of {', '.join(PROTOCOLS)}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def exports(signal: Signal, explicit: str | None, environ: Mapping[str, str] | None = None) -> bool:

@@ -82,7 +82,7 @@ class ReadTimeoutProtocol(H11Protocol):
         """``head`` or ``body``: what the armed timer waits for (None: nothing)."""
 
     # --- the protocol's events ------------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._follow_reads()
 

@@ -108,7 +108,7 @@ def sweep(spans: list[Span], block_size: int, capacity: Capacity | None = None) 
             if count > peak:
                 peak, peak_at = count, t
             peak_blocks = max(peak_blocks, blocks)
-    if spans:
+    if spans and prev_t is not None:
         for minute in range(int(spans_first(spans) // MINUTE_S), math.ceil(prev_t / MINUTE_S)):
             minute_count.setdefault(minute, 0)
             minute_blocks.setdefault(minute, 0)
@@ -138,7 +138,7 @@ def ttft_p99_by_concurrency(spans: list[Span], timeline: Timeline) -> dict[int, 
     for span, concurrency in zip(spans, timeline.concurrency_at_arrival, strict=True):
         if span.ttft_s is not None:
             groups[concurrency].append(span.ttft_s)
-    return {c: quantile(v, 0.99) for c, v in sorted(groups.items())}
+    return {c: p99 for c, v in sorted(groups.items()) if (p99 := quantile(v, 0.99)) is not None}
 
 
 def length_stats(values: list[int]) -> dict[str, float | None]:

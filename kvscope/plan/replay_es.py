@@ -38,11 +38,12 @@ def page_query(after: list[Any] | None, size: int) -> dict[str, Any]:
 
 
 def _get(doc: dict[str, Any], dotted: str) -> Any:
+    value: Any = doc
     for part in dotted.split("."):
-        if not isinstance(doc, dict):
+        if not isinstance(value, dict):
             return None
-        doc = doc.get(part)
-    return doc
+        value = value.get(part)
+    return value
 
 
 def span_of(doc: dict[str, Any]) -> Span | None:

