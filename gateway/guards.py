@@ -30,9 +30,10 @@ def only(method: str) -> Guard:
     declare all methods, so that a wrong one gets this message rather than Litestar's)."""
 
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-        if connection.scope["method"] != method:
+        scope = connection.scope
+        if scope["type"] == "http" and scope["method"] != method:
             raise MethodNotAllowed(
-                f"{connection.scope['method']} is not allowed on {connection.url.path}; use {method}."
+                f"{scope['method']} is not allowed on {connection.url.path}; use {method}."
             )
 
     return guard

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvscope.gateway.settings import KeyLimits
 
@@ -40,9 +40,11 @@ class LimitDecision:
 class RateLimiter(Protocol):
     async def acquire(self, key_id: str, limits: KeyLimits, tokens: int, lease_id: str) -> LimitDecision:
         """Admit (and charge) one request of ``tokens`` estimated tokens, or refuse it."""
+        ...
 
     async def release(self, key_id: str, limits: KeyLimits, lease_id: str, token_delta: int) -> None:
         """Free the concurrency slot; add ``token_delta`` (estimate − actual) back to the token bucket."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -268,7 +270,9 @@ class RedisRateLimiter:
             self._now(),
         ]
         try:
-            reason, wait, req, tok = await self._acquire(keys=self._keys(key_id), args=args)
+            # the script's reply: a list (redis-py types an async script's reply as Awaitable | Any)
+            reply: Any = await self._acquire(keys=self._keys(key_id), args=args)
+            reason, wait, req, tok = reply
         except self._errors as exc:
             _log.warning("rate limiter: redis unavailable, admitting request (%s)", exc)
             return LimitDecision(True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, get, route
-from litestar.types import ASGIApp
+from litestar.types import ASGIApp, Method
 from prometheus_client.exposition import choose_encoder
 
 from kvscope.gateway.admission import CHAT, COMPLETION, Operation, admit
@@ -24,7 +24,7 @@ from kvscope.gateway.proxy.passthrough import forwardable, passthrough
 from kvscope.gateway.ratelimit_middleware import RateLimitMiddleware
 from kvscope.gateway.state import GatewayState, state_of
 
-ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
+ALL_METHODS: tuple[Method, ...] = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD")
 RATE_LIMITS = RateLimitMiddleware()
 
 
@@ -141,7 +141,7 @@ async def metrics(request: Request) -> Response:
     latency histograms) when the scraper's ``Accept`` asks for ``application/openmetrics-text``. Access:
     :func:`_check_metrics_access` (401/403 when keys are configured, unless ``metrics_public``)."""
     _check_metrics_access(state_of(request), request)
-    encode, content_type = choose_encoder(request.headers.get("accept"))
+    encode, content_type = choose_encoder(request.headers.get("accept", ""))
     # Litestar appends "; charset=utf-8" to text/* media types itself: do not send it twice
     media_type = (
         content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type

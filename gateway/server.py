@@ -36,7 +36,7 @@ from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 try:  # h11's writer of chunked bodies: the body-chunk fast path writes only where h11 chose it
     from h11._writers import ChunkedWriter
 except ImportError:  # pragma: no cover - another h11 layout: the fast path stays off, ASGI send does it all
-    ChunkedWriter = None  # type: ignore[assignment,misc]
+    ChunkedWriter = None
 
 from kvscope.common.event_loop import resolve_event_loop
 from kvscope.common.read_timeouts import READ_TIMEOUT_KEY, ReadTimeoutProtocol, ReadTimeouts
@@ -151,7 +151,7 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         of its own (a partial head, as for the parser's 400s)."""
         in_progress = stage == "body" and self.cycle is not None and not self.cycle.response_complete
         if in_progress:
-            self.cycle.scope["state"][READ_TIMEOUT_KEY] = 408  # type: ignore[index]
+            self.cycle.scope.setdefault("state", {})[READ_TIMEOUT_KEY] = 408
             if self.cycle.response_started:  # the app answered while the body came: only the close is left
                 self._close()
                 return
@@ -180,7 +180,7 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         self.transport.close()
         if in_progress:  # the app holds (or will) this request
             self.cycle.disconnected = True  # its answer has been sent here: uvicorn drops the app's own
-            state = self.cycle.scope["state"]
+            state = self.cycle.scope.setdefault("state", {})
             state[REFUSED_KEY] = (err, len(body))  # picked up by observe() if the app has not started yet
             if (owner := state.get(CTX_KEY)) is not None:
                 owner.outcome.refused_by_parser(err, len(body))  # the app's own record reports this 400
@@ -242,8 +242,9 @@ def uvicorn_config(
         access_log=False,
         server_header=False,
         lifespan="on",
-        http=protocol,
+        # uvicorn calls `http` with its keyword arguments, so a factory works; its annotation names a class
+        http=protocol,  # pyright: ignore[reportArgumentType]
         ws="none",
         proxy_headers=False,
         **extra,
-    )  # type: ignore[arg-type]
+    )

@@ -16,6 +16,7 @@ The pass-through additionally refuses every path that names a generation API in 
 from __future__ import annotations
 
 import re
+import string
 from urllib.parse import unquote
 
 from kvscope.gateway.errors import InvalidRequest
@@ -24,7 +25,6 @@ UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 """RFC 3986 §2.3: percent-encoding these is never needed (§6.2.2.2: equivalent to the plain character)."""
 _PCT = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\\#?]")
-_LEADING_WORD = re.compile(r"[a-z]*")
 _ENCODED_SLASH = re.compile(rb"%2[Ff]")
 GENERATION_SEGMENTS = frozenset(
     {
@@ -90,12 +90,14 @@ def check_target(raw_path: bytes, query: bytes, path: str) -> None:
         raise InvalidTarget(f"Invalid request target {shown!r}: {problem}.")
 
 
+def _leading_letters(segment: str) -> str:
+    """The ASCII lowercase letters ``segment`` starts with (empty when it starts with anything else)."""
+    return segment[: len(segment) - len(segment.lstrip(string.ascii_lowercase))]
+
+
 def names_generation_api(path: str) -> bool:
     """True when a path (percent-decoded here) has a segment whose leading letters, case-folded, are one of
     :data:`GENERATION_SEGMENTS`: whatever a server might strip after them (``;params``, ``#…``, ``.json``)
     and any letter case count (``/v1/Chat/Completions``, ``/v1/completions;x``, ``/v1/completions%23x``)."""
     decoded = unquote(path)
-    return any(
-        _LEADING_WORD.match(segment.casefold()).group(0) in GENERATION_SEGMENTS
-        for segment in decoded.split("/")
-    )
+    return any(_leading_letters(segment.casefold()) in GENERATION_SEGMENTS for segment in decoded.split("/"))

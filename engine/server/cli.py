@@ -96,8 +96,9 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> Any:
         timeout_graceful_shutdown=5,
         lifespan="on",
         loop=resolve_event_loop(settings.event_loop),
-        http=protocol,
-    )  # type: ignore[arg-type]
+        # uvicorn calls `http` with its keyword arguments, so a factory works; its annotation names a class
+        http=protocol,  # pyright: ignore[reportArgumentType]
+    )
 
 
 def load_engine(config: Any) -> Any:

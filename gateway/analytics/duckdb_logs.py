@@ -112,8 +112,15 @@ class DuckDBLogs:
             where += f' AND "@timestamp" >= TIMESTAMPTZ {_sql_str(es_time(since))}'
         self.con.execute(f"CREATE VIEW requests AS SELECT * FROM raw WHERE {where}")
 
+    def _one_row(self, sql: str) -> tuple[Any, ...]:
+        """The one row of an aggregate query (an aggregate without GROUP BY always answers one)."""
+        row = self.con.execute(sql).fetchone()
+        if row is None:
+            raise RuntimeError(f"no row from {sql!r}")
+        return row
+
     def unparsed_lines(self) -> int:
-        return self.con.execute('SELECT count(*) FROM raw WHERE "@timestamp" IS NULL').fetchone()[0]
+        return self._one_row('SELECT count(*) FROM raw WHERE "@timestamp" IS NULL')[0]
 
     # ---- report ------------------------------------------------------------------------------------
     def report(
@@ -192,14 +199,13 @@ class DuckDBLogs:
         return [dict(zip(("t", "requests", "ttft", "e2e"), row, strict=True)) for row in cursor.fetchall()]
 
     def time_range(self) -> tuple[datetime | None, datetime | None]:
-        return self.con.execute('SELECT min("@timestamp"), max("@timestamp") FROM requests').fetchone()
+        first, last = self._one_row('SELECT min("@timestamp"), max("@timestamp") FROM requests')
+        return first, last
 
     def ttft_histogram(self, bins: int = 40) -> tuple[list[float], list[int]]:
         """Bin edges (``bins + 1``) over [min, p99.5] of TTFT and counts; the last bin also holds the rest."""
         ttft = col(LATENCY_FIELDS["ttft"])
-        lo, hi = self.con.execute(
-            f"SELECT min({ttft}), quantile_cont({ttft}, 0.995) FROM requests"
-        ).fetchone()
+        lo, hi = self._one_row(f"SELECT min({ttft}), quantile_cont({ttft}, 0.995) FROM requests")
         if lo is None:
             return [], []
         width = (hi - lo) / bins if hi > lo else 1.0
@@ -236,7 +242,7 @@ def _metrics_sql() -> str:
 
 
 def _row(values: dict[str, Any]) -> ReportRow:
-    latency = {
+    latency: dict[str, dict[int, float | None]] = {
         name: dict(zip(PERCENTS, values[name] or [None] * len(PERCENTS), strict=True))
         for name in LATENCY_FIELDS
     }

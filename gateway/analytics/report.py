@@ -147,7 +147,7 @@ class SlowRequest:
         return max(known, key=known.__getitem__) if len(known) > 1 else "?"
 
     def flat(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__slots__ if name != "causes"}  # type: ignore[attr-defined]
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "causes"}
         out["slowest_phase"] = self.slowest_phase
         out["cause"] = self.cause
         return out

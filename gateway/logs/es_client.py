@@ -59,7 +59,7 @@ class Compat8Transport(AsyncTransport):
 
     compat_major = 8
 
-    async def perform_request(self, method: str, target: str, **kwargs: Any) -> Any:  # type: ignore[override]
+    async def perform_request(self, method: str, target: str, **kwargs: Any) -> Any:
         headers = kwargs.get("headers")
         if headers:
             rewritten = HttpHeaders(headers)

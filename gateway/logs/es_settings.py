@@ -18,7 +18,7 @@ from kvscope.gateway.logs.elasticsearch import ElasticsearchSinkConfig
 from kvscope.gateway.logs.es_client import EsConnectionConfig
 from kvscope.gateway.logs.es_setup import EsIndexConfig
 from kvscope.gateway.logs.es_shipper import ShipperConfig
-from kvscope.gateway.logs.spool import SpoolConfig
+from kvscope.gateway.logs.spool import SpoolConfig, fsync_policy
 
 _STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 
@@ -59,8 +59,10 @@ class EsLogSettings(msgspec.Struct, **_STRUCT):
         """The sink's config; raises ValueError for invalid values."""
         return ElasticsearchSinkConfig(
             spool=SpoolConfig(
-                Path(self.spool_dir).expanduser(), max_bytes=self.spool_max_bytes, fsync=self.spool_fsync
-            ),  # type: ignore[arg-type]
+                Path(self.spool_dir).expanduser(),
+                max_bytes=self.spool_max_bytes,
+                fsync=fsync_policy(self.spool_fsync),
+            ),
             connection=self.connection(),
             index=EsIndexConfig(data_stream=self.data_stream, delete_after=self.delete_after),
             shipper=ShipperConfig(

@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +164,7 @@ async def _actions(records: Sequence[dict[str, Any]], index: str) -> AsyncIterat
         yield {"_op_type": "create", "_index": index, "_id": record_id(record), "_source": record}
 
 
-async def _aenumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+async def _aenumerate(items: AsyncIterable[Any]) -> AsyncIterator[tuple[int, Any]]:
     n = 0
     async for item in items:
         yield n, item

@@ -59,7 +59,8 @@ def _chat_message(message: Any) -> dict[str, Any]:
     parts = _content_parts(message.get("content"))
     for call in message.get("tool_calls") or []:
         call = call if isinstance(call, dict) else {}
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        function = call.get("function")
+        function = function if isinstance(function, dict) else {}
         parts.append(
             {
                 "type": "tool_call",

@@ -40,6 +40,17 @@ import msgspec
 logger = logging.getLogger(__name__)
 
 FsyncPolicy = Literal["always", "interval", "never"]
+FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
+
+
+def fsync_policy(value: str) -> FsyncPolicy:
+    """``value`` as a :data:`FsyncPolicy`. Raises ValueError for any other value."""
+    for policy in FSYNC_POLICIES:
+        if value == policy:
+            return policy
+    raise ValueError(f"spool fsync must be always|interval|never, got {value!r}")
+
+
 _SEGMENT_GLOB = "seg-*.jsonl"
 _CURSOR = "cursor.json"
 REJECTED_FILE = "rejected.jsonl"
@@ -61,8 +72,7 @@ class SpoolConfig:
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.segment_bytes <= 0:
             raise ValueError("spool max_bytes and segment_bytes must be > 0")
-        if self.fsync not in ("always", "interval", "never"):
-            raise ValueError(f"spool fsync must be always|interval|never, got {self.fsync!r}")
+        fsync_policy(self.fsync)
         if self.fsync_interval_s < 0:
             raise ValueError("spool fsync_interval_s must be >= 0")
 

@@ -150,7 +150,7 @@ class ReadTimeoutProtocol(H11Protocol):
         close; a request the app holds learns it through ``http.disconnect`` and ``READ_TIMEOUT_KEY``."""
         cycle = self.cycle if stage == "body" else None
         if cycle is not None:
-            cycle.scope["state"][READ_TIMEOUT_KEY] = REQUEST_TIMEOUT  # type: ignore[index]
+            cycle.scope.setdefault("state", {})[READ_TIMEOUT_KEY] = REQUEST_TIMEOUT
         if cycle is None or not cycle.response_started:
             self.write_timeout_response(message)
         self._close()
