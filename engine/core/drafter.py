@@ -14,9 +14,11 @@ class Drafter(Protocol):
 
     def propose(self, request: Request, max_draft: int) -> list[int]:
         """Up to ``max_draft`` draft tokens continuing ``request`` (possibly none)."""
+        ...
 
     def allows(self, num_decode_rows: int, drafts: Sequence[tuple[Request, list[int]]]) -> bool:
         """Whether the step's drafts should run at all."""
+        ...
 
     def on_verified(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """One verified draft of ``request``."""

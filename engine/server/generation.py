@@ -9,8 +9,10 @@ aborts the engine request (before the next engine step) and frees its KV blocks,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
+import enum
+from typing import Any, Final, Literal, overload
+
+from litestar.types import Receive
 
 from kvscope.engine.core.request import Request, child_request_id
 from kvscope.engine.core.stats import KvscopeStats
@@ -18,9 +20,17 @@ from kvscope.engine.input_processor import EngineRequest
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.server.engine_client import EngineClient
 
-KEEPALIVE = object()
+
+class Signal(enum.Enum):
+    """What :meth:`GenerationRun.next` returns instead of an output."""
+
+    KEEPALIVE = "keepalive"
+    DONE = "done"
+
+
+KEEPALIVE: Final = Signal.KEEPALIVE
 """Returned by :meth:`GenerationRun.next` when nothing arrived within the timeout."""
-DONE = object()
+DONE: Final = Signal.DONE
 """Returned by :meth:`GenerationRun.next` once every prompt's stream ended."""
 FAULT_REASON = "injected fault"
 
@@ -35,7 +45,7 @@ class ClientDisconnected(Exception):
     """The client closed the connection (ASGI ``http.disconnect``)."""
 
 
-async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Return when the ASGI ``receive`` channel reports ``http.disconnect`` (body already read)."""
     while True:
         message = await receive()
@@ -91,12 +101,22 @@ class GenerationRun:
             return
         self._queue.put_nowait((k, None))
 
+    @overload
+    async def next(
+        self, timeout: None = None, disconnect: asyncio.Future | None = None
+    ) -> tuple[int, RequestOutput] | Literal[Signal.DONE]: ...
+
+    @overload
+    async def next(
+        self, timeout: float, disconnect: asyncio.Future | None = None
+    ) -> tuple[int, RequestOutput] | Signal: ...
+
     async def next(
         self, timeout: float | None = None, disconnect: asyncio.Future | None = None
-    ) -> tuple[int, RequestOutput] | object:
+    ) -> tuple[int, RequestOutput] | Signal:
         """The next ``(prompt index, delta RequestOutput)``, KEEPALIVE after ``timeout`` seconds without
-        one, or DONE. Raises the engine's exception for a failed request (RequestFailedError,
-        EngineDeadError …) and ClientDisconnected when ``disconnect`` completes first."""
+        one (never without a timeout), or DONE. Raises the engine's exception for a failed request
+        (RequestFailedError, EngineDeadError …) and ClientDisconnected when ``disconnect`` completes first."""
         while self._open or not self._queue.empty():
             item = await self._get(timeout, disconnect)
             if item is KEEPALIVE:

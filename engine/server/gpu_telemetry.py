@@ -170,9 +170,12 @@ class GpuTelemetry:
     def _read(self, query: Callable[[], Any], name: str) -> Any:
         """``query()``, None when NVML fails it (logged once per query: e.g. power on a board without
         sensor)."""
+        nvml = self.nvml
+        if nvml is None:  # shut down
+            return None
         try:
             return query()
-        except self.nvml.NVMLError as exc:
+        except nvml.NVMLError as exc:
             if name not in self._unsupported:
                 self._unsupported.add(name)
                 logger.info("NVML %s of %s unavailable: %s", name, self.device, exc)

@@ -176,7 +176,7 @@ class RequestState:
         if ttft is None and choice.first_token is not None:
             ttft = choice.first_token - self.arrival
         decode, tpot = stats.decode_s, stats.tpot_s
-        if decode is None and choice.first_token is not None:
+        if decode is None and choice.first_token is not None and choice.last_token is not None:
             decode = choice.last_token - choice.first_token
         if tpot is None and decode is not None and choice.num_output_tokens > 1:
             tpot = decode / (choice.num_output_tokens - 1)

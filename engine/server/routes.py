@@ -166,13 +166,13 @@ async def models(request: Request) -> ModelList:
 async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
     state, req = server_state(request), data
     check_model(state, req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise OpenAIError(400, "Give exactly one of prompt or messages.", param="prompt")
-    if req.messages is not None:
+    if req.messages is not None and req.prompt is None:
         chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
         ids = chat_prompt(state.tokenizer, chat)
-    else:
+    elif req.prompt is not None and req.messages is None:
         ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        raise OpenAIError(400, "Give exactly one of prompt or messages.", param="prompt")
     strs = [token_text(state.tokenizer, i)[0] for i in ids] if req.return_token_strs else msgspec.UNSET
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
 
@@ -198,7 +198,7 @@ async def health(request: Request) -> Response:
 @get("/metrics", summary="Prometheus metrics (kvscope_engine_*)")
 async def metrics(request: Request) -> Response:
     registry = server_state(request).metrics.registry
-    encode, content_type = choose_encoder(request.headers.get("accept"))  # OpenMetrics when asked for
+    encode, content_type = choose_encoder(request.headers.get("accept", ""))  # OpenMetrics when asked for
     # Litestar appends "; charset=utf-8" to text/* media types itself: do not send it twice
     media_type = (
         content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type

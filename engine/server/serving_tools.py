@@ -59,7 +59,9 @@ class ToolChatFormatter:
                 chunks.append(chunk)
                 if self.mode.kind == "named":
                     chunks.append(
-                        self._tool_chunk(choice.index, self._header(choice.index, 0, self.mode.function))
+                        self._tool_chunk(
+                            choice.index, self._header(choice.index, 0, self.mode.named_function)
+                        )
                     )
                 continue
             if self.mode.kind == "named":
@@ -99,7 +101,7 @@ class ToolChatFormatter:
             chunks.append(self._chunk(index, DeltaMessage(), None, self._finish(index)))
         return chunks
 
-    def _header(self, index: int, j: int, name: str | None) -> DeltaToolCall:
+    def _header(self, index: int, j: int, name: str) -> DeltaToolCall:
         return DeltaToolCall(
             j, DeltaFunctionCall(name=name, arguments=""), id=self._call_id(index, j), type="function"
         )

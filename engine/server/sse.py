@@ -51,10 +51,11 @@ class SSEResponse(Stream):
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+        self._events = events
         self._on_close = on_close
 
     def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
-        return _Closing(super().to_asgi_response(*args, **kwargs), self.iterator, self._on_close)
+        return _Closing(super().to_asgi_response(*args, **kwargs), self._events, self._on_close)
 
 
 class _Closing:

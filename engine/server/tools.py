@@ -50,6 +50,13 @@ class ToolMode:
     def active(self) -> bool:
         return self.kind != "none"
 
+    @property
+    def named_function(self) -> str:
+        """The function of a ``named`` mode. Raises ValueError for a mode that names none."""
+        if self.function is None:
+            raise ValueError(f"tool mode {self.kind!r} names no function")
+        return self.function
+
 
 @dataclass(frozen=True, slots=True)
 class ParsedCall:
@@ -169,7 +176,11 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[list[ParsedCall], str |
     """
     try:
         if mode.kind == "named":
-            return ([ParsedCall(mode.function, text)], None) if isinstance(json.loads(text), dict) else None
+            return (
+                ([ParsedCall(mode.named_function, text)], None)
+                if isinstance(json.loads(text), dict)
+                else None
+            )
         if mode.kind == "required":
             items = json.loads(text)
             if not isinstance(items, list) or not all(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import tokenizers
 
@@ -154,6 +154,25 @@ class Tokenizer:
             return self._template(normalize_messages(messages), add_generation_prompt, variables)
         except ChatTemplateError as exc:
             raise InvalidParameterError("messages", str(exc)) from exc
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: Literal[True] = True,
+        **template_kwargs: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: Literal[False],
+        **template_kwargs: Any,
+    ) -> str: ...
 
     def apply_chat_template(
         self,
