@@ -30,7 +30,11 @@ class GatewayApp(Litestar):
     request no route or method matches is still observed (one log record, metrics, a span), and a
     non-canonical request target is refused before routing."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+    # Litestar's __call__ also takes lifespan scopes: they pass through to it below; the ASGI types cannot tie
+    # receive and send to the scope's type, so the HTTP ones are declared
+    async def __call__(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         if scope["type"] != "http" or _plain_probe(scope):
             await super().__call__(scope, receive, send)
             return

@@ -9,7 +9,7 @@ JSON-schema keyword is a 400 naming the keyword, never a silently unconstrained 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from kvscope.engine.errors import InvalidParameterError
 from kvscope.engine.sampling_params import SamplingParams
@@ -109,12 +109,12 @@ def _json(schema: dict[str, Any] | str | None, param: str) -> StructuredOutputsP
     return StructuredOutputsParams.json_schema(schema, param)
 
 
-def _text(kind: str, value: str | None, param: str) -> StructuredOutputsParams | None:
+def _text(kind: Literal["regex", "grammar"], value: str | None, param: str) -> StructuredOutputsParams | None:
     if value is None:
         return None
     if not value:
         raise bad_request(f"{param}: the {kind} is empty.", param=param)
-    return StructuredOutputsParams(kind, value, param)  # type: ignore[arg-type]
+    return StructuredOutputsParams(kind, value, param)
 
 
 def _choice(options: list[str] | None, param: str) -> StructuredOutputsParams | None:

@@ -201,6 +201,12 @@ class ElasticsearchSink:
     def spool(self) -> Spool | None:
         return self._spool
 
+    def _started_spool(self) -> Spool:
+        """The spool :meth:`start` opened. Raises RuntimeError before the sink is started."""
+        if self._spool is None:
+            raise RuntimeError("the Elasticsearch sink is not started")
+        return self._spool
+
     @property
     def _es(self) -> AsyncElasticsearch:
         assert self._client is not None, "start() creates the client"
@@ -317,7 +323,7 @@ class ElasticsearchSink:
         self.stats.replayed += result.shipped if replayed else 0
         if result.rejected:
             records, reasons = zip(*result.rejected, strict=True)
-            await asyncio.to_thread(self._spool.reject, records, reasons)  # type: ignore[union-attr]
+            await asyncio.to_thread(self._started_spool().reject, records, reasons)
             self._count("failed", len(records))
             logger.error(
                 "elasticsearch refused %d log records for good (first: %s); kept in %s",
@@ -338,7 +344,7 @@ class ElasticsearchSink:
     async def _spool_records(self, records: list[LogRecord]) -> None:
         self._handing_off += len(records)
         try:
-            result = await asyncio.to_thread(self._spool.append, records)  # type: ignore[union-attr]
+            result = await asyncio.to_thread(self._started_spool().append, records)
         except OSError as exc:
             self._count("dropped", len(records))
             self._drop_log.error(len(records), "log spool write failed (%s); dropping records", exc)

@@ -210,11 +210,13 @@ class Spool:
         return AppendResult(appended=len(lines), dropped=dropped, invalid=invalid)
 
     def _write(self, lines: list[bytes]) -> None:
+        writer: BinaryIO | None = None
         for line in lines:
-            self._active_writer(len(line)).write(line)
+            writer = self._active_writer(len(line))
+            writer.write(line)
             self._segments[-1].size += len(line)
-        if lines:
-            self._writer.flush()  # type: ignore[union-attr]  # readable now; survives a killed process
+        if writer is not None:
+            writer.flush()  # readable now; survives a killed process
             self._pending_records += len(lines)
             self._pending_bytes = self._compute_pending_bytes()
             self._dirty = True

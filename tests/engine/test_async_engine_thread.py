@@ -121,7 +121,7 @@ def test_a_step_delivers_its_outputs_in_one_thread_safe_call(tiny_dir: Path, mon
                 calls.append(len(args[0]) if args and isinstance(args[0], list) else 1)
             return threadsafe(callback, *args, **kwargs)
 
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = counting
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
         async def one(i: int) -> list[int]:

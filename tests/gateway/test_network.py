@@ -669,7 +669,7 @@ async def test_the_pool_cleanup_pass_is_linear_and_decides_as_httpcores() -> Non
                         calls += 1
                         return original()
 
-                    connection.is_idle = counted  # type: ignore[method-assign]
+                    connection.is_idle = counted
                 await pool.request("GET", url)  # one pass when queued, one when closed
                 results[cls.__name__] = (kept, len(pool.connections), calls)
         assert results["LinearPool"][:2] == results["AsyncConnectionPool"][:2] == (5, 5)
