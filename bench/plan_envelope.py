@@ -14,19 +14,14 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.append(
-    str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
-
-from kvscope.engine.bench import bench_steps, random_prompts  # noqa: E402
-from kvscope.engine.llm import LLM  # noqa: E402
-from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
-from kvscope.plan.cpu_probe import ProbeConfig, probe_cpu  # noqa: E402
-from kvscope.plan.planner import PlanRequest, plan  # noqa: E402
-from kvscope.plan.shape import read_model  # noqa: E402
+from kvscope.engine.bench import bench_steps, random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.plan.cpu_probe import ProbeConfig, probe_cpu
+from kvscope.plan.planner import PlanRequest, plan
+from kvscope.plan.model_files import read_model
 
 
 def bound_ms(model: str, concurrency: list[int], input_len: int, steps: int, threads: int) -> dict[int, dict]:

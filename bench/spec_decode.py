@@ -26,21 +26,16 @@ import json
 import os
 import platform
 import re
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.append(
-    str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+import torch
 
-import torch  # noqa: E402
-
-from kvscope.engine.bench import random_prompts  # noqa: E402
-from kvscope.engine.llm import LLM  # noqa: E402
-from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.bench import random_prompts
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE_FILES = (

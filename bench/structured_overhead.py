@@ -15,17 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.append(
-    str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
-
-from kvscope.engine.llm import LLM  # noqa: E402
-from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
-from kvscope.engine.structured.params import StructuredOutputsParams  # noqa: E402
+from kvscope.engine.llm import LLM
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 CONSTRAINTS = {
     # a JSON string field: llguidance's token-trie slices make its mask cheap (the common case)

@@ -15,16 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.append(
-    str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
-
-from kvscope.engine.bench import bench_transformers, random_prompts  # noqa: E402
+from kvscope.engine.bench import bench_transformers, random_prompts
 
 
 def measure(
