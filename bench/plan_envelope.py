@@ -20,8 +20,8 @@ from kvscope.engine.bench import bench_steps, random_prompts
 from kvscope.engine.llm import LLM
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.plan.cpu_probe import ProbeConfig, probe_cpu
-from kvscope.plan.planner import PlanRequest, plan
 from kvscope.plan.model_files import read_model
+from kvscope.plan.planner import PlanRequest, plan
 
 
 def bound_ms(model: str, concurrency: list[int], input_len: int, steps: int, threads: int) -> dict[int, dict]:
