@@ -52,89 +52,96 @@ class GatewayMetrics:
         config = config or MetricsConfig()
         self.registry = registry
         p = "kvscope_gateway_"
-        kw = {"registry": registry}
         self.requests = Counter(
-            p + "requests", "Requests answered, by final HTTP status.", ["model", "route", "status"], **kw
+            p + "requests",
+            "Requests answered, by final HTTP status.",
+            ["model", "route", "status"],
+            registry=registry,
         )
         self.request_duration = Histogram(
             p + "request_duration_seconds",
             "Request arrival to last byte sent (e2e at the gateway).",
             ["model", "route"],
             buckets=config.duration_buckets,
-            **kw,
+            registry=registry,
         )
         self.ttft = Histogram(
             p + "time_to_first_token_seconds",
             "Request arrival to the first token event sent to the client (streams).",
             ["model"],
             buckets=config.ttft_buckets,
-            **kw,
+            registry=registry,
         )
         self.tpot = Histogram(
             p + "time_per_output_token_seconds",
             "(e2e - TTFT) / (output tokens - 1) of streams with at least 2 tokens.",
             ["model"],
             buckets=config.tpot_buckets,
-            **kw,
+            registry=registry,
         )
         self.overhead = Histogram(
             p + "overhead_seconds",
             "Time spent in the gateway: e2e minus the time waiting on upstreams.",
             ["route"],
             buckets=config.overhead_buckets,
-            **kw,
+            registry=registry,
         )
         self.tokens = Counter(
-            p + "tokens", "Tokens by type: input (prompt) and output (completion).", ["model", "type"], **kw
+            p + "tokens",
+            "Tokens by type: input (prompt) and output (completion).",
+            ["model", "type"],
+            registry=registry,
         )
         self.cached_tokens = Counter(
             p + "cached_tokens",
             "Prompt tokens served from the upstream's prefix cache (a subset of input).",
             ["model"],
-            **kw,
+            registry=registry,
         )
-        self.in_flight = Gauge(p + "in_flight_requests", "Requests being served.", **kw)
-        self.rate_limited = Counter(p + "rate_limited", "Requests refused by a limit.", ["reason"], **kw)
+        self.in_flight = Gauge(p + "in_flight_requests", "Requests being served.", registry=registry)
+        self.rate_limited = Counter(
+            p + "rate_limited", "Requests refused by a limit.", ["reason"], registry=registry
+        )
         self.stream_errors = Counter(
             p + "stream_errors",
             "Streams that failed after the response started (in-band error).",
             ["model", "reason"],
-            **kw,
+            registry=registry,
         )
         self.upstream_up = Gauge(
-            p + "upstream_up", "1 when the upstream replica is healthy.", ["upstream"], **kw
+            p + "upstream_up", "1 when the upstream replica is healthy.", ["upstream"], registry=registry
         )
         self.upstream_outstanding = Gauge(
             p + "upstream_outstanding_requests",
             "Requests in flight per upstream (least-outstanding balancing).",
             ["upstream"],
-            **kw,
+            registry=registry,
         )
         self.upstream_errors = Counter(
-            p + "upstream_errors", "Failed upstream attempts.", ["upstream", "reason"], **kw
+            p + "upstream_errors", "Failed upstream attempts.", ["upstream", "reason"], registry=registry
         )
         self.log_records = Counter(
             p + "log_records",
             "Request-log records by sink and final outcome (shipped, failed, dropped).",
             ["sink", "outcome"],
-            **kw,
+            registry=registry,
         )
         self.log_records_spooled = Counter(
             p + "log_records_spooled",
             "Request-log records written to the on-disk spool on their way to the "
             "sink (a transit state; each also ends in one final outcome).",
             ["sink"],
-            **kw,
+            registry=registry,
         )
         self.log_spool_bytes = Gauge(
-            p + "log_spool_bytes", "Bytes of request-log records spooled to disk.", **kw
+            p + "log_spool_bytes", "Bytes of request-log records spooled to disk.", registry=registry
         )
         self.build_info = Gauge(
             p + "build_info",
             "Always 1, labelled with the kvscope version and the Python "
             "version the gateway runs (the Prometheus build_info convention).",
             ["version", "python"],
-            **kw,
+            registry=registry,
         )
 
     def initialize(self, upstreams: tuple[str, ...] = (), sinks: tuple[str, ...] = ()) -> None:
