@@ -10,6 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvscope.engine.core.attribution import StepAttribution
 from kvscope.engine.core.stats import KvscopeStats, spec_summary
 from kvscope.engine.sampling_params import SamplingParams
@@ -102,7 +104,7 @@ class RequestStats:
         decode_s = (last_tok - first_tok) if first_tok is not None and last_tok is not None else None
         attribution = self.attribution.summary(_diff(first_tok, first_sched), decode_s)
         prefill, decode = attribution.prefill, attribution.decode
-        return KvscopeStats(
+        stats = KvscopeStats(
             queue_s=_diff(first_sched, self.arrival_time),
             ttft_s=_diff(first_tok, self.arrival_time),
             prefill_s=_diff(first_tok, first_sched),
@@ -148,8 +150,11 @@ class RequestStats:
             recomputed_tokens=attribution.recomputed_tokens,
             structured_mask_s=self.structured_mask_s,
             structured_wait_s=self.structured_wait_s,
-            **self._spec_fields(),
         )
+        if not self.spec_num_drafts:  # never speculated: the speculative fields stay None
+            return stats
+        spec = spec_summary(self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens)
+        return msgspec.structs.replace(stats, **spec)
 
     def on_spec_verify(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Record one verified draft of this request: ``num_draft_tokens`` (k >= 1) proposed tokens, of which
@@ -162,12 +167,6 @@ class RequestStats:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_draft_tokens
         self.spec_num_accepted_tokens += num_accepted_tokens
-
-    def _spec_fields(self) -> dict[str, int | float | None]:
-        """The speculative-decoding fields of the kvscope object (all None when it never speculated)."""
-        if not self.spec_num_drafts:
-            return {}
-        return spec_summary(self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens)
 
     def add_structured_time(self, mask_s: float, wait_s: float) -> None:
         """Add one step's grammar-mask seconds (compute, and the wait after the forward pass)."""
@@ -214,7 +213,8 @@ class Request:
     """Hash chain over the request's full blocks (filled by the KV cache manager)."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request."""
-    stats: RequestStats | None = None
+    stats: RequestStats = field(init=False)
+    """Latency and token accounting, created with the request (from ``arrival_time``)."""
     trace_context: object | None = None
     """Opaque tracing context carried for the server (OTel); the core never reads it."""
     parent_id: str | None = None
@@ -236,8 +236,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
-        if self.stats is None:
-            self.stats = RequestStats(arrival_time=self.arrival_time)
+        self.stats = RequestStats(arrival_time=self.arrival_time)
 
     @property
     def fairness_key(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -228,7 +228,16 @@ class KvscopeStats(msgspec.Struct, frozen=True):
         return cls(**merged)
 
 
-def spec_summary(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, int | float]:
+class SpecFields(TypedDict):
+    """The speculative-decoding fields of :class:`KvscopeStats`, as :func:`spec_summary` gives them."""
+
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_mean_accepted_length: float
+
+
+def spec_summary(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> SpecFields:
     """The speculative-decoding fields of a kvscope object from the sums over its verified drafts; the mean
     acceptance length is vLLM's ``1 + accepted / drafts`` (vllm/v1/spec_decode/metrics.py). ``num_drafts``
     > 0."""

@@ -170,7 +170,6 @@ class GenerationRun:
         return {
             index: request.stats.summary(request.num_output_tokens)
             for index, request in self.engine_requests().items()
-            if request.stats is not None
         }
 
     def engine_requests(self) -> dict[int, Request]:
