@@ -22,6 +22,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
 from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST, default_code, error_type
 from kvscope.common.read_timeouts import READ_TIMEOUT_KEY
 
@@ -131,7 +133,7 @@ class AccessLogMiddleware:
 
     def __init__(
         self,
-        app: Callable,
+        app: ASGIApp,
         on_done: Callable[[AccessRecord, str], None],
         on_start: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
@@ -141,7 +143,7 @@ class AccessLogMiddleware:
         self.on_done = on_done
         self.on_start = on_start
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -151,7 +153,7 @@ class AccessLogMiddleware:
         if self.on_start is not None:
             record.server_span = self.on_start(scope)
 
-        async def send_with_id(message: dict[str, Any]) -> None:
+        async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 message = {

@@ -86,6 +86,7 @@ class AppContext:
         if engine is None:
             from kvscope.engine.async_engine import AsyncEngine
 
+            assert self._engine_config is not None  # __init__ refuses neither an engine nor its config
             engine = await asyncio.to_thread(AsyncEngine, self._engine_config)
         if self.settings.warmup:  # oneDNN shapes of every prefill size (before the step loop)
             await asyncio.to_thread(engine.warm_up_prefill)
