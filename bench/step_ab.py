@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import kvscope.engine.attention.torch_backend as TB
 import kvscope.engine.models.layers as L
 import kvscope.engine.models.llama as M
-import kvscope.engine.models.quant as Q
+import kvscope.engine.weights.quant as Q
 from kvscope.engine.attention.forward_context import get_forward_context
 from kvscope.engine.bench import random_prompts
 from kvscope.engine.llm import LLM

@@ -16,13 +16,13 @@ class ModelConfig:
     file."""
     dtype: str = "float32"
     """Weights/activations dtype: float32 (CPU default, exact parity), bfloat16, float16, or auto: on CPU
-    the faster of float32/bfloat16 by a start-up probe (``kvscope.engine.models.kernel_probe``: bfloat16
+    the faster of float32/bfloat16 by a start-up probe (``kvscope.engine.platform.kernel_probe``: bfloat16
     where oneDNN runs it on AMX/AVX512_BF16), bfloat16 on CUDA."""
     quantization: str = "none"
     """Linear-layer weights (vLLM's ``--quantization``): none, int8 (weight-only, per output channel), int4
     (groups of 32; a Q4_0/Q4_1 GGUF's own blocks), gguf (the GGUF's Q4 tensors as int4, the rest dense).
-    CPU only; see ``kvscope.engine.models.compact``. auto: the fastest format the model's registry entry
-    lists as verified, by the start-up probe (``kvscope.engine.models.format_choice``; with an explicit
+    CPU only; see ``kvscope.engine.platform.compact``. auto: the fastest format the model's registry entry
+    lists as verified, by the start-up probe (``kvscope.engine.platform.format_choice``; with an explicit
     dtype: none). The library keeps none/float32 as defaults (exact parity); ``kvscope engine``/``serve``
     default to auto/auto."""
     cpu_kernels: str = "auto"
@@ -59,7 +59,7 @@ class CacheConfig:
     """Override: exact number of KV blocks (tests)."""
     memory_budget: int | None = None
     """CPU: bytes for weights and KV cache together; when set, the KV cache gets ``memory_budget`` minus the
-    weights bytes of the loaded format (packed, compact and dense copies, ``kvscope.engine.models.compact.
+    weights bytes of the loaded format (packed, compact and dense copies, ``kvscope.engine.platform.compact.
     model_weight_bytes``) instead of ``kv_cache_memory``."""
     gpu_memory_utilization: float = engine_defaults.GPU_MEMORY_UTILIZATION
     """CUDA: fraction of device memory for weights + activations + KV cache."""

@@ -23,9 +23,10 @@ from kvscope.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOut
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.input_processor import EngineRequest, InputProcessor
 from kvscope.engine.memory import process_memory_bytes, with_kv_budget
-from kvscope.engine.models.compact import model_weight_bytes
 from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.platform.compact import model_weight_bytes
 from kvscope.engine.platform.cpu import configure_threads, prepare_for_cpu, warm_up_prefill
+from kvscope.engine.platform.fused_decode import FusedDecoder
 from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.spec_decode.drafter import NgramDrafter
@@ -57,7 +58,7 @@ class ModelInfo:
     quantization: str = "none"
     """``--quantization`` as loaded (``auto`` resolved)."""
     format_reason: str = ""
-    """Why this format (kvscope.engine.models.format_choice)."""
+    """Why this format (kvscope.engine.platform.format_choice)."""
     cpu_kernels: str = ""
     """The CPU kernels of the compact weights: ``kvscope (fused decode up to N rows)``
     (kernels/cpu_decode.py), ``torch`` (and why not kvscope's), or empty off CPU / for dense formats."""
@@ -154,6 +155,7 @@ class EngineCore:
             self.vocab_size,
             self.device,
             structured=self.structured,
+            fused=FusedDecoder.from_model(self.model) if self.device.type == "cpu" else None,
         )
         self.kv_cache_manager = KVCacheManager(
             BlockPool(num_blocks, config.cache.enable_prefix_caching),

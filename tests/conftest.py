@@ -111,7 +111,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 @pytest.fixture(scope="session")
 def model_dir():
     """The default model converted to an HF folder (pulled and converted on first use)."""
-    from kvscope.engine.models.loader import resolve_model_dir
+    from kvscope.engine.weights.files import resolve_model_dir
 
     return resolve_model_dir("smollm2-135m")
 
@@ -140,7 +140,7 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvscope.engine.models.loader import resolve_model_dir
+    from kvscope.engine.weights.files import resolve_model_dir
 
     path = next(resolve_model_dir("smollm2-135m").parent.glob("*.gguf"))
     readers: dict = {}

@@ -101,8 +101,8 @@ def _run(args: argparse.Namespace, specs, text) -> int:
     from kvscope.engine.eval.perplexity import sliding_windows
     from kvscope.engine.eval.report import EvalReport, build_rows, markdown_table, this_machine
     from kvscope.engine.eval.runner import run_format
-    from kvscope.engine.models.loader import read_hf_config, resolve_model_dir
     from kvscope.engine.text.tokenizer import Tokenizer
+    from kvscope.engine.weights.files import read_hf_config, resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(args.model)

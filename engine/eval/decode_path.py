@@ -2,11 +2,11 @@
 
 ``kvscope eval ppl`` scores text through ``prompt_logprobs``, i.e. prefill: many rows per matmul, so the
 compact layers run their dense copies and the decode kernels (kernels/cpu_decode.py,
-engine/models/fused_decode.py: int4 GEMVs with int8 activations, a Q8_0 LM head, attention read from the paged
-cache) are never exercised. Here each token of the text is fed as a one-token decode step over the paged KV
-cache of the tokens before it, and the log-probability of the next token is read from that step's logits: the
-numbers a served request's tokens are sampled from. The NLL is summed in float64; perplexity = exp(mean NLL)
-over ``len(tokens) - 1`` tokens, comparable with the prefill perplexity of the same tokens in one window.
+engine/platform/fused_decode.py: int4 GEMVs with int8 activations, a Q8_0 LM head, attention read from the
+paged cache) are never exercised. Here each token of the text is fed as a one-token decode step over the paged
+KV cache of the tokens before it, and the log-probability of the next token is read from that step's logits:
+the numbers a served request's tokens are sampled from. The NLL is summed in float64; perplexity = exp(mean
+NLL) over ``len(tokens) - 1`` tokens, comparable with the prefill perplexity of the same tokens in one window.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import torch
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
-from kvscope.engine.models.fused_decode import FusedDecoder
 from kvscope.engine.worker.kv_cache import allocate_kv_caches
+from kvscope.engine.worker.model_runner import DecodeStep
 
 BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
 def decode_path_nll(
-    model: torch.nn.Module, tokens: Sequence[int], dtype: torch.dtype, fused: FusedDecoder | None = None
+    model: torch.nn.Module, tokens: Sequence[int], dtype: torch.dtype, fused: DecodeStep | None = None
 ) -> list[float]:
     """NLL (nats) of ``tokens[i + 1]`` after decode steps over ``tokens[: i + 1]``, for i = 0 … n − 2.
 

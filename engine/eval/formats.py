@@ -16,7 +16,7 @@ NAMED_FORMATS: dict[str, tuple[str, str]] = {
 """Format name → (``--dtype``, ``--quantization``) as the engine takes them: the engine's weight formats
 (``kvscope.common.weight_formats``), compact ones with float32 activations (the reference, so a bound
 measures the weights' quantization alone); ``auto`` is what ``kvscope serve`` and ``kvscope engine`` load by
-default (the fastest verified format by the start-up probe, engine/models/format_choice.py).
+default (the fastest verified format by the start-up probe, engine/platform/format_choice.py).
 ``DTYPE/QUANTIZATION`` (e.g. ``bfloat16/gguf``, ``auto/none``) names any other pair."""
 DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "gguf", "auto")
 

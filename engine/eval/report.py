@@ -14,7 +14,7 @@ from kvscope.engine.eval.agreement import Agreement, agreement
 from kvscope.engine.eval.formats import REFERENCE
 from kvscope.engine.eval.perplexity import relative_change_pct
 from kvscope.engine.eval.runner import FormatRun
-from kvscope.engine.models.kernel_probe import cpu_bf16_flags
+from kvscope.engine.platform.kernel_probe import cpu_bf16_flags
 
 TABLE_COLUMNS = (
     "format",
@@ -35,7 +35,8 @@ class Machine:
 
     cpu_model: str
     cpu_flags: tuple[str, ...]
-    """The bfloat16/AMX flags of /proc/cpuinfo (``kvscope.engine.models.kernel_probe.BF16_FLAGS``) it has."""
+    """The bfloat16/AMX flags of /proc/cpuinfo (``kvscope.engine.platform.kernel_probe.BF16_FLAGS``) it
+    has."""
     torch_cpu_capability: str
     threads: int
     logical_cpus: int

@@ -28,10 +28,10 @@ from kvscope.engine.eval.agreement import AGREEMENT_PROMPTS, AGREEMENT_TOKENS
 from kvscope.engine.eval.formats import FormatSpec
 from kvscope.engine.eval.perplexity import PerplexityResult, Window, score_windows
 from kvscope.engine.llm import LLM
-from kvscope.engine.models.compact import model_weight_bytes
-from kvscope.engine.models.kernel_probe import NO_DENSE
-from kvscope.engine.models.quant import CompactLinearKernel
+from kvscope.engine.platform.compact import model_weight_bytes
+from kvscope.engine.platform.kernel_probe import NO_DENSE
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.weights.quant import CompactLinearKernel
 
 KERNEL_MODES = ("compact", "served")
 KV_CACHE_BYTES = 512 << 20

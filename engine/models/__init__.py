@@ -1,4 +1,6 @@
-"""Llama-family models over the paged KV cache, their loader and the GGUF converter."""
+"""Llama-family model architectures over the paged KV cache (llama.py, layers.py) and the architecture
+registry (registry.py). Weight formats and model files: kvscope.engine.weights; the CPU platform:
+kvscope.engine.platform."""
 
 from kvscope.engine.models.llama import (
     ArchConfig,

@@ -164,7 +164,7 @@ def uses_packed_dense(kernel: object, rows: int) -> bool:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same HF weight names) that can switch to :class:`CpuLinearKernel`, or
-    to compact weights (:meth:`use_compact`, ``kvscope.engine.models.quant``).
+    to compact weights (:meth:`use_compact`, ``kvscope.engine.weights.quant``).
 
     Until :meth:`prepare_for_cpu` or :meth:`use_compact` is called it is exactly ``nn.Linear``.
     """

@@ -233,11 +233,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.decode_head = None
         """An 8-bit copy of the LM head (kvscope.kernels.cpu_decode.PairBlocks) for the fused CPU decode
-        step (engine/models/fused_decode.py), set by kvscope.engine.models.compact with kvscope's CPU
+        step (engine/platform/fused_decode.py), set by kvscope.engine.platform.compact with kvscope's CPU
         kernels; None otherwise."""
         self.logits_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         """CPU kernel of the LM head: a CpuLinearKernel (set by kvscope.engine.platform.cpu.prepare_for_cpu),
-        or a compact one (kvscope.engine.models.compact)."""
+        or a compact one (kvscope.engine.platform.compact)."""
 
     @classmethod
     def arch_config(cls, cfg: Mapping[str, Any]) -> ArchConfig:

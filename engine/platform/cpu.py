@@ -66,7 +66,7 @@ def prepare_for_cpu(model: LlamaForCausalLM) -> int:
     if not model.config.tie_word_embeddings:
         model.logits_kernel = model.lm_head.cpu_kernel
         return switched
-    if getattr(model.logits_kernel, "compact", None) is not None:  # int8 logits (engine/models/compact.py)
+    if getattr(model.logits_kernel, "compact", None) is not None:  # int8 logits (engine/platform/compact.py)
         return switched + 1
     embed = model.model.embed_tokens
     kernel = cpu_linear_kernel(embed.weight, None)

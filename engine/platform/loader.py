@@ -1,8 +1,8 @@
 """``load_model``: a model for this machine, from its name or path to a built, quantized module.
 
 Model files → weight format (``--quantization``/``--dtype``, resolved with the CPU kernel probe and whether
-kvscope's CPU kernels load) → module (kvscope.engine.models.loader.build_model) → quantization
-(kvscope.engine.models.compact) → the C++ elementwise-op switches. Returns the model with a
+kvscope's CPU kernels load) → module (kvscope.engine.weights.files.build_model) → quantization
+(kvscope.engine.platform.compact) → the C++ elementwise-op switches. Returns the model with a
 :class:`LoadReport` beside it (the module carries no report). Packing the projections for the CPU
 (:func:`kvscope.engine.platform.cpu.prepare_for_cpu`) is the engine's next step, not the loader's.
 """
@@ -20,12 +20,12 @@ import torch
 from kvscope.common.models.cache import cache_root
 from kvscope.common.models.registry import verified_formats
 from kvscope.engine.config import ModelConfig
-from kvscope.engine.models.compact import QuantReport, quantize_model
-from kvscope.engine.models.format_choice import FormatChoice, choose_format, pinned_format
-from kvscope.engine.models.kernel_probe import KernelChoice, probe_cpu_kernels
 from kvscope.engine.models.llama import LlamaForCausalLM, check_sliding_window
-from kvscope.engine.models.loader import build_model, read_hf_config, resolve_model_files
+from kvscope.engine.platform.compact import QuantReport, quantize_model
 from kvscope.engine.platform.cpu import load_cpu_kernels, use_cpu_elementwise_ops
+from kvscope.engine.platform.format_choice import FormatChoice, choose_format, pinned_format
+from kvscope.engine.platform.kernel_probe import KernelChoice, probe_cpu_kernels
+from kvscope.engine.weights.files import build_model, read_hf_config, resolve_model_files
 from kvscope.kernels.cpu_decode import BuildResult
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def load_model(
     """Resolve, (pull, convert,) and load ``model_config.model`` on ``device`` in the weight format the flags
     ask for (``auto``: chosen for this machine). ``root`` overrides the model cache root. Raises ValueError
     for unsupported architectures, a context longer than a sliding window, or a quantization off the CPU;
-    UnknownModelError / PullError as kvscope.engine.models.loader.resolve_model_dir."""
+    UnknownModelError / PullError as kvscope.engine.weights.files.resolve_model_dir."""
     start = time.perf_counter()
     model_dir, converted, gguf_path = resolve_model_files(model_config.model, root)
     resolved = time.perf_counter()
@@ -161,7 +161,7 @@ def resolve_format(
     cpu_kernels: bool = False,
 ) -> FormatChoice:
     """The weight format to load: ``--quantization auto`` with ``--dtype auto`` asks
-    :func:`kvscope.engine.models.format_choice.choose_format` (the model's verified formats, the probe,
+    :func:`kvscope.engine.platform.format_choice.choose_format` (the model's verified formats, the probe,
     whether kvscope's CPU kernels loaded: ``cpu_kernels``); an explicit ``--dtype`` with ``auto`` pins dense
     weights in it; explicit flags are kept as given (dtype auto resolved).
     """

@@ -63,7 +63,7 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     """The engine options of ``kvscope engine`` (kvscope.engine.llm.build_engine_config keywords). None:
     the default of :class:`kvscope.engine.config.EngineConfig` (engine/config.py holds those defaults,
     once). The server's own defaults differ in one place: ``dtype``/``quantization`` are ``auto`` (the
-    fastest verified weight format, engine/models/format_choice.py), where the library keeps float32 for
+    fastest verified weight format, engine/platform/format_choice.py), where the library keeps float32 for
     exact parity."""
 
     model: Annotated[str, Flag("registry name, HF folder or .gguf file")] = DEFAULT_MODEL

@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
-from kvscope.engine.attention.backend import AttentionBackend
+from kvscope.engine.attention.backend import AttentionBackend, AttentionMetadata
 from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.core.request import Request
 from kvscope.engine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from kvscope.engine.models.fused_decode import FusedDecoder
 from kvscope.engine.models.llama import LlamaForCausalLM
 from kvscope.engine.outputs import TokenLogprob
 from kvscope.engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
@@ -35,13 +35,40 @@ PROMPT_LOGPROBS_SLICE = 256
 """Prompt positions whose full-vocabulary logits are materialised at once (bounds memory for echo)."""
 
 
+class DecodeStep(Protocol):
+    """A whole decode step in one call, in place of the eager model for the steps it :meth:`applies` to
+    (the CPU platform's ``FusedDecoder``, kvscope.engine.platform.fused_decode: built by EngineCore and
+    handed to the runner, which never imports the platform)."""
+
+    @property
+    def max_rows(self) -> int:
+        """Most requests one such step takes."""
+        ...
+
+    def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step (``metadata``, over ``kv_caches``) can run in one call."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids, positions int64 ``[n]`` (one token per request) → float32 logits ``[n, vocab]``; writes
+        the new tokens' K/V into ``kv_caches`` at ``metadata.slot_mapping``."""
+        ...
+
+
 class ModelRunner:
     """Executes SchedulerOutputs: packs inputs, runs the model under a forward context, samples.
 
     Owns the paged KV caches (allocated here from ``kv_cache_spec`` and ``num_blocks``), the grammar matchers
     of constrained requests (a :class:`MatcherTable` over ``structured``; None without it) and the per-request
     generators. The model comes ready to run (CPU packing: kvscope.engine.platform.cpu); the runner never
-    changes it.
+    changes it. ``fused``: a one-call decode step for the decode-only steps it applies to (None: every step
+    runs the eager model).
     """
 
     def __init__(
@@ -53,11 +80,12 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         structured: StructuredOutputManager | None = None,
+        fused: DecodeStep | None = None,
     ) -> None:
         self.model = model
-        self.fused = FusedDecoder.from_model(model) if device.type == "cpu" else None
-        """The one-call C++ decode step (engine/models/fused_decode.py) for decode-only steps; None where the
-        model's weights or the CPU do not allow it."""
+        self.fused = fused
+        """The one-call decode step for decode-only steps (on CPU, the platform's C++ decode step where the
+        model's weights and the CPU allow it); None: the eager model runs every step."""
         self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
         """One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         self.backend = backend

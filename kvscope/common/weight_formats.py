@@ -1,5 +1,5 @@
 """The engine's weight formats by name and the flags each runs with: one table for the format chooser
-(engine/models/format_choice.py), ``kvscope eval ppl`` (engine/eval/formats.py) and the capacity planner
+(engine/platform/format_choice.py), ``kvscope eval ppl`` (engine/eval/formats.py) and the capacity planner
 (kvscope/plan/engine_formats.py).
 
 A compact format quantizes the weights of the linear layers only (engine/config.py ``quantization``): int8

@@ -1,6 +1,7 @@
 """Bytes the kvscope engine holds per weight format on CPU (``kvscope plan --weights-format``), exactly as
-engine/models/{layers,compact,quant}.py build them (``kvscope.engine.models.compact.model_weight_bytes``
-measures the same count; tests/plan/test_engine_formats.py checks it against the loaded SmolLM2-135M).
+engine/models/layers.py, engine/weights/quant.py and engine/platform/compact.py build them
+(``kvscope.engine.platform.compact.model_weight_bytes`` measures the same count;
+tests/plan/test_engine_formats.py checks it against the loaded SmolLM2-135M).
 
 Per matrix weight of the linear layers and the LM head (``d`` = bytes of the dense dtype, 4 float32 / 2
 bfloat16):

@@ -169,7 +169,7 @@ def test_engine_defaults_env_and_flags() -> None:
     args = build_parser().parse_args([])
     options, settings = engine_options(args), server_settings(args, env)
     # the servers' one default of their own: the fastest verified weight format
-    # (engine/models/format_choice.py)
+    # (engine/platform/format_choice.py)
     assert (
         options.config_kwargs() == {"dtype": "auto", "quantization": "auto"}
         and options.model == "smollm2-135m"

@@ -22,8 +22,8 @@ from kvscope.engine.eval.perplexity import PerplexityResult, Window, score_windo
 from kvscope.engine.eval.report import TABLE_COLUMNS, EvalReport, Machine, build_rows, markdown_table
 from kvscope.engine.eval.runner import FormatRun, force_compact_kernels
 from kvscope.engine.eval.text import DEFAULT_TEXT_SHA256, DEFAULT_TEXT_TOKENS, EvalTextError, load_text
-from kvscope.engine.models.kernel_probe import NO_DENSE
-from kvscope.engine.models.quant import CompactLinearKernel, Int8Weight
+from kvscope.engine.platform.kernel_probe import NO_DENSE
+from kvscope.engine.weights.quant import CompactLinearKernel, Int8Weight
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,9 +13,9 @@ from kvscope.common.models.registry import verified_formats
 from kvscope.engine.config import CacheConfig, ModelConfig
 from kvscope.engine.engine_core import format_line
 from kvscope.engine.memory import cpu_kv_budget, process_memory_bytes
-from kvscope.engine.models.compact import model_weight_bytes
-from kvscope.engine.models.format_choice import choose_format, format_cost_ms, format_score
-from kvscope.engine.models.kernel_probe import NO_DENSE, KernelChoice
+from kvscope.engine.platform.compact import model_weight_bytes
+from kvscope.engine.platform.format_choice import choose_format, format_cost_ms, format_score
+from kvscope.engine.platform.kernel_probe import NO_DENSE, KernelChoice
 from kvscope.engine.server.cli import build_parser, engine_options
 from kvscope.plan.engine_formats import engine_weight_bytes
 from kvscope.plan.model_files import read_model
@@ -285,7 +285,7 @@ def test_the_amx_copy_is_counted_and_planned(monkeypatch: pytest.MonkeyPatch, mo
     from dataclasses import replace
 
     from kvscope.engine.llm import LLM
-    from kvscope.engine.models.quant import CompactLinearKernel
+    from kvscope.engine.weights.quant import CompactLinearKernel
 
     monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: replace(XEON_AMX, batched_rows=32))
     engine = LLM("smollm2-135m", dtype="auto", quantization="auto").engine

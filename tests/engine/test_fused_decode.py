@@ -1,4 +1,4 @@
-"""The fused CPU decode step (engine/models/fused_decode.py on kernels/cpu_decode.py): when the model runner
+"""The fused CPU decode step (engine/platform/fused_decode.py on kernels/cpu_decode.py): when the model runner
 uses it, that its tokens are the served model's (teacher-forced decode perplexity within the int4 bound of
 float32), that the K/V it writes is what the eager decoder writes, and the fallbacks."""
 
@@ -15,8 +15,8 @@ from kvscope.engine.config import ModelConfig
 from kvscope.engine.eval.decode_path import decode_path_nll, perplexity
 from kvscope.engine.eval.text import load_text
 from kvscope.engine.llm import LLM
-from kvscope.engine.models.fused_decode import FusedDecoder
-from kvscope.engine.models.kernel_probe import KernelChoice
+from kvscope.engine.platform.fused_decode import FusedDecoder
+from kvscope.engine.platform.kernel_probe import KernelChoice
 from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.text.tokenizer import Tokenizer

@@ -13,9 +13,9 @@ from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 from kvscope.engine.config import ModelConfig
-from kvscope.engine.models import loader
-from kvscope.engine.models.loader import resolve_model_dir
 from kvscope.engine.platform.loader import load_model
+from kvscope.engine.weights import files
+from kvscope.engine.weights.files import resolve_model_dir
 from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_caches, paged_step, prompt
 
 
@@ -34,8 +34,8 @@ def test_registry_name_pulls_then_converts_once(tmp_path: Path, monkeypatch: pyt
     gguf = tmp_path / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     pulls: list[str] = []
     converts: list[tuple[Path, Path]] = []
-    monkeypatch.setattr(loader, "pull", lambda name, root=None: pulls.append(name) or gguf)
-    monkeypatch.setattr(loader, "convert_gguf_to_hf", fake_convert(converts))
+    monkeypatch.setattr(files, "pull", lambda name, root=None: pulls.append(name) or gguf)
+    monkeypatch.setattr(files, "convert_gguf_to_hf", fake_convert(converts))
     expected = tmp_path / "models" / "smollm2-135m" / "hf"
     assert resolve_model_dir("smollm2-135m", root=tmp_path) == expected
     assert resolve_model_dir("smollm2-135m", root=tmp_path) == expected
@@ -45,7 +45,7 @@ def test_registry_name_pulls_then_converts_once(tmp_path: Path, monkeypatch: pyt
 
 def test_gguf_path_converts_into_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     converts: list[tuple[Path, Path]] = []
-    monkeypatch.setattr(loader, "convert_gguf_to_hf", fake_convert(converts))
+    monkeypatch.setattr(files, "convert_gguf_to_hf", fake_convert(converts))
     src = tmp_path / "src"
     src.mkdir()
     (src / "m.gguf").write_bytes(b"GGUF")
@@ -65,12 +65,12 @@ def test_processes_starting_at_once_convert_once(tmp_path: Path, monkeypatch: py
 
     converts: list[tuple[Path, Path]] = []
     convert = fake_convert(converts)
-    monkeypatch.setattr(loader, "convert_gguf_to_hf", lambda g, o: time.sleep(0.5) or convert(g, o))
+    monkeypatch.setattr(files, "convert_gguf_to_hf", lambda g, o: time.sleep(0.5) or convert(g, o))
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         found = list(
             pool.map(
-                lambda _: loader.resolve_model_files(str(tmp_path / "m.gguf"), tmp_path / "cache"), range(2)
+                lambda _: files.resolve_model_files(str(tmp_path / "m.gguf"), tmp_path / "cache"), range(2)
             )
         )
     assert len(converts) == 1 and found[0][0] == found[1][0] == converts[0][1]

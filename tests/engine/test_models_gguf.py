@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from kvscope.engine.config import ModelConfig
-from kvscope.engine.models.gguf import convert_gguf_to_hf, hf_tensor_name, reverse_permute
 from kvscope.engine.platform.loader import load_model
+from kvscope.engine.weights.gguf import convert_gguf_to_hf, hf_tensor_name, reverse_permute
 from tests.engine.test_models_tiny import ATOL, Pair, hf_logits, make_pair, new_caches, paged_step, prompt
 
-# Written independently of engine/models/gguf.py: llama.cpp's names (gguf-py tensor_mapping.py).
+# Written independently of engine/weights/gguf.py: llama.cpp's names (gguf-py tensor_mapping.py).
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",

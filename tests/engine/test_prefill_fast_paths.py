@@ -15,8 +15,8 @@ from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.forward_context import set_forward_context
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend
 from kvscope.engine.models.layers import Linear, aligned_rows, cpu_linear_kernel, packed_linear_kernel
-from kvscope.engine.models.quant import CompactLinearKernel, Int8Weight
 from kvscope.engine.platform.cpu import prepare_for_cpu, warm_up_prefill
+from kvscope.engine.weights.quant import CompactLinearKernel, Int8Weight
 from tests.engine.test_attention_ref import allocate_blocks
 from tests.engine.test_models_tiny import make_pair
 

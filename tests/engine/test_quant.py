@@ -1,4 +1,4 @@
-"""Compact weights (engine/models/quant.py, compact.py, kernel_probe.py): GGUF Q4_0/Q4_1 blocks map onto
+"""Compact weights (engine/weights/quant.py, compact.py, kernel_probe.py): GGUF Q4_0/Q4_1 blocks map onto
 torch's int4 CPU kernel without re-quantizing, int8 per-row weights, the compact/dense switch and the byte
 count.
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvscope.engine.models.compact import model_weight_bytes, source_names
-from kvscope.engine.models.kernel_probe import NO_DENSE, crossover
 from kvscope.engine.models.layers import Linear, packed_linear_kernel
-from kvscope.engine.models.quant import (
+from kvscope.engine.platform.compact import model_weight_bytes, source_names
+from kvscope.engine.platform.kernel_probe import NO_DENSE, crossover
+from kvscope.engine.weights.quant import (
     CompactLinearKernel,
     Int4Blocks,
     Int4Weight,
@@ -166,7 +166,7 @@ def test_source_names_follow_the_fused_shard_order() -> None:
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path) -> None:
-    from kvscope.engine.models.kernel_probe import cpu_bf16_flags
+    from kvscope.engine.platform.kernel_probe import cpu_bf16_flags
 
     (tmp_path / "amx").write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
     (tmp_path / "zen3").write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
@@ -176,7 +176,7 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path) -> None:
 
 
 def test_probe_times_every_candidate_and_picks_consistently() -> None:
-    from kvscope.engine.models.kernel_probe import amx_rows, probe_cpu_kernels
+    from kvscope.engine.platform.kernel_probe import amx_rows, probe_cpu_kernels
     from kvscope.kernels.cpu_decode import amx_loaded
 
     choice = probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1, batched_rows=(4, 8))

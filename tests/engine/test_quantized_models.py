@@ -14,14 +14,14 @@ from safetensors.torch import load_file
 
 import kvscope.engine.platform.loader as loader
 from kvscope.engine.config import ModelConfig
-from kvscope.engine.models.compact import model_weight_bytes, source_names
-from kvscope.engine.models.gguf import INT4_CACHE_FILE, cached_gguf_int4_blocks, convert_gguf_to_hf
-from kvscope.engine.models.kernel_probe import KernelChoice
 from kvscope.engine.models.layers import Linear
-from kvscope.engine.models.loader import gguf_conversion_dir
-from kvscope.engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
+from kvscope.engine.platform.compact import model_weight_bytes, source_names
+from kvscope.engine.platform.kernel_probe import KernelChoice
 from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.weights.files import gguf_conversion_dir
+from kvscope.engine.weights.gguf import INT4_CACHE_FILE, cached_gguf_int4_blocks, convert_gguf_to_hf
+from kvscope.engine.weights.quant import CompactLinearKernel, Int4Blocks, Int4Weight
 from kvscope.kernels.cpu_decode import PairBlocks
 from tests.engine.test_models_gguf import write_gguf
 from tests.engine.test_models_tiny import Pair, make_pair, new_caches, paged_step, prompt

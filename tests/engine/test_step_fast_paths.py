@@ -14,7 +14,7 @@ from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.resident_kv import ResidentDecodeKV
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend, attention_compute_dtype
 from kvscope.engine.models.layers import RMSNorm
-from kvscope.engine.models.quant import CompactLinearKernel, Int4Blocks, Int4Weight
+from kvscope.engine.weights.quant import CompactLinearKernel, Int4Blocks, Int4Weight
 from tests.engine.test_attention_ref import HEAD_DIM, allocate_blocks
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvscope.common.models.cache import cache_root
-from kvscope.engine.models.kernel_probe import BATCHED_PROBE_ROWS, amx_rows
 from kvscope.engine.models.layers import packed_linear_kernel, uses_packed_dense
-from kvscope.engine.models.quant import CompactLinearKernel
 from kvscope.engine.platform.cpu import CPU_KERNELS_DIR
+from kvscope.engine.platform.kernel_probe import BATCHED_PROBE_ROWS, amx_rows
+from kvscope.engine.weights.quant import CompactLinearKernel
 from kvscope.kernels.cpu_decode import PairBlocks, TileBlocks, amx_loaded, load
 
 

@@ -1,6 +1,6 @@
-"""``kvscope plan --weights-format``: the bytes the kvscope engine holds per CPU weight format (the counts
-``kvscope.engine.models.compact.model_weight_bytes`` reported for SmolLM2-135M on 2026-12-01, dense copies in
-bfloat16), bytes per parameter, and the recommended flags naming the format."""
+"""``kvscope plan --weights-format``: the bytes the kvscope engine holds per CPU weight format (the
+counts ``kvscope.engine.platform.compact.model_weight_bytes`` reported for SmolLM2-135M on 2026-12-01, dense
+copies in bfloat16), bytes per parameter, and the recommended flags naming the format."""
 
 from __future__ import annotations
 

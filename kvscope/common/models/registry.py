@@ -31,7 +31,7 @@ class ModelSpec:
     ``int8``, ``gguf`` (engine/eval/formats.py: bfloat16 = ``--dtype bfloat16``; int8/gguf =
     ``--quantization int8/gguf`` with ``--dtype float32``), perplexity within +1 % (bfloat16, int8) / +0.5
     % (gguf) of float32's. ``kvscope serve`` and ``kvscope engine`` default to the fastest of them
-    (engine/models/format_choice.py)."""
+    (engine/platform/format_choice.py)."""
     verified_by: str = ""
     """Where ``verified_formats`` comes from (logged at start-up with the choice)."""
 

@@ -1,5 +1,5 @@
-"""``python -m kvscope.engine.models.kernel_probe_cli``: the start-up kernel probe
-(:mod:`kvscope.engine.models.kernel_probe`) and ms per decode step of a model's matmuls per weight format,
+"""``python -m kvscope.engine.platform.kernel_probe_cli``: the start-up kernel probe
+(:mod:`kvscope.engine.platform.kernel_probe`) and ms per decode step of a model's matmuls per weight format,
 rows and threads (see docs/engine-server.md, Weight formats). A separate module so that the probe stays
 below the loader (no import circle)."""
 
@@ -11,16 +11,16 @@ from collections.abc import Sequence
 
 import torch
 
-from kvscope.engine.models.kernel_probe import decode_matmul_ms, model_linear_shapes, probe_cpu_kernels
-from kvscope.engine.models.loader import read_hf_config, resolve_model_dir
+from kvscope.engine.platform.kernel_probe import decode_matmul_ms, model_linear_shapes, probe_cpu_kernels
+from kvscope.engine.weights.files import read_hf_config, resolve_model_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvscope.engine.models.kernel_probe_cli [--model M] [--threads 1 2] [--rows 1 32]``: run
+    """``python -m kvscope.engine.platform.kernel_probe_cli [--model M] [--threads 1 2] [--rows 1 32]``: run
     the probe, then print ms per decode step of the model's matmuls per format and thread count (wall time,
     and on one thread also CPU time: see :func:`decode_matmul_ms`)."""
     p = argparse.ArgumentParser(
-        prog="python -m kvscope.engine.models.kernel_probe_cli", description=main.__doc__
+        prog="python -m kvscope.engine.platform.kernel_probe_cli", description=main.__doc__
     )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])

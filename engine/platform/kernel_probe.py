@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvscope.engine.models.layers import packed_linear_kernel
-from kvscope.engine.models.quant import Int4Blocks, Int4Weight, Int8Weight, int4_weight
+from kvscope.engine.weights.quant import Int4Blocks, Int4Weight, Int8Weight, int4_weight
 from kvscope.kernels import cpu_decode
 
 logger = logging.getLogger(__name__)
@@ -253,12 +253,12 @@ def decode_matmul_ms(
     """Best time (ms) of one decode step's matmuls ``shapes`` (``[N, K]`` each, in order, e.g.
     :func:`model_linear_shapes`) at ``rows`` rows in format ``fmt``: float32/bfloat16 (dense, as
     ``Linear.prepare_for_cpu``) or int4/int8 (compact kernels switching to dense above ``choice.max_rows``;
-    the last shape, the LM head, stays dense under int4 as in ``kvscope.engine.models.compact``),
+    the last shape, the LM head, stays dense under int4 as in ``kvscope.engine.platform.compact``),
     optionally with the model dtype, e.g. ``int4:bfloat16`` (activations and the dense LM head; default
     float32). ``clock``: ``time.process_time`` measures CPU time instead of wall time, which on one thread
     and a busy shared machine is close to the idle wall time (waiting for a core is not counted)."""
     from kvscope.engine.models.layers import cpu_linear_kernel
-    from kvscope.engine.models.quant import CompactLinearKernel
+    from kvscope.engine.weights.quant import CompactLinearKernel
 
     quant, _, dtype_name = fmt.partition(":")
     dtype = getattr(torch, dtype_name or ("bfloat16" if quant == "bfloat16" else "float32"))

@@ -4,12 +4,13 @@ Candidates: the model's verified formats (``kvscope.common.models.registry.Model
 of
 :data:`FORMATS`; a model that is not registered: float32 and bfloat16,
 ``kvscope.common.models.registry.verified_formats``). Speed: the start-up kernel probe
-(:func:`kvscope.engine.models.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD EPYC without
+(:func:`kvscope.engine.platform.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD EPYC without
 AMX gets what *its* probe measured. A format's cost at ``n`` rows is the time of the kernel it runs there: its
 dense dtype's for float32/bfloat16; for int8/gguf (int4) the compact kernel up to the crossover
 ``choice.max_rows``, for gguf then kvscope's AMX int4 matmul up to ``choice.batched_rows`` (where the probe
 found it faster than the dense copy: ``int4_amx@n``), and the dense copy above, as
-:class:`kvscope.engine.models.quant.CompactLinearKernel` switches (``runs_batched``). Leaving the AMX rows out
+:class:`kvscope.engine.weights.quant.CompactLinearKernel` switches (``runs_batched``).
+Leaving the AMX rows out
 scored gguf at the dense copy's cost there, level with int8 (0.40 vs 0.43 on the 2-vCPU Xeon), and the noise
 of one start-up probe then picked int8 on some starts: 22 vs 6 ms a decode step at batch 1 and 64 vs 33 ms at
 batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score is the geometric mean over
@@ -19,7 +20,7 @@ user sees, batch 32+ the throughput under load); the lowest score wins, ties go 
 
 The probe times matmuls, not decode steps. Where kvscope's CPU kernels are loaded (``cpu_kernels``: they hold
 gguf's 4-bit blocks) and the probe found the compact int4 kernel faster than the dense one at one row or more,
-gguf's decode step runs as one C++ call up to those rows (engine/models/fused_decode.py) with paged decode
+gguf's decode step runs as one C++ call up to those rows (engine/platform/fused_decode.py) with paged decode
 attention and fused norms around the matmuls above them: the ~1,000 torch ops of an eager step are gone, which
 no matmul timing shows. Then gguf is chosen whatever the matmul scores say (they are still logged). Measured,
 decode ms per step at batch 1 / 32, gguf vs int8: 2-vCPU AMD EPYC (AVX-512 + AVX512_BF16, no AMX) 5.3 / 31.6
@@ -38,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvscope.common.weight_formats import VERIFIABLE_FORMATS, format_flags
-from kvscope.engine.models.kernel_probe import KernelChoice
+from kvscope.engine.platform.kernel_probe import KernelChoice
 
 FORMATS = VERIFIABLE_FORMATS
 """The candidates, highest precision first; each runs with the flags of

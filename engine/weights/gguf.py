@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from kvscope.common.gguf_fields import gguf_field, gguf_scalar
-from kvscope.engine.models.quant import GGUF_INT4_TYPES, Int4Blocks, int4_blocks_from_gguf
+from kvscope.engine.weights.quant import GGUF_INT4_TYPES, Int4Blocks, int4_blocks_from_gguf
 
 logger = logging.getLogger(__name__)
 

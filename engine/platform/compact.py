@@ -14,7 +14,7 @@ layers are stored in those kernels' layout (the same codes, d and min) and the m
 fused decode step and every one-row logits computation read; logits of more rows (batched decode, prompt
 logprobs) keep the dense head. Each compact layer keeps a dense oneDNN-packed copy for batches above the
 crossover
-:func:`kvscope.engine.models.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
+:func:`kvscope.engine.platform.kernel_probe.probe_cpu_kernels` measured (see docs/engine-server.md).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from kvscope.engine.memory import tensor_nbytes
-from kvscope.engine.models.gguf import cached_gguf_int4_blocks
-from kvscope.engine.models.kernel_probe import NO_DENSE, KernelChoice
 from kvscope.engine.models.layers import CpuLinearKernel, Linear, packed_linear_kernel
 from kvscope.engine.models.llama import _STACKED, LlamaForCausalLM
-from kvscope.engine.models.quant import (
+from kvscope.engine.platform.kernel_probe import NO_DENSE, KernelChoice
+from kvscope.engine.weights.gguf import cached_gguf_int4_blocks
+from kvscope.engine.weights.quant import (
     CompactLinearKernel,
     Int4Blocks,
     Int4Weight,
@@ -82,7 +82,7 @@ def quantize_model(
     """Replace the dense weights of ``model`` (loaded, on CPU) by compact kernels, in place (module doc).
 
     ``gguf_path``: the GGUF the model came from (None: a HF folder); ``cache_dir`` holds the int4 block cache
-    (``kvscope.engine.models.gguf.INT4_CACHE_FILE``); ``pair_kernels``: kvscope's CPU kernels are loaded
+    (``kvscope.engine.weights.gguf.INT4_CACHE_FILE``); ``pair_kernels``: kvscope's CPU kernels are loaded
     (``kvscope.kernels.cpu_decode.load``), so int4 layers use their layout and the LM head gets a Q8_0 copy.
     Raises ValueError for an unknown quantization, or ``gguf`` without a GGUF.
     """
@@ -109,7 +109,7 @@ def quantize_model(
         model.logits_kernel = _kernel(Int8Weight.from_float(embed), embed, None, choice)
         counts["quantized"] += 1
     elif pair_kernels and quantization in ("int4", "gguf") and model.config.hidden_size % PAIR == 0:
-        # the Q8_0 LM head of the fused decode step (engine/models/fused_decode.py) and of one-row logits;
+        # the Q8_0 LM head of the fused decode step (engine/platform/fused_decode.py) and of one-row logits;
         # prompt logprobs and batched decode keep the dense head (compute_logits), as with torch's kernels
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         model.decode_head = PairBlocks.q8_from_float(head)

@@ -23,9 +23,9 @@ from safetensors import safe_open
 from kvscope.common.models.cache import cache_root, hf_dir
 from kvscope.common.models.pull import pull
 from kvscope.common.models.registry import UnknownModelError, is_registered, list_models
-from kvscope.engine.models.gguf import convert_gguf_to_hf
 from kvscope.engine.models.llama import LlamaForCausalLM
 from kvscope.engine.models.registry import get_model_class
+from kvscope.engine.weights.gguf import convert_gguf_to_hf
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,8 @@ decode-path perplexity (engine/eval/decode_path.py).
 
 Used for decode-only steps (every row one token: no prefill chunk, no speculative draft) of at most
 ``max_rows`` requests (the compact kernels' crossover from the start-up probe), when every decoder matmul is
-a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``kvscope.engine.models.compact`` with
-``pair_kernels``), the
-architecture has no biases and no q/k norm, and head_dim is 64 or 128.
+a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``kvscope.engine.platform.compact``
+with ``pair_kernels``), the architecture has no biases and no q/k norm, and head_dim is 64 or 128.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch
 
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.models.llama import LlamaForCausalLM
-from kvscope.engine.models.quant import CompactLinearKernel
+from kvscope.engine.weights.quant import CompactLinearKernel
 from kvscope.kernels.cpu_decode import PairBlocks, is_loaded
 
 
@@ -65,7 +64,7 @@ class FusedDecoder:
             return None
         head = getattr(
             model, "decode_head", None
-        )  # the Q8_0 LM head kvscope.engine.models.compact made for this step
+        )  # the Q8_0 LM head kvscope.engine.platform.compact made for this step
         embed = model.model.embed_tokens.weight
         if (
             not isinstance(head, PairBlocks)

@@ -17,7 +17,7 @@ channel), run with torch's own packed weight-only kernels.
 Both kernels are memory-bound GEMVs: they win for a few rows and lose to oneDNN's blocked bf16/fp32 matmul
 (AMX where present) at batched-decode and prefill sizes. :class:`CompactLinearKernel` therefore keeps an
 optional dense packed copy and switches above ``max_compact_rows``, a crossover measured per CPU by
-:mod:`kvscope.engine.models.kernel_probe`.
+:mod:`kvscope.engine.platform.kernel_probe`.
 """
 
 from __future__ import annotations
