@@ -11,7 +11,8 @@ response.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import Status, StatusCode
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
-def begin(gw: GatewayState, scope: Scope) -> RequestContext:
-    """Start observing a request: context, server span, in-flight gauge."""
+def begin(gw: GatewayState, scope: Mapping[str, Any]) -> RequestContext:
+    """Start observing a request: context, server span, in-flight gauge. ``scope``: the ASGI HTTP scope, or
+    the part of one a request refused by the HTTP server has (``method``, ``path``, ``headers``, ``client``,
+    ``http_version``)."""
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
     path, method = scope["path"], scope["method"]
     route = route_label(path)
@@ -98,7 +101,7 @@ def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
         m.cached_tokens.labels(model).inc(cached)
 
 
-def server_span_attributes(ctx: RequestContext, scope: Scope) -> dict[str, str | int]:
+def server_span_attributes(ctx: RequestContext, scope: Mapping[str, Any]) -> dict[str, str | int]:
     """Start attributes of the HTTP SERVER span (OTel semconv 1.41 HTTP server span: required
     ``http.request.method``, ``url.path``, ``url.scheme``, ``http.route``; recommended
     ``network.protocol.version``, ``client.address``, ``user_agent.original``). The client's request id is
@@ -196,7 +199,7 @@ async def record_refused(
         "client": (client, 0),
         "http_version": "1.1",
     }
-    ctx = begin(gw, scope)  # type: ignore[arg-type]
+    ctx = begin(gw, scope)
     ctx.outcome.set_error(err)
     ctx.outcome.status, ctx.outcome.response_bytes, ctx.outcome.end_at = (
         err.status,

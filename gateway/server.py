@@ -120,7 +120,8 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         super().handle_events()
         cycle = self.cycle  # the request just parsed (its task has not run yet) gets the body-chunk extension
         if cycle is not None:
-            extensions = cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
+            # Any: the value of our extension is a function, not the dict the ASGI types declare for one
+            extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {}) or {}
             if BODY_CHUNK_EXTENSION not in extensions:
                 extensions[BODY_CHUNK_EXTENSION] = functools.partial(write_body_chunk, cycle)
 

@@ -67,10 +67,10 @@ class GatewayTracer:
             name, context=parent, kind=SpanKind.SERVER, start_time=start_ns, attributes=dict(attributes)
         )
 
-    def start_client_span(self, parent: Span, operation: str, model: str, attributes: Mapping) -> Span:
-        """The gen_ai CLIENT span ``{operation} {model}`` under ``parent`` (attributes: see
-        :mod:`kvscope.gateway.genai_attrs`)."""
-        context = trace.set_span_in_context(parent)
+    def start_client_span(self, parent: Span | None, operation: str, model: str, attributes: Mapping) -> Span:
+        """The gen_ai CLIENT span ``{operation} {model}`` under ``parent`` (None: a root span; attributes:
+        see :mod:`kvscope.gateway.genai_attrs`)."""
+        context = trace.set_span_in_context(parent if parent is not None else trace.INVALID_SPAN)
         attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model, **attributes}
         return self._tracer.start_span(
             f"{operation} {model}", context=context, kind=SpanKind.CLIENT, attributes=attrs

@@ -110,7 +110,9 @@ class ProxyCall:
             for k, v in scope["headers"]
             if k.lower() in FORWARDED_HEADERS
         }
-        await self._serve(receive, send, scope.get("extensions", {}).get(BODY_CHUNK_EXTENSION))
+        # Any: the value of our extension is a function, not the dict the ASGI types declare for one
+        extensions: dict[str, Any] = scope.get("extensions") or {}
+        await self._serve(receive, send, extensions.get(BODY_CHUNK_EXTENSION))
 
     def _count_body(self, size: int) -> None:
         self.ctx.outcome.response_bytes += size
@@ -120,6 +122,7 @@ class ProxyCall:
     ) -> None:
         self.client = ClientResponse(send, body_chunk, self._count_body)
         task = asyncio.current_task()
+        assert task is not None  # _serve runs in the request's task
         watcher = asyncio.create_task(self._watch_disconnect(receive, task))
         self.call_start = time.perf_counter()
         self.base_attrs = base_attributes(self.ctx, self.gw.settings.tracing.gen_ai_provider, self.plan.model)

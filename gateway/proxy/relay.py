@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import msgspec
@@ -56,8 +57,17 @@ second one)."""
 DRAIN_AFTER_DONE_S = 1.0
 """Then, the client's response ended, wait at most this long more for it (so the connection can still be
 reused)."""
-_EOF = object()
-_REARM = object()
+
+
+class _Marker(enum.Enum):
+    """Queue items that are not upstream chunks: the upstream's end of body, a re-armed wait."""
+
+    EOF = "eof"
+    REARM = "rearm"
+
+
+_EOF: Final = _Marker.EOF
+_REARM: Final = _Marker.REARM
 _DONE, _ERROR, _BAD_FINISH = "done", "error", "bad_finish"
 
 
@@ -173,7 +183,7 @@ class StreamRelay:
         )
         self.state = StreamState(expected_choices=terms.expected_choices, keep_text=terms.keep_text)
         self.splitter = SSESplitter()
-        self.queue = ChunkQueue(maxsize=64)
+        self.queue: ChunkQueue[bytes | _Marker | Exception | _Handover] = ChunkQueue(maxsize=64)
         self.last_chunk_at = terms.attempt_start
         self.last_sent_at = terms.request_start
         self.first_token_at = terms.first_token_at
@@ -298,7 +308,7 @@ class StreamRelay:
             phase_end <= self.terms.deadline,
         )
 
-    async def _next(self) -> bytes | object:
+    async def _next(self) -> bytes | _Marker | Exception | _Handover:
         """The next upstream chunk; sends keep-alives meanwhile; raises UpstreamTimeout at a deadline. While
         it waits here the tap's callback may relay events itself (:meth:`_offer`), moving the deadlines: a
         timer that fires is checked against them anew (one timer per quiet spell, not one per chunk)."""
@@ -354,11 +364,13 @@ class StreamRelay:
         if decision.end is _DONE:
             self.upstream_end = time.perf_counter()
             self._check_complete()
-            await self._send(decision.send)  # type: ignore[arg-type]
+            if decision.send is not None:  # always: [DONE] is forwarded as it came
+                await self._send(decision.send)
             self.done = True
             return True
         if decision.end is _ERROR:
-            await self._send(decision.send)  # type: ignore[arg-type]
+            if decision.send is not None:  # always: the error event is forwarded as it came
+                await self._send(decision.send)
             self.upstream_error = self.state.error or {}
             self.pool.report_failure(self.replica, "stream_error", passive=False)
             return True

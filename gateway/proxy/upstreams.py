@@ -203,7 +203,9 @@ class UpstreamPool:
         probes in a row without an answer, see the module docstring)."""
         try:
             resp = await self._probe(replica, client)
-            data = resp.json()["data"] if resp.status_code == 200 else None
+            if resp.status_code != 200:
+                raise ValueError(f"GET /v1/models answered {resp.status_code}")
+            data = resp.json()["data"]
             cards = {c["id"]: c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)}
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             if isinstance(
