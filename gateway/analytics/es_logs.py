@@ -242,8 +242,8 @@ class EsLogs:
 
     async def time_range(self) -> tuple[datetime | None, datetime | None]:
         aggs = (await self._search(prelude_query(self.since)))["aggregations"]
-        stamps = [aggs[k]["value"] for k in ("t_min", "t_max")]
-        return tuple(None if v is None else datetime.fromtimestamp(v / 1000, UTC) for v in stamps)  # type: ignore[return-value]
+        first, last = (aggs[k]["value"] for k in ("t_min", "t_max"))
+        return _from_epoch_ms(first), _from_epoch_ms(last)
 
     async def timeseries(self, bucket_s: int) -> list[dict[str, Any]]:
         return parse_timeseries(await self._search(timeseries_query(self.since, bucket_s)))
@@ -260,3 +260,9 @@ class EsLogs:
             index = min(max(round((b["key"] - lo) / width), 0), bins - 1)
             counts[index] += int(b["doc_count"])
         return [lo + i * width for i in range(bins + 1)], counts
+
+
+def _from_epoch_ms(value: float | None) -> datetime | None:
+    """An Elasticsearch date aggregation's value (epoch milliseconds, None for no documents) as a UTC
+    datetime."""
+    return None if value is None else datetime.fromtimestamp(value / 1000, UTC)
