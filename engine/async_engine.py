@@ -8,7 +8,7 @@ All of the engine's torch work runs on that one thread: building the EngineCore 
 the prefill warm-up and every step. Why: GNU OpenMP (torch's CPU runtime) keeps a worker pool per thread that
 ever ran a parallel region, and once the process holds more OpenMP threads than CPUs, every worker stops
 spinning between parallel regions (libgomp's throttled spin count, ``GOMP_SPINCOUNT`` docs) and each op then
-pays a futex wake-up (docs/benchmarks.md; docs/architecture.md "Engine threads (CPU)").
+pays a futex wake-up (docs/benchmarks.md "CPU threads"; docs/architecture.md "Engine threads (CPU)").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Decode K/V kept gathered across steps (issue 13 item 2: no per-layer K/V gather copy per step).
+"""Decode K/V kept gathered across steps, so that a decode step does not copy every layer's K/V again.
 
 The torch backend attends a decode batch over K/V gathered from the paged cache into a padded ``[2, n ·
 max_blocks, block_size, KVH, d]`` layout. From one decode-only step to the next, a steady batch (the same

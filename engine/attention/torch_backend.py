@@ -167,7 +167,8 @@ class TorchAttentionBackend:
         decodes = plan.decodes
         dtype = query.dtype
         compute_dtype = attention_compute_dtype(kv_cache, self.native_bf16)
-        if compute_dtype != dtype:  # no-op casts skipped: ~1-2 µs of dispatch each, twice per layer
+        if compute_dtype != dtype:  # no-op casts skipped: their dispatch, twice per layer (docs/benchmarks.md
+            # "Per-step cost and where the time goes")
             query = query.to(compute_dtype)
         if decodes is not None and decodes.token_index is None:  # decode-only step: no scatter needed
             out = self._decode(query, kv_cache, decodes, plan, scale)
@@ -187,7 +188,8 @@ class TorchAttentionBackend:
                 q, k, v, attn_mask=item.mask, is_causal=item.mask is None, scale=scale, enable_gqa=True
             )[0].transpose(0, 1)  # [q, H, d]
             if item.query_len == query.shape[0] and o.is_contiguous():  # the step is this one prompt: SDPA's
-                out = o  # CPU output is laid out [q, H, d] already, so no copy (~65 µs a layer at 128 tokens)
+                # CPU output is laid out [q, H, d] already, so no copy (docs/benchmarks.md "Per-step cost")
+                out = o
                 break
             if out is None:
                 out = torch.empty_like(query)

@@ -1,4 +1,4 @@
-"""Teacher-forced perplexity through the engine's decode path (issue 13 item 4 for the fused CPU decode step).
+"""Teacher-forced perplexity through the engine's decode path: the quality guard of the fused CPU decode step.
 
 ``kvscope eval ppl`` scores text through ``prompt_logprobs``, i.e. prefill: many rows per matmul, so the
 compact layers run their dense copies and the decode kernels (kernels/cpu_decode.py,

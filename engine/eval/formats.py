@@ -1,4 +1,4 @@
-"""The weight formats ``kvscope eval ppl`` compares, and the quality bound of each (issue 13 item 4)."""
+"""The weight formats ``kvscope eval ppl`` compares, and the quality bound of each."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "gguf", "auto")
 
 BOUND_PCT = {"bfloat16": 1.0, "int8": 1.0, "int4": 0.5, "gguf": 0.5, "float32": 0.0}
 """Largest perplexity increase over float32 (percent) each part of a format may add: bfloat16 and int8
-+1 %, int4 from the GGUF's Q4_1 blocks +0.5 % (issue 13 item 4); float32 is the reference itself (0)."""
++1 %, int4 from the GGUF's Q4_1 blocks +0.5 %; float32 is the reference itself (0). What each format
+measured against them: docs/benchmarks.md "Quality of the weight formats"."""
 
 
 class FormatError(ValueError):

@@ -61,14 +61,15 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class CpuLinearKernel:
-    """``y = x @ weight.T + bias`` on CPU with the fastest kernel per input size (measured on AVX-512 cores).
+    """``y = x @ weight.T + bias`` on CPU with the fastest kernel per input size (measured on AVX-512 cores:
+    docs/benchmarks.md "Weight formats and the format chooser").
 
     - float32, one row (single-stream decode): MKL GEMV on the weight stored column-major
       (``weight.t().contiguous().t()``): MKL's GEMV over the row-major ``[out, in]`` layout runs at about
-      half the memory bandwidth (SmolLM2-135M: ~36 ms vs ~57 ms per token for its 121 matmuls).
+      half the memory bandwidth.
     - everything else: oneDNN's matmul on a weight pre-packed once into its blocked layout
-      (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU freezing pass uses): ~2x
-      MKL's SGEMM at 8–32 rows and ~1.2x at prefill sizes; for bfloat16 it wins at every size.
+      (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU freezing pass uses), faster
+      than MKL's SGEMM from a few rows to prefill sizes; for bfloat16 it wins at every size.
     Results equal ``F.linear`` up to float rounding (a different summation order).
     """
 
@@ -130,9 +131,9 @@ def aligned_rows(rows: int) -> int:
     """Rows a packed oneDNN matmul of ``rows`` input rows runs with: ``rows`` up to :data:`ALIGN_MIN_ROWS`,
     else rounded up to a multiple of :data:`ROW_ALIGN`.
 
-    Why: oneDNN builds (JIT-compiles) a primitive per input shape on its first use and caches it; on the
-    AMX Xeon that costs 4–20 ms per shape at one thread, 15–65 ms for a decoder's 4 matmul shapes, paid by
-    the first prefill of every new prompt length (docs/benchmarks.md "Idle TTFT"). Padding bounds the
+    Why: oneDNN builds (JIT-compiles) a primitive per input shape on its first use and caches it, milliseconds
+    per shape paid by the first prefill of every new prompt length (docs/benchmarks.md "The prefill warm-up:
+    one oneDNN primitive per shape"). Padding bounds the
     shapes to ``max_num_batched_tokens / 16`` per matrix (warmed at start-up by
     ``platform.cpu.warm_up_prefill``) for at most 15 wasted rows. Rows are independent: above 64 rows the
     padded float32 result was bit-identical to the unpadded one for every size tested; in bfloat16 oneDNN

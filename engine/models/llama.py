@@ -174,8 +174,8 @@ class DecoderLayer(nn.Module):
         (this layer's MLP output, the stream before it): the caller adds them, fused into the next norm
         (:func:`add_norm`)."""
         # children's ``forward`` called directly inside the decoder (here, in Attention and MLP): nn.Module's
-        # ``__call__`` (hooks, tracing state) costs ~2-3 µs a call, 9 calls per layer, and nothing registers
-        # hooks
+        # ``__call__`` (hooks, tracing state) costs microseconds a call, 9 calls per layer, and nothing
+        # registers hooks (docs/benchmarks.md "Per-step cost and where the time goes")
         if residual is None:
             residual, normed = hidden, self.input_layernorm.forward(hidden)
         else:
@@ -189,8 +189,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
         # nn.Embedding's own normal_ init on the meta device (build_model) goes through torch._refs, whose
-        # first use imports torch._dynamo: 3.8 s of a 4.5-s float32 load (torch 2.13). Same init, skipped only
-        # on meta.
+        # first use imports torch._dynamo: most of a float32 load (docs/benchmarks.md "Engine start-up"). Same
+        # init, skipped only on meta.
         weight = torch.empty(config.vocab_size, config.hidden_size)
         if weight.device.type != "meta":
             nn.init.normal_(weight)

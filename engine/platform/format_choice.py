@@ -1,32 +1,27 @@
 """``--quantization auto``: the fastest weight format this CPU runs among those verified for the model.
 
 Candidates: the model's verified formats (``kvscope.common.models.registry.ModelSpec.verified_formats``, names
-of
-:data:`FORMATS`; a model that is not registered: float32 and bfloat16,
+of :data:`FORMATS`; a model that is not registered: float32 and bfloat16,
 ``kvscope.common.models.registry.verified_formats``). Speed: the start-up kernel probe
 (:func:`kvscope.engine.platform.kernel_probe.probe_cpu_kernels`), never the CPU's name, so an AMD EPYC without
 AMX gets what *its* probe measured. A format's cost at ``n`` rows is the time of the kernel it runs there: its
 dense dtype's for float32/bfloat16; for int8/gguf (int4) the compact kernel up to the crossover
 ``choice.max_rows``, for gguf then kvscope's AMX int4 matmul up to ``choice.batched_rows`` (where the probe
 found it faster than the dense copy: ``int4_amx@n``), and the dense copy above, as
-:class:`kvscope.engine.weights.quant.CompactLinearKernel` switches (``runs_batched``).
-Leaving the AMX rows out
-scored gguf at the dense copy's cost there, level with int8 (0.40 vs 0.43 on the 2-vCPU Xeon), and the noise
-of one start-up probe then picked int8 on some starts: 22 vs 6 ms a decode step at batch 1 and 64 vs 33 ms at
-batch 32 (int8 runs neither the fused decode step nor the AMX matmul). The score is the geometric mean over
-the probed row counts of cost / float32 cost (every batch size weighs the same: batch 1 is the latency a lone
-user sees, batch 32+ the throughput under load); the lowest score wins, ties go to the earlier
-(higher-precision) entry of :data:`FORMATS`.
+:class:`kvscope.engine.weights.quant.CompactLinearKernel` switches (``runs_batched``). Leaving the AMX rows
+out scored gguf at the dense copy's cost there, level with int8 on an AMX Xeon, and the noise of one start-up
+probe then picked int8 on some starts, several times slower a decode step (int8 runs neither the fused decode
+step nor the AMX matmul). The score is the geometric mean over the probed row counts of cost / float32 cost
+(every batch size weighs the same: batch 1 is the latency a lone user sees, batch 32+ the throughput under
+load); the lowest score wins, ties go to the earlier (higher-precision) entry of :data:`FORMATS`.
 
 The probe times matmuls, not decode steps. Where kvscope's CPU kernels are loaded (``cpu_kernels``: they hold
 gguf's 4-bit blocks) and the probe found the compact int4 kernel faster than the dense one at one row or more,
 gguf's decode step runs as one C++ call up to those rows (engine/platform/fused_decode.py) with paged decode
-attention and fused norms around the matmuls above them: the ~1,000 torch ops of an eager step are gone, which
-no matmul timing shows. Then gguf is chosen whatever the matmul scores say (they are still logged). Measured,
-decode ms per step at batch 1 / 32, gguf vs int8: 2-vCPU AMD EPYC (AVX-512 + AVX512_BF16, no AMX) 5.3 / 31.6
-vs 16.6 / 66.8, where the scores tied at 0.49 and the tie went to int8 (a served engine: c=1 TPOT 13.5 ms,
-0.84x llama.cpp's throughput); 2-vCPU AMX Xeon 5.2-6.0 / 33 vs 18.9-22.3 / 64.4 (docs/benchmarks.md "The
-format chooser on an AMD EPYC").
+attention and fused norms around the matmuls above them: the eager step's many small torch ops are gone, which
+no matmul timing shows. Then gguf is chosen whatever the matmul scores say (they are still logged): on an AMD
+EPYC without AMX the scores of int8 and gguf tied and the tie went to int8, whose decode steps were several
+times slower (docs/benchmarks.md "The format chooser on an AMD EPYC and an AMX Xeon").
 
 Explicit flags win: ``--dtype X`` with ``--quantization auto`` means dense weights in X (no chooser), and an
 explicit ``--quantization`` never reaches this module. Off CPU, auto is ``none`` (the compact kernels are

@@ -1,11 +1,12 @@
-"""One decode step of a compact Llama-family model in one C++ call (issue 13 item 2: per-step cost near the
-matmul floor), on kvscope's CPU kernels (kernels/cpu_decode.py, ``torch.ops.kvscope_cpu.decode_step``).
+"""One decode step of a compact Llama-family model in one C++ call, so that a step costs about its matmuls
+(the weights read once), on kvscope's CPU kernels (kernels/cpu_decode.py,
+``torch.ops.kvscope_cpu.decode_step``).
 
-The eager decoder issues ~1,000 torch ops per step at batch 1 (≈ 8 ms of dispatch and small kernels on the
-2-core Xeon of docs/benchmarks.md); this path runs the whole step — embedding rows, per layer RMSNorm → qkv →
-RoPE → K/V written to the paged cache → attention read from the paged cache in place (no gather) → o_proj →
-residual → RMSNorm → gate_up → SiLU·up → down → residual, then the final norm and the LM head — in C++ with
-the block-quantized AVX-512 VNNI GEMVs, returning float32 logits.
+The eager decoder issues about a thousand torch ops per step at batch 1, whose dispatch and small kernels
+cost milliseconds (docs/benchmarks.md "Per-step cost and where the time goes"); this path runs the whole step
+— embedding rows, per layer RMSNorm → qkv → RoPE → K/V written to the paged cache → attention read from the
+paged cache in place (no gather) → o_proj → residual → RMSNorm → gate_up → SiLU·up → down → residual, then the
+final norm and the LM head — in C++ with the block-quantized AVX-512 VNNI GEMVs, returning float32 logits.
 
 Numerics differ from the eager compact path by design: the residual stream and every activation stay float32
 (eager rounds to bfloat16 after each op); each GEMV quantizes its input per block of 32 to 16-bit codes (the

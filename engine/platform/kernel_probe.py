@@ -1,4 +1,4 @@
-"""Pick the CPU matmul kernels by timing them on this machine (a ~0.3 s start-up probe), not by CPU model.
+"""Pick the CPU matmul kernels by timing them on this machine (a start-up probe), not by CPU model.
 
 What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of SmolLM2-135M by default):
 
@@ -6,14 +6,15 @@ What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of
   bfloat16 on AMX tiles (Sapphire Rapids and later) or AVX512_BF16 (Zen 4), and emulates it elsewhere, where
   float32 wins. Also what ``--dtype auto`` resolves to.
 - ``max_rows[fmt]`` for fmt int4/int8: up to how many rows the compact weight-only kernel beats the dense
-  packed one. The compact kernels are GEMVs: on an AMX Xeon int4 wins at 1–2 rows (0.40 vs 0.73 ms for
-  3072×576 at one row) and loses 6x at 32 rows (4.2 vs 0.7 ms), so a compact layer keeps a dense bf16 copy
-  for bigger batches. When compact wins at every probed size, no dense copy is kept (``NO_DENSE``).
+  packed one. The compact kernels are GEMVs: they win at a few rows and lose several-fold at batched-decode
+  sizes, so a compact layer keeps a dense bf16 copy for bigger batches. When compact wins at every probed
+  size, no dense copy is kept (``NO_DENSE``).
 - ``batched_rows``: up to how many rows kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, where the CPU
   kernels were built on a CPU with AMX-BF16) beats the dense bfloat16 copy, probed up to
   :data:`BATCHED_PROBE_ROWS`; the int4 layers use it between ``max_rows["int4"]`` and this (0: not available).
-  On the 2-vCPU AMX Xeon it wins up to 32–64 rows (a SmolLM2 step's 120 decoder matmuls at 32 rows on 2
-  threads: 10.4 vs 24.7 ms).
+
+Measured kernel times, crossovers and the probe's own cost: docs/benchmarks.md "Weight formats and the format
+chooser" and "AMX int4 matmul".
 
 Each (kernel, rows) pair takes the minimum of a few timed runs of one thread's CPU time, which is robust to
 other processes on a shared machine (they only ever make a run slower, and CPU time does not count the waits
@@ -42,7 +43,7 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 BATCHED_PROBE_ROWS = PROBE_ROWS
 """Rows the AMX int4 matmul is probed at. Not above 64: one cached 3072×576 matrix on one thread favours the
 expansion more than a whole model's matmuls on two threads do (the probe said 128 rows on some starts, where a
-SmolLM2 step's matmuls took 43.6 ms on AMX against 32.3 ms dense; at 64 rows 21.6 against 27.6 ms)."""
+whole step's matmuls ran slower on AMX than dense; docs/benchmarks.md "AMX int4 matmul")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +171,9 @@ def probe_cpu_kernels(
             fns[f"int4_amx@{n}"] = lambda x=x: amx(x)
             fns.setdefault(f"bfloat16@{n}", lambda x=x: kernels["bfloat16"](x))
     # one thread's CPU time, not wall time: on a loaded machine a preempted OpenMP thread stretches wall times
-    # at random (a start-up next to a test run once picked float32, 0.4x the speed, from wall times); the CPU
-    # cost of each kernel on one core ranks them the same way on an idle machine and is robust to the load
+    # at random (a start-up next to a test run once picked the slower float32 from wall times:
+    # docs/benchmarks.md "Weight formats and the format chooser"); the CPU cost of each kernel on one core
+    # ranks them the same way on an idle machine and is robust to the load
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -249,8 +249,9 @@ def gguf_tensor_types(gguf_path: Path | str) -> dict[str, str]:
 
 INT4_CACHE_FILE = "int4_blocks.st"
 """Cache of :func:`gguf_int4_blocks` beside the converted folder's weights: GGUFReader parses every metadata
-field (the 49k-token vocabulary too) in Python, 10-25 s on a loaded 2-core machine; the cache loads in ~1 s.
-A safetensors file, named so that the weights loader (``*.safetensors``) does not pick it up."""
+field (the 49k-token vocabulary too) in Python, tens of seconds on a loaded machine; the cache loads in a
+fraction of that (docs/benchmarks.md "Engine start-up"). A safetensors file, named so that the weights loader
+(``*.safetensors``) does not pick it up."""
 
 
 def cached_gguf_int4_blocks(gguf_path: Path | str, cache_dir: Path | str) -> dict[str, Int4Blocks]:

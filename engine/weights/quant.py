@@ -8,8 +8,9 @@ channel), run with torch's own packed weight-only kernels.
   ``_group_quantize_tensor``: zeros = min + 8·scale, then ``transpose(0, 1)``). GGUF blocks of 32 map onto it
   without re-quantizing (ggml ``dequantize_row_q4_0/q4_1``; ``gguf.quants.Q4_0/Q4_1``):
   Q4_0 ``w = d·(q - 8)`` → scale = d, zero = 0; Q4_1 ``w = d·q + m`` → scale = d, zero = m + 8·d.
-  Only bfloat16 activations have a vectorised kernel (float32 ones are ~20x slower, measured), so
-  inputs are cast to bfloat16 and the float16 d and m are rounded to bfloat16 (relative error ≤ 2⁻⁹).
+  Only bfloat16 activations have a vectorised kernel (float32 ones are many times slower: docs/benchmarks.md
+  "Weight formats and the format chooser"), so inputs are cast to bfloat16 and the float16 d and m are rounded
+  to bfloat16 (relative error ≤ 2⁻⁹).
 - int8: ``aten._weight_int8pack_mm(x bf16 [M, K], w int8 [N, K], scales bf16 [N])`` = ``x @ (w·s)ᵀ``;
   weights are quantized symmetrically per output row, s = max|w| / 127 (weight-only, as torchao's
   ``int8_weight_only``).
@@ -238,7 +239,8 @@ class CompactLinearKernel:
             if self.bias is not None:
                 out += self.bias
             return out if dtype == torch.float32 else out.to(dtype)
-        # casts only where needed: each skipped no-op call is ~1-2 µs of dispatch, 4 per layer
+        # casts only where needed: each skipped no-op call saves its dispatch, 4 per layer (docs/benchmarks.md
+        # "Per-step cost and where the time goes")
         out = self.compact.matmul((x if dtype == COMPUTE_DTYPE else x.to(COMPUTE_DTYPE)).contiguous())
         if self.bias is not None:
             out += self.bias.to(out.dtype)

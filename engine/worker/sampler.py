@@ -337,8 +337,8 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     (the first maximum; the first NaN when a row holds one), computed in two passes: the vectorized ``amax``
     over vocabulary blocks, then ``argmax`` over the block maxima and inside the winning block only.
 
-    torch's CPU ``argmax`` over the last dimension is not vectorized: for SmolLM2's 49,152-token vocabulary it
-    measured ~12.6 ms at 32 rows against ~2.1 ms for this (1 thread, Xeon with AVX-512).
+    torch's CPU ``argmax`` over the last dimension is not vectorized, several times slower than this over a
+    49,152-token vocabulary (docs/benchmarks.md "Per-step cost of the eager decoder").
     """
     rows, vocab = logits.shape[0], logits.shape[-1]
     block = _argmax_block(vocab)
