@@ -1,8 +1,8 @@
 """Benchmark (not a test): request latency through the real gateway with its Elasticsearch log sink shipping
 (cluster up) vs spooling to disk (cluster down), next to a gateway without the sink.
 
-Starts the stub upstream (tests/gateway/fake_upstream.py, no delays, 16 tokens), the Elasticsearch double
-(tests/gateway/logs/es_double.py) in its own process, taken down (connection refused) and brought back through
+Starts the stub upstream (kvscope/testing/fake_upstream.py, no delays, 16 tokens), the Elasticsearch double
+(kvscope/testing/es_double.py) in its own process, taken down (connection refused) and brought back through
 its stdin, and two gateway processes in front of the stub: one with the production sink settings
 (``logs.elasticsearch``: 1 s flush, 500-record batches, spool fsync every second) and one without any
 request-log sink. One client process measures, at ``--concurrency``: non-streaming latency (request → full
@@ -35,10 +35,12 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.append(str(REPO))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+sys.path.append(
+    str(REPO)
+)  # for the other bench scripts (bench.*); after site-packages, so the root kernels/ shadows nothing
 
 from bench.gateway_overhead import one, overhead, percentile  # noqa: E402
-from tests.gateway.harness import (  # noqa: E402
+from kvscope.testing.harness import (  # noqa: E402
     Proc,
     free_port,
     metric_samples,
@@ -58,7 +60,7 @@ OUTCOMES = ("shipped", "failed", "dropped")
 async def serve_double(port: int) -> None:
     """``--es-double PORT``: serve the double; stdin lines ``down``/``up`` stop/restart listening (same
     port, state kept), each answered ``ok`` on stdout."""
-    from tests.gateway.logs.es_double import EsDouble
+    from kvscope.testing.es_double import EsDouble
 
     double = EsDouble()
     double.port = port

@@ -4,7 +4,7 @@ throughput.
 Run from the repository root: ``python bench/es_sink.py [--rate 2000] [--seconds 3] [--records 50000]``.
 
 - **request path**: records are emitted at ``--rate`` per second for ``--seconds``, once with the
-  Elasticsearch double up (in its own process, ``python -m tests.gateway.logs.es_double``) and once with
+  Elasticsearch double up (in its own process, ``python -m kvscope.testing.es_double``) and once with
   nothing listening (connection refused, so everything goes to the spool). Reported: the time inside
   ``emit()`` (p50/p99/max) and the event-loop lag seen by a 1 ms ticker (p50/p99/max): a request handler
   on the same loop is delayed by exactly that lag, so "request latency p99 unchanged" means the lag p99
@@ -28,14 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.append(str(REPO))  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+from kvscope.gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchSinkConfig
+from kvscope.gateway.logs.es_client import EsConnectionConfig
+from kvscope.gateway.logs.es_shipper import ShipperConfig
+from kvscope.gateway.logs.spool import SpoolConfig
+from kvscope.testing.records import make_record
 
-from kvscope.gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchSinkConfig  # noqa: E402
-from kvscope.gateway.logs.es_client import EsConnectionConfig  # noqa: E402
-from kvscope.gateway.logs.es_shipper import ShipperConfig  # noqa: E402
-from kvscope.gateway.logs.spool import SpoolConfig  # noqa: E402
-from tests.gateway.logs.records import make_record  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def default_config(url: str, queue_size: int = 10_000) -> ElasticsearchSinkConfig:
@@ -135,7 +134,7 @@ async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.ERROR)
     port, down_url = free_port(), f"http://127.0.0.1:{free_port()}"
     double = subprocess.Popen(
-        [sys.executable, "-m", "tests.gateway.logs.es_double", str(port)],
+        [sys.executable, "-m", "kvscope.testing.es_double", str(port)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

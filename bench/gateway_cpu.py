@@ -1,7 +1,7 @@
-"""The gateway's CPU per relayed token: a stub upstream (tests/gateway/fake_upstream.py) streams ``--tokens``
-tokens to each of ``--concurrency`` streams through a gateway process (JSONL request log on); the gateway's
-user + system CPU seconds (/proc/PID/stat) over a round, divided by the tokens the client received. A
-benchmark, not a test (docs/gateway.md "CPU per relayed token"); optionally writes a py-spy profile of the
+"""The gateway's CPU per relayed token: a stub upstream (kvscope/testing/fake_upstream.py) streams
+``--tokens`` tokens to each of ``--concurrency`` streams through a gateway process (JSONL request log on); the
+gateway's user + system CPU seconds (/proc/PID/stat) over a round, divided by the tokens the client received.
+A benchmark, not a test (docs/gateway.md "CPU per relayed token"); optionally writes a py-spy profile of the
 gateway (``--py-spy PATH``, py-spy on PATH or ``--py-spy-bin``).
 
     python bench/gateway_cpu.py [--concurrency 32] [--tokens 128] [--token-delay 0.03] [--rounds 3]
@@ -15,18 +15,13 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.append(
-    str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
-
-from tests.gateway.harness import spawn_fake, spawn_gateway, wait_http  # noqa: E402
+from kvscope.testing.harness import spawn_fake, spawn_gateway, wait_http
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,6 +1,6 @@
 """Gateway overhead benchmark: latency added by the gateway in front of a fast stub upstream.
 
-Starts the stub upstream (tests/gateway/fake_upstream.py, no delays) and a gateway process in front of it
+Starts the stub upstream (kvscope/testing/fake_upstream.py, no delays) and a gateway process in front of it
 (JSONL request log on, tracing on without an exporter, in-memory limits), then measures from one client
 process, in the same run and interleaved: non-streaming latency (request → full body) and streaming TTFT
 (request → first token event), at concurrency 1 and 64, directly against the stub and through the gateway.
@@ -16,18 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.append(
-    str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
-
-from tests.gateway.harness import metric_samples, sample, spawn_fake, spawn_gateway, wait_http  # noqa: E402
+from kvscope.testing.harness import metric_samples, sample, spawn_fake, spawn_gateway, wait_http
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
 

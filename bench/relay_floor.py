@@ -1,8 +1,8 @@
 """The floor under the gateway's CPU per relayed token: the kvscope gateway and a minimal asyncio relay side
-by side, on the same stub upstream (tests/gateway/fake_upstream.py) and the same load as bench/gateway_cpu.py
-(``--concurrency`` streams × ``--tokens`` tokens), alternating rounds; each process's user + system CPU
-seconds (/proc/PID/stat) over a round divided by the tokens the client received. A benchmark, not a test
-(docs/gateway.md "CPU per relayed token").
+by side, on the same stub upstream (kvscope/testing/fake_upstream.py) and the same load as
+bench/gateway_cpu.py (``--concurrency`` streams × ``--tokens`` tokens), alternating rounds; each process's
+user + system CPU seconds (/proc/PID/stat) over a round divided by the tokens the client received. A
+benchmark, not a test (docs/gateway.md "CPU per relayed token").
 
 The minimal relay (:class:`_ClientSide` / :class:`_UpstreamSide`, run by ``--serve``) is what any Python
 proxy must do per token and nothing more: one ``recv`` from the upstream, HTTP/1.1 chunked framing parsed,
@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.append(
     str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+)  # for the other bench scripts (bench.*); after site-packages, so the root kernels/ shadows nothing
 
 from bench.gateway_cpu import add_load_arguments, cpu_seconds, load  # noqa: E402
-from tests.gateway.harness import free_port, spawn_fake, spawn_gateway, wait_http, wait_port  # noqa: E402
+from kvscope.testing.harness import free_port, spawn_fake, spawn_gateway, wait_http, wait_port  # noqa: E402
 
 
 class _UpstreamSide(asyncio.Protocol):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.gateway.logs.records import make_record
+from kvscope.testing.records import make_record
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from kvscope.engine.server.settings import ServerSettings
 from kvscope.gateway.app import create_app
 from kvscope.gateway.server import uvicorn_config as gateway_uvicorn_config
 from kvscope.gateway.settings import load_settings
-from tests.gateway.harness import spawn_fake, spawn_gateway, wait_http
+from kvscope.testing.harness import spawn_fake, spawn_gateway, wait_http
 
 UPSTREAM = {"upstreams": [{"url": "http://127.0.0.1:9"}]}
 

@@ -3,7 +3,7 @@ subprocess (SmolLM2 on CPU) and one real gateway subprocess in front of it, both
 OTLP/HTTP to one local receiver; the gateway writes its JSONL request log into the test's tmp folder.
 
 Reuses the engine e2e helpers (tests/engine/server/e2e_support.py: timed SSE, log polling, OTLP receiver) and
-the gateway harness (tests/gateway/harness.py: process spawning, Prometheus/JSONL parsing). Both sides log
+the gateway harness (kvscope/testing/harness.py: process spawning, Prometheus/JSONL parsing). Both sides log
 one line per request under the same ``x-request-id`` (the gateway forwards it), so a test finds the
 gateway's and the engine's view of one request by that id.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from kvscope.testing.harness import Proc, metric_samples, records_by_id, spawn_gateway, wait_http
 from tests.engine.server.e2e_support import (
     CHAT,
     COMPLETIONS,
@@ -27,7 +28,6 @@ from tests.engine.server.e2e_support import (
     wait_for,
 )
 from tests.engine.server.helpers import EngineProcess, start_engine
-from tests.gateway.harness import Proc, metric_samples, records_by_id, spawn_gateway, wait_http
 
 MODEL = "smollm2-135m"
 M = {"model": MODEL}

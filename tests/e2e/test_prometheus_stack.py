@@ -86,7 +86,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     fake = ManagedProcess(
         python(
             "-m",
-            "tests.gateway.fake_upstream",
+            "kvscope.testing.fake_upstream",
             "--port",
             str(ports["fake"]),
             "--models",

@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvscope.gateway.app import create_app
 from kvscope.gateway.auth import hash_key
 from kvscope.gateway.settings import load_settings
-from tests.gateway.fake_upstream import FakeUpstream
-from tests.gateway.harness import GatewayThread, LoopThread, make_tokenizer_dir, start_fake_thread
+from kvscope.testing.fake_upstream import FakeUpstream
+from kvscope.testing.harness import GatewayThread, LoopThread, make_tokenizer_dir, start_fake_thread
 
 KEYS = {"alice": "sk-alice", "limited": "sk-limited"}
 CONTEXT_LEN = 64

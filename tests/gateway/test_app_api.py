@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
+from kvscope.testing.harness import metric_samples, records_by_id, sample, sse_events
 from tests.gateway.conftest import CONTEXT_LEN, KEYS, Stack
-from tests.gateway.harness import metric_samples, records_by_id, sample, sse_events
 
 HI = [{"role": "user", "content": "hi"}]
 

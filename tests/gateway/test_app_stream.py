@@ -14,8 +14,8 @@ import pytest
 from opentelemetry.trace import SpanKind
 
 from kvscope.gateway.proxy.relay import DRAIN_BEFORE_END_S
+from kvscope.testing.harness import LoopThread, metric_samples, records_by_id, sample, sse_events
 from tests.gateway.conftest import KEYS, Stack, build_stack
-from tests.gateway.harness import LoopThread, metric_samples, records_by_id, sample, sse_events
 
 HI = [{"role": "user", "content": "hi"}]
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -16,14 +16,14 @@ import pytest
 
 from kvscope.gateway.admission import tpm_output_cap
 from kvscope.gateway.auth import hash_key
-from tests.gateway.conftest import Stack
-from tests.gateway.harness import (
+from kvscope.testing.harness import (
     GatewayThread,
     LoopThread,
     make_tokenizer_dir,
     records_by_id,
     start_fake_thread,
 )
+from tests.gateway.conftest import Stack
 
 KEYS = {
     "tpm": "sk-tpm-1000",

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 import kvscope.gateway.proxy.call
+from kvscope.testing.harness import LoopThread, records_by_id
 from tests.gateway.conftest import Stack, build_stack
-from tests.gateway.harness import LoopThread, records_by_id
 
 HI = [{"role": "user", "content": "hi"}]
 

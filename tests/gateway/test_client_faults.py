@@ -8,8 +8,8 @@ import json
 import socket
 import time
 
+from kvscope.testing.harness import metric_samples, records_by_id, sample, sse_events
 from tests.gateway.conftest import KEYS, Stack
-from tests.gateway.harness import metric_samples, records_by_id, sample, sse_events
 
 HI = [{"role": "user", "content": "hi"}]
 

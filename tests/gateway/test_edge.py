@@ -18,8 +18,8 @@ from kvscope.gateway.errors import NotFound
 from kvscope.gateway.forwarded import ClientAddressResolver, forwarded_for, parse_networks, parse_node
 from kvscope.gateway.proxy.passthrough import upstream_path
 from kvscope.gateway.target import names_generation_api, target_problem
+from kvscope.testing.harness import LoopThread, RawResponse, raw_http, records_by_id
 from tests.gateway.conftest import KEYS, Stack, build_stack
-from tests.gateway.harness import LoopThread, RawResponse, raw_http, records_by_id
 
 EDGE_KEYS = {**KEYS, "empty": "sk-empty-bucket", "tpm": "sk-tpm"}
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")

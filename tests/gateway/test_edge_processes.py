@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.gateway.auth import hash_key
-from tests.gateway.harness import (
+from kvscope.testing.harness import (
     Proc,
     raw_http,
     read_log,

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from kvscope.testing.harness import records_by_id
 from tests.gateway.conftest import Stack
-from tests.gateway.harness import records_by_id
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 REPO = Path(__file__).resolve().parents[2]

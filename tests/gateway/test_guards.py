@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvscope.testing.harness import records_by_id
 from tests.gateway.conftest import Stack
-from tests.gateway.harness import records_by_id
 
 
 @pytest.mark.parametrize(

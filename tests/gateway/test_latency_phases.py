@@ -19,8 +19,8 @@ from kvscope.gateway.context import GATEWAY_PHASES, RequestContext
 from kvscope.gateway.logs.es_setup import record_properties
 from kvscope.gateway.logs.record import RecordBuilder, ServiceInfo
 from kvscope.gateway.settings import load_settings
+from kvscope.testing.harness import GatewayThread, make_tokenizer_dir, records_by_id, start_fake_thread
 from tests.gateway.conftest import LoopThread
-from tests.gateway.harness import GatewayThread, make_tokenizer_dir, records_by_id, start_fake_thread
 
 REFUSE_DELAY_S = 0.2
 """The failing replica waits this long before its 503."""

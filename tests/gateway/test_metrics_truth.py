@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry
 
 from kvscope.gateway.metrics import GatewayMetrics
 from kvscope.gateway.settings import MetricsConfig, load_settings
+from kvscope.testing.harness import metric_samples, sample
 from tests.gateway.conftest import Stack
-from tests.gateway.harness import metric_samples, sample
 
 UPSTREAM = {"upstreams": [{"url": "http://127.0.0.1:9"}]}
 

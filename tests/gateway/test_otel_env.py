@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.harness import Proc, spawn_fake, spawn_gateway, wait_http
+from kvscope.testing.harness import Proc, spawn_fake, spawn_gateway, wait_http
 from tests.otlp_receiver import GrpcOtlpReceiver, OtlpReceiver
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 3}

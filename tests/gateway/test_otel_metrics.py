@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 
 from kvscope.common.otel_genai import CHUNK_BUCKETS, OPERATION_DURATION_BUCKETS, TOKEN_USAGE_BUCKETS
+from kvscope.testing.harness import LoopThread
 from tests.gateway.conftest import KEYS, build_stack
-from tests.gateway.harness import LoopThread
 from tests.otlp_receiver import OtlpReceiver
 
 HI = [{"role": "user", "content": "hello world"}]

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from kvscope.gateway.auth import hash_key
-from tests.gateway.harness import (
+from kvscope.testing.harness import (
     Proc,
     metric_samples,
     records_by_id,

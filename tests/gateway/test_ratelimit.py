@@ -8,8 +8,8 @@ import pytest
 
 from kvscope.gateway.ratelimit import InMemoryRateLimiter, RedisRateLimiter, format_duration, limit_headers
 from kvscope.gateway.settings import KeyLimits
+from kvscope.testing.harness import spawn_redis, wait_port
 from tests.conftest import require_tool
-from tests.gateway.harness import spawn_redis, wait_port
 
 
 class Clock:

@@ -14,8 +14,8 @@ import pytest
 from kvscope.gateway.auth import hash_key
 from kvscope.gateway.ratelimit import InMemoryRateLimiter, LimitDecision
 from kvscope.gateway.settings import KeyLimits
+from kvscope.testing.harness import LoopThread, records_by_id, sse_events
 from tests.gateway.conftest import Stack, build_stack
-from tests.gateway.harness import LoopThread, records_by_id, sse_events
 
 KEYS = {"metered": "sk-metered", "tiny": "sk-tiny"}
 MAX_TOKENS = 6

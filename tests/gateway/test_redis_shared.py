@@ -11,8 +11,8 @@ import pytest
 
 from kvscope.gateway.auth import hash_key
 from kvscope.gateway.tokenize import estimate_tokens
+from kvscope.testing.harness import Proc, spawn_fake, spawn_gateway, spawn_redis, wait_http, wait_port
 from tests.conftest import require_tool
-from tests.gateway.harness import Proc, spawn_fake, spawn_gateway, spawn_redis, wait_http, wait_port
 
 pytestmark = pytest.mark.e2e
 HI = [{"role": "user", "content": "hi"}]

@@ -12,8 +12,8 @@ import time
 
 from opentelemetry.trace import SpanKind, StatusCode
 
+from kvscope.testing.harness import sse_events
 from tests.gateway.conftest import Stack
-from tests.gateway.harness import sse_events
 
 HI = [{"role": "user", "content": "hi"}]
 

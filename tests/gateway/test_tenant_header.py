@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from kvscope.gateway.auth import TENANT_HEADER
+from kvscope.testing.harness import LoopThread
 from tests.gateway.conftest import KEYS, Stack, build_stack
-from tests.gateway.harness import LoopThread
 
 SPOOF = {TENANT_HEADER: "limited"}
 """A client claiming another key's tenant."""

@@ -8,7 +8,7 @@ import pytest
 
 from kvscope.gateway.settings import ModelConfig
 from kvscope.gateway.tokenize import ModelTokenizer, PromptCounter, estimate_tokens
-from tests.gateway.harness import make_tokenizer_dir
+from kvscope.testing.harness import make_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from kvscope.testing.harness import records_by_id, sse_events
 from tests.gateway.conftest import Stack
-from tests.gateway.harness import records_by_id, sse_events
 from tests.gateway.test_semconv_spans import HI, client_span, server_span
 
 

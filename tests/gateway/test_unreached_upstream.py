@@ -9,7 +9,7 @@ import httpx
 from kvscope.gateway.app import create_app
 from kvscope.gateway.auth import hash_key
 from kvscope.gateway.settings import load_settings
-from tests.gateway.harness import GatewayThread, free_port
+from kvscope.testing.harness import GatewayThread, free_port
 
 BODY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

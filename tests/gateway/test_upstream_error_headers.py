@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvscope.gateway.auth import hash_key
+from kvscope.testing.harness import LoopThread
 from tests.gateway.conftest import KEYS, Stack, build_stack
-from tests.gateway.harness import LoopThread
 
 BUSY = {
     "status": 429,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvscope.cli.plan import plan_main
 from kvscope.cli.plan_log import read_spans
 from kvscope.plan.replay import Capacity, Span, quantile, sweep
-from tests.gateway.logs.records import T0, make_record
+from kvscope.testing.records import T0, make_record
 
 T0_S = T0.timestamp()
 

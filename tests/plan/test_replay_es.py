@@ -11,7 +11,7 @@ from kvscope.cli.plan import plan_main
 from kvscope.cli.plan_log import read_spans
 from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
 from kvscope.plan.replay_es import read_spans_es
-from tests.gateway.logs.es_double import EsDouble
+from kvscope.testing.es_double import EsDouble
 from tests.plan.test_replay import staircase_and_burst
 
 

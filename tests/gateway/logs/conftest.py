@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.gateway.logs.es_double import EsDouble
+from kvscope.testing.es_double import EsDouble
 
 
 @pytest.fixture(autouse=True)

@@ -19,8 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
+from kvscope.testing.records import make_record
 from tests.gateway.logs.helpers import fast_config
-from tests.gateway.logs.records import make_record
 
 
 async def emit_forever(sink: ElasticsearchSink) -> None:

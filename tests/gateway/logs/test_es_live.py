@@ -14,7 +14,7 @@ from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
 from kvscope.gateway.logs.es_setup import EsIndexConfig
 from kvscope.gateway.logs.es_shipper import ShipperConfig
 from kvscope.gateway.logs.spool import SpoolConfig
-from tests.gateway.logs.records import engine_stats, make_record
+from kvscope.testing.records import engine_stats, make_record
 
 URL = os.environ.get("ELASTICSEARCH_URL")
 pytestmark = pytest.mark.skipif(not URL, reason="set ELASTICSEARCH_URL to run against a real Elasticsearch")

@@ -11,8 +11,8 @@ from elasticsearch import ApiError, UnsupportedProductError
 from kvscope.gateway.analytics.cli import logs_main
 from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
 from kvscope.gateway.logs.es_setup import EsIndexConfig, ensure_setup, record_properties
-from tests.gateway.logs.es_double import EsDouble
-from tests.gateway.logs.records import engine_stats, make_record
+from kvscope.testing.es_double import EsDouble
+from kvscope.testing.records import engine_stats, make_record
 
 
 def client_for(url: str, compat: int = 8):

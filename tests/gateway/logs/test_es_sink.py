@@ -12,8 +12,8 @@ from collections.abc import Callable
 from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
 from kvscope.gateway.logs.sink import LogSink
 from kvscope.gateway.logs.spool import REJECTED_FILE
+from kvscope.testing.records import make_record
 from tests.gateway.logs.helpers import RecordingMetrics, fast_config, segment_files
-from tests.gateway.logs.records import make_record
 
 
 def ids(n: int, start: int = 0) -> set[str]:

@@ -18,9 +18,9 @@ import pytest
 
 from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
 from kvscope.gateway.logs.spool import Spool
+from kvscope.testing.es_double import EsDouble
+from kvscope.testing.harness import LoopThread, read_log
 from tests.gateway.conftest import KEYS, build_stack
-from tests.gateway.harness import LoopThread, read_log
-from tests.gateway.logs.es_double import EsDouble
 from tests.gateway.logs.helpers import fast_config
 
 

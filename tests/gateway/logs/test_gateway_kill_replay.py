@@ -34,7 +34,8 @@ import httpx
 import pytest
 
 from kvscope.gateway.logs.elasticsearch import SPOOLED_HANDOFF_S
-from tests.gateway.harness import (
+from kvscope.testing.es_double import EsDouble
+from kvscope.testing.harness import (
     LoopThread,
     Proc,
     metric_samples,
@@ -43,7 +44,6 @@ from tests.gateway.harness import (
     spawn_gateway,
     wait_http,
 )
-from tests.gateway.logs.es_double import EsDouble
 from tests.gateway.logs.helpers import segment_files
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]

@@ -17,7 +17,7 @@ from kvscope.gateway.analytics.duckdb_logs import DuckDBLogs
 from kvscope.gateway.logs.jsonl import complete_copy, complete_lines, parse_records, read_records
 from kvscope.gateway.logs.sinks import JsonlFileSink, StdoutSink
 from kvscope.gateway.metrics import GatewayMetrics
-from tests.gateway.logs.records import make_record
+from kvscope.testing.records import make_record
 
 FULL = b'{"a":1}\n{"b":"two"}\n'
 TORN = b'{"c":"unterminated str'

@@ -12,8 +12,8 @@ import pytest
 
 from kvscope.gateway.analytics.cli import logs_main
 from kvscope.gateway.analytics.es_logs import parse_report, parse_timeseries, report_query, search_query
-from tests.gateway.logs.es_double import EsDouble
-from tests.gateway.logs.records import T0
+from kvscope.testing.es_double import EsDouble
+from kvscope.testing.records import T0
 
 PCT = {"percents": [50, 95, 99]}
 METRICS = {

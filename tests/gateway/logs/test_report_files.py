@@ -19,7 +19,7 @@ from kvscope.gateway.analytics.cli import logs_main
 from kvscope.gateway.analytics.commands import LogSource
 from kvscope.gateway.analytics.plot import auto_bucket_s, parse_bucket
 from kvscope.gateway.analytics.report import parse_since
-from tests.gateway.logs.records import KEYS, MODELS, T0, UPSTREAMS, engine_stats, make_record
+from kvscope.testing.records import KEYS, MODELS, T0, UPSTREAMS, engine_stats, make_record
 
 N_OLD, N_NEW = 150, 250
 

@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.gateway.logs.es_double import EsDouble
+from kvscope.testing.es_double import EsDouble
 from tests.gateway.logs.helpers import segment_files
 
 REPO = Path(__file__).resolve().parents[3]

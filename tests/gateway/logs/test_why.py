@@ -13,9 +13,9 @@ from kvscope.engine.core.stats import KvscopeStats
 from kvscope.gateway.analytics.cli import logs_main
 from kvscope.gateway.analytics.why import explain, rank_causes, why_query
 from kvscope.gateway.logs.es_setup import attribution_properties, record_properties
+from kvscope.testing.records import make_record
 from tests.engine.core.factories import FakeClock, make_scheduler
 from tests.engine.core.test_attribution import Run
-from tests.gateway.logs.records import make_record
 
 
 def test_the_log_mapping_has_every_kvscope_stats_field() -> None:

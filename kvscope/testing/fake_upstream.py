@@ -1,5 +1,5 @@
 """A fake OpenAI-compatible upstream for gateway tests: raw asyncio HTTP/1.1 (keep-alive, chunked SSE), run
-in-process (:class:`FakeUpstream`) or as a subprocess (``python -m tests.gateway.fake_upstream --port P``).
+in-process (:class:`FakeUpstream`) or as a subprocess (``python -m kvscope.testing.fake_upstream --port P``).
 
 Output is deterministic: completion token ``i`` of choice ``c`` is ``"t{i} "`` (choice 0) / ``"c{c}t{i} "``;
 ``max_tokens`` tokens (default 8; with ``ignore_eos``, up to the context: ``max_model_len`` − prompt words)

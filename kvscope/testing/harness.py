@@ -22,9 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.gateway.logs.jsonl import read_records
-from tests.gateway.fake_upstream import FakeUpstream, Knobs
-
-REPO = Path(__file__).resolve().parents[2]
+from kvscope.testing.fake_upstream import FakeUpstream, Knobs
 
 
 def free_port() -> int:
@@ -79,17 +77,29 @@ class Proc:
 def spawn(
     args: list[str], port: int, log: Path, pythonpath: str = "", env: dict[str, str] | None = None
 ) -> Proc:
-    """Start ``args`` in the repo with stdout+stderr to ``log``; ``env`` adds to the inherited environment."""
-    path = os.pathsep.join(p for p in (str(REPO), pythonpath) if p)
-    env = {**os.environ, **(env or {}), "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    """Start ``args`` with stdout+stderr to ``log``; ``env`` adds to the inherited environment, ``pythonpath``
+    (when given) is the child's PYTHONPATH. kvscope's modules, the stub upstream included, come from the
+    installed package, so no source folder goes on the child's path."""
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     with open(log, "wb") as out:  # the child keeps its own descriptor
-        popen = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        popen = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
     return Proc(popen, port, log)
 
 
 def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -> Proc:
     port = free_port()
-    args = [sys.executable, "-m", "tests.gateway.fake_upstream", "--port", str(port), "--models", models]
+    args = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvscope.testing.fake_upstream",
+        "--port",
+        str(port),
+        "--models",
+        models,
+    ]
     for key, value in knobs.items():
         args += ["--" + key.replace("_", "-"), str(int(value) if isinstance(value, bool) else value)]
     return spawn(args, port, tmp / f"{name}.log")
@@ -98,8 +108,8 @@ def spawn_fake(tmp: Path, name: str, models: str = "fake-model", **knobs: Any) -
 def spawn_gateway(
     tmp: Path, name: str, config: dict[str, Any], pythonpath: str = "", env: dict[str, str] | None = None
 ) -> Proc:
-    """``python -m kvscope.gateway`` with ``config`` (a free port added); ``pythonpath`` is appended to the
-    repo, ``env`` added to the inherited environment."""
+    """``python -m kvscope.gateway`` with ``config`` (a free port added); ``pythonpath`` is the child's
+    PYTHONPATH, ``env`` added to the inherited environment."""
     port = free_port()
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from tests.gateway.logs.es_double_docs import DataStream, validate_doc
+from kvscope.testing.es_double_docs import DataStream, validate_doc
 
 JsonBody = dict[str, Any] | list[Any] | None
 Answer = tuple[int, JsonBody]
@@ -465,7 +465,7 @@ async def _serve_forever(port: int) -> None:
     await asyncio.Event().wait()
 
 
-if __name__ == "__main__":  # python -m tests.gateway.logs.es_double PORT (used by bench/es_sink.py)
+if __name__ == "__main__":  # python -m kvscope.testing.es_double PORT (used by bench/es_sink.py)
     import sys
 
     asyncio.run(_serve_forever(int(sys.argv[1]) if len(sys.argv) > 1 else 0))
