@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 from kvscope.gateway.logs.jsonl import read_records
-from kvscope.testing.harness import REPO, free_port, read_log
+from kvscope.testing.harness import free_port, read_log
 from tests.engine.server.e2e_support import CHAT, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 ENGINE_ARGS = "--max-model-len 512 --kv-cache-memory 32M --num-threads 1"
