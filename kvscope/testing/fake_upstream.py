@@ -472,12 +472,11 @@ def main() -> None:
         kind = int if isinstance(f.default, bool) else type(f.default)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = parser.parse_args()
-    knobs = Knobs(
-        **{
-            f.name: (bool(getattr(args, f.name)) if isinstance(f.default, bool) else getattr(args, f.name))
-            for f in fields(Knobs)
-        }
-    )
+    values: dict[str, Any] = {
+        f.name: (bool(getattr(args, f.name)) if isinstance(f.default, bool) else getattr(args, f.name))
+        for f in fields(Knobs)
+    }
+    knobs = Knobs(**values)
 
     async def serve() -> None:
         fake = await FakeUpstream(tuple(args.models.split(",")), args.max_model_len, knobs).start(
