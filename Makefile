@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# An activated venv never puts the current folder on sys.path (as python -P): in the checkout, the root's
+	# kernels/ folder would shadow Hugging Face's top-level `kernels`, which transformers imports.
+	grep -q PYTHONSAFEPATH $(VENV)/bin/activate || echo 'export PYTHONSAFEPATH=1' >> $(VENV)/bin/activate
 	touch $@
 
 run: $(STAMP)
