@@ -134,7 +134,7 @@ async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.ERROR)
     port, down_url = free_port(), f"http://127.0.0.1:{free_port()}"
     double = subprocess.Popen(
-        [sys.executable, "-m", "kvscope.testing.es_double", str(port)],
+        [sys.executable, "-P", "-m", "kvscope.testing.es_double", str(port)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

@@ -12,13 +12,17 @@ import json
 import subprocess
 import sys
 
+from kvscope.common.weight_formats import format_flags
+
 FORMATS = {
-    "float32": {"dtype": "float32", "quantization": "none"},
-    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
-    "int8": {"dtype": "auto", "quantization": "int8"},
-    "gguf (int4)": {"dtype": "auto", "quantization": "gguf"},
+    **{
+        name: dict(zip(("dtype", "quantization"), format_flags(name, "auto"), strict=True))
+        for name in ("float32", "bfloat16", "int8", "gguf")
+    },
     "auto": {"dtype": "auto", "quantization": "auto"},
 }
+"""Format name → LLM keyword arguments: the engine's own formats (a compact one's dense dtype left to the
+start-up probe, ``auto``) and the chooser's pick."""
 
 
 def one(name: str, model: str) -> dict:

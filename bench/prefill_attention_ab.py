@@ -35,7 +35,7 @@ from kvscope.engine.platform.cpu import load_cpu_kernels
 
 sys.path.append(
     str(Path(__file__).resolve().parents[1])
-)  # for `tests`; after site-packages, so the root kernels/ shadows nothing
+)  # for `bench`; after site-packages, so the root kernels/ shadows nothing
 from bench.ttft_profile import first_step_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -181,7 +181,7 @@ async def warm_up(engine: EngineClient) -> None:
 def _observe_mask_time(state: ServerState) -> None:
     """Feed the structured-output mask time of each step (engine thread) into its histogram, and give the
     grammar compiler the server's limits (``--structured-output-max-grammar-size``,
-    ``--structured-output-max-pending- compiles``)."""
+    ``--structured-output-max-pending-compiles``)."""
     structured = state.engine.structured
     settings = state.settings
     structured.set_limits(

@@ -44,6 +44,18 @@ def test_probe_cpu_builds_the_cpu_device_and_restores_torch_threads():
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.parametrize(("cpus", "expected"), [({0, 1}, 1), (set(range(6)), 5)])
+def test_probe_without_threads_runs_with_the_engines_default_thread_count(
+    monkeypatch: pytest.MonkeyPatch, cpus: set[int], expected: int
+):
+    """The probe measures what the engine will get: usable CPUs - 1 (kvscope.common.engine_defaults)."""
+    from kvscope.common import engine_defaults
+
+    monkeypatch.setattr(engine_defaults.os, "sched_getaffinity", lambda pid: cpus)
+    device = probe_cpu(ProbeConfig(buffer_bytes=1 << 16, matmul_n=32, repeats=1), clock=ticking(1.0))
+    assert device.measured["threads"] == expected
+
+
 def test_probe_config_refuses_tiny_sizes():
     with pytest.raises(ValueError, match="buffer_bytes >= 4096"):
         ProbeConfig(buffer_bytes=100)
