@@ -58,6 +58,7 @@ def complete_copy(path: str | Path, folder: str | Path) -> Path:
     target = Path(folder) / path.name
     with open(path, "rb") as src, open(target, "wb") as dst:
         shutil.copyfileobj(src, dst)
+        dst.flush()  # the last newline is looked up on disk: the buffered tail must be there
         dst.truncate(_last_newline_end(target))
     return target
 

@@ -60,6 +60,19 @@ def test_complete_copy_cuts_the_tail_and_keeps_complete_files(tmp_path: Path) ->
     assert complete_copy(no_newline, tmp_path / "copies").read_bytes() == b""
 
 
+@pytest.mark.parametrize("lines", [1, 37, 290])
+def test_complete_copy_keeps_every_complete_line_whatever_the_buffer_holds(
+    tmp_path: Path, lines: int
+) -> None:
+    """The copy's last newline is found on disk after its buffered tail is written (lines of 1,933 bytes: no
+    size lines up with the copy buffer)."""
+    body = b"".join(b'{"n": "' + str(i).encode().rjust(1923, b"x") + b'"}\n' for i in range(lines))
+    torn = tmp_path / "torn.jsonl"
+    torn.write_bytes(body + TORN)
+    (tmp_path / "copies").mkdir()
+    assert complete_copy(torn, tmp_path / "copies").read_bytes() == body
+
+
 def test_report_over_a_live_log_ignores_the_record_in_flight(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     lines = [json.dumps(make_record(i)).encode() + b"\n" for i in range(5)]
