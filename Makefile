@@ -34,7 +34,8 @@ pull: $(STAMP)
 	$(VENV)/bin/kvscope pull
 
 # The formatter's check, the linter (line length included), the type checker (paths and mode in pyproject.toml
-# [tool.pyright]), the dashboards' generated JSON, the import contracts. .pre-commit-config.yaml runs the same.
+# [tool.pyright]), the dashboards' generated JSON, the generated Kubernetes deployment (deploy/kubernetes/), the
+# import contracts. .pre-commit-config.yaml runs the same.
 # PYRIGHT_PYTHON_IGNORE_WARNINGS: the pyright wrapper skips asking PyPI for a newer version (works offline).
 LINT_PATHS := engine gateway kernels kvscope dashboards bench tests
 
@@ -43,6 +44,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
 	$(PY) -P -m kvscope.dashboards.generate --check
+	$(PY) -P -m kvscope.deploy.generate --check
 	$(VENV)/bin/lint-imports
 
 test: $(STAMP) pull lint

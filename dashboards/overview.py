@@ -454,9 +454,97 @@ def _shapes(q: PromQL) -> list[Json]:
     ]
 
 
+def _routing(q: PromQL) -> list[Json]:
+    """Where the gateway sends requests across engine replicas, why, and how well it predicts their prefix
+    caches (gateway/routing/)."""
+    cached = f"{GW}routing_cached_tokens_total"
+    hits, queries = f"{EN}prefix_cache_hits_total", f"{EN}prefix_cache_queries_total"
+    in_flight = f"{GW}upstream_outstanding_requests"
+    return [
+        row("Routing across replicas"),
+        timeseries(
+            "Routing decisions / s",
+            "Requests by routing policy and the reason their replica was chosen: prefix_match (it most "
+            "likely holds the prompt's prefix), load (fewest in flight: no replica held the prefix within "
+            "the load bound), round_robin, fallback (a retry after a failed attempt).",
+            [
+                Target(
+                    q.sum_rate(f"{GW}routing_decisions_total", by=("policy", "reason")),
+                    "{{policy}} {{reason}}",
+                )
+            ],
+            "short",
+            stack=True,
+            w=8,
+        ),
+        timeseries(
+            "Routing prediction accuracy",
+            "Cache-aware routing: prompt tokens the upstreams reported cached / tokens the router predicted "
+            "cached (1 = exact; below 1 the router credits replicas with prefixes they evicted), and the "
+            "share of requests whose prediction was exact.",
+            [
+                Target(
+                    q.ratio(
+                        q.sum_rate(cached, 'source="reported"'), q.sum_rate(cached, 'source="predicted"')
+                    ),
+                    "reported / predicted",
+                ),
+                Target(
+                    q.ratio(
+                        q.sum_rate(f"{GW}routing_predictions_total", 'outcome="exact"'),
+                        q.sum_rate(f"{GW}routing_predictions_total"),
+                    ),
+                    "exact share",
+                ),
+            ],
+            "percentunit",
+            w=8,
+        ),
+        timeseries(
+            "Prefix-cache hit rate per replica",
+            "Prompt tokens each engine served from its prefix cache / prompt tokens it looked up. Load-only "
+            "routing spreads each prefix over every replica (one cold prefill per replica); cache-aware "
+            "routing keeps a prefix where it is cached.",
+            [
+                Target(
+                    q.ratio(q.sum_rate(hits, by=("instance",)), q.sum_rate(queries, by=("instance",))),
+                    "{{instance}}",
+                )
+            ],
+            "percentunit",
+            w=8,
+            max_value=1,
+        ),
+        timeseries(
+            "Load spread: max / mean in flight",
+            "Requests in flight on the busiest replica / the mean over replicas (1 = even). The cache-aware "
+            "policy's load bound keeps it near routing.cache_aware.load_factor (1.25) under load.",
+            [Target(q.ratio(q.gauge(in_flight, agg="max"), q.gauge(in_flight, agg="avg")), "max / mean")],
+            "short",
+            w=12,
+        ),
+        timeseries(
+            "Replica discovery errors / s",
+            "Failed re-resolutions of a discovery source (a DNS name's A/AAAA records, the config file): the "
+            "gateway keeps the replicas it last knew until the source answers again.",
+            [Target(q.sum_rate(f"{GW}discovery_errors_total", by=("source",)), "{{source}}")],
+            "short",
+            w=12,
+        ),
+    ]
+
+
 def build(q: PromQL) -> Json:
     """The overview dashboard; raises KeyError/ValueError if a panel names something the catalog lacks."""
-    panels = [*_slo_tiles(q), *_traffic(q), *_latency(q), *_engine(q), *_dependencies(q), *_shapes(q)]
+    panels = [
+        *_slo_tiles(q),
+        *_traffic(q),
+        *_latency(q),
+        *_engine(q),
+        *_routing(q),
+        *_dependencies(q),
+        *_shapes(q),
+    ]
     links = [dashboard_link("Engine internals", "kvscope-engine")]
     return dashboard(
         UID, "kvscope / Overview", "Service health of the kvscope gateway and engine.", panels, links

@@ -36,6 +36,13 @@ from kvscope.gateway.errors import (
 )
 from kvscope.gateway.proxy.plan import ProxyPlan
 from kvscope.gateway.ratelimit_middleware import lease_of
+from kvscope.gateway.routing.prefix import (
+    PromptPrefix,
+    chat_text,
+    completion_text,
+    text_prefix,
+    token_prefix,
+)
 from kvscope.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_object, validate_body
 from kvscope.gateway.tokenize import estimate_tokens
 
@@ -68,8 +75,8 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
     ceiling = _check_ceiling(req, principal.limits.max_tokens)
     started = time.perf_counter()
     try:
-        prompt_counts = await asyncio.to_thread(
-            _count_prompt, gw, raw, req
+        prompt_counts, prefix = await asyncio.to_thread(
+            _read_prompt, gw, raw, req
         )  # a huge prompt must not stall the loop
     finally:
         ctx.request.tokenize_s += time.perf_counter() - started  # kvscope.gateway.tokenize_s
@@ -93,6 +100,7 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
         include_usage=req.wants_usage,
         expected_choices=req.num_choices(),
         operation=op.name,
+        prefix=prefix,
     )
 
 
@@ -169,15 +177,35 @@ def _injected_max_tokens(
     return ceiling if default is None else max(1, min(ceiling, default))
 
 
-def _count_prompt(
+def _read_prompt(
     gw: GatewayState, raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest
-) -> list[int] | None:
+) -> tuple[list[int] | None, PromptPrefix | None]:
+    """The token count of each prompt (None without a tokenizer) and, when the model routes cache-aware, the
+    prompt's blocks (gateway/routing/prefix.py: its token ids, else its text)."""
+    ids = _prompt_ids(gw, raw, req)
+    counts = None if ids is None else [len(i) for i in ids]
+    block_size = gw.pool.prefix_block_size(req.model)
+    if block_size is None:
+        return counts, None
+    if ids:
+        return counts, token_prefix(req.model, ids[0], block_size)
+    text = (
+        chat_text(raw["messages"], raw.get("tools"))
+        if isinstance(req, ChatCompletionRequest)
+        else completion_text(raw["prompt"])
+    )
+    return counts, None if text is None else text_prefix(req.model, text, block_size)
+
+
+def _prompt_ids(
+    gw: GatewayState, raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest
+) -> list[list[int]] | None:
     if isinstance(req, ChatCompletionRequest):
         if _renders_tools(raw):
             return None  # the engine writes tool signatures/calls into the prompt its own way: it counts them
-        count = gw.counter.chat(req.model, raw["messages"])
-        return None if count is None else [count]
-    return gw.counter.completion(req.model, raw["prompt"])
+        ids = gw.counter.chat_ids(req.model, raw["messages"])
+        return None if ids is None else [ids]
+    return gw.counter.completion_ids(req.model, raw["prompt"])
 
 
 def _renders_tools(raw: dict[str, Any]) -> bool:

@@ -22,7 +22,7 @@ from kvscope.gateway.lifespan import build_state, gateway_lifespan
 from kvscope.gateway.logs.sink import LogSink
 from kvscope.gateway.observe import PROBE_PATHS, observe
 from kvscope.gateway.routes import ROUTES
-from kvscope.gateway.settings import GatewaySettings
+from kvscope.gateway.settings import GatewaySettings, SettingsSource
 
 
 class GatewayApp(Litestar):
@@ -59,6 +59,7 @@ def create_app(
     span_exporter: SpanExporter | None = None,
     sinks: Sequence[LogSink] = (),
     metric_readers: Sequence[MetricReader] = (),
+    source: SettingsSource | None = None,
 ) -> GatewayApp:
     """Build the gateway.
 
@@ -69,9 +70,16 @@ def create_app(
         sinks: extra request-log sinks (e.g. the Elasticsearch sink) besides the configured file/stdout ones.
         metric_readers: also read the OTel ``gen_ai.client.*`` metrics here (tests pass an
             ``InMemoryMetricReader``); OTLP export follows ``tracing.otlp_endpoint``.
+        source: where ``settings`` came from (:class:`kvscope.gateway.settings.SettingsSource`): the config
+            file that ``discovery.config_reload`` re-reads; None: no reload.
     """
     gw = build_state(
-        settings, registry=registry, span_exporter=span_exporter, sinks=sinks, metric_readers=metric_readers
+        settings,
+        registry=registry,
+        span_exporter=span_exporter,
+        sinks=sinks,
+        metric_readers=metric_readers,
+        source=source,
     )
     return GatewayApp(
         route_handlers=ROUTES,

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvscope.common.settings_cli import add_flags, given
 from kvscope.gateway.auth import generate_key, hash_key
-from kvscope.gateway.settings import GatewaySettings, check_key_name, load_settings
+from kvscope.gateway.settings import GatewaySettings, SettingsSource, check_key_name
 
 
 def _gateway_parser() -> argparse.ArgumentParser:
@@ -60,8 +60,9 @@ def gateway_main(argv: list[str]) -> int:
     try:
         from kvscope.gateway.app import create_app
 
-        settings = load_settings(args.config, _overrides(args))
-        app = create_app(settings)
+        source = SettingsSource.of(args.config, _overrides(args))
+        settings = source.load()
+        app = create_app(settings, source=source)
     except (ValueError, OSError) as exc:
         print(f"kvscope gateway: {exc}", file=sys.stderr)
         return 2

@@ -113,6 +113,23 @@ class ClientRequest:
     """The messages or prompt, kept only when content is logged."""
 
 
+@dataclass(frozen=True, slots=True)
+class RoutingRecord:
+    """A routing decision as the request log and metrics carry it (gateway/routing/router.py
+    RouteDecision)."""
+
+    policy: str
+    """cache_aware, least_outstanding or round_robin."""
+    reason: str
+    """prefix_match, load, round_robin or fallback."""
+    replica: str
+    """The chosen replica's label (the ``upstream`` label of the gateway's metrics)."""
+    predicted_cached_tokens: int | None
+    """cache_aware: prompt tokens the replica most likely serves from its prefix cache."""
+    prefix_unit: str | None
+    """What the prediction hashed: ``tokens`` (the prompt's ids) or ``text`` (no tokenizer)."""
+
+
 @dataclass(slots=True)
 class UpstreamAttempts:
     """The upstream attempts (``time.perf_counter()`` seconds). Written by gateway/proxy/call.py and
@@ -131,6 +148,9 @@ class UpstreamAttempts:
     before it sends headers; the whole attempt when no headers came)."""
     response_s: float = 0.0
     """Last attempt: the response headers → the upstream's last byte."""
+
+    routing: RoutingRecord | None = None
+    """How the last attempt's replica was chosen (None where the request reached no replica)."""
 
     def started(self, address: str) -> None:
         """One more attempt, at the replica ``address``."""

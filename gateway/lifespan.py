@@ -3,7 +3,8 @@ startup/shutdown.
 
 :func:`build_state` wires objects without I/O (tokenizers are loaded here so a bad path fails at startup);
 :func:`gateway_lifespan` opens the upstream HTTP client, starts the log sinks, probes every upstream once,
-then keeps health-checking in the background; at shutdown it stops all of it and flushes the sinks.
+runs a first discovery round (DNS names, gateway/proxy/discovery.py), then keeps health-checking and
+re-reading the replicas' sources in the background; at shutdown it stops all of it and flushes the sinks.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from kvscope.gateway.logs.record import RecordBuilder, ServiceInfo
 from kvscope.gateway.logs.sink import LogSink
 from kvscope.gateway.logs.sinks import JsonlFileSink, StdoutSink
 from kvscope.gateway.metrics import GatewayMetrics, LogSinkMetrics
+from kvscope.gateway.proxy.discovery import Discovery
 from kvscope.gateway.proxy.network import upstream_transport
 from kvscope.gateway.proxy.upstreams import UpstreamPool
 from kvscope.gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
-from kvscope.gateway.settings import GatewaySettings
+from kvscope.gateway.settings import GatewaySettings, SettingsSource
 from kvscope.gateway.state import GatewayState
 from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer, build_tracer_provider
@@ -45,10 +47,12 @@ def build_state(
     span_exporter: SpanExporter | None = None,
     sinks: Sequence[LogSink] = (),
     metric_readers: Sequence[MetricReader] = (),
+    source: SettingsSource | None = None,
 ) -> GatewayState:
     """Wire the gateway's parts from ``settings``. ``registry`` defaults to a new one (not the global);
     ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones;
-    ``metric_readers`` read the OTel GenAI metrics besides the OTLP exporter (tests)."""
+    ``metric_readers`` read the OTel GenAI metrics besides the OTLP exporter (tests); ``source``: where
+    ``settings`` came from, for the config reload."""
     registry = registry or CollectorRegistry()
     ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_resident_memory_bytes & co.
     metrics = GatewayMetrics(registry, settings.metrics)
@@ -87,6 +91,7 @@ def build_state(
         ),
         sinks=[*configured, *sinks],
         client_address=ClientAddressResolver(parse_networks(settings.trusted_proxies)),
+        settings_source=source,
     )
 
 
@@ -138,15 +143,21 @@ async def gateway_lifespan(app: Litestar) -> AsyncIterator[None]:
     for sink in gw.sinks:
         await sink.start()
     await gw.pool.check_all(gw.client)
+    discovery = Discovery(gw.settings, gw.pool, gw.metrics, gw.settings_source)
+    if discovery.active:
+        await discovery.run_once(gw.client)  # DNS replicas before the first request
+        gw.discovery_task = asyncio.create_task(discovery.run(gw.client), name="kvscope-discovery")
     for model in gw.pool.served_models():  # zero series for the models found by the first health round
         gw.metrics.initialize_model(model)
     gw.health_task = asyncio.create_task(gw.pool.run_health_checks(gw.client), name="kvscope-health")
     try:
         yield
     finally:
-        gw.health_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await gw.health_task
+        for task in (gw.discovery_task, gw.health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await gw.client.aclose()
         await gw.limiter.aclose()
         for sink in gw.sinks:

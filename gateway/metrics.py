@@ -1,8 +1,9 @@
 """Prometheus collectors of the gateway (``kvscope_gateway_*``, docs/metrics.md), held by one object.
 
 Labels are bounded: ``model`` is a served model name or ``"unknown"``, ``route`` one of :data:`ROUTES`,
-``status`` the HTTP status code, ``upstream`` a configured upstream label, ``reason``/``type``/``outcome``
-fixed vocabularies. vLLM equivalents are listed in docs/gateway.md.
+``status`` the HTTP status code, ``upstream`` an upstream label (a replica's series are removed when it
+leaves the pool), ``source`` a discovery source (``config`` or ``dns:<name>``),
+``reason``/``type``/``outcome`` fixed vocabularies. vLLM equivalents are listed in docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,17 @@ up to the records emitted (minus those still queued). Being spooled is a transit
 ``kvscope_gateway_log_records_spooled_total``."""
 RATE_LIMIT_REASONS = ("requests", "tokens", "concurrency")
 STREAM_ERROR_REASONS = ("upstream_error", "incomplete", "aborted", "timeout", "upstream_disconnected")
+ROUTING_REASONS = {
+    "cache_aware": ("prefix_match", "load", "fallback"),
+    "least_outstanding": ("load", "fallback"),
+    "round_robin": ("round_robin", "fallback"),
+}
+"""``policy`` → its ``reason`` values in ``kvscope_gateway_routing_decisions_total``
+(gateway/routing/router.py)."""
+CACHED_TOKEN_SOURCES = ("predicted", "reported")
+PREDICTION_OUTCOMES = ("exact", "over", "under")
+"""``outcome`` of ``kvscope_gateway_routing_predictions_total``: the router's predicted cached tokens equal,
+exceed or fall short of what the upstream reported."""
 UPSTREAM_ERROR_REASONS = (
     "connect",
     "disconnect",
@@ -98,6 +110,26 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.routing_decisions = Counter(
+            p + "routing_decisions",
+            "Requests by the routing policy and the reason their (last) replica was chosen.",
+            ["model", "policy", "reason"],
+            registry=registry,
+        )
+        self.routing_cached_tokens = Counter(
+            p + "routing_cached_tokens",
+            "Cache-aware routing: prompt tokens predicted to be in the chosen replica's prefix cache, and "
+            "those the upstream reported cached, for requests with both.",
+            ["model", "source"],
+            registry=registry,
+        )
+        self.routing_predictions = Counter(
+            p + "routing_predictions",
+            "Cache-aware routing: requests whose predicted cached tokens were exact, over or under what the "
+            "upstream reported.",
+            ["model", "outcome"],
+            registry=registry,
+        )
         self.in_flight = Gauge(p + "in_flight_requests", "Requests being served.", registry=registry)
         self.rate_limited = Counter(
             p + "rate_limited", "Requests refused by a limit.", ["reason"], registry=registry
@@ -119,6 +151,13 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             p + "upstream_errors", "Failed upstream attempts.", ["upstream", "reason"], registry=registry
+        )
+        self.discovery_errors = Counter(
+            p + "discovery_errors",
+            "Discovery rounds that failed and kept the source's last known replicas (a DNS timeout or "
+            "SERVFAIL, a config file that cannot be read or no longer loads).",
+            ["source"],
+            registry=registry,
         )
         self.log_records = Counter(
             p + "log_records",
@@ -159,13 +198,36 @@ class GatewayMetrics:
             for outcome in LOG_OUTCOMES:
                 self.log_records.labels(sink, outcome)
 
+    def initialize_upstream(self, upstream: str) -> None:
+        """The series of a replica that joined the pool: down, nothing in flight, zero errors by reason."""
+        self.upstream_up.labels(upstream).set(0)
+        self.upstream_outstanding.labels(upstream).set(0)
+        for reason in UPSTREAM_ERROR_REASONS:
+            self.upstream_errors.labels(upstream, reason)
+
+    def remove_upstream(self, upstream: str) -> None:
+        """Drop every series of a replica that left the pool (gateway/proxy/discovery.py): a replica that is
+        gone must not stay on dashboards as "down", nor keep its series forever as pods come and go."""
+        self.upstream_up.remove(upstream)
+        self.upstream_outstanding.remove(upstream)
+        for reason in UPSTREAM_ERROR_REASONS:
+            self.upstream_errors.remove(upstream, reason)
+
     def initialize_model(self, model: str) -> None:
-        """Zero series of a served model: tokens by type, cached tokens, stream errors by reason."""
+        """Zero series of a served model: tokens by type, cached tokens, stream errors by reason, routing
+        decisions by policy and reason, the routing prediction's tokens and outcomes."""
         for kind in TOKEN_TYPES:
             self.tokens.labels(model, kind)
         self.cached_tokens.labels(model)
         for reason in STREAM_ERROR_REASONS:
             self.stream_errors.labels(model, reason)
+        for policy, reasons in ROUTING_REASONS.items():
+            for reason in reasons:
+                self.routing_decisions.labels(model, policy, reason)
+        for source in CACHED_TOKEN_SOURCES:
+            self.routing_cached_tokens.labels(model, source)
+        for outcome in PREDICTION_OUTCOMES:
+            self.routing_predictions.labels(model, outcome)
 
     def model_label(self, model: str | None, served: bool) -> str:
         """``model`` if it is served, else ``"unknown"`` (keeps the series count bounded)."""

@@ -99,6 +99,23 @@ def _observe_tokens(ctx: RequestContext, model: str, gw: GatewayState) -> None:
             m.tokens.labels(model, kind).inc(value)
     if isinstance(cached, int) and cached > 0:
         m.cached_tokens.labels(model).inc(cached)
+    _observe_routing(ctx, model, gw, cached if isinstance(cached, int) else None)
+
+
+def _observe_routing(ctx: RequestContext, model: str, gw: GatewayState, cached: int | None) -> None:
+    """The request's routing decision, and how its predicted cached tokens compare with what the upstream
+    reported (requests with both only: an upstream that reports no cached tokens cannot grade it)."""
+    routing, m = ctx.upstream.routing, gw.metrics
+    if routing is None:
+        return
+    m.routing_decisions.labels(model, routing.policy, routing.reason).inc()
+    predicted = routing.predicted_cached_tokens
+    if predicted is None or cached is None:
+        return
+    m.routing_cached_tokens.labels(model, "predicted").inc(predicted)
+    m.routing_cached_tokens.labels(model, "reported").inc(cached)
+    outcome = "exact" if predicted == cached else ("over" if predicted > cached else "under")
+    m.routing_predictions.labels(model, outcome).inc()
 
 
 def server_span_attributes(ctx: RequestContext, scope: Mapping[str, Any]) -> dict[str, str | int]:

@@ -13,13 +13,15 @@ Defaults are written once, on the fields. A field that a flag or an environment 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -131,8 +133,8 @@ def _upstream(url: str) -> dict[str, str]:
     return {"url": url}
 
 
-def _positive(config: msgspec.Struct) -> None:
-    for name in config.__struct_fields__:
+def _positive(config: msgspec.Struct, names: tuple[str, ...] | None = None) -> None:
+    for name in names or config.__struct_fields__:
         if getattr(config, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
 
@@ -158,10 +160,19 @@ class UpstreamConfig(msgspec.Struct, **_STRUCT):
         return self.name or self.url.split("://", 1)[1].rstrip("/")
 
 
+RoutingPolicy = Literal["auto", "cache_aware", "least_outstanding", "round_robin"]
+"""How a request's replica is chosen (gateway/routing/): ``cache_aware`` (the replica most likely to hold the
+prompt's prefix in its KV cache, within a load bound), ``least_outstanding`` (fewest requests in flight),
+``round_robin``; ``auto``: cache_aware whenever the model has more than one replica, else
+least_outstanding."""
+
+
 class ModelConfig(msgspec.Struct, **_STRUCT):
     """Per-model settings the gateway cannot learn from the upstream."""
 
     name: str
+    routing: RoutingPolicy | None = None
+    """This model's routing policy; None: ``routing.policy``."""
     tokenizer: str | None = None
     """``tokenizer.json`` or a model folder holding it (+
     ``tokenizer_config.json``/``chat_template.jinja``)."""
@@ -269,9 +280,32 @@ class TimeoutConfig(msgspec.Struct, **_STRUCT):
         _positive(self)
 
 
+class CacheAwareConfig(msgspec.Struct, **_STRUCT):
+    """The ``cache_aware`` policy's knobs (gateway/routing/router.py says how they are used)."""
+
+    load_factor: float = 1.25
+    """Bounded load (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018):
+    a replica takes a request only while its requests in flight + 1 <= ceil(load_factor x (in flight over the
+    model's replicas + 1) / replicas). 1.25 is the paper's and HAProxy's ``hash-balance-factor 125``."""
+    block_size: int = 16
+    """Tokens per hashed prefix block where a replica's ``/v1/models`` card does not say its own (vLLM's and
+    kvscope's default KV block size)."""
+    capacity_tokens: int = 131072
+    """Tokens of prefix the gateway remembers per replica where its card does not report its KV capacity
+    (``kvscope.num_gpu_blocks`` x ``kvscope.block_size``)."""
+
+    def __post_init__(self) -> None:
+        _positive(self)
+        if self.load_factor < 1:
+            raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+
+
 class RoutingConfig(msgspec.Struct, **_STRUCT):
     """Replica selection, retries and health checking."""
 
+    policy: Annotated[RoutingPolicy, Flag("replica routing policy", name="--routing")] = "auto"
+    """Every model's routing policy unless its ``models`` entry sets ``routing``."""
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
     max_attempts: int = 3
     """Upstream attempts per request (retries happen only before the first byte reached the client)."""
     health_interval_s: Annotated[
@@ -284,7 +318,92 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
     until its next good health check (connect errors: 1)."""
 
     def __post_init__(self) -> None:
-        _positive(self)
+        _positive(self, ("max_attempts", "health_interval_s", "health_timeout_s", "failure_threshold"))
+
+
+DNS_PORT = 53
+
+
+def parse_nameserver(item: str) -> tuple[str, int]:
+    """``"host"`` or ``"host:port"`` (IPv6: ``"::1"`` or ``"[::1]:5353"``) → (IP address, port; 53 when not
+    given). The host must be an IP address: a name server named by a name would need a resolver to find it.
+    Raises ValueError."""
+    host, port = item.strip(), str(DNS_PORT)
+    if host.startswith("["):  # [v6] or [v6]:port
+        inner, sep, rest = host[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"nameserver {item!r}: expected [IPv6]:port")
+        host, port = inner, rest[1:] or port
+    elif host.count(":") == 1:  # v4:port (a bare IPv6 address has two or more colons)
+        host, port = host.split(":")
+    try:
+        address = ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"nameserver {item!r}: expected an IP address, optionally with :port") from None
+    if not 1 <= number <= 65535:
+        raise ValueError(f"nameserver {item!r}: port must be 1-65535")
+    return str(address), number
+
+
+class DnsDiscoveryConfig(msgspec.Struct, **_STRUCT):
+    """A DNS name whose A and AAAA records are upstream replicas, re-resolved every ``interval_s``: e.g. a
+    Kubernetes headless Service (one record per ready pod). Each address becomes an upstream
+    ``{scheme}://{address}:{port}`` (IPv6 in brackets) with this entry's ``models`` and ``api_key``."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    """The DNS name, e.g. ``kvscope-engine-headless.default.svc.cluster.local`` (a relative name goes through
+    the system resolver's search domains, as getaddrinfo would)."""
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    scheme: Literal["http", "https"] = "http"
+    models: tuple[str, ...] = ()
+    """As :attr:`UpstreamConfig.models`: empty means whatever each replica's ``/v1/models`` lists."""
+    api_key: str | None = None
+    """As :attr:`UpstreamConfig.api_key`."""
+
+    @property
+    def source(self) -> str:
+        """The discovery source of its replicas (``dns:<name>``): the ``source`` label of
+        ``kvscope_gateway_discovery_errors_total``."""
+        return f"dns:{self.name}"
+
+    def upstream(self, address: str) -> UpstreamConfig:
+        """The upstream at ``address`` (an IPv4 or IPv6 address from an A/AAAA record). Its metric label is
+        the default ``address:port``: the ``instance`` label Prometheus gives the same pod's engine metrics,
+        so gateway and engine series of one replica join on it, and unique per replica."""
+        host = f"[{address}]" if ":" in address else address
+        return UpstreamConfig(
+            url=f"{self.scheme}://{host}:{self.port}", models=self.models, api_key=self.api_key
+        )
+
+
+class DiscoveryConfig(msgspec.Struct, **_STRUCT):
+    """Replicas that come and go (gateway/proxy/discovery.py): DNS names re-resolved and the config file's
+    ``upstreams`` re-read every ``interval_s``; a replica that joins gets traffic after one health probe, one
+    that leaves stops getting new requests and finishes those in flight (docs/gateway.md "Replicas that come
+    and go")."""
+
+    interval_s: float = 5.0
+    """Seconds between two re-resolutions / re-reads."""
+    config_reload: bool = True
+    """Re-read ``upstreams`` from the ``--config`` file when its content changes (other changed keys are
+    logged: they need a restart)."""
+    dns: tuple[DnsDiscoveryConfig, ...] = ()
+    nameservers: tuple[str, ...] = ()
+    """``"host"`` or ``"host:port"`` name servers (IP addresses); empty: the system resolver's
+    (``/etc/resolv.conf``, with its search domains)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, ("interval_s",))
+        for item in self.nameservers:
+            parse_nameserver(item)
+        names = [entry.name for entry in self.dns]
+        if len(names) != len(set(names)):
+            raise ValueError("discovery.dns names must be unique")
+
+    def nameserver_addresses(self) -> tuple[tuple[str, int], ...]:
+        """:attr:`nameservers` as (IP address, port) pairs."""
+        return tuple(parse_nameserver(item) for item in self.nameservers)
 
 
 class LogConfig(msgspec.Struct, **_STRUCT):
@@ -420,6 +539,9 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     """Share rate limits between gateway replicas through Redis; ``None``: in-memory."""
     timeouts: TimeoutConfig = TimeoutConfig()
     routing: RoutingConfig = RoutingConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    """Replicas from DNS and config reload, besides ``upstreams`` (docs/gateway.md "Replicas that come and
+    go")."""
     logs: LogConfig = LogConfig()
     tracing: TracingConfig = TracingConfig()
     metrics: MetricsConfig = MetricsConfig()
@@ -440,9 +562,10 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     """``service.node.name`` in logs and traces; defaults to the host name."""
 
     def __post_init__(self) -> None:
-        if not self.upstreams:
+        if not self.upstreams and not self.discovery.dns:
             raise ValueError(
-                "at least one upstream is required (--upstream URL or `upstreams:` in the config)"
+                "at least one upstream is required (--upstream URL, `upstreams:` in the config or "
+                "`discovery.dns`)"
             )
         if not self.api_keys and not self.allow_unauthenticated and not is_loopback(self.host):
             raise ValueError(
@@ -518,3 +641,31 @@ def load_settings(
             signal, env
         )  # an unsupported OTEL_EXPORTER_OTLP_PROTOCOL is a config error, not a crash later
     return settings
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsSource:
+    """Where the running settings came from, so that they can be read again (the config reload of
+    gateway/proxy/discovery.py): the config file, the environment and the CLI overrides, in
+    :func:`load_settings`'s precedence (a ``--upstream`` flag or ``$KVSCOPE_GATEWAY_UPSTREAMS`` still wins
+    over the file's ``upstreams`` on every reload)."""
+
+    config_path: Path | None
+    """``--config`` or ``$KVSCOPE_GATEWAY_CONFIG``; None: no file (nothing to reload)."""
+    overrides: Mapping[str, Any]
+    env: Mapping[str, str] | None = None
+    """None: ``os.environ``."""
+
+    @classmethod
+    def of(
+        cls,
+        config_path: str | Path | None,
+        overrides: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> SettingsSource:
+        path = config_path or (os.environ if env is None else env).get("KVSCOPE_GATEWAY_CONFIG")
+        return cls(Path(path) if path else None, dict(overrides or {}), env)
+
+    def load(self) -> GatewaySettings:
+        """:func:`load_settings` from this source. Raises ValueError (invalid) or OSError (unreadable)."""
+        return load_settings(self.config_path, self.overrides, self.env)

@@ -18,7 +18,7 @@ from kvscope.gateway.logs.sink import LogSink
 from kvscope.gateway.metrics import GatewayMetrics
 from kvscope.gateway.proxy.upstreams import UpstreamPool
 from kvscope.gateway.ratelimit import RateLimiter
-from kvscope.gateway.settings import GatewaySettings
+from kvscope.gateway.settings import GatewaySettings, SettingsSource
 from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer
 
@@ -40,8 +40,13 @@ class GatewayState:
     sinks: list[LogSink] = field(default_factory=list)
     client_address: ClientAddressResolver = field(default_factory=ClientAddressResolver)
     """``client.ip`` from the peer and trusted forwarding headers (gateway/forwarded.py)."""
+    settings_source: SettingsSource | None = None
+    """Where ``settings`` came from (the config file discovery re-reads); None: built in code."""
     client: httpx.AsyncClient | None = None
     health_task: asyncio.Task | None = None
+    discovery_task: asyncio.Task | None = None
+    """DNS re-resolution and config reload (gateway/proxy/discovery.py); None when there is nothing to
+    re-read."""
 
     @property
     def http(self) -> httpx.AsyncClient:

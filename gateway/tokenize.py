@@ -63,11 +63,15 @@ class ModelTokenizer:
         source = load_chat_template(folder, config)
         return cls(hf, compile_chat_template(source) if source else None, special_tokens(config))
 
-    def count_text(self, text: str, add_special_tokens: bool = True) -> int:
-        return len(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def count_chat(self, messages: Sequence[Mapping[str, Any]]) -> int | None:
-        """Tokens of the rendered chat prompt (with the generation prompt), or None if it cannot render."""
+    def count_text(self, text: str, add_special_tokens: bool = True) -> int:
+        return len(self.encode_text(text, add_special_tokens))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int] | None:
+        """Token ids of the rendered chat prompt (with the generation prompt), as the engine sees them; None
+        if it cannot render."""
         if self._template is None:
             return None
         try:
@@ -77,7 +81,12 @@ class ModelTokenizer:
         ) as exc:  # ChatTemplateError, or whatever else a template raises: the upstream decides
             _log.debug("chat template did not render: %s", exc)
             return None
-        return self.count_text(text, add_special_tokens=False)
+        return self.encode_text(text, add_special_tokens=False)
+
+    def count_chat(self, messages: Sequence[Mapping[str, Any]]) -> int | None:
+        """Tokens of the rendered chat prompt (with the generation prompt), or None if it cannot render."""
+        ids = self.encode_chat(messages)
+        return None if ids is None else len(ids)
 
 
 class PromptCounter:
@@ -94,23 +103,33 @@ class PromptCounter:
     def has(self, model: str) -> bool:
         return model in self._by_model
 
-    def chat(self, model: str, messages: Sequence[Mapping[str, Any]]) -> int | None:
+    def chat_ids(self, model: str, messages: Sequence[Mapping[str, Any]]) -> list[int] | None:
+        """The rendered chat prompt's token ids; None without a tokenizer or when the template fails."""
         tok = self._by_model.get(model)
-        return tok.count_chat(messages) if tok else None
+        return tok.encode_chat(messages) if tok else None
 
-    def completion(self, model: str, prompt: str | list[Any]) -> list[int] | None:
-        """Token count of each prompt (a string, strings, token ids or lists of token ids)."""
-        prompts = _split_prompts(prompt)
+    def chat(self, model: str, messages: Sequence[Mapping[str, Any]]) -> int | None:
+        ids = self.chat_ids(model, messages)
+        return None if ids is None else len(ids)
+
+    def completion_ids(self, model: str, prompt: str | list[Any]) -> list[list[int]] | None:
+        """Token ids of each prompt (a string, strings, token ids or lists of token ids); None when a text
+        prompt meets a model without a tokenizer."""
         tok = self._by_model.get(model)
-        counts = []
-        for item in prompts:
+        out = []
+        for item in _split_prompts(prompt):
             if isinstance(item, list):
-                counts.append(len(item))
+                out.append(item)
             elif tok is None:
                 return None
             else:
-                counts.append(tok.count_text(item))
-        return counts
+                out.append(tok.encode_text(item))
+        return out
+
+    def completion(self, model: str, prompt: str | list[Any]) -> list[int] | None:
+        """Token count of each prompt (a string, strings, token ids or lists of token ids)."""
+        ids = self.completion_ids(model, prompt)
+        return None if ids is None else [len(i) for i in ids]
 
 
 def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:

@@ -254,9 +254,8 @@ def test_every_panel_query_evaluates_in_prometheus(prometheus: PrometheusServer)
         except PromQLError as exc:
             errors[expr] = exc.message
     assert errors == {}
-    assert (
-        len(all_exprs()) == 133
-    )  # the GPU row: 12 queries; the SLO error ratio; build_info: 2; engine broken streams
+    # the GPU row: 12 queries; the SLO error ratio; build_info: 2; engine broken streams; routing: 6
+    assert len(all_exprs()) == 139
 
 
 def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) -> None:

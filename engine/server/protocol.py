@@ -325,6 +325,14 @@ class ModelFormatInfo(Struct):
     """Why this format (the start-up probe's scores and the verification source, or the flags)."""
     cpu_kernels: str = ""
     """Which CPU kernels run the compact weights (``kvscope (fused decode up to N rows)``, ``torch``…)."""
+    block_size: int = 0
+    """Tokens per KV-cache block (vLLM's ``cache_config.block_size``): the gateway's cache-aware routing
+    hashes prompts in it."""
+    num_gpu_blocks: int = 0
+    """KV-cache blocks (vLLM's ``cache_config.num_gpu_blocks``, whatever the device): the prefix capacity the
+    gateway's routing index remembers per replica."""
+    instance_id: str = ""
+    """New at every server start: a change tells the gateway the replica restarted with an empty cache."""
 
 
 class ModelCard(Struct):

@@ -157,6 +157,9 @@ async def models(request: Request) -> ModelList:
             rss_bytes=info.rss_bytes,
             reason=info.format_reason,
             cpu_kernels=info.cpu_kernels,
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_blocks,
+            instance_id=state.instance_id,
         ),
     )
     return ModelList(data=[card])

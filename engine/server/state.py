@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ class ServerState:
     metrics: ServerMetrics
     tracing: Tracing
     created: int = field(default_factory=lambda: int(time.time()))
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """New at every start: a gateway that sees it change knows this server's prefix cache is empty."""
     in_flight: int = 0
     """Generation requests being served now."""
     draining: bool = False

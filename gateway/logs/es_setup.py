@@ -190,6 +190,14 @@ def record_properties() -> dict[str, Any]:
             rate_limit_reason=_kw(),
             stream_error=_kw(),
             prompt_tokens_counted=_LONG,
+            routing=_obj(
+                policy=_kw(),
+                reason=_kw(),
+                replica=_kw(),
+                predicted_cached_tokens=_LONG,
+                cached_tokens=_LONG,
+                prefix_unit=_kw(),
+            ),
             engine=_obj(**engine),
         ),
     }

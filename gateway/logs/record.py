@@ -134,6 +134,7 @@ class RecordBuilder:
                 "rate_limit_reason": ctx.outcome.rate_limited,
                 "stream_error": ctx.outcome.stream_error,
                 "prompt_tokens_counted": ctx.request.prompt_tokens,
+                "routing": _routing(ctx),
             },
         }
 
@@ -168,3 +169,21 @@ class RecordBuilder:
                 "messages": output_messages(ctx.answer.output_content, ctx.answer.finish_reasons)
             }
         return out
+
+
+def _routing(ctx: RequestContext) -> dict[str, Any]:
+    """``kvscope.routing``: how the last attempt's replica was chosen, and the prompt tokens the router
+    predicted it holds in its prefix cache next to those the upstream reported (``cached_tokens``, as
+    ``gen_ai.usage.cache_read.input_tokens``); every field null when no replica was chosen (a record has one
+    shape whatever the outcome)."""
+    routing = ctx.upstream.routing
+    usage = ctx.answer.usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {
+        "policy": routing and routing.policy,
+        "reason": routing and routing.reason,
+        "replica": routing and routing.replica,
+        "predicted_cached_tokens": routing and routing.predicted_cached_tokens,
+        "cached_tokens": cached if routing and isinstance(cached, int) else None,
+        "prefix_unit": routing and routing.prefix_unit,
+    }

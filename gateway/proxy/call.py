@@ -25,6 +25,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
 from kvscope.gateway.auth import TENANT_HEADER
+from kvscope.gateway.context import RoutingRecord
 from kvscope.gateway.errors import (
     GatewayError,
     RetryableFailure,
@@ -182,9 +183,17 @@ class ProxyCall:
         tried: list[Replica] = []
         failure: RetryableFailure | None = None
         for _ in range(self.gw.settings.routing.max_attempts):
-            replica = self.gw.pool.pick(self.plan.model, exclude=tried)
-            if replica is None:
+            decision = self.gw.pool.route(self.plan.model, self.plan.prefix, exclude=tried)
+            if decision is None:
                 break
+            replica = decision.replica
+            self.ctx.upstream.routing = RoutingRecord(
+                decision.policy,
+                decision.reason,
+                replica.label,
+                decision.predicted_cached_tokens,
+                decision.prefix_unit,
+            )
             try:
                 await self._attempt(replica, deadline)
                 return

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvscope.gateway.routing.prefix import PromptPrefix
+
 
 @dataclass(frozen=True, slots=True)
 class ProxyPlan:
@@ -18,3 +20,5 @@ class ProxyPlan:
     """The client asked for the usage chunk (the upstream is always asked)."""
     expected_choices: int
     operation: str
+    prefix: PromptPrefix | None = None
+    """The prompt's blocks for cache-aware routing (None unless the model's policy is cache_aware)."""

@@ -7,26 +7,34 @@ an ejected replica returns at its next good health check. A health probe that ge
 ``health_timeout_s`` ejects only as the ``failure_threshold``-th in a row (a replica whose event loop is slow
 in a long step is busy, not dead: Kubernetes' readiness ``failureThreshold``, Envoy's
 ``unhealthy_threshold``); a refused or timed-out connection, an error status or a malformed answer ejects at
-once. Selection: among healthy replicas serving the model, the one with the fewest requests in flight; ties go
-round-robin.
+once. Selection: among healthy replicas serving the model, by the model's routing policy (gateway/routing/:
+cache_aware, least_outstanding, round_robin). A replica that comes back healthy, or whose card names a new
+server instance, has an empty KV cache: the router forgets the prefixes it held. Membership: each discovery
+source (the settings' ``upstreams``, a DNS name: gateway/proxy/discovery.py) sets its replicas with
+:meth:`UpstreamPool.set_upstreams`; one it drops drains (no new requests) and leaves with its last request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from kvscope.gateway.metrics import GatewayMetrics
+from kvscope.gateway.routing.prefix import PromptPrefix
+from kvscope.gateway.routing.prefix_index import PrefixIndex
+from kvscope.gateway.routing.router import Policy, RouteDecision, Router
 from kvscope.gateway.settings import ModelConfig, RoutingConfig, UpstreamConfig
 
 _log = logging.getLogger("kvscope.gateway")
+
+CONFIG_SOURCE = "config"
+"""The discovery source of the settings' ``upstreams`` (the config file, ``--upstream``, the environment)."""
 
 
 @dataclass(slots=True)
@@ -41,6 +49,16 @@ class Replica:
     """Consecutive health probes that got no answer within ``health_timeout_s``."""
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Model id → the upstream's ``/v1/models`` entry."""
+    prefix_index: PrefixIndex | None = None
+    """The prompt prefixes it most likely holds in its KV cache (gateway/routing/); reset when it restarts."""
+    instance_id: str | None = None
+    """The server instance its card names (kvscope's ``kvscope.instance_id``): a new one is a restart."""
+    draining: bool = False
+    """Its discovery sources no longer list it: it gets no new requests (:meth:`UpstreamPool.candidates`),
+    those in flight finish, and it leaves the pool when the last one ends."""
+    sources: dict[str, UpstreamConfig] = field(default_factory=dict)
+    """Discovery source (``config``, ``dns:<name>``) → the config it gives this URL; ``config`` is the first
+    source's (:meth:`UpstreamPool.set_upstreams`)."""
 
     @property
     def label(self) -> str:
@@ -65,6 +83,22 @@ class Replica:
         models = self.models
         return bool(models) and allowed.issuperset(models)
 
+    def kv_cache_capacity(self, model: str) -> tuple[int | None, int | None]:
+        """(tokens per KV block, KV capacity in tokens) from its ``/v1/models`` card for ``model``
+        (kvscope's ``kvscope.block_size`` and ``kvscope.num_gpu_blocks``); None where it does not say."""
+        info = (self.cards.get(model) or {}).get("kvscope")
+        if not isinstance(info, dict):
+            return None, None
+        size, blocks = info.get("block_size"), info.get("num_gpu_blocks")
+        size = size if isinstance(size, int) and size > 0 else None
+        blocks = blocks if isinstance(blocks, int) and blocks > 0 else None
+        return size, (size * blocks if size and blocks else None)
+
+    def restarted(self) -> None:
+        """Its KV cache is empty now (it came back after being down, or its instance changed): forget the
+        prefixes it held, so their requests go where they are cached now."""
+        self.prefix_index = None
+
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
 
@@ -79,14 +113,96 @@ class UpstreamPool:
         routing: RoutingConfig,
         metrics: GatewayMetrics,
     ) -> None:
-        self.replicas = [Replica(u) for u in upstreams]
+        self.replicas: list[Replica] = []
+        self._by_url: dict[str, Replica] = {}
+        """Replicas in the pool by URL (one Replica per URL, whatever sources list it)."""
         self._model_configs = {m.name: m for m in models}
         self._routing = routing
         self._metrics = metrics
-        self._turn = itertools.count()
+        self.router = Router(routing, self._model_configs)
+        self.set_upstreams(CONFIG_SOURCE, tuple(upstreams))
+
+    # --- membership (gateway/proxy/discovery.py) -----------------------------------------------------------
+    def set_upstreams(self, source: str, configs: Sequence[UpstreamConfig]) -> list[Replica]:
+        """Make ``configs`` the replicas that ``source`` (``config``, ``dns:<name>``) lists, and return those
+        that joined or returned (new replicas, draining ones listed again): probe them now (:meth:`check`),
+        they take no traffic before a good health check.
+
+        One Replica per URL: a URL still listed keeps its Replica (requests in flight, health, cards, prefix
+        index); a new one joins unhealthy; one that no source lists any more drains: no new requests, those
+        in flight finish, and it leaves the pool (and its metric series go) when the last one ends
+        (:meth:`release`), at once when idle. A URL listed by several sources stays until the last drops it
+        and takes the first source's config (its label, models and key)."""
+        wanted: dict[str, UpstreamConfig] = {}
+        for config in configs:
+            wanted.setdefault(config.url.rstrip("/"), config)
+        joined: list[Replica] = []
+        for url, config in wanted.items():
+            replica = self._by_url.get(url)
+            if replica is None:
+                replica = Replica(config, sources={source: config})
+                self._by_url[url] = replica
+                self.replicas = [*self.replicas, replica]  # a new list: a loop over the old one is unaffected
+                self._metrics.initialize_upstream(replica.label)
+                _log.info("upstream %s joined (%s)", replica.label, source)
+                joined.append(replica)
+                continue
+            replica.sources[source] = config
+            self._reconfigure(replica)
+            if replica.draining:
+                replica.draining = False
+                _log.info(
+                    "upstream %s returned (%s) while draining %d requests",
+                    replica.label,
+                    source,
+                    replica.outstanding,
+                )
+                joined.append(replica)
         for replica in self.replicas:
-            metrics.upstream_up.labels(replica.label).set(0)
-            metrics.upstream_outstanding.labels(replica.label).set(0)
+            if source not in replica.sources or replica.url in wanted:
+                continue
+            del replica.sources[source]
+            if replica.sources:
+                self._reconfigure(replica)
+            elif not replica.draining:
+                replica.draining = True
+                if replica.outstanding == 0:
+                    self._leave(replica)
+                else:
+                    _log.info(
+                        "upstream %s draining (%s no longer lists it): %d requests in flight",
+                        replica.label,
+                        source,
+                        replica.outstanding,
+                    )
+        return joined
+
+    def present(self, replica: Replica) -> bool:
+        """Whether ``replica`` is in the pool (not yet left; it may be draining)."""
+        return self._by_url.get(replica.url) is replica
+
+    def _reconfigure(self, replica: Replica) -> None:
+        """Give ``replica`` its first source's config; a new label moves its series."""
+        config = next(iter(replica.sources.values()))
+        if config == replica.config:
+            return
+        old = replica.label
+        replica.config = config
+        if replica.label != old:
+            self._metrics.remove_upstream(old)
+            self._metrics.initialize_upstream(replica.label)
+            self._metrics.upstream_up.labels(replica.label).set(1 if replica.healthy else 0)
+            self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+        _log.info("upstream %s reconfigured (was %s)", replica.label, old)
+
+    def _leave(self, replica: Replica) -> None:
+        """Take a draining replica out of the pool and drop its metric series."""
+        if not self.present(replica):
+            return
+        del self._by_url[replica.url]
+        self.replicas = [r for r in self.replicas if r is not replica]
+        self._metrics.remove_upstream(replica.label)
+        _log.info("upstream %s left", replica.label)
 
     # --- models -------------------------------------------------------------------------------------------
     def served_models(self) -> list[str]:
@@ -102,7 +218,9 @@ class UpstreamPool:
     def has_unknown_models(self) -> bool:
         """Whether some replica has never told us its models (no ``models`` configured, never reached): a
         model it may serve cannot be refused as unknown yet."""
-        return any(not r.config.models and not r.cards and not r.healthy for r in self.replicas)
+        return any(
+            not r.config.models and not r.cards and not r.healthy and not r.draining for r in self.replicas
+        )
 
     def model_card(self, model: str) -> dict[str, Any]:
         """The ``/v1/models`` entry: the upstream's (from a healthy replica first) with configured
@@ -124,7 +242,10 @@ class UpstreamPool:
     def ready(self) -> dict[str, bool]:
         """Model → whether a healthy replica serves it, for every configured or ever-discovered model (a
         replica keeps its last model list while it is down)."""
-        return {m: any(r.healthy and r.serves(m) for r in self.replicas) for m in self.served_models()}
+        return {
+            m: any(r.healthy and not r.draining and r.serves(m) for r in self.replicas)
+            for m in self.served_models()
+        }
 
     def retry_after(self) -> str:
         """``Retry-After`` seconds for "no healthy replica": the health-check period (a replica can return
@@ -136,12 +257,14 @@ class UpstreamPool:
         self, model: str | None, exclude: Iterable[Replica] = (), only: frozenset[str] | None = None
     ) -> list[Replica]:
         """Healthy replicas serving ``model`` (any healthy replica for ``None``), minus ``exclude``; with
-        ``only``, just those serving nothing but models in ``only`` (:meth:`Replica.serves_only`)."""
+        ``only``, just those serving nothing but models in ``only`` (:meth:`Replica.serves_only`). A draining
+        replica is never one."""
         skip = set(map(id, exclude))
         return [
             r
             for r in self.replicas
             if r.healthy
+            and not r.draining
             and (model is None or r.serves(model))
             and id(r) not in skip
             and (only is None or r.serves_only(only))
@@ -151,25 +274,55 @@ class UpstreamPool:
         """Replicas, healthy or not, that serve nothing but models in ``only``."""
         return [r for r in self.replicas if r.serves_only(only)]
 
-    def pick(
-        self, model: str | None, exclude: Iterable[Replica] = (), only: frozenset[str] | None = None
-    ) -> Replica | None:
-        """The healthy replica serving ``model`` (and, with ``only``, nothing but those models) with the
-        fewest outstanding requests (ties round-robin)."""
+    def policy(self, model: str | None) -> Policy:
+        """``model``'s routing policy (gateway/routing/router.py), ``auto`` resolved by how many replicas,
+        healthy or not, serve it."""
+        serving = sum(1 for r in self.replicas if not r.draining and (model is None or r.serves(model)))
+        return self.router.policy(model, serving)
+
+    def prefix_block_size(self, model: str) -> int | None:
+        """Tokens per block to hash ``model``'s prompts in when its policy is cache_aware (the replicas'
+        own KV block size), else None: the prompt's prefix is not needed."""
+        if self.policy(model) != "cache_aware":
+            return None
+        return self.router.block_size(model, [r for r in self.replicas if not r.draining and r.serves(model)])
+
+    def route(
+        self,
+        model: str | None,
+        prefix: PromptPrefix | None = None,
+        exclude: Iterable[Replica] = (),
+        only: frozenset[str] | None = None,
+    ) -> RouteDecision[Replica] | None:
+        """The routing decision for one attempt: among healthy replicas serving ``model`` (and, with
+        ``only``, nothing but those models), minus ``exclude`` (replicas already tried: the decision is a
+        ``fallback``), by the model's policy; ``prefix``: the prompt's blocks for cache_aware. None when no
+        replica is left."""
+        exclude = tuple(exclude)
         replicas = self.candidates(model, exclude, only)
         if not replicas:
             return None
-        fewest = min(r.outstanding for r in replicas)
-        tied = [r for r in replicas if r.outstanding == fewest]
-        return tied[next(self._turn) % len(tied)]
+        return self.router.choose(self.policy(model), model, replicas, prefix, retry=bool(exclude))
+
+    def pick(
+        self, model: str | None, exclude: Iterable[Replica] = (), only: frozenset[str] | None = None
+    ) -> Replica | None:
+        """:meth:`route`'s replica for a request whose prompt the gateway does not read (no prefix)."""
+        decision = self.route(model, None, exclude, only)
+        return decision.replica if decision else None
 
     def acquire(self, replica: Replica) -> None:
         replica.outstanding += 1
-        self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+        if self.present(replica):  # a replica that has left keeps no series
+            self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
 
     def release(self, replica: Replica) -> None:
+        """One request ended; a draining replica leaves the pool with its last one."""
         replica.outstanding -= 1
-        self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+        if replica.draining and replica.outstanding == 0:
+            self._leave(replica)
+        elif self.present(replica):
+            self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
 
     # --- passive health -----------------------------------------------------------------------------------
     def report_success(self, replica: Replica) -> None:
@@ -182,7 +335,8 @@ class UpstreamPool:
         ``kvscope_gateway_upstream_errors_total``; eject when ``eject`` or after ``failure_threshold``
         consecutive ``passive`` failures. Timeouts are not passive failures: a slow replica is busy, not
         dead."""
-        self._metrics.upstream_errors.labels(replica.label, reason).inc()
+        if self.present(replica):  # a replica that has left keeps no series
+            self._metrics.upstream_errors.labels(replica.label, reason).inc()
         if not passive:
             return
         replica.consecutive_failures += 1
@@ -193,7 +347,8 @@ class UpstreamPool:
 
     def _set_health(self, replica: Replica, healthy: bool) -> None:
         replica.healthy = healthy
-        self._metrics.upstream_up.labels(replica.label).set(1 if healthy else 0)
+        if self.present(replica):
+            self._metrics.upstream_up.labels(replica.label).set(1 if healthy else 0)
 
     # --- active health ------------------------------------------------------------------------------------
     async def check(self, replica: Replica, client: httpx.AsyncClient) -> bool:
@@ -225,9 +380,12 @@ class UpstreamPool:
                 _log.warning("upstream %s failed its health check: %r", replica.label, exc)
             self._set_health(replica, False)
             return False
+        instance = _instance_id(cards)
+        if not replica.healthy or instance != replica.instance_id:
+            replica.restarted()  # back after being down, or a new server instance: an empty cache
         if not replica.healthy:
             _log.info("upstream %s is healthy (%s)", replica.label, ", ".join(cards) or "no models")
-        replica.cards = cards
+        replica.cards, replica.instance_id = cards, instance
         replica.consecutive_failures = replica.probe_timeouts = 0
         self._set_health(replica, True)
         return True
@@ -249,10 +407,22 @@ class UpstreamPool:
             return await client.get(url, headers=headers, timeout=timeout)
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self.check(r, client) for r in self.replicas))
+        """Probe every replica but the draining ones (they take no new requests; a re-added one is probed
+        by whoever re-added it)."""
+        await asyncio.gather(*(self.check(r, client) for r in self.replicas if not r.draining))
 
     async def run_health_checks(self, client: httpx.AsyncClient) -> None:
         """Probe every replica every ``health_interval_s`` until cancelled."""
         while True:
             await asyncio.sleep(self._routing.health_interval_s)
             await self.check_all(client)
+
+
+def _instance_id(cards: dict[str, dict[str, Any]]) -> str | None:
+    """The server instance a ``/v1/models`` answer names (kvscope's ``kvscope.instance_id``, new at every
+    start), None for servers that name none."""
+    for card in cards.values():
+        info = card.get("kvscope")
+        if isinstance(info, dict) and isinstance(info.get("instance_id"), str):
+            return info["instance_id"]
+    return None

@@ -1,8 +1,9 @@
 """``kvscope serve``: the one-command stack on a laptop — engine + gateway as child processes.
 
-Pulls the default model if missing, starts the engine on a private loopback port, waits until it is healthy,
-starts the gateway in front of it, waits until it is ready, prints the URL and a copy-paste request, then
-forwards Ctrl-C/SIGTERM to both. Children get PR_SET_PDEATHSIG so that even a SIGKILLed supervisor leaves no
+Pulls the default model if missing, starts the engine on a private loopback port (``--replicas N``: N engines
+on ports of their own, the CPUs split between them), waits until it is healthy, starts the gateway in front of
+it (one ``--upstream`` per engine), waits until it is ready, prints the URL and a copy-paste request, then
+forwards Ctrl-C/SIGTERM to all. Children get PR_SET_PDEATHSIG so that even a SIGKILLed supervisor leaves no
 orphan process behind (Linux).
 """
 
@@ -41,6 +42,33 @@ class ServeOptions:
     log_file: Path
     engine_args: tuple[str, ...]
     gateway_args: tuple[str, ...]
+    replicas: int = 1
+    """Engines to start; the first listens on ``engine_port``, the others on free ports."""
+
+
+def _replica_count(text: str) -> int:
+    """``--replicas``: an integer >= 1 (argparse answers anything else as a usage error, status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (engines to start), got {value}")
+    return value
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's cpuset, taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def engine_threads(replicas: int, cpus: int) -> int | None:
+    """torch threads per engine when ``replicas`` engines share ``cpus`` CPUs: max(1, cpus // replicas);
+    None for one engine (its own default, kvscope.common.engine_defaults: all CPUs but one)."""
+    return None if replicas == 1 else max(1, cpus // replicas)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,7 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="registry name, HF folder or .gguf file")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (auth is off only on loopback)")
     p.add_argument("--port", type=int, default=4000, help="gateway port")
-    p.add_argument("--engine-port", type=int, default=0, help="engine port on 127.0.0.1 (0 = a free port)")
+    p.add_argument(
+        "--engine-port", type=int, default=0, help="(first) engine port on 127.0.0.1 (0 = a free port)"
+    )
+    p.add_argument(
+        "--replicas",
+        type=_replica_count,
+        default=1,
+        metavar="N",
+        help="engines to start on this machine (free ports after the first, each with usable CPUs // N "
+        "threads); the gateway balances over them",
+    )
     p.add_argument("--log-file", type=Path, help="request log (default: <cache>/logs/requests.jsonl)")
     p.add_argument(
         "--engine-args", default="", help="extra `kvscope engine` options, e.g. '--max-model-len 4096'"
@@ -69,6 +107,7 @@ def serve_main(argv: list[str]) -> int:
         log_file=args.log_file or settings.cache_root / "logs" / "requests.jsonl",
         engine_args=tuple(shlex.split(args.engine_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
+        replicas=args.replicas,
     )
     if is_registered(options.model):
         from kvscope.common.models.pull import pull
@@ -78,12 +117,18 @@ def serve_main(argv: list[str]) -> int:
 
 
 class Supervisor:
-    """Owns the two child processes and their shutdown."""
+    """Owns the child processes (the engines, then the gateway) and their shutdown."""
 
     def __init__(self, options: ServeOptions) -> None:
         self.options = options
         self.children: list[subprocess.Popen] = []
         self._stop_requested = False
+        self.engine_ports = [options.engine_port]
+        """The engines' ports: ``engine_port``, then free ones."""
+        while len(self.engine_ports) < options.replicas:
+            port = _free_port()
+            if port not in self.engine_ports and port != options.port:
+                self.engine_ports.append(port)
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -91,7 +136,7 @@ class Supervisor:
         try:
             self._check_engine_key()
             self._check_ports_free()
-            self._start_engine()
+            self._start_engines()
             self._start_gateway()
             self._print_banner()
             return self._wait()
@@ -127,7 +172,8 @@ class Supervisor:
         port would answer the readiness probe and the banner would point at it (uvicorn's bind error comes
         later)."""
         o = self.options
-        for host, port, flag in ((o.host, o.port, "--port"), ("127.0.0.1", o.engine_port, "--engine-port")):
+        engines = [("127.0.0.1", port, "--engine-port") for port in self.engine_ports]
+        for host, port, flag in ((o.host, o.port, "--port"), *engines):
             problem = _bind_problem(host, port)
             if problem is not None:
                 raise _ChildFailed(
@@ -135,7 +181,9 @@ class Supervisor:
                     f"running? Stop it or pass {flag} with a free port"
                 )
 
-    def _start_engine(self) -> None:
+    def engine_command(self, index: int) -> list[str]:
+        """The command of engine ``index`` (0-based): on its own port, with usable CPUs // replicas threads
+        when there are several (unless ``--engine-args`` sets ``--num-threads``)."""
         o = self.options
         # -P: no working folder on sys.path, so a `kvscope serve` run from the repository root imports Hugging
         # Face's top-level `kernels` (which transformers loads), not the repository's kernels/ folder.
@@ -150,17 +198,28 @@ class Supervisor:
             "--host",
             "127.0.0.1",
             "--port",
-            str(o.engine_port),
-            *o.engine_args,
+            str(self.engine_ports[index]),
         ]
-        print(
-            f"starting engine: {shlex.join(cmd[3:])}  (its JSON request log: {self.engine_log})", flush=True
-        )
-        self.engine_log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.engine_log, "ab") as log:  # the child keeps its own descriptor
-            child = self._spawn(cmd, stdout=log)
-        self._wait_ready(child, f"http://127.0.0.1:{o.engine_port}/health", "engine")
-        print(engine_format_line(_model_card(f"http://127.0.0.1:{o.engine_port}/v1/models")), flush=True)
+        threads = engine_threads(o.replicas, usable_cpus())
+        given = any(a == "--num-threads" or a.startswith("--num-threads=") for a in o.engine_args)
+        if threads is not None and not given:
+            cmd += ["--num-threads", str(threads)]
+        return [*cmd, *o.engine_args]
+
+    def _start_engines(self) -> None:
+        """Start every engine, then wait until each is healthy (they load their weights side by side)."""
+        started = []
+        for index in range(self.options.replicas):
+            cmd, log_path = self.engine_command(index), self.engine_logs[index]
+            print(f"starting engine: {shlex.join(cmd[3:])}  (its JSON request log: {log_path})", flush=True)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log:  # the child keeps its own descriptor
+                started.append(self._spawn(cmd, stdout=log))
+        for index, (child, port) in enumerate(zip(started, self.engine_ports, strict=True)):
+            name = "engine" if self.options.replicas == 1 else f"engine {index + 1}"
+            self._wait_ready(child, f"http://127.0.0.1:{port}/health", name)
+            line = engine_format_line(_model_card(f"http://127.0.0.1:{port}/v1/models"))
+            print(line if self.options.replicas == 1 else f"{name}: {line}", flush=True)
 
     @property
     def engine_log(self) -> Path:
@@ -169,6 +228,17 @@ class Supervisor:
         return self.options.log_file.with_name(
             "engine.ndjson"
         )  # not *.jsonl: `kvscope logs` on the folder reads gateway records only
+
+    @property
+    def engine_logs(self) -> list[Path]:
+        """Each engine's log: :attr:`engine_log` for one engine, ``engine-1.ndjson`` … for several."""
+        if self.options.replicas == 1:
+            return [self.engine_log]
+        return [self.engine_log.with_name(f"engine-{i + 1}.ndjson") for i in range(self.options.replicas)]
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.engine_ports]
 
     def _start_gateway(self) -> None:
         o = self.options
@@ -183,8 +253,7 @@ class Supervisor:
             o.host,
             "--port",
             str(o.port),
-            "--upstream",
-            f"http://127.0.0.1:{o.engine_port}",
+            *(arg for url in self.engine_urls for arg in ("--upstream", url)),
             "--log-file",
             str(o.log_file),
         ]
@@ -219,10 +288,18 @@ class Supervisor:
     def _print_banner(self) -> None:
         o = self.options
         base = f"http://{_client_host(o.host)}:{o.port}"
+        replicas = (
+            ""
+            if o.replicas == 1
+            else f"{o.replicas} engine replicas behind the gateway:\n"
+            + "".join(
+                f"  {url}  (log {log})\n" for url, log in zip(self.engine_urls, self.engine_logs, strict=True)
+            )
+        )
         print(
             f"""
 kvscope is serving {_served_name(o)} at {base}/v1  (metrics: {base}/metrics, request log: {o.log_file})
-
+{replicas}
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{_served_name(o)}", "max_tokens": 32,
          "messages": [{{"role": "user", "content": "Hello!"}}]}}'

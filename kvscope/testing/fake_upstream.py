@@ -109,7 +109,11 @@ class FakeUpstream:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
     connections: int = 0
     """TCP connections accepted so far (keep-alive reuse shows as fewer connections than requests)."""
+    card_kvscope: dict[str, Any] | None = None
+    """The ``kvscope`` field of its /v1/models cards (``block_size``, ``num_gpu_blocks``, ``instance_id`` as
+    our engine reports them); None: none, as other servers."""
     _server: asyncio.Server | None = None
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
     _loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> FakeUpstream:
@@ -123,6 +127,15 @@ class FakeUpstream:
             self._server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1)
+
+    async def kill(self) -> None:
+        """Go away as a dead process does: stop listening and drop every open connection (keep-alive ones
+        too), so the next request on one fails."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self.close()
 
     @property
     def url(self) -> str:
@@ -141,12 +154,14 @@ class FakeUpstream:
     # --- HTTP ---------------------------------------------------------------------------------------------
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.add(writer)
         try:
             while await self._one_request(reader, writer):
                 pass
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -179,6 +194,7 @@ class FakeUpstream:
                     "created": 0,
                     "owned_by": "fake",
                     "max_model_len": self.max_model_len,
+                    **({"kvscope": self.card_kvscope} if self.card_kvscope is not None else {}),
                 }
                 for m in self.models
             ]
@@ -465,6 +481,9 @@ class SSEWriter:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="fake OpenAI-compatible upstream for gateway tests")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="listen address (any 127.x.y.z: many fakes on one port)"
+    )
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--models", default="fake-model")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -480,7 +499,7 @@ def main() -> None:
 
     async def serve() -> None:
         fake = await FakeUpstream(tuple(args.models.split(",")), args.max_model_len, knobs).start(
-            port=args.port
+            host=args.host, port=args.port
         )
         print(f"READY {fake.port}", flush=True)
         await asyncio.Event().wait()

@@ -213,9 +213,15 @@ class LoopThread:
 
 
 def start_fake_thread(
-    loop: LoopThread, models: tuple[str, ...] = ("fake-model",), max_model_len: int = 2048, **knobs: Any
+    loop: LoopThread,
+    models: tuple[str, ...] = ("fake-model",),
+    max_model_len: int = 2048,
+    card_kvscope: dict[str, Any] | None = None,
+    **knobs: Any,
 ) -> FakeUpstream:
-    return loop.run(FakeUpstream(models, max_model_len, Knobs(**knobs)).start())
+    """A stub upstream serving ``models`` on ``loop``; ``card_kvscope``: its cards' ``kvscope`` field."""
+    fake = FakeUpstream(models, max_model_len, Knobs(**knobs), card_kvscope=card_kvscope)
+    return loop.run(fake.start())
 
 
 class GatewayThread:

@@ -101,6 +101,14 @@ def make_record(
             "rate_limit_reason": None,
             "stream_error": None,
             "prompt_tokens_counted": input_tokens,
+            "routing": {
+                "policy": "least_outstanding",
+                "reason": "load",
+                "replica": upstream,
+                "predicted_cached_tokens": None,
+                "cached_tokens": 0,
+                "prefix_unit": None,
+            },
         },
     }
     if error:

@@ -154,6 +154,7 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
             "--first-token-timeout",
             "--total-timeout",
             "--health-interval",
+            "--routing",
             "--log-level",
             "--event-loop",
         ]

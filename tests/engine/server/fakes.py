@@ -69,6 +69,7 @@ class FakeInfo:
     rss_bytes: int = 5000
     peak_rss_bytes: int = 6000
     num_blocks: int = 7
+    block_size: int = 16
 
 
 class FakeScheduler:

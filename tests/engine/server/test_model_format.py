@@ -18,7 +18,11 @@ def test_model_card_carries_the_format_and_keeps_the_openai_fields(client) -> No
         "kvscope",
         "/models/fake",
     )
+    instance_id = card["kvscope"].pop("instance_id")
+    assert len(instance_id) == 32 and int(instance_id, 16) >= 0  # a uuid4, new at every start
     assert card["kvscope"] == {
+        "block_size": 16,
+        "num_gpu_blocks": 7,
         "dtype": "bfloat16",
         "quantization": "gguf",
         "weights_bytes": 2000,

@@ -1,0 +1,206 @@
+"""The routing policies, the prompt-prefix hashes and the per-replica prefix index, without a network."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kvscope.gateway.routing.prefix import chat_text, completion_text, text_prefix, token_prefix
+from kvscope.gateway.routing.prefix_index import PrefixIndex
+from kvscope.gateway.routing.router import Router
+from kvscope.gateway.settings import CacheAwareConfig, ModelConfig, RoutingConfig
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    outstanding: int = 0
+    prefix_index: PrefixIndex | None = None
+    block_size: int | None = None
+    capacity_tokens: int | None = None
+
+    def kv_cache_capacity(self, model: str) -> tuple[int | None, int | None]:
+        return self.block_size, self.capacity_tokens
+
+
+def router(policy: str = "auto", **cache_aware: float) -> Router:
+    config = RoutingConfig(policy=policy, cache_aware=CacheAwareConfig(**cache_aware))  # type: ignore[arg-type]
+    return Router(config, {"pinned": ModelConfig(name="pinned", routing="round_robin")})
+
+
+# --- prefix hashes ------------------------------------------------------------------------------------------
+def test_token_prefix_hashes_full_blocks_in_a_chain() -> None:
+    a = token_prefix("m", list(range(10)), 4)
+    b = token_prefix("m", [0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11], 4)
+    assert (len(a.hashes), a.num_tokens, a.block_size, a.unit) == (2, 10, 4, "tokens")
+    assert a.hashes[0] == b.hashes[0] and a.hashes[1] != b.hashes[1]  # diverged in block 1
+    assert token_prefix("other", list(range(10)), 4).hashes[0] != a.hashes[0]  # models never share
+    # the same block after a different prefix is a different hash (the chain)
+    assert token_prefix("m", [9, 9, 9, 9, 0, 1, 2, 3], 4).hashes[1] != a.hashes[0]
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        token_prefix("m", [1], 0)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "matched", "cacheable"),
+    [(16, 4, 3), (17, 4, 4), (17, 9, 4), (5, 1, 1), (4, 1, 0), (1, 0, 0)],
+)
+def test_cacheable_blocks_never_include_the_last_prompt_token(num_tokens: int, matched: int, cacheable: int):
+    assert token_prefix("m", list(range(num_tokens)), 4).cacheable_blocks(matched) == cacheable
+
+
+def test_text_prefix_uses_four_characters_per_token() -> None:
+    prefix = text_prefix("m", "x" * 70, 4)  # blocks of 16 characters
+    assert (len(prefix.hashes), prefix.num_tokens, prefix.unit) == (4, 18, "text")
+
+
+def test_chat_text_keeps_message_order_and_tools_first() -> None:
+    first = chat_text([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    longer = chat_text(
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ]
+    )
+    assert longer.startswith(first)
+    assert chat_text([{"role": "user", "content": "hi"}], tools=[{"type": "function"}]).startswith(
+        '[{"type": "function"}]'
+    )
+    assert completion_text(["a", "b"]) == "a" and completion_text([1, 2]) == "1 2"
+    assert completion_text([[3, 4], [5]]) == "3 4" and completion_text([]) is None
+
+
+# --- prefix index -------------------------------------------------------------------------------------------
+def test_index_matches_leading_blocks_only() -> None:
+    index = PrefixIndex(16)
+    index.insert([1, 2, 3])
+    assert (index.match([1, 2, 3, 4]), index.match([1, 2, 9]), index.match([9, 1]), index.match([])) == (
+        3,
+        2,
+        0,
+        0,
+    )
+
+
+def test_index_evicts_least_recently_used_prompt_tails_first() -> None:
+    index = PrefixIndex(4)
+    index.insert([1, 2, 3])
+    index.insert([7, 8])  # 5 blocks > 4: the oldest, prompt 1's last block, goes
+    assert (len(index), index.match([1, 2, 3]), index.match([7, 8])) == (4, 2, 2)
+    index.insert([1, 2, 3])  # prompt 1 again: now the most recent; prompt 2's tail is the oldest
+    assert (index.match([1, 2, 3]), index.match([7, 8])) == (3, 1)
+    with pytest.raises(ValueError, match="capacity_blocks must be >= 1"):
+        PrefixIndex(0)
+
+
+# --- policies -----------------------------------------------------------------------------------------------
+def test_auto_is_cache_aware_above_one_replica_and_a_model_may_pin_its_own() -> None:
+    r = router()
+    assert (r.policy("m", 1), r.policy("m", 2), r.policy("pinned", 3)) == (
+        "least_outstanding",
+        "cache_aware",
+        "round_robin",
+    )
+    assert router("least_outstanding").policy("m", 4) == "least_outstanding"
+
+
+def test_round_robin_takes_turns_and_least_outstanding_takes_the_idlest() -> None:
+    replicas = [FakeReplica("a", 2), FakeReplica("b", 0), FakeReplica("c", 1)]
+    r = router()
+    turns = [r.choose("round_robin", "m", replicas, None).replica.name for _ in range(4)]
+    assert turns == ["a", "b", "c", "a"]
+    decision = r.choose("least_outstanding", "m", replicas, None)
+    assert (decision.replica.name, decision.reason, decision.predicted_cached_tokens) == ("b", "load", None)
+
+
+def test_cache_aware_follows_the_prefix_and_predicts_the_cached_tokens() -> None:
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    r = router()
+    turn1 = token_prefix("m", list(range(10)), 4)  # 2 full blocks
+    first = r.choose("cache_aware", "m", replicas, turn1)
+    assert (first.reason, first.predicted_cached_tokens, first.prefix_unit) == ("load", 0, "tokens")
+    turn2 = token_prefix("m", [*range(10), 50, 51, 52, 53, 54, 55], 4)  # starts with turn 1's 8 hashed tokens
+    for other in replicas:
+        other.outstanding = 0
+    second = r.choose("cache_aware", "m", replicas, turn2)
+    assert (second.replica, second.reason, second.predicted_cached_tokens) == (
+        first.replica,
+        "prefix_match",
+        8,
+    )
+    # a different prompt goes elsewhere when its first replica is busier
+    first.replica.outstanding = 1
+    other = r.choose("cache_aware", "m", replicas, token_prefix("m", [7] * 12, 4))
+    assert other.replica is not first.replica and other.reason == "load"
+
+
+def test_cache_aware_bounds_the_load_of_a_hot_prefix() -> None:
+    """One prefix for every request, none finishing: a replica takes it only while in flight + 1 <=
+    ceil(1.25 x (total + 1) / 4), so the first three go to idle replicas (ties in turn), then the prefix stays
+    on the replicas that hold it, each within the bound; the fourth replica is not needed (4 <= ceil(1.25 x
+    13 / 4) = 5)."""
+    replicas = [FakeReplica(name) for name in "abcd"]
+    r = router()
+    hot = token_prefix("m", list(range(64)), 4)
+    picks = []
+    for _ in range(12):
+        total = sum(o.outstanding for o in replicas)
+        decision = r.choose("cache_aware", "m", replicas, hot)
+        decision.replica.outstanding += 1
+        assert decision.replica.outstanding <= -(-5 * (total + 1) // 16)  # ceil(1.25 (total + 1) / 4)
+        picks.append(decision.replica.name + ("*" if decision.reason == "prefix_match" else ""))
+    assert picks == ["a", "c", "b", "a*", "b*", "c*", "a*", "c*", "b*", "a*", "b*", "c*"]
+    assert [o.outstanding for o in replicas] == [4, 4, 4, 0]
+    # 63 of 64 tokens are cacheable: 15 full blocks of 4 (the 16th holds the last prompt token)
+    assert r.choose("cache_aware", "m", replicas, hot).predicted_cached_tokens == 60
+
+
+def test_a_retry_is_a_fallback_and_the_index_is_sized_from_the_card() -> None:
+    replicas = [FakeReplica("a", block_size=8, capacity_tokens=64), FakeReplica("b")]
+    r = router(capacity_tokens=40)
+    assert r.block_size("m", replicas) == 8 and r.block_size("m", replicas[1:]) == 16
+    prefix = token_prefix("m", list(range(40)), 8)
+    decision = r.choose("cache_aware", "m", replicas, prefix, retry=True)
+    assert decision.reason == "fallback"
+    sizes = {rep.name: rep.prefix_index.capacity_blocks if rep.prefix_index else None for rep in replicas}
+    assert sizes[decision.replica.name] == (8 if decision.replica.name == "a" else 5)  # 64/8, else 40/8
+    with pytest.raises(ValueError, match="no candidate replica"):
+        r.choose("cache_aware", "m", [], prefix)
+
+
+def test_a_new_instance_id_on_a_healthy_replica_resets_its_index() -> None:
+    """A restart between two health checks: never seen down, but its card names a new server instance."""
+    import asyncio
+
+    import httpx
+    from prometheus_client import CollectorRegistry
+
+    from kvscope.gateway.metrics import GatewayMetrics
+    from kvscope.gateway.proxy.upstreams import UpstreamPool
+    from kvscope.gateway.settings import UpstreamConfig
+
+    instance = {"id": "one"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        card = {"id": "m", "kvscope": {"block_size": 4, "num_gpu_blocks": 8, "instance_id": instance["id"]}}
+        return httpx.Response(200, json={"data": [card]})
+
+    pool = UpstreamPool(
+        [UpstreamConfig(url="http://a:1")], [], RoutingConfig(), GatewayMetrics(CollectorRegistry())
+    )
+    replica = pool.replicas[0]
+
+    async def probe() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await pool.check(replica, client)
+
+    asyncio.run(probe())
+    assert replica.kv_cache_capacity("m") == (4, 32)
+    replica.prefix_index = PrefixIndex(8)
+    asyncio.run(probe())  # same instance: kept
+    assert replica.prefix_index is not None
+    instance["id"] = "two"
+    asyncio.run(probe())
+    assert (replica.prefix_index, replica.instance_id) == (None, "two")
