@@ -38,7 +38,8 @@ class FusedDecoder:
     float32 copies of the norm weights)."""
 
     embed: torch.Tensor
-    """``[vocab, hidden]`` bfloat16 or float32, contiguous (the embedding lookups)."""
+    """``[vocab, hidden]`` bfloat16 or float32 (the embedding lookups), any strides: a tied float32 embedding
+    is the column-major view prepare_for_cpu leaves (engine/platform/cpu.py)."""
     inv_freq: torch.Tensor
     """float32 ``[head_dim / 2]`` (RoPE frequencies, scaling applied)."""
     norms: list[torch.Tensor]
@@ -70,7 +71,6 @@ class FusedDecoder:
         if (
             not isinstance(head, PairBlocks)
             or head.bits != 8
-            or not embed.is_contiguous()
             or embed.dtype not in (torch.bfloat16, torch.float32)
         ):
             return None

@@ -381,18 +381,26 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
   std::vector<at::Tensor> cache_list(kv_caches.begin(), kv_caches.end());
   for (const auto& t : norm_list) TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "norms: float32");
   const at::Tensor ids = token_ids.contiguous();
-  TORCH_CHECK(embed.is_contiguous() && (embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kFloat),
-              "embedding: contiguous bfloat16 or float32 [vocab, hidden]");
+  TORCH_CHECK(embed.dim() == 2 && (embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kFloat),
+              "embedding: bfloat16 or float32 [vocab, hidden]");
+  // Any strides: a tied float32 embedding is a column-major view of the LM head's packed copy
+  // (engine/platform/cpu.py prepare_for_cpu); its rows are then gathered element by element (H loads).
+  const int64_t row_stride = embed.stride(0), col_stride = embed.stride(1);
   at::Tensor hidden = at::empty({n, H}, embed.options().dtype(at::kFloat));
   for (int64_t i = 0; i < n; ++i) {  // the rows of this step's tokens (bfloat16 → float32 is exact)
     const int64_t id = ids.data_ptr<int64_t>()[i];
     TORCH_CHECK(id >= 0 && id < embed.size(0), "token id out of range");
     float* dst = hidden.data_ptr<float>() + i * H;
     if (embed.scalar_type() == at::kFloat) {
-      std::memcpy(dst, embed.data_ptr<float>() + id * H, H * sizeof(float));
+      const float* src = embed.data_ptr<float>() + id * row_stride;
+      if (col_stride == 1) {
+        std::memcpy(dst, src, H * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < H; ++j) dst[j] = src[j * col_stride];
+      }
     } else {
-      const c10::BFloat16* src = embed.data_ptr<c10::BFloat16>() + id * H;
-      for (int64_t j = 0; j < H; ++j) dst[j] = static_cast<float>(src[j]);
+      const c10::BFloat16* src = embed.data_ptr<c10::BFloat16>() + id * row_stride;
+      for (int64_t j = 0; j < H; ++j) dst[j] = static_cast<float>(src[j * col_stride]);
     }
   }
   const at::Tensor tables = block_tables.contiguous();

@@ -192,3 +192,30 @@ def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir) -> No
             assert abs(float32_decode - perplexity(exact[:39])) < 1e-3
         ratios.append(perplexity(decode_path_nll(model, tokens, torch.bfloat16, fused)) / perplexity(exact))
     assert 0.995 < sum(ratios) / len(ratios) < 1.005, ratios
+
+
+def test_a_float32_tied_embedding_runs_fused_from_its_column_major_view() -> None:
+    """float32 activations with gguf weights (the start-up probe's pick on AVX-512 CPUs without AMX): the tied
+    embedding is the LM head's column-major copy (prepare_for_cpu), and the fused step gathers its rows
+    through the strides, bit for bit as from a contiguous copy."""
+    import dataclasses
+
+    llm = LLM("smollm2-135m", dtype="float32", quantization="gguf", kv_cache_memory=16 << 20, num_threads=2)
+    fused = llm.engine.runner.fused
+    assert fused is not None and fused.embed.dtype == torch.float32
+    assert fused.embed.stride() == (1, fused.embed.shape[0])  # column-major: no row-major copy kept
+    c = llm.engine.model.config
+    kv_dtype = llm.engine.runner.kv_caches[0].dtype
+    caches = [
+        allocate_kv_caches(
+            c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, kv_dtype, torch.device("cpu")
+        )
+        for _ in range(2)
+    ]
+    ids, pos = torch.tensor([17, 40000]), torch.tensor([0, 0])
+    step = AttentionMetadata.build([1, 1], [1, 1], [[0], [1]], 16)
+    with torch.inference_mode():
+        strided = fused(ids, pos, step, caches[0])
+        contiguous = dataclasses.replace(fused, embed=fused.embed.contiguous())(ids, pos, step, caches[1])
+    assert torch.equal(strided, contiguous)
+    assert llm.engine.info.cpu_kernels.startswith("kvscope (fused decode up to")
