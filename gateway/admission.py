@@ -16,6 +16,7 @@ front.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -187,14 +188,17 @@ def _read_prompt(
     block_size = gw.pool.prefix_block_size(req.model)
     if block_size is None:
         return counts, None
-    if ids:
-        return counts, token_prefix(req.model, ids[0], block_size)
+    max_len = gw.pool.max_model_len(req.model) or math.inf
+    if ids:  # a prompt longer than the context is refused, by the context check or the upstream: never cached
+        return counts, token_prefix(req.model, ids[0], block_size) if len(ids[0]) <= max_len else None
     text = (
         chat_text(raw["messages"], raw.get("tools"))
         if isinstance(req, ChatCompletionRequest)
         else completion_text(raw["prompt"])
     )
-    return counts, None if text is None else text_prefix(req.model, text, block_size)
+    if text is None or estimate_tokens(len(text)) > max_len:
+        return counts, None
+    return counts, text_prefix(req.model, text, block_size)
 
 
 def _prompt_ids(

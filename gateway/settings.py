@@ -14,6 +14,7 @@ Defaults are written once, on the fields. A field that a flag or an environment 
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import socket
@@ -134,9 +135,13 @@ def _upstream(url: str) -> dict[str, str]:
 
 
 def _positive(config: msgspec.Struct, names: tuple[str, ...] | None = None) -> None:
+    """Raise ValueError unless every field in ``names`` (default: all) is a finite number > 0 (NaN compares
+    false with everything: ``nan <= 0`` would pass, then ``asyncio.sleep(nan)`` or ``math.ceil`` fail
+    later)."""
     for name in names or config.__struct_fields__:
-        if getattr(config, name) <= 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+        value = getattr(config, name)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
 class UpstreamConfig(msgspec.Struct, **_STRUCT):
@@ -296,7 +301,7 @@ class CacheAwareConfig(msgspec.Struct, **_STRUCT):
 
     def __post_init__(self) -> None:
         _positive(self)
-        if self.load_factor < 1:
+        if not self.load_factor >= 1:  # NaN too
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
 
 
@@ -577,6 +582,12 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
         names = [key.name for key in self.api_keys]
         if len(names) != len(set(names)):
             raise ValueError("api key names must be unique")
+        urls_by_label: dict[str, set[str]] = {}
+        for upstream in self.upstreams:
+            urls_by_label.setdefault(upstream.label, set()).add(upstream.url.rstrip("/"))
+        shared = sorted(label for label, urls in urls_by_label.items() if len(urls) > 1)
+        if shared:  # one label, two replicas: their metric series and log lines could not be told apart
+            raise ValueError(f"upstreams with different URLs share the name {', '.join(shared)}")
         for name in ("ttft_buckets", "duration_buckets"):
             bounds = getattr(self.metrics, name)
             if not bounds or bounds[-1] < self.timeouts.total_s:

@@ -16,7 +16,9 @@
 
 A retry after a failed attempt (``exclude`` not empty) is a ``fallback``: the same choice among the replicas
 not yet tried. Every cache_aware decision records the prompt's blocks at the chosen replica at once, so the
-next request with that prefix follows it even before this one finishes.
+next request with that prefix follows it even before this one finishes: at most half the replica's index,
+so that one huge prompt cannot evict every other prefix (admission leaves prompts longer than the context
+unhashed: they are refused, never cached).
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ class Router:
         else:
             replica = self._least_loaded([r for r, m in zip(eligible, matches, strict=True) if m == best])
             matched = best
-        self._index(replica, model, prefix).insert(prefix.hashes)
+        index = self._index(replica, model, prefix)
+        index.insert(prefix.hashes[: max(1, index.capacity_blocks // 2)])  # one prompt never evicts it all
         reason: Reason = "fallback" if retry else ("prefix_match" if matched else "load")
         predicted = prefix.cacheable_blocks(matched) * prefix.block_size
         return RouteDecision(replica, "cache_aware", reason, predicted, prefix.unit)

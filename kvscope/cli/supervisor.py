@@ -122,6 +122,8 @@ class Supervisor:
     def __init__(self, options: ServeOptions) -> None:
         self.options = options
         self.children: list[subprocess.Popen] = []
+        self.names: dict[int, str] = {}
+        """Child pid → what it is ("engine 2 (port 41234)", "gateway") for the message when one exits."""
         self._stop_requested = False
         self.engine_ports = [options.engine_port]
         """The engines' ports: ``engine_port``, then free ones."""
@@ -181,9 +183,10 @@ class Supervisor:
                     f"running? Stop it or pass {flag} with a free port"
                 )
 
-    def engine_command(self, index: int) -> list[str]:
+    def engine_command(self, index: int, pinned: tuple[str, ...] = ()) -> list[str]:
         """The command of engine ``index`` (0-based): on its own port, with usable CPUs // replicas threads
-        when there are several (unless ``--engine-args`` sets ``--num-threads``)."""
+        when there are several (unless ``--engine-args`` sets ``--num-threads``); ``pinned``: more flags (the
+        first replica's weight format for the others)."""
         o = self.options
         # -P: no working folder on sys.path, so a `kvscope serve` run from the repository root imports Hugging
         # Face's top-level `kernels` (which transformers loads), not the repository's kernels/ folder.
@@ -204,22 +207,47 @@ class Supervisor:
         given = any(a == "--num-threads" or a.startswith("--num-threads=") for a in o.engine_args)
         if threads is not None and not given:
             cmd += ["--num-threads", str(threads)]
-        return [*cmd, *o.engine_args]
+        return [*cmd, *pinned, *o.engine_args]
+
+    def _engine_name(self, index: int) -> str:
+        if self.options.replicas == 1:
+            return "engine"
+        return f"engine {index + 1} (port {self.engine_ports[index]})"
 
     def _start_engines(self) -> None:
-        """Start every engine, then wait until each is healthy (they load their weights side by side)."""
-        started = []
-        for index in range(self.options.replicas):
-            cmd, log_path = self.engine_command(index), self.engine_logs[index]
-            print(f"starting engine: {shlex.join(cmd[3:])}  (its JSON request log: {log_path})", flush=True)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as log:  # the child keeps its own descriptor
-                started.append(self._spawn(cmd, stdout=log))
-        for index, (child, port) in enumerate(zip(started, self.engine_ports, strict=True)):
-            name = "engine" if self.options.replicas == 1 else f"engine {index + 1}"
-            self._wait_ready(child, f"http://127.0.0.1:{port}/health", name)
-            line = engine_format_line(_model_card(f"http://127.0.0.1:{port}/v1/models"))
-            print(line if self.options.replicas == 1 else f"{name}: {line}", flush=True)
+        """Start the first engine and wait until it is healthy; then the others, side by side, with the weight
+        format the first one's start-up probe chose (``--dtype``/``--quantization`` from its card), so that
+        every replica serves the same numbers whatever the load during their probes; then wait for them."""
+        first = self._start_engine(0)
+        card = self._ready(first, 0)
+        pinned = () if self._format_given() else _format_flags(card)
+        rest = [self._start_engine(index, pinned) for index in range(1, self.options.replicas)]
+        for index, child in enumerate(rest, start=1):
+            self._ready(child, index)
+
+    def _start_engine(self, index: int, pinned: tuple[str, ...] = ()) -> subprocess.Popen:
+        cmd, log_path = self.engine_command(index, pinned), self.engine_logs[index]
+        print(f"starting engine: {shlex.join(cmd[3:])}  (its JSON request log: {log_path})", flush=True)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:  # the child keeps its own descriptor
+            child = self._spawn(cmd, stdout=log)
+        self.names[child.pid] = self._engine_name(index)
+        return child
+
+    def _ready(self, child: subprocess.Popen, index: int) -> dict[str, Any] | None:
+        """Wait until engine ``index`` is healthy, print its weight format; returns its model card."""
+        port, name = self.engine_ports[index], self._engine_name(index)
+        self._wait_ready(child, f"http://127.0.0.1:{port}/health", name)
+        card = _model_card(f"http://127.0.0.1:{port}/v1/models")
+        line = engine_format_line(card)
+        print(line if self.options.replicas == 1 else f"{name}: {line}", flush=True)
+        return card
+
+    def _format_given(self) -> bool:
+        flags = ("--dtype", "--quantization")
+        return any(
+            a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in self.options.engine_args
+        )
 
     @property
     def engine_log(self) -> Path:
@@ -264,6 +292,7 @@ class Supervisor:
         cmd += list(o.gateway_args)
         print(f"starting gateway: {shlex.join(cmd[3:])}", flush=True)
         child = self._spawn(cmd)
+        self.names[child.pid] = "gateway"
         self._wait_ready(child, f"http://{_client_host(o.host)}:{o.port}/readyz", "gateway")
 
     def _spawn(self, cmd: list[str], stdout: Any = None) -> subprocess.Popen:
@@ -314,10 +343,8 @@ Press Ctrl-C to stop.
             self._check_stop()
             for child in self.children:
                 if child.poll() is not None:
-                    cmd = child.args if isinstance(child.args, list) else [child.args]
-                    raise _ChildFailed(
-                        f"child {shlex.join(map(str, cmd[2:4]))} exited with code {child.returncode}"
-                    )
+                    name = self.names.get(child.pid, "child")
+                    raise _ChildFailed(f"{name} exited with code {child.returncode}")
             time.sleep(0.2)
 
     def _check_stop(self) -> None:
@@ -415,3 +442,12 @@ def _tokenizer_path(model: str) -> Path | None:
         [hf_dir(model) / "tokenizer.json"] if is_registered(model) else [Path(model) / "tokenizer.json"]
     )
     return next((c for c in candidates if c.is_file()), None)
+
+
+def _format_flags(card: dict[str, Any] | None) -> tuple[str, ...]:
+    """``--dtype X --quantization Y`` as a model card's ``kvscope`` field reports them (empty without)."""
+    info = (card or {}).get("kvscope") or {}
+    dtype, quantization = info.get("dtype"), info.get("quantization")
+    if not isinstance(dtype, str) or not isinstance(quantization, str):
+        return ()
+    return ("--dtype", dtype, "--quantization", quantization)

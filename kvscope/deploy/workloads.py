@@ -354,8 +354,13 @@ def redis_objects() -> list[Obj]:
 
 
 def _engine_patch(engine: EngineSource, container: Obj, pod: Obj | None = None) -> Obj:
-    """A strategic-merge patch of the engine StatefulSet: containers and init containers merge by name."""
-    pull = {"name": "pull-model", "image": engine.image}
+    """A strategic-merge patch of the engine StatefulSet: containers and init containers merge by name. The
+    model-pull init container gets the engine's CPU and memory (requests = limits) so that the pod is in the
+    Guaranteed QoS class (Kubernetes counts every container, init ones too: the static CPU manager pins only
+    such pods' cores, and a namespace's LimitRange cannot default it into something else)."""
+    limits = container["resources"]["limits"]
+    own = {name: limits[name] for name in ("cpu", "memory")}
+    pull = {"name": "pull-model", "image": engine.image, "resources": {"requests": own, "limits": own}}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

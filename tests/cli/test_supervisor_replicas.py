@@ -29,21 +29,27 @@ def _options(tmp_path: Path, replicas: int, engine_args: tuple[str, ...] = ()) -
 
 
 class _Child:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
     def poll(self) -> None:
         return None
 
 
-def _started(sup: Supervisor, monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], str | None]]:
-    """Run the supervisor's start-up with the children's launch replaced: (command, stdout file name)."""
+def _started(
+    sup: Supervisor, monkeypatch: pytest.MonkeyPatch, card: dict[str, Any] | None = None
+) -> list[tuple[list[str], str | None]]:
+    """Run the supervisor's start-up with the children's launch replaced: (command, stdout file name).
+    ``card``: what every engine's /v1/models answers."""
     launched: list[tuple[list[str], str | None]] = []
 
     def spawn(cmd: list[str], stdout: Any = None) -> _Child:
         launched.append((cmd, Path(stdout.name).name if stdout is not None else None))
-        return _Child()
+        return _Child(1000 + len(launched))
 
     monkeypatch.setattr(sup, "_spawn", spawn)
     monkeypatch.setattr(sup, "_wait_ready", lambda *args: None)
-    monkeypatch.setattr(supervisor, "_model_card", lambda url: None)
+    monkeypatch.setattr(supervisor, "_model_card", lambda url: card)
     monkeypatch.setattr(supervisor, "usable_cpus", lambda: 7)
     monkeypatch.setattr(supervisor, "_tokenizer_path", lambda model: None)
     sup._start_engines()
@@ -77,7 +83,8 @@ def test_two_replicas_get_their_own_ports_threads_and_logs(
         ),
     ]
     out = capsys.readouterr().out
-    assert "engine 1: engine weight format: unknown" in out and "engine 2: engine weight format" in out
+    assert "engine 1 (port 8100): engine weight format: unknown" in out
+    assert f"engine 2 (port {second}): engine weight format" in out
     assert (
         "kvscope is serving smollm2-135m at http://127.0.0.1:4100/v1  "
         f"(metrics: http://127.0.0.1:4100/metrics, request log: {log})\n"
@@ -142,3 +149,24 @@ def test_replicas_below_one_are_refused_before_anything_starts(
         serve_main(["--replicas", value])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.endswith(f"kvscope serve: error: {error}\n")
+
+
+def test_the_other_replicas_serve_the_first_ones_weight_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each engine's start-up probe could pick another format under the others' load: the first one's pick
+    (its card) is passed to the rest, unless --engine-args names a format."""
+    fmt = {"dtype": "bfloat16", "quantization": "gguf", "weights_bytes": 1 << 20, "rss_bytes": 1 << 20}
+    card = {"id": "smollm2-135m", "kvscope": {**fmt, "reason": "probe"}}
+    sup = Supervisor(_options(tmp_path, 3))
+    commands = [cmd for cmd, _ in _started(sup, monkeypatch, card)][:3]
+    pinned = ["--dtype", "bfloat16", "--quantization", "gguf"]
+    assert [cmd[-4:] == pinned for cmd in commands] == [False, True, True]
+    assert sup.names == {
+        1001: "engine 1 (port 8100)",
+        1002: f"engine 2 (port {sup.engine_ports[1]})",
+        1003: f"engine 3 (port {sup.engine_ports[2]})",
+        1004: "gateway",
+    }
+    own = Supervisor(_options(tmp_path, 2, ("--dtype", "float32")))
+    assert [cmd[-2:] for cmd, _ in _started(own, monkeypatch, card)][:2] == [["--dtype", "float32"]] * 2

@@ -551,6 +551,20 @@ def test_the_gateways_share_redis_and_run_compose_s_gateway(rendered: dict[str, 
     assert container(redis, "redis")["image"] == "redis:7.2.7"
 
 
+@each_overlay
+def test_the_engine_pods_are_guaranteed_qos(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    """Every container of the engine pod, the model-pull init container too, has CPU and memory requests equal
+    to its limits: the Guaranteed QoS class (the static CPU manager pins only such pods' cores)."""
+    spec = one(rendered[overlay], "StatefulSet")["spec"]["template"]["spec"]
+    for c in [*spec["initContainers"], *spec["containers"]]:
+        resources = c.get("resources", {})
+        requests, limits = resources.get("requests", {}), resources.get("limits", {})
+        assert {k: requests.get(k) for k in ("cpu", "memory")} == {
+            k: limits.get(k) for k in ("cpu", "memory")
+        }
+        assert None not in (limits.get("cpu"), limits.get("memory")), c["name"]
+
+
 def test_pdbs_allow_one_engine_and_one_gateway_down(rendered: dict[str, list[Obj]]) -> None:
     objects = rendered["cpu"]
     owners = {

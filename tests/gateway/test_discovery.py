@@ -377,7 +377,7 @@ def test_the_discovery_section_in_the_documented_shape() -> None:
 @pytest.mark.parametrize(
     ("discovery", "message"),
     [
-        ({"interval_s": 0}, "interval_s must be > 0"),
+        ({"interval_s": 0}, "interval_s must be a finite number > 0"),
         ({"dns": [{"name": "x", "port": 8000, "weight": 1}]}, "unknown field `weight`"),
         ({"dns": [{"name": "x", "port": 8000, "scheme": "ftp"}]}, "Invalid enum value 'ftp'"),
         ({"dns": [{"name": "x"}]}, "missing required field `port`"),

@@ -204,3 +204,41 @@ def test_a_new_instance_id_on_a_healthy_replica_resets_its_index() -> None:
     instance["id"] = "two"
     asyncio.run(probe())
     assert (replica.prefix_index, replica.instance_id) == (None, "two")
+
+
+def test_one_huge_prompt_never_evicts_every_other_prefix() -> None:
+    """A prompt's blocks take at most half a replica's index (here 8 blocks: 128 tokens of KV)."""
+    replica = FakeReplica("a", block_size=16, capacity_tokens=128)
+    r = router()
+    small = token_prefix("m", list(range(40)), 16)  # 2 full blocks
+    r.choose("cache_aware", "m", [replica], small)
+    r.choose("cache_aware", "m", [replica], token_prefix("m", [7] * 1600, 16))  # 100 blocks
+    assert replica.prefix_index is not None and len(replica.prefix_index) == 6  # 2 + the first 4 of 100
+    again = r.choose("cache_aware", "m", [replica], small)
+    assert (again.reason, again.predicted_cached_tokens) == ("prefix_match", 32)
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        {"cache_aware": {"load_factor": float("nan")}},
+        {"cache_aware": {"load_factor": float("inf")}},
+        {"health_interval_s": float("nan")},
+        {"health_timeout_s": float("inf")},
+    ],
+)
+def test_routing_numbers_must_be_finite(routing: dict) -> None:
+    from kvscope.gateway.settings import load_settings
+
+    with pytest.raises(ValueError, match="finite|load_factor"):
+        load_settings(None, {"upstreams": [{"url": "http://a:1"}], "routing": routing}, env={})
+
+
+def test_two_upstreams_may_not_share_a_name() -> None:
+    from kvscope.gateway.settings import load_settings
+
+    same = [{"url": "http://a:1", "name": "e"}, {"url": "http://b:1", "name": "e"}]
+    with pytest.raises(ValueError, match="share the name e"):
+        load_settings(None, {"upstreams": same}, env={})
+    twice = [{"url": "http://a:1", "name": "e"}, {"url": "http://a:1/", "name": "e"}]  # one replica, merged
+    assert len(load_settings(None, {"upstreams": twice}, env={}).upstreams) == 2

@@ -185,6 +185,19 @@ def test_a_model_without_tokenizer_routes_by_its_text(cluster: Cluster) -> None:
     assert routed[1]["predicted_cached_tokens"] > 0
 
 
+def test_a_prompt_longer_than_the_context_is_routed_by_load_and_leaves_the_index_alone(
+    cluster: Cluster,
+) -> None:
+    """text-model's card says max_model_len 2048: 40,000 characters (~10,000 tokens) will be refused, so its
+    blocks are not recorded anywhere."""
+    turns = conversation("world " * 40, 2)
+    first = cluster.chat(turns[0], "long-0", model="text-model")
+    huge = cluster.chat([{"role": "user", "content": "hello " * 6667}], "long-1", model="text-model")
+    assert (huge["policy"], huge["reason"], huge["predicted_cached_tokens"]) == ("cache_aware", "load", None)
+    second = cluster.chat(turns[1], "long-2", model="text-model")
+    assert (second["replica"], second["reason"]) == (first["replica"], "prefix_match")
+
+
 def test_a_replica_that_goes_away_loses_its_prefixes_for_good(cluster: Cluster) -> None:
     chat = conversation(SYSTEMS[1], 4)
     home = cluster.chat(chat[0], "move-0")["replica"]
