@@ -11,12 +11,15 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar.connection import ASGIConnection
 from opentelemetry.trace import Span
 
 from kvscope.gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from kvscope.gateway.routing.router import RouteDecision
 
 CTX_KEY = "kvscope_ctx"
 """``scope["state"]`` key of the request's RequestContext."""
@@ -151,6 +154,16 @@ class UpstreamAttempts:
 
     routing: RoutingRecord | None = None
     """How the last attempt's replica was chosen (None where the request reached no replica)."""
+
+    def routed(self, decision: RouteDecision[Any]) -> None:
+        """The router chose this attempt's replica (gateway/routing/router.py)."""
+        self.routing = RoutingRecord(
+            decision.policy,
+            decision.reason,
+            decision.replica.label,
+            decision.predicted_cached_tokens,
+            decision.prefix_unit,
+        )
 
     def started(self, address: str) -> None:
         """One more attempt, at the replica ``address``."""

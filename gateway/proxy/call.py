@@ -25,7 +25,6 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
 from kvscope.gateway.auth import TENANT_HEADER
-from kvscope.gateway.context import RoutingRecord
 from kvscope.gateway.errors import (
     GatewayError,
     RetryableFailure,
@@ -182,18 +181,12 @@ class ProxyCall:
         deadline = self.ctx.start + self.gw.settings.timeouts.total_s
         tried: list[Replica] = []
         failure: RetryableFailure | None = None
-        for _ in range(self.gw.settings.routing.max_attempts):
-            decision = self.gw.pool.route(self.plan.model, self.plan.prefix, exclude=tried)
+        for attempt in range(self.gw.settings.routing.max_attempts):
+            decision = self.gw.pool.route(self.plan.model, self.plan.prefix, exclude=tried, retry=attempt > 0)
             if decision is None:
                 break
             replica = decision.replica
-            self.ctx.upstream.routing = RoutingRecord(
-                decision.policy,
-                decision.reason,
-                replica.label,
-                decision.predicted_cached_tokens,
-                decision.prefix_unit,
-            )
+            self.ctx.upstream.routed(decision)
             try:
                 await self._attempt(replica, deadline)
                 return

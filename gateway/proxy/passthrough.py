@@ -154,9 +154,11 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
         gw.tracer.inject(ctx.trace.span, headers)
     tried: list[Replica] = []
     for _ in range(gw.settings.routing.max_attempts):
-        replica = gw.pool.pick(model, exclude=tried, only=only)
-        if replica is None:
+        decision = gw.pool.route(model, None, exclude=tried, only=only)
+        if decision is None:
             break
+        replica = decision.replica
+        ctx.upstream.routed(decision)
         tried.append(replica)
         url = replica.url + path + (f"?{request.url.query}" if request.url.query else "")
         upstream = gw.http.build_request(

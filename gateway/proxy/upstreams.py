@@ -293,23 +293,19 @@ class UpstreamPool:
         prefix: PromptPrefix | None = None,
         exclude: Iterable[Replica] = (),
         only: frozenset[str] | None = None,
+        retry: bool | None = None,
     ) -> RouteDecision[Replica] | None:
         """The routing decision for one attempt: among healthy replicas serving ``model`` (and, with
-        ``only``, nothing but those models), minus ``exclude`` (replicas already tried: the decision is a
-        ``fallback``), by the model's policy; ``prefix``: the prompt's blocks for cache_aware. None when no
+        ``only``, nothing but those models), minus ``exclude`` (replicas already tried), by the model's
+        policy; ``prefix``: the prompt's blocks for cache_aware; ``retry``: an earlier attempt of the request
+        failed, so the decision is a ``fallback`` (default: whether ``exclude`` names a replica). None when no
         replica is left."""
         exclude = tuple(exclude)
         replicas = self.candidates(model, exclude, only)
         if not replicas:
             return None
-        return self.router.choose(self.policy(model), model, replicas, prefix, retry=bool(exclude))
-
-    def pick(
-        self, model: str | None, exclude: Iterable[Replica] = (), only: frozenset[str] | None = None
-    ) -> Replica | None:
-        """:meth:`route`'s replica for a request whose prompt the gateway does not read (no prefix)."""
-        decision = self.route(model, None, exclude, only)
-        return decision.replica if decision else None
+        retry = bool(exclude) if retry is None else retry
+        return self.router.choose(self.policy(model), model, replicas, prefix, retry=retry)
 
     def acquire(self, replica: Replica) -> None:
         replica.outstanding += 1

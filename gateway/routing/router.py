@@ -46,6 +46,11 @@ class RoutedReplica(Protocol):
     outstanding: int
     prefix_index: PrefixIndex | None
 
+    @property
+    def label(self) -> str:
+        """The replica's name in metrics and the request log."""
+        ...
+
     def kv_cache_capacity(self, model: str) -> tuple[int | None, int | None]:
         """(tokens per KV block, KV capacity in tokens) as the replica reports them for ``model``; None
         where it does not."""

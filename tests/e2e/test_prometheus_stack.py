@@ -62,6 +62,9 @@ def gateway_config(path: Path, port: int, engine: str, fake: str, keys: dict[str
             {"url": engine, "name": "engine", "models": [MODEL]},
             {"url": fake, "name": "fake", "models": [FAKE_MODEL]},
         ],
+        # cache-aware routing for the engine's model although it has one replica: the workload's shared
+        # prefixes then feed the routing prediction panels (predicted vs the engine's reported cached tokens)
+        "models": [{"name": MODEL, "routing": "cache_aware"}],
         "api_keys": [
             {"name": "main", "sha256": hash_key(keys["main"])},
             {"name": "limited", "sha256": hash_key(keys["limited"]), "limits": {"requests_per_minute": 1}},

@@ -101,7 +101,8 @@ def test_a_removed_replica_drains_and_leaves_with_its_last_request(caplog: pytes
     pool.report_failure(a, "status_5xx", passive=False)
     assert pool.set_upstreams("config", _configs(B)) == []
     assert (a.draining, pool.replicas, pool.candidates(None), pool.candidates("m")) == (True, [a, b], [b], [])
-    assert pool.pick(None) is b and pool.ready() == {}
+    decision = pool.route(None)
+    assert decision is not None and decision.replica is b and pool.ready() == {}
     series = _full_series(1, 2)
     series["kvscope_gateway_upstream_errors_total", "status_5xx"] = 1.0
     assert _series(registry, "127.0.0.1:9001") == series  # its series stay while it drains

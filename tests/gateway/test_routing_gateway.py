@@ -228,3 +228,23 @@ def test_a_restarted_replica_is_not_credited_with_its_old_prefixes(cluster: Clus
     cluster.wait(lambda: cluster.replicas()[home].instance_id not in (before, None), "the new instance seen")
     again = cluster.chat(chat[1], "restart-1")
     assert (again["reason"], again["predicted_cached_tokens"]) == ("load", 0)
+
+
+def test_pass_through_requests_log_their_routing_and_a_retry_is_a_fallback(cluster: Cluster) -> None:
+    resp = httpx.post(
+        cluster.gateway.url + "/v1/embeddings",
+        json={"model": MODEL, "input": "hello"},
+        headers={"x-request-id": "pass-0"},
+        timeout=10,
+    )
+    assert resp.status_code in (200, 404)  # whatever the stub answers: it was routed
+    record = records_by_id(cluster.tmp / "requests.jsonl", ["pass-0"])["pass-0"][0]
+    routing = record["kvscope"]["routing"]
+    assert (routing["policy"], routing["reason"], routing["predicted_cached_tokens"]) == (
+        "cache_aware",
+        "load",
+        None,
+    )
+    assert routing["replica"] in {cluster.label(f) for f in cluster.fakes}
+    decision = cluster.gateway.state.pool.route(MODEL, None, retry=True)  # same replica again after a failure
+    assert decision is not None and decision.reason == "fallback"
