@@ -11,15 +11,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from litestar.connection import ASGIConnection
 from opentelemetry.trace import Span
 
 from kvscope.gateway.errors import GatewayError
-
-if TYPE_CHECKING:
-    from kvscope.gateway.routing.router import RouteDecision
 
 CTX_KEY = "kvscope_ctx"
 """``scope["state"]`` key of the request's RequestContext."""
@@ -154,16 +151,6 @@ class UpstreamAttempts:
 
     routing: RoutingRecord | None = None
     """How the last attempt's replica was chosen (None where the request reached no replica)."""
-
-    def routed(self, decision: RouteDecision[Any]) -> None:
-        """The router chose this attempt's replica (gateway/routing/router.py)."""
-        self.routing = RoutingRecord(
-            decision.policy,
-            decision.reason,
-            decision.replica.label,
-            decision.predicted_cached_tokens,
-            decision.prefix_unit,
-        )
 
     def started(self, address: str) -> None:
         """One more attempt, at the replica ``address``."""

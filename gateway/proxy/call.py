@@ -186,7 +186,7 @@ class ProxyCall:
             if decision is None:
                 break
             replica = decision.replica
-            self.ctx.upstream.routed(decision)
+            self.ctx.upstream.routing = decision.record()
             try:
                 await self._attempt(replica, deadline)
                 return

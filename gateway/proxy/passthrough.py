@@ -158,7 +158,7 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
         if decision is None:
             break
         replica = decision.replica
-        ctx.upstream.routed(decision)
+        ctx.upstream.routing = decision.record()
         tried.append(replica)
         url = replica.url + path + (f"?{request.url.query}" if request.url.query else "")
         upstream = gw.http.build_request(

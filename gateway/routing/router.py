@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
+from kvscope.gateway.context import RoutingRecord
 from kvscope.gateway.routing.prefix import PromptPrefix
 from kvscope.gateway.routing.prefix_index import PrefixIndex
 from kvscope.gateway.settings import CacheAwareConfig, ModelConfig, RoutingConfig, RoutingPolicy
@@ -72,6 +73,12 @@ class RouteDecision(Generic[ReplicaT]):
     never the last prompt token); None under the other policies."""
     prefix_unit: Literal["tokens", "text"] | None = None
     """What the prediction hashed: the prompt's token ids, or its text (no tokenizer configured)."""
+
+    def record(self) -> RoutingRecord:
+        """The decision as the request context keeps it for the log line and metrics."""
+        return RoutingRecord(
+            self.policy, self.reason, self.replica.label, self.predicted_cached_tokens, self.prefix_unit
+        )
 
 
 class Router:
