@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from kvscope.common import generated_files
 from kvscope.dashboards import engine_detail, metrics_doc, overview
 from kvscope.dashboards.catalog import Catalog, discover
 from kvscope.dashboards.coverage import REPO, not_shown
@@ -49,11 +50,7 @@ def expected_files(catalog: Catalog) -> dict[Path, str]:
 
 def stale_files(files: dict[Path, str]) -> list[Path]:
     """Paths whose content on disk differs from ``files`` (missing files included)."""
-    return [p for p, text in files.items() if not p.exists() or p.read_text() != text]
-
-
-def _shown(path: Path) -> str:
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    return generated_files.stale_files(files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,16 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     unshown = not_shown(build_dashboards(catalog).values(), catalog)
     if unshown:
         print("defined but on no dashboard: " + ", ".join(unshown), file=sys.stderr)
-    stale = stale_files(files)
-    if args.check:
-        for path in stale:
-            print(f"stale: {_shown(path)} (run: python -m kvscope.dashboards.generate)", file=sys.stderr)
-        return 1 if stale else 0
-    JSON_DIR.mkdir(parents=True, exist_ok=True)
-    for path in stale:
-        path.write_text(files[path])
-        print(f"wrote {_shown(path)}")
-    return 0
+    return generated_files.write_or_check(
+        files, stale_files(files), args.check, "python -m kvscope.dashboards.generate", REPO
+    )
 
 
 if __name__ == "__main__":

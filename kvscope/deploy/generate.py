@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from kvscope.common import generated_files
 from kvscope.deploy import autoscaling, gateway_config, monitoring, workloads
 from kvscope.deploy.names import ADAPTER_NAMESPACE, API_KEYS, GATEWAY_CONFIG, NAMESPACE, labels
 from kvscope.deploy.sources import REPO, Sources, read_sources
@@ -213,13 +214,7 @@ def expected_files(sources: Sources, root: Path = ROOT) -> dict[Path, str]:
 def stale_files(files: dict[Path, str], root: Path = ROOT) -> list[Path]:
     """Paths whose content differs from ``files`` (missing included) and files under ``root`` that are not
     generated (a leftover of a renamed file would otherwise ship)."""
-    differ = [p for p, text in files.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
-    extra = [p for p in sorted(root.rglob("*")) if p.is_file() and p not in files] if root.exists() else []
-    return differ + extra
-
-
-def _shown(path: Path) -> str:
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    return generated_files.stale_files(files, root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,20 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, OSError) as exc:
         print(f"kvscope.deploy.generate: a source lacks what is read from it: {exc!r}", file=sys.stderr)
         return 2
-    stale = stale_files(files)
-    if args.check:
-        for path in stale:
-            print(f"stale: {_shown(path)} (run: python -P -m kvscope.deploy.generate)", file=sys.stderr)
-        return 1 if stale else 0
-    for path in stale:
-        if path in files:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(files[path], encoding="utf-8")
-            print(f"wrote {_shown(path)}")
-        else:
-            path.unlink()
-            print(f"removed {_shown(path)}")
-    return 0
+    return generated_files.write_or_check(
+        files, stale_files(files), args.check, "python -P -m kvscope.deploy.generate", REPO
+    )
 
 
 if __name__ == "__main__":
