@@ -74,15 +74,16 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
     raw, req = _parse(gw, ctx, body, op)
     _check_model(gw, ctx, principal, req.model)
     ceiling = _check_ceiling(req, principal.limits.max_tokens)
+    max_len = gw.pool.max_model_len(req.model)
+    block_size = gw.pool.prefix_block_size(req.model)  # the pool is read here, on the loop, not in the thread
     started = time.perf_counter()
     try:
         prompt_counts, prefix = await asyncio.to_thread(
-            _read_prompt, gw, raw, req
+            _read_prompt, gw, raw, req, block_size, max_len
         )  # a huge prompt must not stall the loop
     finally:
         ctx.request.tokenize_s += time.perf_counter() - started  # kvscope.gateway.tokenize_s
     ctx.request.prompt_tokens = sum(prompt_counts) if prompt_counts is not None else None
-    max_len = gw.pool.max_model_len(req.model)
     _check_context(max_len, prompt_counts, _completion_budget(req.requested_max_tokens, op), op)
     prompt_estimate = _prompt_estimate(raw, prompt_counts)
     ceiling = _lowest(
@@ -179,24 +180,28 @@ def _injected_max_tokens(
 
 
 def _read_prompt(
-    gw: GatewayState, raw: dict[str, Any], req: ChatCompletionRequest | CompletionRequest
+    gw: GatewayState,
+    raw: dict[str, Any],
+    req: ChatCompletionRequest | CompletionRequest,
+    block_size: int | None,
+    max_len: int | None,
 ) -> tuple[list[int] | None, PromptPrefix | None]:
-    """The token count of each prompt (None without a tokenizer) and, when the model routes cache-aware, the
-    prompt's blocks (gateway/routing/prefix.py: its token ids, else its text)."""
+    """The token count of each prompt (None without a tokenizer) and, with ``block_size`` (the model routes
+    cache-aware), the prompt's blocks (gateway/routing/prefix.py: its token ids, else its text), none for a
+    prompt longer than ``max_len`` (None: not known)."""
     ids = _prompt_ids(gw, raw, req)
     counts = None if ids is None else [len(i) for i in ids]
-    block_size = gw.pool.prefix_block_size(req.model)
     if block_size is None:
         return counts, None
-    max_len = gw.pool.max_model_len(req.model) or math.inf
+    limit = max_len or math.inf
     if ids:  # a prompt longer than the context is refused, by the context check or the upstream: never cached
-        return counts, token_prefix(req.model, ids[0], block_size) if len(ids[0]) <= max_len else None
+        return counts, token_prefix(req.model, ids[0], block_size) if len(ids[0]) <= limit else None
     text = (
         chat_text(raw["messages"], raw.get("tools"))
         if isinstance(req, ChatCompletionRequest)
         else completion_text(raw["prompt"])
     )
-    if text is None or estimate_tokens(len(text)) > max_len:
+    if text is None or estimate_tokens(len(text)) > limit:
         return counts, None
     return counts, text_prefix(req.model, text, block_size)
 
