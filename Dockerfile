@@ -37,6 +37,8 @@ COPY engine ./engine
 COPY gateway ./gateway
 COPY kernels ./kernels
 COPY dashboards ./dashboards
+# the console evaluates the shipped alert rules: gateway/console/kvscope.rules.yaml links to this file
+COPY alerts ./alerts
 # kvscope/ links engine, gateway, kernels and dashboards in as kvscope.engine, ...; src/kvscope links to kvscope/
 # (the package root pyproject.toml installs from). The wheel holds real files.
 COPY kvscope ./kvscope

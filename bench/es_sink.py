@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import logging
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from kvscope.gateway.logs.elasticsearch import ElasticsearchSink, ElasticsearchS
 from kvscope.gateway.logs.es_client import EsConnectionConfig
 from kvscope.gateway.logs.es_shipper import ShipperConfig
 from kvscope.gateway.logs.spool import SpoolConfig
+from kvscope.testing.ports import free_port
 from kvscope.testing.records import make_record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,12 +44,6 @@ def default_config(url: str, queue_size: int = 10_000) -> ElasticsearchSinkConfi
         connection=EsConnectionConfig(hosts=(url,)),
         shipper=ShipperConfig(queue_size=queue_size),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(values: list[float], p: float) -> float:

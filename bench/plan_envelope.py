@@ -29,6 +29,8 @@ def bound_ms(model: str, concurrency: list[int], input_len: int, steps: int, thr
     device = probe_cpu(ProbeConfig(threads=threads))
     req = PlanRequest(
         model=model,
+        dtype="float32",  # what LLM(model) runs: the library's defaults, float32 weights, no quantization
+        quantization="none",
         max_model_len=input_len + steps + 8,
         prompt_len=input_len,
         output_len=steps,

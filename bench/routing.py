@@ -87,7 +87,9 @@ ORACLE_CAPACITY_BLOCKS = 1 << 40
 """"Unbounded": the oracle's one replica never evicts."""
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 20.0
-OUTSTANDING = re.compile(r'^kvscope_gateway_upstream_outstanding_requests\{upstream="([^"]+)"\} (\S+)$', re.M)
+OUTSTANDING = re.compile(
+    r'^kvscope_gateway_upstream_outstanding_requests\{(?:[^}]*,)?upstream="([^"]+)"[^}]*\} (\S+)$', re.M
+)
 
 # --- text generation ---------------------------------------------------------------------------------------
 ORGS = (
@@ -369,7 +371,7 @@ def start_gateway(
     wait_ready([gateway], "/readyz")
     deadline = time.monotonic() + 30
     while True:  # every replica healthy before the first request
-        up = re.findall(r'^kvscope_gateway_upstream_up\{upstream="[^"]+"\} 1\.0$', scrape(gateway.url), re.M)
+        up = re.findall(r"^kvscope_gateway_upstream_up\{[^}]*\} 1\.0$", scrape(gateway.url), re.M)
         if len(up) == len(engines):
             return gateway
         if time.monotonic() > deadline:

@@ -345,14 +345,19 @@ def _gpu(q: PromQL) -> list[Json]:
     ]
 
 
+def panels(q: PromQL) -> list[Json]:
+    """The rows and panels of the engine-internals dashboard (also the body of its vLLM and SGLang variants,
+    engine_variants.py); raises KeyError/ValueError on a metric the catalog lacks."""
+    return [*_phases(q), *_steps(q), *_kv_cache(q), *_gpu(q), *_structured(q), *_spec_decode(q)]
+
+
 def build(q: PromQL) -> Json:
     """The engine-internals dashboard; raises KeyError/ValueError on a metric the catalog lacks."""
-    panels = [*_phases(q), *_steps(q), *_kv_cache(q), *_gpu(q), *_structured(q), *_spec_decode(q)]
     links = [dashboard_link("Overview", "kvscope-overview")]
     return dashboard(
         UID,
         "kvscope / Engine internals",
         "Request phases, engine steps, KV cache, GPU, structured output and speculative decoding.",
-        panels,
+        panels(q),
         links,
     )

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvscope.common import generated_files
-from kvscope.dashboards import engine_detail, metrics_doc, overview
+from kvscope.dashboards import engine_detail, engine_variants, metrics_doc, overview
 from kvscope.dashboards.catalog import Catalog, discover
 from kvscope.dashboards.coverage import REPO, not_shown
+from kvscope.dashboards.engine_names import VARIANT_KINDS, variant_uid
 from kvscope.dashboards.grafana import Json
 from kvscope.dashboards.promql import PromQL
 
@@ -27,13 +28,18 @@ BUILDERS: dict[str, Callable[[PromQL], Json]] = {
     "kvscope-overview.json": overview.build,
     "kvscope-engine.json": engine_detail.build,
 }
-"""Output file name → dashboard builder."""
+"""Output file name → dashboard builder (over our own series)."""
 
 
 def build_dashboards(catalog: Catalog) -> dict[str, Json]:
-    """File name → dashboard JSON; raises KeyError/ValueError if a panel names an undefined metric/label."""
+    """File name → dashboard JSON, the engine dashboard's vLLM and SGLang variants included
+    (``kvscope-engine-vllm.json``, engine_variants.py); raises KeyError/ValueError if a panel names an
+    undefined metric/label."""
     q = PromQL(catalog)
-    return {name: build(q) for name, build in BUILDERS.items()}
+    built = {name: build(q) for name, build in BUILDERS.items()}
+    for kind in VARIANT_KINDS:
+        built[f"{variant_uid(kind)}.json"] = engine_variants.build(catalog, kind)
+    return built
 
 
 def to_text(dashboard: Json) -> str:

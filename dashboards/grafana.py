@@ -16,7 +16,8 @@ DATASOURCE_UID = "kvscope-prometheus"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24
 SCHEMA_VERSION = 39
-_METRIC_SELECTOR = '{__name__=~"kvscope_.+"'
+METRIC_REGEX = "kvscope_.+"
+"""The series the variables' values are read from (engine variants: ``vllm:.+``, ``sglang:.+``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +196,11 @@ def _query_variable(name: str, label: str, query: str) -> Json:
     }
 
 
-def variables() -> list[Json]:
-    """datasource, job, instance, model (multi-value, ``All`` = ``.*``), each filtered by the previous."""
+def variables(metric_regex: str = METRIC_REGEX, model_label: str = "model") -> list[Json]:
+    """datasource, job, instance, model (multi-value, ``All`` = ``.*``), each filtered by the previous, their
+    values read from the series whose name matches ``metric_regex``; ``model`` lists the ``model_label``
+    label (vLLM and SGLang: ``model_name``)."""
+    selector = f'{{__name__=~"{metric_regex}"'
     datasource = {
         "name": "datasource",
         "label": "Data source",
@@ -209,16 +213,26 @@ def variables() -> list[Json]:
     }
     return [
         datasource,
-        _query_variable("job", "Job", f"label_values({_METRIC_SELECTOR}}}, job)"),
-        _query_variable("instance", "Instance", f'label_values({_METRIC_SELECTOR}, job=~"$job"}}, instance)'),
+        _query_variable("job", "Job", f"label_values({selector}}}, job)"),
+        _query_variable("instance", "Instance", f'label_values({selector}, job=~"$job"}}, instance)'),
         _query_variable(
-            "model", "Model", f'label_values({_METRIC_SELECTOR}, job=~"$job", instance=~"$instance"}}, model)'
+            "model",
+            "Model",
+            f'label_values({selector}, job=~"$job", instance=~"$instance"}}, {model_label})',
         ),
     ]
 
 
-def dashboard(uid: str, title: str, description: str, panels: list[Json], links: list[Json]) -> Json:
-    """A complete dashboard (provisioned from a file: ``id`` null, ``version`` 1)."""
+def dashboard(
+    uid: str,
+    title: str,
+    description: str,
+    panels: list[Json],
+    links: list[Json],
+    template_variables: list[Json] | None = None,
+) -> Json:
+    """A complete dashboard (provisioned from a file: ``id`` null, ``version`` 1); ``template_variables``
+    default to :func:`variables` over our series."""
     annotations = {
         "list": [
             {
@@ -243,7 +257,7 @@ def dashboard(uid: str, title: str, description: str, panels: list[Json], links:
         "refresh": "10s",
         "schemaVersion": SCHEMA_VERSION,
         "tags": ["kvscope", "llm"],
-        "templating": {"list": variables()},
+        "templating": {"list": variables() if template_variables is None else template_variables},
         "time": {"from": "now-1h", "to": "now"},
         "timepicker": {},
         "timezone": "browser",

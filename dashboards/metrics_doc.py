@@ -1,4 +1,6 @@
-"""Renders docs/metrics.md: the metric catalog, where each metric is shown or alerted on, and vLLM names."""
+"""Renders docs/metrics.md: the metric catalog, where each metric is shown or alerted on, and what vLLM and
+SGLang export for the same thing (engine_names.ENGINE_EQUIVALENTS, which the engine dashboard's variants read
+too)."""
 
 from __future__ import annotations
 
@@ -6,70 +8,8 @@ from collections.abc import Sequence
 
 from kvscope.dashboards.catalog import Catalog, MetricInfo
 from kvscope.dashboards.coverage import alerted_by, not_shown, shown_on
+from kvscope.dashboards.engine_names import KIND_TITLES, VARIANT_KINDS, equivalent, variant_uid
 from kvscope.dashboards.grafana import Json
-
-VLLM_NAMES = {
-    "kvscope_engine_requests_running": "`vllm:num_requests_running`",
-    "kvscope_engine_requests_waiting": "`vllm:num_requests_waiting`",
-    "kvscope_engine_kv_cache_usage_ratio": "`vllm:kv_cache_usage_perc` (older V1 releases: "
-    "`vllm:gpu_cache_usage_perc`), 0–1",
-    "kvscope_engine_kv_cache_blocks": "— (vLLM: `num_gpu_blocks` label of `vllm:cache_config_info`)",
-    "kvscope_engine_prompt_tokens": "`vllm:prompt_tokens_total`",
-    "kvscope_engine_generation_tokens": "`vllm:generation_tokens_total`",
-    "kvscope_engine_request_success": "`vllm:request_success_total` (label `finished_reason`)",
-    "kvscope_engine_preemptions": "`vllm:num_preemptions_total`",
-    "kvscope_engine_prefix_cache_queries": "`vllm:prefix_cache_queries_total` (older V1 releases: "
-    "`vllm:gpu_prefix_cache_queries_total`)",
-    "kvscope_engine_prefix_cache_hits": "`vllm:prefix_cache_hits_total` (older V1 releases: "
-    "`vllm:gpu_prefix_cache_hits_total`)",
-    "kvscope_engine_time_to_first_token_seconds": "`vllm:time_to_first_token_seconds`",
-    "kvscope_engine_inter_token_latency_seconds": "`vllm:inter_token_latency_seconds` (older V1 releases: "
-    "`vllm:time_per_output_token_seconds`)",
-    "kvscope_engine_time_per_output_token_seconds": "`vllm:request_time_per_output_token_seconds`",
-    "kvscope_engine_e2e_request_latency_seconds": "`vllm:e2e_request_latency_seconds`",
-    "kvscope_engine_queue_time_seconds": "`vllm:request_queue_time_seconds`",
-    "kvscope_engine_prefill_time_seconds": "`vllm:request_prefill_time_seconds`",
-    "kvscope_engine_decode_time_seconds": "`vllm:request_decode_time_seconds`",
-    "kvscope_engine_request_inference_time_seconds": "`vllm:request_inference_time_seconds`",
-    "kvscope_engine_request_params_n": "`vllm:request_params_n`",
-    "kvscope_engine_request_params_max_tokens": "`vllm:request_params_max_tokens`",
-    "kvscope_engine_http_requests": "— (vLLM's API server: `http_requests_total` of "
-    "prometheus-fastapi-instrumentator, labels `handler`, `status` as `2xx`)",
-    "kvscope_engine_structured_output_requests": "— (vLLM has no structured-output counter)",
-    "kvscope_engine_structured_output_compile_seconds": "—",
-    "kvscope_engine_structured_output_mask_seconds": "—",
-    "kvscope_engine_batch_size": "— (closest: `vllm:num_requests_running` sampled per step)",
-    "kvscope_engine_step_tokens": "`vllm:iteration_tokens_total` (a histogram despite the name)",
-    "kvscope_engine_request_prompt_tokens": "`vllm:request_prompt_tokens`",
-    "kvscope_engine_request_generation_tokens": "`vllm:request_generation_tokens`",
-    "kvscope_engine_device_memory_used_bytes": "— (DCGM exporter: `DCGM_FI_DEV_FB_USED`, MiB)",
-    "kvscope_engine_device_memory_total_bytes": "— (DCGM exporter: "
-    "`DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE`)",
-    "kvscope_engine_latency_cause_seconds": "— (vLLM has no per-request attribution)",
-    "kvscope_engine_gpu_memory_budget_bytes": "— (vLLM: `gpu_memory_utilization` label of "
-    "`vllm:cache_config_info`)",
-    "kvscope_engine_gpu_utilization_ratio": "— (DCGM exporter: `DCGM_FI_DEV_GPU_UTIL`, %)",
-    "kvscope_engine_gpu_temperature_celsius": "— (DCGM exporter: `DCGM_FI_DEV_GPU_TEMP`)",
-    "kvscope_engine_gpu_power_watts": "— (DCGM exporter: `DCGM_FI_DEV_POWER_USAGE`)",
-    "kvscope_engine_gpu_power_limit_watts": "— (DCGM exporter: `DCGM_FI_DEV_POWER_MGMT_LIMIT`)",
-    "kvscope_engine_gpu_throttled": "— (DCGM exporter: `DCGM_FI_DEV_CLOCK_THROTTLE_REASONS`, one bitmask)",
-    "kvscope_engine_torch_memory_reserved_bytes": "— (`torch.cuda.memory_reserved`)",
-    "kvscope_engine_torch_memory_allocated_bytes": "— (`torch.cuda.memory_allocated`)",
-    "kvscope_engine_torch_alloc_retries": '— (`torch.cuda.memory_stats()["num_alloc_retries"]`)',
-    "kvscope_engine_torch_ooms": '— (`torch.cuda.memory_stats()["num_ooms"]`)',
-    "kvscope_engine_spec_decode_num_drafts": "`vllm:spec_decode_num_drafts_total`",
-    "kvscope_engine_spec_decode_num_draft_tokens": "`vllm:spec_decode_num_draft_tokens_total`",
-    "kvscope_engine_spec_decode_num_accepted_tokens": "`vllm:spec_decode_num_accepted_tokens_total`",
-    "kvscope_engine_spec_decode_num_accepted_tokens_per_pos": (
-        "`vllm:spec_decode_num_accepted_tokens_per_pos_total` (same `position` label)"
-    ),
-    "kvscope_engine_spec_decode_acceptance_length": "— (vLLM logs the mean acceptance length, 1 + accepted / "
-    "drafts, from the counters)",
-    "kvscope_gateway_requests": "— (vLLM's API server: `http_requests_total` of "
-    "prometheus-fastapi-instrumentator)",
-    "kvscope_gateway_request_duration_seconds": "— (vLLM's API server: `http_request_duration_seconds`)",
-}
-"""Family name → the vLLM metric that measures the same thing (vLLM labels every series ``model_name``)."""
 
 BUCKET_NOTES = {
     "kvscope_engine_spec_decode_acceptance_length": "1, 2, …, k+1 with k the engine's num_speculative_tokens "
@@ -128,6 +68,24 @@ time: the trace id of the request's `llm_request` span); compose runs Prometheus
 datasource (`exemplarTraceIdDestinations`), so a p99 point opens the trace of a slow request.
 """
 
+_KINDS = """\
+Upstream kinds: the gateway's per-upstream series (`kvscope_gateway_upstream_up`,
+`kvscope_gateway_upstream_outstanding_requests`, `kvscope_gateway_upstream_errors_total`) carry `kind`, the
+inference server behind the upstream (`kvscope`, `vllm`, `sglang`, `llamacpp`, `tgi`, `openai`; `unknown`
+until an auto-detected upstream first answers), and `kvscope_gateway_upstream_info{upstream, kind,
+kind_source}` (always 1) names the signal that decided it (`config`, `models`, `metrics`, `info`, `props`,
+`default`; docs/gateway.md). A label on the series rather than only an info series to join: panels and alerts
+group and filter by kind directly (`sum by (kind) (kvscope_gateway_upstream_outstanding_requests)`), and
+KvscopeUpstreamDown's alert carries the kind of the server that is down. The kind rarely changes (once for an
+`auto` upstream, `unknown` → the detected kind at its first good health check): its series then move to the
+new label set, the gauges with their values and the error counters from 0 (new series, so `rate` and
+`increase` lose at most the increase of the scrape interval of the move), and the old ones go stale. The
+request series (`kvscope_gateway_requests_total`, the latency histograms, tokens) carry no kind: they have no
+upstream label, a request may try several upstreams, and the request log's `kvscope.upstream.kind` holds it
+per request. The gateway's TTFT and TPOT histograms stay stream-only, measured at the gateway, for every kind:
+a non-streamed request's TTFT derived from the upstream's own timings is in its log line, not in them.
+"""
+
 _OTEL = """\
 ## OpenTelemetry GenAI metrics (OTLP)
 
@@ -154,12 +112,15 @@ gateway, streams: each gap between chunks after the first (one per chunk) | 0.01
 Attributes: `gen_ai.operation.name`, `gen_ai.provider.name` (`kvscope`; gateway: `tracing.gen_ai_provider`),
 `gen_ai.request.model`, `gen_ai.response.model`, `server.address` + `server.port` (gateway: the upstream) and
 `error.type` when the call failed. The semconv buckets stop at 81.92 s; the Prometheus histograms above keep
-their own bounds up to the total timeout.
+their own bounds up to the total timeout. tests/e2e/test_genai_metrics_otlp.py shows these metrics leaving the
+running engine and gateway while they serve (configured by the environment only, a 500 ms export interval, two
+batches of requests): names, units, cumulative temporality, bucket bounds, attributes and exact counts.
 """
 
 _PORTING = """\
 ## Porting a vLLM dashboard
 
+The engine dashboard's vLLM and SGLang variants (above) are this porting done the other way, by the generator.
 Replace each `vllm:*` name by the kvscope name of the same row and the label `model_name` by `model`.
 vLLM V1 also labels every engine series with `engine` (the engine-core index, `"0"` with one engine core per
 server); kvscope runs one engine per process, so drop `engine` from `by (…)` clauses and selectors, or read
@@ -187,7 +148,7 @@ def _row(metric: MetricInfo, panels: Sequence[str], alerts: Sequence[str]) -> st
         labels,
         metric.unit,
         metric.help,
-        VLLM_NAMES.get(metric.name, "—"),
+        *(equivalent(metric.name, kind).cell() for kind in VARIANT_KINDS),
         "; ".join(panels) or "**none**",
         ", ".join(alerts) or "—",
     ]
@@ -197,10 +158,9 @@ def _row(metric: MetricInfo, panels: Sequence[str], alerts: Sequence[str]) -> st
 def _table(
     catalog: Catalog, component: str, shown: dict[str, list[str]], alerted: dict[str, list[str]]
 ) -> str:
-    head = (
-        "| series | type | labels | unit | meaning | vLLM equivalent | dashboard panels | alerts |\n"
-        "|---|---|---|---|---|---|---|---|"
-    )
+    kinds = [f"{KIND_TITLES[k]} equivalent" for k in VARIANT_KINDS]
+    columns = ["series", "type", "labels", "unit", "meaning", *kinds, "dashboard panels", "alerts"]
+    head = "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
     rows = [_row(m, shown[m.name], alerted[m.name]) for m in catalog.metrics if m.component == component]
     return "\n".join([head, *rows])
 
@@ -220,6 +180,37 @@ def _buckets(catalog: Catalog) -> str:
     return "\n".join(lines)
 
 
+_VARIANTS_INTRO = """\
+In front of vLLM or SGLang our engine's series do not exist, so the overview's engine panels and the engine
+dashboard stay empty, while every panel on the gateway's own series works for every kind. `python -m
+kvscope.dashboards.generate` therefore also writes the engine dashboard in each of those engines' metric
+names, from the equivalent columns above (one table: `kvscope.dashboards.engine_names.ENGINE_EQUIVALENTS`;
+`dashboards/engine_variants.py`): the overview's engine saturation, engine latency and request-shape panels
+and the engine dashboard's, each query's series renamed, its `model` label read as `model_name` (the Model
+variable lists it), vLLM's `finish_reason` as `finished_reason`; vLLM's `engine` and SGLang's
+`tp_rank`/`pp_rank` labels are summed over. A query whose series has no equivalent is left out, and so is a
+panel or row left empty. No alert watches vLLM or SGLang series (the engine alerts read ours), so the variants
+draw no alert threshold lines; the gateway's alerts (error budget, latency SLOs, upstream health) hold for
+every kind."""
+
+
+def _variants(dashboards: Sequence[Json]) -> str:
+    by_uid = {d["uid"]: d for d in dashboards}
+    lines = [
+        "## Engine dashboard variants (vLLM, SGLang)",
+        "",
+        _VARIANTS_INTRO,
+        "",
+    ]
+    for kind in VARIANT_KINDS:
+        variant = by_uid[variant_uid(kind)]
+        titles = [p["title"] for p in variant["panels"] if p["type"] != "row"]
+        lines.append(
+            f"- `{variant_uid(kind)}` ({variant['title']}, {len(titles)} panels): " + "; ".join(titles) + "."
+        )
+    return "\n".join(lines)
+
+
 def render(catalog: Catalog, dashboards: Sequence[Json]) -> str:
     """docs/metrics.md for ``catalog``, with the panels (of ``dashboards``) and alerts using each metric."""
     shown, alerted = shown_on(dashboards, catalog), alerted_by(catalog)
@@ -227,6 +218,7 @@ def render(catalog: Catalog, dashboards: Sequence[Json]) -> str:
     report = ", ".join(f"`{n}`" for n in unshown) if unshown else "none — every defined metric is on a panel."
     parts = [
         _INTRO,
+        _KINDS,
         "## Engine (`kvscope_engine_*`, scraped at `:8000/metrics`)",
         "",
         _table(catalog, "engine", shown, alerted),
@@ -238,6 +230,8 @@ def render(catalog: Catalog, dashboards: Sequence[Json]) -> str:
         "## Defined but on no dashboard",
         "",
         report,
+        "",
+        _variants(dashboards),
         "",
         _buckets(catalog),
         "",

@@ -8,6 +8,7 @@ dependencies (upstreams, log shipping, scrape targets) → request shapes.
 from __future__ import annotations
 
 from kvscope.dashboards.alert_thresholds import alert_threshold
+from kvscope.dashboards.engine_names import KIND_TITLES, VARIANT_KINDS, variant_uid
 from kvscope.dashboards.grafana import Json, Target, dashboard, dashboard_link, heatmap, row, stat, timeseries
 from kvscope.dashboards.promql import RATE, PromQL, up
 
@@ -217,7 +218,9 @@ def _traffic(q: PromQL) -> list[Json]:
     ]
 
 
-def _latency(q: PromQL) -> list[Json]:
+def latency_panels(q: PromQL) -> list[Json]:
+    """Row "Latency": gateway | engine pairs (TTFT, TPOT, e2e), gateway overhead, engine queue time and
+    TTFT by cause."""
     pairs = [
         (
             "Time to first token",
@@ -290,7 +293,9 @@ def cause_targets(q: PromQL, phase: str) -> list[Target]:
     return [Target(f"{num} / on() group_left() ({den} > 0)", "{{cause}}")]
 
 
-def _engine(q: PromQL) -> list[Json]:
+def engine_panels(q: PromQL) -> list[Json]:
+    """Row "Engine saturation": running vs waiting, batch size, KV-cache usage, preemptions, prefix-cache
+    hit rate, device memory."""
     hits, queries = f"{EN}prefix_cache_hits_total", f"{EN}prefix_cache_queries_total"
     return [
         row("Engine saturation"),
@@ -362,11 +367,32 @@ def _dependencies(q: PromQL) -> list[Json]:
         row("Dependencies"),
         timeseries(
             "Upstream health",
-            "1 when the gateway's last health check of an upstream passed.",
-            [Target(q.gauge(f"{GW}upstream_up", by=("upstream",), agg="max"), "{{upstream}}")],
+            "1 when the gateway's last health check of an upstream passed, per upstream and its kind "
+            "(the inference server behind it: kvscope, vllm, sglang, llamacpp, tgi, openai; unknown before "
+            "an auto-detected upstream first answers).",
+            [
+                Target(
+                    q.gauge(f"{GW}upstream_up", by=("upstream", "kind"), agg="max"), "{{upstream}} ({{kind}})"
+                )
+            ],
             "short",
             w=8,
             max_value=1,
+        ),
+        timeseries(
+            "Upstream kinds",
+            "Upstreams per kind and the signal that decided it: config (set in the gateway config), models "
+            "(/v1/models owned_by), metrics (its /metrics names), info or props (TGI's /info, llama.cpp's "
+            "/props), default (no signal: a plain OpenAI-compatible server). The engine dashboard has a "
+            "variant for vLLM's and SGLang's own metric names.",
+            [
+                Target(
+                    q.gauge(f"{GW}upstream_info", by=("kind", "kind_source"), agg="count"),
+                    "{{kind}} (from {{kind_source}})",
+                )
+            ],
+            "short",
+            w=8,
         ),
         timeseries(
             "Upstream errors / s",
@@ -383,7 +409,12 @@ def _dependencies(q: PromQL) -> list[Json]:
         timeseries(
             "Outstanding requests per upstream",
             "Requests the gateway has in flight to each upstream (the least-outstanding balancer's input).",
-            [Target(q.gauge(f"{GW}upstream_outstanding_requests", by=("upstream",)), "{{upstream}}")],
+            [
+                Target(
+                    q.gauge(f"{GW}upstream_outstanding_requests", by=("upstream", "kind")),
+                    "{{upstream}} ({{kind}})",
+                )
+            ],
             "short",
             w=8,
         ),
@@ -440,7 +471,9 @@ def _dependencies(q: PromQL) -> list[Json]:
     ]
 
 
-def _shapes(q: PromQL) -> list[Json]:
+def shape_panels(q: PromQL) -> list[Json]:
+    """Row "Request shapes": heatmaps of prompt and output lengths (engine histograms)."""
+
     def length_map(title: str, hist: str) -> Json:
         target = Target(q.sum_increase(f"{hist}_bucket", by=("le",)), "{{le}}", heatmap=True)
         return heatmap(
@@ -539,13 +572,16 @@ def build(q: PromQL) -> Json:
     panels = [
         *_slo_tiles(q),
         *_traffic(q),
-        *_latency(q),
-        *_engine(q),
+        *latency_panels(q),
+        *engine_panels(q),
         *_routing(q),
         *_dependencies(q),
-        *_shapes(q),
+        *shape_panels(q),
     ]
-    links = [dashboard_link("Engine internals", "kvscope-engine")]
+    links = [
+        dashboard_link("Engine internals", "kvscope-engine"),
+        *(dashboard_link(f"Engine internals ({KIND_TITLES[k]})", variant_uid(k)) for k in VARIANT_KINDS),
+    ]
     return dashboard(
         UID, "kvscope / Overview", "Service health of the kvscope gateway and engine.", panels, links
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvscope.dashboards.catalog import Catalog
+from kvscope.dashboards.catalog import Catalog, MetricInfo
 
 RATE = "$__rate_interval"
 """Grafana's rate window: max(4 × scrape interval, step + scrape interval)."""
@@ -41,25 +41,35 @@ class PromQL:
 
     def sel(self, series: str, *matchers: str) -> str:
         """``series{job=~"$job", instance=~"$instance"[, model=~"$model"], *matchers}``."""
+        metric = self.checked(series, matchers)
+        model = (MODEL_MATCHER,) if "model" in metric.labels else ()
+        return f"{series}{{{', '.join((*COMMON_MATCHERS, *model, *matchers))}}}"
+
+    def checked(self, series: str, matchers: tuple[str, ...]) -> MetricInfo:
+        """The family of ``series``; raises KeyError for an undefined series, ValueError for a matcher on a
+        label it lacks."""
         metric = self.catalog.lookup(series)
         for matcher in matchers:
             found = _LABEL.match(matcher)
             if found is None or found.group(1) not in (*metric.labels, "le"):
                 raise ValueError(f"{series} has no label for matcher {matcher!r} (labels: {metric.labels})")
-        model = (MODEL_MATCHER,) if "model" in metric.labels else ()
-        return f"{series}{{{', '.join((*COMMON_MATCHERS, *model, *matchers))}}}"
+        return metric
+
+    def by_labels(self, by: tuple[str, ...]) -> tuple[str, ...]:
+        """The label names of a ``by (…)`` clause as the queried series spell them (ours: unchanged)."""
+        return by
 
     def sum_rate(self, series: str, *matchers: str, by: tuple[str, ...] = (), window: str = RATE) -> str:
         """Per-second rate summed over the ``by`` labels."""
-        return f"{_sum(by)}(rate({self.sel(series, *matchers)}[{window}]))"
+        return f"{_sum(self.by_labels(by))}(rate({self.sel(series, *matchers)}[{window}]))"
 
     def sum_increase(self, series: str, *matchers: str, by: tuple[str, ...] = (), window: str = RATE) -> str:
         """Increase over ``window`` summed over the ``by`` labels (heatmaps)."""
-        return f"{_sum(by)}(increase({self.sel(series, *matchers)}[{window}]))"
+        return f"{_sum(self.by_labels(by))}(increase({self.sel(series, *matchers)}[{window}]))"
 
     def gauge(self, series: str, *matchers: str, by: tuple[str, ...] = (), agg: str = "sum") -> str:
         """``agg by (by) (series{…})``."""
-        prefix = f"{agg} by ({', '.join(by)}) " if by else agg
+        prefix = f"{agg} by ({', '.join(self.by_labels(by))}) " if by else agg
         return f"{prefix}({self.sel(series, *matchers)})"
 
     def ratio(self, num: str, den: str) -> str:

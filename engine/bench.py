@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvscope.common.cli_help import HelpFormatter
 from kvscope.engine.llm import LLM
 from kvscope.engine.sampling_params import SamplingParams
 
@@ -150,7 +151,9 @@ def bench_transformers(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvscope bench --offline", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvscope bench --offline", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=128)

@@ -189,7 +189,7 @@ class EngineCore:
             peak_rss_bytes=peak_rss,
         )
         logger.info("%s", format_line(self.info))
-        logger.info("engine ready: %s", self.info)
+        logger.info("%s", ready_line(self.info))
 
     def _cpu_kernels_line(self) -> str:
         fused, built = self.runner.fused, self.load_report.cpu_kernels
@@ -418,6 +418,16 @@ def format_line(info: ModelInfo) -> str:
         f"({info.format_reason}){kernels}; "
         f"weights {info.weights_bytes} B, KV cache {info.kv_cache_bytes} B ({info.num_blocks} blocks), "
         f"process RSS {info.rss_bytes} B (peak {info.peak_rss_bytes} B)"
+    )
+
+
+def ready_line(info: ModelInfo) -> str:
+    """The start-up line once the engine is built: what the format line (:func:`format_line`) does not say
+    (the model, its context, the KV block size, the build time in seconds). The format facts are also the
+    ``kvscope`` field of ``/v1/models``."""
+    return (
+        f"engine ready: {info.name} (max_model_len {info.max_model_len}, {info.block_size}-token KV blocks, "
+        f"built in {info.load_seconds:.2f} s)"
     )
 
 

@@ -44,6 +44,8 @@ class Principal:
     """Allowed models; ``None``: all."""
     limits: KeyLimits
     authenticated: bool
+    admin: bool = False
+    """A key marked ``admin`` in the config: it may open the console (gateway/console/access.py)."""
 
 
 class Authenticator:
@@ -58,6 +60,7 @@ class Authenticator:
                 frozenset(k.models) if k.models is not None else None,
                 k.limits.merged(default_limits),
                 authenticated=True,
+                admin=k.admin,
             )
             for k in keys
         }

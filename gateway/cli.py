@@ -12,6 +12,7 @@ import logging
 import sys
 from typing import Any
 
+from kvscope.common.cli_help import HelpFormatter
 from kvscope.common.settings_cli import add_flags, given
 from kvscope.gateway.auth import generate_key, hash_key
 from kvscope.gateway.settings import GatewaySettings, SettingsSource, check_key_name
@@ -24,6 +25,7 @@ def _gateway_parser() -> argparse.ArgumentParser:
         prog="kvscope gateway",
         description="OpenAI-compatible gateway in front of "
         "one or more upstreams (the kvscope engine, vLLM, llama.cpp …).",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--config", help="YAML or TOML config file (also $KVSCOPE_GATEWAY_CONFIG)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -71,20 +73,27 @@ def gateway_main(argv: list[str]) -> int:
 
 
 def _keys_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvscope keys", description="Manage gateway API keys.")
+    p = argparse.ArgumentParser(
+        prog="kvscope keys", description="Manage gateway API keys.", formatter_class=HelpFormatter
+    )
     sub = p.add_subparsers(dest="action", required=True)
-    create = sub.add_parser("create", help="make a new key; prints it once with its config line")
+    create = sub.add_parser(
+        "create", help="make a new key; prints it once with its config line", formatter_class=HelpFormatter
+    )
     create.add_argument("--name", required=True, help="key id (logged as user.id, rate limits per name)")
     create.add_argument("--models", help="comma-separated models the key may use (default: all)")
+    create.add_argument(
+        "--admin", action="store_true", help="the key may open the console at /console (docs/console.md)"
+    )
     return p
 
 
 def keys_main(argv: list[str]) -> int:
-    """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b]`` prints the key (first line,
-    shown only now) and the config entry holding its sha256 (one JSON flow mapping, valid YAML, that
-    carries every restriction). The ``--api-key-hash NAME:SHA256`` alternative is offered only for a key
-    without a model restriction, since that flag cannot carry one. Returns 2 for an invalid name or an
-    empty ``--models`` list."""
+    """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b] [--admin]`` prints the key (first
+    line, shown only now) and the config entry holding its sha256 (one JSON flow mapping, valid YAML, that
+    carries every restriction and ``admin``). The ``--api-key-hash NAME:SHA256`` alternative is offered only
+    for a key without a model restriction that is not an admin key, since that flag can carry neither.
+    Returns 2 for an invalid name or an empty ``--models`` list."""
     args = _keys_parser().parse_args(argv)
     try:
         check_key_name(args.name)
@@ -99,6 +108,8 @@ def keys_main(argv: list[str]) -> int:
     entry: dict[str, Any] = {"name": args.name, "sha256": hash_key(key)}
     if models is not None:
         entry["models"] = models
+    if args.admin:
+        entry["admin"] = True
     print(key)
     print(
         f"# API key '{args.name}' is shown above only once; store it now. The gateway keeps only its hash.",
@@ -106,10 +117,11 @@ def keys_main(argv: list[str]) -> int:
     )
     print("# add under `api_keys:` in the gateway config:", file=sys.stderr)
     print("- " + json.dumps(entry))
-    if models is None:
+    if models is None and not args.admin:
         print(f"# or pass: --api-key-hash {args.name}:{entry['sha256']}", file=sys.stderr)
     else:
-        print("# (no --api-key-hash form: that flag cannot carry the model restriction)", file=sys.stderr)
+        what = "the model restriction" if models is not None else "admin"
+        print(f"# (no --api-key-hash form: that flag cannot carry {what})", file=sys.stderr)
     return 0
 
 

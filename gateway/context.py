@@ -1,8 +1,9 @@
 """The RequestContext: everything known about one request, read by the log record builder, the span
 attributes and the metrics. Its arrival fields are fixed when it is made (gateway/observe.py); what later
 phases learn lives in one part per phase (trace, edge, request, upstream, answer, outcome), each written
-only by the modules its class names. Imports only gateway/errors.py (itself a leaf), so every layer may
-import it without a circle.
+only by the modules its class names. Imports only gateway/errors.py (itself a leaf) and, for types only,
+gateway/engines/ (which imports nothing of the gateway's request path), so every layer may import it without a
+circle.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from litestar.connection import ASGIConnection
 from opentelemetry.trace import Span
 
 from kvscope.gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from kvscope.gateway.engines.reports import UpstreamReport
+    from kvscope.gateway.engines.section import SampleStamp
 
 CTX_KEY = "kvscope_ctx"
 """``scope["state"]`` key of the request's RequestContext."""
@@ -151,6 +156,15 @@ class UpstreamAttempts:
 
     routing: RoutingRecord | None = None
     """How the last attempt's replica was chosen (None where the request reached no replica)."""
+    kind: str | None = None
+    """The last attempt's replica's kind (gateway/engines/kinds.py ``UpstreamKind``) when it started."""
+    kind_source: str | None = None
+    """Which signal decided that kind (``config``, ``models``, ``metrics``, ``info``, ``props``,
+    ``default``)."""
+    arrival_sample: SampleStamp | None = None
+    """The last attempt's replica's latest engine sample when the attempt started (None: none scraped)."""
+    finish_sample: SampleStamp | None = None
+    """Its latest engine sample when the attempt ended."""
 
     def started(self, address: str) -> None:
         """One more attempt, at the replica ``address``."""
@@ -190,6 +204,11 @@ class Generation:
     output_content: list[str] | None = None
     first_token_at: float | None = None
     """When the first token event was sent to the client (perf_counter seconds; streams only)."""
+    upstream_end: float | None = None
+    """When the answer's last byte came from the upstream (perf_counter seconds; a stream's ``[DONE]``)."""
+    report: UpstreamReport | None = None
+    """What the upstream reported about the request (gateway/engines/reports.py), from its answer's body
+    and headers."""
 
 
 @dataclass(slots=True)
@@ -298,8 +317,45 @@ class RequestContext:
         tokens, first, end = self.output_tokens, self.answer.first_token_at, self.outcome.end_at
         if first is None or end is None or tokens is None:
             return None
-        per_choice = tokens // (len(self.answer.finish_reasons) or 1)
+        per_choice = self._per_choice(tokens)
         return (end - first) / (per_choice - 1) if per_choice >= 2 else None
+
+    def _per_choice(self, tokens: int) -> int:
+        return tokens // (len(self.answer.finish_reasons) or 1)
+
+    @property
+    def reported_ttft_s(self) -> float | None:
+        """A non-streamed answer's TTFT from the upstream's report: (the upstream's last byte − its reported
+        ``decode_s``) − arrival, so it also holds the upstream's time from its last token to its last byte
+        (serialising, sending); None for streams (:attr:`ttft_s` measures them), without ``decode_s``, or
+        when ``decode_s`` is longer than the request had lasted (a report that cannot be this request's)."""
+        report, end = self.answer.report, self.answer.upstream_end
+        if self.request.stream or report is None or report.decode_s is None or end is None:
+            return None
+        ttft = end - report.decode_s - self.start
+        return ttft if ttft >= 0 else None
+
+    @property
+    def reported_tpot_s(self) -> float | None:
+        """A non-streamed answer's TPOT from the upstream's report: its ``tpot_s``, else ``decode_s`` /
+        (output tokens per choice − 1); None for streams, below 2 tokens or without a report."""
+        report = self.answer.report
+        if self.request.stream or report is None:
+            return None
+        if report.tpot_s is not None:
+            return report.tpot_s
+        tokens = self.output_tokens
+        if report.decode_s is None or tokens is None or self._per_choice(tokens) < 2:
+            return None
+        return report.decode_s / (self._per_choice(tokens) - 1)
+
+    @property
+    def ttft_source(self) -> Literal["gateway", "per_request"] | None:
+        """Where the log's ``kvscope.ttft_s`` comes from: ``gateway`` (a stream's first token event,
+        measured), ``per_request`` (:attr:`reported_ttft_s`), None (neither)."""
+        if self.ttft_s is not None:
+            return "gateway"
+        return "per_request" if self.reported_ttft_s is not None else None
 
     @property
     def overhead_s(self) -> float:

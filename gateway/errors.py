@@ -9,6 +9,7 @@ shape, so a client never sees plain text or a 500 for a bad request.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,10 +177,22 @@ def upstream_error_object(status: int, body: bytes) -> tuple[dict[str, Any], boo
     return error_body(text, error_type(status))["error"], False
 
 
+def upstream_error_code(error: Mapping[str, Any]) -> str | None:
+    """What names an upstream's error object in the log's ``error.type``: its ``code`` when that is a word
+    (OpenAI's ``context_length_exceeded``), else its ``type`` (llama.cpp's ``exceed_context_size_error``,
+    vLLM's ``BadRequestError``: both put the HTTP status, a number, in ``code``), else the code as text; None
+    when it has neither."""
+    code, kind = error.get("code"), error.get("type")
+    for value in (code, kind):
+        if isinstance(value, str) and value:
+            return value
+    return None if code is None else str(code)
+
+
 def upstream_gateway_error(error: dict[str, Any]) -> GatewayError:
-    """The GatewayError an upstream's error object stands for in the log (``error.type`` = its code or
-    type)."""
-    return GatewayError(str(error.get("message")), code=error.get("code") or error.get("type"))
+    """The GatewayError an upstream's error object stands for in the log (``error.type`` =
+    :func:`upstream_error_code`)."""
+    return GatewayError(str(error.get("message")), code=upstream_error_code(error))
 
 
 def error_json(err: GatewayError) -> bytes:

@@ -3,8 +3,10 @@ startup/shutdown.
 
 :func:`build_state` wires objects without I/O (tokenizers are loaded here so a bad path fails at startup);
 :func:`gateway_lifespan` opens the upstream HTTP client, starts the log sinks, probes every upstream once,
-runs a first discovery round (DNS names, gateway/proxy/discovery.py), then keeps health-checking and
-re-reading the replicas' sources in the background; at shutdown it stops all of it and flushes the sinks.
+runs a first discovery round (DNS names, gateway/proxy/discovery.py) and a first scrape of the upstreams'
+``/metrics`` (gateway/engines/scraper.py: their kinds and KV capacity before the first request), then keeps
+health-checking, scraping and re-reading the replicas' sources in the background; at shutdown it stops all of
+it and flushes the sinks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from kvscope.common.otel_genai import GenAiClientMetrics, build_meter_provider
 from kvscope.common.version import kvscope_version
 from kvscope.gateway.auth import Authenticator
+from kvscope.gateway.engines.scraper import EngineScraper
 from kvscope.gateway.forwarded import ClientAddressResolver, parse_networks
 from kvscope.gateway.logs.record import RecordBuilder, ServiceInfo
 from kvscope.gateway.logs.sink import LogSink
@@ -118,6 +121,27 @@ class _NoCookies(http.cookiejar.DefaultCookiePolicy):
         return False
 
 
+def new_scrape_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    """The client of the upstream metrics scraper (gateway/engines/scraper.py), apart from the requests'
+    client: a scrape never takes, holds (a hanging ``/metrics``) or opens a connection of the request path's
+    pool. Its connections stay pooled across an idle interval (``idle_interval_s`` + 1 s), so an idle
+    gateway keeps one connection per upstream instead of opening one per scrape; the scraper retries once a
+    pooled connection the upstream had closed (as the health probe does). No cookies, as
+    :func:`new_http_client`; deadlines come from the scraper (``timeout_s``)."""
+    m = settings.upstream_metrics
+    limits = httpx.Limits(
+        max_connections=None, max_keepalive_connections=64, keepalive_expiry=m.idle_interval_s + 1
+    )
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(m.timeout_s),
+        limits=limits,
+        transport=upstream_transport(limits),
+        headers={"accept-encoding": "identity"},
+        trust_env=False,
+        cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
+    )
+
+
 def new_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
     """The upstream client: connect/pool timeouts from settings; read deadlines are enforced per request; the
     connections on kvscope's asyncio network backend (gateway/proxy/network.py). Its cookie jar keeps nothing:
@@ -150,14 +174,19 @@ async def gateway_lifespan(app: Litestar) -> AsyncIterator[None]:
     for model in gw.pool.served_models():  # zero series for the models found by the first health round
         gw.metrics.initialize_model(model)
     gw.health_task = asyncio.create_task(gw.pool.run_health_checks(gw.client), name="kvscope-health")
+    scraper = EngineScraper(gw.settings.upstream_metrics, lambda: gw.pool.replicas)
+    scrape_client = new_scrape_client(gw.settings)
+    await scraper.scrape_due(scrape_client)  # kinds and KV capacities before the first request
+    scrape_task = asyncio.create_task(scraper.run(scrape_client), name="kvscope-engine-scraper")
     try:
         yield
     finally:
-        for task in (gw.discovery_task, gw.health_task):
+        for task in (gw.discovery_task, gw.health_task, scrape_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await scrape_client.aclose()
         await gw.client.aclose()
         await gw.limiter.aclose()
         for sink in gw.sinks:

@@ -2,13 +2,26 @@
 
 Labels are bounded: ``model`` is a served model name or ``"unknown"``, ``route`` one of :data:`ROUTES`,
 ``status`` the HTTP status code, ``upstream`` an upstream label (a replica's series are removed when it
-leaves the pool), ``source`` a discovery source (``config`` or ``dns:<name>``),
-``reason``/``type``/``outcome`` fixed vocabularies. vLLM equivalents are listed in docs/gateway.md.
+leaves the pool), ``kind`` the inference server behind an upstream (an ``UpstreamKind`` value,
+gateway/engines/kinds.py, or ``"unknown"`` before it is known), ``source`` a discovery source (``config`` or
+``dns:<name>``), ``reason``/``type``/``outcome`` fixed vocabularies. vLLM equivalents are listed in
+docs/gateway.md.
+
+The per-upstream series (``…_upstream_up``, ``…_upstream_outstanding_requests``, ``…_upstream_errors_total``)
+carry ``kind`` as a label, so a panel or an alert filters and groups by kind without a join, and
+``kvscope_gateway_upstream_info{upstream, kind, kind_source}`` (always 1) says which signal decided it. When
+detection changes an upstream's kind (:meth:`GatewayMetrics.set_upstream_kind`: once for an ``auto``
+upstream, ``unknown`` → the detected kind at its first good health check; rarely after), its series move to
+the new label set: the gauges keep their values, the error counters start again at 0 under the new kind
+(``rate``/``increase`` of a new series start from its first sample, so a sum over kinds loses no increase
+but those of the scrape interval around the move), and the old series disappear (Prometheus marks them
+stale at the next scrape).
 """
 
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -17,6 +30,9 @@ from kvscope.gateway.settings import MetricsConfig
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/*", "other")
 UNKNOWN_MODEL = "unknown"
+UNKNOWN_KIND = "unknown"
+"""``kind``/``kind_source`` of an upstream whose kind is not known yet (an ``auto`` upstream before it first
+answers)."""
 TOKEN_TYPES = ("input", "output")
 """``type`` of ``kvscope_gateway_tokens_total``: disjoint, so ``sum`` over them is every token. Cached prompt
 tokens are a subset of ``input`` and have their own counter, ``kvscope_gateway_cached_tokens_total``."""
@@ -46,6 +62,16 @@ UPSTREAM_ERROR_REASONS = (
     "stream_incomplete",
     "stream_error",
 )
+
+
+@dataclass(slots=True)
+class _UpstreamSeries:
+    """The label values and gauge values of one upstream's series (moved when its kind changes)."""
+
+    kind: str
+    kind_source: str
+    up: float = 0.0
+    outstanding: float = 0.0
 
 
 def route_label(path: str) -> str:
@@ -141,17 +167,32 @@ class GatewayMetrics:
             registry=registry,
         )
         self.upstream_up = Gauge(
-            p + "upstream_up", "1 when the upstream replica is healthy.", ["upstream"], registry=registry
+            p + "upstream_up",
+            "1 when the upstream replica is healthy.",
+            ["upstream", "kind"],
+            registry=registry,
         )
         self.upstream_outstanding = Gauge(
             p + "upstream_outstanding_requests",
             "Requests in flight per upstream (least-outstanding balancing).",
-            ["upstream"],
+            ["upstream", "kind"],
             registry=registry,
         )
         self.upstream_errors = Counter(
-            p + "upstream_errors", "Failed upstream attempts.", ["upstream", "reason"], registry=registry
+            p + "upstream_errors",
+            "Failed upstream attempts.",
+            ["upstream", "kind", "reason"],
+            registry=registry,
         )
+        self.upstream_info = Gauge(
+            p + "upstream_info",
+            "Always 1, labelled with the upstream's kind (the inference server behind it) and the signal "
+            "that decided it (kind_source: config, models, metrics, info, props or default).",
+            ["upstream", "kind", "kind_source"],
+            registry=registry,
+        )
+        self._upstreams: dict[str, _UpstreamSeries] = {}
+        """Upstream label → its series' kind and gauge values (instance state: one per gateway)."""
         self.discovery_errors = Counter(
             p + "discovery_errors",
             "Discovery rounds that failed and kept the source's last known replicas (a DNS timeout or "
@@ -191,27 +232,84 @@ class GatewayMetrics:
         for reason in RATE_LIMIT_REASONS:
             self.rate_limited.labels(reason)
         for upstream in upstreams:
-            for reason in UPSTREAM_ERROR_REASONS:
-                self.upstream_errors.labels(upstream, reason)
+            self.initialize_upstream(upstream)
         for sink in sinks:
             self.log_records_spooled.labels(sink)
             for outcome in LOG_OUTCOMES:
                 self.log_records.labels(sink, outcome)
 
-    def initialize_upstream(self, upstream: str) -> None:
-        """The series of a replica that joined the pool: down, nothing in flight, zero errors by reason."""
-        self.upstream_up.labels(upstream).set(0)
-        self.upstream_outstanding.labels(upstream).set(0)
-        for reason in UPSTREAM_ERROR_REASONS:
-            self.upstream_errors.labels(upstream, reason)
+    def initialize_upstream(
+        self, upstream: str, kind: str | None = None, kind_source: str | None = None
+    ) -> None:
+        """The series of a replica that joined the pool: down, nothing in flight, zero errors by reason, its
+        info series; ``kind``/``kind_source`` as far as known (None: ``"unknown"``). Starts afresh when
+        ``upstream`` already has series."""
+        if upstream in self._upstreams:
+            self.remove_upstream(upstream)
+        state = _UpstreamSeries(kind or UNKNOWN_KIND, kind_source or UNKNOWN_KIND)
+        self._upstreams[upstream] = state
+        self._create_series(upstream, state)
+
+    def set_upstream_kind(self, upstream: str, kind: str | None, kind_source: str | None) -> None:
+        """The pool says which inference server ``upstream`` is (an ``UpstreamKind`` value; None: not known)
+        and which signal decided it (``config``, ``models``, ``metrics``, ``info``, ``props``, ``default``).
+        Called at join and after each detection: a new kind moves all the upstream's series to the new
+        labels (module docstring), a new source with the same kind only its info series, and an unchanged
+        kind and source change nothing."""
+        state = self._state(upstream)
+        new_kind, new_source = kind or UNKNOWN_KIND, kind_source or UNKNOWN_KIND
+        if new_kind != state.kind:
+            self._remove_series(upstream, state)
+            state.kind, state.kind_source = new_kind, new_source
+            self._create_series(upstream, state)
+        elif new_source != state.kind_source:  # same kind, another signal: only the info series moves
+            self.upstream_info.remove(upstream, state.kind, state.kind_source)
+            state.kind_source = new_source
+            self.upstream_info.labels(upstream, state.kind, state.kind_source).set(1)
+
+    def set_upstream_up(self, upstream: str, healthy: bool) -> None:
+        """``kvscope_gateway_upstream_up``: 1 when ``upstream``'s last health check passed, else 0."""
+        state = self._state(upstream)
+        state.up = 1.0 if healthy else 0.0
+        self.upstream_up.labels(upstream, state.kind).set(state.up)
+
+    def set_upstream_outstanding(self, upstream: str, requests: int) -> None:
+        """``kvscope_gateway_upstream_outstanding_requests``: requests in flight to ``upstream``."""
+        state = self._state(upstream)
+        state.outstanding = float(requests)
+        self.upstream_outstanding.labels(upstream, state.kind).set(state.outstanding)
+
+    def count_upstream_error(self, upstream: str, reason: str) -> None:
+        """One failed attempt on ``upstream`` (``reason``: one of :data:`UPSTREAM_ERROR_REASONS`)."""
+        self.upstream_errors.labels(upstream, self._state(upstream).kind, reason).inc()
 
     def remove_upstream(self, upstream: str) -> None:
         """Drop every series of a replica that left the pool (gateway/proxy/discovery.py): a replica that is
-        gone must not stay on dashboards as "down", nor keep its series forever as pods come and go."""
-        self.upstream_up.remove(upstream)
-        self.upstream_outstanding.remove(upstream)
+        gone must not stay on dashboards as "down", nor keep its series forever as pods come and go. An
+        upstream without series is left alone."""
+        state = self._upstreams.pop(upstream, None)
+        if state is not None:
+            self._remove_series(upstream, state)
+
+    def _state(self, upstream: str) -> _UpstreamSeries:
+        """``upstream``'s label and gauge values; series of kind ``"unknown"`` for one not initialized."""
+        if upstream not in self._upstreams:
+            self.initialize_upstream(upstream)
+        return self._upstreams[upstream]
+
+    def _create_series(self, upstream: str, state: _UpstreamSeries) -> None:
+        self.upstream_up.labels(upstream, state.kind).set(state.up)
+        self.upstream_outstanding.labels(upstream, state.kind).set(state.outstanding)
         for reason in UPSTREAM_ERROR_REASONS:
-            self.upstream_errors.remove(upstream, reason)
+            self.upstream_errors.labels(upstream, state.kind, reason)
+        self.upstream_info.labels(upstream, state.kind, state.kind_source).set(1)
+
+    def _remove_series(self, upstream: str, state: _UpstreamSeries) -> None:
+        self.upstream_up.remove(upstream, state.kind)
+        self.upstream_outstanding.remove(upstream, state.kind)
+        for reason in UPSTREAM_ERROR_REASONS:
+            self.upstream_errors.remove(upstream, state.kind, reason)
+        self.upstream_info.remove(upstream, state.kind, state.kind_source)
 
     def initialize_model(self, model: str) -> None:
         """Zero series of a served model: tokens by type, cached tokens, stream errors by reason, routing

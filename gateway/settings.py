@@ -144,6 +144,18 @@ def _positive(config: msgspec.Struct, names: tuple[str, ...] | None = None) -> N
             raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
+UpstreamKindSetting = Literal["auto", "kvscope", "vllm", "sglang", "llamacpp", "tgi", "openai"]
+"""Which inference server an upstream is: ``auto`` (detected: its ``/v1/models`` card's ``owned_by``, then
+the names in its ``/metrics``, then its ``/info`` or ``/props``, else ``openai``) or one of the kinds of
+gateway/engines/kinds.py ``UpstreamKind`` (the same values; a test keeps them equal)."""
+
+
+def _metrics_path(path: str | None) -> None:
+    """Raises ValueError unless ``path`` is None or an absolute path (``/metrics``)."""
+    if path is not None and (not path.startswith("/") or "://" in path):
+        raise ValueError(f"metrics_path must be a path starting with /, or null, got {path!r}")
+
+
 class UpstreamConfig(msgspec.Struct, **_STRUCT):
     """One OpenAI-compatible upstream replica (our engine, vLLM, llama.cpp, TGI …)."""
 
@@ -155,10 +167,18 @@ class UpstreamConfig(msgspec.Struct, **_STRUCT):
     """Bearer token the gateway sends to this upstream (e.g. vLLM ``--api-key``); never the client's key."""
     name: str | None = None
     """Label value in ``kvscope_gateway_upstream_*`` metrics; defaults to ``host:port``."""
+    kind: UpstreamKindSetting = "auto"
+    """The server it is (what its answers and ``/metrics`` say, docs/gateway.md "Upstream kinds"); ``auto``:
+    detected at start and at every health check."""
+    metrics_path: str | None = "/metrics"
+    """Its Prometheus endpoint, sampled for the request log's batch size, queue and KV usage
+    (``upstream_metrics``; llama.cpp's ``/slots`` beside it); null: neither is ever scraped (e.g. a hosted
+    API)."""
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"upstream url must start with http:// or https://, got {self.url!r}")
+        _metrics_path(self.metrics_path)
 
     @property
     def label(self) -> str:
@@ -233,6 +253,8 @@ class ApiKeyConfig(msgspec.Struct, **_STRUCT):
     models: tuple[str, ...] | None = None
     """Models this key may use; ``None``: all served models."""
     limits: KeyLimits = KeyLimits()
+    admin: bool = False
+    """May open the console (``/console``, docs/console.md): with API keys configured, only admin keys do."""
 
     def __post_init__(self) -> None:
         check_key_name(self.name)
@@ -326,6 +348,28 @@ class RoutingConfig(msgspec.Struct, **_STRUCT):
         _positive(self, ("max_attempts", "health_interval_s", "health_timeout_s", "failure_threshold"))
 
 
+class UpstreamMetricsConfig(msgspec.Struct, **_STRUCT):
+    """Sampling each upstream's Prometheus endpoint (its ``metrics_path``) for the request log's engine state
+    (gateway/engines/scraper.py): often while it is busy, seldom while idle, never on a request's path."""
+
+    interval_s: float = 1.0
+    """Seconds between two scrapes of an upstream that has requests in flight or had one in the last 10 s."""
+    idle_interval_s: float = 15.0
+    """Seconds between two scrapes of an idle upstream (Prometheus' default scrape interval)."""
+    timeout_s: float = 0.5
+    """A scrape that has not fully answered within this fails (the last sample stays, its age grows); 3 in a
+    row stop scraping that upstream until its health changes."""
+
+    def __post_init__(self) -> None:
+        _positive(self)
+        if self.idle_interval_s < self.interval_s:
+            raise ValueError(
+                f"idle_interval_s ({self.idle_interval_s:g}) must be >= interval_s ({self.interval_s:g})"
+            )
+        if self.timeout_s > self.interval_s:
+            raise ValueError(f"timeout_s ({self.timeout_s:g}) must be <= interval_s ({self.interval_s:g})")
+
+
 DNS_PORT = 53
 
 
@@ -365,6 +409,13 @@ class DnsDiscoveryConfig(msgspec.Struct, **_STRUCT):
     """As :attr:`UpstreamConfig.models`: empty means whatever each replica's ``/v1/models`` lists."""
     api_key: str | None = None
     """As :attr:`UpstreamConfig.api_key`."""
+    kind: UpstreamKindSetting = "auto"
+    """As :attr:`UpstreamConfig.kind`."""
+    metrics_path: str | None = "/metrics"
+    """As :attr:`UpstreamConfig.metrics_path`."""
+
+    def __post_init__(self) -> None:
+        _metrics_path(self.metrics_path)
 
     @property
     def source(self) -> str:
@@ -378,7 +429,11 @@ class DnsDiscoveryConfig(msgspec.Struct, **_STRUCT):
         so gateway and engine series of one replica join on it, and unique per replica."""
         host = f"[{address}]" if ":" in address else address
         return UpstreamConfig(
-            url=f"{self.scheme}://{host}:{self.port}", models=self.models, api_key=self.api_key
+            url=f"{self.scheme}://{host}:{self.port}",
+            models=self.models,
+            api_key=self.api_key,
+            kind=self.kind,
+            metrics_path=self.metrics_path,
         )
 
 
@@ -455,6 +510,27 @@ class TracingConfig(msgspec.Struct, **_STRUCT):
     gen_ai_provider: str = "kvscope"
     """``gen_ai.provider.name`` of the gen_ai CLIENT span and metrics (OTel GenAI semconv: required; a
     custom value where no well-known one applies). Set e.g. ``openai`` when the upstreams are OpenAI's."""
+
+
+class ConsoleConfig(msgspec.Struct, **_STRUCT):
+    """The built-in console at ``/console`` (gateway/console/, docs/console.md)."""
+
+    enabled: Annotated[
+        bool, Flag("do not serve the console at /console", name="--no-console", negate=True)
+    ] = True
+    trace_url: Annotated[
+        str | None,
+        Flag("trace UI link of the console's request page, {trace_id} filled in", metavar="URL"),
+    ] = None
+    """E.g. ``http://127.0.0.1:16686/trace/{trace_id}`` (Jaeger); None: the trace id is shown as text."""
+    records: int = 1000
+    """Newest request-log records the console keeps in memory (its request list)."""
+
+    def __post_init__(self) -> None:
+        if self.records < 1:
+            raise ValueError(f"console.records must be >= 1, got {self.records}")
+        if self.trace_url is not None and "{trace_id}" not in self.trace_url:
+            raise ValueError("console.trace_url must contain {trace_id}")
 
 
 class MetricsConfig(msgspec.Struct, **_STRUCT):
@@ -544,12 +620,15 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
     """Share rate limits between gateway replicas through Redis; ``None``: in-memory."""
     timeouts: TimeoutConfig = TimeoutConfig()
     routing: RoutingConfig = RoutingConfig()
+    upstream_metrics: UpstreamMetricsConfig = UpstreamMetricsConfig()
+    """How often each upstream's ``/metrics`` is sampled (docs/gateway.md "Upstream kinds")."""
     discovery: DiscoveryConfig = DiscoveryConfig()
     """Replicas from DNS and config reload, besides ``upstreams`` (docs/gateway.md "Replicas that come and
     go")."""
     logs: LogConfig = LogConfig()
     tracing: TracingConfig = TracingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    console: ConsoleConfig = ConsoleConfig()
     event_loop: Annotated[
         EventLoop,
         Flag(

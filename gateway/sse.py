@@ -1,5 +1,6 @@
 """Server-sent events: split an upstream byte stream into events (bytes kept exactly) and read what the
-OpenAI chunks say (tokens, finish reasons, usage, the ``kvscope`` engine stats, in-band errors).
+OpenAI chunks say (tokens, finish reasons, usage, the ``kvscope`` engine stats, llama.cpp's ``timings``,
+in-band errors).
 
 Event framing follows the WHATWG HTML spec (§9.2.6): lines end in CRLF, LF or CR; a blank line ends an event;
 ``data:`` lines (one optional space after the colon) join with ``\\n``; lines starting with ``:`` are
@@ -104,6 +105,9 @@ class StreamState:
     """Chunks that carried output (text, tool calls, reasoning); a token count when usage is missing."""
     usage: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    """llama.cpp's ``timings`` object, read from the chunk that carries the usage (llama.cpp puts both on its
+    last chunk; gateway/engines/reports.py): no lookup per token."""
     model: str | None = None
     response_id: str | None = None
     error: dict[str, Any] | None = None
@@ -129,6 +133,8 @@ class StreamState:
             self.response_id = response_id
         if usage := get("usage"):
             self.usage = usage
+            if isinstance(timings := get("timings"), dict):
+                self.timings = timings
         if isinstance(engine := get("kvscope"), dict):
             self.engine = engine
         choices = get("choices") or []

@@ -4,15 +4,19 @@ out.
 Per request: a SERVER span ``POST /v1/chat/completions`` (parent: the client's ``traceparent``, if any) →
 a CLIENT span ``chat {model}`` / ``text_completion {model}`` with gen_ai attributes, whose context goes to the
 upstream in ``traceparent``. Our engine continues the trace with its own ``llm_request``/``queue``/
-``prefill``/``decode`` spans; for a third-party upstream (no ``kvscope`` stats in the answer) the gateway
-records ``prefill`` (upstream request → first token) and ``decode`` (first → last token) itself.
+``prefill``/``decode`` spans; for another upstream (no ``kvscope`` stats in the answer) the gateway records
+``queue``, ``prefill`` and ``decode`` child spans itself (:func:`upstream_phases`): from the upstream's own
+per-request timings where it reports them (llama.cpp's ``timings``, TGI's ``x-queue-time``;
+gateway/engines/reports.py), non-streamed answers too, else from the stream's token times at the gateway;
+each span's ``kvscope.timing.source`` says which (``per_request`` | ``gateway``).
 
 The TracerProvider is built by the app (never the global one); tests inject an in-memory exporter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -22,7 +26,67 @@ from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvscope.common.otel_env import span_exporter
+from kvscope.gateway.engines.reports import UpstreamReport
 from kvscope.gateway.settings import TracingConfig
+
+TIMING_SOURCE_ATTRIBUTE = "kvscope.timing.source"
+"""Attribute of the gateway's ``queue``/``prefill``/``decode`` spans: ``per_request`` (the upstream's own
+timings of this request) or ``gateway`` (token times measured at the gateway)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One upstream phase of a request (``time.perf_counter()`` seconds)."""
+
+    name: str
+    """``queue``, ``prefill`` or ``decode``."""
+    start: float
+    end: float
+    source: str
+    """``per_request`` or ``gateway`` (:data:`TIMING_SOURCE_ATTRIBUTE`)."""
+
+
+def upstream_phases(
+    attempt_start: float,
+    first_token_at: float | None,
+    last_token_at: float | None,
+    upstream_end: float | None,
+    report: UpstreamReport | None,
+) -> list[Phase]:
+    """The answering attempt's phases at the upstream, in order, from its ``report`` where it has the
+    duration, else from the stream's token times at the gateway (``first_token_at``, ``last_token_at``:
+    None for a JSON answer). The upstream's clock is not the gateway's, so its durations are placed on the
+    gateway's timeline by their known ends:
+
+    - ``queue`` [attempt start, + ``queue_s``] (per_request; only where reported);
+    - ``decode`` [last − ``decode_s``, last] with last = the last token event (streams) or the answer's last
+      byte (``upstream_end``) (per_request), else [first token, last token] (gateway);
+    - ``prefill`` [decode start − ``prefill_s``, decode start] (per_request), else [queue end or attempt
+      start, first token] (gateway).
+
+    Starts are never before the attempt's start. Empty when there is nothing to place (a JSON answer without
+    timings)."""
+    r = report or UpstreamReport()
+    phases: list[Phase] = []
+    queue_end = attempt_start
+    if r.queue_s is not None:
+        queue_end = attempt_start + r.queue_s
+        phases.append(Phase("queue", attempt_start, queue_end, "per_request"))
+    last = last_token_at if last_token_at is not None else upstream_end
+    decode: Phase | None = None
+    if r.decode_s is not None and last is not None:
+        decode = Phase("decode", max(attempt_start, last - r.decode_s), last, "per_request")
+    elif first_token_at is not None and last_token_at is not None:
+        decode = Phase("decode", first_token_at, last_token_at, "gateway")
+    if r.prefill_s is not None and decode is not None:
+        phases.append(
+            Phase("prefill", max(attempt_start, decode.start - r.prefill_s), decode.start, "per_request")
+        )
+    elif first_token_at is not None:
+        phases.append(Phase("prefill", min(queue_end, first_token_at), first_token_at, "gateway"))
+    if decode is not None:
+        phases.append(decode)
+    return phases
 
 
 def build_tracer_provider(
@@ -80,13 +144,18 @@ class GatewayTracer:
         """Add ``traceparent`` (and ``tracestate``) naming ``span`` to outgoing ``headers``."""
         self._propagator.inject(headers, context=trace.set_span_in_context(span))
 
-    def record_phases(self, parent: Span, start_ns: int, first_token_ns: int, end_ns: int) -> None:
-        """``prefill`` [start, first token] and ``decode`` [first token, end] under ``parent`` (third-party
-        upstreams, which send no spans of their own)."""
+    def record_phases(self, parent: Span, phases: Sequence[Phase], epoch_ns: Callable[[float], int]) -> None:
+        """One child span of ``parent`` per phase (:func:`upstream_phases`; upstreams that send no spans of
+        their own), ``epoch_ns`` turning its perf_counter times into epoch nanoseconds."""
         context = trace.set_span_in_context(parent)
-        for name, begin, end in (("prefill", start_ns, first_token_ns), ("decode", first_token_ns, end_ns)):
-            span = self._tracer.start_span(name, context=context, start_time=begin)
-            span.end(end_time=end)
+        for phase in phases:
+            span = self._tracer.start_span(
+                phase.name,
+                context=context,
+                start_time=epoch_ns(phase.start),
+                attributes={TIMING_SOURCE_ATTRIBUTE: phase.source},
+            )
+            span.end(end_time=epoch_ns(phase.end))
 
     def shutdown(self) -> None:
         self.provider.shutdown()

@@ -204,22 +204,29 @@ def _intact(library: Path) -> bool:
         return False
 
 
+VNNI_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c")
+"""The /proc/cpuinfo flags of the instructions every kernel of the library uses (AVX-512 F/BW/DQ/VNNI,
+F16C)."""
+AMX_FLAGS = ("avx512_bf16", "amx_tile", "amx_bf16")
+"""The flags ``int4_gemm_amx`` needs besides :data:`VNNI_FLAGS` (AVX512-BF16, AMX tiles with bfloat16)."""
+
+
+def missing_cpu_flags(needed: tuple[str, ...]) -> tuple[str, ...]:
+    """The flags of ``needed`` that this CPU's /proc/cpuinfo does not list, in ``needed``'s order (all of them
+    where /proc/cpuinfo cannot be read)."""
+    flags = set(_cpu_flags().split())
+    return tuple(f for f in needed if f not in flags)
+
+
 def cpu_supports() -> bool:
-    """Whether this CPU has the instructions the kernels use (AVX-512 F/BW/DQ/VNNI, F16C), by
-    /proc/cpuinfo."""
-    flags = _cpu_flags().split()
-    return (
-        all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c"))
-        if flags
-        else False
-    )
+    """Whether this CPU has the instructions the kernels use (:data:`VNNI_FLAGS`), by /proc/cpuinfo."""
+    return not missing_cpu_flags(VNNI_FLAGS)
 
 
 def cpu_supports_amx() -> bool:
-    """Whether this CPU has what ``int4_gemm_amx`` needs besides :func:`cpu_supports` (AMX tiles with
-    bfloat16, AVX512-BF16), by /proc/cpuinfo."""
-    flags = _cpu_flags().split()
-    return cpu_supports() and all(f in flags for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
+    """Whether this CPU has what ``int4_gemm_amx`` needs besides :func:`cpu_supports` (:data:`AMX_FLAGS`), by
+    /proc/cpuinfo."""
+    return not missing_cpu_flags(VNNI_FLAGS + AMX_FLAGS)
 
 
 def load(cache_dir: Path) -> BuildResult:

@@ -1,6 +1,7 @@
-"""Shared pytest wiring: GPU tests skip without CUDA; tests needing a system tool skip on a laptop but fail
-under CI=true (see require_tool); under CI=true any skip whose reason is not in ALLOWED_SKIP_REASONS fails
-the run (pytest_sessionfinish below)."""
+"""Shared pytest wiring: GPU tests skip without CUDA; tests of kvscope's CPU kernels skip on a CPU without
+their instructions, naming the missing ones (pytest_runtest_setup below); tests needing a system tool skip on
+a laptop but fail under CI=true (see require_tool); under CI=true any skip whose reason is not in
+ALLOWED_SKIP_REASONS fails the run (pytest_sessionfinish below)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,17 @@ _drop_the_repository_root_from_sys_path()
 ALLOWED_SKIP_REASONS = (
     "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
     "set ELASTICSEARCH_URL",  # tests/gateway/logs/test_es_live.py without a live Elasticsearch
-    "needs a CPU with AVX-512 VNNI",  # tests marked `vnni` (kvscope's CPU decode kernels) on a CPU without it
-    "needs a CPU with AMX-BF16",  # tests marked `amx` (kvscope's AMX int4 matmul) on a CPU without it
+    # tests marked `vnni`/`amx` (kvscope's CPU kernels) on a CPU without those instructions, e.g. "needs AMX
+    # (amx_tile, amx_bf16): this CPU has avx512f ... avx512_bf16" (cpu_instruction_skip below)
+    "needs AVX-512 VNNI (",
+    "needs AMX (",
 )
 """The only reasons a test may be skipped under CI=true (matched as prefixes). Anything else — a missing tool,
 a "not written yet" guard, an OSError — fails the run: a skipped test protects nothing."""
 _DISALLOWED_SKIPS = pytest.StashKey[list[str]]()
-pytest_plugins = ["pytester"]  # tests/test_ci_policy.py runs inner pytest sessions under these hooks
+# pytester: tests/test_ci_policy.py runs inner pytest sessions under these hooks; tests/xdist_groups.py: the
+# files sharing an expensive session fixture run on one xdist worker
+pytest_plugins = ["pytester", "tests.xdist_groups"]
 
 
 def require_tool(name: str) -> str:
@@ -54,22 +59,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    try:
-        from kvscope.kernels.cpu_decode import cpu_supports, cpu_supports_amx
-
-        has_vnni, has_amx = cpu_supports(), cpu_supports_amx()
-    except ImportError:
-        has_vnni = has_amx = False
     skip_gpu = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[0])
-    skip_vnni = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[2])
-    skip_amx = pytest.mark.skip(reason=ALLOWED_SKIP_REASONS[3])
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
-        if "vnni" in item.keywords and not has_vnni:
-            item.add_marker(skip_vnni)
-        if "amx" in item.keywords and not has_amx:
-            item.add_marker(skip_amx)
+
+
+CPU_INSTRUCTION_MARKS = {"vnni": "AVX-512 VNNI", "amx": "AMX"}
+"""The markers of tests that need kvscope's CPU kernels, and the instruction set each names in its skip."""
+
+
+def cpu_instruction_skip(marker: str) -> str | None:
+    """The skip reason of a test marked ``marker`` (``vnni`` or ``amx``) on this CPU, None where /proc/cpuinfo
+    lists every flag it needs (kvscope.kernels.cpu_decode VNNI_FLAGS, + AMX_FLAGS for ``amx``). The reason
+    names the missing flags and those of the kernels' flags this CPU has, e.g. ``needs AMX (amx_tile,
+    amx_bf16): this CPU has avx512f avx512bw avx512dq avx512_vnni f16c avx512_bf16``. The import is not
+    guarded: a kvscope.kernels.cpu_decode that fails to import fails the test, it never skips it."""
+    from kvscope.kernels.cpu_decode import AMX_FLAGS, VNNI_FLAGS, missing_cpu_flags
+
+    needed = VNNI_FLAGS + (AMX_FLAGS if marker == "amx" else ())
+    missing = missing_cpu_flags(needed)
+    if not missing:
+        return None
+    absent = set(missing_cpu_flags(VNNI_FLAGS + AMX_FLAGS))
+    present = [flag for flag in VNNI_FLAGS + AMX_FLAGS if flag not in absent]
+    has = " ".join(present) if present else "none of them"
+    return f"needs {CPU_INSTRUCTION_MARKS[marker]} ({', '.join(missing)}): this CPU has {has}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a test marked ``vnni``/``amx`` on a CPU without those instructions, before its fixtures build the
+    kernels (cpu_instruction_skip)."""
+    for marker in CPU_INSTRUCTION_MARKS:
+        if item.get_closest_marker(marker) is not None:
+            reason = cpu_instruction_skip(marker)
+            if reason is not None:
+                pytest.skip(reason)
 
 
 def disallowed_skips(reports: list[pytest.TestReport]) -> list[str]:

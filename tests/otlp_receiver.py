@@ -1,7 +1,10 @@
-"""Local OTLP receivers for tests: decode the protobuf export requests they are sent (metrics and traces),
-keeping them in memory. ``with OtlpReceiver() as rx: rx.url`` → ``http://127.0.0.1:PORT`` (OTLP/HTTP: any
-path naming ``metrics`` or ``traces``, recorded in ``rx.paths``); ``GrpcOtlpReceiver`` is the same over gRPC
-(the collector's TraceService and MetricsService)."""
+"""The test suite's local OTLP receivers: decode the protobuf export requests they are sent (metrics and
+traces), keeping them in memory. ``with OtlpReceiver() as rx: rx.url`` → ``http://127.0.0.1:PORT``
+(OTLP/HTTP: any path naming ``metrics`` or ``traces``, recorded in ``rx.paths``, with its content type in
+``rx.content_types``; any other path is answered 404, as a collector without that signal's receiver does);
+``OtlpReceiver().start()`` / ``.close()`` for a fixture that outlives a ``with``. ``GrpcOtlpReceiver`` is the
+same over gRPC (the collector's TraceService and MetricsService). The e2e engine and gateway tests use these
+too (one receiver for the whole suite)."""
 
 from __future__ import annotations
 
@@ -21,14 +24,23 @@ class _Received:
         self.metrics: list[ExportMetricsServiceRequest] = []
         self.traces: list[ExportTraceServiceRequest] = []
         self.paths: list[str] = []
+        self.content_types: list[str] = []
+        """The ``Content-Type`` of each OTLP/HTTP export (``application/x-protobuf``)."""
         self.lock = threading.Lock()
 
-    def add(self, message: ExportMetricsServiceRequest | ExportTraceServiceRequest, path: str) -> None:
+    def add(
+        self,
+        message: ExportMetricsServiceRequest | ExportTraceServiceRequest,
+        path: str,
+        content_type: str | None = None,
+    ) -> None:
         with self.lock:
             (self.metrics if isinstance(message, ExportMetricsServiceRequest) else self.traces).append(
                 message
             )
             self.paths.append(path)
+            if content_type is not None:
+                self.content_types.append(content_type)
 
     def metric_points(self) -> dict[str, list[tuple[dict[str, Any], Any]]]:
         """Metric name → [(attributes, data point)] over every export received."""
@@ -53,6 +65,19 @@ class _Received:
                 for request in self.metrics
                 for rm in request.resource_metrics
             ]
+
+    def span_messages(self) -> list[Any]:
+        """Every span received, as its protobuf ``Span`` (ids, parent, attributes, events), in arrival
+        order."""
+        with self.lock:
+            requests = list(self.traces)
+        return [
+            span
+            for request in requests
+            for rs in request.resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
 
     def spans(self) -> list[tuple[dict[str, Any], str]]:
         """(resource attributes, span name) of every span received."""
@@ -86,9 +111,10 @@ class OtlpReceiver(_Received):
                 )
                 if kind is None:
                     self.send_response(404)
+                    self.send_header("content-length", "0")
                     self.end_headers()
                     return
-                receiver.add(kind.FromString(body), self.path)
+                receiver.add(kind.FromString(body), self.path, self.headers.get("content-type"))
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", "0")
@@ -104,13 +130,21 @@ class OtlpReceiver(_Received):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def __enter__(self) -> OtlpReceiver:
+    def start(self) -> OtlpReceiver:
+        """Serve in a thread (returns self)."""
         self.thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """Stop serving and free the port."""
         self.server.shutdown()
         self.server.server_close()
+
+    def __enter__(self) -> OtlpReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class GrpcOtlpReceiver(_Received):

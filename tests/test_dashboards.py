@@ -12,7 +12,9 @@ import yaml
 
 from kvscope.dashboards import generate, overview
 from kvscope.dashboards.catalog import discover
-from kvscope.dashboards.coverage import metric_names, not_shown, panel_queries, undefined
+from kvscope.dashboards.coverage import PROMETHEUS_BUILTINS, metric_names, not_shown, panel_queries, undefined
+from kvscope.dashboards.engine_names import LABEL_NAMES, VARIANT_KINDS, variant_uid
+from kvscope.dashboards.engine_variants import exported_series
 from kvscope.dashboards.grafana import DATASOURCE_UID, GRID_WIDTH, layout, row, timeseries
 from kvscope.dashboards.promql import PromQL, le_regex
 from kvscope.dashboards.query import PromQLError, Variables, legend
@@ -25,14 +27,27 @@ PROVISIONING = REPO / "dashboards" / "provisioning"
 CATALOG = discover()
 COMPONENTS = ["engine", "gateway"]
 DASHBOARDS = {p.name: json.loads(p.read_text()) for p in sorted(JSON_DIR.glob("*.json"))}
+VARIANTS = {f"{variant_uid(kind)}.json": kind for kind in VARIANT_KINDS}
+"""The engine dashboard's variants in vLLM's and SGLang's metric names (file name → kind)."""
+OURS = {name: d for name, d in DASHBOARDS.items() if name not in VARIANTS}
+"""The dashboards over our own series."""
 
 
-def all_exprs() -> list[str]:
-    return [expr for d in DASHBOARDS.values() for _, expr in panel_queries(d)]
+def all_exprs(dashboards: dict[str, dict] = DASHBOARDS) -> list[str]:
+    return [expr for d in dashboards.values() for _, expr in panel_queries(d)]
 
 
-def test_both_dashboards_are_committed() -> None:
-    assert sorted(DASHBOARDS) == sorted(generate.BUILDERS) == ["kvscope-engine.json", "kvscope-overview.json"]
+def test_every_dashboard_is_committed() -> None:
+    assert (
+        sorted(DASHBOARDS)
+        == sorted([*generate.BUILDERS, *VARIANTS])
+        == [
+            "kvscope-engine-sglang.json",
+            "kvscope-engine-vllm.json",
+            "kvscope-engine.json",
+            "kvscope-overview.json",
+        ]
+    )
 
 
 def test_committed_files_match_the_generator() -> None:
@@ -74,9 +89,17 @@ def test_an_undefined_metric_is_reported() -> None:
 
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_dashboards_name_only_defined_metrics(component: str) -> None:
-    missing = undefined(all_exprs(), CATALOG)
+    missing = undefined(all_exprs(OURS), CATALOG)
     assert {n for n in missing if n.startswith(f"kvscope_{component}_")} == set()
     assert {n for n in missing if not n.startswith(("kvscope_engine_", "kvscope_gateway_"))} == set()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_engine_variants_name_only_the_equivalents_of_our_engine_series(name: str) -> None:
+    kind = VARIANTS[name]
+    named = {n for expr in all_exprs({name: DASHBOARDS[name]}) for n in metric_names(expr)}
+    assert named - PROMETHEUS_BUILTINS <= exported_series(kind, CATALOG)
+    assert {n for n in named if n.startswith("kvscope_")} == set()
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
@@ -116,11 +139,14 @@ def test_selectors_carry_the_variables_the_metric_supports() -> None:
 
 def test_every_mean_guards_the_division() -> None:
     means = [e for e in all_exprs() if "_sum{" in e]
-    assert len(means) == 21  # overview: 6 latency pairs + overhead, queue, batch; engine internals: 12
+    # overview: 6 latency pairs + overhead, queue, batch; engine internals: 12; the vLLM variant: 13 (no
+    # batch size, acceptance length or grammar times); the SGLang variant: 7 (TTFT, ITL, e2e, queue,
+    # request length x2, grammar compile time)
+    assert len(means) == 21 + 13 + 7
     for expr in means:
         assert re.fullmatch(
-            r"sum(?: by \([\w, ]+\))?\(rate\(\w+_sum\{.*\}\[\$__rate_interval\]\)\) / "
-            r"\(sum(?: by \([\w, ]+\))?\(rate\(\w+_count\{.*\}\[\$__rate_interval\]\)\) > 0\)",
+            r"sum(?: by \([\w, ]+\))?\(rate\([\w:]+_sum\{.*\}\[\$__rate_interval\]\)\) / "
+            r"\(sum(?: by \([\w, ]+\))?\(rate\([\w:]+_count\{.*\}\[\$__rate_interval\]\)\) > 0\)",
             expr,
         ), expr
 
@@ -174,6 +200,11 @@ def test_variables_are_datasource_job_instance_model(name: str) -> None:
     assert [v["name"] for v in variables] == ["datasource", "job", "instance", "model"]
     assert variables[0]["current"]["value"] == DATASOURCE_UID
     assert all(v["multi"] and v["includeAll"] and v["allValue"] == ".*" for v in variables[1:])
+    kind = VARIANTS.get(name)
+    regex, model = (f"{kind}:.+", LABEL_NAMES[kind]["model"]) if kind else ("kvscope_.+", "model")
+    assert variables[3]["definition"] == (
+        f'label_values({{__name__=~"{regex}", job=~"$job", instance=~"$instance"}}, {model})'
+    )
 
 
 def test_overview_has_the_panels_the_issue_lists() -> None:
@@ -199,6 +230,7 @@ def test_overview_has_the_panels_the_issue_lists() -> None:
         "Prefix-cache hit rate",
         "Device memory",
         "Upstream health",
+        "Upstream kinds",
         "Log records / s",
         "Log spool size",
         "Prompt length (tokens)",
@@ -254,15 +286,18 @@ def test_every_panel_query_evaluates_in_prometheus(prometheus: PrometheusServer)
         except PromQLError as exc:
             errors[expr] = exc.message
     assert errors == {}
-    # the GPU row: 12 queries; the SLO error ratio; build_info: 2; engine broken streams; routing: 6
-    assert len(all_exprs()) == 139
+    # the GPU row: 12 queries; the SLO error ratio; build_info: 2; engine broken streams; routing: 6; the
+    # upstream kinds: 1 (overview). The engine variants keep the queries whose series the engine exports
+    # (tests/test_engine_variants.py lists their panels): vLLM 58, SGLang 36
+    assert len(all_exprs(OURS)) == 140
+    assert {VARIANTS[n]: len(all_exprs({n: DASHBOARDS[n]})) for n in VARIANTS} == {"vllm": 58, "sglang": 36}
 
 
 def test_every_variable_query_is_a_valid_selector(prometheus: PrometheusServer) -> None:
     for dashboard in DASHBOARDS.values():
         for variable in dashboard["templating"]["list"][1:]:
             match = re.fullmatch(r"label_values\((\{.*\}), (\w+)\)", variable["definition"])
-            assert match and match.group(2) == variable["name"]
+            assert match and match.group(2) in (variable["name"], f"{variable['name']}_name")
             assert prometheus.api.series(Variables().substitute(match.group(1))) == []
 
 

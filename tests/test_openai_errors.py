@@ -24,7 +24,9 @@ from kvscope.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
     from_http_exception,
+    upstream_error_code,
     upstream_error_object,
+    upstream_gateway_error,
 )
 
 TYPES = {
@@ -157,3 +159,19 @@ def test_both_servers_answer_a_bad_body_with_the_same_type_code_and_param(body: 
     assert (gateway["type"], gateway["code"], gateway["param"]) == (engine.type, engine.code, engine.param)
     assert gateway["code"] in ("invalid_json", "invalid_value")
     assert gateway["message"].split(":")[0] == engine.message.split(":")[0]
+
+
+def test_an_upstream_error_is_logged_by_its_word_not_a_status_number() -> None:
+    # OpenAI's code; llama.cpp's and vLLM's bodies (code = the HTTP status as a number); a bare code
+    assert upstream_error_code({"code": "context_length_exceeded", "type": "invalid_request_error"}) == (
+        "context_length_exceeded"
+    )
+    assert (
+        upstream_error_code({"code": 400, "type": "exceed_context_size_error"}) == "exceed_context_size_error"
+    )
+    assert upstream_error_code({"code": 400, "type": "BadRequestError", "param": None}) == "BadRequestError"
+    assert upstream_error_code({"code": 503}) == "503"
+    assert upstream_error_code({"message": "x"}) is None
+    assert upstream_gateway_error(
+        {"code": 400, "type": "exceed_context_size_error", "message": "m"}
+    ).error_type == ("exceed_context_size_error")

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvscope.common.cli_help import HelpFormatter
+
 USAGE_ERROR = 2
 DEFAULT_CONTEXT = 1024
 DEFAULT_STRIDE = 512
@@ -30,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
             "model, through the engine's own forward. Exit 0 when every format meets its bound, 1 when one "
             "does not, 2 on bad arguments."
         ),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF folder")
     parser.add_argument(

@@ -114,13 +114,12 @@ def quantize_model(
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         model.decode_head = PairBlocks.q8_from_float(head)
     report = QuantReport(quantization, **counts)
-    logger.info(
-        "quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense; %s",
+    logger.info(  # the kernels chosen: the probe's own line ("CPU kernel probe …"), logged just before
+        "quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense",
         quantization,
         report.from_gguf,
         report.quantized,
         report.dense,
-        choice.describe(),
     )
     return report
 

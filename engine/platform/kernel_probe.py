@@ -197,13 +197,15 @@ def probe_cpu_kernels(
         batched_rows=amx_limit,
     )
     logger.info(
-        "CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s; ms %s",
+        "CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s",
         threads,
         out_features,
         in_features,
         choice.describe(),
-        {k: round(v, 3) for k, v in timings.items()},
     )
+    # the timings behind the choice (format@rows → ms): --log-level debug, or `python -m
+    # kvscope.engine.platform.kernel_probe_cli`, which prints them as a table
+    logger.debug("CPU kernel probe timings, ms: %s", {k: round(v, 3) for k, v in timings.items()})
     return choice
 
 

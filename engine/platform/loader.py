@@ -139,16 +139,14 @@ def load_model(
         weight_format=fmt,
         cpu_kernels=cpu_kernels,
     )
-    logger.info(
-        "loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs), dtype %s, quantization %s",
+    logger.info(  # the format (dtype, quantization, why): the engine's "weights format" line
+        "loaded %s from %s in %.2fs (resolve%s %.2fs, weights %.2fs)",
         model_config.model,
         model_dir,
         report.total_s,
         " + convert" if converted else "",
         report.resolve_s,
         report.weights_s,
-        fmt.dtype,
-        fmt.quantization,
     )
     return LoadedModel(model, hf_config, model_dir, report)
 

@@ -118,13 +118,8 @@ class AppContext:
         self._start_gpu_telemetry(engine, metrics)
         self.state.on_step(StepResult())
         engine.set_step_listener(self.state.on_step)
-        logger.info(
-            "serving %s (max_model_len %d, dtype %s, quantization %s, weights %d B)",
-            engine.info.name,
-            engine.info.max_model_len,
-            engine.info.dtype,
-            engine.info.quantization,
-            engine.info.weights_bytes,
+        logger.info(  # the format and sizes: the engine's own lines ("weights format", "engine ready")
+            "serving %s (the OpenAI API under /v1, Prometheus metrics at /metrics)", engine.info.name
         )
         return self.state
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvscope.common.cli_help import HelpFormatter
 from kvscope.common.event_loop import resolve_event_loop
 from kvscope.engine.server.access_log import ACCESS_LOGGER, JsonLineHandler
 from kvscope.engine.server.settings import ServerSettings, add_arguments, engine_options, server_settings
@@ -27,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     """``kvscope engine``'s flags: one per :class:`EngineOptions` / :class:`ServerSettings` field
     (engine/server/settings.py), derived by kvscope.common.settings_cli."""
     return add_arguments(
-        argparse.ArgumentParser(prog="kvscope engine", description="Serve a model with the kvscope engine.")
+        argparse.ArgumentParser(
+            prog="kvscope engine",
+            description="Serve a model with the kvscope engine.",
+            formatter_class=HelpFormatter,
+        )
     )
 
 

@@ -155,7 +155,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool | None = True
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = True
+    parallel_tool_calls: bool | None = None
+    """None (absent) = one call for ``tool_choice: "required"`` (engine/server/tools.py says why)."""
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -1,7 +1,9 @@
 """Chat answers when tools are in play: ``message.tool_calls`` and ``finish_reason: "tool_calls"``.
 
-Streaming follows OpenAI: for each call a first delta with ``index``, ``id``, ``type`` and ``function.name``
-(``arguments: ""``), then ``function.arguments`` fragments as the model writes them. A named tool_choice's
+Streaming follows OpenAI: the role delta carries ``content: null`` (not ``""``: a client accumulating the
+deltas ends with null beside the calls, as the non-streamed body has), then for each call a first delta
+with ``index``, ``id``, ``type`` and ``function.name`` (``arguments: ""``), then ``function.arguments``
+fragments as the model writes them. A named tool_choice's
 output is the arguments object, so every content delta is a fragment. ``required`` and ``auto`` go through
 kvscope.engine.server.tool_stream's incremental scanner: a call's header goes out once its ``name`` string is
 complete, then the raw text of its ``arguments`` object as it grows; in ``auto`` the text outside
@@ -56,7 +58,9 @@ class ToolChatFormatter:
             choice = chunk.choices[0]
             delta = choice.delta
             if delta.role is not UNSET:
-                chunks.append(chunk)
+                # content null, not "": OpenAI's first delta of a tool-call answer, and what a client that
+                # accumulates deltas (the SDK's .stream()) must end with when the answer is only calls
+                chunks.append(self._chunk(choice.index, DeltaMessage(role="assistant", content=None)))
                 if self.mode.kind == "named":
                     chunks.append(
                         self._tool_chunk(

@@ -8,8 +8,16 @@ signatures as JSON lines inside ``<tools></tools>``, calls as ``<tool_call>{"nam
 
 tool_choice: ``none`` (tools not rendered, plain answer), ``auto`` (rendered; ``<tool_call>`` blocks in the
 answer are parsed), ``required`` (output constrained to a JSON array of ``{"name", "arguments"}`` whose
-arguments follow each function's parameters schema; one item unless ``parallel_tool_calls``), a named function
-(output constrained to that function's arguments object). The constraint shapes follow vLLM's.
+arguments follow each function's parameters schema), a named function (output constrained to that function's
+arguments object). The constraint shapes follow vLLM's; the schemas are closed and their numbers bounded
+before they compile (kvscope.engine.structured.schema_bounds), so an answer can always end.
+
+How many calls ``required`` makes: exactly one unless the request sends ``parallel_tool_calls: true``, then
+one to :data:`MAX_PARALLEL_TOOL_CALLS`, ending where the model closes the array. OpenAI's default is parallel
+calls on; kvscope's is llama.cpp's (tools/server: ``parallel_tool_calls`` defaults to false, in newer
+versions to what the chat template supports; SmolLM2's template supports no tools at all). Left open, a small
+model at temperature 0.8 repeats calls until ``max_tokens`` (SmolLM2-135M, seed 0: 14 calls and a cut 15th
+in 400 tokens), and the client gets ``finish_reason: "length"`` and no ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ HERMES_SYSTEM = (
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+MAX_PARALLEL_TOOL_CALLS = 8
+"""The most calls a ``required`` answer with ``parallel_tool_calls: true`` may make (the array's
+``maxItems``): a model that keeps calling ends after this many (~25 tokens each for a small call)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +55,8 @@ class ToolMode:
     kind: str
     function: str | None = None
     """The named function (kind ``named``)."""
-    parallel: bool = True
+    parallel: bool = False
+    """Several calls allowed: the request sent ``parallel_tool_calls: true``."""
 
     @property
     def active(self) -> bool:
@@ -73,7 +85,7 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools.", param="tool_choice")
         return ToolMode("none")
-    parallel = req.parallel_tool_calls is not False
+    parallel = req.parallel_tool_calls is True
     if choice is None or choice == "auto":
         return ToolMode("auto", parallel=parallel)
     if choice == "none":
@@ -97,7 +109,8 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode:
 
 
 def tool_constraint(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOutputsParams | None:
-    """The grammar constraint of ``required``/named tool choices (None otherwise)."""
+    """The grammar constraint of ``required``/named tool choices (None otherwise): ``required`` is an array of
+    1 to ``MAX_PARALLEL_TOOL_CALLS`` calls with ``parallel_tool_calls: true``, else of exactly one."""
     if mode.kind == "named":
         tool = next(t for t in req.tools or () if t.function.name == mode.function)
         return StructuredOutputsParams.json_schema(_parameters(tool), "tools")
@@ -112,9 +125,8 @@ def tool_constraint(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOut
         }
         for t in req.tools or ()
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if not mode.parallel:
-        schema["maxItems"] = 1
+    most = MAX_PARALLEL_TOOL_CALLS if mode.parallel else 1
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": items}}
     return StructuredOutputsParams.json_schema(schema, "tools")
 
 

@@ -33,6 +33,7 @@ from kvscope.engine.errors import InvalidParameterError
 from kvscope.engine.structured.bitmask import allocate_bitmask, allowed_tokens
 from kvscope.engine.structured.matcher import RequestMatcher, one_line
 from kvscope.engine.structured.params import CompileLimits, StructuredOutputsParams
+from kvscope.engine.structured.schema_bounds import bounded_schema
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 """Compact JSON (``,`` and ``:`` without spaces): a small model cannot pad the answer with endless
@@ -73,12 +74,14 @@ class _Refused(Exception):
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a constraint (not yet validated). Raises InvalidParameterError naming
-    ``params.param`` for text llguidance cannot even parse (malformed JSON, a GBNF grammar it cannot
-    convert)."""
+    """The llguidance grammar of a constraint (not yet validated). A JSON schema is compiled with closed
+    objects and bounded numbers (kvscope.engine.structured.schema_bounds), so every answer can end.
+    Raises InvalidParameterError naming ``params.param`` for text llguidance cannot even parse (malformed
+    JSON, a GBNF grammar it cannot convert) and for a schema nested beyond Python's recursion limit."""
     try:
         if params.kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(params.spec, defaults=JSON_OPTIONS)
+            schema = bounded_schema(json.loads(params.spec))
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         if params.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
         if params.kind == "regex":
@@ -89,6 +92,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     except (ValueError, TypeError, json.JSONDecodeError) as exc:
         raise InvalidParameterError(
             params.param, f"Invalid {params.kind} constraint: {one_line(str(exc))}"
+        ) from exc
+    except RecursionError as exc:
+        raise InvalidParameterError(
+            params.param, f"Invalid {params.kind} constraint: nested too deeply to compile."
         ) from exc
 
 

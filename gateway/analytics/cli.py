@@ -16,12 +16,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvscope.common.cli_help import HelpFormatter
 from kvscope.gateway.logs.es_settings import CliEnv, cli_env
 
 if TYPE_CHECKING:
     from kvscope.gateway.analytics.commands import LogSource
 
 COMMANDS = ("setup-es", "report", "search", "plot", "why")
+WIDE_HELP = (
+    "every column, however wide (a table fits the terminal by leaving out the less important columns; "
+    "a pipe or a file always gets every column; --format json has every field)"
+)
+
+
+def default_plot_dir(source: str, cache_root: Path) -> Path:
+    """Where ``kvscope logs plot`` writes without ``--out``: a ``plots`` folder beside the charted data (the
+    log file's folder, or the folder given as the source), ``cache_root/plots`` for an Elasticsearch URL. Not
+    the current directory: ``make run``'s log lives in the kvscope cache, and its charts belong with it
+    rather than in whatever checkout the command was typed in; every path written is printed."""
+    if source.startswith(("http://", "https://")):
+        return cache_root / "plots"
+    path = Path(source).expanduser()
+    return (path if path.is_dir() else path.parent) / "plots"
 
 
 def _connection_args(p: argparse.ArgumentParser, env: CliEnv) -> None:
@@ -59,10 +75,14 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
     from kvscope.gateway.analytics.render import FORMATS
     from kvscope.gateway.analytics.report import GROUP_FIELDS
 
-    parser = argparse.ArgumentParser(prog="kvscope logs", description="Request-log analytics.")
+    parser = argparse.ArgumentParser(
+        prog="kvscope logs", description="Request-log analytics.", formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     setup = sub.add_parser(
-        "setup-es", help="create/update the ILM policy, templates and data stream template"
+        "setup-es",
+        help="create/update the ILM policy, templates and data stream template",
+        formatter_class=HelpFormatter,
     )
     setup.add_argument(
         "--url",
@@ -74,7 +94,7 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
     setup.add_argument(
         "--delete-after", default="30d", help="ILM: delete backing indices this long after rollover"
     )
-    setup.add_argument("--rollover-max-age", default="1d")
+    setup.add_argument("--rollover-max-age", default="1d", help="ILM: roll the data stream over at this age")
     setup.add_argument("--rollover-max-size", default="50gb", help="max primary shard size before rollover")
     setup.add_argument(
         "--dynamic", choices=("false", "strict"), default="false", help="mapping for unknown fields"
@@ -84,30 +104,53 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
     )
     setup.add_argument("--print", action="store_true", help="print the request bodies, contact nothing")
     _connection_args(setup, env)
-    rep = sub.add_parser("report", help="requests, errors, TTFT/TPOT/e2e percentiles, slowest requests")
+    rep = sub.add_parser(
+        "report",
+        help="requests, errors, TTFT/TPOT/e2e percentiles, slowest requests",
+        formatter_class=HelpFormatter,
+    )
     rep.add_argument("--by", choices=tuple(GROUP_FIELDS), help="one row per value of this field")
-    rep.add_argument("--top", type=int, default=10, help="slowest requests to list (default 10)")
+    rep.add_argument("--top", type=int, default=10, help="slowest requests to list")
     rep.add_argument("--format", choices=FORMATS, default="table")
+    rep.add_argument("--wide", action="store_true", help=WIDE_HELP)
     _source_args(rep, env)
-    srch = sub.add_parser("search", help="print matching records (DuckDB SQL condition | ES query string)")
+    srch = sub.add_parser(
+        "search",
+        help="print matching records (DuckDB SQL condition | ES query string)",
+        formatter_class=HelpFormatter,
+    )
     srch.add_argument(
         "query",
         help='files: SQL condition, e.g. "kvscope.e2e_s > 5"; ES: query string, '
         'e.g. "kvscope.e2e_s:>5 AND http.response.status_code:500"',
     )
-    srch.add_argument("--limit", type=int, default=20)
+    srch.add_argument("--limit", type=int, default=20, help="most records to print, newest first")
     srch.add_argument("--format", choices=FORMATS, default="table")
+    srch.add_argument("--wide", action="store_true", help=WIDE_HELP)
     _source_args(srch, env)
     why = sub.add_parser(
         "why",
         help="why was this request slow: its latency by cause, from the engine's step "
         "records and the gateway's timings",
+        formatter_class=HelpFormatter,
     )
-    why.add_argument("id", help="the request id (http.request.id, x-request-id) or trace id")
+    why.add_argument(
+        "id",
+        help="any id of the request, or a unique prefix of one: the response id (chatcmpl-..., what the "
+        "OpenAI SDK shows), the x-request-id header, the trace id, or the log record's event.id",
+    )
     why.add_argument("--format", choices=("text", "json"), default="text")
     _source_args(why, env)
-    plot = sub.add_parser("plot", help="write PNG charts: latency percentiles over time, TTFT histogram")
-    plot.add_argument("--out", type=Path, default=Path("."), help="output directory (default .)")
+    plot = sub.add_parser(
+        "plot",
+        help="write PNG charts: latency percentiles over time, TTFT histogram",
+        formatter_class=HelpFormatter,
+    )
+    plot.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: plots/ beside the log file; $KVSCOPE_CACHE/plots for Elasticsearch)",
+    )
     plot.add_argument("--bucket", help="time bucket, e.g. 30s, 5m (default: about 60 points)")
     _source_args(plot, env)
     return parser
@@ -159,6 +202,7 @@ async def _setup_es(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    from kvscope.common.tables import terminal_width
     from kvscope.gateway.analytics import commands
     from kvscope.gateway.analytics.plot import parse_bucket
     from kvscope.gateway.analytics.render import render_records, render_report
@@ -170,19 +214,22 @@ async def _run(args: argparse.Namespace) -> int:
             "no --source: pass a JSONL file/dir or an Elasticsearch URL (or set KVSCOPE_LOGS_SOURCE)"
         )
     source = _log_source(args, args.source)
+    width = None if getattr(args, "wide", False) else terminal_width(sys.stdout)
     if args.command == "report":
-        render_report(
-            await commands.report(source, since=args.since, by=args.by, top=args.top), args.format, sys.stdout
-        )
+        report = await commands.report(source, since=args.since, by=args.by, top=args.top)
+        render_report(report, args.format, sys.stdout, width)
     elif args.command == "why":
         answer = await commands.why(source, args.id, since=args.since)
         print(json.dumps(answer.to_dict(), indent=2) if args.format == "json" else answer.text)
     elif args.command == "search":
         records = await commands.search(source, args.query, since=args.since, limit=args.limit)
-        render_records(records, args.format, sys.stdout)
+        render_records(records, args.format, sys.stdout, width)
     else:
         bucket = parse_bucket(args.bucket) if args.bucket else None
-        for path in await commands.plot(source, args.out, since=args.since, bucket_s=bucket):
+        out = args.out or default_plot_dir(args.source, args.cache_root)
+        for path in await commands.plot(
+            source, out.expanduser().absolute(), since=args.since, bucket_s=bucket
+        ):
             print(f"wrote {path}")
     return 0
 
@@ -190,7 +237,11 @@ async def _run(args: argparse.Namespace) -> int:
 def logs_main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     """Entry point of ``kvscope logs``; returns the exit status."""
     try:
-        args = build_parser(cli_env(os.environ if env is None else env)).parse_args(argv)
+        environ = os.environ if env is None else env
+        args = build_parser(cli_env(environ)).parse_args(argv)
+        args.cache_root = Path(
+            environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope"
+        ).expanduser()
     except SystemExit as exc:  # --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:

@@ -17,9 +17,14 @@ from typing import Any
 from kvscope.gateway.analytics.duckdb_logs import DuckDBLogs
 from kvscope.gateway.analytics.es_logs import EsLogs
 from kvscope.gateway.analytics.plot import auto_bucket_s, plot_histogram, plot_latency
-from kvscope.gateway.analytics.report import Report, parse_since
-from kvscope.gateway.analytics.why import Why, explain, why_query
+from kvscope.gateway.analytics.report import ID_FIELDS, Report, dotted, parse_since
 from kvscope.gateway.logs.es_client import EsConnectionConfig, is_es_url, make_client
+from kvscope.gateway.logs.why import Why, explain
+
+ID_MATCHES = 50
+"""Records read for one id (exact matches first): enough to name the candidates of an ambiguous prefix."""
+CANDIDATES_SHOWN = 10
+"""Requests listed when a prefix matches several."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +100,68 @@ async def plot(
 
 
 async def why(
-    source: LogSource, request_or_trace_id: str, *, since: str | None = None, now: datetime | None = None
+    source: LogSource, request_id: str, *, since: str | None = None, now: datetime | None = None
 ) -> Why:
-    """The latency explanation of the newest record whose ``http.request.id`` or ``trace.id`` is the given id
-    (the gateway's record when both services logged it). Raises LookupError when no record matches and
-    ValueError when the record has no attribution."""
+    """The latency explanation of the request one of whose ids (:data:`ID_FIELDS`: response id, x-request-id,
+    trace id, event id) is ``request_id`` or starts with it (the gateway's record when both services logged
+    it). Raises LookupError when no record matches or a prefix matches several requests (the message lists
+    them), ValueError for an empty id or a record without attribution."""
+    if not request_id.strip():
+        raise ValueError("give a response id (chatcmpl-…), x-request-id, trace id or event id, or a prefix")
     async with open_logs(source, parse_since(since, now)) as logs:
-        records = await _call(logs.search(why_query(request_or_trace_id, es=is_es_url(source.location)), 20))
-    if not records:
-        raise LookupError(f"no request-log record with http.request.id or trace.id {request_or_trace_id!r}")
-    gateway_first = sorted(records, key=lambda r: "gateway_overhead_s" not in (r.get("kvscope") or {}))
+        records = await _call(logs.find_id(request_id, ID_MATCHES))
+    found = one_request(records, request_id)
+    gateway_first = sorted(found, key=lambda r: "gateway_overhead_s" not in (r.get("kvscope") or {}))
     return explain(gateway_first[0])
+
+
+def _request_key(record: dict[str, Any]) -> str:
+    """What ties the records of one request together: the trace id (the gateway's and the engine's line share
+    it), else the x-request-id, else the record's own event id."""
+    for path in ("trace.id", "http.request.id", "event.id"):
+        value = dotted(record, path)
+        if value:
+            return f"{path}={value}"
+    return f"record={id(record)}"
+
+
+def _matched(record: dict[str, Any], wanted: str, exact: bool) -> tuple[str, str] | None:
+    """(the id's name, its full value) of the first of the record's ids that is ``wanted`` (``exact``) or
+    starts with it; None when none does."""
+    for path, name in ID_FIELDS.items():
+        value = dotted(record, path)
+        if isinstance(value, str) and (value == wanted if exact else value.startswith(wanted)):
+            return name, value
+    return None
+
+
+def one_request(records: list[dict[str, Any]], wanted: str) -> list[dict[str, Any]]:
+    """The records (the gateway's and the engine's lines) of the one request that ``wanted`` names: by an
+    exact id when any record has one, else by a prefix. Raises LookupError for no match, and for several
+    requests, naming up to :data:`CANDIDATES_SHOWN` of them with the full id that matched."""
+    exact = [r for r in records if _matched(r, wanted, True)]
+    matches = exact or [r for r in records if _matched(r, wanted, False)]
+    if not matches:
+        *first, last = ID_FIELDS.values()
+        names = f"{', '.join(first)} or {last}"
+        raise LookupError(f"no request-log record whose {names} is or starts with {wanted!r}")
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for record in matches:
+        groups.setdefault(_request_key(record), []).append(record)
+    if len(groups) == 1:
+        return matches
+    truncated = not exact and len(records) >= ID_MATCHES  # more may match than were read
+    shown = list(groups.values())[:CANDIDATES_SHOWN]
+    lines = []
+    for group in shown:
+        name, value = _matched(group[0], wanted, bool(exact)) or ("?", "?")
+        ts = str(dotted(group[0], "@timestamp") or "")[:19].replace("T", " ")
+        lines.append(f"  {value}  ({name}, {ts}, {dotted(group[0], 'gen_ai.request.model') or '-'})")
+    hidden = len(groups) - len(shown)
+    if hidden or truncated:
+        lines.append(f"  … and {hidden}{'+' if truncated else ''} more")
+    what = "is the id of" if exact else "is a prefix of the ids of"
+    count = f"{len(groups)}{'+' if truncated else ''}"
+    raise LookupError(
+        f"{wanted!r} {what} {count} requests; give more characters, or one of these ids:\n" + "\n".join(lines)
+    )

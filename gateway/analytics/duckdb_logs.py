@@ -8,6 +8,13 @@ line that is not valid JSON or does not fit the types (a line torn by a crash) i
 ``Report.extra["unparsed_lines"]``. The files are read once, when :class:`DuckDBLogs` is built (every query of
 one report sees the same snapshot); a last line without its newline is a record still being written and is
 left out (gateway/logs/jsonl.py), never counted as unparsable.
+
+The answers are the Elasticsearch back end's (tests/gateway/logs/test_es_agreement.py checks both on the same
+records): every order that lists records ends on ``event.id`` then ``trace.id``, ascending, nulls last, as
+its queries do; ``--by
+finish_reason`` counts a record once per distinct reason (a ``terms`` aggregation counts a document once per
+distinct value); time buckets start at the Unix epoch (a ``date_histogram`` ``fixed_interval``'s origin;
+DuckDB's ``time_bucket`` would otherwise count from 2000-01-03).
 """
 
 from __future__ import annotations
@@ -23,18 +30,23 @@ import duckdb
 from kvscope.gateway.analytics.report import (
     ERROR_STATUS,
     GROUP_FIELDS,
+    ID_FIELDS,
     LATENCY_FIELDS,
     MISSING,
     PERCENTS,
     Report,
     ReportRow,
     es_time,
+    prune,
     slow_request,
 )
 from kvscope.gateway.logs.es_setup import record_properties
 from kvscope.gateway.logs.jsonl import complete_copy
 
 PERCENTILE_METHOD = "exact, linear interpolation (DuckDB quantile_cont, Hyndman-Fan type 7)"
+TIEBREAK = '"event"."id" ASC NULLS LAST, "trace"."id" ASC NULLS LAST'
+"""The last keys of every order that lists records (as the Elasticsearch queries': es_logs.TIEBREAK)."""
+EPOCH = "TIMESTAMPTZ '1970-01-01 00:00:00+00'"
 ARRAY_FIELDS = {"event.category", "event.type", "gen_ai.response.finish_reasons"}
 """Fields the record holds as JSON arrays (Elasticsearch mappings do not say which are arrays)."""
 _DUCK_TYPES = {
@@ -144,9 +156,10 @@ class DuckDBLogs:
 
     def _group_sql(self, by: str, limit: int) -> str:
         field = col(GROUP_FIELDS[by])
-        if by == "finish_reason":
+        if by == "finish_reason":  # each distinct reason once (list_distinct also drops nulls)
+            reasons = f"list_distinct(coalesce({field}, []::VARCHAR[]))"
             source = (
-                f"requests, unnest(CASE WHEN len(coalesce({field}, []::VARCHAR[])) > 0 THEN {field} "
+                f"requests, unnest(CASE WHEN len({reasons}) > 0 THEN {reasons} "
                 f"ELSE [{_sql_str(MISSING)}] END) AS u(g)"
             )
             expr = "u.g"
@@ -166,7 +179,8 @@ class DuckDBLogs:
         """The ``top`` records with the largest ``kvscope.e2e_s`` (ties: request id ascending)."""
         sql = (
             f"SELECT * FROM requests WHERE {col('kvscope.e2e_s')} IS NOT NULL "
-            f"ORDER BY {col('kvscope.e2e_s')} DESC, {col('http.request.id')} ASC LIMIT {int(top)}"
+            f"ORDER BY {col('kvscope.e2e_s')} DESC, {col('http.request.id')} ASC NULLS LAST, {TIEBREAK} "
+            f"LIMIT {int(top)}"
         )
         return [slow_request(doc) for doc in self._docs(sql)]
 
@@ -178,11 +192,23 @@ class DuckDBLogs:
         """
         cond = condition.strip() or "true"
         return self._docs(
-            f'SELECT * FROM requests WHERE ({cond}) ORDER BY "@timestamp" DESC LIMIT {int(limit)}'
+            f'SELECT * FROM requests WHERE ({cond}) ORDER BY "@timestamp" DESC, {TIEBREAK} LIMIT {int(limit)}'
         )
 
-    def _docs(self, sql: str) -> list[dict[str, Any]]:
-        cursor = self.con.execute(sql)
+    def find_id(self, wanted: str, limit: int = 50) -> list[dict[str, Any]]:
+        """Records one of whose ids (:data:`~kvscope.gateway.analytics.report.ID_FIELDS`) is ``wanted`` or
+        starts with it: exact matches first, then newest first; at most ``limit``. The id is a query
+        parameter (any characters are safe)."""
+        exact = " OR ".join(f"{col(f)} = $id" for f in ID_FIELDS)
+        prefix = " OR ".join(f"starts_with({col(f)}, $id)" for f in ID_FIELDS)
+        sql = (
+            f"SELECT * FROM requests WHERE {prefix} ORDER BY coalesce({exact}, false) DESC, "
+            f'"@timestamp" DESC, {TIEBREAK} LIMIT {int(limit)}'
+        )
+        return self._docs(sql, {"id": wanted})
+
+    def _docs(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        cursor = self.con.execute(sql, params)
         names = [d[0] for d in cursor.description]
         return [prune(dict(zip(names, values, strict=True))) for values in cursor.fetchall()]
 
@@ -191,8 +217,8 @@ class DuckDBLogs:
         """Per time bucket: ``{"t": datetime, "requests": n, "ttft": [p50, p95, p99], "e2e": [...]}``."""
         q = _percent_list()
         sql = (
-            f"SELECT time_bucket(INTERVAL '{int(bucket_s)} seconds', \"@timestamp\") AS t, count(*) AS "
-            f"requests, quantile_cont({col(LATENCY_FIELDS['ttft'])}, {q}) AS ttft, "
+            f"SELECT time_bucket(INTERVAL '{int(bucket_s)} seconds', \"@timestamp\", {EPOCH}) AS t, "
+            f"count(*) AS requests, quantile_cont({col(LATENCY_FIELDS['ttft'])}, {q}) AS ttft, "
             f"quantile_cont({col(LATENCY_FIELDS['e2e'])}, {q}) AS e2e FROM requests GROUP BY t ORDER BY t"
         )
         cursor = self.con.execute(sql)
@@ -257,15 +283,3 @@ def _row(values: dict[str, Any]) -> ReportRow:
         kv_usage_p95=values["kv_usage_p95"],
         preemptions=int(values["preemptions"]),
     )
-
-
-def prune(value: Any) -> Any:
-    """Drop ``None`` members recursively and turn datetimes into ISO strings (for printing records)."""
-    if isinstance(value, dict):
-        pruned = {k: prune(v) for k, v in value.items() if v is not None}
-        return {k: v for k, v in pruned.items() if v != {}}
-    if isinstance(value, list):
-        return [prune(v) for v in value]
-    if isinstance(value, datetime):
-        return es_time(value)
-    return value

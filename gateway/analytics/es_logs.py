@@ -2,10 +2,15 @@
 
 One ``_search`` per report (request shape in :func:`report_query`): ``size`` = the number of slowest
 requests, sorted by ``kvscope.e2e_s`` desc; top-level metric aggregations for the totals; the same metrics
-under a ``terms`` aggregation for ``--by``. ``percentiles`` answers ``{"values": {"50.0": x, ...}}``
-(keyed, the default); ``filter`` answers ``{"doc_count": n}``; ``sum``/``avg`` ``{"value": x}``
-(``avg`` is null over no values); totals use ``hits.total.value`` with ``track_total_hits: true``
-(Search API and aggregation reference, Elasticsearch 8.x/9.x).
+under a ``terms`` aggregation for ``--by`` (and, for the numeric ``status``, whose ``terms`` cannot take the
+``(none)`` stand-in, a sibling ``missing`` aggregation for the records without one). ``percentiles`` answers
+``{"values": {"50.0": x, ...}}`` (keyed, the default); ``filter`` and ``missing`` answer ``{"doc_count": n}``;
+``sum``/``avg`` ``{"value": x}`` (``avg`` is null over no values); totals use ``hits.total.value`` with
+``track_total_hits: true`` (Search API and aggregation reference, Elasticsearch 8.x/9.x).
+
+Every order has the same ties as the DuckDB back end (kvscope/gateway/analytics/duckdb_logs.py), so the two
+answer the same records: ties end on ``event.id`` (the gateway's own id, unique per record), then ``trace.id``
+(for the engine's lines, which have no ``event.id``), ascending, records without them last.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from elasticsearch import AsyncElasticsearch
 from kvscope.gateway.analytics.report import (
     ERROR_STATUS,
     GROUP_FIELDS,
+    ID_FIELDS,
     LATENCY_FIELDS,
     MISSING,
     PERCENTS,
@@ -26,10 +32,17 @@ from kvscope.gateway.analytics.report import (
     ReportRow,
     dotted,
     es_time,
+    prune,
     slow_request,
 )
 
-PERCENTILE_METHOD = "approximate, TDigest (Elasticsearch percentiles aggregation)"
+PERCENTILE_METHOD = (
+    "TDigest (Elasticsearch percentiles aggregation): since 8.9 exact, linear interpolation between "
+    "closest ranks, below 2,000 values per aggregation; approximate above"
+)
+TIEBREAK = ({"event.id": {"order": "asc"}}, {"trace.id": {"order": "asc"}})
+"""The last sort keys of every query that lists records (the DuckDB back end ends its orders the same way):
+the gateway's own id, unique per record, then, for an engine's line (which has none), its trace id."""
 _NUMERIC_GROUPS = {"status"}
 
 
@@ -73,14 +86,16 @@ def report_query(
         if by not in GROUP_FIELDS:
             raise ValueError(f"--by must be one of {', '.join(GROUP_FIELDS)}")
         terms: dict[str, Any] = {"field": GROUP_FIELDS[by], "size": max_groups}
-        if by not in _NUMERIC_GROUPS:
+        if by in _NUMERIC_GROUPS:  # a long field's missing value must be a number: count them aside
+            aggs["groups_missing"] = {"missing": {"field": GROUP_FIELDS[by]}, "aggs": metric_aggs()}
+        else:
             terms["missing"] = MISSING
         aggs["groups"] = {"terms": terms, "aggs": metric_aggs()}
     return {
         "size": top,
         "track_total_hits": True,
         "query": time_filter(since),
-        "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}],
+        "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}, *TIEBREAK],
         # the slow-request fields, with the whole kvscope.engine and kvscope.gateway objects and upstream_s
         # for the causes
         "_source": sorted(
@@ -122,13 +137,20 @@ def total_hits(body: dict[str, Any]) -> int:
     return int(total["value"] if isinstance(total, dict) else total)
 
 
-def parse_report(body: dict[str, Any], by: str | None, source: str, since: str | None = None) -> Report:
-    """A :class:`Report` from the response to :func:`report_query`."""
+def parse_report(
+    body: dict[str, Any], by: str | None, source: str, since: str | None = None, max_groups: int = 50
+) -> Report:
+    """A :class:`Report` from the response to :func:`report_query`: at most ``max_groups`` groups, the
+    largest first, ties by group name (the ``(none)`` group of a numeric field merged into that order)."""
     aggs = body.get("aggregations", {})
-    groups = tuple(
+    groups = [
         _row(str(b.get("key_as_string", b["key"])), int(b["doc_count"]), b)
         for b in aggs.get("groups", {}).get("buckets", [])
-    )
+    ]
+    none = aggs.get("groups_missing")
+    if none is not None and int(none["doc_count"]) > 0:
+        groups.append(_row(MISSING, int(none["doc_count"]), none))
+        groups = sorted(groups, key=lambda g: (-g.requests, g.group or ""))[:max_groups]
     slowest = tuple(
         slow_request(h["_source"])
         for h in body["hits"]["hits"]
@@ -139,7 +161,7 @@ def parse_report(body: dict[str, Any], by: str | None, source: str, since: str |
         by=by,
         since=since,
         total=_row(None, total_hits(body), aggs),
-        groups=groups,
+        groups=tuple(groups),
         slowest=slowest,
         percentile_method=PERCENTILE_METHOD,
     )
@@ -153,7 +175,27 @@ def search_query(query: str, since: datetime | None, limit: int = 20) -> dict[st
     return {
         "size": limit,
         "query": {"bool": {"must": must, "filter": filters}},
-        "sort": [{"@timestamp": {"order": "desc"}}],
+        "sort": [{"@timestamp": {"order": "desc"}}, *TIEBREAK],
+    }
+
+
+def id_query(wanted: str, since: datetime | None, limit: int = 50) -> dict[str, Any]:
+    """Records one of whose ids (``ID_FIELDS``, keyword fields) is ``wanted`` or starts with it: ``term``
+    and ``prefix`` queries (term-level, so the id needs no escaping), exact matches first, then newest first.
+
+    The order is by score, and each group of clauses is a ``constant_score`` of boost 1: a record that has
+    the id exactly matches both groups (score 2), a record that only starts with it matches the prefix group
+    (score 1). Bare ``term`` clauses would score by BM25 (an exact id then ranks by how rare it is in the
+    shard, and a prefix that fits two of a record's ids would outscore it): the order would no longer be
+    the DuckDB back end's "exact first, then newest"."""
+    exact = {"bool": {"should": [{"term": {f: wanted}} for f in ID_FIELDS]}}
+    prefix = {"bool": {"should": [{"prefix": {f: wanted}} for f in ID_FIELDS]}}
+    filters = time_filter(since).get("bool", {}).get("filter", [])
+    should = [{"constant_score": {"filter": q, "boost": 1.0}} for q in (exact, prefix)]
+    return {
+        "size": limit,
+        "query": {"bool": {"should": should, "minimum_should_match": 1, "filter": filters}},
+        "sort": [{"_score": {"order": "desc"}}, {"@timestamp": {"order": "desc"}}, *TIEBREAK],
     }
 
 
@@ -234,11 +276,15 @@ class EsLogs:
         self, by: str | None = None, top: int = 10, max_groups: int = 50, since: str | None = None
     ) -> Report:
         body = await self._search(report_query(by, self.since, top, max_groups))
-        return parse_report(body, by, self.source, since)
+        return parse_report(body, by, self.source, since, max_groups)
 
     async def search(self, query: str, limit: int = 20) -> list[dict[str, Any]]:
         body = await self._search(search_query(query, self.since, limit))
-        return [h["_source"] for h in body["hits"]["hits"]]
+        return [prune(h["_source"]) for h in body["hits"]["hits"]]
+
+    async def find_id(self, wanted: str, limit: int = 50) -> list[dict[str, Any]]:
+        body = await self._search(id_query(wanted, self.since, limit))
+        return [prune(h["_source"]) for h in body["hits"]["hits"]]
 
     async def time_range(self) -> tuple[datetime | None, datetime | None]:
         aggs = (await self._search(prelude_query(self.since)))["aggregations"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kvscope.gateway.analytics.why import rank_causes
+from kvscope.gateway.logs.why import rank_causes
 
 PERCENTS = (50, 95, 99)
 LATENCY_FIELDS = {"ttft": "kvscope.ttft_s", "tpot": "kvscope.tpot_s", "e2e": "kvscope.e2e_s"}
@@ -35,6 +35,15 @@ GROUP_FIELDS = {
     "status": "http.response.status_code",
     "finish_reason": "gen_ai.response.finish_reasons",
 }
+ID_FIELDS = {
+    "gen_ai.response.id": "response id",
+    "http.request.id": "request id",
+    "trace.id": "trace id",
+    "event.id": "event id",
+}
+"""The ids a user may hold for one request → what to call them: the response's ``id`` (``chatcmpl-…``, what
+an OpenAI SDK shows), the ``x-request-id`` header, the W3C trace id, the log record's own ``event.id``
+(``kvscope logs why`` takes any of them, or a unique prefix)."""
 MISSING = "(none)"
 ERROR_STATUS = 400
 _SINCE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
@@ -122,7 +131,10 @@ class SlowRequest:
     num_preemptions: int | None
     upstream: str | None
     causes: tuple[tuple[str, float], ...] = ()
-    """Seconds by cause, largest first (gateway/analytics/why.py); empty without the engine's attribution."""
+    """Seconds by cause, largest first, as ``kvscope logs why`` ranks them (gateway/logs/why.py
+    ``rank_causes``): the engine's step attribution for our engine, else what the upstream reported
+    (llama.cpp's prefill and decode, TGI's queue time) and ``upstream unattributed`` for the rest; empty for a
+    record without a ``kvscope`` part."""
 
     @property
     def cause(self) -> str:
@@ -231,5 +243,19 @@ def slow_request(doc: dict[str, Any]) -> SlowRequest:
     ts = values["timestamp"]
     values["timestamp"] = es_time(ts) if isinstance(ts, datetime) else str(ts or "")
     kv, engine = dotted(doc, "kvscope") or {}, dotted(doc, "kvscope.engine") or {}
-    causes = tuple(rank_causes(engine, kv)) if engine.get("prefill_steps") is not None else ()
+    causes = tuple(rank_causes(engine, kv)) if kv else ()
     return SlowRequest(**values, causes=causes)
+
+
+def prune(value: Any) -> Any:
+    """Drop ``None`` members (and objects left empty) recursively and turn datetimes into ISO strings: the
+    form both back ends print records in (a DuckDB row has a column for every mapped field, an
+    Elasticsearch ``_source`` the nulls the gateway wrote; pruned, the same record reads the same)."""
+    if isinstance(value, dict):
+        pruned = {k: prune(v) for k, v in value.items() if v is not None}
+        return {k: v for k, v in pruned.items() if v != {}}
+    if isinstance(value, list):
+        return [prune(v) for v in value]
+    if isinstance(value, datetime):
+        return es_time(value)
+    return value

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from elasticsearch import AsyncElasticsearch
 
 from kvscope.gateway.context import GATEWAY_PHASES
+from kvscope.gateway.engines.section import SOURCE_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def record_properties() -> dict[str, Any]:
         "gen_ai": _obj(
             operation=_obj(name=_kw()),
             request=_obj(model=_kw(), max_tokens=_LONG, temperature=_DOUBLE, stream=_BOOL),
-            response=_obj(model=_kw(), finish_reasons=_kw()),
+            response=_obj(id=_kw(), model=_kw(), finish_reasons=_kw()),
             usage=_obj(input_tokens=_LONG, output_tokens=_LONG, cache_read=_obj(input_tokens=_LONG)),
             input=_UNINDEXED,
             output=_UNINDEXED,  # message content, only with log_content
@@ -199,8 +200,21 @@ def record_properties() -> dict[str, Any]:
                 prefix_unit=_kw(),
             ),
             engine=_obj(**engine),
+            upstream=upstream_properties(),
         ),
     }
+
+
+def upstream_properties() -> dict[str, Any]:
+    """Mapping of ``kvscope.upstream`` (docs/gateway.md, "Request log"; gateway/engines/section.py): the
+    replica's kind, where each quantity came from, the engine samples at arrival and finish."""
+    sample = _obj(requests_running=_DOUBLE, requests_waiting=_DOUBLE, kv_cache_usage=_DOUBLE, age_s=_DOUBLE)
+    return _obj(
+        kind=_kw(),
+        kind_source=_kw(),
+        sources=_obj(**{key: _kw() for key in SOURCE_KEYS}),
+        sampled=_obj(arrival=sample, finish=sample),
+    )
 
 
 def ilm_policy_body(config: EsIndexConfig) -> dict[str, Any]:

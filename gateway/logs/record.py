@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from kvscope.gateway.engines.section import engine_section
 from kvscope.gateway.errors import clip
 from kvscope.gateway.logs.genai_messages import input_messages, output_messages
 from kvscope.gateway.logs.sink import LogRecord
@@ -73,6 +74,17 @@ class RecordBuilder:
         duration_s = end - ctx.start
         end_wall = ctx.start_wall + duration_s
         status = ctx.outcome.status or 500
+        attempts, answer = ctx.upstream, ctx.answer
+        engine, upstream = engine_section(
+            attempts.kind,
+            attempts.kind_source,
+            answer.report,
+            answer.engine,
+            attempts.arrival_sample,
+            attempts.finish_sample,
+            ctx.ttft_source,
+        )
+        ttft, tpot = ctx.ttft_s, ctx.tpot_s
         return {
             "@timestamp": iso(end_wall, "milliseconds"),
             "ecs": {"version": ECS_VERSION},
@@ -120,13 +132,14 @@ class RecordBuilder:
             "gen_ai": self._gen_ai(ctx),
             "kvscope": {
                 "route": ctx.route,
-                "ttft_s": ctx.ttft_s,
-                "tpot_s": ctx.tpot_s,
+                "ttft_s": ttft if ttft is not None else ctx.reported_ttft_s,
+                "tpot_s": tpot if tpot is not None else ctx.reported_tpot_s,
                 "e2e_s": duration_s,
                 "gateway_overhead_s": ctx.overhead_s,
                 "upstream_s": ctx.upstream.total_s,
                 "gateway": ctx.gateway_phases(duration_s).to_dict(),
-                "engine": ctx.answer.engine,
+                "engine": engine,
+                "upstream": upstream,
                 "attempts": ctx.upstream.attempts,
                 "client_disconnected": ctx.outcome.client_disconnected,
                 "disconnect_phase": ctx.outcome.disconnect_phase,
@@ -154,6 +167,7 @@ class RecordBuilder:
                 "stream": ctx.request.stream,
             },
             "response": {
+                "id": clip(ctx.answer.response_id),
                 "model": ctx.answer.response_model,
                 "finish_reasons": ctx.answer.finish_reasons or None,
             },

@@ -25,6 +25,9 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
 from kvscope.gateway.auth import TENANT_HEADER
+from kvscope.gateway.engines.kinds import parse_kind
+from kvscope.gateway.engines.reports import upstream_report
+from kvscope.gateway.engines.section import stamp
 from kvscope.gateway.errors import (
     GatewayError,
     RetryableFailure,
@@ -33,6 +36,7 @@ from kvscope.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
     error_json,
+    upstream_error_code,
     upstream_error_object,
     upstream_gateway_error,
 )
@@ -49,6 +53,7 @@ from kvscope.gateway.proxy.relay import (
 )
 from kvscope.gateway.proxy.upstreams import Replica
 from kvscope.gateway.sse import data_event
+from kvscope.gateway.tracing import upstream_phases
 
 if TYPE_CHECKING:
     from kvscope.gateway.context import RequestContext
@@ -211,6 +216,7 @@ class ProxyCall:
 
     async def _attempt(self, replica: Replica, deadline: float) -> None:
         self.ctx.upstream.started(replica.url)
+        self._stamp_arrival(replica)
         self.gw.pool.acquire(replica)
         self.attempt_start, self.upstream_end = time.perf_counter(), None
         response: httpx.Response | None = None
@@ -226,10 +232,19 @@ class ProxyCall:
                 await self._relay_json(replica, response, deadline)
         finally:
             self.gw.pool.release(replica)
+            self.ctx.upstream.finish_sample = stamp(replica.engine_sample, time.monotonic())
             end = self.upstream_end or time.perf_counter()
             self.ctx.attempt_ended(self.attempt_start, headers_at, end)
             if response is not None:
                 await response.aclose()
+
+    def _stamp_arrival(self, replica: Replica) -> None:
+        """The attempt's replica's kind and its latest engine sample (gateway/engines/), as the attempt
+        starts (the request log's ``kvscope.upstream``)."""
+        attempts = self.ctx.upstream
+        attempts.kind, attempts.kind_source = replica.kind.value, replica.kind_source
+        attempts.arrival_sample = stamp(replica.engine_sample, time.monotonic())
+        attempts.finish_sample = None
 
     def _headers(self, replica: Replica) -> dict[str, str]:
         headers = {
@@ -309,9 +324,11 @@ class ProxyCall:
 
     async def _relay_json(self, replica: Replica, response: httpx.Response, deadline: float) -> None:
         body = await self.read_body(replica, response, deadline)
+        last_byte = self.upstream_end
         self.gw.pool.report_success(replica)
         if (outcome := completion_outcome(body, self.gw.settings.logs.log_content)) is not None:
-            self._take(outcome)
+            self._take(outcome, response.headers)
+        self.ctx.answer.upstream_end = last_byte
         content_type = response.headers.get("content-type", "application/json")
         await self.client.start(
             200, [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
@@ -341,11 +358,12 @@ class ProxyCall:
         try:
             outcome = await relay.run()
         except BaseException:  # cancelled (the client left) or a bug: log what was relayed so far
-            self._take(relay.outcome())
+            self._take(relay.outcome(), response.headers)
             await relay.aclose()
             raise
         try:
-            self._take(outcome)  # the request's numbers are final before the client sees the end
+            # the request's numbers are final before the client sees the end
+            self._take(outcome, response.headers)
             if outcome.failure is not None:
                 raise outcome.failure
             self.completed = (
@@ -358,10 +376,18 @@ class ProxyCall:
         finally:
             await relay.aclose()
 
-    def _take(self, outcome: RelayOutcome) -> None:
-        """Apply a relay's outcome to the request context (the log record, spans and metrics read it)."""
+    def _take(self, outcome: RelayOutcome, headers: httpx.Headers) -> None:
+        """Apply a relay's outcome to the request context (the log record, spans and metrics read it), with
+        what the upstream reported about the request in its answer and ``headers``
+        (gateway/engines/reports.py)."""
         ctx, answer = self.ctx, self.ctx.answer
         answer.usage, answer.engine = outcome.usage, outcome.engine
+        answer.report = upstream_report(
+            parse_kind(ctx.upstream.kind),
+            {"usage": outcome.usage, "kvscope": outcome.engine, "timings": outcome.timings},
+            headers,
+        )
+        answer.upstream_end = outcome.upstream_end
         answer.response_model, answer.response_id = outcome.response_model, outcome.response_id
         answer.finish_reasons = list(outcome.finish_reasons)
         answer.output_events = outcome.token_events
@@ -374,7 +400,7 @@ class ProxyCall:
         if (error := outcome.upstream_error) is not None:
             ctx.outcome.stream_failed(
                 "upstream_error",
-                str(error.get("code") or error.get("type") or "upstream_error"),
+                upstream_error_code(error) or "upstream_error",
                 str(error.get("message", "")),
             )
 
@@ -441,14 +467,16 @@ class ProxyCall:
         )
         if "error.type" in attrs:
             span.set_status(Status(StatusCode.ERROR, ctx.outcome.error_message or ""))
-        if ctx.answer.engine is None and ctx.answer.first_token_at is not None:
-            last = self.last_token_at or ctx.answer.first_token_at
-            self.gw.tracer.record_phases(
-                span,
-                ctx.epoch_ns(self.attempt_start),
-                ctx.epoch_ns(ctx.answer.first_token_at),
-                ctx.epoch_ns(last),
+        if ctx.answer.engine is None:  # our engine sends its own queue/prefill/decode spans
+            first = ctx.answer.first_token_at
+            phases = upstream_phases(
+                self.attempt_start,
+                first,
+                None if first is None else (self.last_token_at or first),
+                ctx.answer.upstream_end,
+                ctx.answer.report,
             )
+            self.gw.tracer.record_phases(span, phases, ctx.epoch_ns)
         span.end()
 
 

@@ -165,6 +165,7 @@ async def passthrough(gw: GatewayState, request: Request, principal: Principal) 
             request.method, url, content=body, headers={**headers, **replica.auth_headers()}
         )
         ctx.upstream.started(replica.url)
+        ctx.upstream.kind, ctx.upstream.kind_source = replica.kind.value, replica.kind_source
         start = time.perf_counter()
         try:
             response = await gw.http.send(upstream, stream=True)

@@ -99,6 +99,8 @@ class RelayOutcome:
     usage: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     """The upstream's ``kvscope`` stats object, when it sent one."""
+    timings: dict[str, Any] | None = None
+    """llama.cpp's ``timings`` object, when it sent one (gateway/engines/reports.py)."""
     response_model: Any = None
     response_id: str | None = None
     finish_reasons: tuple[Any, ...] = ()
@@ -154,6 +156,7 @@ def completion_outcome(body: bytes, keep_text: bool) -> RelayOutcome | None:
     return RelayOutcome(
         usage=obj.get("usage") if isinstance(obj.get("usage"), dict) else None,
         engine=obj.get("kvscope") if isinstance(obj.get("kvscope"), dict) else None,
+        timings=obj.get("timings") if isinstance(obj.get("timings"), dict) else None,
         response_model=obj.get("model"),
         response_id=obj.get("id") if isinstance(obj.get("id"), str) else None,
         finish_reasons=tuple(c.get("finish_reason") for c in choices if c.get("finish_reason")),
@@ -220,6 +223,7 @@ class StreamRelay:
         return RelayOutcome(
             usage=state.usage,
             engine=state.engine,
+            timings=state.timings,
             response_model=state.model,
             response_id=state.response_id,
             finish_reasons=tuple(state.finish_reasons[i] for i in sorted(state.finish_reasons)),

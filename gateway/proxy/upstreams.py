@@ -12,6 +12,11 @@ cache_aware, least_outstanding, round_robin). A replica that comes back healthy,
 server instance, has an empty KV cache: the router forgets the prefixes it held. Membership: each discovery
 source (the settings' ``upstreams``, a DNS name: gateway/proxy/discovery.py) sets its replicas with
 :meth:`UpstreamPool.set_upstreams`; one it drops drains (no new requests) and leaves with its last request.
+Kind (gateway/engines/kinds.py): which server a replica is, from its config, else its card's ``owned_by``,
+else the names in its ``/metrics``, else its ``/info`` or ``/props``, else ``openai``; set when it is made and
+again at every health check and scrape (:meth:`Replica.evaluate_kind`). Its engine state (requests running and
+waiting, KV usage and capacity) is the last scrape of its ``/metrics`` (llama.cpp: and ``/slots``;
+gateway/engines/scraper.py), kept on the replica: a request reads it and never waits for a scrape.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from kvscope.gateway.engines.kinds import KindSource, UpstreamKind, decide_kind, kind_from_cards, parse_kind
+from kvscope.gateway.engines.samples import EngineSample
 from kvscope.gateway.metrics import GatewayMetrics
 from kvscope.gateway.routing.prefix import PromptPrefix
 from kvscope.gateway.routing.prefix_index import PrefixIndex
@@ -59,10 +67,103 @@ class Replica:
     sources: dict[str, UpstreamConfig] = field(default_factory=dict)
     """Discovery source (``config``, ``dns:<name>``) → the config it gives this URL; ``config`` is the first
     source's (:meth:`UpstreamPool.set_upstreams`)."""
+    kind: UpstreamKind = UpstreamKind.OPENAI
+    """Which server it is (gateway/engines/kinds.py); :meth:`evaluate_kind` sets it."""
+    kind_source: KindSource = "default"
+    """What decided :attr:`kind` (gateway/engines/kinds.py ``KindSource``: config, models, metrics, info,
+    props, default)."""
+    engine_sample: EngineSample | None = None
+    """The last good scrape of its ``/metrics`` (gateway/engines/scraper.py); None before the first. A failed
+    scrape keeps it (its ``at`` says how old it is)."""
+    probed_kind: tuple[UpstreamKind, KindSource] | None = None
+    """The kind its ``/info`` or ``/props`` answer said (the scraper asks when nothing stronger says one)."""
+    contradicted_by: UpstreamKind | None = None
+    """The kind its ``/metrics`` names say when that is not the configured or card-given kind (warned once
+    per contradicting kind: its sampled fields stay null, since the series of the kind it is said to be are
+    read)."""
+    health_epoch: int = 0
+    """Counts its health transitions (down → up, up → down, a new server instance); the scraper gives up on a
+    missing or failing ``/metrics`` until this changes."""
+    last_active_at: float | None = None
+    """``time.monotonic()`` when a request to it last started or ended (the scraper samples a busy replica
+    every ``upstream_metrics.interval_s``)."""
+    on_kind: Callable[[Replica], None] | None = field(default=None, repr=False, compare=False)
+    """Called when :meth:`evaluate_kind` changes its kind or kind source (the pool moves its metric
+    series)."""
+
+    def __post_init__(self) -> None:
+        self.evaluate_kind()
 
     @property
     def label(self) -> str:
         return self.config.label
+
+    @property
+    def metrics_path(self) -> str | None:
+        """The path of its Prometheus endpoint (None: not scraped)."""
+        return self.config.metrics_path
+
+    @property
+    def kind_known(self) -> bool:
+        """Whether :attr:`kind` is more than the default of a replica never reached: something named it, or
+        it has answered a health check (then ``openai`` is what it is until a signal says more)."""
+        return self.kind_source != "default" or self.health_epoch > 0
+
+    def evaluate_kind(self) -> bool:
+        """Set :attr:`kind` and :attr:`kind_source` from the strongest signal it has now (gateway/engines/
+        kinds.py ``decide_kind``'s order); returns whether the kind changed. Tells :attr:`on_kind` when the
+        kind or its source changed."""
+        kind, source = self._detected_kind()
+        changed = kind != self.kind
+        moved = changed or source != self.kind_source
+        if changed and (self.kind_source != "default" or source != "default"):
+            _log.info("upstream %s is %s (from %s)", self.label, kind.value, source)
+        self.kind, self.kind_source = kind, source
+        if moved and self.on_kind is not None:
+            self.on_kind(self)
+        return changed
+
+    def _detected_kind(self) -> tuple[UpstreamKind, KindSource]:
+        """(kind, source) by gateway/engines/kinds.py :func:`decide_kind`'s order over what it knows now."""
+        return decide_kind(
+            parse_kind(self.config.kind),  # "auto": None
+            models=kind_from_cards(self.cards.values()),
+            metrics=self.engine_sample.kind_hint if self.engine_sample is not None else None,
+            probe=self.probed_kind,
+        )
+
+    def observe_sample(self, sample: EngineSample) -> None:
+        """A good scrape of its ``/metrics``: keep it, and re-evaluate the kind. When it is the first to tell
+        a KV capacity the card does not, the prefix index (sized before from ``capacity_tokens``) starts over
+        at that size. When its metric names say another kind than the configured or card-given one (a
+        ``kind: tgi`` in front of a vLLM), a warning says so, once per contradicting kind."""
+        learned = (
+            sample.kv_capacity_tokens is not None
+            and (self.engine_sample is None or self.engine_sample.kv_capacity_tokens is None)
+            and not any(self._card_capacity(card)[1] for card in self.cards.values())
+        )
+        self.engine_sample = sample
+        if learned:
+            self.prefix_index = None
+        self.evaluate_kind()
+        hint = sample.kind_hint
+        contradicted = hint if hint is not None and hint != self.kind else None
+        if contradicted is not None and contradicted != self.contradicted_by:
+            _log.warning(
+                "upstream %s is %s (from %s) but its %s names are %s's: its engine state is not read "
+                "(is its kind: right?)",
+                self.label,
+                self.kind.value,
+                self.kind_source,
+                self.metrics_path,
+                contradicted.value,
+            )
+        self.contradicted_by = contradicted
+
+    def observe_probe(self, kind: UpstreamKind, source: KindSource) -> None:
+        """Its ``/info`` or ``/props`` answer said ``kind``: re-evaluate the kind."""
+        self.probed_kind = (kind, source)
+        self.evaluate_kind()
 
     @property
     def url(self) -> str:
@@ -85,8 +186,19 @@ class Replica:
 
     def kv_cache_capacity(self, model: str) -> tuple[int | None, int | None]:
         """(tokens per KV block, KV capacity in tokens) from its ``/v1/models`` card for ``model``
-        (kvscope's ``kvscope.block_size`` and ``kvscope.num_gpu_blocks``); None where it does not say."""
-        info = (self.cards.get(model) or {}).get("kvscope")
+        (kvscope's ``kvscope.block_size`` and ``kvscope.num_gpu_blocks``), the capacity else from its last
+        ``/metrics`` sample (vLLM's ``vllm:cache_config_info``, SGLang's ``sglang:max_total_num_tokens``,
+        TGI's ``tgi_batch_max_total_tokens``, llama.cpp's ``/slots`` Σ ``n_ctx``: gateway/engines/samples.py);
+        None where neither says."""
+        size, capacity = self._card_capacity(self.cards.get(model))
+        if capacity is None and self.engine_sample is not None:
+            capacity = self.engine_sample.kv_capacity_tokens
+        return size, capacity
+
+    @staticmethod
+    def _card_capacity(card: dict[str, Any] | None) -> tuple[int | None, int | None]:
+        """(block size, capacity in tokens) from a card's ``kvscope`` object; (None, None) without one."""
+        info = (card or {}).get("kvscope")
         if not isinstance(info, dict):
             return None, None
         size, blocks = info.get("block_size"), info.get("num_gpu_blocks")
@@ -96,8 +208,12 @@ class Replica:
 
     def restarted(self) -> None:
         """Its KV cache is empty now (it came back after being down, or its instance changed): forget the
-        prefixes it held, so their requests go where they are cached now."""
+        prefixes it held, so their requests go where they are cached now. A new instance of a replica that
+        stays up is a health transition too (the scraper tries its ``/metrics`` again); one that comes back
+        counts once, in :meth:`UpstreamPool._set_health`."""
         self.prefix_index = None
+        if self.healthy:
+            self.health_epoch += 1
 
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -143,7 +259,8 @@ class UpstreamPool:
                 replica = Replica(config, sources={source: config})
                 self._by_url[url] = replica
                 self.replicas = [*self.replicas, replica]  # a new list: a loop over the old one is unaffected
-                self._metrics.initialize_upstream(replica.label)
+                self._metrics.initialize_upstream(replica.label, *self._kind_labels(replica))
+                replica.on_kind = self._sync_kind
                 _log.info("upstream %s joined (%s)", replica.label, source)
                 joined.append(replica)
                 continue
@@ -188,17 +305,19 @@ class UpstreamPool:
             return
         old = replica.label
         replica.config = config
+        replica.evaluate_kind()  # its kind may be configured now, or no longer
         if replica.label != old:
             self._metrics.remove_upstream(old)
-            self._metrics.initialize_upstream(replica.label)
-            self._metrics.upstream_up.labels(replica.label).set(1 if replica.healthy else 0)
-            self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+            self._metrics.initialize_upstream(replica.label, *self._kind_labels(replica))
+            self._metrics.set_upstream_up(replica.label, replica.healthy)
+            self._metrics.set_upstream_outstanding(replica.label, replica.outstanding)
         _log.info("upstream %s reconfigured (was %s)", replica.label, old)
 
     def _leave(self, replica: Replica) -> None:
         """Take a draining replica out of the pool and drop its metric series."""
         if not self.present(replica):
             return
+        replica.on_kind = None
         del self._by_url[replica.url]
         self.replicas = [r for r in self.replicas if r is not replica]
         self._metrics.remove_upstream(replica.label)
@@ -309,16 +428,18 @@ class UpstreamPool:
 
     def acquire(self, replica: Replica) -> None:
         replica.outstanding += 1
+        replica.last_active_at = time.monotonic()
         if self.present(replica):  # a replica that has left keeps no series
-            self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+            self._metrics.set_upstream_outstanding(replica.label, replica.outstanding)
 
     def release(self, replica: Replica) -> None:
         """One request ended; a draining replica leaves the pool with its last one."""
         replica.outstanding -= 1
+        replica.last_active_at = time.monotonic()
         if replica.draining and replica.outstanding == 0:
             self._leave(replica)
         elif self.present(replica):
-            self._metrics.upstream_outstanding.labels(replica.label).set(replica.outstanding)
+            self._metrics.set_upstream_outstanding(replica.label, replica.outstanding)
 
     # --- passive health -----------------------------------------------------------------------------------
     def report_success(self, replica: Replica) -> None:
@@ -332,7 +453,7 @@ class UpstreamPool:
         consecutive ``passive`` failures. Timeouts are not passive failures: a slow replica is busy, not
         dead."""
         if self.present(replica):  # a replica that has left keeps no series
-            self._metrics.upstream_errors.labels(replica.label, reason).inc()
+            self._metrics.count_upstream_error(replica.label, reason)
         if not passive:
             return
         replica.consecutive_failures += 1
@@ -342,14 +463,26 @@ class UpstreamPool:
             self._set_health(replica, False)
 
     def _set_health(self, replica: Replica, healthy: bool) -> None:
+        if healthy != replica.healthy:
+            replica.health_epoch += 1
         replica.healthy = healthy
         if self.present(replica):
-            self._metrics.upstream_up.labels(replica.label).set(1 if healthy else 0)
+            self._metrics.set_upstream_up(replica.label, healthy)
+
+    @staticmethod
+    def _kind_labels(replica: Replica) -> tuple[str | None, str | None]:
+        """(kind, kind source) for its metric series; (None, None) while not known (``unknown``)."""
+        return (replica.kind.value, replica.kind_source) if replica.kind_known else (None, None)
+
+    def _sync_kind(self, replica: Replica) -> None:
+        """Its series carry its current kind (gateway/metrics.py moves them when it changed)."""
+        if self.present(replica):
+            self._metrics.set_upstream_kind(replica.label, *self._kind_labels(replica))
 
     # --- active health ------------------------------------------------------------------------------------
     async def check(self, replica: Replica, client: httpx.AsyncClient) -> bool:
         """One health probe: ``GET /v1/models`` (once more on a fresh connection when a reused keep-alive
-        connection turns out closed, :meth:`_probe`); updates the replica's cards and health and returns
+        connection turns out closed, :meth:`_probe`); updates the replica's cards, kind and health and returns
         whether the replica stays in rotation (a healthy replica keeps it through ``failure_threshold`` - 1
         probes in a row without an answer, see the module docstring)."""
         try:
@@ -383,7 +516,9 @@ class UpstreamPool:
             _log.info("upstream %s is healthy (%s)", replica.label, ", ".join(cards) or "no models")
         replica.cards, replica.instance_id = cards, instance
         replica.consecutive_failures = replica.probe_timeouts = 0
+        replica.evaluate_kind()
         self._set_health(replica, True)
+        self._sync_kind(replica)  # the first good answer makes a still undecided kind known (openai)
         return True
 
     async def _probe(self, replica: Replica, client: httpx.AsyncClient) -> httpx.Response:

@@ -1,7 +1,7 @@
 """``kvscope bench``: serving benchmark against any OpenAI-compatible server (kvscope engine or gateway, vLLM,
 llama.cpp's llama-server …), measured on the client side with ``vllm bench serve``'s definitions.
 
-    kvscope bench --base-url http://127.0.0.1:8000 --model smollm2-135m --num-prompts 64 \\
+    kvscope bench --model smollm2-135m --num-prompts 64 \\
         --max-concurrency 8 --input-len 128 --output-len 128 --ignore-eos --save-result out.json
     kvscope bench … --compare http://127.0.0.1:8080 --label kvscope --label llama.cpp
 
@@ -22,14 +22,21 @@ from kvscope.bench.compare import Comparison, run_comparison
 from kvscope.bench.dataset import SampleRequest, jsonl_dataset, load_tokenizer, random_dataset
 from kvscope.bench.report import comparison_lines, print_summary, run_to_json, warning_lines, write_json
 from kvscope.bench.runner import BenchmarkError, LoadConfig, RunResult, run_benchmark
+from kvscope.common.cli_help import HelpFormatter
+from kvscope.common.net import SERVE_PORT
+
+DEFAULT_BASE_URL = f"http://127.0.0.1:{SERVE_PORT}"
+"""The gateway ``kvscope serve`` / ``make run`` start (an engine alone: ``--base-url http://127.0.0.1:8000``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments (names as ``vllm bench serve`` where it has them)."""
-    p = argparse.ArgumentParser(
-        prog="kvscope bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="kvscope bench", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--base-url",
+        default=DEFAULT_BASE_URL,
+        help="server root, …/v1/… is appended (the gateway that kvscope serve and make run start)",
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1/… is appended)")
     p.add_argument(
         "--model", default="smollm2-135m", help="model name sent in requests; also finds the tokenizer"
     )

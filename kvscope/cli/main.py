@@ -11,6 +11,9 @@ import os
 import signal
 import sys
 
+from kvscope.common.cli_help import HelpFormatter
+from kvscope.common.version import kvscope_version
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (
         "kvscope.cli.supervisor:serve_main",
@@ -22,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pull": ("kvscope.cli.pull:pull_main", "download a registered model into the cache"),
     "logs": (
         "kvscope.gateway.analytics.cli:logs_main",
-        "request-log analytics: setup-es, report, search, plot",
+        "request-log analytics: report, search, why (one request's latency by cause), plot, setup-es",
     ),
     "bench": ("kvscope.cli.bench:bench_main", "serving benchmark (or --offline engine benchmark)"),
     "plan": ("kvscope.cli.plan:plan_main", "KV-cache capacity planner"),
@@ -34,7 +37,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvscope", description="Observability-first LLM inference stack.")
+    parser = argparse.ArgumentParser(
+        prog="kvscope",
+        description="Observability-first LLM inference stack.",
+        epilog="kvscope COMMAND --help shows a command's options and their defaults.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvscope {kvscope_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -44,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvscope`` console script; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"kvscope {kvscope_version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = _parser()
         if argv and argv[0] not in ("-h", "--help"):

@@ -1,5 +1,5 @@
-"""``kvscope plan``: argument parsing, error mapping (exit 2 with the known names) and output (rich or
-JSON)."""
+"""``kvscope plan``: argument parsing, error mapping (exit 2 with the known names), the verdict's exit status
+(3: does not fit) and output (rich or JSON)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ import json
 import re
 import sys
 
+from kvscope.common.cli_help import HelpFormatter
 from kvscope.plan.devices import CPU, Device, get_device
 from kvscope.plan.model_files import read_model
 from kvscope.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, Plan, PlanRequest, plan
+from kvscope.plan.request import DTYPES, QUANTIZATIONS
+
+DOES_NOT_FIT = 3
+"""Exit status when the model does not fit as asked (0: it fits; 2: bad input; 1: a log source that cannot be
+read)."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -29,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvscope plan",
         description="KV-cache capacity planner: memory, concurrency, "
-        "speed envelope and engine flags for a model on a device (docs/plan.md).",
+        "speed envelope and engine flags for a model on a device (docs/plan.md).\n"
+        f"Exit status: 0 the model fits, {DOES_NOT_FIT} it does not (the verdict says by how much and what "
+        "would fit), 2 bad input, 1 a log source that cannot be read.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="smollm2-135m", help="registered name, HF folder, config.json or .gguf")
     p.add_argument(
@@ -39,11 +48,32 @@ def build_parser() -> argparse.ArgumentParser:
         "(measured by a short probe); --list-devices shows them",
     )
     p.add_argument("--list-devices", action="store_true", help="print the device table and exit")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="--list-devices: every column, however wide (the table fits the terminal by leaving out the "
+        "sources, vendors and aliases; a pipe or a file gets every column)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="auto: on a GPU the config's torch_dtype (bfloat16 for a float32 checkpoint, float16 where the "
+        "device has no bfloat16), on the CPU the faster of float32/bfloat16 by the probe, as the engine",
+    )
     p.add_argument(
         "--quantization",
-        default="none",
-        choices=("none", "fp8", "int8", "int4", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"),
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: none on a GPU; on the CPU what kvscope serve runs (gguf for a model verified in it, else "
+        "dense). int8/int4 on the CPU are the kvscope engine's formats",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs of --device the model is split over (vLLM's flag: the recommended command is then "
+        "vllm serve)",
     )
     p.add_argument(
         "--weights-format",
@@ -54,11 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "fp8")
     )
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    p.add_argument("--concurrency", type=int, help="sequences that must fit at max_model_len")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length (default: the model's, lowered to what fits, never below the workload's "
+        "--prompt-len + --output-len)",
+    )
+    p.add_argument("--concurrency", type=int, help="sequences that must fit at max_model_len (default 1)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of device memory (the CPU: of RAM) for weights and KV cache",
+    )
     p.add_argument("--kv-cache-memory", type=parse_size, help="CPU KV budget (e.g. 1GiB)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--prompt-len", type=int, default=128, help="workload prompt tokens (speed rows)")
     p.add_argument("--output-len", type=int, default=128, help="workload output tokens (speed rows)")
     p.add_argument(
@@ -109,6 +149,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_slo_s=args.ttft_slo,
         weights_format=args.weights_format,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -131,11 +172,22 @@ def make_plan(args: argparse.Namespace) -> Plan:
     spans_meta = _read_log(args) if args.from_log else None
     device = resolve_device(req.device, args)
     result = plan(req, files, device)
+    if not result.fits:
+        from dataclasses import replace
+
+        from kvscope.plan.advice import alternatives
+
+        result = replace(
+            result, verdict=result.verdict | {"alternatives": alternatives(result, files, device)}
+        )
     if spans_meta is None:
         return result
     from kvscope.plan.log_section import with_log
+    from kvscope.plan.planner import aggregate
 
-    return with_log(result, req, files.shape, spans_meta[0], args.from_log, spans_meta[1], device)
+    planned = PlanRequest(**result.request)  # dtype and formats decided, as the plan used them
+    devices = aggregate(device, planned.tensor_parallel_size)
+    return with_log(result, planned, files.shape, spans_meta[0], args.from_log, spans_meta[1], devices)
 
 
 def _read_log(args: argparse.Namespace):
@@ -179,14 +231,20 @@ async def _read_es(args: argparse.Namespace):
 
 
 def plan_main(argv: list[str]) -> int:
-    """``kvscope plan`` entry point. Exit 0; 2 with a message on stderr for bad input (unknown model or
-    device — the message names the known ones —, a missing log, an impossible setting); 1 when an
-    Elasticsearch log source cannot be read."""
+    """``kvscope plan`` entry point. Exit 0 when the model fits, :data:`DOES_NOT_FIT` when it does not (the
+    plan is printed all the same, with the verdict and the alternatives); 2 with a message on stderr for bad
+    input (unknown model or device — the message names the known ones —, a missing log, an impossible
+    setting); 1 when an Elasticsearch log source cannot be read."""
     args = build_parser().parse_args(argv)
     if args.list_devices:
         from kvscope.plan.render import devices_json, print_devices
 
-        print(json.dumps(devices_json(), indent=2)) if args.format == "json" else print_devices()
+        if args.format == "json":
+            print(json.dumps(devices_json(), indent=2))
+        else:
+            from kvscope.common.tables import terminal_width
+
+            print_devices(sys.stdout, None if args.wide else terminal_width(sys.stdout))
         return 0
     try:
         result = make_plan(args)
@@ -203,4 +261,4 @@ def plan_main(argv: list[str]) -> int:
         from kvscope.plan.render import print_plan
 
         print_plan(result)
-    return 0
+    return 0 if result.fits else DOES_NOT_FIT

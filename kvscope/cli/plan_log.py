@@ -16,8 +16,11 @@ SELECT epoch("event"."start") AS start_s, epoch("event"."end") AS end_s,
        "kvscope"."ttft_s" AS ttft_s
 FROM requests WHERE "event"."start" IS NOT NULL AND "event"."end" IS NOT NULL
   AND "gen_ai"."usage"."input_tokens" IS NOT NULL
-ORDER BY start_s
+ORDER BY start_s, "event"."id" NULLS LAST, "trace"."id" NULLS LAST
 """
+"""Spans in start order, ties by the gateway's unique ``event.id``, then (an engine's line has none) the trace
+id: the order the Elasticsearch reader (kvscope/plan/replay_es.py) returns, so both give the replay the same
+list."""
 _NOT_GENERATIONS_SQL = 'SELECT count(*) FROM requests WHERE "gen_ai"."usage"."input_tokens" IS NULL'
 
 

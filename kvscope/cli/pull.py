@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvscope.common.cli_help import HelpFormatter
 from kvscope.common.models.registry import list_models
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -11,7 +12,9 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def pull_main(argv: list[str]) -> int:
     """Download and verify the model; prints where it lies. Exit 1 with a message on failure."""
-    parser = argparse.ArgumentParser(prog="kvscope pull", description="Download a registered model.")
+    parser = argparse.ArgumentParser(
+        prog="kvscope pull", description="Download a registered model.", formatter_class=HelpFormatter
+    )
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=list_models())
     args = parser.parse_args(argv)
     from kvscope.common.models.pull import PullError, pull

@@ -2,9 +2,9 @@
 
 Pulls the default model if missing, starts the engine on a private loopback port (``--replicas N``: N engines
 on ports of their own, the CPUs split between them), waits until it is healthy, starts the gateway in front of
-it (one ``--upstream`` per engine), waits until it is ready, prints the URL and a copy-paste request, then
-forwards Ctrl-C/SIGTERM to all. Children get PR_SET_PDEATHSIG so that even a SIGKILLed supervisor leaves no
-orphan process behind (Linux).
+it (one ``--upstream`` per engine), waits until it is ready, prints the URL, the console's (gateway/console/)
+and a copy-paste request, then forwards Ctrl-C/SIGTERM to all. Children get PR_SET_PDEATHSIG so that even a
+SIGKILLed supervisor leaves no orphan process behind (Linux).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from typing import Any
 
 import httpx
 
+from kvscope.common.cli_help import HelpFormatter
 from kvscope.common.models.cache import hf_dir
 from kvscope.common.models.registry import default_served_name, is_registered
 from kvscope.common.models.settings import ModelSettings
+from kvscope.common.net import SERVE_PORT
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 15.0
@@ -72,10 +74,12 @@ def engine_threads(replicas: int, cpus: int) -> int | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvscope serve", description=(__doc__ or "").partition("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="kvscope serve", description=(__doc__ or "").partition("\n")[0], formatter_class=HelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m", help="registry name, HF folder or .gguf file")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (auth is off only on loopback)")
-    p.add_argument("--port", type=int, default=4000, help="gateway port")
+    p.add_argument("--port", type=int, default=SERVE_PORT, help="gateway port")
     p.add_argument(
         "--engine-port", type=int, default=0, help="(first) engine port on 127.0.0.1 (0 = a free port)"
     )
@@ -179,8 +183,8 @@ class Supervisor:
             problem = _bind_problem(host, port)
             if problem is not None:
                 raise _ChildFailed(
-                    f"cannot listen on {host}:{port} ({problem}); is another kvscope serve "
-                    f"running? Stop it or pass {flag} with a free port"
+                    f"cannot listen on {host}:{port} ({problem}); is another kvscope serve running? "
+                    + _port_advice(flag, port)
                 )
 
     def engine_command(self, index: int, pinned: tuple[str, ...] = ()) -> list[str]:
@@ -317,6 +321,11 @@ class Supervisor:
     def _print_banner(self) -> None:
         o = self.options
         base = f"http://{_client_host(o.host)}:{o.port}"
+        console = (
+            ""
+            if "--no-console" in o.gateway_args
+            else f"\nconsole (live charts, the newest requests, alert conditions): {base}/console\n"
+        )
         replicas = (
             ""
             if o.replicas == 1
@@ -332,7 +341,7 @@ kvscope is serving {_served_name(o)} at {base}/v1  (metrics: {base}/metrics, req
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{_served_name(o)}", "max_tokens": 32,
          "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-
+{console}
 Press Ctrl-C to stop.
 """,
             flush=True,
@@ -382,16 +391,32 @@ def _model_card(url: str) -> dict[str, Any] | None:
 
 def engine_format_line(card: dict[str, Any] | None) -> str:
     """The line ``kvscope serve`` prints once the engine is up: the weight format it serves (the ``kvscope``
-    field of its /v1/models card, engine/server/protocol.py ``ModelFormatInfo``) and how to get float32."""
+    field of its /v1/models card, engine/server/protocol.py ``ModelFormatInfo``), sizes in MiB, and how to
+    get exact float32 unless it already serves that (dtype float32, no quantization). Why the engine chose
+    the format is said once, in its own ``weights format`` log line just above (the card's ``reason``)."""
     fmt = (card or {}).get("kvscope")
     if not fmt:
         return "engine weight format: unknown (its /v1/models card has no kvscope field)"
     kernels = f", CPU kernels {fmt['cpu_kernels']}" if fmt.get("cpu_kernels") else ""
+    exact = (fmt["dtype"], fmt["quantization"]) == ("float32", "none")
+    hint = "" if exact else "; exact float32: --engine-args '--dtype float32'"
     return (
         f"engine weight format: dtype {fmt['dtype']}, quantization {fmt['quantization']}, weights "
-        f"{fmt['weights_bytes'] / (1 << 20):.0f} MiB, process RSS {fmt['rss_bytes'] / (1 << 20):.0f} MiB "
-        f"({fmt['reason']}){kernels}; exact float32: --engine-args '--dtype float32'"
+        f"{fmt['weights_bytes'] / (1 << 20):.0f} MiB, process RSS {fmt['rss_bytes'] / (1 << 20):.0f} MiB"
+        f"{kernels}{hint}"
     )
+
+
+def _port_advice(flag: str, port: int) -> str:
+    """How to move off a taken ``port`` for the flag that set it, for both entry points: ``kvscope serve``
+    takes ``--port``; ``make run`` takes no flags, its ``PORT`` variable is passed as ``--port`` (Makefile).
+    The engine's port is free by default (``--engine-port 0``): only an explicit one can be taken."""
+    if flag == "--port":
+        return (
+            f"Stop it, or serve on another port, e.g. `kvscope serve --port {port + 1}` "
+            f"(with make: `make run PORT={port + 1}`)"
+        )
+    return f"Stop it, or pass {flag} with a free port (or leave it out: kvscope serve picks a free one)"
 
 
 def _die_with_parent() -> None:

@@ -7,7 +7,7 @@ is not in the cache yet is read from its ``.gguf`` after ``kvscope pull NAME``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,12 @@ class ModelFiles:
     gguf: Path | None = None
     gguf_weights: Any = None
     """kvscope.plan.gguf_header.GgufWeights when the model was read from its GGUF header."""
+    config_dtype: str | None = None
+    """The config's ``torch_dtype`` (``dtype`` in newer transformers) when it names one of float32, bfloat16,
+    float16: the dtype the checkpoint was published in; None for a GGUF or a config without it."""
+    registered: str | None = None
+    """The registry name when ``--model`` was one (its verified weight formats decide the engine's CPU
+    default)."""
 
 
 def read_model(name_or_path: str, root: Path | None = None) -> ModelFiles:
@@ -56,10 +62,10 @@ def _registered(name: str, root: Path | None) -> ModelFiles:
     if (converted / "config.json").is_file():
         files = _from_hf_dir(converted, converted / "config.json", name)
         gguf = model_dir(name, root) / get_model_spec(name).gguf_filename
-        return ModelFiles(files.shape, files.safetensors, gguf if gguf.is_file() else None)
+        return replace(files, gguf=gguf if gguf.is_file() else None, registered=name)
     gguf = model_dir(name, root) / get_model_spec(name).gguf_filename
     if gguf.is_file():
-        return _from_gguf(gguf, name)
+        return replace(_from_gguf(gguf, name), registered=name)
     raise ModelNotFoundError(
         f"model {name!r} is registered but not in the cache ({model_dir(name, root)}); "
         f"run `kvscope pull {name}` first"
@@ -69,7 +75,17 @@ def _registered(name: str, root: Path | None) -> ModelFiles:
 def _from_hf_dir(folder: Path, config_path: Path, name: str) -> ModelFiles:
     config = json.loads(config_path.read_text())
     shape = shape_from_hf_config(config, name=name, source=str(config_path))
-    return ModelFiles(shape, tuple(sorted(folder.glob("*.safetensors"))))
+    return ModelFiles(shape, tuple(sorted(folder.glob("*.safetensors"))), config_dtype=config_dtype(config))
+
+
+def config_dtype(config: Any) -> str | None:
+    """The checkpoint's dtype from a HF config: ``torch_dtype`` (``dtype`` since transformers 4.56), one of
+    float32, bfloat16, float16 (``torch.`` prefix dropped); None when absent or another value."""
+    if not isinstance(config, dict):
+        return None
+    value = config.get("torch_dtype") or config.get("dtype")
+    name = str(value).removeprefix("torch.") if isinstance(value, str) else None
+    return name if name in ("float32", "bfloat16", "float16") else None
 
 
 def _from_gguf(path: Path, name: str) -> ModelFiles:

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
-from kvscope.common import engine_defaults
 from kvscope.plan import engine_formats as ef
 from kvscope.plan import formulas as f
+from kvscope.plan.commands import recommend
 from kvscope.plan.devices import CPU, FORMAT_OF_DTYPE, Device
 from kvscope.plan.model_files import ModelFiles
+from kvscope.plan.request import DEFAULT_MAX_NUM_BATCHED_TOKENS, PlanRequest
+from kvscope.plan.resolve import resolve_request
+from kvscope.plan.shape import ModelShape
 from kvscope.plan.weights_on_disk import on_disk
+
+__all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Plan", "PlanRequest", "plan"]
 
 CUDA_CONTEXT_BYTES = 512 << 20
 """CUDA context + cuBLAS workspace that the engine's free-memory budget loses (estimate: ~500 MiB with
@@ -26,62 +32,7 @@ torch 2.x)."""
 MAX_SEQS_CAP = 256
 """Largest --max-num-seqs recommended when no --concurrency is asked for."""
 CONCURRENCY_ROWS = (1, 8, 32, 64, 128, 256)
-DEFAULT_MAX_NUM_BATCHED_TOKENS = engine_defaults.MAX_NUM_BATCHED_TOKENS
-"""The engine's prefill token budget per step (declared once in kvscope.common.engine_defaults)."""
 PROMPT_ROWS = (128, 512, 2048, 8192, 32768)
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRequest:
-    """What to plan for (the ``kvscope plan`` options)."""
-
-    model: str
-    device: str = CPU
-    dtype: str = "float32"
-    quantization: str = "none"
-    kv_cache_dtype: str = "auto"
-    """``auto`` = the model dtype."""
-    max_model_len: int | None = None
-    """None = the model's max_position_embeddings."""
-    concurrency: int | None = None
-    gpu_memory_utilization: float = engine_defaults.GPU_MEMORY_UTILIZATION
-    kv_cache_memory: int | None = None
-    """CPU KV budget (bytes); None = what ``concurrency`` (or the RAM) needs."""
-    block_size: int = engine_defaults.BLOCK_SIZE
-    prompt_len: int = 128
-    output_len: int = 128
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    ttft_slo_s: float = 1.0
-    weights_format: str | None = None
-    """The kvscope engine's CPU weight format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``):
-    weights are counted as the engine holds them (kvscope/plan/engine_formats.py, compact formats with
-    ``dtype`` as their dense dtype) and the recommended flags name ``--dtype``/``--quantization``. None:
-    ``dtype``/``quantization`` as a generic format (formulas.weight_bytes)."""
-
-    def __post_init__(self) -> None:
-        _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        if self.weights_format is not None:
-            _choice("weights_format", self.weights_format, tuple(ef.ENGINE_FORMATS))
-        _choice("quantization", self.quantization, tuple(f.QUANT_BYTES))
-        _choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *f.DTYPE_BYTES))
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("max_model_len", "concurrency", "kv_cache_memory"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if min(self.prompt_len, self.output_len, self.max_num_batched_tokens) < 1 or self.ttft_slo_s <= 0:
-            raise ValueError("prompt_len, output_len, max_num_batched_tokens and ttft_slo_s must be positive")
-
-    @property
-    def kv_dtype(self) -> str:
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,20 +50,57 @@ class Plan:
     flags: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     log: dict[str, Any] | None = None
+    assumed: dict[str, str] = field(default_factory=dict)
+    """Engine flag → why the plan uses its value, for each value the request left to ``auto``."""
+    verdict: dict[str, Any] = field(default_factory=dict)
+    """``fits``, ``text`` (one sentence: by how much it fits or does not), ``needed_bytes`` and
+    ``usable_bytes`` per device, ``short_bytes`` (0 when it fits) and, when it does not fit,
+    ``alternatives`` (kvscope/plan/advice.py)."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the model fits as requested (``kvscope plan`` exits 3 when not)."""
+        return bool(self.verdict.get("fits"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """How the request fits one device (or each of ``tensor_parallel_size`` devices): the context length and
+    sequence limit planned, the KV blocks, and the bytes needed against the bytes usable."""
+
+    fits: bool
+    max_len: int
+    max_num_seqs: int
+    num_blocks: int
+    kv_budget: int
+    """Bytes of KV cache the engine gets (GPU: what is left after the weights; CPU: ``--kv-cache-memory``)."""
+    needed: int
+    """Weights + runtime overhead + the KV of the sequences asked for, bytes per device."""
+    usable: int
+    """Device memory × utilization, bytes (CPU with ``--kv-cache-memory``: the weights + that budget)."""
+    text: str
+    lowered_from: int | None = None
+    """The model's context length when ``max_len`` was lowered to what fits."""
+
+
 def plan(req: PlanRequest, files: ModelFiles, device: Device) -> Plan:
-    """Plan ``req`` for the model ``files`` on ``device``. Raises ValueError (max_model_len beyond the model,
-    a number format the device has no peak for)."""
+    """Plan ``req`` for the model ``files`` on ``device`` (``auto`` values decided by resolve.py). Raises
+    ValueError (max_model_len beyond the model, a number format the device has no peak for, a compact engine
+    format or tensor parallelism where they do not apply, a tensor-parallel size the heads do not divide)."""
     shape = files.shape
+    req, assumed = resolve_request(req, files, device)
     if ef.ENGINE_FORMATS.get(req.weights_format or "", ("", "none"))[1] != "none" and device.name != CPU:
         raise ValueError(
             f"--weights-format {req.weights_format} is a CPU format of the kvscope engine (its compact "
             "kernels are torch's CPU ops); use --device cpu, or float32/bfloat16"
         )
+    tp = req.tensor_parallel_size
+    if tp > 1 and device.name == CPU:
+        raise ValueError("--tensor-parallel-size splits a model over GPUs; the cpu device is one machine")
+    rank_shape = shard(shape, tp)
     if (
         req.weights_format is not None
     ):  # the engine's format: its dense dtype, and its bytes for the speed rows
@@ -121,82 +109,186 @@ def plan(req: PlanRequest, files: ModelFiles, device: Device) -> Plan:
             dtype=ef.format_dtype(req.weights_format, req.dtype),
             quantization=ef.SPEED_QUANTIZATION[ef.ENGINE_FORMATS[req.weights_format][1]],
         )
-    max_len = req.max_model_len or shape.max_position_embeddings
-    if max_len > shape.max_position_embeddings:
+    if req.max_model_len is not None and req.max_model_len > shape.max_position_embeddings:
         raise ValueError(
-            f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+            f"max_model_len {req.max_model_len} exceeds the model's max_position_embeddings "
             f"{shape.max_position_embeddings}"
         )
-    warnings: list[str] = []
     weights = (
         f.weight_bytes(shape, req.dtype, req.quantization)
         if req.weights_format is None
         else ef.engine_weight_bytes(shape, req.weights_format, req.dtype)
     )
-    memory = _memory(req, shape, device, weights, max_len)
-    max_len = _fit_max_len(memory, max_len, req.block_size, warnings)
-    if device.name == CPU and weights + memory["kv_budget_bytes"] > device.memory_bytes:
+    per_block = req.block_size * f.kv_bytes_per_token(rank_shape, req.kv_dtype)
+    fit = fit_device(req, shape, device, weights, per_block)
+    warnings: list[str] = []
+    if fit.lowered_from is not None:
         warnings.append(
-            f"weights ({weights} B) + KV cache ({memory['kv_budget_bytes']} B) exceed this machine's "
-            f"{device.memory_bytes} B of RAM"
+            f"one sequence of {fit.lowered_from} tokens does not fit the KV budget: max_model_len lowered to "
+            f"{fit.max_len}"
         )
-    capacity = f.max_concurrent_sequences(memory["num_blocks"], max_len, req.block_size)
-    max_num_seqs = max(1, min(req.concurrency or MAX_SEQS_CAP, capacity or 1))
-    if req.concurrency and req.concurrency > capacity:
-        warnings.append(
-            f"{req.concurrency} sequences of {max_len} tokens need "
-            f"{req.concurrency * f.blocks_for(max_len, req.block_size)} KV blocks; the budget holds "
-            f"{memory['num_blocks']} ({capacity} sequences)"
-        )
-    workload = min(req.prompt_len + req.output_len, max_len)
-    memory |= {
+    capacity = f.max_concurrent_sequences(fit.num_blocks, fit.max_len, req.block_size)
+    workload = min(req.prompt_len + req.output_len, fit.max_len)
+    memory = {
+        "device_bytes": device.memory_bytes,
+        "devices": tp,
+        "utilization": req.gpu_memory_utilization,
+        "weights_bytes": weights,
+        "weights_bytes_per_device": math.ceil(weights / tp),
+        "runtime_overhead_bytes": 0 if device.name == CPU else CUDA_CONTEXT_BYTES,
+        "kv_budget_bytes": fit.kv_budget,
+        "kv_block_bytes": per_block,
+        "num_blocks": fit.num_blocks,
+        "activation_peak_bytes": _activation_bytes(req, shape),
         "max_concurrent_sequences": capacity,
-        "fits": req.concurrency is None or req.concurrency <= capacity,
+        "fits": fit.fits,
         "workload_tokens": workload,
         "max_concurrent_sequences_at_workload": f.max_concurrent_sequences(
-            memory["num_blocks"], workload, req.block_size
+            fit.num_blocks, workload, req.block_size
         ),
-        "activation_fits_headroom": _activation_fits(memory, device),
     }
-    speed = _speed(req, shape, device, max_len, max_num_seqs)
+    memory["activation_fits_headroom"] = _activation_fits(memory, device)
+    speed = _speed(req, shape, aggregate(device, tp), fit.max_len, fit.max_num_seqs)
+    kv_cache_bytes = req.kv_cache_memory or fit.max_num_seqs * f.kv_bytes_per_sequence(
+        rank_shape, req.kv_dtype, fit.max_len, req.block_size
+    )
     return Plan(
         request=asdict(req),
         model=_model_section(files),
-        device=_device_section(device),
+        device=_device_section(device) | {"count": tp},
         weights=_weights_section(req, files, weights),
-        kv_cache=_kv_section(req, shape, max_len),
+        kv_cache=_kv_section(req, shape, rank_shape, fit.max_len),
         memory=memory,
         speed=speed,
-        flags=_flags(req, device, shape, max_len, max_num_seqs),
+        flags=recommend(req, device, files, fit.max_len, fit.max_num_seqs, kv_cache_bytes, fit.fits),
         warnings=warnings,
+        assumed=assumed,
+        verdict={
+            "fits": fit.fits,
+            "text": fit.text,
+            "needed_bytes": fit.needed,
+            "usable_bytes": fit.usable,
+            "short_bytes": max(0, fit.needed - fit.usable),
+            "alternatives": [],
+        },
     )
 
 
-def _memory(req: PlanRequest, shape, device: Device, weights: int, max_len: int) -> dict[str, Any]:
-    per_block = req.block_size * f.kv_bytes_per_token(shape, req.kv_dtype)
-    if device.name == CPU:  # --kv-cache-memory, else what --concurrency needs, else the RAM left
-        needed = (
-            req.concurrency * f.blocks_for(max_len, req.block_size) * per_block if req.concurrency else None
+def shard(shape: ModelShape, tp: int) -> ModelShape:
+    """The shape one of ``tp`` tensor-parallel ranks holds: ``num_heads / tp`` query heads and
+    ``num_kv_heads / tp`` KV heads, at least one (vLLM replicates a KV head over the ranks when there are
+    fewer KV heads than ranks). Raises ValueError when ``tp`` does not divide the heads as vLLM requires."""
+    if tp == 1:
+        return shape
+    if shape.num_heads % tp or (shape.num_kv_heads % tp and tp % shape.num_kv_heads):
+        raise ValueError(
+            f"--tensor-parallel-size {tp} does not divide the model's {shape.num_heads} attention heads and "
+            f"{shape.num_kv_heads} KV heads"
         )
-        budget = (
-            req.kv_cache_memory or needed or int(device.memory_bytes * req.gpu_memory_utilization) - weights
-        )
-        overhead = 0
+    return replace(shape, num_heads=shape.num_heads // tp, num_kv_heads=max(1, shape.num_kv_heads // tp))
+
+
+def aggregate(device: Device, tp: int) -> Device:
+    """``tp`` devices as one for the speed bounds: bandwidth and peaks times ``tp`` (ideal: no all-reduce
+    time, so the bounds stay lower bounds)."""
+    if tp == 1:
+        return device
+    peaks = MappingProxyType({k: v * tp for k, v in device.peak_flops.items()})
+    return replace(device, name=f"{tp} × {device.name}", bandwidth=device.bandwidth * tp, peak_flops=peaks)
+
+
+def fit_device(req: PlanRequest, shape: ModelShape, device: Device, weights: int, per_block: int) -> Fit:
+    """Whether the model fits ``device`` (each of ``tensor_parallel_size`` of them) as requested, and the
+    context length and sequence limit to run it with.
+
+    Needed per device: the weights (1/N of them), the CUDA context on a GPU, and the KV cache of
+    ``concurrency`` (else 1) sequences of the context length; usable: memory × utilization (the CPU with
+    ``--kv-cache-memory``: that budget after the weights). The context length is ``--max-model-len`` when
+    given; otherwise the model's, lowered to what fits those sequences but never below the workload
+    (``prompt_len + output_len``): a context shorter than the work it is planned for does not fit.
+    """
+    tp = req.tensor_parallel_size
+    weights_dev = math.ceil(weights / tp)
+    on_cpu = device.name == CPU
+    overhead = 0 if on_cpu else CUDA_CONTEXT_BYTES
+    usable = int(device.memory_bytes * req.gpu_memory_utilization)
+    available = usable - weights_dev - overhead
+    if on_cpu and req.kv_cache_memory:
+        available = min(req.kv_cache_memory, max(available, 0))
+    blocks = max(available, 0) // per_block
+    seqs = req.concurrency or 1
+    model_len = shape.max_position_embeddings
+    explicit = req.max_model_len is not None
+    target = req.max_model_len or model_len
+    workload = min(req.prompt_len + req.output_len, model_len)
+    max_len, lowered = target, None
+    if not explicit:
+        room = blocks // seqs * req.block_size
+        if room < target:
+            max_len = max(room, workload)
+            lowered = target if room >= workload else None
+    need_blocks = seqs * f.blocks_for(max_len, req.block_size)
+    fits = available > 0 and need_blocks <= blocks
+    needed = weights_dev + overhead + need_blocks * per_block
+    if on_cpu and req.kv_cache_memory:
+        usable = min(usable, weights_dev + req.kv_cache_memory)
+    capacity = f.max_concurrent_sequences(blocks, max_len, req.block_size)
+    if on_cpu:  # the engine's KV cache: --kv-cache-memory, what the sequences need, else all that is left
+        kv_budget = req.kv_cache_memory or (need_blocks * per_block if req.concurrency else max(available, 0))
     else:
-        usable = int(device.memory_bytes * req.gpu_memory_utilization)
-        overhead = CUDA_CONTEXT_BYTES
-        budget = usable - weights - overhead
-    activation = _activation_bytes(req, shape)
-    return {
-        "device_bytes": device.memory_bytes,
-        "utilization": req.gpu_memory_utilization,
-        "weights_bytes": weights,
-        "runtime_overhead_bytes": overhead,
-        "kv_budget_bytes": max(0, budget),
-        "kv_block_bytes": per_block,
-        "num_blocks": f.num_kv_blocks(budget, shape, req.kv_dtype, req.block_size),
-        "activation_peak_bytes": activation,
-    }
+        kv_budget = max(available, 0)
+    num_blocks = kv_budget // per_block
+    max_num_seqs = max(1, min(req.concurrency or MAX_SEQS_CAP, capacity or 1))
+    text = _verdict_text(req, device, fits, seqs, max_len, weights_dev, overhead, needed, usable, available)
+    if fits:
+        text += f": room for {capacity} sequence{'s' if capacity > 1 else ''} of {max_len} tokens" + (
+            f" (the model's {lowered} lowered to fit)" if lowered else ""
+        )
+    return Fit(fits, max_len, max_num_seqs, num_blocks, kv_budget, needed, usable, text, lowered)
+
+
+def _verdict_text(
+    req: PlanRequest,
+    device: Device,
+    fits: bool,
+    seqs: int,
+    max_len: int,
+    weights: int,
+    overhead: int,
+    needed: int,
+    usable: int,
+    available: int,
+) -> str:
+    """One sentence: what fits and in how much, or what does not and by how much."""
+    gib = 1 << 30
+    per = " per GPU" if req.tensor_parallel_size > 1 else ""
+    where = f"{req.tensor_parallel_size} × {device.name}" if req.tensor_parallel_size > 1 else device.name
+    of = (
+        f"{device.memory_bytes / gib:,.1f} GiB × {req.gpu_memory_utilization:g}"
+        if not (device.name == CPU and req.kv_cache_memory)
+        else f"the weights + --kv-cache-memory {req.kv_cache_memory / gib:,.2f} GiB"
+    )
+    sequences = f"{seqs} sequence{'s' if seqs > 1 else ''} of {max_len} tokens"
+    parts = f"weights {weights / gib:,.2f} GiB{per}" + (
+        f" + CUDA context {overhead / gib:,.2f} GiB" if overhead else ""
+    )
+    kv = needed - weights - overhead
+    if fits:
+        return (
+            f"fits on {where}: {parts} leave {available / gib:,.2f} GiB{per} of the {usable / gib:,.2f} GiB "
+            f"usable ({of}) for the KV cache"
+        )
+    short = needed - usable
+    if available <= 0:
+        return (
+            f"does not fit on {where}: {parts} need {(weights + overhead) / gib:,.2f} GiB{per}, more than "
+            f"the {usable / gib:,.2f} GiB usable ({of}); with the KV cache of {sequences} it is "
+            f"{short / gib:,.2f} GiB short"
+        )
+    return (
+        f"does not fit on {where}: {sequences} need {kv / gib:,.2f} GiB of KV cache{per}, "
+        f"{available / gib:,.2f} GiB is left after the {parts} ({of}): {short / gib:,.2f} GiB short"
+    )
 
 
 def _activation_bytes(req: PlanRequest, shape) -> int:
@@ -213,22 +305,6 @@ def _activation_fits(memory: dict[str, Any], device: Device) -> bool:
         return True
     headroom = memory["device_bytes"] * (1.0 - memory["utilization"])
     return memory["activation_peak_bytes"] <= headroom
-
-
-def _fit_max_len(memory: dict[str, Any], max_len: int, block_size: int, warnings: list[str]) -> int:
-    fits = memory["num_blocks"] * block_size
-    if fits >= max_len:
-        return max_len
-    if fits < 16:
-        warnings.append(
-            f"the KV budget ({memory['kv_budget_bytes']} B) holds {fits} tokens: the model does not "
-            "fit this device at these settings"
-        )
-        return max(fits, 1)
-    warnings.append(
-        f"one sequence of {max_len} tokens does not fit the KV budget: max_model_len lowered to {fits}"
-    )
-    return fits
 
 
 def _speed(req: PlanRequest, shape, device: Device, max_len: int, max_num_seqs: int) -> dict[str, Any]:
@@ -388,35 +464,22 @@ def _weights_section(req: PlanRequest, files: ModelFiles, weights: int) -> dict[
     }
 
 
-def _kv_section(req: PlanRequest, shape, max_len: int) -> dict[str, Any]:
-    per_token = f.kv_bytes_per_token(shape, req.kv_dtype)
+def _kv_section(req: PlanRequest, shape: ModelShape, rank_shape: ModelShape, max_len: int) -> dict[str, Any]:
+    """Bytes of KV per token, block and sequence on one device (``rank_shape``: its share of the KV heads
+    under tensor parallelism)."""
+    per_token = f.kv_bytes_per_token(rank_shape, req.kv_dtype)
+    heads = f"{rank_shape.num_kv_heads} kv_heads"
+    if rank_shape is not shape:
+        heads += f" per GPU ({shape.num_kv_heads} / TP {req.tensor_parallel_size}, at least 1)"
     return {
         "dtype": req.kv_dtype,
         "bytes_per_token": per_token,
         "block_size": req.block_size,
         "bytes_per_block": per_token * req.block_size,
         "max_model_len": max_len,
-        "bytes_per_sequence": f.kv_bytes_per_sequence(shape, req.kv_dtype, max_len, req.block_size),
+        "bytes_per_sequence": f.kv_bytes_per_sequence(rank_shape, req.kv_dtype, max_len, req.block_size),
         "formula": (
-            f"2 × {shape.num_layers} layers × {shape.num_kv_heads} kv_heads × {shape.head_dim} head_dim"
+            f"2 × {shape.num_layers} layers × {heads} × {shape.head_dim} head_dim"
             f" × {f.DTYPE_BYTES[req.kv_dtype]:g} B = {per_token} B/token"
         ),
     }
-
-
-def _flags(req: PlanRequest, device: Device, shape, max_len: int, max_num_seqs: int) -> dict[str, Any]:
-    flags: dict[str, Any] = {
-        "--max-model-len": max_len,
-        "--max-num-seqs": max_num_seqs,
-        "--block-size": req.block_size,
-        "--dtype": req.dtype,
-    }
-    if req.weights_format is not None:
-        flags["--quantization"] = ef.ENGINE_FORMATS[req.weights_format][1]
-    if device.name == CPU:
-        need = max_num_seqs * f.kv_bytes_per_sequence(shape, req.kv_dtype, max_len, req.block_size)
-        flags["--kv-cache-memory"] = f"{math.ceil((req.kv_cache_memory or need) / (1 << 20))}MiB"
-    else:
-        flags |= {"--device": "cuda", "--gpu-memory-utilization": req.gpu_memory_utilization}
-    command = "kvscope engine --model " + req.model + "".join(f" {k} {v}" for k, v in flags.items())
-    return {"engine": flags, "command": command}

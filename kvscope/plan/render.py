@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from kvscope.common.tables import Column, print_table
 from kvscope.plan.devices import load_devices
 from kvscope.plan.planner import Plan
 
@@ -83,7 +85,6 @@ def _kv(p: Plan) -> Table:
                 f"… at the workload's {mem['workload_tokens']} tokens",
                 mem["max_concurrent_sequences_at_workload"],
             ),
-            ("fits --concurrency", mem["fits"]),
         ],
     )
 
@@ -174,21 +175,74 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     if p.log is not None:
         console.print(_log(p))
     for warning in p.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
-    console.print(f"[bold]recommended:[/bold] {p.flags['command']}", soft_wrap=True)
+        console.print(Text.assemble(("warning: ", "yellow"), warning))
+    for flag, why in p.assumed.items():
+        value = p.flags["engine"].get(flag, p.request.get(flag.removeprefix("--").replace("-", "_")))
+        console.print(Text.assemble(("assumed: ", "bold"), f"{flag} {value}: {why}"), soft_wrap=True)
+    verdict = p.verdict
+    console.print(Text.assemble(("verdict: ", "bold"), verdict["text"]), soft_wrap=True)
+    if p.flags["command"]:
+        console.print(Text.assemble(("recommended: ", "bold"), p.flags["command"]), soft_wrap=True)
+    elif p.flags["note"] and p.fits:
+        console.print(Text.assemble(("no recommended command: ", "bold"), p.flags["note"]))
+    for alt in verdict.get("alternatives", []):
+        line = Text.assemble(("would fit with ", "bold"), f"{alt['change']}: {alt['verdict']}")
+        console.print(line, soft_wrap=True)
+        if alt["command"]:
+            console.print(Text(f"  {alt['command']}"), soft_wrap=True)
+        if alt["note"]:
+            console.print(Text(f"  ({alt['note']})"))
+    if not p.fits and not verdict.get("alternatives"):
+        console.print(Text("nothing tried fits: a smaller model, or a shorter --max-model-len/--concurrency"))
 
 
-def print_devices(console: Console | None = None) -> None:
-    """The shipped device table with its sources."""
-    table = Table(title="kvscope plan devices (dense peaks; cpu is measured)")
-    for col in ("name", "aliases", "memory", "GB/s", "bf16 TFLOP/s", "fp8", "int8", "source"):
-        table.add_column(col)
+DEVICE_COLUMNS = (
+    Column("name"),
+    Column("memory", 1, "right"),
+    Column("GB/s", 2, "right"),
+    Column("bf16\nTFLOP/s", 3, "right"),
+    Column("fp8\nTFLOP/s", 4, "right"),
+    Column("int8\nTOP/s", 4, "right"),
+    Column("aliases", 5),
+    Column("vendor", 6),
+    Column("source", 9),
+)
+"""``kvscope plan --list-devices``: the name (what ``--device`` takes) always; the source goes first, then the
+vendor and the aliases (kvscope.common.tables priorities)."""
+
+
+def device_rows() -> list[list[str]]:
+    """One row of :data:`DEVICE_COLUMNS` per device of the shipped table (memory in GiB as the planner reads
+    the vendor's GB, bandwidth in GB/s, dense peaks in 10^12 operations/s, ``-`` where the datasheet has
+    none)."""
+    rows = []
     for d in load_devices().values():
         peaks = [f"{d.peak_flops[k] / 1e12:g}" if k in d.peak_flops else "-" for k in ("bf16", "fp8", "int8")]
-        table.add_row(
-            d.name, ", ".join(d.aliases), size(d.memory_bytes), f"{d.bandwidth / 1e9:g}", *peaks, d.source
+        rows.append(
+            [
+                d.name,
+                f"{d.memory_bytes / (1 << 30):g} GiB",
+                f"{d.bandwidth / 1e9:g}",
+                *peaks,
+                ", ".join(d.aliases),
+                d.vendor,
+                d.source,
+            ]
         )
-    (console or Console()).print(table)
+    return rows
+
+
+def print_devices(out: IO[str], width: int | None) -> None:
+    """The shipped device table fitted to ``width`` terminal cells (None: every column, sources included):
+    one line per device."""
+    print_table(
+        out,
+        "kvscope plan devices (dense peaks; cpu is measured)",
+        DEVICE_COLUMNS,
+        device_rows(),
+        width,
+        more="--wide or --format json",
+    )
 
 
 def devices_json() -> dict[str, Any]:

@@ -13,7 +13,13 @@ Elasticsearch 8.x/9.x (REST API docs and real responses):
 - ``_bulk`` auto-creates a data stream from a matching ``data_stream`` index template, allows only
   ``create`` on it, needs ``@timestamp``, enforces ``dynamic: strict`` and field types, answers 409
   ``version_conflict_engine_exception`` for an ``_id`` already in the write index, and reports every item
-  with its own status plus the top-level ``errors`` flag; ``_rollover`` starts a new backing index.
+  with its own status plus the top-level ``errors`` flag; ``_rollover`` starts a new backing index;
+  ``PUT _data_stream/<name>`` creates one empty (from its matching template);
+- ``_search`` evaluates the query DSL, sort, ``search_after``, points in time and the aggregations kvscope
+  sends, with Elasticsearch's documented semantics (kvscope/testing/es_double_search.py and the modules it
+  names); what it does not model is refused with 400 ``es_double_unsupported``, never answered wrongly.
+  ``_count`` and ``_refresh`` answer too. (There is no way to make it answer a canned body: a test ships
+  records and the double computes the answer.)
 
 Faults: :meth:`go_down`/:meth:`come_up` (the port stops listening: connection refused), ``delay_s``
 (answer late, after applying the request), ``item_429_rate``/``item_503_rate`` (per-item
@@ -29,12 +35,13 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from kvscope.testing.es_double_docs import DataStream, validate_doc
+from kvscope.testing.es_double_fields import SearchError, Unsupported
+from kvscope.testing.es_double_search import PointsInTime, count, resolve, search, snapshot
 
 JsonBody = dict[str, Any] | list[Any] | None
 Answer = tuple[int, JsonBody]
@@ -87,7 +94,7 @@ class EsDouble:
         """Successful creates per ``_id`` (every one should be exactly 1)."""
         self.item_statuses: Counter[int] = Counter()
         """Every ``_bulk`` item status answered."""
-        self.search_handler: Callable[[str, Any], Answer] | None = None
+        self.pits = PointsInTime()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -183,8 +190,8 @@ class EsDouble:
             return 200, self._info()
         if parts and parts[-1] == "_bulk" and r.method in ("POST", "PUT"):
             return self._bulk(r, parts[0] if len(parts) == 2 else None)
-        if len(parts) == 2 and parts[1] == "_search" and r.method in ("GET", "POST"):
-            return self._search(parts[0], r.json())
+        if parts and parts[-1] in ("_search", "_count", "_pit", "_refresh") and len(parts) <= 2:
+            return self._search_api(r, parts[-1], parts[0] if len(parts) == 2 else None)
         if len(parts) == 2 and parts[1] == "_rollover" and r.method == "POST":
             return self._rollover(parts[0])
         if len(parts) == 3 and parts[:2] == ["_ilm", "policy"]:
@@ -194,6 +201,8 @@ class EsDouble:
             return self._store(r, store, parts[1], "template" if store is self.component_templates else None)
         if len(parts) == 2 and parts[0] == "_data_stream" and r.method == "GET":
             return self._get_data_stream(parts[1])
+        if len(parts) == 2 and parts[0] == "_data_stream" and r.method == "PUT":
+            return self._create_data_stream(parts[1])
         return 400, {"error": f"no handler found for uri [{r.path}] and method [{r.method}]"}
 
     def _info(self) -> dict[str, Any]:
@@ -259,6 +268,18 @@ class EsDouble:
             return es_error(404, "index_not_found_exception", f"no such index [{name}]", index=name)
         return 200, {"data_streams": [ds.describe()]}
 
+    def _create_data_stream(self, name: str) -> Answer:
+        """``PUT _data_stream/<name>``: the data stream of the matching ``data_stream`` index template."""
+        if name in self.data_streams:
+            return es_error(400, "resource_already_exists_exception", f"data_stream [{name}] already exists")
+        if self._data_stream_for(name) is None:
+            return es_error(
+                400,
+                "illegal_argument_exception",
+                f"no matching index template found for data stream [{name}]",
+            )
+        return ACK
+
     def _rollover(self, name: str) -> Answer:
         ds = self.data_streams.get(name)
         if ds is None:
@@ -275,23 +296,55 @@ class EsDouble:
             "conditions": {},
         }
 
-    def _search(self, index: str, body: Any) -> Answer:
-        if self.search_handler is not None:
-            return self.search_handler(index, body)
-        hits = [
-            {"_index": i.name, "_id": k, "_score": 1.0, "_source": v}
-            for ds in self.data_streams.values()
-            if ds.name.startswith(index.rstrip("*"))
-            for i in ds.indices
-            for k, v in i.docs.items()
-        ]
-        size = (body or {}).get("size", 10)
-        return 200, {
-            "took": 1,
-            "timed_out": False,
-            "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
-            "hits": {"total": {"value": len(hits), "relation": "eq"}, "max_score": 1.0, "hits": hits[:size]},
-        }
+    def _search_api(self, r: Request, api: str, target: str | None) -> Answer:
+        """``_search``, ``_count``, ``_pit`` and ``_refresh`` (kvscope/testing/es_double_search.py)."""
+        try:
+            if api == "_pit" and target is None and r.method == "DELETE":
+                pit_id = str((r.json() or {}).get("id"))
+                freed = self.pits.open.pop(pit_id, None) is not None
+                return (200 if freed else 404), {"succeeded": True, "num_freed": int(freed)}
+            if api == "_search" and (r.method not in ("GET", "POST")):
+                return 405, {"error": f"Incorrect HTTP method for uri [{r.path}] and method [{r.method}]"}
+            if api == "_search":
+                body = r.json()
+                if unsupported := set(parse_qs(r.query)) - {"typed_keys", "rest_total_hits_as_int"}:
+                    raise Unsupported(f"the _search URL parameters {sorted(unsupported)}")
+                pit = (body or {}).get("pit")
+                if pit is None:
+                    return 200, search(resolve(self.data_streams, target or "*"), body)
+                if target is not None:
+                    raise SearchError(
+                        400,
+                        "action_request_validation_exception",
+                        "Validation Failed: 1: [indices] cannot be used with point in time. Do not specify "
+                        "any index with point in time;",
+                    )
+                docs = self.pits.open.get(pit.get("id"))
+                if docs is None:
+                    raise SearchError(
+                        404, "search_context_missing_exception", "No search context found for id"
+                    )
+                return 200, search(docs, {k: v for k, v in body.items() if k != "pit"}, pit["id"])
+            if api == "_pit" and r.method == "POST" and target is not None:
+                if "keep_alive" not in parse_qs(r.query):
+                    raise SearchError(
+                        400,
+                        "action_request_validation_exception",
+                        "Validation Failed: 1: [keep_alive] is not set;",
+                    )
+                pit_id = self.pits.create(snapshot(resolve(self.data_streams, target)))
+                return 200, {
+                    "id": pit_id,
+                    "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
+                }
+            if api == "_count" and target is not None and r.method in ("GET", "POST"):
+                return 200, count(resolve(self.data_streams, target), r.json())
+            if api == "_refresh" and target is not None and r.method in ("GET", "POST"):
+                resolve(self.data_streams, target)  # 404 for an unknown index; writes are visible at once
+                return 200, {"_shards": {"total": 1, "successful": 1, "failed": 0}}
+        except SearchError as exc:
+            return es_error(exc.status, exc.type_, exc.reason)
+        return 400, {"error": f"no handler found for uri [{r.path}] and method [{r.method}]"}
 
     # ---- _bulk -------------------------------------------------------------------------------------
     def _bulk(self, r: Request, default_index: str | None) -> Answer:

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,31 +22,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.gateway.logs.jsonl import read_records
 from kvscope.testing.fake_upstream import FakeUpstream, Knobs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvscope.testing.ports import free_port
+from kvscope.testing.sse import sse_events as sse_events  # re-exported: the tests import it from here
+from kvscope.testing.wait import wait_until
 
 
 def wait_http(
     url: str, timeout: float = 30.0, status: int = 200, proc: subprocess.Popen | None = None
 ) -> None:
-    """Poll ``url`` until it answers ``status``; raises if ``proc`` exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
+    """Poll ``url`` until it answers ``status``; raises RuntimeError if ``proc`` exits first, TimeoutError
+    (with the last error) when time runs out."""
+
+    def answers() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} was up")
-        try:
-            last = httpx.get(url, timeout=1.0).status_code
-            if last == status:
-                return
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not answering {status} after {timeout}s (last: {last!r})")
+        return httpx.get(url, timeout=1.0).status_code == status
+
+    try:
+        wait_until(answers, timeout, f"{url} answering {status}", 0.05, (httpx.HTTPError,))
+    except AssertionError as exc:
+        raise TimeoutError(str(exc)) from None
 
 
 @dataclass
@@ -141,13 +135,16 @@ def spawn_redis(tmp: Path) -> Proc:
 
 
 def wait_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Wait until 127.0.0.1:``port`` accepts a TCP connection; TimeoutError when time runs out."""
+
+    def open_() -> bool:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} not open")
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        wait_until(open_, timeout, f"port {port} open", 0.05)
+    except AssertionError as exc:
+        raise TimeoutError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -217,10 +214,12 @@ def start_fake_thread(
     models: tuple[str, ...] = ("fake-model",),
     max_model_len: int = 2048,
     card_kvscope: dict[str, Any] | None = None,
+    slots: int = 0,
     **knobs: Any,
 ) -> FakeUpstream:
-    """A stub upstream serving ``models`` on ``loop``; ``card_kvscope``: its cards' ``kvscope`` field."""
-    fake = FakeUpstream(models, max_model_len, Knobs(**knobs), card_kvscope=card_kvscope)
+    """A stub upstream serving ``models`` on ``loop``; ``card_kvscope``: its cards' ``kvscope`` field;
+    ``slots``: requests generating at once (0: no limit); ``knobs`` (``kind`` among them): :class:`Knobs`."""
+    fake = FakeUpstream(models, max_model_len, Knobs(**knobs), card_kvscope=card_kvscope, slots=slots)
     return loop.run(fake.start())
 
 
@@ -248,11 +247,13 @@ class GatewayThread:
 
     def __enter__(self) -> GatewayThread:
         self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("gateway thread did not start")
-            time.sleep(0.02)
+
+        def started() -> bool:
+            if not self.thread.is_alive():
+                raise RuntimeError("gateway thread exited before it started")
+            return self.server.started
+
+        wait_until(started, 20, "the gateway thread started")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -261,16 +262,6 @@ class GatewayThread:
 
 
 # --- parsers ----------------------------------------------------------------------------------------------
-def sse_events(raw: bytes) -> list[str]:
-    """Data payloads of an SSE body (comments skipped), in order."""
-    events = []
-    for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
-        data = [ln[5:].lstrip(b" ") for ln in block.split(b"\n") if ln.startswith(b"data:")]
-        if data:
-            events.append(b"\n".join(data).decode())
-    return events
-
-
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """``{(sample name, sorted labels): value}`` of a Prometheus exposition."""
     out = {}
@@ -285,27 +276,38 @@ def sample(samples: dict, name: str, **labels: str) -> float:
 
 
 def read_log(path: Path, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
-    """The first ``count`` records of a JSONL log, waiting for the writer thread."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """The records of a JSONL log once there are at least ``count``, waiting up to ``timeout`` seconds for
+    the writer thread; what is there then otherwise (the caller's assertion says what is missing)."""
+
+    def enough() -> tuple[list[dict[str, Any]]] | None:
         records = read_records(path)  # a line being written has no newline yet: left for the next read
-        if len(records) >= count or time.monotonic() > deadline:
-            return records
-        time.sleep(0.02)
+        return (records,) if len(records) >= count else None  # a 1-tuple: truthy even with no records
+
+    try:
+        return wait_until(enough, timeout, f"{count} records in {path}")[0]
+    except AssertionError:
+        return read_records(path)
 
 
 def records_by_id(path: Path, ids: Iterable[str], timeout: float = 30.0) -> dict[str, list[dict[str, Any]]]:
-    """Log records grouped by ``http.request.id``, waiting until every id in ``ids`` has appeared."""
+    """Log records grouped by ``http.request.id``, waiting up to ``timeout`` seconds until every id in
+    ``ids`` has appeared; what is there then otherwise."""
     wanted = set(ids)
-    deadline = time.monotonic() + timeout
-    while True:
-        records = read_log(path, 0, 0)
-        grouped: dict[str, list[dict[str, Any]]] = {}
-        for r in records:
-            grouped.setdefault(r["http"]["request"]["id"], []).append(r)
-        if wanted <= grouped.keys() or time.monotonic() > deadline:
-            return grouped
-        time.sleep(0.02)
+
+    def grouped() -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for r in read_records(path):
+            out.setdefault(r["http"]["request"]["id"], []).append(r)
+        return out
+
+    def complete() -> tuple[dict[str, list[dict[str, Any]]]] | None:
+        found = grouped()
+        return (found,) if wanted <= found.keys() else None
+
+    try:
+        return wait_until(complete, timeout, f"request ids {sorted(wanted)[:5]} in {path}")[0]
+    except AssertionError:
+        return grouped()
 
 
 # --- a tiny real tokenizer --------------------------------------------------------------------------------

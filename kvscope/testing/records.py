@@ -94,6 +94,7 @@ def make_record(
                 "other_s": 0.001,
             },
             "engine": None,
+            "upstream": upstream_part(ttft_s, engine),
             "attempts": 1,
             "client_disconnected": False,
             "disconnect_phase": None,
@@ -119,6 +120,32 @@ def make_record(
     if engine is not None:
         record["kvscope"]["engine"] = engine
     return record
+
+
+def upstream_part(ttft_s: float | None, engine: dict[str, Any] | None) -> dict[str, Any]:
+    """``kvscope.upstream`` of a record answered by our engine (kind from its ``/v1/models`` card;
+    docs/gateway.md "Request log"): each quantity ``per_request`` where ``engine`` has it, ``ttft_s`` measured
+    by the gateway, no ``/metrics`` samples."""
+    e = engine or {}
+
+    def per_request(key: str) -> str | None:
+        return "per_request" if e.get(key) is not None else None
+
+    return {
+        "kind": "kvscope",
+        "kind_source": "models",
+        "sources": {
+            "ttft_s": "gateway" if ttft_s is not None else None,
+            "queue_s": per_request("queue_s"),
+            "prefill_s": per_request("prefill_s"),
+            "decode_s": per_request("decode_s"),
+            "cached_tokens": per_request("cached_tokens"),
+            "batch_size": per_request("batch_size_mean"),
+            "kv_cache_usage": per_request("kv_cache_usage"),
+            "queue_ahead": per_request("queue_ahead"),
+        },
+        "sampled": {"arrival": None, "finish": None},
+    }
 
 
 def engine_stats(

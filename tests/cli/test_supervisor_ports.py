@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 from pathlib import Path
@@ -45,10 +46,40 @@ def test_a_taken_port_fails_before_any_child_starts(
         supervisor = Supervisor(options)
         assert supervisor.run() == 1
     assert supervisor.children == []
-    flag = "--port" if taken == "gateway" else "--engine-port"
-    err = capsys.readouterr().err
-    assert err.startswith(f"kvscope serve: cannot listen on 127.0.0.1:{busy} (Address already in use)")
-    assert f"pass {flag} with a free port" in err
+    advice = {
+        "gateway": f"Stop it, or serve on another port, e.g. `kvscope serve --port {busy + 1}` (with make: "
+        f"`make run PORT={busy + 1}`)",
+        "engine": "Stop it, or pass --engine-port with a free port (or leave it out: kvscope serve picks a "
+        "free one)",
+    }[taken]
+    assert capsys.readouterr().err == (
+        f"kvscope serve: cannot listen on 127.0.0.1:{busy} (Address already in use); is another kvscope "
+        f"serve running? {advice}\n"
+    )
+
+
+def test_make_run_passes_port_to_kvscope_serve() -> None:
+    """The port advice names ``make run PORT=…``: the Makefile turns it into ``--port`` (``make -n``
+    prints the command without running it); without PORT, kvscope serve's own default."""
+    import shutil
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    make = shutil.which("make")
+    assert make is not None
+
+    def dry_run(*args: str) -> list[str]:
+        done = subprocess.run(
+            [make, "-n", "-C", str(repo), "run", "VENV=.venv", "TORCH_INDEX_URL=", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={k: v for k, v in os.environ.items() if k not in ("PORT", "MAKEFLAGS")},
+        )
+        return [line for line in done.stdout.splitlines() if "kvscope serve" in line]
+
+    assert dry_run("PORT=4001") == [".venv/bin/kvscope serve --port 4001"]
+    assert dry_run() == [".venv/bin/kvscope serve "]
 
 
 @pytest.mark.parametrize("how", ["flag", "flag=", "env"])

@@ -107,6 +107,8 @@ def test_make_lint_and_pre_commit_run_the_check() -> None:
 
 BASE_OBJECTS = [
     ("ConfigMap", "kvscope-dashboard-engine"),
+    ("ConfigMap", "kvscope-dashboard-engine-sglang"),
+    ("ConfigMap", "kvscope-dashboard-engine-vllm"),
     ("ConfigMap", "kvscope-dashboard-overview"),
     ("ConfigMap", "kvscope-gateway-config"),
     ("Deployment", "kvscope-gateway"),
@@ -187,7 +189,7 @@ def test_every_core_object_validates_against_the_kubernetes_schemas(
     for obj in _core(rendered[overlay]):
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         checked += 1
-    assert checked == (1 if overlay == "prometheus-adapter" else 14)
+    assert checked == (1 if overlay == "prometheus-adapter" else 16)  # 4 of them the dashboards' ConfigMaps
 
 
 def test_strict_validation_rejects_a_misspelt_field(rendered: dict[str, list[Obj]]) -> None:

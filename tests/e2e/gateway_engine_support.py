@@ -2,32 +2,33 @@
 subprocess (SmolLM2 on CPU) and one real gateway subprocess in front of it, both exporting spans over
 OTLP/HTTP to one local receiver; the gateway writes its JSONL request log into the test's tmp folder.
 
-Reuses the engine e2e helpers (tests/engine/server/e2e_support.py: timed SSE, log polling, OTLP receiver) and
-the gateway harness (kvscope/testing/harness.py: process spawning, Prometheus/JSONL parsing). Both sides log
-one line per request under the same ``x-request-id`` (the gateway forwards it), so a test finds the
-gateway's and the engine's view of one request by that id.
+Reuses the engine e2e helpers (tests/engine/server/e2e_support.py: timed SSE, log lines), the OTLP receiver
+(tests/otlp_receiver.py) and the gateway harness (kvscope/testing/harness.py: process spawning,
+Prometheus/JSONL parsing). Both sides log one line per request under the same ``x-request-id`` (the gateway
+forwards it), so a test finds the gateway's and the engine's view of one request by that id.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvscope.testing.harness import Proc, metric_samples, records_by_id, spawn_gateway, wait_http
+from kvscope.testing.harness import Proc, metric_samples, read_log, records_by_id, spawn_gateway, wait_http
+from kvscope.testing.wait import wait_until
 from tests.engine.server.e2e_support import (
     CHAT,
     COMPLETIONS,
-    OTLPReceiver,
     TimedStream,
     line_by_http_id,
     wait_for,
 )
 from tests.engine.server.helpers import EngineProcess, start_engine
+from tests.otlp_receiver import OtlpReceiver
 
 MODEL = "smollm2-135m"
 M = {"model": MODEL}
@@ -45,7 +46,7 @@ class Stack:
 
     engine: EngineProcess
     gateway: Proc
-    receiver: OTLPReceiver
+    receiver: OtlpReceiver
     log: Path
     """The gateway's JSONL request log."""
 
@@ -67,10 +68,23 @@ class Stack:
     def gateway_line(self, request_id: str, timeout_s: float = 30.0) -> dict:
         """The single gateway log record of ``request_id`` (fails when there is none or several)."""
         records_by_id(self.log, [request_id], timeout_s)
-        time.sleep(0.1)  # a duplicate would be written right after the first
+        self.await_log_sentinel(timeout_s)  # a duplicate would be written before the sentinel's line
         lines = records_by_id(self.log, [], 0).get(request_id, [])
         assert len(lines) == 1, lines
         return lines[0]
+
+    def await_log_sentinel(self, timeout_s: float = 30.0) -> None:
+        """Send the gateway a request it answers 404 itself and logs (an unknown path outside /v1, so the
+        engine never sees it; counted under ``route="other"``) and wait until its line is in the log. The
+        gateway's log writer keeps the order in which requests ended, so every line of a request that ended
+        before this one is in the file then."""
+        path = f"/kvscope-log-sentinel-{uuid.uuid4().hex}"
+        assert httpx.get(self.url + path, timeout=10).status_code == 404
+        wait_until(
+            lambda: any(r["url"]["path"] == path for r in read_log(self.log, 0, 0)),
+            timeout_s,
+            f"the gateway's log line of GET {path}",
+        )
 
     def engine_line(self, request_id: str, timeout_s: float = 30.0) -> dict:
         """The single engine log record of the request the gateway sent with ``x-request-id: request_id``."""
@@ -88,7 +102,7 @@ def start_stack(tmp: Path, *engine_args: str, gateway_config: dict[str, Any] | N
     and both exporting OTLP to a fresh receiver; returns once the gateway is ready (/readyz 200)."""
     from kvscope.common.models.cache import hf_dir
 
-    receiver = OTLPReceiver()
+    receiver = OtlpReceiver().start()
     engine = start_engine(
         tmp, *ENGINE_BASE_ARGS, *engine_args, "--otlp-endpoint", receiver.url, env=FAST_EXPORT
     )

@@ -9,10 +9,8 @@ short ``for:`` and Alertmanager timers, webhook URLs pointing at :class:`Webhook
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +22,8 @@ import yaml
 
 from kvscope.dashboards.overview import MIN_SLO_REQUESTS
 from kvscope.dashboards.query import PrometheusAPI
+from kvscope.testing.ports import free_port
+from kvscope.testing.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "alerts" / "kvscope.rules.yaml"
@@ -32,39 +32,23 @@ EXAMPLE_RECEIVER = "http://127.0.0.1:5001"
 """Receiver base URL in alerts/alertmanager.yml, replaced by the test receiver's URL."""
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``url`` until it answers 200; raises RuntimeError (with the reason) after ``timeout_s`` or if
-    ``proc`` exits first."""
-    deadline, last = time.monotonic() + timeout_s, "no attempt"
-    while time.monotonic() < deadline:
+    """Poll ``url`` until it answers 200; raises RuntimeError if ``proc`` exits first, AssertionError (with
+    the last error) after ``timeout_s``."""
+
+    def ok() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
-                if response.status == 200:
-                    return
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s: {last}")
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+
+    wait_until(ok, timeout_s, f"{url} answering 200", interval_s=0.05, retry_on=(OSError,))
 
 
 def wait_for_series(api: PrometheusAPI, expr: str, timeout_s: float) -> list[dict[str, Any]]:
     """Poll instant query ``expr`` until it returns a series (e.g. the first scrape of a target landed);
-    raises RuntimeError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := api.query(expr):
-            return result
-        time.sleep(0.2)
-    raise RuntimeError(f"no series for {expr!r} after {timeout_s} s")
+    raises AssertionError after ``timeout_s``."""
+    return wait_until(lambda: api.query(expr), timeout_s, f"a series for {expr!r}", interval_s=0.2)
 
 
 def fast_rules(dest: Path, for_duration: str = "1s", src: Path = RULES, min_slo_requests: int = 10) -> Path:
@@ -134,7 +118,7 @@ class _ServerProcess:
         self._process.start()
         try:
             wait_http_ok(ready_url, timeout_s, self._process.proc)
-        except RuntimeError as exc:
+        except (RuntimeError, AssertionError) as exc:
             self.stop()
             raise RuntimeError(f"{exc}\n{self._process.log()}") from exc
         return self
@@ -237,6 +221,21 @@ class AlertmanagerServer(_ServerProcess):
         )
         return self._await_ready(f"http://{self.address}/-/ready", timeout_s)
 
+    def alerts(self) -> list[dict[str, Any]]:
+        """The alerts Alertmanager holds now (``GET /api/v2/alerts``): each with ``labels`` and ``status``
+        (``state``: ``active``, ``suppressed`` or ``unprocessed``; ``inhibitedBy``: the fingerprints of the
+        alerts inhibiting it)."""
+        with urllib.request.urlopen(f"http://{self.address}/api/v2/alerts", timeout=5) as response:
+            return json.loads(response.read())
+
+    def state(self, **labels: str) -> set[tuple[str, bool]]:
+        """``(status.state, inhibited)`` of every alert whose labels include ``labels``."""
+        return {
+            (a["status"]["state"], bool(a["status"]["inhibitedBy"]))
+            for a in self.alerts()
+            if labels.items() <= a["labels"].items()
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Notification:
@@ -282,13 +281,12 @@ class WebhookReceiver:
         return [a["labels"] for n in notes for a in n.alerts("firing")]
 
     def wait_for(self, predicate: Callable[[WebhookReceiver], bool], timeout_s: float) -> bool:
-        """Poll ``predicate(self)`` until true or ``timeout_s`` passes; returns the last result."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if predicate(self):
-                return True
-            time.sleep(0.1)
-        return predicate(self)
+        """Poll ``predicate(self)`` until true or ``timeout_s`` passes; returns whether it became true."""
+        try:
+            wait_until(lambda: predicate(self), timeout_s, "webhook notifications", interval_s=0.1)
+        except AssertionError:
+            return False
+        return True
 
     def __enter__(self) -> WebhookReceiver:
         self._thread.start()

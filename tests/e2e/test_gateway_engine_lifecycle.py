@@ -193,8 +193,8 @@ def test_l2_request_queued_behind_a_full_engine(stack):
 
 def test_m1_latency_histograms_are_true(stack, client):
     bodies = [completion(f"Item {i}:", max_tokens=6, ignore_eos=True) for i in range(3)]
-    # 961 prompt tokens in eight 128-token chunks on one thread: TTFT 1.5 s on the 2-vCPU EPYC with the
-    # default gguf (~600 tokens took 0.98 s there, under the 1-s bucket bound this needs to straddle)
+    # 961 prompt tokens in eight 128-token chunks: eight steps to the first token where the others take one,
+    # so TTFTs spread over more than one bucket whatever the machine's speed (bounds ≤ 2.5x apart)
     bodies.append(completion("The history of the ocean. " * 160, max_tokens=6, ignore_eos=True))
     bodies.append(completion("A long one:", max_tokens=24, ignore_eos=True))
     first = before = stack.gateway_metrics()
@@ -231,10 +231,17 @@ def test_m1_latency_histograms_are_true(stack, client):
     # the gateway stamps a first token before it forwards the next (bounds that load only widens)
     assert all(line["kvscope"]["ttft_s"] < second for line, second in zip(lines, client_seconds, strict=True))
     assert ttft_sum < sum(client_seconds)
-    assert lines[3]["kvscope"]["ttft_s"] > 1.0
-    assert delta(first, after, "kvscope_gateway_time_to_first_token_seconds_bucket", le="1.0", **M) == sum(
-        line["kvscope"]["ttft_s"] <= 1.0 for line in lines
-    )
+    ttfts = [line["kvscope"]["ttft_s"] for line in lines]
+    assert max(ttfts) == ttfts[3]  # eight prefill steps take longer than one
+    # every bucket holds exactly the requests at or under its bound, and some bound splits them
+    bucket = "kvscope_gateway_time_to_first_token_seconds_bucket"
+    bounds = [
+        dict(labels)["le"] for name, labels in after if name == bucket and dict(labels).get("model") == MODEL
+    ]
+    assert {le: delta(first, after, bucket, le=le, **M) for le in bounds} == {
+        le: sum(t <= float(le) for t in ttfts) for le in bounds
+    }
+    assert any(min(ttfts) <= float(le) < max(ttfts) for le in bounds), (ttfts, bounds)
     duration_bounds = {
         float(dict(labels)["le"])
         for (name, labels), _ in after.items()
@@ -246,7 +253,7 @@ def test_m1_latency_histograms_are_true(stack, client):
 def spans_by_trace(stack, trace_id: str) -> dict[tuple[str, str], object]:
     """(service.name, span name) → span, of every span of ``trace_id`` the receiver holds."""
     out = {}
-    for request in stack.receiver.requests:
+    for request in stack.receiver.traces:
         for rs in request.resource_spans:
             service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
             for span in (s for ss in rs.scope_spans for s in ss.spans if s.trace_id.hex() == trace_id):
@@ -304,7 +311,7 @@ def test_m3_one_trace_through_gateway_and_engine(stack, client):
     assert stack.engine_line("gw-m3-root")["trace"]["id"] == trace_id
     roots = [
         s
-        for s in stack.receiver.spans()
+        for s in stack.receiver.span_messages()
         if s.name == "llm_request" and _attr(s, "gen_ai.response.id") == plain.json()["id"]
     ]
     assert [s.trace_id.hex() for s in roots] == [trace_id], (

@@ -2,10 +2,11 @@
 engine subprocess, SmolLM2 on CPU), checked on both sides: the client's bytes, the gateway's log line and
 metrics, and the engine's log line and metrics for the same ``x-request-id``.
 
-Scaled for 2 shared CPU cores: S1 streams 32 tokens (not 200; ~10 tokens/s here); the context is 1024 tokens,
-so K1's prompt has 1124 tokens and its short request asks for 1021. S4's wait is a ~900-token prefill (seconds
-on this CPU) against a gateway keep-alive interval of 0.5 s. After every test a plain chat request must answer
-200.
+Scaled for 2 shared CPU cores: S1 streams 32 tokens (not 200; ~10 tokens/s on a 2-vCPU EPYC); the context is
+1024 tokens, so K1's prompt has 1124 tokens and its short request asks for 1021. S4's wait is a ~900-token
+prefill (seconds on such a CPU) against a gateway keep-alive interval of 0.5 s. Time bounds come from what the
+test measured (the engine's decode time and TTFT), not from this CPU's speed. After every test a plain chat
+request must answer 200.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ def test_s1_stream_is_not_buffered_and_ttft_agrees(stack, client):
     line = stack.gateway_line("gw-s1")
     engine = line["kvscope"]["engine"]
     assert line["gen_ai"]["usage"]["output_tokens"] == 32 and len(tokens) >= 28  # a few tokens carry no text
-    assert engine["decode_s"] > 0.25
+    # tokens reach the client spread over the decode as the engine measured it (first to last token), most
+    # of them a good part of a decode step apart: a buffering gateway would deliver them in a burst
+    step_s = engine["decode_s"] / 31
     spread = tokens[-1] - tokens[0]
-    assert spread > 0.8 * engine["decode_s"], "tokens must reach the client as the engine makes them"
+    assert spread > 0.8 * engine["decode_s"] > 0, "tokens must reach the client as the engine makes them"
     gaps = [b - a for a, b in zip(tokens, tokens[1:], strict=False)]
-    assert sum(g > 0.005 for g in gaps) > len(gaps) // 2
+    assert sum(g > step_s / 10 for g in gaps) > len(gaps) // 2, (step_s, gaps)
     ttft = line["kvscope"]["ttft_s"]  # stamped before the gateway forwards the next token
     assert engine["ttft_s"] <= ttft < tokens[1]
     after = stack.gateway_metrics()
@@ -134,7 +137,7 @@ def test_s3_engine_fault_mid_stream_is_not_success(stack, client):
 
 
 def test_s4_keepalive_comments_while_prefilling(stack, client):
-    prompt = "The history of the ocean. " * 150  # ~900 tokens: seconds of prefill on this CPU
+    prompt = "The history of the ocean. " * 150  # ~900 tokens: seconds of prefill on a 2-vCPU EPYC
     result = stream(
         client,
         COMPLETIONS,
@@ -142,8 +145,8 @@ def test_s4_keepalive_comments_while_prefilling(stack, client):
         {"x-request-id": "gw-s4"},
     )  # two sampled byte pieces without text (then no TTFT at all)
     head = result.text.split("data: ")[0]
-    assert head.count(": keep-alive\n\n") >= 2 and "event:" not in result.text
-    assert set(result.parsed.comments) == {": keep-alive"} and result.parsed.other == []
+    assert "event:" not in result.text
+    assert set(result.parsed.comments) <= {": keep-alive"} and result.parsed.other == []
     # the k-th comment leaves ≥ k intervals after the gateway got the request (after the client sent it);
     # load only delays them (1 ms: timer rounding)
     comment_times = [t for t, event in result.events if event == ": keep-alive"]
@@ -156,6 +159,9 @@ def test_s4_keepalive_comments_while_prefilling(stack, client):
     # gateway forwards [DONE]
     assert GATEWAY_KEEPALIVE_S * before_token - 1e-3 <= ttft < result.data_times()[-1]
     assert line["kvscope"]["engine"]["ttft_s"] <= ttft
+    # as many comments as the measured wait allows: at least one once the wait spans three intervals (load
+    # may delay a timer, not skip a whole wait); the times above bound them from above
+    assert before_token >= (1 if ttft >= 3 * GATEWAY_KEEPALIVE_S else 0), (before_token, ttft)
 
 
 def test_s5_usage_chunk_equals_non_streaming_usage(stack, client):

@@ -128,6 +128,12 @@ def _check_default_format(running: Serve) -> None:
     serve_line = re.search(r"engine weight format: dtype (\w+), quantization (\w+), weights \d+ MiB", text)
     assert engine_line is not None and serve_line is not None, text[-3000:]
     assert engine_line.groups() == serve_line.groups()
+    # each fact once (issue 45): the reason in the engine's line only (not the serve line, not a ModelInfo
+    # repr), the probe's choice without its timings dict, the probe's choice not repeated by the quantizer
+    assert text.count("int8, gguf (kvscope eval ppl, 13,613 tokens") == 1, text[-3000:]
+    assert "ModelInfo(" not in text and "'float32@1'" not in text
+    probe = re.findall(r"CPU kernel probe \(.*?\): (.*)", text)
+    assert len(probe) == 1 and text.count(probe[0]) == 1, text[-3000:]
     assert engine_line.groups() in {
         ("float32", "none"),
         ("bfloat16", "none"),
@@ -158,10 +164,12 @@ def _check_why(log_file: Path, prompt_tokens: int, record: dict) -> None:
     )
     assert (engine["decode_steps"], engine["decode_tokens"], engine["num_preemptions"]) == (3, 3, 0)
     assert sum(c["seconds"] for c in answer["causes"]) == pytest.approx(record["kvscope"]["e2e_s"], rel=0.05)
-    assert record["kvscope"]["ttft_s"] is None  # not streamed: the gateway saw no first token, the engine did
+    # not streamed: the gateway saw no first token; its TTFT is the last byte less the engine's decode_s
+    ttft = record["kvscope"]["ttft_s"]
+    assert record["kvscope"]["upstream"]["sources"]["ttft_s"] == "per_request"
+    assert engine["ttft_s"] <= ttft <= record["kvscope"]["e2e_s"] - engine["decode_s"]
     assert answer["text"].startswith(
-        f"TTFT {engine['ttft_s']:.3f} s: {engine['queue_s']:.3f} s queued "
-        "(0 requests ahead, 0 running); prefill "
+        f"TTFT {ttft:.3f} s: {engine['queue_s']:.3f} s queued (0 requests ahead, 0 running); prefill "
     )
 
 

@@ -87,7 +87,8 @@ def test_two_engine_replicas_both_serve_through_the_gateway(serve2: Serve) -> No
         return all(any(r["url"]["path"] == CHAT for r in read_records(log)) for log in logs)
 
     metrics = httpx.get(serve2.url + "/metrics").text
-    assert all(f'kvscope_gateway_upstream_up{{upstream="127.0.0.1:{p}"}} 1.0' in metrics for p in ports)
+    up = 'kvscope_gateway_upstream_up{{kind="kvscope",upstream="127.0.0.1:{}"}} 1.0'
+    assert all(up.format(p) in metrics for p in ports)
     wait_for(both_served, 120, 0.1)
     serve2.proc.send_signal(signal.SIGTERM)
     assert serve2.proc.wait(30) == 0

@@ -266,6 +266,128 @@ def test_streamed_tool_call_reassembles_to_the_non_streamed_one(stack, client, t
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) for c in calls.values())
 
 
+OPEN_SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer"},
+            "height_m": {"type": "number"},
+        },
+        "required": ["name", "age", "height_m"],
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "item": {"type": "string", "maxLength": 16},
+            "quantity": {"type": "integer"},
+            "price": {"type": "number"},
+            "shipping": {
+                "type": "object",
+                "properties": {"days": {"type": "integer"}, "cost": {"type": "number"}},
+                "required": ["days", "cost"],
+            },
+        },
+        "required": ["item", "quantity", "price", "shipping"],
+    },
+    "point": {
+        "type": "object",
+        "properties": {"x": {"type": "number"}, "y": {"type": "number"}, "z": {"type": "number"}},
+        "required": ["x", "y", "z"],
+    },
+}
+"""Open schemas (issue 45): no ``additionalProperties``, numbers without a range or ``multipleOf``. Strings
+keep a ``maxLength``: kvscope bounds objects and numbers, not strings (nor do vLLM or llama.cpp)."""
+OPEN_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather forecast of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "days": {"type": "integer"},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+OPEN_TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time at a place",
+        "parameters": {
+            "type": "object",
+            "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+            "required": ["lat", "lon"],
+        },
+    },
+}
+OPEN_PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (OPEN_WEATHER, OPEN_TIME)}
+
+
+def test_open_schemas_at_temperature_end_with_stop(client):
+    """Before the bounds, an open object took invented keys and a number took digits until max_tokens
+    (``finish_reason: "length"``, JSON that does not parse). Every sampled answer now ends."""
+
+    def create(job):
+        name, seed = job
+        return name, client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Give me a {name} as JSON."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": name, "schema": OPEN_SCHEMAS[name]},
+            },
+            temperature=0.8,
+            seed=seed,
+            max_tokens=160,
+        )
+
+    results = _parallel(create, [(name, seed) for name in OPEN_SCHEMAS for seed in range(6)])
+    assert [c.choices[0].finish_reason for _, c in results] == ["stop"] * 18
+    for name, completion in results:
+        jsonschema.validate(json.loads(completion.choices[0].message.content), OPEN_SCHEMAS[name])
+
+
+@pytest.mark.parametrize(("tool_choice", "parallel", "most"), [
+    ("required", None, 1),
+    ("required", False, 1),
+    ("required", True, 8),
+    ({"type": "function", "function": {"name": "get_time"}}, None, 1),
+])  # fmt: skip
+def test_tool_calls_on_open_parameters_end_with_tool_calls(client, tool_choice, parallel, most):
+    """``required`` makes one call unless ``parallel_tool_calls: true``, then at most 8 (one seed's model
+    calls until the cap); the arguments are open objects with unbounded numbers; ``content`` is null."""
+
+    def call(seed):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "The weather in Paris for 3 days, and the time in Tokyo?"}],
+            tools=[OPEN_WEATHER, OPEN_TIME],
+            tool_choice=tool_choice,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=300,
+            **extra,
+        )
+
+    choices = [completion.choices[0] for completion in _parallel(call, range(6))]
+    assert [c.finish_reason for c in choices] == ["tool_calls"] * 6
+    assert all(c.message.content is None and 1 <= len(c.message.tool_calls or ()) <= most for c in choices)
+    for choice in choices:
+        for tool_call in choice.message.tool_calls or ():
+            arguments = json.loads(tool_call.function.arguments)
+            jsonschema.validate(arguments, OPEN_PARAMETERS[tool_call.function.name])
+            assert set(arguments) <= set(OPEN_PARAMETERS[tool_call.function.name]["properties"])
+    if most > 1:
+        assert max(len(c.message.tool_calls or ()) for c in choices) > 1
+
+
 def test_tool_choice_none_and_tool_history_answer_text(client):
     history = [
         *ASK,

@@ -103,6 +103,27 @@ def test_terminal_events_and_log_line(stack: Stack) -> None:
             )
 
 
+def test_the_upstream_response_id_is_logged(stack: Stack) -> None:
+    """``gen_ai.response.id`` is the id the upstream gave its answer (what an OpenAI SDK shows the user),
+    from the JSON body and from a stream's chunks."""
+    ids = {}
+    with stack.client() as c:
+        for stream in (False, True):
+            rid = f"response-id-{'stream' if stream else 'json'}"
+            resp = c.post(
+                "/v1/chat/completions",
+                json={"model": "fake-model", "messages": HI, "max_tokens": 2, "stream": stream},
+                headers={"x-request-id": rid},
+            )
+            assert resp.status_code == 200
+            chunks = [json.loads(e) for e in sse_events(resp.content)[:-1]] if stream else [resp.json()]
+            assert len({chunk["id"] for chunk in chunks}) == 1
+            ids[rid] = chunks[0]["id"]
+    records = records_by_id(stack.log, list(ids))
+    assert {rid: records[rid][0]["gen_ai"]["response"]["id"] for rid in ids} == ids
+    assert all(i.startswith("chatcmpl-") for i in ids.values()) and len(set(ids.values())) == 2
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -408,8 +429,9 @@ def test_upstream_5xx_is_relayed_then_the_replica_is_ejected(own_stack: Stack) -
     assert record["log"]["level"] == "error"
     samples = metric_samples(stack.metrics())
     label = stack.fakes["broken"].url.split("://")[1]
-    assert sample(samples, "kvscope_gateway_upstream_up", upstream=label) == 0
-    assert sample(samples, "kvscope_gateway_upstream_errors_total", upstream=label, reason="status_5xx") == 3
+    series = {"upstream": label, "kind": "kvscope"}  # the fake's card says owned_by kvscope
+    assert samples[("kvscope_gateway_upstream_up", tuple(sorted(series.items())))] == 0
+    assert sample(samples, "kvscope_gateway_upstream_errors_total", **series, reason="status_5xx") == 3
     with stack.client() as c:
         assert c.get("/readyz").json()["models"]["broken-model"] is False
 

@@ -55,7 +55,8 @@ def test_no_usage_null_in_chunks_when_the_client_did_not_ask(stack: Stack) -> No
 
 def up(stack: Stack, name: str) -> float:
     label = stack.fakes[name].url.removeprefix("http://")
-    return sample(metric_samples(stack.metrics()), "kvscope_gateway_upstream_up", upstream=label)
+    key = ("kvscope_gateway_upstream_up", (("kind", "kvscope"), ("upstream", label)))  # the fake: kvscope
+    return metric_samples(stack.metrics())[key]
 
 
 def test_5xx_the_client_asked_for_do_not_eject_the_replica(own_stack: Stack) -> None:
@@ -73,6 +74,7 @@ def test_5xx_the_client_asked_for_do_not_eject_the_replica(own_stack: Stack) -> 
             metric_samples(own_stack.metrics()),
             "kvscope_gateway_upstream_errors_total",
             upstream=own_stack.fakes["main"].url.removeprefix("http://"),
+            kind="kvscope",
             reason="status_5xx",
         )
         assert errors == 8.0  # every 5xx is still counted

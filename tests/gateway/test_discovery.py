@@ -59,6 +59,7 @@ def _full_series(up: float, outstanding: float) -> dict[tuple[str, str], float]:
         ("kvscope_gateway_upstream_up", ""): up,
         ("kvscope_gateway_upstream_outstanding_requests", ""): outstanding,
         **{("kvscope_gateway_upstream_errors_total", r): 0.0 for r in UPSTREAM_ERROR_REASONS},
+        ("kvscope_gateway_upstream_info", ""): 1.0,
     }
 
 

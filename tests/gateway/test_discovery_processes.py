@@ -270,7 +270,10 @@ def test_dns_discovery_adds_and_drains_replicas_under_load(tmp_path: Path, stubs
         assert_all_succeeded(load)
         metrics = httpx.get(gateway.url + "/metrics").text
         assert f'upstream="{victim}:{port}"' not in metrics  # its series left with it
-        assert all(f'kvscope_gateway_upstream_up{{upstream="{h}:{port}"}} 1.0' in metrics for h in kept)
+        assert all(
+            f'kvscope_gateway_upstream_up{{kind="kvscope",upstream="{h}:{port}"}} 1.0' in metrics
+            for h in kept
+        )
         assert f'kvscope_gateway_discovery_errors_total{{source="dns:{NAME}"}} 0.0' in metrics
     finally:
         if gateway is not None:

@@ -27,6 +27,7 @@ from kvscope.gateway.proxy.network import (
     upstream_transport,
 )
 from kvscope.gateway.settings import load_settings
+from kvscope.testing.wait import async_wait_until
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -191,6 +192,7 @@ async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None
     after the server closes the idle connection, the next request opens a new one instead of failing."""
     connections: list[int] = []
     close_after_next = asyncio.Event()
+    closed = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(len(connections))
@@ -204,6 +206,8 @@ async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None
             await writer.drain()
             if close_after_next.is_set():
                 writer.close()
+                await writer.wait_closed()
+                closed.set()
                 return
 
     async with (
@@ -218,7 +222,7 @@ async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None
         assert len(connections) == 1  # kept alive, reused
         close_after_next.set()
         assert (await client.get(base + "/json")).content == b"ok"
-        await asyncio.sleep(0.05)  # the server's FIN reaches the idle connection
+        await asyncio.wait_for(closed.wait(), 5)  # the server's FIN is on its way to the idle connection
         assert (await client.get(base + "/json")).content == b"ok"
         assert len(connections) == 2
 
@@ -627,9 +631,11 @@ async def test_a_tap_whose_reader_is_full_pauses_reading_until_there_is_room() -
         queue = ChunkQueue(maxsize=4)
         queue.on_room = stream.tap_room
         assert stream.tap_body(lambda item: queue.offer(item))
-        await asyncio.sleep(0.1)
         protocol = stream._protocol
-        assert protocol.tap_paused and len(queue) >= 4  # full, and reading stopped short of the end
+        # full, and reading stopped short of the end
+        await async_wait_until(
+            lambda: protocol.tap_paused and len(queue) >= 4, 10, "the tap paused, queue full"
+        )
         body = b""
         while (item := await queue.get(5)) is not None:
             assert isinstance(item, bytes)

@@ -2,7 +2,11 @@
 keeps every code and scale, the kernel equals an exact float64 model of what it computes (weights expanded
 to bfloat16(fma(d, u, m)), x rounded to bfloat16, float32 sums) at row counts across its tile and pass
 edges, a bfloat16 output is that float32 result rounded once, and the engine's compact layers route rows to
-it only between the GEMV's and the probe's limits."""
+it only between the GEMV's and the probe's limits.
+
+The layout and routing tests run on every CPU with kvscope's kernels (AVX-512 VNNI): routing with a stand-in
+whose matmul is the exact model; the tests marked ``amx`` run the AMX op itself and skip elsewhere, naming the
+missing instructions (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +22,14 @@ from kvscope.kernels.cpu_decode import PairBlocks, TileBlocks, amx_loaded, load
 
 
 @pytest.fixture(scope="module")
-def loaded() -> None:
+def library() -> None:
+    """kvscope's CPU kernels, built and loaded (the tests using it are marked ``vnni`` or ``amx``)."""
     result = load(cache_root() / CPU_KERNELS_DIR)
     assert result.ok, result.detail
+
+
+@pytest.fixture(scope="module")
+def loaded(library: None) -> None:
     assert amx_loaded(), "built on a CPU with AMX-BF16, the library must have int4_gemm_amx"
 
 
@@ -91,12 +100,31 @@ def test_non_contiguous_input_and_shape_errors(loaded: None) -> None:
         tiles.matmul(torch.randn(4, 96))
 
 
+class ExactModelTiles(TileBlocks):
+    """Tile blocks whose matmul is :func:`reference` rounded to x's dtype: what ``int4_gemm_amx`` computes,
+    on a CPU without AMX."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return reference(x, self).to(x.dtype)
+
+
+@pytest.mark.vnni
+def test_compact_layers_route_rows_between_the_limits(library: None) -> None:
+    """Rows 5-32 go to the batched copy (the exact model here), 1-4 to the GEMV, 33+ to the dense copy."""
+    check_routing(ExactModelTiles)
+
+
 @pytest.mark.amx
-def test_compact_layers_route_rows_between_the_limits(loaded: None) -> None:
+def test_compact_layers_run_the_amx_matmul_between_the_limits(loaded: None) -> None:
+    check_routing(TileBlocks)
+
+
+def check_routing(tiles_class: type[TileBlocks]) -> None:
     pairs = random_pairs(96, 576, seed=7)
     dense_weight = pairs.dequantize().to(torch.bfloat16)
     dense = packed_linear_kernel(dense_weight, None)
-    tiles = TileBlocks.from_pair_blocks(pairs)
+    tiles = tiles_class.from_pair_blocks(pairs)
+    assert type(tiles) is tiles_class
     kernel = CompactLinearKernel(
         compact=pairs,
         bias=None,

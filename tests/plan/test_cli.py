@@ -52,9 +52,11 @@ def test_json_plan_for_smollm2_on_an_a100_40gb(capsys, model_dir):
         "--max-num-seqs": 32,
         "--block-size": 16,
         "--dtype": "bfloat16",
+        "--quantization": "none",
         "--device": "cuda",
         "--gpu-memory-utilization": 0.9,
     }
+    assert out["verdict"]["fits"] is True and out["verdict"]["short_bytes"] == 0
     assert out["speed"]["compute_format"] == "bf16"
     assert out["speed"]["peak_flops"] == 312e12
     assert [r["concurrency"] for r in out["speed"]["decode"]] == [1, 8, 32]
@@ -74,22 +76,37 @@ def test_cpu_plan_recommends_the_kv_cache_memory_it_needs(capsys, model_dir, mon
 
     fake_cpu = Device("cpu", 16 << 30, 10e9, MappingProxyType({"fp32": 100e9, "bf16": 200e9}), "test")
     monkeypatch.setattr(cli, "resolve_device", lambda name, args: fake_cpu)
-    out = run_json(capsys, "--model", str(model_dir), "--max-model-len", "1024", "--concurrency", "4")
+    out = run_json(
+        capsys,
+        "--model",
+        str(model_dir),
+        "--max-model-len",
+        "1024",
+        "--concurrency",
+        "4",
+        "--dtype",
+        "float32",
+    )
     assert out["flags"]["engine"]["--kv-cache-memory"] == f"{4 * 64 * 737_280 // (1 << 20)}MiB" == "180MiB"
     assert out["memory"]["num_blocks"] == 4 * 64
     assert out["memory"]["max_concurrent_sequences"] == 4
     assert out["memory"]["max_concurrent_sequences_at_workload"] == 4 * 64 // 16  # 256 tokens = 16 blocks
     assert out["flags"]["command"] == (
         "kvscope engine --model " + str(model_dir) + " --max-model-len 1024 "
-        "--max-num-seqs 4 --block-size 16 --dtype float32 --kv-cache-memory 180MiB"
+        "--max-num-seqs 4 --block-size 16 --dtype float32 --quantization none --kv-cache-memory 180MiB"
     )
+    # an explicit --dtype with --quantization auto: dense weights as the kvscope engine holds them
+    assert out["assumed"] == {"--quantization": "dense weights in float32 (the --dtype given)"}
+    assert (out["weights"]["weights_format"], out["weights"]["bytes"]) == ("float32", 1_075_979_520)
     batch1 = out["speed"]["decode"][0]
     assert batch1["memory_ms"] == pytest.approx(1e3 * (538_060_032 + 192 * 46_080) / 10e9)
     assert batch1["bound"] == "memory"
     assert out["warnings"] == []
 
 
-def test_cpu_plan_warns_when_the_cache_does_not_fit_the_ram(capsys, model_dir, monkeypatch):
+def test_cpu_plan_that_does_not_fit_the_ram_exits_3_and_names_the_ram_it_needs(
+    capsys, model_dir, monkeypatch
+):
     from types import MappingProxyType
 
     from kvscope.cli import plan as cli
@@ -97,24 +114,38 @@ def test_cpu_plan_warns_when_the_cache_does_not_fit_the_ram(capsys, model_dir, m
 
     small = Device("cpu", 1 << 30, 10e9, MappingProxyType({"fp32": 100e9}), "test")
     monkeypatch.setattr(cli, "resolve_device", lambda name, args: small)
-    out = run_json(capsys, "--model", str(model_dir), "--max-model-len", "1024", "--concurrency", "16")
-    assert out["warnings"] == [
-        f"weights (538060032 B) + KV cache ({16 * 64 * 737_280} B) exceed this machine's {1 << 30} B of RAM"
-    ]
+    argv = ["--model", str(model_dir), "--max-model-len", "1024", "--concurrency", "16", "--format", "json"]
+    assert plan_main(argv) == 3
+    out = json.loads(capsys.readouterr().out)
+    usable = int((1 << 30) * 0.9)
+    needed = 1_075_979_520 + 16 * 64 * 737_280  # float32 weights as the engine holds them + 16 × 1024 tokens
+    assert out["verdict"]["fits"] is False
+    assert (out["verdict"]["needed_bytes"], out["verdict"]["usable_bytes"]) == (needed, usable)
+    assert out["verdict"]["short_bytes"] == needed - usable
+    assert out["verdict"]["text"] == (
+        "does not fit on cpu: weights 1.00 GiB need 1.00 GiB, more than the 0.90 GiB usable (1.0 GiB × 0.9); "
+        "with the KV cache of 16 sequences of 1024 tokens it is "
+        f"{(needed - usable) / (1 << 30):,.2f} GiB short"
+    )
+    assert out["flags"]["command"] is None
+    assert [a["change"] for a in out["verdict"]["alternatives"]] == ["a machine with more RAM"]
+    assert out["verdict"]["alternatives"][0]["verdict"] == (
+        f"needs at least {needed / 0.9 / (1 << 30):,.1f} GiB of RAM at utilization 0.9 (this one has 1.0 GiB)"
+    )
 
 
 def test_too_small_a_budget_lowers_max_model_len_and_warns(capsys, model_dir):
-    out = run_json(
-        capsys,
+    argv = [
         "--model",
         str(model_dir),
         "--device",
         "l4",
-        "--concurrency",
-        "100",
         "--gpu-memory-utilization",
         "0.05",
-    )
+        "--dtype",
+        "float32",
+    ]
+    out = run_json(capsys, *argv)
     budget = int(24 * (1 << 30) * 0.05) - 538_060_032 - (512 << 20)
     blocks = budget // 737_280
     assert out["memory"]["num_blocks"] == blocks
@@ -123,7 +154,16 @@ def test_too_small_a_budget_lowers_max_model_len_and_warns(capsys, model_dir):
         out["warnings"][0]
         == f"one sequence of 8192 tokens does not fit the KV budget: max_model_len lowered to {blocks * 16}"
     )
-    assert out["memory"]["fits"] is False
+    assert out["memory"]["fits"] is True
+    assert out["verdict"]["text"].endswith(
+        f"room for 1 sequence of {blocks * 16} tokens (the model's 8192 lowered to fit)"
+    )
+    # 100 sequences would leave each fewer tokens than the workload's 256: it does not fit, exit 3
+    assert plan_main([*argv, "--concurrency", "100", "--format", "json"]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory"]["fits"] is False and out["flags"]["command"] is None
+    assert out["kv_cache"]["max_model_len"] == 256  # the requirement, not a context that fits nothing
+    assert out["verdict"]["needed_bytes"] == 538_060_032 + (512 << 20) + 100 * 16 * 737_280
 
 
 @pytest.mark.parametrize("how", ["folder", "registered"])
@@ -131,8 +171,17 @@ def test_table_output_shows_the_kv_bytes_and_the_command(capsys, model_dir, how)
     model = str(model_dir) if how == "folder" else "smollm2-135m"
     assert plan_main(["--model", model, "--device", "h100", "--max-model-len", "2048"]) == 0
     text = capsys.readouterr().out
-    assert "46,080 B" in text
-    assert "recommended: kvscope engine --model " + model + " --max-model-len 2048 --max-num-seqs 256" in text
+    assert "23,040 B" in text  # bfloat16: the engine's --dtype auto on CUDA for a float32 checkpoint
+    assert (
+        "recommended: kvscope engine --model "
+        + model
+        + " --max-model-len 2048 --max-num-seqs 256 --block-size 16 "
+        "--dtype bfloat16 --quantization none --device cuda --gpu-memory-utilization 0.9\n"
+    ) in text
+    assert (
+        "assumed: --dtype bfloat16: the engine's --dtype auto on CUDA (the config's torch_dtype is float32)\n"
+        in text
+    )
     assert ("on disk: gguf file" in text) is (how == "registered")
     assert "None" not in text  # a missing value reads as words ("never breaks"), not Python's None
 

@@ -111,6 +111,8 @@ def test_cli_from_log_reports_the_peak_queueing_and_slo(log_file, model_dir, cap
             str(model_dir),
             "--device",
             "h100",
+            "--dtype",
+            "float32",
             "--max-model-len",
             "1024",
             "--concurrency",

@@ -1,5 +1,5 @@
-"""``--from-log http://…``: the same synthetic log served by the Elasticsearch double, paged with
-search_after."""
+"""``--from-log http://…``: the same synthetic log shipped to the Elasticsearch double (which evaluates the
+queries: kvscope/testing/es_double_search.py), read in pages with search_after inside a point in time."""
 
 from __future__ import annotations
 
@@ -10,33 +10,23 @@ from datetime import datetime
 from kvscope.cli.plan import plan_main
 from kvscope.cli.plan_log import read_spans
 from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
+from kvscope.gateway.logs.es_setup import EsIndexConfig
 from kvscope.plan.replay_es import read_spans_es
 from kvscope.testing.es_double import EsDouble
+from kvscope.testing.es_load import load_records
 from tests.plan.test_replay import staircase_and_burst
 
 
-def paging_handler(records: list[dict], queries: list[dict]):
-    """A _search answer with ES's sort/search_after semantics over ``records`` (sort: start ms, then the sort
-    field the query names last)."""
+async def shipped(es: EsDouble, records: list[dict]) -> None:
+    client = make_client(EsConnectionConfig(hosts=(es.url,)))
+    try:
+        await load_records(client, EsIndexConfig(dynamic="strict"), records)
+    finally:
+        await client.close()
 
-    def key(record: dict, tiebreak: str) -> list:
-        start = datetime.fromisoformat(record["event"]["start"]).timestamp()
-        section, name = tiebreak.split(".")
-        return [int(round(start * 1000)), record[section][name]]
 
-    def handler(index: str, body: dict):
-        queries.append(body)
-        tiebreak = next(iter(body["sort"][-1]))
-        ordered = sorted(records, key=lambda r: key(r, tiebreak))
-        after = body.get("search_after")
-        page = [r for r in ordered if after is None or key(r, tiebreak) > after][: body["size"]]
-        hits = [
-            {"_index": index, "_id": r["event"]["id"], "_score": None, "_source": r, "sort": key(r, tiebreak)}
-            for r in page
-        ]
-        return 200, {"took": 1, "timed_out": False, "hits": {"hits": hits}}
-
-    return handler
+def searches(es: EsDouble) -> list[dict]:
+    return [r.json() for r in es.requests if r.path.endswith("/_search")]
 
 
 async def test_es_pages_give_the_same_spans_as_the_jsonl_file(tmp_path):
@@ -45,29 +35,36 @@ async def test_es_pages_give_the_same_spans_as_the_jsonl_file(tmp_path):
         r["http"]["request"]["id"] = "reused-id"
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    queries: list[dict] = []
     async with EsDouble(major=9) as es:
-        es.search_handler = paging_handler(records, queries)
+        await shipped(es, records)
         client = make_client(EsConnectionConfig(hosts=(es.url,)))
         try:
             spans, meta = await read_spans_es(client, "kvscope-requests", page_size=5)
         finally:
             await client.close()
+        queries = searches(es)
+        pit_requests = [(r.method, r.path) for r in es.requests if "_pit" in r.path]
+        assert es.pits.open == {}  # closed at the end
     assert meta == {"unparsed_lines": 0, "not_generations": 2}
     assert spans == read_spans(path)[0]
     assert len(queries) == 5  # 20 records in pages of 5: 5, 5, 5, 5, then an empty page
-    assert "search_after" not in queries[0]
-    assert queries[1]["search_after"] == [
+    assert pit_requests == [("POST", "/kvscope-requests/_pit"), ("DELETE", "/_pit")]
+    assert "search_after" not in queries[0] and all("pit" in q for q in queries)
+    # the 5th record in (start, event.id) order: the staircase's 0-4 start first; the PIT adds _shard_doc
+    assert queries[1]["search_after"][:2] == [
         int(round(datetime.fromisoformat(records[4]["event"]["start"]).timestamp() * 1000)),
         "evt-000004",
     ]
-    assert queries[0]["sort"] == [{"event.start": {"order": "asc"}}, {"event.id": {"order": "asc"}}]
+    assert queries[0]["sort"] == [
+        {"event.start": {"order": "asc"}},
+        {"event.id": {"order": "asc"}},
+        {"trace.id": {"order": "asc"}},
+    ]
 
 
 async def test_cli_from_es_reports_the_known_peak(model_dir, capsys):
-    records = staircase_and_burst()
     async with EsDouble(major=9) as es:
-        es.search_handler = paging_handler(records, [])
+        await shipped(es, staircase_and_burst())
         code = await asyncio.to_thread(
             plan_main,
             [

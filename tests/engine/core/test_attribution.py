@@ -10,7 +10,7 @@ import pytest
 
 from kvscope.engine.core.request import Request
 from kvscope.engine.core.scheduler import Scheduler
-from kvscope.gateway.analytics.why import rank_causes
+from kvscope.gateway.logs.why import rank_causes
 from tests.engine.core.factories import FakeClock, make_request, make_scheduler, prompt
 
 STEP_BASE_S = 0.010

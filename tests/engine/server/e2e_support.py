@@ -1,5 +1,5 @@
-"""Helpers for the e2e engine tests (tests/e2e/test_engine_*.py): timed SSE reading, log polling, metric
-deltas and a local OTLP/HTTP receiver."""
+"""Helpers for the e2e engine tests (tests/e2e/test_engine_*.py): timed SSE reading, log lines (with a
+sentinel request instead of a sleep), metric deltas. The OTLP receiver is tests/otlp_receiver.py's."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 
+from kvscope.testing.wait import wait_until
 from tests.engine.server.helpers import EngineProcess, parse_sse, sample
 
 CHAT = "/v1/chat/completions"
@@ -67,34 +67,31 @@ def stream(
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.05) -> Any:
-    """Poll until ``predicate()`` is truthy; returns its value or raises AssertionError after the timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(interval_s)
+    """``wait_until`` (kvscope/testing/wait.py) for the e2e tests' conditions: returns the predicate's truthy
+    value or raises AssertionError after the timeout."""
+    return wait_until(predicate, timeout_s, "the e2e condition", interval_s)
 
 
 def line_by_http_id(engine: EngineProcess, http_id: str, timeout_s: float = 30.0) -> dict:
-    """The single log line whose ``http.request.id`` is ``http_id``."""
+    """The single log line whose ``http.request.id`` is ``http_id``: waits until it is written, then for a
+    sentinel request's line (so a duplicate written after the first would be in the file) and fails if there
+    are several."""
 
     def find() -> list[dict]:
         return [r for r in engine.log_records() if r["http"]["request"]["id"] == http_id]
 
-    wait_for(find, timeout_s)
-    time.sleep(0.05)
+    wait_until(find, timeout_s, f"the engine's log line of x-request-id {http_id}")
+    engine.await_log_sentinel(timeout_s)
     records = find()
     assert len(records) == 1, records
     return records[0]
 
 
 def log_line(engine: EngineProcess, response_id: str, timeout_s: float = 30.0) -> dict:
-    """The single log line of ``response_id`` (waits until it is written; fails if there are several)."""
-    records = wait_for(lambda: engine.records_for(response_id), timeout_s)
-    time.sleep(0.05)
+    """The single log line of ``response_id``: waits until it is written, then for a sentinel request's line,
+    and fails if there are several."""
+    wait_until(lambda: engine.records_for(response_id), timeout_s, f"the engine's log line of {response_id}")
+    engine.await_log_sentinel(timeout_s)
     records = engine.records_for(response_id)
     assert len(records) == 1, records
     return records[0]
@@ -102,64 +99,6 @@ def log_line(engine: EngineProcess, response_id: str, timeout_s: float = 30.0) -
 
 def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return sample(after, name, **labels) - sample(before, name, **labels)
-
-
-class OTLPReceiver:
-    """A local OTLP/HTTP receiver: keeps every decoded ExportTraceServiceRequest (POST /v1/traces) and
-    ExportMetricsServiceRequest (POST /v1/metrics); any other path is answered 404, as a collector without
-    that signal's receiver does."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.requests: list[Any] = []
-        self.metric_requests: list[Any] = []
-        self.content_types: list[str] = []
-        receiver = self
-        signals = {
-            "/v1/traces": (ExportTraceServiceRequest, self.requests),
-            "/v1/metrics": (ExportMetricsServiceRequest, self.metric_requests),
-        }
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server API
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.path not in signals:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                message_type, kept = signals[self.path]
-                message = message_type()
-                message.ParseFromString(body)
-                kept.append(message)
-                receiver.content_types.append(self.headers["Content-Type"])
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                return
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def spans(self) -> list[Any]:
-        return [
-            span
-            for request in self.requests
-            for rs in request.resource_spans
-            for ss in rs.scope_spans
-            for span in ss.spans
-        ]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def chat(content: str, **extra: Any) -> dict:

@@ -3,56 +3,28 @@ an in-thread uvicorn server, and the engine server as a real subprocess."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
+import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.gateway.logs.jsonl import read_records
+from kvscope.testing.ports import free_port as free_port  # re-exported for the server tests
+from kvscope.testing.sse import SSEStream as SSEStream  # re-exported: the one SSE reader
+from kvscope.testing.sse import parse_sse as parse_sse
+from kvscope.testing.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-@dataclass
-class SSEStream:
-    """A parsed stream: ``data`` payloads in order (dicts, or the string ``[DONE]``) and comment lines."""
-
-    data: list[Any] = field(default_factory=list)
-    comments: list[str] = field(default_factory=list)
-    other: list[str] = field(default_factory=list)
-    """Lines that are neither ``data:`` nor comments (``event:``, ``id:`` …): must stay empty."""
-
-    @property
-    def chunks(self) -> list[dict]:
-        return [d for d in self.data if isinstance(d, dict)]
-
-
-def parse_sse(text: str) -> SSEStream:
-    """Split on blank lines; each event must be exactly one ``data:`` line or comment lines."""
-    stream = SSEStream()
-    for event in text.split("\n\n"):
-        for line in event.split("\n"):
-            if not line:
-                continue
-            if line.startswith(":"):
-                stream.comments.append(line)
-            elif line.startswith("data: "):
-                payload = line[len("data: ") :]
-                stream.data.append(payload if payload == "[DONE]" else json.loads(payload))
-            else:
-                stream.other.append(line)
-    return stream
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -69,12 +41,6 @@ def sample(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def serve_in_thread(app: Any) -> Iterator[str]:
     """Run an ASGI app under a real uvicorn server in a thread; yields its base URL."""
@@ -86,11 +52,13 @@ def serve_in_thread(app: Any) -> Iterator[str]:
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
+
+    def started() -> bool:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn exited before it started")
+        return server.started
+
+    wait_until(started, 10, "uvicorn started", interval_s=0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -119,6 +87,23 @@ class EngineProcess:
     def metrics(self) -> dict:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
             return metric_samples(response.read().decode())
+
+    def await_log_sentinel(self, timeout_s: float = 30.0) -> None:
+        """Send a request the engine answers 404 and logs (an unrouted path: counted under
+        ``route="unmatched"``, no generation metric moves) and wait until its line is in the log. The engine
+        writes its lines in the order it finishes the requests (one handler, whole lines), so every line of
+        a request that ended before this one is in the file then: how a test shows that nothing more was
+        logged for a request, instead of sleeping."""
+        path = f"/kvscope-log-sentinel-{uuid.uuid4().hex}"
+        try:
+            urllib.request.urlopen(self.url + path, timeout=10).close()
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404, exc
+        wait_until(
+            lambda: any(r.get("url", {}).get("path") == path for r in self.log_records()),
+            timeout_s,
+            f"the engine's log line of GET {path}",
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -161,15 +146,20 @@ def start_engine(
         env={**os.environ, **(env or {})},
     )
     engine = EngineProcess(f"http://127.0.0.1:{port}", proc, log_path, err_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"engine exited with {proc.returncode}:\n{err_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{engine.url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return engine
-        except OSError:
-            time.sleep(0.5)
-    engine.stop()
-    raise RuntimeError(f"engine not healthy after {timeout_s} s:\n{err_path.read_text()[-3000:]}")
+        with urllib.request.urlopen(f"{engine.url}/health", timeout=2) as response:
+            return response.status == 200
+
+    try:
+        wait_until(
+            healthy, timeout_s, f"{engine.url}/health answering 200", interval_s=0.1, retry_on=(OSError,)
+        )
+    except AssertionError as exc:
+        engine.stop()
+        raise RuntimeError(
+            f"engine not healthy after {timeout_s} s:\n{err_path.read_text()[-3000:]}"
+        ) from exc
+    return engine

@@ -6,9 +6,12 @@ import json
 import random
 
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from kvscope.engine.server.tool_stream import Arguments, CallEnd, CallStart, Content, ToolCallScanner, scan
 from kvscope.engine.server.tools import ParsedCall, ToolMode, parse_tool_calls
+from kvscope.engine.structured.backend import StructuredOutputManager
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.fakes import FakeEngine, FakeInfo
 from tests.engine.server.helpers import parse_sse
@@ -212,3 +215,32 @@ def test_auto_without_a_call_streams_the_whole_text_as_content(client, fake_engi
     assert "".join(d.get("content") or "" for d in deltas) == "a <tool_call b"
     assert all("tool_calls" not in d for d in deltas)
     assert stream.chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("tool_choice", "reply"), [
+    ("required", '[{"name":"get_weather","arguments":{"city":"Paris"}}]'),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city":"Paris"}'),
+])  # fmt: skip
+def test_a_call_answer_has_content_null_in_the_body_and_in_the_streams_role_delta(
+    client, fake_engine, tokenizer, tool_choice, reply
+) -> None:
+    """OpenAI sends ``content: null`` beside tool calls. A stream's role delta with ``content: ""`` made the
+    SDK's accumulated message (``.stream()``'s final completion) end with ``""``; null stays null."""
+    fake_engine.structured = StructuredOutputManager(tokenizer.hf.to_str, 49152, tokenizer.eos_token_id)
+    fake_engine.reply = reply.encode()
+    body = chat_body(max_tokens=120, tools=[WEATHER], tool_choice=tool_choice)
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city":"Paris"}')
+    ]
+    stream = parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    assert stream.chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    state = ChatCompletionStreamState()
+    for chunk in stream.chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    final = state.get_final_completion().choices[0]
+    assert (final.finish_reason, final.message.content) == ("tool_calls", None)
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls or ()] == [
+        ("get_weather", '{"city":"Paris"}')
+    ]

@@ -113,6 +113,23 @@ def test_parse_tool_calls_per_mode() -> None:
     assert parse_tool_calls(ToolMode("required"), '[{"name": "f"') is None
 
 
+@pytest.mark.parametrize(("parallel", "most"), [(None, 1), (False, 1), (True, 8)])
+def test_required_makes_one_call_unless_parallel_calls_are_asked_for(parallel, most) -> None:
+    """The array's ``maxItems``: one call when ``parallel_tool_calls`` is absent (llama.cpp's default, not
+    OpenAI's) or false; with ``true`` up to MAX_PARALLEL_TOOL_CALLS, so a model repeating calls ends."""
+    from kvscope.engine.server.protocol import ChatCompletionRequest, decode_body
+    from kvscope.engine.server.tools import MAX_PARALLEL_TOOL_CALLS, tool_constraint, tool_mode
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    body |= {"tool_choice": "required"} | ({} if parallel is None else {"parallel_tool_calls": parallel})
+    req = decode_body(json.dumps(body).encode(), ChatCompletionRequest)
+    constraint = tool_constraint(req, tool_mode(req))
+    assert constraint is not None and MAX_PARALLEL_TOOL_CALLS == 8
+    schema = json.loads(constraint.spec)
+    assert (schema["minItems"], schema["maxItems"], constraint.param) == (1, most, "tools")
+
+
 def test_a_tool_choice_constraint_and_a_guided_field_together_are_a_400() -> None:
     from kvscope.engine.server.errors import OpenAIError
     from kvscope.engine.server.protocol import ChatCompletionRequest, decode_body
@@ -140,32 +157,43 @@ def test_a_tool_choice_constraint_and_a_guided_field_together_are_a_400() -> Non
     )
 
 
-def _optional(count: int, kind: str) -> dict:
-    return {"type": "object", "properties": {f"p{i}": {"type": kind} for i in range(count)}}
+def _optional(count: int, kind: str, closed: bool = True) -> dict:
+    """An object of ``count`` optional properties; ``closed=False`` sets ``additionalProperties: true``
+    (kvscope closes an object that does not say: engine/structured/schema_bounds.py)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": kind} for i in range(count)}}
+    return schema if closed else {**schema, "additionalProperties": True}
 
 
-@pytest.mark.parametrize(("schema", "prefix"), [
-    (_optional(500, "string"), "'{'"),
-    ({"type": "array", "items": _optional(500, "integer")}, "'[{'"),
+@pytest.mark.parametrize(("schema", "prefix", "items"), [
+    (_optional(500, "string", closed=False), "'{'", 2007),
+    ({"type": "array", "items": _optional(500, "integer", closed=False)}, "'[{'", 2007),
+    (_optional(501, "string"), "'{'", 2003),
+    ({"type": "array", "items": _optional(501, "integer")}, "'[{'", 2003),
 ])  # fmt: skip
-def test_a_row_past_the_matchers_limit_after_the_start_is_a_400_at_admission(manager, schema, prefix) -> None:
-    """500 optional properties: ``{`` is not forced (``{}`` and ``{"`` are tokens too), and the row after
-    it holds 2,007 items, above llguidance's 2,000. The probe tries the tokens after the forced start, so
-    this is a 400 at admission; before, it compiled and every request failed at its second token (a 500)."""
+def test_a_row_past_the_matchers_limit_after_the_start_is_a_400_at_admission(
+    manager, schema, prefix, items
+) -> None:
+    """Many optional properties: ``{`` is not forced (``{}`` and ``{"`` are tokens too), and the row after
+    it holds ~4 items per optional property (2,007 for 500 open ones, 2,003 for 501 closed ones), above
+    llguidance's 2,000. The probe tries the tokens after the forced start, so this is a 400 at admission;
+    before, it compiled and every request failed at its second token (a 500)."""
     with pytest.raises(InvalidParameterError) as caught:
         manager.compile(StructuredOutputsParams.json_schema(schema, "response_format"))
     assert caught.value.param == "response_format"
     assert str(caught.value) == (
         f"The json constraint cannot be served: the grammar matcher exceeds its limits "
-        f"after {prefix} (Parser Error: Current row has 2007 items; max is 2000; consider "
+        f"after {prefix} (Parser Error: Current row has {items} items; max is 2000; consider "
         "making your grammar left-recursive if it's right-recursive)"
     )
 
 
-def test_the_most_optional_string_properties_served(manager) -> None:
-    """docs/engine-server.md's boundary: 498 optional string properties are served, 499 are a 400."""
-    assert (
-        manager.compile(StructuredOutputsParams.json_schema(_optional(498, "string"), "response_format")) > 0
-    )
+@pytest.mark.parametrize(("closed", "most"), [(True, 500), (False, 498)])
+def test_the_most_optional_string_properties_served(manager, closed, most) -> None:
+    """docs/engine-server.md's boundary: 500 optional string properties of a closed object (kvscope's
+    default) are served, 501 are a 400; 498 and 499 with ``additionalProperties: true``."""
+    schema = _optional(most, "string", closed)
+    assert manager.compile(StructuredOutputsParams.json_schema(schema, "response_format")) > 0
     with pytest.raises(InvalidParameterError):
-        manager.compile(StructuredOutputsParams.json_schema(_optional(499, "string"), "response_format"))
+        manager.compile(
+            StructuredOutputsParams.json_schema(_optional(most + 1, "string", closed), "response_format")
+        )

@@ -52,7 +52,9 @@ async def test_ship_report_and_clean_up(tmp_path):
         assert count["count"] == 200 and sink.stats.shipped == 201 and sink.stats.duplicates == 1
         report = await EsLogs(client, index.data_stream, URL, None).report(top=3)
         assert report.total.requests == 200 and report.total.errors == 0
-        assert report.total.latency["e2e"][50] == pytest.approx(1.005, rel=0.02)  # TDigest: approximate
+        # ES >= 8.9 sorts the 200 values (fewer than 2,000): type-7 interpolation between 1.00 and 1.01, to
+        # rounding (tests/gateway/logs/test_es_agreement.py derives the tolerance)
+        assert report.total.latency["e2e"][50] == pytest.approx(1.005, rel=1e-12)
         assert [s.e2e_s for s in report.slowest] == [2.0, 1.99, 1.98]
     finally:
         await client.indices.delete_data_stream(name=index.data_stream)

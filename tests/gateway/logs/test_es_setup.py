@@ -68,6 +68,7 @@ def test_mapping_types_of_the_fields_the_report_reads():
     assert leaf("event.duration") == leaf("http.response.status_code") == {"type": "long"}
     assert leaf("user.id") == {"type": "keyword", "ignore_above": 1024}
     assert leaf("gen_ai.response.finish_reasons")["type"] == "keyword"
+    assert leaf("gen_ai.response.id") == {"type": "keyword", "ignore_above": 1024}
     assert leaf("message") == leaf("error.message") == {"type": "match_only_text"}
     assert leaf("client.ip") == {"type": "ip"}
     for name in ("ttft_s", "tpot_s", "e2e_s"):

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
-from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
+from kvscope.gateway.logs.elasticsearch import SPOOLED_HANDOFF_S, ElasticsearchSink
+from kvscope.gateway.logs.es_shipper import ShipperConfig
 from kvscope.gateway.logs.sink import LogSink
 from kvscope.gateway.logs.spool import REJECTED_FILE
 from kvscope.testing.records import make_record
+from kvscope.testing.wait import async_wait_until
 from tests.gateway.logs.helpers import RecordingMetrics, fast_config, segment_files
 
 
@@ -22,11 +24,11 @@ def ids(n: int, start: int = 0) -> set[str]:
 
 
 async def until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.005)
+    """Whether ``condition()`` held within ``timeout_s`` (the loop runs meanwhile)."""
+    try:
+        await async_wait_until(condition, timeout_s, "the sink's condition")
+    except AssertionError:
+        return False
     return True
 
 
@@ -209,3 +211,40 @@ async def test_records_without_an_event_id_get_a_stable_content_id(tmp_path, es)
     (doc_id,) = es.docs()
     assert doc_id.startswith("sha1-") and len(doc_id) == 45
     assert (sink.stats.shipped, sink.stats.duplicates) == (2, 1)
+
+
+async def test_in_spooled_mode_each_wait_follows_a_whole_hand_off_and_is_short(tmp_path, es, monkeypatch):
+    """docs/logs.md: once the sink has noticed an outage, queued records reach the spool every
+    ``SPOOLED_HANDOFF_S``, so a SIGKILL loses only that memory queue (the gateway-level kill test asserts the
+    loss; bench/spool_loss_window.py measures it). Checked on the sink's own schedule, not a clock: with the
+    production timers (1 s flush, 0.5 s first backoff), every wait the sink starts once records are spooled
+    asks for at most ``SPOOLED_HANDOFF_S`` and begins with nothing in memory."""
+    config = fast_config(tmp_path, es.url)
+    config = replace(config, shipper=ShipperConfig(), setup_on_start=False)  # production timers
+    sink = ElasticsearchSink(config)
+    waits: list[tuple[float, int, int]] = []
+    """(seconds asked, records in memory, records spooled so far) of each wait."""
+    real_sleep = sink._sleep
+
+    async def recording_sleep(seconds: float) -> None:
+        waits.append((seconds, sink.queued, sink.stats.spooled))
+        await real_sleep(seconds)
+
+    monkeypatch.setattr(sink, "_sleep", recording_sleep)
+    await sink.start()
+    await es.go_down()
+    try:
+        emitted = config.shipper.batch_size  # a full batch wakes the shipper: it finds the cluster down
+        for i in range(emitted):
+            sink.emit(make_record(i))
+        assert await until(lambda: sink.stats.spooled == emitted, 30)
+        for _ in range(5):  # then a few records at a time, each lot handed over before the next
+            for _ in range(10):
+                sink.emit(make_record(emitted))
+                emitted += 1
+            assert await until(lambda n=emitted: sink.stats.spooled == n, 5)
+    finally:
+        await sink.aclose()
+    spooled_mode = [(seconds, queued) for seconds, queued, spooled in waits if spooled > 0]
+    assert len(spooled_mode) >= 5
+    assert all(seconds <= SPOOLED_HANDOFF_S and queued == 0 for seconds, queued in spooled_mode), spooled_mode

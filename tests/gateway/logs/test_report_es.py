@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import pytest
 
 from kvscope.gateway.analytics.cli import logs_main
 from kvscope.gateway.analytics.es_logs import parse_report, parse_timeseries, report_query, search_query
+from kvscope.gateway.logs.es_client import EsConnectionConfig, make_client
+from kvscope.gateway.logs.es_setup import EsIndexConfig
 from kvscope.testing.es_double import EsDouble
-from kvscope.testing.records import T0
+from kvscope.testing.es_load import load_records
+from kvscope.testing.records import T0, make_record
 
 PCT = {"percents": [50, 95, 99]}
 METRICS = {
@@ -41,7 +44,12 @@ DOCUMENTED_QUERY = {  # docs/logs.md, "Elasticsearch query"
     "size": 3,
     "track_total_hits": True,
     "query": {"bool": {"filter": [{"range": {"@timestamp": {"gte": "2025-01-01T12:00:00.000Z"}}}]}},
-    "sort": [{"kvscope.e2e_s": {"order": "desc"}}, {"http.request.id": {"order": "asc"}}],
+    "sort": [
+        {"kvscope.e2e_s": {"order": "desc"}},
+        {"http.request.id": {"order": "asc"}},
+        {"event.id": {"order": "asc"}},
+        {"trace.id": {"order": "asc"}},
+    ],
     "_source": [
         "@timestamp",
         "gen_ai.request.model",
@@ -160,6 +168,10 @@ def test_report_query_has_the_documented_shape():
     numeric = report_query("status", None)
     assert numeric["query"] == {"match_all": {}}
     assert numeric["aggs"]["groups"]["terms"] == {"field": "http.response.status_code", "size": 50}
+    assert numeric["aggs"]["groups_missing"] == {
+        "missing": {"field": "http.response.status_code"},
+        "aggs": METRICS,
+    }
     with pytest.raises(ValueError):
         report_query("colour", None)
 
@@ -219,7 +231,11 @@ def test_search_and_timeseries_shapes():
     assert search_query("kvscope.e2e_s:>5", None, 7) == {
         "size": 7,
         "query": {"bool": {"must": [{"query_string": {"query": "kvscope.e2e_s:>5"}}], "filter": []}},
-        "sort": [{"@timestamp": {"order": "desc"}}],
+        "sort": [
+            {"@timestamp": {"order": "desc"}},
+            {"event.id": {"order": "asc"}},
+            {"trace.id": {"order": "asc"}},
+        ],
     }
     series = parse_timeseries(
         {
@@ -242,30 +258,40 @@ def test_search_and_timeseries_shapes():
 
 
 def test_cli_report_and_search_through_the_client(capsys):
-    seen: list[tuple[str, dict]] = []
-
-    def handler(index: str, body: dict):
-        seen.append((index, body))
-        if "aggs" in body:
-            return 200, RESPONSE
-        return 200, {
-            "took": 1,
-            "timed_out": False,
-            "hits": {"total": {"value": 1, "relation": "eq"}, "hits": [HIT]},
-        }
+    """The CLI through the real client against the double, which evaluates the query and the aggregations:
+    the answers are the records' own numbers (percentiles: type-7 interpolation, by hand below)."""
+    records = [
+        make_record(i, e2e_s=e2e, status=status, ts=T0 + timedelta(seconds=i))
+        for i, (e2e, status) in enumerate([(1.0, 200), (4.0, 200), (2.0, 500), (3.0, 200), (9.0, 404)])
+    ]
+    records[3]["event"]["outcome"] = "failure"  # a stream that broke after its 200: an error too
 
     async def run(argv: list[str]) -> int:
         async with EsDouble(major=8) as es8:
-            es8.search_handler = handler
+            client = make_client(EsConnectionConfig(hosts=(es8.url,)))
+            try:
+                await load_records(client, EsIndexConfig(dynamic="strict"), records)
+            finally:
+                await client.close()
             return await asyncio.to_thread(logs_main, [*argv, "--source", es8.url])
 
-    argv = ["report", "--by", "model", "--top", "3", "--since", "2025-01-01T12:00:00Z", "--format", "json"]
+    argv = ["report", "--by", "status", "--top", "2", "--since", "2025-01-01T12:00:01Z", "--format", "json"]
     assert asyncio.run(run(argv)) == 0
     body = json.loads(capsys.readouterr().out)
-    assert seen[0] == ("kvscope-requests", DOCUMENTED_QUERY)
-    assert body["total"]["requests"] == 120 and body["slowest"][0]["slowest_phase"] == "queue"
-    assert asyncio.run(run(["search", "http.response.status_code:200", "--format", "json"])) == 0
-    assert json.loads(capsys.readouterr().out) == HIT["_source"]
-    assert seen[1][1]["query"]["bool"]["must"] == [
-        {"query_string": {"query": "http.response.status_code:200"}}
+    # since 12:00:01: records 1-4 (e2e 4, 2, 3, 9); errors: the 500, the 404 and the broken stream
+    total = body["total"]
+    assert (total["requests"], total["errors"]) == (4, 3)
+    # e2e sorted [2, 3, 4, 9] (n = 4): rank q·(n − 1), then linear interpolation, in floating point
+    assert (total["e2e_p50_s"], total["e2e_p95_s"], total["e2e_p99_s"]) == (
+        3 + (0.5 * 3 - 1) * 1,
+        4 + (0.95 * 3 - 2) * 5,
+        4 + (0.99 * 3 - 2) * 5,
+    )
+    assert [(g["group"], g["requests"], g["errors"]) for g in body["groups"]] == [
+        ("200", 2, 1),
+        ("404", 1, 1),
+        ("500", 1, 1),
     ]
+    assert [s["request_id"] for s in body["slowest"]] == ["req-000004", "req-000001"]
+    assert asyncio.run(run(["search", "http.response.status_code:500", "--format", "json"])) == 0
+    assert json.loads(capsys.readouterr().out)["http"]["request"]["id"] == "req-000002"

@@ -292,6 +292,22 @@ def test_plot_writes_two_pngs(log_dir, tmp_path, capsys):
     assert png_size(tmp_path / "ttft_histogram.png") == (1100, 500)
 
 
+def test_plot_writes_beside_the_log_by_default(log_dir, tmp_path, capsys, monkeypatch):
+    """Without --out the charts go to plots/ beside the charted log (for kvscope serve's log: the kvscope
+    cache), not into the current directory; an Elasticsearch source's go to $KVSCOPE_CACHE/plots."""
+    from kvscope.gateway.analytics.cli import default_plot_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert logs_main(["plot", "--source", str(log_dir / "requests.jsonl"), "--bucket", "1m"], env={}) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {log_dir}/plots/latency_percentiles.png",
+        f"wrote {log_dir}/plots/ttft_histogram.png",
+    ]
+    assert list(tmp_path.iterdir()) == []
+    assert default_plot_dir(str(log_dir), tmp_path) == log_dir / "plots"
+    assert default_plot_dir("http://es:9200", tmp_path / "cache") == tmp_path / "cache" / "plots"
+
+
 def test_plot_data_buckets_and_histogram(log_dir):
     from kvscope.gateway.analytics.duckdb_logs import DuckDBLogs
 

@@ -1,7 +1,8 @@
-"""``kvscope logs why``: one request's latency explained from its log record's ``kvscope.engine`` attribution
-(the engine scheduler's step records, engine/core/attribution.py; fields in docs/logs.md) and the gateway's
-own timings (``kvscope.gateway``, the phases of gateway/context.py's GatewayPhases; older records:
-``kvscope.gateway_overhead_s``, ``kvscope.upstream_s``).
+"""``kvscope logs why`` and the console's request page (gateway/console/): one request's latency explained
+from its log record's ``kvscope.engine`` attribution (the engine scheduler's step records,
+engine/core/attribution.py; fields in docs/logs.md) and the gateway's own timings (``kvscope.gateway``, the
+phases of gateway/context.py's GatewayPhases; older records: ``kvscope.gateway_overhead_s``,
+``kvscope.upstream_s``).
 
 Causes, in seconds (each a sum of record fields, so the ranking is reproducible from the record): ``queue``
 (arrival → first scheduled), ``own prefill`` / ``own decode`` (the token-proportional share of the steps that
@@ -15,6 +16,20 @@ records older than ``kvscope.gateway`` — and ``upstream transfer``: the answer
 (connect, HTTP, network, output streaming). The answering attempt's time to response headers is not a cause of
 its own: the engine's queue, prefill and decode lie inside that attempt (a non-streamed answer's headers come
 after the whole generation), so it is printed, and ranked only as part of ``upstream transfer``.
+
+A record from another upstream kind (``kvscope.upstream.kind``: vLLM, SGLang, llama.cpp, TGI, a plain
+OpenAI server) has no step attribution: it is explained from what its line holds (:func:`explain_reported`),
+each number with its source (``per_request``: the upstream's own report on this request; ``sampled``: its
+``/metrics`` (llama.cpp: and ``/slots``) scraped near the request, with the sample's age; ``gateway``:
+measured by the gateway), and a
+line saying what that kind cannot tell. Its causes are ``queue``, ``prefill`` and ``decode`` where the
+upstream reported them, the gateway's phases, and ``upstream unattributed``: the answering attempt's time
+its report does not cover (connect and transfer, and whatever the upstream did not time: llama.cpp's wait
+for a free slot, a whole generation whose upstream reports nothing).
+
+It lives beside the record it reads (gateway/logs/), not in gateway/analytics/: the console serves it from the
+running gateway, whose modules may not import the offline analytics (an import-linter contract); it imports
+nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -41,6 +56,11 @@ GATEWAY_CAUSES = {
     "gateway other": "other_s",
 }
 """Gateway causes → their ``kvscope.gateway`` field (seconds)."""
+REPORTED_CAUSES = {"queue": "queue_s", "prefill": "prefill_s", "decode": "decode_s"}
+"""Causes of a record without step attribution → the ``kvscope.engine`` fields (seconds) the upstream
+reported."""
+STEP_ATTRIBUTION = "per-step attribution (other requests' prefills, batched decodes, preemption)"
+"""What only our engine reports (engine/core/attribution.py)."""
 
 
 def _seconds(engine: dict[str, Any], cause: str) -> float:
@@ -52,19 +72,26 @@ def rank_causes(engine: dict[str, Any], gateway: dict[str, Any] | None = None) -
     """Causes and their seconds, largest first (those under a microsecond left out). ``engine`` is the
     ``kvscope`` object (the record's ``kvscope.engine``); ``gateway`` the record's ``kvscope`` (adds the
     gateway's phases of :data:`GATEWAY_CAUSES`, or ``gateway`` for an older record, and ``upstream
-    transfer``: the answering attempt's seconds minus the engine's arrival → last token)."""
-    seconds = {cause: _seconds(engine, cause) for cause in CAUSE_FIELDS}
+    transfer``: the answering attempt's seconds minus the engine's arrival → last token). An ``engine``
+    without step attribution (another upstream kind: no ``prefill_steps``) gives the causes of
+    :data:`REPORTED_CAUSES` instead, and ``upstream unattributed`` for the rest of the attempt."""
+    attributed = engine.get("prefill_steps") is not None
+    if attributed:
+        seconds = {cause: _seconds(engine, cause) for cause in CAUSE_FIELDS}
+    else:
+        seconds = {cause: engine.get(f) or 0.0 for cause, f in REPORTED_CAUSES.items()}
+    rest = "upstream transfer" if attributed else "upstream unattributed"
     if gateway is not None:
         engine_e2e = sum(engine.get(f) or 0.0 for f in ("queue_s", "prefill_s", "decode_s"))
         phases = gateway.get("gateway")
         if isinstance(phases, dict):
             seconds.update({cause: phases.get(field) or 0.0 for cause, field in GATEWAY_CAUSES.items()})
             answered = (phases.get("upstream_connect_s") or 0.0) + (phases.get("upstream_response_s") or 0.0)
-            seconds["upstream transfer"] = max(answered - engine_e2e, 0.0)
+            seconds[rest] = max(answered - engine_e2e, 0.0)
         else:  # a record from before kvscope.gateway
             seconds["gateway"] = gateway.get("gateway_overhead_s") or 0.0
             if gateway.get("upstream_s") is not None:
-                seconds["upstream transfer"] = max(gateway["upstream_s"] - engine_e2e, 0.0)
+                seconds[rest] = max(gateway["upstream_s"] - engine_e2e, 0.0)
     return sorted(((c, s) for c, s in seconds.items() if s > 1e-6), key=lambda item: -item[1])
 
 
@@ -79,6 +106,8 @@ class Why:
     causes: tuple[tuple[str, float], ...]
     verdict: str
     engine: dict[str, Any]
+    upstream: dict[str, Any] | None = None
+    """The record's ``kvscope.upstream`` (None: a record from before upstream kinds)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--format json`` object."""
@@ -90,6 +119,7 @@ class Why:
             "text": self.text,
             "causes": [{"cause": c, "seconds": s, "share": s / total} for c, s in self.causes],
             "engine": self.engine,
+            "upstream": self.upstream,
         }
 
 
@@ -165,12 +195,16 @@ def _gateway_line(kv: dict[str, Any]) -> str:
 
 
 def explain(record: dict[str, Any]) -> Why:
-    """The answer for one request-log record (the gateway's or the engine's line). Raises ValueError when the
-    record carries no ``kvscope.engine`` attribution (an engine that does not attribute its requests, or a
-    refused request)."""
+    """The answer for one request-log record (the gateway's or the engine's line): from our engine's step
+    attribution when ``kvscope.engine`` has it, else from what the line holds about the upstream
+    (:func:`explain_reported`). Raises ValueError when the record has neither (a request refused before any
+    upstream, or an older record without attribution)."""
     kv = record.get("kvscope") or {}
     engine = kv.get("engine") or {}
+    upstream = kv.get("upstream") if isinstance(kv.get("upstream"), dict) else None
     if engine.get("prefill_steps") is None:
+        if upstream is not None and upstream.get("kind") is not None:
+            return explain_reported(record)
         raise ValueError(
             "the record has no kvscope.engine attribution: the request was refused before the "
             "engine, the client left before the engine answered, or an older engine served it"
@@ -209,14 +243,117 @@ def explain(record: dict[str, Any]) -> Why:
         causes=causes,
         verdict=causes[0][0] if causes else "?",
         engine=engine,
+        upstream=upstream,
     )
 
 
-def why_query(request_or_trace_id: str, *, es: bool) -> str:
-    """The search condition matching a request id or trace id: DuckDB SQL for files, a query string for
-    Elasticsearch. Raises ValueError for an id with quote characters."""
-    if any(ch in request_or_trace_id for ch in "'\"\\"):
-        raise ValueError("a request or trace id has no quote characters")
-    if es:
-        return f'http.request.id:"{request_or_trace_id}" OR trace.id:"{request_or_trace_id}"'
-    return f'"http"."request"."id" = \'{request_or_trace_id}\' OR "trace"."id" = \'{request_or_trace_id}\''
+def _seconds_or(value: Any, missing: str) -> str:
+    return missing if value is None else f"{value:.3f} s"
+
+
+def _sample_phrase(moment: str, sample: dict[str, Any] | None) -> str | None:
+    if not isinstance(sample, dict):
+        return None
+    usage = sample.get("kv_cache_usage")
+    kv_usage = "KV usage ?" if usage is None else f"KV usage {usage:.0%}"
+    return (
+        f"at {moment} {_n(sample.get('requests_running'))} running, {_n(sample.get('requests_waiting'))} "
+        f"waiting, {kv_usage} (sampled {sample.get('age_s') or 0:.1f} s before)"
+    )
+
+
+def _unknowns(kind: str, upstream: dict[str, Any], ttft_s: float | None) -> list[str]:
+    """What the record's upstream kind did not tell about this request (by ``kvscope.upstream.sources``)."""
+    sources = upstream.get("sources") or {}
+    missing = [
+        what
+        for key, what in (
+            ("queue_s", "queue time"),
+            ("prefill_s", "prefill time"),
+            ("decode_s", "decode time"),
+            ("cached_tokens", "cached tokens"),
+        )
+        if sources.get(key) is None
+    ]
+    if ttft_s is None:
+        missing.insert(0, "TTFT")
+    sampled = upstream.get("sampled") or {}
+    if sampled.get("arrival") is None and sampled.get("finish") is None:
+        missing.append("batch size, KV usage and queue depth (not sampled)")
+    else:
+        missing += [
+            what
+            for key, what in (("batch_size", "batch size"), ("kv_cache_usage", "KV usage"))
+            if sources.get(key) is None
+        ]
+    if kind != "kvscope":
+        missing.append(STEP_ATTRIBUTION)
+    return missing
+
+
+def explain_reported(record: dict[str, Any]) -> Why:
+    """The answer for a record without step attribution: the upstream's kind and what its line holds
+    (``kvscope.engine`` in the stable shape of gateway/engines/section.py, ``kvscope.upstream``), each number
+    with its source, then what that kind cannot tell, the gateway's phases and the verdict over
+    :func:`rank_causes`' reported causes."""
+    kv = record.get("kvscope") or {}
+    engine = kv.get("engine") or {}
+    upstream = kv.get("upstream") or {}
+    kind = str(upstream.get("kind"))
+    sources = upstream.get("sources") or {}
+
+    def src(key: str) -> str:
+        return sources.get(key) or "?"
+
+    ttft = kv.get("ttft_s")
+    head = f"upstream {kind} (kind from {upstream.get('kind_source') or '?'})"
+    ttft_part = "TTFT unknown" if ttft is None else f"TTFT {ttft:.3f} s ({src('ttft_s')})"
+    queue = engine.get("queue_s")
+    prefill = engine.get("prefill_s")
+    lines = [
+        f"{head}: {ttft_part}; "
+        + (f"{queue:.3f} s queued ({src('queue_s')}); " if queue is not None else "")
+        + f"prefill {_seconds_or(prefill, '?')}"
+        + (f" ({src('prefill_s')})" if prefill is not None else "")
+        + f" of a {_n(engine.get('prompt_tokens'))}-token prompt, {_n(engine.get('cached_tokens'))} from the "
+        "prefix cache"
+    ]
+    decode, tpot = engine.get("decode_s"), kv.get("tpot_s")
+    per_token = f" at {tpot * 1000:.1f} ms/token" if tpot else ""
+    if decode is not None:
+        lines.append(f"decode {decode:.3f} s{per_token} ({src('decode_s')})")
+    elif tpot:
+        lines.append(f"decode{per_token} (gateway)")
+    sampled = upstream.get("sampled") or {}
+    phrases = [
+        p
+        for p in (
+            _sample_phrase("arrival", sampled.get("arrival")),
+            _sample_phrase("finish", sampled.get("finish")),
+        )
+        if p
+    ]
+    if phrases:
+        batch = engine.get("batch_size_mean")
+        batch_part = (
+            "" if batch is None else f"batch of {batch:.1f} (max {_n(engine.get('batch_size_max'))}); "
+        )
+        lines.append(f"{kind} sampled: {batch_part}" + "; ".join(phrases))
+    missing = _unknowns(kind, upstream, ttft)
+    if missing:
+        lines.append(f"{kind} does not tell: " + ", ".join(missing))
+    is_gateway = "gateway_overhead_s" in kv
+    if is_gateway:
+        lines.append(_gateway_line(kv))
+    causes = tuple(rank_causes(engine, kv if is_gateway else None))
+    total = sum(s for _, s in causes) or 1.0
+    lines.append("verdict: " + ", ".join(f"{c} {s:.3f} s ({s / total:.0%})" for c, s in causes[:4]))
+    return Why(
+        request_id=_dotted(record, "http", "request", "id") or _dotted(record, "gen_ai", "response", "id"),
+        trace_id=_dotted(record, "trace", "id"),
+        text="\n".join(lines),
+        causes=causes,
+        verdict=causes[0][0] if causes else "?",
+        engine=engine,
+        upstream=upstream,
+    )

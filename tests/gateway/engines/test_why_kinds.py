@@ -1,0 +1,167 @@
+"""``kvscope logs why`` (gateway/logs/why.py) on records from upstreams without step attribution: it
+explains what the line holds, with each number's source, and says what the kind cannot tell."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscope.gateway.context import RequestContext
+from kvscope.gateway.engines.kinds import UpstreamKind
+from kvscope.gateway.engines.reports import report_from_body, upstream_report
+from kvscope.gateway.engines.samples import EngineSample
+from kvscope.gateway.engines.section import SampleStamp
+from kvscope.gateway.logs.record import RecordBuilder, ServiceInfo
+from kvscope.gateway.logs.why import explain, rank_causes
+from tests.gateway.engines.payloads import LLAMACPP_CHAT, LLAMACPP_USAGE, TGI_HEADERS, TGI_USAGE
+
+START = 1000.0
+ARRIVAL = SampleStamp(
+    EngineSample(at=1.0, requests_running=3.0, requests_waiting=1.0, kv_cache_usage=0.25), 0.4
+)
+FINISH = SampleStamp(
+    EngineSample(at=2.0, requests_running=6.0, requests_waiting=0.0, kv_cache_usage=0.5), 0.125
+)
+
+
+def record(kind: str, *, report, usage, stream: bool, samples: bool) -> dict:
+    """The gateway's record of a request of 2 s e2e whose one attempt took 1.5 s (1.25 s to its response
+    headers, its last byte 1.75 s after arrival)."""
+    c = RequestContext(
+        request_id="why-1", method="POST", path="/v1/chat/completions", route="/v1/chat/completions",
+        start=START, start_wall=1.7e9,
+    )  # fmt: skip
+    c.request.stream = stream
+    c.upstream.started("http://upstream:8080")
+    c.upstream.kind, c.upstream.kind_source = kind, "models"
+    if samples:
+        c.upstream.arrival_sample, c.upstream.finish_sample = ARRIVAL, FINISH
+    c.attempt_ended(START + 0.25, START + 1.5, START + 1.75)
+    c.answer.usage, c.answer.report, c.answer.finish_reasons = usage, report, ["length"]
+    c.answer.upstream_end = START + 1.75
+    if stream:
+        c.answer.first_token_at = START + 0.5
+    c.outcome.status, c.outcome.end_at = 200, START + 2.0
+    return RecordBuilder(ServiceInfo("kvscope-gateway", "0.1.0", "gw")).build(c)
+
+
+def test_a_llamacpp_json_answer_is_explained_from_its_timings_and_samples() -> None:
+    rec = record(
+        "llamacpp",
+        report=report_from_body(UpstreamKind.LLAMACPP, LLAMACPP_CHAT),
+        usage=LLAMACPP_USAGE,
+        stream=False,
+        samples=True,
+    )
+    why = explain(rec)
+    kv = rec["kvscope"]
+    ttft, tpot = kv["ttft_s"], kv["tpot_s"]
+    assert ttft == START + 1.75 - 30.75 / 1000 - START
+    lines = why.text.splitlines()
+    assert lines[:4] == [
+        f"upstream llamacpp (kind from models): TTFT {ttft:.3f} s (per_request); "
+        "prefill 0.052 s (per_request) of a 25-token prompt, 9 from the prefix cache",
+        f"decode 0.031 s at {tpot * 1000:.1f} ms/token (per_request)",
+        "llamacpp sampled: batch of 4.5 (max 6); at arrival 3 running, 1 waiting, KV usage 25% "
+        "(sampled 0.4 s before); at finish 6 running, 0 waiting, KV usage 50% (sampled 0.1 s before)",
+        "llamacpp does not tell: queue time, per-step attribution (other requests' prefills, "
+        "batched decodes, preemption)",
+    ]
+    assert lines[4].startswith("e2e 2.000 s at the gateway: ")
+    causes = dict(why.causes)
+    assert causes["prefill"] == 52.125 / 1000 and causes["decode"] == 30.75 / 1000
+    # the answering attempt's 1.5 s less what llama.cpp timed: connect, tokenizing, a free slot, sending
+    assert causes["upstream unattributed"] == pytest.approx(1.5 - 52.125 / 1000 - 30.75 / 1000)
+    assert sum(causes.values()) == pytest.approx(2.0)
+    assert why.verdict == "upstream unattributed"
+    assert why.to_dict()["upstream"] == kv["upstream"]
+
+
+def test_a_tgi_stream_says_it_has_no_per_request_timing() -> None:
+    rec = record(
+        "tgi",
+        report=upstream_report(UpstreamKind.TGI, {"usage": TGI_USAGE}, {}),
+        usage=TGI_USAGE,
+        stream=True,
+        samples=False,
+    )
+    lines = explain(rec).text.splitlines()
+    assert lines[0] == (
+        "upstream tgi (kind from models): TTFT 0.500 s (gateway); prefill ? of a ?-token prompt, ? from the "
+        "prefix cache"
+    )
+    assert lines[1] == f"decode at {rec['kvscope']['tpot_s'] * 1000:.1f} ms/token (gateway)"
+    assert lines[2] == (
+        "tgi does not tell: queue time, prefill time, decode time, cached tokens, batch size, KV usage and "
+        "queue depth (not sampled), per-step attribution (other requests' prefills, batched decodes, "
+        "preemption)"
+    )
+
+
+def test_a_tgi_json_answer_has_its_queue_time() -> None:
+    rec = record(
+        "tgi", report=upstream_report(UpstreamKind.TGI, {"usage": TGI_USAGE}, TGI_HEADERS), usage=TGI_USAGE,
+        stream=False, samples=False,
+    )  # fmt: skip
+    why = explain(rec)
+    assert why.text.splitlines()[0] == (
+        "upstream tgi (kind from models): TTFT unknown; 0.310 s queued (per_request); "
+        "prefill ? of a 18-token prompt, ? from the prefix cache"
+    )
+    assert dict(why.causes)["queue"] == 0.31
+    assert why.text.splitlines()[1].startswith(
+        "tgi does not tell: TTFT, prefill time, decode time, cached tokens"
+    )
+
+
+def test_a_record_that_reached_no_upstream_is_still_refused() -> None:
+    rec = record("openai", report=None, usage=None, stream=False, samples=False)
+    rec["kvscope"]["upstream"]["kind"] = None
+    with pytest.raises(ValueError, match="no kvscope.engine attribution"):
+        explain(rec)
+
+
+def test_rank_causes_of_a_reported_engine_part() -> None:
+    engine = {"queue_s": 0.5, "prefill_s": 0.25, "decode_s": 1.0}
+    assert rank_causes(engine) == [("decode", 1.0), ("queue", 0.5), ("prefill", 0.25)]
+
+
+def test_sampled_state_without_kv_usage_says_so() -> None:
+    """TGI exports its batch and queue sizes but no KV-cache usage."""
+    rec = record(
+        "tgi", report=upstream_report(UpstreamKind.TGI, {"usage": TGI_USAGE}, TGI_HEADERS), usage=TGI_USAGE,
+        stream=False, samples=True,
+    )  # fmt: skip
+    sampled = rec["kvscope"]["upstream"]["sampled"]
+    for moment in ("arrival", "finish"):
+        sampled[moment]["kv_cache_usage"] = None
+    rec["kvscope"]["engine"]["kv_cache_usage"] = None
+    rec["kvscope"]["upstream"]["sources"]["kv_cache_usage"] = None
+    lines = explain(rec).text.splitlines()
+    assert lines[1] == (
+        "tgi sampled: batch of 4.5 (max 6); at arrival 3 running, 1 waiting, KV usage ? (sampled 0.4 s "
+        "before); at finish 6 running, 0 waiting, KV usage ? (sampled 0.1 s before)"
+    )
+    assert lines[2] == (
+        "tgi does not tell: TTFT, prefill time, decode time, cached tokens, KV usage, per-step attribution "
+        "(other requests' prefills, batched decodes, preemption)"
+    )
+
+
+def test_the_report_names_the_cause_logs_why_names() -> None:
+    """`kvscope logs report`'s cause column said `?` for every request from an upstream without step
+    attribution, while `kvscope logs why` on the same line named its largest cause."""
+    from kvscope.gateway.analytics.report import slow_request
+
+    rec = record(
+        "llamacpp",
+        report=report_from_body(UpstreamKind.LLAMACPP, LLAMACPP_CHAT),
+        usage=LLAMACPP_USAGE,
+        stream=False,
+        samples=True,
+    )
+    row = slow_request(rec)
+    why = explain(rec)
+    assert row.causes == why.causes != ()
+    total = sum(s for _, s in why.causes)
+    assert row.cause == f"{why.verdict} {why.causes[0][1] / total:.0%}"
+    assert slow_request({"http": {"request": {"id": "x"}}}).cause == "?"
