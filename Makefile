@@ -37,7 +37,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@echo "make install: PyTorch 2.13.0 from $(or $(TORCH_INDEX_URL),pip's default index) (the CPU build where no \
 	NVIDIA driver is found: scripts/torch_index.py; TORCH_INDEX_URL=... overrides)"
-	$(PY) -m pip install torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(if $(TORCH_INDEX_URL),$(PY) -m pip install --no-deps torch==2.13.0 --index-url $(TORCH_INDEX_URL))
+	$(PY) -m pip install torch==2.13.0
 	@echo "make install: kvscope with what serving needs (engine, gateway); make test adds the dev tools"
 	$(PY) -m pip install -e '.[engine,gateway]'
 	# An activated venv never puts the current folder on sys.path (as python -P): in the checkout, the root's

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Which PyTorch build `make install` asks pip for: prints the package index URL of the CPU build, or nothing
-for pip's default build (the Makefile passes a printed URL as ``--index-url``).
+for pip's default build. The Makefile installs a printed URL's torch alone (``pip install --no-deps
+torch==2.13.0 --index-url URL``), then ``pip install torch==2.13.0``, which keeps that build (``2.13.0+cpu``
+satisfies ``==2.13.0``) and takes torch's own dependencies from PyPI: the CPU index is asked for one wheel,
+not for every dependency (a machine that reaches only PyPI and a local wheel folder pays one retry, not ten).
 
 Why: on Linux, PyPI's default ``torch`` wheel is the CUDA build, which pulls about 19 NVIDIA wheels (several
 GB) that a machine without an NVIDIA GPU never uses; PyTorch publishes CPU-only wheels of the same version on
@@ -43,7 +46,7 @@ def nvidia_driver_present(driver_file: Path = DRIVER_FILE, path: str | None = No
 
 
 def torch_index_url(system: str, driver_file: Path = DRIVER_FILE, path: str | None = None) -> str:
-    """The ``--index-url`` for PyTorch on this machine: :data:`CPU_INDEX_URL` on Linux (``system`` as
+    """The ``--index-url`` of PyTorch's wheel on this machine: :data:`CPU_INDEX_URL` on Linux (``system`` as
     ``platform.system()`` names it) without an NVIDIA driver, else ``""`` (pip's default build)."""
     if system != "Linux" or nvidia_driver_present(driver_file, path):
         return ""

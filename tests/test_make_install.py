@@ -68,9 +68,9 @@ def _pip_installs(lines: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(("driver", "nvidia_smi", "torch"), [
-    (False, False, f"torch==2.13.0 --index-url {CPU}"),
-    (True, False, "torch==2.13.0"),
-    (False, True, "torch==2.13.0"),
+    (False, False, [f"--no-deps torch==2.13.0 --index-url {CPU}", "torch==2.13.0"]),
+    (True, False, ["torch==2.13.0"]),
+    (False, True, ["torch==2.13.0"]),
 ])  # fmt: skip
 def test_make_install_asks_for_the_cpu_build_without_a_driver(tmp_path, driver, nvidia_smi, torch) -> None:
     driver_file = tmp_path / "version"
@@ -78,14 +78,19 @@ def test_make_install_asks_for_the_cpu_build_without_a_driver(tmp_path, driver, 
         driver_file.write_text("NVRM version: 570.86.15\n")
     bin_dir = _fake_nvidia_smi(tmp_path / "bin") if nvidia_smi else tmp_path
     installs = _pip_installs(_dry_run(tmp_path, "install", driver_file, bin_dir))
-    assert installs == ["-q --upgrade pip", torch, "-e '.[engine,gateway]'"]
+    assert installs == ["-q --upgrade pip", *torch, "-e '.[engine,gateway]'"]
 
 
 def test_make_run_installs_no_dev_tools_and_make_test_does(tmp_path) -> None:
     missing = tmp_path / "no-driver"
     run = _pip_installs(_dry_run(tmp_path, "run", missing, tmp_path))
-    assert run == ["-q --upgrade pip", f"torch==2.13.0 --index-url {CPU}", "-e '.[engine,gateway]'"]
+    assert run == [
+        "-q --upgrade pip",
+        f"--no-deps torch==2.13.0 --index-url {CPU}",
+        "torch==2.13.0",
+        "-e '.[engine,gateway]'",
+    ]
     lint = _pip_installs(_dry_run(tmp_path, "lint", missing, tmp_path))
     assert lint == [*run, "-e '.[dev]'"]
     override = _pip_installs(_dry_run(tmp_path, "install", missing, tmp_path, "TORCH_INDEX_URL="))
-    assert override[1] == "torch==2.13.0"  # `make install TORCH_INDEX_URL=`: pip's default build
+    assert override[1:3] == ["torch==2.13.0", "-e '.[engine,gateway]'"]  # TORCH_INDEX_URL=: the default build
