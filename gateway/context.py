@@ -300,10 +300,21 @@ class RequestContext:
 
     @property
     def output_tokens(self) -> int | None:
+        """The upstream's ``usage.completion_tokens``; for a stream at least the token events relayed (an
+        event carries one token or more), so an upstream whose usage counts one choice of ``n`` (llama.cpp
+        0c1e570 with ``n`` > 1 reports the last choice's tokens) does not halve the count; None for a JSON
+        answer without usage."""
         usage = self.answer.usage
-        if usage and isinstance(usage.get("completion_tokens"), int):
-            return usage["completion_tokens"]
-        return self.answer.output_events if self.request.stream else None
+        reported = usage.get("completion_tokens") if usage else None
+        if not isinstance(reported, int):
+            reported = None
+        if not self.request.stream:
+            return reported
+        return (
+            max(reported or 0, self.answer.output_events)
+            if reported is not None
+            else self.answer.output_events
+        )
 
     @property
     def ttft_s(self) -> float | None:

@@ -131,10 +131,7 @@ class SlowRequest:
     num_preemptions: int | None
     upstream: str | None
     causes: tuple[tuple[str, float], ...] = ()
-    """Seconds by cause, largest first, as ``kvscope logs why`` ranks them (gateway/logs/why.py
-    ``rank_causes``): the engine's step attribution for our engine, else what the upstream reported
-    (llama.cpp's prefill and decode, TGI's queue time) and ``upstream unattributed`` for the rest; empty for a
-    record without a ``kvscope`` part."""
+    """Seconds by cause, largest first (gateway/logs/why.py); empty without the engine's attribution."""
 
     @property
     def cause(self) -> str:
@@ -243,7 +240,7 @@ def slow_request(doc: dict[str, Any]) -> SlowRequest:
     ts = values["timestamp"]
     values["timestamp"] = es_time(ts) if isinstance(ts, datetime) else str(ts or "")
     kv, engine = dotted(doc, "kvscope") or {}, dotted(doc, "kvscope.engine") or {}
-    causes = tuple(rank_causes(engine, kv)) if kv else ()
+    causes = tuple(rank_causes(engine, kv)) if engine.get("prefill_steps") is not None else ()
     return SlowRequest(**values, causes=causes)
 
 

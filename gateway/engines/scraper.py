@@ -314,8 +314,10 @@ class EngineScraper:
             if sample.empty:
                 raise _NoEndpoint("no series the gateway reads")
         except _NoEndpoint as exc:
+            again = endpoint.stopped_at is not None  # a retry after RETRY_STOPPED_S: said once already
             endpoint.stopped_at = self._clock()
-            _log.info(
+            _log.log(
+                logging.DEBUG if again else logging.INFO,
                 "upstream %s: nothing to sample at %s (%s); asking again after its next health change or in "
                 "%gs",
                 replica.label,
@@ -340,8 +342,10 @@ class EngineScraper:
         except (ValueError, UnicodeError) as exc:
             endpoint.malformed += 1
             if endpoint.malformed >= MALFORMED_TO_STOP:
+                again = endpoint.stopped_at is not None
                 endpoint.stopped_at = self._clock()
-                _log.warning(
+                _log.log(
+                    logging.DEBUG if again else logging.WARNING,
                     "upstream %s: %d answers of %s in a row could not be read (last: %r); stopped until its "
                     "next health change or for %gs",
                     replica.label,
@@ -352,6 +356,7 @@ class EngineScraper:
                 )
             return "failed"
         endpoint.failures = endpoint.malformed = 0
+        endpoint.stopped_at = None
         return sample
 
     async def _probe(self, replica: ScrapedReplica, client: httpx.AsyncClient) -> None:

@@ -194,6 +194,25 @@ def _gateway_line(kv: dict[str, Any]) -> str:
     )
 
 
+def _outcome_line(record: dict[str, Any]) -> str | None:
+    """How the request ended when it did not succeed: the status, the error type and message, a stream that
+    broke after its 200, a client that left (None for a success)."""
+    kv = record.get("kvscope") or {}
+    status = _dotted(record, "http", "response", "status_code")
+    error = record.get("error") or {}
+    parts = []
+    if isinstance(status, int) and status >= 400:
+        parts.append(f"status {status}")
+    if kv.get("stream_error"):
+        parts.append(f"the stream broke after its 200 ({kv['stream_error']})")
+    if kv.get("client_disconnected"):
+        parts.append(f"the client left ({kv.get('disconnect_phase') or '?'})")
+    if not parts:
+        return None
+    detail = ": ".join(str(x) for x in (error.get("type"), error.get("message")) if x)
+    return "failed: " + ", ".join(parts) + (f" — {detail}" if detail else "")
+
+
 def explain(record: dict[str, Any]) -> Why:
     """The answer for one request-log record (the gateway's or the engine's line): from our engine's step
     attribution when ``kvscope.engine`` has it, else from what the line holds about the upstream
@@ -213,6 +232,9 @@ def explain(record: dict[str, Any]) -> Why:
         kv.get("ttft_s") if kv.get("ttft_s") is not None else engine.get("ttft_s")
     )  # non-streamed: engine's
     lines = [_ttft_line(engine, ttft)]
+    outcome = _outcome_line(record)
+    if outcome:
+        lines.insert(0, outcome)
     if engine.get("decode_steps"):
         lines.append(
             _decode_line(engine, kv.get("tpot_s") if kv.get("tpot_s") is not None else engine.get("tpot_s"))
@@ -339,9 +361,15 @@ def explain_reported(record: dict[str, Any]) -> Why:
             "" if batch is None else f"batch of {batch:.1f} (max {_n(engine.get('batch_size_max'))}); "
         )
         lines.append(f"{kind} sampled: {batch_part}" + "; ".join(phrases))
+    outcome = _outcome_line(record)
+    answered = bool(engine) or _dotted(record, "gen_ai", "usage", "output_tokens") is not None
+    if outcome:
+        lines.insert(0, outcome)
     missing = _unknowns(kind, upstream, ttft)
-    if missing:
+    if missing and answered:
         lines.append(f"{kind} does not tell: " + ", ".join(missing))
+    elif not answered:
+        lines.append(f"the {kind} upstream sent no answer to read, so nothing of its engine is known")
     is_gateway = "gateway_overhead_s" in kv
     if is_gateway:
         lines.append(_gateway_line(kv))

@@ -155,6 +155,8 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
             "--total-timeout",
             "--health-interval",
             "--routing",
+            "--no-console",
+            "--trace-url",
             "--log-level",
             "--event-loop",
         ]

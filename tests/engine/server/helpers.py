@@ -93,7 +93,10 @@ class EngineProcess:
         ``route="unmatched"``, no generation metric moves) and wait until its line is in the log. The engine
         writes its lines in the order it finishes the requests (one handler, whole lines), so every line of
         a request that ended before this one is in the file then: how a test shows that nothing more was
-        logged for a request, instead of sleeping."""
+        logged for a request, instead of sleeping. An engine that has exited wrote its last line before it
+        exited: nothing to wait for (and nobody to answer the sentinel)."""
+        if self.proc.poll() is not None:
+            return
         path = f"/kvscope-log-sentinel-{uuid.uuid4().hex}"
         try:
             urllib.request.urlopen(self.url + path, timeout=10).close()

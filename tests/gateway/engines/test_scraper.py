@@ -230,6 +230,28 @@ async def test_no_endpoint_stops_at_once_and_the_kind_is_probed(status: int) -> 
         assert upstream.hits == {"/metrics": 2, "/info": 1, "/props": 1, "/slots": 2}
 
 
+async def test_a_path_still_missing_at_its_retry_is_not_announced_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain OpenAI server has no /metrics: said once at INFO, not again at every retry."""
+    pool, replica = pool_of()
+    clock = Clock()
+    scraper = EngineScraper(EVERY_TICK, lambda: pool.replicas, clock)
+    upstream = Upstream({"/metrics": (404, "no")})
+    async with upstream.client() as client:
+        with caplog.at_level(logging.DEBUG, "kvscope.gateway"):
+            for t in (0.0, 1.0, scraper_module.RETRY_STOPPED_S, 2 * scraper_module.RETRY_STOPPED_S):
+                clock.now = 100.0 + t
+                await scraper.scrape_due(client)
+    assert upstream.hits["/metrics"] == 3
+    stops = [(r.levelno, r.getMessage()) for r in caplog.records if "nothing to sample" in r.getMessage()]
+    message = (
+        f"upstream {replica.label}: nothing to sample at /metrics (GET /metrics answered 404); asking again "
+        "after its next health change or in 300s"
+    )
+    assert stops == [(logging.INFO, message), (logging.DEBUG, message), (logging.DEBUG, message)]
+
+
 LLAMACPP_CARD = {"smollm2-135m": {"id": "smollm2-135m", "owned_by": "llamacpp"}}
 LLAMACPP_METRICS = (FIXTURES / "llamacpp" / "metrics_busy.txt").read_text()
 LLAMACPP_SLOTS = (FIXTURES / "llamacpp" / "slots_busy.json").read_text()
@@ -321,6 +343,9 @@ async def test_a_stopped_path_is_asked_again_after_a_while_without_a_health_chan
         await scraper.scrape_due(client)
         assert upstream.hits["/metrics"] == 2 and replica.health_epoch == epoch
         assert replica.engine_sample.requests_waiting == 0.0
+        clock.now += 1  # read again at the next tick
+        await scraper.scrape_due(client)
+        assert upstream.hits["/metrics"] == 3
 
 
 async def test_tgi_info_probe() -> None:

@@ -147,21 +147,21 @@ def test_sampled_state_without_kv_usage_says_so() -> None:
     )
 
 
-def test_the_report_names_the_cause_logs_why_names() -> None:
-    """`kvscope logs report`'s cause column said `?` for every request from an upstream without step
-    attribution, while `kvscope logs why` on the same line named its largest cause."""
-    from kvscope.gateway.analytics.report import slow_request
-
-    rec = record(
-        "llamacpp",
-        report=report_from_body(UpstreamKind.LLAMACPP, LLAMACPP_CHAT),
-        usage=LLAMACPP_USAGE,
-        stream=False,
-        samples=True,
-    )
-    row = slow_request(rec)
-    why = explain(rec)
-    assert row.causes == why.causes != ()
-    total = sum(s for _, s in why.causes)
-    assert row.cause == f"{why.verdict} {why.causes[0][1] / total:.0%}"
-    assert slow_request({"http": {"request": {"id": "x"}}}).cause == "?"
+def test_a_failed_request_says_how_it_ended_and_not_what_the_kind_withheld() -> None:
+    """A 503 from an upstream that never answered: the first line is the status and error, and the
+    explanation says there was no answer to read instead of listing what the kind "does not tell"."""
+    c = RequestContext(
+        request_id="why-down", method="POST", path="/v1/chat/completions", route="/v1/chat/completions",
+        start=START, start_wall=1.7e9,
+    )  # fmt: skip
+    c.request.stream = False
+    c.upstream.started("http://upstream:8080")
+    c.upstream.kind, c.upstream.kind_source = "llamacpp", "models"
+    c.attempt_ended(START + 0.01, None, START + 0.02)
+    c.outcome.status, c.outcome.end_at = 503, START + 0.03
+    c.outcome.error_type, c.outcome.error_message = "upstream_unavailable", "connection refused"
+    rec = RecordBuilder(ServiceInfo("kvscope-gateway", "0.1.0", "gw")).build(c)
+    lines = explain(rec).text.splitlines()
+    assert lines[0] == "failed: status 503 — upstream_unavailable: connection refused"
+    assert "the llamacpp upstream sent no answer to read, so nothing of its engine is known" in lines
+    assert not any("does not tell" in line for line in lines)
