@@ -34,8 +34,8 @@ APPROX_ABS_FLOOR = 1e-3
 ALLOWED: dict[str, str] = {
     "tests/gateway/engines/test_scraper.py: max(gaps) < 0.25": (
         "the parse is made to take 0.5 s (a sleep in the test); an event loop that ran it would show a gap "
-        "of 0.5 s, one that hands it to a thread shows 10 ms ticks: half the injected delay separates the two "
-        "on any machine"
+        "of 0.5 s, one that hands it to a thread shows 10 ms ticks: half the injected delay separates the "
+        "two on any machine"
     ),
     # bounds derived from what the test measured
     "tests/e2e/test_engine_api.py: g > step_s / 10": (
