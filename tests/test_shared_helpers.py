@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.testing.ports import ephemeral_start, free_port
+from kvscope.testing.ports import NAME_PREFIX, ephemeral_start, free_port
 from kvscope.testing.sse import parse_sse, sse_events
 from kvscope.testing.wait import wait_until
 
@@ -45,14 +45,38 @@ def test_two_processes_asking_at_once_never_get_the_same_port() -> None:
 
 
 def test_a_port_is_handed_out_once_per_process_and_a_listening_one_never() -> None:
+    """Every port of a range below the ephemeral one is handed out once, then the range is exhausted; the
+    ports it skipped are exactly the listening one and those another process holds or uses meanwhile (the
+    other xdist worker's servers: below the ephemeral range no kernel-chosen port lands)."""
+    taken = free_port(high=ephemeral_start() - 101)
     with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind(("127.0.0.1", taken))
         listener.listen()
-        taken = listener.getsockname()[1]
-        ports = [free_port(low=taken, high=taken + 101) for _ in range(100)]
-        with pytest.raises(RuntimeError, match="every port in"):
-            free_port(low=taken, high=taken + 101)
-    assert taken not in ports and sorted(ports) == list(range(taken + 1, taken + 101))
+        ports: list[int] = []
+        with pytest.raises(
+            RuntimeError, match=rf"^every port in \[{taken}, {taken + 101}\) is reserved or in use$"
+        ):
+            for _ in range(101):
+                ports.append(free_port(low=taken, high=taken + 101))
+        assert taken not in ports and len(set(ports)) == len(ports)
+        assert all(taken < port < taken + 101 for port in ports)
+        skipped = set(range(taken + 1, taken + 101)) - set(ports)
+        assert all(_held_elsewhere(port) for port in skipped), sorted(skipped)
+
+
+def _held_elsewhere(port: int) -> bool:
+    """Whether ``port`` is reserved by another process of the scheme or not bindable now."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as name:
+        try:
+            name.bind(f"\0{NAME_PREFIX}{port}")
+        except OSError:
+            return True
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def test_the_ephemeral_start_is_read_from_the_kernel_setting(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import importlib.resources
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
 from typing import Any
 
@@ -45,6 +45,9 @@ from kvscope.gateway.logs.why import explain
 from kvscope.gateway.state import GatewayState
 
 PREFIX = "/console"
+OVERVIEW_BODIES = 8
+"""Encoded overview answers kept per tick (by ``since``: an open page asks with the newest point it has, so
+every page open since the last tick shares one or two)."""
 PAGES = ("/console", "/console/requests", "/console/health")
 MAX_ROWS = 1000
 STATIC_TYPES = {
@@ -96,6 +99,24 @@ class Console:
     sampler: ConsoleSampler
     access: ConsoleAccess
     static: dict[str, bytes]
+    overview_bodies: dict[float | None, bytes] = field(default_factory=dict)
+    """The encoded ``/console/api/overview`` answers of the latest tick, by ``since`` (at most
+    :data:`OVERVIEW_BODIES`): everything in them changes only when a tick is added, so the polls between two
+    ticks (an open page asks once a second, the sampler ticks every 2 s) get the same bytes."""
+    overview_tick: int = -1
+    """``series.added`` when ``overview_bodies`` was filled."""
+
+    def overview_body(self, since: float | None) -> bytes:
+        """The overview answer (JSON) for the points after ``since`` (epoch seconds; None: all kept)."""
+        if self.overview_tick != self.series.added:
+            self.overview_bodies.clear()
+            self.overview_tick = self.series.added
+        body = self.overview_bodies.get(since)
+        if body is None:
+            body = msgspec.json.encode(_overview(self, since))
+            if len(self.overview_bodies) < OVERVIEW_BODIES:
+                self.overview_bodies[since] = body
+        return body
 
 
 def build_console(gw: GatewayState) -> Console:
@@ -239,18 +260,21 @@ def overview(request: Request) -> Response:
     """The chart points after ``since`` (epoch seconds; all kept without it), the totals and the replicas."""
     console = console_of(request)
     console.access.viewer(request)
+    return _json(console.overview_body(_float_param(request, "since")))
+
+
+def _overview(console: Console, since: float | None) -> dict[str, Any]:
     series = console.series
     latest = series.latest
-    body: dict[str, Any] = {
+    return {
         "interval_s": series.interval_s,
         "history_s": series.history_s,
         "window_s": series.chart_window_s,
-        **series.columns(_float_param(request, "since")),
+        **series.columns(since),
         "totals": _totals(latest.counters) if latest else None,
         "replicas": [r.to_dict() for r in latest.replicas] if latest else [],
         "alerts": _alert_counts(console),
     }
-    return _json(body)
 
 
 def _totals(c: Any) -> dict[str, Any]:

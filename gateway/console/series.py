@@ -240,6 +240,8 @@ class ConsoleSeries:
         ticks = int(math.ceil(history_s / interval_s)) + 1
         self.ticks: deque[Tick] = deque(maxlen=ticks)
         self.points: deque[Point] = deque(maxlen=ticks)
+        self.added = 0
+        """Ticks added so far (what changes when a tick is added: the console's API caches by it)."""
         # histograms are kept for their window plus one interval, so a tick at or before the window's start
         # is still there
         self._hists: deque[tuple[float, Histograms]] = deque(
@@ -254,6 +256,7 @@ class ConsoleSeries:
         """Keep ``tick`` and derive its chart point (rates against the previous tick, windows against the
         tick :data:`CHART_WINDOW_S` before)."""
         prev = self.ticks[-1] if self.ticks else None
+        self.added += 1
         self.ticks.append(tick)
         self._hists.append((tick.at, tick.histograms))
         point = self._point(tick, prev)

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from kvscope.gateway.app import create_app
 from kvscope.gateway.auth import hash_key
+from kvscope.gateway.console.routes import OVERVIEW_BODIES
 from kvscope.gateway.logs.why import explain
 from kvscope.gateway.settings import load_settings
 from kvscope.testing.harness import GatewayThread, LoopThread, metric_samples, read_log, start_fake_thread
@@ -232,3 +234,18 @@ def test_keys_create_admin_makes_a_key_that_opens_the_console(capsys: pytest.Cap
         .api_keys[0]
         .admin
     )
+
+
+def test_the_polls_between_two_ticks_get_the_same_encoded_answer() -> None:
+    console = create_app(load_settings(None, {"upstreams": [{"url": "http://a"}]}, env={})).state.console
+    console.sampler.tick(now=10.0, wall=1000.0)
+    first = console.overview_body(None)
+    assert console.overview_body(None) is first  # not encoded again
+    assert msgspec.json.decode(first)["t"] == [1000.0]
+    assert msgspec.json.decode(console.overview_body(1000.0))["t"] == []
+    console.sampler.tick(now=12.0, wall=1002.0)
+    assert msgspec.json.decode(console.overview_body(1000.0))["t"] == [1002.0]  # a new tick: a new answer
+    assert msgspec.json.decode(console.overview_body(None))["t"] == [1000.0, 1002.0]
+    for since in range(20):  # whatever a client asks, at most OVERVIEW_BODIES answers are kept
+        console.overview_body(float(since))
+    assert len(console.overview_bodies) == OVERVIEW_BODIES == 8
