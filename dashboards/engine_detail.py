@@ -202,6 +202,33 @@ def _structured(q: PromQL) -> list[Json]:
     ]
 
 
+def _admission(q: PromQL) -> list[Json]:
+    """Issue 42: what admission refused and how good the prediction it decides on is."""
+    return [
+        row("Admission"),
+        timeseries(
+            "Shed requests / s",
+            "Requests refused at admission (ttft_slo: predicted TTFT over the tier's objective, a 503 with "
+            "Retry-After) or dropped from the queue before their prefill (deadline), by tier and reason.",
+            [Target(q.sum_rate(f"{EN}requests_shed_total", by=("tier", "reason")), "{{tier}} {{reason}}")],
+            "reqps",
+            stack=True,
+            w=12,
+        ),
+        timeseries(
+            "TTFT prediction error",
+            "|predicted - actual| / actual time to first token of the requests admitted (the prediction "
+            "made when each was queued). Issue 42's bound: a median at or under 0.25.",
+            [
+                Target(q.quantile(0.5, f"{EN}ttft_prediction_error_ratio"), "p50"),
+                Target(q.quantile(0.9, f"{EN}ttft_prediction_error_ratio"), "p90"),
+            ],
+            "percentunit",
+            w=12,
+        ),
+    ]
+
+
 def _spec_decode(q: PromQL) -> list[Json]:
     sd = f"{EN}spec_decode_"
     drafts, proposed, accepted = (
@@ -348,7 +375,15 @@ def _gpu(q: PromQL) -> list[Json]:
 def panels(q: PromQL) -> list[Json]:
     """The rows and panels of the engine-internals dashboard (also the body of its vLLM and SGLang variants,
     engine_variants.py); raises KeyError/ValueError on a metric the catalog lacks."""
-    return [*_phases(q), *_steps(q), *_kv_cache(q), *_gpu(q), *_structured(q), *_spec_decode(q)]
+    return [
+        *_phases(q),
+        *_steps(q),
+        *_kv_cache(q),
+        *_admission(q),
+        *_gpu(q),
+        *_structured(q),
+        *_spec_decode(q),
+    ]
 
 
 def build(q: PromQL) -> Json:
@@ -357,7 +392,7 @@ def build(q: PromQL) -> Json:
     return dashboard(
         UID,
         "kvscope / Engine internals",
-        "Request phases, engine steps, KV cache, GPU, structured output and speculative decoding.",
+        "Request phases, engine steps, KV cache, admission, GPU, structured output and speculative decoding.",
         panels(q),
         links,
     )

@@ -196,6 +196,10 @@ ENGINE_EQUIVALENTS: dict[str, dict[str, Equivalent]] = {
         "vllm": Equivalent(note="DCGM exporter: `DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE`"),
     },
     "kvscope_engine_latency_cause_seconds": {"vllm": Equivalent(note="vLLM has no per-request attribution")},
+    "kvscope_engine_requests_shed": {
+        "vllm": Equivalent(note="vLLM queues every request (no admission by predicted TTFT)"),
+    },
+    "kvscope_engine_ttft_prediction_error_ratio": {"vllm": Equivalent(note="vLLM predicts no TTFT")},
     "kvscope_engine_gpu_memory_budget_bytes": {
         "vllm": Equivalent(note="vLLM: `gpu_memory_utilization` label of `vllm:cache_config_info`"),
     },

@@ -359,6 +359,22 @@ def engine_panels(q: PromQL) -> list[Json]:
             "bytes",
             w=8,
         ),
+        timeseries(
+            "CPU kernels by decode rows",
+            "Which kernel multiplies the int4 weights of a decode step of N requests on CPU (the start-up "
+            "probe's crossovers): gemv, tiles_float32/tiles_bfloat16 (the small-batch matmul), amx, "
+            "dense_<dtype>; one line per kernel and row range, always 1. A restart that moves a range "
+            "(another CPU, a loaded machine at start-up) shows as a new line.",
+            [
+                Target(
+                    q.gauge(f"{EN}weights_kernel_info", by=("instance", "kernel", "first_row", "last_row")),
+                    "{{instance}} {{kernel}}: rows {{first_row}} to {{last_row}}",
+                )
+            ],
+            "short",
+            w=8,
+            max_value=1,
+        ),
     ]
 
 

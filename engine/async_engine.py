@@ -26,7 +26,7 @@ from typing import TypeVar
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.request import Request
 from kvscope.engine.core.stats import SchedulerStats
-from kvscope.engine.engine_core import EngineCore, StepResult
+from kvscope.engine.engine_core import DEADLINE_REASON, EngineCore, StepResult
 from kvscope.engine.errors import EngineDeadError
 from kvscope.engine.input_processor import EngineRequest
 from kvscope.engine.outputs import RequestOutput
@@ -57,6 +57,11 @@ class GrammarLimitError(RequestFailedError):
     def __init__(self, request_id: str, reason: str) -> None:
         super().__init__(request_id, reason)
         self.detail = reason.removeprefix(ERROR_PREFIX)
+
+
+class DeadlineExceededError(RequestFailedError):
+    """The request's deadline passed while it waited for its first admission: the engine dropped it before
+    any prefill (engine/core/scheduler.py ``expire_waiting``)."""
 
 
 @dataclass(slots=True)
@@ -92,6 +97,9 @@ class AsyncEngine:
         self.device = str(self.core.device)
         self.structured = self.core.structured
         """Grammar compile cache (engine/structured): the server compiles constraints with it off its loop."""
+        self.admission = config.admission
+        """TTFT objectives per tier (engine/core/admission.py); the server waits for each request's queueing
+        while any is set."""
         self.speculative = config.speculative
         """Speculative decoding settings (None: off); the server sizes its spec-decode metrics from them."""
 
@@ -142,13 +150,18 @@ class AsyncEngine:
         request: EngineRequest,
         arrival_time: float | None = None,
         trace_context: object | None = None,
+        queued: asyncio.Future[float | None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request (from :meth:`process_inputs`) and yield its delta outputs until the last one
         (``finished``).
 
         Raises EngineDeadError when the loop is not running, RequestFailedError when the engine fails the
-        request later. Closing the generator early (client disconnect) aborts the request and frees its KV
-        blocks.
+        request later (DeadlineExceededError: dropped from the queue by its deadline), AdmissionRefusedError
+        when admission refused it. Closing the generator early (client disconnect) aborts the request and
+        frees its KV blocks. ``queued`` (a future of the caller's loop) is resolved once the engine thread
+        took the request: with its predicted time to first token (None: no prediction yet), or with the
+        exception that kept it out (AdmissionRefusedError); the server waits on it before it commits a
+        stream's 200.
         """
         if not self.is_running:
             raise EngineDeadError("the engine step loop is not running")
@@ -158,7 +171,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._inbox.put(("add", request_id, request, arrival, trace_context))
+        self._inbox.put(("add", request_id, request, arrival, trace_context, queued))
         self._wake.set()
         finished = False
         try:
@@ -222,7 +235,13 @@ class AsyncEngine:
             self._deliver_step(result.outputs)
             for output in result.failed:  # a grammar matcher error: the S3 path (an error, never a stop)
                 reason = str(output.outputs[0].finish_reason)
-                error = GrammarLimitError if reason.startswith(ERROR_PREFIX) else RequestFailedError
+                error = (
+                    GrammarLimitError
+                    if reason.startswith(ERROR_PREFIX)
+                    else DeadlineExceededError
+                    if reason == DEADLINE_REASON
+                    else RequestFailedError
+                )
                 self._deliver(output.request_id, error(output.request_id, reason))
             if self._listener is not None:
                 self._notify(result)
@@ -259,15 +278,26 @@ class AsyncEngine:
                 self._abort(command[1], command[2])
 
     def _add(
-        self, request_id: str, request: EngineRequest, arrival: float, trace_context: object | None
+        self,
+        request_id: str,
+        request: EngineRequest,
+        arrival: float,
+        trace_context: object | None,
+        queued: asyncio.Future[float | None] | None,
     ) -> None:
         with self._lock:
-            if request_id not in self._streams:  # the client left before the engine saw the request
-                return
+            stream = self._streams.get(request_id)
+        if stream is None:  # the client left before the engine saw the request
+            return
         try:
-            self.core.add_engine_request(request_id, request, arrival, trace_context)
+            children = self.core.add_engine_request(request_id, request, arrival, trace_context)
         except Exception as exc:  # noqa: BLE001 - validation already ran; anything here is a failure
+            if queued is not None:
+                stream.loop.call_soon_threadsafe(_settle, queued, exc)
             self._deliver(request_id, exc)
+            return
+        if queued is not None:
+            stream.loop.call_soon_threadsafe(_settle, queued, children[0].stats.predicted_ttft_s)
 
     def _abort(self, request_id: str, reason: str) -> None:
         outputs = self.core.abort_request(request_id, reason)
@@ -312,6 +342,16 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _settle(future: asyncio.Future[float | None], outcome: float | BaseException | None) -> None:
+    """Resolve ``queued`` (on its loop) unless its waiter gave up."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

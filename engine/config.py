@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvscope.common import engine_defaults
+from kvscope.engine.core.admission import AdmissionConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -141,6 +142,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     """None: no speculative decoding (``--speculative none``, the default)."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """TTFT objectives per tier (``--ttft-slo``); none (the default): every request is queued."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:N]``."""
     attention_backend: str = "auto"

@@ -21,12 +21,14 @@ from kvscope.engine.core.request import Request, RequestStatus, child_request_id
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.errors import AdmissionRefusedError
 from kvscope.engine.input_processor import EngineRequest, InputProcessor
 from kvscope.engine.memory import process_memory_bytes, with_kv_budget
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.platform.compact import model_weight_bytes
 from kvscope.engine.platform.cpu import configure_threads, prepare_for_cpu, warm_up_prefill
-from kvscope.engine.platform.fused_decode import FusedDecoder
+from kvscope.engine.platform.fused_decode import engine_fused_decoder
+from kvscope.engine.platform.kernel_probe import describe_row_kernels
 from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.spec_decode.drafter import NgramDrafter
@@ -38,6 +40,8 @@ from kvscope.engine.worker.kv_cache import KVCacheSpec, budget_num_blocks
 from kvscope.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+DEADLINE_REASON = "deadline exceeded before the first admission"
+"""The failure reason of a request dropped from the queue by its deadline (StepResult.failed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,9 @@ class ModelInfo:
     cpu_kernels: str = ""
     """The CPU kernels of the compact weights: ``kvscope (fused decode up to N rows)``
     (kernels/cpu_decode.py), ``torch`` (and why not kvscope's), or empty off CPU / for dense formats."""
+    row_kernels: tuple[tuple[str, int, int], ...] = ()
+    """Which kernel serves which row counts of the int4 weights where kvscope's CPU kernels run them:
+    ``(kernel, first, last)`` (``KernelChoice.row_kernels``; last ``NO_DENSE``: and above); () otherwise."""
     rss_bytes: int = 0
     """Process resident set size once the engine is built (weights + KV cache + runtime)."""
     peak_rss_bytes: int = 0
@@ -91,7 +98,8 @@ class StepResult:
     spec_decoding: SpecDecodingStats | None = None
     """The step's verified drafts (speculative decoding); None in steps without drafts."""
     failed: list[RequestOutput] = field(default_factory=list)
-    """Final outputs of the requests this step failed (a grammar matcher error), already finished
+    """Final outputs of the requests this step failed (a grammar matcher error; a deadline that passed
+    while the request waited for its first admission: reason :data:`DEADLINE_REASON`), already finished
     (FINISHED_ERROR, blocks freed): each choice's ``finish_reason`` is the reason. AsyncEngine answers them as
     RequestFailedError (an error, never a ``stop``); they are not in ``outputs``."""
 
@@ -155,7 +163,7 @@ class EngineCore:
             self.vocab_size,
             self.device,
             structured=self.structured,
-            fused=FusedDecoder.from_model(self.model) if self.device.type == "cpu" else None,
+            fused=engine_fused_decoder(self.model) if self.device.type == "cpu" else None,
         )
         self.kv_cache_manager = KVCacheManager(
             BlockPool(num_blocks, config.cache.enable_prefix_caching),
@@ -167,6 +175,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len, drafter=self.drafter
         )
+        self.admission = config.admission
+        """TTFT objectives per tier (engine/core/admission.py); empty: every request is queued."""
         self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
         self.output_processor = OutputProcessor(self.tokenizer)
         fmt = self.load_report.weight_format
@@ -185,6 +195,9 @@ class EngineCore:
             quantization=fmt.quantization if fmt else "none",
             format_reason=fmt.reason if fmt else "",
             cpu_kernels=self._cpu_kernels_line(),
+            row_kernels=tuple(self.load_report.kernels.row_kernels(self.runner.fused.max_rows))
+            if self.runner.fused is not None and self.load_report.kernels is not None
+            else (),
             rss_bytes=rss,
             peak_rss_bytes=peak_rss,
         )
@@ -194,7 +207,10 @@ class EngineCore:
     def _cpu_kernels_line(self) -> str:
         fused, built = self.runner.fused, self.load_report.cpu_kernels
         if fused is not None:
-            return f"kvscope (fused decode up to {fused.max_rows} rows)"
+            choice = self.load_report.kernels
+            spans = choice.row_kernels(fused.max_rows) if choice is not None else []
+            rows = f"; decode rows: {describe_row_kernels(spans)}" if spans else ""
+            return f"kvscope (fused decode up to {fused.max_rows} rows{rows})"
         if built is not None and not built.ok:
             return f"torch ({built.detail})"
         quantization = self.load_report.quantization
@@ -257,8 +273,10 @@ class EngineCore:
         arrival_time: float | None = None,
         trace_context: object | None = None,
     ) -> list[Request]:
-        """Queue a validated request: ``n`` sibling Requests for ``n > 1`` (vLLM v1 parallel sampling).
-        Raises ValueError for an id already in flight."""
+        """Queue a validated request: ``n`` sibling Requests for ``n > 1`` (vLLM v1 parallel sampling), with
+        the time to first token the scheduler predicts for the first (``stats.predicted_ttft_s``, shared by
+        its siblings). Raises ValueError for an id already in flight and AdmissionRefusedError, before
+        anything is queued, when admission is on and the prediction exceeds the tier's objective."""
         params = request.params
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
@@ -281,11 +299,18 @@ class EngineCore:
                     prepared_sampling=sampling,
                     fairness_group=request.fairness_group,
                     fairness_tenant=request.fairness_tenant,
+                    service_tier=request.service_tier,
+                    priority=request.priority,
+                    deadline=request.deadline,
                 )
             )
+        prediction = self.scheduler.predict_ttft(children[0])
+        refusal = self.admission.decide(request.service_tier, prediction.seconds, prediction.requests_ahead)
+        if refusal is not None:
+            raise AdmissionRefusedError(refusal)
         self.output_processor.add_request(request_id, children)
         for child in children:
-            self.scheduler.add_request(child)
+            self.scheduler.add_request(child, prediction)
         return children
 
     def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
@@ -311,6 +336,10 @@ class EngineCore:
         ``on_scheduled`` gets the scheduler's state (running, waiting, KV usage; ``scheduled_only``) once
         the step is scheduled and before the model runs."""
         start = time.perf_counter()
+        expired = self._expire_waiting()
+        if not self.scheduler.has_unfinished_requests():
+            stats = self.scheduler.get_stats()
+            return StepResult(failed=expired, stats=stats, num_waiting=stats.num_waiting)
         scheduler_output = self.scheduler.schedule()
         if on_scheduled is not None:
             now = self.scheduler.get_stats()
@@ -337,7 +366,7 @@ class EngineCore:
                 request_id, RequestStatus.FINISHED_STOPPED, detokenized.num_output_tokens.get(request_id)
             )
         outputs = self.output_processor.make_outputs(detokenized)
-        failed_outputs = [
+        failed_outputs = expired + [
             output
             for request_id, reason in failed.items()
             for output in self.abort_request(request_id, reason)
@@ -364,6 +393,14 @@ class EngineCore:
             num_preemptions=len(scheduler_output.preempted_req_ids),
             duration_s=time.perf_counter() - start,
         )
+
+    def _expire_waiting(self) -> list[RequestOutput]:
+        """Fail (reason :data:`DEADLINE_REASON`) the requests whose deadline passed before their first
+        admission (Scheduler.expire_waiting), with every sibling of theirs: no prefill is spent on them."""
+        parents = {request.parent_id or request.request_id for request in self.scheduler.expire_waiting()}
+        return [
+            output for parent in sorted(parents) for output in self.abort_request(parent, DEADLINE_REASON)
+        ]
 
     def _grammar_failures(self, runner_output: ModelRunnerOutput) -> dict[str, str]:
         """(Parent) request id → reason of the requests whose grammar matcher failed in this step

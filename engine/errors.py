@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvscope.common.openai_errors import context_length_message
+
+if TYPE_CHECKING:
+    from kvscope.engine.core.admission import Refusal
 
 
 class InvalidParameterError(ValueError):
@@ -28,3 +33,12 @@ class PromptTooLongError(InvalidParameterError):
 
 class EngineDeadError(RuntimeError):
     """The engine step loop died; every in-flight request fails with this."""
+
+
+class AdmissionRefusedError(RuntimeError):
+    """Admission (``--ttft-slo``) refused a request before it was queued: its predicted time to first token
+    exceeds its tier's objective (engine/core/admission.py). The server answers 503 with ``Retry-After``."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal

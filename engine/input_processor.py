@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvscope.engine.core.admission import DEFAULT_TIER
 from kvscope.engine.errors import InvalidParameterError, PromptTooLongError
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.sampler import RequestSampling
@@ -37,6 +38,14 @@ class EngineRequest:
     """Who sent it: the gateway's API key name (the server reads the ``x-kvscope-tenant`` header); the
     scheduler shares slots between tenants first, then between each tenant's groups. None: its group is its
     own tenant."""
+    service_tier: str = DEFAULT_TIER
+    """Its tier (engine/core/admission.py): ``priority``, ``default`` or ``flex``; the scheduler admits by
+    tier first, and admission holds it to the tier's TTFT objective."""
+    priority: int = 0
+    """vLLM's ``priority``: inside a tier, lower is admitted earlier."""
+    deadline: float | None = None
+    """``time.monotonic()`` seconds after which, if still waiting for its first admission, it is dropped
+    before any prefill (DeadlineExceededError); None: none."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from kvscope.engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from kvscope.engine.core.admission import AdmissionConfig, parse_slos
 from kvscope.engine.engine_core import EngineCore
 from kvscope.engine.outputs import CompletionOutput, RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
@@ -21,12 +22,17 @@ PromptInput = str | list[int] | dict
 
 def build_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     """EngineConfig from flat keyword arguments (the names of ModelConfig/CacheConfig/SchedulerConfig fields
-    and ``device``, ``attention_backend``, ``num_threads``). Raises TypeError on an unknown name."""
+    and ``device``, ``attention_backend``, ``num_threads``; ``ttft_slo``: admission's objectives as
+    engine/core/admission.py ``parse_slos`` reads them). Raises TypeError on an unknown name, ValueError on a
+    bad objective."""
     groups = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
-    top = {}
+    top: dict[str, object] = {}
     speculative = _speculative_config(kwargs)
     if speculative is not None:
         top["speculative"] = speculative
+    ttft_slo = kwargs.pop("ttft_slo", None)
+    if ttft_slo:
+        top["admission"] = AdmissionConfig(parse_slos(ttft_slo))
     for key, value in kwargs.items():
         owner = next((cls for cls in groups if key in cls.__dataclass_fields__), None)
         if owner is not None:

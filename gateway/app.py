@@ -25,6 +25,7 @@ from kvscope.gateway.logs.sink import LogSink
 from kvscope.gateway.observe import PROBE_PATHS, observe
 from kvscope.gateway.routes import ROUTES
 from kvscope.gateway.settings import GatewaySettings, SettingsSource
+from kvscope.gateway.state import WorkerSlot
 
 
 class GatewayApp(Litestar):
@@ -67,6 +68,7 @@ def create_app(
     sinks: Sequence[LogSink] = (),
     metric_readers: Sequence[MetricReader] = (),
     source: SettingsSource | None = None,
+    worker: WorkerSlot | None = None,
 ) -> GatewayApp:
     """Build the gateway.
 
@@ -79,6 +81,11 @@ def create_app(
             ``InMemoryMetricReader``); OTLP export follows ``tracing.otlp_endpoint``.
         source: where ``settings`` came from (:class:`kvscope.gateway.settings.SettingsSource`): the config
             file that ``discovery.config_reload`` re-reads; None: no reload.
+        worker: which worker of ``kvscope gateway --workers N`` this app serves (gateway/workers.py); None:
+            the only process.
+
+    In a worker (or with ``settings.workers`` > 1) the console is not served (each worker would show its own
+    requests and counters only; docs/console.md).
     """
     gw = build_state(
         settings,
@@ -87,8 +94,10 @@ def create_app(
         sinks=sinks,
         metric_readers=metric_readers,
         source=source,
+        worker=worker,
     )
-    console = build_console(gw) if settings.console.enabled else None
+    alone = worker is None and settings.workers == 1
+    console = build_console(gw) if settings.console.enabled and alone else None
     app = GatewayApp(
         route_handlers=[*CONSOLE_ROUTES, *ROUTES] if console is not None else ROUTES,
         exception_handlers=EXCEPTION_HANDLERS,

@@ -22,6 +22,12 @@ TENANT_HEADER = "x-kvscope-tenant"
 """Set on the upstream request of a keyed caller to its key's name (``user.id``; never the key itself): the
 engine scheduler's tenant, whose share its requests split (docs/engine-server.md). Without keys it is not
 sent, and a client's own header of that name is never forwarded."""
+SERVICE_TIER_HEADER = "x-kvscope-service-tier"
+"""Set on the upstream request of a key with a ``service_tier``: the engine's tier of its requests, their
+default and the best they get (engine/server/scheduling.py). A client's own header is never forwarded."""
+TIMEOUT_HEADER = "x-kvscope-timeout"
+"""Set on every upstream request: seconds until this attempt's deadline (the first-token timeout of a
+stream, else the total), so that the engine drops a request still queued then before its prefill."""
 
 
 def generate_key() -> str:
@@ -46,6 +52,8 @@ class Principal:
     authenticated: bool
     admin: bool = False
     """A key marked ``admin`` in the config: it may open the console (gateway/console/access.py)."""
+    service_tier: str | None = None
+    """The key's engine tier (ApiKeyConfig.service_tier), sent as ``x-kvscope-service-tier``; None: none."""
 
 
 class Authenticator:
@@ -61,6 +69,7 @@ class Authenticator:
                 k.limits.merged(default_limits),
                 authenticated=True,
                 admin=k.admin,
+                service_tier=k.service_tier,
             )
             for k in keys
         }

@@ -53,17 +53,23 @@ def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:
 
 def gateway_main(argv: list[str]) -> int:
     """Entry point of ``kvscope gateway``; returns the exit code (2 for a bad configuration, e.g. an
-    invalid value or a tokenizer file that does not exist)."""
+    invalid value or a tokenizer file that does not exist). With ``--workers N`` (N > 1) this process is the
+    supervisor of N workers (gateway/workers.py): 1 when the port is taken or a worker cannot start (its
+    own message says why)."""
     args = _gateway_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
-        from kvscope.gateway.app import create_app
-
         source = SettingsSource.of(args.config, _overrides(args))
         settings = source.load()
+        if settings.workers > 1:  # the supervisor: the workers build the app (gateway/workers.py)
+            from kvscope.gateway.workers import WorkerSupervisor
+
+            return WorkerSupervisor(argv, settings, source).run()
+        from kvscope.gateway.app import create_app
+
         app = create_app(settings, source=source)
     except (ValueError, OSError) as exc:
         print(f"kvscope gateway: {exc}", file=sys.stderr)

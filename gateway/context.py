@@ -92,6 +92,8 @@ class EdgePhase:
     """``gen_ai.operation.name`` (``chat``, ``text_completion``)."""
     key_id: str | None = None
     """The authenticated API key's name (None: anonymous)."""
+    service_tier: str | None = None
+    """The key's engine tier (``x-kvscope-service-tier``; None: none configured)."""
     auth_s: float = 0.0
     """Seconds in the auth guard."""
     rate_limit_s: float = 0.0

@@ -58,6 +58,7 @@ async def authenticated(connection: ASGIConnection, _: BaseRouteHandler) -> None
     finally:
         ctx.edge.auth_s += time.perf_counter() - started  # kvscope.gateway.auth_s
     ctx.edge.key_id = principal.key_id if principal.authenticated else None
+    ctx.edge.service_tier = principal.service_tier
     connection.scope["user"] = principal
 
 

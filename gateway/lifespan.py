@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.cookiejar
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 
 import httpx
@@ -36,8 +38,8 @@ from kvscope.gateway.proxy.discovery import Discovery
 from kvscope.gateway.proxy.network import upstream_transport
 from kvscope.gateway.proxy.upstreams import UpstreamPool
 from kvscope.gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRateLimiter
-from kvscope.gateway.settings import GatewaySettings, SettingsSource
-from kvscope.gateway.state import GatewayState
+from kvscope.gateway.settings import GatewaySettings, SettingsSource, multiprocess_dir
+from kvscope.gateway.state import GatewayState, WorkerSlot
 from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer, build_tracer_provider
 
@@ -51,15 +53,20 @@ def build_state(
     sinks: Sequence[LogSink] = (),
     metric_readers: Sequence[MetricReader] = (),
     source: SettingsSource | None = None,
+    worker: WorkerSlot | None = None,
 ) -> GatewayState:
     """Wire the gateway's parts from ``settings``. ``registry`` defaults to a new one (not the global);
     ``span_exporter`` receives spans synchronously (tests); ``sinks`` are added to the configured ones;
     ``metric_readers`` read the OTel GenAI metrics besides the OTLP exporter (tests); ``source``: where
-    ``settings`` came from, for the config reload."""
+    ``settings`` came from, for the config reload; ``worker``: which of ``--workers N`` this process is
+    (gateway/workers.py): the log file is then shared, the Elasticsearch spool and the OTel
+    ``service.instance.id`` are the worker's own."""
     registry = registry or CollectorRegistry()
-    ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_resident_memory_bytes & co.
-    metrics = GatewayMetrics(registry, settings.metrics)
-    configured = configured_sinks(settings, metrics)
+    shared_metrics = multiprocess_dir()
+    if shared_metrics is None:  # (multiprocess: gateway/metrics_workers.py adds up every worker's)
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_resident_memory_bytes & co.
+    metrics = GatewayMetrics(registry, settings.metrics, shared_metrics)
+    configured = configured_sinks(settings, metrics, worker)
     metrics.initialize(tuple(u.label for u in settings.upstreams), tuple(s.name for s in configured))
     version = kvscope_version()
     provider = build_tracer_provider(
@@ -74,7 +81,8 @@ def build_state(
         {
             "service.name": settings.service_name,
             "service.version": version,
-            "service.instance.id": settings.node,
+            # one per process: two workers pushing cumulative sums under one identity would clash
+            "service.instance.id": settings.node if worker is None else f"{settings.node}/{worker.index}",
         },
         settings.tracing.otlp_endpoint,
         metric_readers,
@@ -90,25 +98,46 @@ def build_state(
         limiter=limiter,
         counter=PromptCounter.from_config(settings.models),
         record_builder=RecordBuilder(
-            ServiceInfo(settings.service_name, version, settings.node), settings.logs.log_content
+            ServiceInfo(settings.service_name, version, settings.node, os.getpid()), settings.logs.log_content
         ),
         sinks=[*configured, *sinks],
         client_address=ClientAddressResolver(parse_networks(settings.trusted_proxies)),
         settings_source=source,
+        worker=worker,
     )
 
 
-def configured_sinks(settings: GatewaySettings, metrics: GatewayMetrics) -> list[LogSink]:
+def configured_sinks(
+    settings: GatewaySettings, metrics: GatewayMetrics, worker: WorkerSlot | None = None
+) -> list[LogSink]:
+    """The request-log sinks of ``settings.logs``. In a worker of ``--workers N`` (``worker``) the JSONL file
+    is shared with the other workers (appends and rotation under a file lock, gateway/logs/sinks.py) and the
+    Elasticsearch spool is ``<spool_dir>/worker-<index>`` (a spool has one writer; a restarted worker keeps
+    its index and replays its own)."""
     logs = settings.logs
     sinks: list[LogSink] = []
     if logs.file:
-        sinks.append(JsonlFileSink(metrics, logs.file, logs.max_bytes, logs.backup_count, logs.queue_size))
+        sinks.append(
+            JsonlFileSink(
+                metrics,
+                logs.file,
+                logs.max_bytes,
+                logs.backup_count,
+                logs.queue_size,
+                shared=worker is not None,
+            )
+        )
     if logs.stdout:
         sinks.append(StdoutSink(metrics, logs.queue_size))
     if logs.elasticsearch is not None:
         from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
 
         sink_config = logs.elasticsearch_settings().sink_config()
+        if worker is not None:
+            spool = dataclasses.replace(
+                sink_config.spool, directory=sink_config.spool.directory / f"worker-{worker.index}"
+            )
+            sink_config = dataclasses.replace(sink_config, spool=spool)
         sinks.append(ElasticsearchSink(sink_config, LogSinkMetrics(metrics, ElasticsearchSink.name)))
     return sinks
 

@@ -16,16 +16,23 @@ the new label set: the gauges keep their values, the error counters start again 
 (``rate``/``increase`` of a new series start from its first sample, so a sum over kinds loses no increase
 but those of the scrape interval around the move), and the old series disappear (Prometheus marks them
 stale at the next scrape).
+
+With several worker processes (``kvscope gateway --workers N``) the values live in prometheus_client's
+multiprocess files and ``/metrics`` reads :attr:`GatewayMetrics.exposed`, which adds up every worker
+(gateway/metrics_workers.py): each gauge below says how its workers' values combine (``multiprocess_mode``;
+ignored by a single process).
 """
 
 from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvscope.common.version import kvscope_version
+from kvscope.gateway.metrics_workers import WorkersCollector, WorkersProcessCollector
 from kvscope.gateway.settings import MetricsConfig
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/*", "other")
@@ -84,11 +91,30 @@ def route_label(path: str) -> str:
 
 
 class GatewayMetrics:
-    """Every ``kvscope_gateway_*`` collector, registered on ``registry`` (no module globals)."""
+    """Every ``kvscope_gateway_*`` collector, registered on ``registry`` (no module globals).
 
-    def __init__(self, registry: CollectorRegistry, config: MetricsConfig | None = None) -> None:
+    ``multiprocess_dir``: the folder of prometheus_client's multiprocess mode when this process is one of
+    several workers (kvscope.gateway.settings ``multiprocess_dir``; the library itself already writes every
+    value there): :attr:`exposed` is then a registry of its own that merges every worker's files, and series
+    are never removed from the files (the merged view drops them, gateway/metrics_workers.py). None: one
+    process, :attr:`exposed` is ``registry``."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        config: MetricsConfig | None = None,
+        multiprocess_dir: Path | None = None,
+    ) -> None:
         config = config or MetricsConfig()
         self.registry = registry
+        """This process's collectors (tests and the console read them)."""
+        self.multiprocess = multiprocess_dir is not None
+        self.exposed = registry
+        """What ``/metrics`` encodes: ``registry`` (one process) or every worker's series merged."""
+        if multiprocess_dir is not None:
+            self.exposed = CollectorRegistry()
+            self.exposed.register(WorkersCollector(multiprocess_dir, self.live_upstream_series))
+            self.exposed.register(WorkersProcessCollector(multiprocess_dir))
         p = "kvscope_gateway_"
         self.requests = Counter(
             p + "requests",
@@ -156,7 +182,9 @@ class GatewayMetrics:
             ["model", "outcome"],
             registry=registry,
         )
-        self.in_flight = Gauge(p + "in_flight_requests", "Requests being served.", registry=registry)
+        self.in_flight = Gauge(
+            p + "in_flight_requests", "Requests being served.", registry=registry, multiprocess_mode="livesum"
+        )
         self.rate_limited = Counter(
             p + "rate_limited", "Requests refused by a limit.", ["reason"], registry=registry
         )
@@ -171,12 +199,14 @@ class GatewayMetrics:
             "1 when the upstream replica is healthy.",
             ["upstream", "kind"],
             registry=registry,
+            multiprocess_mode="livemostrecent",  # every worker checks every replica: the newest check
         )
         self.upstream_outstanding = Gauge(
             p + "upstream_outstanding_requests",
             "Requests in flight per upstream (least-outstanding balancing).",
             ["upstream", "kind"],
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.upstream_errors = Counter(
             p + "upstream_errors",
@@ -190,6 +220,7 @@ class GatewayMetrics:
             "that decided it (kind_source: config, models, metrics, info, props or default).",
             ["upstream", "kind", "kind_source"],
             registry=registry,
+            multiprocess_mode="livemax",
         )
         self._upstreams: dict[str, _UpstreamSeries] = {}
         """Upstream label → its series' kind and gauge values (instance state: one per gateway)."""
@@ -214,7 +245,10 @@ class GatewayMetrics:
             registry=registry,
         )
         self.log_spool_bytes = Gauge(
-            p + "log_spool_bytes", "Bytes of request-log records spooled to disk.", registry=registry
+            p + "log_spool_bytes",
+            "Bytes of request-log records spooled to disk.",
+            registry=registry,
+            multiprocess_mode="livesum",  # each worker spools to a folder of its own
         )
         self.build_info = Gauge(
             p + "build_info",
@@ -222,6 +256,7 @@ class GatewayMetrics:
             "version the gateway runs (the Prometheus build_info convention).",
             ["version", "python"],
             registry=registry,
+            multiprocess_mode="livemax",
         )
 
     def initialize(self, upstreams: tuple[str, ...] = (), sinks: tuple[str, ...] = ()) -> None:
@@ -263,7 +298,8 @@ class GatewayMetrics:
             state.kind, state.kind_source = new_kind, new_source
             self._create_series(upstream, state)
         elif new_source != state.kind_source:  # same kind, another signal: only the info series moves
-            self.upstream_info.remove(upstream, state.kind, state.kind_source)
+            if not self.multiprocess:  # (multiprocess: the merged view drops the old one)
+                self.upstream_info.remove(upstream, state.kind, state.kind_source)
             state.kind_source = new_source
             self.upstream_info.labels(upstream, state.kind, state.kind_source).set(1)
 
@@ -304,7 +340,18 @@ class GatewayMetrics:
             self.upstream_errors.labels(upstream, state.kind, reason)
         self.upstream_info.labels(upstream, state.kind, state.kind_source).set(1)
 
+    def live_upstream_series(self) -> set[tuple[str, ...]]:
+        """The per-upstream series this process holds now: ``(upstream, kind)`` and ``(upstream, kind,
+        kind_source)`` label values (what the multiprocess view keeps, gateway/metrics_workers.py)."""
+        live: set[tuple[str, ...]] = set()
+        for upstream, state in self._upstreams.items():
+            live.add((upstream, state.kind))
+            live.add((upstream, state.kind, state.kind_source))
+        return live
+
     def _remove_series(self, upstream: str, state: _UpstreamSeries) -> None:
+        if self.multiprocess:  # the library cannot remove from its files: the merged view filters them
+            return
         self.upstream_up.remove(upstream, state.kind)
         self.upstream_outstanding.remove(upstream, state.kind)
         for reason in UPSTREAM_ERROR_REASONS:

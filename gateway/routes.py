@@ -138,7 +138,8 @@ def _check_metrics_access(gw: GatewayState, request: Request) -> None:
 @get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text format, or OpenMetrics (with exemplars: the trace of a sampled request on the
-    latency histograms) when the scraper's ``Accept`` asks for ``application/openmetrics-text``. Access:
+    latency histograms) when the scraper's ``Accept`` asks for ``application/openmetrics-text``; with several
+    workers every worker's series added up (gateway/metrics_workers.py: no exemplars then). Access:
     :func:`_check_metrics_access` (401/403 when keys are configured, unless ``metrics_public``)."""
     _check_metrics_access(state_of(request), request)
     encode, content_type = choose_encoder(request.headers.get("accept", ""))
@@ -146,7 +147,7 @@ async def metrics(request: Request) -> Response:
     media_type = (
         content_type.removesuffix("; charset=utf-8") if content_type.startswith("text/") else content_type
     )
-    return Response(encode(state_of(request).metrics.registry), media_type=media_type)
+    return Response(encode(state_of(request).metrics.exposed), media_type=media_type)
 
 
 @route("/{path:path}", http_method=ALL_METHODS)

@@ -255,6 +255,10 @@ class ApiKeyConfig(msgspec.Struct, **_STRUCT):
     limits: KeyLimits = KeyLimits()
     admin: bool = False
     """May open the console (``/console``, docs/console.md): with API keys configured, only admin keys do."""
+    service_tier: Literal["priority", "default", "flex"] | None = None
+    """The engine scheduler's tier of this key's requests (``x-kvscope-service-tier``, issue 42): their
+    default and the best they get (a request's own ``service_tier`` may only ask for a worse one); ``flex``
+    for batch keys. None: the request's own, else ``default``."""
 
     def __post_init__(self) -> None:
         check_key_name(self.name)
@@ -618,6 +622,19 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
         ),
     ] = None
     """Share rate limits between gateway replicas through Redis; ``None``: in-memory."""
+    workers: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=256),
+        Flag(
+            "gateway processes serving the port (rate limits then need --redis-url)",
+            metavar="N",
+            env="KVSCOPE_GATEWAY_WORKERS",
+        ),
+    ] = 1
+    """Processes serving ``port`` (gateway/workers.py; docs/gateway.md "Several worker processes"): one
+    supervisor binds the port and starts this many workers. Above 1: rate limits need ``redis_url`` (the
+    in-memory limiter is per process), ``/metrics`` adds up every worker (prometheus_client's multiprocess
+    mode), the request log file is shared, and the console is off (it shows one process)."""
     timeouts: TimeoutConfig = TimeoutConfig()
     routing: RoutingConfig = RoutingConfig()
     upstream_metrics: UpstreamMetricsConfig = UpstreamMetricsConfig()
@@ -658,6 +675,12 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
             )
         parse_networks(self.trusted_proxies)
         resolve_event_loop(self.event_loop)  # uvloop asked for where it is not installed: a config error
+        if self.workers > 1 and self.redis_url is None and self.rate_limited:
+            raise ValueError(
+                f"workers={self.workers} with rate limits needs redis_url (--redis-url redis://host:6379/0): "
+                "the in-memory limiter is per process, so each worker would admit the whole limit; share "
+                "the limits through Redis or run one worker"
+            )
         names = [key.name for key in self.api_keys]
         if len(names) != len(set(names)):
             raise ValueError("api key names must be unique")
@@ -680,8 +703,31 @@ class GatewaySettings(msgspec.Struct, **_STRUCT):
         return bool(self.api_keys)
 
     @property
+    def rate_limited(self) -> bool:
+        """Whether any key (or anonymous client) has a limit with state: requests or tokens per minute or
+        concurrent requests (``max_tokens`` is a per-request ceiling, kept by every worker alike)."""
+        return any(
+            limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent
+            for limits in (self.default_limits, *(key.limits for key in self.api_keys))
+        )
+
+    @property
     def node(self) -> str:
         return self.node_name or socket.gethostname()
+
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's multiprocess mode: set (to a folder) before the library is imported, every metric
+value lives in a memory-mapped file there, one per process; the gateway's workers run under it
+(gateway/workers.py sets it for them)."""
+
+
+def multiprocess_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    """The folder of prometheus_client's multiprocess mode (``$PROMETHEUS_MULTIPROC_DIR``), or None when the
+    process runs in the library's default, single-process mode. The library reads the same variable when it
+    is imported, so the gateway exposes its metrics the library's way in either case (gateway/metrics.py)."""
+    value = (os.environ if env is None else env).get(MULTIPROC_DIR_ENV)
+    return Path(value) if value else None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -698,7 +744,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """Overrides from ``KVSCOPE_GATEWAY_{HOST,PORT,UPSTREAMS,REDIS_URL,LOG_FILE,ALLOW_UNAUTHENTICATED,
+    """Overrides from ``KVSCOPE_GATEWAY_{HOST,PORT,UPSTREAMS,REDIS_URL,WORKERS,LOG_FILE,ALLOW_UNAUTHENTICATED,
     METRICS_PUBLIC,API_KEY_HASHES,TRUSTED_PROXIES}`` (the ``env`` of the fields' Flags), in config-file shape;
     lists are comma-separated."""
     return from_env(GatewaySettings, env)

@@ -23,6 +23,15 @@ from kvscope.gateway.tokenize import PromptCounter
 from kvscope.gateway.tracing import GatewayTracer
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """Which of the ``kvscope gateway --workers N`` processes this one is (gateway/workers.py)."""
+
+    index: int
+    """0 … count − 1; a worker restarted by the supervisor keeps its index (and its Elasticsearch spool)."""
+    count: int
+
+
 @dataclass(slots=True)
 class GatewayState:
     """Everything a request needs; one per app (``app.state.gateway``)."""
@@ -40,6 +49,8 @@ class GatewayState:
     sinks: list[LogSink] = field(default_factory=list)
     client_address: ClientAddressResolver = field(default_factory=ClientAddressResolver)
     """``client.ip`` from the peer and trusted forwarding headers (gateway/forwarded.py)."""
+    worker: WorkerSlot | None = None
+    """Set in a worker of ``--workers N`` (N > 1); None: the only process."""
     settings_source: SettingsSource | None = None
     """Where ``settings`` came from (the config file discovery re-reads); None: built in code."""
     client: httpx.AsyncClient | None = None

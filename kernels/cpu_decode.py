@@ -1,9 +1,9 @@
 """Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV
-on AVX-512 VNNI, one whole decode step of a Llama-family decoder in one call, paged decode attention, the
-elementwise ops of bfloat16 steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE: one pass each instead of a
-chain of torch ops, so a step's cost comes near its matmuls') and, on CPUs with AMX, the int4 matmul of
-batched decode steps (cpu_amx.cpp). Also the weight packings they read ("pair blocks" and "tile blocks",
-described in the C++ files).
+on AVX-512 VNNI and the matmul of small batches on the same weights (cpu_pair_gemm.h), one whole decode
+step of a Llama-family decoder in one call, paged decode attention, the elementwise ops of bfloat16 steps
+(RMSNorm, residual add + RMSNorm, SwiGLU, RoPE: one pass each instead of a chain of torch ops, so a step's
+cost comes near its matmuls') and, on CPUs with AMX, the int4 matmul of batched decode steps (cpu_amx.cpp).
+Also the weight packings they read ("pair blocks" and "tile blocks", described in the C++ files).
 
 The shared library is compiled once per machine with the system C++ compiler against the installed torch
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
@@ -257,6 +257,17 @@ def _has_op(name: str) -> bool:
     return True
 
 
+TILE_KINDS = {"float32": 1, "bfloat16": 2}
+"""Element types of the small-batch matmul's expanded weights (kernels/csrc/cpu_pair_gemm.h ``Tile``) → the
+ops' ``tile`` argument."""
+
+
+def bf16_tiles_built() -> bool:
+    """Whether the loaded library has the small-batch matmul's bfloat16 tiles (built on a CPU with
+    AVX512-BF16); its float32 tiles are in every build."""
+    return _has_op("has_bf16_tiles") and bool(torch.ops.kvscope_cpu.has_bf16_tiles())
+
+
 def _lane_order() -> torch.Tensor:
     """int64 [64]: source index (within a pair of blocks) of each stored byte: byte 4l + j, lane l = 2k + b,
     holds weight 4k + j of block b (see cpu_decode.cpp)."""
@@ -340,10 +351,13 @@ class PairBlocks:
         blocks = codes.view(rows, -1, BLOCK).to(torch.float32)
         return (blocks * d.float()[..., None] + m.float()[..., None]).view(rows, -1)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]`` (activations quantized per block of 32
-        to 16-bit codes, d = max|x| / 32767). Needs :func:`load`."""
-        return torch.ops.kvscope_cpu.qgemv(x, self.codes, self.scales)
+    def matmul(self, x: torch.Tensor, tile_rows: int = 0, tile: str = "float32") -> torch.Tensor:
+        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]``. Below ``tile_rows`` rows (0: at every
+        size) the GEMV: activations quantized per block of 32 to 16-bit codes, d = max|x| / 32767. From
+        ``tile_rows`` rows the small-batch matmul (kernels/csrc/cpu_pair_gemm.h): the weights expanded once
+        per call to ``tile`` (``float32``, or ``bfloat16`` where :func:`bf16_tiles_built`) and every row
+        multiplied by them, float32 sums. Needs :func:`load`; RuntimeError for bfloat16 tiles not built."""
+        return torch.ops.kvscope_cpu.qgemv(x, self.codes, self.scales, tile_rows, TILE_KINDS[tile])
 
 
 TILE = 16

@@ -12,21 +12,28 @@ talking to the engine directly, or the gateway without keys) every group is its 
 Shares. With ``T`` tenants holding unfinished sequences, a tenant's share of the running slots is
 ``max(1, max_num_seqs // T)``; inside a tenant with ``G`` such groups, a group's share is
 ``max(1, tenant share // G)``. A tenant's (group's) *excess* is what it runs minus its share. Without the
-header every tenant has one group, and both shares are the plain ``max(1, max_num_seqs // groups)``. The
+header every tenant has one group, and both shares are the plain ``max(1, max_num_seqs // groups)``.
+
+Above all of this stands the request's admission class (``Request.schedule_class``: its service tier, then
+its ``priority``; engine/core/admission.py): every sequence of one group has the same class, and the rules
+below order the groups of one class; a better class always goes first. The
 scheduler (engine/core/scheduler.py) applies four rules:
 
-1. Admission order. The next waiting sequence admitted is the head (FCFS inside a group) of, in the tenant
-   that runs the fewest sequences, the group that runs the fewest; ties go to the one whose candidate head is
-   first in queue order (preempted sequences first, the latest preemption first, then arrival order). With one
-   sequence per tenant this is plain FCFS.
+1. Admission order. The next waiting sequence admitted is the head (FCFS inside a group) of, in the best
+   class waiting, in the tenant that runs the fewest sequences, the group that runs the fewest; ties go to
+   the one whose candidate head is first in queue order (preempted sequences first, the latest preemption
+   first, then arrival order). With one sequence per tenant and one class this is plain FCFS. Within a class
+   this is the fairness between keys: a key that runs fewer sequences goes first, so of two keys sending
+   alike one cannot take more than one slot ahead of the other's waiting requests.
 2. Slots by share. A waiting group under its group share *claims* its waiting sequences up to what it lacks;
    a tenant claims the sum of its groups' claims, but at most what it lacks of its tenant share plus the
-   excess of its own groups over their group share. Before a step schedules anyone, while the claims exceed
-   the free slots, a running sequence is preempted (by recompute, as the KV preemption): the newest one of,
-   in the tenant furthest over its share, the group furthest over its group share; when no tenant is over its
-   share, of the group furthest over its group share inside a claiming tenant. Those groups admit nobody in
-   that step. Nothing is preempted from a tenant at or under its share whose groups are at or under theirs,
-   so with one request per tenant a one-sequence request is never preempted by this rule.
+   excess of its own groups over their group share; only groups of the best tier waiting claim, and they
+   take slots from sequences of that tier or a worse one. Before a step schedules anyone, while the claims
+   exceed the free slots, a running sequence is preempted (by recompute, as the KV preemption): the newest
+   one of, in the tenant furthest over its share, the group furthest over its group share; when no tenant is
+   over its share, of the group furthest over its group share inside a claiming tenant. Those groups admit
+   nobody in that step. Nothing is preempted from a tenant at or under its share whose groups are at or under
+   theirs, so with one request per tenant a one-sequence request is never preempted by this rule.
 3. Token budget round-robin. Running sequences get the step's tokens in rounds: every tenant's first running
    sequence, then every tenant's second, … (admission order inside a round), where a tenant's sequences are
    ordered the same way across its groups (every group's oldest running sequence, then every group's
@@ -192,12 +199,14 @@ class WaitingQueue:
         return iter(self._groups.items())
 
 
-def claims(queue: WaitingQueue, shares: FairShares) -> tuple[int, set[str]]:
+def claims(queue: WaitingQueue, shares: FairShares, tier_rank: int | None = None) -> tuple[int, set[str]]:
     """Rule 2's claims: (slots the waiting groups claim in all, the tenants claiming any). A group under its
     share claims its waiting sequences up to what it lacks; a tenant at most what it lacks of its share plus
-    its groups' excess over theirs."""
+    its groups' excess over theirs. ``tier_rank``: only groups of that tier claim (None: all)."""
     wanted: dict[str, int] = {}
     for group, waiting in queue.groups():
+        if tier_rank is not None and waiting[0].schedule_class[0] != tier_rank:
+            continue
         lack = shares.group_share(group) - shares.running(group)
         if lack > 0:
             tenant = shares.tenant_of(group)
@@ -213,9 +222,11 @@ def claims(queue: WaitingQueue, shares: FairShares) -> tuple[int, set[str]]:
 
 
 class _Candidate(NamedTuple):
-    """A heap entry of :class:`AdmissionOrder`: compared as a tuple, fewest running first, then queue
-    order."""
+    """A heap entry of :class:`AdmissionOrder`: compared as a tuple, best admission class first, then fewest
+    running, then queue order."""
 
+    schedule_class: tuple[int, int]
+    """The admission class (tier rank, priority) of its head sequence (a tenant: of its best group)."""
     running: int
     """Sequences the tenant (group) runs."""
     position: int
@@ -225,10 +236,10 @@ class _Candidate(NamedTuple):
 
 
 class AdmissionOrder:
-    """Rule 1 for one step: a heap of (running sequences, candidate head's queue position, tenant) over the
-    tenants with waiting sequences, each with a heap of (running sequences, head's queue position, group) over
-    its waiting groups, minus ``excluded`` groups. :meth:`peek` names the next sequence to admit; call
-    :meth:`admitted` once it is taken out of the queue and running."""
+    """Rule 1 for one step: a heap of (best class, running sequences, candidate head's queue position, tenant)
+    over the tenants with waiting sequences, each with a heap of (class, running sequences, head's queue
+    position, group) over its waiting groups, minus ``excluded`` groups. :meth:`peek` names the next sequence
+    to admit; call :meth:`admitted` once it is taken out of the queue and running."""
 
     def __init__(self, queue: WaitingQueue, shares: FairShares, excluded: Collection[str] = ()) -> None:
         self._queue = queue
@@ -237,12 +248,12 @@ class AdmissionOrder:
         for key, group in queue.groups():
             if key not in excluded:
                 self._groups.setdefault(shares.tenant_of(key), []).append(
-                    _Candidate(shares.running(key), queue.position(group[0]), key)
+                    _Candidate(group[0].schedule_class, shares.running(key), queue.position(group[0]), key)
                 )
         for heap in self._groups.values():
             heapq.heapify(heap)
         self._tenants = [
-            _Candidate(shares.tenant_running(tenant), heap[0].position, tenant)
+            _Candidate(heap[0].schedule_class, shares.tenant_running(tenant), heap[0].position, tenant)
             for tenant, heap in self._groups.items()
         ]
         heapq.heapify(self._tenants)
@@ -258,10 +269,16 @@ class AdmissionOrder:
         key = heapq.heappop(groups).key
         head = self._queue.head(key)
         if head is not None:
-            heapq.heappush(groups, _Candidate(self._shares.running(key), self._queue.position(head), key))
+            heapq.heappush(
+                groups,
+                _Candidate(head.schedule_class, self._shares.running(key), self._queue.position(head), key),
+            )
         if groups:
             heapq.heappush(
-                self._tenants, _Candidate(self._shares.tenant_running(tenant), groups[0].position, tenant)
+                self._tenants,
+                _Candidate(
+                    groups[0].schedule_class, self._shares.tenant_running(tenant), groups[0].position, tenant
+                ),
             )
 
 

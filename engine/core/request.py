@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvscope.engine.core.admission import DEFAULT_TIER, tier_rank
 from kvscope.engine.core.attribution import StepAttribution
 from kvscope.engine.core.stats import KvscopeStats, spec_summary
 from kvscope.engine.sampling_params import SamplingParams
@@ -66,6 +67,10 @@ class RequestStats:
     """Engine-wide KV usage (0–1) when the request finished."""
     num_prompt_tokens: int | None = None
     num_cached_tokens: int | None = None
+    predicted_ttft_s: float | None = None
+    """Arrival → first token as predicted when it was queued (engine/core/ttft.py); None: no prediction."""
+    service_tier: str | None = None
+    """The tier it was queued in (set by the scheduler)."""
     attribution: StepAttribution = field(default_factory=StepAttribution)
     structured_mask_s: float | None = None
     """Seconds computing its grammar masks (structured output only; ModelRunnerOutput.structured_mask_s)."""
@@ -107,6 +112,7 @@ class RequestStats:
         stats = KvscopeStats(
             queue_s=_diff(first_sched, self.arrival_time),
             ttft_s=_diff(first_tok, self.arrival_time),
+            predicted_ttft_s=self.predicted_ttft_s,
             prefill_s=_diff(first_tok, first_sched),
             decode_s=decode_s,
             tpot_s=decode_s / (num_output_tokens - 1)
@@ -150,6 +156,7 @@ class RequestStats:
             recomputed_tokens=attribution.recomputed_tokens,
             structured_mask_s=self.structured_mask_s,
             structured_wait_s=self.structured_wait_s,
+            service_tier=self.service_tier,
         )
         if not self.spec_num_drafts:  # never speculated: the speculative fields stay None
             return stats
@@ -228,6 +235,15 @@ class Request:
     """Who sent the client request: the gateway's API key name (the ``x-kvscope-tenant`` header the server
     reads); None: its fairness group is its own tenant. The scheduler shares its slots between tenants first,
     then between each tenant's groups (engine/core/fairness.py)."""
+    service_tier: str = DEFAULT_TIER
+    """Its tier (engine/core/admission.py TIERS): the scheduler admits waiting requests by tier first."""
+    priority: int = 0
+    """vLLM's ``priority``: inside a tier, lower is admitted earlier (then the fairness rules)."""
+    deadline: float | None = None
+    """``time.monotonic()`` seconds after which, still waiting for its first admission, it is dropped
+    before any prefill (its client's deadline); None: none."""
+    foreseen_cached_tokens: int = 0
+    """Prompt tokens the prefix cache held when it was queued (the TTFT prediction's view of it)."""
     prepared_sampling: object | None = None
     """Opaque to the core: the worker's per-request sampling tensors
     (kvscope.engine.worker.sampler.RequestSampling), built once at admission and shared by an ``n > 1``
@@ -249,6 +265,11 @@ class Request:
         """The tenant of engine/core/fairness.py: ``tenant:`` + ``fairness_tenant`` (the prefix keeps a tenant
         apart from group keys, which hold no ``:``), else the fairness group's key."""
         return TENANT_KEY_PREFIX + self.fairness_tenant if self.fairness_tenant else self.fairness_key
+
+    @property
+    def schedule_class(self) -> tuple[int, int]:
+        """The admission class: (tier rank, priority), lower first (engine/core/admission.py)."""
+        return (tier_rank(self.service_tier), self.priority)
 
     @property
     def num_prompt_tokens(self) -> int:

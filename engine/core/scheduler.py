@@ -16,15 +16,25 @@ tenant, then the group, running the fewest sequences going first, a step starts 
 sequences of tenants (groups) over their share when others under it wait for slots, and the KV victim is taken
 from the tenant, then the group, furthest over its share first. With one sequence per tenant all of this is
 the plain order above: nothing is preempted for fairness.
+
+Tiers and priorities (engine/core/admission.py, issue 42): the waiting requests are admitted by admission
+class first (``Request.schedule_class``: service tier, then ``priority``), the rules above ordering those of
+one class; while waiting requests of a better tier find no free running slot, the newest running requests of
+a deferrable tier (``flex``) are preempted for them. Each new request gets a predicted time to first token
+(:meth:`Scheduler.predict_ttft`, engine/core/ttft.py) from the queues and the step-time model the scheduler
+fits on its own step records; a request whose deadline passes while it still waits for its first admission
+is dropped before any prefill (:meth:`Scheduler.expire_waiting`).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvscope.engine.config import CacheConfig, SchedulerConfig
+from kvscope.engine.core.admission import DEFERRABLE_TIERS, TIER_RANK
 from kvscope.engine.core.attribution import BlockedSteps, QueueLimit
 from kvscope.engine.core.drafter import Drafter
 from kvscope.engine.core.fairness import (
@@ -39,6 +49,17 @@ from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.request import Request, RequestStatus
 from kvscope.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvscope.engine.core.stats import SchedulerStats
+from kvscope.engine.core.ttft import (
+    MAX_REPLAYED_AHEAD,
+    OutputLengths,
+    StepLimits,
+    StepTime,
+    StepTimeModel,
+    TtftPrediction,
+    replay_ttft,
+    running_sequence,
+    waiting_sequence,
+)
 from kvscope.engine.errors import PromptTooLongError
 
 
@@ -52,7 +73,8 @@ class _StepPlan:
     preempted_req_ids: set[str] = field(default_factory=set)
     """Preempted for KV blocks while scheduling the running requests: no waiting request is admitted."""
     rebalanced_req_ids: set[str] = field(default_factory=set)
-    """Preempted at the step's start for fairness (rule 2 of engine/core/fairness.py)."""
+    """Preempted at the step's start for fairness (rule 2 of engine/core/fairness.py) or for a better
+    tier."""
 
     def add(
         self, request: Request, num_new_tokens: int, is_new: bool, draft: list[int] | None = None
@@ -64,7 +86,9 @@ class _StepPlan:
 class Scheduler:
     """Decides which requests run each step and how many tokens each computes.
 
-    ``clock`` (seconds, monotonic) timestamps request stats; tests may inject a fake one.
+    ``clock`` (seconds, monotonic) timestamps request stats; tests may inject a fake one. ``step_time``:
+    the step-time model of the TTFT prediction (default: a :class:`StepTimeModel` fitted on this scheduler's
+    steps); tests script one.
     Raises ValueError when the KV cache cannot hold one ``max_model_len`` sequence (a request that can never
     fit would wait forever), as vLLM checks at start-up.
     """
@@ -78,6 +102,7 @@ class Scheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
         drafter: Drafter | None = None,
+        step_time: StepTime | None = None,
     ) -> None:
         capacity = kv_cache_manager.block_pool.num_blocks * kv_cache_manager.block_size
         if max_model_len < 1:
@@ -107,14 +132,24 @@ class Scheduler:
         self._prefix_cache_hits = 0
         self._blocked_steps = BlockedSteps()
         """Steps that left requests waiting, per limit (attribution; engine/core/attribution.py)."""
+        self.step_time: StepTime = step_time if step_time is not None else StepTimeModel()
+        """Seconds of a step by its shape, fitted on the steps' records (engine/core/ttft.py)."""
+        self.output_lengths = OutputLengths()
+        """The output length the TTFT prediction expects, from the requests finished lately."""
+        self._busy_since: float | None = None
+        """When the previous step's output was applied, while requests were left (the next step's period
+        starts there)."""
+        self._deadlines: list[tuple[float, str]] = []
+        """(deadline, request id) of waiting requests with a deadline, a heap (finished ones left in it)."""
 
     # ---- request lifecycle -------------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request (status WAITING). Raises ValueError for a duplicate id, an empty prompt or a
-        fairness group already queued under another tenant, and PromptTooLongError when the prompt exceeds
-        ``max_model_len``: invariants, not user-facing checks (the engine's InputProcessor rejected such
-        requests before they became Requests)."""
+    def add_request(self, request: Request, prediction: TtftPrediction | None = None) -> None:
+        """Queue a request (status WAITING) with its TTFT ``prediction`` (None: predicted here,
+        :meth:`predict_ttft`; the siblings of one request share one). Raises ValueError for a duplicate id,
+        an empty prompt, an unknown tier or a fairness group already queued under another tenant, and
+        PromptTooLongError when the prompt exceeds ``max_model_len``: invariants, not user-facing checks (the
+        engine's InputProcessor rejected such requests before they became Requests)."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the scheduler")
         if request.num_tokens == 0:
@@ -123,9 +158,21 @@ class Scheduler:
             raise PromptTooLongError(
                 max_model_len=self.max_model_len, num_prompt_tokens=request.num_tokens, max_tokens=None
             )
+        if request.service_tier not in TIER_RANK:
+            raise ValueError(f"request {request.request_id!r} has an unknown tier {request.service_tier!r}")
+        if not self.has_unfinished_requests():
+            self._busy_since = None  # the engine idled: the next step's period starts at its scheduling
+        if prediction is None:
+            prediction = self.predict_ttft(request)
+        else:
+            request.foreseen_cached_tokens = prediction.cached_tokens
         self._shares.added(request)
         request.status = RequestStatus.WAITING
         request.stats.num_prompt_tokens = request.num_prompt_tokens
+        request.stats.predicted_ttft_s = prediction.seconds
+        request.stats.service_tier = request.service_tier
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         request.stats.attribution.on_arrival(len(self.waiting), len(self.running), self._blocked_steps)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -147,6 +194,80 @@ class Scheduler:
             request.truncate_output(num_output_tokens)
         self._finish(request, status, self.clock())
         return request
+
+    def predict_ttft(self, request: Request) -> TtftPrediction:
+        """Seconds from ``request``'s arrival to its first token if it were queued now (engine/core/ttft.py):
+        the running requests, then the waiting ones of its admission class or a better one in admission order,
+        replayed step by step under this scheduler's limits and priced by :attr:`step_time`, plus the time
+        since its arrival. Its prompt's blocks the prefix cache holds now are not computed (their count is
+        kept in ``request.foreseen_cached_tokens`` for the predictions of later requests). Changes nothing
+        else. Cost: O(running x steps replayed), the steps bounded by replaying at most
+        MAX_REPLAYED_AHEAD requests ahead (a longer queue is extrapolated linearly from them); nothing is
+        replayed while the step-time model has no fit."""
+        _, hit = self.kv_cache_manager.get_computed_blocks(request)
+        request.foreseen_cached_tokens = hit
+        cls = request.schedule_class
+        queue = self.waiting
+        ahead = [r for _, group in queue.groups() for r in group if r.schedule_class <= cls]
+        if self.step_time.predict(0, 1, 0) is None:  # no fit yet: nothing to price the replay with
+            return TtftPrediction(None, len(ahead), 0, len(self.running), hit)
+        ahead.sort(key=lambda r: (r.schedule_class, queue.position(r)))
+        lengths = self.output_lengths
+        running = [
+            running_sequence(r, lengths.expected(r.max_tokens)) for r in self._kept_running(cls, len(ahead))
+        ]
+        replayed = [
+            waiting_sequence(r, lengths.expected(r.max_tokens), r.foreseen_cached_tokens)
+            for r in ahead[:MAX_REPLAYED_AHEAD]
+        ]
+        config = self.scheduler_config
+        limits = StepLimits(
+            config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold
+        )
+        seconds = replay_ttft(running, replayed, request.num_tokens - hit, limits, self.step_time)
+        if seconds is not None and len(replayed) < len(ahead):
+            seconds *= (len(ahead) + 1) / (len(replayed) + 1)
+        waited = max(self.clock() - request.arrival_time, 0.0)
+        tokens_ahead = sum(seq.prefill_left for seq in running) + sum(
+            max(r.num_tokens - r.foreseen_cached_tokens, 1) for r in ahead
+        )
+        return TtftPrediction(
+            seconds=None if seconds is None else waited + seconds,
+            requests_ahead=len(ahead),
+            tokens_ahead=tokens_ahead,
+            running=len(self.running),
+            cached_tokens=hit,
+        )
+
+    def _kept_running(self, cls: tuple[int, int], num_ahead: int) -> list[Request]:
+        """The running requests a new request of admission class ``cls`` with ``num_ahead`` requests ahead
+        would wait for: all but the newest running requests of a deferrable tier worse than its own, as many
+        as :meth:`_defer` would preempt for it and those ahead (one per missing free slot)."""
+        need = num_ahead + 1 - (self.scheduler_config.max_num_seqs - len(self.running))
+        if need <= 0:
+            return self.running
+        deferred: set[str] = set()
+        for request in reversed(self.running):
+            if len(deferred) == need:
+                break
+            if request.service_tier in DEFERRABLE_TIERS and request.schedule_class[0] > cls[0]:
+                deferred.add(request.request_id)
+        return [r for r in self.running if r.request_id not in deferred]
+
+    def expire_waiting(self) -> list[Request]:
+        """Drop the requests whose deadline passed (by :attr:`clock`) while they still wait for their first
+        admission: finished FINISHED_ABORTED before any prefill. Returns them (the engine tells their
+        clients); a request already admitted once is left to finish."""
+        now = self.clock()
+        expired: list[Request] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.WAITING or request.num_cached_tokens >= 0:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ABORTED, now)
+            expired.append(request)
+        return expired
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish each known request with FINISHED_ABORTED; returns those that were still unfinished."""
@@ -195,6 +316,7 @@ class Scheduler:
         """
         now = self.clock()
         self._attribute_step(scheduler_output, now - scheduler_output.scheduled_time)
+        self._observe_step(scheduler_output, now)
         finished: list[Request] = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -215,6 +337,7 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status, now)
                 finished.append(request)
+        self._busy_since = now if self.has_unfinished_requests() else None
         return finished
 
     def _on_verified(self, scheduled: ScheduledRequest, num_accepted: int, keep_blocks: bool) -> None:
@@ -226,6 +349,19 @@ class Scheduler:
         request.num_computed_tokens -= num_draft - num_accepted
         if keep_blocks:
             self.kv_cache_manager.trim(request, request.num_tokens)
+
+    def _observe_step(self, out: SchedulerOutput, now: float) -> None:
+        """Feed the step's shape and seconds to the step-time model (the TTFT prediction's). The seconds are
+        the step's period — from the previous step's output to this one's, when the engine stayed busy in
+        between (the host work between steps included: delivering outputs, queueing arrivals), else from
+        this step's scheduling."""
+        start = out.scheduled_time
+        if self._busy_since is not None:
+            start = min(start, self._busy_since)
+        if not out.scheduled:
+            return
+        context = sum(item.num_computed_tokens + item.num_scheduled_tokens for item in out.scheduled)
+        self.step_time.observe(out.num_prefill_tokens, out.num_decode_tokens, context, now - start)
 
     def _attribute_step(self, out: SchedulerOutput, dt: float) -> None:
         """Add the step to each scheduled request's step records (engine/core/attribution.py): a few adds
@@ -273,21 +409,50 @@ class Scheduler:
 
     # ---- scheduling internals ----------------------------------------------------------------------------
 
-    def _rebalance(self, plan: _StepPlan) -> set[str]:
-        """Rule 2 of engine/core/fairness.py: while the waiting groups under their share claim more slots than
-        are free, preempt the newest running request of the tenant, then the group, furthest over its share.
+    def _defer(self, plan: _StepPlan) -> set[str]:
+        """Tiers: while the waiting requests of tiers better than a deferrable one (``flex``) outnumber the
+        free running slots, preempt the newest running request of the worst deferrable tier below them.
         Returns the groups that lost one (they admit nobody this step)."""
+        groups: set[str] = set()
+        free = self.scheduler_config.max_num_seqs - len(self.running)
+        running_ranks = {r.schedule_class[0] for r in self.running}
+        for rank in sorted((TIER_RANK[tier] for tier in DEFERRABLE_TIERS), reverse=True):
+            if rank not in running_ranks:
+                continue
+            better = sum(
+                len(queue) for _, queue in self.waiting.groups() if queue[0].schedule_class[0] < rank
+            )
+            while better > free:
+                victim = next((r for r in reversed(self.running) if r.schedule_class[0] == rank), None)
+                if victim is None:
+                    break
+                self.running.remove(victim)
+                self._preempt(victim)
+                plan.rebalanced_req_ids.add(victim.request_id)
+                groups.add(victim.fairness_key)
+                free += 1
+        return groups
+
+    def _rebalance(self, plan: _StepPlan) -> set[str]:
+        """Tiers first (:meth:`_defer`), then rule 2 of engine/core/fairness.py: while the waiting groups of
+        the best tier waiting under their share claim more slots than are free, preempt the newest running
+        request of that tier or a worse one of the tenant, then the group, furthest over its share. Returns
+        the groups that lost one (they admit nobody this step)."""
         if not self.waiting:
             return set()
+        groups = self._defer(plan)
         free = self.scheduler_config.max_num_seqs - len(self.running)
         if len(self.waiting) <= free:  # claims never exceed the waiting sequences: nobody to preempt for
-            return set()
-        demand, claimants = claims(self.waiting, self._shares)
-        groups: set[str] = set()
+            return groups
+        best = min(queue[0].schedule_class[0] for _, queue in self.waiting.groups())
+        demand, claimants = claims(self.waiting, self._shares, best)
+        candidates = {r.request_id for r in self.running if r.schedule_class[0] >= best}
         while (
             demand > free
-            and (victim := fairness_victim(self.running, self._shares, claimants=claimants)) is not None
+            and (victim := fairness_victim(self.running, self._shares, candidates, claimants=claimants))
+            is not None
         ):
+            candidates.discard(victim.request_id)
             self.running.remove(victim)
             self._preempt(victim)
             plan.rebalanced_req_ids.add(victim.request_id)
@@ -483,6 +648,8 @@ class Scheduler:
             self._shares.stopped_running(request)
         else:
             self.waiting.remove(request)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.output_lengths.observe(request.num_output_tokens, status == RequestStatus.FINISHED_LENGTH)
         self._shares.finished(request)
         request.status = status
         request.stats.kv_cache_usage = self.kv_cache_manager.usage

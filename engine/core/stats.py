@@ -70,6 +70,9 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     """Arrival → first scheduled."""
     ttft_s: float | None = None
     """Arrival → first token."""
+    predicted_ttft_s: float | None = None
+    """Arrival → first token as predicted when the request was queued (engine/core/ttft.py); None while the
+    engine's step-time model had no fit yet."""
     prefill_s: float | None = None
     """First scheduled → first token."""
     decode_s: float | None = None
@@ -140,6 +143,8 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     structured_wait_s: float | None = None
     """Structured output only: seconds its steps' sampling waited for the masks after the forward pass had
     finished (the latency the grammar added). None for unconstrained requests."""
+    service_tier: str | None = None
+    """The tier it was scheduled in: ``priority``, ``default`` or ``flex`` (engine/core/admission.py)."""
     # --- speculative decoding (vLLM's SpecDecodingStats per request). None: it never speculated -------------
     spec_drafts: int | None = None
     """Drafts verified (one per verification step in which it had proposed tokens)."""
@@ -254,8 +259,8 @@ def _mean(values: list[float]) -> float:
 
 
 _REDUCE: dict[str, Callable[[list[Any]], Any]] = {
-    "queue_s": min, "ttft_s": min, "prefill_s": min, "decode_s": max, "batch_size_max": max,
-    "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean,
+    "queue_s": min, "ttft_s": min, "predicted_ttft_s": min, "prefill_s": min, "decode_s": max,
+    "batch_size_max": max, "kv_cache_usage": max, "kv_blocks": sum, "num_preemptions": sum, "tpot_s": _mean,
     "batch_size_mean": _mean,
     "spec_drafts": sum, "spec_draft_tokens": sum, "spec_accepted_tokens": sum,
     "spec_mean_accepted_length": max,

@@ -181,6 +181,8 @@ def _kernel(
         max_compact_rows=max_rows if dense else NO_DENSE,
         batched=batched,
         max_batched_rows=choice.batched_rows if batched else 0,
+        tile_rows=choice.tile_rows if isinstance(compact, PairBlocks) else 0,
+        tile=choice.tile or "float32",
     )
 
 

@@ -2,11 +2,12 @@
 (the weights read once), on kvscope's CPU kernels (kernels/cpu_decode.py,
 ``torch.ops.kvscope_cpu.decode_step``).
 
-The eager decoder issues about a thousand torch ops per step at batch 1, whose dispatch and small kernels
-cost milliseconds (docs/benchmarks.md "Per-step cost and where the time goes"); this path runs the whole step
-— embedding rows, per layer RMSNorm → qkv → RoPE → K/V written to the paged cache → attention read from the
+The eager decoder issues about a thousand torch ops per step at batch 1, whose dispatch and small kernels cost
+milliseconds (docs/benchmarks.md "Per-step cost and where the time goes"); this path runs the whole step —
+embedding rows, per layer RMSNorm → qkv → RoPE → K/V written to the paged cache → attention read from the
 paged cache in place (no gather) → o_proj → residual → RMSNorm → gate_up → SiLU·up → down → residual, then the
-final norm and the LM head — in C++ with the block-quantized AVX-512 VNNI GEMVs, returning float32 logits.
+final norm and the LM head — in C++ with the block-quantized AVX-512 VNNI GEMVs (from ``tile_rows`` requests
+the small-batch matmul on the same weights, kernels/csrc/cpu_pair_gemm.h), returning float32 logits.
 
 Numerics differ from the eager compact path by design: the residual stream and every activation stay float32
 (eager rounds to bfloat16 after each op); each GEMV quantizes its input per block of 32 to 16-bit codes (the
@@ -22,6 +23,10 @@ with ``pair_kernels``), the architecture has no biases and no q/k norm, and head
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +34,9 @@ import torch
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.models.llama import LlamaForCausalLM
 from kvscope.engine.weights.quant import CompactLinearKernel
-from kvscope.kernels.cpu_decode import PairBlocks, is_loaded
+from kvscope.kernels.cpu_decode import PAIR, TILE_KINDS, PairBlocks, is_loaded
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +61,10 @@ class FusedDecoder:
     eps: float
     max_rows: int
     """Most requests one fused step takes (above it the eager decoder's dense path is faster)."""
+    tile_rows: int = 0
+    """From how many requests its matmuls run the small-batch matmul instead of the GEMV (0: never)."""
+    tile: str = "float32"
+    """That matmul's tile element type (``kvscope.kernels.cpu_decode.TILE_KINDS``)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> FusedDecoder | None:
@@ -74,7 +85,7 @@ class FusedDecoder:
             or embed.dtype not in (torch.bfloat16, torch.float32)
         ):
             return None
-        codes, scales, limits = [], [], []
+        codes, scales, limits, tiles = [], [], [], set()
         norms = []
         for layer in model.model.layers:
             for linear in (
@@ -89,10 +100,14 @@ class FusedDecoder:
                 codes.append(weight.codes)
                 scales.append(weight.scales)
                 limits.append(linear.cpu_kernel.max_compact_rows)
+                tiles.add((linear.cpu_kernel.tile_rows, linear.cpu_kernel.tile))
             norms += [
                 layer.input_layernorm.weight.detach().float().contiguous(),
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
             ]
+        if len(tiles) != 1:  # one probe choice for every layer (kvscope.engine.platform.compact)
+            return None
+        ((tile_rows, tile),) = tiles
         inv_freq = c.rope.inv_freq(c.head_dim, embed.device).contiguous()
         return cls(
             embed=embed.detach(),
@@ -106,6 +121,8 @@ class FusedDecoder:
             num_kv_heads=c.num_key_value_heads,
             eps=c.rms_norm_eps,
             max_rows=min(limits),
+            tile_rows=tile_rows,
+            tile=tile,
         )
 
     def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
@@ -147,7 +164,98 @@ class FusedDecoder:
             self.num_heads,
             self.num_kv_heads,
             self.eps,
+            self.tile_rows,
+            TILE_KINDS[self.tile],
         )
+
+
+FUSED_PROBE_ROWS = (8, 16, 32, 64)
+"""Decode batch sizes at which :func:`fused_row_limit` times the fused step's matmuls against the eager
+decoder's on the model's own weights."""
+
+
+def engine_fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
+    """The engine's fused decoder of ``model`` (:meth:`FusedDecoder.from_model`), its row limit raised by
+    :func:`fused_row_limit` where its matmuls run the small-batch tiles (the GEMV alone re-reads the weights
+    every 4 rows and never wins there); None where it does not apply."""
+    fused = FusedDecoder.from_model(model)
+    if fused is None or not fused.tile_rows:
+        return fused
+    assert isinstance(model, LlamaForCausalLM)
+    return dataclasses.replace(fused, max_rows=fused_row_limit(model, fused, FUSED_PROBE_ROWS))
+
+
+def fused_row_limit(
+    model: LlamaForCausalLM,
+    fused: FusedDecoder,
+    rows: Sequence[int] = FUSED_PROBE_ROWS,
+    repeats: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """Up to how many requests the fused step's matmuls beat the eager decoder's on this model: each size of
+    ``rows`` above ``fused.max_rows`` (the kernel probe's crossover) is timed on the model's own weights, the
+    fused step's pair-block matmuls (the GEMV or the tiles, as it runs them, and its Q8_0 LM head) against the
+    eager path's (each layer as its ``Linear`` runs it: the dense copy above the crossover, and the LM head),
+    best of ``repeats``, with the engine's threads; the limit is the largest size up to which the fused ones
+    are not slower at any timed size (``fused.max_rows`` when they lose at the first). Why: the kernel probe
+    times one matrix that stays in the CPU's caches, where a model's dense copies (4x the bytes of its int4
+    weights in float32) stream from memory at every step (docs/benchmarks.md "Small batches without AMX")."""
+    above = [n for n in rows if n > fused.max_rows]
+    if not above:
+        return fused.max_rows
+    hidden, inter = model.config.hidden_size, model.config.intermediate_size
+    dtype = model.model.embed_tokens.weight.dtype
+    linears = [
+        linear
+        for layer in model.model.layers
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+    tile = TILE_KINDS[fused.tile]
+    best = fused.max_rows
+    gen = torch.Generator().manual_seed(0)
+    for n in above:
+        xs = {
+            k: torch.randn(n, k, generator=gen)
+            for k in (hidden, inter, model.config.num_attention_heads * model.config.head_dim)
+        }
+
+        def fused_matmuls(xs: dict[int, torch.Tensor] = xs) -> None:
+            for codes, scales in zip(fused.codes, fused.scales, strict=True):
+                k = scales.shape[1] * PAIR
+                torch.ops.kvscope_cpu.qgemv(xs[k], codes, scales, fused.tile_rows, tile)
+            fused.head.matmul(xs[hidden], fused.tile_rows, fused.tile)
+
+        def eager_matmuls(xs: dict[int, torch.Tensor] = xs) -> None:
+            for linear in linears:
+                linear(xs[linear.in_features].to(dtype))
+            model.compute_logits(xs[hidden].to(dtype))
+
+        with torch.inference_mode():
+            times = {}
+            for name, fn in (("fused", fused_matmuls), ("eager", eager_matmuls)):
+                fn()
+                times[name] = min(_timed(fn, clock) for _ in range(repeats))
+        logger.info(
+            "fused decode probe at %d rows: fused matmuls %.1f ms, eager %.1f ms",
+            n,
+            times["fused"] * 1e3,
+            times["eager"] * 1e3,
+        )
+        if times["fused"] > times["eager"]:
+            break
+        best = n
+    return best
+
+
+def _timed(fn: Callable[[], None], clock: Callable[[], float]) -> float:
+    start = clock()
+    fn()
+    return clock() - start
 
 
 def _pair(kernel: object, bits: int) -> PairBlocks | None:

@@ -9,6 +9,12 @@ What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of
   packed one. The compact kernels are GEMVs: they win at a few rows and lose several-fold at batched-decode
   sizes, so a compact layer keeps a dense bf16 copy for bigger batches. When compact wins at every probed
   size, no dense copy is kept (``NO_DENSE``).
+- ``tile_rows`` and ``tile``: from how many rows kvscope's pair-block weights run the small-batch matmul
+  (kernels/csrc/cpu_pair_gemm.h: the weights expanded once per call to float32 or bfloat16 tiles, every row
+  multiplied by them) instead of the GEMV, and on which tile type (float32 FMAs or AVX512-BF16 dot products:
+  which is faster depends on the CPU); probed where the AMX int4 matmul is not (it serves those rows
+  faster). The ``int4@n`` timing is then the one the engine runs at n rows, and ``max_rows["int4"]`` its
+  crossover against dense.
 - ``batched_rows``: up to how many rows kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, where the CPU
   kernels were built on a CPU with AMX-BF16) beats the dense bfloat16 copy, probed up to
   :data:`BATCHED_PROBE_ROWS`; the int4 layers use it between ``max_rows["int4"]`` and this (0: not available).
@@ -59,6 +65,11 @@ class KernelChoice:
     """The :data:`BF16_FLAGS` this CPU has."""
     batched_rows: int = 0
     """Up to how many rows kvscope's AMX int4 matmul replaces the dense copy (module doc); 0: never."""
+    tile_rows: int = 0
+    """From how many rows kvscope's pair-block weights run the small-batch matmul instead of the GEMV (module
+    doc); 0: never (the GEMV at every compact size)."""
+    tile: str = ""
+    """That matmul's tile element type, ``float32`` or ``bfloat16`` (the faster here); "" where not probed."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -66,10 +77,42 @@ class KernelChoice:
             f"{fmt} up to {'all' if n >= NO_DENSE else n} rows" for fmt, n in self.max_rows.items()
         )
         amx = f", int4 on AMX up to {self.batched_rows} rows" if self.batched_rows else ""
+        tiles = f", int4 on {self.tile} tiles from {self.tile_rows} rows" if self.tile_rows else ""
         return (
-            f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows}{amx} (cpu "
+            f"dense {str(self.dense_dtype).removeprefix('torch.')}, compact {rows}{amx}{tiles} (cpu "
             f"{self.cpu_capability}{', ' + ' '.join(self.cpu_flags) if self.cpu_flags else ''})"
         )
+
+    def row_kernels(self, compact_rows: int | None = None) -> list[tuple[str, int, int]]:
+        """Which kernel serves which row counts of a pair-block (gguf int4) weight: ``(kernel, first, last)``
+        in row order, ``last`` = ``NO_DENSE`` for "and above". Kernels: ``gemv``, ``tiles_<dtype>``,
+        ``amx``, ``dense_<dtype>``. ``compact_rows``: where the compact kernels hand over (default the
+        probe's ``max_rows["int4"]``; the fused decode step's own limit for decode steps)."""
+        compact = self.max_rows.get("int4", 0) if compact_rows is None else compact_rows
+        spans: list[tuple[str, int, int]] = []
+        tile_from = self.tile_rows if 0 < self.tile_rows <= compact else compact + 1
+        if tile_from > 1:
+            spans.append(("gemv", 1, min(tile_from - 1, compact)))
+        if tile_from <= compact:
+            spans.append((f"tiles_{self.tile}", tile_from, compact))
+        if compact >= NO_DENSE:
+            return spans
+        first = compact + 1
+        if self.batched_rows > compact:
+            spans.append(("amx", first, self.batched_rows))
+            first = self.batched_rows + 1
+        spans.append((f"dense_{str(self.dense_dtype).removeprefix('torch.')}", first, NO_DENSE))
+        return spans
+
+
+def describe_row_kernels(spans: Sequence[tuple[str, int, int]]) -> str:
+    """``gemv 1-3, tiles_float32 4-8, dense_float32 9+`` from :meth:`KernelChoice.row_kernels`."""
+    return ", ".join(
+        f"{kernel} {first}+"
+        if last >= NO_DENSE
+        else f"{kernel} {first}" + (f"-{last}" if last > first else "")
+        for kernel, first, last in spans
+    )
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
@@ -165,6 +208,12 @@ def probe_cpu_kernels(
         for n in rows
     }
     amx = _amx_kernel(blocks)
+    # the small-batch matmul on the same pair blocks, for CPUs without AMX (with it, the AMX matmul takes the
+    # batched rows: 10.7 ms for a SmolLM2 step's matmuls at 8 rows against the tiles' ~15; docs/benchmarks.md)
+    tile_kinds = _tile_kernels(blocks) if amx is None else {}
+    for kind, kernel in tile_kinds.items():
+        for n in rows:
+            fns[f"int4_tile_{kind}@{n}"] = lambda k=kernel, x=inputs[torch.float32, n]: k(x)
     if amx is not None:  # the AMX matmul against the bfloat16 copy it would replace, also above ``rows``
         for n in batched_rows:
             x = inputs[torch.bfloat16, n]
@@ -181,10 +230,18 @@ def probe_cpu_kernels(
             timings = _interleaved_best_ms(fns, repeats, clock=time.thread_time)
     finally:
         torch.set_num_threads(threads)
+    tile, tile_rows = tile_choice(timings, rows, tuple(tile_kinds))
+    if tile_rows:  # "int4" is what the engine runs: the GEMV below tile_rows, the tiles from there
+        for n in rows:
+            timings[f"int4_gemv@{n}"] = timings[f"int4@{n}"]
+            if n >= tile_rows:
+                timings[f"int4@{n}"] = timings[f"int4_tile_{tile}@{n}"]
     series = {name: [timings[f"{name}@{n}"] for n in rows] for name in kernels}
     dense_dtype = torch.bfloat16 if sum(series["bfloat16"]) < sum(series["float32"]) else torch.float32
     dense = series[str(dense_dtype).removeprefix("torch.")]
     max_rows = {fmt: crossover(series[fmt], dense, rows) for fmt in ("int4", "int8")}
+    if tile_rows:  # the tiles are for decode batches: prefill chunks of hundreds of rows keep the dense copy
+        max_rows["int4"] = min(max_rows["int4"], rows[-1])
     amx_limit = 0
     if amx is not None and dense_dtype == torch.bfloat16:
         amx_limit = amx_rows(timings, max_rows["int4"], batched_rows)
@@ -195,6 +252,8 @@ def probe_cpu_kernels(
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         cpu_flags=cpu_bf16_flags(),
         batched_rows=amx_limit,
+        tile_rows=tile_rows,
+        tile=tile,
     )
     logger.info(
         "CPU kernel probe (1 thread, CPU time; engine %d threads, %dx%d): %s",
@@ -207,6 +266,37 @@ def probe_cpu_kernels(
     # kvscope.engine.platform.kernel_probe_cli`, which prints them as a table
     logger.debug("CPU kernel probe timings, ms: %s", {k: round(v, 3) for k, v in timings.items()})
     return choice
+
+
+def tile_choice(timings_ms: dict[str, float], rows: Sequence[int], kinds: Sequence[str]) -> tuple[str, int]:
+    """``(tile, tile_rows)``: of the small-batch matmul's tile kinds (``int4_tile_<kind>@n``) the one that
+    serves the probed sizes fastest next to the GEMV (``int4@n``), and from how many rows it runs: the
+    smallest probed size from which it is not slower than the GEMV at every larger size. ``("", 0)`` when
+    no kind was probed or none beats the GEMV at the largest size."""
+    best: tuple[float, str, int] | None = None
+    for kind in kinds:
+        tile = [timings_ms[f"int4_tile_{kind}@{n}"] for n in rows]
+        gemv = [timings_ms[f"int4@{n}"] for n in rows]
+        start = len(rows)
+        while start > 0 and tile[start - 1] <= gemv[start - 1]:
+            start -= 1
+        if start == len(rows):
+            continue
+        total = sum(gemv[:start]) + sum(tile[start:])
+        if best is None or total < best[0]:
+            best = (total, kind, rows[start])
+    return ("", 0) if best is None else (best[1], best[2])
+
+
+def _tile_kernels(blocks: Int4Blocks) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """kvscope's small-batch pair-block matmul of ``blocks`` by tile kind (float32 in every build of the
+    CPU kernels, bfloat16 where built), every row on the tiles; {} where the kernels are not loaded."""
+    if not cpu_decode.is_loaded() or blocks.codes.shape[1] % cpu_decode.PAIR:
+        return {}
+    pairs = int4_weight(blocks, pair_layout=True)
+    assert isinstance(pairs, cpu_decode.PairBlocks)
+    kinds = ["float32", *(["bfloat16"] if cpu_decode.bf16_tiles_built() else [])]
+    return {kind: (lambda x, kind=kind: pairs.matmul(x, 1, kind)) for kind in kinds}
 
 
 def amx_rows(

@@ -196,6 +196,7 @@ def _set_device_memory(state: ServerState) -> None:
     device = state.engine.device
     info = state.engine.info
     state.metrics.set_weights(info.dtype, info.quantization, info.weights_bytes)
+    state.metrics.set_row_kernels(info.row_kernels)
     if not device.startswith("cuda"):
         used = info.kv_cache_bytes + info.weights_bytes
         state.metrics.set_device_memory(device, used, host_memory_bytes())

@@ -7,10 +7,12 @@ The server holds the engine only through this protocol, never through ``AsyncEng
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from kvscope.engine.config import SpeculativeConfig
+from kvscope.engine.core.admission import AdmissionConfig
 from kvscope.engine.core.request import Request
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.engine_core import ModelInfo, StepResult
@@ -31,6 +33,9 @@ class EngineClient(Protocol):
     """Where the model runs (``cpu``, ``cuda:0`` …)."""
     structured: StructuredOutputManager
     """Structured-output grammar compiler and cache (the server compiles a request's constraint with it)."""
+    admission: AdmissionConfig
+    """TTFT objectives per tier; while any is set the server waits for each request's queueing (``queued``
+    of :meth:`generate`) before it answers."""
     speculative: SpeculativeConfig | None
     """Speculative decoding settings, None when off (k sizes the ``kvscope_engine_spec_decode_*`` series)."""
 
@@ -69,9 +74,11 @@ class EngineClient(Protocol):
         request: EngineRequest,
         arrival_time: float | None = None,
         trace_context: object | None = None,
+        queued: asyncio.Future[float | None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of a validated request until the finished one; closing it early aborts the
-        request."""
+        request. ``queued`` is resolved once the engine queued it (its predicted TTFT, or None) or set to
+        the exception that refused it (AdmissionRefusedError)."""
         ...
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

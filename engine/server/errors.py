@@ -24,8 +24,9 @@ from kvscope.common.openai_errors import (
     error_type,
     invalid_json_message,
 )
+from kvscope.engine.core.stats import KvscopeStats
 from kvscope.engine.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
-from kvscope.engine.server.protocol import ErrorInfo, ErrorResponse
+from kvscope.engine.server.protocol import ErrorInfo, ErrorResponse, ErrorWithStats
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,11 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | int | None = None,
         headers: dict[str, str] | None = None,
+        kvscope: KvscopeStats | None = None,
     ) -> None:
         super().__init__(message)
+        self.kvscope = kvscope
+        """The request's ``kvscope`` object, sent beside ``error`` (admission's refusal); None: none."""
         self.status = status
         self.message = message
         self.type = error_type(status)
@@ -56,9 +60,10 @@ class OpenAIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> ErrorResponse:
-        return ErrorResponse(
-            ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        )
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        if self.kvscope is not None:
+            return ErrorWithStats(info, self.kvscope)
+        return ErrorResponse(info)
 
 
 def bad_request(message: str, param: str | None = None, code: str = INVALID_VALUE) -> OpenAIError:

@@ -16,6 +16,7 @@ from litestar.types import Receive
 
 from kvscope.engine.core.request import Request, child_request_id
 from kvscope.engine.core.stats import KvscopeStats
+from kvscope.engine.errors import AdmissionRefusedError
 from kvscope.engine.input_processor import EngineRequest
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.server.engine_client import EngineClient
@@ -65,7 +66,10 @@ class GenerationRun:
         arrival_time: float,
         trace_context: object | None = None,
         fault_after_tokens: int | None = None,
+        wait_queued: bool = False,
     ) -> None:
+        """``wait_queued``: ask the engine to confirm each prompt's queueing (:meth:`queued`; admission is
+        on)."""
         self.engine = engine
         self.request_id = request_id
         self.requests = requests
@@ -80,12 +84,25 @@ class GenerationRun:
         self._open = len(requests)
         self.num_tokens = 0
         """Output tokens received so far (all choices)."""
+        self._wait_queued = wait_queued
+        self._queued: list[asyncio.Future[float | None]] = []
 
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
         for k, (engine_id, request) in enumerate(zip(self.engine_ids, self.requests, strict=True)):
-            stream = self.engine.generate(
-                engine_id, request, arrival_time=self._arrival, trace_context=self._trace_context
-            )
+            if self._wait_queued:
+                self._queued.append(loop.create_future())
+                stream = self.engine.generate(
+                    engine_id,
+                    request,
+                    arrival_time=self._arrival,
+                    trace_context=self._trace_context,
+                    queued=self._queued[-1],
+                )
+            else:
+                stream = self.engine.generate(
+                    engine_id, request, arrival_time=self._arrival, trace_context=self._trace_context
+                )
             self._tasks.append(asyncio.ensure_future(self._pump(k, stream)))
         # After the pumps' first step (which queues the engine request), so an immediate fault finds it.
         asyncio.get_running_loop().call_soon(self._maybe_inject_fault)
@@ -100,6 +117,17 @@ class GenerationRun:
             self._queue.put_nowait((k, exc))
             return
         self._queue.put_nowait((k, None))
+
+    async def queued(self) -> None:
+        """Return once the engine queued every prompt (no-op unless built with ``wait_queued``). Raises
+        AdmissionRefusedError when admission refused one; any other failure to queue is left to
+        :meth:`next`, which raises it."""
+        if not self._queued:
+            return
+        outcomes = await asyncio.gather(*self._queued, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, AdmissionRefusedError):
+                raise outcome
 
     @overload
     async def next(

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvscope.common.settings_cli import Flag
 from kvscope.common.version import kvscope_version
+from kvscope.engine.core.admission import SHED_REASONS, TIERS
 from kvscope.engine.core.attribution import LATENCY_CAUSES
 from kvscope.engine.structured.params import KINDS as STRUCTURED_KINDS
 
@@ -64,6 +65,9 @@ GPU_THROTTLE_REASONS = (
 order."""
 
 
+TTFT_PREDICTION_ERROR_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+"""Bounds of ``ttft_prediction_error_ratio`` (|predicted - actual| / actual); 0.25 is issue 42's bound on
+the median."""
 STRUCTURED_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STRUCTURED_MASK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
@@ -242,6 +246,22 @@ class EngineMetrics:
             ["model", "phase", "cause"],
             registry=r,
         )
+        self.ttft_prediction_error = Histogram(
+            "kvscope_engine_ttft_prediction_error_ratio",
+            "|predicted - actual| / actual time to first token of requests that got a first token and a "
+            "prediction when queued (engine/core/ttft.py): the accuracy of what admission decides on.",
+            ["model"],
+            buckets=TTFT_PREDICTION_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.requests_shed = Counter(
+            "kvscope_engine_requests_shed",
+            "Requests refused at admission (reason ttft_slo: predicted TTFT over the tier's objective, a "
+            "503) or dropped from the queue before their prefill (reason deadline: x-kvscope-timeout "
+            "passed), by service tier.",
+            ["model", "tier", "reason"],
+            registry=r,
+        )
         self.request_inference_time = hist(
             "request_inference_time",
             "First scheduled to last token (prefill + decode), per request.",
@@ -330,6 +350,14 @@ class EngineMetrics:
             "Bytes of model weights held (compact int4/int8 and dense packed copies), labelled with the "
             "weight format served: dtype and quantization (--quantization auto resolved).",
             ["model", "dtype", "quantization"],
+            registry=r,
+        )
+        self.weights_kernel_info = Gauge(
+            "kvscope_engine_weights_kernel_info",
+            "Always 1 per kernel serving the int4 weights on CPU and its row counts (requests in a decode "
+            "step): first_row to last_row (+Inf: and above). Kernels: gemv, tiles_float32/tiles_bfloat16 "
+            "(the small-batch matmul), amx, dense_<dtype> (the start-up probe's crossovers).",
+            ["model", "kernel", "first_row", "last_row"],
             registry=r,
         )
 
@@ -473,6 +501,10 @@ class EngineMetrics:
             self.request_success.labels(model=model, finish_reason=reason)
         for reason in STREAM_ERROR_REASONS:
             self.stream_errors.labels(model=model, reason=reason)
+        for tier in TIERS:
+            for reason in SHED_REASONS:
+                self.requests_shed.labels(model=model, tier=tier, reason=reason)
+        self.ttft_prediction_error.labels(model=model)
         for phase, causes in LATENCY_CAUSES.items():
             for cause in causes:
                 self.latency_cause.labels(model=model, phase=phase, cause=cause)

@@ -95,6 +95,10 @@ class SamplingFields(StructuredFields):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    """OpenAI's processing tier (engine/server/scheduling.py: flex is batch work, priority interactive)."""
+    priority: int | None = None
+    """vLLM's scheduling priority: inside a tier, lower is earlier (default 0)."""
 
 
 class TextPart(Struct, tag_field="type", tag="text"):
@@ -372,6 +376,13 @@ class ErrorInfo(Struct):
 
 class ErrorResponse(Struct):
     error: ErrorInfo
+
+
+class ErrorWithStats(ErrorResponse):
+    """An error body with the request's ``kvscope`` object beside ``error`` (admission's 503: the
+    prediction that refused it)."""
+
+    kvscope: KvscopeStats
 
 
 def decode_body(body: bytes, request_type: type[Struct]) -> Any:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscope.engine.core.admission import DEFAULT_TIER
 from kvscope.engine.core.attribution import cause_seconds
 from kvscope.engine.core.request import child_request_id
 from kvscope.engine.core.stats import KvscopeStats
@@ -75,6 +76,11 @@ class RequestState:
     cached_tokens: list[int] = field(default_factory=list)
     _prompt_done: list[bool] = field(default_factory=list)
     finished: bool = False
+    service_tier: str = DEFAULT_TIER
+    """The tier it was queued in (engine/server/scheduling.py)."""
+    refused: KvscopeStats | None = None
+    """Admission refused it: the ``kvscope`` object of the refusal (its prediction, tier and requests ahead),
+    which :meth:`kvscope` answers instead of the choices' (none ever ran)."""
 
     def __post_init__(self) -> None:
         n = self.params.n
@@ -130,6 +136,8 @@ class RequestState:
     def kvscope(self) -> KvscopeStats:
         """The response's ``kvscope`` object: the choices' stats merged (:meth:`KvscopeStats.merge`); a
         constrained request's also names its constraint kind (:class:`StructuredKvscopeStats`)."""
+        if self.refused is not None:
+            return self.refused
         merged = KvscopeStats.merge([c.stats for c in self.choices if c.stats is not None])
         constraint = self.params.structured_outputs
         if constraint is None:
@@ -191,6 +199,7 @@ class RequestState:
             decode_s=decode if ttft is not None else None,
             tpot_s=tpot,
             causes=cause_seconds(stats) if choice.stats is not None else None,
+            predicted_ttft_s=stats.predicted_ttft_s if stats.ttft_s is not None else None,
         )
 
     def _spans(self, outcome: Outcome, now: float, timings: list[SequenceTimings]) -> RequestSpans:

@@ -21,8 +21,8 @@ import msgspec
 from litestar import Request, Response
 
 from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
-from kvscope.engine.async_engine import GrammarLimitError, RequestFailedError
-from kvscope.engine.errors import EngineDeadError, InvalidParameterError
+from kvscope.engine.async_engine import DeadlineExceededError, GrammarLimitError, RequestFailedError
+from kvscope.engine.errors import AdmissionRefusedError, EngineDeadError, InvalidParameterError
 from kvscope.engine.input_processor import EngineRequest
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
@@ -37,6 +37,7 @@ from kvscope.engine.server.generation import (
 )
 from kvscope.engine.server.metrics import STREAM_ERROR_REASONS
 from kvscope.engine.server.request_state import Outcome, RequestState
+from kvscope.engine.server.scheduling import Schedule, refusal_error
 from kvscope.engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
 from kvscope.engine.server.state import ServerState
 
@@ -123,12 +124,20 @@ def process_prompts(
 
 
 def start_job(
-    state: ServerState, request: Request, operation: str, requests: list[EngineRequest], stream: bool
+    state: ServerState,
+    request: Request,
+    operation: str,
+    requests: list[EngineRequest],
+    stream: bool,
+    schedule: Schedule | None = None,
 ) -> Job:
     """Queue the engine requests of one HTTP request (all validated by :func:`process_prompts`), as one
     fairness group of the scheduler (EngineRequest.fairness_group = the response id;
-    engine/core/fairness.py) of the tenant :func:`tenant_of` names. Raises OpenAIError (400) for a
-    malformed tenant header, before queueing."""
+    engine/core/fairness.py) of the tenant :func:`tenant_of` names, in the tier, priority and deadline of
+    ``schedule`` (engine/server/scheduling.py; None: the defaults). Raises OpenAIError (400) for a
+    malformed tenant header, before queueing. With admission on, await :func:`admit_job` before
+    answering."""
+    schedule = schedule or Schedule()
     tenant = tenant_of(request)
     prefix = "chatcmpl" if operation == "chat" else "cmpl"
     prompts = [r.prompt_token_ids for r in requests]
@@ -140,8 +149,20 @@ def start_job(
         prompts,
         stream,
         state.metrics,
+        service_tier=schedule.service_tier,
     )
-    requests = [replace(r, fairness_group=rs.request_id, fairness_tenant=tenant) for r in requests]
+    deadline = None if schedule.timeout_s is None else rs.arrival + schedule.timeout_s
+    requests = [
+        replace(
+            r,
+            fairness_group=rs.request_id,
+            fairness_tenant=tenant,
+            service_tier=schedule.service_tier,
+            priority=schedule.priority,
+            deadline=deadline,
+        )
+        for r in requests
+    ]
     rs.timeline.parent = state.tracing.extract(request.headers)
     run = GenerationRun(
         state.engine,
@@ -150,10 +171,27 @@ def start_job(
         rs.arrival,
         rs.timeline,
         fault_after_tokens=_fault_after(state, request),
+        wait_queued=state.engine.admission.enabled,
     )
     run.start()
     state.in_flight += 1
     return Job(state, request, rs, run)
+
+
+async def admit_job(job: Job) -> None:
+    """With admission on (``--ttft-slo``), wait until the engine queued the job's requests: when it refused
+    one (its predicted TTFT over its tier's objective), record the outcome (log fields with the prediction,
+    ``kvscope_engine_requests_shed_total{reason="ttft_slo"}``), abort the others and raise the 503
+    (engine/server/scheduling.py ``refusal_error``) before any response starts. No-op with admission off."""
+    try:
+        await job.run.queued()
+    except AdmissionRefusedError as exc:
+        error = refusal_error(exc.refusal)
+        job.rs.refused = error.kvscope
+        job.state.metrics.on_shed(exc.refusal.tier, "ttft_slo")
+        finish_job(job, Outcome("error", error.status, error.type, error.message, phase="queued"))
+        job.run.close()
+        raise error from None
 
 
 def tenant_of(request: Request) -> str | None:
@@ -212,6 +250,15 @@ def failure_error(exc: BaseException, params: SamplingParams | None = None) -> O
             f"The {kind} constraint exceeded the grammar matcher's limits while generating: {exc.detail}",
             param=param,
         )
+    if isinstance(exc, AdmissionRefusedError):
+        return refusal_error(exc.refusal)
+    if isinstance(exc, DeadlineExceededError):
+        return OpenAIError(
+            504,
+            "The request's deadline (x-kvscope-timeout) passed while it waited for its first admission; it "
+            "was dropped before its prefill.",
+            code="deadline_exceeded",
+        )
     if isinstance(exc, RequestFailedError):
         status = 503 if "shutting down" in exc.reason else 500
         return OpenAIError(
@@ -225,12 +272,18 @@ def failure_error(exc: BaseException, params: SamplingParams | None = None) -> O
     return OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
 
 
+def _count_deadline(job: Job, exc: BaseException) -> None:
+    """A request the engine dropped from its queue by its deadline counts as shed (reason ``deadline``)."""
+    if isinstance(exc, DeadlineExceededError):
+        job.state.metrics.on_shed(job.rs.service_tier, "deadline")
+
+
 def stream_error_reason(exc: BaseException, error: OpenAIError) -> str | None:
     """The ``reason`` label (kvscope.engine.server.metrics.STREAM_ERROR_REASONS) of a stream that ``exc``
     broke after its 200, ``error`` being :func:`failure_error` of it: None for the client's own error (a
     4xx such as ``invalid_request_error``: not the engine's failure), ``injected_fault`` for
     ``x-kvscope-fault``, else the error's code when it is a known reason, else ``internal_error``."""
-    if error.status < 500:
+    if error.status < 500 or isinstance(exc, DeadlineExceededError):  # the client's deadline: a shed
         return None
     if isinstance(exc, RequestFailedError) and exc.reason == FAULT_REASON:
         return "injected_fault"
@@ -252,6 +305,7 @@ async def respond_json(job: Job, formatter: Formatter) -> Response:
         return Response(content=b"", status_code=CLIENT_CLOSED_REQUEST)
     except Exception as exc:  # noqa: BLE001 - answered as OpenAI error JSON
         error = failure_error(exc, job.rs.params)
+        _count_deadline(job, exc)
         finish_job(job, Outcome("error", error.status, error.type, error.message, phase=job.run.phase()))
         raise error from exc
     except asyncio.CancelledError:
@@ -305,6 +359,7 @@ async def _events(job: Job, formatter: Formatter, include_usage: bool):
         raise
     except Exception as exc:  # noqa: BLE001 - after the 200 errors go in-band
         error = failure_error(exc, job.rs.params)
+        _count_deadline(job, exc)
         outcome = Outcome("error", 200, error.type, error.message, phase=job.run.phase())
         if (reason := stream_error_reason(exc, error)) is not None:  # the availability SLO counts it
             job.state.metrics.on_stream_error(reason)

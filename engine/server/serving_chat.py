@@ -26,8 +26,10 @@ from kvscope.engine.server.protocol import (
 )
 from kvscope.engine.server.request_state import RequestState
 from kvscope.engine.server.sampling import chat_sampling_params
+from kvscope.engine.server.scheduling import schedule_of
 from kvscope.engine.server.serving import (
     admit,
+    admit_job,
     check_model,
     process_prompts,
     respond_json,
@@ -67,7 +69,8 @@ async def create_chat_completion(
     prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req, mode)  # a huge prompt must not stall
     requests = process_prompts(state, [prompt], params, "messages")
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = start_job(state, request, "chat", requests, bool(req.stream))
+    job = start_job(state, request, "chat", requests, bool(req.stream), schedule_of(request, req))
+    await admit_job(job)
     args = (job.rs, state.tokenizer, int(time.time()), bool(req.logprobs), include_usage)
     formatter = ChatFormatter(*args)
     formatter = ToolChatFormatter(formatter, mode) if mode.active else formatter

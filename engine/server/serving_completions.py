@@ -20,8 +20,10 @@ from kvscope.engine.server.protocol import (
 )
 from kvscope.engine.server.request_state import RequestState
 from kvscope.engine.server.sampling import completion_sampling_params
+from kvscope.engine.server.scheduling import schedule_of
 from kvscope.engine.server.serving import (
     admit,
+    admit_job,
     check_fan_out,
     check_model,
     process_prompts,
@@ -72,7 +74,8 @@ async def create_completion(
     requests = process_prompts(state, prompts, params, "prompt")
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = start_job(state, request, "text_completion", requests, bool(req.stream))
+    job = start_job(state, request, "text_completion", requests, bool(req.stream), schedule_of(request, req))
+    await admit_job(job)
     formatter = CompletionFormatter(
         job.rs, state.tokenizer, int(time.time()), echo_texts, req.logprobs is not None, include_usage
     )

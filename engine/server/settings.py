@@ -137,6 +137,14 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     ] = None
     prompt_lookup_min: Annotated[int | None, Flag("shortest suffix n-gram looked up (default 2)")] = None
     prompt_lookup_max: Annotated[int | None, Flag("longest suffix n-gram looked up first (default 4)")] = None
+    # admission (engine/core/admission.py, issue 42)
+    ttft_slo: Annotated[
+        str | None,
+        Flag(
+            "TTFT objective (s) per tier: 2 for every tier, or priority=1,default=2,flex=30; a request "
+            "predicted to miss its tier's is refused with 503 and Retry-After (default: none, admission off)"
+        ),
+    ] = None
 
     def config_kwargs(self) -> dict[str, object]:
         """The options that were set, as build_engine_config keywords (``model`` is its first argument)."""

@@ -19,6 +19,7 @@ Labels stay bounded: ``model`` is the served model name only, ``route`` a route 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from kvscope.common.otel_genai import GenAiServerMetrics
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.engine_core import StepResult
+from kvscope.engine.platform.kernel_probe import NO_DENSE
 from kvscope.engine.server.metrics import EngineMetrics, MetricBuckets
 from kvscope.engine.spec_decode.stats import SpecDecodingStats
 
@@ -45,6 +47,8 @@ class SequenceTimings:
     tpot_s: float | None = None
     causes: dict[tuple[str, str], float] | None = None
     """(phase, cause) → seconds (kvscope.engine.core.attribution.cause_seconds); None without engine stats."""
+    predicted_ttft_s: float | None = None
+    """The engine's TTFT prediction for it (engine/core/ttft.py), when both it and ``ttft_s`` are known."""
 
 
 class ServerMetrics:
@@ -161,6 +165,9 @@ class ServerMetrics:
                 m.latency_cause.labels(model=model, phase=phase, cause=cause).inc(seconds)
         if t.prefill_s is not None:
             m.request_inference_time.labels(model=model).observe(t.prefill_s + (t.decode_s or 0.0), exemplar)
+        if t.predicted_ttft_s is not None and t.ttft_s:
+            error = abs(t.predicted_ttft_s - t.ttft_s) / t.ttft_s
+            m.ttft_prediction_error.labels(model=model).observe(error, exemplar)
 
     def on_request_done(self, operation: str, timings: list[SequenceTimings], error_type: str | None) -> None:
         """The OTel GenAI server metrics of one request (semconv 1.41): duration = the longest choice's
@@ -197,6 +204,12 @@ class ServerMetrics:
         ``internal_error``)."""
         self.engine.stream_errors.labels(model=self.model, reason=reason).inc()
 
+    def on_shed(self, tier: str, reason: str) -> None:
+        """One request refused at admission or dropped from the queue before its prefill
+        (``kvscope_engine_requests_shed_total{tier, reason}``; reasons: engine/core/admission.py
+        SHED_REASONS)."""
+        self.engine.requests_shed.labels(model=self.model, tier=tier, reason=reason).inc()
+
     def on_http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()
 
@@ -210,6 +223,17 @@ class ServerMetrics:
         self.engine.weights_bytes.labels(model=self.model, dtype=dtype, quantization=quantization).set(
             weights_bytes
         )
+
+    def set_row_kernels(self, spans: Sequence[tuple[str, int, int]]) -> None:
+        """``kvscope_engine_weights_kernel_info{model, kernel, first_row, last_row}`` = 1 per span of
+        ``(kernel, first, last)`` (``last`` at or above ``NO_DENSE``: ``+Inf``)."""
+        for kernel, first, last in spans:
+            self.engine.weights_kernel_info.labels(
+                model=self.model,
+                kernel=kernel,
+                first_row=str(first),
+                last_row="+Inf" if last >= NO_DENSE else str(last),
+            ).set(1)
 
 
 def host_memory_bytes() -> int:

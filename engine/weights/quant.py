@@ -211,6 +211,11 @@ class CompactLinearKernel:
     ``dense`` from ``max_compact_rows + 1`` up to ``max_batched_rows`` rows (batched decode, short
     prefills); None = never."""
     max_batched_rows: int = 0
+    tile_rows: int = 0
+    """From how many rows pair blocks run the small-batch matmul instead of the GEMV (0: never; the start-up
+    probe's ``KernelChoice.tile_rows``)."""
+    tile: str = "float32"
+    """The small-batch matmul's tile element type (``KernelChoice.tile``)."""
 
     @property
     def fmt(self) -> str:
@@ -235,7 +240,7 @@ class CompactLinearKernel:
             out = self.dense(x if dtype == self.dense_dtype else x.to(self.dense_dtype))
             return out if out.dtype == dtype else out.to(dtype)
         if isinstance(self.compact, PairBlocks):  # float32 or bfloat16 in, float32 out
-            out = self.compact.matmul(x)
+            out = self.compact.matmul(x, self.tile_rows, self.tile)
             if self.bias is not None:
                 out += self.bias
             return out if dtype == torch.float32 else out.to(dtype)

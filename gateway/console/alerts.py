@@ -537,6 +537,7 @@ EVALUATORS: Mapping[str, Callable[[AlertRule, ConsoleSeries], Evaluation]] = {
     "KvscopeQueueBuildup": _queue_buildup,
     "KvscopeKVCachePressure": _kv_pressure,
     "KvscopePreemptionStorm": _preemption_storm,
+    "KvscopeLoadShedding": _not_here(ENGINE_COUNTERS),
     "KvscopeGPUMemoryOverBudget": _not_here(GPU_SERIES),
     "KvscopeGPUAllocatorFailures": _not_here(GPU_SERIES),
     "KvscopeGPUThrottled": _not_here(GPU_SERIES),

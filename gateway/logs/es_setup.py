@@ -136,6 +136,8 @@ def record_properties() -> dict[str, Any]:
     # speculative decoding (docs/logs.md): counts, and the mean acceptance length
     engine |= dict.fromkeys(("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"), _LONG)
     engine |= {"spec_mean_accepted_length": _DOUBLE}
+    # admission (issue 42): the TTFT predicted when the request was queued (or refused), its tier
+    engine |= {"predicted_ttft_s": _DOUBLE, "service_tier": _kw()}
     return {
         # explicit false: ES < 8.11 refuses a data stream whose @timestamp inherits the index-level
         # ignore_malformed (elastic/elasticsearch#71755, #99346)
@@ -165,6 +167,7 @@ def record_properties() -> dict[str, Any]:
         "user": _obj(id=_kw()),
         "server": _obj(address=_kw()),
         "service": _obj(name=_kw(), version=_kw(), node=_obj(name=_kw())),
+        "process": _obj(pid=_LONG),
         "trace": _obj(id=_kw()),
         "span": _obj(id=_kw()),
         "error": _obj(type=_kw(), message=_TEXT),

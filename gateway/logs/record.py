@@ -40,6 +40,9 @@ class ServiceInfo:
     name: str
     version: str
     node: str
+    pid: int | None = None
+    """The gateway process that served the request (ECS ``process.pid``): one of the workers of
+    ``kvscope gateway --workers N``, or the only one."""
 
 
 def iso(epoch_s: float, timespec: str = "microseconds") -> str:
@@ -121,6 +124,7 @@ class RecordBuilder:
                 "version": self.service.version,
                 "node": {"name": self.service.node},
             },
+            "process": {"pid": self.service.pid},
             "trace": {"id": ctx.trace.trace_id},
             "span": {"id": ctx.trace.span_id},
             "error": {

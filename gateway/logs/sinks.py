@@ -9,6 +9,7 @@ batches, so neither JSON encoding nor disk I/O runs on the event loop. Written r
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import queue
@@ -107,7 +108,14 @@ class StdoutSink(ThreadedLineSink):
 
 class JsonlFileSink(ThreadedLineSink):
     """Appends JSON lines to ``path``; past ``max_bytes`` it rotates ``path`` → ``path.1`` → … →
-    ``path.{backup_count}`` (the oldest is deleted), like :class:`logging.handlers.RotatingFileHandler`."""
+    ``path.{backup_count}`` (the oldest is deleted), like :class:`logging.handlers.RotatingFileHandler`.
+
+    ``shared``: several processes (the workers of ``kvscope gateway --workers N``) append to the same file.
+    Each batch is then written under an exclusive ``flock`` of ``.{name}.lock`` beside the file, after
+    reopening the file if another worker rotated it (its inode changed) and with the size read from the file
+    itself: every line is written whole, by one ``write()`` of an ``O_APPEND`` descriptor (unbuffered), no
+    record lands in a rotated file behind another's back, and the file rotates once at ``max_bytes`` whoever
+    writes. The lock is held for one batch's write, never across a wait for records."""
 
     name = "file"
 
@@ -118,12 +126,20 @@ class JsonlFileSink(ThreadedLineSink):
         max_bytes: int,
         backup_count: int,
         queue_size: int = 10_000,
+        shared: bool = False,
     ) -> None:
         super().__init__(metrics, queue_size)
         self.path = Path(path)
         self._max_bytes = max_bytes
         self._backup_count = backup_count
         self._file: BinaryIO | None = None
+        self._shared = shared
+        self._lock_fd: int | None = None
+
+    @property
+    def lock_path(self) -> Path:
+        """The lock file of a shared log (hidden, no ``*.jsonl`` name: ``kvscope logs`` never reads it)."""
+        return self.path.with_name(f".{self.path.name}.lock")
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,21 +147,48 @@ class JsonlFileSink(ThreadedLineSink):
 
     def _open(self) -> BinaryIO:
         if self._file is None:
-            self._file = open(self.path, "ab")  # noqa: SIM115 - held open by the writer thread
+            # shared: unbuffered, so each batch is one write() of whole lines at the end of the file
+            self._file = open(self.path, "ab", buffering=0 if self._shared else -1)  # noqa: SIM115 - held open by the writer thread
         return self._file
 
     def _write(self, lines: list[bytes]) -> None:
+        if not self._shared:
+            self._write_lines(lines)
+            return
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            self._follow_rotation()
+            self._write_lines(lines)
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _follow_rotation(self) -> None:
+        """Reopen ``path`` when another process rotated it (the open file is no longer the one there)."""
+        if self._file is None:
+            return
+        try:
+            current = os.stat(self.path)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(self._file.fileno())
+        if current is None or (current.st_ino, current.st_dev) != (held.st_ino, held.st_dev):
+            self._file.close()
+            self._file = None
+
+    def _write_lines(self, lines: list[bytes]) -> None:
         """Write ``lines``, rotating before any line that would take a non-empty file past ``max_bytes``."""
         file = self._open()
-        size, chunk = file.tell(), []
+        size, chunk = (os.fstat(file.fileno()).st_size if self._shared else file.tell()), []
         for line in lines:
             if self._max_bytes > 0 and size > 0 and size + len(line) > self._max_bytes:
-                file.write(b"".join(chunk))
+                _write_all(file, b"".join(chunk))
                 self._rotate()
                 file, size, chunk = self._open(), 0, []
             chunk.append(line)
             size += len(line)
-        file.write(b"".join(chunk))
+        _write_all(file, b"".join(chunk))
         file.flush()
 
     def _rotate(self) -> None:
@@ -165,3 +208,15 @@ class JsonlFileSink(ThreadedLineSink):
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _write_all(file: BinaryIO, data: bytes) -> None:
+    """``file.write(data)`` until all of ``data`` is written: one call (one ``write()`` of an unbuffered
+    file) for a regular file, more only after a short write (a full disk raises OSError next)."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        view = view[written if written is not None else len(view) :]

@@ -24,7 +24,7 @@ from litestar.types import Receive, Scope, Send
 from opentelemetry.trace import Span, Status, StatusCode
 
 from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
-from kvscope.gateway.auth import TENANT_HEADER
+from kvscope.gateway.auth import SERVICE_TIER_HEADER, TENANT_HEADER, TIMEOUT_HEADER
 from kvscope.gateway.engines.kinds import parse_kind
 from kvscope.gateway.engines.reports import upstream_report
 from kvscope.gateway.engines.section import stamp
@@ -70,6 +70,10 @@ FORWARDED_HEADERS = frozenset({b"x-kvscope-fault"})
 """Client headers passed on to the upstream as they are: our engine's fault-injection hook (honoured only by
 an engine started with ``--enable-fault-injection``; docs/engine-server.md), so tests can fail a request
 mid-stream through the gateway."""
+SHED_CODE = "ttft_slo_exceeded"
+"""The ``code`` of our engine's admission refusal (a 503 with ``Retry-After``, engine/server/scheduling.py):
+the replica answered on purpose, so it is no failure of the replica (never towards its ejection); the next
+replica is tried, and when every one refuses the last refusal goes to the client unchanged."""
 RELAYED_ANSWER_HEADERS = frozenset({b"retry-after"})
 RELAYED_ANSWER_PREFIXES = (b"x-ratelimit-",)
 """Headers of an upstream's non-200 answer the client gets with its body: the back-off hint of a 429/503
@@ -246,7 +250,9 @@ class ProxyCall:
         attempts.arrival_sample = stamp(replica.engine_sample, time.monotonic())
         attempts.finish_sample = None
 
-    def _headers(self, replica: Replica) -> dict[str, str]:
+    def _headers(self, replica: Replica, limit: float) -> dict[str, str]:
+        """The upstream request's headers; ``limit`` (``time.perf_counter()`` s) is this attempt's deadline,
+        sent as the seconds left in ``x-kvscope-timeout``."""
         headers = {
             **self._forwarded,
             "content-type": "application/json",
@@ -257,6 +263,9 @@ class ProxyCall:
             self.ctx.edge.key_id is not None
         ):  # the engine's fairness tenant (a client's own is not in _forwarded)
             headers[TENANT_HEADER] = self.ctx.edge.key_id
+        if self.ctx.edge.service_tier is not None:
+            headers[SERVICE_TIER_HEADER] = self.ctx.edge.service_tier
+        headers[TIMEOUT_HEADER] = f"{max(limit - time.perf_counter(), 0.001):.3f}"
         if self.plan.stream:
             headers["accept"] = "text/event-stream"
         if self.client_span is not None:
@@ -268,7 +277,10 @@ class ProxyCall:
         t = self.gw.settings.timeouts
         limit = min(deadline, self.attempt_start + t.first_token_s) if self.plan.stream else deadline
         request = self.gw.http.build_request(
-            "POST", replica.url + self.plan.path, content=self.plan.body, headers=self._headers(replica)
+            "POST",
+            replica.url + self.plan.path,
+            content=self.plan.body,
+            headers=self._headers(replica, limit),
         )
         pool = self.gw.pool
         try:
@@ -312,6 +324,9 @@ class ProxyCall:
             body,
             relayed_answer_headers(response.headers.raw),
         )
+        if response.status_code == 503 and _is_shed(answer.body):
+            self.gw.pool.report_success(replica)  # it answered on purpose: overloaded, not broken
+            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} refused: overloaded"), answer)
         if response.status_code >= 500:
             # a 5xx the client asked for (our engine's fault-injection header) says nothing about the
             # replica: counted, but never towards the consecutive-5xx ejection
@@ -410,6 +425,8 @@ class ProxyCall:
         error, native = upstream_error_object(answer.status, answer.body)
         body = answer.body if native else msgspec.json.encode({"error": error})
         self.ctx.outcome.set_error(upstream_gateway_error(error))
+        if native and (engine := _kvscope_object(answer.body)) is not None:
+            self.ctx.answer.engine = engine  # an admission refusal's prediction: the log's kvscope.engine
         await self.client.start(
             answer.status,
             [
@@ -482,3 +499,22 @@ class ProxyCall:
 
 async def _never_sent(message: object) -> None:
     raise RuntimeError("ProxyCall: the response was written before the call was started")
+
+
+def _is_shed(body: bytes) -> bool:
+    """Whether a 503's body is our engine's admission refusal (``error.code`` :data:`SHED_CODE`)."""
+    try:
+        error = msgspec.json.decode(body).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == SHED_CODE
+
+
+def _kvscope_object(body: bytes) -> dict[str, Any] | None:
+    """The ``kvscope`` object beside ``error`` in our engine's error body (its refusal's prediction), else
+    None."""
+    try:
+        found = msgspec.json.decode(body).get("kvscope")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None

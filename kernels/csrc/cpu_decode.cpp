@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "cpu_pair_gemm.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -221,19 +222,39 @@ PairWeight pair_weight(const at::Tensor& w, const at::Tensor& s) {
           bits};
 }
 
-void gemv(const PairWeight& pw, const float* x, int64_t n, float* y, const float* bias = nullptr) {
+// y [n, N] = x [n, K] · Wᵀ: the GEMV below ``tile_rows`` rows (0: always), else the tile matmul of
+// cpu_pair_gemm.h on tiles of kind ``tile`` (1 float32, 2 bfloat16); the start-up probe measures the crossover
+// and the kind (engine/platform/kernel_probe.py).
+void gemv(const PairWeight& pw, const float* x, int64_t n, float* y, int64_t tile_rows = 0, int64_t tile = 1,
+          const float* bias = nullptr) {
+  if (tile_rows > 0 && n >= tile_rows) {
+    kvscope_pair_gemm::pair_gemm(x, n, pw.cols, pw.w, pw.s, pw.rows, pw.bits, static_cast<kvscope_pair_gemm::Tile>(tile),
+                                 bias, y);
+    return;
+  }
   qgemv_raw(x, n, pw.cols, pw.w, pw.s, pw.rows, pw.bits, bias, y);
 }
 
-// x [M, K] (float32 or bfloat16) → float32 [M, N].
-at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
+// Whether the bfloat16 tiles of cpu_pair_gemm.h are built (AVX512-BF16 at compile time).
+bool has_bf16_tiles() {
+#if defined(KVSCOPE_PAIR_GEMM_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] (float32 or bfloat16) → float32 [M, N]; the tile matmul from ``tile_rows`` rows (gemv above).
+at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t tile_rows, int64_t tile) {
+  TORCH_CHECK(tile == 1 || (tile == 2 && has_bf16_tiles()), "tile: 1 (float32) or 2 (bfloat16, where built)");
   const PairWeight pw = pair_weight(w, s);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == pw.cols, "x must be [M, ", pw.cols, "]");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), pw.rows}, x.options().dtype(at::kFloat));
-  if (x.size(0) > 0) gemv(pw, xf.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  if (x.size(0) > 0) gemv(pw, xf.data_ptr<float>(), x.size(0), y.data_ptr<float>(), tile_rows, tile);
   return y;
 }
+
 
 // ---- the decode step -------------------------------------------------------------------------------------
 
@@ -298,7 +319,7 @@ template <typename T>
 void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, const float* inv_freq,
                    const std::vector<at::Tensor>& norms, const std::vector<PairWeight>& mats,
                    const std::vector<at::Tensor>& caches, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const int64_t* slots) {
+                   const int64_t* slots, int64_t tile_rows, int64_t tile) {
   // kvscope_cpu::paged_decode_attention (cpu_attention.cpp), through the dispatcher (one call per layer)
   static const auto attention_op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("kvscope_cpu::paged_decode_attention", "")
@@ -322,7 +343,7 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
     const int64_t block_size = cache.size(2);
     KVView<T> kv{cache.data_ptr<T>(), cache.size(1) * block_size, KVH, D};
     rms_norm(hidden, norms[2 * l].data_ptr<float>(), n, H, d.eps, normed.data());
-    gemv(mats[4 * l], normed.data(), n, qkv.data());
+    gemv(mats[4 * l], normed.data(), n, qkv.data(), tile_rows, tile);
     for (int64_t i = 0; i < n; ++i) {
       float* row = qkv.data() + i * qkv_width;
       rope(row, NH + KVH, D, cos.data() + i * D, sin.data() + i * D);  // q heads then k heads
@@ -342,14 +363,14 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
       const at::Tensor out = attention(q, cache, block_tables, seq_lens, static_cast<double>(d.scale));  // [n, NH, D]
       std::memcpy(attn.data(), out.data_ptr<float>(), sizeof(float) * n * NH * D);
     }
-    gemv(mats[4 * l + 1], attn.data(), n, proj.data());
+    gemv(mats[4 * l + 1], attn.data(), n, proj.data(), tile_rows, tile);
     for (int64_t j = 0; j < n * H; ++j) hidden[j] += proj[j];
     rms_norm(hidden, norms[2 * l + 1].data_ptr<float>(), n, H, d.eps, normed.data());
-    gemv(mats[4 * l + 2], normed.data(), n, gate_up.data());
+    gemv(mats[4 * l + 2], normed.data(), n, gate_up.data(), tile_rows, tile);
     for (int64_t i = 0; i < n; ++i) {
       silu_mul(gate_up.data() + i * 2 * I, gate_up.data() + i * 2 * I + I, I, act.data() + i * I);
     }
-    gemv(mats[4 * l + 3], act.data(), n, proj.data());
+    gemv(mats[4 * l + 3], act.data(), n, proj.data(), tile_rows, tile);
     for (int64_t j = 0; j < n * H; ++j) hidden[j] += proj[j];
   }
 }
@@ -360,7 +381,8 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
                        at::TensorList scales, const at::Tensor& final_norm, const at::Tensor& head_codes,
                        const at::Tensor& head_scales, at::TensorList kv_caches, const at::Tensor& block_tables,
                        const at::Tensor& seq_lens, const at::Tensor& slot_mapping, int64_t num_heads,
-                       int64_t num_kv_heads, double eps) {
+                       int64_t num_kv_heads, double eps, int64_t tile_rows, int64_t tile) {
+  TORCH_CHECK(tile == 1 || (tile == 2 && has_bf16_tiles()), "tile: 1 (float32) or 2 (bfloat16, where built)");
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(norms.size() == static_cast<size_t>(2 * layers) && codes.size() == static_cast<size_t>(4 * layers) &&
                   scales.size() == codes.size(), "decode_step: 2 norms and 4 matrices per layer");
@@ -407,28 +429,29 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
   if (cache0.scalar_type() == at::kBFloat16) {
     decode_layers<c10::BFloat16>(d, hidden.data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(),
                                  inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list, tables,
-                                 seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>());
+                                 seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>(), tile_rows, tile);
   } else {
     TORCH_CHECK(cache0.scalar_type() == at::kFloat, "KV cache: bfloat16 or float32");
     decode_layers<float>(d, hidden.data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(),
                          inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list, tables,
-                         seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>());
+                         seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>(), tile_rows, tile);
   }
   at::Tensor normed = at::empty({n, H}, hidden.options());
   rms_norm(hidden.data_ptr<float>(), final_norm.contiguous().data_ptr<float>(), n, H, d.eps, normed.data_ptr<float>());
   at::Tensor logits = at::empty({n, head.rows}, hidden.options());
-  gemv(head, normed.data_ptr<float>(), n, logits.data_ptr<float>());
+  gemv(head, normed.data_ptr<float>(), n, logits.data_ptr<float>(), tile_rows, tile);
   return logits;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvscope_cpu, m) {
-  m.def("qgemv(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("qgemv(Tensor x, Tensor codes, Tensor scales, int tile_rows=0, int tile=1) -> Tensor");
+  m.def("has_bf16_tiles() -> bool", &has_bf16_tiles);
   m.def("decode_step(Tensor token_ids, Tensor positions, Tensor embed, Tensor inv_freq, Tensor[] norms, "
         "Tensor[] codes, Tensor[] scales, Tensor final_norm, Tensor head_codes, Tensor head_scales, "
         "Tensor[] kv_caches, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, int num_heads, "
-        "int num_kv_heads, float eps) -> Tensor");
+        "int num_kv_heads, float eps, int tile_rows=0, int tile=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvscope_cpu, CPU, m) {

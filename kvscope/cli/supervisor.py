@@ -46,17 +46,24 @@ class ServeOptions:
     gateway_args: tuple[str, ...]
     replicas: int = 1
     """Engines to start; the first listens on ``engine_port``, the others on free ports."""
+    gateway_workers: int = 1
+    """Gateway processes on ``port`` (``kvscope gateway --workers``, gateway/workers.py)."""
 
 
-def _replica_count(text: str) -> int:
+def _replica_count(text: str, what: str = "engines to start") -> int:
     """``--replicas``: an integer >= 1 (argparse answers anything else as a usage error, status 2)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (engines to start), got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 1 ({what}), got {value}")
     return value
+
+
+def _worker_count(text: str) -> int:
+    """``--gateway-workers``: an integer >= 1."""
+    return _replica_count(text, "gateway processes")
 
 
 def usable_cpus() -> int:
@@ -91,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
         help="engines to start on this machine (free ports after the first, each with usable CPUs // N "
         "threads); the gateway balances over them",
     )
+    p.add_argument(
+        "--gateway-workers",
+        type=_worker_count,
+        default=1,
+        metavar="N",
+        help="gateway processes on the port (kvscope gateway --workers; the console is off above 1)",
+    )
     p.add_argument("--log-file", type=Path, help="request log (default: <cache>/logs/requests.jsonl)")
     p.add_argument(
         "--engine-args", default="", help="extra `kvscope engine` options, e.g. '--max-model-len 4096'"
@@ -112,6 +126,7 @@ def serve_main(argv: list[str]) -> int:
         engine_args=tuple(shlex.split(args.engine_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         replicas=args.replicas,
+        gateway_workers=args.gateway_workers,
     )
     if is_registered(options.model):
         from kvscope.common.models.pull import pull
@@ -289,6 +304,8 @@ class Supervisor:
             "--log-file",
             str(o.log_file),
         ]
+        if o.gateway_workers > 1:
+            cmd += ["--workers", str(o.gateway_workers)]
         tokenizer = _tokenizer_path(o.model)
         if tokenizer is not None:
             served = _served_name(o)
@@ -323,7 +340,7 @@ class Supervisor:
         base = f"http://{_client_host(o.host)}:{o.port}"
         console = (
             ""
-            if "--no-console" in o.gateway_args
+            if "--no-console" in o.gateway_args or o.gateway_workers > 1
             else f"\nconsole (live charts, the newest requests, alert conditions): {base}/console\n"
         )
         replicas = (

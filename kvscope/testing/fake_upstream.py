@@ -9,7 +9,8 @@ words of the prompt / message contents.
 Knobs (server defaults via :class:`Knobs`/CLI flags, per request via a ``"fake": {...}`` body field, which the
 gateway forwards untouched): ``token_delay_s``, ``first_token_delay_s``, ``status`` (answer every request with
 this status and an OpenAI error; ``error_code`` its code, ``error_headers`` its extra headers as
-``"Name: value, Name: value"``), ``die_after_tokens`` (abort the TCP connection mid-stream),
+``"Name: value, Name: value"``; ``error_message`` its message, ``error_kvscope`` the JSON of a ``kvscope``
+object beside it), ``die_after_tokens`` (abort the TCP connection mid-stream),
 ``error_after_tokens`` (in-band error event), ``omit_finish`` (end without finish_reason/[DONE]),
 ``rechunk_seed`` (split the SSE bytes into random HTTP chunks), ``crlf`` (CRLF line endings),
 ``kvscope_stats`` (add the engine's ``kvscope`` stats object), ``headers_delay_s``, ``finish_reason``,
@@ -74,6 +75,11 @@ class Knobs:
     """``error.code`` of the ``status`` answer (empty: null)."""
     error_headers: str = ""
     """Extra headers of the ``status`` answer, ``"Retry-After: 1, x-ratelimit-remaining-requests: 0"``."""
+    error_message: str = ""
+    """``error.message`` of the ``status`` answer (empty: ``fake {status}``)."""
+    error_kvscope: str = ""
+    """JSON of a ``kvscope`` object beside ``error`` in the ``status`` answer (our engine's admission
+    refusal); empty: none."""
     die_after_tokens: int = -1
     error_after_tokens: int = -1
     omit_finish: bool = False
@@ -319,19 +325,17 @@ class FakeUpstream:
                     for item in knobs.error_headers.split(",")
                     if item.strip()
                 ]
-                return await _json(
-                    writer,
-                    knobs.status,
-                    {
-                        "error": {
-                            "message": f"fake {knobs.status}",
-                            "type": "server_error",
-                            "param": None,
-                            "code": knobs.error_code or None,
-                        }
-                    },
-                    headers=extra,
-                )
+                error_body: dict[str, Any] = {
+                    "error": {
+                        "message": knobs.error_message or f"fake {knobs.status}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": knobs.error_code or None,
+                    }
+                }
+                if knobs.error_kvscope:
+                    error_body["kvscope"] = msgspec.json.decode(knobs.error_kvscope)
+                return await _json(writer, knobs.status, error_body, headers=extra)
             if self.kind == "llamacpp" and (words := prompt_words(rec.body)) > self.max_model_len:
                 self.engine.http[(rec.path, rec.method, 400)] += 1
                 return await _json(

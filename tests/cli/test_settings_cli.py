@@ -144,6 +144,7 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
             "--allow-unauthenticated",
             "--metrics-public",
             "--redis-url",
+            "--workers",
             "--log-file",
             "--log-stdout",
             "--log-content",

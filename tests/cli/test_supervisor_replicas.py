@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,27 @@ def test_the_other_replicas_serve_the_first_ones_weight_format(
     }
     own = Supervisor(_options(tmp_path, 2, ("--dtype", "float32")))
     assert [cmd[-2:] for cmd, _ in _started(own, monkeypatch, card)][:2] == [["--dtype", "float32"]] * 2
+
+
+def test_gateway_workers_reach_the_gateway_and_turn_off_the_console_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sup = Supervisor(dataclass_replace(_options(tmp_path, 1), gateway_workers=3))
+    gateway = _started(sup, monkeypatch)[-1][0]
+    assert gateway[-2:] == ["--workers", "3"]
+    out = capsys.readouterr().out
+    assert "/console" not in out and "kvscope is serving smollm2-135m at http://127.0.0.1:4100/v1" in out
+    sup = Supervisor(_options(tmp_path, 1))
+    assert "--workers" not in _started(sup, monkeypatch)[-1][0]
+    assert "console (live charts" in capsys.readouterr().out
+
+
+def test_gateway_workers_below_one_are_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(["--gateway-workers", "0"])
+    assert exit_info.value.code == 2
+    error = "argument --gateway-workers: must be >= 1 (gateway processes), got 0"
+    assert capsys.readouterr().err.endswith(f"kvscope serve: error: {error}\n")

@@ -4,6 +4,8 @@ float32), that the K/V it writes is what the eager decoder writes, and the fallb
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,12 +17,14 @@ from kvscope.engine.config import ModelConfig
 from kvscope.engine.eval.decode_path import decode_path_nll, perplexity
 from kvscope.engine.eval.text import load_text
 from kvscope.engine.llm import LLM
-from kvscope.engine.platform.fused_decode import FusedDecoder
+from kvscope.engine.platform import fused_decode
+from kvscope.engine.platform.fused_decode import FusedDecoder, fused_row_limit
 from kvscope.engine.platform.kernel_probe import KernelChoice
 from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.text.tokenizer import Tokenizer
 from kvscope.engine.worker.kv_cache import allocate_kv_caches
+from kvscope.kernels.cpu_decode import bf16_tiles_built
 
 pytestmark = pytest.mark.vnni
 
@@ -54,6 +58,49 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(FusedDecoder, "__call__", counted)
     return calls
+
+
+def test_the_fused_step_runs_the_tiles_the_probe_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe choice with tiles from 2 rows reaches every layer and the fused step; its logits at 3 rows are
+    the GEMV's within the activation codes' rounding."""
+    tiles = KernelChoice(
+        dense_dtype=torch.bfloat16, max_rows={"int4": 8, "int8": 2}, tile_rows=2, tile="float32"
+    )
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: tiles)
+    monkeypatch.setattr(fused_decode, "FUSED_PROBE_ROWS", ())  # the probe's limit, untimed
+    llm = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=32 << 20, num_threads=2)
+    fused = llm.engine.runner.fused
+    assert (fused.max_rows, fused.tile_rows, fused.tile) == (8, 2, "float32")
+    assert llm.engine.info.cpu_kernels == (
+        "kvscope (fused decode up to 8 rows; decode rows: gemv 1, tiles_float32 2-8, dense_bfloat16 9+)"
+    )
+    layer = llm.engine.model.model.layers[0]
+    assert (layer.mlp.down_proj.cpu_kernel.tile_rows, layer.mlp.down_proj.cpu_kernel.tile) == (2, "float32")
+    calls = count_calls(monkeypatch)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(["The capital of France is"] * 3, GREEDY)] == [
+        12
+    ] * 3
+    assert calls == [3] * 11
+    model, c = llm.engine.model, llm.engine.model.config
+    prompts = [
+        Tokenizer.from_dir(llm.engine.info.model_dir).hf.encode(text).ids[:5]
+        for text in ("The quick brown fox jumps", "Once upon a time there", "In a hole in the ground")
+    ]
+    kv = allocate_kv_caches(
+        c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device("cpu")
+    )
+    tables = [[0], [1], [2]]
+    with torch.inference_mode():
+        prefill = AttentionMetadata.build([4, 4, 4], [4, 4, 4], tables, 16)
+        with set_forward_context(prefill, kv, TorchAttentionBackend()):
+            model(torch.tensor([t for p in prompts for t in p[:4]]), torch.arange(4).repeat(3))
+        step = AttentionMetadata.build([1, 1, 1], [5, 5, 5], tables, 16)
+        last, pos = torch.tensor([p[4] for p in prompts]), torch.tensor([4, 4, 4])
+        on_tiles = fused(last, pos, step, [t.clone() for t in kv])
+        on_gemv = dataclasses.replace(fused, tile_rows=0)(last, pos, step, [t.clone() for t in kv])
+    # the tiles multiply float32 activations, the GEMV their 16-bit codes (~1e-5): the logits agree closely
+    assert ((on_tiles - on_gemv).norm() / on_gemv.norm()).item() < 1e-3
+    assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
 
 
 def test_decode_steps_up_to_the_crossover_run_fused(compact_llm, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,14 +207,20 @@ def test_fused_step_writes_the_kv_the_eager_decoder_writes(compact_llm) -> None:
     assert len(set(logits[0].topk(5).indices.tolist()) & set(eager[0].topk(5).indices.tolist())) >= 3
 
 
-def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir) -> None:
+@pytest.mark.parametrize("tile", ["", "float32", "bfloat16"])
+def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir, tile: str) -> None:
     """Three 256-token windows of the shipped eval text, teacher-forced through the fused step, against
-    float32's prefill perplexity of the same tokens (the same GGUF weights, dequantized). Measured with the
-    16-bit activation codes: +0.04 / −0.03 / +0.11 % (int8 codes were +0.78 / +0.55 / +0.69 %: the bound
-    catches them); a broken kernel is tens of percent off."""
+    float32's prefill perplexity of the same tokens (the same GGUF weights, dequantized): on the GEMV, and on
+    the small-batch matmul's tiles at every row (``tile``). Measured with the 16-bit activation codes: +0.04 /
+    −0.03 / +0.11 % (int8 codes were +0.78 / +0.55 / +0.69 %: the bound catches them); a broken kernel is tens
+    of percent off."""
+    if tile == "bfloat16" and not bf16_tiles_built():
+        pytest.skip("the bfloat16 tiles need AVX512-BF16")
     text = Tokenizer.from_dir(model_dir).hf.encode(load_text().text).ids
     reference, _, _, _ = load_model(ModelConfig(), "cpu")
     model, fused = compact_llm.engine.model, compact_llm.engine.runner.fused
+    if tile:
+        fused = dataclasses.replace(fused, tile_rows=1, tile=tile)
     ratios = []
     for start in (0, 2000, 5000):
         tokens = text[start : start + 256]
@@ -219,3 +272,19 @@ def test_a_float32_tied_embedding_runs_fused_from_its_column_major_view() -> Non
         contiguous = dataclasses.replace(fused, embed=fused.embed.contiguous())(ids, pos, step, caches[1])
     assert torch.equal(strided, contiguous)
     assert llm.engine.info.cpu_kernels.startswith("kvscope (fused decode up to")
+
+
+def test_the_fused_limit_rises_to_where_its_matmuls_stay_faster(compact_llm) -> None:
+    """fused_row_limit times each size above the probe's crossover on the model's weights, fused then eager,
+    and stops at the first size where the fused matmuls are slower (a scripted clock: seconds per call)."""
+    fused = dataclasses.replace(compact_llm.engine.runner.fused, tile_rows=2)
+    model = compact_llm.engine.model
+
+    def clock_of(durations: list[float]):
+        ticks = iter(t for d in durations for t in (0.0, d))
+        return lambda: next(ticks)
+
+    # per size: fused warm-up untimed, 2 timed fused calls, eager warm-up, 2 timed eager calls
+    assert fused_row_limit(model, fused, (4, 8, 16, 32), clock=clock_of([1, 1, 2, 2, 3, 3, 2, 2])) == 8
+    assert fused_row_limit(model, fused, (8,), clock=clock_of([2, 2, 1, 1])) == 4  # slower at once: unchanged
+    assert fused_row_limit(model, fused, (2, 4)) == 4  # nothing above the probe's limit: nothing timed

@@ -173,9 +173,12 @@ def test_finished_request_carries_stats(llm):
         "kv_blocks",
         "kv_cache_usage",
         "num_preemptions",
+        "predicted_ttft_s",
+        "service_tier",
         *ATTRIBUTION_KEYS,
         *SPEC_KEYS,
     }
+    assert stats["service_tier"] == "default"
     assert stats["ttft_s"] == pytest.approx(stats["queue_s"] + stats["prefill_s"], abs=1e-9)
     assert stats["tpot_s"] == pytest.approx(stats["decode_s"] / 7)
     assert stats["batch_size_max"] == 1 and stats["batch_size_mean"] == 1.0

@@ -45,6 +45,8 @@ EXPECTED = {
     "kvscope_engine_request_params_max_tokens": ("histogram", ("model",)),
     "kvscope_engine_http_requests": ("counter", ("route", "status")),
     "kvscope_engine_stream_errors": ("counter", ("model", "reason")),
+    "kvscope_engine_requests_shed": ("counter", ("model", "reason", "tier")),
+    "kvscope_engine_ttft_prediction_error_ratio": ("histogram", ("model",)),
     "kvscope_engine_structured_output_requests": ("counter", ("kind", "model")),
     "kvscope_engine_structured_output_compile_seconds": ("histogram", ("model",)),
     "kvscope_engine_structured_output_mask_seconds": ("histogram", ("model",)),
@@ -59,6 +61,7 @@ EXPECTED = {
         "gauge",
         (),
     ),  # labelled model/dtype/quantization, set by the server at start
+    "kvscope_engine_weights_kernel_info": ("gauge", ()),  # one series per kernel's rows, set at start
     "kvscope_engine_build_info": ("gauge", ("python", "version")),
     # CUDA only, set by engine/server/gpu_telemetry.py: no series after initialize() (absent on CPU, not 0)
     **{

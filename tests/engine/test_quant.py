@@ -176,19 +176,96 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path) -> None:
 
 
 def test_probe_times_every_candidate_and_picks_consistently() -> None:
-    from kvscope.engine.platform.kernel_probe import amx_rows, probe_cpu_kernels
+    from kvscope.engine.platform.kernel_probe import amx_rows, probe_cpu_kernels, tile_choice
+    from kvscope.kernels import cpu_decode
     from kvscope.kernels.cpu_decode import amx_loaded
 
     choice = probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1, batched_rows=(4, 8))
     expected = {f"{k}@{n}" for k in ("float32", "bfloat16", "int4", "int8") for n in (1, 4)}
     if amx_loaded():  # kvscope's AMX int4 matmul against the bfloat16 copy at the batched sizes
         expected |= {f"{k}@{n}" for k in ("int4_amx", "bfloat16") for n in (4, 8)}
+    if (
+        cpu_decode.is_loaded() and not amx_loaded()
+    ):  # the small-batch tiles, and the GEMV's times where they run
+        kinds = ("float32", "bfloat16") if cpu_decode.bf16_tiles_built() else ("float32",)
+        expected |= {f"int4_tile_{kind}@{n}" for kind in kinds for n in (1, 4)}
+        assert (choice.tile, choice.tile_rows) == tile_choice(
+            {k: v for k, v in choice.timings_ms.items() if "gemv" not in k}
+            | {
+                f"int4@{n}": choice.timings_ms.get(f"int4_gemv@{n}", choice.timings_ms[f"int4@{n}"])
+                for n in (1, 4)
+            },
+            (1, 4),
+            kinds,
+        )
+        if choice.tile_rows:
+            expected |= {f"int4_gemv@{n}" for n in (1, 4)}
     assert sorted(choice.timings_ms) == sorted(expected)
     dense = "bfloat16" if choice.dense_dtype == torch.bfloat16 else "float32"
     for fmt in ("int4", "int8"):
         times = [choice.timings_ms[f"{fmt}@{n}"] for n in (1, 4)]
-        assert choice.max_rows[fmt] == crossover(
-            times, [choice.timings_ms[f"{dense}@{n}"] for n in (1, 4)], (1, 4)
-        )
+        won = crossover(times, [choice.timings_ms[f"{dense}@{n}"] for n in (1, 4)], (1, 4))
+        # with the tiles, int4 keeps its dense copy above the probed sizes (prefill chunks)
+        assert choice.max_rows[fmt] == (min(won, 4) if fmt == "int4" and choice.tile_rows else won)
     amx = amx_loaded() and dense == "bfloat16"
     assert choice.batched_rows == (amx_rows(choice.timings_ms, choice.max_rows["int4"], (4, 8)) if amx else 0)
+
+
+def test_the_tiles_run_from_the_size_where_they_stay_faster_than_the_gemv() -> None:
+    from kvscope.engine.platform.kernel_probe import tile_choice
+
+    rows = (1, 2, 4, 8, 16)
+
+    def timings(gemv: list[float], **tiles: list[float]) -> dict[str, float]:
+        out = {f"int4@{n}": t for n, t in zip(rows, gemv, strict=True)}
+        for kind, times in tiles.items():
+            out |= {f"int4_tile_{kind}@{n}": t for n, t in zip(rows, times, strict=True)}
+        return out
+
+    gemv = [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert tile_choice(timings(gemv, float32=[2.0, 2.5, 3.0, 4.0, 6.0]), rows, ("float32",)) == ("float32", 4)
+    # faster at 2 rows, slower at 4, faster again from 8: only the sizes from which it stays faster count
+    assert tile_choice(timings(gemv, float32=[2.0, 1.5, 5.0, 7.0, 9.0]), rows, ("float32",)) == ("float32", 8)
+    assert tile_choice(timings(gemv, float32=[2.0, 3.0, 5.0, 9.0, 17.0]), rows, ("float32",)) == ("", 0)
+    assert tile_choice(timings(gemv), rows, ()) == ("", 0)
+    # of two kinds the one that serves the probed sizes fastest next to the GEMV, whatever its start
+    both = timings(gemv, float32=[2.0, 2.5, 3.0, 4.0, 6.0], bfloat16=[3.0, 3.0, 3.5, 5.0, 5.0])
+    assert tile_choice(both, rows, ("float32", "bfloat16")) == (
+        "float32",
+        4,
+    )  # 1 + 2 + 3 + 4 + 6 < 1 + 2 + 3.5 + 5 + 5
+    assert tile_choice(both | {"int4_tile_bfloat16@16": 3.0}, rows, ("float32", "bfloat16")) == (
+        "bfloat16",
+        4,
+    )
+
+
+def test_row_kernels_say_which_kernel_serves_which_rows() -> None:
+    from kvscope.engine.platform.kernel_probe import KernelChoice
+
+    def choice(**kw) -> KernelChoice:
+        return KernelChoice(dense_dtype=torch.float32, max_rows={"int4": kw.pop("compact"), "int8": 2}, **kw)
+
+    assert choice(compact=16, tile_rows=4, tile="float32").row_kernels() == [
+        ("gemv", 1, 3),
+        ("tiles_float32", 4, 16),
+        ("dense_float32", 17, NO_DENSE),
+    ]
+    assert choice(compact=2, tile_rows=4, tile="float32").row_kernels() == [
+        ("gemv", 1, 2),
+        ("dense_float32", 3, NO_DENSE),
+    ]
+    assert choice(compact=0).row_kernels() == [("dense_float32", 1, NO_DENSE)]
+    assert choice(compact=NO_DENSE, tile_rows=1, tile="bfloat16").row_kernels() == [
+        ("tiles_bfloat16", 1, NO_DENSE)
+    ]
+    amx = KernelChoice(
+        dense_dtype=torch.bfloat16, max_rows={"int4": 8}, batched_rows=64, tile_rows=4, tile="float32"
+    )
+    assert amx.row_kernels() == [
+        ("gemv", 1, 3),
+        ("tiles_float32", 4, 8),
+        ("amx", 9, 64),
+        ("dense_bfloat16", 65, NO_DENSE),
+    ]
+    assert "int4 on float32 tiles from 4 rows" in amx.describe()

@@ -191,3 +191,77 @@ def test_processes_starting_at_once_build_the_library_once(tmp_path: Path, monke
     assert all(r.ok for r in results) and results[0].library == results[1].library
     assert sorted(r.detail.split(" ")[0] for r in results) == ["built", "cached"]
     assert "built by another process" in next(r.detail for r in results if r.detail.startswith("cached"))
+
+
+def expanded_weights(weights: PairBlocks, tile: str) -> torch.Tensor:
+    """float64 [N, K]: each weight as the small-batch matmul expands it: fma(d, u, m) rounded once to float32
+    (float64 holds the exact product and sum of float16 d, m and an 8-bit u), then to bfloat16 for its
+    bfloat16 tiles."""
+    codes, d, m = weights.unpack()
+    rows = codes.shape[0]
+    u = codes.view(rows, -1, 32).double()
+    w = (u * d.double()[..., None] + m.double()[..., None]).float().view(rows, -1)
+    return (w.bfloat16() if tile == "bfloat16" else w).double()
+
+
+def tile_kinds() -> list[str]:
+    return ["float32", "bfloat16"] if cpu_decode.bf16_tiles_built() else ["float32"]
+
+
+@pytest.mark.vnni
+@pytest.mark.parametrize(
+    ("bits", "rows", "cols", "n"),
+    [
+        (4, 70, 64, 1),
+        (4, 960, 576, 3),
+        (4, 576, 1536, 5),
+        (8, 131, 576, 17),
+        (8, 64, 128, 33),
+        (4, 24, 1536, 8),
+    ],
+)
+def test_tile_matmul_is_the_product_of_the_expanded_weights(
+    loaded, bits: int, rows: int, cols: int, n: int
+) -> None:
+    """The small-batch matmul (cpu_pair_gemm.h) multiplies x (rounded as its tiles: float32 exact, bfloat16
+    to nearest even) by the weights it expands, summing in float32: against float64 sums only the order
+    differs. Row counts off the 4 x 4 micro-kernel and N off its 4 weight rows take the remainder paths."""
+    codes, d, m = random_blocks(rows, cols, bits, seed=rows + n)
+    weights = PairBlocks.pack(codes, d, m, bits)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    for tile in tile_kinds():
+        xt = x.bfloat16().double() if tile == "bfloat16" else x.double()
+        ref = xt @ expanded_weights(weights, tile).T
+        out = weights.matmul(x, 1, tile)
+        assert out.dtype == torch.float32 and out.shape == (n, rows)
+        assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), tile
+
+
+@pytest.mark.vnni
+def test_tile_rows_picks_the_kernel_and_rows_do_not_change_each_other(loaded) -> None:
+    """Below ``tile_rows`` the GEMV runs (bit for bit), from it the tiles; a row's result on the tiles is the
+    same bits whatever rows share the call (each output is one accumulator summed in the same order), so a
+    batch or a speculative verification gives a request the logits it gets alone."""
+    codes, d, m = random_blocks(96, 576, 4, seed=11)
+    weights = PairBlocks.pack(codes, d, m, 4)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(weights.matmul(x[:3], 4), weights.matmul(x[:3]))
+    assert torch.equal(weights.matmul(x[:4], 4), weights.matmul(x[:4], 1))
+    assert not torch.equal(weights.matmul(x[:4], 4), weights.matmul(x[:4]))
+    for tile in tile_kinds():
+        alone = torch.cat([weights.matmul(x[i : i + 1], 1, tile) for i in range(9)])
+        assert torch.equal(weights.matmul(x, 1, tile), alone), tile
+
+
+@pytest.mark.vnni
+def test_bfloat16_tiles_are_refused_where_not_built(loaded, monkeypatch) -> None:
+    codes, d, m = random_blocks(8, 64, 4, seed=1)
+    weights = PairBlocks.pack(codes, d, m, 4)
+    x = torch.ones(4, 64)
+    with pytest.raises(KeyError):
+        weights.matmul(x, 1, "float16")
+    if not cpu_decode.bf16_tiles_built():
+        with pytest.raises(RuntimeError, match="bfloat16, where built"):
+            weights.matmul(x, 1, "bfloat16")
+    with pytest.raises(RuntimeError, match=r"tile: 1 \(float32\) or 2"):
+        torch.ops.kvscope_cpu.qgemv(x, weights.codes, weights.scales, 1, 3)

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 from kvscope.engine.async_engine import GrammarLimitError, RequestFailedError
 from kvscope.engine.config import SpeculativeConfig
+from kvscope.engine.core.admission import AdmissionConfig, Refusal
 from kvscope.engine.core.request import Request, RequestStatus
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.engine_core import StepResult
-from kvscope.engine.errors import EngineDeadError
+from kvscope.engine.errors import AdmissionRefusedError, EngineDeadError
 from kvscope.engine.input_processor import EngineRequest, InputProcessor
 from kvscope.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvscope.engine.sampling_params import SamplingParams
@@ -66,6 +67,7 @@ class FakeInfo:
     quantization: str = "gguf"
     format_reason: str = "fake: fastest verified format"
     cpu_kernels: str = "kvscope (fused decode up to 2 rows)"
+    row_kernels: tuple[tuple[str, int, int], ...] = (("gemv", 1, 2), ("dense_bfloat16", 3, 1 << 62))
     rss_bytes: int = 5000
     peak_rss_bytes: int = 6000
     num_blocks: int = 7
@@ -115,6 +117,12 @@ class FakeEngine:
     """(proposed, accepted) of the speculative drafts each choice verifies (RequestStats.on_spec_verify)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding settings the server reads (EngineClient.speculative)."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """Admission's objectives the server reads (EngineClient.admission)."""
+    refusal: Refusal | None = None
+    """With admission on: refuse every request with this (AdmissionRefusedError), else queue it."""
+    queued_requests: list[EngineRequest] = field(default_factory=list)
+    """Every EngineRequest generate() was given, in order (its tier, priority and deadline)."""
     """(proposed, accepted) of the speculative drafts each choice verifies (RequestStats.on_spec_verify)."""
 
     gpu_share: float | None = None
@@ -167,9 +175,17 @@ class FakeEngine:
         request: EngineRequest,
         arrival_time: float | None = None,
         trace_context: object | None = None,
+        queued: asyncio.Future | None = None,
     ):
         if not self.is_running:
             raise EngineDeadError("fake engine stopped")
+        self.queued_requests.append(request)
+        if self.refusal is not None:  # as AsyncEngine: the refusal reaches both the future and the stream
+            if queued is not None:
+                queued.set_exception(AdmissionRefusedError(self.refusal))
+            raise AdmissionRefusedError(self.refusal)
+        if queued is not None:
+            queued.set_result(None)
         prompt_token_ids, params = request.prompt_token_ids, request.params
         self.started.append(request_id)
         arrival = time.monotonic() if arrival_time is None else arrival_time

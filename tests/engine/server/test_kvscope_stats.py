@@ -16,6 +16,7 @@ from kvscope.engine.server.access_log import ACCESS_LOGGER
 KEYS = [
     "queue_s",
     "ttft_s",
+    "predicted_ttft_s",
     "prefill_s",
     "decode_s",
     "tpot_s",
@@ -51,13 +52,14 @@ KEYS = [
     "recomputed_tokens",
     "structured_mask_s",
     "structured_wait_s",
+    "service_tier",
     "spec_drafts",
     "spec_draft_tokens",
     "spec_accepted_tokens",
     "spec_mean_accepted_length",
 ]
-"""The response's keys: the timings, the latency attribution (engine/core/attribution.py), then speculative
-decoding (issue 16)."""
+"""The response's keys: the timings (with the TTFT predicted at queueing, issue 42), the latency attribution
+(engine/core/attribution.py), the service tier (issue 42), then speculative decoding (issue 16)."""
 
 
 def test_the_json_keys_are_the_fields_in_order() -> None:
@@ -77,9 +79,10 @@ def test_the_json_keys_are_the_fields_in_order() -> None:
         list(msgspec.json.decode(msgspec.json.encode(stats))) == KEYS == list(stats) == list(stats.to_dict())
     )
     as_dict = stats.to_dict()
-    assert dict(list(as_dict.items())[:10]) == {
+    assert dict(list(as_dict.items())[:11]) == {
         "queue_s": 0.5,
         "ttft_s": 1.0,
+        "predicted_ttft_s": None,  # no scheduler predicted it (hand-made stats)
         "prefill_s": 0.5,
         "decode_s": 2.0,
         "tpot_s": 0.5,

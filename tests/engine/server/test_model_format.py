@@ -37,4 +37,16 @@ def test_weights_metric_is_labelled_with_the_format(client) -> None:
     s = metric_samples(client.get("/metrics").text)
     weights = {labels: value for (name, labels), value in s.items() if name == "kvscope_engine_weights_bytes"}
     assert weights == {(("dtype", "bfloat16"), ("model", "fake-model"), ("quantization", "gguf")): 2000.0}
+    kernels = {
+        labels: value for (name, labels), value in s.items() if name == "kvscope_engine_weights_kernel_info"
+    }
+    assert kernels == {
+        (("first_row", "1"), ("kernel", "gemv"), ("last_row", "2"), ("model", "fake-model")): 1.0,
+        (
+            ("first_row", "3"),
+            ("kernel", "dense_bfloat16"),
+            ("last_row", "+Inf"),
+            ("model", "fake-model"),
+        ): 1.0,
+    }
     assert sample(s, "process_resident_memory_bytes") == pytest.approx(process_memory_bytes()[0], rel=0.1)

@@ -100,4 +100,11 @@ def test_the_engines_satisfy_engine_client(engine: type) -> None:
         assert [p.default for p in got[name].parameters.values()] == [  # type: ignore[union-attr]
             p.default for p in signature.parameters.values()
         ], name
-    assert set(EngineClient.__annotations__) == {"info", "tokenizer", "device", "structured", "speculative"}
+    assert set(EngineClient.__annotations__) == {
+        "info",
+        "tokenizer",
+        "device",
+        "structured",
+        "speculative",
+        "admission",
+    }

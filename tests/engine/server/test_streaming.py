@@ -70,6 +70,8 @@ def test_usage_chunk_equals_non_streaming_usage_with_n2(client):
         == {
             "queue_s",
             "ttft_s",
+            "predicted_ttft_s",
+            "service_tier",
             "prefill_s",
             "decode_s",
             "tpot_s",

@@ -97,9 +97,9 @@ def test_the_header_reaches_the_schedulers_requests_of_the_real_engine(
     queued: list[Request] = []
     add_request = Scheduler.add_request
 
-    def recording(self, request):
+    def recording(self, request, prediction=None):
         queued.append(request)
-        add_request(self, request)
+        add_request(self, request, prediction)
 
     monkeypatch.setattr(Scheduler, "add_request", recording)
     config = EngineConfig(

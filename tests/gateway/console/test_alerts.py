@@ -207,6 +207,7 @@ def test_alerts_over_series_the_gateway_lacks_say_why() -> None:
         "KvscopeGPUAllocatorFailures",
         "KvscopeGPUMemoryOverBudget",
         "KvscopeGPUThrottled",
+        "KvscopeLoadShedding",
         "KvscopeTargetDown",
         "KvscopeTargetMissing",
         "Watchdog",

@@ -1,0 +1,167 @@
+"""Tiers, priorities, admission and deadlines in the scheduler (issue 42; engine/core/admission.py,
+engine/core/scheduler.py): exact admission orders, preemptions and refusals on scripted states."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscope.engine.core.admission import AdmissionConfig, Refusal, parse_slos
+from kvscope.engine.core.request import Request, RequestStatus
+from kvscope.engine.core.scheduler import Scheduler
+from tests.engine.core.factories import FakeClock, make_request, make_scheduler, prompt, step
+
+
+def _add(
+    sched: Scheduler,
+    request_id: str,
+    *,
+    tier: str = "default",
+    priority: int = 0,
+    tenant: str | None = None,
+    max_tokens: int = 1,
+    deadline: float | None = None,
+) -> Request:
+    request = make_request(
+        request_id, prompt(100 * len(sched.requests), 8), max_tokens=max_tokens, eos_token_id=None
+    )
+    request.service_tier, request.priority, request.deadline = tier, priority, deadline
+    request.fairness_tenant = tenant
+    request.arrival_time = sched.clock()
+    sched.add_request(request)
+    return request
+
+
+def _admission_order(sched: Scheduler) -> list[list[str]]:
+    """The requests each step scheduled, step by step, until nothing is left."""
+    steps = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        steps.append([s.request_id for s in out.scheduled])
+    return steps
+
+
+def test_tiers_first_then_priority_then_arrival() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    for request_id, tier, priority in (
+        ("flex-1", "flex", 0),
+        ("default-1", "default", 0),
+        ("priority-1", "priority", 5),
+        ("default-urgent", "default", -1),
+        ("default-2", "default", 0),
+        ("priority-2", "priority", 0),
+    ):
+        _add(sched, request_id, tier=tier, priority=priority)
+    assert _admission_order(sched) == [
+        ["priority-2"],  # the best tier; inside it the lower priority value
+        ["priority-1"],
+        ["default-urgent"],
+        ["default-1"],  # same tier and priority: arrival order
+        ["default-2"],
+        ["flex-1"],  # batch work waits for every better tier, although it came first
+    ]
+
+
+def test_within_a_tier_a_key_with_one_request_is_not_queued_behind_anothers_many() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    _add(sched, "c0", tier="flex", tenant="batch-key")
+    for i in range(4):
+        _add(sched, f"a{i}", tenant="key-a")
+    _add(sched, "b0", tenant="key-b")
+    # rule 1 inside the default tier: key-b runs fewer than key-a once a0 is in, so b0 is second, not fifth;
+    # the flex request, first to arrive, goes last
+    assert _admission_order(sched) == [["a0", "b0"], ["a1", "a2"], ["a3", "c0"]]
+
+
+def test_two_keys_sending_alike_alternate_within_their_tier() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        _add(sched, f"a{i}", tenant="key-a")
+    for i in range(3):
+        _add(sched, f"b{i}", tenant="key-b")
+    assert _admission_order(sched) == [["a0", "b0"], ["a1", "b1"], ["a2", "b2"]]
+
+
+def test_batch_work_is_preempted_for_interactive_work_that_finds_no_slot() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    _add(sched, "f0", tier="flex", max_tokens=8)
+    _add(sched, "f1", tier="flex", max_tokens=8)
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["f0", "f1"]
+    _add(sched, "d0", max_tokens=8)
+    out, _ = step(sched)
+    assert [s.request_id for s in out.scheduled] == ["f0", "d0"]
+    assert out.preempted_req_ids == {"f1"}
+    assert sched.requests["f1"].status == RequestStatus.PREEMPTED
+    # a default request waiting behind a running default one preempts nothing
+    _add(sched, "d1", max_tokens=8)
+    out, _ = step(sched)
+    assert out.preempted_req_ids == {"f0"}  # the last flex request goes for d1
+    assert [s.request_id for s in out.scheduled] == ["d0", "d1"]
+    _add(sched, "d2", max_tokens=8)
+    out, _ = step(sched)
+    assert out.preempted_req_ids == set()
+    assert [s.request_id for s in out.scheduled] == ["d0", "d1"]
+
+
+def test_an_unknown_tier_is_an_invariant_error() -> None:
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="unknown tier 'gold'"):
+        _add(sched, "x", tier="gold")
+
+
+def test_slo_parsing() -> None:
+    assert parse_slos("") == {}
+    assert parse_slos("2") == {"priority": 2.0, "default": 2.0, "flex": 2.0}
+    assert parse_slos("priority=0.5, default=2") == {"priority": 0.5, "default": 2.0}
+    for bad, message in (("gold=1", "TIER=SECONDS"), ("default=x", "number"), ("0", "positive")):
+        with pytest.raises(ValueError, match=message):
+            parse_slos(bad)
+    with pytest.raises(ValueError, match="unknown tier"):
+        AdmissionConfig({"gold": 1.0})
+
+
+def test_admission_decisions_are_exact() -> None:
+    config = AdmissionConfig({"default": 2.0, "priority": 0.5})
+    assert config.enabled and not AdmissionConfig().enabled
+    refusal = config.decide("default", 7.8, 41)
+    assert refusal == Refusal("default", 7.8, 2.0, 41)
+    assert refusal.message == (
+        "predicted time to first token 7.8 s exceeds the 2 s objective of tier default; 41 requests ahead"
+    )
+    assert refusal.retry_after_s == 6
+    assert config.decide("default", 2.0, 41) is None  # at the objective: admitted
+    assert config.decide("default", None, 41) is None  # no prediction yet: admitted
+    assert config.decide("flex", 100.0, 41) is None  # a tier without an objective
+    one = config.decide("priority", 0.6, 1)
+    assert one is not None and one.retry_after_s == 1
+    assert one.message.endswith("objective of tier priority; 1 request ahead")
+
+
+def test_a_queued_request_past_its_deadline_is_dropped_before_any_prefill() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(max_num_seqs=1, clock=clock)
+    _add(sched, "r0", max_tokens=4)
+    step(sched)
+    late = _add(sched, "late", deadline=clock.now + 5.0)
+    patient = _add(sched, "patient", deadline=clock.now + 50.0)
+    clock.now += 6.0
+    assert sched.expire_waiting() == [late]
+    assert late.status == RequestStatus.FINISHED_ABORTED and late.stats.first_scheduled_time is None
+    assert "late" not in sched.requests
+    assert sched.expire_waiting() == []
+    scheduled = [request_id for steps in _admission_order(sched) for request_id in steps]
+    assert "late" not in scheduled and "patient" in scheduled
+    assert patient.num_cached_tokens == 0  # it was admitted: its deadline no longer applies
+    clock.now += 100.0
+    assert sched.expire_waiting() == []
+
+
+def test_a_disconnected_clients_queued_request_never_reaches_prefill() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    _add(sched, "r0", max_tokens=3)
+    step(sched)
+    _add(sched, "gone")
+    _add(sched, "stays")
+    assert [r.request_id for r in sched.abort_requests(["gone"])] == ["gone"]  # the server's abort
+    scheduled = [request_id for steps in _admission_order(sched) for request_id in steps]
+    assert scheduled == ["r0", "r0", "stays"]

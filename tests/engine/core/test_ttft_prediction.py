@@ -1,0 +1,233 @@
+"""The TTFT predictor of issue 42 (engine/core/ttft.py): the online step-time fit and the replay of the
+scheduler's rules on scripted engine states, priced by a scripted step model. Exact values, no clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscope.engine.core.request import Request
+from kvscope.engine.core.ttft import (
+    OutputLengths,
+    SimSequence,
+    StepLimits,
+    StepTimeModel,
+    replay_ttft,
+    running_sequence,
+    waiting_sequence,
+)
+from tests.engine.core.factories import FakeClock, make_request, make_scheduler, prompt, step
+
+
+class LinearSteps:
+    """A scripted step model: 10 ms + 1 ms per prefill token + 2 ms per decode row; records what it saw."""
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[int, int, int, float]] = []
+
+    def observe(self, prefill_tokens: int, decode_rows: int, context_tokens: int, seconds: float) -> None:
+        self.observed.append((prefill_tokens, decode_rows, context_tokens, seconds))
+
+    def predict(self, prefill_tokens: int, decode_rows: int, context_tokens: int) -> float | None:
+        return 0.010 + 0.001 * prefill_tokens + 0.002 * decode_rows
+
+
+def test_the_step_model_recovers_a_linear_machine_and_waits_for_enough_steps() -> None:
+    model = StepTimeModel(forgetting=1.0, min_steps=4)
+    shapes = [(512, 0, 512), (0, 8, 800), (128, 4, 900), (0, 32, 4000), (256, 16, 2500), (0, 1, 100)]
+    for i, (prefill, decode, context) in enumerate(shapes):
+        if i < 4:
+            assert (i, model.predict(1, 1, 1)) == (i, None)
+        model.observe(prefill, decode, context, 0.005 + 0.0002 * prefill + 0.003 * decode + 1e-6 * context)
+    assert model.steps == 6
+    assert model.predict(1000, 10, 5000) == pytest.approx(0.005 + 0.2 + 0.03 + 0.005, rel=1e-4)
+
+
+def test_the_step_model_never_prices_a_feature_negatively() -> None:
+    model = StepTimeModel(forgetting=1.0, min_steps=1)
+    # more decode rows, less time: a plain fit would give decode rows a negative price
+    for decode, seconds in ((1, 0.05), (2, 0.04), (4, 0.03), (8, 0.02)):
+        model.observe(0, decode, 0, seconds)
+    coefficients = model.coefficients()
+    assert coefficients is not None and min(coefficients) >= 0.0
+    assert model.predict(0, 3, 0) == pytest.approx(0.035)  # the mean: decode rows dropped from the fit
+
+
+def test_step_model_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="forgetting"):
+        StepTimeModel(forgetting=0.0)
+    with pytest.raises(ValueError, match="min_steps"):
+        StepTimeModel(min_steps=0)
+
+
+def test_replay_waits_for_a_slot_then_prices_the_prefill_step() -> None:
+    # two decoding requests hold both slots: 3 and 5 tokens left; the new prompt needs 50 tokens
+    running = [SimSequence(0, 3, 100), SimSequence(0, 5, 200)]
+    seconds = replay_ttft(
+        running, [], 50, StepLimits(max_num_seqs=2, max_num_batched_tokens=100), LinearSteps()
+    )
+    # 3 decode steps of 2 rows (14 ms each), then one step: the second request's decode + the 50-token prefill
+    assert seconds == pytest.approx(3 * 0.014 + (0.010 + 0.050 + 0.002))
+    assert [(s.prefill_left, s.decode_left) for s in running] == [(0, 3), (0, 5)]  # inputs untouched
+
+
+def test_replay_admits_the_queue_ahead_first_and_chunks_long_prompts() -> None:
+    limits = StepLimits(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=48)
+    ahead = [SimSequence(100, 2, 0)]
+    seconds = replay_ttft([], ahead, 10, limits, LinearSteps())
+    # step 1: 48 of the 100 tokens ahead (threshold) + the new prompt's 10 (it fits the budget left): sampled
+    assert seconds == pytest.approx(0.010 + 0.058)
+    seconds = replay_ttft([], ahead, 40, limits, LinearSteps())
+    # step 1: 48 ahead (threshold) + 16 of ours (budget); step 2: 48 ahead + 16 of ours; step 3: the last 4
+    # ahead + our last 8
+    assert seconds == pytest.approx((0.010 + 0.064) + (0.010 + 0.064) + (0.010 + 0.012 + 0.001 * 0))
+
+
+def test_replay_without_a_fit_predicts_nothing() -> None:
+    class Unfitted(LinearSteps):
+        def predict(self, prefill_tokens: int, decode_rows: int, context_tokens: int) -> float | None:
+            return None
+
+    assert replay_ttft([], [], 10, StepLimits(4, 64), Unfitted()) is None
+
+
+def test_expected_output_lengths_follow_the_finished_requests() -> None:
+    lengths = OutputLengths(initial=256, window=4)
+    assert (lengths.expected(16), lengths.expected(1000)) == (16, 256)
+    lengths.observe(100, False)  # ended by EOS after 100 tokens
+    lengths.observe(50, False)
+    assert (lengths.expected(1000), lengths.expected(10)) == (75, 10)
+    lengths.observe(40, True)  # ran to its max_tokens
+    lengths.observe(40, True)
+    # half run to their limit, the others stop after 75: 0.5 * 200 + 0.5 * 75
+    assert (lengths.expected(200), lengths.expected(40)) == (138, 40)
+    for _ in range(4):  # the window keeps the last 4: all ran to their limit (ignore_eos traffic)
+        lengths.observe(8, True)
+    assert (lengths.expected(200), lengths.expected(3)) == (200, 3)
+
+
+def _running(sched, request_id: str, length: int, max_tokens: int) -> Request:
+    request = make_request(request_id, prompt(1000 * len(sched.requests), length), max_tokens=max_tokens)
+    request.arrival_time = sched.clock()
+    sched.add_request(request)
+    return request
+
+
+def test_the_scheduler_predicts_from_its_queues_on_a_scripted_state() -> None:
+    clock = FakeClock()
+    steps = LinearSteps()
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64, clock=clock)
+    sched.step_time = steps
+    r0 = _running(sched, "r0", 32, 4)
+    _running(sched, "r1", 32, 4)
+    step(sched)  # both prefilled in one step, one token each
+    assert steps.observed == [(64, 0, 64, 0.0)]  # the step's record reached the model (fake clock: 0 s)
+    _running(sched, "r2", 32, 4)  # waits: both slots are taken
+    new = make_request("r3", prompt(7000, 16), max_tokens=4, arrival_time=clock.now - 0.5)
+    prediction = sched.predict_ttft(new)
+    # running: 3 tokens left each (4 expected, 1 out); r2: 32 prompt tokens, then 3 more tokens
+    # 3 decode steps (the 3rd ends both) at 14 ms, then r2's 32 and our 16 prefill tokens in one step
+    assert prediction.seconds == pytest.approx(0.5 + 3 * 0.014 + (0.010 + 0.048))
+    assert (prediction.requests_ahead, prediction.tokens_ahead, prediction.running) == (1, 32, 2)
+    assert prediction.cached_tokens == 0
+    sched.add_request(new, prediction)
+    assert new.stats.predicted_ttft_s == prediction.seconds
+    assert new.stats.summary(0).predicted_ttft_s == prediction.seconds
+    assert new.stats.summary(0).service_tier == "default"
+    # a prompt whose first block the cache holds (r0's): those 16 tokens are not priced
+    same = make_request("r4", list(r0.prompt_token_ids), max_tokens=4, arrival_time=clock.now)
+    assert sched.predict_ttft(same).cached_tokens == 16
+    assert same.foreseen_cached_tokens == 16
+
+
+def test_a_better_tier_does_not_queue_behind_a_worse_one_in_the_prediction() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, clock=clock)
+    sched.step_time = LinearSteps()
+    for i in range(3):
+        batch = make_request(f"f{i}", prompt(100 * i, 32), max_tokens=4, arrival_time=clock.now)
+        batch.service_tier = "flex"
+        sched.add_request(batch)
+    urgent = make_request("p0", prompt(900, 16), max_tokens=4, arrival_time=clock.now)
+    urgent.service_tier = "priority"
+    flex = make_request("f9", prompt(950, 16), max_tokens=4, arrival_time=clock.now)
+    flex.service_tier = "flex"
+    assert sched.predict_ttft(urgent).requests_ahead == 0
+    assert sched.predict_ttft(urgent).seconds == pytest.approx(0.010 + 0.016)
+    assert sched.predict_ttft(flex).requests_ahead == 3
+
+
+def test_running_and_waiting_sequences_as_the_replay_sees_them() -> None:
+    sched = make_scheduler()
+    decoding = _running(sched, "d", 20, 10)
+    step(sched)
+    assert (decoding.num_output_tokens, running_sequence(decoding, 6)) == (1, SimSequence(0, 5, 20))
+    assert running_sequence(decoding, 1) == SimSequence(0, 1, 20)  # past its expected length: one more
+    fresh = make_request("w", prompt(500, 40), max_tokens=10)
+    assert waiting_sequence(fresh, 6, 16) == SimSequence(24, 5, 16)
+
+
+def test_step_records_include_the_host_time_between_busy_steps() -> None:
+    clock = FakeClock()
+    steps = LinearSteps()
+    sched = make_scheduler(clock=clock)
+    sched.step_time = steps
+    _running(sched, "r0", 20, 2)
+    for host_s in (0.0, 0.05):  # the host work between the two steps (outputs delivered, arrivals queued)
+        clock.now += host_s
+        out = sched.schedule()
+        clock.now += 0.2
+        sched.update_from_output(out, {"r0": [5]})
+    assert [record[:3] for record in steps.observed] == [(20, 0, 20), (0, 1, 21)]
+    assert [record[3] for record in steps.observed] == pytest.approx([0.2, 0.25])
+    assert not sched.has_unfinished_requests()  # r0 ended: the next arrival's step starts afresh
+    clock.now += 30.0
+    _running(sched, "r1", 20, 2)
+    out = sched.schedule()
+    clock.now += 0.2
+    sched.update_from_output(out, {"r1": [5]})
+    assert steps.observed[-1][3] == pytest.approx(0.2)  # the idle 30 s are no step's
+
+
+def test_a_long_queue_is_replayed_in_part_and_extrapolated() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(num_blocks=1024, max_num_seqs=1, max_num_batched_tokens=8, clock=clock)
+    sched.step_time = LinearSteps()
+    for i in range(300):  # one step each (8 prompt tokens, one output token)
+        sched.add_request(make_request(f"w{i}", prompt(10 * i, 8), max_tokens=1, arrival_time=clock.now))
+    prediction = sched.predict_ttft(
+        make_request("new", prompt(5000, 8), max_tokens=1, arrival_time=clock.now)
+    )
+    # 256 of the 300 replayed: 257 steps of 18 ms, scaled by 301 / 257: the 301 steps a full replay counts
+    assert (prediction.requests_ahead, prediction.seconds) == (300, pytest.approx(301 * 0.018))
+
+
+def test_nothing_is_replayed_before_the_step_model_has_a_fit() -> None:
+    sched = make_scheduler()
+    assert isinstance(sched.step_time, StepTimeModel) and sched.step_time.steps == 0
+    request = _running(sched, "r0", 20, 2)
+    prediction = sched.predict_ttft(make_request("r1", prompt(900, 20), max_tokens=2))
+    assert (prediction.seconds, prediction.requests_ahead, request.stats.predicted_ttft_s) == (None, 1, None)
+    assert request.stats.summary(0).predicted_ttft_s is None
+
+
+def test_interactive_work_is_predicted_to_take_the_slots_of_batch_work() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64, clock=clock)
+    sched.step_time = LinearSteps()
+    for i in range(2):
+        batch = make_request(f"f{i}", prompt(100 * i, 16), max_tokens=100, arrival_time=clock.now)
+        batch.service_tier = "flex"
+        sched.add_request(batch)
+    step(sched)  # both flex requests run, 99 tokens to go each
+    urgent = make_request("p0", prompt(900, 16), max_tokens=4, arrival_time=clock.now)
+    urgent.service_tier = "priority"
+    # the scheduler preempts the newest flex request for it: one step, beside the other one's decode
+    assert sched.predict_ttft(urgent).seconds == pytest.approx(0.010 + 0.016 + 0.002)
+    late = make_request("f9", prompt(950, 16), max_tokens=4, arrival_time=clock.now)
+    late.service_tier = "flex"
+    # a flex request waits for a slot: both end after 99 more steps of 2 decode rows, then its prefill
+    assert sched.predict_ttft(late).seconds == pytest.approx(99 * 0.014 + 0.010 + 0.016)
+    out, _ = step(sched, {})
+    sched.add_request(urgent)
+    out, _ = step(sched)
+    assert ([s.request_id for s in out.scheduled], out.preempted_req_ids) == (["f0", "p0"], {"f1"})

@@ -1,0 +1,149 @@
+"""Tiers, priorities, deadlines and admission's 503 at the engine server (issue 42;
+engine/server/scheduling.py), against the scripted FakeEngine: the request's place in the scheduler from its
+body and headers, the refusal's exact answer, log line and shed counter, and the prediction-error
+histogram."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvscope.engine.core.admission import AdmissionConfig, Refusal
+from kvscope.engine.server.access_log import ACCESS_LOGGER
+from kvscope.engine.server.scheduling import SERVICE_TIER_HEADER, TIMEOUT_HEADER
+from kvscope.engine.server.stat_logger import SequenceTimings, ServerMetrics
+from tests.engine.server.conftest import chat_body
+from tests.engine.server.helpers import metric_samples, sample
+
+REFUSAL = Refusal("default", 7.8, 2.0, 41)
+
+
+@pytest.fixture
+def refusing(fake_engine):
+    fake_engine.admission = AdmissionConfig({"default": 2.0})
+    fake_engine.refusal = REFUSAL
+    return fake_engine
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_request_gets_503_with_retry_after_and_the_prediction(
+    client, refusing, caplog, stream: bool
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    response = client.post("/v1/chat/completions", json=chat_body(stream=stream))
+    assert response.status_code == 503  # before any stream starts: never a 200 with an in-band error
+    assert response.headers["retry-after"] == "6"  # ceil(7.8 - 2)
+    body = response.json()
+    assert body["error"] == {
+        "message": "predicted time to first token 7.8 s exceeds the 2 s objective of tier default; "
+        "41 requests ahead",
+        "type": "server_error",
+        "param": None,
+        "code": "ttft_slo_exceeded",
+    }
+    kvscope = {k: v for k, v in body["kvscope"].items() if v is not None}
+    assert kvscope == {"predicted_ttft_s": 7.8, "service_tier": "default", "queue_ahead": 41}
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert line["http"]["response"]["status_code"] == 503
+    assert {k: v for k, v in line["kvscope"]["engine"].items() if v is not None} == kvscope
+    assert line["kvscope"]["outcome"] == "error"
+    assert line["error"]["message"] == body["error"]["message"]
+    metrics = metric_samples(client.get("/metrics").text)
+    shed = "kvscope_engine_requests_shed_total"
+    assert sample(metrics, shed, model="fake-model", tier="default", reason="ttft_slo") == 1.0
+    assert sample(metrics, shed, model="fake-model", tier="flex", reason="ttft_slo") == 0.0
+
+
+def test_a_refusal_that_reaches_the_stream_is_answered_the_same_way(client, fake_engine) -> None:
+    fake_engine.refusal = REFUSAL  # admission off: the server waits for no queueing, the stream fails
+    response = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "6"
+    assert response.json()["error"]["code"] == "ttft_slo_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("body_tier", "key_tier", "served"),
+    [
+        (None, None, "default"),
+        ("auto", None, "default"),
+        ("scale", None, "default"),
+        ("flex", None, "flex"),
+        ("priority", None, "priority"),
+        (None, "flex", "flex"),  # the key's tier is the default …
+        ("priority", "default", "default"),  # … and the best its requests get
+        ("flex", "priority", "flex"),  # a worse tier may always be asked for
+    ],
+)
+def test_the_tier_comes_from_the_body_and_the_keys_header(
+    client, fake_engine, body_tier: str | None, key_tier: str | None, served: str
+) -> None:
+    fake_engine.queued_requests.clear()  # the start-up generation
+    body = chat_body(max_tokens=1, **({"service_tier": body_tier} if body_tier else {}))
+    headers = {SERVICE_TIER_HEADER: key_tier} if key_tier else {}
+    response = client.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    assert [r.service_tier for r in fake_engine.queued_requests] == [served]
+
+
+def test_priority_and_timeout_reach_the_engine_request(client, fake_engine) -> None:
+    fake_engine.queued_requests.clear()  # the start-up generation
+    response = client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": ["a", "b"], "max_tokens": 1, "priority": -3},
+        headers={TIMEOUT_HEADER: "2.5"},
+    )
+    assert response.status_code == 200, response.text
+    first, second = fake_engine.queued_requests
+    assert (first.priority, second.priority) == (-3, -3)
+    assert first.deadline is not None and first.deadline == second.deadline  # arrival + 2.5 s, both prompts
+    client.post("/v1/completions", json={"model": "fake-model", "prompt": "a", "max_tokens": 1})
+    assert (fake_engine.queued_requests[-1].priority, fake_engine.queued_requests[-1].deadline) == (0, None)
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "param"),
+    [
+        ({SERVICE_TIER_HEADER: "gold"}, {}, SERVICE_TIER_HEADER),
+        ({TIMEOUT_HEADER: "0"}, {}, TIMEOUT_HEADER),
+        ({TIMEOUT_HEADER: "soon"}, {}, TIMEOUT_HEADER),
+        ({}, {"service_tier": "gold"}, "service_tier"),
+    ],
+)
+def test_bad_scheduling_inputs_are_400_naming_them(client, fake_engine, headers, body, param) -> None:
+    fake_engine.queued_requests.clear()  # the start-up generation
+    response = client.post("/v1/chat/completions", json=chat_body(**body), headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert fake_engine.queued_requests == []
+
+
+def test_the_prediction_error_histogram_observes_the_relative_error() -> None:
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry, "m")
+    for predicted, actual in ((1.5, 1.0), (0.9, 1.0), (None, 1.0)):
+        metrics.on_sequence_finished(
+            SequenceTimings("stop", 3, e2e_s=2.0, ttft_s=actual, predicted_ttft_s=predicted)
+        )
+    name = "kvscope_engine_ttft_prediction_error_ratio"
+    assert registry.get_sample_value(f"{name}_count", {"model": "m"}) == 2.0
+    assert registry.get_sample_value(f"{name}_sum", {"model": "m"}) == pytest.approx(0.6)
+    assert registry.get_sample_value(f"{name}_bucket", {"model": "m", "le": "0.1"}) == 1.0
+    assert registry.get_sample_value(f"{name}_bucket", {"model": "m", "le": "0.5"}) == 2.0
+
+
+def test_the_ttft_slo_flag_turns_admission_on() -> None:
+    from kvscope.engine.llm import build_engine_config
+    from kvscope.engine.server.cli import build_parser, engine_config_kwargs
+
+    off = build_parser().parse_args(["--model", "smollm2-135m"])
+    assert not build_engine_config(off.model, **engine_config_kwargs(off)).admission.enabled
+    on = build_parser().parse_args(["--model", "smollm2-135m", "--ttft-slo", "priority=1,default=2"])
+    config = build_engine_config(on.model, **engine_config_kwargs(on))
+    assert dict(config.admission.ttft_slo_s) == {"priority": 1.0, "default": 2.0}
+    bad = build_parser().parse_args(["--ttft-slo", "gold=1"])
+    with pytest.raises(ValueError, match="TIER=SECONDS"):
+        build_engine_config(bad.model, **engine_config_kwargs(bad))
