@@ -28,7 +28,7 @@ from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.platform.compact import model_weight_bytes
 from kvscope.engine.platform.cpu import configure_threads, prepare_for_cpu, warm_up_prefill
 from kvscope.engine.platform.fused_decode import engine_fused_decoder
-from kvscope.engine.platform.kernel_probe import describe_row_kernels
+from kvscope.engine.platform.kernel_probe import NO_DENSE, describe_row_kernels
 from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.spec_decode.drafter import NgramDrafter
@@ -67,8 +67,9 @@ class ModelInfo:
     """The CPU kernels of the compact weights: ``kvscope (fused decode up to N rows)``
     (kernels/cpu_decode.py), ``torch`` (and why not kvscope's), or empty off CPU / for dense formats."""
     row_kernels: tuple[tuple[str, int, int], ...] = ()
-    """Which kernel serves which row counts of the int4 weights where kvscope's CPU kernels run them:
-    ``(kernel, first, last)`` (``KernelChoice.row_kernels``; last ``NO_DENSE``: and above); () otherwise."""
+    """Which kernel serves which row counts of a decode step on CPU: ``(kernel, first, last)`` (last
+    ``NO_DENSE``: and above): ``KernelChoice.row_kernels`` where kvscope's CPU kernels run the weights,
+    ``dense_<dtype>`` from row 1 for dense weights; () off CPU and for torch's own compact kernels."""
     rss_bytes: int = 0
     """Process resident set size once the engine is built (weights + KV cache + runtime)."""
     peak_rss_bytes: int = 0
@@ -195,14 +196,25 @@ class EngineCore:
             quantization=fmt.quantization if fmt else "none",
             format_reason=fmt.reason if fmt else "",
             cpu_kernels=self._cpu_kernels_line(),
-            row_kernels=tuple(self.load_report.kernels.row_kernels(self.runner.fused.max_rows))
-            if self.runner.fused is not None and self.load_report.kernels is not None
-            else (),
+            row_kernels=self._row_kernels(
+                str(dtype).removeprefix("torch."), fmt.quantization if fmt else "none"
+            ),
             rss_bytes=rss,
             peak_rss_bytes=peak_rss,
         )
         logger.info("%s", format_line(self.info))
         logger.info("%s", ready_line(self.info))
+
+    def _row_kernels(self, dtype: str, quantization: str) -> tuple[tuple[str, int, int], ...]:
+        """Which kernel serves which rows of a decode step on CPU (ModelInfo.row_kernels): the probe's spans up
+        to the fused step's limit where kvscope's kernels run the weights, ``dense_<dtype>`` at every row for
+        dense weights; () off CPU and for torch's own compact kernels."""
+        fused, choice = self.runner.fused, self.load_report.kernels
+        if fused is not None and choice is not None:
+            return tuple(choice.row_kernels(fused.max_rows))
+        if self.device.type == "cpu" and quantization == "none":
+            return ((f"dense_{dtype}", 1, NO_DENSE),)
+        return ()
 
     def _cpu_kernels_line(self) -> str:
         fused, built = self.runner.fused, self.load_report.cpu_kernels

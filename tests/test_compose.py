@@ -150,7 +150,7 @@ def test_prometheus_scrapes_the_compose_services() -> None:
 def test_promtool_check_config() -> None:
     result = run(require_tool("promtool"), "check", "config", "deploy/prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 48 rules found" in result.stdout
+    assert "SUCCESS: 49 rules found" in result.stdout
 
 
 def test_grafana_mounts_the_generated_dashboards_where_provisioning_looks() -> None:

@@ -95,6 +95,7 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
             "--max-num-seqs",
             "--max-num-batched-tokens",
             "--long-prefill-token-threshold",
+            "--ttft-slo",
             "--kv-cache-memory",
             "--memory-budget",
             "--num-blocks",

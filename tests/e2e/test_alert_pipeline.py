@@ -112,7 +112,7 @@ def test_failures_page_through_alertmanager_with_inhibition(tmp_path: Path, expo
         ), firing(receiver, "/team-chat")
         assert "KvscopeTargetDown" not in {a for a, _, _ in firing(receiver, "/pager")}
         rules = [r for g in prom.api.rules() for r in g["rules"]]
-        assert len(rules) == 48
+        assert len(rules) == 49
         assert [(r["name"], r.get("lastError", "")) for r in rules if r["health"] != "ok"] == []
         page = next(a for a in receiver.firing("/team-chat") if a["alertname"] == "KvscopeTargetDown")
         assert (page["job"], page["instance"]) == ("kvscope-engine", dead_engine)
