@@ -206,9 +206,9 @@ class EngineCore:
         logger.info("%s", ready_line(self.info))
 
     def _row_kernels(self, dtype: str, quantization: str) -> tuple[tuple[str, int, int], ...]:
-        """Which kernel serves which rows of a decode step on CPU (ModelInfo.row_kernels): the probe's spans up
-        to the fused step's limit where kvscope's kernels run the weights, ``dense_<dtype>`` at every row for
-        dense weights; () off CPU and for torch's own compact kernels."""
+        """Which kernel serves which rows of a decode step on CPU (ModelInfo.row_kernels): the probe's spans
+        up to the fused step's limit where kvscope's kernels run the weights, ``dense_<dtype>`` at every row
+        for dense weights; () off CPU and for torch's own compact kernels."""
         fused, choice = self.runner.fused, self.load_report.kernels
         if fused is not None and choice is not None:
             return tuple(choice.row_kernels(fused.max_rows))

@@ -162,7 +162,7 @@ def test_torch_kernels_and_other_formats_have_no_fused_step() -> None:
     assert torch_kernels.engine.load_report.cpu_kernels is None
     int8 = LLM("smollm2-135m", dtype="bfloat16", quantization="int8", kv_cache_memory=16 << 20)
     assert int8.engine.runner.fused is None  # torch's int8 layers: not the pair-block layout
-    # which kernel serves which rows: none named for torch's compact kernels, the dense dtype for dense weights
+    # which kernel serves which rows: none named for torch's compact kernels, the dtype for dense weights
     assert torch_kernels.engine.info.row_kernels == int8.engine.info.row_kernels == ()
     dense = LLM("smollm2-135m", dtype="bfloat16", quantization="none", kv_cache_memory=16 << 20)
     assert dense.engine.info.row_kernels == (("dense_bfloat16", 1, 1 << 62),)
