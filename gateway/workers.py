@@ -165,9 +165,15 @@ class WorkerSupervisor:
             self.workers[index] = self._spawn(index)
         for worker in list(self.workers.values()):
             if not self._wait_ready(worker):
-                return 1
+                return 0 if self._signals.stops else 1  # a stop asked for during the start is no failure
         pids = ", ".join(str(w.popen.pid) for w in self.workers.values())
-        _log.info("gateway: %d workers on %s:%d (pids %s)", self.count, self.settings.host, self.port, pids)
+        # the supervisor configures no logging (its errors reach stderr through logging's last resort): its
+        # start-up line is printed, as its other messages
+        print(
+            f"kvscope gateway: {self.count} workers on {self.settings.host}:{self.port} (pids {pids})",
+            file=sys.stderr,
+            flush=True,
+        )
         while not self._signals.stops:
             if self._signals.reloads:
                 self._signals.reloads = 0

@@ -51,7 +51,9 @@ from kvscope.engine.core.scheduler_output import ScheduledRequest, SchedulerOutp
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.core.ttft import (
     MAX_REPLAYED_AHEAD,
+    ArrivalStream,
     OutputLengths,
+    RecentArrivals,
     StepLimits,
     StepTime,
     StepTimeModel,
@@ -136,6 +138,8 @@ class Scheduler:
         """Seconds of a step by its shape, fitted on the steps' records (engine/core/ttft.py)."""
         self.output_lengths = OutputLengths()
         """The output length the TTFT prediction expects, from the requests finished lately."""
+        self.arrivals = RecentArrivals()
+        """The requests queued lately per tier: the better tiers' arrivals the TTFT prediction expects."""
         self._busy_since: float | None = None
         """When the previous step's output was applied, while requests were left (the next step's period
         starts there)."""
@@ -174,6 +178,12 @@ class Scheduler:
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         request.stats.attribution.on_arrival(len(self.waiting), len(self.running), self._blocked_steps)
+        self.arrivals.observe(
+            request.schedule_class[0],
+            self.clock(),
+            max(request.num_tokens - request.foreseen_cached_tokens, 1),
+            request.max_tokens,
+        )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -199,11 +209,14 @@ class Scheduler:
         """Seconds from ``request``'s arrival to its first token if it were queued now (engine/core/ttft.py):
         the running requests, then the waiting ones of its admission class or a better one in admission order,
         replayed step by step under this scheduler's limits and priced by :attr:`step_time`, plus the time
-        since its arrival. Its prompt's blocks the prefix cache holds now are not computed (their count is
+        since its arrival. Requests of better tiers are expected to keep arriving at the rate and size
+        :attr:`arrivals` measured over its window and to be admitted before it (:class:`ArrivalStream`; none
+        for the best tier). Its prompt's blocks the prefix cache holds now are not computed (their count is
         kept in ``request.foreseen_cached_tokens`` for the predictions of later requests). Changes nothing
         else. Cost: O(running x steps replayed), the steps bounded by replaying at most
-        MAX_REPLAYED_AHEAD requests ahead (a longer queue is extrapolated linearly from them); nothing is
-        replayed while the step-time model has no fit."""
+        MAX_REPLAYED_AHEAD requests ahead (a longer queue is extrapolated linearly from them) and
+        MAX_INJECTED_ARRIVALS expected arrivals; nothing is replayed while the step-time model has no
+        fit."""
         _, hit = self.kv_cache_manager.get_computed_blocks(request)
         request.foreseen_cached_tokens = hit
         cls = request.schedule_class
@@ -217,14 +230,16 @@ class Scheduler:
             running_sequence(r, lengths.expected(r.max_tokens)) for r in self._kept_running(cls, len(ahead))
         ]
         replayed = [
-            waiting_sequence(r, lengths.expected(r.max_tokens), r.foreseen_cached_tokens)
+            waiting_sequence(r, lengths.expected(r.max_tokens), r.foreseen_cached_tokens, r.schedule_class[0])
             for r in ahead[:MAX_REPLAYED_AHEAD]
         ]
         config = self.scheduler_config
         limits = StepLimits(
             config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold
         )
-        seconds = replay_ttft(running, replayed, request.num_tokens - hit, limits, self.step_time)
+        seconds = replay_ttft(
+            running, replayed, request.num_tokens - hit, limits, self.step_time, self._expected_arrivals(cls)
+        )
         if seconds is not None and len(replayed) < len(ahead):
             seconds *= (len(ahead) + 1) / (len(replayed) + 1)
         waited = max(self.clock() - request.arrival_time, 0.0)
@@ -238,6 +253,22 @@ class Scheduler:
             running=len(self.running),
             cached_tokens=hit,
         )
+
+    def _expected_arrivals(self, cls: tuple[int, int]) -> list[ArrivalStream]:
+        """The better tiers' requests a request of admission class ``cls`` expects to be overtaken by: per
+        tier better than its own with requests queued in :attr:`arrivals`' window, one every 1 / rate
+        seconds with the window's mean prompt to compute and the output :attr:`output_lengths` expects of
+        its mean ``max_tokens`` (rounded to whole tokens)."""
+        now = self.clock()
+        streams = []
+        for tier in range(cls[0]):
+            measured = self.arrivals.rate(tier, now)
+            if measured is None:
+                continue
+            per_s, prompt_tokens, max_tokens = measured
+            expected = self.output_lengths.expected(max(round(max_tokens), 1))
+            streams.append(ArrivalStream(tier, 1.0 / per_s, max(round(prompt_tokens), 1), expected - 1))
+        return streams
 
     def _kept_running(self, cls: tuple[int, int], num_ahead: int) -> list[Request]:
         """The running requests a new request of admission class ``cls`` with ``num_ahead`` requests ahead

@@ -17,17 +17,29 @@ Two parts:
   :class:`OutputLengths` says from the requests finished lately. Stretches of steps that only
   decode and admit nobody are priced at once (until the next running request finishes), so the cost is
   linear in the requests ahead, not in their tokens.
+* Later arrivals of better tiers (:class:`RecentArrivals`, :class:`ArrivalStream`): requests of a tier
+  scheduled before the new request's that arrive while it waits are admitted before it. The scheduler
+  counts each tier's arrivals over the last ``window_s`` (60 s) with their mean prompt (less what the prefix
+  cache held) and ``max_tokens``; the replay injects, for every tier better than the new request's, one
+  request of that mean size every ``1 / rate`` seconds of simulated time (the first one ``1 / rate`` from
+  now), which joins the replayed queue ahead of every queued request of a worse tier (so ahead of the new
+  request) once the simulated clock has passed its arrival; at most :data:`MAX_INJECTED_ARRIVALS` of them.
+  A flex request's prediction thus grows with the interactive arrival rate; a request of the best tier, or
+  one with no better tier's traffic in the window, is predicted exactly as without this.
 
-What it does not foresee (docs/engine-server.md "Admission"): requests that arrive later and overtake (a
-higher tier, a tenant running fewer under the fairness rules, preempted requests going back to the front),
-KV-cache preemption, requests that stop early or late, prefix-cache hits of the requests ahead beyond what
-the cache held when each arrived.
+What it does not foresee (docs/engine-server.md "Priorities and admission"): bursts and lulls of the better
+tiers (their arrivals are replayed evenly spaced at the window's mean rate), later arrivals of its own tier
+that overtake it (a lower ``priority`` value, a tenant running fewer under the fairness rules), the
+preemption of running flex requests by those injected arrivals (they wait for a free slot in the replay),
+preempted requests going back to the front, KV-cache preemption, requests that stop early or late,
+prefix-cache hits of the requests ahead beyond what the cache held when each arrived.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +54,9 @@ MAX_SIMULATED_STEPS = 4096
 MAX_REPLAYED_AHEAD = 256
 """The scheduler replays at most this many waiting requests ahead; a longer queue's time is extrapolated
 linearly from theirs (Scheduler.predict_ttft)."""
+MAX_INJECTED_ARRIVALS = 256
+"""A replay injects at most this many expected arrivals of better tiers (:class:`ArrivalStream`); past
+them the prediction is a lower bound."""
 
 
 class StepTime(Protocol):
@@ -170,6 +185,9 @@ class SimSequence:
     0): still to generate, at least 1."""
     context: int
     """Tokens in its KV cache now."""
+    tier: int = 0
+    """Rank of its tier (0 the best, engine/core/admission.py TIERS): an injected arrival of a better tier
+    joins the replayed queue ahead of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,24 +216,63 @@ class TtftPrediction:
     """Of its own prompt, tokens the prefix cache holds now (not computed again)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ArrivalStream:
+    """Requests of one better tier expected to arrive while the predicted request waits: one every
+    ``interval_s`` seconds of simulated time from the replay's start (the first at ``interval_s``), each with
+    ``prefill`` prompt tokens to compute and ``decode`` tokens expected after its first."""
+
+    tier: int
+    """Rank of their tier (0 the best)."""
+    interval_s: float
+    """Seconds between two of them (1 / the tier's arrival rate); > 0."""
+    prefill: int
+    decode: int
+
+
+def injected_arrivals(
+    streams: Sequence[ArrivalStream], limit: int = MAX_INJECTED_ARRIVALS
+) -> Iterator[tuple[float, SimSequence]]:
+    """The arrivals of ``streams`` in time order (ties: the better tier first), as (seconds from the replay's
+    start, the request), at most ``limit`` in all."""
+    heap = [(s.interval_s, s.tier, index, 1) for index, s in enumerate(streams) if s.interval_s > 0]
+    heapq.heapify(heap)
+    for _ in range(limit):
+        if not heap:
+            return
+        at, tier, index, count = heapq.heappop(heap)
+        stream = streams[index]
+        yield at, SimSequence(max(stream.prefill, 1), max(stream.decode, 0), 0, tier)
+        heapq.heappush(heap, ((count + 1) * stream.interval_s, tier, index, count + 1))
+
+
 def replay_ttft(
     running: Sequence[SimSequence],
     ahead: Iterable[SimSequence],
     target_prefill: int,
     limits: StepLimits,
     step_time: StepTime,
+    arrivals: Sequence[ArrivalStream] = (),
 ) -> float | None:
     """Seconds until a request whose prompt needs ``target_prefill`` tokens computed samples its first token,
     if ``running`` run and the waiting requests ``ahead`` (admission order) are admitted first, step by step
-    under ``limits``, each step costing ``step_time``. None when ``step_time`` has no estimate. The
-    sequences are not modified."""
-    run = [SimSequence(s.prefill_left, s.decode_left, s.context) for s in running]
-    queue = deque(SimSequence(s.prefill_left, s.decode_left, s.context) for s in ahead)
+    under ``limits``, each step costing ``step_time``. ``arrivals``: better tiers' requests expected to arrive
+    meanwhile (:func:`injected_arrivals`): at the start of the first simulated step that begins at or after
+    its arrival, each joins the queue ahead of the new request and of every queued request of a worse tier
+    (``SimSequence.tier``); none: the queue as it is. None when ``step_time`` has no estimate. The sequences
+    are not modified."""
+    run = [SimSequence(s.prefill_left, s.decode_left, s.context, s.tier) for s in running]
+    queue = deque(SimSequence(s.prefill_left, s.decode_left, s.context, s.tier) for s in ahead)
     target = SimSequence(max(target_prefill, 1), 0, 0)
     queue.append(target)
+    coming = injected_arrivals(arrivals)
+    upcoming = next(coming, None)
     threshold = limits.long_prefill_token_threshold
     elapsed = 0.0
     for _ in range(MAX_SIMULATED_STEPS):
+        while upcoming is not None and upcoming[0] <= elapsed:
+            _enqueue(queue, upcoming[1], target)
+            upcoming = next(coming, None)
         budget = limits.max_num_batched_tokens
         prefill = decode = context = 0
         sampled_target = False
@@ -265,6 +322,15 @@ def replay_ttft(
     return elapsed
 
 
+def _enqueue(queue: deque[SimSequence], seq: SimSequence, target: SimSequence) -> None:
+    """Queue an injected arrival behind the queued requests of its tier or a better one, ahead of the
+    others and of ``target`` (the queue is in admission order: tiers never get better towards its end)."""
+    index = len(queue)
+    while index > 0 and (queue[index - 1] is target or queue[index - 1].tier > seq.tier):
+        index -= 1
+    queue.insert(index, seq)
+
+
 def _chunk(left: int, budget: int, threshold: int) -> int:
     chunk = min(left, budget)
     return min(chunk, threshold) if threshold > 0 else chunk
@@ -308,6 +374,63 @@ class OutputLengths:
         return max(1, round(share * max_tokens + (1 - share) * min(max_tokens, mean_stopped)))
 
 
+@dataclass(slots=True)
+class RecentArrivals:
+    """The requests queued lately, per tier, for the expected arrivals of :func:`replay_ttft`: a tier's
+    arrival rate is the number of its requests queued in the last ``window_s`` seconds divided by
+    ``window_s`` (when more than ``max_kept`` came, by the seconds the last ``max_kept`` of them span),
+    their size the means of their prompt tokens to compute and their ``max_tokens``. Timestamps come from
+    the caller (the scheduler's clock, monotonic seconds). Raises ValueError for a window that is not
+    positive or ``max_kept`` < 1."""
+
+    window_s: float = 60.0
+    max_kept: int = 1024
+    _tiers: dict[int, deque[tuple[float, int, int]]] = field(default_factory=dict)
+    """Tier rank → (queued at, prompt tokens to compute, max_tokens) of its kept arrivals, oldest first."""
+    _sums: dict[int, list[int]] = field(default_factory=dict)
+    """Tier rank → [sum of prompt tokens, sum of max_tokens] over its kept arrivals (O(1) means)."""
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be positive, got {self.window_s}")
+        if self.max_kept < 1:
+            raise ValueError(f"max_kept must be at least 1, got {self.max_kept}")
+
+    def observe(self, tier: int, now: float, prompt_tokens: int, max_tokens: int) -> None:
+        """A request of tier rank ``tier`` queued at ``now`` (s) with ``prompt_tokens`` to compute."""
+        recent = self._tiers.setdefault(tier, deque())
+        sums = self._sums.setdefault(tier, [0, 0])
+        recent.append((now, prompt_tokens, max_tokens))
+        sums[0] += prompt_tokens
+        sums[1] += max_tokens
+        if len(recent) > self.max_kept:
+            self._forget(tier)
+
+    def _forget(self, tier: int) -> None:
+        _, prompt_tokens, max_tokens = self._tiers[tier].popleft()
+        sums = self._sums[tier]
+        sums[0] -= prompt_tokens
+        sums[1] -= max_tokens
+
+    def rate(self, tier: int, now: float) -> tuple[float, float, float] | None:
+        """(arrivals per second, mean prompt tokens to compute, mean ``max_tokens``) of tier rank ``tier``
+        at ``now``; None when none was queued in the window. Forgets the arrivals that left the window;
+        O(1) amortised."""
+        recent = self._tiers.get(tier)
+        if not recent:
+            return None
+        while recent and recent[0][0] <= now - self.window_s:
+            self._forget(tier)
+        if not recent:
+            return None
+        span = self.window_s
+        if len(recent) == self.max_kept and now - recent[0][0] > 0:
+            span = now - recent[0][0]
+        count = len(recent)
+        prompt_tokens, max_tokens = self._sums[tier]
+        return count / span, prompt_tokens / count, max_tokens / count
+
+
 def running_sequence(request: Request, expected_output: int) -> SimSequence:
     """A running request as the replay sees it: its prompt chunk (or recompute) still to compute, else
     decoding with its expected tokens left (at least 1)."""
@@ -319,8 +442,10 @@ def running_sequence(request: Request, expected_output: int) -> SimSequence:
     return SimSequence(0, max(expected_output - request.num_output_tokens, 1), request.num_computed_tokens)
 
 
-def waiting_sequence(request: Request, expected_output: int, cached_tokens: int) -> SimSequence:
+def waiting_sequence(
+    request: Request, expected_output: int, cached_tokens: int, tier: int = 0
+) -> SimSequence:
     """A waiting request (new or preempted) as the replay sees it: all its tokens but ``cached_tokens``
-    (what the prefix cache held when it arrived) to compute."""
+    (what the prefix cache held when it arrived) to compute; ``tier``: its tier's rank."""
     prefill = max(request.num_tokens - cached_tokens, 1)
-    return SimSequence(prefill, max(expected_output - request.num_output_tokens - 1, 0), cached_tokens)
+    return SimSequence(prefill, max(expected_output - request.num_output_tokens - 1, 0), cached_tokens, tier)

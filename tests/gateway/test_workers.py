@@ -60,6 +60,8 @@ def _start(tmp: Path, fake: Proc, **extra: object) -> tuple[Proc, Path]:
     config = {"upstreams": [{"url": fake.url, "name": "fake"}], "workers": 2, "logs": {"file": str(log)}}
     gateway = spawn_gateway(tmp, "gateway", {**config, **extra})
     wait_http(gateway.url + "/readyz", proc=gateway.popen)
+    # /readyz answers once one worker serves; the supervisor acts on signals once every worker is ready
+    wait_until(lambda: " 2 workers on " in gateway.log.read_text(), 60, "every worker ready")
     return gateway, log
 
 
@@ -183,9 +185,11 @@ class HeldStream:
 
 
 def _refused(url: str) -> bool:
+    """Whether a new request to ``url`` goes unserved: the connection refused, or accepted into a listening
+    socket's queue that closed before any worker took it (the server disconnects without a response)."""
     try:
         httpx.get(url, timeout=2)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import pytest
 
 from kvscope.engine.core.request import Request
+from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.ttft import (
+    ArrivalStream,
     OutputLengths,
+    RecentArrivals,
     SimSequence,
     StepLimits,
     StepTimeModel,
+    injected_arrivals,
     replay_ttft,
     running_sequence,
     waiting_sequence,
@@ -231,3 +235,99 @@ def test_interactive_work_is_predicted_to_take_the_slots_of_batch_work() -> None
     sched.add_request(urgent)
     out, _ = step(sched)
     assert ([s.request_id for s in out.scheduled], out.preempted_req_ids) == (["f0", "p0"], {"f1"})
+
+
+def test_expected_arrivals_of_a_better_tier_overtake_the_queue_in_the_replay() -> None:
+    limits = StepLimits(max_num_seqs=1, max_num_batched_tokens=64)
+    running = [SimSequence(0, 4, 100)]  # holds the one slot for 4 more decode steps of 12 ms
+    ahead = [SimSequence(16, 0, 0, tier=2)]  # a flex request queued ahead: one 16-token prefill, then done
+    # today: 4 decode steps (48 ms), the flex request's prefill (26 ms), ours (26 ms)
+    assert replay_ttft(running, ahead, 16, limits, LinearSteps()) == pytest.approx(0.100)
+    # a priority request (8 prompt tokens, nothing after its first token) every 30 ms from now: at 48 ms the
+    # one of 30 ms goes first (18 ms), at 66 ms the one of 60 ms (18 ms), at 84 ms the flex one (26 ms),
+    # at 110 ms the one of 90 ms, at 128 ms the one of 120 ms, at 146 ms ours (26 ms)
+    priority = ArrivalStream(tier=0, interval_s=0.030, prefill=8, decode=0)
+    seconds = replay_ttft(running, ahead, 16, limits, LinearSteps(), [priority])
+    assert seconds == pytest.approx(0.048 + 4 * 0.018 + 2 * 0.026)
+    # a stream whose first request comes after our first token changes nothing
+    late = ArrivalStream(tier=0, interval_s=1.0, prefill=8, decode=0)
+    assert replay_ttft(running, ahead, 16, limits, LinearSteps(), [late]) == pytest.approx(0.100)
+    # a queued request of the arrivals' own tier keeps its place: it goes before them
+    same = [SimSequence(16, 0, 0, tier=0)]
+    seconds = replay_ttft(running, same, 16, limits, LinearSteps(), [priority])
+    # 48 ms: the queued one (26 ms); 74 ms: the one of 30 ms; 92 ms: the one of 60 ms; 110 ms: the one of
+    # 90 ms; 128 ms: the one of 120 ms; 146 ms: ours
+    assert seconds == pytest.approx(0.048 + 0.026 + 4 * 0.018 + 0.026)
+
+
+def test_injected_arrivals_come_in_time_order_better_tier_first_and_are_capped() -> None:
+    streams = [ArrivalStream(1, 0.75, 4, 2), ArrivalStream(0, 0.5, 8, 0)]
+    arrivals = list(injected_arrivals(streams, limit=5))
+    assert [(at, seq.tier) for at, seq in arrivals] == [(0.5, 0), (0.75, 1), (1.0, 0), (1.5, 0), (1.5, 1)]
+    assert arrivals[1][1] == SimSequence(4, 2, 0, 1)
+    assert list(injected_arrivals([], limit=5)) == []
+
+
+def test_recent_arrivals_count_a_window_per_tier() -> None:
+    arrivals = RecentArrivals(window_s=10.0, max_kept=4)
+    assert arrivals.rate(0, 100.0) is None
+    for at, prompt_tokens, max_tokens in ((91.0, 10, 4), (95.0, 20, 8), (99.0, 30, 12)):
+        arrivals.observe(0, at, prompt_tokens, max_tokens)
+    assert arrivals.rate(0, 100.0) == (0.3, 20.0, 8.0)  # 3 in the last 10 s
+    assert arrivals.rate(0, 102.0) == (0.2, 25.0, 10.0)  # the one of 91 s left the window
+    assert arrivals.rate(1, 102.0) is None
+    for at in (102.0, 103.0, 104.0):  # 4 kept (99 to 104 s): the rate over their 5 s, not the window's 10
+        arrivals.observe(0, at, 8, 1)
+    assert arrivals.rate(0, 104.0) == (4 / 5.0, 13.5, 3.75)
+    assert arrivals.rate(0, 120.0) is None
+    with pytest.raises(ValueError, match="window_s"):
+        RecentArrivals(window_s=0.0)
+    with pytest.raises(ValueError, match="max_kept"):
+        RecentArrivals(max_kept=0)
+
+
+def _overtaken_state(history_tier: str | None) -> tuple[Scheduler, FakeClock]:
+    """One slot, held by a default-tier request with 200 tokens to go (12 ms each), after 60 s in which a
+    request of ``history_tier`` (8 prompt tokens, 1 output token) was queued, and finished, every 0.5 s."""
+    clock = FakeClock()
+    sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=512, clock=clock)
+    sched.step_time = LinearSteps()
+    for i in range(120 if history_tier else 0):
+        clock.now += 0.5
+        earlier = make_request(f"h{i}", prompt(10_000 + 8 * i, 8), max_tokens=1, arrival_time=clock.now)
+        earlier.service_tier = history_tier
+        sched.add_request(earlier)
+        step(sched)
+    assert not sched.has_unfinished_requests()
+    holder = make_request("d0", prompt(500, 16), max_tokens=201, arrival_time=clock.now)
+    sched.add_request(holder)
+    step(sched)
+    return sched, clock
+
+
+def _predict(sched: Scheduler, clock: FakeClock, tier: str) -> float | None:
+    request = make_request(f"new-{tier}", prompt(900, 16), max_tokens=4, arrival_time=clock.now)
+    request.service_tier = tier
+    return sched.predict_ttft(request).seconds
+
+
+def test_a_flex_prediction_expects_the_priority_requests_arriving_meanwhile() -> None:
+    today = 200 * 0.012 + (0.010 + 0.016)  # the holder's 200 decode steps, then our prefill
+    sched, clock = _overtaken_state("priority")
+    # 120 priority requests in the last 60 s: one every 0.5 s, 8 prompt tokens, 1 token (all ran to their
+    # max_tokens). Those of 0.5, 1, 1.5 and 2 s arrive before the slot frees at 2.4 s and go first, 18 ms
+    # each; the next one (2.5 s) comes after ours is admitted (2.472 s)
+    assert _predict(sched, clock, "flex") == pytest.approx(2.4 + 4 * 0.018 + 0.026)
+    assert _predict(sched, clock, "default") == pytest.approx(2.4 + 4 * 0.018 + 0.026)
+    assert _predict(sched, clock, "priority") == pytest.approx(today)  # nothing overtakes the best tier
+    # the same stream of flex requests, or none: today's prediction for every tier (the holder's own
+    # default-tier arrival, one in 60 s, is expected back after 60 s: beyond these predictions)
+    for history in ("flex", None):
+        sched, clock = _overtaken_state(history)
+        assert [_predict(sched, clock, tier) for tier in ("flex", "default", "priority")] == pytest.approx(
+            [today] * 3
+        ), history
+    # the window forgets: 60 s after the last priority arrival, a flex request expects none
+    sched, clock = _overtaken_state("priority")
+    clock.now += 60.0
+    assert _predict(sched, clock, "flex") == pytest.approx(today)
