@@ -457,10 +457,7 @@ class Scheduler:
                 victim = next((r for r in reversed(self.running) if r.schedule_class[0] == rank), None)
                 if victim is None:
                     break
-                self.running.remove(victim)
-                self._preempt(victim)
-                plan.rebalanced_req_ids.add(victim.request_id)
-                groups.add(victim.fairness_key)
+                self._evict(victim, plan, groups)
                 free += 1
         return groups
 
@@ -484,12 +481,17 @@ class Scheduler:
             is not None
         ):
             candidates.discard(victim.request_id)
-            self.running.remove(victim)
-            self._preempt(victim)
-            plan.rebalanced_req_ids.add(victim.request_id)
-            groups.add(victim.fairness_key)
+            self._evict(victim, plan, groups)
             free += 1
         return groups
+
+    def _evict(self, victim: Request, plan: _StepPlan, groups: set[str]) -> None:
+        """Preempt the running ``victim`` to free its slot for this step's rebalancing; its group is added to
+        ``groups`` (the groups that admit nobody this step)."""
+        self.running.remove(victim)
+        self._preempt(victim)
+        plan.rebalanced_req_ids.add(victim.request_id)
+        groups.add(victim.fairness_key)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         drafts = self._propose_drafts()

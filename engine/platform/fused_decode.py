@@ -33,6 +33,7 @@ import torch
 
 from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.models.llama import LlamaForCausalLM
+from kvscope.engine.platform.kernel_probe import best_ms
 from kvscope.engine.weights.quant import CompactLinearKernel
 from kvscope.kernels.cpu_decode import PAIR, TILE_KINDS, PairBlocks, is_loaded
 
@@ -236,26 +237,14 @@ def fused_row_limit(
             model.compute_logits(xs[hidden].to(dtype))
 
         with torch.inference_mode():
-            times = {}
-            for name, fn in (("fused", fused_matmuls), ("eager", eager_matmuls)):
-                fn()
-                times[name] = min(_timed(fn, clock) for _ in range(repeats))
+            fused_ms, eager_ms = (best_ms(fn, repeats, clock) for fn in (fused_matmuls, eager_matmuls))
         logger.info(
-            "fused decode probe at %d rows: fused matmuls %.1f ms, eager %.1f ms",
-            n,
-            times["fused"] * 1e3,
-            times["eager"] * 1e3,
+            "fused decode probe at %d rows: fused matmuls %.1f ms, eager %.1f ms", n, fused_ms, eager_ms
         )
-        if times["fused"] > times["eager"]:
+        if fused_ms > eager_ms:
             break
         best = n
     return best
-
-
-def _timed(fn: Callable[[], None], clock: Callable[[], float]) -> float:
-    start = clock()
-    fn()
-    return clock() - start
 
 
 def _pair(kernel: object, bits: int) -> PairBlocks | None:

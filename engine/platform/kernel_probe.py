@@ -131,7 +131,8 @@ def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
-def _best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+def best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The best of ``repeats`` timed calls of ``fn`` by ``clock``, in ms, after one untimed warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -392,7 +393,7 @@ def decode_matmul_ms(
             kernel(x)
 
     with torch.inference_mode():
-        return _best_ms(step, repeats, clock)
+        return best_ms(step, repeats, clock)
 
 
 def model_linear_shapes(hf_config: dict) -> list[tuple[int, int]]:
