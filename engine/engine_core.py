@@ -317,7 +317,14 @@ class EngineCore:
                 )
             )
         prediction = self.scheduler.predict_ttft(children[0])
-        refusal = self.admission.decide(request.service_tier, prediction.seconds, prediction.requests_ahead)
+        ratio = None
+        if self.admission.enabled:
+            ratio = self.scheduler.ttft_calibration.ratio(
+                children[0].schedule_class[0], self.admission.quantile
+            )
+        refusal = self.admission.decide(
+            request.service_tier, prediction.seconds, prediction.requests_ahead, ratio
+        )
         if refusal is not None:
             raise AdmissionRefusedError(refusal)
         self.output_processor.add_request(request_id, children)

@@ -23,16 +23,21 @@ PromptInput = str | list[int] | dict
 def build_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     """EngineConfig from flat keyword arguments (the names of ModelConfig/CacheConfig/SchedulerConfig fields
     and ``device``, ``attention_backend``, ``num_threads``; ``ttft_slo``: admission's objectives as
-    engine/core/admission.py ``parse_slos`` reads them). Raises TypeError on an unknown name, ValueError on a
-    bad objective."""
+    engine/core/admission.py ``parse_slos`` reads them, ``ttft_slo_quantile`` its quantile). Raises
+    TypeError on an unknown name, ValueError on a bad objective or quantile."""
     groups = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
     top: dict[str, object] = {}
     speculative = _speculative_config(kwargs)
     if speculative is not None:
         top["speculative"] = speculative
     ttft_slo = kwargs.pop("ttft_slo", None)
+    quantile = kwargs.pop("ttft_slo_quantile", None)
     if ttft_slo:
-        top["admission"] = AdmissionConfig(parse_slos(ttft_slo))
+        top["admission"] = AdmissionConfig(
+            parse_slos(ttft_slo), **({} if quantile is None else {"quantile": quantile})
+        )
+    elif quantile is not None:
+        AdmissionConfig(quantile=quantile)  # a bad value is an error even with admission off
     for key, value in kwargs.items():
         owner = next((cls for cls in groups if key in cls.__dataclass_fields__), None)
         if owner is not None:

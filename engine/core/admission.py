@@ -81,21 +81,45 @@ class Refusal:
     predicted_ttft_s: float
     slo_s: float
     requests_ahead: int
+    bound_s: float | None = None
+    """The prediction scaled by its tier's recent errors at admission's quantile (``quantile``), what was
+    held against the objective; None: the prediction itself was (too few first tokens of the tier yet)."""
+    quantile: float | None = None
+
+    @property
+    def decided_on_s(self) -> float:
+        """The seconds held against the objective: :attr:`bound_s`, else the prediction."""
+        return self.predicted_ttft_s if self.bound_s is None else self.bound_s
 
     @property
     def retry_after_s(self) -> int:
         """Whole seconds until the queue would have drained enough to meet the objective (at least 1)."""
-        return max(1, math.ceil(self.predicted_ttft_s - self.slo_s))
+        return max(1, math.ceil(self.decided_on_s - self.slo_s))
 
     @property
     def message(self) -> str:
         """The refusal in words, e.g. ``predicted time to first token 7.8 s exceeds the 2 s objective of tier
-        default; 41 requests ahead``."""
+        default; 41 requests ahead``, or with calibration ``predicted time to first token 41.0 s (58.3 s at
+        the 90th percentile of recent errors) exceeds the 45 s objective of tier flex; 12 requests
+        ahead``."""
+        calibrated = ""
+        if self.bound_s is not None and self.quantile is not None:
+            calibrated = (
+                f" ({self.bound_s:.1f} s at the {_ordinal(self.quantile)} percentile of recent errors)"
+            )
         return (
-            f"predicted time to first token {self.predicted_ttft_s:.1f} s exceeds the {self.slo_s:g} s "
-            f"objective of tier {self.tier}; {self.requests_ahead} "
+            f"predicted time to first token {self.predicted_ttft_s:.1f} s{calibrated} exceeds the "
+            f"{self.slo_s:g} s objective of tier {self.tier}; {self.requests_ahead} "
             f"{'request' if self.requests_ahead == 1 else 'requests'} ahead"
         )
+
+
+def _ordinal(quantile: float) -> str:
+    """0.9 → ``90th``, 0.5 → ``50th``, 0.99 → ``99th``, 0.995 → ``99.5th``, 0.01 → ``1st``."""
+    percent = f"{quantile * 100:.10g}"
+    if "." not in percent and percent[-2:] not in ("11", "12", "13") and percent[-1] in "123":
+        return percent + {"1": "st", "2": "nd", "3": "rd"}[percent[-1]]
+    return percent + "th"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +129,10 @@ class AdmissionConfig:
 
     ttft_slo_s: Mapping[str, float] = field(default_factory=dict)
     """Tier → TTFT objective (seconds); a tier without one is never refused; empty: admission off."""
+    quantile: float = 0.9
+    """The share of admitted requests meant to meet their objective (``--ttft-slo-quantile``): a prediction
+    is scaled by its tier's recent actual/predicted ratio at this quantile before it is held against the
+    objective (engine/core/ttft.py TtftCalibration), once the tier has had enough first tokens."""
 
     def __post_init__(self) -> None:
         for tier, slo in self.ttft_slo_s.items():
@@ -112,15 +140,29 @@ class AdmissionConfig:
                 raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
             if not slo > 0 or math.isinf(slo):
                 raise ValueError(f"the TTFT objective of tier {tier} must be positive, got {slo}")
+        if not 0.0 < self.quantile <= 1.0:
+            raise ValueError(f"the admission quantile must be in (0, 1], got {self.quantile}")
 
     @property
     def enabled(self) -> bool:
         return bool(self.ttft_slo_s)
 
-    def decide(self, tier: str, predicted_ttft_s: float | None, requests_ahead: int) -> Refusal | None:
+    def decide(
+        self,
+        tier: str,
+        predicted_ttft_s: float | None,
+        requests_ahead: int,
+        error_ratio: float | None = None,
+    ) -> Refusal | None:
         """The refusal of a request of ``tier`` predicted to wait ``predicted_ttft_s`` for its first token
-        (None: no prediction yet, never refused), or None to admit it."""
+        (None: no prediction yet, never refused), or None to admit it. ``error_ratio``: the tier's recent
+        actual/predicted ratio at :attr:`quantile` (TtftCalibration.ratio; None: too few yet); the
+        prediction times it is held against the objective."""
         slo = self.ttft_slo_s.get(tier)
-        if slo is None or predicted_ttft_s is None or predicted_ttft_s <= slo:
+        if slo is None or predicted_ttft_s is None:
             return None
-        return Refusal(tier, predicted_ttft_s, slo, requests_ahead)
+        bound = None if error_ratio is None else predicted_ttft_s * error_ratio
+        if (predicted_ttft_s if bound is None else bound) <= slo:
+            return None
+        quantile = None if bound is None else self.quantile
+        return Refusal(tier, predicted_ttft_s, slo, requests_ahead, bound, quantile)

@@ -57,6 +57,7 @@ from kvscope.engine.core.ttft import (
     StepLimits,
     StepTime,
     StepTimeModel,
+    TtftCalibration,
     TtftPrediction,
     replay_ttft,
     running_sequence,
@@ -140,6 +141,8 @@ class Scheduler:
         """The output length the TTFT prediction expects, from the requests finished lately."""
         self.arrivals = RecentArrivals()
         """The requests queued lately per tier: the better tiers' arrivals the TTFT prediction expects."""
+        self.ttft_calibration = TtftCalibration()
+        """Actual / predicted TTFT of the recent first tokens per tier (admission scales predictions)."""
         self._busy_since: float | None = None
         """When the previous step's output was applied, while requests were left (the next step's period
         starts there)."""
@@ -355,6 +358,8 @@ class Scheduler:
             if not token_ids or not scheduled.sample or request.is_finished:
                 continue
             status = None
+            if request.stats.first_token_time is None:
+                self._observe_first_token(request, now)
             for kept, token_id in enumerate(token_ids, start=1):
                 request.append_output_token_ids([token_id])
                 request.stats.on_token(now)
@@ -370,6 +375,14 @@ class Scheduler:
                 finished.append(request)
         self._busy_since = now if self.has_unfinished_requests() else None
         return finished
+
+    def _observe_first_token(self, request: Request, now: float) -> None:
+        """Hand a request's predicted and actual TTFT to :attr:`ttft_calibration` (choice 0 only of an ``n >
+        1`` request: its siblings share its prediction)."""
+        predicted = request.stats.predicted_ttft_s
+        if predicted is None or (request.parent_id is not None and not request.request_id.endswith("-0")):
+            return
+        self.ttft_calibration.observe(request.schedule_class[0], predicted, now - request.arrival_time)
 
     def _on_verified(self, scheduled: ScheduledRequest, num_accepted: int, keep_blocks: bool) -> None:
         """Tell the drafter and the stats; roll back past the rejected positions."""

@@ -38,6 +38,7 @@ prefix-cache hits of the requests ahead beyond what the cache held when each arr
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -449,3 +450,51 @@ def waiting_sequence(
     (what the prefix cache held when it arrived) to compute; ``tier``: its tier's rank."""
     prefill = max(request.num_tokens - cached_tokens, 1)
     return SimSequence(prefill, max(expected_output - request.num_output_tokens - 1, 0), cached_tokens, tier)
+
+
+@dataclass(slots=True)
+class TtftCalibration:
+    """How far the actual times to first token ran from their predictions lately, per tier: the ratios
+    actual / predicted (both from arrival) of the last ``window`` first tokens of each tier whose request had
+    a prediction. Admission multiplies a new prediction by its tier's ratio at a ``quantile``
+    (:meth:`ratio`) — split conformal calibration with the ratio as the score (Angelopoulos & Bates, "A
+    Gentle Introduction to Conformal Prediction", 2021, §1): if the recent errors are representative, that
+    share of the requests admitted on the scaled prediction meet it. It covers what the replay does not
+    foresee (module docstring: bursts, preemption, early stops) by how much those moved the recent
+    requests of that tier. Raises ValueError for a window below ``min_samples`` or ``min_samples`` < 1."""
+
+    window: int = 256
+    min_samples: int = 32
+    """First tokens of a tier observed before :meth:`ratio` answers for it."""
+    _ratios: dict[int, deque[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.min_samples < 1 or self.window < self.min_samples:
+            raise ValueError(
+                f"need 1 <= min_samples <= window, got min_samples {self.min_samples}, window {self.window}"
+            )
+
+    def observe(self, tier: int, predicted_s: float, actual_s: float) -> None:
+        """One first token of tier rank ``tier``: predicted and actual seconds from arrival; ignored when
+        either is not positive."""
+        if not (predicted_s > 0 and actual_s > 0):
+            return
+        ratios = self._ratios.setdefault(tier, deque(maxlen=self.window))
+        ratios.append(actual_s / predicted_s)
+
+    def samples(self, tier: int) -> int:
+        """Ratios kept for tier rank ``tier``."""
+        return len(self._ratios.get(tier, ()))
+
+    def ratio(self, tier: int, quantile: float) -> float | None:
+        """The ``quantile`` of tier rank ``tier``'s kept ratios (the ceil((n + 1) x quantile)-th smallest of
+        n, at most the largest: the split-conformal rank); None with fewer than ``min_samples``. Raises
+        ValueError for a quantile outside (0, 1]."""
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+        ratios = self._ratios.get(tier)
+        if ratios is None or len(ratios) < self.min_samples:
+            return None
+        ordered = sorted(ratios)
+        rank = min(math.ceil((len(ordered) + 1) * quantile), len(ordered))
+        return ordered[rank - 1]

@@ -145,6 +145,13 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
             "predicted to miss its tier's is refused with 503 and Retry-After (default: none, admission off)"
         ),
     ] = None
+    ttft_slo_quantile: Annotated[
+        float | None,
+        Flag(
+            "share of admitted requests meant to meet their TTFT objective: predictions are scaled by the "
+            "tier's recent actual/predicted ratio at this quantile (default 0.9)"
+        ),
+    ] = None
 
     def config_kwargs(self) -> dict[str, object]:
         """The options that were set, as build_engine_config keywords (``model`` is its first argument)."""

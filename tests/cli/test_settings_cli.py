@@ -96,6 +96,7 @@ def test_engine_and_gateway_keep_every_flag_name() -> None:
             "--max-num-batched-tokens",
             "--long-prefill-token-threshold",
             "--ttft-slo",
+            "--ttft-slo-quantile",
             "--kv-cache-memory",
             "--memory-budget",
             "--num-blocks",

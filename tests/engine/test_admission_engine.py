@@ -150,3 +150,27 @@ def test_admission_refuses_by_the_prediction_before_queueing(tiny_dir: Path, sch
     finally:
         engine.stop()
     assert "refused" not in scheduled
+
+
+def test_admission_scales_the_prediction_by_the_tiers_recent_errors(tiny_dir: Path, scheduled) -> None:
+    engine = _engine(tiny_dir, AdmissionConfig({"default": 2.5}, quantile=0.9))
+    calibration = engine.core.scheduler.ttft_calibration
+    for _ in range(calibration.min_samples):  # tier default (rank 1) ran 3x its predictions lately
+        calibration.observe(1, predicted_s=1.0, actual_s=3.0)
+
+    async def main() -> None:
+        with pytest.raises(AdmissionRefusedError) as refused:
+            await _queued(engine, "refused", [4, 5, 6], SHORT)
+        refusal: Refusal = refused.value.refusal
+        assert refusal.bound_s == pytest.approx(3.0 * refusal.predicted_ttft_s)
+        assert refusal.quantile == 0.9 and 1.0 <= refusal.predicted_ttft_s < 2.5  # its own prefill step
+        assert "at the 90th percentile of recent errors" in refusal.message
+        # priority has no ratios yet (and no objective): queued on its bare prediction
+        urgent, predicted = await _queued(engine, "urgent", [7, 8, 9], SHORT, "priority")
+        assert predicted is not None and await urgent == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert "refused" not in scheduled and calibration.samples(0) == 1

@@ -8,6 +8,7 @@ import pytest
 from kvscope.engine.core.admission import AdmissionConfig, Refusal, parse_slos
 from kvscope.engine.core.request import Request, RequestStatus
 from kvscope.engine.core.scheduler import Scheduler
+from kvscope.engine.core.ttft import TtftPrediction
 from tests.engine.core.factories import FakeClock, make_request, make_scheduler, prompt, step
 
 
@@ -135,6 +136,45 @@ def test_admission_decisions_are_exact() -> None:
     one = config.decide("priority", 0.6, 1)
     assert one is not None and one.retry_after_s == 1
     assert one.message.endswith("objective of tier priority; 1 request ahead")
+
+
+def test_admission_holds_the_prediction_scaled_by_the_tiers_error_quantile() -> None:
+    config = AdmissionConfig({"flex": 60.0}, quantile=0.9)
+    assert config.decide("flex", 50.0, 12, error_ratio=1.25) == Refusal("flex", 50.0, 60.0, 12, 62.5, 0.9)
+    refusal = config.decide("flex", 50.0, 12, error_ratio=1.25)
+    assert refusal is not None and refusal.decided_on_s == 62.5 and refusal.retry_after_s == 3
+    assert refusal.message == (
+        "predicted time to first token 50.0 s (62.5 s at the 90th percentile of recent errors) exceeds "
+        "the 60 s objective of tier flex; 12 requests ahead"
+    )
+    assert config.decide("flex", 50.0, 12, error_ratio=1.2) is None  # 60.0: at the objective
+    assert config.decide("flex", 70.0, 12, error_ratio=0.8) is None  # over-predicting tier: 56 s
+    assert config.decide("flex", 50.0, 12) is None  # no ratio yet: the prediction itself
+    assert config.decide("flex", None, 12, error_ratio=2.0) is None
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="quantile"):
+            AdmissionConfig({"flex": 60.0}, quantile=bad)
+
+
+def test_the_scheduler_keeps_each_tiers_actual_over_predicted_ttft() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(clock=clock, max_num_seqs=8)
+    predicted = {"a": 2.0, "b": 4.0, "c": 1.0}
+    for request_id, tier in (("a", "flex"), ("b", "flex"), ("c", "priority")):
+        request = make_request(request_id, prompt(100 * len(sched.requests), 8), max_tokens=2)
+        request.service_tier, request.arrival_time = tier, clock.now
+        sched.add_request(request, TtftPrediction(predicted[request_id], 0, 0, 0, 0))
+    unpredicted = make_request("d", prompt(900, 8), max_tokens=2)
+    unpredicted.service_tier, unpredicted.arrival_time = "flex", clock.now
+    sched.add_request(unpredicted, TtftPrediction(None, 0, 0, 0, 0))
+    clock.now += 3.0
+    step(sched)  # every first token, 3 s after arrival
+    clock.now += 5.0
+    step(sched)  # second tokens: not first tokens, not observed
+    calibration = sched.ttft_calibration
+    assert calibration.samples(2) == 2 and calibration.samples(0) == 1 and calibration.samples(1) == 0
+    assert list(calibration._ratios[2]) == [1.5, 0.75]
+    assert list(calibration._ratios[0]) == [3.0]
 
 
 def test_a_queued_request_past_its_deadline_is_dropped_before_any_prefill() -> None:

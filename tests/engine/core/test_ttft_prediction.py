@@ -14,6 +14,7 @@ from kvscope.engine.core.ttft import (
     SimSequence,
     StepLimits,
     StepTimeModel,
+    TtftCalibration,
     injected_arrivals,
     replay_ttft,
     running_sequence,
@@ -331,3 +332,30 @@ def test_a_flex_prediction_expects_the_priority_requests_arriving_meanwhile() ->
     sched, clock = _overtaken_state("priority")
     clock.now += 60.0
     assert _predict(sched, clock, "flex") == pytest.approx(today)
+
+
+def test_calibration_takes_the_conformal_rank_of_each_tiers_recent_ratios() -> None:
+    calibration = TtftCalibration(window=10, min_samples=4)
+    for ratio in (1.0, 3.0, 2.0):
+        calibration.observe(2, predicted_s=10.0, actual_s=10.0 * ratio)
+    assert calibration.ratio(2, 0.9) is None  # 3 < min_samples
+    calibration.observe(2, predicted_s=10.0, actual_s=5.0)
+    calibration.observe(2, predicted_s=0.0, actual_s=5.0)  # no usable prediction: ignored
+    calibration.observe(2, predicted_s=10.0, actual_s=-1.0)  # ignored
+    assert calibration.samples(2) == 4 and calibration.ratio(0, 0.9) is None  # per tier
+    # sorted 0.5, 1.0, 2.0, 3.0: rank ceil(5 x q), at most 4
+    assert calibration.ratio(2, 0.9) == 3.0
+    assert calibration.ratio(2, 0.5) == 2.0
+    assert calibration.ratio(2, 0.3) == 1.0
+    assert calibration.ratio(2, 0.1) == 0.5
+    for index in range(10):  # the window keeps the last 10
+        calibration.observe(2, predicted_s=1.0, actual_s=1.0 + index / 10)
+    assert calibration.samples(2) == 10
+    assert calibration.ratio(2, 1.0) == pytest.approx(1.9)
+    assert calibration.ratio(2, 0.5) == pytest.approx(1.5)  # rank ceil(5.5) = 6 of 1.0 .. 1.9
+    with pytest.raises(ValueError, match="quantile"):
+        calibration.ratio(2, 0.0)
+    with pytest.raises(ValueError, match="min_samples"):
+        TtftCalibration(window=3, min_samples=4)
+    with pytest.raises(ValueError, match="min_samples"):
+        TtftCalibration(min_samples=0)
