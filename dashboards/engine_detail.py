@@ -216,6 +216,26 @@ def _admission(q: PromQL) -> list[Json]:
             w=12,
         ),
         timeseries(
+            "TTFT p99 by tier",
+            "Arrival to first token in the engine, 99th percentile per service tier (priority, default, "
+            "flex): what each tier's --ttft-slo objective is held against. Better tiers go first, so flex "
+            "rises first under load.",
+            [Target(q.quantile(0.99, f"{EN}tier_time_to_first_token_seconds", by=("tier",)), "{{tier}}")],
+            "s",
+            w=12,
+        ),
+        timeseries(
+            "Queue time by tier",
+            "Arrival to first scheduled, p50 and p99 per service tier: how long each tier waits behind the "
+            "others (and behind admission's refusals, which keep it bounded).",
+            [
+                Target(q.quantile(0.5, f"{EN}tier_queue_time_seconds", by=("tier",)), "{{tier}} p50"),
+                Target(q.quantile(0.99, f"{EN}tier_queue_time_seconds", by=("tier",)), "{{tier}} p99"),
+            ],
+            "s",
+            w=12,
+        ),
+        timeseries(
             "TTFT prediction error",
             "|predicted - actual| / actual time to first token of the requests admitted (the prediction "
             "made when each was queued). Issue 42's bound: a median at or under 0.25.",

@@ -200,6 +200,12 @@ ENGINE_EQUIVALENTS: dict[str, dict[str, Equivalent]] = {
         "vllm": Equivalent(note="vLLM queues every request (no admission by predicted TTFT)"),
     },
     "kvscope_engine_ttft_prediction_error_ratio": {"vllm": Equivalent(note="vLLM predicts no TTFT")},
+    "kvscope_engine_tier_queue_time_seconds": {
+        "vllm": Equivalent(note="closest: `vllm:request_queue_time_seconds`, not by priority"),
+    },
+    "kvscope_engine_tier_time_to_first_token_seconds": {
+        "vllm": Equivalent(note="closest: `vllm:time_to_first_token_seconds`, not by priority"),
+    },
     "kvscope_engine_gpu_memory_budget_bytes": {
         "vllm": Equivalent(note="vLLM: `gpu_memory_utilization` label of `vllm:cache_config_info`"),
     },

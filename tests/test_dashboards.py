@@ -287,10 +287,11 @@ def test_every_panel_query_evaluates_in_prometheus(prometheus: PrometheusServer)
             errors[expr] = exc.message
     assert errors == {}
     # the GPU row: 12 queries; the SLO error ratio; build_info: 2; engine broken streams; routing: 6; the
-    # upstream kinds: 1 (overview); the CPU kernels by decode rows: 1 (overview); admission: 3 (engine: shed
-    # rate, prediction error p50/p90). The engine variants keep the queries whose series the engine exports
-    # (tests/test_engine_variants.py lists their panels): vLLM 58, SGLang 36
-    assert len(all_exprs(OURS)) == 144
+    # upstream kinds: 1 (overview); the CPU kernels by decode rows: 1 (overview); admission: 6 (engine:
+    # shed rate, TTFT p99 by tier, queue time p50/p99 by tier, prediction error p50/p90). The engine
+    # variants keep the queries whose series the engine exports (tests/test_engine_variants.py lists their
+    # panels): vLLM 58, SGLang 36
+    assert len(all_exprs(OURS)) == 147
     assert {VARIANTS[n]: len(all_exprs({n: DASHBOARDS[n]})) for n in VARIANTS} == {"vllm": 58, "sglang": 36}
 
 

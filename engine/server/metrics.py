@@ -254,6 +254,22 @@ class EngineMetrics:
             buckets=TTFT_PREDICTION_ERROR_BUCKETS,
             registry=r,
         )
+        self.tier_queue_time = Histogram(
+            "kvscope_engine_tier_queue_time_seconds",
+            "Arrival to first scheduled by service tier (priority, default, flex): the wait that tiers "
+            "order and admission's TTFT objectives bound.",
+            ["model", "tier"],
+            buckets=b.duration_s,
+            registry=r,
+        )
+        self.tier_time_to_first_token = Histogram(
+            "kvscope_engine_tier_time_to_first_token_seconds",
+            "Arrival to first token sampled, in the engine, by service tier: what each tier's TTFT objective "
+            "(--ttft-slo) is held against.",
+            ["model", "tier"],
+            buckets=b.ttft_s,
+            registry=r,
+        )
         self.requests_shed = Counter(
             "kvscope_engine_requests_shed",
             "Requests refused at admission (reason ttft_slo: predicted TTFT over the tier's objective, a "
@@ -505,6 +521,8 @@ class EngineMetrics:
         for tier in TIERS:
             for reason in SHED_REASONS:
                 self.requests_shed.labels(model=model, tier=tier, reason=reason)
+            self.tier_queue_time.labels(model=model, tier=tier)
+            self.tier_time_to_first_token.labels(model=model, tier=tier)
         self.ttft_prediction_error.labels(model=model)
         for phase, causes in LATENCY_CAUSES.items():
             for cause in causes:

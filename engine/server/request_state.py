@@ -200,6 +200,7 @@ class RequestState:
             tpot_s=tpot,
             causes=cause_seconds(stats) if choice.stats is not None else None,
             predicted_ttft_s=stats.predicted_ttft_s if stats.ttft_s is not None else None,
+            service_tier=self.service_tier,
         )
 
     def _spans(self, outcome: Outcome, now: float, timings: list[SequenceTimings]) -> RequestSpans:

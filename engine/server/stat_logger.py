@@ -49,6 +49,8 @@ class SequenceTimings:
     """(phase, cause) → seconds (kvscope.engine.core.attribution.cause_seconds); None without engine stats."""
     predicted_ttft_s: float | None = None
     """The engine's TTFT prediction for it (engine/core/ttft.py), when both it and ``ttft_s`` are known."""
+    service_tier: str | None = None
+    """The tier it was queued in (engine/core/admission.py TIERS); None: not known (no tier histograms)."""
 
 
 class ServerMetrics:
@@ -168,6 +170,13 @@ class ServerMetrics:
         if t.predicted_ttft_s is not None and t.ttft_s:
             error = abs(t.predicted_ttft_s - t.ttft_s) / t.ttft_s
             m.ttft_prediction_error.labels(model=model).observe(error, exemplar)
+        if t.service_tier is not None:
+            if t.queue_s is not None:
+                m.tier_queue_time.labels(model=model, tier=t.service_tier).observe(t.queue_s, exemplar)
+            if t.ttft_s is not None:
+                m.tier_time_to_first_token.labels(model=model, tier=t.service_tier).observe(
+                    t.ttft_s, exemplar
+                )
 
     def on_request_done(self, operation: str, timings: list[SequenceTimings], error_type: str | None) -> None:
         """The OTel GenAI server metrics of one request (semconv 1.41): duration = the longest choice's

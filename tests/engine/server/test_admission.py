@@ -147,3 +147,45 @@ def test_the_ttft_slo_flag_turns_admission_on() -> None:
     bad = build_parser().parse_args(["--ttft-slo", "gold=1"])
     with pytest.raises(ValueError, match="TIER=SECONDS"):
         build_engine_config(bad.model, **engine_config_kwargs(bad))
+
+
+def test_queue_time_and_ttft_are_observed_per_tier() -> None:
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry, "m")
+    for tier, queue, ttft in (
+        ("priority", 0.2, 0.5),
+        ("flex", 30.0, 42.0),
+        ("flex", 3.0, None),
+        (None, 1.0, 1.5),
+    ):
+        metrics.on_sequence_finished(
+            SequenceTimings("stop", 3, e2e_s=50.0, ttft_s=ttft, queue_s=queue, service_tier=tier)
+        )
+    queue_name, ttft_name = (
+        "kvscope_engine_tier_queue_time_seconds",
+        "kvscope_engine_tier_time_to_first_token_seconds",
+    )
+    counts = {
+        tier: (
+            registry.get_sample_value(f"{queue_name}_count", {"model": "m", "tier": tier}),
+            registry.get_sample_value(f"{ttft_name}_count", {"model": "m", "tier": tier}),
+        )
+        for tier in ("priority", "default", "flex")
+    }
+    assert counts == {"priority": (1.0, 1.0), "default": (0.0, 0.0), "flex": (2.0, 1.0)}
+    assert registry.get_sample_value(f"{queue_name}_sum", {"model": "m", "tier": "flex"}) == 33.0
+    assert registry.get_sample_value(f"{ttft_name}_sum", {"model": "m", "tier": "flex"}) == 42.0
+
+
+def test_a_served_request_is_counted_in_its_tier(client, fake_engine) -> None:
+    before = metric_samples(client.get("/metrics").text)
+    body = chat_body(max_tokens=1, service_tier="flex")
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    after = metric_samples(client.get("/metrics").text)
+    name = "kvscope_engine_tier_time_to_first_token_seconds_count"
+    delta = {
+        tier: sample(after, name, model="fake-model", tier=tier)
+        - sample(before, name, model="fake-model", tier=tier)
+        for tier in ("priority", "default", "flex")
+    }
+    assert delta == {"priority": 0.0, "default": 0.0, "flex": 1.0}
