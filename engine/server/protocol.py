@@ -245,6 +245,9 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    service_tier: str | UnsetType = UNSET
+    """The tier that served it (``priority``, ``default``, ``flex``), when the request named one (OpenAI's
+    field)."""
     kvscope: KvscopeStats | UnsetType = UNSET
 
 
@@ -282,6 +285,8 @@ class ChatCompletionChunk(Struct):
     model: str
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
+    service_tier: str | UnsetType = UNSET
+    """As ChatCompletionResponse.service_tier, on every chunk."""
     usage: Usage | None | UnsetType = UNSET
     kvscope: KvscopeStats | UnsetType = UNSET
 

@@ -78,6 +78,8 @@ class RequestState:
     finished: bool = False
     service_tier: str = DEFAULT_TIER
     """The tier it was queued in (engine/server/scheduling.py)."""
+    shown_service_tier: str | None = None
+    """The tier chat responses echo in ``service_tier`` (set when the caller named one); None: not shown."""
     refused: KvscopeStats | None = None
     """Admission refused it: the ``kvscope`` object of the refusal (its prediction, tier and requests ahead),
     which :meth:`kvscope` answers instead of the choices' (none ever ran)."""

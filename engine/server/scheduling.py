@@ -40,6 +40,9 @@ class Schedule:
     priority: int = 0
     timeout_s: float | None = None
     """Seconds from arrival to its deadline; None: none."""
+    named: bool = False
+    """The caller named a tier (the body's ``service_tier`` or the key's header): chat responses then say the
+    tier served in ``service_tier``, as OpenAI's do when the request set one."""
 
 
 def schedule_of(request: Request, body: SamplingFields) -> Schedule:
@@ -54,7 +57,8 @@ def schedule_of(request: Request, body: SamplingFields) -> Schedule:
     tier = asked or key_tier or DEFAULT_TIER
     if key_tier is not None and TIER_RANK[tier] < TIER_RANK[key_tier]:
         tier = key_tier
-    return Schedule(tier, body.priority or 0, _timeout(request.headers.get(TIMEOUT_HEADER)))
+    timeout = _timeout(request.headers.get(TIMEOUT_HEADER))
+    return Schedule(tier, body.priority or 0, timeout, named=asked is not None or key_tier is not None)
 
 
 def _timeout(value: str | None) -> float | None:

@@ -150,6 +150,7 @@ def start_job(
         stream,
         state.metrics,
         service_tier=schedule.service_tier,
+        shown_service_tier=schedule.service_tier if schedule.named else None,
     )
     deadline = None if schedule.timeout_s is None else rs.arrival + schedule.timeout_s
     requests = [

@@ -131,6 +131,7 @@ class ChatFormatter:
             choices=[
                 ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             ],
+            service_tier=self.rs.shown_service_tier or UNSET,
             usage=None if self.include_usage else UNSET,
         )
 
@@ -140,6 +141,7 @@ class ChatFormatter:
             created=self.created,
             model=self.rs.model,
             choices=[],
+            service_tier=self.rs.shown_service_tier or UNSET,
             usage=self.rs.usage(),
             kvscope=self.rs.kvscope(),
         )
@@ -161,5 +163,6 @@ class ChatFormatter:
             model=self.rs.model,
             choices=choices,
             usage=self.rs.usage(),
+            service_tier=self.rs.shown_service_tier or UNSET,
             kvscope=self.rs.kvscope(),
         )

@@ -155,5 +155,6 @@ class ToolChatFormatter:
             model=self.rs.model,
             choices=choices,
             usage=self.rs.usage(),
+            service_tier=self.rs.shown_service_tier or UNSET,
             kvscope=self.rs.kvscope(),
         )

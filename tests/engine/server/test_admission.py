@@ -189,3 +189,28 @@ def test_a_served_request_is_counted_in_its_tier(client, fake_engine) -> None:
         for tier in ("priority", "default", "flex")
     }
     assert delta == {"priority": 0.0, "default": 0.0, "flex": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("body_tier", "key_tier", "shown"),
+    [
+        (None, None, None),  # nothing named: no service_tier, as OpenAI
+        ("auto", None, "default"),
+        ("flex", None, "flex"),
+        ("priority", "default", "default"),  # the tier that served it, not the one asked for
+        (None, "flex", "flex"),
+    ],
+)
+def test_chat_responses_say_the_tier_that_served_them(
+    client, body_tier: str | None, key_tier: str | None, shown: str | None
+) -> None:
+    extra = {"service_tier": body_tier} if body_tier else {}
+    headers = {SERVICE_TIER_HEADER: key_tier} if key_tier else {}
+    response = client.post("/v1/chat/completions", json=chat_body(max_tokens=2, **extra), headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.json().get("service_tier", "absent") == (shown or "absent")
+    body = chat_body(max_tokens=2, stream=True, stream_options={"include_usage": True}, **extra)
+    streamed = client.post("/v1/chat/completions", json=body, headers=headers)
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert len(chunks) >= 3  # role, content, usage
+    assert {chunk.get("service_tier", "absent") for chunk in chunks} == {shown or "absent"}
