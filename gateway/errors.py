@@ -9,6 +9,7 @@ shape, so a client never sees plain text or a 500 for a bad request.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -145,10 +146,27 @@ class RetryableFailure(Exception):
     """The attempt failed before any byte reached the client; another replica may take the request."""
 
     def __init__(
-        self, error: GatewayError, answer: UpstreamAnswer | None = None, same_replica_ok: bool = False
+        self,
+        error: GatewayError,
+        answer: UpstreamAnswer | None = None,
+        same_replica_ok: bool = False,
+        shed: bool = False,
     ):
         super().__init__(error.message)
         self.error, self.answer, self.same_replica_ok = error, answer, same_replica_ok
+        self.shed = shed
+        """Our engine's admission refused it (503 ``ttft_slo_exceeded``): the replica is overloaded on
+        purpose, so the attempt costs none of ``max_attempts`` and every other replica is asked."""
+
+    def retry_after_s(self) -> float:
+        """The answer's ``Retry-After`` in seconds (inf when it has none or it is not a number)."""
+        for name, value in self.answer.headers if self.answer is not None else ():
+            if name.lower() == b"retry-after":
+                try:
+                    return float(value)
+                except ValueError:
+                    return math.inf
+        return math.inf
 
 
 MAX_ECHOED_CHARS = 256

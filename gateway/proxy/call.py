@@ -56,7 +56,7 @@ from kvscope.gateway.sse import data_event
 from kvscope.gateway.tracing import upstream_phases
 
 if TYPE_CHECKING:
-    from kvscope.gateway.context import RequestContext
+    from kvscope.gateway.context import RequestContext, RoutingRecord
     from kvscope.gateway.state import GatewayState
 
 _log = logging.getLogger("kvscope.gateway")
@@ -72,8 +72,9 @@ an engine started with ``--enable-fault-injection``; docs/engine-server.md), so 
 mid-stream through the gateway."""
 SHED_CODE = "ttft_slo_exceeded"
 """The ``code`` of our engine's admission refusal (a 503 with ``Retry-After``, engine/server/scheduling.py):
-the replica answered on purpose, so it is no failure of the replica (never towards its ejection); the next
-replica is tried, and when every one refuses the last refusal goes to the client unchanged."""
+the replica answered on purpose, so it is no failure of the replica (never towards its ejection) and costs
+none of ``routing.max_attempts``: every other healthy replica of the model is asked, and when every one
+refuses, the refusal with the shortest ``Retry-After`` goes to the client unchanged."""
 RELAYED_ANSWER_HEADERS = frozenset({b"retry-after"})
 RELAYED_ANSWER_PREFIXES = (b"x-ratelimit-",)
 """Headers of an upstream's non-200 answer the client gets with its body: the back-off hint of a 429/503
@@ -190,8 +191,12 @@ class ProxyCall:
         deadline = self.ctx.start + self.gw.settings.timeouts.total_s
         tried: list[Replica] = []
         failure: RetryableFailure | None = None
-        for attempt in range(self.gw.settings.routing.max_attempts):
-            decision = self.gw.pool.route(self.plan.model, self.plan.prefix, exclude=tried, retry=attempt > 0)
+        refusal: RetryableFailure | None = None  # the admission refusal with the shortest Retry-After
+        refused_by: tuple[str, RoutingRecord | None] = ("", None)
+        attempts = 0
+        while attempts < self.gw.settings.routing.max_attempts:
+            retry = failure is not None or refusal is not None
+            decision = self.gw.pool.route(self.plan.model, self.plan.prefix, exclude=tried, retry=retry)
             if decision is None:
                 break
             replica = decision.replica
@@ -200,12 +205,22 @@ class ProxyCall:
                 await self._attempt(replica, deadline)
                 return
             except RetryableFailure as exc:
-                failure = exc
                 if not exc.same_replica_ok:
                     tried.append(replica)
+                if exc.shed:  # admission refused: ask every other replica before refusing the client
+                    if refusal is None or exc.retry_after_s() < refusal.retry_after_s():
+                        refusal, refused_by = exc, (replica.url, self.ctx.upstream.routing)
+                    continue
+                failure = exc
+                attempts += 1
             except GatewayError as err:
                 await self.fail(err)
                 return
+        if refusal is not None and refusal.answer is not None:
+            # every replica asked refused: the refusal with the soonest retry, logged as that replica's
+            self.ctx.upstream.address, self.ctx.upstream.routing = refused_by
+            await self._relay_answer(refusal.answer)
+            return
         if failure is not None and failure.answer is not None:
             await self._relay_answer(failure.answer)
             return
@@ -326,7 +341,9 @@ class ProxyCall:
         )
         if response.status_code == 503 and _is_shed(answer.body):
             self.gw.pool.report_success(replica)  # it answered on purpose: overloaded, not broken
-            raise RetryableFailure(UpstreamFailed(f"upstream {replica.label} refused: overloaded"), answer)
+            raise RetryableFailure(
+                UpstreamFailed(f"upstream {replica.label} refused: overloaded"), answer, shed=True
+            )
         if response.status_code >= 500:
             # a 5xx the client asked for (our engine's fault-injection header) says nothing about the
             # replica: counted, but never towards the consecutive-5xx ejection

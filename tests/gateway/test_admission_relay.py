@@ -124,3 +124,64 @@ def test_the_keys_tier_and_the_time_left_go_to_the_engine(tiered: Stack) -> None
     with tiered.client("limited") as c:
         assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert SERVICE_TIER_HEADER not in sent()
+
+
+def _shed(retry_after: int) -> dict[str, object]:
+    return {**SHED, "error_headers": f"Retry-After: {retry_after}"}
+
+
+@pytest.fixture
+def refusing(loop: LoopThread, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """fake-model on replicas named by the parameter: name → None (serves) or the Retry-After it refuses
+    with; max_attempts 2, round robin."""
+    fakes = {
+        name: start_fake_thread(loop, ("fake-model",), **({} if after is None else _shed(after)))
+        for name, after in request.param.items()
+    }
+    config = {
+        "upstreams": [{"url": f.url, "name": name} for name, f in fakes.items()],
+        "routing": {"health_interval_s": 60, "max_attempts": 2, "policy": "round_robin"},
+        "logs": {"file": str(tmp_path / "requests.jsonl")},
+    }
+    gateway = GatewayThread(
+        create_app(load_settings(None, config, env={}), span_exporter=InMemorySpanExporter())
+    )
+    with gateway:
+        yield Stack(gateway, fakes, InMemorySpanExporter(), tmp_path / "requests.jsonl")
+    for fake in fakes.values():
+        loop.run(fake.close())
+
+
+def _chats(fake) -> int:
+    return sum(1 for r in fake.records if r.path == "/v1/chat/completions")
+
+
+@pytest.mark.parametrize("refusing", [{"a": 5, "b": 6, "c": 7, "d": None}], indirect=True)
+def test_refusals_cost_no_attempt_every_replica_is_asked(refusing: Stack) -> None:
+    ids = [f"rr-{i}" for i in range(8)]
+    with refusing.client() as c:
+        statuses = [
+            c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": i}).status_code for i in ids
+        ]
+    assert statuses == [200] * 8  # up to three refusals and max_attempts 2: the fourth replica still serves
+    assert _chats(refusing.fakes["d"]) == 8
+    records = [record for [record] in records_by_id(refusing.log, ids).values()]
+    assert {r["kvscope"]["routing"]["replica"] for r in records} == {"d"}
+    attempts = [r["kvscope"]["attempts"] for r in records]
+    assert max(attempts) == 4  # a request that met a, b and c first (round robin) still got d
+    assert sum(_chats(refusing.fakes[name]) for name in "abc") == sum(a - 1 for a in attempts)
+
+
+@pytest.mark.parametrize("refusing", [{"a": 9, "b": 2, "c": 6}], indirect=True)
+def test_when_every_replica_refuses_the_soonest_retry_reaches_the_client(refusing: Stack) -> None:
+    with refusing.client() as c:
+        for i in range(3):
+            resp = c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": f"all-{i}"})
+            assert resp.status_code == 503 and resp.headers.get_list("retry-after") == ["2"]
+            assert resp.json()["error"]["code"] == "ttft_slo_exceeded"
+    assert [_chats(refusing.fakes[name]) for name in "abc"] == [3, 3, 3]
+    records = records_by_id(refusing.log, ["all-0", "all-1", "all-2"])
+    for [record] in records.values():
+        assert record["kvscope"]["attempts"] == 3
+        assert record["kvscope"]["routing"]["replica"] == "b"  # the refusal relayed is b's
+        assert record["error"]["type"] == "ttft_slo_exceeded"
