@@ -3,8 +3,10 @@
 keys: a non-admin key is refused and an admin key logs in (an HttpOnly session cookie, no key in any URL);
 after a few requests the charts hold series whose latest values equal the gateway's and the engine's
 ``/metrics`` figures, the request table lists exactly the requests sent, a request's waterfall numbers equal
-its log line, and the health page shows the replica and the alert conditions. A screenshot of each page goes
-to test-artifacts/console/.
+its log line (and its trace id links to the configured trace UI), and the health page shows the replica and
+the alert conditions. An error sent while the overview is open joins its chart, and the columns the page has
+merged from its polls equal the gateway's whole answer. A screenshot of each whole page goes to
+test-artifacts/console/.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ ADMIN, APP = "sk-kvs-console-test-admin-key", "sk-kvs-console-test-app-key"
 ARTIFACTS = REPO / "test-artifacts" / "console"
 MODEL = "smollm2-135m"
 SHARED = "You are a terse assistant. Answer in one short sentence, without any preamble or list. " * 2
-SENT = ["console-1", "console-2", "console-3", "console-4", "console-5"]
+SENT = ["console-1", "console-2", "console-3", "console-4", "console-5", "console-6"]
+"""The requests sent: five before the page opens (:func:`_send`), one with an unknown key while it is open
+(:func:`_check_a_series_that_joins_later`)."""
+TRACE_URL = "http://127.0.0.1:16686/trace/{trace_id}"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +57,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
                 "api_keys": [
                     {"name": "ops", "sha256": hash_key(ADMIN), "admin": True},
                     {"name": "app", "sha256": hash_key(APP)},
-                ]
+                ],
+                "console": {"trace_url": TRACE_URL},
             }
         )
     )
@@ -107,6 +113,20 @@ def _by(css: str) -> tuple[str, str]:
     return (By.CSS_SELECTOR, css)
 
 
+def _screenshot(driver: Any, name: str) -> None:
+    """The whole page, not only the window's height, to test-artifacts/console/``name``: the window is made
+    as tall as the page for the shot, then put back."""
+    size = driver.get_window_size()
+    inner, total = driver.execute_script(
+        "return [window.innerHeight, document.documentElement.scrollHeight];"
+    )
+    driver.set_window_size(size["width"], size["height"] - inner + max(inner, total))
+    try:
+        driver.save_screenshot(str(ARTIFACTS / name))
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
 def _login(driver: Any, key: str) -> None:
     field = driver.find_element(*_by("#login-key"))
     field.clear()
@@ -133,7 +153,7 @@ def test_only_an_admin_key_opens_the_console(stack: Serve, browser: Any) -> None
     _wait(
         browser, lambda d: d.find_element(*_by("#login-error")).text.startswith(refusal), what="the refusal"
     )
-    browser.save_screenshot(str(ARTIFACTS / "console-login-refused.png"))
+    _screenshot(browser, "console-login-refused.png")
     assert browser.get_cookies() == []
     _login(browser, ADMIN)
     _wait(browser, lambda d: not d.find_element(*_by("#login")).is_displayed(), what="the login form gone")
@@ -202,7 +222,7 @@ def _send(url: str) -> float:
     started = time.monotonic()
     headers = {"authorization": f"Bearer {APP}"}
     with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
-        for i, request_id in enumerate(SENT[:4]):
+        for i, request_id in enumerate(SENT[:4]):  # SENT[5] is sent later
             prompt = (SHARED if i >= 2 else "") + f"Say hello number {i}."
             body = {
                 "model": MODEL,
@@ -230,7 +250,8 @@ def test_the_console_shows_what_the_gateway_and_the_engine_report(stack: Serve, 
     browser.get(stack.url + "/console")
     _wait(browser, lambda d: d.find_element(*_by("#tile-requests .value")).text == "5", what="5 requests")
     _check_charts(stack, browser, started)
-    browser.save_screenshot(str(ARTIFACTS / "console-overview.png"))
+    _check_a_series_that_joins_later(stack, browser)
+    _screenshot(browser, "console-overview.png")
     _check_request_table(stack, browser)
     _check_request_page(stack, browser)
     _check_health(stack, browser)
@@ -286,13 +307,52 @@ def _check_charts(stack: Serve, browser: Any, started: float) -> None:
     _wait(browser, lambda d: (v := replica_values())[0] == v[1], timeout=30, what="the engine's gauges")
 
 
+PAGE_DATA = "const d = window.kvscopeConsole.data; return {t: d.t, dt: d.dt, series: d.series};"
+
+
+def _check_a_series_that_joins_later(stack: Serve, browser: Any) -> None:
+    """A request with an unknown key (401) while the page is open: its error line joins the errors chart, 0
+    before it, and every column the page has put together from its polls equals the gateway's whole answer
+    (``/console/api/overview`` without ``since``) over the same ticks."""
+    answer = httpx.post(
+        stack.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={"authorization": "Bearer sk-kvs-not-a-key", "x-request-id": SENT[5]},
+    )
+    assert answer.status_code == 401
+    _wait(browser, lambda d: d.find_element(*_by("#tile-requests .value")).text == "6", what="6 requests")
+    _wait(
+        browser,
+        lambda d: "401" in d.execute_script(PAGE_DATA)["series"]["errors_per_s"],
+        what="the 401 in the page's data",
+    )
+    page = browser.execute_script(PAGE_DATA)
+    whole = httpx.get(stack.url + "/console/api/overview", headers={"authorization": f"Bearer {ADMIN}"})
+    full, n = whole.json(), len(page["t"])
+    assert (full["t"][:n], full["dt"][:n]) == (page["t"], page["dt"])
+    expected: dict[str, Any] = {}
+    for key, col in full["series"].items():
+        if isinstance(col, list):
+            expected[key] = col[:n]
+        else:  # a member the page has, or one with a value in its ticks (a rate's member shows once not 0)
+            group = page["series"].get(key, {})
+            expected[key] = {m: c[:n] for m, c in col.items() if m in group or any(c[:n])}
+    assert page["series"] == expected
+    errors = page["series"]["errors_per_s"]
+    assert sorted(errors) == ["401", "404"]
+    assert errors["401"][0] is None and errors["401"][1:].count(0) == n - 2  # one tick with the 401
+    assert round(sum(v * (dt or 0.0) for v, dt in zip(errors["401"], page["dt"], strict=True) if v)) == 1
+
+
 def _check_request_table(stack: Serve, browser: Any) -> None:
     browser.find_element(*_by("nav a[data-page=requests]")).click()
     rows = _wait(
-        browser, lambda d: len(r := d.find_elements(*_by("#rows tbody tr"))) == 5 and r, what="5 rows"
+        browser,
+        lambda d: len(r := d.find_elements(*_by("#rows tbody tr"))) == len(SENT) and r,
+        what=f"{len(SENT)} rows",
     )
     assert sorted(r.get_attribute("data-request-id") for r in rows) == SENT
-    browser.save_screenshot(str(ARTIFACTS / "console-requests.png"))
+    _screenshot(browser, "console-requests.png")
     from selenium.webdriver.support.ui import Select
 
     Select(browser.find_element(*_by("select[name=status]"))).select_by_value("404")
@@ -304,6 +364,9 @@ def _check_request_table(stack: Serve, browser: Any) -> None:
         what="the 404 alone",
     )
     assert browser.current_url.endswith("/console/requests?status=404")
+    (refused,) = [r for r in read_records(stack.log_file) if r["http"]["request"]["id"] == SENT[4]]
+    status = browser.find_element(*_by(f"tr[data-request-id='{SENT[4]}'] td:nth-child(5)"))
+    assert (status.text, status.get_attribute("title")) == ("404", refused["error"]["type"])
 
 
 def _check_request_page(stack: Serve, browser: Any) -> None:
@@ -326,7 +389,10 @@ def _check_request_page(stack: Serve, browser: Any) -> None:
     assert shown == expected
     assert browser.find_element(*_by("#why")).text == explain(record).text
     assert browser.find_element(*_by("#request-id")).text == SENT[0]
-    browser.save_screenshot(str(ARTIFACTS / "console-request.png"))
+    trace_id = record["trace"]["id"]
+    link = browser.find_element(*_by("#trace-link"))
+    assert (link.text, link.get_attribute("href")) == (trace_id, TRACE_URL.replace("{trace_id}", trace_id))
+    _screenshot(browser, "console-request.png")
 
 
 def _check_health(stack: Serve, browser: Any) -> None:
@@ -338,4 +404,4 @@ def _check_health(stack: Serve, browser: Any) -> None:
     assert not {s for _, s in states} & {"firing", "pending"}
     replicas = browser.find_elements(*_by("#replicas tbody tr"))
     assert len(replicas) == 1 and "healthy" in replicas[0].text
-    browser.save_screenshot(str(ARTIFACTS / "console-health.png"))
+    _screenshot(browser, "console-health.png")

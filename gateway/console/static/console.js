@@ -163,27 +163,33 @@
   }
 
   // --- overview ------------------------------------------------------------------------------------------
+  // axis: the y axis' title (and axis2 the right one's) where its numbers carry no unit of their own
   const CHARTS = [
     { id: "traffic", title: "Traffic", sub: "requests/s and output tokens/s at the gateway (per 2 s tick)",
-      series: [["requests_per_s", "requests"], ["output_tokens_per_s", "output tokens (right axis)", "y2"]], unit: "rate" },
+      series: [["requests_per_s", "requests"], ["output_tokens_per_s", "output tokens (right axis)", "y2"]], unit: "rate",
+      axis: "requests/s", axis2: "output tokens/s" },
     { id: "ttft", title: "Time to first token", sub: "p50 and p99 over the last minute (streams)",
-      series: [["ttft_p50_s", "p50"], ["ttft_p99_s", "p99"]], unit: "s" },
+      series: [["ttft_p50_s", "p50"], ["ttft_p99_s", "p99"]], unit: "s",
+      empty: "No streamed request has had its first token yet." },
     { id: "tpot", title: "Time per output token", sub: "p50 and p99 over the last minute (streams)",
-      series: [["tpot_p50_s", "p50"], ["tpot_p99_s", "p99"]], unit: "s" },
+      series: [["tpot_p50_s", "p50"], ["tpot_p99_s", "p99"]], unit: "s",
+      empty: "No streamed request has produced two tokens yet." },
     { id: "errors", title: "Errors by type", sub: "per second: HTTP status ≥ 400, and streams broken after their 200",
-      group: "errors_per_s", unit: "rate", empty: "No errors since the gateway started." },
+      group: "errors_per_s", unit: "rate", axis: "errors/s", empty: "No errors since the gateway started." },
     { id: "ratelimited", title: "Rate-limit refusals", sub: "per second, by the limit that refused",
-      group: "rate_limited_per_s", unit: "rate", empty: "No request refused by a rate limit since start." },
+      group: "rate_limited_per_s", unit: "rate", axis: "refusals/s", empty: "No request refused by a rate limit since start." },
     { id: "kv", title: "KV-cache usage", sub: "per replica, from its /metrics (0–100 %)", group: "kv_usage", unit: "pct",
       empty: "No replica exports its KV-cache usage." },
     { id: "waiting", title: "Queue depth", sub: "requests waiting at each replica (its /metrics)", group: "waiting",
-      unit: "count", empty: "No replica exports its queue." },
+      unit: "count", axis: "requests waiting", empty: "No replica exports its queue." },
     { id: "running", title: "Running batch", sub: "requests in each replica's running batch (its /metrics)",
-      group: "running", unit: "count", empty: "No replica exports its running batch." },
+      group: "running", unit: "count", axis: "requests running", empty: "No replica exports its running batch." },
     { id: "prefix", title: "Prefix-cache hit rate", sub: "cached / prompt tokens over the last minute (upstreams' usage)",
-      series: [["prefix_cache_hit_ratio", "hit rate"]], unit: "pct" },
+      series: [["prefix_cache_hit_ratio", "hit rate"]], unit: "pct",
+      empty: "No prompt tokens reported in the last minute." },
     { id: "spec", title: "Speculative acceptance", sub: "accepted / draft tokens over the last minute (kvscope engine)",
-      series: [["spec_acceptance_ratio", "acceptance"]], unit: "pct" },
+      series: [["spec_acceptance_ratio", "acceptance"]], unit: "pct",
+      empty: "No draft tokens reported: the kvscope engine reports them when it runs with --speculative ngram." },
   ];
 
   function tile(id, label, sub) {
@@ -207,9 +213,9 @@
       el("section", { class: "tiles" },
         tile("requests", "Requests", "since start"), tile("rps", "Requests/s", "last tick"),
         tile("tokens", "Output tokens", "since start"), tile("tps", "Output tok/s", "last tick"),
-        tile("ttft", "TTFT p99", "last minute"), tile("tpot", "TPOT p99", "last minute"),
+        tile("ttft", "TTFT p99 · 1 min", ""), tile("tpot", "TPOT p99 · 1 min", ""),
         tile("errors", "Errors", "since start"), tile("replicas", "Replicas healthy", ""),
-        tile("alerts", "Alerts", "shipped rules, evaluated here")),
+        tile("alerts", "Alerts", "shipped rules")),
       ranges,
       el("section", { class: "charts" }, CHARTS.map((c) => el("article", { class: "card", id: `card-${c.id}` },
         el("h3", { text: c.title }), el("p", { class: "sub", text: c.sub }), el("div", { class: "now" }),
@@ -250,11 +256,14 @@
         d.series[key] = (d.series[key] || new Array(n).fill(null)).concat(col);
         continue;
       }
+      // a rate's member first seen in this answer read 0 at every earlier point that has a rate (dt set), as
+      // the gateway's own columns say (series.py ConsoleSeries.columns); a gauge's member read nothing
+      const rates = key.endsWith("_per_s");
       const group = d.series[key] || (d.series[key] = {});
       const members = new Set([...Object.keys(group), ...Object.keys(col)]);
       for (const m of members) {
-        const old = group[m] || new Array(n).fill(null);
-        group[m] = old.concat(col[m] || new Array(body.t.length).fill(key.endsWith("_per_s") ? 0 : null));
+        const old = group[m] || d.dt.slice(0, n).map((dt) => (rates && dt !== null ? 0 : null));
+        group[m] = old.concat(col[m] || body.dt.map((dt) => (rates && dt !== null ? 0 : null)));
       }
     }
     // keep the gateway's history (one hour) only
@@ -287,8 +296,8 @@
     setTile("tokens", fmtNum(tot.output_tokens, 0));
     setTile("tps", fmtNum(last(s.output_tokens_per_s), 1));
     const latestOf = (k) => s[k][s[k].length - 1];
-    setTile("ttft", fmtSec(latestOf("ttft_p99_s")), `p50 ${fmtSec(latestOf("ttft_p50_s"))} · last minute`);
-    setTile("tpot", fmtSec(latestOf("tpot_p99_s")), `p50 ${fmtSec(latestOf("tpot_p50_s"))} · last minute`);
+    setTile("ttft", fmtSec(latestOf("ttft_p99_s")), `p50 ${fmtSec(latestOf("ttft_p50_s"))}`);
+    setTile("tpot", fmtSec(latestOf("tpot_p99_s")), `p50 ${fmtSec(latestOf("tpot_p50_s"))}`);
     const errorShare = tot.requests ? tot.errors / tot.requests : 0;
     setTile("errors", fmtNum(tot.errors, 0), tot.requests ? `${fmtPct(errorShare)} of requests` : "since start",
       tot.errors ? "warn" : "good");
@@ -297,7 +306,7 @@
       healthy === body.replicas.length && healthy ? "good" : "bad");
     const a = body.alerts || {};
     setTile("alerts", a.firing ? `${a.firing} firing` : a.pending ? `${a.pending} pending` : "none firing",
-      "shipped rules, evaluated here", a.firing ? "bad" : a.pending ? "warn" : "good");
+      "shipped rules", a.firing ? "bad" : a.pending ? "warn" : "good");
   }
 
   function chartSeries(cfg) {
@@ -316,6 +325,15 @@
     if (unit === "s") return (u, vals) => vals.map((v) => (v === null ? "" : v < 1 ? `${+(v * 1000).toFixed(1)} ms` : `${+v.toFixed(2)} s`));
     if (unit === "pct") return (u, vals) => vals.map((v) => (v === null ? "" : `${+(v * 100).toFixed(1)} %`));
     return (u, vals) => vals.map((v) => (v === null ? "" : `${+v.toFixed(2)}`));
+  }
+  const COUNT_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
+  function yAxis(cfg, title, extra) {
+    // a y axis: its numbers in the chart's unit, whole numbers only for counts, its title where the numbers
+    // carry no unit (rates, counts)
+    return { stroke: "#475569", values: axisValues(cfg.unit), size: 64,
+      ...(cfg.unit === "count" ? { incrs: COUNT_STEPS } : {}),
+      ...(title ? { label: title, labelSize: 18, labelFont: "12px system-ui, sans-serif", labelGap: 2 } : {}),
+      ...extra };
   }
   function valueFmt(unit) {
     if (unit === "s") return (u, v) => fmtSec(v);
@@ -341,7 +359,8 @@
       card.querySelector(".now").replaceChildren(...series.map(([k, label], i) => el("span", { class: "now-item" },
         el("i", { class: `swatch c${i % COLORS.length}` }), `${label} `, el("b", { "data-key": k, text: fmt(null, lastTick(column(k))) }))));
       let chart = app.charts[cfg.id];
-      if (!keys.length) {
+      // nothing to draw in the range shown (no member yet, or only gaps): say why instead of empty axes
+      if (!keys.length || data.slice(1).every((col) => col.every((v) => v === null))) {
         if (chart && chart.plot) chart.plot.destroy();
         app.charts[cfg.id] = { plot: null, keys: [] };
         holder.replaceChildren(el("p", { class: "empty", text: cfg.empty || "No data yet." }));
@@ -360,8 +379,8 @@
             ...(y2 ? { y2: { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } } : {}) },
           axes: [
             { stroke: "#475569", grid: { stroke: "#e2e8f0" }, space: 70, values: (u, vals, axis, space, incr) => vals.map((v) => (incr < 60 ? fmtTime(v) : fmtClock(v))) },
-            { stroke: "#475569", grid: { stroke: "#e2e8f0" }, values: axisValues(cfg.unit), size: 64 },
-            ...(y2 ? [{ scale: "y2", side: 1, stroke: "#475569", grid: { show: false }, values: axisValues(cfg.unit), size: 64 }] : []),
+            yAxis(cfg, cfg.axis, { grid: { stroke: "#e2e8f0" } }),
+            ...(y2 ? [yAxis(cfg, cfg.axis2, { scale: "y2", side: 1, grid: { show: false } })] : []),
           ],
           series: [{ value: (u, v) => (v === null ? "–" : fmtTime(v)) },
             ...series.map(([k, label, scale], i) => ({ label, scale, stroke: COLORS[i % COLORS.length], width: 2,
@@ -382,6 +401,8 @@
   });
 
   // --- requests ------------------------------------------------------------------------------------------
+  // the columns whose cells are numbers (right-aligned, their headers too)
+  const NUMERIC = new Set(["In", "Out", "TTFT", "TPOT", "E2E", "In flight", "Running", "Waiting", "KV usage", "Sample age", "Now"]);
   const FILTERS = [["model", "model"], ["key", "API key"], ["status", "status"], ["finish_reason", "finish reason"]];
   function requestsPage() {
     const q = new URLSearchParams(location.search);
@@ -398,7 +419,7 @@
       el("p", { class: "count", id: "count" }),
       el("table", { class: "rows", id: "rows" },
         el("thead", {}, el("tr", {}, ["Time (UTC)", "Request id", "Model", "Key", "Status", "Finish", "In", "Out", "TTFT", "TPOT", "E2E", "Replica"]
-          .map((h) => el("th", { text: h })))),
+          .map((h) => el("th", { text: h, class: NUMERIC.has(h) ? "num" : null })))),
         el("tbody")));
     every(LIST_MS, () => { if (!main.querySelector("input[name=pause]").checked) loadRequests(); });
   }
@@ -446,7 +467,7 @@
         el("td", { text: r.timestamp ? r.timestamp.slice(11, 23) : "–" }),
         el("td", {}, el("a", { href, text: r.request_id })),
         el("td", { text: r.model || "–" }), el("td", { text: r.key || "–" }),
-        el("td", {}, el("span", { class: `badge s${String(r.status)[0]}`, text: r.stream_error ? `${r.status} ✕ ${r.stream_error}` : r.status })),
+        el("td", { title: r.error_type || null }, el("span", { class: `badge s${String(r.status)[0]}`, text: r.stream_error ? `${r.status} ✕ ${r.stream_error}` : r.status })),
         el("td", { text: (r.finish_reasons || []).join(", ") || "–" }),
         el("td", { class: "num", text: fmtNum(r.input_tokens, 0) }), el("td", { class: "num", text: fmtNum(r.output_tokens, 0) }),
         el("td", { class: "num", text: fmtSec(r.ttft_s) }), el("td", { class: "num", text: fmtSec(r.tpot_s) }),
@@ -475,7 +496,7 @@
     });
     const routing = kv.routing || {};
     const trace = body.trace.id
-      ? body.trace.url ? el("a", { href: body.trace.url, target: "_blank", rel: "noopener", text: body.trace.id }) : el("code", { text: body.trace.id })
+      ? body.trace.url ? el("a", { id: "trace-link", href: body.trace.url, target: "_blank", rel: "noopener", text: body.trace.id }) : el("code", { id: "trace-id", text: body.trace.id })
       : el("span", { text: "– (not traced)" });
     const content = (r.gen_ai || {}).input ? el("section", { class: "card" }, el("h3", { text: "Content (logs.log_content is on)" }),
       el("pre", { class: "content", text: JSON.stringify({ input: r.gen_ai.input, output: r.gen_ai.output }, null, 2) })) : null;
@@ -524,11 +545,11 @@
       el("p", { class: "sub", id: "health-summary" }),
       el("section", { class: "card" }, el("h3", { text: "Replicas" }),
         el("table", { class: "rows", id: "replicas" }, el("thead", {}, el("tr", {},
-          ["Replica", "Kind", "Health", "In flight", "Running", "Waiting", "KV usage", "Sample age"].map((h) => el("th", { text: h })))), el("tbody"))),
+          ["Replica", "Kind", "Health", "In flight", "Running", "Waiting", "KV usage", "Sample age"].map((h) => el("th", { text: h, class: NUMERIC.has(h) ? "num" : null })))), el("tbody"))),
       el("section", { class: "card" }, el("h3", { text: "Alert conditions now" }),
         el("p", { class: "sub", text: "The shipped alert rules (alerts/kvscope.rules.yaml), evaluated in the gateway from its own series with the rules' thresholds, windows and ‘for’. Pending: holds, not yet for long enough to fire." }),
         el("table", { class: "rows", id: "alerts" }, el("thead", {}, el("tr", {},
-          ["State", "Alert", "Severity", "For whom", "Now", "Holds when", "For", "What it means"].map((h) => el("th", { text: h })))), el("tbody"))));
+          ["State", "Alert", "Severity", "For whom", "Now", "Holds when", "For", "What it means"].map((h) => el("th", { text: h, class: NUMERIC.has(h) ? "num" : null })))), el("tbody"))));
     every(LIST_MS, loadHealth);
   }
   async function loadHealth() {

@@ -249,3 +249,48 @@ def test_the_polls_between_two_ticks_get_the_same_encoded_answer() -> None:
     for since in range(20):  # whatever a client asks, at most OVERVIEW_BODIES answers are kept
         console.overview_body(float(since))
     assert len(console.overview_bodies) == OVERVIEW_BODIES == 8
+
+
+def test_rate_limit_refusals_and_content_logging(loop: LoopThread, tmp_path: Path) -> None:
+    """A refusal by a key's limit is in the overview as ``/metrics`` counts it (totals and the refusals chart,
+    whose rate over its ticks adds up to the counter); with ``logs.log_content`` on, a request's page shows
+    its prompt and the list still never does."""
+    gateway, fake = _gateway(
+        loop,
+        tmp_path,
+        api_keys=[
+            {"name": "ops", "sha256": hash_key(ADMIN), "admin": True},
+            {"name": "app", "sha256": hash_key(APP), "limits": {"requests_per_minute": 1}},
+        ],
+        logs={"file": str(tmp_path / "requests.jsonl"), "log_content": True},
+    )
+    with gateway:
+        app = httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {APP}"})
+        admin = httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN}"})
+        codes = [app.post("/v1/chat/completions", json=CHAT).status_code for _ in range(2)]
+        assert codes == [200, 429]
+        samples = metric_samples(admin.get("/metrics").text)
+        by_reason = {
+            dict(lb)["reason"]: v
+            for (n, lb), v in samples.items()
+            if n == "kvscope_gateway_rate_limited_total"
+        }
+        assert by_reason["requests"] == 1.0 and sum(by_reason.values()) == 1.0
+        overview = _until(
+            lambda: (o := admin.get("/console/api/overview").json())["totals"]["requests"] == 2 and o
+        )
+        assert overview["totals"]["rate_limited"] == by_reason
+        refusals = overview["series"]["rate_limited_per_s"]
+        assert sorted(refusals) == ["requests"]  # the limits that never refused draw no line
+        assert (
+            round(sum(v * dt for v, dt in zip(refusals["requests"], overview["dt"], strict=True) if dt), 9)
+            == 1.0
+        )
+        assert admin.get("/console/api/session").json()["log_content"] is True
+        rows = admin.get("/console/api/requests").json()["rows"]
+        assert [r["status"] for r in rows] == [429, 200]
+        assert all("input" not in r and "output" not in r and "a b c" not in str(r) for r in rows)
+        detail = admin.get(f"/console/api/requests/{rows[1]['event_id']}").json()
+        (message,) = detail["record"]["gen_ai"]["input"]["messages"]
+        assert message["parts"] == [{"type": "text", "content": "a b c"}]
+    loop.run(fake.close())

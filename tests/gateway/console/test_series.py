@@ -52,6 +52,8 @@ def _tick(at: float, requests: float, output: float, ttft: tuple[float, ...], **
         cached_tokens=kw.pop("cached_tokens", 0.0),
         stream_errors=kw.pop("stream_errors", {"aborted": 0.0}),
         rate_limited=kw.pop("rate_limited", {"requests": 0.0}),
+        spec_draft_tokens=kw.pop("spec_draft_tokens", 0.0),
+        spec_accepted_tokens=kw.pop("spec_accepted_tokens", 0.0),
     )
     replicas = kw.pop("replicas", ())
     return Tick(at, 1000.0 + at, counters, Histograms(ttft={"m": (BOUNDS, ttft)}), replicas)
@@ -94,6 +96,19 @@ def test_the_prefix_cache_hit_rate_is_cached_over_prompt_tokens_in_the_window() 
     series.add(_tick(2.0, 1, 1, (0.0,) * 4, input_tokens=100.0, cached_tokens=25.0))
     series.add(_tick(4.0, 2, 2, (0.0,) * 4, input_tokens=300.0, cached_tokens=125.0))
     assert [p.values["prefix_cache_hit_ratio"] for p in series.points] == [None, 0.25, 125.0 / 300.0]
+
+
+def test_the_speculative_acceptance_is_accepted_over_draft_tokens_in_the_window() -> None:
+    series = ConsoleSeries(history_s=20.0, interval_s=2.0, chart_window_s=4.0)
+    series.add(_tick(0.0, 0, 0, (0.0,) * 4))
+    series.add(_tick(2.0, 1, 1, (0.0,) * 4, spec_draft_tokens=8.0, spec_accepted_tokens=6.0))
+    series.add(_tick(4.0, 2, 2, (0.0,) * 4, spec_draft_tokens=20.0, spec_accepted_tokens=9.0))
+    # the 6 s tick's window (4 s) starts at the 2 s tick: 9 - 6 = 3 accepted of 20 - 8 = 12 drafted
+    series.add(_tick(6.0, 3, 3, (0.0,) * 4, spec_draft_tokens=20.0, spec_accepted_tokens=9.0))
+    series.add(_tick(8.0, 3, 3, (0.0,) * 4, spec_draft_tokens=20.0, spec_accepted_tokens=9.0))
+    ratios = [p.values["spec_acceptance_ratio"] for p in series.points]
+    assert ratios == [None, 6.0 / 8.0, 9.0 / 20.0, 3.0 / 12.0, None]  # the last window drafted nothing
+    assert series.columns()["series"]["spec_acceptance_ratio"] == ratios
 
 
 def test_the_rings_are_bounded_and_columns_start_after_since() -> None:

@@ -65,3 +65,13 @@ def test_the_page_loads_only_its_own_files() -> None:
     )
     script = (CONSOLE / "static" / "console.js").read_text()
     assert "innerHTML" not in script and "http://" not in script and "https://" not in script
+
+
+def test_the_page_asks_at_most_once_a_second() -> None:
+    """Polling, at most once a second: the overview every POLL_MS, the request list and health every LIST_MS
+    (ms), through every() alone."""
+    script = (CONSOLE / "static" / "console.js").read_text()
+    periods = dict(re.findall(r"const (POLL_MS|LIST_MS) = (\d+);", script))
+    assert periods == {"POLL_MS": "1000", "LIST_MS": "2000"}
+    assert re.findall(r"\bevery\(([A-Z_]+),", script) == ["POLL_MS", "LIST_MS", "LIST_MS"]
+    assert script.count("setInterval(") == 1 and "setTimeout(" not in script  # the one timer: every()
