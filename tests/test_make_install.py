@@ -94,3 +94,18 @@ def test_make_run_installs_no_dev_tools_and_make_test_does(tmp_path) -> None:
     assert lint == [*run, "-e '.[dev]'"]
     override = _pip_installs(_dry_run(tmp_path, "install", missing, tmp_path, "TORCH_INDEX_URL="))
     assert override[1:3] == ["torch==2.13.0", "-e '.[engine,gateway]'"]  # TORCH_INDEX_URL=: the default build
+
+
+def test_make_install_says_what_it_installs_before_each_step(tmp_path) -> None:
+    """The install printed nothing of its own for a minute and a half: each step is now announced first
+    (which PyTorch build and why, then what kvscope installs for serving), and pip shows its progress."""
+    lines = _dry_run(tmp_path, "install", tmp_path / "no-driver", tmp_path)
+    said = [i for i, line in enumerate(lines) if line.startswith('echo "make install: ')]
+    steps = [i for i, line in enumerate(lines) if " -m pip install " in line]
+    assert [lines[i] for i in said] == [
+        f'echo "make install: PyTorch 2.13.0 from {CPU} (the CPU build where no \\',
+        'echo "make install: kvscope with what serving needs (engine, gateway); make test adds the dev '
+        'tools"',
+    ]
+    assert steps[0] < said[0] < steps[1] < steps[2] < said[1] < steps[3]  # pip upgrade, torch x2, kvscope
+    assert not any(" -q " in lines[i] for i in steps[1:])  # pip's own progress shows for the big downloads

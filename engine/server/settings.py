@@ -16,6 +16,7 @@ and an unsupported ``OTEL_EXPORTER_OTLP_PROTOCOL`` is rejected here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
@@ -28,7 +29,13 @@ from kvscope.common.net import is_loopback
 from kvscope.common.otel_env import protocol as otlp_protocol
 from kvscope.common.read_timeouts import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, ReadTimeouts
 from kvscope.common.settings_cli import Flag, add_flags, from_env, given, load
-from kvscope.engine.config import DEFAULT_MODEL
+from kvscope.engine.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from kvscope.engine.server.metrics import MetricBuckets
 from kvscope.engine.structured.params import CompileLimits
 
@@ -47,6 +54,18 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 268435456, 256M, 1GiB)")
     number, unit = float(match.group(1)), match.group(2).lower()
     return int(number * _UNITS[unit])
+
+
+def config_default(cls: type, name: str) -> object:
+    """The default of field ``name`` of the engine config dataclass ``cls`` (kvscope.engine.config holds each
+    once; the ``kvscope engine --help`` texts below name it). Raises StopIteration for an unknown field."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _size_text(size: object) -> str:
+    """``1073741824`` → ``1GiB`` (a whole number of GiB or MiB, as ``--kv-cache-memory`` takes it)."""
+    assert isinstance(size, int)
+    return f"{size >> 30}GiB" if size % (1 << 30) == 0 else f"{size >> 20}MiB"
 
 
 def api_key_from(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
@@ -75,25 +94,57 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
             ".gguf, or the HF folder's name)"
         ),
     ] = None
-    max_model_len: Annotated[int | None, Flag("context length enforced (prompt + completion)")] = None
-    max_num_seqs: Annotated[int | None, Flag("most requests in one engine step")] = None
-    max_num_batched_tokens: Annotated[int | None, Flag("token budget of one engine step")] = None
-    long_prefill_token_threshold: Annotated[int | None, Flag("cap one request's prefill chunk")] = None
+    max_model_len: Annotated[
+        int | None,
+        Flag("context length enforced (prompt + completion) (default: the model's max_position_embeddings)"),
+    ] = None
+    max_num_seqs: Annotated[
+        int | None,
+        Flag(
+            f"most requests in one engine step (default: {config_default(SchedulerConfig, 'max_num_seqs')})"
+        ),
+    ] = None
+    max_num_batched_tokens: Annotated[
+        int | None,
+        Flag(
+            "token budget of one engine step "
+            f"(default: {config_default(SchedulerConfig, 'max_num_batched_tokens')})"
+        ),
+    ] = None
+    long_prefill_token_threshold: Annotated[
+        int | None, Flag("cap one request's prefill chunk (default: 0, no cap)")
+    ] = None
     kv_cache_memory: Annotated[
-        int | None, Flag("KV cache bytes on CPU (e.g. 256M, 1GiB)", parse=parse_size)
+        int | None,
+        Flag(
+            "KV cache bytes on CPU (e.g. 256M, 1GiB) "
+            f"(default: {_size_text(config_default(CacheConfig, 'kv_cache_memory'))})",
+            parse=parse_size,
+        ),
     ] = None
     memory_budget: Annotated[
         int | None,
         Flag(
             "CPU: bytes for weights + KV cache (e.g. 2GiB); the KV cache gets it minus the loaded format's "
             "weights "
-            "(overrides --kv-cache-memory)",
+            "(overrides --kv-cache-memory; default: none)",
             parse=parse_size,
         ),
     ] = None
-    num_blocks: Annotated[int | None, Flag("exact number of KV blocks (overrides the memory budget)")] = None
-    block_size: Annotated[int | None, Flag("tokens per KV block")] = None
-    gpu_memory_utilization: Annotated[float | None, Flag("CUDA: fraction of device memory to use")] = None
+    num_blocks: Annotated[
+        int | None,
+        Flag("exact number of KV blocks (overrides the memory budget; default: what the budget holds)"),
+    ] = None
+    block_size: Annotated[
+        int | None, Flag(f"tokens per KV block (default: {config_default(CacheConfig, 'block_size')})")
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float | None,
+        Flag(
+            "CUDA: fraction of device memory to use "
+            f"(default: {config_default(CacheConfig, 'gpu_memory_utilization')})"
+        ),
+    ] = None
     enable_prefix_caching: Annotated[
         bool | None, Flag("disable the prefix cache", name="--no-prefix-caching", negate=True)
     ] = None
@@ -117,14 +168,31 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
         Literal["auto", "torch"] | None,
         Flag(
             "CPU kernels of compact weights: auto = kvscope's own AVX-512 VNNI kernels and one-call decode "
-            "step "
-            "(built once with the system C++ compiler; torch's where they cannot build), torch = torch's only"
+            "step (built once with the system C++ compiler; torch's where they cannot build), torch = "
+            "torch's only "
+            f"(default: {config_default(ModelConfig, 'cpu_kernels')})"
         ),
     ] = None
-    seed: Annotated[int | None, Flag()] = None
-    device: Annotated[str | None, Flag("cpu or cuda[:N]")] = None
-    attention_backend: Annotated[Literal["auto", "torch", "triton"] | None, Flag()] = None
-    num_threads: Annotated[int | None, Flag("torch intra-op threads on CPU")] = None
+    seed: Annotated[
+        int | None,
+        Flag(
+            "vLLM's --seed, accepted; sampling is seeded per request, by its seed field "
+            f"(default: {config_default(ModelConfig, 'seed')})"
+        ),
+    ] = None
+    device: Annotated[
+        str | None, Flag(f"cpu or cuda[:N] (default: {config_default(EngineConfig, 'device')})")
+    ] = None
+    attention_backend: Annotated[
+        Literal["auto", "torch", "triton"] | None,
+        Flag(
+            "auto = Triton on CUDA, torch elsewhere "
+            f"(default: {config_default(EngineConfig, 'attention_backend')})"
+        ),
+    ] = None
+    num_threads: Annotated[
+        int | None, Flag("torch intra-op threads on CPU (default: the usable CPUs minus one, at least 1)")
+    ] = None
     # speculative decoding (engine/spec_decode): kvscope.engine.config.SpeculativeConfig's fields
     speculative: Annotated[
         Literal["none", "ngram"] | None,

@@ -109,7 +109,11 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
         help="requests, errors, TTFT/TPOT/e2e percentiles, slowest requests",
         formatter_class=HelpFormatter,
     )
-    rep.add_argument("--by", choices=tuple(GROUP_FIELDS), help="one row per value of this field")
+    rep.add_argument(
+        "--by",
+        choices=tuple(GROUP_FIELDS),
+        help="one row per value of this field, below the row of all requests (default: that row only)",
+    )
     rep.add_argument("--top", type=int, default=10, help="slowest requests to list")
     rep.add_argument("--format", choices=FORMATS, default="table")
     rep.add_argument("--wide", action="store_true", help=WIDE_HELP)

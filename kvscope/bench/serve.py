@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default inf)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
-    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    p.add_argument(
+        "--max-concurrency", type=int, help="at most this many requests in flight (default: no limit)"
+    )
     p.add_argument(
         "--dataset", default="random", help='\'random\' or a JSONL file of {"prompt", "output_len"?}'
     )

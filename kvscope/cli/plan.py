@@ -97,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.9,
         help="share of device memory (the CPU: of RAM) for weights and KV cache",
     )
-    p.add_argument("--kv-cache-memory", type=parse_size, help="CPU KV budget (e.g. 1GiB)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        help="CPU KV budget (e.g. 1GiB) (default: the usable memory the weights leave)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--prompt-len", type=int, default=128, help="workload prompt tokens (speed rows)")
     p.add_argument("--output-len", type=int, default=128, help="workload output tokens (speed rows)")

@@ -409,14 +409,16 @@ def _model_card(url: str) -> dict[str, Any] | None:
 def engine_format_line(card: dict[str, Any] | None) -> str:
     """The line ``kvscope serve`` prints once the engine is up: the weight format it serves (the ``kvscope``
     field of its /v1/models card, engine/server/protocol.py ``ModelFormatInfo``), sizes in MiB, and how to
-    get exact float32 unless it already serves that (dtype float32, no quantization). Why the engine chose
-    the format is said once, in its own ``weights format`` log line just above (the card's ``reason``)."""
+    get exact float32 unless it already serves that (dtype float32, no quantization); the hint says
+    "dense float32 weights", since an engine serving dtype float32 with gguf weights is told it too. Why the
+    engine chose the format is said once, in its own ``weights format`` log line just above (the card's
+    ``reason``)."""
     fmt = (card or {}).get("kvscope")
     if not fmt:
         return "engine weight format: unknown (its /v1/models card has no kvscope field)"
     kernels = f", CPU kernels {fmt['cpu_kernels']}" if fmt.get("cpu_kernels") else ""
     exact = (fmt["dtype"], fmt["quantization"]) == ("float32", "none")
-    hint = "" if exact else "; exact float32: --engine-args '--dtype float32'"
+    hint = "" if exact else "; dense float32 weights, exact as transformers: --engine-args '--dtype float32'"
     return (
         f"engine weight format: dtype {fmt['dtype']}, quantization {fmt['quantization']}, weights "
         f"{fmt['weights_bytes'] / (1 << 20):.0f} MiB, process RSS {fmt['rss_bytes'] / (1 << 20):.0f} MiB"

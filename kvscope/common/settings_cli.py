@@ -201,12 +201,23 @@ def _bare(hint: Any) -> Any:
     return hint
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _help(field: _Field) -> str:
+    """The flag's help with its default appended: a scalar as it is, a non-empty tuple of numbers (histogram
+    bounds) as its first and last value and its length, e.g. ``(default: 0.001 … 1800.0, 26 values)``."""
     default = field.default
-    scalar = isinstance(default, int | float | str) and not isinstance(default, bool)
-    if not scalar or "default" in field.flag.help:
+    if "default" in field.flag.help:
         return field.flag.help
-    text = f"(default: {default})"
+    if isinstance(default, tuple) and default and all(_number(v) for v in default):
+        shown = f"{default[0]} … {default[-1]}, {len(default)} values"
+    elif _number(default) or isinstance(default, str):
+        shown = str(default)
+    else:
+        return field.flag.help
+    text = f"(default: {shown})"
     return f"{field.flag.help} {text}" if field.flag.help else text
 
 

@@ -14,7 +14,10 @@
   not run it.
 
 Every command names ``--dtype`` and ``--quantization`` (the engine's defaults are ``auto``, which could pick
-another format than the one planned), the context length, the sequence limit and the block size.
+another format than the one planned), the context length, the sequence limit and the block size, and the
+step's token budget the TTFT rows and the activation estimate assumed (``--max-num-batched-tokens``): always
+for ``vllm serve``, whose default is not the kvscope engine's, and for ``kvscope engine`` when the request set
+another than the engine's default.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from kvscope.plan.devices import CPU, Device
 from kvscope.plan.model_files import ModelFiles
-from kvscope.plan.request import PlanRequest
+from kvscope.plan.request import DEFAULT_MAX_NUM_BATCHED_TOKENS, PlanRequest
 from kvscope.plan.resolve import engine_quantization
 
 KVSCOPE_ENGINE = "kvscope engine"
@@ -89,12 +92,10 @@ def recommend(
     flags: dict[str, Any] = {}
     if server == VLLM and req.tensor_parallel_size > 1:
         flags["--tensor-parallel-size"] = req.tensor_parallel_size
-    flags |= {
-        "--max-model-len": max_len,
-        "--max-num-seqs": max_num_seqs,
-        "--block-size": req.block_size,
-        "--dtype": req.dtype,
-    }
+    flags |= {"--max-model-len": max_len, "--max-num-seqs": max_num_seqs}
+    if server == VLLM or req.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        flags["--max-num-batched-tokens"] = req.max_num_batched_tokens
+    flags |= {"--block-size": req.block_size, "--dtype": req.dtype}
     if server == VLLM:
         if quantization != "none":
             flags["--quantization"] = VLLM_QUANTIZATION[quantization]

@@ -168,10 +168,15 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     for table in (_model(p), _weights(p), _kv(p), _decode(p), _ttft(p)):
         console.print(table)
     slo = p.speed["ttft_slo"]
-    console.print(
-        f"TTFT SLO {slo['ttft_slo_s']} s at {slo['prompt_tokens']}-token prompts: "
-        f"{_breaks(slo['breaks_at_concurrency'])} ({slo['note']})"
-    )
+    if p.fits:
+        console.print(
+            f"TTFT SLO {slo['ttft_slo_s']} s at {slo['prompt_tokens']}-token prompts: "
+            f"{_breaks(slo['breaks_at_concurrency'])} ({slo['note']})"
+        )
+    else:  # "never breaks (met up to max_num_seqs=1)" read as a promise for a model that cannot load
+        console.print(
+            f"TTFT SLO {slo['ttft_slo_s']} s: not judged, the model does not fit (the verdict below)"
+        )
     if p.log is not None:
         console.print(_log(p))
     for warning in p.warnings:

@@ -17,6 +17,8 @@ from kvscope.cli.main import main
 from kvscope.cli.plan import build_parser as plan_parser
 from kvscope.common.cli_help import HelpFormatter, plain
 from kvscope.common.version import kvscope_version
+from kvscope.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvscope.engine.server.cli import build_parser as engine_parser
 from kvscope.gateway.analytics.cli import build_parser as logs_parser
 from kvscope.gateway.logs.es_settings import cli_env
 from kvscope.gateway.settings import GatewaySettings
@@ -52,6 +54,12 @@ def test_help_names_logs_why() -> None:
         (["logs", "report", "--help"], "--top TOP slowest requests to list (default: 10)"),
         (["logs", "plot", "--help"], "beside the log file; $KVSCOPE_CACHE/plots for Elasticsearch)"),
         (["logs", "why", "--help"], "response id (chatcmpl-..., what the OpenAI SDK shows)"),
+        (["logs", "report", "--help"], "below the row of all requests (default: that row only)"),
+        (["engine", "--help"], "--block-size BLOCK_SIZE tokens per KV block (default: 16)"),
+        (["engine", "--help"], "--max-num-seqs MAX_NUM_SEQS most requests in one engine step (default: 64)"),
+        (["engine", "--help"], "KV cache bytes on CPU (e.g. 256M, 1GiB) (default: 1GiB)"),
+        (["engine", "--help"], "--device DEVICE cpu or cuda[:N] (default: cpu)"),
+        (["engine", "--help"], "histogram bounds (s) (default: 0.001 … 1800.0, 26 values)"),
     ],
 )  # fmt: skip
 def test_help_is_plain_text_with_defaults(argv: list[str], line: str, monkeypatch) -> None:
@@ -89,3 +97,30 @@ def test_plan_and_logs_parsers_take_wide() -> None:
     assert plan_parser().parse_args(["--list-devices", "--wide"]).wide is True
     args = logs_parser(cli_env({})).parse_args(["search", "x", "--wide"])
     assert (args.wide, args.format) == (True, "table")
+
+
+SWITCHES = {"--no-prefix-caching", "--enable-fault-injection", "--no-warmup", "--help"}
+"""The engine's on/off flags: a switch has no default value to show."""
+
+
+def test_every_engine_option_names_its_default_as_the_engine_config_holds_it() -> None:
+    """``kvscope engine --help`` showed no default for the options whose settings field is None (the engine
+    config holds their default): --block-size, --max-num-seqs, --device, … (issue 45)."""
+    parser = engine_parser()
+    helps = {a.option_strings[-1]: a.help or "" for a in parser._actions if a.option_strings}
+    assert sorted(name for name, text in helps.items() if "default" not in text) == sorted(SWITCHES)
+    defaults = {
+        "--max-num-seqs": SchedulerConfig().max_num_seqs,
+        "--max-num-batched-tokens": SchedulerConfig().max_num_batched_tokens,
+        "--block-size": CacheConfig().block_size,
+        "--gpu-memory-utilization": CacheConfig().gpu_memory_utilization,
+        "--cpu-kernels": ModelConfig().cpu_kernels,
+        "--seed": ModelConfig().seed,
+        "--device": EngineConfig().device,
+        "--attention-backend": EngineConfig().attention_backend,
+    }
+    assert {name: helps[name].rsplit("(default: ", 1)[1] for name in defaults} == {
+        name: f"{value})" for name, value in defaults.items()
+    }
+    assert CacheConfig().kv_cache_memory == 1 << 30
+    assert helps["--kv-cache-memory"].endswith("(default: 1GiB)")

@@ -21,12 +21,13 @@ def test_the_serve_line_names_the_engine_format_and_the_float32_flag() -> None:
     }
     assert engine_format_line(card) == (
         "engine weight format: dtype bfloat16, quantization gguf, weights 392 MiB, process RSS 1100 MiB; "
-        "exact float32: --engine-args '--dtype float32'"
+        "dense float32 weights, exact as transformers: --engine-args '--dtype float32'"
     )
     card["kvscope"]["cpu_kernels"] = "kvscope (fused decode up to 2 rows)"
     assert engine_format_line(card) == (
         "engine weight format: dtype bfloat16, quantization gguf, weights 392 MiB, process RSS 1100 MiB, "
-        "CPU kernels kvscope (fused decode up to 2 rows); exact float32: --engine-args '--dtype float32'"
+        "CPU kernels kvscope (fused decode up to 2 rows); dense float32 weights, exact as transformers: "
+        "--engine-args '--dtype float32'"
     )
     assert (
         engine_format_line({"id": "x"})
@@ -37,12 +38,13 @@ def test_the_serve_line_names_the_engine_format_and_the_float32_flag() -> None:
 
 def test_a_float32_engine_is_not_told_to_pass_dtype_float32() -> None:
     """dtype float32 with no quantization is exactly what ``--dtype float32`` serves: no hint then; float32
-    activations with int4 weights still get it."""
+    activations with gguf weights (what ``make run`` serves on a CPU without fast bfloat16) still get it,
+    worded as dense weights: "dtype float32 …; exact float32: --dtype float32" read as a contradiction."""
     fmt = {"dtype": "float32", "quantization": "none", "weights_bytes": 513 << 20, "rss_bytes": 1 << 30}
     assert engine_format_line({"kvscope": {**fmt, "reason": "--dtype float32 given"}}) == (
         "engine weight format: dtype float32, quantization none, weights 513 MiB, process RSS 1024 MiB"
     )
     assert engine_format_line({"kvscope": {**fmt, "quantization": "gguf", "reason": "r"}}) == (
         "engine weight format: dtype float32, quantization gguf, weights 513 MiB, process RSS 1024 MiB; "
-        "exact float32: --engine-args '--dtype float32'"
+        "dense float32 weights, exact as transformers: --engine-args '--dtype float32'"
     )

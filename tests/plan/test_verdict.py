@@ -127,14 +127,14 @@ def test_a_70b_float16_model_does_not_fit_one_h100_and_says_what_would(capsys, m
         (
             "--quantization fp8",
             fp8_tokens,
-            f"vllm serve {path} --max-model-len {fp8_tokens} --max-num-seqs 1 --block-size 16 "
-            "--dtype float16 --quantization fp8 --gpu-memory-utilization 0.9",
+            f"vllm serve {path} --max-model-len {fp8_tokens} --max-num-seqs 1 --max-num-batched-tokens 1024 "
+            "--block-size 16 --dtype float16 --quantization fp8 --gpu-memory-utilization 0.9",
         ),
         (
             "--tensor-parallel-size 2",
             tp2_tokens,
             f"vllm serve {path} --tensor-parallel-size 2 --max-model-len {tp2_tokens} --max-num-seqs 1 "
-            "--block-size 16 --dtype float16 --gpu-memory-utilization 0.9",
+            "--max-num-batched-tokens 1024 --block-size 16 --dtype float16 --gpu-memory-utilization 0.9",
         ),
         (
             "--device mi300x-192gb",  # the h200's 141 GB is not enough either
@@ -159,8 +159,8 @@ def test_what_does_not_fit_one_h100_fits_two(capsys, model) -> None:
     assert two["kv_cache"]["bytes_per_token"] == 2 * 80 * 4 * 128 * 2  # 4 of the 8 KV heads per GPU
     assert two["memory"]["num_blocks"] == (H100_USABLE - per_gpu - CUDA_CONTEXT) // (KV_70B_BLOCK // 2)
     assert two["flags"]["command"] == (
-        f"vllm serve {path} --tensor-parallel-size 2 --max-model-len 8192 --max-num-seqs 4 --block-size 16 "
-        "--dtype float16 --gpu-memory-utilization 0.9"
+        f"vllm serve {path} --tensor-parallel-size 2 --max-model-len 8192 --max-num-seqs 4 "
+        "--max-num-batched-tokens 1024 --block-size 16 --dtype float16 --gpu-memory-utilization 0.9"
     )
     assert two["verdict"]["text"].startswith("fits on 2 × h100-sxm-80gb: weights 65.71 GiB per GPU")
 
@@ -258,3 +258,46 @@ def test_a_config_json_model_is_recommended_as_its_folder(capsys, model) -> None
     ]
     code, out = run(capsys, "--model", f"{model(LLAMA2_7B)}/config.json", "--device", "h100")
     assert code == 0 and out["flags"]["command"].startswith(f"kvscope engine --model {model(LLAMA2_7B)} --")
+
+
+def test_the_table_of_a_model_that_does_not_fit_promises_no_ttft(capsys, model, monkeypatch) -> None:
+    """The table said "TTFT SLO 1.0 s …: never breaks (met up to max_num_seqs=1 …)" for a model that cannot
+    load; it now says the SLO is not judged, then the verdict and what would fit, and exits 3."""
+    monkeypatch.setenv("COLUMNS", "100")
+    assert plan_main(["--model", model(LLAMA3_70B), "--device", "h100"]) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("TTFT SLO")] == [
+        "TTFT SLO 1.0 s: not judged, the model does not fit (the verdict below)"
+    ]
+    assert [
+        line.split(":")[0] for line in lines if line.startswith(("verdict", "would fit", "recommended"))
+    ] == [
+        "verdict",
+        "would fit with --quantization fp8",
+        "would fit with --tensor-parallel-size 2",
+        "would fit with --device mi300x-192gb",
+    ]
+
+
+def test_a_step_budget_the_plan_assumed_is_in_the_command(capsys, model) -> None:
+    """The TTFT rows and the activation estimate assume ``--max-num-batched-tokens`` (the kvscope engine's
+    1024 unless given): vLLM's default is another, so ``vllm serve`` always gets it; ``kvscope engine`` gets
+    it when the request set another value than the engine's default."""
+    path = model(LLAMA2_7B)
+    argv = ["--model", path, "--device", "h100", "--max-model-len", "4096", "--concurrency", "8"]
+    code, default = run(capsys, *argv)
+    assert code == 0 and "--max-num-batched-tokens" not in default["flags"]["engine"]
+    code, given = run(capsys, *argv, "--max-num-batched-tokens", "4096")
+    assert code == 0 and given["flags"]["engine"]["--max-num-batched-tokens"] == 4096
+    assert " --max-num-seqs " in given["flags"]["command"]
+    assert (
+        given["flags"]["command"].split(" --max-num-batched-tokens ")[1].startswith("4096 --block-size 16 ")
+    )
+    code, vllm = run(capsys, *argv, "--quantization", "fp8", "--max-num-batched-tokens", "2048")
+    assert code == 0 and vllm["flags"]["command"].startswith(
+        f"vllm serve {path} --max-model-len 4096 --max-num-seqs "
+    )
+    assert (
+        " --max-num-batched-tokens 2048 --block-size 16 --dtype bfloat16 --quantization fp8 "
+        in (vllm["flags"]["command"])
+    )
