@@ -33,9 +33,8 @@ def build_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     ttft_slo = kwargs.pop("ttft_slo", None)
     quantile = kwargs.pop("ttft_slo_quantile", None)
     if ttft_slo:
-        top["admission"] = AdmissionConfig(
-            parse_slos(ttft_slo), **({} if quantile is None else {"quantile": quantile})
-        )
+        slos = parse_slos(ttft_slo)
+        top["admission"] = AdmissionConfig(slos) if quantile is None else AdmissionConfig(slos, quantile)
     elif quantile is not None:
         AdmissionConfig(quantile=quantile)  # a bad value is an error even with admission off
     for key, value in kwargs.items():

@@ -46,7 +46,7 @@ from kvscope.engine.core.fairness import (
     round_robin,
 )
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
-from kvscope.engine.core.request import Request, RequestStatus
+from kvscope.engine.core.request import Request, RequestStatus, child_request_id
 from kvscope.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.core.ttft import (
@@ -380,7 +380,8 @@ class Scheduler:
         """Hand a request's predicted and actual TTFT to :attr:`ttft_calibration` (choice 0 only of an ``n >
         1`` request: its siblings share its prediction)."""
         predicted = request.stats.predicted_ttft_s
-        if predicted is None or (request.parent_id is not None and not request.request_id.endswith("-0")):
+        parent = request.parent_id
+        if predicted is None or (parent is not None and request.request_id != child_request_id(parent, 0, 2)):
             return
         self.ttft_calibration.observe(request.schedule_class[0], predicted, now - request.arrival_time)
 

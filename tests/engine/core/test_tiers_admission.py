@@ -164,6 +164,10 @@ def test_the_scheduler_keeps_each_tiers_actual_over_predicted_ttft() -> None:
         request = make_request(request_id, prompt(100 * len(sched.requests), 8), max_tokens=2)
         request.service_tier, request.arrival_time = tier, clock.now
         sched.add_request(request, TtftPrediction(predicted[request_id], 0, 0, 0, 0))
+    for index in range(2):  # choices of one n = 2 request share a prediction: counted once
+        choice = make_request(f"e-{index}", prompt(700, 8), max_tokens=2)
+        choice.service_tier, choice.arrival_time, choice.parent_id = "flex", clock.now, "e"
+        sched.add_request(choice, TtftPrediction(6.0, 0, 0, 0, 0))
     unpredicted = make_request("d", prompt(900, 8), max_tokens=2)
     unpredicted.service_tier, unpredicted.arrival_time = "flex", clock.now
     sched.add_request(unpredicted, TtftPrediction(None, 0, 0, 0, 0))
@@ -172,8 +176,8 @@ def test_the_scheduler_keeps_each_tiers_actual_over_predicted_ttft() -> None:
     clock.now += 5.0
     step(sched)  # second tokens: not first tokens, not observed
     calibration = sched.ttft_calibration
-    assert calibration.samples(2) == 2 and calibration.samples(0) == 1 and calibration.samples(1) == 0
-    assert list(calibration._ratios[2]) == [1.5, 0.75]
+    assert calibration.samples(2) == 3 and calibration.samples(0) == 1 and calibration.samples(1) == 0
+    assert list(calibration._ratios[2]) == [1.5, 0.75, 0.5]
     assert list(calibration._ratios[0]) == [3.0]
 
 
