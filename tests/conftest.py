@@ -28,10 +28,11 @@ _drop_the_repository_root_from_sys_path()
 ALLOWED_SKIP_REASONS = (
     "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
     "set ELASTICSEARCH_URL",  # tests/gateway/logs/test_es_live.py without a live Elasticsearch
-    # tests marked `vnni`/`amx` (kvscope's CPU kernels) on a CPU without those instructions, e.g. "needs AMX
-    # (amx_tile, amx_bf16): this CPU has avx512f ... avx512_bf16" (cpu_instruction_skip below)
+    # tests marked `vnni`/`amx`/`bf16` (kvscope's CPU kernels) on a CPU without those instructions, e.g.
+    # "needs AMX (amx_tile, amx_bf16): this CPU has avx512f ... avx512_bf16" (cpu_instruction_skip below)
     "needs AVX-512 VNNI (",
     "needs AMX (",
+    "needs AVX-512 BF16 (",
 )
 """The only reasons a test may be skipped under CI=true (matched as prefixes). Anything else — a missing tool,
 a "not written yet" guard, an OSError — fails the run: a skipped test protects nothing."""
@@ -65,19 +66,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-CPU_INSTRUCTION_MARKS = {"vnni": "AVX-512 VNNI", "amx": "AMX"}
+CPU_INSTRUCTION_MARKS = {"vnni": "AVX-512 VNNI", "amx": "AMX", "bf16": "AVX-512 BF16"}
 """The markers of tests that need kvscope's CPU kernels, and the instruction set each names in its skip."""
 
 
 def cpu_instruction_skip(marker: str) -> str | None:
-    """The skip reason of a test marked ``marker`` (``vnni`` or ``amx``) on this CPU, None where /proc/cpuinfo
-    lists every flag it needs (kvscope.kernels.cpu_decode VNNI_FLAGS, + AMX_FLAGS for ``amx``). The reason
+    """The skip reason of a test marked ``marker`` (``vnni``, ``amx`` or ``bf16``) on this CPU, None where
+    /proc/cpuinfo lists every flag it needs (kvscope.kernels.cpu_decode VNNI_FLAGS, + AMX_FLAGS for ``amx``, +
+    ``avx512_bf16`` for ``bf16``: the small-batch matmul's bfloat16 tiles, built where it is). The reason
     names the missing flags and those of the kernels' flags this CPU has, e.g. ``needs AMX (amx_tile,
     amx_bf16): this CPU has avx512f avx512bw avx512dq avx512_vnni f16c avx512_bf16``. The import is not
     guarded: a kvscope.kernels.cpu_decode that fails to import fails the test, it never skips it."""
     from kvscope.kernels.cpu_decode import AMX_FLAGS, VNNI_FLAGS, missing_cpu_flags
 
-    needed = VNNI_FLAGS + (AMX_FLAGS if marker == "amx" else ())
+    needed = VNNI_FLAGS + {"amx": AMX_FLAGS, "bf16": ("avx512_bf16",)}.get(marker, ())
     missing = missing_cpu_flags(needed)
     if not missing:
         return None

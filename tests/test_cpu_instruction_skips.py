@@ -1,6 +1,6 @@
-"""Tests of kvscope's CPU kernels (markers ``vnni``, ``amx``) skip only on a CPU without the instructions they
-need, and say which (tests/conftest.py ``cpu_instruction_skip``); CI allows those skips; a kernels module
-that fails to import fails the test instead of skipping it. The CPU is faked through
+"""Tests of kvscope's CPU kernels (markers ``vnni``, ``amx``, ``bf16``) skip only on a CPU without the
+instructions they need, and say which (tests/conftest.py ``cpu_instruction_skip``); CI allows those skips;
+a kernels module that fails to import fails the test instead of skipping it. The CPU is faked through
 kvscope.kernels.cpu_decode's /proc/cpuinfo reader, so every case runs on every machine."""
 
 from __future__ import annotations
@@ -10,48 +10,76 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.common.models.cache import cache_root
+from kvscope.engine.platform.cpu import CPU_KERNELS_DIR
 from kvscope.kernels import cpu_decode
 from tests.conftest import ALLOWED_SKIP_REASONS, cpu_instruction_skip
 
 CONFTEST = Path(__file__).with_name("conftest.py")
 XEON_AMX = "flags\t: fpu avx512f avx512bw avx512dq avx512_vnni f16c avx512_bf16 amx_tile amx_bf16 amx_int8"
 EPYC = "flags\t: fpu avx2 avx512f avx512bw avx512dq avx512_vnni f16c avx512_bf16 avx512vbmi"
+XEON_VNNI = "flags\t: fpu avx2 avx512f avx512bw avx512dq avx512_vnni f16c"  # Cascade Lake: no BF16, no AMX
 AVX2 = "flags\t: fpu avx2 f16c fma"
 
 
 @pytest.mark.parametrize(
-    ("flags", "vnni", "amx"),
+    ("flags", "vnni", "amx", "bf16"),
     [
-        (XEON_AMX, None, None),
+        (XEON_AMX, None, None, None),
         (
             EPYC,
             None,
             "needs AMX (amx_tile, amx_bf16): this CPU has avx512f avx512bw avx512dq avx512_vnni f16c "
             "avx512_bf16",
+            None,
+        ),
+        (
+            XEON_VNNI,
+            None,
+            "needs AMX (avx512_bf16, amx_tile, amx_bf16): this CPU has avx512f avx512bw avx512dq avx512_vnni "
+            "f16c",
+            "needs AVX-512 BF16 (avx512_bf16): this CPU has avx512f avx512bw avx512dq avx512_vnni f16c",
         ),
         (
             AVX2,
             "needs AVX-512 VNNI (avx512f, avx512bw, avx512dq, avx512_vnni): this CPU has f16c",
             "needs AMX (avx512f, avx512bw, avx512dq, avx512_vnni, avx512_bf16, amx_tile, amx_bf16): this CPU "
             "has f16c",
+            "needs AVX-512 BF16 (avx512f, avx512bw, avx512dq, avx512_vnni, avx512_bf16): this CPU has f16c",
         ),
         (
             "",  # /proc/cpuinfo unreadable
             "needs AVX-512 VNNI (avx512f, avx512bw, avx512dq, avx512_vnni, f16c): this CPU has none of them",
             "needs AMX (avx512f, avx512bw, avx512dq, avx512_vnni, f16c, avx512_bf16, amx_tile, amx_bf16): "
             "this CPU has none of them",
+            "needs AVX-512 BF16 (avx512f, avx512bw, avx512dq, avx512_vnni, f16c, avx512_bf16): this CPU has "
+            "none of them",
         ),
     ],
-    ids=["xeon-amx", "epyc", "avx2", "no-cpuinfo"],
+    ids=["xeon-amx", "epyc", "xeon-vnni", "avx2", "no-cpuinfo"],
 )
 def test_the_reason_names_the_missing_instructions(
-    monkeypatch: pytest.MonkeyPatch, flags: str, vnni: str | None, amx: str | None
+    monkeypatch: pytest.MonkeyPatch, flags: str, vnni: str | None, amx: str | None, bf16: str | None
 ) -> None:
     monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: flags)
-    assert (cpu_instruction_skip("vnni"), cpu_instruction_skip("amx")) == (vnni, amx)
+    assert (cpu_instruction_skip("vnni"), cpu_instruction_skip("amx"), cpu_instruction_skip("bf16")) == (
+        vnni,
+        amx,
+        bf16,
+    )
     assert cpu_decode.cpu_supports() == (vnni is None) and cpu_decode.cpu_supports_amx() == (amx is None)
-    for reason in (vnni, amx):
+    for reason in (vnni, amx, bf16):
         assert reason is None or reason.startswith(ALLOWED_SKIP_REASONS)
+
+
+@pytest.mark.vnni
+def test_the_bfloat16_tiles_are_built_exactly_where_the_cpu_has_avx512_bf16() -> None:
+    """A test marked ``bf16`` runs where /proc/cpuinfo lists avx512_bf16, and there the library must have
+    the tiles (``-march=native`` compiles them in): a build without them fails here instead of leaving
+    the bfloat16 cases of the tile tests unrun."""
+    result = cpu_decode.load(cache_root() / CPU_KERNELS_DIR)
+    assert result.ok, result.detail
+    assert cpu_decode.bf16_tiles_built() == (cpu_instruction_skip("bf16") is None)
 
 
 INNER_CONFTEST = f"""

@@ -11,13 +11,14 @@ import os
 import re
 import subprocess
 import sys
-import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from kvscope.testing.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -126,10 +127,8 @@ def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path: Path, gpu
     assert returncode is None and 1 <= seconds < 30  # killed, not waited out (the sleep is 60 s)
     assert "killed at its 1 s timeout" in (tmp_path / "step.log").read_text()
     child = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # the orphaned sleep is reaped by init once killed
-    assert not Path(f"/proc/{child}").exists()
+    # the orphaned sleep is reaped by init once killed
+    wait_until(lambda: not Path(f"/proc/{child}").exists(), 5, f"process {child} gone", interval_s=0.05)
 
 
 def test_a_pytest_step_that_skips_a_test_fails(tmp_path: Path, gpu_check: ModuleType) -> None:

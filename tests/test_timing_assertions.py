@@ -4,12 +4,15 @@ A faster CPU, a GPU or two loaded cores must not fail a test without a regressio
 duration by what it measured (a TTFT bound from the engine's decode step, a keep-alive count from the
 measured wait) or asserts an ordering or a guarantee, not a number of seconds this CPU happens to take.
 
-The scan below reads every ``assert`` in tests/ and finds the comparisons (``<``, ``<=``, ``>``, ``>=``) and
-``pytest.approx`` tolerances (``abs=`` of 1 ms or more) between a time-like expression (a name or key such as
-``ttft_s``, ``elapsed``, ``decode_s``, ``latency``, ``time.monotonic()``) and literal seconds (a number, or
-arithmetic of numbers and UPPER_CASE constants such as ``3 * KEEPALIVE_S``). A sign check against 0 is not a
-timing bound and is left out. Every comparison found must be listed in ``ALLOWED`` with the reason it is
-safe, and every entry of ``ALLOWED`` must still be found: the list is exactly what remains.
+The scan below reads every check in tests/ (an ``assert``, or an ``if`` whose body calls ``pytest.fail`` or
+raises AssertionError) and finds the comparisons (``<``, ``<=``, ``>``, ``>=``) and ``pytest.approx``
+tolerances (``abs=`` of 1 ms or more) between a time-like expression and literal seconds. Time-like: a name
+or key such as ``ttft_s``, ``elapsed``, ``decode_s``, ``latency``, a clock read (``time.monotonic()``,
+``loop.time()``), or a name the function assigned a clock reading or arithmetic on one (``t0``, ``dt = t1 -
+t0``). Literal seconds: a number, an UPPER_CASE constant, a name assigned only numbers (``limit = 1.0``), or
+arithmetic of those (``3 * KEEPALIVE_S``). A sign check against 0 is not a timing bound and is left out.
+Every comparison found must be listed in ``ALLOWED`` with the reason it is safe, and every entry of
+``ALLOWED`` must still be found: the list is exactly what remains.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -157,6 +161,23 @@ ALLOWED: dict[str, str] = {
 """``"<path>: <comparison as ast.unparse writes it>"`` → why it holds on any machine."""
 
 
+CLOCKS = frozenset({"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"})
+"""Clock reads: ``time.<name>()``, ``loop.time()`` and the bare ``monotonic()`` / ``perf_counter()`` of
+``from time import ...``."""
+
+
+class Scope(NamedTuple):
+    """What the names of one function (and its module) hold: ``clocks`` were assigned a clock reading or
+    arithmetic on one (``t0 = time.monotonic()``, ``dt = t1 - t0``), ``numbers`` only number literals
+    (``limit = 1.0``: a literal by another name)."""
+
+    clocks: frozenset[str] = frozenset()
+    numbers: frozenset[str] = frozenset()
+
+
+NO_NAMES = Scope()
+
+
 def _words(node: ast.AST) -> list[str]:
     """The names, attributes and string keys in ``node``, those under a ``len(...)`` (a count) left out."""
     out = []
@@ -176,16 +197,17 @@ def _walk_outside_len(node: ast.AST) -> list[ast.AST]:
     return [node, *(sub for child in ast.iter_child_nodes(node) for sub in _walk_outside_len(child))]
 
 
-def _is_seconds_literal(node: ast.AST) -> bool:
-    """A number, or arithmetic of numbers and UPPER_CASE constants (at least one of them)."""
+def _is_seconds_literal(node: ast.AST, scope: Scope = NO_NAMES) -> bool:
+    """A number, or arithmetic of numbers, UPPER_CASE constants and names that hold only numbers (at least
+    one of them)."""
     if isinstance(node, ast.Constant):
         return isinstance(node.value, int | float) and not isinstance(node.value, bool)
     if isinstance(node, ast.Name):
-        return bool(CONSTANT_NAME.match(node.id))
+        return bool(CONSTANT_NAME.match(node.id)) or node.id in scope.numbers
     if isinstance(node, ast.UnaryOp):
-        return _is_seconds_literal(node.operand)
+        return _is_seconds_literal(node.operand, scope)
     if isinstance(node, ast.BinOp):
-        return _is_seconds_literal(node.left) and _is_seconds_literal(node.right)
+        return _is_seconds_literal(node.left, scope) and _is_seconds_literal(node.right, scope)
     return False
 
 
@@ -193,12 +215,43 @@ def _is_zero(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value == 0 and not isinstance(node.value, bool)
 
 
-def _time_like(node: ast.AST, aliases: dict[str, ast.AST] | None = None) -> bool:
-    """Whether ``node`` names a duration; ``aliases``: comprehension variables → what they iterate over
-    (``g`` of ``for g in gaps`` is a gap)."""
+def _reads_clock(node: ast.AST, clocks: frozenset[str] = frozenset()) -> bool:
+    """Whether ``node``'s value is a clock reading: a call of a clock (:data:`CLOCKS`), a name that holds one,
+    or arithmetic, ``abs``/``min``/``max``/``sum``/``round``/``float`` or a comprehension over those (a
+    comparison is a truth value, not a time: ``sum(t <= first for t in times)`` counts)."""
+    if isinstance(node, ast.Name):
+        return node.id in clocks
+    if isinstance(node, ast.BinOp):
+        return _reads_clock(node.left, clocks) or _reads_clock(node.right, clocks)
+    if isinstance(node, ast.UnaryOp):
+        return _reads_clock(node.operand, clocks)
+    if isinstance(node, ast.GeneratorExp | ast.ListComp):
+        return _reads_clock(node.elt, clocks)
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Name) and func.id in ("abs", "min", "max", "sum", "round", "float"):
+        return any(_reads_clock(arg, clocks) for arg in node.args)
+    if isinstance(func, ast.Name):
+        return func.id in CLOCKS - {"time"}
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr in CLOCKS
+        and isinstance(func.value, ast.Name)
+        and (func.value.id == "time" or (func.attr == "time" and func.value.id == "loop"))
+    )
+
+
+def _time_like(node: ast.AST, aliases: dict[str, ast.AST] | None = None, scope: Scope = NO_NAMES) -> bool:
+    """Whether ``node`` names a duration or reads a clock; ``aliases``: comprehension variables → what they
+    iterate over (``g`` of ``for g in gaps`` is a gap)."""
     words = _words(node)
     bound = [aliases[word] for word in words if aliases and word in aliases]
-    return any(TIME_LIKE.search(word) for word in words) or any(_time_like(b) for b in bound)
+    return (
+        any(TIME_LIKE.search(word) for word in words)
+        or _reads_clock(node, scope.clocks)
+        or any(_time_like(b, scope=scope) for b in bound)
+    )
 
 
 def _comprehension_aliases(node: ast.AST) -> dict[str, ast.AST]:
@@ -220,31 +273,111 @@ def _literal_parts(node: ast.AST) -> list[ast.AST]:
     return [node]
 
 
+def _own_nodes(node: ast.AST) -> list[ast.AST]:
+    """``node``'s body without the functions and classes defined inside it (their own scopes)."""
+    out = []
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            out += [child, *_own_nodes(child)]
+    return out
+
+
+def _scope(node: ast.AST, outer: Scope) -> Scope:
+    """``outer`` with what the assignments of ``node``'s own body bind (:class:`Scope`)."""
+    values: dict[str, list[ast.AST | None]] = {}
+    for sub in _own_nodes(node):
+        if isinstance(sub, ast.Assign):
+            pairs = [(t, sub.value) for t in sub.targets]
+        elif isinstance(sub, ast.AnnAssign | ast.AugAssign | ast.NamedExpr):
+            pairs = [(sub.target, sub.value)]
+        elif isinstance(sub, ast.For | ast.AsyncFor | ast.With | ast.AsyncWith):
+            targets = (
+                [sub.target]
+                if isinstance(sub, ast.For | ast.AsyncFor)
+                else [w.optional_vars for w in sub.items]
+            )
+            pairs = [(t, None) for t in targets if t is not None]
+        else:
+            continue
+        for target, value in pairs:
+            names = [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+            single = isinstance(target, ast.Name)
+            for name in names:
+                values.setdefault(name, []).append(value if single else None)
+    numbers = {n for n, vs in values.items() if all(v is not None and _is_seconds_literal(v) for v in vs)}
+    clocks = set(outer.clocks) - values.keys()
+    while True:  # t0 = time.monotonic(); dt = t1 - t0: follow the readings to a fixed point
+        more = {
+            n
+            for n, vs in values.items()
+            if n not in clocks and any(v is not None and _reads_clock(v, frozenset(clocks)) for v in vs)
+        }
+        if not more:
+            break
+        clocks |= more
+    return Scope(frozenset(clocks), frozenset((outer.numbers - values.keys()) | numbers))
+
+
+def _fails(statement: ast.stmt) -> bool:
+    """``raise AssertionError(...)`` or ``pytest.fail(...)``."""
+    if isinstance(statement, ast.Raise) and statement.exc is not None:
+        exc = statement.exc.func if isinstance(statement.exc, ast.Call) else statement.exc
+        return isinstance(exc, ast.Name) and exc.id == "AssertionError"
+    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call):
+        func = statement.value.func
+        return (isinstance(func, ast.Attribute) and func.attr == "fail") or (
+            isinstance(func, ast.Name) and func.id == "fail"
+        )
+    return False
+
+
+def _checks(node: ast.AST, scope: Scope) -> list[tuple[ast.AST, Scope]]:
+    """The conditions a test asserts in ``node`` (``assert c``, ``if c: pytest.fail(...)`` or ``raise
+    AssertionError``), each with the scope of the function it is in."""
+    found = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found += _checks(child, _scope(child, scope))
+            continue
+        if isinstance(child, ast.Assert):
+            found.append((child.test, scope))
+        elif isinstance(child, ast.If) and any(_fails(s) for s in child.body):
+            found.append((child.test, scope))
+        found += _checks(child, scope)
+    return found
+
+
 def timing_comparisons(path: Path, root: Path = ROOT) -> list[str]:
     """``"<path relative to root>: <comparison>"`` for each timing comparison or approx tolerance in
-    ``path``'s asserts."""
-    source = path.read_text()
+    ``path``'s checks (asserts, and ``if`` blocks that fail the test)."""
     rel = path.relative_to(root).as_posix()
+    module = ast.parse(path.read_text())
     found = []
-    for statement in ast.walk(ast.parse(source)):
-        if not isinstance(statement, ast.Assert):
-            continue
-        aliases = _comprehension_aliases(statement.test)
-        for node in ast.walk(statement.test):
+    for test, scope in _checks(module, _scope(module, NO_NAMES)):
+        aliases = _comprehension_aliases(test)
+        for node in ast.walk(test):
             if isinstance(node, ast.Compare) and any(
                 isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) for op in node.ops
             ):
                 operands = [node.left, *node.comparators]
-                literals = [o for o in operands if _is_seconds_literal(o) and not _is_zero(o)]
-                measured = [o for o in operands if not _is_seconds_literal(o) and _time_like(o, aliases)]
+                literals = [o for o in operands if _is_seconds_literal(o, scope) and not _is_zero(o)]
+                measured = [
+                    o for o in operands if not _is_seconds_literal(o, scope) and _time_like(o, aliases, scope)
+                ]
                 # a bound may hide in arithmetic: `x - 1e-3 <= t` compares t with a constant offset
                 offsets = [
                     part
                     for o in measured
                     for part in _literal_parts(o)
-                    if isinstance(part, ast.BinOp) and _is_seconds_literal(part.right) and _time_like(part)
+                    if isinstance(part, ast.BinOp)
+                    and _is_seconds_literal(part.right, scope)
+                    and _time_like(part, scope=scope)
                 ]
-                if measured and (literals or offsets) or (literals and any(_time_like(o) for o in literals)):
+                if (
+                    measured
+                    and (literals or offsets)
+                    or (literals and any(_time_like(o, scope=scope) for o in literals))
+                ):
                     found.append(f"{rel}: {ast.unparse(node)}")
             elif (
                 isinstance(node, ast.Call)
@@ -257,7 +390,7 @@ def timing_comparisons(path: Path, root: Path = ROOT) -> list[str]:
                         and isinstance(keyword.value, ast.Constant)
                         and isinstance(keyword.value.value, int | float)
                         and keyword.value.value >= APPROX_ABS_FLOOR
-                        and _time_like(node)
+                        and _time_like(node, scope=scope)
                     ):
                         found.append(f"{rel}: {ast.unparse(node)}")
     return found
@@ -301,4 +434,47 @@ def test_the_scan_finds_a_bound_tied_to_this_cpus_speed(tmp_path: Path) -> None:
         "elapsed_s < 2 * TIMEOUT_S",
         "pytest.approx(k.e2e_s / 3, abs=0.02)",
         "g > 0.005",
+    ]
+
+
+def test_the_scan_follows_clock_readings_and_numbers_by_name(tmp_path: Path) -> None:
+    """Durations held by names that say nothing (``t1 - t0``, ``dt``), a bound by a lower-case name, and a
+    check written as ``if ...: pytest.fail(...)`` are found; a count of events before a clock reading, a
+    deadline loop's clock against clock and a name reassigned to something else are not."""
+    sample = tmp_path / "tests" / "test_sample.py"
+    sample.parent.mkdir()
+    sample.write_text(
+        "import time\n"
+        "from time import perf_counter\n"
+        "LIMIT = 2\n"
+        "def helper():\n"
+        "    t0 = 5\n"
+        "    assert t0 < 9\n"
+        "def test_x(client, loop, finish_times, before):\n"
+        "    t0 = time.monotonic()\n"
+        "    client.get('/')\n"
+        "    t1 = time.monotonic()\n"
+        "    assert t1 - t0 < 1.0\n"
+        "    dt = perf_counter() - t0\n"
+        "    assert abs(dt) < 0.5\n"
+        "    limit = 0.25\n"
+        "    assert loop.time() - t1 <= limit\n"
+        "    if max(t - t0 for t in finish_times) > LIMIT:\n"
+        "        pytest.fail('slow')\n"
+        "    first = t0 + 0.5\n"
+        "    finished = sum(t <= first for t in finish_times)\n"
+        "    assert finished - before <= 4\n"
+        "    deadline = time.monotonic() + 10\n"
+        "    if time.monotonic() > deadline:\n"
+        "        raise AssertionError('not in time')\n"
+        "    n = 3\n"
+        "    n = len(finish_times)\n"
+        "    assert time.monotonic() - t0 > n\n"
+    )
+    hits = [hit.split(": ", 1)[1] for hit in timing_comparisons(sample, tmp_path)]
+    assert hits == [
+        "t1 - t0 < 1.0",
+        "abs(dt) < 0.5",
+        "loop.time() - t1 <= limit",
+        "max((t - t0 for t in finish_times)) > LIMIT",
     ]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.cli.supervisor import ServeOptions, Supervisor
+from kvscope.testing.ports import free_port
 
 
 def _listening() -> socket.socket:
@@ -20,12 +21,6 @@ def _listening() -> socket.socket:
     return sock
 
 
-def _free() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("taken", ["gateway", "engine"])
 def test_a_taken_port_fails_before_any_child_starts(
     taken: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -33,7 +28,7 @@ def test_a_taken_port_fails_before_any_child_starts(
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's own SIGINT/SIGTERM handlers
     with _listening() as other:
         busy = other.getsockname()[1]
-        port, engine_port = (busy, _free()) if taken == "gateway" else (_free(), busy)
+        port, engine_port = (busy, free_port()) if taken == "gateway" else (free_port(), busy)
         options = ServeOptions(
             model="smollm2-135m",
             host="127.0.0.1",
@@ -98,8 +93,8 @@ def test_an_engine_api_key_is_refused_before_anything_starts(
     options = ServeOptions(
         model="smollm2-135m",
         host="127.0.0.1",
-        port=_free(),
-        engine_port=_free(),
+        port=free_port(),
+        engine_port=free_port(),
         log_file=tmp_path / "requests.jsonl",
         engine_args=engine_args,
         gateway_args=(),

@@ -17,7 +17,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import pytest
 import yaml
 
 from kvscope.testing.harness import Proc, free_port, spawn, sse_events, wait_http
+from kvscope.testing.wait import wait_until as poll
 from tests.conftest import require_tool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -44,13 +44,11 @@ DEADLINE_S = 60.0
 def wait_until(what: str, check: Callable[[], Any], log: Path | None = None) -> Any:
     """Poll ``check`` until it returns something truthy (a test of state, not of time: the deadline only
     keeps a broken run from hanging)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:] if log else ""
-            raise AssertionError(f"never happened: {what}\n{tail}")
-        time.sleep(0.05)
-    return result
+    try:
+        return poll(check, DEADLINE_S, f"never happened: {what}", interval_s=0.05)
+    except AssertionError as exc:
+        tail = log.read_text(errors="replace")[-3000:] if log else ""
+        raise AssertionError(f"{exc}\n{tail}") from None
 
 
 # --- processes ----------------------------------------------------------------------------------------------

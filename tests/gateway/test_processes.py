@@ -28,6 +28,7 @@ from kvscope.testing.harness import (
     spawn_gateway,
     wait_http,
 )
+from kvscope.testing.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 KEYS = {"alice": "sk-alice", "limited": "sk-limited", "capped": "sk-capped", "burst": "sk-burst"}
@@ -151,9 +152,9 @@ def test_sse_bytes_equal_the_upstream_under_random_rechunking(
         assert len(expected) < len(upstream)
     # the events went to the client past the ASGI send chain (gateway/server.py write_body_chunk), and the log
     # line still counts every body byte the client got
-    deadline = time.monotonic() + 10
-    while not (records := records_by_id(cluster.log, [rid]))[rid] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    records = wait_until(
+        lambda: (found := records_by_id(cluster.log, [rid]))[rid] and found, 10, "its log line"
+    )
     assert records[rid][0]["http"]["response"]["body"]["bytes"] == len(received)
 
 
@@ -162,11 +163,12 @@ def _token_events(data: bytes) -> int:
 
 
 def _disconnected(cluster: Cluster, rid: str, timeout_s: float = 30.0) -> dict:
-    """The upstream's record of ``rid`` once it saw the client leave (or after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while (rec := cluster.upstream_record(rid))["disconnected_at"] is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return rec
+    """The upstream's record of ``rid`` once it saw the client leave (``timeout_s`` bounds a broken run)."""
+    return wait_until(
+        lambda: (rec := cluster.upstream_record(rid))["disconnected_at"] is not None and rec,
+        timeout_s,
+        f"the upstream seeing {rid}'s client leave",
+    )
 
 
 def test_client_disconnect_reaches_the_upstream(cluster: Cluster) -> None:

@@ -4,7 +4,6 @@ log and metrics say what the router decided and predicted."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from kvscope.testing.harness import (
     records_by_id,
     sample,
 )
+from kvscope.testing.wait import wait_until
 
 BLOCK = 4
 MODEL = "tok-model"
@@ -70,11 +70,7 @@ class Cluster:
         return {r.label: r for r in self.gateway.state.pool.replicas}
 
     def wait(self, predicate: Any, what: str) -> None:
-        deadline = time.monotonic() + 10
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            time.sleep(0.05)
+        wait_until(predicate, 10, what, interval_s=0.05)
 
     def chat(self, messages: list[dict[str, str]], request_id: str, model: str = MODEL) -> dict[str, Any]:
         """Send one chat request; its log record's ``kvscope.routing``."""

@@ -8,11 +8,11 @@ HTTP server span (semconv "HTTP spans", Status): 4xx leaves the status UNSET, 5x
 from __future__ import annotations
 
 import json
-import time
 
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kvscope.testing.harness import sse_events
+from kvscope.testing.wait import wait_until
 from tests.gateway.conftest import Stack
 
 HI = [{"role": "user", "content": "hi"}]
@@ -20,17 +20,17 @@ HI = [{"role": "user", "content": "hi"}]
 
 def server_span(stack: Stack, request_id: str, timeout_s: float = 5.0):
     """The finished SERVER span of the request sent with ``x-request-id: request_id``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = [
+    found = wait_until(
+        lambda: [
             s
             for s in stack.exporter.get_finished_spans()
             if s.kind is SpanKind.SERVER and s.attributes.get("kvscope.request.id") == request_id
-        ]
-        if found or time.monotonic() > deadline:
-            assert len(found) == 1, f"{len(found)} server spans for {request_id}"
-            return found[0]
-        time.sleep(0.02)
+        ],
+        timeout_s,
+        f"the server span of {request_id}",
+    )
+    assert len(found) == 1, f"{len(found)} server spans for {request_id}"
+    return found[0]
 
 
 def test_server_span_status_follows_http_semconv(stack: Stack) -> None:
@@ -113,17 +113,17 @@ def test_server_span_required_attributes(stack: Stack) -> None:
 
 
 def client_span(stack: Stack, server):
-    deadline = time.monotonic() + 5
-    while True:
-        found = [
+    found = wait_until(
+        lambda: [
             s
             for s in stack.exporter.get_finished_spans()
             if s.kind is SpanKind.CLIENT and s.parent and s.parent.span_id == server.context.span_id
-        ]
-        if found or time.monotonic() > deadline:
-            assert len(found) == 1
-            return found[0]
-        time.sleep(0.02)
+        ],
+        5,
+        "the client span under the server span",
+    )
+    assert len(found) == 1
+    return found[0]
 
 
 def test_gen_ai_client_span_has_every_semconv_attribute(stack: Stack) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 
 from kvscope.engine.core.request import RequestStatus
 from kvscope.engine.server.access_log import ACCESS_LOGGER
+from kvscope.testing.wait import wait_until
 from tests.engine.server.conftest import chat_body
 from tests.engine.server.helpers import metric_samples, sample, serve_in_thread
 
@@ -26,11 +26,7 @@ def live(app):
 
 def _wait(predicate, what: str, timeout_s: float = 30.0):
     """Poll ``predicate`` until truthy; the deadline only bounds a broken run."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.005)
-    return value
+    return wait_until(predicate, timeout_s, what, interval_s=0.005)
 
 
 def _wait_aborted(fake_engine, request_id: str) -> None:

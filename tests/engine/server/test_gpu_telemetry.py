@@ -5,7 +5,6 @@ the fake device from sample to sample, and a CPU engine exports none of them."""
 from __future__ import annotations
 
 import sys
-import time
 import types
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ from kvscope.engine.server.app import create_app
 from kvscope.engine.server.gpu_telemetry import GpuTelemetry, TorchCuda
 from kvscope.engine.server.metrics import GPU_THROTTLE_REASONS, EngineMetrics
 from kvscope.engine.server.settings import ServerSettings
+from kvscope.testing.wait import wait_until
 from tests.engine.server.fakes import FakeEngine
 from tests.engine.server.helpers import metric_samples, sample
 
@@ -211,17 +211,19 @@ def test_the_server_samples_the_gpu_on_its_clock(gpu: FakeGpu, monkeypatch: pyte
     with TestClient(create_app(settings, engine=engine, registry=CollectorRegistry())) as client:
         first = metric_samples(client.get("/metrics").text)
         gpu.used, gpu.temperature = 78 * GB, 88
-        deadline = time.monotonic() + 10
-        while (
-            sample(
-                metric_samples(client.get("/metrics").text),
-                "kvscope_engine_gpu_temperature_celsius",
-                device="cuda:0",
-            )
-            != 88
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
+        wait_until(
+            lambda: (
+                sample(
+                    metric_samples(client.get("/metrics").text),
+                    "kvscope_engine_gpu_temperature_celsius",
+                    device="cuda:0",
+                )
+                == 88
+            ),
+            10,
+            "a sample with the new temperature",
+            interval_s=0.05,
+        )
         last = metric_samples(client.get("/metrics").text)
     assert [
         sample(first, n, device="cuda:0")

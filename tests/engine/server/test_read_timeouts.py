@@ -24,6 +24,7 @@ from kvscope.engine.server.app import create_app
 from kvscope.engine.server.cli import uvicorn_config
 from kvscope.engine.server.settings import ServerSettings
 from kvscope.engine.server.tracing import Tracing
+from kvscope.testing.wait import wait_until
 from tests.engine.server.helpers import free_port, metric_samples, sample
 
 READ_TIMEOUT_S = 0.5
@@ -72,14 +73,14 @@ def port(fake_engine) -> Iterator[int]:
 
 def _access_line(caplog, request_id: str) -> dict:
     """The access line of ``request_id``, once written (the deadline only bounds a broken run)."""
-    deadline = time.monotonic() + BROKEN_RUN_S
-    while True:
+
+    def found() -> list[dict]:
         lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
-        found = [line for line in lines if line["http"]["request"]["id"] == request_id]
-        if found or time.monotonic() > deadline:
-            assert len(found) == 1, found
-            return found[0]
-        time.sleep(0.01)
+        return [line for line in lines if line["http"]["request"]["id"] == request_id]
+
+    lines = wait_until(found, BROKEN_RUN_S, f"the access line of {request_id}", interval_s=0.01)
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 def _head(request_id: str, length: int = 200) -> bytes:

@@ -28,6 +28,7 @@ from kvscope.gateway.metrics import GatewayMetrics
 from kvscope.gateway.proxy.upstreams import Replica, UpstreamPool
 from kvscope.gateway.settings import RoutingConfig, UpstreamConfig, UpstreamMetricsConfig, load_settings
 from kvscope.testing.harness import GatewayThread, LoopThread, start_fake_thread
+from kvscope.testing.wait import wait_until
 
 URL = "http://10.0.0.1:8000"
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "upstreams"
@@ -684,13 +685,11 @@ def test_the_sample_follows_the_upstreams_load(kinds_loop: LoopThread, tmp_path:
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 
     def sample_becomes(replica: Replica, running: float, waiting: float) -> bool:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        def seen() -> bool:
             s = replica.engine_sample
-            if s is not None and (s.requests_running, s.requests_waiting) == (running, waiting):
-                return True
-            time.sleep(0.02)
-        return False
+            return s is not None and (s.requests_running, s.requests_waiting) == (running, waiting)
+
+        return wait_until(seen, 10, f"a sample of {running} running, {waiting} waiting")
 
     with GatewayThread(create_app(settings)) as gateway, httpx.Client(base_url=gateway.url, timeout=20) as c:
         replica = gateway.state.pool.replicas[0]

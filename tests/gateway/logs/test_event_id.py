@@ -8,7 +8,6 @@ after shipping) yields no extra document and counts them as duplicates."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from kvscope.gateway.logs.elasticsearch import ElasticsearchSink
 from kvscope.gateway.logs.spool import Spool
 from kvscope.testing.es_double import EsDouble
 from kvscope.testing.harness import LoopThread, read_log
+from kvscope.testing.wait import wait_until
 from tests.gateway.conftest import KEYS, build_stack
 from tests.gateway.logs.helpers import fast_config
 
@@ -39,10 +39,11 @@ def docs(loop: LoopThread, es: EsDouble) -> dict[str, Any]:
 
 
 def wait_docs(loop: LoopThread, es: EsDouble, n: int, timeout_s: float = 20.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while len(got := docs(loop, es)) < n and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return got
+    def enough() -> dict[str, Any] | None:
+        got = docs(loop, es)
+        return got if len(got) >= n else None
+
+    return wait_until(enough, timeout_s, f"{n} documents indexed")
 
 
 def test_reused_request_id_gives_two_documents_and_a_replay_none_extra(
