@@ -26,7 +26,7 @@ fi
 
 SDIST="llama_cpp_python-${LCP_VERSION}.tar.gz"
 if [[ ! -f "$SDIST" ]]; then
-    "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==${LCP_VERSION}" -d .
+    "$PY" -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==${LCP_VERSION}" -d .
 fi
 SRC="$BUILD_DIR/llama_cpp_python-${LCP_VERSION}/vendor/llama.cpp"
 [[ -d "$SRC" ]] || tar xzf "$SDIST"

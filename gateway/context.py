@@ -371,6 +371,14 @@ class RequestContext:
         return "per_request" if self.reported_ttft_s is not None else None
 
     @property
+    def tpot_source(self) -> Literal["gateway", "per_request"] | None:
+        """Where the log's ``kvscope.tpot_s`` comes from: ``gateway`` (:attr:`tpot_s`, a stream's token
+        times), ``per_request`` (:attr:`reported_tpot_s`), None (neither)."""
+        if self.tpot_s is not None:
+            return "gateway"
+        return "per_request" if self.reported_tpot_s is not None else None
+
+    @property
     def overhead_s(self) -> float:
         """Seconds spent in the gateway: e2e minus the time spent waiting on upstream attempts."""
         end = self.outcome.end_at if self.outcome.end_at is not None else time.perf_counter()

@@ -37,6 +37,7 @@ ENGINE_KEYS = (
 """``kvscope.engine``'s keys for an upstream that is not our engine (a subset of the kvscope object's)."""
 SOURCE_KEYS = (
     "ttft_s",
+    "tpot_s",
     "queue_s",
     "prefill_s",
     "decode_s",
@@ -45,8 +46,11 @@ SOURCE_KEYS = (
     "kv_cache_usage",
     "queue_ahead",
 )
-"""``kvscope.upstream.sources``' keys: ``ttft_s`` is ``kvscope.ttft_s``; the others ``kvscope.engine``'s
-(``batch_size``: ``batch_size_mean``/``_max``; ``queue_ahead`` with ``running_on_arrival``)."""
+"""``kvscope.upstream.sources``' keys: ``ttft_s`` and ``tpot_s`` are ``kvscope.ttft_s`` and ``kvscope.tpot_s``
+(measured by the gateway for streams, from the upstream's report for JSON answers); the others
+``kvscope.engine``'s (``batch_size``: ``batch_size_mean``/``_max``; ``queue_ahead`` with
+``running_on_arrival``). ``kvscope.engine``'s ``ttft_s``, ``tpot_s`` and ``prompt_tokens`` have no key of
+their own: in front of a kind other than ours they come only from the upstream's report (``per_request``)."""
 SAMPLE_KEYS = ("requests_running", "requests_waiting", "kv_cache_usage", "age_s")
 """``kvscope.upstream.sampled.{arrival,finish}``' keys."""
 
@@ -145,17 +149,19 @@ def engine_section(
     arrival: SampleStamp | None,
     finish: SampleStamp | None,
     ttft_source: Source | None,
+    tpot_source: Source | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(``kvscope.engine``, ``kvscope.upstream``) of one request's log record: the replica's ``kind`` and
     ``kind_source`` (None: no replica was reached), the upstream's ``report``, our engine's ``kvscope``
-    object, the samples stamped at the answering attempt's start and end, and where ``kvscope.ttft_s`` came
-    from. ``kvscope.upstream`` is ``{kind, kind_source, sources: {SOURCE_KEYS}, sampled: {arrival,
-    finish}}``, every key present; each sample ``{SAMPLE_KEYS}`` or None."""
+    object, the samples stamped at the answering attempt's start and end, and where ``kvscope.ttft_s`` and
+    ``kvscope.tpot_s`` came from. ``kvscope.upstream`` is ``{kind, kind_source, sources: {SOURCE_KEYS},
+    sampled: {arrival, finish}}``, every key present; each sample ``{SAMPLE_KEYS}`` or None."""
     engine, sources = _engine(report, kvscope_obj, arrival, finish)
+    sources = {**sources, "ttft_s": ttft_source, "tpot_s": tpot_source}
     upstream = {
         "kind": kind,
         "kind_source": kind_source,
-        "sources": {key: ttft_source if key == "ttft_s" else sources.get(key) for key in SOURCE_KEYS},
+        "sources": {key: sources.get(key) for key in SOURCE_KEYS},
         "sampled": {"arrival": _sampled(arrival), "finish": _sampled(finish)},
     }
     return engine, upstream

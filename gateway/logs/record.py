@@ -86,6 +86,7 @@ class RecordBuilder:
             attempts.arrival_sample,
             attempts.finish_sample,
             ctx.ttft_source,
+            ctx.tpot_source,
         )
         ttft, tpot = ctx.ttft_s, ctx.tpot_s
         return {

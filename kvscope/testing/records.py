@@ -94,7 +94,7 @@ def make_record(
                 "other_s": 0.001,
             },
             "engine": None,
-            "upstream": upstream_part(ttft_s, engine),
+            "upstream": upstream_part(ttft_s, engine, tpot_s),
             "attempts": 1,
             "client_disconnected": False,
             "disconnect_phase": None,
@@ -122,10 +122,12 @@ def make_record(
     return record
 
 
-def upstream_part(ttft_s: float | None, engine: dict[str, Any] | None) -> dict[str, Any]:
-    """``kvscope.upstream`` of a record answered by our engine (kind from its ``/v1/models`` card;
-    docs/gateway.md "Request log"): each quantity ``per_request`` where ``engine`` has it, ``ttft_s`` measured
-    by the gateway, no ``/metrics`` samples."""
+def upstream_part(
+    ttft_s: float | None, engine: dict[str, Any] | None, tpot_s: float | None = None
+) -> dict[str, Any]:
+    """``kvscope.upstream`` of a streamed record answered by our engine (kind from its ``/v1/models`` card;
+    docs/gateway.md "Request log"): each quantity ``per_request`` where ``engine`` has it, ``ttft_s`` and
+    ``tpot_s`` measured by the gateway where given, no ``/metrics`` samples."""
     e = engine or {}
 
     def per_request(key: str) -> str | None:
@@ -136,6 +138,7 @@ def upstream_part(ttft_s: float | None, engine: dict[str, Any] | None) -> dict[s
         "kind_source": "models",
         "sources": {
             "ttft_s": "gateway" if ttft_s is not None else None,
+            "tpot_s": "gateway" if tpot_s is not None else None,
             "queue_s": per_request("queue_s"),
             "prefill_s": per_request("prefill_s"),
             "decode_s": per_request("decode_s"),

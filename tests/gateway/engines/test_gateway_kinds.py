@@ -161,6 +161,7 @@ def test_vllm_stream_logs_cached_tokens_and_sampled_state(kinds: Kinds) -> None:
     assert kv["engine"]["cached_tokens"] == record["gen_ai"]["usage"]["cache_read"]["input_tokens"] == 2
     assert kv["upstream"]["sources"] == {
         "ttft_s": "gateway",
+        "tpot_s": "gateway",
         "queue_s": None,
         "prefill_s": None,
         "decode_s": None,
@@ -198,3 +199,89 @@ def test_llamacpp_context_error_is_relayed_and_logged_by_its_type(kinds: Kinds) 
         "message": answer.json()["error"]["message"],
     }
     assert record["kvscope"]["upstream"]["kind"] == "llamacpp"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_every_llamacpp_line_has_what_issue_38_asks(loop: LoopThread, tmp_path: Path, stream: bool) -> None:
+    """Issue 38's "Done when" on the llama.cpp fake (its answers, ``/metrics`` and ``/slots`` as the recorded
+    llama-server writes them), JSON and streamed: the line has TTFT, prefill and decode, cached tokens, and
+    batch size and KV usage with their samples' ages, each value the one the upstream reported or showed.
+    One request straight to the fake first leaves its slot's cache, as llama-server's idle slot keeps it;
+    the gateway scrapes once, at its start (60 s intervals), so both stamps are that one sample."""
+    fake = start_fake_thread(
+        loop, ("llama-model",), kind="llamacpp", slots=1, first_token_delay_s=0.02, token_delay_s=0.005
+    )
+    primed = httpx.post(
+        fake.url + "/v1/chat/completions", json={"model": "llama-model", "messages": HI, "max_tokens": 4}
+    )
+    assert primed.status_code == 200, primed.text
+    (slot,) = httpx.get(fake.url + "/slots").json()
+    assert (slot["is_processing"], slot["n_ctx"]) == (False, 2048)
+    kv_usage = slot["n_prompt_tokens"] / 2048  # the idle slot's kept cache: what /slots says is in use
+    assert kv_usage > 0
+    config = {
+        "upstreams": [{"url": fake.url}],
+        "routing": {"health_interval_s": 60},
+        "upstream_metrics": {"interval_s": 60, "idle_interval_s": 60, "timeout_s": 1},
+        "logs": {"file": str(tmp_path / "requests.jsonl")},
+    }
+    words = [{"role": "user", "content": "name three colours of the rainbow please"}]  # 7 prompt tokens
+    body: dict = {"model": "llama-model", "messages": words, "max_tokens": 4, "stream": stream}
+    if stream:  # the client sees the usage chunk (and its timings) only when it asks
+        body["stream_options"] = {"include_usage": True}
+    try:
+        with GatewayThread(create_app(load_settings(None, config, env={}))) as gateway:
+            body["fake"] = {"cached_tokens": 3}
+            headers = {"x-request-id": "asked"}
+            if stream:
+                with httpx.stream(
+                    "POST", gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=10
+                ) as response:
+                    assert response.status_code == 200
+                    chunks = [json.loads(x[6:]) for x in response.iter_lines() if x.startswith("data: {")]
+                timings = chunks[-1]["timings"]
+            else:
+                answer = httpx.post(
+                    gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=10
+                )
+                assert answer.status_code == 200, answer.text
+                timings = answer.json()["timings"]
+            record = records_by_id(tmp_path / "requests.jsonl", ["asked"])["asked"][0]
+    finally:
+        loop.run(fake.close())
+    kv = record["kvscope"]
+    assert (timings["cache_n"], timings["prompt_n"], timings["predicted_n"]) == (3, 4, 4)
+    assert kv["engine"] == {
+        "queue_s": None,  # llama.cpp does not time the wait for a slot
+        "ttft_s": None,  # nor its arrival: the TTFT is the gateway's (kvscope.ttft_s)
+        "prefill_s": timings["prompt_ms"] / 1000,
+        "decode_s": timings["predicted_ms"] / 1000,
+        "tpot_s": timings["predicted_ms"] / 1000 / 3,
+        "prompt_tokens": 7,
+        "cached_tokens": 3,
+        "batch_size_mean": 0.0,
+        "batch_size_max": 0,
+        "kv_cache_usage": kv_usage,
+        "queue_ahead": 0,
+        "running_on_arrival": 0,
+    }
+    assert record["gen_ai"]["usage"]["cache_read"]["input_tokens"] == 3
+    assert isinstance(kv["ttft_s"], float) and 0 < kv["ttft_s"] < kv["e2e_s"]
+    upstream = kv["upstream"]
+    assert upstream["sources"] == {
+        "ttft_s": "gateway" if stream else "per_request",
+        "tpot_s": "gateway" if stream else "per_request",
+        "queue_s": None,
+        "prefill_s": "per_request",
+        "decode_s": "per_request",
+        "cached_tokens": "per_request",
+        "batch_size": "sampled",
+        "kv_cache_usage": "sampled",
+        "queue_ahead": "sampled",
+    }
+    arrival, finish = upstream["sampled"]["arrival"], upstream["sampled"]["finish"]
+    state = {"requests_running": 0, "requests_waiting": 0, "kv_cache_usage": kv_usage}
+    assert {k: v for k, v in arrival.items() if k != "age_s"} == state
+    assert {k: v for k, v in finish.items() if k != "age_s"} == state
+    # the one start-up sample, stamped at the attempt's start and end: older at its end
+    assert 0 < arrival["age_s"] < finish["age_s"]

@@ -50,7 +50,7 @@ def test_a_json_answer_from_llamacpp_gets_its_ttft_and_tpot_from_the_timings() -
         9,
         1,
     )
-    assert kv["upstream"]["sources"]["ttft_s"] == "per_request"
+    assert kv["upstream"]["sources"]["ttft_s"] == kv["upstream"]["sources"]["tpot_s"] == "per_request"
     assert kv["upstream"]["sampled"] == {
         "arrival": {"requests_running": 1, "requests_waiting": 0, "kv_cache_usage": None, "age_s": 0.5},
         "finish": None,
@@ -66,7 +66,7 @@ def test_a_stream_keeps_the_gateway_measured_ttft() -> None:
     kv = build(c)["kvscope"]
     assert kv["ttft_s"] == 0.25
     assert kv["tpot_s"] == (2.0 - 0.25) / 3  # measured: (end - first token) / (4 tokens - 1)
-    assert kv["upstream"]["sources"]["ttft_s"] == "gateway"
+    assert kv["upstream"]["sources"]["ttft_s"] == kv["upstream"]["sources"]["tpot_s"] == "gateway"
     assert kv["engine"]["decode_s"] == 30.75 / 1000
 
 
@@ -80,6 +80,7 @@ def test_a_json_answer_without_a_decode_time_has_no_ttft() -> None:
     assert kv["engine"]["queue_s"] == 0.31
     assert kv["upstream"]["sources"] == {
         "ttft_s": None,
+        "tpot_s": None,
         "queue_s": "per_request",
         "prefill_s": None,
         "decode_s": None,

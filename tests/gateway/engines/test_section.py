@@ -22,13 +22,15 @@ SAMPLED = {
 
 
 def sources(**given: str | None) -> dict[str, str | None]:
-    keys = ("ttft_s", "queue_s", "prefill_s", "decode_s", "cached_tokens", "batch_size", "kv_cache_usage")
-    return {k: given.get(k) for k in (*keys, "queue_ahead")}
+    keys = ("ttft_s", "tpot_s", "queue_s", "prefill_s", "decode_s", "cached_tokens", "batch_size")
+    return {k: given.get(k) for k in (*keys, "kv_cache_usage", "queue_ahead")}
 
 
 def test_llamacpp_per_request_timings_and_sampled_state() -> None:
     report = report_from_body(UpstreamKind.LLAMACPP, LLAMACPP_CHAT)
-    engine, upstream = engine_section("llamacpp", "models", report, None, ARRIVAL, FINISH, "per_request")
+    engine, upstream = engine_section(
+        "llamacpp", "models", report, None, ARRIVAL, FINISH, "per_request", "per_request"
+    )
     assert engine == {
         "queue_s": None,
         "ttft_s": None,
@@ -49,6 +51,7 @@ def test_llamacpp_per_request_timings_and_sampled_state() -> None:
         "kind_source": "models",
         "sources": sources(
             ttft_s="per_request",
+            tpot_s="per_request",
             prefill_s="per_request",
             decode_s="per_request",
             cached_tokens="per_request",

@@ -165,3 +165,74 @@ def test_a_failed_request_says_how_it_ended_and_not_what_the_kind_withheld() -> 
     assert lines[0] == "failed: status 503 — upstream_unavailable: connection refused"
     assert "the llamacpp upstream sent no answer to read, so nothing of its engine is known" in lines
     assert not any("does not tell" in line for line in lines)
+
+
+OPENAI_USAGE = {
+    "prompt_tokens": 18,
+    "completion_tokens": 6,
+    "total_tokens": 24,
+    "prompt_tokens_details": {"cached_tokens": 16},
+}
+"""vLLM's, SGLang's and OpenAI's usage with cached tokens (vLLM: ``--enable-prompt-tokens-details``, SGLang:
+``--enable-cache-report``): all these kinds report of a request."""
+SAMPLED_LINE = (
+    "sampled: batch of 4.5 (max 6); at arrival 3 running, 1 waiting, KV usage 25% (sampled 0.4 s before); at "
+    "finish 6 running, 0 waiting, KV usage 50% (sampled 0.1 s before)"
+)
+STEPS = "per-step attribution (other requests' prefills, batched decodes, preemption)"
+
+
+@pytest.mark.parametrize(
+    ("kind", "stream", "samples", "expected"),
+    [
+        (
+            "vllm",
+            False,
+            True,
+            [
+                "upstream vllm (kind from models): TTFT unknown; prefill ? of a 18-token prompt, 16 from the "
+                "prefix cache",
+                "vllm " + SAMPLED_LINE,
+                f"vllm does not tell: TTFT, queue time, prefill time, decode time, {STEPS}",
+            ],
+        ),
+        (
+            "sglang",
+            True,
+            True,
+            [
+                "upstream sglang (kind from models): TTFT 0.500 s (gateway); prefill ? of a 18-token "
+                "prompt, 16 from the prefix cache",
+                "decode at 300.0 ms/token (gateway)",
+                "sglang " + SAMPLED_LINE,
+                f"sglang does not tell: queue time, prefill time, decode time, {STEPS}",
+            ],
+        ),
+        (
+            "openai",
+            False,
+            False,
+            [
+                "upstream openai (kind from models): TTFT unknown; prefill ? of a 18-token prompt, 16 "
+                "from the prefix cache",
+                "openai does not tell: TTFT, queue time, prefill time, decode time, batch size, KV usage and "
+                f"queue depth (not sampled), {STEPS}",
+            ],
+        ),
+    ],
+    ids=["vllm-json", "sglang-stream", "openai-json"],
+)
+def test_usage_only_kinds_say_what_they_cannot_tell(
+    kind: str, stream: bool, samples: bool, expected: list[str]
+) -> None:
+    """vLLM, SGLang and a plain OpenAI server report only token counts per request: the explanation gives
+    the cached tokens (``per_request``), the sampled state where ``/metrics`` was scraped, the stream's
+    TTFT and TPOT as the gateway measured them, and names everything else as unknown for that kind."""
+    report = upstream_report(UpstreamKind(kind), {"usage": OPENAI_USAGE}, {})
+    rec = record(kind, report=report, usage=OPENAI_USAGE, stream=stream, samples=samples)
+    assert rec["kvscope"]["upstream"]["sources"]["cached_tokens"] == "per_request"
+    why = explain(rec)
+    lines = why.text.splitlines()
+    assert lines[: len(expected)] == expected
+    assert lines[len(expected)].startswith("e2e 2.000 s at the gateway: ")
+    assert why.causes == (("upstream unattributed", 1.5), ("gateway other", 0.5))
