@@ -130,9 +130,11 @@ def _check_model(gw: GatewayState, ctx: RequestContext, principal: Principal, mo
     not use it."""
     if not gw.pool.is_served(model):
         if gw.pool.has_unknown_models():
+            unreached = gw.pool.unreached()
+            why = f" (health checks so far: {'; '.join(unreached)})" if unreached else ""
             raise UpstreamUnavailable(
                 f"No upstream has answered yet to say whether it serves model "
-                f"'{clip(model)}'; retry shortly.",
+                f"'{clip(model)}'; retry shortly.{why}",
                 headers={"retry-after": gw.pool.retry_after()},
             )
         raise ModelNotFound(f"The model '{clip(model)}' does not exist or is not served here.", param="model")

@@ -178,6 +178,12 @@ class UpstreamConfig(msgspec.Struct, **_STRUCT):
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"upstream url must start with http:// or https://, got {self.url!r}")
+        base = self.url.rstrip("/")
+        if base.endswith("/v1"):
+            raise ValueError(
+                f"upstream url {self.url!r} ends in /v1: give the server's base URL, "
+                f"{base.removesuffix('/v1')!r} (the gateway adds /v1/chat/completions, /v1/models …)"
+            )
         _metrics_path(self.metrics_path)
 
     @property

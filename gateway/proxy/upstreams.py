@@ -55,6 +55,9 @@ class Replica:
     consecutive_failures: int = 0
     probe_timeouts: int = 0
     """Consecutive health probes that got no answer within ``health_timeout_s``."""
+    probe_error: str | None = None
+    """Why its last health probe failed (``connection refused``, ``GET /v1/models answered 404`` …); None
+    after a good one. Logged whenever it changes, so an upstream that never answers says why."""
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Model id → the upstream's ``/v1/models`` entry."""
     prefix_index: PrefixIndex | None = None
@@ -341,6 +344,15 @@ class UpstreamPool:
             not r.config.models and not r.cards and not r.healthy and not r.draining for r in self.replicas
         )
 
+    def unreached(self) -> list[str]:
+        """``label: why`` of each replica :meth:`has_unknown_models` waits for whose probe failed (the 503's
+        message names them), in pool order."""
+        return [
+            f"{r.label}: {r.probe_error}"
+            for r in self.replicas
+            if not r.config.models and not r.cards and not r.healthy and not r.draining and r.probe_error
+        ]
+
     def model_card(self, model: str) -> dict[str, Any]:
         """The ``/v1/models`` entry: the upstream's (from a healthy replica first) with configured
         overrides."""
@@ -505,8 +517,16 @@ class UpstreamPool:
                         self._routing.failure_threshold,
                     )
                     return True
-            if replica.healthy:
-                _log.warning("upstream %s failed its health check: %r", replica.label, exc)
+            reason = probe_failure(exc)
+            if replica.healthy or reason != replica.probe_error:
+                _log.warning(
+                    "upstream %s failed its health check (GET %s/v1/models): %s%s",
+                    replica.label,
+                    replica.url,
+                    reason,
+                    "" if replica.healthy else "; no requests go to it until it answers",
+                )
+            replica.probe_error = reason
             self._set_health(replica, False)
             return False
         instance = _instance_id(cards)
@@ -516,6 +536,7 @@ class UpstreamPool:
             _log.info("upstream %s is healthy (%s)", replica.label, ", ".join(cards) or "no models")
         replica.cards, replica.instance_id = cards, instance
         replica.consecutive_failures = replica.probe_timeouts = 0
+        replica.probe_error = None
         replica.evaluate_kind()
         self._set_health(replica, True)
         self._sync_kind(replica)  # the first good answer makes a still undecided kind known (openai)
@@ -547,6 +568,24 @@ class UpstreamPool:
         while True:
             await asyncio.sleep(self._routing.health_interval_s)
             await self.check_all(client)
+
+
+def probe_failure(exc: Exception) -> str:
+    """A health probe's failure in words: ``connection refused``, ``no answer within the health timeout``,
+    ``GET /v1/models answered 404``, ``not an OpenAI model list (KeyError: 'data')`` …"""
+    if isinstance(exc, httpx.ConnectError):
+        cause = exc.__cause__ or exc.__context__
+        text = str(exc) or repr(exc)
+        if "refused" in text.lower() or isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect: {text}"
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer within the health timeout"
+    if isinstance(exc, httpx.HTTPError):
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, ValueError) and str(exc).startswith("GET /v1/models answered"):
+        return str(exc)
+    return f"not an OpenAI model list ({type(exc).__name__}: {exc})"
 
 
 def _instance_id(cards: dict[str, dict[str, Any]]) -> str | None:
