@@ -131,7 +131,13 @@ def _dotted(record: dict[str, Any], *path: str) -> Any:
 
 
 def _n(value: float | int | None) -> str:
-    return "?" if value is None else f"{value:,}"
+    """A count: ``?`` when unknown; a whole float as an integer (a JSONL log read through DuckDB hands
+    counts over as doubles: ``1.0 running`` would differ from the console's ``1 running``)."""
+    if value is None:
+        return "?"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{value:,}"
 
 
 def _ttft_line(e: dict[str, Any], ttft: float | None) -> str:
@@ -213,6 +219,44 @@ def _outcome_line(record: dict[str, Any]) -> str | None:
     return "failed: " + ", ".join(parts) + (f" — {detail}" if detail else "")
 
 
+ADMISSION_REFUSED = "ttft_slo_exceeded"
+"""``error.type`` of a request the engine's admission refused (engine/server/scheduling.py SHED_CODE)."""
+
+
+def _explain_refusal(record: dict[str, Any]) -> Why:
+    """A request admission refused (503 ``ttft_slo_exceeded``): it never queued, so there is no step to
+    attribute; the prediction it was refused on (``kvscope.engine``: ``predicted_ttft_s``, ``service_tier``,
+    ``queue_ahead``) is what explains it."""
+    kv = record.get("kvscope") or {}
+    engine = kv.get("engine") or {}
+    message = (record.get("error") or {}).get("message")
+    predicted, tier, ahead = (
+        engine.get("predicted_ttft_s"),
+        engine.get("service_tier"),
+        engine.get("queue_ahead"),
+    )
+    lines = [
+        f"refused at admission (503 {ADMISSION_REFUSED}): "
+        + (message or "predicted TTFT over the objective"),
+        f"predicted TTFT {_seconds_or(predicted, '?')} in tier {tier or '?'} with {_n(ahead)} requests "
+        "ahead; never queued: no prefill, no decode (the client may retry after its Retry-After)",
+    ]
+    is_gateway = "gateway_overhead_s" in kv
+    if is_gateway:
+        lines.append(_gateway_line(kv))
+    seconds = kv.get("e2e_s") or 0.0
+    lines.append(f"verdict: admission refusal {seconds:.3f} s (100%)")
+    return Why(
+        request_id=_dotted(record, "http", "request", "id") or _dotted(record, "gen_ai", "response", "id"),
+        trace_id=_dotted(record, "trace", "id"),
+        text="\n".join(lines),
+        causes=(("admission refusal", seconds),),
+        verdict="admission refusal",
+        engine=engine,
+        upstream=kv.get("upstream") if isinstance(kv.get("upstream"), dict) else None,
+    )
+
+
 def explain(record: dict[str, Any]) -> Why:
     """The answer for one request-log record (the gateway's or the engine's line): from our engine's step
     attribution when ``kvscope.engine`` has it, else from what the line holds about the upstream
@@ -221,6 +265,8 @@ def explain(record: dict[str, Any]) -> Why:
     kv = record.get("kvscope") or {}
     engine = kv.get("engine") or {}
     upstream = kv.get("upstream") if isinstance(kv.get("upstream"), dict) else None
+    if (record.get("error") or {}).get("type") == ADMISSION_REFUSED:
+        return _explain_refusal(record)
     if engine.get("prefill_steps") is None:
         if upstream is not None and upstream.get("kind") is not None:
             return explain_reported(record)

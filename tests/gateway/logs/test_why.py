@@ -190,3 +190,54 @@ def test_explain_names_the_grammar_mask_time_of_a_constrained_request(queued) ->
     assert not any(
         line.startswith("grammar masks") for line in explain(_record(queued, None)).text.splitlines()
     )
+
+
+def test_why_counts_read_the_same_from_the_file_as_in_the_console(tmp_path) -> None:
+    """The file's numbers come through DuckDB as doubles: the sampled counts said ``1.0 running, 0.0
+    waiting`` where the console (the record as logged) said ``1 running, 0 waiting``."""
+    record = make_record(1)
+    record["kvscope"]["upstream"] = {
+        "kind": "kvscope",
+        "kind_source": "models",
+        "sampled": {
+            "arrival": {"requests_running": 1, "requests_waiting": 0, "kv_cache_usage": 0.25, "age_s": 0.5},
+            "finish": {"requests_running": 4, "requests_waiting": 3, "kv_cache_usage": 0.5, "age_s": 0.25},
+        },
+    }
+    log = tmp_path / "requests.jsonl"
+    log.write_text(json.dumps(record) + "\n")
+    phrase = (
+        "at arrival 1 running, 0 waiting, KV usage 25% (sampled 0.5 s before); at finish 4 running, 3 "
+        "waiting, KV usage 50% (sampled 0.2 s before)"
+    )
+    assert phrase in explain(record).text
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert logs_main(["why", record["event"]["id"], "--source", str(log)], env={}) == 0
+    assert phrase in out.getvalue()
+
+
+def test_why_explains_an_admission_refusal_by_its_prediction() -> None:
+    message = (
+        "predicted time to first token 7.8 s exceeds the 2 s objective of tier default; 41 requests ahead"
+    )
+    record = {
+        "http": {"request": {"id": "shed-1"}, "response": {"status_code": 503}},
+        "error": {"type": "ttft_slo_exceeded", "message": message},
+        "kvscope": {
+            "e2e_s": 0.004,
+            "engine": {"predicted_ttft_s": 7.8, "service_tier": "default", "queue_ahead": 41},
+        },
+    }
+    why = explain(record)
+    assert why.text.splitlines() == [
+        f"refused at admission (503 ttft_slo_exceeded): {message}",
+        "predicted TTFT 7.800 s in tier default with 41 requests ahead; never queued: no prefill, no decode "
+        "(the client may retry after its Retry-After)",
+        "verdict: admission refusal 0.004 s (100%)",
+    ]
+    assert (why.verdict, why.causes, why.request_id) == (
+        "admission refusal",
+        (("admission refusal", 0.004),),
+        "shed-1",
+    )
