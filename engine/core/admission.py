@@ -45,7 +45,8 @@ def tier_rank(tier: str) -> int:
 
 def parse_slos(text: str) -> dict[str, float]:
     """TTFT objectives from ``"2"`` (every tier) or ``"priority=1,default=2,flex=30"`` (seconds; tiers left
-    out have none); ``""`` = none (admission off). Raises ValueError naming the bad part."""
+    out have none); ``""`` = none (admission off). Raises ValueError naming the bad part (a tier named twice
+    too)."""
     text = text.strip()
     if not text:
         return {}
@@ -59,6 +60,8 @@ def parse_slos(text: str) -> dict[str, float]:
             raise ValueError(
                 f"a TTFT objective is TIER=SECONDS with TIER one of {', '.join(TIERS)}, got {part!r}"
             )
+        if tier in slos:
+            raise ValueError(f"a TTFT objective per tier: tier {tier} is named twice in {text!r}")
         slos[tier] = _seconds(value)
     return slos
 
@@ -105,13 +108,24 @@ class Refusal:
         calibrated = ""
         if self.bound_s is not None and self.quantile is not None:
             calibrated = (
-                f" ({self.bound_s:.1f} s at the {_ordinal(self.quantile)} percentile of recent errors)"
+                f" ({_over(self.bound_s, self.slo_s)} s at the {_ordinal(self.quantile)} percentile of "
+                "recent errors)"
             )
+        predicted = _over(self.predicted_ttft_s, self.slo_s)
         return (
-            f"predicted time to first token {self.predicted_ttft_s:.1f} s{calibrated} exceeds the "
+            f"predicted time to first token {predicted} s{calibrated} exceeds the "
             f"{self.slo_s:g} s objective of tier {self.tier}; {self.requests_ahead} "
             f"{'request' if self.requests_ahead == 1 else 'requests'} ahead"
         )
+
+
+def _over(seconds: float, slo: float) -> str:
+    """``seconds`` with one decimal, or as many more (up to 3) as it takes not to read as ``slo`` or less
+    when it is above it (0.5004 against 0.5: ``0.5004``, not ``0.5``)."""
+    for digits in range(1, 4):
+        if seconds <= slo or round(seconds, digits) > slo:
+            return f"{seconds:.{digits}f}"
+    return f"{seconds:.4f}"
 
 
 def _ordinal(quantile: float) -> str:

@@ -114,7 +114,12 @@ def test_slo_parsing() -> None:
     assert parse_slos("") == {}
     assert parse_slos("2") == {"priority": 2.0, "default": 2.0, "flex": 2.0}
     assert parse_slos("priority=0.5, default=2") == {"priority": 0.5, "default": 2.0}
-    for bad, message in (("gold=1", "TIER=SECONDS"), ("default=x", "number"), ("0", "positive")):
+    for bad, message in (
+        ("gold=1", "TIER=SECONDS"),
+        ("default=x", "number"),
+        ("0", "positive"),
+        ("priority=1,priority=30", "tier priority is named twice"),  # was: the last one, silently
+    ):
         with pytest.raises(ValueError, match=message):
             parse_slos(bad)
     with pytest.raises(ValueError, match="unknown tier"):
@@ -148,6 +153,12 @@ def test_admission_holds_the_prediction_scaled_by_the_tiers_error_quantile() -> 
         "the 60 s objective of tier flex; 12 requests ahead"
     )
     assert config.decide("flex", 50.0, 12, error_ratio=1.2) is None  # 60.0: at the objective
+    close = AdmissionConfig({"default": 0.5}).decide("default", 0.5004, 0)
+    assert close is not None and close.message.startswith(
+        "predicted time to first token 0.5004 s exceeds the 0.5 s objective"
+    )  # never "0.5 s exceeds the 0.5 s"
+    near = AdmissionConfig({"default": 0.5}).decide("default", 0.53, 0)
+    assert near is not None and near.message.startswith("predicted time to first token 0.53 s exceeds")
     assert config.decide("flex", 70.0, 12, error_ratio=0.8) is None  # over-predicting tier: 56 s
     assert config.decide("flex", 50.0, 12) is None  # no ratio yet: the prediction itself
     assert config.decide("flex", None, 12, error_ratio=2.0) is None
@@ -177,8 +188,9 @@ def test_the_scheduler_keeps_each_tiers_actual_over_predicted_ttft() -> None:
     step(sched)  # second tokens: not first tokens, not observed
     calibration = sched.ttft_calibration
     assert calibration.samples(2) == 3 and calibration.samples(0) == 1 and calibration.samples(1) == 0
-    assert list(calibration._ratios[2]) == [1.5, 0.75, 0.5]
-    assert list(calibration._ratios[0]) == [3.0]
+    first_token_at = clock.now - 5.0  # the scheduler's clock stamps each ratio (they age out)
+    assert list(calibration._ratios[2]) == [(first_token_at, r) for r in (1.5, 0.75, 0.5)]
+    assert list(calibration._ratios[0]) == [(first_token_at, 3.0)]
 
 
 def test_a_queued_request_past_its_deadline_is_dropped_before_any_prefill() -> None:
