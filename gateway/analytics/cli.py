@@ -29,6 +29,17 @@ WIDE_HELP = (
 )
 
 
+def _count(text: str) -> int:
+    """argparse type of ``--top``/``--limit``: a whole number >= 0 (a negative one reached the SQL LIMIT)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def default_plot_dir(source: str, cache_root: Path) -> Path:
     """Where ``kvscope logs plot`` writes without ``--out``: a ``plots`` folder beside the charted data (the
     log file's folder, or the folder given as the source), ``cache_root/plots`` for an Elasticsearch URL. Not
@@ -114,7 +125,7 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
         choices=tuple(GROUP_FIELDS),
         help="one row per value of this field, below the row of all requests (default: that row only)",
     )
-    rep.add_argument("--top", type=int, default=10, help="slowest requests to list")
+    rep.add_argument("--top", type=_count, default=10, help="slowest requests to list")
     rep.add_argument("--format", choices=FORMATS, default="table")
     rep.add_argument("--wide", action="store_true", help=WIDE_HELP)
     _source_args(rep, env)
@@ -126,9 +137,10 @@ def build_parser(env: CliEnv) -> argparse.ArgumentParser:
     srch.add_argument(
         "query",
         help='files: SQL condition, e.g. "kvscope.e2e_s > 5"; ES: query string, '
-        'e.g. "kvscope.e2e_s:>5 AND http.response.status_code:500"',
+        'e.g. "kvscope.e2e_s:>5 AND http.response.status_code:500"; an id or id prefix alone '
+        "(response id, x-request-id, trace id): the requests it names",
     )
-    srch.add_argument("--limit", type=int, default=20, help="most records to print, newest first")
+    srch.add_argument("--limit", type=_count, default=20, help="most records to print, newest first")
     srch.add_argument("--format", choices=FORMATS, default="table")
     srch.add_argument("--wide", action="store_true", help=WIDE_HELP)
     _source_args(srch, env)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -67,11 +68,28 @@ async def report(
         return await _call(logs.report(by=by, top=top, since=since))
 
 
+BARE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""A query that is one word of id characters (no space, operator, colon or quote): an id or id prefix."""
+
+
+def is_bare_id(query: str) -> bool:
+    """Whether ``query`` is an id or id prefix rather than a condition: one word of id characters that is
+    not a SQL/Lucene constant (``true``, ``false``, ``null``). A bare number counts (x-request-ids may be
+    numbers; as a SQL condition ``4301`` would match every record)."""
+    word = query.strip()
+    return BARE_ID.fullmatch(word) is not None and word.lower() not in ("true", "false", "null")
+
+
 async def search(
     source: LogSource, query: str, *, since: str | None = None, limit: int = 20, now: datetime | None = None
 ) -> list[dict[str, Any]]:
-    """Matching records, newest first: a DuckDB SQL condition for files, a query string for Elasticsearch."""
+    """Matching records, newest first: a DuckDB SQL condition for files, a query string for Elasticsearch;
+    a bare id or id prefix (:func:`is_bare_id`) lists the records one of whose ids (:data:`ID_FIELDS`:
+    response id, x-request-id, trace id, event id) starts with it, as ``kvscope logs why`` finds them.
+    Raises ValueError for a condition the file back end cannot parse (the message shows examples)."""
     async with open_logs(source, parse_since(since, now)) as logs:
+        if is_bare_id(query):
+            return await _call(logs.find_id(query.strip(), limit))
         return await _call(logs.search(query, limit))
 
 

@@ -188,12 +188,21 @@ class DuckDBLogs:
     def search(self, condition: str, limit: int = 20) -> list[dict[str, Any]]:
         """Records matching a DuckDB SQL ``condition`` (e.g. ``kvscope.e2e_s > 5``), newest first.
 
-        Raises ``duckdb.Error`` for an invalid condition.
+        Raises ValueError for a condition DuckDB cannot parse or bind (the message shows examples).
         """
         cond = condition.strip() or "true"
-        return self._docs(
-            f'SELECT * FROM requests WHERE ({cond}) ORDER BY "@timestamp" DESC, {TIEBREAK} LIMIT {int(limit)}'
-        )
+        try:
+            return self._docs(
+                f'SELECT * FROM requests WHERE ({cond}) ORDER BY "@timestamp" DESC, {TIEBREAK} '
+                f"LIMIT {int(limit)}"
+            )
+        except (duckdb.ParserException, duckdb.BinderException) as exc:
+            first = str(exc).splitlines()[0]
+            raise ValueError(
+                f"{first}. A search over files is a SQL condition on the log's fields, e.g. "
+                '"kvscope.e2e_s > 5" or "http.response.status_code = 503 AND gen_ai.request.model = '
+                "'smollm2-135m'\"; an id or id prefix alone lists that request"
+            ) from None
 
     def find_id(self, wanted: str, limit: int = 50) -> list[dict[str, Any]]:
         """Records one of whose ids (:data:`~kvscope.gateway.analytics.report.ID_FIELDS`) is ``wanted`` or

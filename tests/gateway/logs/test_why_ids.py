@@ -128,3 +128,34 @@ def test_the_elasticsearch_query_matches_each_id_exactly_or_by_prefix() -> None:
             {"trace.id": {"order": "asc"}},
         ],
     }
+
+
+def search(log: Path, query: str) -> tuple[int, list[dict] | None, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = logs_main(["search", query, "--source", str(log), "--format", "json"], env={})
+    records = [json.loads(line) for line in out.getvalue().splitlines()] if code == 0 else None
+    return code, records, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("query", "response_ids"),
+    [
+        ("chatcmpl-7f3", ["chatcmpl-7f3b0000", "chatcmpl-7f3a91c2"]),  # an id prefix: newest first
+        ("chatcmpl-7f3a91c2", ["chatcmpl-7f3a91c2"]),
+        ("08", ["chatcmpl-7f3b0000"]),  # a numeric x-request-id prefix, not the SQL constant 8 (true)
+        ("12345", []),  # matches no id: nothing, never every record
+        ("gen_ai.response.id = 'chatcmpl-7f3a91c2'", ["chatcmpl-7f3a91c2"]),  # still a SQL condition
+    ],
+)
+def test_search_takes_an_id_or_prefix_alone(log: Path, query: str, response_ids: list[str]) -> None:
+    code, records, err = search(log, query)
+    assert (code, err) == (0, "")
+    assert [r["gen_ai"]["response"]["id"] for r in records or []] == response_ids
+
+
+def test_a_condition_that_does_not_parse_says_what_a_search_takes(log: Path) -> None:
+    code, _, err = search(log, "chatcmpl-7f3 AND")
+    assert code == 1
+    assert err.startswith("kvscope logs search: Parser Error: syntax error")
+    assert 'e.g. "kvscope.e2e_s > 5"' in err and "an id or id prefix alone lists that request" in err
