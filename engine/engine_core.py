@@ -320,7 +320,7 @@ class EngineCore:
         ratio = None
         if self.admission.enabled:
             ratio = self.scheduler.ttft_calibration.ratio(
-                children[0].schedule_class[0], self.admission.quantile
+                children[0].schedule_class[0], self.admission.quantile, now=self.scheduler.clock()
             )
         refusal = self.admission.decide(
             request.service_tier, prediction.seconds, prediction.requests_ahead, ratio

@@ -159,13 +159,15 @@ class RetryableFailure(Exception):
         purpose, so the attempt costs none of ``max_attempts`` and every other replica is asked."""
 
     def retry_after_s(self) -> float:
-        """The answer's ``Retry-After`` in seconds (inf when it has none or it is not a number)."""
+        """The answer's ``Retry-After`` in seconds (inf when it has none or it is no finite non-negative
+        number, RFC 9110 §10.2.3 delta-seconds: ``nan`` or ``-4`` never outbids a real retry time)."""
         for name, value in self.answer.headers if self.answer is not None else ():
             if name.lower() == b"retry-after":
                 try:
-                    return float(value)
+                    seconds = float(value)
                 except ValueError:
                     return math.inf
+                return seconds if 0.0 <= seconds < math.inf else math.inf
         return math.inf
 
 

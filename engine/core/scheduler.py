@@ -383,7 +383,9 @@ class Scheduler:
         parent = request.parent_id
         if predicted is None or (parent is not None and request.request_id != child_request_id(parent, 0, 2)):
             return
-        self.ttft_calibration.observe(request.schedule_class[0], predicted, now - request.arrival_time)
+        self.ttft_calibration.observe(
+            request.schedule_class[0], predicted, now - request.arrival_time, now=now
+        )
 
     def _on_verified(self, scheduled: ScheduledRequest, num_accepted: int, keep_blocks: bool) -> None:
         """Tell the drafter and the stats; roll back past the rejected positions."""

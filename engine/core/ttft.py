@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -461,40 +462,54 @@ class TtftCalibration:
     Gentle Introduction to Conformal Prediction", 2021, §1): if the recent errors are representative, that
     share of the requests admitted on the scaled prediction meet it. It covers what the replay does not
     foresee (module docstring: bursts, preemption, early stops) by how much those moved the recent
-    requests of that tier. Raises ValueError for a window below ``min_samples`` or ``min_samples`` < 1."""
+    requests of that tier. A tier with no first token for ``max_age_s`` starts afresh (its ratios are
+    dropped): only admitted requests add ratios, so a tier whose ratios refuse every request (an idle
+    engine's included) would otherwise be refused forever. Raises ValueError for a window below
+    ``min_samples``, ``min_samples`` < 1 or ``max_age_s`` <= 0."""
 
     window: int = 256
     min_samples: int = 32
     """First tokens of a tier observed before :meth:`ratio` answers for it."""
-    _ratios: dict[int, deque[float]] = field(default_factory=dict)
+    max_age_s: float = 60.0
+    """Seconds without a first token of a tier after which its ratios are dropped (``time.monotonic()``
+    clock)."""
+    _ratios: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
+    """Tier rank → (monotonic seconds of the first token, actual / predicted), oldest first."""
 
     def __post_init__(self) -> None:
         if self.min_samples < 1 or self.window < self.min_samples:
             raise ValueError(
                 f"need 1 <= min_samples <= window, got min_samples {self.min_samples}, window {self.window}"
             )
+        if not self.max_age_s > 0:
+            raise ValueError(f"max_age_s must be positive, got {self.max_age_s}")
 
-    def observe(self, tier: int, predicted_s: float, actual_s: float) -> None:
-        """One first token of tier rank ``tier``: predicted and actual seconds from arrival; ignored when
-        either is not positive."""
+    def observe(self, tier: int, predicted_s: float, actual_s: float, now: float | None = None) -> None:
+        """One first token of tier rank ``tier`` at ``now`` (``time.monotonic()`` when None): predicted and
+        actual seconds from arrival; ignored when either is not positive."""
         if not (predicted_s > 0 and actual_s > 0):
             return
         ratios = self._ratios.setdefault(tier, deque(maxlen=self.window))
-        ratios.append(actual_s / predicted_s)
+        ratios.append((time.monotonic() if now is None else now, actual_s / predicted_s))
 
     def samples(self, tier: int) -> int:
         """Ratios kept for tier rank ``tier``."""
         return len(self._ratios.get(tier, ()))
 
-    def ratio(self, tier: int, quantile: float) -> float | None:
+    def ratio(self, tier: int, quantile: float, now: float | None = None) -> float | None:
         """The ``quantile`` of tier rank ``tier``'s kept ratios (the ceil((n + 1) x quantile)-th smallest of
-        n, at most the largest: the split-conformal rank); None with fewer than ``min_samples``. Raises
-        ValueError for a quantile outside (0, 1]."""
+        n, at most the largest: the split-conformal rank); None with fewer than ``min_samples``, or when the
+        tier's newest ratio is more than ``max_age_s`` before ``now`` (``time.monotonic()`` when None: they
+        are all dropped then). Raises ValueError for a quantile outside (0, 1]."""
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"quantile must be in (0, 1], got {quantile}")
         ratios = self._ratios.get(tier)
-        if ratios is None or len(ratios) < self.min_samples:
+        if ratios is None:
             return None
-        ordered = sorted(ratios)
+        if ratios and ratios[-1][0] < (time.monotonic() if now is None else now) - self.max_age_s:
+            ratios.clear()
+        if len(ratios) < self.min_samples:
+            return None
+        ordered = sorted(ratio for _, ratio in ratios)
         rank = min(math.ceil((len(ordered) + 1) * quantile), len(ordered))
         return ordered[rank - 1]

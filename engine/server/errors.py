@@ -71,8 +71,25 @@ def bad_request(message: str, param: str | None = None, code: str = INVALID_VALU
     return OpenAIError(400, message, param=param, code=code)
 
 
+MAX_MESSAGE_CHARS = 256
+"""Characters of a client's string echoed in an error: a model name, a validation message before its
+`` - at `$.path` `` (msgspec quotes a bad enum value whole: a 2 MB ``service_tier`` made a 2 MB answer and
+a 4 MB log line)."""
+
+
 def model_not_found(name: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    """404 ``model_not_found`` naming the model asked for (its first :data:`MAX_MESSAGE_CHARS` characters)."""
+    return OpenAIError(
+        404, f"The model `{_clip(name)}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def _clip(value: str) -> str:
+    """A client's string cut to :data:`MAX_MESSAGE_CHARS` characters, marked ``…[+N chars]`` (as the
+    gateway's errors.clip), so no request makes an error body or log line megabytes long."""
+    if len(value) <= MAX_MESSAGE_CHARS:
+        return value
+    return f"{value[:MAX_MESSAGE_CHARS]}…[+{len(value) - MAX_MESSAGE_CHARS} chars]"
 
 
 def from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
@@ -85,8 +102,15 @@ def from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
             for m in (_PATH.search(message), _MISSING.search(message))
             if m and m.group(1)
         ]
-        return bad_request(message, param=".".join(found) or None, code="invalid_value")
+        return bad_request(_clipped(message), param=".".join(found) or None, code="invalid_value")
     return bad_request(invalid_json_message(str(exc)), code=INVALID_JSON)
+
+
+def _clipped(message: str) -> str:
+    """``message`` with what precedes its `` - at `$.path` `` tail cut by :func:`_clip`."""
+    head, sep, path = message.rpartition(" - at `")
+    head, tail = (head, sep + path) if sep else (message, "")
+    return _clip(head) + tail
 
 
 def from_engine(

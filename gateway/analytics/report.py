@@ -60,7 +60,10 @@ def parse_since(since: str | None, now: datetime | None = None) -> datetime | No
     match = _SINCE_RE.match(since.strip())
     if match:
         now = now or datetime.now(UTC)
-        return now - timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+        try:
+            return now - timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+        except OverflowError as exc:  # further back than datetime reaches
+            raise ValueError(f"--since {since!r}: use 15m, 1h, 2d or an ISO-8601 time") from exc
     try:
         ts = datetime.fromisoformat(since.replace("Z", "+00:00"))
     except ValueError as exc:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.resources
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
@@ -250,9 +251,12 @@ def _float_param(request: Request, name: str) -> float | None:
     if text in (None, ""):
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise InvalidRequest(f"{name} must be a number, got {text[:64]!r}.", param=name) from None
+        value = math.nan
+    if not math.isfinite(value):  # nan/inf would reach int() (a 500) or compare as nothing
+        raise InvalidRequest(f"{name} must be a finite number, got {text[:64]!r}.", param=name)
+    return value
 
 
 @get("/console/api/overview", sync_to_thread=False, include_in_schema=False)
@@ -303,7 +307,8 @@ def _alert_counts(console: Console) -> dict[str, int]:
 
 @get("/console/api/requests", sync_to_thread=False, include_in_schema=False)
 def requests(request: Request) -> Response:
-    """The newest records' rows that pass the filters, newest first (at most ``limit``, default 200)."""
+    """The newest records' rows that pass the filters, newest first (at most ``limit``, default and most
+    :data:`MAX_ROWS`: every kept record)."""
     console = console_of(request)
     console.access.viewer(request)
     q = request.query_params

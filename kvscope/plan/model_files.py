@@ -73,7 +73,10 @@ def _registered(name: str, root: Path | None) -> ModelFiles:
 
 
 def _from_hf_dir(folder: Path, config_path: Path, name: str) -> ModelFiles:
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError: say which file
+        raise ValueError(f"config {config_path} is not JSON: {exc}") from None
     shape = shape_from_hf_config(config, name=name, source=str(config_path))
     return ModelFiles(shape, tuple(sorted(folder.glob("*.safetensors"))), config_dtype=config_dtype(config))
 

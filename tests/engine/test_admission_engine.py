@@ -174,3 +174,24 @@ def test_admission_scales_the_prediction_by_the_tiers_recent_errors(tiny_dir: Pa
     finally:
         engine.stop()
     assert "refused" not in scheduled and calibration.samples(0) == 1
+
+
+def test_a_tier_refused_by_old_errors_is_admitted_once_they_age_out(tiny_dir: Path, scheduled) -> None:
+    """Refused requests add no ratio, so a tier whose recent ratios refuse even an idle engine's requests
+    would be refused forever (Retry-After 1, every time); a tier without a first token for ``max_age_s``
+    starts afresh."""
+    engine = _engine(tiny_dir, AdmissionConfig({"default": 2.5}, quantile=0.9))
+    calibration = engine.core.scheduler.ttft_calibration
+    long_ago = time.monotonic() - calibration.max_age_s - 1.0
+    for _ in range(calibration.min_samples):  # a burst, a while ago: 3x its predictions
+        calibration.observe(1, predicted_s=1.0, actual_s=3.0, now=long_ago)
+
+    async def main() -> None:
+        task, predicted = await _queued(engine, "admitted", [4, 5, 6], SHORT)
+        assert predicted is not None and await task == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert "admitted" in scheduled and calibration.samples(1) == 1

@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvscope.gateway.app import create_app
 from kvscope.gateway.auth import SERVICE_TIER_HEADER, TIMEOUT_HEADER, hash_key
+from kvscope.gateway.logs.why import explain
 from kvscope.gateway.settings import load_settings
 from kvscope.testing.harness import GatewayThread, LoopThread, records_by_id, start_fake_thread
 from tests.gateway.conftest import KEYS, Stack, build_stack
@@ -56,6 +57,8 @@ def test_the_refusal_reaches_the_client_unchanged_and_is_logged(own_stack: Stack
     assert record["error"]["message"] == MESSAGE
     assert record["error"]["type"] == "ttft_slo_exceeded"
     assert {k: v for k, v in record["kvscope"]["engine"].items() if v is not None} == PREDICTION
+    why = explain(record)  # kvscope logs why on the gateway's own line
+    assert why.verdict == "admission refusal" and why.text.splitlines()[0].endswith(MESSAGE)
     main = own_stack.fakes["main"]
     assert sum(1 for r in main.records if r.path == "/v1/chat/completions") == 6  # one attempt each
 
@@ -126,7 +129,7 @@ def test_the_keys_tier_and_the_time_left_go_to_the_engine(tiered: Stack) -> None
     assert SERVICE_TIER_HEADER not in sent()
 
 
-def _shed(retry_after: int) -> dict[str, object]:
+def _shed(retry_after: int | str) -> dict[str, object]:
     return {**SHED, "error_headers": f"Retry-After: {retry_after}"}
 
 
@@ -185,3 +188,15 @@ def test_when_every_replica_refuses_the_soonest_retry_reaches_the_client(refusin
         assert record["kvscope"]["attempts"] == 3
         assert record["kvscope"]["routing"]["replica"] == "b"  # the refusal relayed is b's
         assert record["error"]["type"] == "ttft_slo_exceeded"
+
+
+@pytest.mark.parametrize(
+    "refusing", [{"a": "nan", "b": "-4", "c": 3, "d": "soon", "e": "inf"}], indirect=True
+)
+def test_a_malformed_retry_after_never_wins_over_a_valid_one(refusing: Stack) -> None:
+    """Retry-After is a non-negative number of seconds (RFC 9110 §10.2.3): a replica refusing with ``nan``,
+    a negative number, a word or ``inf`` counts as "no retry time" and never outbids a replica's real one,
+    whichever replica round robin asks first."""
+    with refusing.client() as c:
+        got = [c.post("/v1/chat/completions", json=CHAT).headers.get_list("retry-after") for _ in range(5)]
+    assert got == [["3"]] * 5

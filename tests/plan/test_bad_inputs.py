@@ -79,3 +79,12 @@ def test_a_damaged_gz_log_exits_2(tmp_path, capsys) -> None:
 def test_non_positive_probe_threads_exit_2(tmp_path, capsys) -> None:
     assert plan_main(["--model", _config(tmp_path, GOOD), "--device", "cpu", "--probe-threads", "-2"]) == 2
     assert capsys.readouterr().err == "kvscope plan: error: probe threads must be at least 1, got -2\n"
+
+
+@pytest.mark.parametrize("text", [b"{", b"\xff\xfe{}"], ids=["truncated", "not-utf8"])
+def test_a_config_that_is_not_json_names_the_file(tmp_path, capsys, text: bytes) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(text)
+    assert plan_main(["--model", str(path), "--device", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvscope plan: error: config {path} is not JSON: ") and err.count("\n") == 1

@@ -359,3 +359,19 @@ def test_calibration_takes_the_conformal_rank_of_each_tiers_recent_ratios() -> N
         TtftCalibration(window=3, min_samples=4)
     with pytest.raises(ValueError, match="min_samples"):
         TtftCalibration(min_samples=0)
+
+
+def test_calibration_starts_afresh_after_max_age_without_a_first_token() -> None:
+    """Only admitted requests add ratios: a tier whose ratios make every request refused would stay refused
+    forever (an idle engine, nothing ahead) unless a tier silent for ``max_age_s`` drops them."""
+    calibration = TtftCalibration(window=10, min_samples=2, max_age_s=60.0)
+    calibration.observe(1, predicted_s=1.0, actual_s=3.0, now=100.0)
+    calibration.observe(1, predicted_s=1.0, actual_s=4.0, now=130.0)
+    assert calibration.ratio(1, 0.9, now=189.0) == 4.0  # the newest is 59 s old: all kept
+    assert calibration.samples(1) == 2
+    assert calibration.ratio(1, 0.9, now=191.0) is None  # 61 s without a first token: dropped
+    assert calibration.samples(1) == 0
+    calibration.observe(1, predicted_s=1.0, actual_s=0.5, now=200.0)
+    assert calibration.ratio(1, 0.9, now=200.0) is None and calibration.samples(1) == 1  # 1 < min_samples
+    with pytest.raises(ValueError, match="max_age_s"):
+        TtftCalibration(max_age_s=0.0)

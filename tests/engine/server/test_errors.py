@@ -174,3 +174,22 @@ def test_concurrency_limit_is_429(fake_engine, spans):
         app.state.server.in_flight = 1
         error = _error(client.post("/v1/chat/completions", json=chat_body()), 429)
         assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (chat_body(service_tier="g" * 100_000), "service_tier"),
+    ({"model": "fake-model", "messages": [{"role": "r" * 100_000, "content": "x"}]}, "messages[0].role"),
+])  # fmt: skip
+def test_an_echoed_bad_value_is_clipped(client, body, param):
+    """msgspec's message quotes the bad value whole ("Invalid enum value '<2 MB>'"): the 400's body and the
+    engine's log line grew with it. The message keeps its first 256 characters and the field's path."""
+    error = _error(client.post("/v1/chat/completions", json=body), 400)
+    value = body.get("service_tier") or body["messages"][0]["role"]
+    assert error["param"] == param
+    whole = f"Invalid enum value '{value}'"  # 100,021 characters before the path
+    assert error["message"] == f"{whole[:256]}…[+99765 chars] - at `$.{param}`"
+
+
+def test_a_huge_unknown_model_name_is_clipped_in_the_404(client):
+    error = _error(client.post("/v1/chat/completions", json={**chat_body(), "model": "m" * 100_000}), 404)
+    assert error["message"] == f"The model `{'m' * 256}…[+99744 chars]` does not exist."

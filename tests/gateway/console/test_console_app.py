@@ -174,6 +174,29 @@ def test_what_the_console_shows_is_what_metrics_and_the_log_say(keyed: tuple[Gat
     assert [(a["state"], a["value"]) for a in down] == [("ok", 1.0)]
 
 
+@pytest.mark.parametrize(
+    "query",
+    [
+        "requests?limit=nan",
+        "requests?limit=inf",
+        "requests?limit=1e400",
+        "requests?slower_than=nan",
+        "requests?slower_than=inf",
+        "overview?since=nan",
+        "overview?since=-inf",
+    ],
+)
+def test_a_number_parameter_that_is_not_finite_is_a_400(
+    keyed: tuple[GatewayThread, Path], query: str
+) -> None:
+    """``limit=nan`` made ``int()`` raise (a 500); every number a console endpoint reads must be finite."""
+    gateway, _ = keyed
+    admin = httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN}"})
+    name = query.split("?")[1].split("=")[0]
+    response = admin.get(f"/console/api/{query}")
+    assert (response.status_code, response.json()["error"]["param"]) == (400, name)
+
+
 def test_static_files_are_the_packages(keyed: tuple[GatewayThread, Path]) -> None:
     url = keyed[0].url + "/console/static/"
     for name, media in (
