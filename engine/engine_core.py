@@ -323,7 +323,7 @@ class EngineCore:
                 children[0].schedule_class[0], self.admission.quantile, now=self.scheduler.clock()
             )
         refusal = self.admission.decide(
-            request.service_tier, prediction.seconds, prediction.requests_ahead, ratio
+            request.service_tier, prediction.seconds, prediction.requests_ahead, ratio, prediction.running
         )
         if refusal is not None:
             raise AdmissionRefusedError(refusal)

@@ -82,7 +82,7 @@ def _keys_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvscope keys", description="Manage gateway API keys.", formatter_class=HelpFormatter
     )
-    sub = p.add_subparsers(dest="action", required=True)
+    sub = p.add_subparsers(dest="action", required=True, metavar="{create}", title="actions")
     create = sub.add_parser(
         "create", help="make a new key; prints it once with its config line", formatter_class=HelpFormatter
     )

@@ -9,7 +9,8 @@ request).
 
 Admission (off unless a tier has a TTFT objective): a request whose predicted time to first token
 (engine/core/ttft.py) exceeds its tier's objective is refused before it is queued, with the prediction in
-the reason and a Retry-After of the seconds the queue would need to drain to meet it.
+the reason and a Retry-After of the seconds the queue would need to drain to meet it; never on an engine with
+nothing running and nothing ahead of it (no wait to avoid: refusing could not help it).
 """
 
 from __future__ import annotations
@@ -167,13 +168,17 @@ class AdmissionConfig:
         predicted_ttft_s: float | None,
         requests_ahead: int,
         error_ratio: float | None = None,
+        running: int | None = None,
     ) -> Refusal | None:
         """The refusal of a request of ``tier`` predicted to wait ``predicted_ttft_s`` for its first token
         (None: no prediction yet, never refused), or None to admit it. ``error_ratio``: the tier's recent
         actual/predicted ratio at :attr:`quantile` (TtftCalibration.ratio; None: too few yet); the
-        prediction times it is held against the objective."""
+        prediction times it is held against the objective. ``running``: requests running now (None: not
+        known); with none running and none ahead the request is admitted whatever its prediction: that is its
+        own prefill, which no retry shortens (a prompt too long for the objective would otherwise be refused
+        forever, with a Retry-After that cannot come true)."""
         slo = self.ttft_slo_s.get(tier)
-        if slo is None or predicted_ttft_s is None:
+        if slo is None or predicted_ttft_s is None or (running == 0 and requests_ahead == 0):
             return None
         bound = None if error_ratio is None else predicted_ttft_s * error_ratio
         if (predicted_ttft_s if bound is None else bound) <= slo:

@@ -123,8 +123,9 @@ def choose_format(
     if cpu_kernels and "gguf" in candidates and fused_rows >= 1:
         best = "gguf"
         reason = (
-            f"kvscope's CPU kernels run gguf's decode step (fused up to {fused_rows} rows, where the int4 "
-            f"kernel beats the dense one), which the matmul probe does not time; {probe}"
+            f"kvscope's CPU kernels run gguf's decode step (the probe's int4 kernel beats the dense one up "
+            f"to {fused_rows} rows; the fused step's own row limit is timed on the model at start-up), "
+            f"which the matmul probe does not time; {probe}"
         )
     else:
         reason = f"fastest verified format by {probe}"

@@ -18,6 +18,7 @@ from kvscope.engine.core.admission import AdmissionConfig, Refusal
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.errors import AdmissionRefusedError
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.testing.wait import async_wait_until
 from tests.engine.spec_distribution import build_tiny_model
 
 LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
@@ -131,7 +132,8 @@ def test_admission_refuses_by_the_prediction_before_queueing(tiny_dir: Path, sch
     engine = _engine(tiny_dir, AdmissionConfig({"default": 0.5, "priority": 200.0}))
 
     async def main() -> None:
-        holder, first = await _queued(engine, "holder", [1, 2, 3], SHORT, "flex")  # flex: no objective
+        holder, first = await _queued(engine, "holder", [1, 2, 3], LONG, "flex")  # flex: no objective
+        await async_wait_until(lambda: "holder" in scheduled, 60, "the holder running")  # not just queued
         assert first is not None and first >= 1.0  # its own prefill step: one (scripted) second
         with pytest.raises(AdmissionRefusedError) as refused:
             await _queued(engine, "refused", [4, 5, 6], SHORT)
@@ -143,7 +145,7 @@ def test_admission_refuses_by_the_prediction_before_queueing(tiny_dir: Path, sch
         urgent, predicted_urgent = await _queued(engine, "urgent", [7, 8, 9], SHORT, "priority")
         batch, predicted_batch = await _queued(engine, "batch", [10, 11, 12], SHORT, "flex")
         assert predicted_urgent is not None and predicted_batch is not None
-        assert await asyncio.gather(holder, urgent, batch) == [4, 4, 4]
+        assert await asyncio.gather(holder, urgent, batch) == [120, 4, 4]
 
     try:
         asyncio.run(main())
@@ -152,22 +154,42 @@ def test_admission_refuses_by_the_prediction_before_queueing(tiny_dir: Path, sch
     assert "refused" not in scheduled
 
 
+def test_an_idle_engine_admits_a_request_whatever_its_prediction(tiny_dir: Path, scheduled) -> None:
+    """Nothing running, nothing ahead: the prediction (one scripted second, over the 0.5 s objective) is the
+    request's own prefill, which no retry would shorten; it is served, not refused forever."""
+    engine = _engine(tiny_dir, AdmissionConfig({"default": 0.5}))
+
+    async def main() -> None:
+        task, predicted = await _queued(engine, "alone", [4, 5, 6], SHORT)
+        assert predicted is not None and predicted >= 1.0 and await task == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert "alone" in scheduled
+
+
 def test_admission_scales_the_prediction_by_the_tiers_recent_errors(tiny_dir: Path, scheduled) -> None:
+    # the flex holder keeps the engine busy and is preempted for a default request: its own prefill, one
+    # scripted second, is within 2.5 s; at 3x, not
     engine = _engine(tiny_dir, AdmissionConfig({"default": 2.5}, quantile=0.9))
     calibration = engine.core.scheduler.ttft_calibration
     for _ in range(calibration.min_samples):  # tier default (rank 1) ran 3x its predictions lately
         calibration.observe(1, predicted_s=1.0, actual_s=3.0)
 
     async def main() -> None:
+        holder, _ = await _queued(engine, "holder", [1, 2, 3], LONG, "flex")  # no objective
+        await async_wait_until(lambda: "holder" in scheduled, 60, "the holder running")  # not just queued
         with pytest.raises(AdmissionRefusedError) as refused:
             await _queued(engine, "refused", [4, 5, 6], SHORT)
         refusal: Refusal = refused.value.refusal
         assert refusal.bound_s == pytest.approx(3.0 * refusal.predicted_ttft_s)
-        assert refusal.quantile == 0.9 and refusal.predicted_ttft_s >= 1.0  # its own prefill step: 1 s
+        assert refusal.quantile == 0.9 and refusal.predicted_ttft_s >= 1.0  # one scripted step
         assert "at the 90th percentile of recent errors" in refusal.message
         # priority has no ratios yet (and no objective): queued on its bare prediction
         urgent, predicted = await _queued(engine, "urgent", [7, 8, 9], SHORT, "priority")
-        assert predicted is not None and await urgent == 4
+        assert predicted is not None and await asyncio.gather(holder, urgent) == [120, 4]
 
     try:
         asyncio.run(main())
@@ -177,9 +199,10 @@ def test_admission_scales_the_prediction_by_the_tiers_recent_errors(tiny_dir: Pa
 
 
 def test_a_tier_refused_by_old_errors_is_admitted_once_they_age_out(tiny_dir: Path, scheduled) -> None:
-    """Refused requests add no ratio, so a tier whose recent ratios refuse even an idle engine's requests
-    would be refused forever (Retry-After 1, every time); a tier without a first token for ``max_age_s``
-    starts afresh."""
+    """Refused requests add no ratio, so a tier whose recent ratios refuse its requests would be refused
+    until the engine is idle again, whatever its load then; a tier without a first token for ``max_age_s``
+    starts afresh. (The flex holder keeps the engine busy; a default request's own prefill, one scripted
+    second, is within 2.5 s, not at 3x.)"""
     engine = _engine(tiny_dir, AdmissionConfig({"default": 2.5}, quantile=0.9))
     calibration = engine.core.scheduler.ttft_calibration
     long_ago = time.monotonic() - calibration.max_age_s - 1.0
@@ -187,8 +210,10 @@ def test_a_tier_refused_by_old_errors_is_admitted_once_they_age_out(tiny_dir: Pa
         calibration.observe(1, predicted_s=1.0, actual_s=3.0, now=long_ago)
 
     async def main() -> None:
+        holder, _ = await _queued(engine, "holder", [1, 2, 3], LONG, "flex")  # no objective
+        await async_wait_until(lambda: "holder" in scheduled, 60, "the holder running")  # not just queued
         task, predicted = await _queued(engine, "admitted", [4, 5, 6], SHORT)
-        assert predicted is not None and await task == 4
+        assert predicted is not None and await asyncio.gather(holder, task) == [120, 4]
 
     try:
         asyncio.run(main())

@@ -168,8 +168,9 @@ def test_gguf_wins_where_the_cpu_kernels_run_its_decode_step() -> None:
     assert (picked.format, picked.dtype, picked.quantization) == ("gguf", "bfloat16", "gguf")
     assert picked.scores == by_probe.scores
     assert picked.reason == (
-        "kvscope's CPU kernels run gguf's decode step (fused up to 2 rows, where the int4 kernel beats the "
-        "dense one), which the matmul probe does not time; the start-up probe (cost vs float32, geometric "
+        "kvscope's CPU kernels run gguf's decode step (the probe's int4 kernel beats the dense one up to 2 "
+        "rows; the fused step's own row limit is timed on the model at start-up), which the matmul probe "
+        "does not time; the start-up probe (cost vs float32, geometric "
         "mean over 7 batch sizes: float32 1.00, bfloat16 0.54, int8 0.49, gguf 0.49); verified: float32, "
         "bfloat16, int8, gguf (test table)"
     )

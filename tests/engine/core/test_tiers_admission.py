@@ -161,6 +161,10 @@ def test_admission_holds_the_prediction_scaled_by_the_tiers_error_quantile() -> 
     assert near is not None and near.message.startswith("predicted time to first token 0.53 s exceeds")
     assert config.decide("flex", 70.0, 12, error_ratio=0.8) is None  # over-predicting tier: 56 s
     assert config.decide("flex", 50.0, 12) is None  # no ratio yet: the prediction itself
+    # nothing running, nothing ahead: its own prefill, which no retry shortens; admitted
+    assert config.decide("flex", 90.0, 0, error_ratio=1.25, running=0) is None
+    assert config.decide("flex", 90.0, 0, error_ratio=1.25, running=1) is not None  # waiting can help
+    assert config.decide("flex", 90.0, 1, error_ratio=1.25, running=0) is not None
     assert config.decide("flex", None, 12, error_ratio=2.0) is None
     for bad in (0.0, -0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="quantile"):
