@@ -43,6 +43,8 @@ class RecordRing:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.records: deque[LogRecord] = deque(maxlen=capacity)
+        self.appended = 0
+        """Records kept so far (a version: the request list's cached answers are stale once it moves)."""
         self.spec_draft_tokens = 0.0
         self.spec_accepted_tokens = 0.0
         self.preemptions: dict[str, float] = {}
@@ -55,6 +57,7 @@ class RecordRing:
         """Keep ``record`` (the oldest goes when full) and add its speculative and preemption counts. Never
         raises: a record without those fields adds nothing."""
         self.records.append(record)
+        self.appended += 1
         engine = dotted(record, "kvscope", "engine")
         if not isinstance(engine, dict):
             return

@@ -49,6 +49,10 @@ PREFIX = "/console"
 OVERVIEW_BODIES = 8
 """Encoded overview answers kept per tick (by ``since``: an open page asks with the newest point it has, so
 every page open since the last tick shares one or two)."""
+REQUESTS_BODIES = 16
+"""Encoded request-list answers kept until the next record (by filters and limit: every open requests page
+polls every 2 s, and pages with the same filters share one answer instead of each rebuilding up to
+:data:`MAX_ROWS` rows on the event loop)."""
 PAGES = ("/console", "/console/requests", "/console/health")
 MAX_ROWS = 1000
 STATIC_TYPES = {
@@ -106,6 +110,33 @@ class Console:
     ticks (an open page asks once a second, the sampler ticks every 2 s) get the same bytes."""
     overview_tick: int = -1
     """``series.added`` when ``overview_bodies`` was filled."""
+    requests_bodies: dict[tuple[Any, ...], bytes] = field(default_factory=dict)
+    """The encoded ``/console/api/requests`` answers since the last record, by filters and limit (at most
+    :data:`REQUESTS_BODIES`)."""
+    requests_version: int = -1
+    """``records.appended`` when ``requests_bodies`` was filled."""
+
+    def requests_body(self, wanted: RecordFilter, limit: int) -> bytes:
+        """The request list's answer: the newest kept records' rows that pass ``wanted``, newest first, at
+        most ``limit``; encoded once per filter until a record is added."""
+        if self.requests_version != self.records.appended:
+            self.requests_bodies.clear()
+            self.requests_version = self.records.appended
+        key = (wanted, limit)
+        body = self.requests_bodies.get(key)
+        if body is None:
+            kept = list(self.records.records)
+            rows = [summary(r) for r in reversed(kept) if wanted.matches(r)][:limit]
+            answer = {
+                "rows": rows,
+                "kept": len(kept),
+                "capacity": self.records.capacity,
+                "facets": facets(kept),
+            }
+            body = msgspec.json.encode(answer)
+            if len(self.requests_bodies) < REQUESTS_BODIES:
+                self.requests_bodies[key] = body
+        return body
 
     def overview_body(self, since: float | None) -> bytes:
         """The overview answer (JSON) for the points after ``since`` (epoch seconds; None: all kept)."""
@@ -326,11 +357,7 @@ def requests(request: Request) -> Response:
     limit_n = MAX_ROWS if limit is None else int(limit)
     if not 1 <= limit_n <= MAX_ROWS:
         raise InvalidRequest(f"limit must be 1 to {MAX_ROWS}.", param="limit")
-    kept = list(console.records.records)
-    rows = [summary(r) for r in reversed(kept) if wanted.matches(r)][:limit_n]
-    return _json(
-        {"rows": rows, "kept": len(kept), "capacity": console.records.capacity, "facets": facets(kept)}
-    )
+    return _json(console.requests_body(wanted, limit_n))
 
 
 @get("/console/api/requests/{event_id:str}", sync_to_thread=False, include_in_schema=False)

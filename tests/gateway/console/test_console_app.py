@@ -15,7 +15,8 @@ import pytest
 
 from kvscope.gateway.app import create_app
 from kvscope.gateway.auth import hash_key
-from kvscope.gateway.console.routes import OVERVIEW_BODIES
+from kvscope.gateway.console.records import RecordFilter
+from kvscope.gateway.console.routes import OVERVIEW_BODIES, REQUESTS_BODIES
 from kvscope.gateway.logs.why import explain
 from kvscope.gateway.settings import load_settings
 from kvscope.testing.harness import GatewayThread, LoopThread, metric_samples, read_log, start_fake_thread
@@ -272,6 +273,37 @@ def test_the_polls_between_two_ticks_get_the_same_encoded_answer() -> None:
     for since in range(20):  # whatever a client asks, at most OVERVIEW_BODIES answers are kept
         console.overview_body(float(since))
     assert len(console.overview_bodies) == OVERVIEW_BODIES == 8
+
+
+def test_request_list_polls_between_two_records_get_the_same_encoded_answer() -> None:
+    console = create_app(load_settings(None, {"upstreams": [{"url": "http://a"}]}, env={})).state.console
+    ring = console.records
+
+    def record(i: int, model: str) -> dict:
+        return {
+            "event": {"id": f"e{i}"},
+            "http": {"request": {"id": f"r{i}"}, "response": {"status_code": 200}},
+            "gen_ai": {"request": {"model": model}},
+        }
+
+    ring.emit(record(1, "a"))
+    ring.emit(record(2, "b"))
+    every, only_a = RecordFilter(), RecordFilter(model="a")
+    first = console.requests_body(every, 1000)
+    assert console.requests_body(every, 1000) is first  # not built again
+    assert [r["request_id"] for r in msgspec.json.decode(first)["rows"]] == ["r2", "r1"]
+    assert [r["request_id"] for r in msgspec.json.decode(console.requests_body(only_a, 1000))["rows"]] == [
+        "r1"
+    ]
+    assert [r["request_id"] for r in msgspec.json.decode(console.requests_body(every, 1))["rows"]] == ["r2"]
+    ring.emit(record(3, "a"))  # a new record: new answers
+    assert [r["request_id"] for r in msgspec.json.decode(console.requests_body(only_a, 1000))["rows"]] == [
+        "r3",
+        "r1",
+    ]
+    for limit in range(1, 40):  # whatever clients ask, at most REQUESTS_BODIES answers are kept
+        console.requests_body(every, limit)
+    assert len(console.requests_bodies) == REQUESTS_BODIES == 16
 
 
 def test_rate_limit_refusals_and_content_logging(loop: LoopThread, tmp_path: Path) -> None:
