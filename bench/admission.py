@@ -17,7 +17,8 @@ admission on: interactive TTFT p99 within its objective, goodput >= 90 % of capa
 Retry-After and a prediction, the predictor's median error <= 25 %.
 
 Usage: python -P bench/admission.py [--model smollm2-135m] [--duration 300] [--capacity-s 60]
-           [--overload 2] [--ttft-slo priority=2,flex=60] [--interactive-share 0.5] [--max-num-seqs 8]
+           [--overload 2] [--ttft-slo priority=2,flex=60] [--ttft-slo-quantile Q] [--interactive-share 0.5]
+           [--max-num-seqs 8]
            [--port 8123] [--json admission.json]
 A benchmark, not a test: it starts its own engine (``kvscope engine``) per phase and takes the machine for
 ~2 x duration + capacity-s; its numbers go to docs/benchmarks.md.
@@ -262,6 +263,8 @@ def start_engine(args: argparse.Namespace, ttft_slo: str | None) -> subprocess.P
     command += ["--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs)]
     if ttft_slo:
         command += ["--ttft-slo", ttft_slo]
+        if args.ttft_slo_quantile is not None:
+            command += ["--ttft-slo-quantile", str(args.ttft_slo_quantile)]
     process = subprocess.Popen(command)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -299,6 +302,9 @@ def main() -> None:
     parser.add_argument("--capacity-s", type=float, default=60.0)
     parser.add_argument("--overload", type=float, default=2.0, help="x the sustainable request rate")
     parser.add_argument("--ttft-slo", default="priority=2,flex=60")
+    parser.add_argument(
+        "--ttft-slo-quantile", type=float, default=None, help="the engine's (default: the engine's default)"
+    )
     parser.add_argument("--interactive-share", type=float, default=0.5)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--port", type=int, default=8123)
