@@ -47,6 +47,8 @@ EXPECTED = {
     "kvscope_engine_stream_errors": ("counter", ("model", "reason")),
     "kvscope_engine_requests_shed": ("counter", ("model", "reason", "tier")),
     "kvscope_engine_ttft_prediction_error_ratio": ("histogram", ("model",)),
+    "kvscope_engine_tier_queue_time_seconds": ("histogram", ("model", "tier")),
+    "kvscope_engine_tier_time_to_first_token_seconds": ("histogram", ("model", "tier")),
     "kvscope_engine_structured_output_requests": ("counter", ("kind", "model")),
     "kvscope_engine_structured_output_compile_seconds": ("histogram", ("model",)),
     "kvscope_engine_structured_output_mask_seconds": ("histogram", ("model",)),
