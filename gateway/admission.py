@@ -24,17 +24,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from litestar import Request
 
-from kvscope.common.openai_errors import context_length_message
+from kvscope.common.openai_errors import clip, context_length_message
 from kvscope.gateway.auth import Principal
 from kvscope.gateway.body import read_body
 from kvscope.gateway.context import RequestContext, context_of
-from kvscope.gateway.errors import (
-    ContextLengthExceeded,
-    InvalidRequest,
-    ModelNotFound,
-    UpstreamUnavailable,
-    clip,
-)
+from kvscope.gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UpstreamUnavailable
 from kvscope.gateway.proxy.plan import ProxyPlan
 from kvscope.gateway.ratelimit_middleware import lease_of
 from kvscope.gateway.routing.prefix import (

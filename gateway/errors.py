@@ -171,18 +171,6 @@ class RetryableFailure(Exception):
         return math.inf
 
 
-MAX_ECHOED_CHARS = 256
-"""Longest client-supplied string (a model name) echoed in an error message or a log field."""
-
-
-def clip(value: str | None, limit: int = MAX_ECHOED_CHARS) -> str | None:
-    """``value`` cut to ``limit`` characters (marked with ``…[+N chars]``), so a client cannot make one log
-    line or error body megabytes long by sending a huge model name or User-Agent."""
-    if value is None or len(value) <= limit:
-        return value
-    return f"{value[:limit]}…[+{len(value) - limit} chars]"
-
-
 def upstream_error_object(status: int, body: bytes) -> tuple[dict[str, Any], bool]:
     """(the OpenAI error object, whether the body already was one) of an upstream's non-2xx answer: its own
     ``error`` object when the body is JSON holding one, else the body's text (first 1,000 characters) wrapped

@@ -15,9 +15,10 @@ from litestar import Request, Response, get, route
 from litestar.types import ASGIApp, Method
 from prometheus_client.exposition import choose_encoder
 
+from kvscope.common.openai_errors import clip
 from kvscope.gateway.admission import CHAT, COMPLETION, Operation, admit
 from kvscope.gateway.context import context_of
-from kvscope.gateway.errors import AuthenticationFailed, ModelNotFound, NotFound, PermissionDenied, clip
+from kvscope.gateway.errors import AuthenticationFailed, ModelNotFound, NotFound, PermissionDenied
 from kvscope.gateway.guards import authenticated, names_operation, only, principal_of
 from kvscope.gateway.proxy.call import ProxyCall
 from kvscope.gateway.proxy.passthrough import forwardable, passthrough

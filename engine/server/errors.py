@@ -19,6 +19,7 @@ from litestar.exceptions import HTTPException
 from kvscope.common.openai_errors import (
     INVALID_JSON,
     INVALID_VALUE,
+    clip,
     context_length_message,
     default_code,
     error_type,
@@ -71,25 +72,11 @@ def bad_request(message: str, param: str | None = None, code: str = INVALID_VALU
     return OpenAIError(400, message, param=param, code=code)
 
 
-MAX_MESSAGE_CHARS = 256
-"""Characters of a client's string echoed in an error: a model name, a validation message before its
-`` - at `$.path` `` (msgspec quotes a bad enum value whole: a 2 MB ``service_tier`` made a 2 MB answer and
-a 4 MB log line)."""
-
-
 def model_not_found(name: str) -> OpenAIError:
-    """404 ``model_not_found`` naming the model asked for (its first :data:`MAX_MESSAGE_CHARS` characters)."""
+    """404 ``model_not_found`` naming the model asked for (its first ``MAX_ECHOED_CHARS`` characters)."""
     return OpenAIError(
-        404, f"The model `{_clip(name)}` does not exist.", param="model", code="model_not_found"
+        404, f"The model `{clip(name)}` does not exist.", param="model", code="model_not_found"
     )
-
-
-def _clip(value: str) -> str:
-    """A client's string cut to :data:`MAX_MESSAGE_CHARS` characters, marked ``…[+N chars]`` (as the
-    gateway's errors.clip), so no request makes an error body or log line megabytes long."""
-    if len(value) <= MAX_MESSAGE_CHARS:
-        return value
-    return f"{value[:MAX_MESSAGE_CHARS]}…[+{len(value) - MAX_MESSAGE_CHARS} chars]"
 
 
 def from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
@@ -107,10 +94,10 @@ def from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
 
 
 def _clipped(message: str) -> str:
-    """``message`` with what precedes its `` - at `$.path` `` tail cut by :func:`_clip`."""
+    """``message`` with what precedes its `` - at `$.path` `` tail cut by ``clip``."""
     head, sep, path = message.rpartition(" - at `")
     head, tail = (head, sep + path) if sep else (message, "")
-    return _clip(head) + tail
+    return f"{clip(head)}{tail}"
 
 
 def from_engine(

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from kvscope.common.openai_errors import clip
 from kvscope.gateway.engines.section import engine_section
-from kvscope.gateway.errors import clip
 from kvscope.gateway.logs.genai_messages import input_messages, output_messages
 from kvscope.gateway.logs.sink import LogRecord
 

@@ -26,6 +26,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 
+from kvscope.common.openai_errors import clip
 from kvscope.gateway.auth import TENANT_HEADER, Principal
 from kvscope.gateway.body import read_body
 from kvscope.gateway.context import context_of
@@ -34,7 +35,6 @@ from kvscope.gateway.errors import (
     NotFound,
     PermissionDenied,
     UpstreamUnavailable,
-    clip,
     upstream_error_object,
     upstream_gateway_error,
 )

@@ -55,6 +55,18 @@ INVALID_JSON = "invalid_json"
 """The ``code`` of a 400 whose body is not JSON (both servers)."""
 
 
+MAX_ECHOED_CHARS = 256
+"""Longest client-supplied string (a model name, a bad value) echoed in an error message or a log field."""
+
+
+def clip(value: str | None, limit: int = MAX_ECHOED_CHARS) -> str | None:
+    """``value`` cut to ``limit`` characters (marked with ``…[+N chars]``), so a client cannot make one log
+    line or error body megabytes long by sending a huge model name, value or User-Agent."""
+    if value is None or len(value) <= limit:
+        return value
+    return f"{value[:limit]}…[+{len(value) - limit} chars]"
+
+
 def invalid_json_message(detail: str) -> str:
     """The message of a 400 ``invalid_json`` (``detail``: the decoder's own words)."""
     return f"The request body is not valid JSON: {detail}"
