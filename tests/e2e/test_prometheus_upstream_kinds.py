@@ -34,6 +34,8 @@ MODELS = {"vllm": "vllm-model", "sglang": "sglang-model"}
 """Upstream kind (and the gateway's upstream name) → the model its fake serves."""
 ARTIFACTS = REPO / "test-artifacts" / "dashboards-kinds"
 SCRAPE_S = 1.0
+# 12 tokens 0.25 s apart: ~2.8 s in flight, more than two scrape intervals
+SLOW = {"fake": {"token_delay_s": 0.25}}
 MAY_BE_EMPTY = {
     "kvscope-engine-vllm": {"Draft acceptance rate": "the fake proposes no drafts (counters at 0)"},
     "kvscope-engine-sglang": {},
@@ -120,17 +122,18 @@ def chat(client: httpx.Client, model: str, content: str, stream: bool, **extra: 
 def drive_workload(base: str) -> list[list[int]]:
     """Two rounds, two scrapes apart (a series born inside one scrape interval shows no increase to
     rate()): per model 6 plain and 4 streamed chats, 4 at a time (more than the fakes' 2 slots: some
-    wait); then one request the vLLM fake answers with a 500 and one for a model nobody serves (404), for
-    the overview's error panels."""
+    wait; the first streamed chat of each model stays in flight across two scrapes, so the load-spread
+    panels see requests in flight whatever the machine's speed); then one request the vLLM fake answers
+    with a 500 and one for a model nobody serves (404), for the overview's error panels."""
     rounds: list[list[int]] = []
     with httpx.Client(base_url=base, timeout=60) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
         for _ in range(2):
             calls = [
-                (m, f"Question {i} for {m}: name a colour.", i >= 6)
+                (m, f"Question {i} for {m}: name a colour.", i >= 6, SLOW if i == 6 else {})
                 for m in MODELS.values()
                 for i in range(10)
             ]
-            statuses = list(pool.map(lambda c: chat(client, *c), calls))
+            statuses = list(pool.map(lambda c: chat(client, *c[:3], **c[3]), calls))
             statuses.append(chat(client, MODELS["vllm"], "x", False, fake={"status": 500}))
             statuses.append(chat(client, "no-such-model", "x", False))
             rounds.append(statuses)
