@@ -10,7 +10,7 @@ admission off and on, in one run.
    tenant ``batch``: long prompt, long answer), streamed with usage, each waited for.
 
 Reported per mode: per tier the requests sent, answered, refused (and of those, how many carried a
-Retry-After and the prediction), TTFT p50/p99 of the answered ones and the share within the tier's objective;
+Retry-After and the prediction, and how many were dropped from the queue after admission), TTFT p50/p99 of the answered ones and the share within the tier's objective;
 goodput (output tokens/s of the requests answered within their tier's objective) against the capacity; the
 engine predictor's median |predicted - actual| / actual TTFT over the admitted requests. Issue 42's bar, with
 admission on: interactive TTFT p99 within its objective, goodput >= 90 % of capacity, every refusal with a
@@ -212,6 +212,7 @@ def summarize(
             "refused_with_retry_after_and_prediction": sum(
                 1 for r in refused if r.retry_after and r.kvscope.get("predicted_ttft_s") is not None
             ),
+            "refused_from_queue": sum(1 for r in refused if r.error.startswith("waited ")),
             "failed": len(mine) - len(answered) - len(refused),
             "ttft_p50_s": quantile(ttfts, 0.5),
             "ttft_p99_s": quantile(ttfts, 0.99),
@@ -235,14 +236,15 @@ def summarize(
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     """One line per mode and tier, then one per mode for goodput and the predictor."""
-    lines = ["mode tier      sent answered refused(+RA&pred) TTFT p50 / p99 s  within SLO"]
+    lines = ["mode tier      sent answered refused(+RA&pred, from queue) TTFT p50 / p99 s  within SLO"]
     for mode, result in results.items():
         for tier, t in result["tiers"].items():
             p50, p99 = (f"{v:.2f}" if v is not None else "-" for v in (t["ttft_p50_s"], t["ttft_p99_s"]))
             within = f"{t['within_slo']:.1%}" if t["within_slo"] is not None else "-"
             lines.append(
                 f"{mode:<4} {tier:<9} {t['sent']:>4} {t['answered']:>8} "
-                f"{t['refused']:>7}({t['refused_with_retry_after_and_prediction']}) "
+                f"{t['refused']:>7}({t['refused_with_retry_after_and_prediction']}, "
+                f"{t['refused_from_queue']}) "
                 f"{p50:>8} / {p99:<7} {within}"
             )
     for mode, result in results.items():

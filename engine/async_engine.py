@@ -27,7 +27,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.request import Request
 from kvscope.engine.core.stats import SchedulerStats
 from kvscope.engine.engine_core import DEADLINE_REASON, EngineCore, StepResult
-from kvscope.engine.errors import EngineDeadError
+from kvscope.engine.errors import AdmissionRefusedError, EngineDeadError
 from kvscope.engine.input_processor import EngineRequest
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
@@ -157,11 +157,11 @@ class AsyncEngine:
 
         Raises EngineDeadError when the loop is not running, RequestFailedError when the engine fails the
         request later (DeadlineExceededError: dropped from the queue by its deadline), AdmissionRefusedError
-        when admission refused it. Closing the generator early (client disconnect) aborts the request and
-        frees its KV blocks. ``queued`` (a future of the caller's loop) is resolved once the engine thread
-        took the request: with its predicted time to first token (None: no prediction yet), or with the
-        exception that kept it out (AdmissionRefusedError); the server waits on it before it commits a
-        stream's 200.
+        when admission refused it (at once, or later when it dropped it from the queue overdue). Closing the
+        generator early (client disconnect) aborts the request and frees its KV blocks. ``queued`` (a future
+        of the caller's loop) is resolved once the engine thread took the request: with its predicted time to
+        first token (None: no prediction yet), or with the exception that kept it out
+        (AdmissionRefusedError); the server waits on it before it commits a stream's 200.
         """
         if not self.is_running:
             raise EngineDeadError("the engine step loop is not running")
@@ -234,6 +234,10 @@ class AsyncEngine:
                 continue
             self._deliver_step(result.outputs)
             for output in result.failed:  # a grammar matcher error: the S3 path (an error, never a stop)
+                refusal = result.refused.get(output.request_id)
+                if refusal is not None:  # admission dropped it from the queue: its 503
+                    self._deliver(output.request_id, AdmissionRefusedError(refusal))
+                    continue
                 reason = str(output.outputs[0].finish_reason)
                 error = (
                     GrammarLimitError

@@ -15,6 +15,7 @@ import torch
 from kvscope.common.models.registry import default_served_name
 from kvscope.engine.attention.selector import get_attention_backend
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.admission import Refusal
 from kvscope.engine.core.block_pool import BlockPool
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.request import Request, RequestStatus, child_request_id
@@ -42,6 +43,9 @@ from kvscope.engine.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 DEADLINE_REASON = "deadline exceeded before the first admission"
 """The failure reason of a request dropped from the queue by its deadline (StepResult.failed)."""
+OVERDUE_REASON = "dropped from the queue: its first token could no longer come within its tier's objective"
+"""The failure reason of a request admission dropped from the queue (StepResult.failed; its Refusal is in
+StepResult.refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +104,13 @@ class StepResult:
     """The step's verified drafts (speculative decoding); None in steps without drafts."""
     failed: list[RequestOutput] = field(default_factory=list)
     """Final outputs of the requests this step failed (a grammar matcher error; a deadline that passed
-    while the request waited for its first admission: reason :data:`DEADLINE_REASON`), already finished
-    (FINISHED_ERROR, blocks freed): each choice's ``finish_reason`` is the reason. AsyncEngine answers them as
-    RequestFailedError (an error, never a ``stop``); they are not in ``outputs``."""
+    while the request waited for its first admission: reason :data:`DEADLINE_REASON`; admission dropped it
+    from the queue: :data:`OVERDUE_REASON`), already finished (FINISHED_ERROR, blocks freed): each choice's
+    ``finish_reason`` is the reason. AsyncEngine answers them as RequestFailedError (an error, never a
+    ``stop``), or AdmissionRefusedError for those in :attr:`refused`; they are not in ``outputs``."""
+    refused: dict[str, Refusal] = field(default_factory=dict)
+    """Request id → the refusal of each request admission dropped from the queue this step (its output is
+    in :attr:`failed`)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -174,7 +182,12 @@ class EngineCore:
         self.drafter = NgramDrafter(config.speculative) if config.speculative is not None else None
         """Speculative decoding's draft source (engine/spec_decode); None when it is off."""
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len, drafter=self.drafter
+            config.scheduler,
+            config.cache,
+            self.kv_cache_manager,
+            self.max_model_len,
+            drafter=self.drafter,
+            ttft_objectives=config.admission.ttft_slo_s,
         )
         self.admission = config.admission
         """TTFT objectives per tier (engine/core/admission.py); empty: every request is queued."""
@@ -356,9 +369,11 @@ class EngineCore:
         the step is scheduled and before the model runs."""
         start = time.perf_counter()
         expired = self._expire_waiting()
+        overdue, refused = self._shed_overdue()
+        expired += overdue
         if not self.scheduler.has_unfinished_requests():
             stats = self.scheduler.get_stats()
-            return StepResult(failed=expired, stats=stats, num_waiting=stats.num_waiting)
+            return StepResult(failed=expired, refused=refused, stats=stats, num_waiting=stats.num_waiting)
         scheduler_output = self.scheduler.schedule()
         if on_scheduled is not None:
             now = self.scheduler.get_stats()
@@ -401,6 +416,7 @@ class EngineCore:
             ),
             outputs=outputs,
             failed=failed_outputs,
+            refused=refused,
             stats=stats,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
@@ -420,6 +436,39 @@ class EngineCore:
         return [
             output for parent in sorted(parents) for output in self.abort_request(parent, DEADLINE_REASON)
         ]
+
+    def _shed_overdue(self) -> tuple[list[RequestOutput], dict[str, Refusal]]:
+        """Fail (reason :data:`OVERDUE_REASON`) the requests admission drops from the queue
+        (Scheduler.shed_overdue), with every sibling of theirs, and build each one's Refusal: its wait and
+        earliest first token against its tier's objective, and a Retry-After from the (calibrated)
+        prediction of the same request arriving now."""
+        dropped = self.scheduler.shed_overdue()
+        outputs: list[RequestOutput] = []
+        refused: dict[str, Refusal] = {}
+        for overdue in dropped:
+            request = overdue.request
+            parent = request.parent_id or request.request_id
+            if parent in refused:
+                continue
+            outputs += self.abort_request(parent, OVERDUE_REASON)
+            tier = request.service_tier
+            fresh = self.scheduler.predict_ttft(request).seconds
+            basis = None
+            if fresh is not None:
+                basis = max(fresh - overdue.waited_s, 0.0)
+                ratio = self.scheduler.ttft_calibration.ratio(
+                    request.schedule_class[0], self.admission.quantile, now=self.scheduler.clock()
+                )
+                basis *= 1.0 if ratio is None else ratio
+            refused[parent] = Refusal(
+                tier,
+                overdue.predicted_ttft_s,
+                self.admission.ttft_slo_s[tier],
+                overdue.requests_ahead,
+                waited_s=overdue.waited_s,
+                retry_basis_s=basis,
+            )
+        return outputs, refused
 
     def _grammar_failures(self, runner_output: ModelRunnerOutput) -> dict[str, str]:
         """(Parent) request id → reason of the requests whose grammar matcher failed in this step

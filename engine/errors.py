@@ -36,8 +36,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AdmissionRefusedError(RuntimeError):
-    """Admission (``--ttft-slo``) refused a request before it was queued: its predicted time to first token
-    exceeds its tier's objective (engine/core/admission.py). The server answers 503 with ``Retry-After``."""
+    """Admission (``--ttft-slo``) refused a request before it was queued (its predicted time to first token
+    exceeds its tier's objective), or dropped it from the queue later (its first token could no longer come
+    within it: ``refusal.waited_s`` is set); engine/core/admission.py. The server answers 503 with
+    ``Retry-After``."""
 
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)

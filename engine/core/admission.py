@@ -10,7 +10,12 @@ request).
 Admission (off unless a tier has a TTFT objective): a request whose predicted time to first token
 (engine/core/ttft.py) exceeds its tier's objective is refused before it is queued, with the prediction in
 the reason and a Retry-After of the seconds the queue would need to drain to meet it; never on an engine with
-nothing running and nothing ahead of it (no wait to avoid: refusing could not help it).
+nothing running and nothing ahead of it (no wait to avoid: refusing could not help it). With admission on, a
+tier's objective is also its queue's timeout (HAProxy's ``timeout queue``, the Gateway API Inference
+Extension's sheddable requests): an admitted request that still waits for its first prefill when its first
+token can no longer come within the objective is dropped from the queue with the same 503
+(engine/core/scheduler.py ``shed_overdue``), so no prefill is spent on an answer already late and the requests
+behind it get its place.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ SERVICE_TIERS = {
     "priority": "priority",
 }
 """OpenAI's ``service_tier`` values → kvscope's tier (``auto`` and ``scale`` are served as ``default``)."""
-SHED_REASONS = ("ttft_slo", "deadline")
+SHED_REASONS = ("ttft_slo", "ttft_slo_queued", "deadline")
 """Why a request was refused or dropped before its prefill: its predicted TTFT exceeded its tier's objective
-(a 503 at admission), or its deadline passed while it waited (dropped from the queue)."""
+(a 503 at admission), its first token could no longer come within that objective while it waited (a 503 when
+it is dropped from the queue), or its client's deadline passed while it waited (dropped from the queue)."""
 
 
 def tier_rank(tier: str) -> int:
@@ -89,6 +95,18 @@ class Refusal:
     """The prediction scaled by its tier's recent errors at admission's quantile (``quantile``), what was
     held against the objective; None: the prediction itself was (too few first tokens of the tier yet)."""
     quantile: float | None = None
+    waited_s: float | None = None
+    """Set when the request was dropped from the queue (admitted, then overdue): the seconds it had waited;
+    ``predicted_ttft_s`` is then that wait plus its own first step. None: refused at admission."""
+    retry_basis_s: float | None = None
+    """Set with ``waited_s``: the (scaled) prediction of the same request arriving at the drop, which
+    Retry-After is computed from (the dropped request's own figure says only that it was late)."""
+
+    @property
+    def reason(self) -> str:
+        """``ttft_slo`` (refused at admission) or ``ttft_slo_queued`` (dropped from the queue): the
+        ``reason`` label of ``kvscope_engine_requests_shed_total`` (:data:`SHED_REASONS`)."""
+        return "ttft_slo" if self.waited_s is None else "ttft_slo_queued"
 
     @property
     def decided_on_s(self) -> float:
@@ -97,15 +115,18 @@ class Refusal:
 
     @property
     def retry_after_s(self) -> int:
-        """Whole seconds until the queue would have drained enough to meet the objective (at least 1)."""
-        return max(1, math.ceil(self.decided_on_s - self.slo_s))
+        """Whole seconds until the queue would have drained enough to meet the objective (at least 1): from
+        :attr:`retry_basis_s` for a request dropped from the queue, else from :attr:`decided_on_s`."""
+        basis = self.decided_on_s if self.retry_basis_s is None else self.retry_basis_s
+        return max(1, math.ceil(basis - self.slo_s))
 
     @property
     def message(self) -> str:
         """The refusal in words, e.g. ``predicted time to first token 7.8 s exceeds the 2 s objective of tier
         default; 41 requests ahead``, or with calibration ``predicted time to first token 41.0 s (58.3 s at
         the 90th percentile of recent errors) exceeds the 45 s objective of tier flex; 12 requests
-        ahead``."""
+        ahead``; dropped from the queue ``waited 58.2 s in the queue; predicted time to first token 60.4 s
+        exceeds the 60 s objective of tier flex; 3 requests ahead``."""
         calibrated = ""
         if self.bound_s is not None and self.quantile is not None:
             calibrated = (
@@ -113,8 +134,9 @@ class Refusal:
                 "recent errors)"
             )
         predicted = _over(self.predicted_ttft_s, self.slo_s)
+        waited = "" if self.waited_s is None else f"waited {self.waited_s:.1f} s in the queue; "
         return (
-            f"predicted time to first token {predicted} s{calibrated} exceeds the "
+            f"{waited}predicted time to first token {predicted} s{calibrated} exceeds the "
             f"{self.slo_s:g} s objective of tier {self.tier}; {self.requests_ahead} "
             f"{'request' if self.requests_ahead == 1 else 'requests'} ahead"
         )

@@ -23,14 +23,15 @@ one class; while waiting requests of a better tier find no free running slot, th
 a deferrable tier (``flex``) are preempted for them. Each new request gets a predicted time to first token
 (:meth:`Scheduler.predict_ttft`, engine/core/ttft.py) from the queues and the step-time model the scheduler
 fits on its own step records; a request whose deadline passes while it still waits for its first admission
-is dropped before any prefill (:meth:`Scheduler.expire_waiting`).
+is dropped before any prefill (:meth:`Scheduler.expire_waiting`), and so is one whose first token can no
+longer come within its tier's objective when admission is on (:meth:`Scheduler.shed_overdue`).
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvscope.engine.config import CacheConfig, SchedulerConfig
@@ -106,6 +107,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         drafter: Drafter | None = None,
         step_time: StepTime | None = None,
+        ttft_objectives: Mapping[str, float] | None = None,
     ) -> None:
         capacity = kv_cache_manager.block_pool.num_blocks * kv_cache_manager.block_size
         if max_model_len < 1:
@@ -148,6 +150,12 @@ class Scheduler:
         starts there)."""
         self._deadlines: list[tuple[float, str]] = []
         """(deadline, request id) of waiting requests with a deadline, a heap (finished ones left in it)."""
+        self.ttft_objectives: Mapping[str, float] = dict(ttft_objectives or {})
+        """Tier → TTFT objective (s) of admission (``--ttft-slo``): a waiting request of such a tier is
+        dropped once its first token can no longer come within it (:meth:`shed_overdue`); empty: never."""
+        self._overdue_at: list[tuple[float, str]] = []
+        """(arrival + objective, request id) of the waiting requests of a tier with an objective, a heap
+        (finished and admitted ones left in it)."""
 
     # ---- request lifecycle -------------------------------------------------------------------------------
 
@@ -180,6 +188,9 @@ class Scheduler:
         request.stats.service_tier = request.service_tier
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+        objective = self.ttft_objectives.get(request.service_tier)
+        if objective is not None:
+            heapq.heappush(self._overdue_at, (request.arrival_time + objective, request.request_id))
         request.stats.attribution.on_arrival(len(self.waiting), len(self.running), self._blocked_steps)
         self.arrivals.observe(
             request.schedule_class[0],
@@ -302,6 +313,68 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ABORTED, now)
             expired.append(request)
         return expired
+
+    def shed_overdue(self) -> list[Overdue]:
+        """Drop the waiting requests, never admitted yet, of a tier with an objective
+        (:attr:`ttft_objectives`) whose first token can no longer come within it: the time since their
+        arrival plus the steps of their own prefill (the prompt the prefix cache does not hold, in chunks of
+        the step's limits, each priced by :attr:`step_time` beside the running batch; nothing while it has
+        no fit) exceeds the objective, and that prefill alone does not (such a request was admitted on an
+        idle engine, where no wait could be avoided). Finished FINISHED_ABORTED before any prefill; returns
+        them with their figures, in the order found (the engine answers them with admission's 503). A request
+        admitted once (scheduled, even if preempted since) is left to finish. Cost: O(log n) per request
+        queued, plus the few whose objective ends within one full prefill step of now, examined per step."""
+        if not self._overdue_at:
+            return []
+        now = self.clock()
+        horizon = self._first_steps_s(self.scheduler_config.max_num_batched_tokens)
+        dropped: list[Overdue] = []
+        kept: list[tuple[float, str]] = []
+        while self._overdue_at and self._overdue_at[0][0] <= now + horizon:
+            entry = heapq.heappop(self._overdue_at)
+            request = self.requests.get(entry[1])
+            if request is None or request.status != RequestStatus.WAITING or request.num_cached_tokens >= 0:
+                continue
+            _, hit = self.kv_cache_manager.get_computed_blocks(request)
+            own_s = self._first_steps_s(request.num_tokens - hit)
+            if own_s >= self.ttft_objectives[request.service_tier]:
+                continue  # late even on an idle engine: admitted idle (no wait to avoid), so it runs
+            if now + own_s <= entry[0]:
+                kept.append(entry)
+                continue
+            cls = request.schedule_class
+            position = self.waiting.position(request)
+            ahead = sum(
+                1
+                for _, group in self.waiting.groups()
+                for r in group
+                if r.schedule_class < cls or (r.schedule_class == cls and self.waiting.position(r) < position)
+            )
+            waited = max(now - request.arrival_time, 0.0)
+            self._finish(request, RequestStatus.FINISHED_ABORTED, now)
+            dropped.append(Overdue(request, waited, waited + own_s, ahead))
+        for entry in kept:
+            heapq.heappush(self._overdue_at, entry)
+        return dropped
+
+    def _first_steps_s(self, prefill_tokens: int) -> float:
+        """Seconds of the steps that compute ``prefill_tokens`` prompt tokens beside the running batch's
+        decodes, in chunks of ``long_prefill_token_threshold`` (else ``max_num_batched_tokens``); 0 while
+        :attr:`step_time` has no fit."""
+        config = self.scheduler_config
+        chunk = config.max_num_batched_tokens
+        if config.long_prefill_token_threshold > 0:
+            chunk = min(chunk, config.long_prefill_token_threshold)
+        rows = len(self.running)
+        context = sum(r.num_computed_tokens for r in self.running)
+        left, seconds = max(prefill_tokens, 1), 0.0
+        while left > 0:
+            step = self.step_time.predict(min(left, chunk), rows, context)
+            if step is None:
+                return 0.0
+            seconds += step
+            left -= chunk
+        return seconds
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish each known request with FINISHED_ABORTED; returns those that were still unfinished."""
@@ -708,6 +781,19 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
         if self.drafter is not None:
             self.drafter.drop(request.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Overdue:
+    """A request :meth:`Scheduler.shed_overdue` dropped from the queue."""
+
+    request: Request
+    waited_s: float
+    """Arrival → the drop."""
+    predicted_ttft_s: float
+    """``waited_s`` plus its own prefill's steps: the earliest first token it could still have had."""
+    requests_ahead: int
+    """Waiting requests that would have been admitted before it."""
 
 
 @dataclass(slots=True)

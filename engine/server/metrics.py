@@ -273,7 +273,8 @@ class EngineMetrics:
         self.requests_shed = Counter(
             "kvscope_engine_requests_shed",
             "Requests refused at admission (reason ttft_slo: predicted TTFT over the tier's objective, a "
-            "503) or dropped from the queue before their prefill (reason deadline: x-kvscope-timeout "
+            "503) or dropped from the queue before their prefill (reason ttft_slo_queued: their first token "
+            "could no longer come within that objective, a 503; reason deadline: x-kvscope-timeout "
             "passed), by service tier.",
             ["model", "tier", "reason"],
             registry=r,

@@ -33,11 +33,12 @@ from kvscope.engine.server.generation import (
     KEEPALIVE,
     ClientDisconnected,
     GenerationRun,
+    Signal,
     wait_for_disconnect,
 )
 from kvscope.engine.server.metrics import STREAM_ERROR_REASONS
 from kvscope.engine.server.request_state import Outcome, RequestState
-from kvscope.engine.server.scheduling import Schedule, refusal_error
+from kvscope.engine.server.scheduling import Schedule, refusal_error, refusal_stats
 from kvscope.engine.server.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEResponse, data_event, error_event
 from kvscope.engine.server.state import ServerState
 
@@ -188,11 +189,45 @@ async def admit_job(job: Job) -> None:
         await job.run.queued()
     except AdmissionRefusedError as exc:
         error = refusal_error(exc.refusal)
-        job.rs.refused = error.kvscope
-        job.state.metrics.on_shed(exc.refusal.tier, "ttft_slo")
+        _count_shed(job, exc)
         finish_job(job, Outcome("error", error.status, error.type, error.message, phase="queued"))
         job.run.close()
         raise error from None
+
+
+def holds_headers(job: Job) -> bool:
+    """Whether a stream's 200 waits for its first output (:func:`first_output`): with admission on, for a
+    tier with an objective, which admission may still drop from the queue with a 503 (engine/core/
+    admission.py); the wait is bounded by that objective."""
+    admission = job.state.engine.admission
+    return admission.enabled and job.rs.service_tier in admission.ttft_slo_s
+
+
+async def first_output(job: Job) -> tuple[int, RequestOutput] | Signal | None:
+    """Wait for the job's first output before a stream's 200 (:func:`holds_headers`), so that a request
+    admission drops from the queue gets its 503 with Retry-After, as a refusal at admission does, and not an
+    error event inside a 200. Returns the output (or DONE) for :func:`respond_stream` to send first; None
+    when the client left meanwhile (the job is finished and closed). Raises the OpenAIError of a failure
+    (:func:`failure_error`), the job finished and closed."""
+    watcher = asyncio.ensure_future(wait_for_disconnect(job.request.receive))
+    try:
+        return await job.run.next(None, watcher)
+    except ClientDisconnected:
+        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_REQUEST, phase=job.run.phase()))
+        job.run.close()
+        return None
+    except Exception as exc:  # noqa: BLE001 - answered as OpenAI error JSON
+        error = failure_error(exc, job.rs.params)
+        _count_shed(job, exc)
+        finish_job(job, Outcome("error", error.status, error.type, error.message, phase=job.run.phase()))
+        job.run.close()
+        raise error from exc
+    except asyncio.CancelledError:
+        finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_REQUEST, phase=job.run.phase()))
+        job.run.close()
+        raise
+    finally:
+        watcher.cancel()
 
 
 def tenant_of(request: Request) -> str | None:
@@ -273,9 +308,14 @@ def failure_error(exc: BaseException, params: SamplingParams | None = None) -> O
     return OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
 
 
-def _count_deadline(job: Job, exc: BaseException) -> None:
-    """A request the engine dropped from its queue by its deadline counts as shed (reason ``deadline``)."""
-    if isinstance(exc, DeadlineExceededError):
+def _count_shed(job: Job, exc: BaseException) -> None:
+    """A request refused by admission, or dropped from the engine's queue by admission or by its deadline,
+    counts as shed (``kvscope_engine_requests_shed_total``, reason ``ttft_slo``, ``ttft_slo_queued`` or
+    ``deadline``); a refusal's figures become the request's ``kvscope`` object."""
+    if isinstance(exc, AdmissionRefusedError):
+        job.rs.refused = refusal_stats(exc.refusal)
+        job.state.metrics.on_shed(exc.refusal.tier, exc.refusal.reason)
+    elif isinstance(exc, DeadlineExceededError):
         job.state.metrics.on_shed(job.rs.service_tier, "deadline")
 
 
@@ -284,7 +324,7 @@ def stream_error_reason(exc: BaseException, error: OpenAIError) -> str | None:
     broke after its 200, ``error`` being :func:`failure_error` of it: None for the client's own error (a
     4xx such as ``invalid_request_error``: not the engine's failure), ``injected_fault`` for
     ``x-kvscope-fault``, else the error's code when it is a known reason, else ``internal_error``."""
-    if error.status < 500 or isinstance(exc, DeadlineExceededError):  # the client's deadline: a shed
+    if error.status < 500 or isinstance(exc, (DeadlineExceededError, AdmissionRefusedError)):  # a shed
         return None
     if isinstance(exc, RequestFailedError) and exc.reason == FAULT_REASON:
         return "injected_fault"
@@ -306,7 +346,7 @@ async def respond_json(job: Job, formatter: Formatter) -> Response:
         return Response(content=b"", status_code=CLIENT_CLOSED_REQUEST)
     except Exception as exc:  # noqa: BLE001 - answered as OpenAI error JSON
         error = failure_error(exc, job.rs.params)
-        _count_deadline(job, exc)
+        _count_shed(job, exc)
         finish_job(job, Outcome("error", error.status, error.type, error.message, phase=job.run.phase()))
         raise error from exc
     except asyncio.CancelledError:
@@ -320,8 +360,14 @@ async def respond_json(job: Job, formatter: Formatter) -> Response:
     return Response(content=msgspec.json.encode(body), status_code=200, media_type="application/json")
 
 
-def respond_stream(job: Job, formatter: Formatter, include_usage: bool) -> SSEResponse:
-    return SSEResponse(_events(job, formatter, include_usage), on_close=lambda: _abandon(job))
+def respond_stream(
+    job: Job,
+    formatter: Formatter,
+    include_usage: bool,
+    first: tuple[int, RequestOutput] | Signal | None = None,
+) -> SSEResponse:
+    """The SSE response of a stream; ``first``: its first output, already taken (:func:`first_output`)."""
+    return SSEResponse(_events(job, formatter, include_usage, first), on_close=lambda: _abandon(job))
 
 
 def _abandon(job: Job) -> None:
@@ -340,11 +386,14 @@ def check_complete(job: Job) -> None:
             )
 
 
-async def _events(job: Job, formatter: Formatter, include_usage: bool):
+async def _events(
+    job: Job, formatter: Formatter, include_usage: bool, first: tuple[int, RequestOutput] | Signal | None
+):
     keepalive_s = job.state.settings.sse_keepalive_s
     outcome: Outcome | None = None
     try:
-        while (item := await job.run.next(keepalive_s)) is not DONE:
+        while (item := first or await job.run.next(keepalive_s)) is not DONE:
+            first = None
             if item is KEEPALIVE:
                 yield KEEPALIVE_EVENT
                 continue
@@ -360,7 +409,7 @@ async def _events(job: Job, formatter: Formatter, include_usage: bool):
         raise
     except Exception as exc:  # noqa: BLE001 - after the 200 errors go in-band
         error = failure_error(exc, job.rs.params)
-        _count_deadline(job, exc)
+        _count_shed(job, exc)
         outcome = Outcome("error", 200, error.type, error.message, phase=job.run.phase())
         if (reason := stream_error_reason(exc, error)) is not None:  # the availability SLO counts it
             job.state.metrics.on_stream_error(reason)

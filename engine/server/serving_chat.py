@@ -8,6 +8,7 @@ import time
 from litestar import Request, Response
 from msgspec import UNSET
 
+from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
 from kvscope.engine.async_engine import RequestFailedError
 from kvscope.engine.errors import InvalidParameterError
 from kvscope.engine.outputs import RequestOutput
@@ -31,6 +32,8 @@ from kvscope.engine.server.serving import (
     admit,
     admit_job,
     check_model,
+    first_output,
+    holds_headers,
     process_prompts,
     respond_json,
     respond_stream,
@@ -75,7 +78,10 @@ async def create_chat_completion(
     formatter = ChatFormatter(*args)
     formatter = ToolChatFormatter(formatter, mode) if mode.active else formatter
     if req.stream:
-        return respond_stream(job, formatter, include_usage)
+        first = await first_output(job) if holds_headers(job) else None
+        if job.rs.finished:  # the client left while its 200 waited
+            return Response(content=b"", status_code=CLIENT_CLOSED_REQUEST)
+        return respond_stream(job, formatter, include_usage, first)
     return await respond_json(job, formatter)
 
 

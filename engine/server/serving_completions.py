@@ -8,6 +8,7 @@ import time
 from litestar import Request, Response
 from msgspec import UNSET
 
+from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
 from kvscope.engine.async_engine import RequestFailedError
 from kvscope.engine.outputs import RequestOutput, TokenLogprob
 from kvscope.engine.server.errors import bad_request
@@ -26,6 +27,8 @@ from kvscope.engine.server.serving import (
     admit_job,
     check_fan_out,
     check_model,
+    first_output,
+    holds_headers,
     process_prompts,
     respond_json,
     respond_stream,
@@ -80,7 +83,10 @@ async def create_completion(
         job.rs, state.tokenizer, int(time.time()), echo_texts, req.logprobs is not None, include_usage
     )
     if req.stream:
-        return respond_stream(job, formatter, include_usage)
+        first = await first_output(job) if holds_headers(job) else None
+        if job.rs.finished:  # the client left while its 200 waited
+            return Response(content=b"", status_code=CLIENT_CLOSED_REQUEST)
+        return respond_stream(job, formatter, include_usage, first)
     return await respond_json(job, formatter)
 
 

@@ -34,15 +34,18 @@ def test_summary_counts_goodput_refusals_and_the_predictor() -> None:
         _record("priority", 200, 1.0, 32, predicted_ttft_s=1.2, ttft_s=1.0),  # within 2 s, error 0.2
         _record("priority", 200, 3.0, 32, predicted_ttft_s=2.0, ttft_s=2.5),  # late: no goodput; error 0.2
         _record("priority", 503, None, 0, predicted_ttft_s=7.8),  # refused with Retry-After and prediction
+        _record("priority", 503, None, 0, predicted_ttft_s=2.1),  # the same, dropped from the queue
         _record("flex", 200, 40.0, 128, predicted_ttft_s=30.0, ttft_s=40.0),  # within 60 s, error 0.25
         _record("flex", 503, None, 0),  # refused without a prediction (say, another server's 503)
     ]
+    records[3].error = "waited 1.9 s in the queue; predicted time to first token 2.1 s exceeds the 2 s …"
     summary = bench.summarize(records, {"priority": 2.0, "flex": 60.0}, capacity_tok_s=2.0, seconds=100.0)
     assert summary["tiers"]["priority"] == {
-        "sent": 3,
+        "sent": 4,
         "answered": 2,
-        "refused": 1,
-        "refused_with_retry_after_and_prediction": 1,
+        "refused": 2,
+        "refused_with_retry_after_and_prediction": 2,
+        "refused_from_queue": 1,
         "failed": 0,
         "ttft_p50_s": 1.0,  # nearest rank
         "ttft_p99_s": 3.0,
@@ -54,5 +57,5 @@ def test_summary_counts_goodput_refusals_and_the_predictor() -> None:
     assert summary["goodput_of_capacity"] == 0.8
     assert (summary["prediction_error_median"], summary["predicted_requests"]) == (0.2, 3)
     lines = bench.table({"on": summary})
-    assert lines[1].split() == ["on", "flex", "2", "1", "1(0)", "40.00", "/", "40.00", "100.0%"]
+    assert lines[1].split() == ["on", "flex", "2", "1", "1(0,", "0)", "40.00", "/", "40.00", "100.0%"]
     assert lines[-1] == "on: goodput 1.6 tok/s (80.0% of capacity); predictor median |error| 20.0% over 3"

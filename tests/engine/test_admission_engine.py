@@ -220,3 +220,61 @@ def test_a_tier_refused_by_old_errors_is_admitted_once_they_age_out(tiny_dir: Pa
     finally:
         engine.stop()
     assert "admitted" in scheduled and calibration.samples(1) == 1
+
+
+class MillisecondPerStep(SecondPerStep):
+    """A scripted step-time model far more optimistic than the slowed steps below: 1 ms a step."""
+
+    def predict(self, prefill_tokens: int, decode_rows: int, context_tokens: int) -> float | None:
+        return 0.001
+
+
+def test_an_admitted_request_that_can_no_longer_be_on_time_is_dropped_with_a_refusal(
+    tiny_dir: Path, scheduled
+) -> None:
+    """Predicted at ~0.12 s (120 scripted 1 ms steps ahead), the flex request is admitted under its 1 s
+    objective; each real step takes 20 ms, so the holder's 120 steps outlast the objective and the request
+    is dropped from the queue before any prefill, with a refusal that says how long it waited."""
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_dir), dtype="float32"),
+        num_threads=1,
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=1),
+        admission=AdmissionConfig({"flex": 1.0}),
+    )
+    engine = AsyncEngine(config)
+    engine.core.scheduler.step_time = MillisecondPerStep()
+    execute = engine.core.runner.execute
+
+    def slow_execute(scheduler_output):
+        time.sleep(0.02)
+        return execute(scheduler_output)
+
+    engine.core.runner.execute = slow_execute
+    engine.start()
+
+    async def main() -> None:
+        holder, _ = await _queued(engine, "holder", [1, 2, 3], LONG)  # tier default: no objective
+        await async_wait_until(lambda: "holder" in scheduled, 60, "the holder running")
+        late, predicted = await _queued(engine, "late", [4, 5, 6], SHORT, "flex")
+        assert predicted is not None and predicted < 1.0  # admitted
+        with pytest.raises(AdmissionRefusedError) as dropped:
+            await late
+        refusal: Refusal = dropped.value.refusal
+        assert (refusal.tier, refusal.slo_s, refusal.requests_ahead, refusal.reason) == (
+            "flex",
+            1.0,
+            0,
+            "ttft_slo_queued",
+        )
+        assert refusal.waited_s is not None and 0.99 <= refusal.waited_s <= refusal.predicted_ttft_s
+        assert refusal.predicted_ttft_s > 1.0
+        assert refusal.retry_after_s == 1  # a request like it arriving now: ~0.1 s predicted
+        assert refusal.message.startswith(f"waited {refusal.waited_s:.1f} s in the queue; predicted")
+        assert await holder == 120
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert "late" not in scheduled

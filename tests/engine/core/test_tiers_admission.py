@@ -225,3 +225,79 @@ def test_a_disconnected_clients_queued_request_never_reaches_prefill() -> None:
     assert [r.request_id for r in sched.abort_requests(["gone"])] == ["gone"]  # the server's abort
     scheduled = [request_id for steps in _admission_order(sched) for request_id in steps]
     assert scheduled == ["r0", "r0", "stays"]
+
+
+class HalfSecondPlus:
+    """Scripted step time: 0.5 s plus 10 ms per prefill token."""
+
+    def observe(self, prefill_tokens: int, decode_rows: int, context_tokens: int, seconds: float) -> None:
+        pass
+
+    def predict(self, prefill_tokens: int, decode_rows: int, context_tokens: int) -> float | None:
+        return 0.5 + 0.01 * prefill_tokens
+
+
+def _overdue_scheduler(clock: FakeClock, objectives: dict[str, float]) -> Scheduler:
+    """One running slot held by a long default-tier request, admission's objectives set, scripted steps."""
+    sched = make_scheduler(max_num_seqs=1, clock=clock, long_prefill_token_threshold=4)
+    sched.step_time = HalfSecondPlus()
+    sched.ttft_objectives = objectives
+    _add(sched, "holder", max_tokens=100)
+    step(sched)
+    return sched
+
+
+def test_a_queued_request_whose_first_token_can_no_longer_be_on_time_is_dropped() -> None:
+    """Each 8-token prompt needs two 4-token chunks: 2 x (0.5 + 0.04) = 1.08 s of its own steps. With a 10 s
+    objective the request arriving at 100 is kept while now + 1.08 <= 110 and dropped after."""
+    clock = FakeClock()
+    sched = _overdue_scheduler(clock, {"flex": 10.0})
+    first = _add(sched, "first", tier="flex")
+    clock.now = 101.0
+    second = _add(sched, "second", tier="flex")
+    _add(sched, "untimed", tier="default")  # no objective for its tier: never dropped
+    clock.now = 108.92
+    assert sched.shed_overdue() == []
+    clock.now = 108.93
+    [dropped] = sched.shed_overdue()
+    assert dropped.request is first and first.status == RequestStatus.FINISHED_ABORTED
+    assert (dropped.waited_s, dropped.predicted_ttft_s, dropped.requests_ahead) == pytest.approx(
+        (8.93, 10.01, 1)
+    )  # "untimed" (tier default) is admitted before flex
+    assert "first" not in sched.requests and sched.shed_overdue() == []
+    clock.now = 109.93
+    assert [d.request for d in sched.shed_overdue()] == [second]
+    clock.now = 500.0
+    assert sched.shed_overdue() == []
+    assert "untimed" in sched.requests
+
+
+def test_a_request_admitted_once_or_late_even_when_idle_is_never_dropped() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(max_num_seqs=1, clock=clock, long_prefill_token_threshold=4)
+    sched.step_time = HalfSecondPlus()
+    sched.ttft_objectives = {"flex": 10.0, "default": 1.0}
+    admitted = _add(sched, "admitted", tier="flex", max_tokens=100)
+    step(sched)  # its first chunk: admitted once
+    hopeless = _add(sched, "hopeless")  # its own 1.08 s of prefill exceed its tier's 1 s
+    clock.now += 1000.0
+    assert sched.shed_overdue() == []
+    step(sched)  # the flex request is preempted for the better tier's: back to waiting, admitted once
+    assert admitted.status == RequestStatus.PREEMPTED and admitted.num_cached_tokens >= 0
+    assert hopeless.status == RequestStatus.RUNNING
+    clock.now += 1000.0
+    assert sched.shed_overdue() == []
+    assert admitted.request_id in sched.requests
+
+
+def test_without_a_step_time_fit_a_request_is_dropped_once_its_objective_passed() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(max_num_seqs=1, clock=clock)
+    sched.ttft_objectives = {"flex": 5.0}
+    _add(sched, "holder", max_tokens=100)
+    step(sched)
+    late = _add(sched, "late", tier="flex")
+    clock.now += 5.0
+    assert sched.shed_overdue() == []
+    clock.now += 0.001
+    assert [d.request for d in sched.shed_overdue()] == [late]

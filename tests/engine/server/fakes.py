@@ -121,6 +121,9 @@ class FakeEngine:
     """Admission's objectives the server reads (EngineClient.admission)."""
     refusal: Refusal | None = None
     """With admission on: refuse every request with this (AdmissionRefusedError), else queue it."""
+    dropped: Refusal | None = None
+    """Queue every request, then after ``queue_s`` drop it from the queue with this refusal (admission's
+    late 503: AdmissionRefusedError from the stream)."""
     queued_requests: list[EngineRequest] = field(default_factory=list)
     """Every EngineRequest generate() was given, in order (its tier, priority and deadline)."""
     """(proposed, accepted) of the speculative drafts each choice verifies (RequestStats.on_spec_verify)."""
@@ -218,6 +221,8 @@ class FakeEngine:
         for child in children:
             self.core.scheduler.requests[child.request_id] = child
         await self._sleep(self.queue_s, request_id)
+        if self.dropped is not None:
+            raise AdmissionRefusedError(self.dropped)
         now = time.monotonic()
         for child in children:
             child.status = RequestStatus.RUNNING

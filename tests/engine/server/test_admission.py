@@ -214,3 +214,60 @@ def test_chat_responses_say_the_tier_that_served_them(
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert len(chunks) >= 3  # role, content, usage
     assert {chunk.get("service_tier", "absent") for chunk in chunks} == {shown or "absent"}
+
+
+DROPPED = Refusal("flex", 60.4, 60.0, 3, waited_s=58.2, retry_basis_s=71.3)
+"""Admitted, then dropped from the queue: its first token could no longer come within 60 s."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_dropped_from_the_queue_gets_the_refusals_503(
+    client, fake_engine, caplog, stream: bool
+) -> None:
+    """With admission on, a stream's 200 waits for its first output, so a request admission drops from the
+    queue is answered like a refusal at admission: a 503 with Retry-After (from the prediction of the same
+    request arriving now: ceil(71.3 - 60)), never an error event inside a 200."""
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    fake_engine.admission = AdmissionConfig({"flex": 60.0})
+    fake_engine.dropped = DROPPED
+    response = client.post("/v1/chat/completions", json=chat_body(stream=stream, service_tier="flex"))
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "12"
+    body = response.json()
+    assert body["error"] == {
+        "message": "waited 58.2 s in the queue; predicted time to first token 60.4 s exceeds the 60 s "
+        "objective of tier flex; 3 requests ahead",
+        "type": "server_error",
+        "param": None,
+        "code": "ttft_slo_exceeded",
+    }
+    kvscope = {k: v for k, v in body["kvscope"].items() if v is not None}
+    assert kvscope == {"predicted_ttft_s": 60.4, "service_tier": "flex", "queue_ahead": 3}
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert line["http"]["response"]["status_code"] == 503
+    assert line["kvscope"]["outcome"] == "error"
+    assert {k: v for k, v in line["kvscope"]["engine"].items() if v is not None} == kvscope
+    metrics = metric_samples(client.get("/metrics").text)
+    shed = "kvscope_engine_requests_shed_total"
+    assert sample(metrics, shed, model="fake-model", tier="flex", reason="ttft_slo_queued") == 1.0
+    assert sample(metrics, shed, model="fake-model", tier="flex", reason="ttft_slo") == 0.0
+    assert sample(metrics, "kvscope_engine_stream_errors_total", model="fake-model") in (None, 0.0)
+
+
+def test_a_held_stream_sends_what_an_unheld_one_sends(client, fake_engine) -> None:
+    """The 200 of a stream whose tier has an objective waits for the first output, then the stream is the
+    same, chunk for chunk, as with admission off (ids and timestamps aside)."""
+
+    def chunks() -> list[dict]:
+        body = chat_body(
+            max_tokens=5, stream=True, stream_options={"include_usage": True}, service_tier="flex"
+        )
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.text.endswith("data: [DONE]\n\n")
+        parsed = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        return [{k: v for k, v in c.items() if k not in ("id", "created", "kvscope")} for c in parsed]
+
+    unheld = chunks()
+    fake_engine.admission = AdmissionConfig({"flex": 60.0})
+    assert chunks() == unheld and len(unheld) >= 3
