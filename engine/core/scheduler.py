@@ -154,8 +154,9 @@ class Scheduler:
         """Tier → TTFT objective (s) of admission (``--ttft-slo``): a waiting request of such a tier is
         dropped once its first token can no longer come within it (:meth:`shed_overdue`); empty: never."""
         self._overdue_at: list[tuple[float, str]] = []
-        """(arrival + objective, request id) of the waiting requests of a tier with an objective, a heap
-        (finished and admitted ones left in it)."""
+        """(when to look again, request id) of the waiting requests of a tier with an objective, a heap
+        (finished and admitted ones left in it): arrival + objective - the steps of its own prefill, as
+        last estimated."""
 
     # ---- request lifecycle -------------------------------------------------------------------------------
 
@@ -190,7 +191,8 @@ class Scheduler:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         objective = self.ttft_objectives.get(request.service_tier)
         if objective is not None:
-            heapq.heappush(self._overdue_at, (request.arrival_time + objective, request.request_id))
+            own_s = self._first_steps_s(request.num_tokens - request.foreseen_cached_tokens)
+            heapq.heappush(self._overdue_at, (request.arrival_time + objective - own_s, request.request_id))
         request.stats.attribution.on_arrival(len(self.waiting), len(self.running), self._blocked_steps)
         self.arrivals.observe(
             request.schedule_class[0],
@@ -323,24 +325,26 @@ class Scheduler:
         idle engine, where no wait could be avoided). Finished FINISHED_ABORTED before any prefill; returns
         them with their figures, in the order found (the engine answers them with admission's 503). A request
         admitted once (scheduled, even if preempted since) is left to finish. Cost: O(log n) per request
-        queued, plus the few whose objective ends within one full prefill step of now, examined per step."""
+        queued; a request is looked at when its estimated last moment comes (its own prefill estimated when it
+        was queued, then again at each look)."""
         if not self._overdue_at:
             return []
         now = self.clock()
-        horizon = self._first_steps_s(self.scheduler_config.max_num_batched_tokens)
         dropped: list[Overdue] = []
         kept: list[tuple[float, str]] = []
-        while self._overdue_at and self._overdue_at[0][0] <= now + horizon:
-            entry = heapq.heappop(self._overdue_at)
-            request = self.requests.get(entry[1])
+        while self._overdue_at and self._overdue_at[0][0] <= now:
+            _, request_id = heapq.heappop(self._overdue_at)
+            request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.WAITING or request.num_cached_tokens >= 0:
                 continue
+            objective = self.ttft_objectives[request.service_tier]
             _, hit = self.kv_cache_manager.get_computed_blocks(request)
             own_s = self._first_steps_s(request.num_tokens - hit)
-            if own_s >= self.ttft_objectives[request.service_tier]:
+            if own_s >= objective:
                 continue  # late even on an idle engine: admitted idle (no wait to avoid), so it runs
-            if now + own_s <= entry[0]:
-                kept.append(entry)
+            due = request.arrival_time + objective
+            if now + own_s <= due:
+                kept.append((due - own_s, request_id))  # its prefill got cheaper: look again then
                 continue
             cls = request.schedule_class
             position = self.waiting.position(request)

@@ -74,12 +74,14 @@ def _timeout(value: str | None) -> float | None:
 
 
 def refusal_stats(refusal: Refusal) -> KvscopeStats:
-    """The ``kvscope`` object of a refused request: the prediction, its tier and the requests ahead (the
-    fields an admitted request's object has under the same names)."""
+    """The ``kvscope`` object of a refused request: the prediction, its tier and the requests ahead, and for
+    one dropped from the queue its wait as ``queue_s`` (the fields an admitted request's object has under the
+    same names)."""
     return KvscopeStats(
         predicted_ttft_s=refusal.predicted_ttft_s,
         service_tier=refusal.tier,
         queue_ahead=refusal.requests_ahead,
+        queue_s=refusal.waited_s,
     )
 
 

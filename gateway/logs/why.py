@@ -224,9 +224,10 @@ ADMISSION_REFUSED = "ttft_slo_exceeded"
 
 
 def _explain_refusal(record: dict[str, Any]) -> Why:
-    """A request admission refused (503 ``ttft_slo_exceeded``): it never queued, so there is no step to
-    attribute; the prediction it was refused on (``kvscope.engine``: ``predicted_ttft_s``, ``service_tier``,
-    ``queue_ahead``) is what explains it."""
+    """A request admission refused (503 ``ttft_slo_exceeded``): it never reached a prefill, so there is no
+    step to attribute; the prediction it was refused on (``kvscope.engine``: ``predicted_ttft_s``,
+    ``service_tier``, ``queue_ahead``) is what explains it, and for a request dropped from the queue after
+    its admission (``queue_s`` set) its wait there."""
     kv = record.get("kvscope") or {}
     engine = kv.get("engine") or {}
     message = (record.get("error") or {}).get("message")
@@ -235,23 +236,35 @@ def _explain_refusal(record: dict[str, Any]) -> Why:
         engine.get("service_tier"),
         engine.get("queue_ahead"),
     )
-    lines = [
-        f"refused at admission (503 {ADMISSION_REFUSED}): "
-        + (message or "predicted TTFT over the objective"),
-        f"predicted TTFT {_seconds_or(predicted, '?')} in tier {tier or '?'} with {_n(ahead)} requests "
-        "ahead; never queued: no prefill, no decode (the client may retry after its Retry-After)",
-    ]
+    waited = engine.get("queue_s")
+    if waited is None:
+        lines = [
+            f"refused at admission (503 {ADMISSION_REFUSED}): "
+            + (message or "predicted TTFT over the objective"),
+            f"predicted TTFT {_seconds_or(predicted, '?')} in tier {tier or '?'} with {_n(ahead)} requests "
+            "ahead; never queued: no prefill, no decode (the client may retry after its Retry-After)",
+        ]
+        verdict = "admission refusal"
+    else:
+        lines = [
+            f"dropped from the queue by admission (503 {ADMISSION_REFUSED}): "
+            + (message or "its first token could no longer come within the objective"),
+            f"queued {_seconds_or(waited, '?')} in tier {tier or '?'}, then its first token could no longer "
+            f"come within the tier's objective (earliest {_seconds_or(predicted, '?')}; {_n(ahead)} "
+            "requests ahead): no prefill, no decode (the client may retry after its Retry-After)",
+        ]
+        verdict = "dropped from the queue"
     is_gateway = "gateway_overhead_s" in kv
     if is_gateway:
         lines.append(_gateway_line(kv))
     seconds = kv.get("e2e_s") or 0.0
-    lines.append(f"verdict: admission refusal {seconds:.3f} s (100%)")
+    lines.append(f"verdict: {verdict} {seconds:.3f} s (100%)")
     return Why(
         request_id=_dotted(record, "http", "request", "id") or _dotted(record, "gen_ai", "response", "id"),
         trace_id=_dotted(record, "trace", "id"),
         text="\n".join(lines),
-        causes=(("admission refusal", seconds),),
-        verdict="admission refusal",
+        causes=((verdict, seconds),),
+        verdict=verdict,
         engine=engine,
         upstream=kv.get("upstream") if isinstance(kv.get("upstream"), dict) else None,
     )

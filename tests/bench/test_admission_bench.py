@@ -15,7 +15,7 @@ _spec.loader.exec_module(bench)
 
 def test_bodies_carry_the_tier_and_differ_from_the_first_word() -> None:
     one, other = bench.body(bench.INTERACTIVE, 1), bench.body(bench.INTERACTIVE, 2)
-    assert (one["service_tier"], one["max_tokens"], one["ignore_eos"]) == ("priority", 32, True)
+    assert (one["service_tier"], one["max_tokens"], one["ignore_eos"]) == ("priority", 128, True)
     assert len(one["prompt"].split()) == 48 and one["prompt"] != other["prompt"]
     assert bench.body(bench.BATCH, 1)["service_tier"] == "flex"
     assert bench.parse_slos("priority=2,flex=60") == {"priority": 2.0, "flex": 60.0}

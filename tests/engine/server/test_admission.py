@@ -242,7 +242,7 @@ def test_a_request_dropped_from_the_queue_gets_the_refusals_503(
         "code": "ttft_slo_exceeded",
     }
     kvscope = {k: v for k, v in body["kvscope"].items() if v is not None}
-    assert kvscope == {"predicted_ttft_s": 60.4, "service_tier": "flex", "queue_ahead": 3}
+    assert kvscope == {"predicted_ttft_s": 60.4, "service_tier": "flex", "queue_ahead": 3, "queue_s": 58.2}
     [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
     assert line["http"]["response"]["status_code"] == 503
     assert line["kvscope"]["outcome"] == "error"

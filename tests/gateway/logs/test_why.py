@@ -241,3 +241,27 @@ def test_why_explains_an_admission_refusal_by_its_prediction() -> None:
         (("admission refusal", 0.004),),
         "shed-1",
     )
+
+
+def test_why_explains_a_request_dropped_from_the_queue_by_its_wait() -> None:
+    message = (
+        "waited 58.2 s in the queue; predicted time to first token 60.4 s exceeds the 60 s objective of tier "
+        "flex; 3 requests ahead"
+    )
+    record = {
+        "http": {"request": {"id": "shed-2"}, "response": {"status_code": 503}},
+        "error": {"type": "ttft_slo_exceeded", "message": message},
+        "kvscope": {
+            "e2e_s": 58.21,
+            "engine": {"predicted_ttft_s": 60.4, "service_tier": "flex", "queue_ahead": 3, "queue_s": 58.2},
+        },
+    }
+    why = explain(record)
+    assert why.text.splitlines() == [
+        f"dropped from the queue by admission (503 ttft_slo_exceeded): {message}",
+        "queued 58.200 s in tier flex, then its first token could no longer come within the tier's objective "
+        "(earliest 60.400 s; 3 requests ahead): no prefill, no decode (the client may retry after its "
+        "Retry-After)",
+        "verdict: dropped from the queue 58.210 s (100%)",
+    ]
+    assert (why.verdict, why.causes) == ("dropped from the queue", (("dropped from the queue", 58.21),))
