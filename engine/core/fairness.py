@@ -75,6 +75,8 @@ class FairShares:
         self._groups: dict[str, int] = {}
         """Tenant → its active groups."""
         self._tenant_running: dict[str, int] = {}
+        self._started: set[str] = set()
+        """Active groups with a sequence admitted once (it has had, or is about to have, a first token)."""
 
     def added(self, request: Request) -> None:
         """A sequence entered the scheduler. Raises ValueError when its group is active under another tenant
@@ -94,6 +96,7 @@ class FairShares:
     def admitted(self, request: Request) -> None:
         group = request.fairness_key
         self._running[group] = self._running.get(group, 0) + 1
+        self._started.add(group)
         tenant = self._tenant_of[group]
         self._tenant_running[tenant] = self._tenant_running.get(tenant, 0) + 1
 
@@ -107,6 +110,12 @@ class FairShares:
         group = request.fairness_key
         if _decrement(self._unfinished, group) == 0:
             _decrement(self._groups, self._tenant_of.pop(group))
+            self._started.discard(group)
+
+    def started(self, group: str) -> bool:
+        """Whether a sequence of active group ``group`` (one client request: its prompts and ``n`` choices)
+        has been admitted: the client request's first token has come or is on its way."""
+        return group in self._started
 
     def tenant_of(self, group: str) -> str:
         """The tenant key of active group ``group``."""

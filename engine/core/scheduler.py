@@ -324,7 +324,9 @@ class Scheduler:
         no fit) exceeds the objective, and that prefill alone does not (such a request was admitted on an
         idle engine, where no wait could be avoided). Finished FINISHED_ABORTED before any prefill; returns
         them with their figures, in the order found (the engine answers them with admission's 503). A request
-        admitted once (scheduled, even if preempted since) is left to finish. Cost: O(log n) per request
+        admitted once (scheduled, even if preempted since) is left to finish, and so is every prompt and
+        choice of a client request one of whose prompts or choices was (its first token, which the objective
+        is about, has come or is on its way; the server may have sent its 200). Cost: O(log n) per request
         queued; a request is looked at when its estimated last moment comes (its own prefill estimated when it
         was queued, then again at each look)."""
         if not self._overdue_at:
@@ -337,6 +339,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.WAITING or request.num_cached_tokens >= 0:
                 continue
+            if self._shares.started(request.fairness_key):
+                continue  # another prompt or choice of its client request ran: its first token is on time
             objective = self.ttft_objectives[request.service_tier]
             _, hit = self.kv_cache_manager.get_computed_blocks(request)
             own_s = self._first_steps_s(request.num_tokens - hit)

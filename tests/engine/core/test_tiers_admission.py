@@ -21,12 +21,13 @@ def _add(
     tenant: str | None = None,
     max_tokens: int = 1,
     deadline: float | None = None,
+    group: str | None = None,
 ) -> Request:
     request = make_request(
         request_id, prompt(100 * len(sched.requests), 8), max_tokens=max_tokens, eos_token_id=None
     )
     request.service_tier, request.priority, request.deadline = tier, priority, deadline
-    request.fairness_tenant = tenant
+    request.fairness_tenant, request.fairness_group = tenant, group
     request.arrival_time = sched.clock()
     sched.add_request(request)
     return request
@@ -288,6 +289,29 @@ def test_a_request_admitted_once_or_late_even_when_idle_is_never_dropped() -> No
     clock.now += 1000.0
     assert sched.shed_overdue() == []
     assert admitted.request_id in sched.requests
+
+
+def test_a_prompt_of_a_client_request_already_started_is_never_dropped() -> None:
+    """Two slots: the holder and the first prompt of a two-prompt client request (one fairness group, as the
+    server sends a /v1/completions prompt list or ``n`` > 1). Its second prompt waits for a slot past the
+    objective and is kept: the client request's first token came on time (its 200 may be on the wire); a
+    request of its own arriving with it is dropped."""
+    clock = FakeClock()
+    sched = make_scheduler(max_num_seqs=2, clock=clock, long_prefill_token_threshold=4)
+    sched.step_time = HalfSecondPlus()
+    sched.ttft_objectives = {"flex": 10.0}
+    _add(sched, "holder", max_tokens=100)
+    step(sched)
+    first = _add(sched, "cmpl-0", tier="flex", max_tokens=100, group="cmpl")
+    second = _add(sched, "cmpl-1", tier="flex", max_tokens=100, group="cmpl")
+    alone = _add(sched, "alone", tier="flex", max_tokens=100)
+    step(sched)
+    step(sched)  # the first prompt's two chunks: it runs, the other two wait for a slot
+    assert first.status == RequestStatus.RUNNING and first.num_cached_tokens >= 0
+    assert second.status == alone.status == RequestStatus.WAITING
+    clock.now += 1000.0
+    assert [d.request for d in sched.shed_overdue()] == [alone]
+    assert second.status == RequestStatus.WAITING and "cmpl-1" in sched.requests
 
 
 def test_without_a_step_time_fit_a_request_is_dropped_once_its_objective_passed() -> None:
