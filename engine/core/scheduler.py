@@ -29,6 +29,7 @@ longer come within its tier's objective when admission is on (:meth:`Scheduler.s
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -328,11 +329,12 @@ class Scheduler:
         choice of a client request one of whose prompts or choices was (its first token, which the objective
         is about, has come or is on its way; the server may have sent its 200). Cost: O(log n) per request
         queued; a request is looked at when its estimated last moment comes (its own prefill estimated when it
-        was queued, then again at each look)."""
+        was queued, then again at each look); a sweep that drops any sorts the waiting requests once
+        (O(n log n)) to count each one's requests ahead in the queue as it stood."""
         if not self._overdue_at:
             return []
         now = self.clock()
-        dropped: list[Overdue] = []
+        overdue: list[tuple[Request, float]] = []
         kept: list[tuple[float, str]] = []
         while self._overdue_at and self._overdue_at[0][0] <= now:
             _, request_id = heapq.heappop(self._overdue_at)
@@ -350,19 +352,20 @@ class Scheduler:
             if now + own_s <= due:
                 kept.append((due - own_s, request_id))  # its prefill got cheaper: look again then
                 continue
-            cls = request.schedule_class
-            position = self.waiting.position(request)
-            ahead = sum(
-                1
-                for _, group in self.waiting.groups()
-                for r in group
-                if r.schedule_class < cls or (r.schedule_class == cls and self.waiting.position(r) < position)
-            )
+            overdue.append((request, own_s))
+        for entry in kept:
+            heapq.heappush(self._overdue_at, entry)
+        if not overdue:
+            return []
+        order = sorted(  # the waiting requests in admission order, before any of this sweep's drops
+            (r.schedule_class, self.waiting.position(r)) for _, group in self.waiting.groups() for r in group
+        )
+        dropped: list[Overdue] = []
+        for request, own_s in overdue:
+            ahead = bisect.bisect_left(order, (request.schedule_class, self.waiting.position(request)))
             waited = max(now - request.arrival_time, 0.0)
             self._finish(request, RequestStatus.FINISHED_ABORTED, now)
             dropped.append(Overdue(request, waited, waited + own_s, ahead))
-        for entry in kept:
-            heapq.heappush(self._overdue_at, entry)
         return dropped
 
     def _first_steps_s(self, prefill_tokens: int) -> float:

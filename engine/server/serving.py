@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -195,10 +196,16 @@ async def admit_job(job: Job) -> None:
         raise error from None
 
 
+HOLD_GRACE_S = 1.0
+"""How long past its tier's objective a stream's 200 still waits for the first output (:func:`first_output`):
+the engine drops an overdue request at the start of the first step after its last moment, which comes no later
+than the objective, so a step of up to this long still ends in the 503."""
+
+
 def holds_headers(job: Job) -> bool:
     """Whether a stream's 200 waits for its first output (:func:`first_output`): with admission on, for a
     tier with an objective, which admission may still drop from the queue with a 503 (engine/core/
-    admission.py); the wait is bounded by that objective."""
+    admission.py); the wait is bounded by that objective (plus :data:`HOLD_GRACE_S`)."""
     admission = job.state.engine.admission
     return admission.enabled and job.rs.service_tier in admission.ttft_slo_s
 
@@ -206,12 +213,17 @@ def holds_headers(job: Job) -> bool:
 async def first_output(job: Job) -> tuple[int, RequestOutput] | Signal | None:
     """Wait for the job's first output before a stream's 200 (:func:`holds_headers`), so that a request
     admission drops from the queue gets its 503 with Retry-After, as a refusal at admission does, and not an
-    error event inside a 200. Returns the output (or DONE) for :func:`respond_stream` to send first; None
-    when the client left meanwhile (the job is finished and closed). Raises the OpenAIError of a failure
-    (:func:`failure_error`), the job finished and closed."""
+    error event inside a 200. Returns the output (or DONE) for :func:`respond_stream` to send first, or
+    KEEPALIVE once the tier's objective and :data:`HOLD_GRACE_S` have passed since the request's arrival
+    without one (a request admission no longer drops, such as one preempted after its first chunk: the 200
+    goes out with a keep-alive, and the stream goes on as any other); None when the client left meanwhile
+    (the job is finished and closed). Raises the OpenAIError of a failure (:func:`failure_error`), the job
+    finished and closed."""
     watcher = asyncio.ensure_future(wait_for_disconnect(job.request.receive))
+    objective = job.state.engine.admission.ttft_slo_s[job.rs.service_tier]
+    hold_s = max(job.rs.arrival + objective + HOLD_GRACE_S - time.monotonic(), 0.0)
     try:
-        return await job.run.next(None, watcher)
+        return await job.run.next(hold_s, watcher)
     except ClientDisconnected:
         finish_job(job, Outcome("client_disconnected", CLIENT_CLOSED_REQUEST, phase=job.run.phase()))
         job.run.close()

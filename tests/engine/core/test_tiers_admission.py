@@ -273,6 +273,19 @@ def test_a_queued_request_whose_first_token_can_no_longer_be_on_time_is_dropped(
     assert "untimed" in sched.requests
 
 
+def test_requests_dropped_in_one_sweep_count_the_queue_as_it_stood() -> None:
+    """Three flex requests queued together go overdue together: each one's requests ahead are those
+    admitted before it in the queue before the sweep (the default-tier one first, then the earlier flex
+    ones), not what is left after the others were dropped."""
+    clock = FakeClock()
+    sched = _overdue_scheduler(clock, {"flex": 10.0})
+    flex = [_add(sched, f"flex-{i}", tier="flex") for i in range(3)]
+    _add(sched, "untimed", tier="default")
+    clock.now = 200.0
+    dropped = sched.shed_overdue()
+    assert [(d.request, d.requests_ahead) for d in dropped] == [(flex[0], 1), (flex[1], 2), (flex[2], 3)]
+
+
 def test_a_request_admitted_once_or_late_even_when_idle_is_never_dropped() -> None:
     clock = FakeClock()
     sched = make_scheduler(max_num_seqs=1, clock=clock, long_prefill_token_threshold=4)

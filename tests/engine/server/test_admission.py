@@ -271,3 +271,20 @@ def test_a_held_stream_sends_what_an_unheld_one_sends(client, fake_engine) -> No
     unheld = chunks()
     fake_engine.admission = AdmissionConfig({"flex": 60.0})
     assert chunks() == unheld and len(unheld) >= 3
+
+
+def test_a_held_stream_gets_its_200_once_its_objective_has_passed(client, fake_engine, caplog) -> None:
+    """A request admission no longer drops (one preempted after its first chunk) may wait past its objective:
+    its 200 then goes out with a keep-alive once the objective and HOLD_GRACE_S have passed since arrival
+    (0.2 + 1 s, before the fake's 3 s in the queue: timers of one event loop fire in deadline order), and
+    the stream goes on as any other (keep-alives at the test server's interval until the first token)."""
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    fake_engine.admission = AdmissionConfig({"flex": 0.2})
+    fake_engine.queue_s = 3.0
+    body = chat_body(max_tokens=2, stream=True, service_tier="flex")
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.text.startswith(": keep-alive\n\n")  # held without bound: the 200 would come with data
+    assert response.text.endswith("data: [DONE]\n\n")
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert (line["http"]["response"]["status_code"], line["kvscope"]["outcome"]) == (200, "success")
