@@ -1,6 +1,7 @@
 """Edge checks of a generation request, in order, before any upstream sees it:
 
-auth (401, the route's guard: gateway/guards.py) → body size (413) → JSON + schema (400) → unknown model (404
+auth (401, the route's guard: gateway/guards.py) → body size (413) → JSON + schema (400) → the client's
+``x-kvscope-timeout`` (400) → unknown model (404
 ``model_not_found``) → key's models (403) → key's ``max_tokens`` ceiling (400) → context length with the
 model's tokenizer (400 ``context_length_exceeded``) → a healthy replica exists (503) → rate limits (429, the
 lease of gateway/ratelimit_middleware.py). What passes becomes a
@@ -25,7 +26,7 @@ import msgspec
 from litestar import Request
 
 from kvscope.common.openai_errors import clip, context_length_message
-from kvscope.gateway.auth import Principal
+from kvscope.gateway.auth import TIMEOUT_HEADER, Principal
 from kvscope.gateway.body import read_body
 from kvscope.gateway.context import RequestContext, context_of
 from kvscope.gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UpstreamUnavailable
@@ -66,6 +67,7 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
     ctx = context_of(request)
     body = await read_body(request, gw.settings.max_body_bytes)
     raw, req = _parse(gw, ctx, body, op)
+    timeout_s = client_timeout(request.headers.get(TIMEOUT_HEADER))
     _check_model(gw, ctx, principal, req.model)
     ceiling = _check_ceiling(req, principal.limits.max_tokens)
     max_len = gw.pool.max_model_len(req.model)
@@ -97,7 +99,25 @@ async def admit(gw: GatewayState, request: Request, op: Operation, principal: Pr
         expected_choices=req.num_choices(),
         operation=op.name,
         prefix=prefix,
+        timeout_s=timeout_s,
     )
+
+
+def client_timeout(value: str | None) -> float | None:
+    """The client's own ``x-kvscope-timeout`` (seconds from arrival; the engine's header, which a client may
+    send the gateway too): the request's deadline when shorter than the gateway's total timeout (the engine
+    then gets what is left of it and drops the request still queued when it passes). None without one.
+    Raises InvalidRequest (400, ``param`` the header) for anything but a positive finite number, as the
+    engine answers the same header."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds.", param=TIMEOUT_HEADER)
+    return seconds
 
 
 def _parse(

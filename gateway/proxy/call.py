@@ -188,7 +188,10 @@ class ProxyCall:
 
     # --- attempts -----------------------------------------------------------------------------------------
     async def _run(self) -> None:
-        deadline = self.ctx.start + self.gw.settings.timeouts.total_s
+        total_s = self.gw.settings.timeouts.total_s
+        deadline = self.ctx.start + (
+            total_s if self.plan.timeout_s is None else min(total_s, self.plan.timeout_s)
+        )
         tried: list[Replica] = []
         failure: RetryableFailure | None = None
         refusal: RetryableFailure | None = None  # the admission refusal with the shortest Retry-After

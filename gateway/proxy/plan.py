@@ -22,3 +22,6 @@ class ProxyPlan:
     operation: str
     prefix: PromptPrefix | None = None
     """The prompt's blocks for cache-aware routing (None unless the model's policy is cache_aware)."""
+    timeout_s: float | None = None
+    """The client's own ``x-kvscope-timeout`` (s from arrival, gateway/admission.py client_timeout): the
+    request's deadline where shorter than ``timeouts.total_s``; None: the gateway's own."""

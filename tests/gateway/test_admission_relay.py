@@ -129,6 +129,36 @@ def test_the_keys_tier_and_the_time_left_go_to_the_engine(tiered: Stack) -> None
     assert SERVICE_TIER_HEADER not in sent()
 
 
+def test_a_clients_own_shorter_deadline_is_the_requests(tiered: Stack) -> None:
+    """A client's ``x-kvscope-timeout`` shorter than the gateway's total timeout is the request's deadline:
+    the engine gets what is left of it, and the gateway gives up then (504), not at its own 120 s; a longer
+    one changes nothing; anything but a positive number is a 400 naming the header."""
+
+    def sent() -> dict[str, str]:
+        return next(
+            r for r in reversed(tiered.fakes["main"].records) if r.path == "/v1/chat/completions"
+        ).headers
+
+    with tiered.client("limited") as c:
+        assert c.post("/v1/chat/completions", json=CHAT, headers={TIMEOUT_HEADER: "5"}).status_code == 200
+        assert 0.0 < float(sent()[TIMEOUT_HEADER]) <= 5.0
+        assert c.post("/v1/chat/completions", json=CHAT, headers={TIMEOUT_HEADER: "500"}).status_code == 200
+        assert 5.0 < float(sent()[TIMEOUT_HEADER]) <= 120.0
+        held = c.post(
+            "/v1/chat/completions", json={**CHAT, "fake": {"hold": "never"}}, headers={TIMEOUT_HEADER: "0.3"}
+        )
+        assert (held.status_code, held.json()["error"]["code"]) == (504, "upstream_timeout")
+        for bad in ("abc", "0", "-1", "inf", "nan", ""):
+            response = c.post("/v1/chat/completions", json=CHAT, headers={TIMEOUT_HEADER: bad})
+            assert response.status_code == 400, bad
+            assert response.json()["error"] == {
+                "message": "x-kvscope-timeout must be a positive number of seconds.",
+                "type": "invalid_request_error",
+                "param": "x-kvscope-timeout",
+                "code": "invalid_value",
+            }
+
+
 def _shed(retry_after: int | str) -> dict[str, object]:
     return {**SHED, "error_headers": f"Retry-After: {retry_after}"}
 
