@@ -91,14 +91,20 @@ def _keys_parser() -> argparse.ArgumentParser:
     create.add_argument(
         "--admin", action="store_true", help="the key may open the console at /console (docs/console.md)"
     )
+    create.add_argument(
+        "--service-tier",
+        choices=("priority", "default", "flex"),
+        help="the engine tier of the key's requests, their default and the best they get (flex: batch work; "
+        "docs/gateway.md, tier header)",
+    )
     return p
 
 
 def keys_main(argv: list[str]) -> int:
-    """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b] [--admin]`` prints the key (first
-    line, shown only now) and the config entry holding its sha256 (one JSON flow mapping, valid YAML, that
-    carries every restriction and ``admin``). The ``--api-key-hash NAME:SHA256`` alternative is offered only
-    for a key without a model restriction that is not an admin key, since that flag can carry neither.
+    """Entry point of ``kvscope keys``: ``create --name NAME [--models a,b] [--admin] [--service-tier T]``
+    prints the key (first line, shown only now) and the config entry holding its sha256 (one JSON flow
+    mapping, valid YAML, that carries every restriction, ``admin`` and ``service_tier``). The ``--api-key-hash
+    NAME:SHA256`` alternative is offered only for a key with none of them, since that flag can carry none.
     Returns 2 for an invalid name or an empty ``--models`` list."""
     args = _keys_parser().parse_args(argv)
     try:
@@ -116,6 +122,8 @@ def keys_main(argv: list[str]) -> int:
         entry["models"] = models
     if args.admin:
         entry["admin"] = True
+    if args.service_tier is not None:
+        entry["service_tier"] = args.service_tier
     print(key)
     print(
         f"# API key '{args.name}' is shown above only once; store it now. The gateway keeps only its hash.",
@@ -123,10 +131,12 @@ def keys_main(argv: list[str]) -> int:
     )
     print("# add under `api_keys:` in the gateway config:", file=sys.stderr)
     print("- " + json.dumps(entry))
-    if models is None and not args.admin:
+    if models is None and not args.admin and args.service_tier is None:
         print(f"# or pass: --api-key-hash {args.name}:{entry['sha256']}", file=sys.stderr)
     else:
-        what = "the model restriction" if models is not None else "admin"
+        what = (
+            "the model restriction" if models is not None else "admin" if args.admin else "the service tier"
+        )
         print(f"# (no --api-key-hash form: that flag cannot carry {what})", file=sys.stderr)
     return 0
 

@@ -193,6 +193,14 @@ def test_keys_create_offers_the_hash_flag_only_for_unrestricted_keys(
     assert via_flag.api_keys == via_config.api_keys
 
 
+def test_keys_create_carries_the_keys_service_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    key, entry, err = _created(capsys, "--name", "batch", "--service-tier", "flex")
+    assert entry == {"name": "batch", "sha256": hash_key(key), "service_tier": "flex"}
+    assert "(no --api-key-hash form: that flag cannot carry the service tier)" in err
+    settings = load_settings(None, {"upstreams": [{"url": "http://a"}], "api_keys": [entry]}, env={})
+    assert Authenticator(settings.api_keys, KeyLimits()).authenticate(f"Bearer {key}").service_tier == "flex"
+
+
 @pytest.mark.parametrize("name", ["", "ok:colon", "two\nlines", "sp ace", "-dash-first", "x" * 65])
 def test_keys_create_refuses_names_the_gateway_could_not_load(
     name: str, capsys: pytest.CaptureFixture[str]
