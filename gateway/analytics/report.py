@@ -14,7 +14,9 @@ Definitions (the same for both back ends):
   ``kvscope.engine.batch_size_mean``; KV usage p95 over ``kvscope.engine.kv_cache_usage``; preemptions the
   sum of ``kvscope.engine.num_preemptions``;
 - ``--by finish_reason`` counts a request once per finish reason it has (n > 1 choices), like an
-  Elasticsearch ``terms`` aggregation on an array; a missing group value is shown as ``(none)``.
+  Elasticsearch ``terms`` aggregation on an array; a missing group value is shown as ``(none)``;
+- ``--by tier`` groups by the engine's service tier (``kvscope.engine.service_tier``: the tier that served or
+  refused the request; ``(none)`` for requests no engine of ours saw).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ GROUP_FIELDS = {
     "upstream": "server.address",
     "status": "http.response.status_code",
     "finish_reason": "gen_ai.response.finish_reasons",
+    "tier": "kvscope.engine.service_tier",
 }
 ID_FIELDS = {
     "gen_ai.response.id": "response id",

@@ -181,6 +181,24 @@ def test_by_finish_reason_counts_each_reason_and_missing(log_dir):
         assert_row(row.flat(), expected_row(expected[row.group]))
 
 
+def test_by_tier_groups_by_the_engines_service_tier(tmp_path):
+    """``--by tier``: the tier in ``kvscope.engine`` (the one that served or refused the request), ``(none)``
+    where no engine of ours answered."""
+    recs = known_records()
+    served = [r for r in recs if r["kvscope"].get("engine") is not None]
+    for i, r in enumerate(served):
+        r["kvscope"]["engine"]["service_tier"] = ("priority", "default", "flex")[i % 3]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rep = report(tmp_path, by="tier")
+    expected: dict[str, list] = {}
+    for r in recs:
+        expected.setdefault((r["kvscope"].get("engine") or {}).get("service_tier", "(none)"), []).append(r)
+    assert set(expected) == {"priority", "default", "flex", "(none)"}
+    assert {g.group: g.requests for g in rep.groups} == {k: len(v) for k, v in expected.items()}
+    for row in rep.groups:
+        assert_row(row.flat(), expected_row(expected[row.group]))
+
+
 def test_by_status_and_since_window(log_dir):
     recs = [r for r in known_records() if r["@timestamp"] >= "2025-01-01T12:05:00.000Z"]
     now = T0 + timedelta(minutes=15)
