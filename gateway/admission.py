@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from litestar import Request
 
+from kvscope.common.deadline_header import TIMEOUT_HEADER, parse_timeout
 from kvscope.common.openai_errors import clip, context_length_message
-from kvscope.gateway.auth import TIMEOUT_HEADER, Principal
+from kvscope.gateway.auth import Principal
 from kvscope.gateway.body import read_body
 from kvscope.gateway.context import RequestContext, context_of
 from kvscope.gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UpstreamUnavailable
@@ -108,16 +109,11 @@ def client_timeout(value: str | None) -> float | None:
     send the gateway too): the request's deadline when shorter than the gateway's total timeout (the engine
     then gets what is left of it and drops the request still queued when it passes). None without one.
     Raises InvalidRequest (400, ``param`` the header) for anything but a positive finite number, as the
-    engine answers the same header."""
-    if value is None:
-        return None
+    engine answers the same header (kvscope/common/deadline_header.py)."""
     try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not seconds > 0 or math.isinf(seconds):
-        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds.", param=TIMEOUT_HEADER)
-    return seconds
+        return parse_timeout(value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param=TIMEOUT_HEADER) from None
 
 
 def _parse(

@@ -25,9 +25,6 @@ sent, and a client's own header of that name is never forwarded."""
 SERVICE_TIER_HEADER = "x-kvscope-service-tier"
 """Set on the upstream request of a key with a ``service_tier``: the engine's tier of its requests, their
 default and the best they get (engine/server/scheduling.py). A client's own header is never forwarded."""
-TIMEOUT_HEADER = "x-kvscope-timeout"
-"""Set on every upstream request: seconds until this attempt's deadline (the first-token timeout of a
-stream, else the total), so that the engine drops a request still queued then before its prefill."""
 
 
 def generate_key() -> str:

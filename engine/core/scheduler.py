@@ -339,10 +339,10 @@ class Scheduler:
         while self._overdue_at and self._overdue_at[0][0] <= now:
             _, request_id = heapq.heappop(self._overdue_at)
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.WAITING or request.num_cached_tokens >= 0:
+            if request is None or request.status != RequestStatus.WAITING:
                 continue
             if self._shares.started(request.fairness_key):
-                continue  # another prompt or choice of its client request ran: its first token is on time
+                continue  # it, or another prompt or choice of its client request, was admitted: on time
             objective = self.ttft_objectives[request.service_tier]
             _, hit = self.kv_cache_manager.get_computed_blocks(request)
             own_s = self._first_steps_s(request.num_tokens - hit)

@@ -14,11 +14,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from litestar import Request
 
+from kvscope.common.deadline_header import TIMEOUT_HEADER, parse_timeout
 from kvscope.engine.core.admission import DEFAULT_TIER, SERVICE_TIERS, TIER_RANK, TIERS, Refusal
 from kvscope.engine.core.stats import KvscopeStats
 from kvscope.engine.server.errors import OpenAIError, bad_request
@@ -26,8 +26,6 @@ from kvscope.engine.server.protocol import SamplingFields
 
 SERVICE_TIER_HEADER = "x-kvscope-service-tier"
 """The API key's tier, set by the gateway (its ``api_keys[].service_tier``); one of TIERS."""
-TIMEOUT_HEADER = "x-kvscope-timeout"
-"""Seconds from arrival until the caller gives up (a positive number)."""
 SHED_CODE = "ttft_slo_exceeded"
 """The ``code`` of admission's 503 (the gateway recognises it: a refusal is no replica failure)."""
 
@@ -62,15 +60,10 @@ def schedule_of(request: Request, body: SamplingFields) -> Schedule:
 
 
 def _timeout(value: str | None) -> float | None:
-    if value is None:
-        return None
     try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not seconds > 0 or math.isinf(seconds):
-        raise bad_request(f"{TIMEOUT_HEADER} must be a positive number of seconds.", param=TIMEOUT_HEADER)
-    return seconds
+        return parse_timeout(value)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=TIMEOUT_HEADER) from None
 
 
 def refusal_stats(refusal: Refusal) -> KvscopeStats:

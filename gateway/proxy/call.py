@@ -23,8 +23,9 @@ import msgspec
 from litestar.types import Receive, Scope, Send
 from opentelemetry.trace import Span, Status, StatusCode
 
+from kvscope.common.deadline_header import TIMEOUT_HEADER
 from kvscope.common.openai_errors import CLIENT_CLOSED_REQUEST
-from kvscope.gateway.auth import SERVICE_TIER_HEADER, TENANT_HEADER, TIMEOUT_HEADER
+from kvscope.gateway.auth import SERVICE_TIER_HEADER, TENANT_HEADER
 from kvscope.gateway.engines.kinds import parse_kind
 from kvscope.gateway.engines.reports import upstream_report
 from kvscope.gateway.engines.section import stamp

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvscope.common.deadline_header import TIMEOUT_HEADER
 from kvscope.gateway.app import create_app
-from kvscope.gateway.auth import SERVICE_TIER_HEADER, TIMEOUT_HEADER, hash_key
+from kvscope.gateway.auth import SERVICE_TIER_HEADER, hash_key
 from kvscope.gateway.logs.why import explain
 from kvscope.gateway.settings import load_settings
 from kvscope.testing.harness import GatewayThread, LoopThread, records_by_id, start_fake_thread
