@@ -102,9 +102,14 @@ def browser() -> Iterator[Any]:
 
 
 def _wait(driver: Any, condition: Any, timeout: float = 30.0, what: str = "") -> Any:
+    """Poll `condition` until it is truthy; an element the page re-rendered under the poll is read again."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: condition(d), what)
+    wait = WebDriverWait(
+        driver, timeout, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,)
+    )
+    return wait.until(lambda d: condition(d), what)
 
 
 def _by(css: str) -> tuple[str, str]:
@@ -346,12 +351,15 @@ def _check_a_series_that_joins_later(stack: Serve, browser: Any) -> None:
 
 def _check_request_table(stack: Serve, browser: Any) -> None:
     browser.find_element(*_by("nav a[data-page=requests]")).click()
-    rows = _wait(
+    ids = _wait(
         browser,
-        lambda d: len(r := d.find_elements(*_by("#rows tbody tr"))) == len(SENT) and r,
+        lambda d: (
+            len(r := d.find_elements(*_by("#rows tbody tr"))) == len(SENT)
+            and [row.get_attribute("data-request-id") for row in r]
+        ),
         what=f"{len(SENT)} rows",
     )
-    assert sorted(r.get_attribute("data-request-id") for r in rows) == SENT
+    assert sorted(ids) == SENT
     _screenshot(browser, "console-requests.png")
     from selenium.webdriver.support.ui import Select
 
@@ -365,17 +373,18 @@ def _check_request_table(stack: Serve, browser: Any) -> None:
     )
     assert browser.current_url.endswith("/console/requests?status=404")
     (refused,) = [r for r in read_records(stack.log_file) if r["http"]["request"]["id"] == SENT[4]]
-    status = browser.find_element(*_by(f"tr[data-request-id='{SENT[4]}'] td:nth-child(5)"))
-    assert (status.text, status.get_attribute("title")) == ("404", refused["error"]["type"])
+    cell = _by(f"tr[data-request-id='{SENT[4]}'] td:nth-child(5)")
+    status = _wait(
+        browser, lambda d: ((c := d.find_element(*cell)).text, c.get_attribute("title")), what="its status"
+    )
+    assert status == ("404", refused["error"]["type"])
 
 
 def _check_request_page(stack: Serve, browser: Any) -> None:
     (record,) = [r for r in read_records(stack.log_file) if r["http"]["request"]["id"] == SENT[0]]
     browser.get(stack.url + "/console/requests")
-    link = _wait(
-        browser, lambda d: d.find_element(*_by(f"tr[data-request-id='{SENT[0]}'] a")), what="its row"
-    )
-    link.click()
+    row_link = _by(f"tr[data-request-id='{SENT[0]}'] a")
+    _wait(browser, lambda d: d.find_element(*row_link).click() or True, what="its row")
     _wait(browser, lambda d: d.find_elements(*_by("#waterfall .wf-row")), what="the waterfall")
     shown = {
         row.get_attribute("data-field"): float(row.get_attribute("data-seconds"))
@@ -397,11 +406,17 @@ def _check_request_page(stack: Serve, browser: Any) -> None:
 
 def _check_health(stack: Serve, browser: Any) -> None:
     browser.find_element(*_by("nav a[data-page=health]")).click()
-    rows = _wait(browser, lambda d: d.find_elements(*_by("#alerts tbody tr")), what="the alert table")
-    states = {(r.get_attribute("data-alert"), r.get_attribute("data-state")) for r in rows}
+    states = _wait(
+        browser,
+        lambda d: {
+            (r.get_attribute("data-alert"), r.get_attribute("data-state"))
+            for r in d.find_elements(*_by("#alerts tbody tr"))
+        },
+        what="the alert table",
+    )
     assert ("KvscopeUpstreamDown", "ok") in states and ("KvscopeNoHealthyUpstream", "ok") in states
     assert ("KvscopeTargetDown", "not_evaluated") in states
     assert not {s for _, s in states} & {"firing", "pending"}
-    replicas = browser.find_elements(*_by("#replicas tbody tr"))
-    assert len(replicas) == 1 and "healthy" in replicas[0].text
+    replicas = _wait(browser, lambda d: [r.text for r in d.find_elements(*_by("#replicas tbody tr"))] or None)
+    assert len(replicas) == 1 and "healthy" in replicas[0]
     _screenshot(browser, "console-health.png")
