@@ -77,6 +77,8 @@ class RequestStats:
     structured_wait_s: float | None = None
     """Seconds its sampling waited for those masks after the forward pass
     (ModelRunnerOutput.structured_wait_s)."""
+    structured_compile_s: float | None = None
+    """Seconds it waited for its compiled grammar before arrival (GrammarPin.wait_s)."""
     spec_num_drafts: int = 0
     """Speculative decoding: drafts of this request verified (one per verification step that had a draft)."""
     spec_num_draft_tokens: int = 0
@@ -156,6 +158,7 @@ class RequestStats:
             recomputed_tokens=attribution.recomputed_tokens,
             structured_mask_s=self.structured_mask_s,
             structured_wait_s=self.structured_wait_s,
+            structured_compile_s=self.structured_compile_s,
             service_tier=self.service_tier,
         )
         if not self.spec_num_drafts:  # never speculated: the speculative fields stay None
@@ -253,6 +256,9 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         self.stats = RequestStats(arrival_time=self.arrival_time)
+        constraint = self.sampling_params.structured_outputs
+        if constraint is not None:
+            self.stats.structured_compile_s = constraint.pin.wait_s
 
     @property
     def fairness_key(self) -> str:

@@ -143,6 +143,11 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     structured_wait_s: float | None = None
     """Structured output only: seconds its steps' sampling waited for the masks after the forward pass had
     finished (the latency the grammar added). None for unconstrained requests."""
+    structured_compile_s: float | None = None
+    """Structured output only: seconds it waited for its compiled grammar before its arrival in the engine
+    (the compile, a wait behind other compiles, the first compile's grammar-tokenizer build; 0.0 when the
+    grammar was cached). Not part of ``queue_s`` or ``ttft_s``, which start at arrival. None for
+    unconstrained requests."""
     service_tier: str | None = None
     """The tier it was scheduled in: ``priority``, ``default`` or ``flex`` (engine/core/admission.py)."""
     # --- speculative decoding (vLLM's SpecDecodingStats per request). None: it never speculated -------------

@@ -73,6 +73,13 @@ class _Refused(Exception):
     as InvalidParameterError naming its own field."""
 
 
+def _waited(params: StructuredOutputsParams, seconds: float) -> None:
+    """Record on the request's pin how long it waited for its grammar; the first record stays (the engine's
+    own check of an already pinned constraint must not overwrite the server's wait with 0)."""
+    if params.pin.wait_s is None:
+        params.pin.wait_s = seconds
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet validated). A JSON schema is compiled with closed
     objects and bounded numbers (kvscope.engine.structured.schema_bounds), so every answer can end.
@@ -184,13 +191,16 @@ class StructuredOutputManager:
         ``max_grammar_size``, a constraint the matcher cannot serve), CompileBusyError when the compile queue
         is full."""
         if self.lookup(params) is not None:
+            _waited(params, 0.0)
             return 0.0
+        started = time.perf_counter()
         future, mine = self._submit(params)
         try:
             compiled = future.result()
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
+        _waited(params, time.perf_counter() - started)
         return compiled.seconds if mine else 0.0
 
     async def compile_async(self, params: StructuredOutputsParams) -> float:
@@ -198,7 +208,9 @@ class StructuredOutputManager:
         (asyncio's default executor stays free for everything else). Cancelling the wait leaves the compile
         running for the other requests of the same grammar. Same result and errors as :meth:`compile`."""
         if self.lookup(params) is not None:
+            _waited(params, 0.0)
             return 0.0
+        started = time.perf_counter()
         future, mine = self._submit(params)
         try:
             compiled = await asyncio.shield(
@@ -207,6 +219,7 @@ class StructuredOutputManager:
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
+        _waited(params, time.perf_counter() - started)
         return compiled.seconds if mine else 0.0
 
     def _submit(self, params: StructuredOutputsParams) -> tuple[Future[CompiledGrammar], bool]:

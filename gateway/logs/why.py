@@ -8,14 +8,16 @@ Causes, in seconds (each a sum of record fields, so the ranking is reproducible 
 (arrival → first scheduled), ``own prefill`` / ``own decode`` (the token-proportional share of the steps that
 computed the request's own tokens), ``other prefills`` / ``batched decodes`` (the share of those steps spent
 on other requests' prefill tokens / decode tokens), ``preemption`` (time preempted), ``engine host time``
-(what the phases' wall time leaves: work between steps, steps that did not schedule it), the gateway's own
+(what the phases' wall time leaves: work between steps, steps that did not schedule it), ``grammar compile``
+(structured output: the wait for its compiled grammar before it reached the engine's queue), the gateway's own
 phases ``auth``, ``rate limit``, ``tokenize``, ``retry`` (failed attempts before the one that answered) and
 ``gateway other`` (the rest of the gateway's time) — one ``gateway`` cause (``gateway_overhead_s``) for
 records older than ``kvscope.gateway`` — and ``upstream transfer``: the answering attempt's time
 (``upstream_connect_s + upstream_response_s``; older records: ``upstream_s``) the engine did not account for
-(connect, HTTP, network, output streaming). The answering attempt's time to response headers is not a cause of
-its own: the engine's queue, prefill and decode lie inside that attempt (a non-streamed answer's headers come
-after the whole generation), so it is printed, and ranked only as part of ``upstream transfer``.
+(connect, HTTP, network, output streaming; the grammar compile is its own cause). The answering attempt's
+time to response headers is not a cause of its own: the engine's queue, prefill and decode lie inside that
+attempt (a non-streamed answer's headers come after the whole generation), so it is printed, and ranked only
+as part of ``upstream transfer``.
 
 A record from another upstream kind (``kvscope.upstream.kind``: vLLM, SGLang, llama.cpp, TGI, a plain
 OpenAI server) has no step attribution: it is explained from what its line holds (:func:`explain_reported`),
@@ -45,6 +47,7 @@ CAUSE_FIELDS: dict[str, tuple[str, ...]] = {
     "preemption": ("prefill_preempted_s", "decode_preempted_s"),
     "own decode": ("decode_own_s",),
     "engine host time": ("prefill_other_s", "decode_other_s"),
+    "grammar compile": ("structured_compile_s",),
 }
 """Engine causes → the ``kvscope.engine`` fields (seconds) they add up; ``batched decodes`` is the
 interference minus its ``other prefills`` part (the other requests' decode tokens in the same steps)."""
@@ -83,6 +86,8 @@ def rank_causes(engine: dict[str, Any], gateway: dict[str, Any] | None = None) -
     rest = "upstream transfer" if attributed else "upstream unattributed"
     if gateway is not None:
         engine_e2e = sum(engine.get(f) or 0.0 for f in ("queue_s", "prefill_s", "decode_s"))
+        if attributed:  # the grammar's compile precedes the engine's arrival, inside the attempt's time
+            engine_e2e += seconds["grammar compile"]
         phases = gateway.get("gateway")
         if isinstance(phases, dict):
             seconds.update({cause: phases.get(field) or 0.0 for cause, field in GATEWAY_CAUSES.items()})
@@ -304,6 +309,12 @@ def explain(record: dict[str, Any]) -> Why:
             f"preempted {preempt}x for "
             f"{(engine.get('prefill_preempted_s') or 0) + (engine.get('decode_preempted_s') or 0):.3f} s, "
             f"{_n(engine.get('recomputed_tokens'))} tokens recomputed"
+        )
+    if engine.get("structured_compile_s") is not None:
+        compile_s = engine["structured_compile_s"]
+        lines.append(
+            f"grammar compile {compile_s:.3f} s before the engine's queue"
+            + (" (cached)" if compile_s == 0 else "")
         )
     if engine.get("structured_mask_s") is not None:
         lines.append(

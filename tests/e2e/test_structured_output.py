@@ -161,6 +161,44 @@ def test_json_object_and_kvscope_kind(engine):
     assert answer["kvscope"]["structured_output"] == "json_object"
 
 
+def test_the_wait_for_a_new_grammar_is_logged_and_explained(stack, engine):
+    """A new grammar's compile happens on the engine's server before the request reaches the engine's queue:
+    the gateway's log line carries it as ``kvscope.engine.structured_compile_s`` (at least the compile the
+    engine's histogram observed; 0.0 for the same grammar again, now cached) and ``kvscope logs why`` ranks
+    it as ``grammar compile``, not as upstream transfer."""
+    from kvscope.gateway.logs.why import explain
+
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "A code."}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "code", "schema": {"type": "string", "pattern": "^K[0-9]{3}-why$"}},
+        },
+        "temperature": 0,
+        "max_tokens": 12,
+    }
+    lines = []
+    with stack.client() as http:
+        for attempt in ("first", "again"):
+            before = engine.metrics()
+            request_id = f"compile-wait-{attempt}"
+            answer = http.post("/v1/chat/completions", json=body, headers={"x-request-id": request_id})
+            assert answer.status_code == 200, answer.text
+            compiled = engine.metrics()
+            lines.append((stack.gateway_line(request_id), before, compiled))
+    (first, before, after), (again, _, _) = lines
+    compile_s = first["kvscope"]["engine"]["structured_compile_s"]
+    assert delta(before, after, "kvscope_engine_structured_output_compile_seconds_count", model=MODEL) == 1
+    assert compile_s >= delta(
+        before, after, "kvscope_engine_structured_output_compile_seconds_sum", model=MODEL
+    )
+    assert again["kvscope"]["engine"]["structured_compile_s"] == 0.0
+    causes = dict(explain(first).causes)
+    assert causes["grammar compile"] == compile_s
+    assert f"grammar compile {compile_s:.3f} s before the engine's queue" in explain(first).text.splitlines()
+
+
 def test_regex_and_choice_hold_on_100_samples_each(client):
     regex = r"[A-Z][0-9]{3}-[a-z]{2}"
     regex_out = client.completions.create(

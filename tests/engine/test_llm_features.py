@@ -19,6 +19,7 @@ ATTRIBUTION_KEYS = (
     "recomputed_tokens",
     "structured_mask_s",
     "structured_wait_s",
+    "structured_compile_s",
     *(
         f"{phase}_{name}"
         for phase in ("prefill", "decode")

@@ -52,6 +52,7 @@ KEYS = [
     "recomputed_tokens",
     "structured_mask_s",
     "structured_wait_s",
+    "structured_compile_s",
     "service_tier",
     "spec_drafts",
     "spec_draft_tokens",

@@ -89,6 +89,7 @@ def test_usage_chunk_equals_non_streaming_usage_with_n2(client):
             "recomputed_tokens",
             "structured_mask_s",
             "structured_wait_s",
+            "structured_compile_s",
             "spec_drafts",
             "spec_draft_tokens",
             "spec_accepted_tokens",

@@ -192,6 +192,29 @@ def test_explain_names_the_grammar_mask_time_of_a_constrained_request(queued) ->
     )
 
 
+def test_a_grammar_compile_before_the_engine_is_its_own_cause_not_upstream_transfer(queued) -> None:
+    """The wait for a new grammar happens on the engine's server before the request's arrival in the engine,
+    inside the gateway's answering attempt: it is the ``grammar compile`` cause (``structured_compile_s``),
+    and upstream transfer is what is left."""
+    record = _record({**queued, "structured_compile_s": 0.3}, PHASES)
+    kv = record["kvscope"]
+    kv["gateway"]["upstream_response_s"] += 0.3
+    kv["e2e_s"] += 0.3
+    why = explain(record)
+    causes = dict(why.causes)
+    assert causes["grammar compile"] == 0.3
+    assert causes["upstream transfer"] == pytest.approx(TRANSFER)
+    assert sum(causes.values()) == pytest.approx(kv["e2e_s"], abs=1e-9)
+    assert "grammar compile 0.300 s before the engine's queue" in why.text.splitlines()
+    cached = explain(_record({**queued, "structured_compile_s": 0.0}, PHASES))
+    assert "grammar compile 0.000 s before the engine's queue (cached)" in cached.text.splitlines()
+    assert "grammar compile" not in dict(cached.causes)
+    assert dict(cached.causes)["upstream transfer"] == pytest.approx(TRANSFER)
+    assert not any(
+        line.startswith("grammar compile") for line in explain(_record(queued, PHASES)).text.splitlines()
+    )
+
+
 def test_why_counts_read_the_same_from_the_file_as_in_the_console(tmp_path) -> None:
     """The file's numbers come through DuckDB as doubles: the sampled counts said ``1.0 running, 0.0
     waiting`` where the console (the record as logged) said ``1 running, 0 waiting``."""
