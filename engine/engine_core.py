@@ -191,7 +191,7 @@ class EngineCore:
         )
         self.admission = config.admission
         """TTFT objectives per tier (engine/core/admission.py); empty: every request is queued."""
-        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.compile)
+        self.input_processor = InputProcessor(self.max_model_len, self.vocab_size, self.structured.wait_for)
         self.output_processor = OutputProcessor(self.tokenizer)
         fmt = self.load_report.weight_format
         rss, peak_rss = process_memory_bytes()
@@ -329,6 +329,7 @@ class EngineCore:
                     deadline=request.deadline,
                 )
             )
+            children[-1].stats.structured_compile_s = request.structured_compile_s
         prediction = self.scheduler.predict_ttft(children[0])
         ratio = None
         if self.admission.enabled:

@@ -46,6 +46,10 @@ class EngineRequest:
     deadline: float | None = None
     """``time.monotonic()`` seconds after which, if still waiting for its first admission, it is dropped
     before any prefill (DeadlineExceededError); None: none."""
+    structured_compile_s: float | None = None
+    """Structured output only: seconds it waited for its compiled grammar before it entered the engine
+    (0.0: the grammar was pinned or cached); the server sets its own wait, measured before tokenizing. None:
+    no constraint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +61,10 @@ class InputProcessor:
     compile_constraint: Callable[..., float] | None = None
     """Compiles (and caches) a structured-output constraint on the grammar compiler's thread and pins it to
     the constraint the request carries (a no-op when the server already did, StructuredOutputsParams.pin),
-    so no engine step compiles; raises InvalidParameterError naming the field for an unsupported schema
-    keyword, a bad regex/grammar, a grammar above the size limit or one the matcher cannot serve
-    (kvscope.engine.structured.backend.StructuredOutputManager.compile)."""
+    so no engine step compiles, and returns the seconds it waited (0.0 when pinned or cached); raises
+    InvalidParameterError naming the field for an unsupported schema keyword, a bad regex/grammar, a grammar
+    above the size limit or one the matcher cannot serve
+    (kvscope.engine.structured.backend.StructuredOutputManager.wait_for)."""
 
     def process(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
         """The checked request. Raises InvalidParameterError (``param`` = ``prompt``, ``logit_bias``,
@@ -83,6 +88,9 @@ class InputProcessor:
                 f"min_tokens ({params.min_tokens}) exceeds the {left} tokens "
                 f"left in the context ({self.max_model_len} - {num_prompt} prompt tokens).",
             )
+        waited = None
         if params.structured_outputs is not None and self.compile_constraint is not None:
-            self.compile_constraint(params.structured_outputs)
-        return EngineRequest(list(prompt_token_ids), params, params.max_tokens or left, sampling)
+            waited = self.compile_constraint(params.structured_outputs)
+        return EngineRequest(
+            list(prompt_token_ids), params, params.max_tokens or left, sampling, structured_compile_s=waited
+        )

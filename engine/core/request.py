@@ -78,7 +78,7 @@ class RequestStats:
     """Seconds its sampling waited for those masks after the forward pass
     (ModelRunnerOutput.structured_wait_s)."""
     structured_compile_s: float | None = None
-    """Seconds it waited for its compiled grammar before arrival (GrammarPin.wait_s)."""
+    """Seconds it waited for its compiled grammar before arrival (EngineRequest.structured_compile_s)."""
     spec_num_drafts: int = 0
     """Speculative decoding: drafts of this request verified (one per verification step that had a draft)."""
     spec_num_draft_tokens: int = 0
@@ -256,9 +256,6 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         self.stats = RequestStats(arrival_time=self.arrival_time)
-        constraint = self.sampling_params.structured_outputs
-        if constraint is not None:
-            self.stats.structured_compile_s = constraint.pin.wait_s
 
     @property
     def fairness_key(self) -> str:

@@ -64,6 +64,12 @@ class AccessRecord:
         self.server_span: Any = None
         """The request's HTTP SERVER span (engine/server/tracing.py), None for probes and scrapes."""
 
+    @property
+    def received(self) -> float:
+        """``time.monotonic()`` when the server received the request (its ``x-kvscope-timeout`` deadline
+        counts from here)."""
+        return self._start
+
     def set_error(self, type: str, message: str, code: str | int | None = None) -> None:
         self.error = {"type": type, "message": message, **({"code": code} if code is not None else {})}
 

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvscope.engine.core.admission import DEFAULT_TIER
 from kvscope.engine.core.attribution import cause_seconds
 from kvscope.engine.core.request import child_request_id
@@ -80,6 +82,10 @@ class RequestState:
     """The tier it was queued in (engine/server/scheduling.py)."""
     shown_service_tier: str | None = None
     """The tier chat responses echo in ``service_tier`` (set when the caller named one); None: not shown."""
+    structured_compile_s: float | None = None
+    """Structured output only: the seconds it waited for its grammar before it was queued (the kvscope
+    object's ``structured_compile_s``, kept here so a request that ends before the engine reports any stats
+    still carries it)."""
     refused: KvscopeStats | None = None
     """Admission refused it: the ``kvscope`` object of the refusal (its prediction, tier and requests ahead),
     which :meth:`kvscope` answers instead of the choices' (none ever ran)."""
@@ -144,6 +150,7 @@ class RequestState:
         constraint = self.params.structured_outputs
         if constraint is None:
             return merged
+        merged = msgspec.structs.replace(merged, structured_compile_s=self.structured_compile_s)
         return StructuredKvscopeStats(**merged.to_dict(), structured_output=constraint.kind)
 
     # --- the end -------------------------------------------------------------------------------------------

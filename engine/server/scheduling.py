@@ -7,9 +7,10 @@
   its requests get: a key configured ``default`` asking for ``priority`` is served ``default``; any request
   may ask for a worse tier.
 * Priority: the body's ``priority`` (vLLM's field: lower is earlier, inside a tier; default 0).
-* Deadline: the ``x-kvscope-timeout`` header, seconds from arrival after which the caller gives up (the
-  gateway sends what is left of its first-token or total timeout): a request still waiting for its first
-  admission then is dropped before any prefill.
+* Deadline: the ``x-kvscope-timeout`` header, seconds from the server's receipt of the request (so a
+  grammar compile and the chat template count) after which the caller gives up (the gateway sends what is
+  left of its first-token or total timeout): a request still waiting for its first admission then is
+  dropped before any prefill.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Schedule:
     service_tier: str = DEFAULT_TIER
     priority: int = 0
     timeout_s: float | None = None
-    """Seconds from arrival to its deadline; None: none."""
+    """Seconds from the server's receipt of the request to its deadline; None: none."""
     named: bool = False
     """The caller named a tier (the body's ``service_tier`` or the key's header): chat responses then say the
     tier served in ``service_tier``, as OpenAI's do when the request set one."""

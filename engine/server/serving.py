@@ -27,6 +27,7 @@ from kvscope.engine.errors import AdmissionRefusedError, EngineDeadError, Invali
 from kvscope.engine.input_processor import EngineRequest
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server.access_log import AccessRecord
 from kvscope.engine.server.errors import OpenAIError, bad_request, from_engine, model_not_found
 from kvscope.engine.server.generation import (
     DONE,
@@ -113,16 +114,25 @@ def check_fan_out(state: ServerState, num_prompts: int, n: int, prompt_param: st
 
 
 def process_prompts(
-    state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str
+    state: ServerState,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    prompt_param: str,
+    compile_wait_s: float | None = None,
 ) -> list[EngineRequest]:
     """Every prompt through the engine's validation (empty prompt, token ids, context length), or the 400
     of the first one that fails, naming the request's own fields; first the fan-out limit
-    (:func:`check_fan_out`)."""
+    (:func:`check_fan_out`). ``compile_wait_s``: the seconds the request waited for its grammar
+    (:func:`~kvscope.engine.server.structured.prepare_constraint`), each prompt's ``structured_compile_s``
+    (the engine's own check finds the grammar pinned and would say 0)."""
     check_fan_out(state, len(prompts), params.n, prompt_param)
     try:
-        return [state.engine.process_inputs(prompt, params) for prompt in prompts]
+        requests = [state.engine.process_inputs(prompt, params) for prompt in prompts]
     except InvalidParameterError as exc:
         raise from_engine(exc, prompt_param=prompt_param, renames={"prompt": prompt_param}) from exc
+    if compile_wait_s is None:
+        return requests
+    return [replace(r, structured_compile_s=compile_wait_s) for r in requests]
 
 
 def start_job(
@@ -153,8 +163,11 @@ def start_job(
         state.metrics,
         service_tier=schedule.service_tier,
         shown_service_tier=schedule.service_tier if schedule.named else None,
+        structured_compile_s=requests[0].structured_compile_s,
     )
-    deadline = None if schedule.timeout_s is None else rs.arrival + schedule.timeout_s
+    access = request.scope.get("kvscope.access")
+    received = access.received if isinstance(access, AccessRecord) else rs.arrival
+    deadline = None if schedule.timeout_s is None else received + schedule.timeout_s
     requests = [
         replace(
             r,

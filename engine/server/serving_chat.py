@@ -68,9 +68,9 @@ async def create_chat_completion(
     check_model(state, req.model)
     mode = tool_mode(req)
     params = chat_sampling_params(req, tool_constraint(req, mode))
-    await prepare_constraint(state, params)
+    compile_wait_s = await prepare_constraint(state, params)
     prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req, mode)  # a huge prompt must not stall
-    requests = process_prompts(state, [prompt], params, "messages")
+    requests = process_prompts(state, [prompt], params, "messages", compile_wait_s)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = start_job(state, request, "chat", requests, bool(req.stream), schedule_of(request, req))
     await admit_job(job)

@@ -72,9 +72,9 @@ async def create_completion(
     check_model(state, req.model)
     params = completion_sampling_params(req)
     check_fan_out(state, num_prompts(req.prompt), params.n)  # before tokenizing a long list
-    await prepare_constraint(state, params)
+    compile_wait_s = await prepare_constraint(state, params)
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, req.prompt)  # off the event loop
-    requests = process_prompts(state, prompts, params, "prompt")
+    requests = process_prompts(state, prompts, params, "prompt", compile_wait_s)
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = start_job(state, request, "text_completion", requests, bool(req.stream), schedule_of(request, req))

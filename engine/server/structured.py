@@ -9,6 +9,7 @@ JSON-schema keyword is a 400 naming the keyword, never a silently unconstrained 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Literal
 
 from kvscope.engine.errors import InvalidParameterError
@@ -20,11 +21,12 @@ from kvscope.engine.structured.backend import CompileBusyError
 from kvscope.engine.structured.params import StructuredOutputsParams
 
 
-async def prepare_constraint(state: ServerState, params: SamplingParams) -> None:
+async def prepare_constraint(state: ServerState, params: SamplingParams) -> float | None:
     """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at
     once; the first compile also builds the grammar tokenizer, about a second), pin it to the request, count
     it by kind and observe its compile time. Nothing of it runs on asyncio's default executor, so requests
-    without a constraint never wait for a compile.
+    without a constraint never wait for a compile. Returns the seconds the request waited for its grammar
+    (0.0: pinned or cached; its ``structured_compile_s``), None without a constraint.
 
     Raises OpenAIError 400 naming the field (``response_format``, ``tools``, ``structured_outputs``,
     ``guided_*``) for an unsupported schema keyword, an invalid regex/grammar, a grammar above the size
@@ -33,9 +35,11 @@ async def prepare_constraint(state: ServerState, params: SamplingParams) -> None
     gateway."""
     constraint = params.structured_outputs
     if constraint is None:
-        return
+        return None
+    started = time.perf_counter()
+    cached = state.engine.structured.lookup(constraint) is not None
     try:
-        seconds = await state.engine.structured.compile_async(constraint)
+        seconds = 0.0 if cached else await state.engine.structured.compile_async(constraint)
     except InvalidParameterError as exc:
         raise from_engine(exc) from exc
     except CompileBusyError as exc:
@@ -49,6 +53,7 @@ async def prepare_constraint(state: ServerState, params: SamplingParams) -> None
     metrics.structured_output_requests.labels(model=model, kind=constraint.kind).inc()
     if seconds > 0:
         metrics.structured_output_compile_time.labels(model=model).observe(seconds)
+    return 0.0 if cached else time.perf_counter() - started
 
 
 def structured_params(req: StructuredFields) -> StructuredOutputsParams | None:

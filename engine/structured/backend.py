@@ -73,13 +73,6 @@ class _Refused(Exception):
     as InvalidParameterError naming its own field."""
 
 
-def _waited(params: StructuredOutputsParams, seconds: float) -> None:
-    """Record on the request's pin how long it waited for its grammar; the first record stays (the engine's
-    own check of an already pinned constraint must not overwrite the server's wait with 0)."""
-    if params.pin.wait_s is None:
-        params.pin.wait_s = seconds
-
-
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet validated). A JSON schema is compiled with closed
     objects and bounded numbers (kvscope.engine.structured.schema_bounds), so every answer can end.
@@ -191,26 +184,32 @@ class StructuredOutputManager:
         ``max_grammar_size``, a constraint the matcher cannot serve), CompileBusyError when the compile queue
         is full."""
         if self.lookup(params) is not None:
-            _waited(params, 0.0)
             return 0.0
-        started = time.perf_counter()
         future, mine = self._submit(params)
         try:
             compiled = future.result()
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
-        _waited(params, time.perf_counter() - started)
         return compiled.seconds if mine else 0.0
+
+    def wait_for(self, params: StructuredOutputsParams) -> float:
+        """:meth:`compile`, returning instead the seconds the caller waited for the grammar: 0.0 when it was
+        already pinned or cached, else the wait on the compile thread (its own compile, or one of the same
+        grammar in flight, any compiles queued ahead, the first compile's grammar-tokenizer build). This is a
+        request's ``structured_compile_s`` (engine/core/stats.py). Same errors as :meth:`compile`."""
+        if self.lookup(params) is not None:
+            return 0.0
+        started = time.perf_counter()
+        self.compile(params)
+        return time.perf_counter() - started
 
     async def compile_async(self, params: StructuredOutputsParams) -> float:
         """:meth:`compile` for an event loop: waits for the compile thread without occupying any other thread
         (asyncio's default executor stays free for everything else). Cancelling the wait leaves the compile
         running for the other requests of the same grammar. Same result and errors as :meth:`compile`."""
         if self.lookup(params) is not None:
-            _waited(params, 0.0)
             return 0.0
-        started = time.perf_counter()
         future, mine = self._submit(params)
         try:
             compiled = await asyncio.shield(
@@ -219,7 +218,6 @@ class StructuredOutputManager:
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
-        _waited(params, time.perf_counter() - started)
         return compiled.seconds if mine else 0.0
 
     def _submit(self, params: StructuredOutputsParams) -> tuple[Future[CompiledGrammar], bool]:

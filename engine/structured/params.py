@@ -51,10 +51,6 @@ class GrammarPin:
     grammar: object | None = None
     """kvscope.engine.structured.backend.CompiledGrammar (opaque here: this module stays free of
     llguidance)."""
-    wait_s: float | None = None
-    """Seconds the request waited for its grammar before it reached the engine: the compile, any wait behind
-    other compiles on the compile thread, and the first compile's grammar-tokenizer build (0.0 for a grammar
-    found cached). Logged as ``kvscope.engine.structured_compile_s``."""
 
 
 @dataclass(frozen=True, slots=True)

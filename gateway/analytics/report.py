@@ -138,6 +138,8 @@ class SlowRequest:
     upstream: str | None
     causes: tuple[tuple[str, float], ...] = ()
     """Seconds by cause, largest first (gateway/logs/why.py); empty without the engine's attribution."""
+    structured_compile_s: float | None = None
+    """Structured output only: the wait for its grammar before the engine's queue."""
 
     @property
     def cause(self) -> str:
@@ -148,11 +150,13 @@ class SlowRequest:
 
     @property
     def slowest_phase(self) -> str:
-        """Where most of the time went: ``queue``, ``prefill``, ``decode`` (engine stats) or ``gateway``;
-        ``preempted`` when the engine preempted the request; ``?`` without engine stats."""
+        """Where most of the time went: ``compile`` (the wait for a structured-output grammar), ``queue``,
+        ``prefill``, ``decode`` (engine stats) or ``gateway``; ``preempted`` when the engine preempted the
+        request; ``?`` without engine stats."""
         if self.num_preemptions:
             return "preempted"
         phases = {
+            "compile": self.structured_compile_s,
             "queue": self.queue_s,
             "prefill": self.prefill_s,
             "decode": self.decode_s,
@@ -235,6 +239,7 @@ SLOW_FIELDS = {
     "batch_size_max": "kvscope.engine.batch_size_max",
     "kv_cache_usage": "kvscope.engine.kv_cache_usage",
     "num_preemptions": "kvscope.engine.num_preemptions",
+    "structured_compile_s": "kvscope.engine.structured_compile_s",
     "upstream": "server.address",
 }
 """``SlowRequest`` attribute → record field."""

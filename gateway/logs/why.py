@@ -85,9 +85,14 @@ def rank_causes(engine: dict[str, Any], gateway: dict[str, Any] | None = None) -
         seconds = {cause: engine.get(f) or 0.0 for cause, f in REPORTED_CAUSES.items()}
     rest = "upstream transfer" if attributed else "upstream unattributed"
     if gateway is not None:
-        engine_e2e = sum(engine.get(f) or 0.0 for f in ("queue_s", "prefill_s", "decode_s"))
-        if attributed:  # the grammar's compile precedes the engine's arrival, inside the attempt's time
-            engine_e2e += seconds["grammar compile"]
+        if attributed:
+            # the attributed choice's own arrival -> last token (its causes add up to it exactly), and the
+            # grammar's compile before that arrival: both inside the answering attempt. Not the merged
+            # queue_s + prefill_s + decode_s, which for n > 1 or several prompts mixes choices (the earliest
+            # first token's, the latest end's) while the causes are those of the choice that finished last
+            engine_e2e = sum(seconds.values())
+        else:
+            engine_e2e = sum(engine.get(f) or 0.0 for f in ("queue_s", "prefill_s", "decode_s"))
         phases = gateway.get("gateway")
         if isinstance(phases, dict):
             seconds.update({cause: phases.get(field) or 0.0 for cause, field in GATEWAY_CAUSES.items()})
@@ -145,7 +150,9 @@ def _n(value: float | int | None) -> str:
     return f"{value:,}"
 
 
-def _ttft_line(e: dict[str, Any], ttft: float | None) -> str:
+def _ttft_line(e: dict[str, Any], ttft: float | None, at_gateway: bool) -> str:
+    """The TTFT sentence; ``at_gateway``: ``ttft`` is the gateway's, which (unlike the engine's, counted from
+    its arrival) includes the wait for a new grammar before the engine's queue, so that wait leads it."""
     limit = e.get("queue_limit")
     held = f", {limit} reached" if limit else ""
     prefill = (
@@ -155,8 +162,10 @@ def _ttft_line(e: dict[str, Any], ttft: float | None) -> str:
         f"{_n(e.get('prefill_tokens'))} tokens of a {_n(e.get('prompt_tokens'))}-token prompt, "
         f"{_n(e.get('cached_tokens'))} from the prefix cache)"
     )
+    compile_s = e.get("structured_compile_s") or 0.0
+    compiled = f"grammar compile {compile_s:.3f} s, then " if at_gateway and compile_s > 0 else ""
     return (
-        f"TTFT {ttft if ttft is not None else 0:.3f} s: {e.get('queue_s') or 0:.3f} s queued "
+        f"TTFT {ttft if ttft is not None else 0:.3f} s: {compiled}{e.get('queue_s') or 0:.3f} s queued "
         f"({_n(e.get('queue_ahead'))} requests ahead, {_n(e.get('running_on_arrival'))} running{held}); "
         f"{prefill}"
     )
@@ -295,7 +304,8 @@ def explain(record: dict[str, Any]) -> Why:
     ttft = (
         kv.get("ttft_s") if kv.get("ttft_s") is not None else engine.get("ttft_s")
     )  # non-streamed: engine's
-    lines = [_ttft_line(engine, ttft)]
+    is_gateway = "gateway_overhead_s" in kv
+    lines = [_ttft_line(engine, ttft, is_gateway and kv.get("ttft_s") is not None)]
     outcome = _outcome_line(record)
     if outcome:
         lines.insert(0, outcome)
@@ -321,7 +331,6 @@ def explain(record: dict[str, Any]) -> Why:
             f"grammar masks {engine['structured_mask_s']:.3f} s (overlapped with the forward pass), "
             f"sampling waited {engine.get('structured_wait_s') or 0:.3f} s for them"
         )
-    is_gateway = "gateway_overhead_s" in kv
     if is_gateway:
         lines.append(_gateway_line(kv))
     causes = tuple(rank_causes(engine, kv if is_gateway else None))

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+import kvscope.engine.server.serving_chat as serving_chat
 from kvscope.engine.core.admission import AdmissionConfig, Refusal
 from kvscope.engine.server.access_log import ACCESS_LOGGER
 from kvscope.engine.server.scheduling import SERVICE_TIER_HEADER, TIMEOUT_HEADER
@@ -102,6 +104,28 @@ def test_priority_and_timeout_reach_the_engine_request(client, fake_engine) -> N
     assert first.deadline is not None and first.deadline == second.deadline  # arrival + 2.5 s, both prompts
     client.post("/v1/completions", json={"model": "fake-model", "prompt": "a", "max_tokens": 1})
     assert (fake_engine.queued_requests[-1].priority, fake_engine.queued_requests[-1].deadline) == (0, None)
+
+
+def test_the_deadline_counts_from_the_servers_receipt(client, fake_engine, monkeypatch) -> None:
+    """``x-kvscope-timeout`` counts from the server's receipt of the request, not from its queueing after a
+    grammar compile and the chat template (break-it: a 0.2 s timeout on a request whose compile took 0.63 s
+    was still answered): the deadline minus the timeout is before the chat template ran."""
+    templated: list[float] = []
+    template = serving_chat.chat_prompt
+
+    def timed(*args, **kwargs):
+        templated.append(time.monotonic())
+        return template(*args, **kwargs)
+
+    monkeypatch.setattr(serving_chat, "chat_prompt", timed)
+    fake_engine.queued_requests.clear()  # the start-up generation
+    sent = time.monotonic()
+    response = client.post(
+        "/v1/chat/completions", json=chat_body(max_tokens=1), headers={TIMEOUT_HEADER: "30"}
+    )
+    assert response.status_code == 200, response.text
+    (queued,) = fake_engine.queued_requests
+    assert queued.deadline is not None and sent <= queued.deadline - 30 <= templated[0]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,10 @@ import pytest
 
 from kvscope.engine.core.request import RequestStats
 from kvscope.engine.core.stats import KvscopeStats
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.server.access_log import ACCESS_LOGGER
+from kvscope.engine.server.request_state import RequestState
+from kvscope.engine.structured.params import StructuredOutputsParams
 
 KEYS = [
     "queue_s",
@@ -174,6 +177,22 @@ def test_merge_sums_spec_counts_and_recomputes_the_length() -> None:
         merged.spec_mean_accepted_length,
     ) == (6, 18, 6, 2.0)  # 1 + 6/6, not the mean 2.5 nor the max 4
     assert KvscopeStats.merge([KvscopeStats(), KvscopeStats()]).spec_mean_accepted_length is None
+
+
+def test_a_constrained_request_keeps_its_grammar_wait_without_engine_stats() -> None:
+    """A client that leaves after its grammar compiled but before the engine reported any stats (break-it:
+    a 499 in phase ``queued`` logged ``structured_compile_s: null``, which reads as "no constraint"): the
+    object still carries the wait the server measured; an unconstrained request's stays null."""
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams("regex", "[0-9]+"))
+    args = ("chatcmpl-1", "chat", "m", constrained, [[1, 2, 3]], False, None)
+    kvscope = RequestState(*args, structured_compile_s=0.25).kvscope()  # type: ignore[arg-type]
+    assert msgspec.structs.asdict(kvscope) == {
+        **dict.fromkeys(KEYS),
+        "structured_compile_s": 0.25,
+        "structured_output": "regex",
+    }
+    plain = RequestState("chatcmpl-2", "chat", "m", SamplingParams(max_tokens=4), [[1]], False, None)  # type: ignore[arg-type]
+    assert plain.kvscope() == KvscopeStats()
 
 
 def test_response_and_log_carry_the_same_object(client, caplog) -> None:

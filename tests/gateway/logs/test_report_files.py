@@ -135,6 +135,23 @@ def report(log_dir, **kwargs):
     return asyncio.run(analytics.report(LogSource(str(log_dir / "requests.jsonl")), **kwargs))
 
 
+def test_a_request_that_waited_for_its_grammar_has_compile_as_its_slowest_phase(tmp_path):
+    """``structured_compile_s`` (the wait for a structured-output grammar before the engine's queue) is a
+    phase of the slowest-requests table: a request that spent most of its time there says ``compile``
+    (break-it found it listed as ``decode`` while its cause column said grammar compile); a record without
+    the field (older, or unconstrained) is unchanged."""
+    compiled = make_record(
+        1, e2e_s=7.0, engine={**engine_stats(0.01, 0.05, 0.2), "structured_compile_s": 6.5}
+    )
+    plain = make_record(2, e2e_s=1.0, engine=engine_stats(0.01, 0.05, 0.5))
+    (tmp_path / "requests.jsonl").write_text(json.dumps(compiled) + "\n" + json.dumps(plain) + "\n")
+    slowest = asyncio.run(analytics.report(LogSource(str(tmp_path / "requests.jsonl")), top=2)).slowest
+    assert [(s.request_id, s.slowest_phase, s.structured_compile_s) for s in slowest] == [
+        ("req-000001", "compile", 6.5),
+        ("req-000002", "decode", None),
+    ]
+
+
 def test_reference_percentile_is_type_7():
     xs = [0.3, 1.0, 2.5, 4.0, 10.0, 11.5, 30.0]
     cuts = statistics.quantiles(xs, n=100, method="inclusive")

@@ -200,12 +200,15 @@ def test_a_grammar_compile_before_the_engine_is_its_own_cause_not_upstream_trans
     kv = record["kvscope"]
     kv["gateway"]["upstream_response_s"] += 0.3
     kv["e2e_s"] += 0.3
+    kv["ttft_s"] += 0.3
     why = explain(record)
     causes = dict(why.causes)
     assert causes["grammar compile"] == 0.3
     assert causes["upstream transfer"] == pytest.approx(TRANSFER)
     assert sum(causes.values()) == pytest.approx(kv["e2e_s"], abs=1e-9)
     assert "grammar compile 0.300 s before the engine's queue" in why.text.splitlines()
+    # the gateway's TTFT includes the wait: it leads the TTFT sentence
+    assert why.text.splitlines()[0].startswith(f"TTFT {kv['ttft_s']:.3f} s: grammar compile 0.300 s, then ")
     cached = explain(_record({**queued, "structured_compile_s": 0.0}, PHASES))
     assert "grammar compile 0.000 s before the engine's queue (cached)" in cached.text.splitlines()
     assert "grammar compile" not in dict(cached.causes)
@@ -213,6 +216,19 @@ def test_a_grammar_compile_before_the_engine_is_its_own_cause_not_upstream_trans
     assert not any(
         line.startswith("grammar compile") for line in explain(_record(queued, PHASES)).text.splitlines()
     )
+
+
+def test_upstream_transfer_is_measured_against_the_attributed_choice(queued) -> None:
+    """For ``n > 1`` (or several prompts) the merged object's ``prefill_s`` is the earliest choice's while the
+    prefill and decode causes are those of the choice that finished last (KvscopeStats.merge); upstream
+    transfer is the attempt's time minus that choice's own time in the engine (break-it: an n=2 request's
+    causes summed to 16.2 s against an e2e of 9.74 s, the difference counted again as upstream transfer)."""
+    record = _record(queued, PHASES)  # the attempt covers the attributed choice's engine time
+    merged = record["kvscope"]["engine"]
+    merged["prefill_s"] /= 4  # another choice's first token, earlier
+    causes = dict(explain(record).causes)
+    assert causes["upstream transfer"] == pytest.approx(TRANSFER)
+    assert sum(causes.values()) == pytest.approx(record["kvscope"]["e2e_s"], abs=1e-9)
 
 
 def test_why_counts_read_the_same_from_the_file_as_in_the_console(tmp_path) -> None:
