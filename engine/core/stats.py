@@ -100,6 +100,11 @@ class KvscopeStats(msgspec.Struct, frozen=True):
     preemption (None: it only waited for the step in flight)."""
     queue_blocked_steps: int | None = None
     """Steps that admitted nobody further while it first waited."""
+    attributed_queue_s: float | None = None
+    """Several choices (``n > 1``, several prompts) only: the queue seconds of the choice whose attribution
+    the object carries (the one that finished last; :meth:`merge`), where ``queue_s`` is the earliest
+    choice's. Its queue, prefill and decode causes add up to that choice's arrival → last token. None for
+    one choice (``queue_s`` is its own)."""
     prefill_steps: int | None = None
     """Steps that scheduled it before its first token."""
     prefill_tokens: int | None = None
@@ -217,7 +222,8 @@ class KvscopeStats(msgspec.Struct, frozen=True):
         the min of the start-up times, the max of decode time, batch max and KV usage, the sum of blocks
         and preemptions, the mean of tpot and batch mean (each over the choices that have the field); the
         speculation counts are summed and the mean acceptance length recomputed from the sums. The latency
-        attribution (prompt_tokens … structured_wait_s) is the one of the choice that finished last, so
+        attribution (prompt_tokens … structured_compile_s, with that choice's queue seconds as
+        ``attributed_queue_s``) is the one of the choice that finished last, so
         that its parts add up to the request's end to end time and are not counted once per choice (``n >
         1`` choices count each other's tokens as their own: engine/core/scheduler.py ``_attribute_step``)."""
         if len(stats) == 1:
@@ -232,6 +238,7 @@ class KvscopeStats(msgspec.Struct, frozen=True):
                 continue
             values = [v for s in stats if (v := getattr(s, name)) is not None]
             merged[name] = _REDUCE[name](values) if values else None
+        merged["attributed_queue_s"] = last.queue_s
         drafts = merged["spec_drafts"]
         if drafts:
             merged |= spec_summary(drafts, merged["spec_draft_tokens"], merged["spec_accepted_tokens"])

@@ -103,7 +103,12 @@ def attribution_properties() -> dict[str, Any]:
         "queue_blocked_steps",
         "recomputed_tokens",
     ]
-    doubles: list[str] = ["structured_mask_s", "structured_wait_s", "structured_compile_s"]
+    doubles: list[str] = [
+        "attributed_queue_s",
+        "structured_mask_s",
+        "structured_wait_s",
+        "structured_compile_s",
+    ]
     for phase in ("prefill", "decode"):
         longs += [
             f"{phase}_{f}"

@@ -67,6 +67,8 @@ STEP_ATTRIBUTION = "per-step attribution (other requests' prefills, batched deco
 
 
 def _seconds(engine: dict[str, Any], cause: str) -> float:
+    if cause == "queue" and engine.get("attributed_queue_s") is not None:
+        return engine["attributed_queue_s"]  # several choices: the attributed one's own queue
     total = sum(engine.get(f) or 0.0 for f in CAUSE_FIELDS[cause])
     return total - _seconds(engine, "other prefills") if cause == "batched decodes" else total
 

@@ -16,6 +16,7 @@ ATTRIBUTION_KEYS = (
     "running_on_arrival",
     "queue_limit",
     "queue_blocked_steps",
+    "attributed_queue_s",
     "recomputed_tokens",
     "structured_mask_s",
     "structured_wait_s",

@@ -34,6 +34,7 @@ KEYS = [
     "running_on_arrival",
     "queue_limit",
     "queue_blocked_steps",
+    "attributed_queue_s",
     *(
         f"{phase}_{name}"
         for phase in ("prefill", "decode")
@@ -139,6 +140,7 @@ def test_merge_takes_min_max_sum_and_mean_per_field() -> None:
         kv_blocks=6,
         kv_cache_usage=0.5,
         num_preemptions=1,
+        attributed_queue_s=0.2,  # b's: it finished last (0.2 + 2.0 s against 0.1 + 0.4 + 1.0 s)
     )
     assert KvscopeStats.merge([b]) is b
     assert KvscopeStats.merge([]) == KvscopeStats()

@@ -86,6 +86,7 @@ def test_usage_chunk_equals_non_streaming_usage_with_n2(client):
             "running_on_arrival",
             "queue_limit",
             "queue_blocked_steps",
+            "attributed_queue_s",
             "recomputed_tokens",
             "structured_mask_s",
             "structured_wait_s",

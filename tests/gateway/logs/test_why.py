@@ -219,14 +219,18 @@ def test_a_grammar_compile_before_the_engine_is_its_own_cause_not_upstream_trans
 
 
 def test_upstream_transfer_is_measured_against_the_attributed_choice(queued) -> None:
-    """For ``n > 1`` (or several prompts) the merged object's ``prefill_s`` is the earliest choice's while the
-    prefill and decode causes are those of the choice that finished last (KvscopeStats.merge); upstream
-    transfer is the attempt's time minus that choice's own time in the engine (break-it: an n=2 request's
-    causes summed to 16.2 s against an e2e of 9.74 s, the difference counted again as upstream transfer)."""
-    record = _record(queued, PHASES)  # the attempt covers the attributed choice's engine time
+    """For ``n > 1`` (or several prompts) the merged object's ``queue_s`` and ``prefill_s`` are the earliest
+    choice's while the causes are those of the choice that finished last (KvscopeStats.merge), its queue
+    ``attributed_queue_s``; upstream transfer is the attempt's time minus that choice's own time in the
+    engine (break-it: an n=2 request's causes summed to 16.2 s against an e2e of 9.74 s, the difference
+    counted again as upstream transfer; with three prompts the last one's 5-7 s in the queue was transfer)."""
+    record = _record(dict(queued), PHASES)  # the attempt covers the attributed choice's engine time
     merged = record["kvscope"]["engine"]
-    merged["prefill_s"] /= 4  # another choice's first token, earlier
+    assert merged is not queued
+    merged["attributed_queue_s"] = merged["queue_s"]
+    merged["queue_s"], merged["prefill_s"] = 0.001, merged["prefill_s"] / 4  # another choice's, earlier
     causes = dict(explain(record).causes)
+    assert causes["queue"] == queued["queue_s"]
     assert causes["upstream transfer"] == pytest.approx(TRANSFER)
     assert sum(causes.values()) == pytest.approx(record["kvscope"]["e2e_s"], abs=1e-9)
 
