@@ -135,6 +135,17 @@ def process_prompts(
     return [replace(r, structured_compile_s=compile_wait_s) for r in requests]
 
 
+def deadline_of(request: Request, schedule: Schedule) -> float | None:
+    """``time.monotonic()`` seconds at which the request's ``x-kvscope-timeout`` passes, counted from the
+    server's receipt of the request (AccessRecord.received; now, outside the access middleware), so a grammar
+    compile and the chat template count; None without a timeout."""
+    if schedule.timeout_s is None:
+        return None
+    access = request.scope.get("kvscope.access")
+    received = access.received if isinstance(access, AccessRecord) else time.monotonic()
+    return received + schedule.timeout_s
+
+
 def start_job(
     state: ServerState,
     request: Request,
@@ -165,9 +176,7 @@ def start_job(
         shown_service_tier=schedule.service_tier if schedule.named else None,
         structured_compile_s=requests[0].structured_compile_s,
     )
-    access = request.scope.get("kvscope.access")
-    received = access.received if isinstance(access, AccessRecord) else rs.arrival
-    deadline = None if schedule.timeout_s is None else received + schedule.timeout_s
+    deadline = deadline_of(request, schedule)
     requests = [
         replace(
             r,

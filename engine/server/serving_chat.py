@@ -32,6 +32,7 @@ from kvscope.engine.server.serving import (
     admit,
     admit_job,
     check_model,
+    deadline_of,
     first_output,
     holds_headers,
     process_prompts,
@@ -68,11 +69,14 @@ async def create_chat_completion(
     check_model(state, req.model)
     mode = tool_mode(req)
     params = chat_sampling_params(req, tool_constraint(req, mode))
-    compile_wait_s = await prepare_constraint(state, params)
+    schedule = schedule_of(request, req)
+    compile_wait_s = await prepare_constraint(
+        state, params, deadline_of(request, schedule), schedule.service_tier
+    )
     prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req, mode)  # a huge prompt must not stall
     requests = process_prompts(state, [prompt], params, "messages", compile_wait_s)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = start_job(state, request, "chat", requests, bool(req.stream), schedule_of(request, req))
+    job = start_job(state, request, "chat", requests, bool(req.stream), schedule)
     await admit_job(job)
     args = (job.rs, state.tokenizer, int(time.time()), bool(req.logprobs), include_usage)
     formatter = ChatFormatter(*args)

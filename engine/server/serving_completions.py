@@ -27,6 +27,7 @@ from kvscope.engine.server.serving import (
     admit_job,
     check_fan_out,
     check_model,
+    deadline_of,
     first_output,
     holds_headers,
     process_prompts,
@@ -72,12 +73,15 @@ async def create_completion(
     check_model(state, req.model)
     params = completion_sampling_params(req)
     check_fan_out(state, num_prompts(req.prompt), params.n)  # before tokenizing a long list
-    compile_wait_s = await prepare_constraint(state, params)
+    schedule = schedule_of(request, req)
+    compile_wait_s = await prepare_constraint(
+        state, params, deadline_of(request, schedule), schedule.service_tier
+    )
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, req.prompt)  # off the event loop
     requests = process_prompts(state, prompts, params, "prompt", compile_wait_s)
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = start_job(state, request, "text_completion", requests, bool(req.stream), schedule_of(request, req))
+    job = start_job(state, request, "text_completion", requests, bool(req.stream), schedule)
     await admit_job(job)
     formatter = CompletionFormatter(
         job.rs, state.tokenizer, int(time.time()), echo_texts, req.logprobs is not None, include_usage

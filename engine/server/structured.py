@@ -8,10 +8,12 @@ JSON-schema keyword is a 400 naming the keyword, never a silently unconstrained 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any, Literal
 
+from kvscope.engine.core.admission import DEFAULT_TIER
 from kvscope.engine.errors import InvalidParameterError
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.server.errors import OpenAIError, bad_request, from_engine
@@ -21,12 +23,17 @@ from kvscope.engine.structured.backend import CompileBusyError
 from kvscope.engine.structured.params import StructuredOutputsParams
 
 
-async def prepare_constraint(state: ServerState, params: SamplingParams) -> float | None:
+async def prepare_constraint(
+    state: ServerState, params: SamplingParams, deadline: float | None = None, tier: str = DEFAULT_TIER
+) -> float | None:
     """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at
     once; the first compile also builds the grammar tokenizer, about a second), pin it to the request, count
     it by kind and observe its compile time. Nothing of it runs on asyncio's default executor, so requests
     without a constraint never wait for a compile. Returns the seconds the request waited for its grammar
-    (0.0: pinned or cached; its ``structured_compile_s``), None without a constraint.
+    (0.0: pinned or cached; its ``structured_compile_s``), None without a constraint. ``deadline``
+    (``time.monotonic()`` seconds, the ``x-kvscope-timeout`` one; None: none) bounds the wait: past it the
+    request is answered 504 ``deadline_exceeded`` at once (counted as shed in ``tier`` for ``deadline``),
+    never queued, and the compile goes on for the other requests of the same grammar.
 
     Raises OpenAIError 400 naming the field (``response_format``, ``tools``, ``structured_outputs``,
     ``guided_*``) for an unsupported schema keyword, an invalid regex/grammar, a grammar above the size
@@ -38,8 +45,19 @@ async def prepare_constraint(state: ServerState, params: SamplingParams) -> floa
         return None
     started = time.perf_counter()
     cached = state.engine.structured.lookup(constraint) is not None
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     try:
-        seconds = 0.0 if cached else await state.engine.structured.compile_async(constraint)
+        seconds = (
+            0.0 if cached else await asyncio.wait_for(state.engine.structured.compile_async(constraint), left)
+        )
+    except TimeoutError:
+        state.metrics.on_shed(tier, "deadline")
+        raise OpenAIError(
+            504,
+            "The request's deadline (x-kvscope-timeout) passed while it waited for its grammar to compile; "
+            "it was not queued.",
+            code="deadline_exceeded",
+        ) from None
     except InvalidParameterError as exc:
         raise from_engine(exc) from exc
     except CompileBusyError as exc:

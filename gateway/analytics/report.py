@@ -163,7 +163,7 @@ class SlowRequest:
             "gateway": self.gateway_overhead_s,
         }
         known = {k: v for k, v in phases.items() if v is not None}
-        return max(known, key=known.__getitem__) if len(known) > 1 else "?"
+        return max(known, key=known.__getitem__) if set(known) - {"gateway"} else "?"
 
     def flat(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__ if name != "causes"}

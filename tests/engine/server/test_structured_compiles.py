@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import kvscope.engine.server.generation as generation
+from kvscope.engine.server.scheduling import TIMEOUT_HEADER
 from kvscope.engine.structured.backend import StructuredOutputManager
 from kvscope.engine.structured.batch import ERROR_PREFIX
 from kvscope.engine.structured.params import CompileLimits
@@ -119,6 +120,27 @@ def test_a_full_compile_queue_is_a_429(client, grammar_manager, spy) -> None:
         "Too many new grammars are compiling: 1 new grammars are already waiting to compile "
         "(limit 1); retry later."
     )
+
+
+def test_a_deadline_that_passes_while_the_grammar_compiles_is_a_504_at_once(
+    client, grammar_manager, spy
+) -> None:
+    """``x-kvscope-timeout`` bounds the wait for the grammar too (break-it: a 1 s deadline behind 20 queued
+    compiles waited 6.7 s for its 504): past it the request is answered 504 ``deadline_exceeded`` while the
+    compile is still held, counted as shed for ``deadline``, and never queued."""
+    before = metric_samples(client.get("/metrics").text)
+    try:
+        late = client.post(CHAT, json=_schema_body(0), headers={TIMEOUT_HEADER: "0.3"})
+        compiling = (
+            grammar_manager.num_pending
+        )  # its compile (held by the spy) had not ended when it answered
+    finally:
+        spy.open()
+    after = metric_samples(client.get("/metrics").text)
+    assert (late.status_code, late.json()["error"]["code"], compiling) == (504, "deadline_exceeded", 1)
+    shed = "kvscope_engine_requests_shed_total"
+    labels = {"model": "fake-model", "tier": "default", "reason": "deadline"}
+    assert sample(after, shed, **labels) - sample(before, shed, **labels) == 1
 
 
 GRAMMAR_LIMIT = ERROR_PREFIX + "Parser Error: Current row has 2007 items; max is 2000"

@@ -144,11 +144,15 @@ def test_a_request_that_waited_for_its_grammar_has_compile_as_its_slowest_phase(
         1, e2e_s=7.0, engine={**engine_stats(0.01, 0.05, 0.2), "structured_compile_s": 6.5}
     )
     plain = make_record(2, e2e_s=1.0, engine=engine_stats(0.01, 0.05, 0.5))
-    (tmp_path / "requests.jsonl").write_text(json.dumps(compiled) + "\n" + json.dumps(plain) + "\n")
-    slowest = asyncio.run(analytics.report(LogSource(str(tmp_path / "requests.jsonl")), top=2)).slowest
+    # dropped at its deadline while its grammar compiled: the wait is the only engine figure it has
+    only = make_record(3, e2e_s=0.3, status=504, engine={"structured_compile_s": 0.3})
+    lines = [json.dumps(r) for r in (compiled, plain, only)]
+    (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    slowest = asyncio.run(analytics.report(LogSource(str(tmp_path / "requests.jsonl")), top=3)).slowest
     assert [(s.request_id, s.slowest_phase, s.structured_compile_s) for s in slowest] == [
         ("req-000001", "compile", 6.5),
         ("req-000002", "decode", None),
+        ("req-000003", "compile", 0.3),
     ]
 
 
