@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from litestar import Request
@@ -22,6 +23,7 @@ from litestar import Request
 from kvscope.common.deadline_header import TIMEOUT_HEADER, parse_timeout
 from kvscope.engine.core.admission import DEFAULT_TIER, SERVICE_TIERS, TIER_RANK, TIERS, Refusal
 from kvscope.engine.core.stats import KvscopeStats
+from kvscope.engine.server.access_log import AccessRecord
 from kvscope.engine.server.errors import OpenAIError, bad_request
 from kvscope.engine.server.protocol import SamplingFields
 
@@ -37,8 +39,9 @@ class Schedule:
 
     service_tier: str = DEFAULT_TIER
     priority: int = 0
-    timeout_s: float | None = None
-    """Seconds from the server's receipt of the request to its deadline; None: none."""
+    deadline: float | None = None
+    """``time.monotonic()`` seconds at which its ``x-kvscope-timeout`` passes, counted from the server's
+    receipt of the request (AccessRecord.received; now, outside the access middleware); None: none."""
     named: bool = False
     """The caller named a tier (the body's ``service_tier`` or the key's header): chat responses then say the
     tier served in ``service_tier``, as OpenAI's do when the request set one."""
@@ -57,7 +60,11 @@ def schedule_of(request: Request, body: SamplingFields) -> Schedule:
     if key_tier is not None and TIER_RANK[tier] < TIER_RANK[key_tier]:
         tier = key_tier
     timeout = _timeout(request.headers.get(TIMEOUT_HEADER))
-    return Schedule(tier, body.priority or 0, timeout, named=asked is not None or key_tier is not None)
+    deadline = None
+    if timeout is not None:
+        access = request.scope.get("kvscope.access")
+        deadline = (access.received if isinstance(access, AccessRecord) else time.monotonic()) + timeout
+    return Schedule(tier, body.priority or 0, deadline, named=asked is not None or key_tier is not None)
 
 
 def _timeout(value: str | None) -> float | None:

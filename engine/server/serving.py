@@ -27,7 +27,6 @@ from kvscope.engine.errors import AdmissionRefusedError, EngineDeadError, Invali
 from kvscope.engine.input_processor import EngineRequest
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.server.access_log import AccessRecord
 from kvscope.engine.server.errors import OpenAIError, bad_request, from_engine, model_not_found
 from kvscope.engine.server.generation import (
     DONE,
@@ -135,17 +134,6 @@ def process_prompts(
     return [replace(r, structured_compile_s=compile_wait_s) for r in requests]
 
 
-def deadline_of(request: Request, schedule: Schedule) -> float | None:
-    """``time.monotonic()`` seconds at which the request's ``x-kvscope-timeout`` passes, counted from the
-    server's receipt of the request (AccessRecord.received; now, outside the access middleware), so a grammar
-    compile and the chat template count; None without a timeout."""
-    if schedule.timeout_s is None:
-        return None
-    access = request.scope.get("kvscope.access")
-    received = access.received if isinstance(access, AccessRecord) else time.monotonic()
-    return received + schedule.timeout_s
-
-
 def start_job(
     state: ServerState,
     request: Request,
@@ -176,7 +164,6 @@ def start_job(
         shown_service_tier=schedule.service_tier if schedule.named else None,
         structured_compile_s=requests[0].structured_compile_s,
     )
-    deadline = deadline_of(request, schedule)
     requests = [
         replace(
             r,
@@ -184,7 +171,7 @@ def start_job(
             fairness_tenant=tenant,
             service_tier=schedule.service_tier,
             priority=schedule.priority,
-            deadline=deadline,
+            deadline=schedule.deadline,
         )
         for r in requests
     ]

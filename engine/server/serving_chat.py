@@ -32,7 +32,6 @@ from kvscope.engine.server.serving import (
     admit,
     admit_job,
     check_model,
-    deadline_of,
     first_output,
     holds_headers,
     process_prompts,
@@ -70,9 +69,7 @@ async def create_chat_completion(
     mode = tool_mode(req)
     params = chat_sampling_params(req, tool_constraint(req, mode))
     schedule = schedule_of(request, req)
-    compile_wait_s = await prepare_constraint(
-        state, params, deadline_of(request, schedule), schedule.service_tier
-    )
+    compile_wait_s = await prepare_constraint(state, params, schedule)
     prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req, mode)  # a huge prompt must not stall
     requests = process_prompts(state, [prompt], params, "messages", compile_wait_s)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)

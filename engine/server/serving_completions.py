@@ -27,7 +27,6 @@ from kvscope.engine.server.serving import (
     admit_job,
     check_fan_out,
     check_model,
-    deadline_of,
     first_output,
     holds_headers,
     process_prompts,
@@ -74,9 +73,7 @@ async def create_completion(
     params = completion_sampling_params(req)
     check_fan_out(state, num_prompts(req.prompt), params.n)  # before tokenizing a long list
     schedule = schedule_of(request, req)
-    compile_wait_s = await prepare_constraint(
-        state, params, deadline_of(request, schedule), schedule.service_tier
-    )
+    compile_wait_s = await prepare_constraint(state, params, schedule)
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, req.prompt)  # off the event loop
     requests = process_prompts(state, prompts, params, "prompt", compile_wait_s)
     echo_texts = _echo_texts(state.tokenizer, req.prompt, prompts) if req.echo else None

@@ -13,27 +13,27 @@ import json
 import time
 from typing import Any, Literal
 
-from kvscope.engine.core.admission import DEFAULT_TIER
 from kvscope.engine.errors import InvalidParameterError
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.server.errors import OpenAIError, bad_request, from_engine
 from kvscope.engine.server.protocol import StructuredFields
+from kvscope.engine.server.scheduling import Schedule
 from kvscope.engine.server.state import ServerState
 from kvscope.engine.structured.backend import CompileBusyError
 from kvscope.engine.structured.params import StructuredOutputsParams
 
 
 async def prepare_constraint(
-    state: ServerState, params: SamplingParams, deadline: float | None = None, tier: str = DEFAULT_TIER
+    state: ServerState, params: SamplingParams, schedule: Schedule | None = None
 ) -> float | None:
     """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at
     once; the first compile also builds the grammar tokenizer, about a second), pin it to the request, count
     it by kind and observe its compile time. Nothing of it runs on asyncio's default executor, so requests
     without a constraint never wait for a compile. Returns the seconds the request waited for its grammar
-    (0.0: pinned or cached; its ``structured_compile_s``), None without a constraint. ``deadline``
-    (``time.monotonic()`` seconds, the ``x-kvscope-timeout`` one; None: none) bounds the wait: past it the
-    request is answered 504 ``deadline_exceeded`` at once (counted as shed in ``tier`` for ``deadline``),
-    never queued, and the compile goes on for the other requests of the same grammar.
+    (0.0: pinned or cached; its ``structured_compile_s``), None without a constraint. The ``schedule``'s
+    deadline (``x-kvscope-timeout``; None: no schedule, no deadline) bounds the wait: past it the request is
+    answered 504 ``deadline_exceeded`` at once (counted as shed in its tier for ``deadline``), never queued,
+    and the compile goes on for the other requests of the same grammar.
 
     Raises OpenAIError 400 naming the field (``response_format``, ``tools``, ``structured_outputs``,
     ``guided_*``) for an unsupported schema keyword, an invalid regex/grammar, a grammar above the size
@@ -43,15 +43,12 @@ async def prepare_constraint(
     constraint = params.structured_outputs
     if constraint is None:
         return None
-    started = time.perf_counter()
-    cached = state.engine.structured.lookup(constraint) is not None
-    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    schedule = schedule or Schedule()
+    left = None if schedule.deadline is None else max(schedule.deadline - time.monotonic(), 0.0)
     try:
-        seconds = (
-            0.0 if cached else await asyncio.wait_for(state.engine.structured.compile_async(constraint), left)
-        )
+        got = await asyncio.wait_for(state.engine.structured.acquire_async(constraint), left)
     except TimeoutError:
-        state.metrics.on_shed(tier, "deadline")
+        state.metrics.on_shed(schedule.service_tier, "deadline")
         raise OpenAIError(
             504,
             "The request's deadline (x-kvscope-timeout) passed while it waited for its grammar to compile; "
@@ -69,9 +66,9 @@ async def prepare_constraint(
         ) from exc
     metrics, model = state.metrics.engine, state.metrics.model
     metrics.structured_output_requests.labels(model=model, kind=constraint.kind).inc()
-    if seconds > 0:
-        metrics.structured_output_compile_time.labels(model=model).observe(seconds)
-    return 0.0 if cached else time.perf_counter() - started
+    if got.compile_s > 0:
+        metrics.structured_output_compile_time.labels(model=model).observe(got.compile_s)
+    return got.wait_s
 
 
 def structured_params(req: StructuredFields) -> StructuredOutputsParams | None:

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import llguidance
 import torch
@@ -66,6 +67,18 @@ class CompiledGrammar:
 
     matcher: llguidance.LLMatcher
     seconds: float
+
+
+class GrammarWait(NamedTuple):
+    """What getting one request's grammar cost (StructuredOutputManager.acquire)."""
+
+    compile_s: float
+    """Seconds of the compile this call queued (0.0: pinned, cached, or compiled by a concurrent request):
+    the compile-time histogram's observation."""
+    wait_s: float
+    """Seconds the caller waited for the grammar: 0.0 when it was pinned or cached, else the wait on the
+    compile thread (its own compile, or one of the same grammar in flight, compiles queued ahead, the first
+    compile's grammar-tokenizer build): the request's ``structured_compile_s`` (engine/core/stats.py)."""
 
 
 class _Refused(Exception):
@@ -183,33 +196,36 @@ class StructuredOutputManager:
         unsupported JSON-schema keyword ``Unimplemented keys: ["if"]``, a grammar/regex error, a grammar above
         ``max_grammar_size``, a constraint the matcher cannot serve), CompileBusyError when the compile queue
         is full."""
+        return self.acquire(params).compile_s
+
+    def wait_for(self, params: StructuredOutputsParams) -> float:
+        """:meth:`compile`, returning instead the seconds the caller waited (:attr:`GrammarWait.wait_s`)."""
+        return self.acquire(params).wait_s
+
+    def acquire(self, params: StructuredOutputsParams) -> GrammarWait:
+        """:meth:`compile` with both figures of :class:`GrammarWait`. Same errors as :meth:`compile`."""
         if self.lookup(params) is not None:
-            return 0.0
+            return GrammarWait(0.0, 0.0)
+        started = time.perf_counter()
         future, mine = self._submit(params)
         try:
             compiled = future.result()
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
-        return compiled.seconds if mine else 0.0
-
-    def wait_for(self, params: StructuredOutputsParams) -> float:
-        """:meth:`compile`, returning instead the seconds the caller waited for the grammar: 0.0 when it was
-        already pinned or cached, else the wait on the compile thread (its own compile, or one of the same
-        grammar in flight, any compiles queued ahead, the first compile's grammar-tokenizer build). This is a
-        request's ``structured_compile_s`` (engine/core/stats.py). Same errors as :meth:`compile`."""
-        if self.lookup(params) is not None:
-            return 0.0
-        started = time.perf_counter()
-        self.compile(params)
-        return time.perf_counter() - started
+        return GrammarWait(compiled.seconds if mine else 0.0, time.perf_counter() - started)
 
     async def compile_async(self, params: StructuredOutputsParams) -> float:
-        """:meth:`compile` for an event loop: waits for the compile thread without occupying any other thread
+        """:meth:`compile` for an event loop (:meth:`acquire_async`). Same result and errors."""
+        return (await self.acquire_async(params)).compile_s
+
+    async def acquire_async(self, params: StructuredOutputsParams) -> GrammarWait:
+        """:meth:`acquire` for an event loop: waits for the compile thread without occupying any other thread
         (asyncio's default executor stays free for everything else). Cancelling the wait leaves the compile
-        running for the other requests of the same grammar. Same result and errors as :meth:`compile`."""
+        running for the other requests of the same grammar. Same result and errors as :meth:`acquire`."""
         if self.lookup(params) is not None:
-            return 0.0
+            return GrammarWait(0.0, 0.0)
+        started = time.perf_counter()
         future, mine = self._submit(params)
         try:
             compiled = await asyncio.shield(
@@ -218,7 +234,7 @@ class StructuredOutputManager:
         except _Refused as exc:
             raise InvalidParameterError(params.param, str(exc)) from None
         params.pin.grammar = compiled
-        return compiled.seconds if mine else 0.0
+        return GrammarWait(compiled.seconds if mine else 0.0, time.perf_counter() - started)
 
     def _submit(self, params: StructuredOutputsParams) -> tuple[Future[CompiledGrammar], bool]:
         """(the compile of ``params``' key, whether this call queued it): a finished future for a grammar that
