@@ -567,7 +567,8 @@ def _routing(q: PromQL) -> list[Json]:
         timeseries(
             "Load spread: max / mean in flight",
             "Requests in flight on the busiest replica / the mean over replicas (1 = even). The cache-aware "
-            "policy's load bound keeps it near routing.cache_aware.load_factor (1.25) under load.",
+            "policy's load bound keeps it near routing.cache_aware.load_factor (1.25) under load; with few "
+            "requests per replica, within routing.cache_aware.load_slack (2) of the least busy one.",
             [Target(q.ratio(q.gauge(in_flight, agg="max"), q.gauge(in_flight, agg="avg")), "max / mean")],
             "short",
             w=12,

@@ -322,8 +322,15 @@ class CacheAwareConfig(msgspec.Struct, **_STRUCT):
 
     load_factor: float = 1.25
     """Bounded load (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018):
-    a replica takes a request only while its requests in flight + 1 <= ceil(load_factor x (in flight over the
-    model's replicas + 1) / replicas). 1.25 is the paper's and HAProxy's ``hash-balance-factor 125``."""
+    a replica takes a request while its requests in flight + 1 <= ceil(load_factor x (in flight over the
+    model's replicas + 1) / replicas), or while it is within ``load_slack`` of the least busy. 1.25 is the
+    paper's and HAProxy's ``hash-balance-factor 125``."""
+    load_slack: Annotated[int, msgspec.Meta(ge=0)] = 2
+    """A replica also takes a request while it has at most this many requests in flight more than the least
+    busy candidate, whatever ``load_factor`` says: at the handful of requests a CPU replica holds, the factor
+    alone turns a replica away at one request above the mean (ceil(1.25 x 5 / 4) = 2), and the conversation
+    it held is computed again elsewhere (gateway/routing/router.py; SGLang's router has an absolute threshold
+    too, ``balance_abs_threshold``). 0: the factor alone."""
     block_size: int = 16
     """Tokens per hashed prefix block where a replica's ``/v1/models`` card does not say its own (vLLM's and
     kvscope's default KV block size)."""
@@ -332,7 +339,9 @@ class CacheAwareConfig(msgspec.Struct, **_STRUCT):
     (``kvscope.num_gpu_blocks`` x ``kvscope.block_size``)."""
 
     def __post_init__(self) -> None:
-        _positive(self)
+        _positive(self, ("load_factor", "block_size", "capacity_tokens"))
+        if self.load_slack < 0:
+            raise ValueError(f"load_slack must be >= 0, got {self.load_slack}")
         if not self.load_factor >= 1:  # NaN too
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
 

@@ -7,12 +7,19 @@
   a load bound; the fewest in flight when no replica holds any of it. The bound is bounded-load consistent
   hashing's (Mirrokni, Thorup, Zadimoghaddam, SODA 2018; HAProxy's ``hash-balance-factor``, Vimeo's and
   Google's balancers): a replica is eligible while ``in_flight + 1 <= ceil(c x (total_in_flight + 1) / n)``,
-  ``c = routing.cache_aware.load_factor``. Chosen over power-of-two-choices because it keeps a prefix on the
-  replica that has it until that replica is really busier than the rest (two random choices would send a hot
-  prefix's requests elsewhere half the time and lose the cache), and over SGLang's two absolute/relative
-  thresholds because one factor bounds every replica's share of the load directly: with one prefix taking
-  half the traffic no replica exceeds ``c`` x the mean in flight (+1). The replica with the fewest in flight
-  is always eligible, so a request is never refused for load.
+  ``c = routing.cache_aware.load_factor``, or while it has at most ``s = routing.cache_aware.load_slack``
+  requests in flight more than the least busy candidate. Chosen over power-of-two-choices because it keeps a
+  prefix on the replica that has it until that replica is really busier than the rest (two random choices
+  would send a hot prefix's requests elsewhere half the time and lose the cache), and over SGLang's switch
+  (once the load spread passes both an absolute and a relative threshold, every request goes to the least
+  loaded worker, cache or not) because the bound is per replica: only a replica over it is passed over, and
+  every other request keeps its prefix. With one prefix taking half the traffic no replica exceeds
+  ``max(c x mean, least + s)`` in flight (+1). The slack is for small counts: the factor is made for many
+  requests per replica, and at the handful a CPU replica holds it turns the replica holding a conversation
+  away at one request above the mean (ceil(1.25 x 5 / 4) = 2), where the conversation's whole history is then
+  computed again (measured: 10 of 96 later turns recomputed 600-840 tokens without the slack, 0-2 with it;
+  docs/benchmarks.md "Cache-aware routing over 4 replicas"). The replica with the fewest in flight is always
+  eligible, so a request is never refused for load.
 
 A retry after a failed attempt (``exclude`` not empty) is a ``fallback``: the same choice among the replicas
 not yet tried. Every cache_aware decision records the prompt's blocks at the chosen replica at once, so the
@@ -135,11 +142,9 @@ class Router:
     def _cache_aware(
         self, model: str, candidates: Sequence[ReplicaT], prefix: PromptPrefix, retry: bool
     ) -> RouteDecision[ReplicaT]:
-        bound = math.ceil(
-            self._routing.cache_aware.load_factor
-            * (sum(r.outstanding for r in candidates) + 1)
-            / len(candidates)
-        )
+        knobs = self._routing.cache_aware
+        bound = math.ceil(knobs.load_factor * (sum(r.outstanding for r in candidates) + 1) / len(candidates))
+        bound = max(bound, min(r.outstanding for r in candidates) + knobs.load_slack + 1)
         eligible = [r for r in candidates if r.outstanding + 1 <= bound]
         matches = [self._index(r, model, prefix).match(prefix.hashes) for r in eligible]
         best = max(matches)

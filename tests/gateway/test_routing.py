@@ -140,9 +140,9 @@ def test_cache_aware_bounds_the_load_of_a_hot_prefix() -> None:
     """One prefix for every request, none finishing: a replica takes it only while in flight + 1 <=
     ceil(1.25 x (total + 1) / 4), so the first three go to idle replicas (ties in turn), then the prefix stays
     on the replicas that hold it, each within the bound; the fourth replica is not needed (4 <= ceil(1.25 x
-    13 / 4) = 5)."""
+    13 / 4) = 5). The factor alone (``load_slack`` 0)."""
     replicas = [FakeReplica(name) for name in "abcd"]
-    r = router()
+    r = router(load_slack=0)
     hot = token_prefix("m", list(range(64)), 4)
     picks = []
     for _ in range(12):
@@ -155,6 +155,71 @@ def test_cache_aware_bounds_the_load_of_a_hot_prefix() -> None:
     assert [o.outstanding for o in replicas] == [4, 4, 4, 0]
     # 63 of 64 tokens are cacheable: 15 full blocks of 4 (the 16th holds the last prompt token)
     assert r.choose("cache_aware", "m", replicas, hot).predicted_cached_tokens == 60
+
+
+@pytest.mark.parametrize(("slack", "stays_at"), [(2, [0, 1, 2]), (1, [0, 1]), (0, [0])])
+def test_a_conversation_stays_on_its_replica_within_the_load_slack(slack: int, stays_at: list[int]) -> None:
+    """Replica ``a`` holds a conversation's history, b-d are idle. With ``k`` requests in flight on ``a`` the
+    factor's bound is ceil(1.25 x (k + 1) / 4) = 1 for k <= 2, so the factor alone sends the next turn away at
+    k = 1; the slack keeps it on ``a`` while k <= slack (k + 1 <= 0 + slack + 1), and past it the turn goes to
+    an idle replica, which holds none of it."""
+    replicas = [FakeReplica(name) for name in "abcd"]
+    r = router(load_slack=slack)
+    history = token_prefix("m", list(range(40)), 4)
+    assert r.choose("cache_aware", "m", replicas[:1], history).replica.name == "a"  # a holds the history
+    next_turn = token_prefix("m", [*range(40), *range(100, 112)], 4)
+    stayed = []
+    for k in range(4):
+        replicas[0].outstanding = k
+        decision = r.choose("cache_aware", "m", replicas, next_turn)
+        if decision.replica.name == "a":
+            # the history's 10 blocks; from the second stay on, the turn's own 12 cacheable blocks (recorded
+            # at a by the first)
+            assert (decision.reason, decision.predicted_cached_tokens) == (
+                "prefix_match",
+                40 if k == 0 else 48,
+            )
+            stayed.append(k)
+        else:
+            assert (decision.reason, decision.predicted_cached_tokens) == ("load", 0)
+            decision.replica.prefix_index = None  # forget the turn it took: a stays the only holder
+    assert stayed == stays_at
+
+
+@pytest.mark.parametrize("slack", [-1, 1.5, "2"])
+def test_load_slack_must_be_a_whole_number_of_requests(slack: object) -> None:
+    from kvscope.gateway.settings import load_settings
+
+    with pytest.raises(ValueError, match="load_slack"):
+        load_settings(
+            None,
+            {"upstreams": [{"url": "http://a:1"}], "routing": {"cache_aware": {"load_slack": slack}}},
+            env={},
+        )
+    with pytest.raises(ValueError, match="load_slack"):
+        CacheAwareConfig(load_slack=-1)
+    settings = load_settings(
+        None, {"upstreams": [{"url": "http://a:1"}], "routing": {"cache_aware": {"load_slack": 0}}}, env={}
+    )
+    assert settings.routing.cache_aware.load_slack == 0
+
+
+def test_a_hot_prefix_stays_within_the_factor_or_the_slack() -> None:
+    """The hot-prefix case with the default slack (2): every pick within max(ceil(1.25 (total + 1) / 4),
+    least + 3); the slack lets the first replica take three at first (1 + 1 <= 0 + 3, 2 + 1 <= 0 + 3), so the
+    fan-out starts later, and the replicas end even as with the factor alone."""
+    replicas = [FakeReplica(name) for name in "abcd"]
+    r = router()
+    hot = token_prefix("m", list(range(64)), 4)
+    picks = []
+    for _ in range(12):
+        total, least = sum(o.outstanding for o in replicas), min(o.outstanding for o in replicas)
+        decision = r.choose("cache_aware", "m", replicas, hot)
+        decision.replica.outstanding += 1
+        assert decision.replica.outstanding <= max(-(-5 * (total + 1) // 16), least + 3)
+        picks.append(decision.replica.name + ("*" if decision.reason == "prefix_match" else ""))
+    assert picks[:3] == ["a", "a*", "a*"]
+    assert sorted(o.outstanding for o in replicas) == [0, 4, 4, 4]
 
 
 def test_a_retry_is_a_fallback_and_the_index_is_sized_from_the_card() -> None:
