@@ -58,7 +58,7 @@ max/mean of one sample among samples with at least half the users in flight.
 The machine statement printed first: lscpu's model name and CPU count, the AVX-512/AMX flags of
 /proc/cpuinfo, memory, load average, and how many pytest processes were running (a shared machine).
 
-    python bench/routing.py                       # full size: 24 users x 5 turns, 1 round (~14 min, 2 vCPUs)
+    python bench/routing.py                       # full size: 24 users x 5 turns, 1 round (~13 min, 2 vCPUs)
     python bench/routing.py --quick               # 8 users x 2 turns (a smoke run)
     python bench/routing.py --users 24 --turns 4 --rounds 2 --policies cache_aware round_robin
 
@@ -736,7 +736,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="which workloads to run"
     )
-    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument(
+        "--replicas", type=int, default=4, help="engine replicas started on this machine (default 4)"
+    )
     p.add_argument("--num-threads", type=int, default=1, help="engine --num-threads of each replica")
     p.add_argument("--kv-cache-memory", default="1G", help="engine --kv-cache-memory of each replica")
     p.add_argument(

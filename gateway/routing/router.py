@@ -97,6 +97,10 @@ class Router:
             name: m.routing for name, m in models.items() if m.routing is not None
         }
         self._turn = itertools.count()
+        self._tie = itertools.count()
+        """Turns among equally loaded replicas: advanced only by a decision that has a tie to break, so that
+        decisions without one (a prefix on one replica) cannot fall into step with a request pattern (a new
+        conversation then its next turn) and send every new conversation to the same replica."""
 
     @property
     def cache_aware_config(self) -> CacheAwareConfig:
@@ -162,7 +166,7 @@ class Router:
     def _least_loaded(self, replicas: Sequence[ReplicaT]) -> ReplicaT:
         fewest = min(r.outstanding for r in replicas)
         tied = [r for r in replicas if r.outstanding == fewest]
-        return tied[next(self._turn) % len(tied)]
+        return tied[0] if len(tied) == 1 else tied[next(self._tie) % len(tied)]
 
     def _index(self, replica: RoutedReplica, model: str, prefix: PromptPrefix) -> PrefixIndex:
         """The replica's prefix index, made on first use with its capacity in ``prefix``'s blocks."""

@@ -151,10 +151,25 @@ def test_cache_aware_bounds_the_load_of_a_hot_prefix() -> None:
         decision.replica.outstanding += 1
         assert decision.replica.outstanding <= -(-5 * (total + 1) // 16)  # ceil(1.25 (total + 1) / 4)
         picks.append(decision.replica.name + ("*" if decision.reason == "prefix_match" else ""))
-    assert picks == ["a", "c", "b", "a*", "b*", "c*", "a*", "c*", "b*", "a*", "b*", "c*"]
+    assert picks == ["a", "c", "b", "a*", "b*", "c*", "c*", "a*", "b*", "b*", "a*", "c*"]
     assert [o.outstanding for o in replicas] == [4, 4, 4, 0]
     # 63 of 64 tokens are cacheable: 15 full blocks of 4 (the 16th holds the last prompt token)
     assert r.choose("cache_aware", "m", replicas, hot).predicted_cached_tokens == 60
+
+
+def test_new_conversations_alternate_over_idle_replicas_whatever_comes_between() -> None:
+    """Ties turn only when there is a tie: a new conversation (no prefix anywhere, both replicas idle) and
+    then its next turn (its prefix on one replica: no tie) must not fall into step, which sent every new
+    conversation to the same replica (break-it: 6 of 6)."""
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    r = router()
+    firsts = []
+    for n in range(6):
+        first = token_prefix("m", [1000 * n + i for i in range(40)], 4)
+        firsts.append(r.choose("cache_aware", "m", replicas, first).replica.name)
+        follow = token_prefix("m", [1000 * n + i for i in range(48)], 4)
+        assert r.choose("cache_aware", "m", replicas, follow).replica.name == firsts[-1]
+    assert firsts == ["a", "b", "a", "b", "a", "b"]
 
 
 @pytest.mark.parametrize(("slack", "stays_at"), [(2, [0, 1, 2]), (1, [0, 1]), (0, [0])])
