@@ -150,7 +150,8 @@ class Router:
         bound = math.ceil(knobs.load_factor * (sum(r.outstanding for r in candidates) + 1) / len(candidates))
         bound = max(bound, min(r.outstanding for r in candidates) + knobs.load_slack + 1)
         eligible = [r for r in candidates if r.outstanding + 1 <= bound]
-        matches = [self._index(r, model, prefix).match(prefix.hashes) for r in eligible]
+        indexes = [self._index(r, model, prefix) for r in eligible]
+        matches = [index.match(prefix.hashes) if index is not None else 0 for index in indexes]
         best = max(matches)
         if best == 0:
             replica, matched = self._least_loaded(eligible), 0
@@ -158,7 +159,10 @@ class Router:
             replica = self._least_loaded([r for r, m in zip(eligible, matches, strict=True) if m == best])
             matched = best
         index = self._index(replica, model, prefix)
-        index.insert(prefix.hashes[: max(1, index.capacity_blocks // 2)])  # one prompt never evicts it all
+        if index is not None:
+            index.insert(
+                prefix.hashes[: max(1, index.capacity_blocks // 2)]
+            )  # one prompt never evicts it all
         reason: Reason = "fallback" if retry else ("prefix_match" if matched else "load")
         predicted = prefix.cacheable_blocks(matched) * prefix.block_size
         return RouteDecision(replica, "cache_aware", reason, predicted, prefix.unit)
@@ -168,10 +172,16 @@ class Router:
         tied = [r for r in replicas if r.outstanding == fewest]
         return tied[0] if len(tied) == 1 else tied[next(self._tie) % len(tied)]
 
-    def _index(self, replica: RoutedReplica, model: str, prefix: PromptPrefix) -> PrefixIndex:
-        """The replica's prefix index, made on first use with its capacity in ``prefix``'s blocks."""
+    def _index(self, replica: RoutedReplica, model: str, prefix: PromptPrefix) -> PrefixIndex | None:
+        """The replica's prefix index, made on first use with its capacity in ``prefix``'s blocks; None where
+        the replica reports a KV block size other than the one ``prefix`` was hashed in (a rolling restart
+        that changed ``--block-size``: the prompt is hashed in the first reporting replica's size,
+        :meth:`block_size`): such a replica is credited with no prefix and records none, so that no
+        prediction exceeds what its cache can serve."""
+        size, capacity = replica.kv_cache_capacity(model)
+        if size and size != prefix.block_size:
+            return None
         if replica.prefix_index is None:
-            _, capacity = replica.kv_cache_capacity(model)
             tokens = capacity or self._routing.cache_aware.capacity_tokens
             replica.prefix_index = PrefixIndex(max(1, tokens // prefix.block_size))
         return replica.prefix_index

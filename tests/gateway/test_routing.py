@@ -250,6 +250,28 @@ def test_a_retry_is_a_fallback_and_the_index_is_sized_from_the_card() -> None:
         r.choose("cache_aware", "m", [], prefix)
 
 
+def test_a_replica_with_another_block_size_is_credited_with_no_prefix() -> None:
+    """Replicas of one model with different KV block sizes (a rolling restart that changed --block-size): the
+    prompt is hashed in the first one's size (8); ``b`` (4) is never credited with it nor records it, so its
+    prediction is 0, never more than its cache holds (break-it: predicted 112 where 96 were cached)."""
+    a, b = FakeReplica("a", block_size=8), FakeReplica("b", block_size=4)
+    r = router(load_slack=0)
+    assert r.block_size("m", [a, b]) == 8
+    prefix = token_prefix("m", list(range(40)), 8)
+    b.outstanding = 1  # a is the least busy: it takes the prompt
+    assert r.choose("cache_aware", "m", [a, b], prefix).replica is a
+    # b is now the least busy, and a is within the bound (1 + 1 <= ceil(1.25 x 2 / 2))
+    a.outstanding, b.outstanding = 1, 0
+    decision = r.choose("cache_aware", "m", [a, b], prefix)
+    assert (decision.replica, decision.reason, decision.predicted_cached_tokens) == (a, "prefix_match", 32)
+    a.outstanding = 3  # over the bound ceil(1.25 x 4 / 2) = 3: b takes it, credited with nothing
+    decision = r.choose("cache_aware", "m", [a, b], prefix)
+    assert (decision.replica, decision.reason, decision.predicted_cached_tokens) == (b, "load", 0)
+    assert b.prefix_index is None  # nothing recorded in a size b does not use
+    decision = r.choose("cache_aware", "m", [b], prefix)
+    assert (decision.reason, decision.predicted_cached_tokens) == ("load", 0)
+
+
 def test_a_new_instance_id_on_a_healthy_replica_resets_its_index() -> None:
     """A restart between two health checks: never seen down, but its card names a new server instance."""
     import asyncio
