@@ -51,6 +51,22 @@ def serve(app: Any, settings: GatewaySettings, log_level: str = "info") -> None:
     uvicorn.Server(config).run()
 
 
+def check_gateway_args(argv: list[str]) -> str | None:
+    """Why ``kvscope gateway argv`` would refuse to start (a bad flag, config file or value), as its message;
+    None when its settings load. Builds no app and binds nothing: ``kvscope serve`` asks before it starts its
+    engines, so that a typo in ``--gateway-args`` is not found after a minute of engine start-up. A flag
+    argparse refuses has its usage and message printed by argparse itself."""
+    try:
+        args = _gateway_parser().parse_args(argv)
+    except SystemExit as exc:
+        return f"the gateway options were refused (exit {exc.code})"
+    try:
+        SettingsSource.of(args.config, _overrides(args)).load()
+    except (ValueError, OSError) as exc:
+        return str(exc)
+    return None
+
+
 def gateway_main(argv: list[str]) -> int:
     """Entry point of ``kvscope gateway``; returns the exit code (2 for a bad configuration, e.g. an
     invalid value or a tokenizer file that does not exist). With ``--workers N`` (N > 1) this process is the

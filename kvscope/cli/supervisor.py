@@ -1,6 +1,7 @@
 """``kvscope serve``: the one-command stack on a laptop — engine + gateway as child processes.
 
-Pulls the default model if missing, starts the engine on a private loopback port (``--replicas N``: N engines
+Pulls the default model if missing, checks the gateway's options as the gateway would (a bad ``--gateway-args``
+value is refused before any engine starts), starts the engine on a private loopback port (``--replicas N``: N engines
 on ports of their own, the CPUs split between them), waits until it is healthy, starts the gateway in front of
 it (one ``--upstream`` per engine), waits until it is ready, prints the URL, the console's (gateway/console/)
 and a copy-paste request, then forwards Ctrl-C/SIGTERM to all. Children get PR_SET_PDEATHSIG so that even a
@@ -157,6 +158,7 @@ class Supervisor:
         try:
             self._check_engine_key()
             self._check_ports_free()
+            self._check_gateway_options()
             self._start_engines()
             self._start_gateway()
             self._print_banner()
@@ -287,9 +289,19 @@ class Supervisor:
     def engine_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{port}" for port in self.engine_ports]
 
-    def _start_gateway(self) -> None:
+    def _check_gateway_options(self) -> None:
+        """Refuse what the gateway would refuse (``--gateway-args``, a config file they name) before any
+        engine starts. Raises _ChildFailed with the gateway's message."""
+        from kvscope.gateway.cli import check_gateway_args
+
+        problem = check_gateway_args(self.gateway_command()[5:])
+        if problem is not None:
+            raise _ChildFailed(f"gateway: {problem}")
+
+    def gateway_command(self) -> list[str]:
+        """The gateway's command line: one ``--upstream`` per engine, the request log, the tokenizer for
+        cache-aware routing, then ``--gateway-args``."""
         o = self.options
-        o.log_file.parent.mkdir(parents=True, exist_ok=True)
         cmd = [
             sys.executable,
             "-P",
@@ -311,9 +323,15 @@ class Supervisor:
             served = _served_name(o)
             cmd += ["--tokenizer", f"{served}={tokenizer}"]
         cmd += list(o.gateway_args)
+        return cmd
+
+    def _start_gateway(self) -> None:
+        self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.gateway_command()
         print(f"starting gateway: {shlex.join(cmd[3:])}", flush=True)
         child = self._spawn(cmd)
         self.names[child.pid] = "gateway"
+        o = self.options
         self._wait_ready(child, f"http://{_client_host(o.host)}:{o.port}/readyz", "gateway")
 
     def _spawn(self, cmd: list[str], stdout: Any = None) -> subprocess.Popen:

@@ -105,3 +105,48 @@ def test_an_engine_api_key_is_refused_before_anything_starts(
         "kvscope serve: an engine API key (--api-key or "
         "$KVSCOPE_ENGINE_API_KEY) is not supported by kvscope serve"
     )
+
+
+@pytest.mark.parametrize(
+    ("gateway_args", "config", "message"),
+    [
+        (("--routing", "foo"), None, "kvscope serve: gateway: the gateway options were refused (exit 2)\n"),
+        (
+            (),
+            "routing:\n  cache_aware:\n    load_slack: -1\n",
+            "Expected `int` >= 0 - at `$.routing.cache_aware.load_slack`",
+        ),
+    ],
+)
+def test_gateway_options_the_gateway_would_refuse_fail_before_any_engine_starts(
+    gateway_args: tuple[str, ...],
+    config: str | None,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bad ``--gateway-args`` flag or a bad value in the config file they name: the gateway's own message,
+    before the engines' minute of start-up (a new user waited for two engines to learn of a typo)."""
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    if config is not None:
+        (tmp_path / "gateway.yaml").write_text(config)
+        gateway_args = ("--config", str(tmp_path / "gateway.yaml"))
+    options = ServeOptions(
+        model="smollm2-135m",
+        host="127.0.0.1",
+        port=free_port(),
+        engine_port=free_port(),
+        log_file=tmp_path / "requests.jsonl",
+        engine_args=(),
+        gateway_args=gateway_args,
+    )
+    supervisor = Supervisor(options)
+    assert supervisor.run() == 1
+    assert supervisor.children == []
+    err = capsys.readouterr().err
+    assert message in err
+    if config is None:  # argparse's own line names the flag and the choices
+        assert "argument --routing: invalid choice: 'foo'" in err
+    else:
+        assert err.startswith("kvscope serve: gateway: ")
