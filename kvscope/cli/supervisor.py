@@ -1,11 +1,11 @@
 """``kvscope serve``: the one-command stack on a laptop — engine + gateway as child processes.
 
-Pulls the default model if missing, checks the gateway's options as the gateway would (a bad ``--gateway-args``
-value is refused before any engine starts), starts the engine on a private loopback port (``--replicas N``: N engines
-on ports of their own, the CPUs split between them), waits until it is healthy, starts the gateway in front of
-it (one ``--upstream`` per engine), waits until it is ready, prints the URL, the console's (gateway/console/)
-and a copy-paste request, then forwards Ctrl-C/SIGTERM to all. Children get PR_SET_PDEATHSIG so that even a
-SIGKILLed supervisor leaves no orphan process behind (Linux).
+Pulls the default model if missing, checks the gateway's options as the gateway would (a bad
+``--gateway-args`` value is refused before any engine starts), starts the engine on a private loopback port
+(``--replicas N``: N engines on ports of their own, the CPUs split between them), waits until it is healthy,
+starts the gateway in front of it (one ``--upstream`` per engine), waits until it is ready, prints the URL,
+the console's (gateway/console/) and a copy-paste request, then forwards Ctrl-C/SIGTERM to all. Children get
+PR_SET_PDEATHSIG so that even a SIGKILLed supervisor leaves no orphan process behind (Linux).
 """
 
 from __future__ import annotations
