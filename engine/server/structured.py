@@ -23,15 +23,13 @@ from kvscope.engine.structured.backend import CompileBusyError
 from kvscope.engine.structured.params import StructuredOutputsParams
 
 
-async def prepare_constraint(
-    state: ServerState, params: SamplingParams, schedule: Schedule | None = None
-) -> float | None:
+async def prepare_constraint(state: ServerState, params: SamplingParams, schedule: Schedule) -> float | None:
     """Compile the request's constraint on the grammar compiler's own thread (a cached grammar answers at
     once; the first compile also builds the grammar tokenizer, about a second), pin it to the request, count
     it by kind and observe its compile time. Nothing of it runs on asyncio's default executor, so requests
     without a constraint never wait for a compile. Returns the seconds the request waited for its grammar
     (0.0: pinned or cached; its ``structured_compile_s``), None without a constraint. The ``schedule``'s
-    deadline (``x-kvscope-timeout``; None: no schedule, no deadline) bounds the wait: past it the request is
+    deadline (``x-kvscope-timeout``; None: none) bounds the wait: past it the request is
     answered 504 ``deadline_exceeded`` at once (counted as shed in its tier for ``deadline``), never queued,
     and the compile goes on for the other requests of the same grammar.
 
@@ -43,7 +41,6 @@ async def prepare_constraint(
     constraint = params.structured_outputs
     if constraint is None:
         return None
-    schedule = schedule or Schedule()
     left = None if schedule.deadline is None else max(schedule.deadline - time.monotonic(), 0.0)
     try:
         got = await asyncio.wait_for(state.engine.structured.acquire_async(constraint), left)

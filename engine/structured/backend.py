@@ -215,10 +215,6 @@ class StructuredOutputManager:
         params.pin.grammar = compiled
         return GrammarWait(compiled.seconds if mine else 0.0, time.perf_counter() - started)
 
-    async def compile_async(self, params: StructuredOutputsParams) -> float:
-        """:meth:`compile` for an event loop (:meth:`acquire_async`). Same result and errors."""
-        return (await self.acquire_async(params)).compile_s
-
     async def acquire_async(self, params: StructuredOutputsParams) -> GrammarWait:
         """:meth:`acquire` for an event loop: waits for the compile thread without occupying any other thread
         (asyncio's default executor stays free for everything else). Cancelling the wait leaves the compile

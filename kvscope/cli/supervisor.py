@@ -294,20 +294,15 @@ class Supervisor:
         engine starts. Raises _ChildFailed with the gateway's message."""
         from kvscope.gateway.cli import check_gateway_args
 
-        problem = check_gateway_args(self.gateway_command()[5:])
+        problem = check_gateway_args(self.gateway_options())
         if problem is not None:
             raise _ChildFailed(f"gateway: {problem}")
 
-    def gateway_command(self) -> list[str]:
-        """The gateway's command line: one ``--upstream`` per engine, the request log, the tokenizer for
-        cache-aware routing, then ``--gateway-args``."""
+    def gateway_options(self) -> list[str]:
+        """The gateway's options (``kvscope gateway …``): one ``--upstream`` per engine, the request log, the
+        tokenizer for cache-aware routing, then ``--gateway-args``."""
         o = self.options
-        cmd = [
-            sys.executable,
-            "-P",
-            "-m",
-            "kvscope.cli",
-            "gateway",
+        options = [
             "--host",
             o.host,
             "--port",
@@ -317,17 +312,17 @@ class Supervisor:
             str(o.log_file),
         ]
         if o.gateway_workers > 1:
-            cmd += ["--workers", str(o.gateway_workers)]
+            options += ["--workers", str(o.gateway_workers)]
         tokenizer = _tokenizer_path(o.model)
         if tokenizer is not None:
             served = _served_name(o)
-            cmd += ["--tokenizer", f"{served}={tokenizer}"]
-        cmd += list(o.gateway_args)
-        return cmd
+            options += ["--tokenizer", f"{served}={tokenizer}"]
+        options += list(o.gateway_args)
+        return options
 
     def _start_gateway(self) -> None:
         self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
-        cmd = self.gateway_command()
+        cmd = [sys.executable, "-P", "-m", "kvscope.cli", "gateway", *self.gateway_options()]
         print(f"starting gateway: {shlex.join(cmd[3:])}", flush=True)
         child = self._spawn(cmd)
         self.names[child.pid] = "gateway"

@@ -14,6 +14,20 @@ from kvscope.cli.supervisor import ServeOptions, Supervisor
 from kvscope.testing.ports import free_port
 
 
+def _options(tmp_path: Path, **given: object) -> ServeOptions:
+    """kvscope serve's options for the default model on free loopback ports, with ``given`` instead."""
+    fields: dict[str, object] = {
+        "model": "smollm2-135m",
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "engine_port": free_port(),
+        "log_file": tmp_path / "requests.jsonl",
+        "engine_args": (),
+        "gateway_args": (),
+    }
+    return ServeOptions(**{**fields, **given})  # type: ignore[arg-type]
+
+
 def _listening() -> socket.socket:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -29,15 +43,7 @@ def test_a_taken_port_fails_before_any_child_starts(
     with _listening() as other:
         busy = other.getsockname()[1]
         port, engine_port = (busy, free_port()) if taken == "gateway" else (free_port(), busy)
-        options = ServeOptions(
-            model="smollm2-135m",
-            host="127.0.0.1",
-            port=port,
-            engine_port=engine_port,
-            log_file=tmp_path / "requests.jsonl",
-            engine_args=(),
-            gateway_args=(),
-        )
+        options = _options(tmp_path, port=port, engine_port=engine_port)
         supervisor = Supervisor(options)
         assert supervisor.run() == 1
     assert supervisor.children == []
@@ -90,15 +96,7 @@ def test_an_engine_api_key_is_refused_before_anything_starts(
     }[how]
     if how == "env":
         monkeypatch.setenv("KVSCOPE_ENGINE_API_KEY", "s3cret")
-    options = ServeOptions(
-        model="smollm2-135m",
-        host="127.0.0.1",
-        port=free_port(),
-        engine_port=free_port(),
-        log_file=tmp_path / "requests.jsonl",
-        engine_args=engine_args,
-        gateway_args=(),
-    )
+    options = _options(tmp_path, engine_args=engine_args)
     supervisor = Supervisor(options)
     assert supervisor.run() == 1 and supervisor.children == []
     assert capsys.readouterr().err.startswith(
@@ -132,15 +130,7 @@ def test_gateway_options_the_gateway_would_refuse_fail_before_any_engine_starts(
     if config is not None:
         (tmp_path / "gateway.yaml").write_text(config)
         gateway_args = ("--config", str(tmp_path / "gateway.yaml"))
-    options = ServeOptions(
-        model="smollm2-135m",
-        host="127.0.0.1",
-        port=free_port(),
-        engine_port=free_port(),
-        log_file=tmp_path / "requests.jsonl",
-        engine_args=(),
-        gateway_args=gateway_args,
-    )
+    options = _options(tmp_path, gateway_args=gateway_args)
     supervisor = Supervisor(options)
     assert supervisor.run() == 1
     assert supervisor.children == []

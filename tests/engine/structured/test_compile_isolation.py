@@ -142,12 +142,12 @@ def test_new_grammars_beyond_the_pending_limit_are_refused_at_once(tokenizer, gr
 async def test_a_cancelled_wait_leaves_the_shared_compile_to_the_others(tokenizer, grammar_tokenizer, spy):
     manager = _manager(tokenizer, grammar_tokenizer)
     leaving, staying = _held(param="response_format"), _held(param="guided_json")
-    left = asyncio.create_task(manager.compile_async(leaving))
-    stays = asyncio.create_task(manager.compile_async(staying))
+    left = asyncio.create_task(manager.acquire_async(leaving))
+    stays = asyncio.create_task(manager.acquire_async(staying))
     await asyncio.to_thread(spy.entered.wait, 60)
     left.cancel()
     spy.open()
-    assert await stays >= 0.0 and staying.pin.grammar is not None
+    assert (await stays).compile_s >= 0.0 and staying.pin.grammar is not None
     assert left.cancelled() and manager.num_compiles == 1
 
 
