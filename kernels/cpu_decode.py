@@ -257,7 +257,7 @@ def _has_op(name: str) -> bool:
     return True
 
 
-TILE_KINDS = {"float32": 1, "bfloat16": 2}
+TILE_KINDS = {"float32": 1, "bfloat16": 2, "int16": 3}
 """Element types of the small-batch matmul's expanded weights (kernels/csrc/cpu_pair_gemm.h ``Tile``) → the
 ops' ``tile`` argument."""
 
@@ -417,3 +417,65 @@ class TileBlocks:
         """x ``[M, K]`` (float32 or bfloat16; the tiles multiply it rounded to bfloat16) → ``[M, N]`` in
         x's dtype (float32 sums). Needs :func:`amx_loaded`; RuntimeError for mismatched shapes."""
         return torch.ops.kvscope_cpu.int4_gemm_amx(x, self.codes, self.dm)
+
+
+VNNI_LANES = 16
+"""Output rows per tile of :class:`VnniBlocks` (N must be a multiple)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VnniBlocks:
+    """A 4- or 8-bit ``[N, K]`` weight (``w = d · u + m`` per block of 32, as :class:`PairBlocks`) transposed
+    in tiles of 16 output rows for the int16 tiles (kernels/csrc/cpu_pair_vnni.h): one 64-byte vector holds 4
+    consecutive codes of 16 rows, the operand of one vpdpbusd. A copy made at load time beside the pair blocks
+    (the GEMV's layout), for batches from the probe's ``tile_rows``."""
+
+    codes: torch.Tensor
+    """uint8 ``[N/16, K/32, 256]`` (4-bit: 64-byte chunk g < 4, byte ``4 n + j`` = u[16t + n, 32b + 4g + j] |
+    u[16t + n, 32b + 4(g + 4) + j] << 4) or ``[N/16, K/32, 512]`` (8-bit: chunk g < 8, byte ``4 n + j`` =
+    u[16t + n, 32b + 4g + j])."""
+    dm: torch.Tensor
+    """float16 ``[N/16, K/32, 2, 16]``: the 16 rows' d, then their m (as :class:`TileBlocks`)."""
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.codes.shape[2] == 256 else 8
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0] * VNNI_LANES
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.dm.numel() * 2
+
+    @classmethod
+    def from_pair_blocks(cls, weight: PairBlocks) -> VnniBlocks:
+        """The same weights (codes, d and m bit for bit) in the VNNI layout. Raises ValueError for N not a
+        multiple of 16."""
+        if weight.out_features % VNNI_LANES:
+            raise ValueError(f"VNNI blocks need N % {VNNI_LANES} == 0, got {weight.out_features}")
+        codes, d, m = weight.unpack()
+        rows, blocks = d.shape
+        tiles = rows // VNNI_LANES
+        u = codes.view(tiles, VNNI_LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [t, b, g, n, j]
+        if weight.bits == 4:
+            u = u[:, :, :4] | (u[:, :, 4:] << 4)
+        packed = u.contiguous().view(tiles, blocks, -1)
+        dm = torch.stack([t.view(tiles, VNNI_LANES, blocks).permute(0, 2, 1) for t in (d, m)], dim=2)
+        return cls(codes=packed, dm=dm.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]`` (for tests)."""
+        tiles, blocks = self.codes.shape[:2]
+        c = self.codes.view(tiles, blocks, -1, VNNI_LANES, 4)  # [t, b, g, n, j]
+        u = torch.cat([c & 15, c >> 4], dim=2) if self.bits == 4 else c
+        u = u.permute(0, 3, 1, 2, 4).reshape(tiles * VNNI_LANES, blocks, BLOCK).to(torch.float32)
+        dm = self.dm.to(torch.float32).permute(0, 3, 1, 2).reshape(tiles * VNNI_LANES, blocks, 2)
+        return (u * dm[..., :1] + dm[..., 1:]).view(tiles * VNNI_LANES, blocks * BLOCK)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]``: activations quantized per block of 32 to
+        16-bit codes as the GEMV (:meth:`PairBlocks.matmul`), integer sums on vpdpbusd. Needs :func:`load`;
+        RuntimeError for mismatched shapes."""
+        return torch.ops.kvscope_cpu.vnni_gemm(x, self.codes, self.dm)

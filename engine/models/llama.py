@@ -235,6 +235,9 @@ class LlamaForCausalLM(nn.Module):
         """An 8-bit copy of the LM head (kvscope.kernels.cpu_decode.PairBlocks) for the fused CPU decode
         step (engine/platform/fused_decode.py), set by kvscope.engine.platform.compact with kvscope's CPU
         kernels; None otherwise."""
+        self.decode_head_vnni = None
+        """The same 8-bit head transposed for the int16 tiles (kvscope.kernels.cpu_decode.VnniBlocks), where
+        the start-up probe chose them: the fused step's logits of batched decode steps; None otherwise."""
         self.logits_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         """CPU kernel of the LM head: a CpuLinearKernel (set by kvscope.engine.platform.cpu.prepare_for_cpu),
         or a compact one (kvscope.engine.platform.compact)."""

@@ -40,7 +40,7 @@ from kvscope.engine.weights.quant import (
     int4_blocks_from_float,
     int4_weight,
 )
-from kvscope.kernels.cpu_decode import PAIR, TILE, PairBlocks, TileBlocks
+from kvscope.kernels.cpu_decode import PAIR, TILE, VNNI_LANES, PairBlocks, TileBlocks, VnniBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ def quantize_model(
         # prompt logprobs and batched decode keep the dense head (compute_logits), as with torch's kernels
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         model.decode_head = PairBlocks.q8_from_float(head)
+        if choice.tile == "int16" and model.decode_head.out_features % VNNI_LANES == 0:
+            # the fused step's batched logits on the int16 tiles (engine/platform/fused_decode.py)
+            model.decode_head_vnni = VnniBlocks.from_pair_blocks(model.decode_head)
     report = QuantReport(quantization, **counts)
     logger.info(  # the kernels chosen: the probe's own line ("CPU kernel probe …"), logged just before
         "quantization %s: %d layers from GGUF Q4 blocks, %d quantized, %d dense",
@@ -173,6 +176,14 @@ def _kernel(
         and compact.out_features % TILE == 0
     ):
         batched = TileBlocks.from_pair_blocks(compact)
+    vnni = None
+    if (
+        choice.tile == "int16"
+        and choice.tile_rows
+        and isinstance(compact, PairBlocks)
+        and compact.out_features % VNNI_LANES == 0
+    ):
+        vnni = VnniBlocks.from_pair_blocks(compact)
     return CompactLinearKernel(
         compact=compact,
         bias=None if bias is None else bias.detach().clone(),
@@ -181,8 +192,12 @@ def _kernel(
         max_compact_rows=max_rows if dense else NO_DENSE,
         batched=batched,
         max_batched_rows=choice.batched_rows if batched else 0,
-        tile_rows=choice.tile_rows if isinstance(compact, PairBlocks) else 0,
+        # int16 tiles run on the VNNI copy only (N % 16 == 0): without it the GEMV at every size
+        tile_rows=choice.tile_rows
+        if isinstance(compact, PairBlocks) and (vnni or choice.tile != "int16")
+        else 0,
         tile=choice.tile or "float32",
+        vnni=vnni,
     )
 
 
@@ -208,6 +223,9 @@ def _weight_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     head = getattr(model, "decode_head", None)
     if head is not None:
         yield from (head.codes, head.scales)
+    head_vnni = getattr(model, "decode_head_vnni", None)
+    if head_vnni is not None:
+        yield from (head_vnni.codes, head_vnni.dm)
     for kernel in {id(k): k for k in kernels if k is not None}.values():
         yield from _kernel_tensors(kernel)
 
@@ -227,3 +245,5 @@ def _kernel_tensors(kernel: object) -> Iterator[torch.Tensor]:
             yield from _kernel_tensors(kernel.dense)
         if kernel.batched is not None:
             yield from (kernel.batched.codes, kernel.batched.dm)
+        if kernel.vnni is not None:
+            yield from (kernel.vnni.codes, kernel.vnni.dm)

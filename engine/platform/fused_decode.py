@@ -35,7 +35,7 @@ from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.models.llama import LlamaForCausalLM
 from kvscope.engine.platform.kernel_probe import best_ms
 from kvscope.engine.weights.quant import CompactLinearKernel
-from kvscope.kernels.cpu_decode import PAIR, TILE_KINDS, PairBlocks, is_loaded
+from kvscope.kernels.cpu_decode import PAIR, TILE_KINDS, PairBlocks, VnniBlocks, is_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class FusedDecoder:
     """From how many requests its matmuls run the small-batch matmul instead of the GEMV (0: never)."""
     tile: str = "float32"
     """That matmul's tile element type (``kvscope.kernels.cpu_decode.TILE_KINDS``)."""
+    vnni: tuple[VnniBlocks, ...] = ()
+    """For ``int16`` tiles: every matrix's VNNI blocks, 4 per layer in the order of ``codes``, then the
+    head's; () for the other kinds."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> FusedDecoder | None:
@@ -87,7 +90,7 @@ class FusedDecoder:
         ):
             return None
         codes, scales, limits, tiles = [], [], [], set()
-        norms = []
+        norms, vnni = [], []
         for layer in model.model.layers:
             for linear in (
                 layer.self_attn.qkv_proj,
@@ -102,6 +105,7 @@ class FusedDecoder:
                 scales.append(weight.scales)
                 limits.append(linear.cpu_kernel.max_compact_rows)
                 tiles.add((linear.cpu_kernel.tile_rows, linear.cpu_kernel.tile))
+                vnni.append(linear.cpu_kernel.vnni)
             norms += [
                 layer.input_layernorm.weight.detach().float().contiguous(),
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
@@ -109,6 +113,12 @@ class FusedDecoder:
         if len(tiles) != 1:  # one probe choice for every layer (kvscope.engine.platform.compact)
             return None
         ((tile_rows, tile),) = tiles
+        if tile == "int16" and tile_rows:
+            vnni.append(getattr(model, "decode_head_vnni", None))
+            if any(v is None for v in vnni):  # a matrix without its transposed copy: the GEMV at every size
+                tile_rows, vnni = 0, []
+        else:
+            vnni = []
         inv_freq = c.rope.inv_freq(c.head_dim, embed.device).contiguous()
         return cls(
             embed=embed.detach(),
@@ -124,6 +134,7 @@ class FusedDecoder:
             max_rows=min(limits),
             tile_rows=tile_rows,
             tile=tile,
+            vnni=tuple(vnni),
         )
 
     def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
@@ -167,6 +178,8 @@ class FusedDecoder:
             self.eps,
             self.tile_rows,
             TILE_KINDS[self.tile],
+            [v.codes for v in self.vnni],
+            [v.dm for v in self.vnni],
         )
 
 
@@ -178,12 +191,34 @@ decoder's on the model's own weights."""
 def engine_fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
     """The engine's fused decoder of ``model`` (:meth:`FusedDecoder.from_model`), its row limit raised by
     :func:`fused_row_limit` where its matmuls run the small-batch tiles (the GEMV alone re-reads the weights
-    every 4 rows and never wins there); None where it does not apply."""
+    every 4 rows and never wins there); None where it does not apply. With the int16 tiles the decoder's
+    layers take the raised limit too (:func:`raise_compact_rows`): steps the fused one does not run (a
+    speculative verification of 1 + k rows, a mixed batch's few rows) then run the same kernel up to it."""
     fused = FusedDecoder.from_model(model)
     if fused is None or not fused.tile_rows:
         return fused
     assert isinstance(model, LlamaForCausalLM)
-    return dataclasses.replace(fused, max_rows=fused_row_limit(model, fused, FUSED_PROBE_ROWS))
+    fused = dataclasses.replace(fused, max_rows=fused_row_limit(model, fused, FUSED_PROBE_ROWS))
+    if fused.vnni:
+        raise_compact_rows(model, fused.max_rows)
+    return fused
+
+
+def raise_compact_rows(model: LlamaForCausalLM, rows: int) -> int:
+    """Let every decoder layer whose compact kernel holds VNNI blocks run them up to ``rows`` rows (its dense
+    copy above), where its probed limit is lower: the kernel probe times one matrix that stays in the CPU's
+    caches, :func:`fused_row_limit` the model's own weights. Returns the number of layers changed."""
+    changed = 0
+    for module in model.modules():
+        kernel = getattr(module, "cpu_kernel", None)
+        if (
+            isinstance(kernel, CompactLinearKernel)
+            and kernel.vnni is not None
+            and kernel.max_compact_rows < rows
+        ):
+            module.cpu_kernel = dataclasses.replace(kernel, max_compact_rows=rows)
+            changed += 1
+    return changed
 
 
 def fused_row_limit(
@@ -225,7 +260,11 @@ def fused_row_limit(
             for k in (hidden, inter, model.config.num_attention_heads * model.config.head_dim)
         }
 
-        def fused_matmuls(xs: dict[int, torch.Tensor] = xs) -> None:
+        def fused_matmuls(xs: dict[int, torch.Tensor] = xs, n: int = n) -> None:
+            if fused.vnni and n >= fused.tile_rows:  # the int16 tiles, the head's last
+                for v in fused.vnni:
+                    v.matmul(xs[v.codes.shape[1] * 32])
+                return
             for codes, scales in zip(fused.codes, fused.scales, strict=True):
                 k = scales.shape[1] * PAIR
                 torch.ops.kvscope_cpu.qgemv(xs[k], codes, scales, fused.tile_rows, tile)

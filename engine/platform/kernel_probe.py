@@ -297,7 +297,12 @@ def _tile_kernels(blocks: Int4Blocks) -> dict[str, Callable[[torch.Tensor], torc
     pairs = int4_weight(blocks, pair_layout=True)
     assert isinstance(pairs, cpu_decode.PairBlocks)
     kinds = ["float32", *(["bfloat16"] if cpu_decode.bf16_tiles_built() else [])]
-    return {kind: (lambda x, kind=kind: pairs.matmul(x, 1, kind)) for kind in kinds}
+    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        kind: (lambda x, kind=kind: pairs.matmul(x, 1, kind)) for kind in kinds
+    }
+    if pairs.out_features % cpu_decode.VNNI_LANES == 0:
+        fns["int16"] = cpu_decode.VnniBlocks.from_pair_blocks(pairs).matmul
+    return fns
 
 
 def amx_rows(

@@ -31,7 +31,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from kvscope.engine.memory import tensor_nbytes
-from kvscope.kernels.cpu_decode import PairBlocks, TileBlocks
+from kvscope.kernels.cpu_decode import PairBlocks, TileBlocks, VnniBlocks
 
 INT4_GROUP = 32
 """Weights per scale/zero group: a GGUF Q4_0/Q4_1 block."""
@@ -216,6 +216,9 @@ class CompactLinearKernel:
     probe's ``KernelChoice.tile_rows``)."""
     tile: str = "float32"
     """The small-batch matmul's tile element type (``KernelChoice.tile``)."""
+    vnni: VnniBlocks | None = None
+    """The same weights transposed for the ``int16`` tiles (kernels/csrc/cpu_pair_vnni.h), which run from
+    ``tile_rows`` rows where the probe chose them; None for the other tile kinds."""
 
     @property
     def fmt(self) -> str:
@@ -240,7 +243,10 @@ class CompactLinearKernel:
             out = self.dense(x if dtype == self.dense_dtype else x.to(self.dense_dtype))
             return out if out.dtype == dtype else out.to(dtype)
         if isinstance(self.compact, PairBlocks):  # float32 or bfloat16 in, float32 out
-            out = self.compact.matmul(x, self.tile_rows, self.tile)
+            if self.vnni is None:
+                out = self.compact.matmul(x, self.tile_rows, self.tile)
+            else:  # the int16 tiles from tile_rows, the GEMV below
+                out = self.vnni.matmul(x) if 0 < self.tile_rows <= rows else self.compact.matmul(x)
             if self.bias is not None:
                 out += self.bias
             return out if dtype == torch.float32 else out.to(dtype)
@@ -257,7 +263,9 @@ class CompactLinearKernel:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: compact weights, bias, the dense copy and the AMX copy."""
+        """Bytes held: compact weights, bias, the dense copy, the AMX copy and the VNNI copy."""
         dense = getattr(self.dense, "nbytes", 0) if self.dense is not None else 0
         batched = 0 if self.batched is None else self.batched.nbytes
-        return self.compact.nbytes + (0 if self.bias is None else tensor_nbytes(self.bias)) + dense + batched
+        vnni = 0 if self.vnni is None else self.vnni.nbytes
+        bias = 0 if self.bias is None else tensor_nbytes(self.bias)
+        return self.compact.nbytes + bias + dense + batched + vnni

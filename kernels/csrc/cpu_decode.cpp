@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "cpu_pair_gemm.h"
+#include "cpu_pair_vnni.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -222,11 +223,38 @@ PairWeight pair_weight(const at::Tensor& w, const at::Tensor& s) {
           bits};
 }
 
-// y [n, N] = x [n, K] · Wᵀ: the GEMV below ``tile_rows`` rows (0: always), else the tile matmul of
-// cpu_pair_gemm.h on tiles of kind ``tile`` (1 float32, 2 bfloat16); the start-up probe measures the crossover
-// and the kind (engine/platform/kernel_probe.py).
+// A weight in the VNNI blocks of cpu_pair_vnni.h (kernels/cpu_decode.py VnniBlocks).
+struct VnniWeight {
+  const uint8_t* codes;
+  const uint16_t* dm;
+  int64_t tiles;
+  int64_t cols;
+  int bits;
+};
+
+VnniWeight vnni_weight(const at::Tensor& codes, const at::Tensor& dm) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
+                  (codes.size(2) == 256 || codes.size(2) == 512),
+              "VNNI codes: contiguous uint8 [N/16, K/32, 256 (4-bit) or 512 (8-bit)]");
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.dim() == 4 && dm.size(0) == codes.size(0) &&
+                  dm.size(1) == codes.size(1) && dm.size(2) == 2 && dm.size(3) == 16,
+              "VNNI dm: contiguous float16 [N/16, K/32, 2, 16]");
+  return {codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), codes.size(0),
+          codes.size(1) * 32, codes.size(2) == 256 ? 4 : 8};
+}
+
+// y [n, N] = x [n, K] · Wᵀ: the GEMV below ``tile_rows`` rows (0: always), else the small-batch matmul on
+// tiles of kind ``tile``: 1 float32 or 2 bfloat16 (cpu_pair_gemm.h, from the pair blocks), 3 int16
+// (cpu_pair_vnni.h: the GEMV's 16-bit codes on vpdpbusd, from the same weights' VNNI blocks ``vw``); the
+// start-up probe measures the crossover and the kind (engine/platform/kernel_probe.py).
 void gemv(const PairWeight& pw, const float* x, int64_t n, float* y, int64_t tile_rows = 0, int64_t tile = 1,
-          const float* bias = nullptr) {
+          const float* bias = nullptr, const VnniWeight* vw = nullptr) {
+  if (tile_rows > 0 && n >= tile_rows && tile == 3) {
+    TORCH_CHECK(vw != nullptr && vw->tiles * 16 == pw.rows && vw->cols == pw.cols && vw->bits == pw.bits,
+                "int16 tiles need the weight's VNNI blocks");
+    kvscope_pair_vnni::vnni_gemm(x, n, pw.cols, vw->codes, vw->dm, vw->tiles, vw->bits, bias, y);
+    return;
+  }
   if (tile_rows > 0 && n >= tile_rows) {
     kvscope_pair_gemm::pair_gemm(x, n, pw.cols, pw.w, pw.s, pw.rows, pw.bits, static_cast<kvscope_pair_gemm::Tile>(tile),
                                  bias, y);
@@ -246,7 +274,8 @@ bool has_bf16_tiles() {
 
 // x [M, K] (float32 or bfloat16) → float32 [M, N]; the tile matmul from ``tile_rows`` rows (gemv above).
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t tile_rows, int64_t tile) {
-  TORCH_CHECK(tile == 1 || (tile == 2 && has_bf16_tiles()), "tile: 1 (float32) or 2 (bfloat16, where built)");
+  TORCH_CHECK(tile == 1 || (tile == 2 && has_bf16_tiles()),
+              "tile: 1 (float32) or 2 (bfloat16, where built); int16 tiles: vnni_gemm");
   const PairWeight pw = pair_weight(w, s);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == pw.cols, "x must be [M, ", pw.cols, "]");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -255,6 +284,19 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, 
   return y;
 }
 
+
+// x [M, K] (float32 or bfloat16) → float32 [M, N] on the weight's VNNI blocks (cpu_pair_vnni.h), every row.
+at::Tensor vnni_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm) {
+  const VnniWeight vw = vnni_weight(codes, dm);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == vw.cols, "x must be [M, ", vw.cols, "]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), vw.tiles * 16}, x.options().dtype(at::kFloat));
+  if (x.size(0) > 0) {
+    kvscope_pair_vnni::vnni_gemm(xf.data_ptr<float>(), x.size(0), vw.cols, vw.codes, vw.dm, vw.tiles, vw.bits, nullptr,
+                                 y.data_ptr<float>());
+  }
+  return y;
+}
 
 // ---- the decode step -------------------------------------------------------------------------------------
 
@@ -319,7 +361,7 @@ template <typename T>
 void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, const float* inv_freq,
                    const std::vector<at::Tensor>& norms, const std::vector<PairWeight>& mats,
                    const std::vector<at::Tensor>& caches, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const int64_t* slots, int64_t tile_rows, int64_t tile) {
+                   const int64_t* slots, int64_t tile_rows, int64_t tile, const std::vector<VnniWeight>& vnni) {
   // kvscope_cpu::paged_decode_attention (cpu_attention.cpp), through the dispatcher (one call per layer)
   static const auto attention_op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("kvscope_cpu::paged_decode_attention", "")
@@ -343,7 +385,8 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
     const int64_t block_size = cache.size(2);
     KVView<T> kv{cache.data_ptr<T>(), cache.size(1) * block_size, KVH, D};
     rms_norm(hidden, norms[2 * l].data_ptr<float>(), n, H, d.eps, normed.data());
-    gemv(mats[4 * l], normed.data(), n, qkv.data(), tile_rows, tile);
+    gemv(mats[4 * l], normed.data(), n, qkv.data(), tile_rows, tile, nullptr,
+         vnni.empty() ? nullptr : &vnni[4 * l]);
     for (int64_t i = 0; i < n; ++i) {
       float* row = qkv.data() + i * qkv_width;
       rope(row, NH + KVH, D, cos.data() + i * D, sin.data() + i * D);  // q heads then k heads
@@ -363,14 +406,17 @@ void decode_layers(const StepDims& d, float* hidden, const int64_t* positions, c
       const at::Tensor out = attention(q, cache, block_tables, seq_lens, static_cast<double>(d.scale));  // [n, NH, D]
       std::memcpy(attn.data(), out.data_ptr<float>(), sizeof(float) * n * NH * D);
     }
-    gemv(mats[4 * l + 1], attn.data(), n, proj.data(), tile_rows, tile);
+    gemv(mats[4 * l + 1], attn.data(), n, proj.data(), tile_rows, tile, nullptr,
+         vnni.empty() ? nullptr : &vnni[4 * l + 1]);
     for (int64_t j = 0; j < n * H; ++j) hidden[j] += proj[j];
     rms_norm(hidden, norms[2 * l + 1].data_ptr<float>(), n, H, d.eps, normed.data());
-    gemv(mats[4 * l + 2], normed.data(), n, gate_up.data(), tile_rows, tile);
+    gemv(mats[4 * l + 2], normed.data(), n, gate_up.data(), tile_rows, tile, nullptr,
+         vnni.empty() ? nullptr : &vnni[4 * l + 2]);
     for (int64_t i = 0; i < n; ++i) {
       silu_mul(gate_up.data() + i * 2 * I, gate_up.data() + i * 2 * I + I, I, act.data() + i * I);
     }
-    gemv(mats[4 * l + 3], act.data(), n, proj.data(), tile_rows, tile);
+    gemv(mats[4 * l + 3], act.data(), n, proj.data(), tile_rows, tile, nullptr,
+         vnni.empty() ? nullptr : &vnni[4 * l + 3]);
     for (int64_t j = 0; j < n * H; ++j) hidden[j] += proj[j];
   }
 }
@@ -381,8 +427,11 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
                        at::TensorList scales, const at::Tensor& final_norm, const at::Tensor& head_codes,
                        const at::Tensor& head_scales, at::TensorList kv_caches, const at::Tensor& block_tables,
                        const at::Tensor& seq_lens, const at::Tensor& slot_mapping, int64_t num_heads,
-                       int64_t num_kv_heads, double eps, int64_t tile_rows, int64_t tile) {
-  TORCH_CHECK(tile == 1 || (tile == 2 && has_bf16_tiles()), "tile: 1 (float32) or 2 (bfloat16, where built)");
+                       int64_t num_kv_heads, double eps, int64_t tile_rows, int64_t tile,
+                       at::TensorList tile_codes, at::TensorList tile_dm) {
+  TORCH_CHECK(tile == 1 || tile == 3 || (tile == 2 && has_bf16_tiles()),
+              "tile: 1 (float32), 2 (bfloat16, where built) or 3 (int16)");
+  TORCH_CHECK(tile_codes.size() == tile_dm.size(), "decode_step: tile_codes and tile_dm disagree");
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(norms.size() == static_cast<size_t>(2 * layers) && codes.size() == static_cast<size_t>(4 * layers) &&
                   scales.size() == codes.size(), "decode_step: 2 norms and 4 matrices per layer");
@@ -399,6 +448,12 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
   std::vector<PairWeight> mats;
   for (size_t m = 0; m < codes.size(); ++m) mats.push_back(pair_weight(codes[m], scales[m]));
   const PairWeight head = pair_weight(head_codes, head_scales);
+  // the int16 tiles' VNNI blocks: 4 per layer, then the head's (empty for the other tile kinds)
+  std::vector<VnniWeight> vnni;
+  if (tile == 3 && tile_rows > 0) {
+    TORCH_CHECK(tile_codes.size() == codes.size() + 1, "decode_step: int16 tiles need 4 VNNI blocks per layer and the head's");
+    for (size_t m = 0; m < tile_codes.size(); ++m) vnni.push_back(vnni_weight(tile_codes[m], tile_dm[m]));
+  }
   std::vector<at::Tensor> norm_list(norms.begin(), norms.end());
   std::vector<at::Tensor> cache_list(kv_caches.begin(), kv_caches.end());
   for (const auto& t : norm_list) TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "norms: float32");
@@ -429,17 +484,18 @@ at::Tensor decode_step(const at::Tensor& token_ids, const at::Tensor& positions,
   if (cache0.scalar_type() == at::kBFloat16) {
     decode_layers<c10::BFloat16>(d, hidden.data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(),
                                  inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list, tables,
-                                 seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>(), tile_rows, tile);
+                                 seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>(), tile_rows, tile, vnni);
   } else {
     TORCH_CHECK(cache0.scalar_type() == at::kFloat, "KV cache: bfloat16 or float32");
     decode_layers<float>(d, hidden.data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(),
                          inv_freq.contiguous().data_ptr<float>(), norm_list, mats, cache_list, tables,
-                         seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>(), tile_rows, tile);
+                         seq_lens.contiguous(), slot_mapping.contiguous().data_ptr<int64_t>(), tile_rows, tile, vnni);
   }
   at::Tensor normed = at::empty({n, H}, hidden.options());
   rms_norm(hidden.data_ptr<float>(), final_norm.contiguous().data_ptr<float>(), n, H, d.eps, normed.data_ptr<float>());
   at::Tensor logits = at::empty({n, head.rows}, hidden.options());
-  gemv(head, normed.data_ptr<float>(), n, logits.data_ptr<float>(), tile_rows, tile);
+  gemv(head, normed.data_ptr<float>(), n, logits.data_ptr<float>(), tile_rows, tile, nullptr,
+       vnni.empty() ? nullptr : &vnni.back());
   return logits;
 }
 
@@ -451,10 +507,12 @@ TORCH_LIBRARY_FRAGMENT(kvscope_cpu, m) {
   m.def("decode_step(Tensor token_ids, Tensor positions, Tensor embed, Tensor inv_freq, Tensor[] norms, "
         "Tensor[] codes, Tensor[] scales, Tensor final_norm, Tensor head_codes, Tensor head_scales, "
         "Tensor[] kv_caches, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, int num_heads, "
-        "int num_kv_heads, float eps, int tile_rows=0, int tile=1) -> Tensor");
+        "int num_kv_heads, float eps, int tile_rows, int tile, Tensor[] tile_codes, Tensor[] tile_dm) -> Tensor");
+  m.def("vnni_gemm(Tensor x, Tensor codes, Tensor dm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvscope_cpu, CPU, m) {
   m.impl("qgemv", &qgemv);
   m.impl("decode_step", &decode_step);
+  m.impl("vnni_gemm", &vnni_gemm);
 }

@@ -102,6 +102,55 @@ def test_the_fused_step_runs_the_tiles_the_probe_chose(monkeypatch: pytest.Monke
     assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
 
 
+def test_the_int16_tiles_run_on_vnni_blocks_in_the_step_and_in_eager_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A probe choice of int16 tiles from 2 rows: every layer and the Q8 head get their VNNI blocks (counted
+    in the weights' bytes), the fused step runs them from 2 rows with logits the GEMV's up to float32 rounding
+    (the same 16-bit codes, exact integer sums), the layers' compact limit rises to the fused step's (a
+    speculative verification of 1 + k rows runs them too), and the C++ step refuses int16 tiles without
+    them."""
+    tiles = KernelChoice(
+        dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2}, tile_rows=2, tile="int16"
+    )
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: tiles)
+    monkeypatch.setattr(fused_decode, "fused_row_limit", lambda model, fused, rows: 16)
+    llm = LLM("smollm2-135m", dtype="bfloat16", quantization="gguf", kv_cache_memory=32 << 20, num_threads=2)
+    model, fused = llm.engine.model, llm.engine.runner.fused
+    assert (fused.max_rows, fused.tile_rows, fused.tile, len(fused.vnni)) == (16, 2, "int16", 121)
+    assert fused.vnni[-1] is model.decode_head_vnni and model.decode_head_vnni.bits == 8
+    assert llm.engine.info.cpu_kernels == (
+        "kvscope (fused decode up to 16 rows; decode rows: gemv 1, tiles_int16 2-16, dense_bfloat16 17+)"
+    )
+    down = model.model.layers[0].mlp.down_proj.cpu_kernel
+    assert down.vnni is not None and down.max_compact_rows == 16
+    assert down.nbytes == down.compact.nbytes + down.dense.nbytes + down.vnni.nbytes
+    x = torch.randn(5, down.compact.scales.shape[1] * 64)
+    assert torch.equal(down(x), down.vnni.matmul(x))  # 5 rows: a verification of 1 + 4 drafts
+    assert torch.equal(down(x[:1]), down.compact.matmul(x[:1]))
+    calls = count_calls(monkeypatch)
+    outs = llm.generate(["The capital of France is"] * 3, GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 3 and calls == [3] * 11
+    c = model.config
+    kv = allocate_kv_caches(
+        c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device("cpu")
+    )
+    tables = [[0], [1], [2]]
+    with torch.inference_mode():
+        prefill = AttentionMetadata.build([4, 4, 4], [4, 4, 4], tables, 16)
+        with set_forward_context(prefill, kv, TorchAttentionBackend()):
+            model(torch.tensor([11, 12, 13, 14] * 3), torch.arange(4).repeat(3))
+        step = AttentionMetadata.build([1, 1, 1], [5, 5, 5], tables, 16)
+        last, pos = torch.tensor([100, 200, 300]), torch.tensor([4, 4, 4])
+        on_tiles = fused(last, pos, step, [t.clone() for t in kv])
+        on_gemv = dataclasses.replace(fused, tile_rows=0)(last, pos, step, [t.clone() for t in kv])
+        # ~3e-7 per matmul (the order of float32 sums over blocks), grown through 30 layers
+        assert ((on_tiles - on_gemv).norm() / on_gemv.norm()).item() < 5e-4
+        assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
+        with pytest.raises(RuntimeError, match="int16 tiles need 4 VNNI blocks per layer"):
+            dataclasses.replace(fused, vnni=fused.vnni[:-1])(last, pos, step, [t.clone() for t in kv])
+
+
 def test_decode_steps_up_to_the_crossover_run_fused(compact_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     fused = compact_llm.engine.runner.fused
     assert fused is not None and fused.max_rows == 4 and len(fused.codes) == 120 and fused.head.bits == 8

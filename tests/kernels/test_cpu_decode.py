@@ -17,7 +17,7 @@ import torch
 from kvscope.common.models.cache import cache_root
 from kvscope.engine.platform.cpu import CPU_KERNELS_DIR
 from kvscope.kernels import cpu_decode
-from kvscope.kernels.cpu_decode import PAIR, PairBlocks, build, library_path, load
+from kvscope.kernels.cpu_decode import PAIR, PairBlocks, VnniBlocks, build, library_path, load
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +265,72 @@ def test_bfloat16_tiles_are_refused_where_not_built(loaded, monkeypatch) -> None
             weights.matmul(x, 1, "bfloat16")
     with pytest.raises(RuntimeError, match=r"tile: 1 \(float32\) or 2"):
         torch.ops.kvscope_cpu.qgemv(x, weights.codes, weights.scales, 1, 3)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_vnni_blocks_keep_every_code_and_scale(bits: int) -> None:
+    """The transposed copy of the int16 tiles holds the pair blocks' weights bit for bit, and byte 4n + j of
+    chunk g of block b is row n's code 32b + 4g + j (4-bit: the low nibble; chunk g + 4 in the high one)."""
+    codes, d, m = random_blocks(48, 128, bits, seed=bits)
+    pairs = PairBlocks.pack(codes, d, m, bits)
+    vnni = VnniBlocks.from_pair_blocks(pairs)
+    assert vnni.bits == bits and vnni.out_features == 48
+    assert vnni.codes.shape == (3, 4, 256 if bits == 4 else 512) and vnni.dm.shape == (3, 4, 2, 16)
+    assert torch.equal(vnni.dequantize(), pairs.dequantize())
+    t, b, g, n, j = 2, 3, 1, 5, 2
+    byte = int(vnni.codes[t, b, 64 * g + 4 * n + j])
+    assert byte & 15 == int(codes[16 * t + n, 32 * b + 4 * g + j]) % 16
+    if bits == 4:
+        assert byte >> 4 == int(codes[16 * t + n, 32 * b + 4 * (g + 4) + j])
+    assert vnni.dm[t, b, 0, n] == pairs.unpack()[1][16 * t + n, b]
+    assert vnni.nbytes == pairs.nbytes
+    with pytest.raises(ValueError, match="N % 16"):
+        VnniBlocks.from_pair_blocks(PairBlocks.pack(*random_blocks(40, 64, 4, seed=1), 4))
+
+
+@pytest.mark.vnni
+@pytest.mark.parametrize(
+    ("bits", "rows", "cols", "n"),
+    [
+        (4, 64, 64, 1),
+        (4, 960, 576, 3),
+        (4, 576, 1536, 8),
+        (4, 3072, 576, 13),
+        (8, 144, 576, 9),
+        (8, 64, 128, 33),
+    ],
+)
+def test_int16_tiles_are_the_gemv_s_block_quantized_product(
+    loaded, bits: int, rows: int, cols: int, n: int
+) -> None:
+    """The int16 tiles (cpu_pair_vnni.h) quantize x as the GEMV does and sum u · q exactly in int32 (the
+    16-bit code split into a signed high byte and an offset low byte on vpdpbusd): against the float64 sums
+    of the same codes only float32 rounding differs, for every row count of the 8-row passes, 4- and 8-bit
+    codes (the 8-bit ones up to 255, the most the split must hold) and the largest activation codes
+    (±32767)."""
+    codes, d, m = random_blocks(rows, cols, bits, seed=rows + n)
+    codes[0] = (1 << bits) - 1
+    weights = PairBlocks.pack(codes, d, m, bits)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    x[0, :32] = 0.0  # an all-zero block (d_x = 0) is exact
+    x[-1, 32:64] = -x[-1, 32:64].abs()  # a block whose largest code is -32767
+    out = VnniBlocks.from_pair_blocks(weights).matmul(x)
+    ref = reference_qgemv(x, weights)
+    assert out.dtype == torch.float32 and out.shape == (n, rows)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+    gemv = weights.matmul(x).double()
+    assert (out.double() - gemv).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.vnni
+def test_int16_tiles_give_a_row_the_same_bits_whatever_shares_its_call(loaded) -> None:
+    """Each output is one accumulator over the blocks in one order: a row's result does not depend on the
+    other rows (1-33 rows, across the 8-row passes), so a request's logits are those it gets alone."""
+    codes, d, m = random_blocks(96, 576, 4, seed=12)
+    vnni = VnniBlocks.from_pair_blocks(PairBlocks.pack(codes, d, m, 4))
+    x = torch.randn(33, 576, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([vnni.matmul(x[i : i + 1]) for i in range(33)])
+    assert torch.equal(vnni.matmul(x), alone)
+    assert torch.equal(vnni.matmul(x[5:17]), alone[5:17])
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 576\]"):
+        vnni.matmul(x[:, :64])

@@ -1,0 +1,181 @@
+// kvscope CPU kernels: the matmul of small batches (4-64 rows) on integer dot products, for AVX-512 VNNI CPUs
+// without AMX (AMD Zen 4/5, Xeons whose AMX is not exposed). Included by cpu_decode.cpp, whose GEMV it shares
+// the numerics with: activations quantized per block of 32 to 16-bit codes (x ≈ d_x · q, d_x = max|x| / 32767,
+// llama.cpp's Q8_1 form with 16-bit codes), the weights' codes u as they are (w = d · u + m),
+//   Σ_j w_j x_j = d · d_x · Σ u_j q_j + m · (d_x · Σ q_j)
+// with Σ u q exact in int32; only the order of the float32 sums over blocks differs from the GEMV's.
+//
+// Why another form: the GEMV (cpu_decode.cpp) is a dot product per weight row, so each pair of blocks costs a
+// conversion and a scaling per activation row beside its 2 vpdpwssd, and it re-reads the weights every 4 rows;
+// the float32/bfloat16 tiles (cpu_pair_gemm.h) expand every weight to float once per call and then run at the
+// float32 FMA's (or VDPBF16PS's) rate. Here the weights are stored transposed in tiles of 16 rows ("VNNI
+// blocks", kernels/cpu_decode.py VnniBlocks: a copy made at load time), so that one zmm holds 4 consecutive
+// codes of 16 output rows (the int32 lanes), and each activation row is multiplied in outer-product form:
+// vpdpbusd (64 u8 × s8 products, 4 per 32-bit lane; Intel SDM) with the activation's 4 bytes broadcast from
+// memory, 8 per block of 32 for each byte of the 16-bit code, then one scaling per block, activation row and 16
+// outputs. One core retires vpdpbusd at the rate of vfmadd231ps (Zen 4: one zmm a cycle), so the 16-bit codes
+// cost 2 instructions per 4 products of 16 lanes where float32 costs 4 (docs/benchmarks.md "Small batches
+// without AMX").
+//
+// The 16-bit code q = 256 · hi + lo with hi = q >> 8 (a signed byte) and lo = q & 255; vpdpbusd multiplies an
+// unsigned by a signed operand, so the weight codes are the unsigned one, lo is stored as lo − 128 and the
+// block's 128 · Σ u is added back:
+//   Σ u q = 256 · Σ u · hi + Σ u · (lo − 128) + 128 · Σ u
+// Bounds: the total ≤ 32 · 255 · 32767 < 2^31 (8-bit codes; 4-bit: 17x less).
+//
+// Layout (tile t = output rows 16t … 16t + 15, block b = k 32b … 32b + 31):
+//   4-bit codes [N/16, K/32, 256]: 64-byte chunk g < 4, byte 4n + j = u[16t + n, 32b + 4g + j]
+//                                  | u[16t + n, 32b + 4(g + 4) + j] << 4
+//   8-bit codes [N/16, K/32, 512]: 64-byte chunk g < 8, byte 4n + j = u[16t + n, 32b + 4g + j]
+//   dm float16 [N/16, K/32, 2, 16]: the 16 rows' d, then their m (as the AMX kernel's TileBlocks)
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvscope_pair_vnni {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kLanes = 16;  // weight rows per tile: the int32 lanes of a zmm
+constexpr int kMR = 8;          // activation rows per pass (8 int32 + 8 float32 accumulators + 8 code vectors)
+constexpr int64_t kPrefetchTiles = 2;
+
+// x [n, K] float32 → per block of 32: the 16-bit codes' high bytes (signed) and low bytes − 128, in k order,
+// and {d_x, d_x · Σ q} (the GEMV's quantization, cpu_decode.cpp quantize_rows, in k order).
+struct Activations {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> ds;  // [n, K/32, 2]
+};
+
+inline Activations quantize(const float* x, int64_t n, int64_t K) {
+  const int64_t B = K / kBlock;
+  Activations a{std::vector<int8_t>(n * K), std::vector<int8_t>(n * K), std::vector<float>(n * B * 2)};
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + i * K + b * kBlock;
+      float amax = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 32767.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int q = static_cast<int>(std::nearbyint(xb[j] * id));
+        a.hi[i * K + b * kBlock + j] = static_cast<int8_t>(q >> 8);
+        a.lo[i * K + b * kBlock + j] = static_cast<int8_t>((q & 0xFF) - 128);
+        sum += q;
+      }
+      a.ds[(i * B + b) * 2] = d;
+      a.ds[(i * B + b) * 2 + 1] = d * static_cast<float>(sum);
+    }
+  }
+  return a;
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Y[i0 + m, 16t + lane] for m < MR: activation rows times tile t (module comment).
+template <int MR, int BITS>
+inline void rows_times_tile(const Activations& a, int64_t K, const uint8_t* codes, const uint16_t* dm, int64_t t,
+                            int64_t i0, float* Y, int64_t ldy, const float* bias) {
+  constexpr int64_t kBlockBytes = BITS == 4 ? 256 : 512;
+  const int64_t B = K / kBlock;
+  const uint8_t* tc = codes + t * B * kBlockBytes;
+  const uint16_t* tdm = dm + t * B * 2 * kLanes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512 accf[MR];
+  for (int m = 0; m < MR; ++m) accf[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* bc = tc + b * kBlockBytes;
+    if (i0 == 0) {  // the tiles kPrefetchTiles ahead (one stream per thread), as the GEMV prefetches
+      for (int64_t off = 0; off < kBlockBytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(bc + kPrefetchTiles * B * kBlockBytes + off), _MM_HINT_T0);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(tdm + (kPrefetchTiles * B + b) * 2 * kLanes), _MM_HINT_T0);
+    }
+    __m512i w[8];
+    if constexpr (BITS == 4) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i c = _mm512_loadu_si512(bc + 64 * g);
+        w[g] = _mm512_and_si512(c, low4);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+      }
+    } else {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(bc + 64 * g);
+    }
+    __m512i u = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) u = _mm512_dpbusd_epi32(u, w[g], ones);
+    u = _mm512_slli_epi32(u, 7);  // 128 · Σ u per row
+    __m512i acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = _mm512_dpbusd_epi32(acc[m], w[g], broadcast4(a.hi.data() + (i0 + m) * K + b * kBlock + 4 * g));
+      }
+    }
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_slli_epi32(acc[m], 8);
+    for (int g = 0; g < 8; ++g) {
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = _mm512_dpbusd_epi32(acc[m], w[g], broadcast4(a.lo.data() + (i0 + m) * K + b * kBlock + 4 * g));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tdm + b * 2 * kLanes)));
+    const __m512 mn =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tdm + b * 2 * kLanes + kLanes)));
+    for (int m = 0; m < MR; ++m) {
+      const float* ds = a.ds.data() + ((i0 + m) * B + b) * 2;
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m], u));
+      accf[m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(ds[0])), accf[m]);
+      accf[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ds[1]), accf[m]);
+    }
+  }
+  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + t * kLanes) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(Y + (i0 + m) * ldy + t * kLanes, _mm512_add_ps(accf[m], bv));
+}
+
+template <int BITS>
+inline void tile_rows_pass(const Activations& a, int64_t n, int64_t K, const uint8_t* codes, const uint16_t* dm,
+                           int64_t t, float* Y, int64_t ldy, const float* bias) {
+  for (int64_t i0 = 0; i0 < n; i0 += kMR) {
+    switch (std::min<int64_t>(kMR, n - i0)) {
+      case 8: rows_times_tile<8, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+      case 7: rows_times_tile<7, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+      case 6: rows_times_tile<6, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+      case 5: rows_times_tile<5, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+      case 4: rows_times_tile<4, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+      case 3: rows_times_tile<3, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+      case 2: rows_times_tile<2, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+      default: rows_times_tile<1, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+    }
+  }
+}
+
+// Y [n, N] = X [n, K] · Wᵀ (+ bias) for a weight of N = 16 · tiles rows in VNNI blocks (module comment) of BITS
+// 4 or 8; float32 in and out. Work items are tiles of 16 weight rows over the OpenMP threads, each multiplied by
+// every activation row, kMR rows at a time.
+inline void vnni_gemm(const float* X, int64_t n, int64_t K, const uint8_t* codes, const uint16_t* dm, int64_t tiles,
+                      int bits, const float* bias, float* Y) {
+  const Activations a = quantize(X, n, K);
+  const int64_t N = tiles * kLanes;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (bits == 4) {
+        tile_rows_pass<4>(a, n, K, codes, dm, t, Y, N, bias);
+      } else {
+        tile_rows_pass<8>(a, n, K, codes, dm, t, Y, N, bias);
+      }
+    }
+  });
+}
+
+}  // namespace kvscope_pair_vnni
