@@ -2,7 +2,8 @@
 prompts ("rewrite this code with one variable renamed", "repeat the list with one change", built from text
 that ships in this repository) and on random-token prompts, at concurrency 1 and 8, with the acceptance
 figures (accepted / proposed draft tokens, vLLM's mean acceptance length 1 + accepted / drafts); and on
-open-ended stories, where there is little to copy.
+open-ended stories, where there is little to copy. Then the adaptive policy's measured step costs per batch
+size (the step without drafts, the extra per draft token: engine/spec_decode/adaptive.py) after the runs.
 
 Offline (kvscope.engine.llm.LLM, no HTTP), greedy (``open`` stories: temperature 0.8 with a seed per prompt),
 chat template for the chat prompts. c=1 runs its prompts one after the other (single stream); c=8 submits 8 at
@@ -318,12 +319,32 @@ def main(argv: list[str] | None = None) -> int:
         f"max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, best of {args.repeats}\n"
     )
     print(table(best))
+    drafter = engines[True].engine.drafter
+    costs = drafter.cost.costs() if drafter is not None else {}
+    print(
+        "\nthe adaptive policy's step-cost model after the runs (per batch-size bucket: the step without "
+        "drafts, the extra per draft token, whether drafts pay):"
+    )
+    for rows, (t0, per_token, pays) in costs.items():
+        print(
+            f"  {rows:3d} rows: {'-' if t0 is None else f'{t0 * 1e3:.2f} ms'}, "
+            f"{'-' if per_token is None else f'+{per_token * 1e3:.2f} ms'} per draft token, "
+            f"{'undecided' if pays is None else 'drafts on' if pays else 'drafts off'}"
+        )
     if args.json:
         args.json.write_text(
             json.dumps(
                 {
                     "machine_before": before,
                     "machine_after": after,
+                    "step_costs_ms": {
+                        rows: {
+                            "step": None if t0 is None else t0 * 1e3,
+                            "per_draft_token": None if m is None else m * 1e3,
+                            "drafts_pay": pays,
+                        }
+                        for rows, (t0, m, pays) in costs.items()
+                    },
                     "runs": [
                         {k: v for k, v in asdict(r).items() if k != "token_ids"} | {"tok_s": r.tok_s}
                         for r in best.values()

@@ -1,6 +1,7 @@
 """Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV
 on AVX-512 VNNI and the matmul of small batches on the same weights (cpu_pair_gemm.h), one whole decode
-step of a Llama-family decoder in one call, paged decode attention, the elementwise ops of bfloat16 steps
+step of a Llama-family decoder in one call, the matmul of small batches on a transposed copy of the same
+weights (cpu_pair_vnni.h, :class:`VnniBlocks`), paged decode attention, the elementwise ops of bfloat16 steps
 (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE: one pass each instead of a chain of torch ops, so a step's
 cost comes near its matmuls') and, on CPUs with AMX, the int4 matmul of batched decode steps (cpu_amx.cpp).
 Also the weight packings they read ("pair blocks" and "tile blocks", described in the C++ files).
@@ -258,8 +259,9 @@ def _has_op(name: str) -> bool:
 
 
 TILE_KINDS = {"float32": 1, "bfloat16": 2, "int16": 3}
-"""Element types of the small-batch matmul's expanded weights (kernels/csrc/cpu_pair_gemm.h ``Tile``) → the
-ops' ``tile`` argument."""
+"""The small-batch matmul's tile kinds → the ops' ``tile`` argument: the expanded weights' element type
+(kernels/csrc/cpu_pair_gemm.h ``Tile``), or 3, the 16-bit activation codes on :class:`VnniBlocks`
+(cpu_pair_vnni.h; ``decode_step`` then takes their codes and scales, ``qgemv`` refuses it)."""
 
 
 def bf16_tiles_built() -> bool:

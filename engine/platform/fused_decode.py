@@ -7,7 +7,8 @@ milliseconds (docs/benchmarks.md "Per-step cost and where the time goes"); this 
 embedding rows, per layer RMSNorm → qkv → RoPE → K/V written to the paged cache → attention read from the
 paged cache in place (no gather) → o_proj → residual → RMSNorm → gate_up → SiLU·up → down → residual, then the
 final norm and the LM head — in C++ with the block-quantized AVX-512 VNNI GEMVs (from ``tile_rows`` requests
-the small-batch matmul on the same weights, kernels/csrc/cpu_pair_gemm.h), returning float32 logits.
+the small-batch matmul on the same weights, kernels/csrc/cpu_pair_gemm.h, or on their transposed copy,
+cpu_pair_vnni.h), returning float32 logits.
 
 Numerics differ from the eager compact path by design: the residual stream and every activation stay float32
 (eager rounds to bfloat16 after each op); each GEMV quantizes its input per block of 32 to 16-bit codes (the

@@ -10,10 +10,10 @@ What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of
   sizes, so a compact layer keeps a dense bf16 copy for bigger batches. When compact wins at every probed
   size, no dense copy is kept (``NO_DENSE``).
 - ``tile_rows`` and ``tile``: from how many rows kvscope's pair-block weights run the small-batch matmul
-  (kernels/csrc/cpu_pair_gemm.h: the weights expanded once per call to float32 or bfloat16 tiles, every row
-  multiplied by them) instead of the GEMV, and on which tile type (float32 FMAs or AVX512-BF16 dot products:
-  which is faster depends on the CPU); probed where the AMX int4 matmul is not (it serves those rows
-  faster). The ``int4@n`` timing is then the one the engine runs at n rows, and ``max_rows["int4"]`` its
+  instead of the GEMV, and on which tile type: ``float32``/``bfloat16`` (kernels/csrc/cpu_pair_gemm.h: the
+  weights expanded once per call, float32 FMAs or AVX512-BF16 dot products) or ``int16`` (cpu_pair_vnni.h:
+  the GEMV's 16-bit activation codes on vpdpbusd, from a transposed copy, ``VnniBlocks``); which is faster
+  depends on the CPU; probed where the AMX int4 matmul is not (it serves those rows faster). The ``int4@n`` timing is then the one the engine runs at n rows, and ``max_rows["int4"]`` its
   crossover against dense.
 - ``batched_rows``: up to how many rows kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, where the CPU
   kernels were built on a CPU with AMX-BF16) beats the dense bfloat16 copy, probed up to
@@ -69,7 +69,8 @@ class KernelChoice:
     """From how many rows kvscope's pair-block weights run the small-batch matmul instead of the GEMV (module
     doc); 0: never (the GEMV at every compact size)."""
     tile: str = ""
-    """That matmul's tile element type, ``float32`` or ``bfloat16`` (the faster here); "" where not probed."""
+    """That matmul's tile kind, ``float32``, ``bfloat16`` or ``int16`` (the fastest here); "" where not
+    probed."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -291,7 +292,8 @@ def tile_choice(timings_ms: dict[str, float], rows: Sequence[int], kinds: Sequen
 
 def _tile_kernels(blocks: Int4Blocks) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """kvscope's small-batch pair-block matmul of ``blocks`` by tile kind (float32 in every build of the
-    CPU kernels, bfloat16 where built), every row on the tiles; {} where the kernels are not loaded."""
+    CPU kernels, bfloat16 where built, int16 on the VNNI copy where N % 16 == 0), every row on the tiles; {}
+    where the kernels are not loaded."""
     if not cpu_decode.is_loaded() or blocks.codes.shape[1] % cpu_decode.PAIR:
         return {}
     pairs = int4_weight(blocks, pair_layout=True)

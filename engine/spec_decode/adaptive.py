@@ -108,6 +108,12 @@ class StepCostModel:
                 else ((1 - TIME_ALPHA) * bucket.per_token + TIME_ALPHA * extra)
             )
 
+    def costs(self) -> dict[int, tuple[float | None, float | None, bool | None]]:
+        """Per batch-size bucket (:func:`rows_bucket`): the step without drafts and the extra per draft token
+        as measured (EMA seconds; None until measured), and the last decision (None before the first) — what
+        bench/spec_decode.py reports."""
+        return {key: (b.t0, b.per_token, b.pays) for key, b in sorted(self._buckets.items())}
+
     def allows(self, num_rows: int, num_draft_tokens: int, expected_accepted: float) -> bool:
         """Whether a step over ``num_rows`` decode rows with ``num_draft_tokens`` drafts, of which
         ``expected_accepted`` are expected to be accepted, is expected to emit more tokens per second than the

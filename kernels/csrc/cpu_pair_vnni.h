@@ -17,9 +17,10 @@
 // cost 2 instructions per 4 products of 16 lanes where float32 costs 4 (docs/benchmarks.md "Small batches
 // without AMX").
 //
-// The 16-bit code q = 256 · hi + lo with hi = q >> 8 (a signed byte) and lo = q & 255; vpdpbusd multiplies an
-// unsigned by a signed operand, so the weight codes are the unsigned one, lo is stored as lo − 128 and the
-// block's 128 · Σ u is added back:
+// The 16-bit code q = 256 · hi + lo with hi = q >> 8 (a signed byte) and lo = q & 255 (unsigned); vpdpbusd
+// multiplies an unsigned by a signed operand. 4-bit codes (0-15) fit either role: hi times the codes as the
+// unsigned operand, then lo as the unsigned one times the codes as signed. 8-bit codes (0-255) are unsigned
+// only, so lo is stored as lo − 128 and the block's 128 · Σ u is added back:
 //   Σ u q = 256 · Σ u · hi + Σ u · (lo − 128) + 128 · Σ u
 // Bounds: the total ≤ 32 · 255 · 32767 < 2^31 (8-bit codes; 4-bit: 17x less).
 //
@@ -46,32 +47,37 @@ constexpr int64_t kLanes = 16;  // weight rows per tile: the int32 lanes of a zm
 constexpr int kMR = 8;          // activation rows per pass (8 int32 + 8 float32 accumulators + 8 code vectors)
 constexpr int64_t kPrefetchTiles = 2;
 
-// x [n, K] float32 → per block of 32: the 16-bit codes' high bytes (signed) and low bytes − 128, in k order,
-// and {d_x, d_x · Σ q} (the GEMV's quantization, cpu_decode.cpp quantize_rows, in k order).
+// x [n, K] float32 → per block of 32: the 16-bit codes' high bytes (signed) and low bytes (unsigned, or − 128
+// for 8-bit weights: module comment), in k order, and {d_x, d_x · Σ q} (the GEMV's quantization,
+// cpu_decode.cpp quantize_rows, in k order).
 struct Activations {
   std::vector<int8_t> hi, lo;
   std::vector<float> ds;  // [n, K/32, 2]
 };
 
-inline Activations quantize(const float* x, int64_t n, int64_t K) {
+inline Activations quantize(const float* x, int64_t n, int64_t K, int bits) {
   const int64_t B = K / kBlock;
   Activations a{std::vector<int8_t>(n * K), std::vector<int8_t>(n * K), std::vector<float>(n * B * 2)};
+  const __m512i lo_offset = _mm512_set1_epi32(bits == 4 ? 0 : 128);
+  const __m512i low8 = _mm512_set1_epi32(0xFF);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < B; ++b) {
-      const float* xb = x + i * K + b * kBlock;
-      float amax = 0.f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const int64_t at = i * K + b * kBlock;
+      const __m512 x0 = _mm512_loadu_ps(x + at), x1 = _mm512_loadu_ps(x + at + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       const float d = amax / 32767.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int sum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        const int q = static_cast<int>(std::nearbyint(xb[j] * id));
-        a.hi[i * K + b * kBlock + j] = static_cast<int8_t>(q >> 8);
-        a.lo[i * K + b * kBlock + j] = static_cast<int8_t>((q & 0xFF) - 128);
-        sum += q;
-      }
+      const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      // round to nearest even (the MXCSR default), as std::nearbyint in the GEMV's quantize_rows
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q0, 8)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at + 16),
+                       _mm512_cvtepi32_epi8(_mm512_srai_epi32(q1, 8)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at),
+                       _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_and_si512(q0, low8), lo_offset)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at + 16),
+                       _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_and_si512(q1, low8), lo_offset)));
       a.ds[(i * B + b) * 2] = d;
-      a.ds[(i * B + b) * 2 + 1] = d * static_cast<float>(sum);
+      a.ds[(i * B + b) * 2 + 1] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
   }
   return a;
@@ -113,9 +119,11 @@ inline void rows_times_tile(const Activations& a, int64_t K, const uint8_t* code
     } else {
       for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(bc + 64 * g);
     }
-    __m512i u = _mm512_setzero_si512();
-    for (int g = 0; g < 8; ++g) u = _mm512_dpbusd_epi32(u, w[g], ones);
-    u = _mm512_slli_epi32(u, 7);  // 128 · Σ u per row
+    __m512i u = _mm512_setzero_si512();  // 8-bit: 128 · Σ u per row
+    if constexpr (BITS == 8) {
+      for (int g = 0; g < 8; ++g) u = _mm512_dpbusd_epi32(u, w[g], ones);
+      u = _mm512_slli_epi32(u, 7);
+    }
     __m512i acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
     for (int g = 0; g < 8; ++g) {
@@ -126,7 +134,9 @@ inline void rows_times_tile(const Activations& a, int64_t K, const uint8_t* code
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_slli_epi32(acc[m], 8);
     for (int g = 0; g < 8; ++g) {
       for (int m = 0; m < MR; ++m) {
-        acc[m] = _mm512_dpbusd_epi32(acc[m], w[g], broadcast4(a.lo.data() + (i0 + m) * K + b * kBlock + 4 * g));
+        const __m512i lo = broadcast4(a.lo.data() + (i0 + m) * K + b * kBlock + 4 * g);
+        // 4-bit: lo unsigned times the codes as signed bytes; 8-bit: the codes unsigned times lo − 128
+        acc[m] = BITS == 4 ? _mm512_dpbusd_epi32(acc[m], lo, w[g]) : _mm512_dpbusd_epi32(acc[m], w[g], lo);
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tdm + b * 2 * kLanes)));
@@ -134,7 +144,7 @@ inline void rows_times_tile(const Activations& a, int64_t K, const uint8_t* code
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tdm + b * 2 * kLanes + kLanes)));
     for (int m = 0; m < MR; ++m) {
       const float* ds = a.ds.data() + ((i0 + m) * B + b) * 2;
-      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m], u));
+      const __m512 sums = _mm512_cvtepi32_ps(BITS == 4 ? acc[m] : _mm512_add_epi32(acc[m], u));
       accf[m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(ds[0])), accf[m]);
       accf[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ds[1]), accf[m]);
     }
@@ -165,7 +175,7 @@ inline void tile_rows_pass(const Activations& a, int64_t n, int64_t K, const uin
 // every activation row, kMR rows at a time.
 inline void vnni_gemm(const float* X, int64_t n, int64_t K, const uint8_t* codes, const uint16_t* dm, int64_t tiles,
                       int bits, const float* bias, float* Y) {
-  const Activations a = quantize(X, n, K);
+  const Activations a = quantize(X, n, K, bits);
   const int64_t N = tiles * kLanes;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

@@ -24,6 +24,7 @@ from kvscope.engine.platform.loader import load_model
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.text.tokenizer import Tokenizer
 from kvscope.engine.worker.kv_cache import allocate_kv_caches
+from kvscope.kernels.cpu_decode import PairBlocks, VnniBlocks
 
 pytestmark = pytest.mark.vnni
 
@@ -259,18 +260,22 @@ def test_fused_step_writes_the_kv_the_eager_decoder_writes(compact_llm) -> None:
     assert len(set(logits[0].topk(5).indices.tolist()) & set(eager[0].topk(5).indices.tolist())) >= 3
 
 
-@pytest.mark.parametrize("tile", ["", "float32", pytest.param("bfloat16", marks=pytest.mark.bf16)])
+@pytest.mark.parametrize("tile", ["", "float32", pytest.param("bfloat16", marks=pytest.mark.bf16), "int16"])
 def test_decode_path_perplexity_stays_near_float32(compact_llm, model_dir, tile: str) -> None:
     """Three 256-token windows of the shipped eval text, teacher-forced through the fused step, against
     float32's prefill perplexity of the same tokens (the same GGUF weights, dequantized): on the GEMV, and on
-    the small-batch matmul's tiles at every row (``tile``). Measured with the 16-bit activation codes: +0.04 /
-    −0.03 / +0.11 % (int8 codes were +0.78 / +0.55 / +0.69 %: the bound catches them); a broken kernel is tens
-    of percent off."""
+    the small-batch matmul's tiles at every row (``tile``; int16: the GEMV's codes on the VNNI blocks).
+    Measured with the 16-bit activation codes: +0.04 / −0.03 / +0.11 % (int8 codes were +0.78 / +0.55 / +0.69
+    %: the bound catches them); a broken kernel is tens of percent off."""
     text = Tokenizer.from_dir(model_dir).hf.encode(load_text().text).ids
     reference, _, _, _ = load_model(ModelConfig(), "cpu")
     model, fused = compact_llm.engine.model, compact_llm.engine.runner.fused
     if tile:
-        fused = dataclasses.replace(fused, tile_rows=1, tile=tile)
+        vnni = ()
+        if tile == "int16":  # the transposed copies the loader makes where the probe picks them
+            weights = [PairBlocks(c, s) for c, s in zip(fused.codes, fused.scales, strict=True)]
+            vnni = tuple(VnniBlocks.from_pair_blocks(w) for w in [*weights, fused.head])
+        fused = dataclasses.replace(fused, tile_rows=1, tile=tile, vnni=vnni)
     ratios = []
     for start in (0, 2000, 5000):
         tokens = text[start : start + 256]

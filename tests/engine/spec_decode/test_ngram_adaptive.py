@@ -69,6 +69,12 @@ def test_step_cost_model_turns_drafts_off_where_they_do_not_pay_and_logs_it(capl
     decisions = [model.allows(32, 128, 40.0) for _ in range(PROBE_EVERY)]
     assert decisions.count(True) == 1  # one probe per PROBE_EVERY steps re-measures the cost
     assert [rows_bucket(n) for n in (1, 4, 5, 8, 9, 33)] == [1, 4, 8, 8, 16, 64]
+    costs = model.costs()  # what bench/spec_decode.py reports
+    assert list(costs) == [1, 32] and costs[1] == (0.040, pytest.approx(0.001), True)
+    t0, per_token, pays = costs[32]
+    assert t0 == pytest.approx(0.150) and per_token == pytest.approx(0.0025) and pays is False
+    model.allows(2, 2, 1.0)
+    assert model.costs()[2] == (None, None, None)  # a bucket seen, nothing measured yet
 
 
 def test_speculative_config_validation_and_stats():
