@@ -16,9 +16,9 @@ form of llama.cpp's Q8_1 with 16-bit codes); the KV cache is written in its own 
 eager). The quality guards: ``kvscope eval ppl`` (compact kernels at every row) and the teacher-forced
 decode-path perplexity (engine/eval/decode_path.py).
 
-Used for decode-only steps (every row one token: no prefill chunk, no speculative draft) of at most
-``max_rows`` requests (the compact kernels' crossover from the start-up probe), when every decoder matmul is
-a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``kvscope.engine.platform.compact``
+Used for decode-only steps (every request one new token, or one and its speculative drafts, verified as one
+row per token: no prefill chunk) of at most ``max_rows`` tokens (the compact kernels' crossover from the
+start-up probe, raised by :func:`fused_row_limit`), when every decoder matmul is a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``kvscope.engine.platform.compact``
 with ``pair_kernels``), the architecture has no biases and no q/k norm, and head_dim is 64 or 128.
 """
 
@@ -138,13 +138,15 @@ class FusedDecoder:
             vnni=tuple(vnni),
         )
 
-    def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether this step can run fused: decode-only, at most ``max_rows`` requests, a float32/bfloat16
-        cache."""
+    def applies(
+        self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor], verification: bool = False
+    ) -> bool:
+        """Whether this step can run fused: decode-only (one new token per request, or with
+        ``verification`` its new token and its drafts: the caller checks that every request's tokens are
+        that), at most ``max_rows`` tokens, a float32/bfloat16 cache."""
         return (
-            metadata.max_query_len == 1
-            and metadata.num_reqs <= self.max_rows
-            and metadata.num_tokens == metadata.num_reqs
+            (verification or metadata.max_query_len == 1)
+            and metadata.num_tokens <= self.max_rows
             and bool(kv_caches)
             and kv_caches[0].dtype in (torch.bfloat16, torch.float32)
         )
@@ -156,9 +158,18 @@ class FusedDecoder:
         metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        """input_ids, positions int64 ``[n]`` (one token per request) → float32 logits ``[n, vocab]``; writes
-        the new tokens' K/V into ``kv_caches`` (``[2, blocks, block_size, KVH, head_dim]`` per layer) at
-        ``metadata.slot_mapping``. Raises RuntimeError (from the kernel) on inconsistent shapes."""
+        """input_ids, positions int64 ``[n]`` (each request's new tokens: one, or one and its drafts) →
+        float32 logits ``[n, vocab]``; writes the new tokens' K/V into ``kv_caches`` (``[2, blocks,
+        block_size, KVH, head_dim]`` per layer) at ``metadata.slot_mapping``. A request with several tokens
+        (a speculative verification) becomes one row per token, each attending to the context up to its own
+        position (its request's block table, seq_len = position + 1): the C++ step writes every row's K/V of a
+        layer before its attention reads, so each draft token sees the ones before it, as the eager
+        decoder's causal mask does. Raises RuntimeError (from the kernel) on inconsistent shapes."""
+        block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
+        if metadata.num_tokens != metadata.num_reqs:
+            query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
+            block_tables = block_tables.repeat_interleave(query_lens, dim=0)
+            seq_lens = (positions + 1).to(torch.int32)
         return torch.ops.kvscope_cpu.decode_step(
             input_ids,
             positions,
@@ -171,8 +182,8 @@ class FusedDecoder:
             self.head.codes,
             self.head.scales,
             kv_caches,
-            metadata.block_tables,
-            metadata.seq_lens,
+            block_tables,
+            seq_lens,
             metadata.slot_mapping,
             self.num_heads,
             self.num_kv_heads,

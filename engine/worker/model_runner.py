@@ -129,10 +129,14 @@ class ModelRunner:
         return output
 
     def _fused_applies(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> bool:
+        # a verification step (each request its new token and its drafts, no prefill chunk) runs fused too
+        decode_only = all(
+            item.num_scheduled_tokens == 1 + len(item.spec_token_ids) for item in scheduler_output.scheduled
+        )
         return (
             self.fused is not None
-            and not inputs.has_drafts
-            and self.fused.applies(inputs.attn_metadata, self.kv_caches)
+            and decode_only
+            and self.fused.applies(inputs.attn_metadata, self.kv_caches, verification=inputs.has_drafts)
             and all(
                 item.request.sampling_params.prompt_logprobs is None for item in scheduler_output.scheduled
             )

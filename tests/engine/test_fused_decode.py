@@ -165,26 +165,38 @@ def test_decode_steps_up_to_the_crossover_run_fused(compact_llm, monkeypatch: py
     assert calls == []
 
 
-def test_prompt_logprobs_and_drafts_keep_the_eager_decoder(
-    compact_llm, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_prompt_logprobs_keep_the_eager_decoder(compact_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = count_calls(monkeypatch)
     out = compact_llm.generate(
         ["def add(a, b):"], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
     )
     assert len(out[0].outputs[0].token_ids) == 4 and calls == []
-    spec = LLM(
-        "smollm2-135m",
-        dtype="bfloat16",
-        quantization="gguf",
-        kv_cache_memory=64 << 20,
-        speculative="ngram",
-        num_speculative_tokens=3,
-    )
-    text = "a b c d e f a b c d e f a b c d e f"
-    spec.generate([text], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    assert spec.engine.runner.fused is not None
-    assert len(calls) < 15  # steps with a draft (1 + k rows per request) ran eager
+
+
+@pytest.mark.parametrize("tile", ["", "int16"])
+def test_speculative_verification_runs_fused_with_the_tokens_of_plain_decoding(
+    monkeypatch: pytest.MonkeyPatch, tile: str
+) -> None:
+    """A verification step (each request its token and its drafts, 1 + k rows) runs the fused step, one row
+    per token attending to the context up to its own position; in float32 the greedy tokens are those of
+    plain decoding (a row's logits do not depend on the rows beside it: the GEMV's and the int16 tiles' sums
+    are per row), for two requests at once and on the GEMV or the int16 tiles at every row."""
+    choice = dataclasses.replace(FOUR_ROWS, max_rows={"int4": 8, "int8": 2})  # 2 requests x (1 + 3 drafts)
+    if tile:
+        choice = dataclasses.replace(choice, tile_rows=1, tile=tile)
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: choice)
+    monkeypatch.setattr(fused_decode, "FUSED_PROBE_ROWS", ())  # the probe's limit, untimed
+    common = dict(model="smollm2-135m", dtype="float32", quantization="gguf", kv_cache_memory=32 << 20)
+    prompts = ["a b c d e f a b c d e f a b c d e f", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params)]
+    spec = LLM(**common, speculative="ngram", num_speculative_tokens=3)
+    assert spec.engine.runner.fused is not None and spec.engine.runner.fused.tile == (tile or "float32")
+    calls = count_calls(monkeypatch)
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert max(calls) > 2 and max(calls) <= spec.engine.runner.fused.max_rows  # drafts verified fused
+    assert sum(o.outputs[0].stats.spec_accepted_tokens or 0 for o in outs) > 0
 
 
 def test_one_row_logits_come_from_the_decode_head(compact_llm) -> None:
