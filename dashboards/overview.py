@@ -362,7 +362,8 @@ def engine_panels(q: PromQL) -> list[Json]:
         timeseries(
             "CPU kernels by decode rows",
             "Which kernel multiplies the int4 weights of a decode step of N requests on CPU (the start-up "
-            "probe's crossovers): gemv, tiles_float32/tiles_bfloat16/tiles_int16 (the small-batch matmul), amx, "
+            "probe's crossovers): gemv, tiles_float32/tiles_bfloat16/tiles_int16 (the small-batch matmul), "
+            "amx, "
             "dense_<dtype>; one line per kernel and row range, always 1. A restart that moves a range "
             "(another CPU, a loaded machine at start-up) shows as a new line.",
             [

@@ -18,8 +18,9 @@ decode-path perplexity (engine/eval/decode_path.py).
 
 Used for decode-only steps (every request one new token, or one and its speculative drafts, verified as one
 row per token: no prefill chunk) of at most ``max_rows`` tokens (the compact kernels' crossover from the
-start-up probe, raised by :func:`fused_row_limit`), when every decoder matmul is a 4-bit pair-block weight and the model has its 8-bit ``decode_head`` (``kvscope.engine.platform.compact``
-with ``pair_kernels``), the architecture has no biases and no q/k norm, and head_dim is 64 or 128.
+start-up probe, raised by :func:`fused_row_limit`), when every decoder matmul is a 4-bit pair-block weight
+and the model has its 8-bit ``decode_head`` (``kvscope.engine.platform.compact`` with ``pair_kernels``), the
+architecture has no biases and no q/k norm, and head_dim is 64 or 128.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ What it decides, on one matrix of the model's MLP shape (``[N, K]`` = gate/up of
   instead of the GEMV, and on which tile type: ``float32``/``bfloat16`` (kernels/csrc/cpu_pair_gemm.h: the
   weights expanded once per call, float32 FMAs or AVX512-BF16 dot products) or ``int16`` (cpu_pair_vnni.h:
   the GEMV's 16-bit activation codes on vpdpbusd, from a transposed copy, ``VnniBlocks``); which is faster
-  depends on the CPU; probed where the AMX int4 matmul is not (it serves those rows faster). The ``int4@n`` timing is then the one the engine runs at n rows, and ``max_rows["int4"]`` its
-  crossover against dense.
+  depends on the CPU; probed where the AMX int4 matmul is not (it serves those rows faster). The
+  ``int4@n`` timing is then the one the engine runs at n rows, and ``max_rows["int4"]`` its crossover
+  against dense.
 - ``batched_rows``: up to how many rows kvscope's AMX int4 matmul (kernels/csrc/cpu_amx.cpp, where the CPU
   kernels were built on a CPU with AMX-BF16) beats the dense bfloat16 copy, probed up to
   :data:`BATCHED_PROBE_ROWS`; the int4 layers use it between ``max_rows["int4"]`` and this (0: not available).

@@ -372,8 +372,9 @@ class EngineMetrics:
         self.weights_kernel_info = Gauge(
             "kvscope_engine_weights_kernel_info",
             "Always 1 per kernel serving the weights on CPU and its row counts (requests in a decode step): "
-            "first_row to last_row (+Inf: and above). Kernels: gemv, tiles_float32/tiles_bfloat16/tiles_int16 (the "
-            "small-batch matmul), amx, dense_<dtype> (the start-up probe's crossovers; dense weights: "
+            "first_row to last_row (+Inf: and above). Kernels: gemv, "
+            "tiles_float32/tiles_bfloat16/tiles_int16 (the small-batch matmul), amx, dense_<dtype> (the "
+            "start-up probe's crossovers; dense weights: "
             "dense_<dtype> from row 1). Absent off CPU and for torch's own int4/int8 kernels.",
             ["model", "kernel", "first_row", "last_row"],
             registry=r,
