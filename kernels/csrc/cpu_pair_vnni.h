@@ -48,62 +48,70 @@ constexpr int kMR = 8;          // activation rows per pass (8 int32 + 8 float32
 constexpr int64_t kPrefetchTiles = 2;
 
 // x [n, K] float32 → per block of 32: the 16-bit codes' high bytes (signed) and low bytes (unsigned, or − 128
-// for 8-bit weights: module comment), in k order, and {d_x, d_x · Σ q} (the GEMV's quantization,
-// cpu_decode.cpp quantize_rows, in k order).
+// for 8-bit weights: module comment) and {d_x, d_x · Σ q} (the GEMV's quantization, cpu_decode.cpp
+// quantize_rows). Laid out for the passes of kMR rows: per group of kMR rows and block, the high bytes then the
+// low bytes, each [8 (4 consecutive k), kMR (rows), 4 bytes], so that the kMR rows' broadcasts of one pass are
+// constant offsets from one pointer (rows past n are zeros).
 struct Activations {
-  std::vector<int8_t> hi, lo;
-  std::vector<float> ds;  // [n, K/32, 2]
+  std::vector<int8_t> codes;  // [groups, K/32, 2, 8, kMR, 4]
+  std::vector<float> ds;      // [groups, K/32, kMR, 2]
 };
+
+constexpr int64_t kGroupBlockBytes = 2 * 8 * kMR * 4;
 
 inline Activations quantize(const float* x, int64_t n, int64_t K, int bits) {
   const int64_t B = K / kBlock;
-  Activations a{std::vector<int8_t>(n * K), std::vector<int8_t>(n * K), std::vector<float>(n * B * 2)};
+  const int64_t groups = (n + kMR - 1) / kMR;
+  Activations a{std::vector<int8_t>(groups * B * kGroupBlockBytes), std::vector<float>(groups * B * kMR * 2)};
   const __m512i lo_offset = _mm512_set1_epi32(bits == 4 ? 0 : 128);
   const __m512i low8 = _mm512_set1_epi32(0xFF);
+  alignas(64) int32_t hi[8], lo[8];
   for (int64_t i = 0; i < n; ++i) {
+    const int64_t group = i / kMR, m = i % kMR;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t at = i * K + b * kBlock;
-      const __m512 x0 = _mm512_loadu_ps(x + at), x1 = _mm512_loadu_ps(x + at + 16);
+      const float* xb = x + i * K + b * kBlock;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       const float d = amax / 32767.f;
       const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
       // round to nearest even (the MXCSR default), as std::nearbyint in the GEMV's quantize_rows
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q0, 8)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at + 16),
-                       _mm512_cvtepi32_epi8(_mm512_srai_epi32(q1, 8)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at),
-                       _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_and_si512(q0, low8), lo_offset)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at + 16),
-                       _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_and_si512(q1, low8), lo_offset)));
-      a.ds[(i * B + b) * 2] = d;
-      a.ds[(i * B + b) * 2 + 1] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q0, 8)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(hi + 4), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q1, 8)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(lo),
+                      _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_and_si512(q0, low8), lo_offset)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(lo + 4),
+                      _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_and_si512(q1, low8), lo_offset)));
+      int32_t* out = reinterpret_cast<int32_t*>(a.codes.data() + (group * B + b) * kGroupBlockBytes);
+      for (int g = 0; g < 8; ++g) {
+        out[g * kMR + m] = hi[g];
+        out[(8 + g) * kMR + m] = lo[g];
+      }
+      float* ds = a.ds.data() + ((group * B + b) * kMR + m) * 2;
+      ds[0] = d;
+      ds[1] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
   }
   return a;
 }
 
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// Y[i0 + m, 16t + lane] for m < MR: activation rows times tile t (module comment).
+// Y[i0 + m, 16t + lane] for m < MR (i0 = group · kMR): activation rows times tile t (module comment).
 template <int MR, int BITS>
 inline void rows_times_tile(const Activations& a, int64_t K, const uint8_t* codes, const uint16_t* dm, int64_t t,
-                            int64_t i0, float* Y, int64_t ldy, const float* bias) {
+                            int64_t group, float* Y, int64_t ldy, const float* bias) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 256 : 512;
   const int64_t B = K / kBlock;
   const uint8_t* tc = codes + t * B * kBlockBytes;
   const uint16_t* tdm = dm + t * B * 2 * kLanes;
+  const int32_t* ac = reinterpret_cast<const int32_t*>(a.codes.data() + group * B * kGroupBlockBytes);
+  const float* ads = a.ds.data() + group * B * kMR * 2;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i ones = _mm512_set1_epi8(1);
   __m512 accf[MR];
   for (int m = 0; m < MR; ++m) accf[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < B; ++b, ac += kGroupBlockBytes / 4, ads += kMR * 2) {
     const uint8_t* bc = tc + b * kBlockBytes;
-    if (i0 == 0) {  // the tiles kPrefetchTiles ahead (one stream per thread), as the GEMV prefetches
+    if (group == 0) {  // the tiles kPrefetchTiles ahead (one stream per thread), as the GEMV prefetches
       for (int64_t off = 0; off < kBlockBytes; off += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(bc + kPrefetchTiles * B * kBlockBytes + off), _MM_HINT_T0);
       }
@@ -127,14 +135,12 @@ inline void rows_times_tile(const Activations& a, int64_t K, const uint8_t* code
     __m512i acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
     for (int g = 0; g < 8; ++g) {
-      for (int m = 0; m < MR; ++m) {
-        acc[m] = _mm512_dpbusd_epi32(acc[m], w[g], broadcast4(a.hi.data() + (i0 + m) * K + b * kBlock + 4 * g));
-      }
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], w[g], _mm512_set1_epi32(ac[g * kMR + m]));
     }
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_slli_epi32(acc[m], 8);
     for (int g = 0; g < 8; ++g) {
       for (int m = 0; m < MR; ++m) {
-        const __m512i lo = broadcast4(a.lo.data() + (i0 + m) * K + b * kBlock + 4 * g);
+        const __m512i lo = _mm512_set1_epi32(ac[(8 + g) * kMR + m]);
         // 4-bit: lo unsigned times the codes as signed bytes; 8-bit: the codes unsigned times lo − 128
         acc[m] = BITS == 4 ? _mm512_dpbusd_epi32(acc[m], lo, w[g]) : _mm512_dpbusd_epi32(acc[m], w[g], lo);
       }
@@ -143,29 +149,29 @@ inline void rows_times_tile(const Activations& a, int64_t K, const uint8_t* code
     const __m512 mn =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tdm + b * 2 * kLanes + kLanes)));
     for (int m = 0; m < MR; ++m) {
-      const float* ds = a.ds.data() + ((i0 + m) * B + b) * 2;
       const __m512 sums = _mm512_cvtepi32_ps(BITS == 4 ? acc[m] : _mm512_add_epi32(acc[m], u));
-      accf[m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(ds[0])), accf[m]);
-      accf[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ds[1]), accf[m]);
+      accf[m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(ads[2 * m])), accf[m]);
+      accf[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ads[2 * m + 1]), accf[m]);
     }
   }
   const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + t * kLanes) : _mm512_setzero_ps();
+  const int64_t i0 = group * kMR;
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(Y + (i0 + m) * ldy + t * kLanes, _mm512_add_ps(accf[m], bv));
 }
 
 template <int BITS>
 inline void tile_rows_pass(const Activations& a, int64_t n, int64_t K, const uint8_t* codes, const uint16_t* dm,
                            int64_t t, float* Y, int64_t ldy, const float* bias) {
-  for (int64_t i0 = 0; i0 < n; i0 += kMR) {
-    switch (std::min<int64_t>(kMR, n - i0)) {
-      case 8: rows_times_tile<8, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
-      case 7: rows_times_tile<7, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
-      case 6: rows_times_tile<6, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
-      case 5: rows_times_tile<5, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
-      case 4: rows_times_tile<4, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
-      case 3: rows_times_tile<3, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
-      case 2: rows_times_tile<2, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
-      default: rows_times_tile<1, BITS>(a, K, codes, dm, t, i0, Y, ldy, bias); break;
+  for (int64_t group = 0; group * kMR < n; ++group) {
+    switch (std::min<int64_t>(kMR, n - group * kMR)) {
+      case 8: rows_times_tile<8, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
+      case 7: rows_times_tile<7, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
+      case 6: rows_times_tile<6, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
+      case 5: rows_times_tile<5, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
+      case 4: rows_times_tile<4, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
+      case 3: rows_times_tile<3, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
+      case 2: rows_times_tile<2, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
+      default: rows_times_tile<1, BITS>(a, K, codes, dm, t, group, Y, ldy, bias); break;
     }
   }
 }
