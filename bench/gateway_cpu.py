@@ -45,9 +45,11 @@ async def stream_once(client: httpx.AsyncClient, url: str, tokens: int) -> int:
     return seen
 
 
-async def load(url: str, concurrency: int, tokens: int) -> int:
+async def load(url: str, concurrency: int, tokens: int, headers: dict[str, str] | None = None) -> int:
+    """``concurrency`` streams of ``tokens`` tokens at once (``headers`` on every request, e.g. an API key);
+    returns the tokens received."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=120, headers=headers) as client:
         return sum(await asyncio.gather(*(stream_once(client, url, tokens) for _ in range(concurrency))))
 
 

@@ -10,13 +10,21 @@ SSE events split at the blank line, each event framed as one chunk and written t
 all in asyncio protocol callbacks. No auth, limits, timeouts, JSON, logs, metrics or traces: a floor to
 measure against, never a server to run.
 
+With ``--litellm BIN`` (the ``litellm`` command of LiteLLM's proxy installed in its own venv: ``python -m venv
+/tmp/litellm-venv && /tmp/litellm-venv/bin/pip install 'litellm[proxy]'``) LiteLLM's proxy runs in the same
+rounds, one worker, on the same stub (a config mapping the stub's model to ``openai/<model>`` at the stub's URL,
+a master key as its client's API key); its CPU is that of its whole process tree.
+
     python bench/relay_floor.py [--concurrency 32] [--tokens 128] [--token-delay 0.03] [--rounds 3]
+                                [--litellm /tmp/litellm-venv/bin/litellm]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -113,12 +121,59 @@ async def _serve(port: int, upstream: tuple[str, int]) -> None:
     await server.serve_forever()
 
 
+LITELLM_KEY = "sk-kvscope-bench-0123456789"
+"""The master key the LiteLLM proxy is started with (it refuses to start without one) and its client sends."""
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` and of its living descendants (/proc/PID/task/*/children), in
+    seconds: a proxy that serves from child processes (uvicorn workers) is counted whole."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += cpu_seconds(current)
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def spawn_litellm(
+    binary: str, tmp: Path, stub_url: str, model: str = "fake-model"
+) -> tuple[subprocess.Popen, str]:
+    """LiteLLM's proxy (one worker) in front of the stub; returns the process and its URL once it answers."""
+    config = tmp / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {model}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{model}\n"
+        f"      api_base: {stub_url}/v1\n"
+        "      api_key: none\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--config", str(config), "--port", str(port), "--num_workers", "1"],
+        env={**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOG": "ERROR"},
+        stdout=(tmp / "litellm.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=tmp,
+        start_new_session=True,  # its own process group, killed whole
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health/liveliness", proc=proc, timeout=120)
+    return proc, url
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_load_arguments(parser)
     parser.add_argument(
         "--serve", nargs=3, metavar=("PORT", "UPSTREAM_HOST", "UPSTREAM_PORT"), help=argparse.SUPPRESS
     )  # the minimal relay's own process
+    parser.add_argument("--litellm", help="the litellm command of LiteLLM's proxy (its own venv): run it too")
     args = parser.parse_args()
     if args.serve:
         port, host, upstream_port = args.serve
@@ -126,7 +181,7 @@ def main() -> None:
         return
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-relay-floor-"))
     fake = spawn_fake(tmp, "stub", token_delay_s=args.token_delay)
-    gateway = relay = None
+    gateway = relay = litellm = None
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
         gateway = spawn_gateway(
@@ -138,16 +193,21 @@ def main() -> None:
         relay = subprocess.Popen([sys.executable, __file__, "--serve", str(port), host, upstream_port])
         wait_port(port)
         targets = {
-            "kvscope gateway": (gateway.popen.pid, gateway.url),
-            "minimal relay": (relay.pid, f"http://127.0.0.1:{port}"),
+            "kvscope gateway": (gateway.popen.pid, gateway.url, None),
+            "minimal relay": (relay.pid, f"http://127.0.0.1:{port}", None),
         }
-        for _, url in targets.values():  # warm connections and code paths
-            asyncio.run(load(url + "/v1/chat/completions", args.concurrency, args.tokens))
+        if args.litellm:
+            litellm, litellm_url = spawn_litellm(args.litellm, tmp, fake.url)
+            targets["LiteLLM proxy"] = (litellm.pid, litellm_url, {"Authorization": f"Bearer {LITELLM_KEY}"})
+        for _, url, headers in targets.values():  # warm connections and code paths
+            asyncio.run(load(url + "/v1/chat/completions", args.concurrency, args.tokens, headers))
         for round_ in range(1, args.rounds + 1):
-            for name, (pid, url) in targets.items():
-                before = cpu_seconds(pid)
-                received = asyncio.run(load(url + "/v1/chat/completions", args.concurrency, args.tokens))
-                used = cpu_seconds(pid) - before
+            for name, (pid, url, headers) in targets.items():
+                before = tree_cpu_seconds(pid)
+                received = asyncio.run(
+                    load(url + "/v1/chat/completions", args.concurrency, args.tokens, headers)
+                )
+                used = tree_cpu_seconds(pid) - before
                 print(
                     f"round {round_} {name:16s} concurrency {args.concurrency}: {received} tokens, CPU "
                     f"{used:.2f} s, {used / max(1, received) * 1e6:.0f} us per token",
@@ -157,6 +217,9 @@ def main() -> None:
         if relay is not None:
             relay.kill()
             relay.wait()
+        if litellm is not None:
+            os.killpg(litellm.pid, signal.SIGKILL)
+            litellm.wait()
         for proc in (gateway, fake):
             if proc is not None:
                 proc.stop()

@@ -184,6 +184,7 @@ def _kernel(
         and compact.out_features % VNNI_LANES == 0
     ):
         vnni = VnniBlocks.from_pair_blocks(compact)
+    tiles = vnni is not None or choice.tile != "int16"
     return CompactLinearKernel(
         compact=compact,
         bias=None if bias is None else bias.detach().clone(),
@@ -193,10 +194,8 @@ def _kernel(
         batched=batched,
         max_batched_rows=choice.batched_rows if batched else 0,
         # int16 tiles run on the VNNI copy only (N % 16 == 0): without it the GEMV at every size
-        tile_rows=choice.tile_rows
-        if isinstance(compact, PairBlocks) and (vnni or choice.tile != "int16")
-        else 0,
-        tile=choice.tile or "float32",
+        tile_rows=choice.tile_rows if isinstance(compact, PairBlocks) and tiles else 0,
+        tile=choice.tile if choice.tile and tiles else "float32",
         vnni=vnni,
     )
 

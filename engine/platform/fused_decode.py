@@ -204,34 +204,15 @@ decoder's on the model's own weights."""
 def engine_fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
     """The engine's fused decoder of ``model`` (:meth:`FusedDecoder.from_model`), its row limit raised by
     :func:`fused_row_limit` where its matmuls run the small-batch tiles (the GEMV alone re-reads the weights
-    every 4 rows and never wins there); None where it does not apply. With the int16 tiles the decoder's
-    layers take the raised limit too (:func:`raise_compact_rows`): steps the fused one does not run (a
-    speculative verification of 1 + k rows, a mixed batch's few rows) then run the same kernel up to it."""
+    every 4 rows and never wins there); None where it does not apply. The layers keep the probe's limit: the
+    eager steps (prefill chunks) of a few rows run the compact kernel and the others the dense copy, as before
+    — a raised limit would let a short prompt prefilled alone take another kernel than the same prompt
+    prefilled in a batch, and change its tokens."""
     fused = FusedDecoder.from_model(model)
     if fused is None or not fused.tile_rows:
         return fused
     assert isinstance(model, LlamaForCausalLM)
-    fused = dataclasses.replace(fused, max_rows=fused_row_limit(model, fused, FUSED_PROBE_ROWS))
-    if fused.vnni:
-        raise_compact_rows(model, fused.max_rows)
-    return fused
-
-
-def raise_compact_rows(model: LlamaForCausalLM, rows: int) -> int:
-    """Let every decoder layer whose compact kernel holds VNNI blocks run them up to ``rows`` rows (its dense
-    copy above), where its probed limit is lower: the kernel probe times one matrix that stays in the CPU's
-    caches, :func:`fused_row_limit` the model's own weights. Returns the number of layers changed."""
-    changed = 0
-    for module in model.modules():
-        kernel = getattr(module, "cpu_kernel", None)
-        if (
-            isinstance(kernel, CompactLinearKernel)
-            and kernel.vnni is not None
-            and kernel.max_compact_rows < rows
-        ):
-            module.cpu_kernel = dataclasses.replace(kernel, max_compact_rows=rows)
-            changed += 1
-    return changed
+    return dataclasses.replace(fused, max_rows=fused_row_limit(model, fused, FUSED_PROBE_ROWS))
 
 
 def fused_row_limit(
@@ -264,7 +245,6 @@ def fused_row_limit(
             layer.mlp.down_proj,
         )
     ]
-    tile = TILE_KINDS[fused.tile]
     best = fused.max_rows
     gen = torch.Generator().manual_seed(0)
     for n in above:
@@ -278,10 +258,12 @@ def fused_row_limit(
                 for v in fused.vnni:
                     v.matmul(xs[v.codes.shape[1] * 32])
                 return
+            # below the int16 tiles' rows the GEMV (qgemv has no int16 tiles: they need the VNNI copies)
+            tile_rows, kind = (0, "float32") if fused.vnni else (fused.tile_rows, fused.tile)
             for codes, scales in zip(fused.codes, fused.scales, strict=True):
                 k = scales.shape[1] * PAIR
-                torch.ops.kvscope_cpu.qgemv(xs[k], codes, scales, fused.tile_rows, tile)
-            fused.head.matmul(xs[hidden], fused.tile_rows, fused.tile)
+                torch.ops.kvscope_cpu.qgemv(xs[k], codes, scales, tile_rows, TILE_KINDS[kind])
+            fused.head.matmul(xs[hidden], tile_rows, kind)
 
         def eager_matmuls(xs: dict[int, torch.Tensor] = xs) -> None:
             for linear in linears:

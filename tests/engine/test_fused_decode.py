@@ -108,9 +108,9 @@ def test_the_int16_tiles_run_on_vnni_blocks_in_the_step_and_in_eager_batches(
 ) -> None:
     """A probe choice of int16 tiles from 2 rows: every layer and the Q8 head get their VNNI blocks (counted
     in the weights' bytes), the fused step runs them from 2 rows with logits the GEMV's up to float32 rounding
-    (the same 16-bit codes, exact integer sums), the layers' compact limit rises to the fused step's (a
-    speculative verification of 1 + k rows runs them too), and the C++ step refuses int16 tiles without
-    them."""
+    (the same 16-bit codes, exact integer sums), the layers run them from 2 rows up to the probe's crossover
+    (not the fused step's raised limit: a short prompt's prefill takes the same kernel alone and in a batch),
+    and the C++ step refuses int16 tiles without them."""
     tiles = KernelChoice(
         dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2}, tile_rows=2, tile="int16"
     )
@@ -124,11 +124,12 @@ def test_the_int16_tiles_run_on_vnni_blocks_in_the_step_and_in_eager_batches(
         "kvscope (fused decode up to 16 rows; decode rows: gemv 1, tiles_int16 2-16, dense_bfloat16 17+)"
     )
     down = model.model.layers[0].mlp.down_proj.cpu_kernel
-    assert down.vnni is not None and down.max_compact_rows == 16
+    assert down.vnni is not None and down.max_compact_rows == 4
     assert down.nbytes == down.compact.nbytes + down.dense.nbytes + down.vnni.nbytes
     x = torch.randn(5, down.compact.scales.shape[1] * 64)
-    assert torch.equal(down(x), down.vnni.matmul(x))  # 5 rows: a verification of 1 + 4 drafts
+    assert torch.equal(down(x[:4]), down.vnni.matmul(x[:4]))
     assert torch.equal(down(x[:1]), down.compact.matmul(x[:1]))
+    assert torch.equal(down(x), down.dense(x.bfloat16()).float())  # above the crossover: the dense copy
     calls = count_calls(monkeypatch)
     outs = llm.generate(["The capital of France is"] * 3, GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 3 and calls == [3] * 11
@@ -150,6 +151,40 @@ def test_the_int16_tiles_run_on_vnni_blocks_in_the_step_and_in_eager_batches(
         assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
         with pytest.raises(RuntimeError, match="int16 tiles need 4 VNNI blocks per layer"):
             dataclasses.replace(fused, vnni=fused.vnni[:-1])(last, pos, step, [t.clone() for t in kv])
+
+
+def test_int16_tiles_from_more_rows_than_the_fused_probe_starts_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU where the int16 tiles win only from 16 rows: the fused limit's timing at 8 rows runs the GEMV
+    (qgemv has no int16 tiles), and the engine starts with the tiles from 16 rows in its step (break-it pass:
+    it failed to start)."""
+    tiles = KernelChoice(
+        dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2}, tile_rows=16, tile="int16"
+    )
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: tiles)
+    monkeypatch.setattr(fused_decode, "FUSED_PROBE_ROWS", (8, 16))
+    llm = LLM("smollm2-135m", dtype="float32", quantization="gguf", kv_cache_memory=32 << 20, num_threads=2)
+    fused = llm.engine.runner.fused
+    assert fused.tile_rows == 16 and fused.tile == "int16" and fused.max_rows in (4, 8, 16)
+    assert len(llm.generate(["The capital of France is"], GREEDY)[0].outputs[0].token_ids) == 12
+
+
+def test_a_short_prompt_gets_the_same_tokens_alone_and_in_a_batch_on_int16_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serving case K2 on the int16 tiles: prompts of ~11 tokens (above the probe's crossover) prefilled alone
+    and 8 at once take the same kernel, so float32 greedy tokens match (break-it pass: with the layers' limit
+    raised to the fused step's, request 3's first token flipped)."""
+    tiles = KernelChoice(
+        dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2}, tile_rows=1, tile="int16"
+    )
+    monkeypatch.setattr(loader, "probe_cpu_kernels", lambda: tiles)
+    monkeypatch.setattr(fused_decode, "fused_row_limit", lambda model, fused, rows: 64)
+    llm = LLM("smollm2-135m", dtype="float32", quantization="gguf", kv_cache_memory=64 << 20, num_threads=2)
+    prompts = [f"Request {i}: list the numbers from 1 upward:" for i in range(8)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
 
 
 def test_decode_steps_up_to_the_crossover_run_fused(compact_llm, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -270,3 +270,26 @@ def test_row_kernels_say_which_kernel_serves_which_rows() -> None:
         ("dense_bfloat16", 65, NO_DENSE),
     ]
     assert "int4 on float32 tiles from 4 rows" in amx.describe()
+
+
+@pytest.mark.vnni
+def test_int16_tiles_without_a_vnni_copy_run_the_gemv() -> None:
+    """A layer whose N is not a multiple of 16 gets no VNNI copy: with the probe's int16 tiles it runs the
+    GEMV at every compact size and the dense copy above (break-it pass: it raised at 1 and 4 rows)."""
+    from kvscope.common.models.cache import cache_root
+    from kvscope.engine.platform.compact import _kernel
+    from kvscope.engine.platform.cpu import load_cpu_kernels
+    from kvscope.engine.platform.kernel_probe import KernelChoice
+    from kvscope.engine.weights.quant import int4_blocks_from_float, int4_weight
+
+    assert load_cpu_kernels(cache_root()).ok
+    weight = torch.randn(24, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+    pairs = int4_weight(int4_blocks_from_float(weight), True)
+    choice = KernelChoice(
+        dense_dtype=torch.float32, max_rows={"int4": 4, "int8": 2}, tile_rows=1, tile="int16"
+    )
+    kernel = _kernel(pairs, weight, None, choice)
+    assert kernel.vnni is None and (kernel.tile_rows, kernel.tile) == (0, "float32")
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kernel(x[:1]), pairs.matmul(x[:1])) and torch.equal(kernel(x[:4]), pairs.matmul(x[:4]))
+    assert kernel(x).shape == (9, 24)
