@@ -12,8 +12,8 @@ measure against, never a server to run.
 
 With ``--litellm BIN`` (the ``litellm`` command of LiteLLM's proxy installed in its own venv: ``python -m venv
 /tmp/litellm-venv && /tmp/litellm-venv/bin/pip install 'litellm[proxy]'``) LiteLLM's proxy runs in the same
-rounds, one worker, on the same stub (a config mapping the stub's model to ``openai/<model>`` at the stub's URL,
-a master key as its client's API key); its CPU is that of its whole process tree.
+rounds, one worker, on the same stub (a config mapping the stub's model to ``openai/<model>`` at the stub's
+URL, a master key as its client's API key); its CPU is that of its whole process tree.
 
     python bench/relay_floor.py [--concurrency 32] [--tokens 128] [--token-delay 0.03] [--rounds 3]
                                 [--litellm /tmp/litellm-venv/bin/litellm]
@@ -192,7 +192,7 @@ def main() -> None:
         port = free_port()
         relay = subprocess.Popen([sys.executable, __file__, "--serve", str(port), host, upstream_port])
         wait_port(port)
-        targets = {
+        targets: dict[str, tuple[int, str, dict[str, str] | None]] = {
             "kvscope gateway": (gateway.popen.pid, gateway.url, None),
             "minimal relay": (relay.pid, f"http://127.0.0.1:{port}", None),
         }
