@@ -14,8 +14,8 @@
 // vpdpbusd (64 u8 × s8 products, 4 per 32-bit lane; Intel SDM) with the activation's 4 bytes broadcast from
 // memory, 8 per block of 32 for each byte of the 16-bit code, then one scaling per block, activation row and 16
 // outputs. One core retires vpdpbusd at the rate of vfmadd231ps (Zen 4: one zmm a cycle), so the 16-bit codes
-// cost 2 instructions per 4 products of 16 lanes where float32 costs 4 (docs/benchmarks.md "Small batches
-// without AMX").
+// cost 2 instructions per 4 products of 16 lanes where float32 costs 4 (docs/benchmarks.md "Int16 tiles on an
+// AMD EPYC").
 //
 // The 16-bit code q = 256 · hi + lo with hi = q >> 8 (a signed byte) and lo = q & 255 (unsigned); vpdpbusd
 // multiplies an unsigned by a signed operand. 4-bit codes (0-15) fit either role: hi times the codes as the
@@ -35,9 +35,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace kvscope_pair_vnni {
