@@ -371,6 +371,23 @@ def amx_loaded() -> bool:
     return _has_op("int4_gemm_amx")
 
 
+def _tile_dm(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """d and m ``[N, K/32]`` → float16 ``[N/16, K/32, 2, 16]``: per tile of 16 output rows and block, the
+    rows' d, then their m (the scale layout of :class:`TileBlocks` and :class:`VnniBlocks`)."""
+    rows, blocks = d.shape
+    return torch.stack(
+        [t.view(rows // TILE, TILE, blocks).permute(0, 2, 1) for t in (d, m)], dim=2
+    ).contiguous()
+
+
+def _dequantize_tiles(u: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, K]`` from the codes ``u`` ``[N, K/32, 32]`` (weight order) and :func:`_tile_dm`'s
+    scales."""
+    rows, blocks = u.shape[:2]
+    scales = dm.to(torch.float32).permute(0, 3, 1, 2).reshape(rows, blocks, 2)  # [N, b, (d, m)]
+    return (u.to(torch.float32) * scales[..., :1] + scales[..., 1:]).view(rows, blocks * BLOCK)
+
+
 @dataclass(frozen=True, slots=True)
 class TileBlocks:
     """A 4-bit ``[N, K]`` weight (``w = d · u + m`` per block of 32, as :class:`PairBlocks`) in the layout of
@@ -403,17 +420,14 @@ class TileBlocks:
         lo = u[:, :, :, :half].reshape(rows // TILE, blocks, TILE, TILE)
         hi = u[:, :, :, half:].reshape(rows // TILE, blocks, TILE, TILE)
         packed = (lo | (hi << 4)).contiguous().view(rows // TILE, blocks, TILE * TILE)
-        dm = torch.stack([t.view(rows // TILE, TILE, blocks).permute(0, 2, 1) for t in (d, m)], dim=2)
-        return cls(codes=packed, dm=dm.contiguous())
+        return cls(codes=packed, dm=_tile_dm(d, m))
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, K]`` (for tests)."""
         tiles, blocks = self.codes.shape[:2]
         b = self.codes.view(tiles, blocks, TILE, TILE // 2, 2)  # [t, b, r, n % 8, j]
         u = torch.cat([b & 15, b >> 4], dim=3).permute(0, 3, 1, 2, 4)  # [t, n, b, r, j]
-        u = u.reshape(tiles * TILE, blocks, BLOCK).to(torch.float32)
-        dm = self.dm.to(torch.float32).permute(0, 3, 1, 2).reshape(tiles * TILE, blocks, 2)  # [N, b, (d, m)]
-        return (u * dm[..., :1] + dm[..., 1:]).view(tiles * TILE, blocks * BLOCK)
+        return _dequantize_tiles(u.reshape(tiles * TILE, blocks, BLOCK), self.dm)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, K]`` (float32 or bfloat16; the tiles multiply it rounded to bfloat16) → ``[M, N]`` in
@@ -421,8 +435,9 @@ class TileBlocks:
         return torch.ops.kvscope_cpu.int4_gemm_amx(x, self.codes, self.dm)
 
 
-VNNI_LANES = 16
-"""Output rows per tile of :class:`VnniBlocks` (N must be a multiple)."""
+VNNI_LANES = TILE
+"""Output rows per tile of :class:`VnniBlocks` (N must be a multiple): the int32 lanes of a zmm, and the tile
+of :class:`TileBlocks`, whose scale layout it shares."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,18 +478,14 @@ class VnniBlocks:
         u = codes.view(tiles, VNNI_LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [t, b, g, n, j]
         if weight.bits == 4:
             u = u[:, :, :4] | (u[:, :, 4:] << 4)
-        packed = u.contiguous().view(tiles, blocks, -1)
-        dm = torch.stack([t.view(tiles, VNNI_LANES, blocks).permute(0, 2, 1) for t in (d, m)], dim=2)
-        return cls(codes=packed, dm=dm.contiguous())
+        return cls(codes=u.contiguous().view(tiles, blocks, -1), dm=_tile_dm(d, m))
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, K]`` (for tests)."""
         tiles, blocks = self.codes.shape[:2]
         c = self.codes.view(tiles, blocks, -1, VNNI_LANES, 4)  # [t, b, g, n, j]
         u = torch.cat([c & 15, c >> 4], dim=2) if self.bits == 4 else c
-        u = u.permute(0, 3, 1, 2, 4).reshape(tiles * VNNI_LANES, blocks, BLOCK).to(torch.float32)
-        dm = self.dm.to(torch.float32).permute(0, 3, 1, 2).reshape(tiles * VNNI_LANES, blocks, 2)
-        return (u * dm[..., :1] + dm[..., 1:]).view(tiles * VNNI_LANES, blocks * BLOCK)
+        return _dequantize_tiles(u.permute(0, 3, 1, 2, 4).reshape(tiles * VNNI_LANES, blocks, BLOCK), self.dm)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, K]`` (float32 or bfloat16) → float32 ``[M, N]``: activations quantized per block of 32 to

@@ -130,12 +130,12 @@ class ModelRunner:
 
     def _fused_applies(self, scheduler_output: SchedulerOutput, inputs: ModelInputs) -> bool:
         # a verification step (each request its new token and its drafts, no prefill chunk) runs fused too
-        decode_only = all(
-            item.num_scheduled_tokens == 1 + len(item.spec_token_ids) for item in scheduler_output.scheduled
-        )
         return (
             self.fused is not None
-            and decode_only
+            and all(
+                item.num_scheduled_tokens == 1 + len(item.spec_token_ids)
+                for item in scheduler_output.scheduled
+            )
             and self.fused.applies(inputs.attn_metadata, self.kv_caches, verification=inputs.has_drafts)
             and all(
                 item.request.sampling_params.prompt_logprobs is None for item in scheduler_output.scheduled

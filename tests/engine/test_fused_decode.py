@@ -60,6 +60,29 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def three_row_step(model: torch.nn.Module, prompts: list[list[int]]):
+    """Three 5-token prompts: their first 4 tokens prefilled by the eager model into a fresh bfloat16 cache,
+    then a function that runs one decode step of their 5th tokens through a fused decoder on its own copy of
+    that cache and returns its logits."""
+    c = model.config
+    kv = allocate_kv_caches(
+        c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device("cpu")
+    )
+    tables = [[0], [1], [2]]
+    with torch.inference_mode():
+        prefill = AttentionMetadata.build([4, 4, 4], [4, 4, 4], tables, 16)
+        with set_forward_context(prefill, kv, TorchAttentionBackend()):
+            model(torch.tensor([t for p in prompts for t in p[:4]]), torch.arange(4).repeat(3))
+    step = AttentionMetadata.build([1, 1, 1], [5, 5, 5], tables, 16)
+    last, pos = torch.tensor([p[4] for p in prompts]), torch.tensor([4, 4, 4])
+
+    def run(decoder: FusedDecoder) -> torch.Tensor:
+        with torch.inference_mode():
+            return decoder(last, pos, step, [t.clone() for t in kv])
+
+    return run
+
+
 def test_the_fused_step_runs_the_tiles_the_probe_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe choice with tiles from 2 rows reaches every layer and the fused step; its logits at 3 rows are
     the GEMV's within the activation codes' rounding."""
@@ -81,23 +104,13 @@ def test_the_fused_step_runs_the_tiles_the_probe_chose(monkeypatch: pytest.Monke
         12
     ] * 3
     assert calls == [3] * 11
-    model, c = llm.engine.model, llm.engine.model.config
+    model = llm.engine.model
     prompts = [
         Tokenizer.from_dir(llm.engine.info.model_dir).hf.encode(text).ids[:5]
         for text in ("The quick brown fox jumps", "Once upon a time there", "In a hole in the ground")
     ]
-    kv = allocate_kv_caches(
-        c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device("cpu")
-    )
-    tables = [[0], [1], [2]]
-    with torch.inference_mode():
-        prefill = AttentionMetadata.build([4, 4, 4], [4, 4, 4], tables, 16)
-        with set_forward_context(prefill, kv, TorchAttentionBackend()):
-            model(torch.tensor([t for p in prompts for t in p[:4]]), torch.arange(4).repeat(3))
-        step = AttentionMetadata.build([1, 1, 1], [5, 5, 5], tables, 16)
-        last, pos = torch.tensor([p[4] for p in prompts]), torch.tensor([4, 4, 4])
-        on_tiles = fused(last, pos, step, [t.clone() for t in kv])
-        on_gemv = dataclasses.replace(fused, tile_rows=0)(last, pos, step, [t.clone() for t in kv])
+    step = three_row_step(model, prompts)
+    on_tiles, on_gemv = step(fused), step(dataclasses.replace(fused, tile_rows=0))
     # the tiles multiply float32 activations, the GEMV their 16-bit codes (~1e-5): the logits agree closely
     assert ((on_tiles - on_gemv).norm() / on_gemv.norm()).item() < 1e-3
     assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
@@ -133,24 +146,13 @@ def test_the_int16_tiles_run_on_vnni_blocks_in_the_step_and_in_eager_batches(
     calls = count_calls(monkeypatch)
     outs = llm.generate(["The capital of France is"] * 3, GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 3 and calls == [3] * 11
-    c = model.config
-    kv = allocate_kv_caches(
-        c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device("cpu")
-    )
-    tables = [[0], [1], [2]]
-    with torch.inference_mode():
-        prefill = AttentionMetadata.build([4, 4, 4], [4, 4, 4], tables, 16)
-        with set_forward_context(prefill, kv, TorchAttentionBackend()):
-            model(torch.tensor([11, 12, 13, 14] * 3), torch.arange(4).repeat(3))
-        step = AttentionMetadata.build([1, 1, 1], [5, 5, 5], tables, 16)
-        last, pos = torch.tensor([100, 200, 300]), torch.tensor([4, 4, 4])
-        on_tiles = fused(last, pos, step, [t.clone() for t in kv])
-        on_gemv = dataclasses.replace(fused, tile_rows=0)(last, pos, step, [t.clone() for t in kv])
-        # ~3e-7 per matmul (the order of float32 sums over blocks), grown through 30 layers
-        assert ((on_tiles - on_gemv).norm() / on_gemv.norm()).item() < 5e-4
-        assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
-        with pytest.raises(RuntimeError, match="int16 tiles need 4 VNNI blocks per layer"):
-            dataclasses.replace(fused, vnni=fused.vnni[:-1])(last, pos, step, [t.clone() for t in kv])
+    step = three_row_step(model, [[11, 12, 13, 14, last] for last in (100, 200, 300)])
+    on_tiles, on_gemv = step(fused), step(dataclasses.replace(fused, tile_rows=0))
+    # ~3e-7 per matmul (the order of float32 sums over blocks), grown through 30 layers
+    assert ((on_tiles - on_gemv).norm() / on_gemv.norm()).item() < 5e-4
+    assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
+    with pytest.raises(RuntimeError, match="int16 tiles need 4 VNNI blocks per layer"):
+        step(dataclasses.replace(fused, vnni=fused.vnni[:-1]))
 
 
 def test_int16_tiles_from_more_rows_than_the_fused_probe_starts_with(monkeypatch: pytest.MonkeyPatch) -> None:
