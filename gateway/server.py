@@ -121,7 +121,11 @@ class GatewayH11Protocol(ReadTimeoutProtocol):
         cycle = self.cycle  # the request just parsed (its task has not run yet) gets the body-chunk extension
         if cycle is not None:
             # Any: the value of our extension is a function, not the dict the ASGI types declare for one
-            extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {}) or {}
+            # (not ``setdefault(...) or {}``: the new empty dict is falsy, and the extension would go into a
+            # dict no one reads)
+            extensions: dict[str, Any] | None = cycle.scope.get("extensions")
+            if extensions is None:
+                extensions = cycle.scope["extensions"] = {}
             if BODY_CHUNK_EXTENSION not in extensions:
                 extensions[BODY_CHUNK_EXTENSION] = functools.partial(write_body_chunk, cycle)
 
