@@ -25,7 +25,7 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from kvscope.common.otel_genai import GenAiClientMetrics, build_meter_provider
+from kvscope.common.otel_genai import build_client_metrics
 from kvscope.common.version import kvscope_version
 from kvscope.gateway.auth import Authenticator
 from kvscope.gateway.engines.scraper import EngineScraper
@@ -77,13 +77,14 @@ def build_state(
         if settings.redis_url
         else InMemoryRateLimiter()
     )
-    meters = build_meter_provider(
+    genai = build_client_metrics(
         {
             "service.name": settings.service_name,
             "service.version": version,
             # one per process: two workers pushing cumulative sums under one identity would clash
             "service.instance.id": settings.node if worker is None else f"{settings.node}/{worker.index}",
         },
+        version,
         settings.tracing.otlp_endpoint,
         metric_readers,
         settings.tracing.metrics_export_interval_s,
@@ -92,7 +93,7 @@ def build_state(
         settings=settings,
         metrics=metrics,
         tracer=GatewayTracer(provider, version),
-        genai=GenAiClientMetrics(meters, version),
+        genai=genai,
         pool=UpstreamPool(settings.upstreams, settings.models, settings.routing, metrics),
         auth=Authenticator(settings.api_keys, settings.default_limits),
         limiter=limiter,

@@ -99,19 +99,45 @@ def build_meter_provider(
     ``OTEL_METRIC_EXPORT_INTERVAL``, else 15 s) with a final push at :meth:`MeterProvider.shutdown`.
     ``resource`` is merged over ``OTEL_RESOURCE_ATTRIBUTES``. Raises ValueError on an unsupported
     ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
-    all_readers = list(readers)
+    return _provider(resource, _all_readers(otlp_endpoint, readers, export_interval_s))
+
+
+def build_client_metrics(
+    resource: Mapping[str, str],
+    version: str,
+    otlp_endpoint: str | None = None,
+    readers: Sequence[MetricReader] = (),
+    export_interval_s: float | None = None,
+) -> GenAiClientMetrics:
+    """The gateway's ``gen_ai.client.*`` instruments on a provider built as :func:`build_meter_provider`
+    builds it; they record only when some reader reads them (``readers`` or the OTLP push:
+    :class:`GenAiClientMetrics` ``read``). Raises ValueError as :func:`build_meter_provider` does."""
+    all_readers = _all_readers(otlp_endpoint, readers, export_interval_s)
+    return GenAiClientMetrics(_provider(resource, all_readers), version, read=bool(all_readers))
+
+
+def _all_readers(
+    otlp_endpoint: str | None, readers: Sequence[MetricReader], export_interval_s: float | None
+) -> list[MetricReader]:
     reader = metric_reader(otlp_endpoint, export_interval_s)
-    if reader is not None:
-        all_readers.append(reader)
-    return MeterProvider(resource=Resource.create(dict(resource)), metric_readers=all_readers)
+    return [*readers, reader] if reader is not None else list(readers)
+
+
+def _provider(resource: Mapping[str, str], readers: list[MetricReader]) -> MeterProvider:
+    return MeterProvider(resource=Resource.create(dict(resource)), metric_readers=readers)
 
 
 class GenAiClientMetrics:
     """The gateway's ``gen_ai.client.*`` instruments."""
 
-    def __init__(self, provider: MeterProvider, version: str) -> None:
+    def __init__(self, provider: MeterProvider, version: str, read: bool = True) -> None:
+        """``read``: whether any metric reader reads ``provider``. False: :meth:`record` records nothing (the
+        SDK would build each measurement, clean its attributes and hand it to no reader: at one
+        ``time_per_output_chunk`` observation per streamed token that was about a sixth of the gateway's
+        CPU per relayed token, docs/benchmarks.md "The gateway's CPU per relayed token")."""
         meter = provider.get_meter("kvscope.gateway", version)
         self.provider = provider
+        self.read = read
         self.duration = meter.create_histogram(
             "gen_ai.client.operation.duration",
             unit="s",
@@ -152,7 +178,9 @@ class GenAiClientMetrics:
         (seconds), each recorded as one ``time_per_output_chunk`` observation, as the semconv asks (one per
         chunk after the first). The relay only collects the chunk times (a list append per token); the
         histogram records all of them here, once the call ended, which keeps OTel out of the per-chunk
-        path."""
+        path. Nothing at all when no reader reads the provider (``read``)."""
+        if not self.read:
+            return
         attrs = {k: v for k, v in attributes.items() if k in _METRIC_ATTRIBUTES}
         self.duration.record(duration_s, attrs)
         for kind, value in (("input", input_tokens), ("output", output_tokens)):

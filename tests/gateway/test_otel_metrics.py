@@ -7,8 +7,15 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from kvscope.common.otel_genai import CHUNK_BUCKETS, OPERATION_DURATION_BUCKETS, TOKEN_USAGE_BUCKETS
+from kvscope.common.otel_genai import (
+    CHUNK_BUCKETS,
+    OPERATION_DURATION_BUCKETS,
+    TOKEN_USAGE_BUCKETS,
+    build_client_metrics,
+)
 from kvscope.testing.harness import LoopThread
 from tests.gateway.conftest import KEYS, build_stack
 from tests.otlp_receiver import OtlpReceiver
@@ -81,3 +88,42 @@ def test_gen_ai_client_metrics_reach_an_otlp_receiver(tmp_path: Path) -> None:
     assert TOKEN_DELAY_S <= tpoc.sum <= stream_s
     assert list(tpoc.explicit_bounds) == list(CHUNK_BUCKETS)
     assert {"service.name": "kvscope-gateway"}.items() <= resources[-1].items()
+
+
+ATTRS = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "kvscope", "gen_ai.request.model": "m"}
+
+
+def test_client_metrics_record_only_what_a_reader_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no reader (no OTLP endpoint, none passed) the instruments record nothing (each measurement would
+    be built for no one: one per streamed token); with a reader every chunk gap is one observation; with only
+    the OTLP environment set the OTLP push is a reader."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    unread = build_client_metrics({"service.name": "t"}, "1")
+    assert unread.read is False
+
+    def built(*_: object, **__: object) -> None:
+        raise AssertionError("a measurement was recorded with no reader")
+
+    for instrument in ("duration", "token_usage", "time_to_first_chunk", "time_per_output_chunk"):
+        monkeypatch.setattr(getattr(unread, instrument), "record", built)
+    unread.record(ATTRS, 1.0, 5, 3, 0.1, [0.01, 0.02])
+
+    reader = InMemoryMetricReader()
+    read = build_client_metrics({"service.name": "t"}, "1", readers=[reader])
+    read.record(ATTRS, 1.0, 5, 3, 0.1, [0.01, 0.02])
+    data = reader.get_metrics_data()
+    assert data is not None
+    (gaps,) = [
+        m
+        for sm in data.resource_metrics[0].scope_metrics
+        for m in sm.metrics
+        if m.name == "gen_ai.client.operation.time_per_output_chunk"
+    ]
+    (point,) = gaps.data.data_points
+    assert (read.read, point.count, point.sum, point.min, point.max) == (True, 2, 0.03, 0.01, 0.02)
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://127.0.0.1:9/v1/metrics")
+    pushed = build_client_metrics({"service.name": "t"}, "1")
+    assert pushed.read is True
+    pushed.provider.shutdown(timeout_millis=1)
