@@ -33,6 +33,8 @@ ALLOWED_SKIP_REASONS = (
     "needs AVX-512 VNNI (",
     "needs AMX (",
     "needs AVX-512 BF16 (",
+    # tests marked `onednn_bf16` (dense bfloat16 matmuls) where oneDNN packs no bfloat16: an AVX2-only CPU
+    "needs oneDNN's bfloat16 matmul (",
 )
 """The only reasons a test may be skipped under CI=true (matched as prefixes). Anything else — a missing tool,
 a "not written yet" guard, an OSError — fails the run: a skipped test protects nothing."""
@@ -89,15 +91,35 @@ def cpu_instruction_skip(marker: str) -> str | None:
     return f"needs {CPU_INSTRUCTION_MARKS[marker]} ({', '.join(missing)}): this CPU has {has}"
 
 
+def onednn_bf16_skip() -> str | None:
+    """The skip reason of a test marked ``onednn_bf16`` (it runs dense bfloat16 matmuls on oneDNN's packed
+    weights, kvscope.engine.models.layers ``packed_linear_kernel``) where this torch's oneDNN refuses to pack
+    bfloat16 (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU such as AMD Zen 3); None where it
+    packs. Asked of oneDNN itself, not of /proc/cpuinfo: its own rule decides."""
+    import torch
+
+    from kvscope.engine.models.layers import packed_linear_kernel
+
+    if packed_linear_kernel(torch.zeros(16, 16, dtype=torch.bfloat16), None) is not None:
+        return None
+    return (
+        "needs oneDNN's bfloat16 matmul (avx512bw, avx512vl, avx512dq or avx_ne_convert): this CPU's oneDNN "
+        "packs no bfloat16 weight"
+    )
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skip a test marked ``vnni``/``amx`` on a CPU without those instructions, before its fixtures build the
-    kernels (cpu_instruction_skip)."""
+    """Skip a test marked ``vnni``/``amx``/``bf16`` on a CPU without those instructions, before its fixtures
+    build the kernels (cpu_instruction_skip), and one marked ``onednn_bf16`` where oneDNN packs no bfloat16
+    (onednn_bf16_skip)."""
     for marker in CPU_INSTRUCTION_MARKS:
         if item.get_closest_marker(marker) is not None:
             reason = cpu_instruction_skip(marker)
             if reason is not None:
                 pytest.skip(reason)
+    if item.get_closest_marker("onednn_bf16") is not None and (reason := onednn_bf16_skip()) is not None:
+        pytest.skip(reason)
 
 
 def disallowed_skips(reports: list[pytest.TestReport]) -> list[str]:

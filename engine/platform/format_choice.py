@@ -112,6 +112,10 @@ def choose_format(
         return FormatChoice(
             "float32", "float32", "none", "no kernel probe timings or no verified format: float32"
         )
+    # a format whose own kernel the probe could not time is not a candidate: bfloat16 where oneDNN does not
+    # pack it (an AVX2-only CPU, kernel_probe.probe_cpu_kernels); float32 is always timed
+    first = probe_rows(choice)[0]
+    candidates = [f for f in candidates if f"{_KERNEL[f]}@{first}" in choice.timings_ms] or ["float32"]
     scores = {f: round(format_score(f, choice), 4) for f in candidates}
     best = min(candidates, key=lambda f: (scores[f], candidates.index(f)))
     listed = ", ".join(f"{f} {scores[f]:.2f}" for f in candidates)

@@ -188,9 +188,12 @@ def probe_cpu_kernels(
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         kernel = packed_linear_kernel(weight.to(dtype), None)
-        if kernel is None:
-            raise RuntimeError("oneDNN is not available in this torch build")
-        kernels[str(dtype).removeprefix("torch.")] = kernel
+        if kernel is not None:
+            kernels[str(dtype).removeprefix("torch.")] = kernel
+    if "float32" not in kernels:
+        raise RuntimeError("oneDNN is not available in this torch build")
+    # oneDNN packs bfloat16 only where the CPU has AVX512-BW/VL/DQ or AVX-NE-CONVERT ("bf16 path needs the
+    # cpu support ..."): an AVX2-only CPU (AMD Zen 3, older Xeons) runs float32 dense matmuls, no bfloat16
     blocks = Int4Blocks(
         codes=torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
         scale=torch.full((out_features, in_features // 32), 0.01),
@@ -240,7 +243,11 @@ def probe_cpu_kernels(
             if n >= tile_rows:
                 timings[f"int4@{n}"] = timings[f"int4_tile_{tile}@{n}"]
     series = {name: [timings[f"{name}@{n}"] for n in rows] for name in kernels}
-    dense_dtype = torch.bfloat16 if sum(series["bfloat16"]) < sum(series["float32"]) else torch.float32
+    dense_dtype = (
+        torch.bfloat16
+        if "bfloat16" in series and sum(series["bfloat16"]) < sum(series["float32"])
+        else torch.float32
+    )
     dense = series[str(dense_dtype).removeprefix("torch.")]
     max_rows = {fmt: crossover(series[fmt], dense, rows) for fmt in ("int4", "int8")}
     if tile_rows:  # the tiles are for decode batches: prefill chunks of hundreds of rows keep the dense copy

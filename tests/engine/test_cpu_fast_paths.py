@@ -35,6 +35,7 @@ def test_cpu_linear_kernel_equals_f_linear(rows: int) -> None:
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=0)
 
 
+@pytest.mark.onednn_bf16
 def test_cpu_linear_kernel_dtypes() -> None:
     bf16 = cpu_linear_kernel(torch.ones(4, 3, dtype=torch.bfloat16), None)
     assert bf16 is not None and bf16.column_major is None  # packed for every size

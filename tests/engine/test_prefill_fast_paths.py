@@ -51,6 +51,7 @@ class RecordingKernel:
         return self.dense(x)
 
 
+@pytest.mark.onednn_bf16
 def test_linear_pads_rows_of_the_dense_path_and_slices_them_off() -> None:
     weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     kernel = RecordingKernel(packed_linear_kernel(weight, None))
@@ -89,6 +90,7 @@ def test_padded_float32_matmul_is_bit_identical(out_features: int, in_features: 
         assert torch.equal(padded, plain), rows
 
 
+@pytest.mark.onednn_bf16
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_padded_bfloat16_matmul_differs_by_at_most_one_rounding(out_features: int, in_features: int) -> None:
     """bfloat16: oneDNN may pick another blocking for the padded row count (seen at 245 → 256 rows of
@@ -216,6 +218,7 @@ def _write_without_record(backend: TorchAttentionBackend):
     return write_kv
 
 
+@pytest.mark.onednn_bf16
 def test_warm_up_runs_each_distinct_projection_shape_at_each_padded_size() -> None:
     model = make_pair("llama").ours.to(torch.bfloat16)
     prepare_for_cpu(model)

@@ -113,6 +113,7 @@ def test_int8_rows_and_matmul(rows: int) -> None:
     assert ((q.matmul(x).double() - exact).abs() <= bf16_ulp(exact) + 1e-6).all()
 
 
+@pytest.mark.onednn_bf16
 def test_compact_kernel_switches_to_the_dense_copy_above_its_crossover() -> None:
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(4))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(5))
@@ -181,7 +182,10 @@ def test_probe_times_every_candidate_and_picks_consistently() -> None:
     from kvscope.kernels.cpu_decode import amx_loaded
 
     choice = probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1, batched_rows=(4, 8))
-    expected = {f"{k}@{n}" for k in ("float32", "bfloat16", "int4", "int8") for n in (1, 4)}
+    # oneDNN packs bfloat16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU probes no bfloat16
+    bf16 = packed_linear_kernel(torch.zeros(16, 16, dtype=torch.bfloat16), None) is not None
+    dense_kinds = ("float32", "bfloat16") if bf16 else ("float32",)
+    expected = {f"{k}@{n}" for k in (*dense_kinds, "int4", "int8") for n in (1, 4)}
     if amx_loaded():  # kvscope's AMX int4 matmul against the bfloat16 copy at the batched sizes
         expected |= {f"{k}@{n}" for k in ("int4_amx", "bfloat16") for n in (4, 8)}
     if (
@@ -210,6 +214,27 @@ def test_probe_times_every_candidate_and_picks_consistently() -> None:
         assert choice.max_rows[fmt] == (min(won, 4) if fmt == "int4" and choice.tile_rows else won)
     amx = amx_loaded() and dense == "bfloat16"
     assert choice.batched_rows == (amx_rows(choice.timings_ms, choice.max_rows["int4"], (4, 8)) if amx else 0)
+
+
+def test_a_cpu_whose_onednn_packs_no_bfloat16_probes_float32_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU (AMD Zen 3: oneDNN refuses to pack bfloat16, "bf16 path needs the cpu support
+    avx_ne_convert or avx512bw, avx512vl and avx512dq"): the probe times the rest, the dense dtype is
+    float32, and the engine starts (it raised "oneDNN is not available" before)."""
+    from kvscope.engine.platform import kernel_probe
+
+    real = kernel_probe.packed_linear_kernel
+
+    def no_bf16(weight: torch.Tensor, bias: torch.Tensor | None):  # noqa: ANN202 - the real one's type
+        return None if weight.dtype == torch.bfloat16 else real(weight, bias)
+
+    monkeypatch.setattr(kernel_probe, "packed_linear_kernel", no_bf16)
+    choice = kernel_probe.probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1)
+    assert choice.dense_dtype == torch.float32
+    assert not [k for k in choice.timings_ms if k.startswith("bfloat16@")]
+    assert {f"{k}@{n}" for k in ("float32", "int4", "int8") for n in (1, 4)} <= set(choice.timings_ms)
+    monkeypatch.setattr(kernel_probe, "packed_linear_kernel", lambda weight, bias: None)
+    with pytest.raises(RuntimeError, match="oneDNN is not available"):
+        kernel_probe.probe_cpu_kernels(out_features=64, in_features=64, rows=(1,), repeats=1)
 
 
 def test_the_tiles_run_from_the_size_where_they_stay_faster_than_the_gemv() -> None:

@@ -22,6 +22,8 @@ from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend, paged_decode_applies
 from kvscope.engine.platform.cpu import load_cpu_kernels
 
+pytestmark = pytest.mark.vnni
+
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels():
