@@ -13,10 +13,12 @@ measure against, never a server to run.
 With ``--litellm BIN`` (the ``litellm`` command of LiteLLM's proxy installed in its own venv: ``python -m venv
 /tmp/litellm-venv && /tmp/litellm-venv/bin/pip install 'litellm[proxy]'``) LiteLLM's proxy runs in the same
 rounds, one worker, on the same stub (a config mapping the stub's model to ``openai/<model>`` at the stub's
-URL, a master key as its client's API key); its CPU is that of its whole process tree.
+URL, a master key as its client's API key); its CPU is that of its whole process tree. With ``--baseline SRC``
+the gateway of another checkout (``SRC``: its ``src/``, e.g. ``git worktree add /tmp/base <commit>`` then
+``/tmp/base/src``) runs in the same rounds too, for an A/B of a change.
 
     python bench/relay_floor.py [--concurrency 32] [--tokens 128] [--token-delay 0.03] [--rounds 3]
-                                [--litellm /tmp/litellm-venv/bin/litellm]
+                                [--litellm /tmp/litellm-venv/bin/litellm] [--baseline /tmp/base/src]
 """
 
 from __future__ import annotations
@@ -174,6 +176,11 @@ def main() -> None:
         "--serve", nargs=3, metavar=("PORT", "UPSTREAM_HOST", "UPSTREAM_PORT"), help=argparse.SUPPRESS
     )  # the minimal relay's own process
     parser.add_argument("--litellm", help="the litellm command of LiteLLM's proxy (its own venv): run it too")
+    parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also run the gateway of another checkout (its src/ as PYTHONPATH, e.g. a git worktree's): A/B",
+    )
     args = parser.parse_args()
     if args.serve:
         port, host, upstream_port = args.serve
@@ -181,7 +188,7 @@ def main() -> None:
         return
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-relay-floor-"))
     fake = spawn_fake(tmp, "stub", token_delay_s=args.token_delay)
-    gateway = relay = litellm = None
+    gateway = relay = litellm = baseline = None
     try:
         wait_http(fake.url + "/health", proc=fake.popen)
         gateway = spawn_gateway(
@@ -196,6 +203,15 @@ def main() -> None:
             "kvscope gateway": (gateway.popen.pid, gateway.url, None),
             "minimal relay": (relay.pid, f"http://127.0.0.1:{port}", None),
         }
+        if args.baseline:
+            baseline = spawn_gateway(
+                tmp,
+                "baseline",
+                {"upstreams": [{"url": fake.url}], "logs": {"file": str(tmp / "baseline.jsonl")}},
+                pythonpath=args.baseline,
+            )
+            wait_http(baseline.url + "/readyz", proc=baseline.popen)
+            targets["baseline gateway"] = (baseline.popen.pid, baseline.url, None)
         if args.litellm:
             litellm, litellm_url = spawn_litellm(args.litellm, tmp, fake.url)
             targets["LiteLLM proxy"] = (litellm.pid, litellm_url, {"Authorization": f"Bearer {LITELLM_KEY}"})
@@ -220,7 +236,7 @@ def main() -> None:
         if litellm is not None:
             os.killpg(litellm.pid, signal.SIGKILL)
             litellm.wait()
-        for proc in (gateway, fake):
+        for proc in (gateway, baseline, fake):
             if proc is not None:
                 proc.stop()
 
