@@ -147,3 +147,18 @@ def test_an_import_error_of_the_kernels_fails_instead_of_skipping(
     result.assert_outcomes(errors=3)
     # ModuleNotFoundError is an ImportError
     result.stdout.fnmatch_lines(["E * ModuleNotFoundError: import of kvscope.kernels.cpu_decode halted*"] * 3)
+
+
+def test_the_onednn_bfloat16_skip_asks_onednn_and_names_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``onednn_bf16`` skips exactly where oneDNN packs no bfloat16 weight (an AVX2-only CPU),
+    with an allowed reason; where it packs, it runs."""
+    import torch
+
+    from kvscope.engine.models import layers
+    from tests.conftest import onednn_bf16_skip
+
+    packs = layers.packed_linear_kernel(torch.zeros(16, 16, dtype=torch.bfloat16), None) is not None
+    assert (onednn_bf16_skip() is None) == packs
+    monkeypatch.setattr(layers, "packed_linear_kernel", lambda weight, bias: None)
+    reason = onednn_bf16_skip()
+    assert reason is not None and reason.startswith(ALLOWED_SKIP_REASONS)
