@@ -26,6 +26,7 @@ from kvscope.engine.weights.quant import (
     int4_blocks_from_float,
     int4_blocks_from_gguf,
 )
+from tests.conftest import onednn_bf16_skip
 
 N, K = 64, 256
 
@@ -183,8 +184,7 @@ def test_probe_times_every_candidate_and_picks_consistently() -> None:
 
     choice = probe_cpu_kernels(out_features=64, in_features=64, rows=(1, 4), repeats=1, batched_rows=(4, 8))
     # oneDNN packs bfloat16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU probes no bfloat16
-    bf16 = packed_linear_kernel(torch.zeros(16, 16, dtype=torch.bfloat16), None) is not None
-    dense_kinds = ("float32", "bfloat16") if bf16 else ("float32",)
+    dense_kinds = ("float32", "bfloat16") if onednn_bf16_skip() is None else ("float32",)
     expected = {f"{k}@{n}" for k in (*dense_kinds, "int4", "int8") for n in (1, 4)}
     if amx_loaded():  # kvscope's AMX int4 matmul against the bfloat16 copy at the batched sizes
         expected |= {f"{k}@{n}" for k in ("int4_amx", "bfloat16") for n in (4, 8)}
