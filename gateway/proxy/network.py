@@ -23,6 +23,7 @@ import asyncio
 import collections
 import socket
 import ssl
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -366,34 +367,47 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
 
 
 class LinearPool(httpcore.AsyncConnectionPool):
-    """httpcore 1.0's connection pool with its clean-up pass made linear. httpcore 1.0.9 evaluates
-    ``len([c.is_idle() for c in connections])`` once for every idle connection, O(n²) per request and per
-    response closed: with the 32 keep-alive connections of 32 streams that was a third of the gateway's
-    httpx time per request (py-spy, docs/gateway.md "CPU per relayed token"; encode/httpcore#1035). Same
-    decisions as httpcore's own (an idle connection is dropped while the pool holds more connections than
-    ``max_keepalive_connections``, closed and expired ones are removed), the count kept as it goes (and
-    asked first, so an idle check runs only where it can matter); the assignment of queued requests is
-    httpcore's, stopping at the first available connection (httpcore builds the list of all of them and
-    takes the first)."""
+    """httpcore 1.0's connection pool with its clean-up pass made linear and mostly skipped. httpcore 1.0.9
+    runs the pass on every request queued and every response closed and evaluates ``len([c.is_idle() for c in
+    connections])`` once for every idle connection, O(n²) each time: with the 32 keep-alive connections of 32
+    streams that was a third of the gateway's httpx time per request (py-spy, docs/gateway.md "CPU per
+    relayed token"; encode/httpcore#1035). Here the pass keeps its count as it goes (an idle check runs only
+    where it can matter) and runs at most every :attr:`sweep_interval_s`, or at once while the pool holds
+    more connections than ``max_keepalive_connections`` or its ``max_connections``: with 200 streams in
+    flight even the linear pass asked 600 questions of the connections twice a request. Its decisions are
+    httpcore's (closed and expired connections are removed, surplus idle ones closed), at most that much
+    later; the connection a request is given is asked whether it expired (keep-alive expiry, or an idle
+    connection the upstream closed) at that moment, as httpcore's pass would have, so no request is sent on a
+    connection the upstream closed. The assignment of queued requests is httpcore's, stopping at the first
+    available connection (httpcore builds the list of all of them and takes the first)."""
+
+    sweep_interval_s = 0.25
+    """Seconds between two clean-up passes while the pool is within its limits."""
+    _next_sweep = 0.0
 
     def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
         closing: list[httpcore.AsyncConnectionInterface] = []
         count = len(self._connections)
-        for connection in list(self._connections):
-            if connection.is_closed():
-                self._connections.remove(connection)
-                count -= 1
-            elif connection.has_expired() or (
-                count > self._max_keepalive_connections and connection.is_idle()
-            ):
-                self._connections.remove(connection)
-                count -= 1
-                closing.append(connection)
+        now = time.monotonic()
+        if (
+            now >= self._next_sweep
+            or count > self._max_keepalive_connections
+            or count >= self._max_connections
+        ):
+            self._next_sweep = now + self.sweep_interval_s
+            for connection in list(self._connections):
+                if connection.is_closed():
+                    self._connections.remove(connection)
+                    count -= 1
+                elif connection.has_expired() or (
+                    count > self._max_keepalive_connections and connection.is_idle()
+                ):
+                    self._connections.remove(connection)
+                    count -= 1
+                    closing.append(connection)
         for pool_request in [request for request in self._requests if request.is_queued()]:
             origin = pool_request.request.url.origin
-            available = next(
-                (c for c in self._connections if c.can_handle_request(origin) and c.is_available()), None
-            )
+            available = self._available(origin, closing)
             if available is not None:
                 pool_request.assign_to_connection(available)
                 continue
@@ -407,6 +421,24 @@ class LinearPool(httpcore.AsyncConnectionPool):
             self._connections.append(connection)
             pool_request.assign_to_connection(connection)
         return closing
+
+    def _available(
+        self, origin: httpcore.Origin, closing: list[httpcore.AsyncConnectionInterface]
+    ) -> httpcore.AsyncConnectionInterface | None:
+        """The first connection that can take a request to ``origin`` now; expired ones met on the way are
+        removed from the pool and added to ``closing``."""
+        expired = []
+        found = None
+        for connection in self._connections:
+            if connection.is_available() and connection.can_handle_request(origin):
+                if not connection.has_expired():
+                    found = connection
+                    break
+                expired.append(connection)
+        for connection in expired:
+            self._connections.remove(connection)
+            closing.append(connection)
+        return found
 
 
 def upstream_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:

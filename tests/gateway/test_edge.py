@@ -324,3 +324,31 @@ def test_ipv4_mapped_addresses_are_their_ipv4_address() -> None:
     assert resolver.resolve("::ffff:8.8.8.8", xff) == "8.8.8.8"  # untrusted: the peer, as IPv4
     assert resolver.resolve("127.0.0.1", [(b"x-forwarded-for", b"::ffff:1.2.3.4")]) == "1.2.3.4"
     assert resolver.resolve("::1", xff) == "::1"
+
+
+def test_a_long_prompt_is_counted_off_the_event_loop(edge: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body up to INLINE_PROMPT_BYTES has its prompt counted on the event loop (the thread hand-off costs
+    more than that count); a longer one in a worker thread, where a long prompt cannot stall other streams."""
+    import asyncio
+
+    from kvscope.gateway import admission
+
+    on_loop: list[bool] = []
+    read_prompt = admission._read_prompt
+
+    def recording(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no running loop: a worker thread
+            on_loop.append(False)
+        return read_prompt(*args, **kwargs)
+
+    monkeypatch.setattr(admission, "_read_prompt", recording)
+    overhead = len(json.dumps({**BODY, "max_tokens": 4}).encode()) - len("hi")
+    sizes = (admission.INLINE_PROMPT_BYTES - overhead, admission.INLINE_PROMPT_BYTES - overhead + 1)
+    for n, size in enumerate(sizes):
+        body = {**BODY, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * size}]}
+        assert len(json.dumps(body).encode()) == admission.INLINE_PROMPT_BYTES + n
+        assert post(edge, b"/v1/chat/completions", "alice", f"inline-{n}", body).status == 200
+    assert on_loop == [True, False]

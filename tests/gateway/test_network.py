@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -680,3 +681,53 @@ async def test_the_pool_cleanup_pass_is_linear_and_decides_as_httpcores() -> Non
                 results[cls.__name__] = (kept, len(pool.connections), calls)
         assert results["LinearPool"][:2] == results["AsyncConnectionPool"][:2] == (5, 5)
         assert results["LinearPool"][2] <= 3 * 5 < results["AsyncConnectionPool"][2]
+
+
+async def test_the_pool_skips_its_cleanup_pass_within_limits_and_never_sends_on_a_closed_connection() -> None:
+    """gateway/proxy/network.py LinearPool between two clean-up passes (sweep_interval_s): no connection is
+    asked whether it closed or expired, except the one a request is given, so a keep-alive connection the
+    upstream closed meanwhile is still never used: the request goes on a new connection and succeeds."""
+    from kvscope.gateway.proxy.network import LinearPool
+
+    connections: list[int] = []
+    close_after_next = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(_chunked([b"ok"]))
+                await writer.drain()
+                if close_after_next.is_set():
+                    writer.close()
+                    await writer.wait_closed()
+                    closed.set()
+                    return
+
+    async with (
+        server(handler) as port,
+        LinearPool(max_keepalive_connections=5, network_backend=AsyncioBackend()) as pool,
+    ):
+        url = f"http://127.0.0.1:{port}/"
+        assert (await pool.request("GET", url)).content == b"ok"  # the first pass runs at once
+        pool.sweep_interval_s = 3600.0
+        pool._next_sweep = time.monotonic() + 3600.0
+        close_after_next.set()
+        assert (await pool.request("GET", url)).content == b"ok"
+        await asyncio.wait_for(closed.wait(), 5)
+        asked: list[str] = []
+        for connection in pool.connections:
+            for name in ("is_closed", "has_expired"):
+                original = getattr(connection, name)
+
+                def counted(original=original, name=name) -> bool:
+                    asked.append(name)
+                    return original()
+
+                setattr(connection, name, counted)
+        assert (await pool.request("GET", url)).content == b"ok"
+        assert connections == [0, 1]  # the closed keep-alive connection was not sent on
+        assert asked == ["has_expired"]  # only the connection offered to the request: no pass
+        assert len(pool.connections) == 1  # the closed one left the pool when it was found expired

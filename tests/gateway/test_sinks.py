@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from pathlib import Path
@@ -80,3 +81,31 @@ def test_settings_choose_the_sinks(tmp_path: Path) -> None:
         is None
     )
     assert state.metrics.registry.get_sample_value("kvscope_gateway_log_spool_bytes") == 1234
+
+
+async def test_records_that_arrive_while_the_writer_lingers_are_one_write() -> None:
+    """ThreadedLineSink.linger_s: the writer waits that long after a batch's first record, so the records
+    emitted meanwhile cost one wake-up and one write; every record is still written, in order, and the
+    ones queued at shutdown too."""
+
+    class Counting(StdoutSink):
+        linger_s = 0.3
+
+        def _write(self, lines: list[bytes]) -> None:
+            writes.append(len(lines))
+            super()._write(lines)
+
+    writes: list[int] = []
+    metrics = GatewayMetrics(CollectorRegistry())
+    out = io.BytesIO()
+    sink = Counting(metrics, stream=out)
+    await sink.start()
+    for i in range(5):
+        sink.emit({"i": i})
+    await asyncio.sleep(0.6)  # the batch was written after one linger
+    assert writes == [5]
+    sink.emit({"i": 5})
+    await sink.aclose()  # within the next linger: shutdown writes it
+    assert writes == [5, 1]
+    assert [json.loads(line)["i"] for line in out.getvalue().splitlines()] == list(range(6))
+    assert _count(metrics, "stdout", "shipped") == 6
