@@ -43,7 +43,7 @@ from kvscope.gateway.ratelimit import InMemoryRateLimiter, RateLimiter, RedisRat
 from kvscope.gateway.settings import GatewaySettings, SettingsSource, multiprocess_dir
 from kvscope.gateway.state import GatewayState, WorkerSlot
 from kvscope.gateway.tokenize import PromptCounter
-from kvscope.gateway.tracing import GatewayTracer, build_tracer_provider
+from kvscope.gateway.tracing import build_tracer
 
 _log = logging.getLogger("kvscope.gateway")
 
@@ -71,9 +71,7 @@ def build_state(
     configured = configured_sinks(settings, metrics, worker)
     metrics.initialize(tuple(u.label for u in settings.upstreams), tuple(s.name for s in configured))
     version = kvscope_version()
-    provider = build_tracer_provider(
-        settings.tracing, settings.service_name, version, settings.node, span_exporter
-    )
+    tracer = build_tracer(settings.tracing, settings.service_name, version, settings.node, span_exporter)
     limiter: RateLimiter = (
         RedisRateLimiter(settings.redis_url, settings.timeouts.total_s + 60)
         if settings.redis_url
@@ -94,7 +92,7 @@ def build_state(
     return GatewayState(
         settings=settings,
         metrics=metrics,
-        tracer=GatewayTracer(provider, version),
+        tracer=tracer,
         genai=genai,
         pool=UpstreamPool(settings.upstreams, settings.models, settings.routing, metrics),
         auth=Authenticator(settings.api_keys, settings.default_limits),

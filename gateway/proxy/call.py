@@ -501,7 +501,7 @@ class ProxyCall:
             usage.get("prompt_tokens"),
             ctx.output_tokens,
             attrs.get("gen_ai.response.time_to_first_chunk"),
-            self._output_chunk_gaps(),
+            self._output_chunk_gaps() if self.gw.genai.read else (),
         )
         if "error.type" in attrs:
             span.set_status(Status(StatusCode.ERROR, ctx.outcome.error_message or ""))
