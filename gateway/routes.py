@@ -19,7 +19,7 @@ from kvscope.common.openai_errors import clip
 from kvscope.gateway.admission import CHAT, COMPLETION, Operation, admit
 from kvscope.gateway.context import context_of
 from kvscope.gateway.errors import AuthenticationFailed, ModelNotFound, NotFound, PermissionDenied
-from kvscope.gateway.guards import authenticated, names_operation, only, principal_of
+from kvscope.gateway.guards import authenticated, in_order, names_operation, only, principal_of
 from kvscope.gateway.proxy.call import ProxyCall
 from kvscope.gateway.proxy.passthrough import forwardable, passthrough
 from kvscope.gateway.ratelimit_middleware import RateLimitMiddleware
@@ -39,7 +39,7 @@ async def _generation(request: Request, op: Operation) -> ASGIApp:
     "/v1/chat/completions",
     http_method=ALL_METHODS,
     middleware=[RATE_LIMITS],
-    guards=[only("POST"), names_operation(CHAT.name), authenticated],
+    guards=[in_order(only("POST"), names_operation(CHAT.name), authenticated)],
 )
 async def chat_completions(request: Request) -> ASGIApp:
     return await _generation(request, CHAT)
@@ -49,7 +49,7 @@ async def chat_completions(request: Request) -> ASGIApp:
     "/v1/completions",
     http_method=ALL_METHODS,
     middleware=[RATE_LIMITS],
-    guards=[only("POST"), names_operation(COMPLETION.name), authenticated],
+    guards=[in_order(only("POST"), names_operation(COMPLETION.name), authenticated)],
 )
 async def completions(request: Request) -> ASGIApp:
     return await _generation(request, COMPLETION)
@@ -61,7 +61,7 @@ def _visible_models(request: Request) -> list[str]:
     return served if principal.models is None else [m for m in served if m in principal.models]
 
 
-@route("/v1/models", http_method=ALL_METHODS, status_code=200, guards=[only("GET"), authenticated])
+@route("/v1/models", http_method=ALL_METHODS, status_code=200, guards=[in_order(only("GET"), authenticated)])
 async def list_models(request: Request) -> dict[str, Any]:
     """Models of all upstreams merged (the upstream's cards, with ``max_model_len``), as the key may see."""
     pool = state_of(request).pool
@@ -69,7 +69,10 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 @route(
-    "/v1/models/{model:path}", http_method=ALL_METHODS, status_code=200, guards=[only("GET"), authenticated]
+    "/v1/models/{model:path}",
+    http_method=ALL_METHODS,
+    status_code=200,
+    guards=[in_order(only("GET"), authenticated)],
 )
 async def retrieve_model(request: Request) -> dict[str, Any]:
     name = str(request.path_params["model"]).lstrip("/")
@@ -79,7 +82,10 @@ async def retrieve_model(request: Request) -> dict[str, Any]:
 
 
 @route(
-    "/v1/{path:path}", http_method=ALL_METHODS, middleware=[RATE_LIMITS], guards=[forwardable, authenticated]
+    "/v1/{path:path}",
+    http_method=ALL_METHODS,
+    middleware=[RATE_LIMITS],
+    guards=[in_order(forwardable, authenticated)],
 )
 async def other_v1(request: Request) -> Response:
     """Any other ``/v1/*`` path, passed through to an upstream (by ``model`` when the body names one)."""

@@ -37,3 +37,34 @@ def test_guard_order_without_a_key(
     assert (resp.status_code, resp.json()["error"]["code"]) == (status, code)
     record = records_by_id(stack.log, [rid])[rid][0]
     assert record["gen_ai"]["operation"]["name"] == operation
+
+
+async def test_in_order_runs_the_guards_in_turn_and_stops_at_the_first_refusal() -> None:
+    """gateway/guards.py in_order: the guards see the same handler, in order; a refusal ends the run. Every
+    route lists one such guard, so Litestar copies its handler once a request, not once a guard."""
+    from kvscope.gateway import routes
+    from kvscope.gateway.guards import in_order
+
+    seen: list[tuple[str, object]] = []
+
+    def guard(name: str, refuse: bool = False):
+        async def run(connection, handler) -> None:
+            seen.append((name, handler))
+            if refuse:
+                raise PermissionError(name)
+
+        return run
+
+    handler = object()
+    await in_order(guard("a"), guard("b"))(None, handler)
+    with pytest.raises(PermissionError, match="c"):
+        await in_order(guard("c", refuse=True), guard("d"))(None, handler)
+    assert seen == [("a", handler), ("b", handler), ("c", handler)]
+    handlers = [
+        routes.chat_completions,
+        routes.completions,
+        routes.list_models,
+        routes.retrieve_model,
+        routes.other_v1,
+    ]
+    assert [len(h.guards or ()) for h in handlers] == [1] * len(handlers)
