@@ -170,10 +170,10 @@ class GatewayTracer:
         without a valid parent, from the provider's id generator), the flags and trace state of the
         provider's sampler (the SDK's default, ``ParentBased(ALWAYS_ON)``, or ``OTEL_TRACES_SAMPLER``) as the
         SDK's ``Tracer.start_span`` sets them, so the log's ``trace.id``/``span.id``, the exemplars and the
-        ``traceparent`` sent upstream are what the SDK's span would have carried. An SDK
-        span of its own costs its attributes, limits, lock and end (~175 µs a request for the server, client
-        and phase spans on a 2-vCPU AMD EPYC) for a processor that is not there. The span's methods
-        (``set_attribute``, ``end`` …) do nothing."""
+        ``traceparent`` sent upstream are what the SDK's span would have carried. An SDK span costs its
+        attributes, limits, lock and end (~175 µs a request for the server, client and phase spans on a
+        2-vCPU AMD EPYC) for a processor that is not there. The span's methods (``set_attribute``, ``end``
+        …) do nothing."""
         parent_context = trace.get_current_span(parent).get_span_context()
         ids = self.provider.id_generator
         if parent_context.is_valid:
