@@ -49,13 +49,15 @@ if TYPE_CHECKING:
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default ``max_tokens`` for /v1/completions."""
 
-INLINE_PROMPT_BYTES = 2048
+INLINE_PROMPT_BYTES = 512
 """A request body up to this many bytes has its prompt counted (chat template, tokenizer, prefix blocks) on
-the event loop; a longer one in a worker thread, so that a long prompt never stalls the other streams. The
-thread's hand-off costs more than the count of a short prompt: ~90 µs of the loop's time a request plus the
-wake-ups of the thread and the loop, against ~150 µs to render and tokenize 2 KiB with SmolLM2's tokenizer
-(and nothing without a tokenizer) on a 2-vCPU AMD EPYC (docs/benchmarks.md "The gateway's CPU per
-request")."""
+the event loop; a longer one in a worker thread, where the tokenizer releases the GIL while it encodes
+(:meth:`kvscope.gateway.tokenize.ModelTokenizer.encode_texts`), so that a long prompt never stalls the other
+streams (a 1 MB prompt: the loop's longest gap 9.5 ms). The thread's hand-off costs ~90 µs of the loop a
+request plus the wake-ups of the thread and of the loop, more than the count of most short prompts (nothing
+for a model without a tokenizer); counting 512 bytes with SmolLM2's tokenizer holds the loop 0.3–0.6 ms
+(median over body shapes; the worst seen, 1.6 ms: a hundred one-character prompts) on a 2-vCPU AMD EPYC,
+2 KiB 1.5–3.4 ms (docs/benchmarks.md "The gateway's CPU per request")."""
 
 
 @dataclass(frozen=True, slots=True)

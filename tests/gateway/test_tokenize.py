@@ -54,3 +54,34 @@ def test_tokenizer_json_path_without_template_and_missing_file(tmp_path: Path) -
     with pytest.raises(FileNotFoundError):
         ModelTokenizer.load(tmp_path / "nope")
     assert estimate_tokens(0) == 0 and estimate_tokens(9) == 3
+
+
+def test_every_count_goes_through_encode_batch_which_releases_the_gil(tmp_path: Path) -> None:
+    """``Tokenizer.encode`` holds the GIL for the whole encode (a 1 MB prompt counted in a worker thread froze
+    the gateway's loop for ~1 s), ``encode_batch`` releases it: every count goes through it, with encode's
+    ids, mixed completion prompts in their order, several text prompts in one call."""
+    real = ModelTokenizer.load(make_tokenizer_dir(tmp_path))
+    calls: list[str] = []
+
+    class Recording:
+        def encode(self, *args, **kwargs):
+            calls.append("encode")
+            return real.hf.encode(*args, **kwargs)
+
+        def encode_batch(self, texts, **kwargs):
+            calls.append(f"encode_batch:{len(texts)}")
+            return real.hf.encode_batch(texts, **kwargs)
+
+    tok = ModelTokenizer(Recording(), real._template, real._variables)  # type: ignore[arg-type]
+    counter = PromptCounter({"m": tok})
+    assert tok.encode_text("hello world hi") == real.hf.encode("hello world hi").ids
+    assert counter.chat_ids("m", [{"role": "user", "content": "hello world"}]) == real.encode_chat(
+        [{"role": "user", "content": "hello world"}]
+    )
+    assert counter.completion_ids("m", ["hi", [5, 6], "hello world"]) == [
+        real.hf.encode("hi").ids,
+        [5, 6],
+        real.hf.encode("hello world").ids,
+    ]
+    assert counter.completion_ids("m", [[1], [2, 3]]) == [[1], [2, 3]]  # token ids: nothing to encode
+    assert calls == ["encode_batch:1", "encode_batch:1", "encode_batch:2"]
