@@ -182,3 +182,27 @@ def test_from_dir_reads_generation_config_and_template_key(tokenizer_dir: Path, 
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_encode_goes_through_encode_batch_which_releases_the_gil(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tokenizers.Tokenizer.encode`` holds the GIL for the whole encode (a 1 MB prompt tokenized in the
+    server's worker thread held the scheduler's step loop ~1 s); ``encode_batch`` releases it and gives the
+    same ids, so every encode goes through it."""
+    real = tokenizer.hf
+    calls: list[str] = []
+
+    class Recording:
+        def __getattr__(self, name: str):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(tokenizer, "hf", Recording())
+    for text in TEXTS:
+        assert tokenizer.encode(text) == real.encode(text).ids
+        assert (
+            tokenizer.encode(text, add_special_tokens=False)
+            == real.encode(text, add_special_tokens=False).ids
+        )
+    assert set(calls) == {"encode_batch"}
