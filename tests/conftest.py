@@ -158,6 +158,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             terminalreporter.line(f"SKIPPED {line}", red=True)
 
 
+OTEL_VARS = (
+    "OTEL_SDK_DISABLED",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_METRIC_EXPORT_INTERVAL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_METRICS_EXPORTER",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+)
+"""The OpenTelemetry environment variables that decide what is exported and sampled."""
+
+
+@pytest.fixture
+def no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None of :data:`OTEL_VARS` set for the test (a module applies it with ``pytest.mark.usefixtures``)."""
+    for name in OTEL_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     """The default model converted to an HF folder (pulled and converted on first use)."""

@@ -188,12 +188,12 @@ def _chunked(pieces: list[bytes]) -> bytes:
     return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n" + body
 
 
-async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None:
-    """Through httpx: a chunked SSE answer arrives piece by piece; the next request reuses the connection;
-    after the server closes the idle connection, the next request opens a new one instead of failing."""
-    connections: list[int] = []
-    close_after_next = asyncio.Event()
-    closed = asyncio.Event()
+def _closing_upstream(
+    connections: list[int], close_after_next: asyncio.Event, closed: asyncio.Event
+) -> Handler:
+    """A keep-alive upstream: each connection appends its index to ``connections``; every request is answered
+    chunked (``/stream``: 20 SSE events, else ``ok``); once ``close_after_next`` is set, the connection is
+    closed after its next answer and ``closed`` set."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(len(connections))
@@ -211,8 +211,18 @@ async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None
                 closed.set()
                 return
 
+    return handler
+
+
+async def test_httpx_streams_reuses_and_drops_a_closed_idle_connection() -> None:
+    """Through httpx: a chunked SSE answer arrives piece by piece; the next request reuses the connection;
+    after the server closes the idle connection, the next request opens a new one instead of failing."""
+    connections: list[int] = []
+    close_after_next = asyncio.Event()
+    closed = asyncio.Event()
+
     async with (
-        server(handler) as port,
+        server(_closing_upstream(connections, close_after_next, closed)) as port,
         httpx.AsyncClient(transport=upstream_transport(httpx.Limits())) as client,
     ):
         base = f"http://127.0.0.1:{port}"
@@ -693,21 +703,8 @@ async def test_the_pool_skips_its_cleanup_pass_within_limits_and_never_sends_on_
     close_after_next = asyncio.Event()
     closed = asyncio.Event()
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections.append(len(connections))
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            while True:
-                await reader.readuntil(b"\r\n\r\n")
-                writer.write(_chunked([b"ok"]))
-                await writer.drain()
-                if close_after_next.is_set():
-                    writer.close()
-                    await writer.wait_closed()
-                    closed.set()
-                    return
-
     async with (
-        server(handler) as port,
+        server(_closing_upstream(connections, close_after_next, closed)) as port,
         LinearPool(max_keepalive_connections=5, network_backend=AsyncioBackend()) as pool,
     ):
         url = f"http://127.0.0.1:{port}/"

@@ -20,20 +20,7 @@ from kvscope.testing.harness import GatewayThread, LoopThread, records_by_id, st
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SAMPLED = f"00-{TRACE}-00f067aa0ba902b7-01"
 UNSAMPLED = f"00-{TRACE}-00f067aa0ba902b7-00"
-OTEL_VARIABLES = (
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_TRACES_EXPORTER",
-    "OTEL_SDK_DISABLED",
-    "OTEL_TRACES_SAMPLER",
-    "OTEL_TRACES_SAMPLER_ARG",
-)
-
-
-@pytest.fixture(autouse=True)
-def _no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in OTEL_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_otel_environment")  # tests/conftest.py
 
 
 def _tracers() -> tuple[GatewayTracer, GatewayTracer]:
