@@ -8,8 +8,11 @@ Also the weight packings they read ("pair blocks" and "tile blocks", described i
 
 The shared library is compiled once per machine with the system C++ compiler against the installed torch
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
-caller names, keyed by the source, torch version and compiler flags. Where it cannot build (no compiler, no
-AVX-512 VNNI) :func:`load` returns a :class:`BuildResult` with ``ok=False`` and the reason; callers keep
+caller names, keyed by the source, torch version and compiler flags. A CPU with AVX2, FMA and F16C but not
+AVX-512 VNNI (AMD Zen 2/3, Intel client cores, Skylake-SP) gets the same kernels from the same sources built
+with ``-mno-avx512f``: kernels/csrc/cpu_simd_avx2.h gives them the AVX-512 intrinsics they use on pairs of
+256-bit vectors, with the same results (:func:`kernel_isa`). Where it cannot build (no compiler, neither
+instruction set) :func:`load` returns a :class:`BuildResult` with ``ok=False`` and the reason; callers keep
 torch's own kernels. Imports only torch and filelock (torch's own dependency; contract "kernels import only
 torch/triton").
 """
@@ -38,6 +41,9 @@ PAIR = 64
 """Weights per pair of 32-weight blocks: the unit of the packed layout (rows must be a multiple)."""
 BLOCK = 32
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
+AVX2_CXX_FLAGS = ("-mno-avx512f",)
+"""Added for the AVX2 build (:func:`kernel_isa`): a CPU with some AVX-512 but not VNNI (Skylake-SP) builds the
+AVX2 sources too."""
 BUILD_TIMEOUT_S = 300
 
 
@@ -61,13 +67,18 @@ def default_compiler() -> str:
     return shutil.which("g++") or shutil.which("c++") or "g++"
 
 
+def _cxx_flags() -> tuple[str, ...]:
+    """The compiler flags of this CPU's build: ``CXX_FLAGS``, plus ``AVX2_CXX_FLAGS`` for the AVX2 build."""
+    return CXX_FLAGS + (AVX2_CXX_FLAGS if kernel_isa() == "avx2" else ())
+
+
 def _compile_command(source: Path, obj: Path, compiler: str) -> list[str]:
     """One source to one object file (``CXX_FLAGS`` without ``-shared``)."""
     torch_dir = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
         compiler,
-        *(f for f in CXX_FLAGS if f != "-shared"),
+        *(f for f in _cxx_flags() if f != "-shared"),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{torch_dir / 'include'}",
         f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
@@ -82,7 +93,7 @@ def _link_command(objects: list[Path], out: Path, compiler: str) -> list[str]:
     torch_dir = _torch_dir()
     return [
         compiler,
-        *CXX_FLAGS,
+        *_cxx_flags(),
         *map(str, objects),
         "-o",
         str(out),
@@ -131,7 +142,7 @@ def library_path(cache_dir: Path) -> Path:
     for part in (
         *(src.read_bytes() for src in SOURCES + HEADERS),
         torch.__version__.encode(),
-        " ".join(CXX_FLAGS).encode(),
+        " ".join(_cxx_flags()).encode(),
         _cpu_flags().encode(),
         sysconfig.get_platform().encode(),
     ):
@@ -151,7 +162,9 @@ def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
     if target.exists() and _intact(target):
         return BuildResult(True, f"cached {target}", target)
     if not cpu_supports():
-        return BuildResult(False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
+        return BuildResult(
+            False, "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C (the kernels' instructions)"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(target.parent / ".build.lock", timeout=2 * BUILD_TIMEOUT_S):
@@ -219,9 +232,26 @@ def missing_cpu_flags(needed: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f for f in needed if f not in flags)
 
 
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+"""The /proc/cpuinfo flags of the library's AVX2 build (kernels/csrc/cpu_simd_avx2.h: the AVX-512 intrinsics
+the kernels use, on 256-bit halves), for a CPU without :data:`VNNI_FLAGS`."""
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the library is built for on this CPU, by /proc/cpuinfo: ``"avx512"`` where it has
+    :data:`VNNI_FLAGS`, else ``"avx2"`` where it has :data:`AVX2_FLAGS` (the same kernels and results, each
+    512-bit operation as two 256-bit ones: slower per instruction, far faster than torch's eager ops), else
+    None (no library)."""
+    if not missing_cpu_flags(VNNI_FLAGS):
+        return "avx512"
+    if not missing_cpu_flags(AVX2_FLAGS):
+        return "avx2"
+    return None
+
+
 def cpu_supports() -> bool:
-    """Whether this CPU has the instructions the kernels use (:data:`VNNI_FLAGS`), by /proc/cpuinfo."""
-    return not missing_cpu_flags(VNNI_FLAGS)
+    """Whether the library builds for this CPU (:func:`kernel_isa` is not None), by /proc/cpuinfo."""
+    return kernel_isa() is not None
 
 
 def cpu_supports_amx() -> bool:

@@ -28,9 +28,10 @@ _drop_the_repository_root_from_sys_path()
 ALLOWED_SKIP_REASONS = (
     "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
     "set ELASTICSEARCH_URL",  # tests/gateway/logs/test_es_live.py without a live Elasticsearch
-    # tests marked `vnni`/`amx`/`bf16` (kvscope's CPU kernels) on a CPU without those instructions, e.g.
+    # tests marked `cpu_kernels`/`amx`/`bf16` (kvscope's CPU kernels) on a CPU without those instructions,
+    # e.g.
     # "needs AMX (amx_tile, amx_bf16): this CPU has avx512f ... avx512_bf16" (cpu_instruction_skip below)
-    "needs AVX-512 VNNI (",
+    "needs kvscope's CPU kernels: AVX-512 VNNI or AVX2 (",
     "needs AMX (",
     "needs AVX-512 BF16 (",
     # tests marked `onednn_bf16` (dense bfloat16 matmuls) where oneDNN packs no bfloat16: an AVX2-only CPU
@@ -68,25 +69,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-CPU_INSTRUCTION_MARKS = {"vnni": "AVX-512 VNNI", "amx": "AMX", "bf16": "AVX-512 BF16"}
-"""The markers of tests that need kvscope's CPU kernels, and the instruction set each names in its skip."""
+CPU_INSTRUCTION_MARKS = {
+    "cpu_kernels": "kvscope's CPU kernels: AVX-512 VNNI or AVX2",
+    "amx": "AMX",
+    "bf16": "AVX-512 BF16",
+}
+"""The markers of tests that need kvscope's CPU kernels, and what each names in its skip: ``cpu_kernels`` the
+library itself (either of its builds, kvscope.kernels.cpu_decode ``kernel_isa``), ``amx`` and ``bf16`` the
+AVX-512 extensions of its AMX matmul and bfloat16 tiles."""
 
 
 def cpu_instruction_skip(marker: str) -> str | None:
-    """The skip reason of a test marked ``marker`` (``vnni``, ``amx`` or ``bf16``) on this CPU, None where
-    /proc/cpuinfo lists every flag it needs (kvscope.kernels.cpu_decode VNNI_FLAGS, + AMX_FLAGS for ``amx``, +
-    ``avx512_bf16`` for ``bf16``: the small-batch matmul's bfloat16 tiles, built where it is). The reason
-    names the missing flags and those of the kernels' flags this CPU has, e.g. ``needs AMX (amx_tile,
-    amx_bf16): this CPU has avx512f avx512bw avx512dq avx512_vnni f16c avx512_bf16``. The import is not
-    guarded: a kvscope.kernels.cpu_decode that fails to import fails the test, it never skips it."""
-    from kvscope.kernels.cpu_decode import AMX_FLAGS, VNNI_FLAGS, missing_cpu_flags
+    """The skip reason of a test marked ``marker`` (``cpu_kernels``, ``amx`` or ``bf16``) on this CPU, None
+    where /proc/cpuinfo lists every flag it needs (kvscope.kernels.cpu_decode: VNNI_FLAGS or AVX2_FLAGS for
+    ``cpu_kernels``; VNNI_FLAGS + AMX_FLAGS for ``amx``; VNNI_FLAGS + ``avx512_bf16`` for ``bf16``: the
+    small-batch matmul's bfloat16 tiles, built where it is). The reason names the missing flags and those of
+    the kernels' flags this CPU has, e.g. ``needs AMX (amx_tile, amx_bf16): this CPU has avx512f avx512bw
+    avx512dq avx512_vnni f16c avx512_bf16``. The import is not guarded: a kvscope.kernels.cpu_decode that
+    fails to import fails the test, it never skips it."""
+    from kvscope.kernels.cpu_decode import AMX_FLAGS, AVX2_FLAGS, VNNI_FLAGS, kernel_isa, missing_cpu_flags
 
-    needed = VNNI_FLAGS + {"amx": AMX_FLAGS, "bf16": ("avx512_bf16",)}.get(marker, ())
-    missing = missing_cpu_flags(needed)
-    if not missing:
-        return None
-    absent = set(missing_cpu_flags(VNNI_FLAGS + AMX_FLAGS))
-    present = [flag for flag in VNNI_FLAGS + AMX_FLAGS if flag not in absent]
+    if marker == "cpu_kernels":
+        if kernel_isa() is not None:
+            return None
+        missing = missing_cpu_flags(AVX2_FLAGS)  # the smaller build's
+        known = tuple(dict.fromkeys(AVX2_FLAGS + VNNI_FLAGS))
+    else:
+        missing = missing_cpu_flags(VNNI_FLAGS + {"amx": AMX_FLAGS, "bf16": ("avx512_bf16",)}[marker])
+        if not missing:
+            return None
+        known = VNNI_FLAGS + AMX_FLAGS
+    absent = set(missing_cpu_flags(known))
+    present = [flag for flag in known if flag not in absent]
     has = " ".join(present) if present else "none of them"
     return f"needs {CPU_INSTRUCTION_MARKS[marker]} ({', '.join(missing)}): this CPU has {has}"
 
@@ -110,9 +124,9 @@ def onednn_bf16_skip() -> str | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skip a test marked ``vnni``/``amx``/``bf16`` on a CPU without those instructions, before its fixtures
-    build the kernels (cpu_instruction_skip), and one marked ``onednn_bf16`` where oneDNN packs no bfloat16
-    (onednn_bf16_skip)."""
+    """Skip a test marked ``cpu_kernels``/``amx``/``bf16`` on a CPU without those instructions, before its
+    fixtures build the kernels (cpu_instruction_skip), and one marked ``onednn_bf16`` where oneDNN packs no
+    bfloat16 (onednn_bf16_skip)."""
     for marker in CPU_INSTRUCTION_MARKS:
         if item.get_closest_marker(marker) is not None:
             reason = cpu_instruction_skip(marker)

@@ -1,4 +1,4 @@
-"""Tests of kvscope's CPU kernels (markers ``vnni``, ``amx``, ``bf16``) skip only on a CPU without the
+"""Tests of kvscope's CPU kernels (markers ``cpu_kernels``, ``amx``, ``bf16``) skip only on a CPU without the
 instructions they need, and say which (tests/conftest.py ``cpu_instruction_skip``); CI allows those skips;
 a kernels module that fails to import fails the test instead of skipping it. The CPU is faked through
 kvscope.kernels.cpu_decode's /proc/cpuinfo reader, so every case runs on every machine."""
@@ -19,11 +19,12 @@ CONFTEST = Path(__file__).with_name("conftest.py")
 XEON_AMX = "flags\t: fpu avx512f avx512bw avx512dq avx512_vnni f16c avx512_bf16 amx_tile amx_bf16 amx_int8"
 EPYC = "flags\t: fpu avx2 avx512f avx512bw avx512dq avx512_vnni f16c avx512_bf16 avx512vbmi"
 XEON_VNNI = "flags\t: fpu avx2 avx512f avx512bw avx512dq avx512_vnni f16c"  # Cascade Lake: no BF16, no AMX
-AVX2 = "flags\t: fpu avx2 f16c fma"
+AVX2 = "flags\t: fpu avx2 f16c fma"  # Zen 3: the library's AVX2 build, no AMX or BF16
+AVX = "flags\t: fpu avx f16c"  # Ivy Bridge: no library
 
 
 @pytest.mark.parametrize(
-    ("flags", "vnni", "amx", "bf16"),
+    ("flags", "kernels", "amx", "bf16"),
     [
         (XEON_AMX, None, None, None),
         (
@@ -42,37 +43,44 @@ AVX2 = "flags\t: fpu avx2 f16c fma"
         ),
         (
             AVX2,
-            "needs AVX-512 VNNI (avx512f, avx512bw, avx512dq, avx512_vnni): this CPU has f16c",
+            None,
+            "needs AMX (avx512f, avx512bw, avx512dq, avx512_vnni, avx512_bf16, amx_tile, amx_bf16): this CPU "
+            "has f16c",
+            "needs AVX-512 BF16 (avx512f, avx512bw, avx512dq, avx512_vnni, avx512_bf16): this CPU has f16c",
+        ),
+        (
+            AVX,
+            "needs kvscope's CPU kernels: AVX-512 VNNI or AVX2 (avx2, fma): this CPU has f16c",
             "needs AMX (avx512f, avx512bw, avx512dq, avx512_vnni, avx512_bf16, amx_tile, amx_bf16): this CPU "
             "has f16c",
             "needs AVX-512 BF16 (avx512f, avx512bw, avx512dq, avx512_vnni, avx512_bf16): this CPU has f16c",
         ),
         (
             "",  # /proc/cpuinfo unreadable
-            "needs AVX-512 VNNI (avx512f, avx512bw, avx512dq, avx512_vnni, f16c): this CPU has none of them",
+            "needs kvscope's CPU kernels: AVX-512 VNNI or AVX2 (avx2, fma, f16c): this CPU has none of them",
             "needs AMX (avx512f, avx512bw, avx512dq, avx512_vnni, f16c, avx512_bf16, amx_tile, amx_bf16): "
             "this CPU has none of them",
             "needs AVX-512 BF16 (avx512f, avx512bw, avx512dq, avx512_vnni, f16c, avx512_bf16): this CPU has "
             "none of them",
         ),
     ],
-    ids=["xeon-amx", "epyc", "xeon-vnni", "avx2", "no-cpuinfo"],
+    ids=["xeon-amx", "epyc", "xeon-vnni", "avx2", "avx", "no-cpuinfo"],
 )
 def test_the_reason_names_the_missing_instructions(
-    monkeypatch: pytest.MonkeyPatch, flags: str, vnni: str | None, amx: str | None, bf16: str | None
+    monkeypatch: pytest.MonkeyPatch, flags: str, kernels: str | None, amx: str | None, bf16: str | None
 ) -> None:
     monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: flags)
-    assert (cpu_instruction_skip("vnni"), cpu_instruction_skip("amx"), cpu_instruction_skip("bf16")) == (
-        vnni,
-        amx,
-        bf16,
-    )
-    assert cpu_decode.cpu_supports() == (vnni is None) and cpu_decode.cpu_supports_amx() == (amx is None)
-    for reason in (vnni, amx, bf16):
+    assert (
+        cpu_instruction_skip("cpu_kernels"),
+        cpu_instruction_skip("amx"),
+        cpu_instruction_skip("bf16"),
+    ) == (kernels, amx, bf16)
+    assert cpu_decode.cpu_supports() == (kernels is None) and cpu_decode.cpu_supports_amx() == (amx is None)
+    for reason in (kernels, amx, bf16):
         assert reason is None or reason.startswith(ALLOWED_SKIP_REASONS)
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_the_bfloat16_tiles_are_built_exactly_where_the_cpu_has_avx512_bf16() -> None:
     """A test marked ``bf16`` runs where /proc/cpuinfo lists avx512_bf16, and there the library must have
     the tiles (``-march=native`` compiles them in): a build without them fails here instead of leaving
@@ -95,7 +103,7 @@ pytest_terminal_summary = root.pytest_terminal_summary
 INNER_INI = """[pytest]
 asyncio_default_fixture_loop_scope = function
 markers =
-    vnni: kernels
+    cpu_kernels: kernels
     amx: AMX kernels
 """
 INNER_TESTS = """
@@ -105,7 +113,7 @@ import pytest
 def built():
     raise AssertionError("the kernels' fixture must not run where the test skips")
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_decode(built):
     pass
 
@@ -113,7 +121,7 @@ def test_decode(built):
 def test_amx(built):
     pass
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_decode_without_fixture():
     pass
 """

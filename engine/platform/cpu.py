@@ -15,7 +15,7 @@ import torch
 from kvscope.common.engine_defaults import default_num_threads
 from kvscope.engine.models.layers import ALIGN_MIN_ROWS, ROW_ALIGN, Linear, RMSNorm, cpu_linear_kernel
 from kvscope.engine.models.llama import MLP, Attention, LlamaForCausalLM
-from kvscope.kernels.cpu_decode import BuildResult, load
+from kvscope.kernels.cpu_decode import BuildResult, kernel_isa, load
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,9 @@ def load_cpu_kernels(root: Path) -> BuildResult:
     level = logging.INFO if result.ok else logging.WARNING
     logger.log(
         level,
-        "kvscope CPU kernels %s (%s, %.1fs)%s",
+        "kvscope CPU kernels %s (%s%s, %.1fs)%s",
         "loaded" if result.ok else "unavailable",
+        f"{kernel_isa().upper()} build, " if result.ok and kernel_isa() else "",
         result.detail,
         time.perf_counter() - started,
         "" if result.ok else ": using torch's kernels",

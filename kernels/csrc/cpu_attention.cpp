@@ -39,8 +39,8 @@
 #include <cstring>
 #include <vector>
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
-#error "kvscope CPU attention needs AVX-512 F/BW/DQ (build with -march=native on such a CPU)"
+#if defined(__AVX512F__) && !(defined(__AVX512BW__) && defined(__AVX512DQ__))
+#error "kvscope CPU attention needs AVX-512 F/BW/DQ, or AVX2 without AVX-512 (cpu_simd_avx2.h)"
 #endif
 
 namespace {

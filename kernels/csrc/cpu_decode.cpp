@@ -35,9 +35,9 @@
 #include <cstring>
 #include <vector>
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__) && \
-      defined(__F16C__))
-#error "kvscope CPU decode kernels need AVX-512 F/BW/DQ/VNNI and F16C (build with -march=native on such a CPU)"
+#if defined(__AVX512F__) && !(defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__) && \
+                               defined(__F16C__))
+#error "kvscope CPU decode kernels need AVX-512 F/BW/DQ/VNNI and F16C, or AVX2 without AVX-512 (cpu_simd_avx2.h)"
 #endif
 
 namespace {

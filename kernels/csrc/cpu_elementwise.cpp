@@ -35,8 +35,8 @@
 #include <tuple>
 #include <vector>
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__))
-#error "kvscope CPU elementwise kernels need AVX-512 F/BW (build with -march=native on such a CPU)"
+#if defined(__AVX512F__) && !defined(__AVX512BW__)
+#error "kvscope CPU elementwise kernels need AVX-512 F/BW, or AVX2 without AVX-512 (cpu_simd_avx2.h)"
 #endif
 
 namespace {

@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"  // the intrinsics on AVX2 CPUs too
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -1,8 +1,14 @@
 // kvscope CPU kernels: AVX-512 helpers shared by cpu_decode.cpp, cpu_attention.cpp and cpu_elementwise.cpp (header-only, inline).
+// Every kernel source includes it before its first vector: on a CPU without AVX-512 (the library's AVX2 build,
+// kernels/cpu_decode.py) it brings cpu_simd_avx2.h, the same intrinsics on pairs of 256-bit vectors.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+
+#if !defined(__AVX512F__)
+#include "cpu_simd_avx2.h"
+#endif
 
 namespace kvscope_simd {
 

@@ -149,8 +149,8 @@ def _check_default_format(running: Serve) -> None:
         assert chosen == "gguf"
     else:
         assert scores.get(chosen) == min(scores.values()), (chosen, scores)
-    if cpu_instruction_skip("vnni") is None:  # kvscope's CPU kernels run here: never int8, whose decode
-        assert chosen != "int8", engine_line.group(0)  # steps were several times gguf's (d14cc91)
+    if cpu_instruction_skip("cpu_kernels") is None:  # kvscope's CPU kernels run here: never int8, whose
+        assert chosen != "int8", engine_line.group(0)  # decode steps were several times gguf's (d14cc91)
 
 
 def _check_why(log_file: Path, prompt_tokens: int, record: dict) -> None:

@@ -290,12 +290,13 @@ def test_start_up_line_names_format_reason_and_bytes() -> None:
     )
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_the_amx_copy_is_counted_and_planned(monkeypatch: pytest.MonkeyPatch, model_dir) -> None:
     """A probe that keeps kvscope's AMX int4 matmul up to 32 rows: every int4 layer holds its tile copy,
     counted in the weights bytes as `kvscope plan` counts it with amx_copy, and runs 5-32 rows on it. The
-    probe is replaced and the load runs no matmul, so this needs kvscope's pair blocks (AVX-512 VNNI), not
-    AMX."""
+    probe is replaced and the load runs no matmul, so this needs kvscope's pair blocks (its CPU kernels) and
+    a bfloat16 dense copy (oneDNN's packing), not AMX."""
     from dataclasses import replace
 
     from kvscope.engine.llm import LLM

@@ -26,7 +26,7 @@ from kvscope.engine.text.tokenizer import Tokenizer
 from kvscope.engine.worker.kv_cache import allocate_kv_caches
 from kvscope.kernels.cpu_decode import PairBlocks, VnniBlocks
 
-pytestmark = pytest.mark.vnni
+pytestmark = pytest.mark.cpu_kernels
 
 FOUR_ROWS = KernelChoice(dense_dtype=torch.bfloat16, max_rows={"int4": 4, "int8": 2})
 """A probe result with the compact crossover at 4 rows (the probe's own varies with the machine's load)."""
@@ -83,6 +83,7 @@ def three_row_step(model: torch.nn.Module, prompts: list[list[int]]):
     return run
 
 
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_the_fused_step_runs_the_tiles_the_probe_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe choice with tiles from 2 rows reaches every layer and the fused step; its logits at 3 rows are
     the GEMV's within the activation codes' rounding."""
@@ -116,6 +117,7 @@ def test_the_fused_step_runs_the_tiles_the_probe_chose(monkeypatch: pytest.Monke
     assert torch.equal(on_tiles.argmax(-1), on_gemv.argmax(-1))
 
 
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_the_int16_tiles_run_on_vnni_blocks_in_the_step_and_in_eager_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -155,6 +157,7 @@ def test_the_int16_tiles_run_on_vnni_blocks_in_the_step_and_in_eager_batches(
         step(dataclasses.replace(fused, vnni=fused.vnni[:-1]))
 
 
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_int16_tiles_from_more_rows_than_the_fused_probe_starts_with(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU where the int16 tiles win only from 16 rows: the fused limit's timing at 8 rows runs the GEMV
     (qgemv has no int16 tiles), and the engine starts with the tiles from 16 rows in its step (break-it pass:
@@ -189,6 +192,7 @@ def test_a_short_prompt_gets_the_same_tokens_alone_and_in_a_batch_on_int16_tiles
     assert together == alone
 
 
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_decode_steps_up_to_the_crossover_run_fused(compact_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     fused = compact_llm.engine.runner.fused
     assert fused is not None and fused.max_rows == 4 and len(fused.codes) == 120 and fused.head.bits == 8
@@ -236,6 +240,7 @@ def test_speculative_verification_runs_fused_with_the_tokens_of_plain_decoding(
     assert sum(o.outputs[0].stats.spec_accepted_tokens or 0 for o in outs) > 0
 
 
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_one_row_logits_come_from_the_decode_head(compact_llm) -> None:
     """One row's logits (a lone prompt's first token) are the Q8_0 ``decode_head``'s, as in the fused step;
     two or more rows (batched prefills, prompt logprobs) keep the dense head."""
@@ -378,6 +383,7 @@ def test_a_float32_tied_embedding_runs_fused_from_its_column_major_view() -> Non
     assert llm.engine.info.cpu_kernels.startswith("kvscope (fused decode up to")
 
 
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_the_fused_limit_rises_to_where_its_matmuls_stay_faster(compact_llm) -> None:
     """fused_row_limit times each size above the probe's crossover on the model's weights, fused then eager,
     and stops at the first size where the fused matmuls are slower (a scripted clock: seconds per call)."""

@@ -297,7 +297,7 @@ def test_row_kernels_say_which_kernel_serves_which_rows() -> None:
     assert "int4 on float32 tiles from 4 rows" in amx.describe()
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_int16_tiles_without_a_vnni_copy_run_the_gemv() -> None:
     """A layer whose N is not a multiple of 16 gets no VNNI copy: with the probe's int16 tiles it runs the
     GEMV at every compact size and the dense copy above (break-it pass: it raised at 1 and 4 rows)."""

@@ -80,7 +80,7 @@ def test_int4_layers_hold_exactly_the_gguf_blocks(tiny_q4: tuple[Pair, Path, Pat
         assert torch.equal(b.dequantize(), converted[name]), name
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_int4_with_kvscope_cpu_kernels_holds_the_same_blocks_and_a_q8_lm_head(
     tiny_q4: tuple[Pair, Path, Path],
 ) -> None:

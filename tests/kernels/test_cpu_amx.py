@@ -108,7 +108,8 @@ class ExactModelTiles(TileBlocks):
         return reference(x, self).to(x.dtype)
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
+@pytest.mark.onednn_bf16  # its layers' dense copy is bfloat16
 def test_compact_layers_route_rows_between_the_limits(library: None) -> None:
     """Rows 5-32 go to the batched copy (the exact model here), 1-4 to the GEMV, 33+ to the dense copy."""
     check_routing(ExactModelTiles)

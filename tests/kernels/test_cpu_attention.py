@@ -22,7 +22,7 @@ from kvscope.engine.attention.backend import AttentionMetadata
 from kvscope.engine.attention.torch_backend import TorchAttentionBackend, paged_decode_applies
 from kvscope.engine.platform.cpu import load_cpu_kernels
 
-pytestmark = pytest.mark.vnni
+pytestmark = pytest.mark.cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)

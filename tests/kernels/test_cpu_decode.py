@@ -81,7 +81,7 @@ def reference_qgemv(x: torch.Tensor, weights: PairBlocks) -> torch.Tensor:
     ).sum(-1)
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize(
     ("bits", "rows", "cols", "n"),
     [(4, 70, 64, 1), (4, 960, 576, 3), (4, 576, 1536, 5), (8, 131, 576, 1), (8, 64, 128, 9)],
@@ -98,7 +98,7 @@ def test_qgemv_is_the_block_quantized_dot_product(loaded, bits: int, rows: int, 
     assert torch.equal(weights.matmul(x.bfloat16()), weights.matmul(x.bfloat16().float()))  # bf16 in: same
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_qgemv_error_against_float_weights_is_the_activation_rounding(loaded) -> None:
     """Against the exact float product the only error is the 16-bit activation codes: ~1e-5 of the output norm
     (int8 codes, as llama.cpp's Q8_1, were ~5e-3 and cost +0.5 % perplexity)."""
@@ -128,13 +128,35 @@ def test_build_reports_a_missing_compiler_and_a_cpu_without_vnni(tmp_path: Path,
     assert (result.ok, result.library) == (False, None) and result.detail.startswith(
         "C++ compiler unavailable"
     )
-    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: fpu sse2 avx2")
+    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: "flags\t: fpu sse2 avx2")  # no FMA, no F16C
     result = build(tmp_path / "b")
-    assert (result.ok, result.detail) == (False, "this CPU has no AVX-512 VNNI (the kernels' instructions)")
+    assert (result.ok, result.detail) == (
+        False,
+        "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C (the kernels' instructions)",
+    )
     assert not list(tmp_path.rglob("*.so"))
 
 
-@pytest.mark.vnni
+def test_the_build_targets_avx512_with_vnni_else_avx2(monkeypatch) -> None:
+    """The AVX2 build compiles the same sources with ``-mno-avx512f`` (cpu_simd_avx2.h stands in for the
+    AVX-512 intrinsics), also on a CPU with some AVX-512 but no VNNI; the flags are part of the cache key."""
+    flags_of = {
+        "flags\t: fpu avx2 fma f16c avx512f avx512bw avx512dq avx512_vnni": ("avx512", ()),
+        "flags\t: fpu avx2 fma f16c": ("avx2", ("-mno-avx512f",)),
+        "flags\t: fpu avx2 fma f16c avx512f avx512bw avx512dq": ("avx2", ("-mno-avx512f",)),  # Skylake-SP
+        "flags\t: fpu avx f16c": (None, ()),
+    }
+    keys = set()
+    for flags, (isa, extra) in flags_of.items():
+        monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda flags=flags: flags)
+        assert cpu_decode.kernel_isa() == isa and cpu_decode.cpu_supports() == (isa is not None)
+        command = cpu_decode._compile_command(Path("a.cpp"), Path("a.o"), "g++")
+        assert [f for f in command if f.startswith("-m")] == ["-march=native", *extra]
+        keys.add(cpu_decode.library_path(Path("/cache")))
+    assert len(keys) == len(flags_of)
+
+
+@pytest.mark.cpu_kernels
 def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> None:
     bad = tmp_path / "cpu_bad.cpp"
     bad.write_text("this is not C++\n")
@@ -143,7 +165,7 @@ def test_a_compile_error_is_reported_not_raised(tmp_path: Path, monkeypatch) -> 
     assert not result.ok and result.detail.startswith("compile failed:") and "error" in result.detail
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_a_truncated_cached_library_is_rebuilt_not_loaded(loaded, tmp_path: Path, monkeypatch) -> None:
     """A cut-off .so in the cache crashed the process in dlopen (SIGBUS, break-it finding): the build
     checks the cached file against the digest it wrote and rebuilds when it differs or is missing. The
@@ -208,7 +230,7 @@ def tile_kinds() -> list[str]:
     return ["float32", "bfloat16"] if cpu_decode.bf16_tiles_built() else ["float32"]
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize(
     ("bits", "rows", "cols", "n"),
     [
@@ -237,7 +259,7 @@ def test_tile_matmul_is_the_product_of_the_expanded_weights(
         assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), tile
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_tile_rows_picks_the_kernel_and_rows_do_not_change_each_other(loaded) -> None:
     """Below ``tile_rows`` the GEMV runs (bit for bit), from it the tiles; a row's result on the tiles is the
     same bits whatever rows share the call (each output is one accumulator summed in the same order), so a
@@ -253,7 +275,7 @@ def test_tile_rows_picks_the_kernel_and_rows_do_not_change_each_other(loaded) ->
         assert torch.equal(weights.matmul(x, 1, tile), alone), tile
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_bfloat16_tiles_are_refused_where_not_built(loaded, monkeypatch) -> None:
     codes, d, m = random_blocks(8, 64, 4, seed=1)
     weights = PairBlocks.pack(codes, d, m, 4)
@@ -288,7 +310,7 @@ def test_vnni_blocks_keep_every_code_and_scale(bits: int) -> None:
         VnniBlocks.from_pair_blocks(PairBlocks.pack(*random_blocks(40, 64, 4, seed=1), 4))
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize(
     ("bits", "rows", "cols", "n"),
     [
@@ -322,7 +344,7 @@ def test_int16_tiles_are_the_gemv_s_block_quantized_product(
     assert (out.double() - gemv).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.vnni
+@pytest.mark.cpu_kernels
 def test_int16_tiles_give_a_row_the_same_bits_whatever_shares_its_call(loaded) -> None:
     """Each output is one accumulator over the blocks in one order: a row's result does not depend on the
     other rows (1-33 rows, across the 8-row passes), so a request's logits are those it gets alone."""

@@ -20,7 +20,7 @@ from kvscope.engine.models.llama import MLP, Attention
 from kvscope.engine.platform.cpu import load_cpu_kernels
 from kvscope.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.vnni
+pytestmark = pytest.mark.cpu_kernels
 ROWS = (1, 3, 17, 128, 513)
 
 
@@ -122,6 +122,7 @@ NOISE = 0.05
 """Largest logprob difference allowed between kvscope's ops and torch's in one bfloat16 model."""
 
 
+@pytest.mark.onednn_bf16  # elsewhere (AVX2) the default dtype is float32, which runs none of these ops
 def test_the_default_format_uses_them_and_its_tokens_match_torchs_ops() -> None:
     """bfloat16/gguf with kvscope's kernels turns the ops on. Teacher-forced over the prompt and a greedy
     continuation, the same model with the ops switched off gives every token a logprob within :data:`NOISE`,
