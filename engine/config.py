@@ -27,9 +27,10 @@ class ModelConfig:
     dtype: none). The library keeps none/float32 as defaults (exact parity); ``kvscope engine``/``serve``
     default to auto/auto."""
     cpu_kernels: str = "auto"
-    """CPU kernels for compact weights: auto = kvscope's own (kernels/cpu_decode.py: AVX-512 VNNI GEMVs and a
-    whole decode step in one call), built once per machine with the system C++ compiler, falling back to
-    torch's where they cannot build; torch = torch's packed kernels only (the eager decoder)."""
+    """CPU kernels for compact weights: auto = kvscope's own (kernels/cpu_decode.py: block-quantized GEMVs
+    and a whole decode step in one call, for AVX-512 VNNI or AVX2 CPUs), built once per machine with the
+    system C++ compiler, falling back to torch's where they cannot build; torch = torch's packed kernels only
+    (the eager decoder)."""
     max_model_len: int | None = None
     """Context length enforced (prompt + completion); None = the model's max_position_embeddings."""
     served_model_name: str | None = None

@@ -1,20 +1,21 @@
 """Build and load the CPU decode kernels (kernels/csrc/cpu_*.cpp, one shared library): a block-quantized GEMV
-on AVX-512 VNNI and the matmul of small batches on the same weights (cpu_pair_gemm.h), one whole decode
-step of a Llama-family decoder in one call, the matmul of small batches on a transposed copy of the same
-weights (cpu_pair_vnni.h, :class:`VnniBlocks`), paged decode attention, the elementwise ops of bfloat16 steps
-(RMSNorm, residual add + RMSNorm, SwiGLU, RoPE: one pass each instead of a chain of torch ops, so a step's
-cost comes near its matmuls') and, on CPUs with AMX, the int4 matmul of batched decode steps (cpu_amx.cpp).
-Also the weight packings they read ("pair blocks" and "tile blocks", described in the C++ files).
+on AVX-512 VNNI (or AVX2) and the matmul of small batches on the same weights (cpu_pair_gemm.h), one whole
+decode step of a Llama-family decoder in one call, the matmul of small batches on a transposed copy of the
+same weights (cpu_pair_vnni.h, :class:`VnniBlocks`), paged decode attention, the elementwise ops of bfloat16
+steps (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE: one pass each instead of a chain of torch ops, so a
+step's cost comes near its matmuls') and, on CPUs with AMX, the int4 matmul of batched decode steps
+(cpu_amx.cpp). Also the weight packings they read ("pair blocks" and "tile blocks", described in the C++
+files).
 
 The shared library is compiled once per machine with the system C++ compiler against the installed torch
 (``-march=native``: the kernels use the CPU's own AVX-512/VNNI instructions) and cached under a directory the
 caller names, keyed by the source, torch version and compiler flags. A CPU with AVX2, FMA and F16C but not
-AVX-512 VNNI (AMD Zen 2/3, Intel client cores, Skylake-SP) gets the same kernels from the same sources built
-with ``-mno-avx512f``: kernels/csrc/cpu_simd_avx2.h gives them the AVX-512 intrinsics they use on pairs of
-256-bit vectors, with the same results (:func:`kernel_isa`). Where it cannot build (no compiler, neither
-instruction set) :func:`load` returns a :class:`BuildResult` with ``ok=False`` and the reason; callers keep
-torch's own kernels. Imports only torch and filelock (torch's own dependency; contract "kernels import only
-torch/triton").
+AVX-512 VNNI (AMD Zen 2/3, Intel's Haswell to Comet Lake and Alder Lake onwards, Skylake-SP) gets the same
+kernels from the same sources built with ``-mno-avx512f``: kernels/csrc/cpu_simd_avx2.h gives them the
+AVX-512 intrinsics they use on pairs of 256-bit vectors, with the same results (:func:`kernel_isa`). Where it
+cannot build (no compiler, neither instruction set) :func:`load` returns a :class:`BuildResult` with
+``ok=False`` and the reason; callers keep torch's own kernels. Imports only torch and filelock (torch's own
+dependency; contract "kernels import only torch/triton").
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ def library_path(cache_dir: Path) -> Path:
 
 def build(cache_dir: Path, compiler: str | None = None) -> BuildResult:
     """Compile the library into ``cache_dir`` unless it is there already, with ``compiler`` (default
-    :func:`default_compiler`). Returns ok=False with the reason (no AVX-512 VNNI, no compiler, the compiler's
-    last lines, another process's build still running after ``2 × BUILD_TIMEOUT_S``) where it cannot.
+    :func:`default_compiler`). Returns ok=False with the reason (neither AVX-512 VNNI nor AVX2, no compiler,
+    the compiler's last lines, another process's build still running after ``2 × BUILD_TIMEOUT_S``) where it
+    cannot.
 
     Processes that start at once on a fresh machine (the replicas of ``kvscope serve``) build it once: the
     first takes ``cache_dir/.build.lock``, the others wait for it and load its library (the rename into place
@@ -219,8 +221,8 @@ def _intact(library: Path) -> bool:
 
 
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512_vnni", "f16c")
-"""The /proc/cpuinfo flags of the instructions every kernel of the library uses (AVX-512 F/BW/DQ/VNNI,
-F16C)."""
+"""The /proc/cpuinfo flags of the instructions the library's AVX-512 build uses (AVX-512 F/BW/DQ/VNNI, F16C);
+without them, :data:`AVX2_FLAGS` (:func:`kernel_isa`)."""
 AMX_FLAGS = ("avx512_bf16", "amx_tile", "amx_bf16")
 """The flags ``int4_gemm_amx`` needs besides :data:`VNNI_FLAGS` (AVX512-BF16, AMX tiles with bfloat16)."""
 

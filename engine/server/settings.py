@@ -167,8 +167,9 @@ class EngineOptions(msgspec.Struct, **_STRUCT):
     cpu_kernels: Annotated[
         Literal["auto", "torch"] | None,
         Flag(
-            "CPU kernels of compact weights: auto = kvscope's own AVX-512 VNNI kernels and one-call decode "
-            "step (built once with the system C++ compiler; torch's where they cannot build), torch = "
+            "CPU kernels of compact weights: auto = kvscope's own kernels and one-call decode step "
+            "(AVX-512 VNNI, or AVX2 + FMA + F16C; built once with the system C++ compiler; torch's where "
+            "they cannot build), torch = "
             "torch's only "
             f"(default: {config_default(ModelConfig, 'cpu_kernels')})"
         ),

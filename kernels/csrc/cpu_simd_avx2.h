@@ -263,68 +263,132 @@ KVSCOPE_INLINE m512i i32gather_epi32(m512i idx, const void* base) {
 }  // namespace kvscope_avx2
 
 // The AVX-512 names the kernels are written with, bound to the above (after <immintrin.h>, which declares the real
-// ones for AVX-512 targets only).
+// ones for AVX-512 targets only, some as macros: hence each #undef).
+#undef __m512
 #define __m512 kvscope_avx2::m512
+#undef __m512i
 #define __m512i kvscope_avx2::m512i
+#undef __m512d
 #define __m512d kvscope_avx2::m512d
+#undef _mm512_add_ps
 #define _mm512_add_ps kvscope_avx2::add_ps
+#undef _mm512_sub_ps
 #define _mm512_sub_ps kvscope_avx2::sub_ps
+#undef _mm512_mul_ps
 #define _mm512_mul_ps kvscope_avx2::mul_ps
+#undef _mm512_div_ps
 #define _mm512_div_ps kvscope_avx2::div_ps
+#undef _mm512_max_ps
 #define _mm512_max_ps kvscope_avx2::max_ps
+#undef _mm512_min_ps
 #define _mm512_min_ps kvscope_avx2::min_ps
+#undef _mm512_fmadd_ps
 #define _mm512_fmadd_ps kvscope_avx2::fmadd_ps
+#undef _mm512_fnmadd_ps
 #define _mm512_fnmadd_ps kvscope_avx2::fnmadd_ps
+#undef _mm512_abs_ps
 #define _mm512_abs_ps kvscope_avx2::abs_ps
+#undef _mm512_roundscale_ps
 #define _mm512_roundscale_ps(a, imm) kvscope_avx2::roundscale_ps<(imm)>(a)
+#undef _mm512_scalef_ps
 #define _mm512_scalef_ps kvscope_avx2::scalef_ps
+#undef _mm512_reduce_add_ps
 #define _mm512_reduce_add_ps kvscope_avx2::reduce_add_ps
+#undef _mm512_reduce_max_ps
 #define _mm512_reduce_max_ps kvscope_avx2::reduce_max_ps
+#undef _mm512_set1_ps
 #define _mm512_set1_ps kvscope_avx2::set1_ps
+#undef _mm512_setzero_ps
 #define _mm512_setzero_ps kvscope_avx2::setzero_ps
+#undef _mm512_loadu_ps
 #define _mm512_loadu_ps kvscope_avx2::loadu_ps
+#undef _mm512_load_ps
 #define _mm512_load_ps kvscope_avx2::loadu_ps
+#undef _mm512_storeu_ps
 #define _mm512_storeu_ps kvscope_avx2::storeu_ps
+#undef _mm512_store_ps
 #define _mm512_store_ps kvscope_avx2::storeu_ps
+#undef _mm512_broadcast_f32x4
 #define _mm512_broadcast_f32x4 kvscope_avx2::broadcast_f32x4
+#undef _mm512_castps128_ps512
 #define _mm512_castps128_ps512 kvscope_avx2::castps128_ps512
+#undef _mm512_permutexvar_ps
 #define _mm512_permutexvar_ps kvscope_avx2::permutexvar_ps
+#undef _mm512_permutex2var_ps
 #define _mm512_permutex2var_ps kvscope_avx2::permutex2var_ps
+#undef _mm512_shuffle_f32x4
 #define _mm512_shuffle_f32x4(a, b, imm) kvscope_avx2::shuffle_f32x4<(imm)>(a, b)
+#undef _mm512_shuffle_ps
 #define _mm512_shuffle_ps(a, b, imm) kvscope_avx2::shuffle_ps<(imm)>(a, b)
+#undef _mm512_unpacklo_ps
 #define _mm512_unpacklo_ps kvscope_avx2::unpacklo_ps
+#undef _mm512_unpackhi_ps
 #define _mm512_unpackhi_ps kvscope_avx2::unpackhi_ps
+#undef _mm512_unpacklo_pd
 #define _mm512_unpacklo_pd kvscope_avx2::unpacklo_pd
+#undef _mm512_unpackhi_pd
 #define _mm512_unpackhi_pd kvscope_avx2::unpackhi_pd
+#undef _mm512_castps_pd
 #define _mm512_castps_pd kvscope_avx2::castps_pd
+#undef _mm512_castpd_ps
 #define _mm512_castpd_ps kvscope_avx2::castpd_ps
+#undef _mm512_castps_si512
 #define _mm512_castps_si512 kvscope_avx2::castps_si512
+#undef _mm512_castsi512_ps
 #define _mm512_castsi512_ps kvscope_avx2::castsi512_ps
+#undef _mm512_mask_blend_ps
 #define _mm512_mask_blend_ps kvscope_avx2::mask_blend_ps
+#undef _mm512_maskz_mov_ps
 #define _mm512_maskz_mov_ps kvscope_avx2::maskz_mov_ps
+#undef _mm512_cvtph_ps
 #define _mm512_cvtph_ps kvscope_avx2::cvtph_ps
+#undef _mm512_cvtepi32_ps
 #define _mm512_cvtepi32_ps kvscope_avx2::cvtepi32_ps
+#undef _mm512_cvtps_epi32
 #define _mm512_cvtps_epi32 kvscope_avx2::cvtps_epi32
+#undef _mm512_cvtepu8_epi16
 #define _mm512_cvtepu8_epi16 kvscope_avx2::cvtepu8_epi16
+#undef _mm512_cvtepu8_epi32
 #define _mm512_cvtepu8_epi32 kvscope_avx2::cvtepu8_epi32
+#undef _mm512_cvtepu16_epi32
 #define _mm512_cvtepu16_epi32 kvscope_avx2::cvtepu16_epi32
+#undef _mm512_cvtepi32_epi8
 #define _mm512_cvtepi32_epi8 kvscope_avx2::cvtepi32_epi8
+#undef _mm512_cvtepi32_epi16
 #define _mm512_cvtepi32_epi16 kvscope_avx2::cvtepi32_epi16
+#undef _mm512_setzero_si512
 #define _mm512_setzero_si512 kvscope_avx2::setzero_si512
+#undef _mm512_set1_epi32
 #define _mm512_set1_epi32 kvscope_avx2::set1_epi32
+#undef _mm512_set1_epi8
 #define _mm512_set1_epi8 kvscope_avx2::set1_epi8
+#undef _mm512_setr_epi32
 #define _mm512_setr_epi32 kvscope_avx2::setr_epi32
+#undef _mm512_loadu_si512
 #define _mm512_loadu_si512 kvscope_avx2::loadu_si512
+#undef _mm512_storeu_si512
 #define _mm512_storeu_si512 kvscope_avx2::storeu_si512
+#undef _mm512_store_si512
 #define _mm512_store_si512 kvscope_avx2::storeu_si512
+#undef _mm512_add_epi32
 #define _mm512_add_epi32 kvscope_avx2::add_epi32
+#undef _mm512_sub_epi32
 #define _mm512_sub_epi32 kvscope_avx2::sub_epi32
+#undef _mm512_and_si512
 #define _mm512_and_si512 kvscope_avx2::and_si512
+#undef _mm512_slli_epi32
 #define _mm512_slli_epi32 kvscope_avx2::slli_epi32
+#undef _mm512_srli_epi32
 #define _mm512_srli_epi32 kvscope_avx2::srli_epi32
+#undef _mm512_srai_epi32
 #define _mm512_srai_epi32 kvscope_avx2::srai_epi32
+#undef _mm512_srli_epi16
 #define _mm512_srli_epi16 kvscope_avx2::srli_epi16
+#undef _mm512_reduce_add_epi32
 #define _mm512_reduce_add_epi32 kvscope_avx2::reduce_add_epi32
+#undef _mm512_dpwssd_epi32
 #define _mm512_dpwssd_epi32 kvscope_avx2::dpwssd_epi32
+#undef _mm512_dpbusd_epi32
 #define _mm512_dpbusd_epi32 kvscope_avx2::dpbusd_epi32
+#undef _mm512_i32gather_epi32
 #define _mm512_i32gather_epi32(idx, base, scale) kvscope_avx2::i32gather_epi32<(scale)>(idx, base)

@@ -15,8 +15,9 @@ used
 - ``int4``/``gguf``: ``0.625 + d`` for the decoder projections — 4-bit codes plus a bfloat16 scale and zero
 per
   group of 32 (the GGUF's Q4_0/Q4_1 block, 20 B / 32 weights) and the dense copy; the LM head stays dense
-  (``2·d``) and, with kvscope's CPU kernels (kernels/cpu_decode.py, CPUs with AVX-512 VNNI: ``q8_head``), also
-  gets a Q8_0-style copy (32 codes + a float16 scale and min per block: 36 B / 32 weights) for decode rows.
+  (``2·d``) and, with kvscope's CPU kernels (kernels/cpu_decode.py, CPUs with AVX-512 VNNI or AVX2:
+  ``q8_head``), also gets a Q8_0-style copy (32 codes + a float16 scale and min per block: 36 B / 32
+  weights) for decode rows.
   ``gguf`` is planned as a Q4 GGUF (every projection Q4_0/Q4_1, as SmolLM2's).
 
 Everything else (the untied embedding table, norms, biases) is ``d`` per parameter. ``dense_copy=False``
@@ -70,9 +71,9 @@ def engine_weight_bytes(
     """Bytes of weights the engine holds for ``weights_format`` (module doc); ``dtype``: the dense dtype of
     the compact formats (the engine's ``--dtype auto``: bfloat16 where its probe finds it faster, else
     float32); ``q8_head``: int4/gguf with kvscope's CPU kernels (the engine's default where they build;
-    False for ``--cpu-kernels torch`` or a CPU without AVX-512 VNNI); ``amx_copy``: int4/gguf layers also
-    hold the 4-bit copy of kvscope's AMX matmul (a CPU with AMX-BF16 whose start-up probe found it faster
-    than the dense copy for batched rows). Raises KeyError for an unknown format or dtype."""
+    False for ``--cpu-kernels torch`` or a CPU with neither AVX-512 VNNI nor AVX2); ``amx_copy``: int4/gguf
+    layers also hold the 4-bit copy of kvscope's AMX matmul (a CPU with AMX-BF16 whose start-up probe found it
+    faster than the dense copy for batched rows). Raises KeyError for an unknown format or dtype."""
     quantization = ENGINE_FORMATS[weights_format][1]
     d = f.DTYPE_BYTES[format_dtype(weights_format, dtype)]
     counts = f.param_counts(shape)

@@ -1,8 +1,11 @@
 // Checks kernels/csrc/cpu_simd_avx2.h lane by lane against scalar models of the AVX-512 instructions it stands in
-// for (Intel SDM; the reductions in GCC's _mm512_reduce_* order), on random and edge-case inputs. Built and run by
+// for (Intel SDM; the reductions in GCC's _mm512_reduce_* order), on random and edge-case inputs (NaN and ±0
+// included: vmaxps/vminps return their second operand for them), and cpu_pair_vnni_avx2.h's block sums against
+// the vpdpbusd chain of cpu_pair_vnni.h they replace. Built and run by
 // tests/kernels/test_cpu_simd_avx2.py with -mavx2 -mfma -mf16c -mno-avx512f; prints "checked N" and exits 0, or
 // prints every mismatch and exits 1.
 #include "cpu_simd_avx2.h"
+#include "cpu_pair_vnni_avx2.h"
 
 #include <cmath>
 #include <cstdint>
@@ -17,7 +20,8 @@ int failures = 0;
 long checked = 0;
 
 float rand_float() {
-  static const float specials[] = {0.f, -0.f, 1.f, -1.f, 0.5f, 1.5f, 2.5f, -2.5f, 1e-30f, -87.3f, 88.7f, 3.4e38f};
+  static const float specials[] = {0.f, -0.f, 1.f, -1.f, 0.5f, 1.5f, 2.5f, -2.5f, 1e-30f, -87.3f, 88.7f, 3.4e38f,
+                                   std::nanf(""), -std::nanf("")};
   const uint32_t r = rng();
   if (r % 8 == 0) return specials[r % (sizeof(specials) / sizeof(float))];
   return std::uniform_real_distribution<float>(-100.f, 100.f)(rng);
@@ -185,6 +189,76 @@ void check_floats() {
   expect("castsi512_ps", out(_mm512_castsi512_ps(load(bits_of))), a);
 }
 
+// reduce_max_ps with one NaN, or one -0 among +0 (and the reverse), in every lane position: the order of
+// GCC's tree and vmaxps's second-operand rule decide which comes out.
+void check_reduce_max_order() {
+  auto vmax = [](float x, float y) { return x > y ? x : y; };
+  for (float odd : {std::nanf(""), -0.f, 0.f}) {
+    for (int pos = 0; pos < 16; ++pos) {
+      F16 a;
+      for (int i = 0; i < 16; ++i) a.v[i] = odd == 0.f ? (std::signbit(odd) ? 0.f : -0.f) : -1.f;
+      a.v[pos] = odd;
+      float m3[8], m6[4];
+      for (int i = 0; i < 8; ++i) m3[i] = vmax(a.v[8 + i], a.v[i]);
+      for (int i = 0; i < 4; ++i) m6[i] = vmax(m3[4 + i], m3[i]);
+      const float want = vmax(vmax(m6[0], m6[2]), vmax(m6[1], m6[3]));
+      ++checked;
+      const float got = _mm512_reduce_max_ps(load(a));
+      if (std::memcmp(&got, &want, 4) != 0 && !(std::isnan(got) && std::isnan(want))) {
+        std::printf("reduce_max_ps order, odd lane %d: got %g want %g\n", pos, got, want);
+        ++failures;
+      }
+      if (std::isnan(got) != std::isnan(want)) {
+        std::printf("reduce_max_ps NaN, odd lane %d\n", pos);
+        ++failures;
+      }
+    }
+  }
+}
+
+// block_sums_avx2 (cpu_pair_vnni_avx2.h) against the vpdpbusd chain it replaces (cpu_pair_vnni.h, AVX-512 branch):
+// per row m and int32 lane n, 256 · Σ_g Σ_j w[g][4n + j] · hi[g, m][j] + Σ_g Σ_j lo-products, modulo 2^32 — the
+// low bytes unsigned times the codes for 4-bit weights, the codes times signed (lo − 128) bytes for 8-bit ones.
+template <int BITS>
+void check_block_sums(bool extreme) {
+  constexpr int MR = 3, Stride = 8;
+  alignas(64) uint8_t wb[8][64];
+  alignas(16) int32_t ac[16 * Stride];
+  for (auto& g : wb) {
+    for (uint8_t& x : g) x = extreme ? (BITS == 4 ? 15 : 255) : static_cast<uint8_t>(rng() % (BITS == 4 ? 16 : 256));
+  }
+  int8_t* bytes = reinterpret_cast<int8_t*>(ac);
+  for (int i = 0; i < 16 * Stride * 4; ++i) {
+    const bool high = i < 8 * Stride * 4;
+    if (extreme) {
+      bytes[i] = high ? -128 : (BITS == 4 ? static_cast<int8_t>(255) : -128);
+    } else {
+      bytes[i] = static_cast<int8_t>(rng());
+    }
+  }
+  __m512i w[8];
+  for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(wb[g]);
+  __m512i acc[MR];
+  kvscope_pair_vnni::block_sums_avx2<MR, BITS, Stride>(w, ac, acc);
+  for (int m = 0; m < MR; ++m) {
+    I16 want;
+    for (int n = 0; n < 16; ++n) {
+      int64_t hi = 0, lo = 0;
+      for (int g = 0; g < 8; ++g) {
+        const int8_t* h = reinterpret_cast<const int8_t*>(&ac[g * Stride + m]);
+        const int8_t* l = reinterpret_cast<const int8_t*>(&ac[(8 + g) * Stride + m]);
+        for (int j = 0; j < 4; ++j) {
+          const int u = wb[g][4 * n + j];
+          hi += int64_t{u} * h[j];
+          lo += BITS == 4 ? int64_t{static_cast<uint8_t>(l[j])} * static_cast<int8_t>(u) : int64_t{u} * l[j];
+        }
+      }
+      want.v[n] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(hi * 256 + lo)));
+    }
+    expect(BITS == 4 ? "block_sums_avx2<4>" : "block_sums_avx2<8>", out(acc[m]), want);
+  }
+}
+
 void check_conversions() {
   uint16_t halves[16];
   for (uint16_t& h : halves) h = static_cast<uint16_t>(rng());
@@ -301,7 +375,12 @@ int main() {
     check_floats();
     check_conversions();
     check_integers();
+    check_block_sums<4>(false);
+    check_block_sums<8>(false);
   }
+  check_block_sums<4>(true);
+  check_block_sums<8>(true);
+  check_reduce_max_order();
   // vpdpbusd at its extremes: 255 · -128 four times per lane, onto INT32_MIN and INT32_MAX
   I16 c, a, b, w;
   for (int i = 0; i < 16; ++i) {

@@ -1,8 +1,8 @@
 """kernels/csrc/cpu_simd_avx2.h, the AVX2 build's stand-in for the AVX-512 intrinsics the CPU kernels use,
-checked lane by lane against scalar models of the instructions (tests/kernels/simd_avx2_check.cpp: 2,000
-random rounds plus the integer dot products' extremes). Runs on any x86-64 CPU with AVX2, FMA and F16C,
-AVX-512 ones included (the check is built with ``-mno-avx512f``); needs the system g++ that builds the
-kernels."""
+checked lane by lane against scalar models of the instructions, and cpu_pair_vnni_avx2.h's block sums against
+the vpdpbusd chain they replace (tests/kernels/simd_avx2_check.cpp: 2,000 random rounds with NaN and ±0, the
+dot products' extremes, reduce_max's order). Runs on any x86-64 CPU with AVX2, FMA and F16C, AVX-512 ones
+included (the check is built with ``-mno-avx512f``); needs the system g++ that builds the kernels."""
 
 from __future__ import annotations
 
