@@ -29,8 +29,7 @@ ALLOWED_SKIP_REASONS = (
     "needs a CUDA device",  # tests marked `gpu` on a machine without CUDA (pytest_collection_modifyitems)
     "set ELASTICSEARCH_URL",  # tests/gateway/logs/test_es_live.py without a live Elasticsearch
     # tests marked `cpu_kernels`/`amx`/`bf16` (kvscope's CPU kernels) on a CPU without those instructions,
-    # e.g.
-    # "needs AMX (amx_tile, amx_bf16): this CPU has avx512f ... avx512_bf16" (cpu_instruction_skip below)
+    # e.g. "needs AMX (amx_tile, amx_bf16): this CPU has avx512f ... avx512_bf16" (cpu_instruction_skip)
     "needs kvscope's CPU kernels: AVX-512 VNNI or AVX2 (",
     "needs AMX (",
     "needs AVX-512 BF16 (",
