@@ -44,12 +44,13 @@ def load_cpu_kernels(root: Path) -> BuildResult:
         root / CPU_KERNELS_DIR,
     )
     result = load(root / CPU_KERNELS_DIR)
+    isa = kernel_isa() if result.ok else None
     level = logging.INFO if result.ok else logging.WARNING
     logger.log(
         level,
         "kvscope CPU kernels %s (%s%s, %.1fs)%s",
         "loaded" if result.ok else "unavailable",
-        f"{kernel_isa().upper()} build, " if result.ok and kernel_isa() else "",
+        f"{isa.upper()} build, " if isa else "",
         result.detail,
         time.perf_counter() - started,
         "" if result.ok else ": using torch's kernels",

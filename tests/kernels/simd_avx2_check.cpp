@@ -73,6 +73,17 @@ void expect_scalar(const char* what, float got, float want) {
   }
 }
 
+// vmaxps on one lane: the second operand unless the first is greater (NaN and ±0 included).
+float vmax(float x, float y) { return x > y ? x : y; }
+
+// GCC's _mm512_reduce_max_ps: (hi256 max lo256), its 128-bit halves, lanes {2,3} onto {0,1}, lane 1 onto 0.
+float reduce_max_model(const F16& a) {
+  float m3[8], m6[4];
+  for (int i = 0; i < 8; ++i) m3[i] = vmax(a.v[8 + i], a.v[i]);
+  for (int i = 0; i < 4; ++i) m6[i] = vmax(m3[4 + i], m3[i]);
+  return vmax(vmax(m6[0], m6[2]), vmax(m6[1], m6[3]));
+}
+
 template <int Imm>
 void check_shuffles(const F16& a, const F16& b) {
   F16 w;
@@ -102,7 +113,7 @@ void check_floats() {
   expect("mul_ps", out(_mm512_mul_ps(load(a), load(b))), w);
   for (int i = 0; i < 16; ++i) w.v[i] = a.v[i] / b.v[i];
   expect("div_ps", out(_mm512_div_ps(load(a), load(b))), w);
-  for (int i = 0; i < 16; ++i) w.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];  // vmaxps: the second if not greater
+  for (int i = 0; i < 16; ++i) w.v[i] = vmax(a.v[i], b.v[i]);
   expect("max_ps", out(_mm512_max_ps(load(a), load(b))), w);
   for (int i = 0; i < 16; ++i) w.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
   expect("min_ps", out(_mm512_min_ps(load(a), load(b))), w);
@@ -127,11 +138,7 @@ void check_floats() {
   for (int i = 0; i < 8; ++i) t3[i] = a.v[8 + i] + a.v[i];
   for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] + t3[i];
   expect_scalar("reduce_add_ps", _mm512_reduce_add_ps(load(a)), (t6[0] + t6[2]) + (t6[1] + t6[3]));
-  auto vmax = [](float x, float y) { return x > y ? x : y; };  // vmaxps: the second operand unless x > y
-  float m3[8], m6[4];
-  for (int i = 0; i < 8; ++i) m3[i] = vmax(a.v[8 + i], a.v[i]);
-  for (int i = 0; i < 4; ++i) m6[i] = vmax(m3[4 + i], m3[i]);
-  expect_scalar("reduce_max_ps", _mm512_reduce_max_ps(load(a)), vmax(vmax(m6[0], m6[2]), vmax(m6[1], m6[3])));
+  expect_scalar("reduce_max_ps", _mm512_reduce_max_ps(load(a)), reduce_max_model(a));
   const __m128 q = _mm_loadu_ps(a.v);
   for (int i = 0; i < 16; ++i) w.v[i] = a.v[i % 4];
   expect("broadcast_f32x4", out(_mm512_broadcast_f32x4(q)), w);
@@ -192,16 +199,12 @@ void check_floats() {
 // reduce_max_ps with one NaN, or one -0 among +0 (and the reverse), in every lane position: the order of
 // GCC's tree and vmaxps's second-operand rule decide which comes out.
 void check_reduce_max_order() {
-  auto vmax = [](float x, float y) { return x > y ? x : y; };
   for (float odd : {std::nanf(""), -0.f, 0.f}) {
     for (int pos = 0; pos < 16; ++pos) {
       F16 a;
       for (int i = 0; i < 16; ++i) a.v[i] = odd == 0.f ? (std::signbit(odd) ? 0.f : -0.f) : -1.f;
       a.v[pos] = odd;
-      float m3[8], m6[4];
-      for (int i = 0; i < 8; ++i) m3[i] = vmax(a.v[8 + i], a.v[i]);
-      for (int i = 0; i < 4; ++i) m6[i] = vmax(m3[4 + i], m3[i]);
-      const float want = vmax(vmax(m6[0], m6[2]), vmax(m6[1], m6[3]));
+      const float want = reduce_max_model(a);
       ++checked;
       const float got = _mm512_reduce_max_ps(load(a));
       if (std::memcmp(&got, &want, 4) != 0 && !(std::isnan(got) && std::isnan(want))) {

@@ -17,10 +17,7 @@ from tests.conftest import require_tool
 CHECK = Path(__file__).with_name("simd_avx2_check.cpp")
 
 
-@pytest.mark.skipif(
-    bool(cpu_decode.missing_cpu_flags(cpu_decode.AVX2_FLAGS)),
-    reason="needs kvscope's CPU kernels: AVX-512 VNNI or AVX2 (avx2, fma, f16c) to run the AVX2 build",
-)
+@pytest.mark.cpu_kernels  # every CPU either build runs on has AVX2, FMA and F16C
 def test_every_stand_in_computes_what_its_avx512_instruction_does(tmp_path: Path) -> None:
     compiler = require_tool("g++")
     binary = tmp_path / "simd_avx2_check"
